@@ -1,0 +1,198 @@
+"""Apply a plan: recompute the chosen modules' forward during backward, and undo it exactly.
+
+The module's ``forward`` is replaced by an instance attribute that runs the original forward under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``. Nothing else
+about the module changes: no wrapper module is inserted, so parameter names, ``state_dict`` keys and
+the parameter objects themselves (which optimizers and DDP hold) stay as they were, and a
+checkpoint saved with recomputation loads without it and the reverse.
+
+Semantics users should know:
+- Dropout masks are reproduced on recompute (the RNG state is saved and restored).
+- BatchNorm (and any ``_NormBase``) running statistics are updated once per step, not twice: the
+  buffers are put back after the recompute.
+- Forward hooks of the *children* of a recomputed module run again during backward; the module's
+  own hooks run once, since they sit outside the recomputed forward.
+- Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_ORIGINAL = "_remat_original_forward"
+_HAD_INSTANCE_FORWARD = "_remat_had_instance_forward"
+
+
+class AlreadyCheckpointedError(ValueError):
+    """The model already uses activation checkpointing that lightning-remat did not put there.
+
+    Example:
+        >>> issubclass(AlreadyCheckpointedError, ValueError)
+        True
+    """
+
+
+def existing_checkpointing(model: nn.Module) -> list[str]:
+    """Describe activation checkpointing already present in ``model`` that is not ours.
+
+    Detects Hugging Face ``gradient_checkpointing_enable()`` and torch's ``checkpoint_wrapper``
+    (which Lightning's FSDP ``activation_checkpointing_policy`` uses).
+
+    Example:
+        >>> existing_checkpointing(nn.Linear(2, 2))
+        []
+    """
+    found = []
+    if getattr(model, "is_gradient_checkpointing", False):
+        found.append(f"Hugging Face gradient checkpointing is enabled on {type(model).__name__} "
+                     "(call model.gradient_checkpointing_disable() to let lightning-remat choose)")
+    else:
+        for name, module in model.named_modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                found.append(f"Hugging Face gradient checkpointing is enabled on {name or type(model).__name__}")
+                break
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # pragma: no cover - torch built without distributed
+        CheckpointWrapper = ()  # type: ignore[assignment]
+    wrapped = [name for name, m in model.named_modules() if CheckpointWrapper and isinstance(m, CheckpointWrapper)]
+    if wrapped:
+        found.append(f"torch checkpoint_wrapper wraps {len(wrapped)} module(s), e.g. {wrapped[0]!r} "
+                     "(as FSDP activation_checkpointing_policy does)")
+    return found
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that lightning-remat currently recomputes.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> checkpointed_modules(apply_plan(net, ["0"]))
+        ['0']
+    """
+    return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
+
+
+@contextlib.contextmanager
+def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """Run a recompute without updating running statistics a second time."""
+    norms = [m for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, saved):
+                for k, value in buffers.items():
+                    getattr(m, k).copy_(value)
+
+
+def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def _recomputing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = module.__dict__[_ORIGINAL]
+    if not _needs_graph(args, kwargs, module):
+        return original(*args, **kwargs)
+    context = functools.partial(lambda m: (contextlib.nullcontext(), _restore_norm_statistics(m)), module)
+    return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context, **kwargs)
+
+
+def _wrap(module: nn.Module) -> None:
+    had_instance_forward = "forward" in module.__dict__
+    module.__dict__[_HAD_INSTANCE_FORWARD] = had_instance_forward
+    module.__dict__[_ORIGINAL] = module.forward
+    module.forward = functools.partial(_recomputing_forward, module)  # type: ignore[method-assign]
+
+
+def _unwrap(module: nn.Module) -> None:
+    original = module.__dict__.pop(_ORIGINAL)
+    if module.__dict__.pop(_HAD_INSTANCE_FORWARD):
+        module.forward = original  # type: ignore[method-assign]
+    else:
+        del module.forward
+
+
+def _plan_names(plan: Any) -> list[str]:
+    return list(plan.checkpointed if hasattr(plan, "checkpointed") else plan)
+
+
+def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
+    """Recompute, in place, the modules a plan names; returns ``model``.
+
+    Args:
+        model: the model (the same module tree the plan was made for).
+        plan: a ``Plan`` or an iterable of module names.
+
+    A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
+    error never leaves a half-wrapped model.
+
+    Raises:
+        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        ValueError: a name is not a module of ``model``, or a name lies inside another named module.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> _ = apply_plan(net, ["0"])
+        >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        >>> _ = remove_remat(net)
+        >>> "forward" in net[0].__dict__
+        False
+    """
+    names = _plan_names(plan)
+    existing = existing_checkpointing(model)
+    if existing and names:
+        raise AlreadyCheckpointedError(
+            "Not applying the recompute plan, to avoid checkpointing twice: " + "; ".join(existing)
+        )
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ValueError(f"plan names module(s) {unknown} that {type(model).__name__} does not have")
+    nested = [n for n in names if any(n != o and n.startswith(o + ".") for o in names)]
+    if nested:
+        raise ValueError(f"plan names modules inside other planned modules: {nested}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"plan names a module twice: {names}")
+    remove_remat(model)
+    for name in names:
+        _wrap(modules[name])
+    return model
+
+
+def remove_remat(model: nn.Module) -> nn.Module:
+    """Undo ``apply_plan``: every module gets back exactly the forward it had. Returns ``model``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> remove_remat(apply_plan(net, ["0"])) is net and checkpointed_modules(net) == []
+        True
+    """
+    for module in model.modules():
+        if _ORIGINAL in module.__dict__:
+            _unwrap(module)
+    return model
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, names: Iterable[str]) -> Iterator[nn.Module]:
+    """Apply a set of names for the duration of a ``with`` block, then restore the previous plan."""
+    previous = checkpointed_modules(model)
+    apply_plan(model, list(names))
+    try:
+        yield model
+    finally:
+        apply_plan(model, previous)

@@ -1,0 +1,132 @@
+"""Parse a memory budget given by a user, and format byte counts for people.
+
+The budget is the peak memory of a whole training step on the model's device (parameters,
+gradients, optimizer state, activations and temporaries), as ``torch.cuda.max_memory_allocated``
+would report it. This module has no torch import at module level: the percentage form asks torch
+for the device's total memory only when it is used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+MIN_BUDGET = "min"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+_PERCENT = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+ACCEPTED_FORMS = (
+    'a size such as "10GB", "10 GiB", "512MB", "1.5gb" (decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB), '
+    'a positive int of bytes, a percentage of the device\'s total memory such as "80%", '
+    'or "min" for the plan of least peak memory'
+)
+
+
+def _reject(value: Any, why: str) -> ValueError:
+    return ValueError(f"Invalid memory budget {value!r}: {why}. Accepted: {ACCEPTED_FORMS}.")
+
+
+def device_total_memory(device: Any = None) -> int:
+    """Total memory in bytes of ``device`` (a CUDA/XPU/MPS device, or the host for "cpu").
+
+    Example:
+        >>> device_total_memory("cpu") > 0
+        True
+    """
+    import torch
+
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "xpu":
+        return int(torch.xpu.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    # The CPU's "device memory" is the host's physical memory.
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_budget(value: Any, device: Any = None) -> int | str:
+    """Turn a user's budget into a number of bytes, or the string ``"min"``.
+
+    Args:
+        value: ``"10GB"``, ``"10 GiB"``, ``"512mb"`` (case-insensitive; kB/MB/GB/TB are decimal,
+            KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of bytes, ``"80%"`` of ``device``'s total
+            memory, or ``"min"`` for the memory-minimal plan.
+        device: the device the percentage refers to (default: the CPU, that is the host's memory).
+
+    Raises:
+        ValueError: for anything else (zero, negative, NaN, bool, None, "ten", "10XB", ...), naming
+            the value and the accepted forms.
+
+    Example:
+        >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")
+        (10000000000, 1073741824, 512, 'min')
+    """
+    if isinstance(value, bool) or value is None:
+        raise _reject(value, f"{type(value).__name__} is not a budget")
+    if isinstance(value, int):
+        if value <= 0:
+            raise _reject(value, "a budget must be a positive number of bytes")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value <= 0 or not value.is_integer():
+            raise _reject(value, "a float budget must be a positive whole number of bytes")
+        return int(value)
+    if not isinstance(value, str):
+        raise _reject(value, f"a {type(value).__name__} is not a budget")
+    text = value.strip()
+    if text.lower() == MIN_BUDGET:
+        return MIN_BUDGET
+    percent = _PERCENT.match(text)
+    if percent:
+        fraction = float(percent.group("number")) / 100
+        if not 0 < fraction <= 1:
+            raise _reject(value, "a percentage must be above 0% and at most 100%")
+        return int(fraction * device_total_memory(device))
+    size = _SIZE.match(text)
+    if not size:
+        raise _reject(value, "it is not a size, a percentage or \"min\"")
+    unit = size.group("unit").lower()
+    if unit not in _UNITS:
+        raise _reject(value, f"unknown unit {size.group('unit')!r}")
+    nbytes = int(float(size.group("number")) * _UNITS[unit])
+    if nbytes <= 0:
+        raise _reject(value, "a budget must be positive")
+    return nbytes
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as a short human-readable string in binary units.
+
+    Example:
+        >>> format_bytes(1536), format_bytes(3 * 2**30)
+        ('1.50 KiB', '3.00 GiB')
+    """
+    sign = "-" if nbytes < 0 else ""
+    nbytes = abs(float(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{sign}{nbytes:.0f} B" if unit == "B" else f"{sign}{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,118 @@
+"""Find the candidate blocks of a model: the stages the solver chooses among.
+
+A *stage* is a repeated block: a transformer layer, a ResNet bottleneck, an item of an
+``nn.Sequential``. Found automatically as the outermost modules that stand, two or more of the same
+class, in a ``ModuleList`` or ``Sequential`` and that have children of their own (so a block, not a
+single ``Linear``). Users can instead name classes or name patterns.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, Sequence, Union
+
+from torch import nn
+
+CandidateSpec = Union[None, str, type, Sequence[Union[str, type]]]
+
+
+class NoCandidateError(ValueError):
+    """The model has no module that recomputation could wrap.
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     find_stages(torch.nn.Linear(2, 2))
+        ... except NoCandidateError as err:
+        ...     print("no candidate" in str(err))
+        True
+    """
+
+
+def _is_block(module: nn.Module) -> bool:
+    # Two or more children: a block (attention + MLP, conv + norm + activation), not a single
+    # layer and not a mere container around the real blocks (a ResNet stage holding its layers).
+    return len(list(module.children())) >= 2
+
+
+def _automatic(model: nn.Module) -> list[str]:
+    repeated: set[int] = set()
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[nn.Module]] = {}
+        for child in container.children():
+            by_class.setdefault(type(child), []).append(child)
+        for members in by_class.values():
+            if len(members) >= 2 and all(_is_block(m) for m in members):
+                repeated.update(id(m) for m in members)
+    stages: list[str] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if id(module) not in repeated or not name:
+            continue
+        # Outermost only: a block inside a chosen block is an option of that stage, not a stage.
+        if any(name.startswith(prefix + ".") for prefix in taken):
+            continue
+        taken.append(name)
+        stages.append(name)
+    if not stages and isinstance(model, nn.Sequential) and len(model) >= 2:
+        stages = [name for name, _ in model.named_children()]
+    return stages
+
+
+def _matches(name: str, module: nn.Module, spec: Iterable[Union[str, type]]) -> bool:
+    for item in spec:
+        if isinstance(item, type) and isinstance(module, item):
+            return True
+        if isinstance(item, str) and (fnmatch.fnmatchcase(name, item) or type(module).__name__ == item):
+            return True
+    return False
+
+
+def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]:
+    """Names of the candidate stages of ``model``, outermost first, in registration order.
+
+    Args:
+        model: the model.
+        candidates: None for automatic; or module classes, class names (``"GPT2Block"``) or
+            ``fnmatch`` patterns over module names (``"transformer.h.*"``).
+
+    Raises:
+        NoCandidateError: when nothing qualifies, or a given class or pattern matches nothing
+            (the message lists the model's module classes).
+
+    Example:
+        >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        >>> find_stages(blocks)
+        ['0', '1', '2']
+        >>> find_stages(blocks, candidates="*.0")
+        ['0.0', '1.0', '2.0']
+    """
+    if candidates is None:
+        stages = _automatic(model)
+        if not stages:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise NoCandidateError(
+                f"{type(model).__name__} has no candidate module for recomputation: no repeated blocks in a "
+                f"ModuleList or Sequential were found. Pass candidates= with module classes or name patterns; "
+                f"its module classes are {classes}"
+            )
+        return stages
+    spec = [candidates] if isinstance(candidates, (str, type)) else list(candidates)
+    stages, taken = [], []
+    for item in spec:
+        if not isinstance(item, (str, type)):
+            raise TypeError(f"candidates must be module classes, class names or name patterns, got {item!r}")
+    for name, module in model.named_modules():
+        if name and _matches(name, module, spec) and not any(name.startswith(p + ".") for p in taken):
+            taken.append(name)
+            stages.append(name)
+    for item in spec:
+        if not any(_matches(name, module, [item]) for name, module in model.named_modules() if name):
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise NoCandidateError(
+                f"candidate {item!r} matches no module of {type(model).__name__}. Its module classes are {classes}; "
+                f"names look like {[n for n, _ in model.named_modules() if n][:8]}"
+            )
+    return stages

@@ -1,0 +1,157 @@
+"""Measure a real training step: peak memory with torch's MemTracker, FLOPs with FlopCounterMode.
+
+This is how tests, benchmarks and the callback check a plan against reality, and the convention
+the budget is stated in on a CPU: tensors the step creates, plus the model's parameters, buffers,
+gradients and the optimizer's state. Inputs created outside ``step`` are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode
+
+Step = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """Peak bytes of one training step and its split at the moment of the peak.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum())
+        >>> m.peak_bytes >= m.parameter_bytes > 0
+        True
+    """
+
+    peak_bytes: int
+    parameter_bytes: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    temporary_bytes: int
+    loss: float
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for an empty model."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that wall-clock timings mean something."""
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize()
+
+
+def _total(snapshot: dict, device: torch.device) -> dict:
+    for dev, values in snapshot.items():
+        if torch.device(dev).type == device.type:
+            return values
+    return {}
+
+
+def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
+                 zero_grad: bool = True) -> StepMeasurement:
+    """Run one real training step (zero_grad, forward, backward, optimizer step) under MemTracker.
+
+    Args:
+        model: the model, wrapped or not.
+        step: ``step(model)`` runs the forward pass and returns the loss.
+        optimizer: stepped after backward when given (its state counts in the peak).
+        zero_grad: set gradients to None first, as Lightning and ``optimizer.zero_grad()`` do.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        >>> opt = torch.optim.Adam(net.parameters())
+        >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum(), opt)
+        >>> m.optimizer_bytes > 0
+        True
+    """
+    device = model_device(model)
+    if zero_grad:
+        for p in model.parameters():
+            p.grad = None
+    tracker = MemTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    with tracker:
+        loss = step(model)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        loss_value = float(loss.detach())
+        del loss
+    peak = _total(tracker.get_tracker_snapshot("peak"), device)
+    by_name = {getattr(k, "value", k): v for k, v in peak.items()}
+    return StepMeasurement(
+        peak_bytes=int(by_name.get("Total", 0)),
+        parameter_bytes=int(by_name.get("Parameter", 0)),
+        buffer_bytes=int(by_name.get("Buffer", 0)),
+        gradient_bytes=int(by_name.get("Gradient", 0)),
+        optimizer_bytes=int(by_name.get("Optstate", 0)),
+        activation_bytes=int(by_name.get("Activation", 0)),
+        temporary_bytes=int(by_name.get("Temp", 0) + by_name.get("Other", 0)),
+        loss=loss_value,
+    )
+
+
+def count_step_flops(model: nn.Module, step: Step) -> int:
+    """FLOPs of one forward and backward pass (recomputation included), counted exactly.
+
+    Example:
+        >>> count_step_flops(nn.Linear(8, 8, bias=False), lambda m: m(torch.randn(4, 8)).sum())
+        1024
+    """
+    with FlopCounterMode(display=False) as counter:
+        loss = step(model)
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return int(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Put back gradients, buffers and RNG states after trial steps (profiling, measurement).
+
+    Example:
+        >>> bn = nn.BatchNorm1d(3)
+        >>> with preserved_training_state(bn):
+        ...     _ = bn(torch.randn(4, 3))
+        >>> int(bn.num_batches_tracked)
+        0
+    """
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    device = model_device(model)
+    cpu_rng = torch.get_rng_state()
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    device_rng = backend.get_rng_state() if backend is not None and hasattr(backend, "get_rng_state") else None
+    state_keys = set(optimizer.state.keys()) if optimizer is not None else set()
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        with torch.no_grad():
+            current = dict(model.named_buffers())
+            for name, value in buffers.items():
+                if name in current:
+                    current[name].copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            backend.set_rng_state(device_rng)
+        if optimizer is not None:
+            for key in set(optimizer.state.keys()) - state_keys:
+                del optimizer.state[key]

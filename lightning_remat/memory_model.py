@@ -1,0 +1,179 @@
+"""The memory model the solver optimises: plain numbers, no torch.
+
+A training step is a chain of *stages* (the candidate blocks, in execution order) with fixed parts
+around them (embeddings, the head and the loss, the optimizer step). Every stage can run under one
+of several *options*: keep everything (``"keep"``), recompute the whole stage (``"whole"``), or
+recompute some of its children (``"attn"``, ``"mlp"``, ...). Under option ``o`` stage ``i``
+
+- stores ``stored_bytes`` from the end of its forward until its backward, and
+- reaches ``local_peak_bytes`` during its own forward or backward (recompute included), counted
+  without the stored bytes of the stages before it.
+
+A fixed *segment* of the step (the head's backward, the optimizer step, ...) reaches
+``peak_bytes`` plus the stored bytes of the first ``stages_alive`` stages. So, with ``S_k`` the
+bytes stored by the first ``k`` stages,
+
+    peak = max( max_i local_peak_i(o_i) + S_i ,  max_segments peak_bytes + S_stages_alive )
+
+Static memory (parameters, gradients as they accumulate, optimizer state) is part of the local and
+segment peaks, because it is measured, not modelled. The profiler measures every term under every
+option, so the model is exact for plans that use one option everywhere and additive in between.
+
+Example:
+    >>> keep = StageOption("keep", (), stored_bytes=100, local_peak_bytes=150, cost_seconds=0, cost_flops=0)
+    >>> whole = StageOption("whole", ("h.0",), stored_bytes=10, local_peak_bytes=160, cost_seconds=1.0, cost_flops=5)
+    >>> stage = StageProfile("h.0", (keep, whole))
+    >>> profile = Profile(stages=(stage, stage), segments=(Segment("head", 2, 50),))
+    >>> predict_peak(profile, [0, 0]), predict_peak(profile, [1, 1])
+    (250, 170)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+COST_KINDS = ("time", "flops")
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a stage: which modules are recomputed and what that costs and stores.
+
+    Example:
+        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, 0.01, 10**9).name
+        'whole'
+    """
+
+    name: str
+    checkpointed: tuple[str, ...]
+    stored_bytes: int
+    local_peak_bytes: int
+    cost_seconds: float
+    cost_flops: int
+
+    def cost(self, kind: str) -> float:
+        """Recompute cost of this option in seconds (``"time"``) or FLOPs (``"flops"``)."""
+        return self.cost_seconds if kind == "time" else self.cost_flops
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """A candidate block and its options; ``options[0]`` is always ``"keep"``.
+
+    The descriptive figures (saved, input and output bytes, forward cost) are what the profiler
+    saw with nothing recomputed; the solver only reads the options.
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> StageProfile("layer.0", (keep,), saved_bytes=100).options[0].name
+        'keep'
+    """
+
+    name: str
+    options: tuple[StageOption, ...]
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    forward_seconds: float = 0.0
+    forward_flops: int = 0
+    module_type: str = ""
+
+    def option(self, name: str) -> StageOption:
+        for option in self.options:
+            if option.name == name:
+                return option
+        raise KeyError(f"stage {self.name!r} has no option {name!r}; it has {[o.name for o in self.options]}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A part of the step outside the stages: its peak, beyond the stored bytes of the first
+    ``stages_alive`` stages (which are alive while it runs).
+
+    Example:
+        >>> Segment("optimizer step", 0, 3 * 2**20).stages_alive
+        0
+    """
+
+    name: str
+    stages_alive: int
+    peak_bytes: int
+
+
+@dataclass
+class Profile:
+    """What the profiler measured of one training step, in the terms of the memory model.
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> p = Profile(stages=(StageProfile("a", (keep,)),), segments=(), parameter_bytes=10)
+        >>> p.static_bytes, Profile.from_dict(p.to_dict()) == p
+        (10, True)
+    """
+
+    stages: tuple[StageProfile, ...]
+    segments: tuple[Segment, ...]
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    buffer_bytes: int = 0
+    baseline_peak_bytes: int = 0
+    baseline_step_seconds: float = 0.0
+    baseline_step_flops: int = 0
+    device: str = "cpu"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: memory no recomputation can free."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.buffer_bytes
+
+    @property
+    def baseline_activation_bytes(self) -> int:
+        """Measured peak of the step without recomputation, minus static memory."""
+        return self.baseline_peak_bytes - self.static_bytes
+
+    def baseline_cost(self, kind: str) -> float:
+        """Cost of one training step without recomputation, in the unit of ``kind``."""
+        return self.baseline_step_seconds if kind == "time" else self.baseline_step_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict; ``Profile.from_dict`` rebuilds an equal profile."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        stages = tuple(
+            StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"])}) for o in s["options"])})
+            for s in data["stages"]
+        )
+        segments = tuple(Segment(**s) for s in data["segments"])
+        return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ()))})
+
+
+def check_cost_kind(kind: str) -> str:
+    """Validate a cost kind (``"time"`` or ``"flops"``)."""
+    if kind not in COST_KINDS:
+        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
+    return kind
+
+
+def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
+    """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``."""
+    if len(choices) != len(profile.stages):
+        raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
+    prefix = [0]
+    peak = 0
+    for stage, choice in zip(profile.stages, choices):
+        option = stage.options[choice]
+        peak = max(peak, option.local_peak_bytes + prefix[-1])
+        prefix.append(prefix[-1] + option.stored_bytes)
+    for segment in profile.segments:
+        peak = max(peak, segment.peak_bytes + prefix[segment.stages_alive])
+    return peak
+
+
+def plan_cost(profile: Profile, choices: Sequence[int], kind: str) -> float:
+    """Total recompute cost of ``choices`` in the unit of ``kind``."""
+    return sum(stage.options[c].cost(kind) for stage, c in zip(profile.stages, choices))

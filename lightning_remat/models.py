@@ -1,0 +1,142 @@
+"""Small real model definitions (transformers configs, random weights) for examples, tests and benchmarks.
+
+Nothing is downloaded: every model is built from a config with random weights, and the batches
+are synthetic. Each factory returns a ``ModelCase``: the model in training mode, a ``step(model)``
+that returns the loss on a fixed batch, and a name.
+
+Example:
+    >>> case = build("mlp")
+    >>> float(case.step(case.model)) > 0
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+MODEL_NAMES = ("gpt2", "bert", "vit", "resnet50", "llama", "mlp")
+
+
+@dataclass
+class ModelCase:
+    """A model, a training step on a fixed synthetic batch, and what it is.
+
+    Example:
+        >>> case = build("mlp", batch_size=2)
+        >>> case.name, case.batch_size
+        ('mlp', 2)
+    """
+
+    name: str
+    model: nn.Module
+    step: Callable[[nn.Module], torch.Tensor]
+    batch_size: int
+    supports_hf_checkpointing: bool = False
+    sequential: nn.Sequential | None = None  # the chain checkpoint_sequential can split
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def gpt2(batch_size: int = 4, seq_len: int = 128, layers: int = 6, hidden: int = 128, vocab: int = 1024) -> ModelCase:
+    """A GPT-2 language model (``use_cache`` off, as for training) on random tokens."""
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=seq_len,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    return ModelCase("gpt2", model, lambda m: m(input_ids=ids, labels=ids).loss, batch_size, True)
+
+
+def bert(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int = 128, vocab: int = 1024) -> ModelCase:
+    """A BERT masked-language model on random tokens."""
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                                     intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq_len)
+    model = transformers.BertForMaskedLM(config).train()
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    return ModelCase("bert", model, lambda m: m(input_ids=ids, labels=ids).loss, batch_size, True)
+
+
+def vit(batch_size: int = 4, image_size: int = 64, layers: int = 4, hidden: int = 128) -> ModelCase:
+    """A ViT image classifier on random images."""
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.ViTConfig(image_size=image_size, patch_size=8, num_hidden_layers=layers, hidden_size=hidden,
+                                    num_attention_heads=4, intermediate_size=4 * hidden, num_labels=10)
+    model = transformers.ViTForImageClassification(config).train()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    return ModelCase("vit", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, True)
+
+
+def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> ModelCase:
+    """ResNet-50 (the published depths 3-4-6-3 with bottlenecks and BatchNorm) on random images.
+
+    ``width`` divides the channel counts, for quicker tests; 1 is the real ResNet-50.
+    """
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.ResNetConfig(depths=[3, 4, 6, 3], layer_type="bottleneck",
+                                       embedding_size=64 // width,
+                                       hidden_sizes=[256 // width, 512 // width, 1024 // width, 2048 // width],
+                                       num_labels=10)
+    model = transformers.ResNetForImageClassification(config).train()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    return ModelCase("resnet50", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, True)
+
+
+def llama(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int = 128, vocab: int = 1024) -> ModelCase:
+    """A small Llama causal language model (``use_cache`` off) on random tokens."""
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=344,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                      max_position_embeddings=seq_len, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    return ModelCase("llama", model, lambda m: m(input_ids=ids, labels=ids).loss, batch_size, True)
+
+
+def mlp(batch_size: int = 512, depth: int = 24, width: int = 128) -> ModelCase:
+    """A deep plain MLP chain: an ``nn.Sequential`` of Linear-GELU-Linear-LayerNorm blocks, no residuals."""
+    g = torch.Generator().manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.LayerNorm(width))
+              for _ in range(depth)]
+    model = nn.Sequential(*blocks).train()
+    x = torch.randn(batch_size, width, generator=g)
+    target = torch.randn(batch_size, width, generator=g)
+    return ModelCase("mlp", model, lambda m: nn.functional.mse_loss(m(x), target), batch_size, False, model)
+
+
+_FACTORIES = {"gpt2": gpt2, "bert": bert, "vit": vit, "resnet50": resnet50, "llama": llama, "mlp": mlp}
+
+
+def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
+    """Build one of ``MODEL_NAMES`` with random weights drawn from ``seed``.
+
+    Example:
+        >>> build("mlp", depth=2).name
+        'mlp'
+    """
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+    torch.manual_seed(seed)
+    return _FACTORIES[name](**kwargs)
