@@ -1,0 +1,51 @@
+import math
+
+import pytest
+
+from lightning_remat import parse_budget
+from lightning_remat.budget import device_total_memory, format_bytes
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("10GB", 10 * 10**9),
+        ("10 GiB", 10 * 2**30),
+        ("512mb", 512 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("1.5gb", 1_500_000_000),
+        ("  2 g ", 2 * 2**30),
+        ("100", 100),
+        (4096, 4096),
+        (4096.0, 4096),
+        ("MIN", "min"),
+        ("min", "min"),
+    ],
+)
+def test_accepted_forms(value, expected):
+    assert parse_budget(value) == expected
+
+
+def test_percentage_of_device_memory():
+    total = device_total_memory("cpu")
+    assert parse_budget("80%", device="cpu") == int(0.8 * total)
+    assert parse_budget("100%") == total
+
+
+@pytest.mark.parametrize(
+    "value",
+    [-1, 0, "0GB", "-5GB", "ten", "10XB", None, math.nan, math.inf, True, False, "", "GB", "150%", "0%",
+     "10 G B", [10], 1.5, "min budget"],
+)
+def test_rejected_forms_name_the_value_and_the_accepted_forms(value):
+    with pytest.raises(ValueError) as err:
+        parse_budget(value)
+    message = str(err.value)
+    assert repr(value) in message
+    assert "Accepted:" in message and '"min"' in message
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(2**20) == "1.00 MiB"
+    assert format_bytes(-3 * 2**30) == "-3.00 GiB"

@@ -1,0 +1,135 @@
+"""The solver against exhaustive search on random synthetic profiles."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat.memory_model import plan_cost, predict_peak
+from lightning_remat.solve import least_peak, solve_choices
+
+
+@st.composite
+def profiles(draw, max_stages=8, max_options=3):
+    n = draw(st.integers(1, max_stages))
+    stages = []
+    for i in range(n):
+        k = draw(st.integers(1, max_options))
+        options = []
+        for j in range(k):
+            options.append(StageOption(
+                name="keep" if j == 0 else f"o{j}",
+                checkpointed=() if j == 0 else (f"s{i}.o{j}",),
+                stored_bytes=draw(st.integers(0, 1000)),
+                local_peak_bytes=draw(st.integers(0, 3000)),
+                cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
+                cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
+            ))
+        stages.append(StageProfile(f"s{i}", tuple(options)))
+    segments = tuple(
+        Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
+        for k in range(draw(st.integers(0, 4)))
+    )
+    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000)
+
+
+def all_plans(profile):
+    return itertools.product(*[range(len(s.options)) for s in profile.stages])
+
+
+def brute_force(profile, budget, kind):
+    """(least cost, its peak) among plans within budget, or None."""
+    best = None
+    for choices in all_plans(profile):
+        peak = predict_peak(profile, choices)
+        if peak <= budget:
+            cost = plan_cost(profile, choices, kind)
+            if best is None or cost < best[0]:
+                best = (cost, peak)
+    return best
+
+
+def brute_least_peak(profile):
+    return min(predict_peak(profile, c) for c in all_plans(profile))
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time"]))
+def test_solve_equals_exhaustive_search(profile, fraction, kind):
+    lowest = brute_least_peak(profile)
+    highest = max(predict_peak(profile, c) for c in all_plans(profile))
+    # Budgets across the feasible range, and just below it.
+    budget = int(lowest - 1 + fraction * (highest - lowest + 1))
+    expected = brute_force(profile, budget, kind)
+    if expected is None:
+        with pytest.raises(BudgetTooSmallError) as err:
+            solve_choices(profile, budget, kind)
+        assert err.value.smallest_peak_bytes == lowest
+        return
+    choices = solve_choices(profile, budget, kind)
+    assert predict_peak(profile, choices) <= budget
+    assert plan_cost(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(max_stages=12, max_options=2))
+def test_min_is_the_least_peak_then_the_least_cost(profile):
+    lowest = brute_least_peak(profile)
+    assert least_peak(profile) == lowest
+    choices = solve_choices(profile, "min", "flops")
+    assert predict_peak(profile, choices) == lowest
+    cheapest_at_lowest = brute_force(profile, lowest, "flops")[0]
+    assert plan_cost(profile, choices, "flops") == cheapest_at_lowest
+
+
+def _chain(n=5):
+    keep = StageOption("keep", (), 100, 400, 0.0, 0)
+    stages = tuple(
+        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, 1.0 + i, 10 + i))) for i in range(n)
+    )
+    return Profile(stages, (Segment("head", n, 300), Segment("optimizer step", 0, 350)), parameter_bytes=200,
+                   baseline_peak_bytes=800, baseline_step_seconds=20.0, baseline_step_flops=200, device="cpu")
+
+
+def test_plan_fields_and_round_trip():
+    profile = _chain()
+    plan = solve(profile, 650, cost="flops")
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == 650
+    best_cost, _ = brute_force(profile, 650, "flops")
+    assert plan.predicted_overhead == pytest.approx(best_cost / 200)
+    # The peak (800) must drop by 150; each recomputed stage frees 90, so two must go, and the
+    # two cheapest are the first two.
+    assert plan.checkpointed == ["h.0", "h.1"]
+    assert [c.option for c in plan.choices] == ["whole"] * 2 + ["keep"] * 3
+    assert plan.predicted_peak_bytes == 620
+    assert plan.baseline_peak_bytes == 800
+    assert type(plan).from_dict(plan.to_dict()) == plan
+    text = plan.summary()
+    assert "h.0" in text and "whole" in text and "overhead" in text
+
+
+def test_budget_below_the_smallest_peak_says_that_peak():
+    profile = _chain()
+    lowest = least_peak(profile)
+    with pytest.raises(BudgetTooSmallError, match="smallest reachable peak") as err:
+        solve(profile, lowest - 1)
+    assert err.value.smallest_peak_bytes == lowest
+    assert str(lowest) in str(err.value)
+
+
+def test_min_budget_and_string_budgets():
+    profile = _chain()
+    plan = solve(profile, "min")
+    assert plan.predicted_peak_bytes == least_peak(profile) == plan.budget_bytes
+    assert solve(profile, "1GB").checkpointed == []  # everything fits: nothing recomputed
+
+
+def test_profile_round_trip_and_no_stage_error():
+    profile = _chain()
+    assert Profile.from_dict(profile.to_dict()) == profile
+    with pytest.raises(ValueError, match="no candidate stages"):
+        solve(Profile((), ()), 100)
+    with pytest.raises(ValueError, match="cost must be one of"):
+        solve(profile, 700, cost="joules")
