@@ -1,0 +1,431 @@
+"""``AutoRemat``: a Lightning callback that keeps each training step under a memory budget.
+
+On the first training batch it profiles the step (``profile_step``), solves for the least-cost set
+of modules to recompute within the budget (``solve``), wraps them (``apply_plan``), measures the
+real peak of a step with the plan, and reports the figures to every logger. See ``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Iterator
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
+
+from .apply import apply_plan, checkpointed_modules, existing_checkpointing
+from .budget import MIN_BUDGET, format_bytes, parse_budget
+from .candidates import find_stages
+from .measure import _total, model_device
+from .memory_model import check_cost_kind
+from .plan import Plan
+from .solve import BudgetTooSmallError, solve
+
+METRIC_PREFIX = "remat/"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for an out-of-memory error of any device (``torch.OutOfMemoryError`` or its message).
+
+    Example:
+        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), is_out_of_memory(ValueError("x"))
+        (True, False)
+    """
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(error, oom_type):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def _is_compiled(pl_module: nn.Module) -> bool:
+    if getattr(pl_module, "_compiler_ctx", None) is not None:
+        return True
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return any(isinstance(m, OptimizedModule) for m in pl_module.modules())
+
+
+@contextlib.contextmanager
+def _logging_muted(pl_module: LightningModule) -> Iterator[None]:
+    """Make ``self.log``/``self.log_dict`` no-ops while ``training_step`` runs for profiling.
+
+    The profiler calls ``training_step`` several times on the first batch; those calls must not
+    reach the logger (they would log the same loss several times under the wrong hook).
+    """
+    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.__dict__["log"] = lambda *args, **kwargs: None
+    pl_module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            pl_module.__dict__.pop(name, None)
+        pl_module.__dict__.update(saved)
+
+
+class _PeakMeter:
+    """The peak memory of one training step, opened in one hook and closed in a later one.
+
+    On CUDA it is ``torch.cuda.max_memory_allocated``; elsewhere torch's ``MemTracker`` tracking the
+    module and the optimizer (parameters, buffers, gradients, optimizer state, and every tensor the
+    step creates; the batch, made before the step, is not counted), as ``measure_step`` does.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.device = model_device(module)
+        self.tracker = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self.tracker = MemTracker()
+            self.tracker.track_external(module, *([optimizer] if optimizer is not None else []))
+            self.tracker.__enter__()
+
+    def close(self) -> int:
+        if self.tracker is None:
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        tracker, self.tracker = self.tracker, None
+        tracker.__exit__(None, None, None)
+        return int(_total(tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0))
+
+    def abandon(self) -> None:
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            with contextlib.suppress(Exception):
+                tracker.__exit__(None, None, None)
+
+
+class AutoRemat(Callback):
+    """Keep every training step under a memory budget by recomputing the cheapest set of modules.
+
+    During the first training batch the callback profiles the step (the LightningModule's
+    ``training_step`` on that batch, then backward, with ``trainer.optimizers[0]`` counted), solves
+    for the least recompute cost whose predicted peak fits ``budget``, and wraps the chosen modules
+    with non-reentrant activation checkpointing before that batch trains. Profiling puts back
+    gradients, buffers, RNG states and optimizer state, so the first batch trains exactly as it
+    would have without the callback (dropout masks included). The real peak of a step with the plan
+    is then measured and everything is reported to each of ``trainer.loggers`` as ``remat/budget_bytes``,
+    ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``, ``remat/measured_peak_bytes``,
+    ``remat/predicted_overhead`` and ``remat/num_checkpointed``.
+
+    Args:
+        budget: peak memory of a whole training step (parameters, gradients, optimizer state,
+            activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
+            device's memory, or ``"min"`` for the plan of least peak. Checked here, so a malformed
+            budget fails when the callback is built.
+        profile_steps: the first ``profile_steps`` batches are spent planning: batch 0 is profiled
+            (and already trains with the plan), and the plan's real peak is measured on batch
+            ``profile_steps - 1`` (default 2: batch 1, the first step at which the optimizer state
+            exists, as in every later step). With 1 the measured step is batch 0 itself.
+        candidates: None to find the repeated blocks automatically (transformer layers, ResNet
+            blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
+            relative to the LightningModule (``"model.transformer.h.*"``).
+        cost: what recomputation costs: ``"time"`` (measured seconds) or ``"flops"`` (counted
+            FLOPs: the same plan on every run).
+        verbose: print the plan as a table on rank 0.
+
+    Behaviour worth knowing:
+
+    - A budget that no plan meets stops ``fit`` before the first batch trains with a
+      ``BudgetTooSmallError`` (a ``ValueError``) naming the smallest reachable peak. Unknown
+      ``candidates`` fail in ``setup`` with the module classes the model has.
+    - Under DDP rank 0 profiles and decides; the plan is broadcast so every rank wraps the same
+      modules (by name, relative to the LightningModule).
+    - The plan is part of the callback's ``state_dict``: a run resumed from a checkpoint applies it
+      in ``on_train_start`` without profiling again. Parameter names never change, so checkpoints
+      load with and without the callback.
+    - Lightning zeroes gradients after the forward pass (just before backward), so the previous
+      step's gradients would otherwise stay alive through the forward pass, which the budget does
+      not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
+      window) the callback sets them to ``None``, which changes no value: they are zeroed before
+      backward anyway.
+    - An out-of-memory error while profiling is caught: every candidate block is recomputed whole
+      (the simple plan most likely to fit) with a warning, and training goes on.
+    - Models that already use activation checkpointing (Hugging Face
+      ``gradient_checkpointing_enable``, torch ``checkpoint_wrapper``, FSDP
+      ``activation_checkpointing_policy``), compiled models, manual optimization and strategies
+      other than single-device and DDP are left alone with a warning.
+    - ``training_step`` is called several times on the first batch while profiling; ``self.log``
+      is muted during those calls.
+
+    Example:
+        >>> callback = AutoRemat(budget="2GB")
+        >>> callback.budget_bytes
+        2000000000
+        >>> AutoRemat(budget="ten")
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid memory budget 'ten': ...
+        >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
+    """
+
+    def __init__(self, budget: str | int, profile_steps: int = 2, candidates: list[str] | None = None,
+                 cost: str = "time", verbose: bool = True) -> None:
+        self.budget = budget
+        self.budget_bytes = parse_budget(budget)
+        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
+            raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
+        self.profile_steps = profile_steps
+        if isinstance(candidates, str):
+            candidates = [candidates]
+        if candidates is not None and (not candidates or not all(isinstance(c, str) for c in candidates)):
+            raise ValueError(f"candidates must be None or a non-empty list of class names or name patterns, got {candidates!r}")
+        self.candidates = list(candidates) if candidates is not None else None
+        self.cost = check_cost_kind(cost)
+        self.verbose = verbose
+        self.plan: Plan | None = None
+        self.measured_peak_bytes: int | None = None
+        self.profile_count = 0
+        self._disabled_reason: str | None = None
+        self._measure_countdown: int | None = None
+        self._meter: _PeakMeter | None = None
+
+    @property
+    def state_key(self) -> str:
+        # A plan belongs to a budget: a run resumed with another budget plans again.
+        return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._disabled_reason = self._unsupported(trainer, pl_module)
+        if self._disabled_reason:
+            rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
+            return
+        # Fail before any training on a budget or candidate that cannot work with this model.
+        parse_budget(self.budget, device=pl_module.device)
+        find_stages(pl_module, self.candidates)
+        if self.plan is not None:
+            self._apply(trainer, pl_module, self.plan)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._disabled_reason or self.plan is None:
+            return
+        # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
+        if checkpointed_modules(pl_module) != list(self.plan.checkpointed):
+            self._apply(trainer, pl_module, self.plan)
+            rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
+                           "without profiling again.")
+        if self.measured_peak_bytes is None and self._measure_countdown is None:
+            self._measure_countdown = 0
+            self._log_plan(trainer, self.plan)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._disabled_reason:
+            return
+        if self.plan is None:
+            self._plan_now(trainer, pl_module, batch, batch_idx)
+            if self.plan is None:
+                return
+        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+            # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
+            for p in pl_module.parameters():
+                p.grad = None
+        if self._measure_countdown is not None:
+            if self._measure_countdown == 0:
+                self._meter = _PeakMeter(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+            else:
+                self._measure_countdown -= 1
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._meter is None:
+            return
+        meter, self._meter = self._meter, None
+        self._measure_countdown = None
+        self.measured_peak_bytes = meter.close()
+        self._log_metrics(trainer, {"measured_peak_bytes": self.measured_peak_bytes})
+        assert self.plan is not None
+        message = (f"AutoRemat: measured peak of a training step with the plan: {format_bytes(self.measured_peak_bytes)} "
+                   f"(predicted {format_bytes(self.plan.predicted_peak_bytes)}, budget {format_bytes(self.plan.budget_bytes)})")
+        if self.measured_peak_bytes > self.plan.budget_bytes:
+            rank_zero_warn(message + ": the measured peak exceeds the budget. Under DDP, gradient buckets add about "
+                           "the size of the gradients (DDPStrategy(gradient_as_bucket_view=True) avoids that); "
+                           "with gradient accumulation the gradients live through the forward pass.")
+        elif self.verbose:
+            rank_zero_info(message)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close_meter()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close_meter()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict() if self.plan is not None else None,
+                "measured_peak_bytes": self.measured_peak_bytes}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        plan = state_dict.get("plan")
+        self.plan = Plan.from_dict(plan) if plan is not None else None
+        # A resumed run measures its own first step again.
+        self.measured_peak_bytes = None
+        self._measure_countdown = None
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _close_meter(self) -> None:
+        if self._meter is not None:
+            self._meter.abandon()
+            self._meter = None
+
+    def _unsupported(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or "DeepSpeed" in type(strategy).__name__:
+            return (f"the {type(strategy).__name__} strategy is not supported (single-device and DDP strategies are); "
+                    "with FSDP use its activation_checkpointing_policy")
+        existing = existing_checkpointing(pl_module)
+        if existing:
+            return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
+        if _is_compiled(pl_module):
+            return ("the LightningModule (or a module in it) is compiled with torch.compile, and a compiled graph "
+                    "cannot be profiled or re-wrapped from a callback. Plan on the uncompiled model instead: "
+                    "plan = lightning_remat.plan_remat(model, step, budget); lightning_remat.apply_plan(model, plan); "
+                    "then torch.compile")
+        if not pl_module.automatic_optimization:
+            return ("manual optimization: the callback profiles training_step, which under manual optimization runs "
+                    "backward and the optimizer itself; use lightning_remat.plan_remat/apply_plan in setup() instead")
+        return None
+
+    def _step_closure(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int):
+        training_step = pl_module.training_step
+        pass_index = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+        precision = trainer.strategy.precision_plugin
+
+        def step(module: nn.Module) -> torch.Tensor:
+            with precision.train_step_context(), _logging_muted(pl_module):
+                output = training_step(batch, batch_idx) if pass_index else training_step(batch)
+            if isinstance(output, dict):
+                output = output.get("loss")
+            if not isinstance(output, torch.Tensor):
+                raise TypeError("AutoRemat profiles training_step, which must return the loss tensor (or a dict with "
+                                f"'loss'); it returned {type(output).__name__}")
+            return output
+
+        return step
+
+    def _plan_now(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Profile and solve on rank 0, broadcast the outcome, and apply it on every rank."""
+        outcome: dict[str, Any] = {}
+        if trainer.is_global_zero:
+            outcome = self._decide(trainer, pl_module, batch, batch_idx)
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        if "error" in outcome:
+            error = outcome.get("exception")
+            if isinstance(error, BaseException):
+                raise error
+            kind, args = outcome["error"]
+            if kind == "BudgetTooSmallError":
+                raise BudgetTooSmallError(*args)
+            raise RuntimeError(f"AutoRemat failed on rank 0: {args}")
+        self.plan = Plan.from_dict(outcome["plan"])
+        self._apply(trainer, pl_module, self.plan)
+        self._log_plan(trainer, self.plan)
+        if self.verbose:
+            self._print_plan(self.plan)
+        self._measure_countdown = self.profile_steps - 1
+
+    def _decide(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Rank 0's plan as a picklable dict: ``{"plan": ...}`` or ``{"error": ...}``."""
+        from .profile import profile_step
+
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        step = self._step_closure(trainer, pl_module, batch, batch_idx)
+        try:
+            self.profile_count += 1
+            try:
+                profile = profile_step(pl_module, step, optimizer=optimizer, candidates=self.candidates)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                return {"plan": self._fallback_plan(pl_module, error).to_dict()}
+            budget = parse_budget(self.budget, device=pl_module.device)
+            plan = solve(profile, budget, cost=self.cost)
+            plan.requested_budget = str(self.budget)
+            return {"plan": plan.to_dict()}
+        except BudgetTooSmallError as error:
+            error.args = (error.args[0] + f" (AutoRemat, budget={self.budget!r})",)
+            return {"error": ("BudgetTooSmallError", (error.budget_bytes, error.smallest_peak_bytes)),
+                    "exception": error if trainer.world_size == 1 else None}
+        except Exception as error:
+            if trainer.world_size == 1:
+                return {"error": (type(error).__name__, str(error)), "exception": error}
+            return {"error": (type(error).__name__, f"{type(error).__name__}: {error}")}
+
+    def _fallback_plan(self, pl_module: LightningModule, error: BaseException) -> Plan:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for p in pl_module.parameters():
+            p.grad = None
+        stages = find_stages(pl_module, self.candidates)
+        budget = parse_budget(self.budget, device=pl_module.device)
+        rank_zero_warn(f"AutoRemat: out of memory while profiling the first batch ({str(error).splitlines()[0][:200]}). "
+                       f"Falling back to recomputing every candidate block whole ({len(stages)} module(s)); the "
+                       "budget is not checked by a profile, only by the measured peak.")
+        return Plan(checkpointed=stages, budget_bytes=budget if budget != MIN_BUDGET else 0, baseline_peak_bytes=0,
+                    predicted_peak_bytes=0, predicted_overhead=0.0, cost_kind=self.cost,
+                    requested_budget=str(self.budget),
+                    notes=["fallback: out of memory while profiling, every candidate block recomputed whole"])
+
+    def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
+        # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so
+        # wrapping it in place is what the wrapper runs.
+        apply_plan(pl_module, plan)
+
+    def _log_metrics(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        named = {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(named, step=trainer.global_step)
+
+    def _log_plan(self, trainer: Trainer, plan: Plan) -> None:
+        metrics: dict[str, float] = {"budget_bytes": plan.budget_bytes, "num_checkpointed": len(plan.checkpointed)}
+        if plan.baseline_peak_bytes:
+            metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes,
+                           predicted_peak_bytes=plan.predicted_peak_bytes,
+                           predicted_overhead=plan.predicted_overhead)
+        self._log_metrics(trainer, metrics)
+
+    @rank_zero_only
+    def _print_plan(self, plan: Plan) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        unit = "s" if plan.cost_kind == "time" else "FLOP"
+        title = (f"AutoRemat plan: {len(plan.checkpointed)} module(s) recomputed, predicted peak "
+                 f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, "
+                 f"baseline {format_bytes(plan.baseline_peak_bytes)}), overhead {plan.predicted_overhead:.1%} ({plan.cost_kind})")
+        table = Table(title=title, title_justify="left")
+        for column, justify in (("stage", "left"), ("option", "left"), ("stored (keep)", "right"),
+                                ("stored (plan)", "right"), ("recompute cost", "right")):
+            table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        for c in plan.choices:
+            table.add_row(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
+                          f"{c.cost:.3g} {unit}" if c.cost else "-")
+        if not plan.choices:
+            for name in plan.checkpointed:
+                table.add_row(name, "whole", "-", "-", "-")
+        longest = max((len(c.stage) for c in plan.choices), default=max(map(len, plan.checkpointed), default=5))
+        console = Console()
+        # Never cut module names: they are what the user needs to read.
+        console.width = max(console.width, longest + 70)
+        console.print(table)
+        console.print(f"static memory: parameters {format_bytes(plan.parameter_bytes)}, gradients "
+                      f"{format_bytes(plan.gradient_bytes)}, optimizer state {format_bytes(plan.optimizer_state_bytes)}",
+                      highlight=False)
+        for note in plan.notes:
+            console.print(f"note: {note}", highlight=False)
