@@ -1,0 +1,267 @@
+"""``RematBatchSizeFinder``: Lightning's ``BatchSizeFinder`` with optimal recomputation in the loop."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from .apply import apply_plan
+from .batch_size import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, BatchSizeResult, _validate, find_remat_batch_size
+from .budget import MIN_BUDGET, parse_budget
+from .plan import Plan
+
+
+def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"]) -> str:
+    places = [f"the LightningModule ({type(pl_module).__name__})", "its hparams"]
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    if datamodule is not None:
+        places += [f"the datamodule ({type(datamodule).__name__})", "the datamodule's hparams"]
+    else:
+        places.append("no datamodule (none was passed to the Trainer)")
+    return ", ".join(places)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise MisconfigurationException(
+        "RematBatchSizeFinder needs training_step to return the loss tensor or a dict with a 'loss' tensor, "
+        f"got {type(output).__name__}")
+
+
+class RematBatchSizeFinder(Callback):
+    """Before fit training starts, find the largest batch size that fits a memory budget with the
+    least recomputation, set it, rebuild the dataloader and apply the recompute plan.
+
+    Where ``BatchSizeFinder`` runs trial after trial until one runs out of memory, this callback
+    profiles the training step at two small batch sizes, predicts the peak of any batch size under
+    any recompute plan, picks the largest batch whose optimal plan fits ``budget`` within
+    ``max_overhead``, and confirms it with ``steps_per_trial`` real steps (see
+    ``lightning_remat.batch_size.find_remat_batch_size``). The batch size is set where
+    ``BatchSizeFinder`` sets it (``lightning_setattr``: the LightningModule, its ``hparams``, the
+    datamodule and its ``hparams``), the train and validation dataloaders are rebuilt, and the plan
+    is applied to the LightningModule. Trial steps run ``training_step`` on real batches of the
+    train dataloader (``self.log`` is silenced during them) and step the first optimizer; the
+    weights, optimizer state, gradients, buffers and RNG are put back afterwards.
+
+    Reported through every logger (``logger.log_metrics`` for each of ``trainer.loggers``):
+    ``remat/batch_size``, ``remat/batch_size_without_remat`` (the largest batch that fits the budget
+    with nothing recomputed), ``remat/batch_size_ratio`` and ``remat/predicted_overhead``; and a
+    table on rank zero.
+
+    Args:
+        budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
+        mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
+        steps_per_trial: real steps per confirmation trial.
+        init_val: the first batch size; the step is profiled at ``init_val`` and ``2 * init_val``.
+        max_trials: the most confirmation trials.
+        batch_arg_name: the attribute holding the batch size, looked up as ``BatchSizeFinder`` does:
+            the LightningModule, its ``hparams``, the datamodule, the datamodule's ``hparams``.
+        margin: reduce the found batch size by this share, in [0, 1) (``BatchSizeFinder``'s default 0.05).
+        max_overhead: the largest recompute cost accepted, as a share of a step's cost (0.35 = 35%).
+        max_val: the largest batch size considered (capped by the dataset's length when it has one).
+        cost: ``"flops"`` (deterministic) or ``"time"`` prices recomputation.
+        verbose: print the result table on rank zero.
+
+    Attributes:
+        batch_size: the batch size found (also ``optimal_batch_size``, as on ``BatchSizeFinder``).
+        plan: the recompute plan applied for it.
+        result: the full ``BatchSizeResult``.
+
+    Example:
+        >>> finder = RematBatchSizeFinder(budget="2GB", margin=0.05)
+        >>> finder.batch_size is None
+        True
+        >>> RematBatchSizeFinder(budget="2GB", max_overhead=-0.1)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_overhead must be a number >= 0 (a share of the step's cost, 0.35 = 35%), got -0.1
+        >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule=datamodule)  # doctest: +SKIP
+    """
+
+    SUPPORTED_MODES = SEARCH_MODES
+
+    def __init__(
+        self,
+        budget: Union[int, str],
+        mode: str = "binsearch",
+        steps_per_trial: int = 1,
+        init_val: int = 2,
+        max_trials: int = 25,
+        batch_arg_name: str = "batch_size",
+        margin: float = 0.05,
+        max_overhead: float = 0.35,
+        max_val: int = DEFAULT_MAX_BATCH_SIZE,
+        cost: str = "flops",
+        verbose: bool = True,
+    ) -> None:
+        mode = mode.lower()
+        _validate(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
+        parsed = parse_budget(budget)  # fails early on a malformed budget; parsed again on the device
+        if parsed == MIN_BUDGET:
+            raise ValueError('budget="min" has no meaning for a batch-size search: give a size such as "10GB"')
+        if cost not in ("flops", "time"):
+            raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
+        self.budget = budget
+        self._mode = mode
+        self._steps_per_trial = steps_per_trial
+        self._init_val = init_val
+        self._max_trials = max_trials
+        self._batch_arg_name = batch_arg_name
+        self._margin = margin
+        self._max_overhead = max_overhead
+        self._max_val = max_val
+        self._cost = cost
+        self._verbose = verbose
+        self.batch_size: Optional[int] = None
+        self.plan: Optional[Plan] = None
+        self.result: Optional[BatchSizeResult] = None
+        self._restored = False
+
+    @property
+    def optimal_batch_size(self) -> Optional[int]:
+        """The batch size found, under ``BatchSizeFinder``'s name."""
+        return self.batch_size
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: Optional[str] = None) -> None:
+        if stage != "fit":
+            return
+        if trainer._accelerator_connector.is_distributed:
+            raise MisconfigurationException("RematBatchSizeFinder is not supported with distributed strategies "
+                                            "(as Lightning's BatchSizeFinder).")
+        if not trainer.fit_loop._data_source.is_module():
+            raise MisconfigurationException(
+                "RematBatchSizeFinder cannot be used with dataloaders passed directly to `.fit()`: the dataloader is "
+                "rebuilt with the batch size found, so define it in the LightningModule or a LightningDataModule.")
+        if not lightning_hasattr(pl_module, self._batch_arg_name):
+            raise MisconfigurationException(
+                f"RematBatchSizeFinder: the batch size attribute {self._batch_arg_name!r} does not exist. Looked in "
+                f"{_places_looked(pl_module, trainer)}. Set `batch_arg_name` to the attribute your train_dataloader "
+                f"reads, or define `{self._batch_arg_name}` there (e.g. with `self.save_hyperparameters()`).")
+        if not pl_module.automatic_optimization:
+            raise MisconfigurationException("RematBatchSizeFinder needs automatic optimization: trial steps run "
+                                            "training_step and step the optimizer themselves.")
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.fast_dev_run:
+            rank_zero_warn("Skipping RematBatchSizeFinder since `fast_dev_run` is enabled.")
+            return
+        if self._restored and self.batch_size is not None and self.plan is not None:
+            # Resumed from a checkpoint: no new search, the same batch and plan.
+            self._restored = False
+            self._set_batch_size(trainer, pl_module, self.batch_size)
+            apply_plan(pl_module, self.plan)
+            return
+        self.scale_batch_size(trainer, pl_module)
+
+    def scale_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> BatchSizeResult:
+        """Run the search, set the batch size, rebuild the dataloaders, apply the plan and report."""
+        optimizers = trainer.optimizers
+        optimizer = optimizers[0] if optimizers else None
+        if len(optimizers) > 1:
+            rank_zero_warn("RematBatchSizeFinder: several optimizers; only the first is stepped in trials.")
+        original = lightning_getattr(pl_module, self._batch_arg_name)
+        max_val = self._max_val
+        dataset_length = self._dataset_length(trainer, pl_module)
+        if dataset_length is not None and dataset_length < max_val:
+            max_val = max(1, dataset_length)
+        start = min(self._init_val, max_val)
+        precision = trainer.strategy.precision_plugin
+
+        def make_step(batch_size: int):
+            batch = self._first_batch(trainer, pl_module, batch_size)
+
+            def step(module: torch.nn.Module) -> torch.Tensor:
+                with precision.train_step_context(), _silenced_logging(module):
+                    return _loss_of(module.training_step(batch, 0))
+
+            return step
+
+        try:
+            result = find_remat_batch_size(
+                make_step, pl_module, self.budget, optimizer=optimizer, start=start, max_batch_size=max_val,
+                max_overhead=self._max_overhead, steps_per_trial=self._steps_per_trial, margin=self._margin,
+                cost=self._cost, mode=self._mode, max_trials=self._max_trials, apply=False,
+            )
+        except BaseException:
+            lightning_setattr(pl_module, self._batch_arg_name, original)
+            raise
+        self._set_batch_size(trainer, pl_module, result.batch_size)
+        apply_plan(pl_module, result.plan)
+        self.result, self.plan, self.batch_size = result, result.plan, result.batch_size
+        self._report(trainer, result)
+        return result
+
+    # ------------------------------------------------------------------------------------------
+    def _dataset_length(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[int]:
+        try:
+            loader = trainer.fit_loop._data_source.dataloader()
+            return len(loader.dataset)  # type: ignore[union-attr, arg-type]
+        except Exception:  # noqa: BLE001 - iterable datasets, combined loaders: no cap
+            return None
+
+    def _first_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> Any:
+        lightning_setattr(pl_module, self._batch_arg_name, batch_size)
+        loader = trainer.fit_loop._data_source.dataloader()
+        batch = next(iter(loader))
+        return pl_module._apply_batch_transfer_handler(batch)
+
+    def _set_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> None:
+        lightning_setattr(pl_module, self._batch_arg_name, batch_size)
+        # As BatchSizeFinder: force the train (and validation) dataloaders to be rebuilt.
+        fit_loop = trainer.fit_loop
+        fit_loop._combined_loader = None
+        fit_loop.setup_data()
+        val_loop = fit_loop.epoch_loop.val_loop
+        val_loop._combined_loader = None
+        val_loop.setup_data()
+
+    def _report(self, trainer: "pl.Trainer", result: BatchSizeResult) -> None:
+        metrics = result.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"RematBatchSizeFinder: batch size {result.batch_size} with {len(result.plan.checkpointed)} module(s) "
+            f"recomputed (predicted overhead {result.predicted_overhead:.1%}); without recomputation "
+            f"{result.batch_size_without_remat} fits ({result.ratio:.2f}x)")
+        if self._verbose and trainer.is_global_zero:
+            from rich.console import Console
+
+            Console().print(result.table())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "plan": self.plan.to_dict() if self.plan is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batch_size = state_dict.get("batch_size")
+        plan = state_dict.get("plan")
+        self.plan = Plan.from_dict(plan) if plan is not None else None
+        self._restored = self.batch_size is not None and self.plan is not None
+
+
+class _silenced_logging:
+    """``self.log``/``self.log_dict`` do nothing during trial steps, which run outside the fit loop."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.saved = {name: self.module.__dict__.get(name) for name in ("log", "log_dict")}
+        for name in self.saved:
+            setattr(self.module, name, lambda *args, **kwargs: None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                self.module.__dict__.pop(name, None)
+            else:
+                self.module.__dict__[name] = value
