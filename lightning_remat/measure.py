@@ -8,6 +8,7 @@ gradients and the optimizer's state. Inputs created outside ``step`` are not cou
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -85,7 +86,9 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
             p.grad = None
     tracker = MemTracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        # MemTracker warns when a module's backward hook outlives the module's outputs.
+        warnings.filterwarnings("ignore", message="Module is None")
         loss = step(model)
         loss.backward()
         if optimizer is not None:
