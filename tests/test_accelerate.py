@@ -1,0 +1,254 @@
+"""Accelerate integration: RematPlugin, RematAccelerator, prepare_remat, and `accelerate launch`."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker
+from torch import nn
+
+from lightning_remat import profile_step
+from lightning_remat.accelerate import (
+    ENV_BUDGET,
+    ENV_CANDIDATES,
+    ENV_COST,
+    ENV_PROFILE_STEPS,
+    METRIC_NAMES,
+    RematAccelerator,
+    RematPlugin,
+    prepare_remat,
+    remat_session,
+)
+from lightning_remat.apply import checkpointed_modules
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+ENV_VARS = (ENV_BUDGET, ENV_PROFILE_STEPS, ENV_CANDIDATES, ENV_COST)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def test_plugin_reads_environment(monkeypatch):
+    monkeypatch.setenv(ENV_BUDGET, "2 GiB")
+    monkeypatch.setenv(ENV_PROFILE_STEPS, "3")
+    monkeypatch.setenv(ENV_CANDIDATES, "GPT2Block, transformer.h.*")
+    monkeypatch.setenv(ENV_COST, "FLOPS")
+    plugin = RematPlugin()
+    assert plugin.enabled
+    assert plugin.budget_bytes() == 2 * 2**30
+    assert (plugin.profile_steps, plugin.candidates, plugin.cost) == (3, ["GPT2Block", "transformer.h.*"], "flops")
+    # An explicit value wins over the environment.
+    assert RematPlugin(budget="min", profile_steps=1).budget_bytes() == "min"
+    assert RematPlugin(budget="min", profile_steps=1).profile_steps == 1
+
+
+def test_plugin_disabled_without_budget():
+    plugin = RematPlugin()
+    assert not plugin.enabled and plugin.profile_steps == 1 and plugin.cost == "time" and plugin.candidates is None
+    accelerator = RematAccelerator()
+    net = _blocks()
+    assert prepare_remat(net, accelerator=accelerator) is net and remat_session(net) is None
+
+
+@pytest.mark.parametrize("variable, value", [
+    (ENV_BUDGET, "ten gigs"), (ENV_BUDGET, "-5GB"), (ENV_BUDGET, "150%"),
+    (ENV_PROFILE_STEPS, "0"), (ENV_PROFILE_STEPS, "two"), (ENV_PROFILE_STEPS, "1.5"),
+    (ENV_COST, "money"), (ENV_CANDIDATES, " , "),
+])
+def test_bad_flag_fails_at_start_naming_the_variable(monkeypatch, variable, value):
+    if variable != ENV_BUDGET:
+        monkeypatch.setenv(ENV_BUDGET, "1GB")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=re.escape(variable)):
+        RematAccelerator()
+    with pytest.raises(ValueError, match=re.escape(variable)):
+        prepare_remat(_blocks())
+
+
+def test_bad_field_names_the_field():
+    with pytest.raises(ValueError, match=r"RematPlugin\(budget='lots'\)"):
+        RematPlugin(budget="lots")
+
+
+def test_model_without_candidates_fails_at_prepare(monkeypatch):
+    monkeypatch.setenv(ENV_BUDGET, "1GB")
+    with pytest.raises(ValueError, match="no candidate"):
+        RematAccelerator().prepare(nn.Linear(4, 4))
+
+
+# -- a training loop --------------------------------------------------------------------------
+
+
+def _tiny_gpt2():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _batches(steps, batch=4, seq=64, vocab=128):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def _lm_loss(logits, ids):
+    # The loss is computed outside the model, from its logits: the profile has to stand in for it.
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+def _train(accelerator, batches):
+    model = _tiny_gpt2()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    torch.manual_seed(1)  # dropout masks
+    losses = []
+    for ids in batches:
+        loss = _lm_loss(model(input_ids=ids).logits, ids)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def test_training_loop_stays_under_budget_with_same_losses(monkeypatch):
+    batches = _batches(3)  # observed, planned at its end; measured; trained with the plan
+    # The budget: static memory + half of the activation memory of a plain step.
+    probe = _tiny_gpt2()
+    profile = profile_step(probe, lambda m: _lm_loss(m(input_ids=batches[0]).logits, batches[0]),
+                           optimizer=torch.optim.Adam(probe.parameters(), lr=1e-3))
+    budget = profile.static_bytes + profile.baseline_activation_bytes // 2
+
+    _, plain_losses = _train(RematAccelerator(), batches)
+
+    monkeypatch.setenv(ENV_BUDGET, str(budget))
+    monkeypatch.setenv(ENV_COST, "flops")
+    accelerator = RematAccelerator()
+    model, losses = _train(accelerator, batches)
+
+    metrics = accelerator.remat_metrics
+    assert set(metrics) == set(METRIC_NAMES)
+    assert metrics["remat/budget_bytes"] == budget
+    assert metrics["remat/num_checkpointed"] > 0
+    assert checkpointed_modules(model) == accelerator.remat_plan.checkpointed
+    assert metrics["remat/baseline_peak_bytes"] > budget  # the budget does bind
+    assert metrics["remat/predicted_peak_bytes"] <= budget
+    assert metrics["remat/measured_peak_bytes"] <= budget
+    # The prediction is calibrated on the observed step (the loss outside the model included).
+    assert metrics["remat/measured_peak_bytes"] == pytest.approx(metrics["remat/predicted_peak_bytes"], rel=0.02)
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
+    assert remat_session(model).phase == "done"
+
+
+class _ListTracker(GeneralTracker):
+    name = "list"
+    requires_logging_directory = False
+
+    def __init__(self):
+        super().__init__()
+        self.logged = []
+
+    @property
+    def tracker(self):
+        return self.logged
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((dict(values), step))
+
+
+def _blocks(width=32, depth=4):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+                           for _ in range(depth)]).train()
+
+
+def test_prepare_remat_with_stock_accelerator_logs_metrics(monkeypatch):
+    monkeypatch.setenv(ENV_BUDGET, "min")
+    monkeypatch.setenv(ENV_PROFILE_STEPS, "2")
+    tracker = _ListTracker()
+    accelerator = Accelerator(log_with=[tracker])
+    accelerator.init_trackers("remat-test")
+    net = prepare_remat(_blocks(), accelerator=accelerator)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    x = torch.randn(64, 32)
+    for step in range(4):
+        accelerator.backward(net(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        # Observed for two steps, planned at the end of the second, measured during the third.
+        assert bool(checkpointed_modules(net)) == (step >= 1)
+    logged = {k: v for values, _ in tracker.logged for k, v in values.items()}
+    assert set(logged) == set(METRIC_NAMES)
+    assert logged == accelerator.remat_metrics
+    assert logged["remat/measured_peak_bytes"] <= logged["remat/predicted_peak_bytes"] * 1.02
+    assert [step for _, step in tracker.logged] == [2, 3]
+
+
+def test_save_and_load_state_keep_parameter_names(monkeypatch, tmp_path):
+    accelerator = RematAccelerator(remat_plugin=RematPlugin(budget="min", cost="flops"))
+    net = _blocks()
+    names = [n for n, _ in net.named_parameters()]
+    keys = list(net.state_dict())
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    x = torch.randn(64, 32)
+    for _ in range(3):
+        accelerator.backward(net(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert checkpointed_modules(net)
+    assert [n for n, _ in net.named_parameters()] == names and list(net.state_dict()) == keys
+    accelerator.save_state(str(tmp_path / "state"))
+
+    # Loads into a model without recomputation, and the reverse.
+    plain = Accelerator()
+    fresh = _blocks()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    fresh, fresh_opt = plain.prepare(fresh, fresh_opt)
+    plain.load_state(str(tmp_path / "state"))
+    for (name, a), (_, b) in zip(net.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), name
+    assert [n for n, _ in fresh.named_parameters()] == names
+    plain.save_state(str(tmp_path / "plain"))
+    accelerator.load_state(str(tmp_path / "plain"))
+    assert checkpointed_modules(net)
+
+
+def test_accelerate_launch_runs_the_example_with_the_flag(tmp_path):
+    env = {**os.environ, ENV_BUDGET: "min", ENV_COST: "flops", "PYTHONPATH": str(REPO)}
+    cmd = [str(ACCELERATE), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "examples" / "accelerate_train.py"),
+           "--steps", "3", "--layers", "2", "--hidden", "32", "--seq-len", "32", "--batch-size", "4"]
+    result = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert re.search(r"Recompute plan: [1-9]\d* module\(s\)", out), out
+    assert "transformer.h.0" in out
+    assert re.search(r"measured peak [\d.]+ \w+ \(predicted", out), out
+    assert len(re.findall(r"step \d: loss", out)) == 3
