@@ -1,0 +1,130 @@
+"""The lightning-remat command line: clear errors, and a real run in-process and as the installed script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from lightning_remat.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "factories.py"
+
+FACTORIES = '''
+import torch
+from torch import nn
+
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    x = torch.randn(128, 32)
+    return model, (lambda m: m(x).square().mean()), torch.optim.Adam(model.parameters())
+
+def broken():
+    raise RuntimeError("the dataset is not there")
+
+def wrong():
+    return 42
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture()
+def factories(tmp_path):
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def _error(capsys, argv):
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    return code, captured.err
+
+
+def test_missing_file(capsys, tmp_path):
+    code, err = _error(capsys, ["plan", str(tmp_path / "nope.py") + ":make"])
+    assert code == 2 and "file not found" in err and "nope.py" in err
+
+
+def test_target_without_factory_name(capsys, factories):
+    code, err = _error(capsys, ["plan", str(factories)])
+    assert code == 2 and "FILE.py:FACTORY" in err
+
+
+def test_missing_factory_lists_the_functions(capsys, factories):
+    code, err = _error(capsys, ["plan", f"{factories}:gpt3"])
+    assert code == 2 and "'gpt3'" in err and "tiny" in err and "broken" in err
+
+
+def test_factory_that_raises(capsys, factories):
+    code, err = _error(capsys, ["plan", f"{factories}:broken", "--json"])
+    assert code == 2 and "broken() raised RuntimeError: the dataset is not there" in err
+
+
+def test_factory_returning_something_else(capsys, factories):
+    code, err = _error(capsys, ["plan", f"{factories}:wrong"])
+    assert code == 2 and "returned a int" in err and "(model, step)" in err
+
+
+@pytest.mark.parametrize("budget", ["ten gigs", "-5GB", "0", "150%", "12XB"])
+def test_bad_budget(capsys, factories, budget):
+    code, err = _error(capsys, ["plan", f"{factories}:tiny", f"--budget={budget}"])
+    assert code == 2 and "Invalid memory budget" in err and "Accepted" in err
+
+
+def test_json_run_in_process(capsys, factories, tmp_path):
+    out = tmp_path / "report"
+    code = main(["plan", f"{factories}:tiny", "--budget", "min", "--cost", "flops", "--json", "--out", str(out),
+                 "--points", "5"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)  # JSON only on stdout
+    plan, breakdown = result["plan"], result["breakdown"]
+    assert plan["checkpointed"] and plan["predicted_peak_bytes"] < plan["baseline_peak_bytes"]
+    assert breakdown["optimizer_state_counted_ahead"] and breakdown["optimizer_state_bytes"] >= 2 * breakdown["parameter_bytes"]
+    assert breakdown["peak_bytes"] == plan["baseline_peak_bytes"]
+    assert [m["name"] for m in breakdown["top_modules"]] == ["0", "1", "2", "3"]
+    pareto = result["pareto"]
+    assert len(pareto) == 5 and pareto[0]["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
+    assert pareto[-1]["predicted_overhead"] == 0.0
+    for name in ("memory_timeline", "pareto"):
+        height, width, _ = matplotlib.image.imread(result["files"][name]).shape
+        assert width >= 500 and height >= 300
+    assert json.loads((out / "plan.json").read_text())["checkpointed"] == plan["checkpointed"]
+
+
+def test_budget_too_small_is_exit_1_with_the_smallest_peak(capsys, factories):
+    code = main(["plan", f"{factories}:tiny", "--budget", "100kB", "--json", "--no-plots", "--cost", "flops"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and result["plan"] is None
+    assert result["smallest_peak_bytes"] > 100_000 and "smallest reachable peak" in result["error"]
+
+
+def test_lightning_module_factory_and_a_percentage_budget(capsys):
+    # A percentage is of the device's total memory (the host's RAM here): far above this tiny step.
+    code = main(["plan", f"{EXAMPLES}:lightning_mlp", "--budget", "50%", "--json", "--no-plots", "--cost", "flops"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["plan"]["checkpointed"] == []
+    # configure_optimizers() gave AdamW, whose state counts.
+    assert result["breakdown"]["optimizer_state_bytes"] >= 2 * result["breakdown"]["parameter_bytes"] > 0
+
+
+def test_installed_script_prints_tables(factories, tmp_path):
+    script = Path(sys.executable).with_name("lightning-remat")
+    assert script.exists(), script
+    run = subprocess.run([str(script), "plan", f"{factories}:tiny", "--budget", "min", "--cost", "flops",
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                         env={"COLUMNS": "120", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    assert "Recompute plan:" in run.stdout and "optimizer state" in run.stdout and "predicted peak" in run.stdout
+    assert (tmp_path / "out" / "memory_timeline.png").stat().st_size > 10_000
+    bad = subprocess.run([str(script), "plan", str(tmp_path / "missing.py") + ":f"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "file not found" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,132 @@
+"""The memory report against torch's MemTracker, and the plots as real PNG files."""
+
+import io
+import json
+import math
+
+import matplotlib.image
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from lightning_remat.measure import measure_step
+from lightning_remat.profile import profile_step
+from lightning_remat.report import (MemoryTimeline, memory_breakdown, memory_timeline, pareto_sweep,
+                                    plot_memory_timeline, plot_pareto)
+from lightning_remat.solve import least_peak
+
+
+def _chain(depth=4, width=32, batch=256):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                            for _ in range(depth)]).train()
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    return model, (lambda m: nn.functional.mse_loss(m(x), y))
+
+
+def _png_shape(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(str(path)).shape
+
+
+def test_breakdown_matches_memtracker_of_a_real_second_step():
+    model, step = _chain()
+    optimizer = torch.optim.Adam(model.parameters())
+    out = io.StringIO()
+    report = memory_breakdown(model, step, optimizer, console=Console(file=out, width=120))
+    # Nothing was changed: no optimizer state, no gradients.
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.parameter_bytes == param_bytes
+    assert report.gradient_bytes == param_bytes
+    assert report.optimizer_state_counted_ahead
+    # The state Adam will create: two tensors per parameter (plus its step counters).
+    assert 2 * param_bytes <= report.optimizer_state_bytes <= 2 * param_bytes + 1024
+
+    # A real training step creates the state; the second step is the steady state the report describes.
+    measure_step(model, step, optimizer)
+    measured = measure_step(model, step, optimizer)
+    assert report.parameter_bytes == measured.parameter_bytes
+    assert report.optimizer_state_bytes == measured.optimizer_bytes
+    assert measured.gradient_bytes <= report.gradient_bytes
+    assert report.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.03)
+    assert report.static_bytes == 4 * param_bytes + report.optimizer_state_bytes - 2 * param_bytes
+
+    # Activations: what forward keeps for backward dominates this step; the blocks are ranked by it.
+    assert report.activation_bytes > 0 and report.temporary_bytes >= 0
+    assert report.saved_activation_bytes > 0
+    assert [m.name for m in report.top_modules] == ["0", "1", "2", "3"]
+    assert report.top_modules[0].saved_bytes >= report.top_modules[-1].saved_bytes
+    assert sum(m.share for m in report.top_modules) == pytest.approx(1.0)
+    # The split at the forward/backward peak adds up to that peak.
+    at_peak = report.at_peak
+    parts = sum(v for k, v in at_peak.items() if k != "Total")
+    assert parts == report.forward_backward_peak_bytes
+    assert report.forward_backward_peak_bytes <= report.peak_bytes
+
+    text = out.getvalue()
+    assert "optimizer state (created by the first step)" in text and "saved for backward" in text
+    json.dumps(report.to_dict())
+
+
+def test_breakdown_without_optimizer_has_no_state():
+    model, step = _chain()
+    report = memory_breakdown(model, step, show=False)
+    assert report.optimizer_state_bytes == 0 and not report.optimizer_state_counted_ahead
+    assert report.peak_bytes == pytest.approx(measure_step(model, step).peak_bytes, rel=0.05)
+
+
+def test_timeline_rises_in_forward_falls_in_backward_and_the_plan_lowers_it(tmp_path):
+    model, step = _chain()
+    before = memory_timeline(model, step)
+    after = memory_timeline(model, step, ["0", "1", "2", "3"])
+    for t in (before, after):
+        assert t.backward_start is not None and 0 < t.backward_start < len(t.bytes_after_op)
+        forward = t.bytes_after_op[:t.backward_start]
+        assert forward[-1] > forward[0]  # activations accumulate
+        assert t.bytes_after_op[-1] < t.peak_bytes  # and are freed in backward
+    assert after.peak_bytes < before.peak_bytes
+    assert len(after.bytes_after_op) > len(before.bytes_after_op)  # the recomputed operators
+    # The recorded series peaks where MemTracker's own peak is.
+    assert before.peak_bytes == measure_step(model, step).peak_bytes
+
+    png = plot_memory_timeline([before, after], tmp_path / "timeline.png", title="chain")
+    height, width, _ = _png_shape(png)
+    assert width >= 600 and height >= 300
+
+
+def test_timeline_counts_the_optimizer_state_ahead():
+    model, step = _chain(depth=2, batch=64)
+    optimizer = torch.optim.Adam(model.parameters())
+    with_state = memory_timeline(model, step, optimizer=optimizer)
+    without = memory_timeline(model, step)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert with_state.peak_bytes - without.peak_bytes >= 2 * param_bytes
+    assert not optimizer.state
+
+
+def test_pareto_sweep_and_plot(tmp_path):
+    model, step = _chain()
+    profile = profile_step(model, step)
+    sweep = pareto_sweep(profile, points=6, cost="flops")
+    assert len(sweep) == 6 and all(p.feasible for p in sweep)
+    assert sweep[0].predicted_peak_bytes == least_peak(profile)
+    assert sweep[-1].predicted_overhead == 0.0 and sweep[-1].modules == 0
+    overheads = [p.predicted_overhead for p in sweep]
+    assert overheads == sorted(overheads, reverse=True)  # more memory never costs more
+    assert all(p.predicted_peak_bytes <= p.budget_bytes for p in sweep)
+    png = plot_pareto(tmp_path / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep],
+                      points=[("every block", sweep[0].predicted_peak_bytes, 0.33)],
+                      measured=[("min", sweep[0].predicted_peak_bytes, sweep[0].predicted_overhead)],
+                      baseline_peak_bytes=profile.baseline_peak_bytes)
+    height, width, _ = _png_shape(png)
+    assert width >= 500 and height >= 300
+    assert not math.isnan(sweep[0].predicted_overhead)
+
+
+def test_timeline_summary():
+    t = MemoryTimeline("x", [1, 5, 2], 2)
+    assert t.to_dict() == {"label": "x", "ops": 3, "backward_start": 2, "peak_bytes": 5}
