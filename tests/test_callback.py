@@ -393,3 +393,16 @@ def test_compiled_module_gets_a_clear_message(count_profiles, tmp_path):
 
 def test_autoremat_is_exported_lazily():
     assert lightning_remat.AutoRemat is AutoRemat
+
+
+# ------------------------------------------------------------------------------------ the example
+
+
+def test_example_train_gpt_runs_and_saves_memory(tmp_path, capsys):
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "train_gpt.py"))
+    result = example["main"](["--layers", "2", "--n-embd", "32", "--seq-len", "32", "--vocab", "128",
+                              "--batch-size", "2", "--steps", "3", "--cost", "flops", "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert result["after"] <= result["budget"] < result["before"]
+    assert "memory saved:" in out and "AutoRemat plan" in out
+    assert list(tmp_path.glob("train_gpt/version_0/metrics.csv"))

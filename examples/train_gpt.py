@@ -1,0 +1,149 @@
+"""Train a small GPT-2 under a memory budget with Lightning and ``AutoRemat``, on CPU.
+
+The model has random weights and learns synthetic tokens: nothing is downloaded. The script
+
+1. measures the peak memory of a training step without recomputation (``measure_step``),
+2. picks a budget (``--budget``; by default static memory + half the activation memory, from a
+   quick ``profile_step``),
+3. trains with ``Trainer(callbacks=[AutoRemat(budget=...)])``: the callback profiles the first
+   batch, prints the plan, recomputes the chosen blocks and measures a step with the plan,
+4. prints the memory before and after, and writes the logs (``remat/*`` metrics and the loss) as
+   CSV under ``--log-dir``.
+
+Run::
+
+    python examples/train_gpt.py                 # about a minute on 2 CPU cores
+    python examples/train_gpt.py --budget 120MB  # your own budget
+    python examples/train_gpt.py --budget min    # the least memory any plan reaches
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--budget", default=None,
+                        help='peak memory of a training step: "120MB", "0.1GiB", bytes, "min"; '
+                             "default: static memory + 50%% of the activation memory, from a quick profile")
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
+    parser.add_argument("--layers", type=int, default=6, help="transformer layers")
+    parser.add_argument("--n-embd", type=int, default=256, help="hidden size")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per step")
+    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    parser.add_argument("--cost", choices=["time", "flops"], default="time",
+                        help="price recomputation by measured seconds or by counted FLOPs")
+    parser.add_argument("--log-dir", default="runs", help="where the CSV logs go")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads: 1 keeps a small model fast and timings steady on a busy machine; "
+                             "0 for torch's default")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    # Imported here so that --help answers at once.
+    import lightning.pytorch as L
+    import transformers
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_remat import AutoRemat, format_bytes, measure_step, parse_budget, profile_step
+    from lightning_remat.solve import least_peak
+
+    transformers.logging.set_verbosity_error()
+
+    class GPTModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.n_embd, n_head=args.n_head,
+                                             n_positions=args.seq_len, vocab_size=args.vocab,
+                                             bos_token_id=0, eos_token_id=0,
+                                             use_cache=False)  # the key/value cache only costs memory in training
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=args.lr)
+
+    L.seed_everything(args.seed)
+    module = GPTModule().train()
+    tokens = torch.randint(0, args.vocab, (args.steps * args.batch_size, args.seq_len),
+                           generator=torch.Generator().manual_seed(args.seed))
+    loader = DataLoader(TensorDataset(tokens), batch_size=args.batch_size)
+    sample = tokens[: args.batch_size]
+
+    def step(model):
+        return model.model(input_ids=sample, labels=sample).loss
+
+    started = time.perf_counter()
+    params = sum(p.numel() for p in module.parameters())
+    print(f"GPT-2: {args.layers} layers, n_embd {args.n_embd}, {params / 1e6:.1f}M parameters; "
+          f"batch {args.batch_size} x {args.seq_len} tokens; AdamW")
+
+    # Before: a step without recomputation, on a copy (the model to train stays untouched). The
+    # second step is measured: from then on AdamW's state exists, as in every step of training.
+    reference = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+    measure_step(reference, step, optimizer)
+    before = measure_step(reference, step, optimizer)
+    del reference, optimizer
+    print(f"peak of a training step without recomputation: {format_bytes(before.peak_bytes)} "
+          f"(parameters {format_bytes(before.parameter_bytes)}, gradients {format_bytes(before.gradient_bytes)}, "
+          f"optimizer state {format_bytes(before.optimizer_bytes)}, activations {format_bytes(before.activation_bytes)}, "
+          f"temporaries {format_bytes(before.temporary_bytes)} at the peak)")
+
+    if args.budget is None:
+        profile = profile_step(module, step, optimizer=torch.optim.AdamW(module.parameters(), lr=args.lr))
+        budget = profile.static_bytes + profile.baseline_activation_bytes // 2
+        print(f"budget: {format_bytes(budget)} = static {format_bytes(profile.static_bytes)} "
+              f"+ 50% of activations {format_bytes(profile.baseline_activation_bytes)} (pass --budget to choose)")
+        # On a very small model the head and loss alone can take more than that.
+        smallest = least_peak(profile)
+        if budget < smallest:
+            budget = smallest
+            print(f"budget raised to the smallest reachable peak, {format_bytes(budget)}")
+    else:
+        budget = args.budget
+        parsed = parse_budget(budget)
+        print(f"budget: {budget}" + (f" = {format_bytes(parsed)}" if isinstance(parsed, int) else ""))
+
+    callback = AutoRemat(budget=budget, cost=args.cost)
+    logger = CSVLogger(args.log_dir, name="train_gpt")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, callbacks=[callback], logger=logger,
+                        log_every_n_steps=1, enable_checkpointing=False, enable_model_summary=False,
+                        enable_progress_bar=False)
+    trainer.fit(module, loader)
+
+    plan, after = callback.plan, callback.measured_peak_bytes
+    saved = before.peak_bytes - after
+    print(f"recomputed modules: {len(plan.checkpointed)} {plan.checkpointed}")
+    print(f"peak before (no recomputation): {format_bytes(before.peak_bytes)}")
+    print(f"peak after  (measured, with the plan): {format_bytes(after)} "
+          f"(predicted {format_bytes(plan.predicted_peak_bytes)}, budget {format_bytes(plan.budget_bytes)})")
+    print(f"memory saved: {saved / 2**20:.1f} MiB ({saved / before.peak_bytes:.0%}) "
+          f"at a predicted recompute overhead of {plan.predicted_overhead:.0%} ({plan.cost_kind})")
+    print(f"final loss {float(trainer.callback_metrics['train/loss']):.3f}; logs: {logger.log_dir}/metrics.csv; "
+          f"{time.perf_counter() - started:.0f} s")
+    return {"before": before.peak_bytes, "after": after, "budget": plan.budget_bytes, "plan": plan}
+
+
+if __name__ == "__main__":
+    main()
