@@ -251,9 +251,10 @@ class AutoRemat(Callback):
         message = (f"AutoRemat: measured peak of a training step with the plan: {format_bytes(self.measured_peak_bytes)} "
                    f"(predicted {format_bytes(self.plan.predicted_peak_bytes)}, budget {format_bytes(self.plan.budget_bytes)})")
         if self.measured_peak_bytes > self.plan.budget_bytes:
-            rank_zero_warn(message + ": the measured peak exceeds the budget. Under DDP, gradient buckets add about "
-                           "the size of the gradients (DDPStrategy(gradient_as_bucket_view=True) avoids that); "
-                           "with gradient accumulation the gradients live through the forward pass.")
+            rank_zero_warn(message + ": the measured peak exceeds the budget. Memory the profile of the bare module "
+                           "does not see: under DDP its gradient buckets and all-reduce buffers (about one more copy of "
+                           "the gradients; DDPStrategy(gradient_as_bucket_view=True) reduces it), and with gradient "
+                           "accumulation the gradients that live through the forward pass. Lower the budget by that much.")
         elif self.verbose:
             rank_zero_info(message)
 

@@ -257,8 +257,8 @@ def test_ddp_ranks_apply_the_plan_of_rank_zero(tmp_path, monkeypatch):
     # Only rank 0 profiles; both wrap the same (non-empty) set of modules, the one rank 0 chose.
     assert [r["profile_calls"] for r in ranks] == [1, 0]
     assert ranks[0]["checkpointed"] and ranks[0]["checkpointed"] == ranks[1]["checkpointed"] == ranks[0]["plan"]
-    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
-    assert single["checkpointed"] == ranks[0]["checkpointed"]
+    # (The single process plans for its own batch of 4, so its plan may differ; values may not.)
+    assert json.loads((tmp_path / "single" / "rank0.json").read_text())["checkpointed"]
     # Two SGD steps on 2 ranks x 2 samples equal two steps of one process on 4 samples.
     w0, w1 = (torch.load(tmp_path / "ddp" / f"weights{r}.pt") for r in (0, 1))
     w_single = torch.load(tmp_path / "single" / "weights0.pt")
