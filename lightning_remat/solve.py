@@ -23,10 +23,11 @@ from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .memory_model import Profile, check_cost_kind, plan_cost, predict_peak
 from .plan import Plan, StageChoice
 
-# Beyond this many Pareto points the frontier is thinned (the plan stays feasible, but optimality
-# is no longer guaranteed). Real chains stay far below it: identical stages give frontiers that
-# grow linearly with depth.
-MAX_FRONTIER = 20_000
+# Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
+# stored bytes, plus the point that stores least. Plans stay feasible (every constraint is checked
+# on exact byte counts); optimality is then within one band (1/MAX_FRONTIER of the frontier's
+# range of stored bytes). Chains of a few dozen stages, and every test of exactness, stay below it.
+MAX_FRONTIER = 1_000
 
 
 class BudgetTooSmallError(ValueError):
@@ -83,7 +84,14 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     best_before = np.minimum.accumulate(np.concatenate(([np.inf], sorted_second[:-1].astype(np.float64))))
     keep = order[sorted_second < best_before]
     if len(keep) > MAX_FRONTIER:
-        keep = keep[np.linspace(0, len(keep) - 1, MAX_FRONTIER).round().astype(np.int64)]
+        stored = first[keep].astype(np.float64)
+        span = stored[-1] - stored[0]
+        band = np.floor((stored - stored[0]) * (MAX_FRONTIER / span)).astype(np.int64) if span > 0 else np.zeros(len(keep), np.int64)
+        # Along the frontier the second coordinate falls as the first grows: the last point of a
+        # band is its cheapest.
+        last_of_band = np.append(band[1:] != band[:-1], True)
+        last_of_band[0] = True  # and the point that stores least, which keeps tight budgets feasible
+        keep = keep[last_of_band]
     return keep
 
 
