@@ -18,7 +18,9 @@ from .solve import solve
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
                optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
-               candidates: CandidateSpec = None, warmup: int = 1) -> Plan:
+               candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
+               dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
+               device_memory: int | str | None = None) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -29,20 +31,29 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         cost: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs: deterministic plans).
         candidates: None for automatic stages, or module classes / name patterns.
         warmup: unmeasured steps first.
+        fake, dtype, device, gpu: plan without the hardware, as ``profile_step``: profile on fake
+            tensors in ``dtype`` for ``device`` (e.g. ``"cuda"``), pricing FLOPs with ``gpu``'s speed.
+        device_memory: the target device's total memory ("80GB") when it is not this machine's;
+            percentages refer to it and a budget above it is an error.
 
     The budget is checked before any profiling, so a malformed budget fails at once.
 
     Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-        >>> x = torch.randn(32, 64)
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+        >>> x = torch.randn(256, 64)
         >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
         >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
         True
-        >>> _ = apply_plan(net, plan)  # doctest: +SKIP
+        >>> from lightning_remat import apply_plan
+        >>> apply_plan(net, plan) is net
+        True
     """
-    parsed = parse_budget(budget, device=model_device(model))
+    parsed = parse_budget(budget, device=device or model_device(model), total_memory=device_memory)
     check_cost_kind(cost)
-    profile = profile_step(model, step, optimizer=optimizer, warmup=warmup, candidates=candidates)
+    if fake and cost == "time" and gpu is None:
+        raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
+    profile = profile_step(model, step, optimizer=optimizer, warmup=warmup, candidates=candidates,
+                           fake=fake, dtype=dtype, device=device, gpu=gpu)
     plan = solve(profile, parsed, cost=cost)
     plan.requested_budget = str(budget)
     return plan

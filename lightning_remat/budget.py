@@ -66,7 +66,7 @@ def device_total_memory(device: Any = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def parse_budget(value: Any, device: Any = None) -> int | str:
+def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> int | str:
     """Turn a user's budget into a number of bytes, or the string ``"min"``.
 
     Args:
@@ -74,6 +74,9 @@ def parse_budget(value: Any, device: Any = None) -> int | str:
             KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of bytes, ``"80%"`` of ``device``'s total
             memory, or ``"min"`` for the memory-minimal plan.
         device: the device the percentage refers to (default: the CPU, that is the host's memory).
+        total_memory: the device's total memory (bytes or a size string) when it is not this
+            machine's: planning for a GPU that is not here. Percentages refer to it, and a budget
+            larger than it is an error.
 
     Raises:
         ValueError: for anything else (zero, negative, NaN, bool, None, "ten", "10XB", ...), naming
@@ -82,7 +85,22 @@ def parse_budget(value: Any, device: Any = None) -> int | str:
     Example:
         >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")
         (10000000000, 1073741824, 512, 'min')
+        >>> parse_budget("90%", total_memory="80GB")
+        72000000000
     """
+    total = None
+    if total_memory is not None:
+        total = parse_budget(total_memory)
+        if not isinstance(total, int):
+            raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
+    nbytes = _parse(value, device, total)
+    if total is not None and isinstance(nbytes, int) and nbytes > total:
+        raise ValueError(f"The memory budget {value!r} ({nbytes} bytes) is larger than the device's memory "
+                         f"{total_memory!r} ({total} bytes)")
+    return nbytes
+
+
+def _parse(value: Any, device: Any, total: int | None) -> int | str:
     if isinstance(value, bool) or value is None:
         raise _reject(value, f"{type(value).__name__} is not a budget")
     if isinstance(value, int):
@@ -103,7 +121,7 @@ def parse_budget(value: Any, device: Any = None) -> int | str:
         fraction = float(percent.group("number")) / 100
         if not 0 < fraction <= 1:
             raise _reject(value, "a percentage must be above 0% and at most 100%")
-        return int(fraction * device_total_memory(device))
+        return int(fraction * (total if total is not None else device_total_memory(device)))
     size = _SIZE.match(text)
     if not size:
         raise _reject(value, "it is not a size, a percentage or \"min\"")

@@ -83,8 +83,9 @@ class Plan:
             f"Recompute plan: {len(self.checkpointed)} module(s), predicted peak {format_bytes(self.predicted_peak_bytes)} "
             f"(budget {format_bytes(self.budget_bytes)}, baseline {format_bytes(self.baseline_peak_bytes)}), "
             f"overhead {self.predicted_overhead:.1%} ({self.cost_kind})",
-            f"  static memory: parameters {format_bytes(self.parameter_bytes)}, gradients {format_bytes(self.gradient_bytes)}, "
-            f"optimizer state {format_bytes(self.optimizer_state_bytes)}",
+            f"  at the peak: parameters {format_bytes(self.parameter_bytes)}, gradients {format_bytes(self.gradient_bytes)}, "
+            f"optimizer state {format_bytes(self.optimizer_state_bytes)}, activations and temporaries "
+            f"{format_bytes(max(0, self.predicted_peak_bytes - self.parameter_bytes - self.gradient_bytes - self.optimizer_state_bytes))}",
         ]
         if self.choices:
             width = max(len("stage"), *(len(c.stage) for c in self.choices))

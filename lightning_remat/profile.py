@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,10 +30,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .apply import AlreadyCheckpointedError, applied, checkpointed_modules, existing_checkpointing
+from .apply import AlreadyCheckpointedError, applied, apply_plan, checkpointed_modules, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
+from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_like, fake_model,
+                   gpu_peak_flops, new_fake_mode, real_code_paths)
 from .measure import Step, _total, model_device, preserved_training_state, synchronize
-from .memory_model import Profile, Segment, StageOption, StageProfile
+from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
 # activation bytes (and is not almost all of it, which "whole" already covers).
@@ -48,7 +50,7 @@ def _storages(value: Any) -> dict[int, int]:
     for t in tree_leaves(value):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             storage = t.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
+            found[storage._cdata] = storage.nbytes()
     return found
 
 
@@ -72,7 +74,8 @@ def _run_step(model: nn.Module, step: Step) -> None:
         p.grad = None
 
 
-def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[list[str], dict[str, _ModuleStats], float, int]:
+def _observe(model: nn.Module, step: Step, stage_names: Sequence[str],
+             timed: bool = True) -> tuple[list[str], dict[str, _ModuleStats], float, int]:
     """One plain step: execution order of stages, per-module time, forward FLOPs and saved bytes.
 
     Returns (stages in execution order, stats per module name, step seconds, step FLOPs).
@@ -83,12 +86,21 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[
         for child, module in modules[n].named_children():
             watched[f"{n}.{child}"] = module
     stats = {n: _ModuleStats() for n in watched}
-    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    # Storages are keyed by their C++ object, which real and fake tensors both have (fake
+    # tensors have no data pointer).
+    params = {p.untyped_storage()._cdata for p in [*model.parameters(), *model.buffers()]}
     active: list[str] = []
     order: list[str] = []
     started: dict[str, float] = {}
+    flops_before: dict[str, int] = {}
+    counter: list[FlopCounterMode] = []  # the FLOP counter of the counting run, when it runs
     device = model_device(model)
     handles = []
+
+    def counted() -> int:
+        # A module's FLOPs are the counter's growth across its forward: this does not depend on
+        # how the step reaches the module (model(x), model.net(x), a LightningModule...).
+        return int(sum(counter[0].flop_counts["Global"].values())) if counter else 0
 
     def pre(name):
         def hook(module, args, kwargs):
@@ -96,6 +108,7 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[
                 order.append(name)
             stats[name].inputs.update(_storages((args, kwargs)))
             active.append(name)
+            flops_before[name] = counted()
             synchronize(device)
             started[name] = time.perf_counter()
         return hook
@@ -104,6 +117,7 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[
         def hook(module, args, kwargs, output):
             synchronize(device)
             stats[name].seconds += time.perf_counter() - started.pop(name)
+            stats[name].flops += counted() - flops_before.pop(name)
             stats[name].outputs.update(_storages(output))
             active.remove(name)
         return hook
@@ -115,26 +129,32 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[
     def pack(tensor):
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
+            if storage._cdata not in params:
                 for name in active:
-                    stats[name].saved[storage.data_ptr()] = storage.nbytes()
+                    stats[name].saved[storage._cdata] = storage.nbytes()
         return tensor
 
     try:
-        # Timing first, without modes that would slow it; then FLOPs and saved bytes.
-        synchronize(device)
-        start = time.perf_counter()
-        _run_step(model, step)
-        synchronize(device)
-        step_seconds = time.perf_counter() - start
+        # Timing first, without modes that would slow it; then FLOPs and saved bytes. (On fake
+        # tensors nothing real runs, so there is nothing to time.)
+        step_seconds = 0.0
+        if timed:
+            synchronize(device)
+            start = time.perf_counter()
+            _run_step(model, step)
+            synchronize(device)
+            step_seconds = time.perf_counter() - start
         timed = {n: s.seconds for n, s in stats.items()}
         for s in stats.values():
             s.saved.clear()
+            s.inputs.clear()
+            s.outputs.clear()
         order.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False) as forward_counter:
+                counter.append(forward_counter)
                 loss = step(model)
-            forward_flops = counter.get_flop_counts()
+            counter.clear()
             with FlopCounterMode(display=False) as backward_counter:
                 loss.backward()
             del loss
@@ -143,11 +163,9 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str]) -> tuple[
     finally:
         for h in handles:
             h.remove()
-    root = type(model).__name__
     for name, s in stats.items():
         s.seconds = timed[name]
-        s.flops = int(sum(forward_flops.get(f"{root}.{name}", {}).values()))
-    step_flops = int(sum(forward_flops.get("Global", {}).values()) + backward_counter.get_total_flops())
+    step_flops = int(forward_counter.get_total_flops() + backward_counter.get_total_flops())
     return order, stats, step_seconds, step_flops
 
 
@@ -272,36 +290,16 @@ def _optimizer_step_cost(model: nn.Module, optimizer: torch.optim.Optimizer | No
     """
     if optimizer is None:
         return 0, 0
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if t.numel() == 1 and t.device.type == "cpu":
-            # Scalars (Adam's step counter) are read with .item(): made inside the mode they keep
-            # their value as a constant.
-            value = t.item()
-            with mode:
-                return torch.tensor(value, dtype=t.dtype) if t.dim() == 0 else torch.tensor([value], dtype=t.dtype)
-        return mode.from_tensor(t.detach())
-
+    mode = new_fake_mode()
     fakes: dict[int, torch.Tensor] = {}
-    groups = []
     for group in optimizer.param_groups:
-        params = []
         for p in group["params"]:
             if id(p) not in fakes:
-                copy = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+                copy = nn.Parameter(fake_like(mode, p), requires_grad=p.requires_grad)
                 if p.requires_grad:
-                    copy.grad = mode.from_tensor(p.detach())
+                    copy.grad = fake_like(mode, p)
                 fakes[id(p)] = copy
-            params.append(fakes[id(p)])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
-    for p in [q for g in optimizer.param_groups for q in g["params"]]:
-        if p in optimizer.state:
-            clone.state[fakes[id(p)]] = {k: fake(v) if isinstance(v, torch.Tensor) else v
-                                         for k, v in optimizer.state[p].items()}
+    clone = clone_optimizer(optimizer, fakes, mode)
     tracker = MemTracker()
     # Parameters and gradients are tracked up front so that only the state and the step's own
     # temporaries land in the optimizer category.
@@ -346,7 +344,8 @@ def _use_cache_note(model: nn.Module) -> str | None:
 
 def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  optimizer: torch.optim.Optimizer | None = None, warmup: int = 1,
-                 candidates: CandidateSpec = None) -> Profile:
+                 candidates: CandidateSpec = None, fake: bool = False, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, gpu: str | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -357,6 +356,14 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             the state it will create (Adam: two tensors per parameter), and its step's temporaries.
         warmup: steps run first and not measured (lazy initialisation, allocator warm-up).
         candidates: as ``find_stages``: None for automatic, or module classes / name patterns.
+        fake: profile on fake tensors (no memory is allocated, nothing real runs): for models
+            larger than this machine and for devices that are not here. The model may be real (it
+            is not changed), on the meta device, or built under a ``FakeTensorMode``; ``step``
+            may make its inputs as real tensors. Byte counts are exact; costs are counted FLOPs.
+        dtype: with ``fake``, the dtype floating-point parameters train in (``torch.bfloat16``).
+        device: the device the profile plans for (``"cuda"``); the default is the model's.
+        gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
+            throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
 
     Returns:
         A ``Profile``: per stage in execution order its options (stored bytes, local peak, recompute
@@ -366,6 +373,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         NoCandidateError: the model has no candidate block.
+        FakeProfileError: with ``fake``, the model's code needs real values; it names the op.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
@@ -373,22 +381,52 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         >>> profile = profile_step(net, lambda m: m(x).square().mean())
         >>> [s.name for s in profile.stages], [o.name for o in profile.stages[0].options]
         (['0', '1', '2', '3'], ['keep', 'whole'])
+        >>> fake = profile_step(net, lambda m: m(x).square().mean(), fake=True, device="cuda", gpu="h100")
+        >>> fake.device, fake.stages[0].options[1].stored_bytes == profile.stages[0].options[1].stored_bytes
+        ('cuda', True)
     """
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not fake and (gpu is not None or dtype is not None):
+        raise ValueError("gpu= and dtype= apply to fake profiles (fake=True); a real profile times the real step")
+    seconds_per_flop = 1.0 / (gpu_peak_flops(gpu) * GPU_EFFICIENCY) if gpu is not None else 0.0
+    target_device = str(torch.device(device)) if device is not None else None
+    if not fake:
+        return _profile(model, step, optimizer, warmup, candidates, target_device)
+    mode = existing_fake_mode(model) or new_fake_mode()
+    names = {id(p): name for name, p in model.named_parameters()}
+    model = fake_model(model, mode, dtype)
+    if optimizer is not None:
+        fake_params = dict(model.named_parameters())
+        optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
+    with mode, explain_fake_failures(), real_code_paths():
+        # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
+        profile = _profile(model, step, optimizer, 0, candidates, target_device or "cpu", timed=False)
+    # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
+    profile.stages = tuple(
+        replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
+                options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
+        for stage in profile.stages)
+    profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
+    if gpu is None:
+        profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
+    return profile
+
+
+def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, warmup: int,
+             candidates: CandidateSpec, device: str | None, timed: bool = True) -> Profile:
     stage_names = find_stages(model, candidates)
     modules = dict(model.named_modules())
     previous_plan = checkpointed_modules(model)
-    device = model_device(model)
     with preserved_training_state(model, optimizer), applied(model, []):
         for p in model.parameters():
             p.grad = None
         for _ in range(warmup):
             _run_step(model, step)
-        order, stats, step_seconds, step_flops = _observe(model, step, stage_names)
+        order, stats, step_seconds, step_flops = _observe(model, step, stage_names, timed)
         if not order:
             raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         children = {name: _child_options(name, stats, modules) for name in order}
@@ -403,8 +441,6 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                     for name in option_names}
         state_bytes, optimizer_step_bytes = _optimizer_step_cost(model, optimizer)
     if previous_plan:
-        from .apply import apply_plan
-
         apply_plan(model, previous_plan)
 
     keep = runs["keep"]
@@ -448,10 +484,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
         optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
         baseline_peak_bytes=0, baseline_step_seconds=step_seconds, baseline_step_flops=step_flops,
-        device=str(device), notes=tuple(notes),
+        device=device or str(model_device(model)), notes=tuple(notes),
     )
-    from .memory_model import predict_peak
-
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).
     profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))

@@ -1,0 +1,281 @@
+"""Plan without the hardware: run the profiled step on fake tensors.
+
+``FakeTensorMode`` gives tensors shapes, dtypes and devices but no storage. torch's MemTracker
+and FlopCounterMode work under it, so a step can be profiled for a model larger than this machine,
+or for a GPU that is not here: byte counts do not depend on the device (fake CPU tensors in the
+target dtype plan a CUDA device), and costs come from counted FLOPs, turned into seconds with a
+named GPU's peak throughput.
+
+Example:
+    >>> import torch
+    >>> with torch.device("meta"):
+    ...     net = torch.nn.Linear(4096, 4096)   # 64 MiB of weights, never allocated
+    >>> fake = fake_model(net, new_fake_mode())
+    >>> is_fake(fake.weight), fake.weight.device.type
+    (True, 'cpu')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
+
+# Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs,
+# from the vendors' data sheets (without sparsity).
+GPU_PEAK_FLOPS = {
+    "h200": 989e12,
+    "h100": 989e12,
+    "h100-pcie": 756e12,
+    "b200": 2250e12,
+    "a100": 312e12,
+    "a10g": 70e12,
+    "a10": 125e12,
+    "l40s": 362e12,
+    "l4": 121e12,
+    "v100": 125e12,
+    "t4": 65e12,
+    "rtx4090": 165e12,
+    "rtx3090": 71e12,
+    "mi300x": 1307e12,
+}
+# Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
+GPU_EFFICIENCY = 0.4
+
+
+class FakeProfileError(RuntimeError):
+    """The model's code cannot run under fake tensors (it reads tensor values, for example).
+
+    Example:
+        >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
+        True
+    """
+
+    def __init__(self, op: str, detail: str = ""):
+        self.op = op
+        super().__init__(
+            f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
+            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}Profile it for real "
+            f"(fake=False) on a smaller configuration, or make that code path value-free."
+        )
+
+
+def gpu_peak_flops(name: str) -> float:
+    """Peak dense FLOP/s of a named GPU (case-insensitive).
+
+    Example:
+        >>> gpu_peak_flops("H100") / 1e12
+        989.0
+    """
+    key = name.strip().lower()
+    if key not in GPU_PEAK_FLOPS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_PEAK_FLOPS))}")
+    return GPU_PEAK_FLOPS[key]
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode that accepts real inputs (token ids made by the step) and converts them."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (no storage)."""
+    return isinstance(tensor, FakeTensor)
+
+
+def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
+    """The fake mode the model's tensors belong to, if it was built under one."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if isinstance(tensor, FakeTensor):
+            return tensor.fake_mode
+    return None
+
+
+def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
+    """A version of ``model`` whose parameters and buffers are fake CPU tensors.
+
+    A real model is copied (its real tensors are only read for metadata); a model on the meta
+    device, or already fake, is converted in place, since its tensors hold nothing to keep. Tied
+    parameters stay tied and names do not change. ``dtype`` casts floating-point tensors.
+
+    Example:
+        >>> real = torch.nn.Linear(2, 2)
+        >>> fake = fake_model(real, new_fake_mode(), dtype=torch.bfloat16)
+        >>> fake is not real, fake.weight.dtype, real.weight.dtype
+        (True, torch.bfloat16, torch.float32)
+    """
+    has_real = any(t.device.type != "meta" and not isinstance(t, FakeTensor)
+                   for t in [*model.parameters(), *model.buffers()])
+    if has_real:
+        model = _shallow_module_copy(model)
+    memo: dict[int, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if isinstance(t, FakeTensor) and t.fake_mode is mode and t.dtype == target and t.device.type == "cpu":
+            return t
+        return fake_like(mode, t, target)
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(convert(p.detach()), requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                # Buffers on the meta device have no values to keep; real ones (rotary
+                # frequencies) are converted with their values' metadata only.
+                memo[id(b)] = convert(b) if b.device.type == "meta" else _fake_from(mode, b, dtype)
+            module._buffers[name] = memo[id(b)]
+    return model
+
+
+def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fake CPU tensor of ``mode`` with the shape, strides and dtype of ``t`` (real, meta or fake).
+
+    Example:
+        >>> fake_like(new_fake_mode(), torch.zeros(2, 3)).shape
+        torch.Size([2, 3])
+    """
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
+
+
+def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    # Optimizers read scalar state (Adam's step) with .item(): made inside the mode from a Python
+    # number, a fake scalar keeps its value as a constant.
+    try:
+        value = t.item()
+    except Exception:  # a fake scalar without a constant: any positive step count will do
+        value = 1
+    with mode:
+        return torch.tensor(value, dtype=t.dtype) if t.dim() == 0 else torch.tensor([value], dtype=t.dtype)
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
+                    mode: FakeTensorMode) -> torch.optim.Optimizer:
+    """An optimizer of the same class and settings over fake parameters, with fake copies of its state.
+
+    Args:
+        optimizer: the optimizer to imitate.
+        params: maps ``id(p)`` of each of its parameters to the fake parameter that replaces it.
+        mode: the fake mode.
+
+    Example:
+        >>> mode = new_fake_mode()
+        >>> p = torch.nn.Parameter(torch.zeros(3))
+        >>> twin = clone_optimizer(torch.optim.Adam([p], lr=0.1), {id(p): fake_model(torch.nn.Linear(3, 1), mode).weight}, mode)
+        >>> type(twin).__name__, twin.param_groups[0]["lr"]
+        ('Adam', 0.1)
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in params]
+        if missing:
+            raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not the model's")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [params[id(p)] for p in group["params"]]})
+    clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                clone.state[params[id(p)]] = {
+                    k: (_fake_scalar(mode, v) if v.numel() == 1 else fake_like(mode, v)) if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state[p].items()}
+    return clone
+
+
+def _fake_from(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if isinstance(t, FakeTensor):
+        return t
+    fake = mode.from_tensor(t.detach())
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        with mode:
+            fake = fake.to(dtype)
+    return fake
+
+
+def _shallow_module_copy(model: nn.Module) -> nn.Module:
+    """Copy the module tree without copying tensor data (fake_model replaces every tensor)."""
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def real_code_paths() -> Iterator[None]:
+    """Let transformers take, on fake tensors, the attention path it takes on real ones.
+
+    transformers treats a fake tensor as a sign of graph tracing, and its decision whether SDPA
+    can use ``is_causal`` instead of a materialised mask then says no: a different attention
+    kernel, saving different tensors for backward. We profile to predict real execution, so for
+    the duration of that one decision we tell it fake tensors are not tracing; if the decision then
+    needs real values (a padding mask to inspect), it is taken as transformers would under tracing.
+    Sequences are assumed not to be packed (that test needs the position ids' values).
+    """
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    decide = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    original_is_tracing = getattr(masking, "is_tracing", None)
+    if decide is None or original_is_tracing is None:
+        yield
+        return
+
+    def lenient_is_tracing(tensor=None) -> bool:
+        return original_is_tracing(None) or (
+            tensor is not None and not isinstance(tensor, FakeTensor) and original_is_tracing(tensor))
+
+    def decide_as_on_real_tensors(*args, **kwargs):
+        masking.is_tracing = lenient_is_tracing
+        try:
+            return decide(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            masking.is_tracing = original_is_tracing
+            return decide(*args, **kwargs)
+        finally:
+            masking.is_tracing = original_is_tracing
+
+    find_packed = getattr(masking, "find_packed_sequence_indices", None)
+
+    def no_packing_on_fake(position_ids, *args, **kwargs):
+        # Telling packed sequences apart needs the position ids' values, which fake tensors do not
+        # have: a fake profile assumes unpacked sequences (the usual case, and transformers' own
+        # answer for the default position ids).
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find_packed(position_ids, *args, **kwargs)
+
+    masking._ignore_causal_mask_sdpa = decide_as_on_real_tensors
+    if find_packed is not None:
+        masking.find_packed_sequence_indices = no_packing_on_fake
+    try:
+        yield
+    finally:
+        masking._ignore_causal_mask_sdpa = decide
+        if find_packed is not None:
+            masking.find_packed_sequence_indices = find_packed
+
+
+@contextlib.contextmanager
+def explain_fake_failures() -> Iterator[None]:
+    """Turn fake-tensor failures into a FakeProfileError that names the op."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        raise FakeProfileError(str(getattr(err, "func", err))) from err
+    except UnsupportedFakeTensorException as err:
+        raise FakeProfileError("an operation fake tensors do not support", f"({err}) ") from err

@@ -1,0 +1,107 @@
+"""Planning without the hardware: fake-tensor profiles agree with real ones and plan a 7B model here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remat import BudgetTooSmallError, plan_remat, profile_step, solve
+from lightning_remat.fake import FakeProfileError
+from lightning_remat.memory_model import predict_peak
+from lightning_remat.models import build
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "gpt2": dict(layers=3, hidden=64, seq_len=64, batch_size=4),
+    "bert": dict(layers=3, hidden=64, seq_len=64, batch_size=4),
+    "vit": dict(layers=3, hidden=64, image_size=32, batch_size=8),
+    "resnet50": dict(batch_size=2, image_size=32, width=4),
+    "llama": dict(layers=3, hidden=64, seq_len=64, batch_size=4),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fake_profile_equals_the_real_one_and_plans_the_same(name):
+    case = build(name, **MODELS[name])
+    optimizer = torch.optim.Adam(case.model.parameters())
+    real = profile_step(case.model, case.step, optimizer=optimizer)
+    fake = profile_step(case.model, case.step, optimizer=optimizer, fake=True)
+    # The real model is untouched by the fake profile.
+    assert all(type(p) is nn.Parameter and p.device.type == "cpu" for p in case.model.parameters())
+    assert [s.name for s in fake.stages] == [s.name for s in real.stages]
+    for real_stage, fake_stage in zip(real.stages, fake.stages):
+        assert real_stage.saved_bytes == pytest.approx(fake_stage.saved_bytes, rel=0.01)
+        for a, b in zip(real_stage.options, fake_stage.options):
+            assert (a.name, a.checkpointed, a.cost_flops) == (b.name, b.checkpointed, b.cost_flops)
+            assert a.stored_bytes == pytest.approx(b.stored_bytes, rel=0.01, abs=1024)
+            assert a.local_peak_bytes == pytest.approx(b.local_peak_bytes, rel=0.01)
+    assert fake.baseline_peak_bytes == pytest.approx(real.baseline_peak_bytes, rel=0.01)
+    assert fake.static_bytes == real.static_bytes
+    for fraction in (0.3, 0.5, 0.7):
+        budget = int(real.static_bytes + fraction * real.baseline_activation_bytes)
+        try:
+            expected = solve(real, budget, cost="flops")
+        except BudgetTooSmallError:
+            with pytest.raises(BudgetTooSmallError):
+                solve(fake, budget, cost="flops")
+            continue
+        got = solve(fake, budget, cost="flops")
+        assert got.checkpointed == expected.checkpointed
+        assert got.predicted_peak_bytes == pytest.approx(expected.predicted_peak_bytes, rel=0.01)
+    expected_min = solve(real, "min", cost="flops")
+    assert predict_peak(fake, [0] * len(fake.stages)) == fake.baseline_peak_bytes
+    assert solve(fake, "min", cost="flops").predicted_peak_bytes == pytest.approx(expected_min.predicted_peak_bytes, rel=0.01)
+
+
+def test_a_7b_llama_is_planned_for_an_80gb_gpu_without_allocating_it():
+    # Llama-2-7B's published sizes, fewer layers to keep the suite quick (the benchmark runs all 32).
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_llama7b.py"), "--layers", "2", "--json"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_resident_bytes"] < 2 * 2**30
+    plan = result["plan"]
+    # 2 layers of 7B sizes (202 M parameters each) plus embeddings and head (131 M each): 667 M
+    # parameters of 2 bytes in bf16.
+    assert plan["parameter_bytes"] == 2 * (2 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096)
+    # AdamW: two tensors a parameter, and a 4-byte step counter for each of the 21 parameter tensors.
+    assert plan["optimizer_state_bytes"] == 2 * plan["parameter_bytes"] + 21 * 4
+    assert plan["budget_bytes"] == int(0.9 * 80e9)
+    summary = result["summary"]
+    for word in ("parameters", "gradients", "optimizer state", "activations", "GiB"):
+        assert word in summary
+
+
+def test_a_budget_larger_than_the_device_is_an_error():
+    case = build("mlp", depth=2, width=16, batch_size=4)
+    with pytest.raises(ValueError, match="larger than the device's memory"):
+        plan_remat(case.model, case.step, "100GB", fake=True, device="cuda", device_memory="80GB", cost="flops")
+
+
+def test_an_unknown_gpu_is_an_error_that_lists_the_known_ones():
+    case = build("mlp", depth=2, width=16, batch_size=4)
+    with pytest.raises(ValueError, match="unknown GPU 'h1000'.*h100"):
+        profile_step(case.model, case.step, fake=True, gpu="h1000")
+    with pytest.raises(ValueError, match="fake"):
+        profile_step(case.model, case.step, gpu="h100")
+
+
+class ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+
+    def forward(self, x):
+        if x.abs().max().item() > 1e6:  # data-dependent Python control flow
+            x = x / 2
+        return self.blocks(x)
+
+
+def test_code_that_needs_real_values_is_named():
+    model = ReadsValues()
+    x = torch.randn(4, 8)
+    with pytest.raises(FakeProfileError, match="_local_scalar_dense"):
+        profile_step(model, lambda m: m(x).sum(), fake=True)
