@@ -33,6 +33,15 @@ _LAZY = {
     "NoCandidateError": "lightning_remat.candidates",
     "measure_step": "lightning_remat.measure",
     "AutoRemat": "lightning_remat.callback",
+    "find_remat_batch_size": "lightning_remat.batch_size",
+    "BatchSizeResult": "lightning_remat.batch_size",
+    "BatchSizeTooSmallBudgetError": "lightning_remat.batch_size",
+    "RematBatchSizeFinder": "lightning_remat.batch_size_finder",
+    "memory_breakdown": "lightning_remat.report",
+    "FakeProfileError": "lightning_remat.fake",
+    "RematAccelerator": "lightning_remat.accelerate",
+    "RematPlugin": "lightning_remat.accelerate",
+    "prepare_remat": "lightning_remat.accelerate",
 }
 
 __all__ = [

@@ -49,7 +49,9 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
         []
     """
     found = []
-    if getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5 renamed the flag (the old name warns); read whichever the class has.
+    flag_name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(model, flag_name, False):
         found.append(f"Hugging Face gradient checkpointing is enabled on {type(model).__name__} "
                      "(call model.gradient_checkpointing_disable() to let lightning-remat choose)")
     else:

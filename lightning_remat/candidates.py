@@ -1,9 +1,9 @@
 """Find the candidate blocks of a model: the stages the solver chooses among.
 
 A *stage* is a repeated block: a transformer layer, a ResNet bottleneck, an item of an
-``nn.Sequential``. Found automatically as the outermost modules that stand, two or more of the same
-class, in a ``ModuleList`` or ``Sequential`` and that have children of their own (so a block, not a
-single ``Linear``). Users can instead name classes or name patterns.
+``nn.Sequential``. Found automatically as the outermost modules that stand in a ``ModuleList``
+(or, two or more of the same class, in a ``Sequential``) and that have two or more children of
+their own (so a block, not a single ``Linear`` nor a mere container of blocks). Users can instead name classes or name patterns.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ def _automatic(model: nn.Module) -> list[str]:
         by_class: dict[type, list[nn.Module]] = {}
         for child in container.children():
             by_class.setdefault(type(child), []).append(child)
+        # A ModuleList of blocks is a model's layer stack even with one layer (a 1-layer config);
+        # in a Sequential, blocks count when they repeat.
+        least = 1 if isinstance(container, nn.ModuleList) else 2
         for members in by_class.values():
-            if len(members) >= 2 and all(_is_block(m) for m in members):
+            if len(members) >= least and all(_is_block(m) for m in members):
                 repeated.update(id(m) for m in members)
     stages: list[str] = []
     taken: list[str] = []
