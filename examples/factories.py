@@ -68,3 +68,25 @@ def lightning_mlp(depth: int = 6, width: int = 64, batch_size: int = 128):
 
     torch.manual_seed(0)
     return Regressor(), (torch.randn(batch_size, width), torch.randn(batch_size, width))
+
+
+def llama7b(layers: int = 32, seq_len: int = 2048):
+    """Llama-2-7B on the meta device (nothing allocated), for planning with ``--fake``:
+
+        lightning-remat plan examples/factories.py:llama7b --fake --dtype bfloat16 --device cuda \\
+            --device-memory 80GB --budget 90% --gpu h100
+    """
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_llama7b import build_llama
+
+    model = build_llama(layers)
+    ids = torch.randint(0, 32000, (1, seq_len))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss, torch.optim.AdamW(model.parameters())
+
+
+def llama7b_two_layers():
+    """The same with 2 layers: a quick demonstration of ``--fake``."""
+    return llama7b(layers=2)

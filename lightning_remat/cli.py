@@ -3,6 +3,7 @@
     lightning-remat plan examples/factories.py:gpt2 --budget 200MB
     lightning-remat plan train.py:make_model --budget 80% --cost flops --out report/
     lightning-remat plan train.py:make_model --budget min --json > plan.json
+    lightning-remat plan examples/factories.py:llama7b --fake --device cuda --device-memory 80GB --budget 90% --gpu h100
 
 ``FILE.py:FACTORY`` names a function in a Python file that takes no arguments and returns one of
 
@@ -193,6 +194,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--points", type=int, default=10, help="budgets in the table from least peak to baseline. Default: 10")
     plan.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
+    target = plan.add_argument_group(
+        "planning without the hardware",
+        "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
+    target.add_argument("--fake", action="store_true", help="profile under fake tensors; costs are counted FLOPs")
+    target.add_argument("--device", default=None, help='the device to plan for, e.g. "cuda" (default: the model\'s)')
+    target.add_argument("--device-memory", default=None,
+                        help='the target device\'s total memory, e.g. "80GB": percentages refer to it')
+    target.add_argument("--gpu", default=None, help="a GPU name (h100, a100, l4, ...) to price FLOPs in seconds")
+    target.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="with --fake, the dtype floating-point parameters train in")
     return parser
 
 
@@ -277,14 +288,25 @@ def run_plan(args: argparse.Namespace) -> int:
 
         from .measure import model_device
         from .profile import profile_step
-        from .report import memory_breakdown, memory_timeline, pareto_sweep, plot_memory_timeline, plot_pareto
+        from .report import (breakdown_from_profile, memory_breakdown, memory_timeline, pareto_sweep, plot_memory_timeline,
+                             plot_pareto)
         from .solve import BudgetTooSmallError, solve
 
-        budget = parse_budget(args.budget, device=model_device(target.model))
-        advance("profiling one training step")
+        if not args.fake and (args.gpu or args.dtype):
+            raise UsageError("--gpu and --dtype apply with --fake")
+        if args.fake and args.cost == "time" and not args.gpu:
+            raise UsageError("a fake profile has no timings: use --cost flops, or name a --gpu to price FLOPs")
+        try:
+            budget = parse_budget(args.budget, device=args.device or model_device(target.model),
+                                  total_memory=args.device_memory)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+        advance("profiling one training step" + (" on fake tensors" if args.fake else ""))
         start = time.perf_counter()
         try:
-            profile = profile_step(target.model, target.step, optimizer=target.optimizer)
+            profile = profile_step(target.model, target.step, optimizer=target.optimizer, fake=args.fake,
+                                   dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                   device=args.device, gpu=args.gpu)
         except (TypeError, ValueError, RuntimeError) as err:
             console_err = Console(stderr=True)
             console_err.print(f"[red]error:[/red] profiling {name} failed: {type(err).__name__}: {err}", highlight=False)
@@ -292,7 +314,13 @@ def run_plan(args: argparse.Namespace) -> int:
         result["profile_seconds"] = time.perf_counter() - start
         result["warnings"] = _profile_warnings(profile, args.cost)
         advance("measuring where memory goes")
-        breakdown = memory_breakdown(target.model, target.step, target.optimizer, profile=profile, top=args.top, show=False)
+        if args.fake:
+            # Nothing real can run: the breakdown comes from the profile alone.
+            breakdown = breakdown_from_profile(profile, None, target.optimizer is not None and not target.optimizer.state,
+                                               args.top)
+        else:
+            breakdown = memory_breakdown(target.model, target.step, target.optimizer, profile=profile, top=args.top,
+                                         show=False)
         advance("solving")
         plan = None
         try:
@@ -305,15 +333,17 @@ def run_plan(args: argparse.Namespace) -> int:
         points = pareto_sweep(profile, args.points, cost=args.cost)
         plots: dict[str, str] = {}
         if not args.no_plots:
-            advance("recording memory over one step")
-            before = memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")
-            timelines = [before]
-            if plan is not None and plan.checkpointed:
-                timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
-                                                 label=f"plan ({len(plan.checkpointed)} modules recomputed)"))
             args.out.mkdir(parents=True, exist_ok=True)
-            plots["memory_timeline"] = str(plot_memory_timeline(
-                timelines, args.out / "memory_timeline.png", title=f"{name}: memory over one forward and backward pass"))
+            if not args.fake:  # a timeline needs a real step
+                advance("recording memory over one step")
+                before = memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")
+                timelines = [before]
+                if plan is not None and plan.checkpointed:
+                    timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
+                                                     label=f"plan ({len(plan.checkpointed)} modules recomputed)"))
+                plots["memory_timeline"] = str(plot_memory_timeline(
+                    timelines, args.out / "memory_timeline.png",
+                    title=f"{name}: memory over one forward and backward pass"))
             unit = "time overhead (%)" if args.cost == "time" else "FLOP overhead (%)"
             chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
             plots["pareto"] = str(plot_pareto(

@@ -105,3 +105,16 @@ def test_code_that_needs_real_values_is_named():
     x = torch.randn(4, 8)
     with pytest.raises(FakeProfileError, match="_local_scalar_dense"):
         profile_step(model, lambda m: m(x).sum(), fake=True)
+
+
+def test_the_command_line_plans_on_fake_tensors(capsys):
+    from lightning_remat.cli import main
+
+    target = f"{ROOT / 'examples' / 'factories.py'}:gpt2"
+    code = main(["plan", target, "--fake", "--cost", "flops", "--device", "cuda", "--device-memory", "16GB",
+                 "--budget", "min", "--json", "--no-plots"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"] == "cuda" and result["plan"]["checkpointed"]
+    assert main(["plan", target, "--gpu", "h100", "--json"]) == 2
+    assert main(["plan", target, "--fake", "--device-memory", "1GB", "--budget", "2GB", "--cost", "flops"]) == 2
