@@ -56,7 +56,7 @@ from torch import nn
 from .apply import AlreadyCheckpointedError, apply_plan, existing_checkpointing
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import find_stages
-from .measure import _total, model_device
+from .measure import PeakWindow, model_device
 from .memory_model import COST_KINDS, Profile, Segment, predict_peak
 from .plan import Plan
 
@@ -253,79 +253,16 @@ class _RecordedCall:
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
-class _WindowTracker:
-    """Peak memory over a window that starts and ends in hooks, possibly across several forwards.
-
-    On CUDA: ``max_memory_allocated``. Elsewhere: torch's ``MemTracker`` (dispatch-level byte
-    counting of parameters, gradients, optimizer state and every tensor the window allocates),
-    with its per-module bookkeeping switched off: that part supports one forward per ``with`` block
-    and must see the root module's forward begin, and a window opened in a hook sees neither. The
-    total it reports is the same; only its split by category is lost.
-    """
+class _WindowTracker(PeakWindow):
+    """A ``PeakWindow`` that also remembers the optimizer's state at its start and the peak before
+    the optimizer stepped (both feed the calibration of an observed step)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        class _NoModules:
-            """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
-
-            is_bw = False
-            parents: set = set()
-
-            def register_user_hooks(self, *hooks):  # type: ignore[no-untyped-def]
-                pass
-
-            def clear_user_hooks(self):  # type: ignore[no-untyped-def]
-                pass
-
-            def __enter__(self):  # type: ignore[no-untyped-def]
-                return self
-
-            def __exit__(self, *args):  # type: ignore[no-untyped-def]
-                pass
-
-        class _PeakOnly(MemTracker):
-            def __init__(self):  # type: ignore[no-untyped-def]
-                super().__init__()
-                self._mod_tracker = _NoModules()
-
-            def _register_global_optimizer_hook(self):  # type: ignore[no-untyped-def]
-                # Registering a global optimizer hook from inside an optimizer hook is not allowed;
-                # optimizer state allocated in the window is counted all the same.
-                self._optimizer_hook_handles = None
-
-        self.device = model_device(model)
-        self.tracker = None
+        super().__init__(model, optimizer)
         # A first step creates the optimizer's state only at its end: its forward and backward ran
         # without the state that every later step holds.
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.tracker = _PeakOnly()
-            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-            self.tracker.__enter__()
-
-    def peak(self) -> int:
-        """The peak so far."""
-        if self.tracker is None:
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return int(_total(self.tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0))
-
-    def close(self) -> int:
-        peak = self.peak()
-        if self.tracker is not None:
-            tracker, self.tracker = self.tracker, None
-            tracker.__exit__(None, None, None)
-        return peak
-
-    def abandon(self) -> None:
-        if self.tracker is not None:
-            self.tracker.__exit__(None, None, None)
-            self.tracker = None
 
 
 def _distributed() -> bool:

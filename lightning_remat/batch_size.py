@@ -38,6 +38,7 @@ Example:
     True
     >>> result.measured_peak_bytes <= 600_000
     True
+    >>> from lightning_remat import remove_remat
     >>> _ = remove_remat(net)
 """
 
@@ -51,11 +52,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .apply import apply_plan, applied, checkpointed_modules, remove_remat
+from .apply import apply_plan, applied, checkpointed_modules
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import CandidateSpec
 from .measure import measure_step, model_device, preserved_training_state
-from .memory_model import Profile, Segment, StageOption, StageProfile, check_cost_kind, predict_peak
+from .memory_model import Profile, Segment, check_cost_kind, predict_peak
 from .plan import Plan
 from .profile import profile_step
 from .solve import BudgetTooSmallError, least_peak, plan_from_choices, solve
@@ -142,6 +143,7 @@ class ProfileFit:
     With a single profile every term beyond static memory is taken as proportional to the batch.
 
     Example:
+        >>> from lightning_remat import StageOption, StageProfile
         >>> keep = lambda s, p: StageOption("keep", (), s, p, 0.0, 0)
         >>> whole = lambda s, p, f: StageOption("whole", ("a",), s, p, 0.0, f)
         >>> def profile(b):

@@ -20,7 +20,7 @@ from torch import nn
 from .apply import apply_plan, checkpointed_modules, existing_checkpointing
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import find_stages
-from .measure import _total, model_device
+from .measure import PeakWindow
 from .memory_model import check_cost_kind
 from .plan import Plan
 from .solve import BudgetTooSmallError, solve
@@ -67,42 +67,6 @@ def _logging_muted(pl_module: LightningModule) -> Iterator[None]:
         for name in ("log", "log_dict"):
             pl_module.__dict__.pop(name, None)
         pl_module.__dict__.update(saved)
-
-
-class _PeakMeter:
-    """The peak memory of one training step, opened in one hook and closed in a later one.
-
-    On CUDA it is ``torch.cuda.max_memory_allocated``; elsewhere torch's ``MemTracker`` tracking the
-    module and the optimizer (parameters, buffers, gradients, optimizer state, and every tensor the
-    step creates; the batch, made before the step, is not counted), as ``measure_step`` does.
-    """
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.device = model_device(module)
-        self.tracker = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self.tracker = MemTracker()
-            self.tracker.track_external(module, *([optimizer] if optimizer is not None else []))
-            self.tracker.__enter__()
-
-    def close(self) -> int:
-        if self.tracker is None:
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        tracker, self.tracker = self.tracker, None
-        tracker.__exit__(None, None, None)
-        return int(_total(tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0))
-
-    def abandon(self) -> None:
-        if self.tracker is not None:
-            tracker, self.tracker = self.tracker, None
-            with contextlib.suppress(Exception):
-                tracker.__exit__(None, None, None)
 
 
 class AutoRemat(Callback):
@@ -188,7 +152,7 @@ class AutoRemat(Callback):
         self.profile_count = 0
         self._disabled_reason: str | None = None
         self._measure_countdown: int | None = None
-        self._meter: _PeakMeter | None = None
+        self._meter: PeakWindow | None = None
 
     @property
     def state_key(self) -> str:
@@ -235,7 +199,7 @@ class AutoRemat(Callback):
                 p.grad = None
         if self._measure_countdown is not None:
             if self._measure_countdown == 0:
-                self._meter = _PeakMeter(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+                self._meter = PeakWindow(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
             else:
                 self._measure_countdown -= 1
 

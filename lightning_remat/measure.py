@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -107,6 +107,90 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
         temporary_bytes=int(by_name.get("Temp", 0) + by_name.get("Other", 0)),
         loss=loss_value,
     )
+
+
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
+
+    is_bw = False
+    parents: set = set()
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class _PeakOnlyTracker(MemTracker):
+    """MemTracker's byte counting without its per-module bookkeeping.
+
+    That bookkeeping supports one forward per ``with`` block and must see the root module's forward
+    begin; a window opened in a hook sees neither. The total is the same; only its split by module
+    is lost.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModules()
+
+    def _register_global_optimizer_hook(self) -> None:
+        # Registering a global optimizer hook from inside an optimizer hook is not allowed;
+        # optimizer state allocated in the window is counted all the same.
+        self._optimizer_hook_handles = None
+
+
+class PeakWindow:
+    """Peak memory over a window opened in one hook and closed in a later one (a training step
+    measured from inside Lightning or Accelerate), possibly across several forwards.
+
+    On CUDA: ``torch.cuda.max_memory_allocated``. Elsewhere: torch's MemTracker counting the
+    model's parameters, buffers and gradients, the optimizer's state and every tensor the window
+    allocates (inputs made before the window are not counted), as ``measure_step`` does.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> window = PeakWindow(net, None)
+        >>> net(torch.randn(4, 8)).sum().backward()
+        >>> window.close() >= 2 * (8 * 8 + 8) * 4
+        True
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.device = model_device(model)
+        self.tracker: MemTracker | None = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.tracker = _PeakOnlyTracker()
+            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+            self.tracker.__enter__()
+
+    def peak(self) -> int:
+        """The peak so far."""
+        if self.tracker is None:
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(_total(self.tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0))
+
+    def close(self) -> int:
+        """Stop measuring; the peak of the window."""
+        peak = self.peak()
+        self.abandon()
+        return peak
+
+    def abandon(self) -> None:
+        """Stop measuring without a result (the step failed)."""
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.__exit__(None, None, None)
 
 
 def count_step_flops(model: nn.Module, step: Step) -> int:
