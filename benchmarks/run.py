@@ -475,6 +475,18 @@ def markdown(results: dict[str, Any]) -> str:
         for label, case in solver["cases"].items():
             for budget, c in case["budgets"].items():
                 lines.append(f"| {label} | {budget} | {c['seconds']:.2f} | {_pct(c['predicted_overhead'])} |")
+    llama = results.get("llama7b_fake")
+    if llama:
+        lines.append("")
+        lines.append("| planned under fake tensors | layers | tokens | seconds | resident GiB | predicted peak GiB "
+                     "(parameters, gradients, optimizer state) | modules recomputed |")
+        lines.append("|---|---|---|---|---|---|---|")
+        gib = 2**30
+        lines.append(f"| Llama-2-7B, bf16, AdamW, for an 80 GB H100 (budget 90%) | {llama['layers']} | {llama['tokens']} | "
+                     f"{llama['plan_seconds']:.0f} | {llama['max_resident_bytes'] / gib:.2f} | "
+                     f"{llama['predicted_peak_bytes'] / gib:.1f} ({llama['parameter_bytes'] / gib:.1f}, "
+                     f"{llama['gradient_bytes'] / gib:.1f}, {llama['optimizer_state_bytes'] / gib:.1f}) | "
+                     f"{llama['checkpointed']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -552,6 +564,24 @@ def plot_all(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def llama7b_fake_plan(layers: int = 32) -> dict[str, Any]:
+    """Run examples/plan_llama7b.py in a fresh process: its time, resident memory and plan."""
+    import subprocess
+
+    script = ROOT.parent / "examples" / "plan_llama7b.py"
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(script), "--layers", str(layers), "--json"],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    plan = result["plan"]
+    return {"layers": layers, "tokens": result["tokens"], "wall_seconds": time.perf_counter() - start,
+            "plan_seconds": result["seconds"], "max_resident_bytes": result["max_resident_bytes"],
+            "predicted_peak_bytes": plan["predicted_peak_bytes"], "budget_bytes": plan["budget_bytes"],
+            "parameter_bytes": plan["parameter_bytes"], "gradient_bytes": plan["gradient_bytes"],
+            "optimizer_state_bytes": plan["optimizer_state_bytes"], "checkpointed": len(plan["checkpointed"]),
+            "under_5_minutes": result["seconds"] < 300, "under_2_gib_resident": result["max_resident_bytes"] < 2 * 2**30}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -561,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved timing rounds (default 5, quick 3; fast steps get more)")
     parser.add_argument("--curve-points", type=int, default=None, help="budgets in the Pareto sweep (default 10, quick 5)")
     parser.add_argument("--solver-stages", type=int, default=1000, help="stages of the synthetic solver benchmark (0: skip)")
+    parser.add_argument("--llama7b-layers", type=int, default=32,
+                        help="plan Llama-2-7B (this many layers, 1 x 2048 tokens, bf16) for an 80 GB H100 under fake "
+                             "tensors, in a fresh process (0: skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="output folder (default benchmarks/results)")
     parser.add_argument("--copy-to", type=Path, default=None,
                         help="also copy the JSON, the markdown table and the PNGs here (e.g. docs/benchmarks)")
@@ -593,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.solver_stages:
         log(f"solver on a synthetic {args.solver_stages}-stage profile")
         results["solver"] = solver_benchmark(args.solver_stages)
+    if args.llama7b_layers:
+        log(f"Llama-2-7B ({args.llama7b_layers} layers) planned under fake tensors for an 80 GB H100")
+        results["llama7b_fake"] = llama7b_fake_plan(args.llama7b_layers)
     results["meta"]["seconds"] = time.perf_counter() - started
 
     json_path = args.out / "results.json"
