@@ -97,6 +97,10 @@ class AutoRemat(Callback):
         cost: what recomputation costs: ``"time"`` (measured seconds) or ``"flops"`` (counted
             FLOPs: the same plan on every run).
         verbose: print the plan as a table on rank 0.
+        fake: profile the first batch on fake tensors (``profile_step(fake=True)``): planning
+            allocates nothing, so the first real step already runs under the plan and a model that
+            only fits with recomputation never tries without it. Costs are counted FLOPs, so
+            ``cost="flops"`` is required.
 
     Behaviour worth knowing:
 
@@ -134,7 +138,7 @@ class AutoRemat(Callback):
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 2, candidates: list[str] | None = None,
-                 cost: str = "time", verbose: bool = True) -> None:
+                 cost: str = "time", verbose: bool = True, fake: bool = False) -> None:
         self.budget = budget
         self.budget_bytes = parse_budget(budget)
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
@@ -146,6 +150,9 @@ class AutoRemat(Callback):
             raise ValueError(f"candidates must be None or a non-empty list of class names or name patterns, got {candidates!r}")
         self.candidates = list(candidates) if candidates is not None else None
         self.cost = check_cost_kind(cost)
+        if fake and cost != "flops":
+            raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
+        self.fake = fake
         self.verbose = verbose
         self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
@@ -267,12 +274,13 @@ class AutoRemat(Callback):
         return None
 
     def _step_closure(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int):
-        training_step = pl_module.training_step
-        pass_index = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+        pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
         precision = trainer.strategy.precision_plugin
 
         def step(module: nn.Module) -> torch.Tensor:
-            with precision.train_step_context(), _logging_muted(pl_module):
+            # ``module`` is the LightningModule itself, or its fake-tensor twin when planning with fake=True.
+            training_step = module.training_step
+            with precision.train_step_context(), _logging_muted(module):
                 output = training_step(batch, batch_idx) if pass_index else training_step(batch)
             if isinstance(output, dict):
                 output = output.get("loss")
@@ -313,7 +321,7 @@ class AutoRemat(Callback):
         try:
             self.profile_count += 1
             try:
-                profile = profile_step(pl_module, step, optimizer=optimizer, candidates=self.candidates)
+                profile = profile_step(pl_module, step, optimizer=optimizer, candidates=self.candidates, fake=self.fake)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise

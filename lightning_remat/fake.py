@@ -210,9 +210,24 @@ def _fake_from(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None)
 
 
 def _shallow_module_copy(model: nn.Module) -> nn.Module:
-    """Copy the module tree without copying tensor data (fake_model replaces every tensor)."""
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return copy.deepcopy(model, memo)
+    """Copy the module tree, not what its modules refer to (tensors, a Lightning trainer, data):
+    every module is a shallow copy with its own parameter, buffer and child dicts, which
+    ``fake_model`` then fills with fake tensors."""
+    copies: dict[int, nn.Module] = {}
+
+    def copy_module(module: nn.Module) -> nn.Module:
+        if id(module) not in copies:
+            twin = copy.copy(module)
+            copies[id(module)] = twin
+            object.__setattr__(twin, "_parameters", module._parameters.copy())
+            object.__setattr__(twin, "_buffers", module._buffers.copy())
+            object.__setattr__(twin, "_modules", module._modules.copy())
+            for name, child in module._modules.items():
+                if child is not None:
+                    twin._modules[name] = copy_module(child)
+        return copies[id(module)]
+
+    return copy_module(model)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_remat
 import lightning_remat.profile as profile_module
-from lightning_remat import AutoRemat, BudgetTooSmallError, NoCandidateError, format_bytes, measure_step, profile_step
+from lightning_remat import (AutoRemat, BudgetTooSmallError, NoCandidateError, format_bytes, measure_step, profile_step,
+                             solve)
 from lightning_remat.apply import checkpointed_modules
 from lightning_remat.models import build
 
@@ -406,3 +407,22 @@ def test_example_train_gpt_runs_and_saves_memory(tmp_path, capsys):
     assert result["after"] <= result["budget"] < result["before"]
     assert "memory saved:" in out and "AutoRemat plan" in out
     assert list(tmp_path.glob("train_gpt/version_0/metrics.csv"))
+
+
+def test_fake_planning_applies_the_same_plan_before_the_first_real_step(runs, tmp_path):
+    # Planned on fake tensors, the first real step already runs under the plan: same modules as a
+    # real profile priced in FLOPs, the budget held, and the same losses as without the callback.
+    expected = solve(runs["profile"], runs["budget"], cost="flops")
+    L.seed_everything(0)
+    lit, losses = LitLM(), LossRecorder()
+    callback = AutoRemat(budget=runs["budget"], cost="flops", fake=True, verbose=False)
+    trainer = make_trainer(tmp_path, [callback, losses], max_steps=3)
+    trainer.fit(lit, token_batches())
+    assert callback.plan.checkpointed == expected.checkpointed
+    assert callback.plan.predicted_peak_bytes == pytest.approx(expected.predicted_peak_bytes, rel=0.01)
+    assert callback.measured_peak_bytes <= runs["budget"]
+    assert losses.losses == runs["plain_losses"][:3]
+    # The LightningModule itself was never touched by the fake profile.
+    assert all(type(p) is torch.nn.Parameter for p in lit.parameters())
+    with pytest.raises(ValueError, match="cost='flops'"):
+        AutoRemat(budget="1GB", fake=True)
