@@ -361,3 +361,21 @@ def test_step_calling_a_submodule_prices_recomputation_by_flops():
     assert not any("priced by measured time" in note for note in result.notes)
     assert result.plan.predicted_overhead > 0
     assert result.largest_fitting > result.batch_size_without_remat > 0
+
+
+def test_the_example_finds_a_larger_batch(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "batch_size.py"
+    spec = importlib.util.spec_from_file_location("batch_size_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--fits", "4", "--seq-len", "32"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    without, with_remat = int(line.split("batch ")[1].split()[0]), int(line.split(", ")[1].split()[0])
+    assert with_remat >= 2 * without
