@@ -56,7 +56,7 @@ from torch import nn
 from .apply import AlreadyCheckpointedError, apply_plan, existing_checkpointing
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import find_stages
-from .measure import PeakWindow, model_device
+from .measure import PeakWindow, is_out_of_memory, model_device
 from .memory_model import COST_KINDS, Profile, Segment, predict_peak
 from .plan import Plan
 
@@ -274,11 +274,6 @@ def _is_main_process() -> bool:
     return not _distributed() or torch.distributed.get_rank() == 0
 
 
-def _out_of_memory_types() -> tuple[type, ...]:
-    types = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
-    return tuple(t for t in types if t is not None)
-
-
 def _calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True) -> Profile:
     """Account for what the profile cannot re-run: the user's code around the model (its loss).
 
@@ -477,10 +472,11 @@ class RematSession:
             self._busy = True
             try:
                 plan = self._solve(call, optimizer)
-            except _out_of_memory_types() as err:
-                plan = self._fallback_plan(err)
             except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks are told
-                error = err
+                if is_out_of_memory(err):
+                    plan = self._fallback_plan(err)
+                else:
+                    error = err
             finally:
                 self._busy = False
         if _distributed():

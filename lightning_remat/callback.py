@@ -20,25 +20,12 @@ from torch import nn
 from .apply import apply_plan, checkpointed_modules, existing_checkpointing
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import find_stages
-from .measure import PeakWindow
+from .measure import PeakWindow, is_out_of_memory
 from .memory_model import check_cost_kind
 from .plan import Plan
 from .solve import BudgetTooSmallError, solve
 
 METRIC_PREFIX = "remat/"
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for an out-of-memory error of any device (``torch.OutOfMemoryError`` or its message).
-
-    Example:
-        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), is_out_of_memory(ValueError("x"))
-        (True, False)
-    """
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(error, oom_type):
-        return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 
 def _is_compiled(pl_module: nn.Module) -> bool:

@@ -193,6 +193,33 @@ class PeakWindow:
             tracker.__exit__(None, None, None)
 
 
+def is_out_of_memory(exception: BaseException) -> bool:
+    """Whether ``exception`` is a real out-of-memory error of some backend.
+
+    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (CUDA/ROCm/XPU " out of memory.",
+    MPS, CPU "DefaultCPUAllocator: can't allocate memory", HPU, cuDNN's not-supported error) and
+    also accepts ``torch.OutOfMemoryError`` and Python's ``MemoryError``.
+
+    Example:
+        >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+        True
+        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), is_out_of_memory(ValueError("x"))
+        (True, False)
+    """
+    if isinstance(exception, MemoryError):
+        return True
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exception, oom_type):
+        return True
+    try:
+        from accelerate.utils.memory import should_reduce_batch_size
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        should_reduce_batch_size = None
+    if should_reduce_batch_size is not None and should_reduce_batch_size(exception):
+        return True
+    return isinstance(exception, RuntimeError) and bool(exception.args) and "out of memory" in str(exception.args[0])
+
+
 def count_step_flops(model: nn.Module, step: Step) -> int:
     """FLOPs of one forward and backward pass (recomputation included), counted exactly.
 
