@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -14,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from .apply import apply_plan
 from .batch_size import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, BatchSizeResult, _validate, find_remat_batch_size
 from .budget import MIN_BUDGET, parse_budget
+from .lightning_step import training_step_closure
 from .plan import Plan
 
 
@@ -25,16 +25,6 @@ def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Traine
     else:
         places.append("no datamodule (none was passed to the Trainer)")
     return ", ".join(places)
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    raise MisconfigurationException(
-        "RematBatchSizeFinder needs training_step to return the loss tensor or a dict with a 'loss' tensor, "
-        f"got {type(output).__name__}")
 
 
 class RematBatchSizeFinder(Callback):
@@ -175,16 +165,8 @@ class RematBatchSizeFinder(Callback):
         if dataset_length is not None and dataset_length < max_val:
             max_val = max(1, dataset_length)
         start = min(self._init_val, max_val)
-        precision = trainer.strategy.precision_plugin
-
         def make_step(batch_size: int):
-            batch = self._first_batch(trainer, pl_module, batch_size)
-
-            def step(module: torch.nn.Module) -> torch.Tensor:
-                with precision.train_step_context(), _silenced_logging(module):
-                    return _loss_of(module.training_step(batch, 0))
-
-            return step
+            return training_step_closure(pl_module, self._first_batch(trainer, pl_module, batch_size), 0, trainer)
 
         try:
             result = find_remat_batch_size(
@@ -246,22 +228,3 @@ class RematBatchSizeFinder(Callback):
         plan = state_dict.get("plan")
         self.plan = Plan.from_dict(plan) if plan is not None else None
         self._restored = self.batch_size is not None and self.plan is not None
-
-
-class _silenced_logging:
-    """``self.log``/``self.log_dict`` do nothing during trial steps, which run outside the fit loop."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.saved = {name: self.module.__dict__.get(name) for name in ("log", "log_dict")}
-        for name in self.saved:
-            setattr(self.module, name, lambda *args, **kwargs: None)
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, value in self.saved.items():
-            if value is None:
-                self.module.__dict__.pop(name, None)
-            else:
-                self.module.__dict__[name] = value

@@ -7,19 +7,18 @@ real peak of a step with the plan, and reports the figures to every logger. See 
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
 from .apply import apply_plan, checkpointed_modules, existing_checkpointing
 from .budget import MIN_BUDGET, format_bytes, parse_budget
 from .candidates import find_stages
+from .lightning_step import training_step_closure
 from .measure import PeakWindow, is_out_of_memory
 from .memory_model import check_cost_kind
 from .plan import Plan
@@ -36,24 +35,6 @@ def _is_compiled(pl_module: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without dynamo
         return False
     return any(isinstance(m, OptimizedModule) for m in pl_module.modules())
-
-
-@contextlib.contextmanager
-def _logging_muted(pl_module: LightningModule) -> Iterator[None]:
-    """Make ``self.log``/``self.log_dict`` no-ops while ``training_step`` runs for profiling.
-
-    The profiler calls ``training_step`` several times on the first batch; those calls must not
-    reach the logger (they would log the same loss several times under the wrong hook).
-    """
-    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
-    pl_module.__dict__["log"] = lambda *args, **kwargs: None
-    pl_module.__dict__["log_dict"] = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for name in ("log", "log_dict"):
-            pl_module.__dict__.pop(name, None)
-        pl_module.__dict__.update(saved)
 
 
 class AutoRemat(Callback):
@@ -260,23 +241,6 @@ class AutoRemat(Callback):
                     "backward and the optimizer itself; use lightning_remat.plan_remat/apply_plan in setup() instead")
         return None
 
-    def _step_closure(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int):
-        pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-        precision = trainer.strategy.precision_plugin
-
-        def step(module: nn.Module) -> torch.Tensor:
-            # ``module`` is the LightningModule itself, or its fake-tensor twin when planning with fake=True.
-            training_step = module.training_step
-            with precision.train_step_context(), _logging_muted(module):
-                output = training_step(batch, batch_idx) if pass_index else training_step(batch)
-            if isinstance(output, dict):
-                output = output.get("loss")
-            if not isinstance(output, torch.Tensor):
-                raise TypeError("AutoRemat profiles training_step, which must return the loss tensor (or a dict with "
-                                f"'loss'); it returned {type(output).__name__}")
-            return output
-
-        return step
 
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Profile and solve on rank 0, broadcast the outcome, and apply it on every rank."""
@@ -304,7 +268,7 @@ class AutoRemat(Callback):
         from .profile import profile_step
 
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        step = self._step_closure(trainer, pl_module, batch, batch_idx)
+        step = training_step_closure(pl_module, batch, batch_idx, trainer)
         try:
             self.profile_count += 1
             try:

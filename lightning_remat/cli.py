@@ -72,14 +72,6 @@ class Target:
     kind: str = "model"
 
 
-def _loss_of(output: Any) -> Any:
-    if isinstance(output, dict):
-        if "loss" not in output:
-            raise TypeError(f"training_step returned a dict without 'loss' (keys {sorted(output)})")
-        return output["loss"]
-    return output
-
-
 def _lightning_optimizer(module: Any) -> Any:
     """The first optimizer ``configure_optimizers()`` returns, or None if there is none to find."""
     import torch
@@ -123,7 +115,9 @@ def normalize(result: Any, name: str = "factory") -> Target:
         raise UsageError(f"{name} returned a {type(model).__name__} as the model; {expected}")
     if len(result) == 2 and not callable(result[1]) and hasattr(model, "training_step"):
         batch = result[1]
-        return Target(model, lambda m: _loss_of(m.training_step(batch, 0)), _lightning_optimizer(model), "lightning")
+        from .lightning_step import training_step_closure
+
+        return Target(model, training_step_closure(model, batch), _lightning_optimizer(model), "lightning")
     if not callable(result[1]):
         raise UsageError(f"{name} returned a {type(result[1]).__name__} as the step, which is not callable; {expected}")
     optimizer = result[2] if len(result) == 3 else None
