@@ -678,10 +678,21 @@ class RematAccelerator(Accelerator):
             go to ``accelerator.log`` when trackers are initialised.
 
     Example:
-        >>> accelerator = RematAccelerator(remat_plugin=RematPlugin(budget="min"))  # doctest: +SKIP
-        >>> model, optimizer = accelerator.prepare(model, optimizer)  # doctest: +SKIP
-        >>> accelerator.remat_metrics["remat/measured_peak_bytes"]  # after profile_steps + 1 steps  # doctest: +SKIP
-        41943040
+        >>> from torch import nn
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
+        >>> model, optimizer = accelerator.prepare(model, optimizer)
+        >>> x = torch.randn(64, 32)
+        >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
+        ...     optimizer.zero_grad(set_to_none=True)
+        ...     accelerator.backward(model(x).square().mean())
+        ...     optimizer.step()
+        >>> metrics = accelerator.remat_metrics
+        >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+        (True, True)
+        >>> from accelerate.state import AcceleratorState
+        >>> AcceleratorState._reset_state(True)
     """
 
     def __init__(self, *args: Any, remat_plugin: RematPlugin | None = None, **kwargs: Any):
