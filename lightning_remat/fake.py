@@ -137,9 +137,9 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
             if b is None:
                 continue
             if id(b) not in memo:
-                # Buffers on the meta device have no values to keep; real ones (rotary
-                # frequencies) are converted with their values' metadata only.
-                memo[id(b)] = convert(b) if b.device.type == "meta" else _fake_from(mode, b, dtype)
+                # Fake tensors hold no values, so a real buffer (rotary frequencies) and a meta
+                # one become the same: its shape, strides and dtype.
+                memo[id(b)] = convert(b)
             module._buffers[name] = memo[id(b)]
     return model
 
@@ -197,16 +197,6 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
                     k: (_fake_scalar(mode, v) if v.numel() == 1 else fake_like(mode, v)) if isinstance(v, torch.Tensor) else v
                     for k, v in optimizer.state[p].items()}
     return clone
-
-
-def _fake_from(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if isinstance(t, FakeTensor):
-        return t
-    fake = mode.from_tensor(t.detach())
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-        with mode:
-            fake = fake.to(dtype)
-    return fake
 
 
 def _shallow_module_copy(model: nn.Module) -> nn.Module:

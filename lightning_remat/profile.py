@@ -30,7 +30,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .apply import AlreadyCheckpointedError, applied, apply_plan, checkpointed_modules, existing_checkpointing
+from .apply import AlreadyCheckpointedError, applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
 from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_like, fake_model,
                    gpu_peak_flops, new_fake_mode, real_code_paths)
@@ -144,7 +144,7 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str],
             _run_step(model, step)
             synchronize(device)
             step_seconds = time.perf_counter() - start
-        timed = {n: s.seconds for n, s in stats.items()}
+        seconds = {n: s.seconds for n, s in stats.items()}
         for s in stats.values():
             s.saved.clear()
             s.inputs.clear()
@@ -164,7 +164,7 @@ def _observe(model: nn.Module, step: Step, stage_names: Sequence[str],
         for h in handles:
             h.remove()
     for name, s in stats.items():
-        s.seconds = timed[name]
+        s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(forward_counter.get_total_flops() + backward_counter.get_total_flops())
     return order, stats, step_seconds, step_flops
 
@@ -420,7 +420,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
              candidates: CandidateSpec, device: str | None, timed: bool = True) -> Profile:
     stage_names = find_stages(model, candidates)
     modules = dict(model.named_modules())
-    previous_plan = checkpointed_modules(model)
+    # applied(model, []) lifts any plan the model has for the profile and puts it back after.
     with preserved_training_state(model, optimizer), applied(model, []):
         for p in model.parameters():
             p.grad = None
@@ -440,8 +440,6 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             runs = {name: _memory_run(model, step, order, [m for ms in wraps[name].values() for m in ms], optimizer)
                     for name in option_names}
         state_bytes, optimizer_step_bytes = _optimizer_step_cost(model, optimizer)
-    if previous_plan:
-        apply_plan(model, previous_plan)
 
     keep = runs["keep"]
     # State that does not exist yet will exist during every later step.

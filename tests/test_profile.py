@@ -75,3 +75,17 @@ def test_use_cache_in_training_is_named_in_the_plan():
     case.model.config.use_cache = True
     plan = solve(profile_step(case.model, case.step), "min", cost="flops")
     assert "use_cache=True" in plan.summary()
+
+
+def test_a_plan_already_applied_is_lifted_for_the_profile_and_put_back():
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)])
+    x = torch.randn(16, 8)
+    plain = profile_step(net, lambda m: m(x).sum())
+    from lightning_remat import apply_plan
+    from lightning_remat.apply import checkpointed_modules
+
+    apply_plan(net, ["1"])
+    wrapped = profile_step(net, lambda m: m(x).sum())
+    assert checkpointed_modules(net) == ["1"]
+    assert [o.stored_bytes for s in wrapped.stages for o in s.options] == \
+        [o.stored_bytes for s in plain.stages for o in s.options]
