@@ -50,13 +50,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_remat import format_bytes  # noqa: E402
-from lightning_remat.apply import apply_plan  # noqa: E402
-from lightning_remat.measure import count_step_flops, measure_step  # noqa: E402
-from lightning_remat.memory_model import Profile, Segment, StageOption, StageProfile  # noqa: E402
+from lightning_remat.runtime.apply import apply_plan  # noqa: E402
+from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
+from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile  # noqa: E402
 from lightning_remat.models import MODEL_NAMES, build  # noqa: E402
-from lightning_remat.profile import profile_step  # noqa: E402
-from lightning_remat.report import pareto_sweep, plot_pareto, _draw_pareto, _pyplot  # noqa: E402
-from lightning_remat.solve import BudgetTooSmallError, solve  # noqa: E402
+from lightning_remat.runtime.profile import profile_step  # noqa: E402
+from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
+from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
+from lightning_remat.core.solve import solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 FRACTIONS = (0.7, 0.5, 0.3)
@@ -363,7 +364,7 @@ def synthetic_profile(stages: int = 1000, seed: int = 0, jitter: float = 0.0) ->
     profile = Profile(tuple(stage_profiles), segments, parameter_bytes=static // 4, gradient_bytes=static // 4,
                       optimizer_state_bytes=static // 2, baseline_step_flops=total_flops,
                       baseline_step_seconds=total_flops * 1e-12)
-    from lightning_remat.memory_model import predict_peak
+    from lightning_remat.core.memory_model import predict_peak
 
     profile.baseline_peak_bytes = predict_peak(profile, [0] * stages)
     return profile
@@ -372,7 +373,7 @@ def synthetic_profile(stages: int = 1000, seed: int = 0, jitter: float = 0.0) ->
 def _time_solve(profile: Profile, budget: Any) -> dict[str, Any]:
     import importlib
 
-    solve_module = importlib.import_module("lightning_remat.solve")  # the package's `solve` is the function
+    solve_module = importlib.import_module("lightning_remat.core.solve")  # the package's `solve` is the function
 
     start = time.perf_counter()
     try:
@@ -546,14 +547,14 @@ def _plot_data(model: dict[str, Any]):
 
 
 def plot_all(results: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     models = list(results["models"].values())
     columns = min(3, len(models))
     rows = math.ceil(len(models) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
     for ax, model in zip(axes.flat, models):
         curve, points, measured = _plot_data(model)
-        _draw_pareto(ax, curve, points, measured, model["baseline_peak_bytes"], "FLOP overhead (%)")
+        draw_pareto(ax, curve, points, measured, model["baseline_peak_bytes"], "FLOP overhead (%)")
         ax.set_title(model["model"])
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_remat import AutoRemat, format_bytes, measure_step, parse_budget, profile_step
-    from lightning_remat.solve import least_peak
+    from lightning_remat.core.solve import least_peak
 
     transformers.logging.set_verbosity_error()
 

@@ -1,7 +1,17 @@
 """lightning-remat: keep a training step under a memory budget with the least recomputation.
 
-The engine (profile, solve, apply) is importable without Lightning or Accelerate; the
-integrations are imported on first use.
+The package is layered, and imports point down only (see README.md, "Architecture"):
+
+- ``core``: the memory model, the exact solver, plans, budgets, the batch-size fit. No torch.
+- ``runtime``: what touches torch: candidates, memory tracking, profiling, fake tensors,
+  applying a plan, measuring a step.
+- ``report``: tables, summaries, plots.
+- ``service``: the planning service every integration shares (decide, fall back, broadcast,
+  metrics), ``plan_remat`` and the batch-size search.
+- ``integrations``: Lightning (``AutoRemat``, ``RematBatchSizeFinder``), Accelerate, the command line.
+
+Names that need torch (or an integration) are imported on first use, so ``import lightning_remat``
+stays cheap and the solver stays usable on its own.
 
 Example:
     >>> import lightning_remat
@@ -14,40 +24,46 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .budget import format_bytes, parse_budget
-from .memory_model import Profile, Segment, StageOption, StageProfile
-from .plan import Plan, StageChoice
-from .solve import BudgetTooSmallError, solve
+from .core.budget import Budget, format_bytes, parse_budget
+from .core.config import ProfileOptions, RematConfig
+from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
+                          FakeProfileError, NoCandidateError, PlanningFailedError, RematError)
+from .core.memory_model import Profile, Segment, StageOption, StageProfile
+from .core.plan import Plan, StageChoice
+from .core.solve import solve
 
 __version__ = "0.1.0"
 
-# Names that need torch (or an integration) are imported lazily, so `import lightning_remat`
-# stays cheap and the solver stays usable on its own.
 _LAZY = {
-    "profile_step": "lightning_remat.profile",
-    "plan_remat": "lightning_remat.api",
-    "apply_plan": "lightning_remat.apply",
-    "remove_remat": "lightning_remat.apply",
-    "AlreadyCheckpointedError": "lightning_remat.apply",
-    "find_stages": "lightning_remat.candidates",
-    "NoCandidateError": "lightning_remat.candidates",
-    "measure_step": "lightning_remat.measure",
-    "AutoRemat": "lightning_remat.callback",
-    "find_remat_batch_size": "lightning_remat.batch_size",
-    "BatchSizeResult": "lightning_remat.batch_size",
-    "BatchSizeTooSmallBudgetError": "lightning_remat.batch_size",
-    "RematBatchSizeFinder": "lightning_remat.batch_size_finder",
-    "memory_breakdown": "lightning_remat.report",
-    "FakeProfileError": "lightning_remat.fake",
-    "RematAccelerator": "lightning_remat.accelerate",
-    "RematPlugin": "lightning_remat.accelerate",
-    "prepare_remat": "lightning_remat.accelerate",
+    "profile_step": "lightning_remat.runtime.profile",
+    "apply_plan": "lightning_remat.runtime.apply",
+    "remove_remat": "lightning_remat.runtime.apply",
+    "find_stages": "lightning_remat.runtime.candidates",
+    "measure_step": "lightning_remat.runtime.measure",
+    "plan_remat": "lightning_remat.service.planning",
+    "find_remat_batch_size": "lightning_remat.service.batch_size",
+    "BatchSizeResult": "lightning_remat.service.batch_size",
+    "memory_breakdown": "lightning_remat.report.breakdown",
+    "AutoRemat": "lightning_remat.integrations.lightning.callback",
+    "RematBatchSizeFinder": "lightning_remat.integrations.lightning.batch_size_finder",
+    "RematAccelerator": "lightning_remat.integrations.accelerate",
+    "RematPlugin": "lightning_remat.integrations.accelerate",
+    "prepare_remat": "lightning_remat.integrations.accelerate",
 }
 
 __all__ = [
+    "AlreadyCheckpointedError",
+    "BatchSizeTooSmallBudgetError",
+    "Budget",
     "BudgetTooSmallError",
+    "FakeProfileError",
+    "NoCandidateError",
     "Plan",
+    "PlanningFailedError",
     "Profile",
+    "ProfileOptions",
+    "RematConfig",
+    "RematError",
     "Segment",
     "StageChoice",
     "StageOption",

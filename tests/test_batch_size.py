@@ -12,19 +12,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remat.apply import checkpointed_modules, remove_remat
-from lightning_remat.batch_size import (
+from lightning_remat.runtime.apply import checkpointed_modules, remove_remat
+from lightning_remat.service.batch_size import (
     BatchSizeTooSmallBudgetError,
     ProfileFit,
     find_remat_batch_size,
-    is_out_of_memory,
     lightning_binsearch_sizes,
 )
-from lightning_remat.batch_size_finder import RematBatchSizeFinder
-from lightning_remat.measure import measure_step
+from lightning_remat.runtime.measure import is_out_of_memory
+from lightning_remat.integrations.lightning.batch_size_finder import RematBatchSizeFinder
+from lightning_remat.runtime.measure import measure_step
 from lightning_remat.models import build
-from lightning_remat.profile import profile_step
-from lightning_remat.solve import BudgetTooSmallError
+from lightning_remat.runtime.profile import profile_step
+from lightning_remat import BudgetTooSmallError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from lightning_remat import parse_budget
-from lightning_remat.budget import device_total_memory, format_bytes
+from lightning_remat.core.budget import device_total_memory, format_bytes
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from lightning_remat.cli import main
+from lightning_remat.integrations.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "factories.py"
 

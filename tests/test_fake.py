@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_remat import BudgetTooSmallError, plan_remat, profile_step, solve
-from lightning_remat.fake import FakeProfileError
-from lightning_remat.memory_model import predict_peak
+from lightning_remat import FakeProfileError
+from lightning_remat.core.memory_model import predict_peak
 from lightning_remat.models import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_code_that_needs_real_values_is_named():
 
 
 def test_the_command_line_plans_on_fake_tensors(capsys):
-    from lightning_remat.cli import main
+    from lightning_remat.integrations.cli import main
 
     target = f"{ROOT / 'examples' / 'factories.py'}:gpt2"
     code = main(["plan", target, "--fake", "--cost", "flops", "--device", "cuda", "--device-memory", "16GB",

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_remat import BudgetTooSmallError, apply_plan, profile_step, solve
-from lightning_remat.measure import count_step_flops, measure_step
+from lightning_remat.runtime.measure import count_step_flops, measure_step
 from lightning_remat.models import build
-from lightning_remat.solve import least_peak
+from lightning_remat.core.solve import least_peak
 
 MODELS = {
     "gpt2": dict(layers=4, hidden=96, seq_len=96, batch_size=4),

@@ -10,11 +10,12 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from lightning_remat.measure import measure_step
-from lightning_remat.profile import profile_step
-from lightning_remat.report import (MemoryTimeline, memory_breakdown, memory_timeline, pareto_sweep,
-                                    plot_memory_timeline, plot_pareto)
-from lightning_remat.solve import least_peak
+from lightning_remat.runtime.measure import measure_step
+from lightning_remat.runtime.profile import profile_step
+from lightning_remat.report.breakdown import memory_breakdown
+from lightning_remat.report.plots import pareto_sweep, plot_memory_timeline, plot_pareto
+from lightning_remat.report.timeline import MemoryTimeline, memory_timeline
+from lightning_remat.core.solve import least_peak
 
 
 def _chain(depth=4, width=32, batch=256):

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
-from lightning_remat.memory_model import plan_cost, predict_peak
-from lightning_remat.solve import least_peak, solve_choices
+from lightning_remat.core.memory_model import plan_cost, predict_peak
+from lightning_remat.core.solve import least_peak, solve_choices
 
 
 @st.composite

@@ -25,17 +25,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..core.errors import AlreadyCheckpointedError
+
 _ORIGINAL = "_remat_original_forward"
 _HAD_INSTANCE_FORWARD = "_remat_had_instance_forward"
-
-
-class AlreadyCheckpointedError(ValueError):
-    """The model already uses activation checkpointing that lightning-remat did not put there.
-
-    Example:
-        >>> issubclass(AlreadyCheckpointedError, ValueError)
-        True
-    """
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
@@ -129,7 +122,10 @@ def _unwrap(module: nn.Module) -> None:
 
 
 def _plan_names(plan: Any) -> list[str]:
-    return list(plan.checkpointed if hasattr(plan, "checkpointed") else plan)
+    names = plan.checkpointed if hasattr(plan, "checkpointed") else plan
+    if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"a plan is a Plan or a list of module names, got {plan!r}")
+    return list(names)
 
 
 def apply_plan(model: nn.Module, plan: Any) -> nn.Module:

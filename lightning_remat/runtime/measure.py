@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
+from .tracking import PeakOnlyTracker, snapshot_by_category
+
 Step = Callable[[nn.Module], torch.Tensor]
 
 
@@ -56,13 +58,6 @@ def synchronize(device: torch.device) -> None:
             backend.synchronize()
 
 
-def _total(snapshot: dict, device: torch.device) -> dict:
-    for dev, values in snapshot.items():
-        if torch.device(dev).type == device.type:
-            return values
-    return {}
-
-
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under MemTracker.
@@ -82,8 +77,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
     """
     device = model_device(model)
     if zero_grad:
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad(set_to_none=True)
     tracker = MemTracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     with tracker, warnings.catch_warnings():
@@ -95,8 +89,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
             optimizer.step()
         loss_value = float(loss.detach())
         del loss
-    peak = _total(tracker.get_tracker_snapshot("peak"), device)
-    by_name = {getattr(k, "value", k): v for k, v in peak.items()}
+    by_name = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device)
     return StepMeasurement(
         peak_bytes=int(by_name.get("Total", 0)),
         parameter_bytes=int(by_name.get("Parameter", 0)),
@@ -107,43 +100,6 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
         temporary_bytes=int(by_name.get("Temp", 0) + by_name.get("Other", 0)),
         loss=loss_value,
     )
-
-
-class _NoModules:
-    """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
-
-    is_bw = False
-    parents: set = set()
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> "_NoModules":
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        pass
-
-
-class _PeakOnlyTracker(MemTracker):
-    """MemTracker's byte counting without its per-module bookkeeping.
-
-    That bookkeeping supports one forward per ``with`` block and must see the root module's forward
-    begin; a window opened in a hook sees neither. The total is the same; only its split by module
-    is lost.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = _NoModules()
-
-    def _register_global_optimizer_hook(self) -> None:
-        # Registering a global optimizer hook from inside an optimizer hook is not allowed;
-        # optimizer state allocated in the window is counted all the same.
-        self._optimizer_hook_handles = None
 
 
 class PeakWindow:
@@ -169,7 +125,7 @@ class PeakWindow:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.tracker = _PeakOnlyTracker()
+            self.tracker = PeakOnlyTracker()
             self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
             self.tracker.__enter__()
 
@@ -178,7 +134,7 @@ class PeakWindow:
         if self.tracker is None:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.max_memory_allocated(self.device))
-        return int(_total(self.tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0))
+        return snapshot_by_category(self.tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0)
 
     def close(self) -> int:
         """Stop measuring; the peak of the window."""
@@ -220,6 +176,20 @@ def is_out_of_memory(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and bool(exception.args) and "out of memory" in str(exception.args[0])
 
 
+def release_device_memory() -> None:
+    """Collect garbage and return cached device memory (Accelerate's ``clear_device_cache``).
+
+    Call it after the frames of a failed step are gone (``except`` blocks keep the traceback, and
+    with it the step's tensors, alive until they end).
+
+    Example:
+        >>> release_device_memory()
+    """
+    from accelerate.utils.memory import clear_device_cache
+
+    clear_device_cache(garbage_collection=True)
+
+
 def count_step_flops(model: nn.Module, step: Step) -> int:
     """FLOPs of one forward and backward pass (recomputation included), counted exactly.
 
@@ -230,8 +200,7 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
     with FlopCounterMode(display=False) as counter:
         loss = step(model)
         loss.backward()
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
 
 

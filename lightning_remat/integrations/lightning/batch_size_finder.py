@@ -5,16 +5,19 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from .apply import apply_plan
-from .batch_size import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, BatchSizeResult, _validate, find_remat_batch_size
-from .budget import MIN_BUDGET, parse_budget
-from .lightning_step import training_step_closure
-from .plan import Plan
+from ...core.batch_fit import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, validate_search
+from ...core.config import RematConfig
+from ...core.plan import Plan
+from ...report.render import batch_size_table, print_renderables
+from ...runtime.apply import apply_plan
+from ...service.batch_size import BatchSizeResult, find_remat_batch_size
+from .step import training_step_closure
 
 
 def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"]) -> str:
@@ -27,15 +30,17 @@ def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Traine
     return ", ".join(places)
 
 
-class RematBatchSizeFinder(Callback):
+class RematBatchSizeFinder(BatchSizeFinder):
     """Before fit training starts, find the largest batch size that fits a memory budget with the
     least recomputation, set it, rebuild the dataloader and apply the recompute plan.
 
-    Where ``BatchSizeFinder`` runs trial after trial until one runs out of memory, this callback
+    A ``BatchSizeFinder`` (its checks in ``setup``, its ``on_fit_start``, its dataloader reset)
+    whose ``scale_batch_size`` is different: where ``BatchSizeFinder`` runs trial after trial until
+    one runs out of memory, this callback
     profiles the training step at two small batch sizes, predicts the peak of any batch size under
     any recompute plan, picks the largest batch whose optimal plan fits ``budget`` within
     ``max_overhead``, and confirms it with ``steps_per_trial`` real steps (see
-    ``lightning_remat.batch_size.find_remat_batch_size``). The batch size is set where
+    ``lightning_remat.service.batch_size.find_remat_batch_size``). The batch size is set where
     ``BatchSizeFinder`` sets it (``lightning_setattr``: the LightningModule, its ``hparams``, the
     datamodule and its ``hparams``), the train and validation dataloaders are rebuilt, and the plan
     is applied to the LightningModule. Trial steps run ``training_step`` on real batches of the
@@ -94,44 +99,29 @@ class RematBatchSizeFinder(Callback):
         cost: str = "flops",
         verbose: bool = True,
     ) -> None:
-        mode = mode.lower()
-        _validate(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
-        parsed = parse_budget(budget)  # fails early on a malformed budget; parsed again on the device
-        if parsed == MIN_BUDGET:
-            raise ValueError('budget="min" has no meaning for a batch-size search: give a size such as "10GB"')
-        if cost not in ("flops", "time"):
-            raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
+        validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode.lower(), max_trials)
+        self.config = RematConfig(budget, cost=cost)
+        self.config.require_size("a batch-size search")
+        super().__init__(mode=mode, steps_per_trial=steps_per_trial, init_val=init_val, max_trials=max_trials,
+                         batch_arg_name=batch_arg_name, margin=margin, max_val=max_val)
         self.budget = budget
-        self._mode = mode
-        self._steps_per_trial = steps_per_trial
-        self._init_val = init_val
-        self._max_trials = max_trials
-        self._batch_arg_name = batch_arg_name
-        self._margin = margin
         self._max_overhead = max_overhead
-        self._max_val = max_val
         self._cost = cost
         self._verbose = verbose
-        self.batch_size: Optional[int] = None
+        self.optimal_batch_size = None
         self.plan: Optional[Plan] = None
         self.result: Optional[BatchSizeResult] = None
         self._restored = False
 
     @property
-    def optimal_batch_size(self) -> Optional[int]:
-        """The batch size found, under ``BatchSizeFinder``'s name."""
-        return self.batch_size
+    def batch_size(self) -> Optional[int]:
+        """The batch size found (``optimal_batch_size``, as on ``BatchSizeFinder``)."""
+        return self.optimal_batch_size
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: Optional[str] = None) -> None:
         if stage != "fit":
             return
-        if trainer._accelerator_connector.is_distributed:
-            raise MisconfigurationException("RematBatchSizeFinder is not supported with distributed strategies "
-                                            "(as Lightning's BatchSizeFinder).")
-        if not trainer.fit_loop._data_source.is_module():
-            raise MisconfigurationException(
-                "RematBatchSizeFinder cannot be used with dataloaders passed directly to `.fit()`: the dataloader is "
-                "rebuilt with the batch size found, so define it in the LightningModule or a LightningDataModule.")
+        # Said before BatchSizeFinder's own checks, which name fewer places.
         if not lightning_hasattr(pl_module, self._batch_arg_name):
             raise MisconfigurationException(
                 f"RematBatchSizeFinder: the batch size attribute {self._batch_arg_name!r} does not exist. Looked in "
@@ -140,15 +130,16 @@ class RematBatchSizeFinder(Callback):
         if not pl_module.automatic_optimization:
             raise MisconfigurationException("RematBatchSizeFinder needs automatic optimization: trial steps run "
                                             "training_step and step the optimizer themselves.")
+        super().setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.fast_dev_run:
             rank_zero_warn("Skipping RematBatchSizeFinder since `fast_dev_run` is enabled.")
             return
-        if self._restored and self.batch_size is not None and self.plan is not None:
+        if self._restored and self.optimal_batch_size is not None and self.plan is not None:
             # Resumed from a checkpoint: no new search, the same batch and plan.
             self._restored = False
-            self._set_batch_size(trainer, pl_module, self.batch_size)
+            self._set_batch_size(trainer, pl_module, self.optimal_batch_size)
             apply_plan(pl_module, self.plan)
             return
         self.scale_batch_size(trainer, pl_module)
@@ -156,35 +147,35 @@ class RematBatchSizeFinder(Callback):
     def scale_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> BatchSizeResult:
         """Run the search, set the batch size, rebuild the dataloaders, apply the plan and report."""
         optimizers = trainer.optimizers
-        optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1:
             rank_zero_warn("RematBatchSizeFinder: several optimizers; only the first is stepped in trials.")
         original = lightning_getattr(pl_module, self._batch_arg_name)
         max_val = self._max_val
-        dataset_length = self._dataset_length(trainer, pl_module)
+        dataset_length = self._dataset_length(trainer)
         if dataset_length is not None and dataset_length < max_val:
             max_val = max(1, dataset_length)
-        start = min(self._init_val, max_val)
+
         def make_step(batch_size: int):
             return training_step_closure(pl_module, self._first_batch(trainer, pl_module, batch_size), 0, trainer)
 
         try:
             result = find_remat_batch_size(
-                make_step, pl_module, self.budget, optimizer=optimizer, start=start, max_batch_size=max_val,
-                max_overhead=self._max_overhead, steps_per_trial=self._steps_per_trial, margin=self._margin,
-                cost=self._cost, mode=self._mode, max_trials=self._max_trials, apply=False,
+                make_step, pl_module, self.budget, optimizer=optimizers[0] if optimizers else None,
+                start=min(self._init_val, max_val), max_batch_size=max_val, max_overhead=self._max_overhead,
+                steps_per_trial=self._steps_per_trial, margin=self._margin, cost=self._cost, mode=self._mode,
+                max_trials=self._max_trials, apply=False,
             )
         except BaseException:
             lightning_setattr(pl_module, self._batch_arg_name, original)
             raise
         self._set_batch_size(trainer, pl_module, result.batch_size)
         apply_plan(pl_module, result.plan)
-        self.result, self.plan, self.batch_size = result, result.plan, result.batch_size
+        self.result, self.plan, self.optimal_batch_size = result, result.plan, result.batch_size
         self._report(trainer, result)
         return result
 
     # ------------------------------------------------------------------------------------------
-    def _dataset_length(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[int]:
+    def _dataset_length(self, trainer: "pl.Trainer") -> Optional[int]:
         try:
             loader = trainer.fit_loop._data_source.dataloader()
             return len(loader.dataset)  # type: ignore[union-attr, arg-type]
@@ -193,19 +184,12 @@ class RematBatchSizeFinder(Callback):
 
     def _first_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> Any:
         lightning_setattr(pl_module, self._batch_arg_name, batch_size)
-        loader = trainer.fit_loop._data_source.dataloader()
-        batch = next(iter(loader))
+        batch = next(iter(trainer.fit_loop._data_source.dataloader()))
         return pl_module._apply_batch_transfer_handler(batch)
 
     def _set_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> None:
         lightning_setattr(pl_module, self._batch_arg_name, batch_size)
-        # As BatchSizeFinder: force the train (and validation) dataloaders to be rebuilt.
-        fit_loop = trainer.fit_loop
-        fit_loop._combined_loader = None
-        fit_loop.setup_data()
-        val_loop = fit_loop.epoch_loop.val_loop
-        val_loop._combined_loader = None
-        val_loop.setup_data()
+        _reset_dataloaders(trainer)  # as BatchSizeFinder does after a new size
 
     def _report(self, trainer: "pl.Trainer", result: BatchSizeResult) -> None:
         metrics = result.metrics()
@@ -216,15 +200,13 @@ class RematBatchSizeFinder(Callback):
             f"recomputed (predicted overhead {result.predicted_overhead:.1%}); without recomputation "
             f"{result.batch_size_without_remat} fits ({result.ratio:.2f}x)")
         if self._verbose and trainer.is_global_zero:
-            from rich.console import Console
-
-            Console().print(result.table())
+            print_renderables([batch_size_table(result)])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "plan": self.plan.to_dict() if self.plan is not None else None}
+        return {"batch_size": self.optimal_batch_size, "plan": self.plan.to_dict() if self.plan is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.batch_size = state_dict.get("batch_size")
+        self.optimal_batch_size = state_dict.get("batch_size")
         plan = state_dict.get("plan")
         self.plan = Plan.from_dict(plan) if plan is not None else None
-        self._restored = self.batch_size is not None and self.plan is not None
+        self._restored = self.optimal_batch_size is not None and self.plan is not None

@@ -7,24 +7,21 @@ real peak of a step with the plan, and reports the figures to every logger. See 
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 
-from .apply import apply_plan, checkpointed_modules, existing_checkpointing
-from .budget import MIN_BUDGET, format_bytes, parse_budget
-from .candidates import find_stages
-from .lightning_step import training_step_closure
-from .measure import PeakWindow, is_out_of_memory
-from .memory_model import check_cost_kind
-from .plan import Plan
-from .solve import BudgetTooSmallError, solve
-
-METRIC_PREFIX = "remat/"
+from ...core.budget import format_bytes
+from ...core.config import ProfileOptions, RematConfig
+from ...core.plan import Plan
+from ...report.render import print_plan
+from ...runtime.apply import apply_plan, checkpointed_modules, existing_checkpointing
+from ...runtime.candidates import find_stages
+from ...runtime.measure import PeakWindow
+from ...service.planning import Planner, plan_metrics
+from .step import training_step_closure
 
 
 def _is_compiled(pl_module: nn.Module) -> bool:
@@ -107,19 +104,16 @@ class AutoRemat(Callback):
 
     def __init__(self, budget: str | int, profile_steps: int = 2, candidates: list[str] | None = None,
                  cost: str = "time", verbose: bool = True, fake: bool = False) -> None:
-        self.budget = budget
-        self.budget_bytes = parse_budget(budget)
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
-        self.profile_steps = profile_steps
-        if isinstance(candidates, str):
-            candidates = [candidates]
-        if candidates is not None and (not candidates or not all(isinstance(c, str) for c in candidates)):
-            raise ValueError(f"candidates must be None or a non-empty list of class names or name patterns, got {candidates!r}")
-        self.candidates = list(candidates) if candidates is not None else None
-        self.cost = check_cost_kind(cost)
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
+        self.budget = budget
+        self.budget_bytes = self.config.budget.resolve()
+        self.profile_steps = profile_steps
+        self.candidates = list(self.config.profile.candidates) if self.config.profile.candidates is not None else None
+        self.cost = cost
         self.fake = fake
         self.verbose = verbose
         self.plan: Plan | None = None
@@ -144,8 +138,8 @@ class AutoRemat(Callback):
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
         # Fail before any training on a budget or candidate that cannot work with this model.
-        parse_budget(self.budget, device=pl_module.device)
-        find_stages(pl_module, self.candidates)
+        self.config.budget_bytes(pl_module.device)
+        find_stages(pl_module, self.config.profile.candidates)
         if self.plan is not None:
             self._apply(trainer, pl_module, self.plan)
 
@@ -170,8 +164,7 @@ class AutoRemat(Callback):
                 return
         if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
-            for p in pl_module.parameters():
-                p.grad = None
+            pl_module.zero_grad(set_to_none=True)
         if self._measure_countdown is not None:
             if self._measure_countdown == 0:
                 self._meter = PeakWindow(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
@@ -185,7 +178,7 @@ class AutoRemat(Callback):
         meter, self._meter = self._meter, None
         self._measure_countdown = None
         self.measured_peak_bytes = meter.close()
-        self._log_metrics(trainer, {"measured_peak_bytes": self.measured_peak_bytes})
+        self._log_metrics(trainer, {"remat/measured_peak_bytes": float(self.measured_peak_bytes)})
         assert self.plan is not None
         message = (f"AutoRemat: measured peak of a training step with the plan: {format_bytes(self.measured_peak_bytes)} "
                    f"(predicted {format_bytes(self.plan.predicted_peak_bytes)}, budget {format_bytes(self.plan.budget_bytes)})")
@@ -243,68 +236,20 @@ class AutoRemat(Callback):
 
 
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Profile and solve on rank 0, broadcast the outcome, and apply it on every rank."""
-        outcome: dict[str, Any] = {}
+        """Profile and solve on rank 0, share the outcome, and apply it on every rank."""
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        step = training_step_closure(pl_module, batch, batch_idx, trainer)
         if trainer.is_global_zero:
-            outcome = self._decide(trainer, pl_module, batch, batch_idx)
-        outcome = trainer.strategy.broadcast(outcome, src=0)
-        if "error" in outcome:
-            error = outcome.get("exception")
-            if isinstance(error, BaseException):
-                raise error
-            kind, args = outcome["error"]
-            if kind == "BudgetTooSmallError":
-                raise BudgetTooSmallError(*args)
-            raise RuntimeError(f"AutoRemat failed on rank 0: {args}")
-        self.plan = Plan.from_dict(outcome["plan"])
+            self.profile_count += 1
+        broadcast = (lambda outcome: trainer.strategy.broadcast(outcome, src=0)) if trainer.world_size > 1 else None
+        self.plan = Planner(self.config).shared_plan(
+            pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast,
+            hint=f"(AutoRemat, budget={self.budget!r})")
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
         if self.verbose:
             self._print_plan(self.plan)
         self._measure_countdown = self.profile_steps - 1
-
-    def _decide(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """Rank 0's plan as a picklable dict: ``{"plan": ...}`` or ``{"error": ...}``."""
-        from .profile import profile_step
-
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        step = training_step_closure(pl_module, batch, batch_idx, trainer)
-        try:
-            self.profile_count += 1
-            try:
-                profile = profile_step(pl_module, step, optimizer=optimizer, candidates=self.candidates, fake=self.fake)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                return {"plan": self._fallback_plan(pl_module, error).to_dict()}
-            budget = parse_budget(self.budget, device=pl_module.device)
-            plan = solve(profile, budget, cost=self.cost)
-            plan.requested_budget = str(self.budget)
-            return {"plan": plan.to_dict()}
-        except BudgetTooSmallError as error:
-            error.args = (error.args[0] + f" (AutoRemat, budget={self.budget!r})",)
-            return {"error": ("BudgetTooSmallError", (error.budget_bytes, error.smallest_peak_bytes)),
-                    "exception": error if trainer.world_size == 1 else None}
-        except Exception as error:
-            if trainer.world_size == 1:
-                return {"error": (type(error).__name__, str(error)), "exception": error}
-            return {"error": (type(error).__name__, f"{type(error).__name__}: {error}")}
-
-    def _fallback_plan(self, pl_module: LightningModule, error: BaseException) -> Plan:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        for p in pl_module.parameters():
-            p.grad = None
-        stages = find_stages(pl_module, self.candidates)
-        budget = parse_budget(self.budget, device=pl_module.device)
-        rank_zero_warn(f"AutoRemat: out of memory while profiling the first batch ({str(error).splitlines()[0][:200]}). "
-                       f"Falling back to recomputing every candidate block whole ({len(stages)} module(s)); the "
-                       "budget is not checked by a profile, only by the measured peak.")
-        return Plan(checkpointed=stages, budget_bytes=budget if budget != MIN_BUDGET else 0, baseline_peak_bytes=0,
-                    predicted_peak_bytes=0, predicted_overhead=0.0, cost_kind=self.cost,
-                    requested_budget=str(self.budget),
-                    notes=["fallback: out of memory while profiling, every candidate block recomputed whole"])
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
         # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so
@@ -312,44 +257,12 @@ class AutoRemat(Callback):
         apply_plan(pl_module, plan)
 
     def _log_metrics(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        named = {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
         for logger in trainer.loggers:
-            logger.log_metrics(named, step=trainer.global_step)
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _log_plan(self, trainer: Trainer, plan: Plan) -> None:
-        metrics: dict[str, float] = {"budget_bytes": plan.budget_bytes, "num_checkpointed": len(plan.checkpointed)}
-        if plan.baseline_peak_bytes:
-            metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes,
-                           predicted_peak_bytes=plan.predicted_peak_bytes,
-                           predicted_overhead=plan.predicted_overhead)
-        self._log_metrics(trainer, metrics)
+        self._log_metrics(trainer, plan_metrics(plan))
 
     @rank_zero_only
     def _print_plan(self, plan: Plan) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        unit = "s" if plan.cost_kind == "time" else "FLOP"
-        title = (f"AutoRemat plan: {len(plan.checkpointed)} module(s) recomputed, predicted peak "
-                 f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, "
-                 f"baseline {format_bytes(plan.baseline_peak_bytes)}), overhead {plan.predicted_overhead:.1%} ({plan.cost_kind})")
-        table = Table(title=title, title_justify="left")
-        for column, justify in (("stage", "left"), ("option", "left"), ("stored (keep)", "right"),
-                                ("stored (plan)", "right"), ("recompute cost", "right")):
-            table.add_column(column, justify=justify)  # type: ignore[arg-type]
-        for c in plan.choices:
-            table.add_row(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
-                          f"{c.cost:.3g} {unit}" if c.cost else "-")
-        if not plan.choices:
-            for name in plan.checkpointed:
-                table.add_row(name, "whole", "-", "-", "-")
-        longest = max((len(c.stage) for c in plan.choices), default=max(map(len, plan.checkpointed), default=5))
-        console = Console()
-        # Never cut module names: they are what the user needs to read.
-        console.width = max(console.width, longest + 70)
-        console.print(table)
-        console.print(f"static memory: parameters {format_bytes(plan.parameter_bytes)}, gradients "
-                      f"{format_bytes(plan.gradient_bytes)}, optimizer state {format_bytes(plan.optimizer_state_bytes)}",
-                      highlight=False)
-        for note in plan.notes:
-            console.print(f"note: {note}", highlight=False)
+        print_plan(plan, title="AutoRemat plan")

@@ -19,8 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .budget import MIN_BUDGET, format_bytes, parse_budget
-from .memory_model import Profile, check_cost_kind, plan_cost, predict_peak
+from .budget import MIN_BUDGET, parse_budget
+from .config import check_cost_kind
+from .errors import BudgetTooSmallError
+from .memory_model import Profile, plan_cost, predict_peak
 from .plan import Plan, StageChoice
 
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
@@ -28,26 +30,6 @@ from .plan import Plan, StageChoice
 # on exact byte counts); optimality is then within one band (1/MAX_FRONTIER of the frontier's
 # range of stored bytes). Chains of a few dozen stages, and every test of exactness, stay below it.
 MAX_FRONTIER = 1_000
-
-
-class BudgetTooSmallError(ValueError):
-    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached.
-
-    Example:
-        >>> err = BudgetTooSmallError(100, 150)
-        >>> err.smallest_peak_bytes
-        150
-    """
-
-    def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int = 0):
-        self.budget_bytes = budget_bytes
-        self.smallest_peak_bytes = smallest_peak_bytes
-        super().__init__(
-            f"No recompute plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): "
-            f"the smallest reachable peak is {format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
-            f"of which {format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
-            f"Raise the budget to at least that, or reduce the batch size."
-        )
 
 
 @dataclass
@@ -153,7 +135,7 @@ def least_peak(profile: Profile) -> int:
     """The smallest peak any plan reaches under the memory model.
 
     Example:
-        >>> from lightning_remat.memory_model import StageOption, StageProfile, Segment
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
         >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
         >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
@@ -185,7 +167,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     """Build the Plan for given option indices (used by ``solve`` and by tests and benchmarks).
 
     Example:
-        >>> from lightning_remat.memory_model import StageOption, StageProfile
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
         >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
         >>> p = Profile((StageProfile("a", (keep, whole)),), (), baseline_peak_bytes=150, baseline_step_seconds=10.0)
@@ -232,7 +214,7 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         BudgetTooSmallError: (a ValueError) when no plan fits; it names the smallest reachable peak.
 
     Example:
-        >>> from lightning_remat.memory_model import StageOption, StageProfile, Segment
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
         >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
         >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, 2.0, 9)))

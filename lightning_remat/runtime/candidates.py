@@ -13,20 +13,9 @@ from typing import Iterable, Sequence, Union
 
 from torch import nn
 
+from ..core.errors import NoCandidateError
+
 CandidateSpec = Union[None, str, type, Sequence[Union[str, type]]]
-
-
-class NoCandidateError(ValueError):
-    """The model has no module that recomputation could wrap.
-
-    Example:
-        >>> import torch
-        >>> try:
-        ...     find_stages(torch.nn.Linear(2, 2))
-        ... except NoCandidateError as err:
-        ...     print("no candidate" in str(err))
-        True
-    """
 
 
 def _is_block(module: nn.Module) -> bool:

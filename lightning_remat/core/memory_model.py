@@ -33,9 +33,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-COST_KINDS = ("time", "flops")
-
-
 @dataclass(frozen=True)
 class StageOption:
     """One way to run a stage: which modules are recomputed and what that costs and stores.
@@ -150,13 +147,6 @@ class Profile:
         )
         segments = tuple(Segment(**s) for s in data["segments"])
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ()))})
-
-
-def check_cost_kind(kind: str) -> str:
-    """Validate a cost kind (``"time"`` or ``"flops"``)."""
-    if kind not in COST_KINDS:
-        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
-    return kind
 
 
 def predict_peak(profile: Profile, choices: Sequence[int]) -> int:

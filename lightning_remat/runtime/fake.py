@@ -31,6 +31,8 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
 )
 
+from ..core.errors import FakeProfileError
+
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs,
 # from the vendors' data sheets (without sparsity).
 GPU_PEAK_FLOPS = {
@@ -51,23 +53,6 @@ GPU_PEAK_FLOPS = {
 }
 # Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
 GPU_EFFICIENCY = 0.4
-
-
-class FakeProfileError(RuntimeError):
-    """The model's code cannot run under fake tensors (it reads tensor values, for example).
-
-    Example:
-        >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
-        True
-    """
-
-    def __init__(self, op: str, detail: str = ""):
-        self.op = op
-        super().__init__(
-            f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
-            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}Profile it for real "
-            f"(fake=False) on a smaller configuration, or make that code path value-free."
-        )
 
 
 def gpu_peak_flops(name: str) -> float:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from .budget import format_bytes
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,11 @@ class Plan:
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan
         True
+        >>> Plan.from_dict({**plan.to_dict(), "checkpointed": "h.0"})
+        Traceback (most recent call last):
+        ...
+        ValueError: a plan's 'checkpointed' must be a list of module names, got 'h.0'
+
         >>> print(plan.summary().splitlines()[0])
         Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
     """
@@ -58,6 +61,24 @@ class Plan:
     gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    fallback: bool = False
+
+    @classmethod
+    def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
+                             note: str) -> "Plan":
+        """The plan made without a profile (profiling ran out of memory): every stage recomputed whole.
+
+        Nothing is predicted: ``predicted_peak_bytes`` and ``baseline_peak_bytes`` are 0 and
+        ``predicted_overhead`` is NaN (unknown); ``budget_bytes`` is 0 for ``"min"``.
+
+        Example:
+            >>> plan = Plan.recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
+            >>> plan.fallback, plan.checkpointed, plan.budget_bytes
+            (True, ['h.0', 'h.1'], 0)
+        """
+        return cls(checkpointed=list(stages), budget_bytes=budget if isinstance(budget, int) else 0,
+                   baseline_peak_bytes=0, predicted_peak_bytes=0, predicted_overhead=float("nan"),
+                   cost_kind=cost_kind, requested_budget=requested_budget, notes=[note], fallback=True)
 
     @property
     def predicted_saving_bytes(self) -> int:
@@ -71,30 +92,17 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        checkpointed = data.get("checkpointed")
+        if not isinstance(checkpointed, (list, tuple)) or not all(isinstance(n, str) for n in checkpointed):
+            raise ValueError(f"a plan's 'checkpointed' must be a list of module names, got {checkpointed!r}")
         known["choices"] = [StageChoice(**c) for c in data.get("choices", [])]
-        known["checkpointed"] = list(data["checkpointed"])
+        known["checkpointed"] = list(checkpointed)
         known["notes"] = list(data.get("notes", []))
         return cls(**known)
 
-    def summary(self) -> str:
-        """A readable table: the totals, one row per stage, and memory no recomputation frees."""
-        unit = "s" if self.cost_kind == "time" else "FLOP"
-        lines = [
-            f"Recompute plan: {len(self.checkpointed)} module(s), predicted peak {format_bytes(self.predicted_peak_bytes)} "
-            f"(budget {format_bytes(self.budget_bytes)}, baseline {format_bytes(self.baseline_peak_bytes)}), "
-            f"overhead {self.predicted_overhead:.1%} ({self.cost_kind})",
-            f"  at the peak: parameters {format_bytes(self.parameter_bytes)}, gradients {format_bytes(self.gradient_bytes)}, "
-            f"optimizer state {format_bytes(self.optimizer_state_bytes)}, activations and temporaries "
-            f"{format_bytes(max(0, self.predicted_peak_bytes - self.parameter_bytes - self.gradient_bytes - self.optimizer_state_bytes))}",
-        ]
-        if self.choices:
-            width = max(len("stage"), *(len(c.stage) for c in self.choices))
-            lines.append(f"  {'stage':<{width}}  {'option':<10} {'stored (keep)':>14} {'stored (plan)':>14} {'cost':>10}")
-            for c in self.choices:
-                cost = f"{c.cost:.3g} {unit}" if c.cost else "-"
-                lines.append(
-                    f"  {c.stage:<{width}}  {c.option:<10} {format_bytes(c.baseline_stored_bytes):>14} "
-                    f"{format_bytes(c.stored_bytes):>14} {cost:>10}"
-                )
-        lines.extend(f"  note: {note}" for note in self.notes)
-        return "\n".join(lines)
+    def summary(self, title: str = "Recompute plan") -> str:
+        """A readable table: the totals, one row per stage, and memory no recomputation frees
+        (rendered by ``lightning_remat.report.render.plan_summary``)."""
+        from ..report.render import plan_summary
+
+        return plan_summary(self, title)

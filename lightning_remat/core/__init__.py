@@ -1,0 +1,18 @@
+"""The pure core: memory model, exact solver, plans, budgets, the batch-size fit, errors. No torch.
+
+Example:
+    >>> from lightning_remat.core import parse_budget
+    >>> parse_budget("1KiB")
+    1024
+"""
+
+from .budget import Budget, format_bytes, parse_budget
+from .config import ProfileOptions, RematConfig, check_cost_kind
+from .errors import RematError
+from .memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
+from .plan import Plan, StageChoice
+from .solve import least_peak, plan_from_choices, solve
+
+__all__ = ["Budget", "Plan", "Profile", "ProfileOptions", "RematConfig", "RematError", "Segment", "StageChoice",
+           "StageOption", "StageProfile", "check_cost_kind", "format_bytes", "least_peak", "parse_budget",
+           "plan_cost", "plan_from_choices", "predict_peak", "solve"]

@@ -1,0 +1,254 @@
+"""The batch-size fit: the memory model at any batch size, and searches over batch sizes, on numbers only.
+
+Every term of the memory model (stored bytes, local peaks, segment peaks, recompute FLOPs) is an
+affine function ``a + b * batch`` of the batch size: activations grow with the batch, static
+memory (parameters, gradients, optimizer state) does not. ``ProfileFit`` fits the line through
+profiles at two batch sizes and gives a ``Profile`` for any batch size without running it;
+``largest_batch`` searches it; ``lightning_binsearch_sizes`` says what Lightning's search would
+have cost. No torch: the real trials live in ``service.batch_size``.
+
+Example:
+    >>> largest_batch(lambda b: b * 3 <= 100, start=2, high_limit=1000, mode="binsearch")
+    33
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from .memory_model import Profile, Segment, predict_peak
+
+SEARCH_MODES = ("binsearch", "power")
+DEFAULT_MAX_BATCH_SIZE = 8192  # Lightning's BatchSizeFinder max_val
+
+
+def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -> float:
+    if high_bs == low_bs:
+        return low
+    return low + (high - low) * (batch_size - low_bs) / (high_bs - low_bs)
+
+
+class ProfileFit:
+    """Profiles measured at one or two batch sizes, extended to any batch size.
+
+    Every term of the memory model is fitted as ``a + b * batch`` through the two profiles: stored
+    bytes, local and segment peaks (whose static part, the same in both, stays as it is), recompute
+    and step costs. Static memory is taken as measured. Options or segments that only one profile
+    has are dropped (options) or scaled in proportion to the batch beyond static memory (segments).
+    With a single profile every term beyond static memory is taken as proportional to the batch.
+
+    Example:
+        >>> from lightning_remat import StageOption, StageProfile
+        >>> keep = lambda s, p: StageOption("keep", (), s, p, 0.0, 0)
+        >>> whole = lambda s, p, f: StageOption("whole", ("a",), s, p, 0.0, f)
+        >>> def profile(b):
+        ...     stage = StageProfile("a", (keep(100 * b, 1000 + 150 * b), whole(10 * b, 1000 + 60 * b, 5 * b)))
+        ...     return Profile((stage,), (Segment("head", 1, 1000 + 20 * b),), parameter_bytes=1000,
+        ...                    baseline_step_flops=30 * b)
+        >>> fit = ProfileFit([(2, profile(2)), (4, profile(4))])
+        >>> fit.at(10).stages[0].options[1] == profile(10).stages[0].options[1]
+        True
+        >>> fit.at(10).baseline_peak_bytes, fit.at(10).static_bytes
+        (2500, 1000)
+    """
+
+    def __init__(self, profiles: Sequence[tuple[int, Profile]]):
+        if not 1 <= len(profiles) <= 2:
+            raise ValueError(f"ProfileFit takes one or two (batch size, profile) pairs, got {len(profiles)}")
+        ordered = sorted(profiles, key=lambda item: item[0])
+        if any(bs < 1 for bs, _ in ordered):
+            raise ValueError(f"batch sizes must be >= 1, got {[bs for bs, _ in ordered]}")
+        if len(ordered) == 2 and ordered[0][0] == ordered[1][0]:
+            ordered = ordered[:1]
+        self.batch_sizes = tuple(bs for bs, _ in ordered)
+        self.profiles = tuple(p for _, p in ordered)
+        low = self.profiles[0]
+        names = [s.name for s in low.stages]
+        for other in self.profiles[1:]:
+            if [s.name for s in other.stages] != names:
+                raise ValueError("the profiles have different stages: "
+                                 f"{names} vs {[s.name for s in other.stages]}")
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients, optimizer state and buffers (the same at every batch size)."""
+        return self.profiles[-1].static_bytes
+
+    def _pair(self, low_value: float, high_value: float | None, batch_size: int, offset: float = 0.0) -> float:
+        if high_value is None or len(self.batch_sizes) == 1:
+            # Proportional beyond ``offset`` (static memory for peaks, zero for the rest).
+            return offset + (low_value - offset) * batch_size / self.batch_sizes[0]
+        return _line(low_value, high_value, self.batch_sizes[0], self.batch_sizes[-1], batch_size)
+
+    def at(self, batch_size: int) -> Profile:
+        """The profile predicted for ``batch_size``."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        low = self.profiles[0]
+        high = self.profiles[-1] if len(self.profiles) == 2 else None
+        static = low.static_bytes
+        b = batch_size
+
+        def nbytes(value: float) -> int:
+            return int(math.ceil(value))
+
+        stages = []
+        for i, stage in enumerate(low.stages):
+            other = high.stages[i] if high is not None else None
+            options = []
+            for option in stage.options:
+                match = None
+                if other is not None:
+                    match = next((o for o in other.options if o.name == option.name), None)
+                    if match is None:
+                        continue
+                options.append(replace(
+                    option,
+                    stored_bytes=nbytes(self._pair(option.stored_bytes, match and match.stored_bytes, b)),
+                    local_peak_bytes=nbytes(self._pair(option.local_peak_bytes, match and match.local_peak_bytes, b, static)),
+                    cost_seconds=max(0.0, self._pair(option.cost_seconds, match and match.cost_seconds, b)),
+                    cost_flops=max(0, round(self._pair(option.cost_flops, match and match.cost_flops, b))),
+                ))
+            stages.append(replace(
+                stage,
+                options=tuple(options),
+                saved_bytes=max(0, nbytes(self._pair(stage.saved_bytes, other and other.saved_bytes, b))),
+                input_bytes=max(0, nbytes(self._pair(stage.input_bytes, other and other.input_bytes, b))),
+                output_bytes=max(0, nbytes(self._pair(stage.output_bytes, other and other.output_bytes, b))),
+                forward_seconds=max(0.0, self._pair(stage.forward_seconds, other and other.forward_seconds, b)),
+                forward_flops=max(0, round(self._pair(stage.forward_flops, other and other.forward_flops, b))),
+            ))
+        segments = []
+        high_segments = {(s.name, s.stages_alive): s for s in high.segments} if high is not None else {}
+        for segment in low.segments:
+            match = high_segments.get((segment.name, segment.stages_alive))
+            if high is not None and match is None:
+                peak = static + (segment.peak_bytes - static) * b / self.batch_sizes[0]
+            else:
+                peak = self._pair(segment.peak_bytes, match and match.peak_bytes, b, static)
+            segments.append(Segment(segment.name, segment.stages_alive, nbytes(peak)))
+        low_keys = {(s.name, s.stages_alive) for s in low.segments}
+        for key, segment in high_segments.items():
+            if key not in low_keys:
+                peak = static + (segment.peak_bytes - static) * b / self.batch_sizes[-1]
+                segments.append(Segment(segment.name, segment.stages_alive, nbytes(peak)))
+        profile = replace(
+            low,
+            stages=tuple(stages),
+            segments=tuple(segments),
+            baseline_step_seconds=max(0.0, self._pair(low.baseline_step_seconds, high and high.baseline_step_seconds, b)),
+            baseline_step_flops=max(0, round(self._pair(low.baseline_step_flops, high and high.baseline_step_flops, b))),
+            notes=tuple(dict.fromkeys([*low.notes, *(high.notes if high is not None else ())])),
+        )
+        profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+        return profile
+
+
+def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: int = 25,
+                              max_val: int = DEFAULT_MAX_BATCH_SIZE) -> list[int]:
+    """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries, in order.
+
+    A transcription of ``lightning.pytorch.tuner.batch_size_scaling._run_binsearch_scaling`` (Lightning
+    2.6) where exactly the sizes up to ``largest_fitting`` succeed: it doubles from ``init_val`` until
+    a size fails, then bisects between the last success and the failure. Every size tried is one
+    trial of ``steps_per_trial`` real steps. (The dataset-length cap is left out.)
+
+    Example:
+        >>> lightning_binsearch_sizes(2, 40)
+        [2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41]
+        >>> len(lightning_binsearch_sizes(2, 40)) * 3  # steps with the default steps_per_trial=3
+        33
+    """
+    if init_val < 1:
+        raise ValueError(f"init_val must be >= 1, got {init_val}")
+    low, high, count = 1, None, 0
+    new_size = init_val
+    tried: list[int] = []
+    while True:
+        if new_size >= max_val:
+            break
+        tried.append(new_size)
+        if new_size <= largest_fitting:
+            count += 1
+            if count >= max_trials:
+                break
+            low = new_size
+            if high:
+                if high - low <= 1:
+                    break
+                next_size = (high + low) // 2
+            else:
+                next_size = int(new_size * 2.0)
+            next_size = min(next_size, max_val)
+            changed = next_size != new_size
+            new_size = next_size
+            if not changed:
+                break
+        else:
+            high = new_size
+            new_size = min((high + low) // 2, max_val)
+            if high - low <= 1:
+                break
+    return tried
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode: str) -> int:
+    """Largest batch in [1, high_limit] with ``fits`` (assumed monotone), 0 when even 1 does not fit.
+
+    Searched on predictions only (no real step): doubling from ``start``, then bisection
+    (``"binsearch"``), or the largest ``start * 2**k`` (``"power"``).
+    """
+    if high_limit < 1:
+        return 0
+    size = min(start, high_limit)
+    if not fits(size):
+        # Halve down to a size that fits, then (binsearch) bisect up to the failure.
+        failed = size
+        while size > 1:
+            size //= 2
+            if fits(size):
+                break
+        else:
+            if not fits(1):
+                return 0
+            size = 1
+        if mode == "power":
+            return size
+        low, high = size, failed
+    else:
+        low = size
+        while True:
+            nxt = min(low * 2, high_limit)
+            if nxt == low:
+                return low
+            if not fits(nxt):
+                high = nxt
+                break
+            low = nxt
+        if mode == "power":
+            return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def validate_search(max_overhead: float, margin: float, steps_per_trial: int, start: int, max_batch_size: int,
+              mode: str, max_trials: int) -> None:
+    if not isinstance(max_overhead, (int, float)) or isinstance(max_overhead, bool) or not max_overhead >= 0:
+        raise ValueError(f"max_overhead must be a number >= 0 (a share of the step's cost, 0.35 = 35%), got {max_overhead!r}")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1) (the share the found batch size is reduced by), got {margin!r}")
+    for name, value in (("steps_per_trial", steps_per_trial), ("start", start), ("max_batch_size", max_batch_size),
+                        ("max_trials", max_trials)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if start > max_batch_size:
+        raise ValueError(f"start ({start}) must not exceed max_batch_size ({max_batch_size})")
+    if mode not in SEARCH_MODES:
+        raise ValueError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")

@@ -1,0 +1,199 @@
+"""The memory budget a user gives, parsed once, and byte counts formatted for people.
+
+The budget is the peak memory of a whole training step on the model's device (parameters,
+gradients, optimizer state, activations and temporaries), as ``torch.cuda.max_memory_allocated``
+would report it. Nothing here imports torch at module level: only a percentage of a device that
+is here asks torch for the device's total memory, when it is resolved.
+
+Example:
+    >>> Budget.parse("80%").resolve(total_memory=10**9)
+    800000000
+    >>> Budget.parse(" 10 GiB ").text, Budget.parse(512).resolve()
+    ('10 GiB', 512)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MIN_BUDGET = "min"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+# re.ASCII: "١٠GB" (Arabic-Indic digits) is not a budget, whatever float() makes of it.
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE | re.ASCII)
+_PERCENT = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*%\s*$", re.ASCII)
+
+ACCEPTED_FORMS = (
+    'a size such as "10GB", "10 GiB", "512MB", "1.5gb" (decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB), '
+    'a positive int of bytes, a percentage of the device\'s total memory such as "80%", '
+    'or "min" for the plan of least peak memory'
+)
+
+
+def _reject(value: Any, why: str) -> ValueError:
+    return ValueError(f"Invalid memory budget {value!r}: {why}. Accepted: {ACCEPTED_FORMS}.")
+
+
+def device_total_memory(device: Any = None) -> int:
+    """Total memory in bytes of ``device`` (a CUDA/XPU/MPS device, or the host for "cpu").
+
+    Example:
+        >>> device_total_memory("cpu") > 0
+        True
+    """
+    import torch
+
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "xpu":
+        return int(torch.xpu.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    # The CPU's "device memory" is the host's physical memory.
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A budget as the user gave it: bytes, a share of the device's memory, or ``"min"``.
+
+    ``parse`` checks the form at once (so a typo fails where it was made); ``resolve`` turns it
+    into bytes on a device, which a percentage needs. ``text`` is what the user wrote, for
+    messages and for the plan's ``requested_budget``.
+
+    Example:
+        >>> b = Budget.parse("10GB")
+        >>> b.text, b.nbytes, b.is_min, b.resolve()
+        ('10GB', 10000000000, False, 10000000000)
+        >>> Budget.parse("MIN").resolve()
+        'min'
+    """
+
+    text: str
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @property
+    def is_min(self) -> bool:
+        """The memory-minimal plan was asked for."""
+        return self.nbytes is None and self.fraction is None
+
+    @classmethod
+    def parse(cls, value: Any) -> "Budget":
+        """Check the form of ``value`` (see ``parse_budget``); a ``Budget`` passes through."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, bool) or value is None:
+            raise _reject(value, f"{type(value).__name__} is not a budget")
+        if isinstance(value, int):
+            if value <= 0:
+                raise _reject(value, "a budget must be a positive number of bytes")
+            return cls(str(value), nbytes=value)
+        if isinstance(value, float):
+            if not math.isfinite(value) or value <= 0 or not value.is_integer():
+                raise _reject(value, "a float budget must be a positive whole number of bytes")
+            return cls(str(value), nbytes=int(value))
+        if not isinstance(value, str):
+            raise _reject(value, f"a {type(value).__name__} is not a budget")
+        text = value.strip()
+        if text.lower() == MIN_BUDGET:
+            return cls(text)
+        percent = _PERCENT.match(text)
+        if percent:
+            fraction = float(percent.group("number")) / 100
+            if not 0 < fraction <= 1:
+                raise _reject(value, "a percentage must be above 0% and at most 100%")
+            return cls(text, fraction=fraction)
+        size = _SIZE.match(text)
+        if not size:
+            raise _reject(value, "it is not a size, a percentage or \"min\"")
+        unit = size.group("unit").lower()
+        if unit not in _UNITS:
+            raise _reject(value, f"unknown unit {size.group('unit')!r}")
+        number = float(size.group("number"))
+        if unit in ("", "b") and not number.is_integer():
+            raise _reject(value, "a number of bytes must be whole")
+        if not math.isfinite(number * _UNITS[unit]):
+            raise _reject(value, "the number is too large")
+        nbytes = int(number * _UNITS[unit])
+        if nbytes <= 0:
+            raise _reject(value, "a budget must be positive")
+        return cls(text, nbytes=nbytes)
+
+    def resolve(self, device: Any = None, total_memory: Any = None) -> int | str:
+        """Bytes on ``device`` (or on a device of ``total_memory``), or ``"min"``.
+
+        A percentage refers to the device's total memory (``total_memory`` when the device is not
+        here; the host's memory for the CPU). A budget above a known total is an error.
+        """
+        total = _total_memory(total_memory)
+        if self.is_min:
+            return MIN_BUDGET
+        if self.fraction is not None:
+            return int(self.fraction * (total if total is not None else device_total_memory(device)))
+        assert self.nbytes is not None
+        if total is not None and self.nbytes > total:
+            raise ValueError(f"The memory budget {self.text!r} ({self.nbytes} bytes) is larger than the device's "
+                             f"memory {total_memory!r} ({total} bytes)")
+        return self.nbytes
+
+
+def _total_memory(total_memory: Any) -> int | None:
+    if total_memory is None:
+        return None
+    total = Budget.parse(total_memory)
+    if total.nbytes is None:
+        raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
+    return total.nbytes
+
+
+def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> int | str:
+    """Turn a user's budget into a number of bytes, or the string ``"min"``.
+
+    Args:
+        value: ``"10GB"``, ``"10 GiB"``, ``"512mb"`` (case-insensitive; kB/MB/GB/TB are decimal,
+            KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of bytes, ``"80%"`` of ``device``'s total
+            memory, or ``"min"`` for the memory-minimal plan.
+        device: the device the percentage refers to (default: the CPU, that is the host's memory).
+        total_memory: the device's total memory (bytes or a size string) when it is not this
+            machine's: planning for a GPU that is not here. Percentages refer to it, and a budget
+            larger than it is an error.
+
+    Raises:
+        ValueError: for anything else (zero, negative, NaN, bool, None, "ten", "10XB", ...), naming
+            the value and the accepted forms.
+
+    Example:
+        >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")
+        (10000000000, 1073741824, 512, 'min')
+        >>> parse_budget("90%", total_memory="80GB")
+        72000000000
+    """
+    return Budget.parse(value).resolve(device=device, total_memory=total_memory)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as a short human-readable string in binary units.
+
+    Example:
+        >>> format_bytes(1536), format_bytes(3 * 2**30)
+        ('1.50 KiB', '3.00 GiB')
+    """
+    sign = "-" if nbytes < 0 else ""
+    nbytes = abs(float(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{sign}{nbytes:.0f} B" if unit == "B" else f"{sign}{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,146 @@
+"""What a user asks for, checked once and passed whole: the budget, the cost kind, how to profile.
+
+Every entry point (``plan_remat``, ``AutoRemat``, the Accelerate plugin, the batch-size search,
+the command line) builds one ``RematConfig`` from its arguments; the checks below run there,
+once, and the planning service reads the typed fields instead of a row of keyword arguments.
+
+Example:
+    >>> config = RematConfig("10GB", cost="flops", profile=ProfileOptions(candidates=("GPT2Block",)))
+    >>> config.budget.text, config.budget_bytes(), config.profile.candidates
+    ('10GB', 10000000000, ('GPT2Block',))
+    >>> RematConfig("10GB", profile=ProfileOptions(fake=True))
+    Traceback (most recent call last):
+    ...
+    ValueError: a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .budget import Budget
+
+COST_KINDS = ("time", "flops")
+
+
+def check_cost_kind(kind: Any) -> str:
+    """Validate a cost kind (``"time"`` or ``"flops"``).
+
+    Example:
+        >>> check_cost_kind("flops")
+        'flops'
+    """
+    if kind not in COST_KINDS:
+        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
+    return kind
+
+
+def normalize_candidates(candidates: Any) -> tuple | None:
+    """None, or a non-empty tuple of module classes, class names or name patterns.
+
+    A string is one name or pattern, or several separated by commas (as an environment variable
+    gives them).
+
+    Example:
+        >>> normalize_candidates("GPT2Block, transformer.h.*")
+        ('GPT2Block', 'transformer.h.*')
+        >>> normalize_candidates(None) is None
+        True
+    """
+    if candidates is None:
+        return None
+    if isinstance(candidates, str):
+        items: list = [part.strip() for part in candidates.split(",") if part.strip()]
+    elif isinstance(candidates, type):
+        items = [candidates]
+    else:
+        try:
+            items = list(candidates)
+        except TypeError:
+            items = [candidates]
+    if not items or not all(isinstance(c, (str, type)) for c in items):
+        raise ValueError("candidates must be None or a non-empty list of module classes, class names or name "
+                         f"patterns (such as 'GPT2Block' or 'transformer.h.*'), got {candidates!r}")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How a step is profiled.
+
+    Attributes:
+        candidates: None for automatic stages, or module classes / class names / name patterns.
+        fake: profile on fake tensors (nothing is allocated): a model larger than this machine,
+            a device that is not here.
+        dtype: with ``fake``, the dtype floating-point parameters train in (a ``torch.dtype`` or
+            its name, ``"bfloat16"``).
+        device: the device planned for (``"cuda"``); default the model's.
+        gpu: with ``fake``, a GPU name whose throughput prices FLOPs in seconds.
+        device_memory: the target device's total memory when it is not this machine's.
+        warmup: unmeasured steps before profiling.
+
+    Example:
+        >>> ProfileOptions(gpu="h100")
+        Traceback (most recent call last):
+        ...
+        ValueError: gpu= and dtype= apply to fake profiles (fake=True); a real profile times the real step
+    """
+
+    candidates: Any = None
+    fake: bool = False
+    dtype: Any = None
+    device: str | None = None
+    gpu: str | None = None
+    device_memory: int | str | None = None
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        if not self.fake and (self.gpu is not None or self.dtype is not None):
+            raise ValueError("gpu= and dtype= apply to fake profiles (fake=True); a real profile times the real step")
+        if self.device is not None:
+            object.__setattr__(self, "device", str(self.device))
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    """A budget, what recomputation costs, and how to profile: one request for a plan.
+
+    Example:
+        >>> RematConfig("min").budget.is_min
+        True
+        >>> RematConfig("1GB", cost="seconds")
+        Traceback (most recent call last):
+        ...
+        ValueError: cost must be one of ('time', 'flops'), got 'seconds'
+    """
+
+    budget: Any
+    cost: str = "time"
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", Budget.parse(self.budget))
+        check_cost_kind(self.cost)
+        if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
+            raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
+
+    def budget_bytes(self, device: Any = None) -> int | str:
+        """The budget in bytes for the device planned for (``profile.device``, else ``device``), or ``"min"``."""
+        return self.budget.resolve(device=self.profile.device or device, total_memory=self.profile.device_memory)
+
+    def require_size(self, purpose: str) -> None:
+        """Refuse ``"min"`` where only a size has a meaning (``purpose`` says where).
+
+        Example:
+            >>> RematConfig("min").require_size("a batch-size search")
+            Traceback (most recent call last):
+            ...
+            ValueError: budget="min" has no meaning for a batch-size search: give a size such as "10GB", a number of bytes or a percentage such as "80%"
+        """
+        if self.budget.is_min:
+            raise ValueError(f'budget="min" has no meaning for {purpose}: give a size such as "10GB", '
+                             'a number of bytes or a percentage such as "80%"')

@@ -1,0 +1,129 @@
+"""Every error lightning-remat raises on purpose, under one base class.
+
+``RematError`` is the base; each subclass is also the builtin it has always been (a
+``ValueError`` for bad input and budgets that cannot be met, a ``RuntimeError`` for a step that
+cannot run under fake tensors), so ``except ValueError`` in user code keeps working.
+
+Errors are picklable with every field and their full message: under torch.distributed rank 0
+decides and the other ranks raise the very same error (``service.planning.PlanOutcome``).
+
+Example:
+    >>> import pickle
+    >>> err = BudgetTooSmallError(100, 150, 80)
+    >>> isinstance(err, RematError) and isinstance(err, ValueError)
+    True
+    >>> err.add_hint("(AutoRemat, budget='100B')")
+    >>> again = pickle.loads(pickle.dumps(err))
+    >>> str(again) == str(err), again.smallest_peak_bytes, again.static_bytes
+    (True, 150, 80)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _format_bytes(nbytes: float) -> str:
+    from .budget import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
+
+
+class RematError(Exception):
+    """The base of lightning-remat's errors.
+
+    Example:
+        >>> str(RematError("no plan"))
+        'no plan'
+    """
+
+    def add_hint(self, hint: str) -> None:
+        """Append context (which integration, which setting) to the message."""
+        self.args = (f"{self.args[0]} {hint}" if self.args else hint, *self.args[1:])
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from the message and fields, not from the constructor's arguments, so that a
+        # hint added on one rank reaches the others.
+        return (_rebuild, (type(self), str(self.args[0]) if self.args else "", dict(self.__dict__)))
+
+
+class BudgetTooSmallError(RematError, ValueError):
+    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached.
+
+    Example:
+        >>> err = BudgetTooSmallError(100, 150)
+        >>> err.smallest_peak_bytes
+        150
+    """
+
+    def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int = 0, message: str | None = None):
+        self.budget_bytes = budget_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
+        self.static_bytes = static_bytes
+        super().__init__(message or (
+            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} ({budget_bytes} bytes): "
+            f"the smallest reachable peak is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {_format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
+            f"Raise the budget to at least that, or reduce the batch size."))
+
+
+class BatchSizeTooSmallBudgetError(BudgetTooSmallError):
+    """Even a batch of one does not fit the budget (or not within ``max_overhead``).
+
+    ``smallest_peak_bytes`` is the least peak any plan reaches at batch size 1.
+
+    Example:
+        >>> err = BatchSizeTooSmallBudgetError(100, 150, 80, "the least peak at batch size 1 is too high")
+        >>> isinstance(err, BudgetTooSmallError), err.smallest_peak_bytes
+        (True, 150)
+    """
+
+
+class NoCandidateError(RematError, ValueError):
+    """The model has no module that recomputation could wrap.
+
+    Example:
+        >>> issubclass(NoCandidateError, ValueError)
+        True
+    """
+
+
+class AlreadyCheckpointedError(RematError, ValueError):
+    """The model already uses activation checkpointing that lightning-remat did not put there.
+
+    Example:
+        >>> issubclass(AlreadyCheckpointedError, ValueError)
+        True
+    """
+
+
+class FakeProfileError(RematError, RuntimeError):
+    """The model's code cannot run under fake tensors (it reads tensor values, for example).
+
+    Example:
+        >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
+        True
+    """
+
+    def __init__(self, op: str, detail: str = ""):
+        self.op = op
+        super().__init__(
+            f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
+            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}Profile it for real "
+            f"(fake=False) on a smaller configuration, or make that code path value-free.")
+
+
+class PlanningFailedError(RematError, RuntimeError):
+    """Planning failed on rank 0 with an error that cannot travel to the other ranks as itself.
+
+    Example:
+        >>> str(PlanningFailedError("TypeError: bad step"))
+        'TypeError: bad step'
+    """

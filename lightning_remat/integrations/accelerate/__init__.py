@@ -1,0 +1,9 @@
+"""Accelerate: ``RematPlugin`` (settings from ``ACCELERATE_REMAT_*``), ``RematSession`` (observe,
+plan, apply, measure in the user's loop), ``RematAccelerator`` and ``prepare_remat``."""
+
+from .accelerator import RematAccelerator, prepare_remat, remat_session
+from .plugin import ENV_BUDGET, ENV_CANDIDATES, ENV_COST, ENV_PROFILE_STEPS, METRIC_NAMES, RematPlugin
+from .session import RematSession
+
+__all__ = ["ENV_BUDGET", "ENV_CANDIDATES", "ENV_COST", "ENV_PROFILE_STEPS", "METRIC_NAMES", "RematAccelerator",
+           "RematPlugin", "RematSession", "prepare_remat", "remat_session"]

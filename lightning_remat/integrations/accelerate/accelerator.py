@@ -1,0 +1,180 @@
+"""``RematAccelerator`` and ``prepare_remat``: switch recomputation on for the models of an Accelerate loop.
+
+    ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py
+
+The script uses ``RematAccelerator`` instead of ``Accelerator`` (or keeps the stock ``Accelerator``
+and calls ``prepare_remat(model, accelerator=accelerator)``); nothing else in the loop changes.
+
+Supported: one process, and DDP (multi-GPU, multi-CPU). Not supported: FSDP, DeepSpeed, Megatron-LM,
+XLA and ``torch.compile`` through Accelerate (a plan needs the whole unsharded model on one device
+to profile); ``RematAccelerator`` and ``prepare_remat`` raise at start for those.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from ...core.errors import AlreadyCheckpointedError
+from ...core.plan import Plan
+from ...runtime.apply import existing_checkpointing
+from ...runtime.candidates import find_stages
+from .plugin import ENV_BUDGET, RematPlugin
+from .session import RematSession
+
+_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+_SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKeyDictionary()
+
+
+def _check_supported(accelerator: Accelerator) -> None:
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind in _UNSUPPORTED:
+        raise NotImplementedError(
+            f"lightning-remat does not support Accelerate's {kind} mode: a plan is made by profiling the whole "
+            "unsharded model on one device. Use one process or DDP, or make a plan with lightning_remat.plan_remat "
+            f"on one device, apply it with apply_plan before accelerator.prepare, and unset {ENV_BUDGET}."
+        )
+    dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
+        raise NotImplementedError("lightning-remat does not support torch.compile through Accelerate (dynamo_backend); "
+                                  f"unset {ENV_BUDGET} or the dynamo backend")
+
+
+def _inner_model(model: nn.Module) -> nn.Module:
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+
+
+def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
+                  accelerator: Accelerator | None = None) -> nn.Module:
+    """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
+
+    Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it for you in ``prepare``).
+    Call it before or after ``accelerator.prepare``; the training loop stays as it is. The first
+    ``plugin.profile_steps`` training steps are observed, the plan is made and applied in place at
+    the end of the last of them, and the next step is measured (see the module docstring).
+
+    Args:
+        model: the model (already wrapped by DDP is fine: the inner module is watched).
+        plugin: the settings; None reads them from the environment (``ACCELERATE_REMAT_BUDGET``, ...).
+            Without a budget nothing happens.
+        accelerator: to find the prepared optimizer (its state counts in the budget), to log
+            ``remat/...`` metrics to its trackers, and to receive ``accelerator.remat_metrics`` and
+            ``accelerator.remat_plan``. Without it the optimizer is found when it first steps.
+
+    Returns:
+        ``model`` itself; ``remat_session(model)`` gives the plan and metrics.
+
+    Raises:
+        ValueError: a malformed environment variable (named in the message).
+        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        NoCandidateError: the model has no module to recompute (set ``candidates``).
+        NotImplementedError: FSDP, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+        >>> prepare_remat(net, RematPlugin(budget="1GB")) is net
+        True
+        >>> remat_session(net).phase
+        'observe'
+        >>> remat_session(net).remove()
+    """
+    plugin = RematPlugin() if plugin is None else plugin
+    if accelerator is not None:
+        if not hasattr(accelerator, "remat_metrics"):
+            accelerator.remat_metrics = {}
+            accelerator.remat_plan = None
+    if not plugin.enabled:
+        return model
+    if accelerator is not None:
+        _check_supported(accelerator)
+    inner = _inner_model(model)
+    if inner in _SESSIONS:
+        return model
+    existing = existing_checkpointing(inner)
+    if existing:
+        raise AlreadyCheckpointedError(f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): "
+                                       + "; ".join(existing))
+    find_stages(inner, plugin.candidates)  # fail at start, not after the first step
+    session = RematSession(inner, plugin, accelerator)
+    if accelerator is not None:
+        # The same dict: it fills in as the plan is made and measured.
+        accelerator.remat_metrics = session.metrics
+    _SESSIONS[inner] = session
+    return model
+
+
+def remat_session(model: nn.Module) -> RematSession | None:
+    """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any.
+
+    Example:
+        >>> remat_session(nn.Linear(2, 2)) is None
+        True
+    """
+    return _SESSIONS.get(_inner_model(model))
+
+
+class RematAccelerator(Accelerator):
+    """``Accelerator`` that keeps each training step within a memory budget by recomputation.
+
+    Takes every argument of ``Accelerator``, and ``remat_plugin``. Without a plugin the settings
+    come from the environment, so an unchanged script is switched on at launch::
+
+        ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py
+
+    Each model given to ``prepare`` (for training) gets ``prepare_remat``: its first
+    ``profile_steps`` steps are observed, then the plan is applied in place (parameter names and
+    ``state_dict`` keys do not change, so ``save_state``/``load_state`` work with or without it).
+
+    Args:
+        remat_plugin: the settings; None reads ``RematPlugin`` from the environment. A malformed
+            value fails here, at start, naming the variable.
+        *args, **kwargs: passed to ``Accelerator``.
+
+    Attributes:
+        remat_plugin: the settings in use.
+        remat_plan: the applied ``Plan`` (None before it is made, or when disabled).
+        remat_metrics: ``remat/budget_bytes``, ``remat/baseline_peak_bytes``,
+            ``remat/predicted_peak_bytes``, ``remat/predicted_overhead``, ``remat/num_checkpointed``
+            once planned, and ``remat/measured_peak_bytes`` after the next step; the same figures
+            go to ``accelerator.log`` when trackers are initialised.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
+        >>> model, optimizer = accelerator.prepare(model, optimizer)
+        >>> x = torch.randn(64, 32)
+        >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
+        ...     optimizer.zero_grad(set_to_none=True)
+        ...     accelerator.backward(model(x).square().mean())
+        ...     optimizer.step()
+        >>> metrics = accelerator.remat_metrics
+        >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+        (True, True)
+        >>> from accelerate.state import AcceleratorState
+        >>> AcceleratorState._reset_state(True)
+    """
+
+    def __init__(self, *args: Any, remat_plugin: RematPlugin | None = None, **kwargs: Any):
+        # Read the environment before anything else, so a bad value fails before any set-up.
+        plugin = RematPlugin() if remat_plugin is None else remat_plugin
+        super().__init__(*args, **kwargs)
+        self.remat_plugin = plugin
+        self.remat_plan: Plan | None = None
+        self.remat_metrics: dict[str, float] = {}
+        if plugin.enabled:
+            _check_supported(self)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        """Prepare as ``Accelerator.prepare_model`` does, and watch the model for recomputation."""
+        if self.remat_plugin.enabled and not evaluation_mode:
+            prepare_remat(model, self.remat_plugin, accelerator=self)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

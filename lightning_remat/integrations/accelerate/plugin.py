@@ -1,0 +1,123 @@
+"""``RematPlugin``: the settings of automatic recomputation under Accelerate, from the environment.
+
+Accelerate does not let third parties add keys to its config file or to ``kwargs_handlers``, but
+``accelerate launch`` passes the environment through, so each setting is an environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.budget import Budget
+from ...core.config import COST_KINDS, ProfileOptions, RematConfig, normalize_candidates
+
+ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
+ENV_PROFILE_STEPS = "ACCELERATE_REMAT_PROFILE_STEPS"
+ENV_CANDIDATES = "ACCELERATE_REMAT_CANDIDATES"
+ENV_COST = "ACCELERATE_REMAT_COST"
+
+METRIC_NAMES = (
+    "remat/budget_bytes",
+    "remat/baseline_peak_bytes",
+    "remat/predicted_peak_bytes",
+    "remat/measured_peak_bytes",
+    "remat/predicted_overhead",
+    "remat/num_checkpointed",
+)
+
+@dataclass
+class RematPlugin:
+    """Settings of automatic recomputation under Accelerate, read from the environment when not given.
+
+    Every field left ``None`` is read from an environment variable, which ``accelerate launch``
+    passes through to every process; an explicit value wins over the environment.
+
+    Args:
+        budget: peak memory of a training step on the model's device, as ``parse_budget`` accepts:
+            ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the device's total memory (on a CPU,
+            of the host's memory), or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. Recomputation is
+            enabled if and only if a budget is set.
+        profile_steps: training steps run as written, and observed, before the plan is made and
+            applied (at least 1: the recorded call needs one real backward). Env:
+            ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
+        candidates: which modules may be recomputed: None for automatic (repeated blocks), or module
+            classes, class names or ``fnmatch`` patterns over module names; a string is split at
+            commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
+            ``"transformer.h.*"``).
+        cost: what the plan minimises: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs,
+            deterministic). Env: ``ACCELERATE_REMAT_COST``. Default ``"time"``.
+
+    Raises:
+        ValueError: a malformed value; the message names the environment variable (or the field)
+            it came from, and what is accepted.
+
+    Example:
+        >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
+        >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
+        (True, 1, ['GPT2Block', 'transformer.h.*'], 'time')
+    """
+
+    budget: str | int | None = field(
+        default=None, metadata={"help": f"Peak memory of a training step, e.g. '10GB' or 'min'. Env: {ENV_BUDGET}."})
+    profile_steps: int | None = field(
+        default=None, metadata={"help": f"Steps observed before the plan is applied (>= 1). Env: {ENV_PROFILE_STEPS}."})
+    candidates: Any = field(
+        default=None, metadata={"help": f"Module classes or name patterns to choose among. Env: {ENV_CANDIDATES}."})
+    cost: str | None = field(
+        default=None, metadata={"help": f"'time' or 'flops': what the plan minimises. Env: {ENV_COST}."})
+
+    def __post_init__(self):
+        sources: dict[str, str] = {}
+        for name, variable in (("budget", ENV_BUDGET), ("profile_steps", ENV_PROFILE_STEPS),
+                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST)):
+            if getattr(self, name) is None:
+                value = os.environ.get(variable, "").strip()
+                if value:
+                    setattr(self, name, value)
+                    sources[name] = variable
+
+        def invalid(name: str, why: str) -> ValueError:
+            value = getattr(self, name)
+            origin = f"{sources[name]}={value!r}" if name in sources else f"RematPlugin({name}={value!r})"
+            return ValueError(f"lightning-remat: invalid {origin}: {why}")
+
+        if self.budget is not None:
+            if isinstance(self.budget, str):
+                self.budget = self.budget.strip()
+            try:
+                Budget.parse(self.budget)
+            except ValueError as err:
+                raise invalid("budget", str(err)) from None
+        self.profile_steps = self._steps(invalid)
+        try:
+            candidates = normalize_candidates(self.candidates)
+        except ValueError:
+            raise invalid("candidates", "expected module classes, class names or comma-separated name patterns, "
+                          "such as 'GPT2Block' or 'transformer.h.*'") from None
+        self.candidates = list(candidates) if candidates is not None else None
+        self.cost = "time" if self.cost is None else str(self.cost).strip().lower()
+        if self.cost not in COST_KINDS:
+            raise invalid("cost", f"expected one of {list(COST_KINDS)}")
+
+    def _steps(self, invalid: Any) -> int:
+        if self.profile_steps is None:
+            return 1
+        text = str(self.profile_steps).strip()
+        if isinstance(self.profile_steps, bool) or not text.isdigit() or int(text) < 1:
+            raise invalid("profile_steps", "expected a whole number of training steps, at least 1")
+        return int(text)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether recomputation is on: a budget is set."""
+        return self.budget is not None
+
+    def config(self) -> RematConfig:
+        """The settings as the planning service takes them."""
+        return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(candidates=self.candidates))
+
+    def budget_bytes(self, device: Any = None) -> int | str:
+        """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""
+        return Budget.parse(self.budget).resolve(device=device)

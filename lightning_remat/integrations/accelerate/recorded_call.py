@@ -1,0 +1,124 @@
+"""What the Accelerate session records of the user's loop: one training forward and its backward,
+and the calibration of a profile against the observed step.
+
+The loss is usually computed outside the model (``criterion(model(x), y)``), where no hook can see
+it. The profile therefore re-runs the recorded call and builds its loss from what the user's
+backward did:
+
+- if the model returned a scalar loss (a scalar tensor, or Hugging Face outputs with ``.loss``)
+  and the user's backward went through it, that loss is used;
+- otherwise the loss is the surrogate ``sum((output * grad_output).sum())`` over the outputs that
+  received a gradient, with ``grad_output`` the gradient the user's real loss sent into each output.
+  Its gradient with respect to every output equals the real one, so the model's backward (what
+  recomputation changes) is the same as in training; only the user's loss function itself, outside
+  the model, is stood in for by one product of the outputs' size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.budget import format_bytes
+from ...core.memory_model import Profile, Segment, predict_peak
+from ...runtime.measure import PeakWindow
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensor_leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensor_leaves(v)]
+    return []
+
+
+def scalar_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model returned itself: a scalar tensor, or the ``loss`` of Hugging Face outputs."""
+    candidate = output
+    if not isinstance(output, torch.Tensor):
+        candidate = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(candidate, torch.Tensor) and candidate.dim() == 0 and candidate.is_floating_point():
+        return candidate
+    return None
+
+
+@dataclass
+class RecordedCall:
+    """One training forward: its inputs and what the user's backward did with its outputs."""
+
+    args: tuple
+    kwargs: dict
+    loss_index: int | None = None  # position of the model's own loss among the output tensors
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output position -> gradient it received
+    backward_ran: bool = False
+    used_model_loss: bool = False
+
+    def on_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.backward_ran = True
+        if index == self.loss_index:
+            # The loss is the root of the backward: its gradient arrives first. The outputs it was
+            # computed from (logits) are then covered by re-running the model's own loss.
+            self.used_model_loss = True
+            self.grads.clear()
+        elif not self.used_model_loss:
+            self.grads[index] = grad.detach()
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        """Re-run the call on ``model`` and return the loss the profile backpropagates."""
+        output = model(*self.args, **self.kwargs)
+        if self.used_model_loss:
+            loss = scalar_loss(output)
+            if loss is None:
+                raise RuntimeError("the model returned a loss when it was observed, and none when re-run")
+            return loss
+        leaves = tensor_leaves(output)
+        terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in self.grads.items()]
+        return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+
+
+class WindowTracker(PeakWindow):
+    """A ``PeakWindow`` that also remembers the optimizer's state at its start and the peak before
+    the optimizer stepped (both feed the calibration of an observed step)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        super().__init__(model, optimizer)
+        # A first step creates the optimizer's state only at its end: its forward and backward ran
+        # without the state that every later step holds.
+        self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
+        self.peak_before_optimizer: int | None = None
+
+
+def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True) -> Profile:
+    """Account for what the profile cannot re-run: the user's code around the model (its loss).
+
+    The profile re-runs the model with a stand-in loss; the observed step ran the real one.
+    ``observed_peak`` is the peak of the observed step's forward and backward (before the optimizer
+    step); on a first step the optimizer state did not exist yet, and is added. When that is
+    higher than the profile predicts for forward and backward, the excess is charged to the point
+    where the user's loss runs: the end of forward / start of backward, with every stage's stored
+    bytes alive. The baseline then predicts the observed step, and a plan that frees stored bytes
+    is credited for it only where that really lowers the peak.
+    """
+    if not profile.stages:
+        return profile
+    if not optimizer_had_state:
+        observed_peak += profile.optimizer_state_bytes
+    # The profile's own forward/backward prediction: without the optimizer-step segment.
+    model_only = replace(profile, segments=tuple(s for s in profile.segments if s.name != "optimizer step"))
+    predicted = predict_peak(model_only, [0] * len(profile.stages))
+    if observed_peak <= predicted:
+        return profile
+    stored = sum(stage.options[0].stored_bytes for stage in profile.stages)
+    outside = Segment("outside the model (the loss)", len(profile.stages), observed_peak - stored)
+    note = (f"the observed training step peaked {format_bytes(observed_peak - predicted)} above the profile of the "
+            "model alone (code outside the model, such as the loss); counted at the end of forward")
+    notes = (*profile.notes, note) if observed_peak - predicted > predicted // 200 else profile.notes
+    calibrated = replace(profile, segments=(*profile.segments, outside), notes=notes)
+    calibrated.baseline_peak_bytes = predict_peak(calibrated, [0] * len(profile.stages))
+    return calibrated

@@ -1,0 +1,241 @@
+"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure once.
+
+How it works, per model:
+
+1. The first ``profile_steps`` training steps run as written. Hooks on the model record the inputs
+   of each training forward and, during the user's backward, the gradient that reached each output
+   (``recorded_call``).
+2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
+   forward) the planning service profiles the recorded call, solves, and every rank applies the
+   main process's plan in place.
+3. The next step is measured (``MemTracker`` on a CPU, ``max_memory_allocated`` on CUDA) and the
+   figures go to ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ...runtime.apply import apply_plan
+from ...core.plan import Plan
+from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
+from .plugin import ENV_BUDGET, RematPlugin
+from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves
+
+logger = logging.getLogger(__name__)
+
+
+class RematSession:
+    """Observe a model in the user's loop, then plan, apply and measure recomputation once.
+
+    Made by ``prepare_remat`` (and so by ``RematAccelerator``); get it back with
+    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps), ``"measure"``
+    (the first step with the plan), ``"done"``.
+
+    Attributes:
+        plan: the applied ``Plan`` (None until it is made).
+        metrics: ``remat/...`` figures, as logged (``remat/measured_peak_bytes`` once measured).
+        observed_steps: training steps (forward and backward) seen so far.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> from lightning_remat.accelerate import prepare_remat, remat_session
+        >>> session = remat_session(prepare_remat(net, RematPlugin(budget="min", cost="flops")))
+        >>> for _ in range(3):
+        ...     net(torch.randn(64, 32)).pow(2).mean().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
+        >>> session.phase, session.plan.checkpointed
+        ('done', ['0', '1', '2', '3'])
+        >>> session.metrics["remat/measured_peak_bytes"] == session.metrics["remat/predicted_peak_bytes"]
+        True
+    """
+
+    def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None):
+        self.model = model
+        self.plugin = plugin
+        self.accelerator = accelerator
+        self.plan: Plan | None = None
+        self.metrics: dict[str, float] = {}
+        self.phase = "observe"
+        self.observed_steps = 0
+        self._parameter_ids = {id(p) for p in model.parameters()}
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._current: RecordedCall | None = None  # the latest training forward
+        self._completed: RecordedCall | None = None  # the latest one whose backward ran
+        self._window: WindowTracker | None = None
+        self._window_backward_ran = False
+        self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._busy = False
+        self._hooked_optimizers: set[int] = set()
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+            # Finds the optimizer when it first steps, if no accelerator told us about it.
+            register_optimizer_step_post_hook(self._discover_optimizer),
+        ]
+
+    # -- hooks -----------------------------------------------------------------------------
+    # torch iterates an optimizer's own step hooks, then the global ones, and forbids changing
+    # either set while it iterates it. Profiling (MemTracker) adds and removes global hooks, so
+    # the step boundary work runs in a per-optimizer hook, and hooks are removed only from a
+    # forward pre-hook (or by ``remove()`` outside a step).
+
+    def _training_call(self, module: nn.Module) -> bool:
+        return not self._busy and module.training and torch.is_grad_enabled()
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.phase == "done":
+            self.remove()
+            return
+        if not self._training_call(module):
+            return
+        self._hook_optimizer(self._known_optimizer())
+        self._step_boundary(optimizer_stepped=False)
+        if self.phase == "observe":
+            self._current = RecordedCall(args=args, kwargs=dict(kwargs))
+        if self.phase in ("observe", "measure"):
+            self._open_window()
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._training_call(module):
+            return
+        leaves = tensor_leaves(output)
+        if self.phase == "observe" and self._current is not None:
+            call = self._current
+            loss = scalar_loss(output)
+            call.loss_index = next((i for i, t in enumerate(leaves) if t is loss), None)
+            for i, tensor in enumerate(leaves):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, i=i, call=call: call.on_grad(i, grad))
+        elif self.phase == "measure":
+            for tensor in leaves:
+                if tensor.requires_grad:
+                    tensor.register_hook(self._window_backward)
+                    break
+
+    def _window_backward(self, grad: torch.Tensor) -> None:
+        self._window_backward_ran = True
+
+    def _discover_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.phase != "done" and not self._busy and self._holds_model_parameters(optimizer):
+            self._hook_optimizer(optimizer)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None or id(optimizer) in self._hooked_optimizers:
+            return
+        self._optimizer = optimizer
+        self._hooked_optimizers.add(id(optimizer))
+        self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._busy and self.phase == "observe" and self._window is not None:
+            self._window.peak_before_optimizer = self._window.peak()
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._busy or self.phase == "done":
+            return
+        self._step_boundary(optimizer_stepped=True)
+
+    # -- the state machine -------------------------------------------------------------------
+
+    def _holds_model_parameters(self, optimizer: Any) -> bool:
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return False  # a wrapper (Accelerate's AcceleratedOptimizer): its inner optimizer reports the step
+        return any(id(p) in self._parameter_ids for group in optimizer.param_groups for p in group["params"])
+
+    def _known_optimizer(self) -> torch.optim.Optimizer | None:
+        if self._optimizer is not None:
+            return self._optimizer
+        for optimizer in getattr(self.accelerator, "_optimizers", []) or []:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if isinstance(inner, torch.optim.Optimizer) and self._holds_model_parameters(inner):
+                return inner
+        return None
+
+    def _step_boundary(self, optimizer_stepped: bool) -> None:
+        """Between two steps: count the step that ended, and plan or finish measuring when due."""
+        if self.phase == "observe":
+            if self._current is not None and self._current.backward_ran:
+                self._completed, self._current = self._current, None
+                self.observed_steps += 1
+                if self._window is not None:
+                    window, self._window = self._window, None
+                    peak = window.close()
+                    # Without an optimizer pre-step hook in this step, the whole step's peak stands in
+                    # for that of forward and backward (an over-estimate: the plan errs on the safe side).
+                    before = window.peak_before_optimizer
+                    self._observed = (peak if before is None else before, window.optimizer_had_state)
+            if self.observed_steps >= self.plugin.profile_steps and self._completed is not None:
+                self._make_plan()
+                self.phase = "measure"
+                self._window_backward_ran = False
+        elif self.phase == "measure" and self._window_backward_ran:
+            # The measured step ends with the optimizer step; without a known optimizer, at the
+            # next forward.
+            if optimizer_stepped or self._known_optimizer() is None:
+                self.observed_steps += 1
+                self._finish_measurement()
+
+    def _open_window(self) -> None:
+        """Measure the step that starts now: the observed ones calibrate the plan, the next checks it."""
+        if self._window is None and is_main_process():
+            self._window = WindowTracker(self.model, self._known_optimizer())
+
+    def _make_plan(self) -> None:
+        call, self._completed = self._completed, None
+        is_main, broadcast = torch_distributed_broadcast()
+        observed = self._observed
+        self._busy = True
+        try:
+            # The observed steps were the warm-up: lazy initialisation has happened.
+            plan = Planner(self.plugin.config()).shared_plan(
+                self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast,
+                hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
+                adjust=(lambda profile: calibrate(profile, *observed)) if observed is not None else None)
+        finally:
+            self._busy = False
+        apply_plan(self.model, plan)
+        self.plan = plan
+        self.metrics.update(plan_metrics(plan))
+        if self.accelerator is not None:
+            self.accelerator.remat_plan = plan
+        if is_main:
+            logger.info("lightning-remat applied after %d step(s):\n%s", self.observed_steps, plan.summary())
+        self._log(dict(self.metrics))
+
+    def _finish_measurement(self) -> None:
+        window, self._window = self._window, None
+        if window is None:  # not the main process: it only follows the main process's plan
+            self.phase = "done"
+            return
+        self.metrics["remat/measured_peak_bytes"] = float(window.close())
+        self.phase = "done"  # the hooks are removed at the next forward (not from inside a step hook)
+        if is_main_process():
+            logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes",
+                        self.metrics["remat/measured_peak_bytes"])
+        self._log({"remat/measured_peak_bytes": self.metrics["remat/measured_peak_bytes"]})
+
+    def _log(self, values: dict[str, float]) -> None:
+        if self.accelerator is not None and getattr(self.accelerator, "trackers", None):
+            self.accelerator.log(values, step=self.observed_steps)
+
+    def remove(self) -> None:
+        """Stop observing (the plan, if applied, stays: ``remove_remat(model)`` undoes it).
+
+        Call it between steps, not from inside an optimizer step hook.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._window is not None:
+            self._window.abandon()
+            self._window = None

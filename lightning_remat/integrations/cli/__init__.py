@@ -1,0 +1,100 @@
+"""The ``lightning-remat`` command line: where does my memory go, and what would a budget cost?
+
+    lightning-remat plan examples/factories.py:gpt2 --budget 200MB
+    lightning-remat plan train.py:make_model --budget 80% --cost flops --out report/
+    lightning-remat plan train.py:make_model --budget min --json > plan.json
+    lightning-remat plan examples/factories.py:llama7b --fake --device cuda --device-memory 80GB --budget 90% --gpu h100
+
+``FILE.py:FACTORY`` names a function in a Python file that takes no arguments and returns one of
+
+- ``(model, step)``: ``step(model)`` runs a forward pass on a representative batch and returns the
+  scalar loss (the command runs backward itself);
+- ``(model, step, optimizer)``: the optimizer's state counts in the budget (Adam: two tensors the
+  size of each parameter, counted before its first step too);
+- ``(lightning_module, batch)``: the step is ``lightning_module.training_step(batch, 0)`` (its
+  loss, or ``["loss"]`` of the dict it returns); the optimizer from ``configure_optimizers()``.
+
+The command profiles one training step, prints where the memory goes (parameters, gradients,
+optimizer state, activations, temporaries, the blocks that save the most), the least-cost plan
+within ``--budget`` and a table of budgets from the least reachable peak to no recomputation, and
+writes plots (memory over one step before and after the plan, peak against overhead) and the plan
+as JSON to ``--out``.
+
+The budget is the peak memory of a whole training step, in the forms of ``parse_budget``: "10GB",
+"512MiB", a number of bytes, "min", or a percentage, which is a percentage of the device's total
+memory (for a model on the CPU, the host's RAM), as everywhere in lightning-remat.
+
+Exit codes: 0 success; 1 the budget cannot be met (the smallest reachable peak is printed) or the
+step failed while profiling; 2 a usage error (missing file or factory, a factory that raises or
+returns something else, a malformed budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .factory import UsageError
+from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, run_plan
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-remat",
+        description="Plan activation recomputation (gradient checkpointing) to fit a training step in a memory budget.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser(
+        "plan", help="profile a training step, show where memory goes and the least-cost plan within a budget",
+        description=__doc__.split("\n\n")[2] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("target", metavar="FILE.py:FACTORY",
+                      help="a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)")
+    plan.add_argument("--budget", default="min",
+                      help="peak memory of a training step: 10GB, 512MiB, bytes, min, or a percentage of the device's "
+                           "total memory (the host's RAM on CPU). Default: min")
+    plan.add_argument("--cost", choices=("time", "flops"), default="time",
+                      help="price recomputation by measured seconds (time) or counted FLOPs (flops). Default: time")
+    plan.add_argument("--out", type=Path, default=Path("remat-report"),
+                      help="folder for the plots and plan.json. Default: ./remat-report")
+    plan.add_argument("--no-plots", action="store_true", help="write no files")
+    plan.add_argument("--points", type=int, default=10, help="budgets in the table from least peak to baseline. Default: 10")
+    plan.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
+    target = plan.add_argument_group(
+        "planning without the hardware",
+        "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
+    target.add_argument("--fake", action="store_true", help="profile under fake tensors; costs are counted FLOPs")
+    target.add_argument("--device", default=None, help='the device to plan for, e.g. "cuda" (default: the model\'s)')
+    target.add_argument("--device-memory", default=None,
+                        help='the target device\'s total memory, e.g. "80GB": percentages refer to it')
+    target.add_argument("--gpu", default=None, help="a GPU name (h100, a100, l4, ...) to price FLOPs in seconds")
+    target.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="with --fake, the dtype floating-point parameters train in")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error).
+
+    Example:
+        >>> main(["plan", "missing.py:factory", "--json"])
+        2
+    """
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        if args.command == "plan":
+            return run_plan(args)
+    except UsageError as err:
+        print(f"lightning-remat: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("lightning-remat: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

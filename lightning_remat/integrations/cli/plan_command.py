@@ -1,0 +1,190 @@
+"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+from ...core.config import ProfileOptions, RematConfig
+from ...core.errors import BudgetTooSmallError
+from ...core.plan import Plan
+from ...core.solve import solve
+from ...report.render import breakdown_renderables, pareto_table, plan_renderables, print_renderables
+from .factory import Target, UsageError, load_factory, normalize
+
+EXIT_OK, EXIT_NO_PLAN, EXIT_USAGE = 0, 1, 2
+
+
+def _finite(value: float) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr; yields ``advance(description)`` for each phase."""
+    if not enabled:
+        yield lambda description: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    phases = 6
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("starting", total=phases)
+        first = [True]
+
+        def advance(description: str) -> None:
+            if not first[0]:
+                progress.advance(task)
+            first[0] = False
+            progress.update(task, description=description)
+
+        yield advance
+        progress.update(task, completed=phases)
+
+
+def _profile_warnings(profile: Any, cost: str) -> list[str]:
+    found = []
+    recomputing = [o for s in profile.stages for o in s.options if o.checkpointed]
+    if cost == "flops" and profile.baseline_step_flops and recomputing and not any(o.cost_flops for o in recomputing):
+        found.append("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
+                     "FlopCounterMode names modules from the first one called), so every plan looks free; "
+                     "use --cost time or call model(...) in the step")
+    return found
+
+
+def _config(args: argparse.Namespace) -> RematConfig:
+    """The command line's settings, checked once; a mistake is a usage error (exit code 2)."""
+    try:
+        return RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(
+            fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory))
+    except ValueError as err:
+        message = str(err).replace("gpu= and dtype= apply to fake profiles (fake=True)", "--gpu and --dtype apply with --fake")
+        raise UsageError(message) from err
+
+
+def _target(args: argparse.Namespace, advance: Callable[[str], None]) -> tuple[Target, str]:
+    advance(f"importing {args.target}")
+    factory, name = load_factory(args.target)
+    advance(f"building the model ({name}())")
+    try:
+        produced = factory()
+    except Exception as err:  # noqa: BLE001
+        raise UsageError(f"{name}() raised {type(err).__name__}: {err}") from err
+    return normalize(produced, f"{name}()"), name
+
+
+def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
+    from ...report.breakdown import breakdown_from_profile, memory_breakdown
+
+    if args.fake:  # nothing real can run: the breakdown comes from the profile alone
+        counted_ahead = target.optimizer is not None and not target.optimizer.state
+        return breakdown_from_profile(profile, None, counted_ahead, args.top)
+    return memory_breakdown(target.model, target.step, target.optimizer, profile=profile, top=args.top, show=False)
+
+
+def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
+                 points: list, advance: Callable[[str], None]) -> dict[str, str]:
+    """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
+    from ...report.plots import plot_memory_timeline, plot_pareto
+    from ...report.timeline import memory_timeline
+
+    files: dict[str, str] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.fake:  # a timeline needs a real step
+        advance("recording memory over one step")
+        timelines = [memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")]
+        if plan is not None and plan.checkpointed:
+            timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
+                                             label=f"plan ({len(plan.checkpointed)} modules recomputed)"))
+        files["memory_timeline"] = str(plot_memory_timeline(
+            timelines, args.out / "memory_timeline.png", title=f"{name}: memory over one forward and backward pass"))
+    unit = "time overhead (%)" if args.cost == "time" else "FLOP overhead (%)"
+    chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
+    files["pareto"] = str(plot_pareto(
+        args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],
+        planned=chosen, baseline_peak_bytes=profile.baseline_peak_bytes, overhead_label=unit,
+        budget_bytes=plan.budget_bytes if plan is not None else None, title=f"{name}: predicted peak vs overhead"))
+    if plan is not None:
+        (args.out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        files["plan"] = str(args.out / "plan.json")
+    return files
+
+
+def _show(result: dict[str, Any], breakdown: Any, plan: Plan | None, points: list, cost: str) -> None:
+    from rich.console import Console
+
+    console = Console()
+    print_renderables(breakdown_renderables(breakdown), console)
+    for warning in result["warnings"]:
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    if plan is not None:
+        print_renderables(plan_renderables(plan), console)
+    else:
+        console.print(f"[red]error:[/red] {result['error']}", highlight=False)
+    console.print(pareto_table(points, plan, cost))
+    for label, path in result["files"].items():
+        console.print(f"wrote {label}: {path}", highlight=False)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """The ``plan`` subcommand (``args`` as parsed by the command line)."""
+    from ...report.plots import pareto_sweep
+    from ...runtime.measure import model_device
+    from ...runtime.profile import profile_step
+
+    config = _config(args)  # a malformed budget fails before anything heavy is imported
+    if args.points < 1 or args.top < 0:
+        raise UsageError("--points must be at least 1 and --top at least 0")
+    result: dict[str, Any] = {"target": args.target, "budget": args.budget, "cost": args.cost}
+    plan = None
+    with _progress(not args.json) as advance, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target, name = _target(args, advance)
+        try:
+            budget = config.budget_bytes(model_device(target.model))
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+        advance("profiling one training step" + (" on fake tensors" if args.fake else ""))
+        start = time.perf_counter()
+        try:
+            profile = profile_step(target.model, target.step, optimizer=target.optimizer, options=config.profile)
+        except (TypeError, ValueError, RuntimeError) as err:
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[red]error:[/red] profiling {name} failed: {type(err).__name__}: {err}",
+                                       highlight=False)
+            return EXIT_NO_PLAN
+        result["profile_seconds"] = time.perf_counter() - start
+        result["warnings"] = _profile_warnings(profile, args.cost)
+        advance("measuring where memory goes")
+        breakdown = _breakdown(args, target, profile)
+        advance("solving")
+        try:
+            plan = solve(profile, budget, cost=args.cost)
+            plan.requested_budget = config.budget.text
+        except BudgetTooSmallError as err:
+            result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes)
+        points = pareto_sweep(profile, args.points, cost=args.cost)
+        files = {} if args.no_plots else _write_files(args, target, name, profile, plan, points, advance)
+        advance("done")
+    import torch
+
+    result.update({
+        "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
+        "pareto": [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
+                    "predicted_overhead": _finite(p.predicted_overhead), "modules": p.modules, "feasible": p.feasible}
+                   for p in points],
+        "files": files, "torch": torch.__version__,
+    })
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        _show(result, breakdown, plan, points, args.cost)
+    return EXIT_OK if plan is not None else EXIT_NO_PLAN

@@ -1,0 +1,169 @@
+"""Where the memory of a training step goes.
+
+``memory_breakdown`` answers the common question "what uses my memory?": parameters, gradients,
+optimizer state (Adam keeps two tensors per parameter; before the optimizer's first step, the
+state it *will* create is counted, because every later step holds it), activations saved for
+backward and temporaries, and the modules that save the most activation bytes. The tables are
+drawn by ``report.render``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.memory_model import Profile
+from ..runtime.measure import model_device
+from ..runtime.tracking import snapshot_by_category
+from .timeline import tracked_step
+
+Step = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """A candidate block and the activation bytes it saves for backward (nothing recomputed).
+
+    Example:
+        >>> ModuleMemory("transformer.h.0", "GPT2Block", 2**20, 0.25).saved_bytes
+        1048576
+    """
+
+    name: str
+    module_type: str
+    saved_bytes: int
+    share: float  # of the bytes saved by all candidate blocks
+
+
+@dataclass
+class MemoryBreakdown:
+    """Where the memory of one training step goes.
+
+    Attributes:
+        parameter_bytes, buffer_bytes, gradient_bytes: the model's tensors (all gradients, as
+            after backward).
+        optimizer_state_bytes: the optimizer's state; when the optimizer has not stepped yet, the
+            state its first step will create (``optimizer_state_counted_ahead`` is then True).
+        activation_bytes, temporary_bytes: measured at the highest point of forward and backward:
+            tensors created in forward (mostly saved for backward) and tensors created in backward.
+        at_peak: the split of that highest point by category, as MemTracker reports it (gradients
+            there are only those computed so far).
+        forward_backward_peak_bytes: that highest point, optimizer state included.
+        peak_bytes: the peak of a whole steady-state training step (forward, backward and the
+            optimizer step), as the profile predicts it; this is what a budget is compared with.
+        saved_activation_bytes: bytes saved for backward by all candidate blocks together.
+        top_modules: the candidate blocks that save the most, largest first.
+
+    Example:
+        >>> b = MemoryBreakdown(parameter_bytes=4, gradient_bytes=4, optimizer_state_bytes=8,
+        ...                     activation_bytes=20, peak_bytes=40)
+        >>> b.static_bytes, b.to_dict()["peak_bytes"]
+        (16, 40)
+    """
+
+    parameter_bytes: int = 0
+    buffer_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    optimizer_state_counted_ahead: bool = False
+    activation_bytes: int = 0
+    temporary_bytes: int = 0
+    at_peak: dict[str, int] = field(default_factory=dict)
+    forward_backward_peak_bytes: int = 0
+    peak_bytes: int = 0
+    saved_activation_bytes: int = 0
+    top_modules: list[ModuleMemory] = field(default_factory=list)
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, buffers, gradients and optimizer state: what no recomputation can free."""
+        return self.parameter_bytes + self.buffer_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict."""
+        data = asdict(self)
+        data["static_bytes"] = self.static_bytes
+        return data
+
+    def print(self, console: Any = None) -> None:
+        """Print the breakdown's tables with rich (to ``console``, default stdout)."""
+        from .render import breakdown_renderables, print_renderables
+
+        print_renderables(breakdown_renderables(self), console)
+
+
+def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | None = None,
+                           counted_ahead: bool = False, top: int = 10) -> MemoryBreakdown:
+    """Build a ``MemoryBreakdown`` from a profile and (optionally) the category split of a measured peak.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> p = Profile((StageProfile("a", (keep,), saved_bytes=100, module_type="Block"),), (),
+        ...             parameter_bytes=10, gradient_bytes=10, baseline_peak_bytes=170)
+        >>> b = breakdown_from_profile(p)
+        >>> b.top_modules[0].name, b.peak_bytes, b.static_bytes
+        ('a', 170, 20)
+    """
+    at_peak = dict(tracker_totals or {})
+    saved_total = sum(s.saved_bytes for s in profile.stages)
+    ranked = sorted(profile.stages, key=lambda s: s.saved_bytes, reverse=True)[:top]
+    modules = [ModuleMemory(s.name, s.module_type, int(s.saved_bytes), s.saved_bytes / saved_total if saved_total else 0.0)
+               for s in ranked]
+    activation = int(at_peak.get("Activation", 0))
+    temporary = int(at_peak.get("Temp", 0))
+    fw_bw_peak = int(at_peak.get("Total", 0))
+    if counted_ahead and at_peak:
+        # The state does not exist yet while this step runs; in every later step it does.
+        at_peak["Optstate"] = at_peak.get("Optstate", 0) + profile.optimizer_state_bytes
+        fw_bw_peak += profile.optimizer_state_bytes
+    return MemoryBreakdown(
+        parameter_bytes=profile.parameter_bytes, buffer_bytes=profile.buffer_bytes,
+        gradient_bytes=profile.gradient_bytes, optimizer_state_bytes=profile.optimizer_state_bytes,
+        optimizer_state_counted_ahead=counted_ahead, activation_bytes=activation, temporary_bytes=temporary,
+        at_peak=at_peak, forward_backward_peak_bytes=fw_bw_peak, peak_bytes=profile.baseline_peak_bytes,
+        saved_activation_bytes=int(saved_total), top_modules=modules, device=profile.device, notes=list(profile.notes),
+    )
+
+
+def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
+                     profile: Profile | None = None, top: int = 10, show: bool = True,
+                     console: Any = None) -> MemoryBreakdown:
+    """Where the memory of one training step of ``model`` goes; printed with rich and returned.
+
+    Args:
+        model: the model, in training mode.
+        step: ``step(model)`` returns the loss of a forward pass on a representative batch.
+        optimizer: its state counts: the state it holds or, before its first step, the state
+            that step will create (Adam: two tensors the size of each parameter).
+        profile: a ``profile_step`` result for this model, step and optimizer, to avoid profiling
+            again (None: profile here).
+        top: how many modules to list by saved activation bytes.
+        show: print the tables (with rich) to ``console`` (default stdout).
+
+    The model, its gradients, buffers, RNG state and the optimizer are left as they were.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+        >>> opt = torch.optim.Adam(net.parameters())
+        >>> b = memory_breakdown(net, lambda m: m(torch.randn(32, 64)).sum(), opt, show=False)
+        >>> b.optimizer_state_bytes >= 2 * b.parameter_bytes, len(b.top_modules), b.peak_bytes > b.static_bytes
+        (True, 4, True)
+    """
+    if profile is None:
+        from ..runtime.profile import profile_step
+
+        profile = profile_step(model, step, optimizer=optimizer)
+    counted_ahead = optimizer is not None and not optimizer.state
+    tracker = tracked_step(model, step, optimizer, [])
+    peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), model_device(model))
+    peak["Temp"] = peak.get("Temp", 0) + peak.pop("Other", 0)
+    result = breakdown_from_profile(profile, peak, counted_ahead, top)
+    if show:
+        result.print(console)
+    return result

@@ -1,0 +1,214 @@
+"""Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
+
+The data classes (``Plan``, ``BatchSizeResult``, ``MemoryBreakdown``, pareto points) hold numbers;
+this module turns them into ``rich`` tables for a terminal and into plain text for logs and
+``summary()``. A plan is rendered one way everywhere: a headline, one row per stage, the static
+memory at the peak, and the plan's notes.
+
+Example:
+    >>> from lightning_remat.core.plan import Plan
+    >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
+    ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
+    >>> print(plan_summary(plan).splitlines()[0])
+    Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+from ..core.budget import format_bytes
+
+TEXT_WIDTH = 120
+
+
+def _console(**kwargs: Any) -> Any:
+    from rich.console import Console
+
+    return Console(**kwargs)
+
+
+def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
+    """Plain text of rich renderables (tables, strings), without colours.
+
+    Example:
+        >>> to_text(["a line"])
+        'a line'
+    """
+    import io
+
+    console = _console(width=width, file=io.StringIO(), color_system=None, record=True)
+    for renderable in renderables:
+        console.print(renderable, highlight=False)
+    return console.export_text().rstrip()
+
+
+def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
+    """Print rich renderables to ``console`` (default: stdout, never cutting module names)."""
+    items = list(renderables)
+    console = console or _console()
+    console.width = max(console.width, TEXT_WIDTH)
+    for renderable in items:
+        console.print(renderable, highlight=False)
+
+
+# --------------------------------------------------------------------------------------- plans
+
+
+def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
+    """One line: modules recomputed, predicted peak against budget and baseline, overhead."""
+    if getattr(plan, "fallback", False):
+        return (f"{title}: {len(plan.checkpointed)} module(s) recomputed whole (fallback: not profiled, peak not "
+                f"predicted; budget {plan.requested_budget or format_bytes(plan.budget_bytes)})")
+    overhead = "unknown" if math.isnan(plan.predicted_overhead) else f"{plan.predicted_overhead:.1%}"
+    return (f"{title}: {len(plan.checkpointed)} module(s), predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+            f"(budget {format_bytes(plan.budget_bytes)}, baseline {format_bytes(plan.baseline_peak_bytes)}), "
+            f"overhead {overhead} ({plan.cost_kind})")
+
+
+def plan_table(plan: Any) -> Any:
+    """The plan's stages as a ``rich.table.Table``: option, stored bytes with and without it, cost."""
+    from rich.table import Table
+
+    unit = "s" if plan.cost_kind == "time" else "FLOP"
+    table = Table(show_edge=False, pad_edge=False)
+    for column, justify in (("stage", "left"), ("option", "left"), ("stored (keep)", "right"),
+                            ("stored (plan)", "right"), ("recompute cost", "right")):
+        table.add_column(column, justify=justify, no_wrap=column == "stage")  # type: ignore[arg-type]
+    for c in plan.choices:
+        table.add_row(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
+                      f"{c.cost:.3g} {unit}" if c.cost else "-")
+    if not plan.choices:
+        for name in plan.checkpointed:
+            table.add_row(name, "whole", "-", "-", "-")
+    return table
+
+
+def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
+    """Headline, stage table, static memory at the peak, notes: the plan as it is shown everywhere."""
+    static = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_state_bytes
+    lines: list[Any] = [plan_headline(plan, title)]
+    if plan.choices or plan.checkpointed:
+        lines.append(plan_table(plan))
+    if not getattr(plan, "fallback", False):
+        lines.append(
+            f"  at the peak: parameters {format_bytes(plan.parameter_bytes)}, gradients {format_bytes(plan.gradient_bytes)}, "
+            f"optimizer state {format_bytes(plan.optimizer_state_bytes)}, activations and temporaries "
+            f"{format_bytes(max(0, plan.predicted_peak_bytes - static))}")
+    lines.extend(f"  note: {note}" for note in plan.notes)
+    return lines
+
+
+def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
+    """The plan as plain text (``Plan.summary()``)."""
+    return to_text(plan_renderables(plan, title))
+
+
+def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:
+    """Print the plan with rich."""
+    print_renderables(plan_renderables(plan, title), console)
+
+
+# --------------------------------------------------------------------------- batch-size search
+
+
+def batch_size_table(result: Any) -> Any:
+    """A ``rich.table.Table`` of a ``BatchSizeResult`` and what the search cost."""
+    from rich.table import Table
+
+    table = Table(title="Batch size with optimal recomputation", show_header=True)
+    table.add_column("")
+    table.add_column("value", justify="right")
+    ratio = "inf" if math.isinf(result.ratio) else f"{result.ratio:.2f}x"
+    measured = "-" if result.measured_peak_bytes is None else format_bytes(result.measured_peak_bytes)
+    plan = result.plan
+    table.add_row("batch size (with recomputation)", str(result.batch_size))
+    table.add_row("largest batch without recomputation", str(result.batch_size_without_remat))
+    table.add_row("ratio", ratio)
+    table.add_row("predicted overhead", f"{result.predicted_overhead:.1%} ({plan.cost_kind}; max {result.max_overhead:.0%})")
+    table.add_row("modules recomputed", str(len(plan.checkpointed)))
+    table.add_row("budget", format_bytes(result.budget_bytes))
+    table.add_row("predicted peak / measured peak", f"{format_bytes(plan.predicted_peak_bytes)} / {measured}")
+    table.add_row("real trial steps (Lightning binsearch)",
+                  f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
+    table.add_row("profiled batch sizes (passes)", f"{list(result.profile_batch_sizes)} ({result.profile_passes})")
+    return table
+
+
+# ------------------------------------------------------------------------ memory breakdown
+
+
+def breakdown_table(breakdown: Any) -> Any:
+    """A ``MemoryBreakdown`` as a ``rich.table.Table``: each kind of memory, its share and its size at the peak."""
+    from rich.table import Table
+
+    table = Table(title=f"Memory of one training step ({breakdown.device})", title_justify="left")
+    table.add_column("what")
+    table.add_column("size", justify="right")
+    table.add_column("share of peak", justify="right")
+    table.add_column("at the forward/backward peak", justify="right")
+
+    def share(nbytes: int) -> str:
+        return f"{nbytes / breakdown.peak_bytes:.0%}" if breakdown.peak_bytes else "-"
+
+    ahead = " (created by the first step)" if breakdown.optimizer_state_counted_ahead else ""
+    rows = [
+        ("parameters", breakdown.parameter_bytes, "Parameter"),
+        ("buffers", breakdown.buffer_bytes, "Buffer"),
+        ("gradients", breakdown.gradient_bytes, "Gradient"),
+        (f"optimizer state{ahead}", breakdown.optimizer_state_bytes, "Optstate"),
+        ("activations (created in forward)", breakdown.activation_bytes, "Activation"),
+        ("temporaries (created in backward)", breakdown.temporary_bytes, "Temp"),
+    ]
+    for what, nbytes, key in rows:
+        if key == "Buffer" and not nbytes:
+            continue
+        at_peak = breakdown.at_peak.get(key)
+        table.add_row(what, format_bytes(nbytes), share(nbytes), "-" if at_peak is None else format_bytes(at_peak))
+    table.add_section()
+    table.add_row("peak of a training step", format_bytes(breakdown.peak_bytes), "100%",
+                  format_bytes(breakdown.forward_backward_peak_bytes))
+    return table
+
+
+def breakdown_modules_table(breakdown: Any) -> Any:
+    """The blocks that save the most activations, as a ``rich.table.Table``."""
+    from rich.table import Table
+
+    table = Table(title="Blocks that save the most activations for backward", title_justify="left")
+    table.add_column("module")
+    table.add_column("type")
+    table.add_column("saved for backward", justify="right")
+    table.add_column("share", justify="right")
+    for m in breakdown.top_modules:
+        table.add_row(m.name, m.module_type, format_bytes(m.saved_bytes), f"{m.share:.0%}")
+    return table
+
+
+def breakdown_renderables(breakdown: Any) -> list[Any]:
+    """Both breakdown tables and the notes."""
+    items: list[Any] = [breakdown_table(breakdown)]
+    if breakdown.top_modules:
+        items.append(breakdown_modules_table(breakdown))
+    items.extend(f"note: {note}" for note in breakdown.notes)
+    return items
+
+
+# ----------------------------------------------------------------------------- budget sweeps
+
+
+def pareto_table(points: Sequence[Any], chosen: Any, cost: str) -> Any:
+    """Budgets from the least reachable peak to no recomputation, with the chosen plan in bold."""
+    from rich.table import Table
+
+    table = Table(title=f"Budgets from the least reachable peak to no recomputation (predicted, cost: {cost})",
+                  title_justify="left")
+    for column in ("budget", "predicted peak", "overhead", "modules recomputed"):
+        table.add_column(column, justify="right")
+    for p in points:
+        overhead = f"{p.predicted_overhead:.1%}" if p.feasible else "infeasible"
+        style = "bold" if chosen is not None and p.predicted_peak_bytes == chosen.predicted_peak_bytes else None
+        table.add_row(format_bytes(p.budget_bytes), format_bytes(p.predicted_peak_bytes), overhead, str(p.modules),
+                      style=style)
+    return table

@@ -1,0 +1,184 @@
+"""Observe one plain training step: the order stages run in, and per module its time, FLOPs and bytes.
+
+The profiler's first look at a step (``profile.py`` then measures memory under each option):
+
+- the execution order of the candidate stages (a stage that did not run is not in it);
+- per stage and per child of a stage: forward seconds (forward hooks, synchronised), forward
+  FLOPs (``FlopCounterMode``'s growth across the module's forward, whatever calls it), and the
+  unique storages it saves for backward (saved-tensor hooks; parameters and buffers excluded),
+  takes as input and returns as output;
+- the whole step's seconds and FLOPs (forward and backward).
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)])
+    >>> seen = observe_step(net, lambda m: m(torch.randn(4, 8)).sum(), ["0", "1"])
+    >>> seen.order, seen.stats["0"].flops
+    (['0', '1'], 512)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from .measure import Step, model_device, synchronize
+
+
+def storages(value: Any) -> dict[int, int]:
+    """Unique storages of the tensors in ``value`` with their sizes in bytes.
+
+    Keyed by the storage's C++ object, which real and fake tensors both have (fake tensors have
+    no data pointer).
+    """
+    found = {}
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            found[storage._cdata] = storage.nbytes()
+    return found
+
+
+@dataclass
+class ModuleStats:
+    """What one module did during the observed forward."""
+
+    seconds: float = 0.0
+    flops: int = 0
+    saved: dict[int, int] = field(default_factory=dict)
+    inputs: dict[int, int] = field(default_factory=dict)
+    outputs: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class ObservedStep:
+    """The stages in execution order, stats per watched module, the whole step's seconds and FLOPs."""
+
+    order: list[str]
+    stats: dict[str, ModuleStats]
+    step_seconds: float
+    step_flops: int
+
+
+def run_step(model: nn.Module, step: Step) -> None:
+    """Forward, backward, gradients dropped: one unmeasured step (warm-up)."""
+    loss = step(model)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+
+
+class _Observer:
+    """Forward hooks on the stages and their children, and a saved-tensor hook, for one step."""
+
+    def __init__(self, model: nn.Module, stage_names: Sequence[str]):
+        modules = dict(model.named_modules())
+        self.stage_names = set(stage_names)
+        self.watched = {n: modules[n] for n in stage_names}
+        for n in stage_names:
+            for child, module in modules[n].named_children():
+                self.watched[f"{n}.{child}"] = module
+        self.stats = {n: ModuleStats() for n in self.watched}
+        self.excluded = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        self.device = model_device(model)
+        self.order: list[str] = []
+        self.active: list[str] = []
+        self.started: dict[str, float] = {}
+        self.flops_before: dict[str, int] = {}
+        self.counter: FlopCounterMode | None = None  # set while the counting pass runs forward
+
+    def counted(self) -> int:
+        # A module's FLOPs are the counter's growth across its forward: this does not depend on
+        # how the step reaches the module (model(x), model.net(x), a LightningModule...).
+        return int(sum(self.counter.flop_counts["Global"].values())) if self.counter is not None else 0
+
+    def pre_hook(self, name: str):
+        def hook(module, args, kwargs):
+            if name in self.stage_names and name not in self.order:
+                self.order.append(name)
+            self.stats[name].inputs.update(storages((args, kwargs)))
+            self.active.append(name)
+            self.flops_before[name] = self.counted()
+            synchronize(self.device)
+            self.started[name] = time.perf_counter()
+        return hook
+
+    def post_hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            synchronize(self.device)
+            self.stats[name].seconds += time.perf_counter() - self.started.pop(name)
+            self.stats[name].flops += self.counted() - self.flops_before.pop(name)
+            self.stats[name].outputs.update(storages(output))
+            self.active.remove(name)
+        return hook
+
+    def pack(self, tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            if storage._cdata not in self.excluded:
+                for name in self.active:
+                    self.stats[name].saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    def register(self) -> list:
+        handles = []
+        for name, module in self.watched.items():
+            handles.append(module.register_forward_pre_hook(self.pre_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(self.post_hook(name), with_kwargs=True, always_call=True))
+        return handles
+
+    def reset_counts(self) -> None:
+        """Keep the timings of the timing pass; count bytes and FLOPs afresh in the counting pass."""
+        for s in self.stats.values():
+            s.saved.clear()
+            s.inputs.clear()
+            s.outputs.clear()
+            s.flops = 0
+        self.order.clear()
+
+
+def _timed_step(model: nn.Module, step: Step, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    run_step(model, step)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True) -> ObservedStep:
+    """One plain step (two passes: timing, then counting FLOPs and saved bytes).
+
+    Timing runs first, without modes that would slow it; on fake tensors (``timed=False``)
+    nothing real runs, so nothing is timed.
+    """
+    observer = _Observer(model, stage_names)
+    handles = observer.register()
+    try:
+        step_seconds = _timed_step(model, step, observer.device) if timed else 0.0
+        seconds = {n: s.seconds for n, s in observer.stats.items()}
+        observer.reset_counts()
+        with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
+            with FlopCounterMode(display=False) as forward_counter:
+                observer.counter = forward_counter
+                loss = step(model)
+            observer.counter = None
+            with FlopCounterMode(display=False) as backward_counter:
+                loss.backward()
+            del loss
+        model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for name, s in observer.stats.items():
+        s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
+    step_flops = int(forward_counter.get_total_flops() + backward_counter.get_total_flops())
+    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops)

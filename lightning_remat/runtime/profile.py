@@ -1,0 +1,278 @@
+"""Profile one training step in the terms of the memory model (``core.memory_model``).
+
+What is measured, and how:
+
+- A plain step is observed first (``observe.observe_step``): the stages' execution order, per
+  module time, FLOPs and bytes saved for backward.
+- Memory, with torch's ``MemTracker`` around forward and backward, once per option: nothing
+  recomputed (``"keep"``), every stage recomputed (``"whole"``), and each heavy child recomputed in
+  every stage (``"attn"``, ``"mlp"``, ...). A stage's stored bytes are what its forward leaves
+  allocated; its local peak is the peak during its forward or backward less what the stages
+  before it store. The gaps between stages (embeddings, head, loss) are segments. Because each
+  term is measured under the option it describes, the model reproduces every measured run exactly.
+- The optimizer step, under ``FakeTensorMode`` on fake copies (``optimizer_step``): its
+  temporaries and the state it creates are counted without allocating them.
+
+Gradients, buffers (BatchNorm statistics), RNG states and optimizer state are put back afterwards,
+so profiling does not change training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..core.config import ProfileOptions
+from ..core.errors import AlreadyCheckpointedError
+from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from .apply import applied, existing_checkpointing
+from .candidates import CandidateSpec, find_stages
+from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
+                   gpu_peak_flops, new_fake_mode, real_code_paths)
+from .measure import Step, model_device, preserved_training_state
+from .observe import ModuleStats, ObservedStep, observe_step, run_step
+from .optimizer_step import optimizer_step_cost
+from .tracking import SegmentTracker, snapshot_by_category
+
+# A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
+# activation bytes (and is not almost all of it, which "whole" already covers).
+MIN_CHILD_SHARE = 0.15
+MAX_CHILD_SHARE = 0.9
+MAX_CHILD_OPTIONS = 2
+
+
+@dataclass
+class _MemoryRun:
+    """One step measured with some modules recomputed, in the terms of the memory model."""
+
+    stored: list[int]
+    local: list[int]
+    segments: dict[int, int]  # stages alive -> peak beyond their stored bytes
+    peak: int
+    gradient_bytes: int
+    parameter_bytes: int
+    buffer_bytes: int
+    residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
+
+
+def _memory_run(model: nn.Module, step: Step, order: Sequence[str], wrapped: Sequence[str],
+                optimizer: torch.optim.Optimizer | None) -> _MemoryRun:
+    modules = dict(model.named_modules())
+    device = model_device(model)
+    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device)
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    with applied(model, wrapped), tracker:
+        loss = step(model)
+        loss.backward()
+        after_backward = tracker.current_total()
+        del loss
+    n = len(order)
+    missing = [order[i] for i in range(n) if i not in tracker.pre_fw or i not in tracker.post_fw]
+    if missing:
+        raise RuntimeError(f"stages {missing} did not run forward during the profiled step")
+    stored = [tracker.post_fw[i] - tracker.pre_fw[i] for i in range(n)]
+    prefix = [0]
+    for s in stored:
+        prefix.append(prefix[-1] + s)
+    local = [0] * n
+    segments: dict[int, int] = {}
+    for (kind, k), peak in tracker.segment_peaks.items():
+        if kind in ("fw", "bw"):
+            local[k] = max(local[k], peak - prefix[k])
+        else:
+            segments[k] = max(segments.get(k, 0), peak - prefix[k])
+    now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
+    static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
+    model.zero_grad(set_to_none=True)
+    return _MemoryRun(
+        stored=stored, local=local, segments=segments,
+        peak=snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0),
+        gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
+        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
+    )
+
+
+def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
+    total = sum(stats[stage].saved.values())
+    if total <= 0:
+        return []
+    scored = []
+    for child, module in modules[stage].named_children():
+        if not any(True for _ in module.children()):
+            continue  # a single layer stores its input under recomputation too: nothing to gain
+        share = sum(stats[f"{stage}.{child}"].saved.values()) / total
+        if MIN_CHILD_SHARE <= share <= MAX_CHILD_SHARE:
+            scored.append((share, child))
+    return [child for _, child in sorted(scored, reverse=True)[:MAX_CHILD_OPTIONS]]
+
+
+def _use_cache_note(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers"):
+        return ("use_cache=True: this transformers model returns every layer's key/value cache, which stays alive "
+                "until the forward's outputs are released and which recomputation cannot free; set "
+                "model.config.use_cache = False for training (Hugging Face's own checkpointing does)")
+    return None
+
+
+def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
+                 optimizer: torch.optim.Optimizer | None = None, warmup: int = 1,
+                 candidates: CandidateSpec = None, fake: bool = False, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, gpu: str | None = None,
+                 options: ProfileOptions | None = None) -> Profile:
+    """Profile one training step of ``model`` for the solver.
+
+    Args:
+        model: the model, in the mode it trains in (``model.train()``).
+        step: ``step(model)`` runs a forward pass on a batch and returns the scalar loss; the
+            profiler runs backward itself. It is called several times on the same batch.
+        optimizer: its state counts in the budget: the state it holds, or, before its first step,
+            the state it will create (Adam: two tensors per parameter), and its step's temporaries.
+        warmup: steps run first and not measured (lazy initialisation, allocator warm-up).
+        candidates: as ``find_stages``: None for automatic, or module classes / name patterns.
+        fake: profile on fake tensors (no memory is allocated, nothing real runs): for models
+            larger than this machine and for devices that are not here. The model may be real (it
+            is not changed), on the meta device, or built under a ``FakeTensorMode``; ``step``
+            may make its inputs as real tensors. Byte counts are exact; costs are counted FLOPs.
+        dtype: with ``fake``, the dtype floating-point parameters train in (``torch.bfloat16``).
+        device: the device the profile plans for (``"cuda"``); the default is the model's.
+        gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
+            throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
+        options: all of the above but ``optimizer`` as one ``ProfileOptions`` (then the keyword
+            arguments are not read).
+
+    Returns:
+        A ``Profile``: per stage in execution order its options (stored bytes, local peak, recompute
+        cost in seconds and FLOPs), its saved/input/output bytes and forward cost; the segments
+        between stages; static bytes and the baseline peak of the step.
+
+    Raises:
+        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        NoCandidateError: the model has no candidate block.
+        FakeProfileError: with ``fake``, the model's code needs real values; it names the op.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+        >>> x = torch.randn(32, 64)
+        >>> profile = profile_step(net, lambda m: m(x).square().mean())
+        >>> [s.name for s in profile.stages], [o.name for o in profile.stages[0].options]
+        (['0', '1', '2', '3'], ['keep', 'whole'])
+        >>> fake = profile_step(net, lambda m: m(x).square().mean(), fake=True, device="cuda", gpu="h100")
+        >>> fake.device, fake.stages[0].options[1].stored_bytes == profile.stages[0].options[1].stored_bytes
+        ('cuda', True)
+    """
+    if options is None:
+        options = ProfileOptions(candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup)
+    existing = existing_checkpointing(model)
+    if existing:
+        raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
+    if not options.fake:
+        return _profile(model, step, optimizer, options, timed=True)
+    return _fake_profile(model, step, optimizer, options)
+
+
+def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
+                  options: ProfileOptions) -> Profile:
+    """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
+    seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
+    dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
+    mode = existing_fake_mode(model) or new_fake_mode()
+    names = {id(p): name for name, p in model.named_parameters()}
+    model = fake_model(model, mode, dtype)
+    if optimizer is not None:
+        fake_params = dict(model.named_parameters())
+        optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
+    with mode, explain_fake_failures(), real_code_paths():
+        # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
+        profile = _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
+                           timed=False)
+    # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
+    profile.stages = tuple(
+        replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
+                options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
+        for stage in profile.stages)
+    profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
+    if options.gpu is None:
+        profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
+    return profile
+
+
+def _option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
+    """Per option name, the modules each stage recomputes under it (stages without the option absent)."""
+    children = {name: _child_options(name, observed.stats, modules) for name in order}
+    wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
+    for child in sorted({c for cs in children.values() for c in cs}):
+        wraps[child] = {n: (f"{n}.{child}",) for n in order if child in children[n]}
+    return wraps
+
+
+def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
+             timed: bool) -> Profile:
+    stage_names = find_stages(model, options.candidates)
+    modules = dict(model.named_modules())
+    # applied(model, []) lifts any plan the model has for the profile and puts it back after.
+    with preserved_training_state(model, optimizer), applied(model, []):
+        model.zero_grad(set_to_none=True)
+        for _ in range(options.warmup):
+            run_step(model, step)
+        observed = observe_step(model, step, stage_names, timed)
+        if not observed.order:
+            raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
+        wraps = _option_wraps(observed.order, observed, modules)
+        with warnings.catch_warnings():
+            # MemTracker warns when a module's backward hook outlives the module's outputs.
+            warnings.simplefilter("ignore")
+            runs = {name: _memory_run(model, step, observed.order, [m for ms in wrap.values() for m in ms], optimizer)
+                    for name, wrap in wraps.items()}
+        step_cost = optimizer_step_cost(optimizer)
+    # State that does not exist yet will exist during every later step.
+    future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
+    return _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
+                     optimizer is not None, options.device or str(model_device(model)))
+
+
+def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],
+              state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
+              device: str) -> Profile:
+    """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
+    modules = dict(model.named_modules())
+    stats = observed.stats
+    stages = []
+    for i, name in enumerate(observed.order):
+        options = [
+            StageOption(name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
+                        local_peak_bytes=int(runs[option].local[i] + future_state),
+                        cost_seconds=float(sum(stats[m].seconds for m in wrap[name])),
+                        cost_flops=int(sum(stats[m].flops for m in wrap[name])))
+            for option, wrap in wraps.items() if name in wrap]
+        s = stats[name]
+        stages.append(StageProfile(
+            name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
+            input_bytes=sum(s.inputs.values()), output_bytes=sum(s.outputs.values()),
+            forward_seconds=s.seconds, forward_flops=s.flops, module_type=type(modules[name]).__name__))
+    segment_peaks: dict[int, int] = {}
+    for run in runs.values():
+        for k, peak in run.segments.items():
+            segment_peaks[k] = max(segment_peaks.get(k, 0), peak)
+    segments = [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state))
+                for k, v in sorted(segment_peaks.items())]
+    keep = runs["keep"]
+    if has_optimizer:
+        # The loss (and whatever it keeps) is still referenced while the optimizer steps.
+        segments.append(Segment("optimizer step", 0, keep.parameter_bytes + keep.buffer_bytes + keep.gradient_bytes
+                                + keep.residual_bytes + optimizer_step_bytes))
+    profile = Profile(
+        stages=tuple(stages), segments=tuple(segments),
+        parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
+        optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
+        baseline_peak_bytes=0, baseline_step_seconds=observed.step_seconds, baseline_step_flops=observed.step_flops,
+        device=device, notes=tuple(n for n in [_use_cache_note(model)] if n),
+    )
+    # By construction the model reproduces the measured runs; the baseline is the "keep" run
+    # plus the optimizer (its state, and its step when that is the higher point).
+    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    return profile

@@ -1,0 +1,160 @@
+"""Memory tracking on top of torch's ``MemTracker``: one place for every subclass the package needs.
+
+``MemTracker`` (``torch.distributed._tools.mem_tracker``) counts every tensor a step allocates by
+category (parameters, buffers, gradients, optimizer state, activations, temporaries) on every
+device, and works under fake tensors. The profile needs the peak of each segment of the step
+(``SegmentTracker``), the report the total after each operator (``TimelineTracker``), and the
+integrations a window opened in one hook and closed in another (``PeakOnlyTracker``).
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Linear(8, 8)
+    >>> tracker = MemTracker()
+    >>> tracker.track_external(net)
+    >>> with tracker:
+    ...     net(torch.randn(4, 8)).sum().backward()
+    >>> peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))
+    >>> peak["Parameter"], peak["Total"] > peak["Parameter"]
+    (288, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+
+def _device_totals(snapshot: dict, device: torch.device) -> dict:
+    for dev, values in snapshot.items():
+        if torch.device(dev).type == device.type:
+            return values
+    return {}
+
+
+def snapshot_by_category(snapshot: dict, device: torch.device) -> dict[str, int]:
+    """The totals of one device in a MemTracker snapshot, keyed by category name ("Parameter", "Total", ...)."""
+    return {getattr(k, "value", k): int(v) for k, v in _device_totals(snapshot, device).items()}
+
+
+def current_total(tracker: MemTracker, device: torch.device) -> int:
+    """Bytes the tracker counts on ``device`` right now."""
+    return int(_device_totals(tracker._curr_mem_snap, device).get("Total", 0))
+
+
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
+
+    is_bw = False
+    parents: set = set()
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class PeakOnlyTracker(MemTracker):
+    """MemTracker's byte counting without its per-module bookkeeping.
+
+    That bookkeeping supports one forward per ``with`` block and must see the root module's forward
+    begin; a window opened in a hook sees neither. The total is the same; only its split by module
+    is lost.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModules()
+
+    def _register_global_optimizer_hook(self) -> None:
+        # Registering a global optimizer hook from inside an optimizer hook is not allowed;
+        # optimizer state allocated in the window is counted all the same.
+        self._optimizer_hook_handles = None
+
+
+class SegmentTracker(MemTracker):
+    """MemTracker that also records the peak of every segment of the step.
+
+    Segments are labelled ("fw", i) / ("bw", i) while stage i runs forward / backward, and
+    ("gap", k) between stages, where k stages have run forward and not yet backward.
+    """
+
+    def __init__(self, stage_ids: dict[int, int], device: torch.device):
+        super().__init__()
+        self.stage_ids = stage_ids
+        self.device = device
+        self.label: tuple[str, int] = ("gap", 0)
+        self.segment_peaks: dict[tuple[str, int], int] = {}
+        self.pre_fw: dict[int, int] = {}
+        self.post_fw: dict[int, int] = {}
+
+    def current_total(self) -> int:
+        return current_total(self, self.device)
+
+    def _note(self) -> None:
+        total = self.current_total()
+        if total > self.segment_peaks.get(self.label, -1):
+            self.segment_peaks[self.label] = total
+
+    def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
+        super()._update_peak_stats(peak_state)
+        self._note()
+
+    def _pre_fw_hook(self, module, inputs):  # type: ignore[no-untyped-def]
+        super()._pre_fw_hook(module, inputs)
+        index = self.stage_ids.get(id(module))
+        if index is not None and not self._mod_tracker.is_bw:
+            self.pre_fw[index] = self.current_total()
+            self.label = ("fw", index)
+            self._note()
+
+    def _post_fw_hook(self, module, inputs, outputs):  # type: ignore[no-untyped-def]
+        super()._post_fw_hook(module, inputs, outputs)
+        index = self.stage_ids.get(id(module))
+        if index is not None and not self._mod_tracker.is_bw:
+            self.post_fw[index] = self.current_total()
+            self.label = ("gap", index + 1)
+            self._note()
+
+    def _pre_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
+        super()._pre_bw_hook(module, args)
+        index = self.stage_ids.get(id(module))
+        if index is not None:
+            self.label = ("bw", index)
+            self._note()
+
+    def _post_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
+        super()._post_bw_hook(module, args)
+        index = self.stage_ids.get(id(module))
+        if index is not None:
+            self.label = ("gap", index)
+            self._note()
+
+
+class TimelineTracker(MemTracker):
+    """MemTracker that also records the total tracked memory after every operator.
+
+    ``_update_peak_stats`` runs once after each dispatched operator (see
+    ``torch.distributed._tools.mem_tracker``), when the operator's outputs are already tracked
+    and the tensors freed before it are already gone, so the recorded value is the memory the
+    step holds at that point.
+    """
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.totals: list[int] = []
+        self.in_backward: list[bool] = []
+
+    def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
+        super()._update_peak_stats(peak_state)
+        self.totals.append(current_total(self, self.device))
+        self.in_backward.append(bool(self._mod_tracker.is_bw))

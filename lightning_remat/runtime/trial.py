@@ -1,0 +1,125 @@
+"""Real trial steps at a batch size, with a plan applied: the check a batch-size search ends with.
+
+A trial runs ``steps_per_trial`` real training steps (forward, backward, optimizer step) under
+``measure_step`` and puts everything back afterwards: parameters, optimizer state, gradients,
+buffers and RNG. A real out-of-memory error is a failed trial, not a crash.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
+    >>> before = net[0][0].weight.detach().clone()
+    >>> opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    >>> trial = run_trial(net, lambda m: m(torch.randn(4, 8)).sum(), opt, 4, ["0"], 2, 10**6, 0)
+    >>> trial.fits, trial.steps, torch.equal(net[0][0].weight, before)
+    (True, 2, True)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .apply import applied
+from .measure import Step, is_out_of_memory, measure_step, preserved_training_state, release_device_memory
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One real trial: ``steps`` training steps at ``batch_size`` with ``checkpointed`` modules recomputed.
+
+    Example:
+        >>> Trial(32, ("h.0",), 2, 1_000_000, False, True).fits
+        True
+    """
+
+    batch_size: int
+    checkpointed: tuple[str, ...]
+    steps: int
+    measured_peak_bytes: int | None
+    out_of_memory: bool
+    fits: bool
+    predicted_peak_bytes: int = 0
+
+
+def _snapshot_to_cpu(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t), value)
+
+
+class _RestoreAfterTrial:
+    """Put back parameters, optimizer state, gradients, buffers and RNG after real trial steps.
+
+    Copies are kept on the CPU so a trial on an accelerator does not hold a second copy there.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def __enter__(self) -> None:
+        self.parameters = [(p, p.detach().to("cpu", copy=True)) for p in self.model.parameters()]
+        self.optimizer_state = _snapshot_to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
+        self.preserved = preserved_training_state(self.model, self.optimizer)
+        self.preserved.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for p, saved in self.parameters:
+                p.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+            if not self.optimizer_state["state"]:
+                self.optimizer.state.clear()
+        self.preserved.__exit__(*exc)
+        self.parameters = []
+        self.optimizer_state = None
+
+
+def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer) -> int:
+    """Make ``optimizer`` create its state; returns the real training steps that took (0 or 1)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        return 0
+    except TypeError:  # an optimizer that needs a closure (LBFGS): one real step instead
+        measure_step(model, step, optimizer)
+        return 1
+    finally:
+        for p in params:
+            p.grad = None
+
+
+def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
+               names: Sequence[str], steps_per_trial: int, budget: int, predicted: int) -> Trial:
+    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed; everything put back after.
+
+    An optimizer without state first creates it (the budget is for steady-state steps). The trial
+    fits when no step ran out of memory and the largest measured peak is within ``budget``.
+    """
+    steps = 0
+    peaks: list[int] = []
+    oom = False
+    try:
+        with _RestoreAfterTrial(model, optimizer), applied(model, names):
+            if optimizer is not None and not optimizer.state:
+                # The budget is for steady-state steps, which hold the optimizer's state: create it
+                # with an optimizer step on zero gradients (everything is put back afterwards).
+                steps += _create_optimizer_state(model, step, optimizer)
+            for _ in range(steps_per_trial):
+                steps += 1
+                peaks.append(measure_step(model, step, optimizer).peak_bytes)
+    except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+        if not is_out_of_memory(exception):
+            raise
+        oom = True
+    # After the except block, so a traceback no longer pins a failed step's tensors.
+    release_device_memory()
+    peak = max(peaks) if peaks else None
+    fits = not oom and peak is not None and peak <= budget
+    return Trial(batch_size, tuple(names), steps, peak, oom, fits, predicted)

@@ -1,0 +1,226 @@
+"""The search behind ``find_remat_batch_size``: fit profiles, predict plans per batch size, confirm with trials.
+
+``_BatchSearch`` holds one search's state (the fitted profile, the corrections that failed trials
+taught, the plans predicted so far); ``batch_size.find_remat_batch_size`` runs its steps in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..core.batch_fit import ProfileFit, largest_batch
+from ..core.budget import format_bytes
+from ..core.config import RematConfig
+from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError
+from ..core.memory_model import Profile
+from ..core.plan import Plan
+from ..core.solve import least_peak, plan_from_choices, solve
+from ..runtime.measure import Step, is_out_of_memory, release_device_memory
+from ..runtime import profile as profiling
+from ..runtime.trial import Trial, run_trial
+
+MakeStep = Callable[[int], Step]
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.passes = 0
+        self.samples = 0
+
+    def wrap(self, step: Step, batch_size: int) -> Step:
+        def counted(model: nn.Module) -> torch.Tensor:
+            self.passes += 1
+            self.samples += batch_size
+            return step(model)
+        return counted
+
+
+class BatchSearch:
+    """The state of one search: the fitted profile, the corrections real trials taught, the plans so far."""
+
+    def __init__(self, make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 config: RematConfig, budget_bytes: int, max_overhead: float, steps_per_trial: int, mode: str,
+                 start: int):
+        self.make_step = make_step
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.budget_bytes = budget_bytes
+        self.max_overhead = max_overhead
+        self.steps_per_trial = steps_per_trial
+        self.mode = mode
+        self.start = start
+        self.cost = config.cost
+        self.counter = _Counter()
+        self.notes: list[str] = []
+        self.trials: list[Trial] = []
+        # (batch size, measured - predicted) of failed trials, with and without recomputation.
+        self.corrections: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self.plans: dict[tuple[int, bool], Plan | None] = {}
+        self.fit: ProfileFit | None = None
+
+    # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
+    def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
+        options = replace(self.config.profile, warmup=warmup)
+        try:
+            return profiling.profile_step(self.model, self.counter.wrap(self.make_step(batch_size), batch_size),
+                                optimizer=self.optimizer, options=options)
+        except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(exception):
+                raise
+        release_device_memory()
+        return None
+
+    def fit_profiles(self, max_batch_size: int) -> ProfileFit:
+        low_bs = self.start
+        low = self._profile_at(low_bs, warmup=1)
+        while low is None and low_bs > 1:
+            low_bs //= 2
+            low = self._profile_at(low_bs, warmup=1)
+        if low is None:
+            raise BatchSizeTooSmallBudgetError(
+                self.budget_bytes, 0, 0, "a training step at batch size 1 ran out of memory while profiling; "
+                "no batch size can be trained on this device")
+        profiles = [(low_bs, low)]
+        for second_bs in (min(2 * low_bs, max_batch_size), low_bs // 2):
+            if second_bs < 1 or second_bs == low_bs:
+                continue
+            second = self._profile_at(second_bs, warmup=0)
+            if second is not None:
+                profiles.append((second_bs, second))
+                break
+        self.fit = ProfileFit(profiles)
+        if self.cost == "flops" and _flops_unattributed(self.fit.profiles[-1]):
+            # FLOPs are attributed to modules by their names as seen from the module ``step`` calls; when
+            # the step calls a submodule (``self.net(x)`` in a LightningModule) no stage gets any, and
+            # every plan would look free. Measured time still prices recomputation.
+            self.cost = "time"
+            self.notes.append("no FLOPs were attributed to the candidate modules (the step does not call the model "
+                              "itself); recomputation is priced by measured time instead")
+        return self.fit
+
+    # 2. Predictions: which batch sizes fit, with and without recomputation.
+    def correction(self, batch_size: int, recompute: bool) -> float:
+        """Bytes the model under-predicts at ``batch_size``, as the failed trials taught."""
+        assert self.fit is not None
+        top = self.fit.batch_sizes[-1]
+        extra = 0.0
+        for failed_bs, error in self.corrections[recompute]:
+            # The error is zero at the profiled sizes and ``error`` at the failed size; in between
+            # it is interpolated (the error of a convex peak curve stays below that chord), beyond
+            # it is extended along the same line.
+            span = max(1, failed_bs - top)
+            extra = max(extra, error * max(0, batch_size - top) / span)
+        return extra
+
+    def plan_for(self, batch_size: int, recompute: bool) -> Plan | None:
+        """The plan at ``batch_size`` (least cost within budget and ``max_overhead``; or keep-all), None if none fits."""
+        key = (batch_size, recompute)
+        if key not in self.plans:
+            assert self.fit is not None
+            profile = self.fit.at(batch_size)
+            effective = max(1, int(self.budget_bytes - self.correction(batch_size, recompute)))
+            plan: Plan | None
+            if recompute:
+                try:
+                    plan = solve(profile, effective, cost=self.cost)
+                except BudgetTooSmallError:
+                    plan = None
+                if plan is not None and plan.predicted_overhead > self.max_overhead + 1e-12:
+                    plan = None
+            else:
+                plan = plan_from_choices(profile, [0] * len(profile.stages), effective, self.cost)
+                if plan.predicted_peak_bytes > effective:
+                    plan = None
+            if plan is not None:
+                plan.budget_bytes = self.budget_bytes
+                plan.requested_budget = self.config.budget.text
+            self.plans[key] = plan
+        return self.plans[key]
+
+    def largest(self, recompute: bool, limit: int) -> int:
+        return largest_batch(lambda b: self.plan_for(b, recompute) is not None, self.start, limit, self.mode)
+
+    def _trial(self, batch_size: int, recompute: bool) -> Trial:
+        plan = self.plan_for(batch_size, recompute)
+        assert plan is not None
+        trial = run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
+                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes)
+        self.trials.append(trial)
+        if not trial.fits and not trial.out_of_memory and trial.measured_peak_bytes is not None:
+            self.corrections[recompute].append((batch_size, trial.measured_peak_bytes - plan.predicted_peak_bytes))
+            self.plans.clear()
+        return trial
+
+    # 3. Confirmation with real steps.
+    def confirm(self, max_batch_size: int, max_trials: int) -> tuple[int, int | None]:
+        """(largest batch a real trial passed, its measured peak).
+
+        A trial over the budget corrects the prediction by the measured error; a real
+        out-of-memory error (the device holds less than the budget) turns the rest of the search
+        into a bisection between the largest size that passed and the smallest that failed.
+        """
+        assert self.fit is not None
+        measured: int | None = None
+        confirmed, failed = 0, max_batch_size + 1
+        out_of_memory_seen = False
+        while len(self.trials) < max_trials:
+            predicted = self.largest(True, failed - 1)
+            if predicted <= confirmed:
+                break
+            candidate = predicted
+            if out_of_memory_seen:
+                base = confirmed if confirmed else min(self.fit.batch_sizes[-1], failed - 1)
+                candidate = min(predicted, max(confirmed + 1, (base + failed) // 2))
+            trial = self._trial(candidate, True)
+            if trial.fits:
+                confirmed, measured = candidate, trial.measured_peak_bytes
+                continue
+            failed = candidate
+            if trial.out_of_memory:
+                out_of_memory_seen = True
+                self.notes.append(f"batch size {candidate} ran out of memory on the device below the budget")
+        if confirmed == 0:
+            remaining = self.largest(True, failed - 1)
+            if remaining == 0:
+                raise too_small_at_one(self.fit, self.budget_bytes, self.max_overhead, self.cost)
+            self.notes.append(f"no trial passed within max_trials={max_trials}; batch size {remaining} is a prediction")
+            confirmed = remaining
+        return confirmed, measured
+
+    def largest_without_remat(self, confirmed: int, confirm: bool, max_trials: int) -> int:
+        """The same search with nothing recomputed, for the comparison (never above the batch found)."""
+        without = self.largest(False, confirmed)
+        if not confirm:
+            return without
+        while len(self.trials) < 2 * max_trials and without > 0:
+            if self._trial(without, False).fits:
+                break
+            self.plans.clear()
+            without = self.largest(False, without - 1)
+        return without
+
+
+def _flops_unattributed(profile: Profile) -> bool:
+    recomputing = [o for s in profile.stages for o in s.options[1:]]
+    return bool(recomputing) and profile.baseline_step_flops > 0 and all(o.cost_flops == 0 for o in recomputing)
+
+
+def too_small_at_one(fit: ProfileFit, budget_bytes: int, max_overhead: float, cost: str) -> BatchSizeTooSmallBudgetError:
+    profile = fit.at(1)
+    smallest = least_peak(profile)
+    if smallest > budget_bytes:
+        message = (f"The budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small even at batch size 1: "
+                   f"the smallest peak any recompute plan reaches at batch size 1 is {format_bytes(smallest)} "
+                   f"({smallest} bytes), of which {format_bytes(profile.static_bytes)} is parameters, gradients and "
+                   f"optimizer state. Raise the budget to at least that.")
+    else:
+        cheapest = solve(profile, budget_bytes, cost=cost)
+        message = (f"At batch size 1 the cheapest plan within the budget of {format_bytes(budget_bytes)} costs "
+                   f"{cheapest.predicted_overhead:.1%} recomputation ({cost}), above max_overhead={max_overhead:.1%}. "
+                   f"Raise max_overhead or the budget.")
+    return BatchSizeTooSmallBudgetError(budget_bytes, smallest, profile.static_bytes, message)

@@ -1,0 +1,277 @@
+"""Automatic batch-size scaling: the largest batch that fits a memory budget with optimal recomputation.
+
+``find_remat_batch_size`` is the counterpart of Accelerate's ``find_executable_batch_size`` and of
+Lightning's ``BatchSizeFinder``, with recomputation in the loop. Instead of trying batch after batch
+until one runs out of memory, it
+
+1. profiles a training step at two small batch sizes (``start`` and ``2 * start``) and fits every
+   term of the memory model as ``a + b * batch`` (``core.batch_fit.ProfileFit``), a ``Profile`` for
+   any batch size without running it;
+2. searches, on these predictions only, the largest batch whose optimal plan (``solve``) fits the
+   budget with ``predicted_overhead <= max_overhead``, and the largest batch that fits with nothing
+   recomputed (the keep-only plan), for the comparison;
+3. confirms the choice with ``steps_per_trial`` real steps with the plan applied (``measure_step``;
+   the budget is for steady-state steps, so an optimizer that has no state yet first creates it with
+   an optimizer step on zero gradients, which runs no forward or backward). A trial fails on a real out-of-memory error (recognised as Accelerate's
+   ``should_reduce_batch_size`` does: CUDA, ROCm, XPU, MPS, CPU and HPU messages) or when the
+   measured peak exceeds the budget; the search then steps down, with the prediction corrected by
+   the measured error, and confirms again;
+4. applies ``margin`` (``floor(batch * (1 - margin))``) and, by default, the plan for the final batch.
+
+Trial steps are counted, and so is the cost of the search Lightning's ``BatchSizeFinder`` would
+run in ``"binsearch"`` mode for the same range (``lightning_binsearch_sizes``): it doubles from
+``init_val`` until a failure, then bisects, and every trial is ``steps_per_trial`` real steps.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) is not None
+    True
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> def make_step(batch_size):
+    ...     x = torch.randn(batch_size, 32)
+    ...     return lambda model: model(x).square().mean()
+    >>> result = find_remat_batch_size(make_step, net, 600_000, start=4, max_batch_size=256)
+    >>> result.batch_size > result.batch_size_without_remat > 0
+    True
+    >>> result.measured_peak_bytes <= 600_000
+    True
+    >>> from lightning_remat import remove_remat
+    >>> _ = remove_remat(net)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.batch_fit import (DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, ProfileFit, lightning_binsearch_sizes,
+                              validate_search)
+from ..core.budget import format_bytes
+from ..core.config import ProfileOptions, RematConfig
+from ..core.errors import BatchSizeTooSmallBudgetError
+from ..core.plan import Plan
+from ..runtime.apply import apply_plan, checkpointed_modules
+from ..runtime.candidates import CandidateSpec
+from ..runtime.measure import model_device
+from ..runtime.trial import Trial
+from .batch_search import BatchSearch, MakeStep, too_small_at_one
+
+__all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH_SIZE", "ProfileFit", "SEARCH_MODES",
+           "Trial", "find_remat_batch_size", "lightning_binsearch_sizes"]
+
+
+@dataclass
+class BatchSizeResult:
+    """What ``find_remat_batch_size`` found and what the search cost.
+
+    Attributes:
+        batch_size: the batch to train with (after ``margin``).
+        batch_size_without_remat: the largest batch that fits the budget with nothing recomputed
+            (0 when none does); predicted, and confirmed by real steps when asked.
+        largest_fitting: the largest batch that fits with recomputation, before ``margin``.
+        plan: the least-cost recompute plan for ``batch_size`` under the budget.
+        budget_bytes: the budget searched against.
+        measured_peak_bytes: the peak of the last successful confirmation trial (at ``largest_fitting``),
+            None when no trial was run.
+        trials: every real trial, in order.
+        trial_steps: real training steps run at candidate batch sizes (all trials).
+        profile_batch_sizes: the batch sizes profiled; ``profile_passes`` forward/backward passes
+            the profiler ran at them, ``profile_samples`` the samples those passes processed.
+        binsearch_sizes: the sizes Lightning's binsearch would try for the same range (from
+            ``start`` up to ``largest_fitting``), ``binsearch_trial_steps`` its real steps.
+
+    Example:
+        >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+        >>> r = BatchSizeResult(batch_size=32, batch_size_without_remat=8, largest_fitting=32, plan=plan,
+        ...                     budget_bytes=10**6)
+        >>> r.ratio, r.predicted_overhead
+        (4.0, 0.2)
+    """
+
+    batch_size: int
+    batch_size_without_remat: int
+    largest_fitting: int
+    plan: Plan
+    budget_bytes: int
+    measured_peak_bytes: int | None = None
+    max_overhead: float = 0.35
+    margin: float = 0.0
+    steps_per_trial: int = 1
+    trials: list[Trial] = field(default_factory=list)
+    trial_steps: int = 0
+    profile_batch_sizes: tuple[int, ...] = ()
+    profile_passes: int = 0
+    profile_samples: int = 0
+    binsearch_sizes: list[int] = field(default_factory=list)
+    binsearch_trial_steps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """``batch_size / batch_size_without_remat`` (infinite when nothing fits without recomputation)."""
+        if self.batch_size_without_remat <= 0:
+            return math.inf
+        return self.batch_size / self.batch_size_without_remat
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Recompute cost of the plan as a share of a step without recomputation."""
+        return self.plan.predicted_overhead
+
+    @property
+    def trial_samples(self) -> int:
+        """Samples processed by the real trial steps."""
+        return sum(t.batch_size * t.steps for t in self.trials)
+
+    @property
+    def binsearch_samples(self) -> int:
+        """Samples Lightning's binsearch would process for the same range."""
+        return sum(self.binsearch_sizes) * self.steps_per_trial
+
+    def metrics(self) -> dict[str, float]:
+        """The figures loggers receive, under ``remat/...``.
+
+        Example:
+            >>> plan = Plan([], 10, 10, 10, 0.0)
+            >>> BatchSizeResult(4, 2, 4, plan, 10).metrics()["remat/batch_size_ratio"]
+            2.0
+        """
+        return {
+            "remat/batch_size": float(self.batch_size),
+            "remat/batch_size_without_remat": float(self.batch_size_without_remat),
+            "remat/batch_size_ratio": float(self.ratio),
+            "remat/predicted_overhead": float(self.predicted_overhead),
+        }
+
+    def table(self) -> Any:
+        """A ``rich.table.Table`` of the result and what the search cost (``report.render``).
+
+        Example:
+            >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+            >>> BatchSizeResult(32, 8, 32, plan, 10**6).table().row_count
+            9
+        """
+        from ..report.render import batch_size_table
+
+        return batch_size_table(self)
+
+    def summary(self) -> str:
+        """The table as plain text.
+
+        Example:
+            >>> plan = Plan([], 10, 10, 10, 0.0)
+            >>> "ratio" in BatchSizeResult(4, 2, 4, plan, 10).summary()
+            True
+        """
+        from ..report.render import batch_size_table, to_text
+
+        return to_text([batch_size_table(self)], width=100)
+
+
+def find_remat_batch_size(
+    make_step: MakeStep,
+    model: nn.Module,
+    budget: int | str,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    start: int = 2,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_overhead: float = 0.35,
+    steps_per_trial: int = 1,
+    margin: float = 0.0,
+    cost: str = "flops",
+    mode: str = "binsearch",
+    max_trials: int = 25,
+    candidates: CandidateSpec = None,
+    confirm: bool = True,
+    confirm_without_remat: bool = False,
+    apply: bool = True,
+) -> BatchSizeResult:
+    """The largest batch size whose training step fits ``budget`` with optimal recomputation.
+
+    Args:
+        make_step: ``make_step(batch_size)`` returns a step closure ``step(model) -> loss`` on a batch
+            of ``batch_size`` samples (as ``profile_step`` and ``measure_step`` take it). It is
+            called once per batch size profiled or tried.
+        model: the model, in training mode. Left with the plan for the result applied (``apply``).
+        budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
+        optimizer: counted in the budget (its state and its step). Trial steps step it for real;
+            parameters, optimizer state, gradients, buffers and RNG are put back afterwards.
+        start: the first batch size, as Lightning's ``init_val``; the model is profiled at ``start``
+            and ``2 * start``.
+        max_batch_size: the largest batch size considered (Lightning's ``max_val``).
+        max_overhead: the largest recompute cost accepted, as a share of the cost of a step
+            without recomputation (0.35 = 35%); 0 means no recomputation.
+        steps_per_trial: real steps per confirmation trial. An optimizer without state creates it
+            first with one optimizer step on zero gradients (no forward or backward), since the
+            budget is for steady-state steps.
+        margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
+        cost: ``"flops"`` (counted, deterministic) or ``"time"`` (measured) prices recomputation.
+        mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``start * 2**k``.
+        max_trials: the most confirmation trials run before giving up with the last size that passed
+            (or the largest predicted one, noted, when none did).
+        candidates: as ``find_stages``: None for automatic stages, or module classes / name patterns.
+        confirm: run real trial steps at the chosen batch (recommended; without it the result is a
+            prediction only).
+        confirm_without_remat: confirm the batch without recomputation by real steps too.
+        apply: apply the plan for the final batch to ``model``.
+
+    Returns:
+        A ``BatchSizeResult``: the batch size, the plan, the largest batch without recomputation,
+        the measured peak and what the search cost in real steps next to Lightning's binsearch.
+
+    Raises:
+        ValueError: for a bad argument (max_overhead < 0, margin outside [0, 1), a budget of "min", ...).
+        BatchSizeTooSmallBudgetError: (a ``BudgetTooSmallError``) even a batch of one does not fit the
+            budget, or not within ``max_overhead``; it names the least peak at batch size 1.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3)])
+        >>> make_step = lambda b: (lambda m, x=torch.randn(b, 16): m(x).square().mean())
+        >>> find_remat_batch_size(make_step, net, 10**6, margin=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: margin must be in [0, 1) (the share the found batch size is reduced by), got 1.5
+    """
+    validate_search(max_overhead, margin, steps_per_trial, start, max_batch_size, mode, max_trials)
+    config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates))
+    config.require_size("a batch-size search")
+    budget_bytes = int(config.budget_bytes(model_device(model)))
+    previous_plan = checkpointed_modules(model)
+    search = BatchSearch(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, start)
+    fit = search.fit_profiles(max_batch_size)
+    found = search.largest(True, max_batch_size)
+    if found == 0:
+        raise too_small_at_one(fit, budget_bytes, max_overhead, search.cost)
+    measured: int | None = None
+    if confirm:
+        confirmed, measured = search.confirm(max_batch_size, max_trials)
+    else:
+        confirmed = found
+        search.notes.append("not confirmed by real steps (confirm=False): the batch size is a prediction")
+    without = search.largest_without_remat(confirmed, confirm_without_remat, max_trials)
+
+    # Margin, and the plan for the final batch (the confirmed one's if a monotone model ever says no).
+    final = max(1, int(math.floor(confirmed * (1 - margin))))
+    final_plan = search.plan_for(final, True) or search.plan_for(confirmed, True)
+    assert final_plan is not None
+    if apply:
+        apply_plan(model, final_plan)
+    elif previous_plan != checkpointed_modules(model):
+        apply_plan(model, previous_plan)
+    binsearch = lightning_binsearch_sizes(start, confirmed, max_val=max_batch_size + 1)
+    return BatchSizeResult(
+        batch_size=final, batch_size_without_remat=without, largest_fitting=confirmed, plan=final_plan,
+        budget_bytes=budget_bytes, measured_peak_bytes=measured, max_overhead=float(max_overhead),
+        margin=float(margin), steps_per_trial=steps_per_trial, trials=search.trials,
+        trial_steps=sum(t.steps for t in search.trials), profile_batch_sizes=fit.batch_sizes,
+        profile_passes=search.counter.passes, profile_samples=search.counter.samples, binsearch_sizes=binsearch,
+        binsearch_trial_steps=len(binsearch) * steps_per_trial,
+        notes=search.notes + [f"static memory {format_bytes(fit.static_bytes)} (parameters, gradients, optimizer state)"],
+    )

@@ -1,0 +1,251 @@
+"""The planning service: one place where a plan is decided, falls back, travels between ranks and
+becomes metrics. ``plan_remat`` (plain PyTorch), ``AutoRemat`` (Lightning), the Accelerate session,
+the batch-size search and the command line all go through it.
+
+- ``Planner.decide``: profile the step and solve for the least-cost plan within the budget.
+- ``Planner.decide_or_fall_back``: the same, but an out-of-memory error while profiling gives the
+  plan most likely to fit (every candidate block recomputed whole) instead of a crash.
+- ``Planner.shared_plan``: rank 0 decides, every rank gets the same plan or the same error
+  (``PlanOutcome``, a picklable dataclass), through whatever broadcast the integration has.
+- ``plan_metrics``: the ``remat/...`` figures every integration logs.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> x = torch.randn(64, 32)
+    >>> planner = Planner(RematConfig("min", cost="flops"))
+    >>> plan = planner.decide(net, lambda m: m(x).square().mean())
+    >>> sorted(plan_metrics(plan))[:3]
+    ['remat/baseline_peak_bytes', 'remat/budget_bytes', 'remat/num_checkpointed']
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.config import ProfileOptions, RematConfig
+from ..core.errors import PlanningFailedError, RematError
+from ..core.plan import Plan
+from ..core.solve import solve
+from ..runtime.candidates import CandidateSpec, find_stages
+from ..runtime.measure import Step, is_out_of_memory, model_device, release_device_memory
+from ..runtime import profile as profiling
+
+METRIC_PREFIX = "remat/"
+
+
+def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
+    """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
+
+    A fallback plan has no prediction, so only what is known is reported; a ``"min"`` budget
+    that was never resolved (fallback) has no byte figure.
+
+    Example:
+        >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
+        >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
+        88.0
+        >>> sorted(plan_metrics(Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")))
+        ['remat/num_checkpointed']
+    """
+    metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
+    if plan.budget_bytes:
+        metrics["budget_bytes"] = plan.budget_bytes
+    if not plan.fallback:
+        metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+                       predicted_overhead=plan.predicted_overhead)
+    if measured_peak_bytes is not None:
+        metrics["measured_peak_bytes"] = measured_peak_bytes
+    return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
+
+
+@dataclass
+class PlanOutcome:
+    """Rank 0's decision as it travels to the other ranks: a plan (as a dict) or an error.
+
+    An error of ours travels as itself (message, hint and fields intact); any other error as a
+    ``PlanningFailedError`` naming its type and message, since arbitrary exceptions may not pickle.
+
+    Example:
+        >>> from lightning_remat.core.errors import BudgetTooSmallError
+        >>> PlanOutcome.failed(BudgetTooSmallError(1, 2)).result()
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.BudgetTooSmallError: No recompute plan fits a budget of 1 B (1 bytes): ...
+    """
+
+    plan: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, error: BaseException) -> "PlanOutcome":
+        if not isinstance(error, RematError):
+            error = PlanningFailedError(f"planning failed on rank 0: {type(error).__name__}: {error}")
+        return cls(error=error)
+
+    def result(self) -> Plan:
+        """The plan, or the error raised."""
+        if self.error is not None:
+            raise self.error
+        if self.plan is None:
+            raise PlanningFailedError("rank 0 sent no plan")
+        return Plan.from_dict(self.plan)
+
+
+Broadcast = Callable[[PlanOutcome], PlanOutcome]
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_main_process() -> bool:
+    """Rank 0 of an initialised ``torch.distributed`` group, or a single process.
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    return not _distributed() or torch.distributed.get_rank() == 0
+
+
+def torch_distributed_broadcast() -> tuple[bool, Broadcast | None]:
+    """(is this rank 0, a broadcast from rank 0) under an initialised ``torch.distributed`` group of
+    several processes; ``(True, None)`` otherwise.
+
+    Example:
+        >>> torch_distributed_broadcast()
+        (True, None)
+    """
+    if not _distributed():
+        return True, None
+
+    def broadcast(outcome: PlanOutcome) -> PlanOutcome:
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    return is_main_process(), broadcast
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+class Planner:
+    """Decide plans for one ``RematConfig``.
+
+    Example:
+        >>> Planner(RematConfig("1GB")).config.budget.text
+        '1GB'
+    """
+
+    def __init__(self, config: RematConfig):
+        self.config = config
+
+    def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
+               adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
+        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
+        options = self.config.profile if warmup is None else replace(self.config.profile, warmup=warmup)
+        profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
+        if adjust is not None:
+            profile = adjust(profile)
+        plan = solve(profile, self.config.budget_bytes(model_device(model)), cost=self.config.cost)
+        plan.requested_budget = self.config.budget.text
+        return plan
+
+    def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
+                            **kwargs: Any) -> Plan:
+        """``decide``, or on an out-of-memory error while profiling, ``fallback_plan``."""
+        try:
+            return self.decide(model, step, optimizer, **kwargs)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(error):
+                raise
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+        # Outside the except block: the traceback no longer pins the failed step's tensors.
+        return self.fallback_plan(model, reason)
+
+    def fallback_plan(self, model: nn.Module, reason: str) -> Plan:
+        """Every candidate block recomputed whole: the plan most likely to fit, when none could be profiled."""
+        model.zero_grad(set_to_none=True)
+        release_device_memory()
+        stages = find_stages(model, self.config.profile.candidates)
+        note = f"fallback: out of memory while profiling ({reason}); every candidate block recomputed whole"
+        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
+                      f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
+                      "by the measured peak.", UserWarning, stacklevel=3)
+        return Plan.recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
+                                         self.config.budget.text, note)
+
+    def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
+                    is_main: bool = True, broadcast: Broadcast | None = None, hint: str = "", fallback: bool = True,
+                    **kwargs: Any) -> Plan:
+        """Rank 0 decides (with ``fallback``, ``decide_or_fall_back``); with ``broadcast``, every rank
+        gets its plan or its error.
+
+        ``hint`` is added to the message of an error of ours (which integration, which setting).
+        """
+        decide = self.decide_or_fall_back if fallback else self.decide
+        outcome = PlanOutcome()
+        if is_main:
+            try:
+                outcome = PlanOutcome(plan=decide(model, step, optimizer, **kwargs).to_dict())
+            except Exception as error:  # noqa: BLE001 - every rank raises it, below
+                if isinstance(error, RematError) and hint:
+                    error.add_hint(hint)
+                if broadcast is None:
+                    raise
+                outcome = PlanOutcome.failed(error)
+        if broadcast is not None:
+            outcome = broadcast(outcome)
+        return outcome.result()
+
+
+def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
+               optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
+               candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
+               dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
+               device_memory: int | str | None = None) -> Plan:
+    """Profile one training step and return the least-cost recompute plan within ``budget``.
+
+    Args:
+        model: the model, in training mode.
+        step: ``step(model)`` returns the loss of a forward pass on a representative batch.
+        budget: as ``parse_budget``: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
+        optimizer: counted in the budget (its state and its step).
+        cost: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs: deterministic plans).
+        candidates: None for automatic stages, or module classes / name patterns.
+        warmup: unmeasured steps first.
+        fake, dtype, device, gpu: plan without the hardware, as ``profile_step``: profile on fake
+            tensors in ``dtype`` for ``device`` (e.g. ``"cuda"``), pricing FLOPs with ``gpu``'s speed.
+        device_memory: the target device's total memory ("80GB") when it is not this machine's;
+            percentages refer to it and a budget above it is an error.
+
+    The arguments are checked before any profiling, so a malformed budget fails at once. Under
+    an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
+    and every rank returns the same plan (or raises the same error).
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+        >>> x = torch.randn(256, 64)
+        >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
+        >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
+        True
+        >>> from lightning_remat import apply_plan
+        >>> apply_plan(net, plan) is net
+        True
+    """
+    config = RematConfig(budget, cost=cost, profile=ProfileOptions(
+        candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
+        warmup=warmup))
+    config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
+    is_main, broadcast = torch_distributed_broadcast()
+    return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)
