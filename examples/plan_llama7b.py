@@ -1,7 +1,9 @@
 """Plan recomputation for a Llama-2-7B training step on an 80 GB GPU, on a machine without one.
 
 The model is built on the meta device (no weights are allocated) and profiled under fake tensors
-in bf16 for a CUDA device, with Adam's state counted and FLOPs priced at an H100's speed.
+for a CUDA device (AdamW's batched "foreach" step, as CUDA runs it), in pure bf16 by default
+(``--precision bf16-mixed`` keeps float32 weights, gradients and moments: 16 bytes per parameter),
+with FLOPs priced at an H100's speed.
 
     python examples/plan_llama7b.py                 # the full 32 layers, 1 x 2048 tokens
     python examples/plan_llama7b.py --layers 2 --json
@@ -55,6 +57,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", default="90%", help='budget, e.g. "90%%" of --device-memory or "60GB"')
     parser.add_argument("--device-memory", default="80GB", help="the target GPU's memory")
     parser.add_argument("--gpu", default="h100", help="the target GPU, for pricing FLOPs in seconds")
+    parser.add_argument("--precision", default="bf16-true", choices=("bf16-true", "bf16-mixed", "32-true"),
+                        help="bf16-true: weights, gradients and AdamW state in bf16 (16 GB per billion parameters "
+                             "less); bf16-mixed keeps them in float32 (16 bytes per parameter)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
 
@@ -65,7 +70,7 @@ def main(argv=None) -> dict:
     ids = torch.randint(0, 32000, (args.batch, args.seq))
     optimizer = torch.optim.AdamW(model.parameters())
     plan = plan_remat(model, lambda m: m(input_ids=ids, labels=ids).loss, args.budget, optimizer=optimizer,
-                      cost="time", fake=True, dtype=torch.bfloat16, device="cuda", gpu=args.gpu,
+                      cost="time", fake=True, precision=args.precision, device="cuda", gpu=args.gpu,
                       device_memory=args.device_memory)
     result = {
         "layers": args.layers, "tokens": args.batch * args.seq, "seconds": time.perf_counter() - start,

@@ -118,3 +118,38 @@ def test_the_command_line_plans_on_fake_tensors(capsys):
     assert result["device"] == "cuda" and result["plan"]["checkpointed"]
     assert main(["plan", target, "--gpu", "h100", "--json"]) == 2
     assert main(["plan", target, "--fake", "--device-memory", "1GB", "--budget", "2GB", "--cost", "flops"]) == 2
+
+
+def test_a_cuda_target_prices_the_batched_optimizer_step_cuda_runs():
+    # torch's Adam takes its foreach step on CUDA (a copy of all parameters in temporaries) and a
+    # per-tensor loop on the CPU; a plan for CUDA must count the former.
+    case = build("gpt2", layers=2, hidden=64, seq_len=32, batch_size=2)
+    optimizer = torch.optim.AdamW(case.model.parameters())
+    on_cpu = profile_step(case.model, case.step, optimizer=optimizer, fake=True)
+    on_cuda = profile_step(case.model, case.step, optimizer=optimizer, fake=True, device="cuda")
+    step_segment = {p.device: next(s for s in p.segments if s.name == "optimizer step") for p in (on_cpu, on_cuda)}
+    extra = step_segment["cuda"].peak_bytes - step_segment["cpu"].peak_bytes
+    parameters = sum(p.numel() * p.element_size() for p in case.model.parameters())
+    # At least the foreach temporaries' copy of the parameters, less the loop's copy of the largest one.
+    largest = max(p.numel() * p.element_size() for p in case.model.parameters())
+    assert extra >= parameters - 2 * largest > 0
+    assert on_cuda.optimizer_state_bytes == on_cpu.optimizer_state_bytes
+
+
+def test_fake_planning_models_the_precision_and_says_which():
+    case = build("gpt2", layers=2, hidden=64, seq_len=32, batch_size=2)
+    optimizer = torch.optim.AdamW(case.model.parameters())
+    plans = {precision: plan_remat(case.model, case.step, "min", optimizer=optimizer, cost="flops", fake=True,
+                                   precision=precision) for precision in ("32-true", "bf16-mixed", "bf16-true")}
+    full, mixed, pure = plans["32-true"], plans["bf16-mixed"], plans["bf16-true"]
+    # Mixed precision keeps float32 parameters, gradients and AdamW moments: 16 bytes per parameter.
+    assert (mixed.parameter_bytes, mixed.gradient_bytes, mixed.optimizer_state_bytes) == \
+        (full.parameter_bytes, full.gradient_bytes, full.optimizer_state_bytes)
+    assert pure.parameter_bytes * 2 == full.parameter_bytes and pure.gradient_bytes * 2 == full.gradient_bytes
+    assert "precision bf16-mixed: parameters, gradients and optimizer state in float32, the step under bfloat16 autocast" \
+        in mixed.summary()
+    assert "precision bf16-true" in pure.summary()
+    with pytest.raises(ValueError, match="precision must be one of"):
+        plan_remat(case.model, case.step, "min", cost="flops", fake=True, precision="bf16")
+    with pytest.raises(ValueError, match="apply to fake profiles"):
+        plan_remat(case.model, case.step, "min", precision="bf16-mixed")

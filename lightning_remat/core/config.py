@@ -22,6 +22,15 @@ from typing import Any
 from .budget import Budget
 
 COST_KINDS = ("time", "flops")
+# Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
+# state are kept in, and whether the step runs under autocast.
+PRECISIONS = {
+    "32-true": ("float32", None),
+    "bf16-mixed": ("float32", "bfloat16"),
+    "16-mixed": ("float32", "float16"),
+    "bf16-true": ("bfloat16", None),
+    "16-true": ("float16", None),
+}
 
 
 def check_cost_kind(kind: Any) -> str:
@@ -79,12 +88,16 @@ class ProfileOptions:
         gpu: with ``fake``, a GPU name whose throughput prices FLOPs in seconds.
         device_memory: the target device's total memory when it is not this machine's.
         warmup: unmeasured steps before profiling.
+        precision: with ``fake``, how the step trains, in Lightning's names: ``"bf16-mixed"``
+            (float32 parameters, gradients and optimizer state, the step under bfloat16 autocast),
+            ``"bf16-true"`` (everything in bfloat16, as ``dtype=torch.bfloat16``), ``"16-mixed"``,
+            ``"16-true"``, ``"32-true"``. A real profile runs the step as it is given.
 
     Example:
         >>> ProfileOptions(gpu="h100")
         Traceback (most recent call last):
         ...
-        ValueError: gpu= and dtype= apply to fake profiles (fake=True); a real profile times the real step
+        ValueError: gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times the real step
     """
 
     candidates: Any = None
@@ -94,13 +107,20 @@ class ProfileOptions:
     gpu: str | None = None
     device_memory: int | str | None = None
     warmup: int = 1
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        if not self.fake and (self.gpu is not None or self.dtype is not None):
-            raise ValueError("gpu= and dtype= apply to fake profiles (fake=True); a real profile times the real step")
+        if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
+            raise ValueError("gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times "
+                             "the real step")
+        if self.precision is not None:
+            if self.precision not in PRECISIONS:
+                raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            if self.dtype is not None:
+                raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
             object.__setattr__(self, "device", str(self.device))
 

@@ -87,15 +87,18 @@ def plan_table(plan: Any) -> Any:
 
 def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     """Headline, stage table, static memory at the peak, notes: the plan as it is shown everywhere."""
-    static = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_state_bytes
     lines: list[Any] = [plan_headline(plan, title)]
     if plan.choices or plan.checkpointed:
         lines.append(plan_table(plan))
     if not getattr(plan, "fallback", False):
+        # Gradients exist only from some point of backward on, so the rest of the peak is not
+        # split between them and activations: it is said as what it is.
+        held = plan.parameter_bytes + plan.optimizer_state_bytes
         lines.append(
-            f"  at the peak: parameters {format_bytes(plan.parameter_bytes)}, gradients {format_bytes(plan.gradient_bytes)}, "
-            f"optimizer state {format_bytes(plan.optimizer_state_bytes)}, activations and temporaries "
-            f"{format_bytes(max(0, plan.predicted_peak_bytes - static))}")
+            f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "
+            f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
+            f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
+            "activations, temporaries and the gradients alive at that point")
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines
 

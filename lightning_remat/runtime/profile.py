@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..core.config import ProfileOptions
+from ..core.config import PRECISIONS, ProfileOptions
 from ..core.errors import AlreadyCheckpointedError
 from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .apply import applied, existing_checkpointing
@@ -138,7 +138,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             larger than this machine and for devices that are not here. The model may be real (it
             is not changed), on the meta device, or built under a ``FakeTensorMode``; ``step``
             may make its inputs as real tensors. Byte counts are exact; costs are counted FLOPs.
-        dtype: with ``fake``, the dtype floating-point parameters train in (``torch.bfloat16``).
+        dtype: with ``fake``, the dtype floating-point parameters, gradients and optimizer state are
+            kept in (``torch.bfloat16``: pure bf16; for mixed precision use ``options.precision``).
         device: the device the profile plans for (``"cuda"``); the default is the model's.
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
@@ -175,11 +176,28 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     return _fake_profile(model, step, optimizer, options)
 
 
+def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype | None, str]:
+    """(dtype of parameters, gradients and state; autocast dtype or None; the note that says so)."""
+    if options.precision is not None:
+        storage, autocast = (getattr(torch, name) if name else None for name in PRECISIONS[options.precision])
+        held = f"parameters, gradients and optimizer state in {str(storage).replace('torch.', '')}"
+        computed = f", the step under {str(autocast).replace('torch.', '')} autocast" if autocast else ""
+        return storage, autocast, f"precision {options.precision}: {held}{computed}"
+    dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
+    if dtype is None:
+        return None, None, "precision: as the model's parameters, no autocast"
+    name = str(dtype).replace("torch.", "")
+    return dtype, None, (f"precision: parameters, gradients and optimizer state in {name}, no autocast (pure "
+                         f"{name}); mixed-precision training keeps them in float32: pass precision='bf16-mixed'")
+
+
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   options: ProfileOptions) -> Profile:
     """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
-    dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
+    dtype, autocast, precision_note = _precision(options)
+    if autocast is not None:
+        step = _under_autocast(step, autocast)
     mode = existing_fake_mode(model) or new_fake_mode()
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
@@ -196,9 +214,19 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
         for stage in profile.stages)
     profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
+    profile.notes = (*profile.notes, precision_note)
     if options.gpu is None:
         profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
+
+
+def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
+    # Fake tensors live on the CPU, so the CPU's autocast stands in for the target's: both run
+    # matmuls, linears and convolutions (what activations are mostly made of) in ``dtype``.
+    def autocast_step(model: nn.Module) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype):
+            return step(model)
+    return autocast_step
 
 
 def _option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
@@ -228,11 +256,12 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             warnings.simplefilter("ignore")
             runs = {name: _memory_run(model, step, observed.order, [m for ms in wrap.values() for m in ms], optimizer)
                     for name, wrap in wraps.items()}
-        step_cost = optimizer_step_cost(optimizer)
+        device = options.device or str(model_device(model))
+        step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
     return _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                     optimizer is not None, options.device or str(model_device(model)))
+                     optimizer is not None, device)
 
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],

@@ -213,7 +213,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
-               device_memory: int | str | None = None) -> Plan:
+               device_memory: int | str | None = None, precision: str | None = None) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -228,6 +228,9 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             tensors in ``dtype`` for ``device`` (e.g. ``"cuda"``), pricing FLOPs with ``gpu``'s speed.
         device_memory: the target device's total memory ("80GB") when it is not this machine's;
             percentages refer to it and a budget above it is an error.
+        precision: with ``fake``, how the step trains (``"bf16-mixed"``: float32 parameters,
+            gradients and optimizer state, the step under bfloat16 autocast; ``"bf16-true"``: all in
+            bfloat16); see ``ProfileOptions``. The plan's notes state the precision modelled.
 
     The arguments are checked before any profiling, so a malformed budget fails at once. Under
     an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
@@ -245,7 +248,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
-        warmup=warmup))
+        warmup=warmup, precision=precision))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     is_main, broadcast = torch_distributed_broadcast()
     return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)

@@ -70,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
                         help='the target device\'s total memory, e.g. "80GB": percentages refer to it')
     target.add_argument("--gpu", default=None, help="a GPU name (h100, a100, l4, ...) to price FLOPs in seconds")
     target.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                        help="with --fake, the dtype floating-point parameters train in")
+                        help="with --fake, the dtype parameters, gradients and optimizer state are kept in (pure)")
+    target.add_argument("--precision", default=None,
+                        choices=("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"),
+                        help="with --fake, how the step trains, in Lightning's names (bf16-mixed: float32 parameters "
+                             "and optimizer state, bfloat16 autocast)")
     return parser
 
 

@@ -63,9 +63,11 @@ def _config(args: argparse.Namespace) -> RematConfig:
     """The command line's settings, checked once; a mistake is a usage error (exit code 2)."""
     try:
         return RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(
-            fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory))
+            fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory,
+            precision=args.precision))
     except ValueError as err:
-        message = str(err).replace("gpu= and dtype= apply to fake profiles (fake=True)", "--gpu and --dtype apply with --fake")
+        message = str(err).replace("gpu=, dtype= and precision= apply to fake profiles (fake=True)",
+                                   "--gpu, --dtype and --precision apply with --fake")
         raise UsageError(message) from err
 
 
