@@ -55,7 +55,8 @@ def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         backend = getattr(torch, device.type, None)
         if backend is not None and hasattr(backend, "synchronize"):
-            backend.synchronize()
+            # The model's device, not the current one: they differ when a process drives several.
+            backend.synchronize(device)
 
 
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
@@ -204,6 +205,49 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
     return int(counter.get_total_flops())
 
 
+@dataclass
+class RandomState:
+    """The random generators a step may draw from: torch's CPU one, the model's device's, Python's.
+
+    Restored before each pass of a profile, so every pass takes the same random decisions (the
+    same dropout masks, the same layers dropped by a layer-drop model) as the first.
+
+    Example:
+        >>> state = RandomState.capture(torch.device("cpu"))
+        >>> first = torch.rand(1)
+        >>> state.restore()
+        >>> torch.equal(torch.rand(1), first)
+        True
+    """
+
+    device: torch.device
+    cpu: torch.Tensor
+    accelerator: torch.Tensor | None
+    python: Any
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "RandomState":
+        import random
+
+        backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+        accelerator = None
+        if backend is not None and hasattr(backend, "get_rng_state"):
+            accelerator = backend.get_rng_state(device) if device.index is not None else backend.get_rng_state()
+        return cls(device, torch.get_rng_state(), accelerator, random.getstate())
+
+    def restore(self) -> None:
+        import random
+
+        torch.set_rng_state(self.cpu)
+        if self.accelerator is not None:
+            backend = getattr(torch, self.device.type)
+            if self.device.index is not None:
+                backend.set_rng_state(self.accelerator, self.device)
+            else:
+                backend.set_rng_state(self.accelerator)
+        random.setstate(self.python)
+
+
 @contextlib.contextmanager
 def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Put back gradients, buffers and RNG states after trial steps (profiling, measurement).
@@ -217,10 +261,7 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
     """
     grads = {p: p.grad for p in model.parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    device = model_device(model)
-    cpu_rng = torch.get_rng_state()
-    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
-    device_rng = backend.get_rng_state() if backend is not None and hasattr(backend, "get_rng_state") else None
+    random_state = RandomState.capture(model_device(model))
     state_keys = set(optimizer.state.keys()) if optimizer is not None else set()
     try:
         yield
@@ -232,9 +273,7 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
             for name, value in buffers.items():
                 if name in current:
                     current[name].copy_(value)
-        torch.set_rng_state(cpu_rng)
-        if device_rng is not None:
-            backend.set_rng_state(device_rng)
+        random_state.restore()
         if optimizer is not None:
             for key in set(optimizer.state.keys()) - state_keys:
                 del optimizer.state[key]

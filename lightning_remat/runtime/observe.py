@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ class ModuleStats:
 
     seconds: float = 0.0
     flops: int = 0
+    calls: int = 0
     saved: dict[int, int] = field(default_factory=dict)
     inputs: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)
@@ -106,6 +107,7 @@ class _Observer:
             if name in self.stage_names and name not in self.order:
                 self.order.append(name)
             self.stats[name].inputs.update(storages((args, kwargs)))
+            self.stats[name].calls += 1
             self.active.append(name)
             self.flops_before[name] = self.counted()
             synchronize(self.device)
@@ -143,6 +145,7 @@ class _Observer:
             s.inputs.clear()
             s.outputs.clear()
             s.flops = 0
+            s.calls = 0
         self.order.clear()
 
 
@@ -154,18 +157,22 @@ def _timed_step(model: nn.Module, step: Step, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True) -> ObservedStep:
+def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True,
+                 before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
     """One plain step (two passes: timing, then counting FLOPs and saved bytes).
 
     Timing runs first, without modes that would slow it; on fake tensors (``timed=False``)
-    nothing real runs, so nothing is timed.
+    nothing real runs, so nothing is timed. ``before_pass`` runs before each pass (the profile
+    replays the random generators there).
     """
     observer = _Observer(model, stage_names)
     handles = observer.register()
     try:
+        before_pass()
         step_seconds = _timed_step(model, step, observer.device) if timed else 0.0
         seconds = {n: s.seconds for n, s in observer.stats.items()}
         observer.reset_counts()
+        before_pass()
         with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
             with FlopCounterMode(display=False) as forward_counter:
                 observer.counter = forward_counter

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from ..core.config import PRECISIONS, ProfileOptions
-from ..core.errors import AlreadyCheckpointedError
+from ..core.errors import AlreadyCheckpointedError, RematError
 from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
 from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                    gpu_peak_flops, new_fake_mode, real_code_paths)
-from .measure import Step, model_device, preserved_training_state
+from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from .tracking import SegmentTracker, snapshot_by_category
@@ -59,11 +59,12 @@ class _MemoryRun:
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
 
 
-def _memory_run(model: nn.Module, step: Step, order: Sequence[str], wrapped: Sequence[str],
-                optimizer: torch.optim.Optimizer | None) -> _MemoryRun:
+def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
+                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None]) -> _MemoryRun:
     modules = dict(model.named_modules())
+    replay()
     device = model_device(model)
-    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device)
+    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     with applied(model, wrapped), tracker:
         loss = step(model)
@@ -71,10 +72,12 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], wrapped: Seq
         after_backward = tracker.current_total()
         del loss
     n = len(order)
-    missing = [order[i] for i in range(n) if i not in tracker.pre_fw or i not in tracker.post_fw]
+    missing = [order[i] for i in range(n) if i not in tracker.stored]
     if missing:
-        raise RuntimeError(f"stages {missing} did not run forward during the profiled step")
-    stored = [tracker.post_fw[i] - tracker.pre_fw[i] for i in range(n)]
+        raise RematError(f"stages {missing} ran in one pass over the profiled batch and not in another: the model's "
+                         "control flow depends on something other than torch's random generators (which the profile "
+                         "replays). Pass candidates= without these modules, or make their use reproducible.")
+    stored = [tracker.stored[i] for i in range(n)]
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
@@ -247,21 +250,61 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         model.zero_grad(set_to_none=True)
         for _ in range(options.warmup):
             run_step(model, step)
-        observed = observe_step(model, step, stage_names, timed)
+        # Every pass takes the random decisions of the first (dropout masks, dropped layers).
+        replay = RandomState.capture(model_device(model)).restore
+        observed = observe_step(model, step, stage_names, timed, before_pass=replay)
         if not observed.order:
             raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         wraps = _option_wraps(observed.order, observed, modules)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
-            runs = {name: _memory_run(model, step, observed.order, [m for ms in wrap.values() for m in ms], optimizer)
+            calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
+            runs = {name: _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
+                                      optimizer, replay)
                     for name, wrap in wraps.items()}
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
-    return _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                     optimizer is not None, device)
+    profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
+                        optimizer is not None, device)
+    return _with_unobserved(profile, stage_names, modules)
+
+
+def _with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
+    """Put the stages that did not run on the profiled batch (layer drop, conditional blocks) into the
+    chain as if they had run, with the figures of a stage that did: of the same class where there is
+    one, else the one that stores most. Placed after the observed stage registered before them, so
+    every later stage's peak counts what they would store; the optimizer step's segment is not moved.
+    """
+    observed = {s.name: s for s in profile.stages}
+    missing = [n for n in stage_names if n not in observed]
+    if not missing:
+        return profile
+    stages = list(profile.stages)
+    positions = {s.name: i for i, s in enumerate(stages)}
+    for name in missing:
+        twin = next((s for s in profile.stages if s.module_type == type(modules[name]).__name__),
+                    max(profile.stages, key=lambda s: s.options[0].stored_bytes))
+        same_class = twin.module_type == type(modules[name]).__name__
+        options = tuple(replace(o, checkpointed=tuple(name + c[len(twin.name):] for c in o.checkpointed))
+                        for o in twin.options if same_class or o.name in ("keep", "whole"))
+        before = [n for n in stage_names[:stage_names.index(name)] if n in positions]
+        at = positions[before[-1]] + 1 if before else 0
+        stages.insert(at, replace(twin, name=name, options=options, module_type=type(modules[name]).__name__))
+        positions = {s.name: i for i, s in enumerate(stages)}
+    first_observed = [positions[s.name] for s in profile.stages]
+
+    def alive(k: int) -> int:
+        return 0 if k == 0 else (first_observed[k] if k < len(first_observed) else len(stages))
+
+    segments = tuple(replace(seg, stages_alive=alive(seg.stages_alive)) for seg in profile.segments)
+    note = (f"{len(missing)} stage(s) did not run on the profiled batch ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}): each is planned as if it ran, with the figures of a stage that did")
+    result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
+    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    return result
 
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],

@@ -85,16 +85,24 @@ class SegmentTracker(MemTracker):
 
     Segments are labelled ("fw", i) / ("bw", i) while stage i runs forward / backward, and
     ("gap", k) between stages, where k stages have run forward and not yet backward.
+
+    A stage called several times in one forward (a shared or looped block, ``calls[i]`` times)
+    stores what all its calls leave allocated: ``stored[i]`` sums the calls, and the stage sits in
+    the chain at its first call. Until its last call's forward (or backward) is over, the memory
+    between its calls belongs to its own forward (backward) segment, where its stored bytes count.
     """
 
-    def __init__(self, stage_ids: dict[int, int], device: torch.device):
+    def __init__(self, stage_ids: dict[int, int], device: torch.device, calls: dict[int, int] | None = None):
         super().__init__()
         self.stage_ids = stage_ids
+        self.calls = calls or {}
+        self.forwards_done: dict[int, int] = {}
+        self.backwards_done: dict[int, int] = {}
         self.device = device
         self.label: tuple[str, int] = ("gap", 0)
         self.segment_peaks: dict[tuple[str, int], int] = {}
         self.pre_fw: dict[int, int] = {}
-        self.post_fw: dict[int, int] = {}
+        self.stored: dict[int, int] = {}
 
     def current_total(self) -> int:
         return current_total(self, self.device)
@@ -120,8 +128,10 @@ class SegmentTracker(MemTracker):
         super()._post_fw_hook(module, inputs, outputs)
         index = self.stage_ids.get(id(module))
         if index is not None and not self._mod_tracker.is_bw:
-            self.post_fw[index] = self.current_total()
-            self.label = ("gap", index + 1)
+            self.stored[index] = self.stored.get(index, 0) + self.current_total() - self.pre_fw.pop(index)
+            self.forwards_done[index] = self.forwards_done.get(index, 0) + 1
+            more = self.forwards_done[index] < self.calls.get(index, 1)
+            self.label = ("fw", index) if more else ("gap", index + 1)
             self._note()
 
     def _pre_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
@@ -135,7 +145,9 @@ class SegmentTracker(MemTracker):
         super()._post_bw_hook(module, args)
         index = self.stage_ids.get(id(module))
         if index is not None:
-            self.label = ("gap", index)
+            self.backwards_done[index] = self.backwards_done.get(index, 0) + 1
+            more = self.backwards_done[index] < self.calls.get(index, 1)
+            self.label = ("bw", index) if more else ("gap", index)
             self._note()
 
 
