@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from lightning_remat import parse_budget
 from lightning_remat.core.budget import device_total_memory, format_bytes
@@ -49,3 +50,19 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(2**20) == "1.00 MiB"
     assert format_bytes(-3 * 2**30) == "-3.00 GiB"
+
+
+@pytest.mark.parametrize("value", ["١٠GB", "1.9", "9" * 400, "9" * 400 + "GB", "1e3GB"])
+def test_unicode_digits_fractional_bytes_and_huge_numbers_are_rejected_as_budgets(value):
+    with pytest.raises(ValueError, match="Accepted:"):
+        parse_budget(value)
+
+
+def test_a_budget_above_the_device_is_an_error_where_the_device_is_known():
+    assert parse_budget("10TB") == 10**13  # no device named: the form alone is checked
+    with pytest.raises(ValueError, match="larger than the device's memory of cpu"):
+        parse_budget("10TB", device="cpu")
+    with pytest.raises(ValueError, match="larger than the device's memory '80GB'"):
+        parse_budget("100GB", device="cuda", total_memory="80GB")
+    # A device that is not here (planning for a GPU from a CPU machine) is not checked without its size.
+    assert parse_budget("100GB", device="cuda") == 10**11 or torch.cuda.is_available()

@@ -64,6 +64,17 @@ def device_total_memory(device: Any = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def _is_here(device: Any) -> bool:
+    """Whether ``device`` is on this machine (planning for a CUDA device from a CPU machine is not)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    backend = getattr(torch, device.type, None)
+    return bool(backend is not None and hasattr(backend, "is_available") and backend.is_available())
+
+
 @dataclass(frozen=True)
 class Budget:
     """A budget as the user gave it: bytes, a share of the device's memory, or ``"min"``.
@@ -135,17 +146,27 @@ class Budget:
         """Bytes on ``device`` (or on a device of ``total_memory``), or ``"min"``.
 
         A percentage refers to the device's total memory (``total_memory`` when the device is not
-        here; the host's memory for the CPU). A budget above a known total is an error.
+        here; the host's memory for the CPU). A budget above the total, given or of a ``device``
+        that is here, is an error.
+
+        Example:
+            >>> Budget.parse("10TB").resolve(total_memory="80GB")
+            Traceback (most recent call last):
+            ...
+            ValueError: The memory budget '10TB' (10000000000000 bytes) is larger than the device's memory '80GB' (80000000000 bytes)
         """
-        total = _total_memory(total_memory)
         if self.is_min:
             return MIN_BUDGET
+        total = _total_memory(total_memory)
+        named = repr(total_memory)
+        if total is None and device is not None and _is_here(device):
+            total, named = device_total_memory(device), f"of {device}"
         if self.fraction is not None:
             return int(self.fraction * (total if total is not None else device_total_memory(device)))
         assert self.nbytes is not None
         if total is not None and self.nbytes > total:
             raise ValueError(f"The memory budget {self.text!r} ({self.nbytes} bytes) is larger than the device's "
-                             f"memory {total_memory!r} ({total} bytes)")
+                             f"memory {named} ({total} bytes)")
         return self.nbytes
 
 

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..core.budget import format_bytes
 from ..core.config import PRECISIONS, ProfileOptions
 from ..core.errors import AlreadyCheckpointedError, RematError
 from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -57,6 +58,7 @@ class _MemoryRun:
     parameter_bytes: int
     buffer_bytes: int
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
+    untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
 
 
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
@@ -66,6 +68,7 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     device = model_device(model)
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    allocator = _AllocatorPeak(device)
     with applied(model, wrapped), tracker:
         loss = step(model)
         loss.backward()
@@ -91,12 +94,32 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
+    peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return _MemoryRun(
-        stored=stored, local=local, segments=segments,
-        peak=snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0),
+        stored=stored, local=local, segments=segments, peak=peak, untracked_bytes=allocator.above(peak),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
     )
+
+
+class _AllocatorPeak:
+    """On CUDA, the caching allocator's own peak over a pass, which is what a budget means
+    (``max_memory_allocated``): it also sees what MemTracker does not, such as the batch already on
+    the device before the step and library workspaces. Elsewhere there is nothing to compare."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def above(self, tracked_peak: int) -> int:
+        """Bytes by which the allocator's peak exceeded ``tracked_peak`` (0 off CUDA)."""
+        if not self.cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return max(0, int(torch.cuda.max_memory_allocated(self.device)) - int(tracked_peak))
 
 
 def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
@@ -269,7 +292,23 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                         optimizer is not None, device)
+    profile = _with_untracked(profile, runs["keep"].untracked_bytes)
     return _with_unobserved(profile, stage_names, modules)
+
+
+def _with_untracked(profile: Profile, untracked: int) -> Profile:
+    """Calibrate against the allocator: bytes it held above MemTracker's count at the peak (on CUDA)
+    are alive through the whole step, so every term carries them."""
+    if untracked <= 0:
+        return profile
+    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + untracked)
+                                            for o in s.options)) for s in profile.stages)
+    segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + untracked) for seg in profile.segments)
+    note = (f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
+            "the profile tracks (the batch already on the device, library workspaces); counted in every term")
+    result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
+    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    return result
 
 
 def _with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
