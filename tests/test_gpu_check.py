@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 def test_the_smoke_check_holds_the_budget_and_predicts_the_peak(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--smoke", "--steps", "2", "--out", str(tmp_path)]) == 0
     rows = {r["config"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
