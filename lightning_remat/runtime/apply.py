@@ -43,8 +43,15 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
     """
     found = []
     # transformers 5 renamed the flag (the old name warns); read whichever the class has.
-    flag_name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, flag_name, False):
+    # Wrappers such as PEFT's forward attributes to the model they wrap, so ask the instance.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        flag = getattr(model, "is_activation_checkpointing", None)
+        if flag is None:
+            flag = getattr(model, "is_gradient_checkpointing", False)
+    if flag:
         found.append(f"Hugging Face gradient checkpointing is enabled on {type(model).__name__} "
                      "(call model.gradient_checkpointing_disable() to let lightning-remat choose)")
     else:

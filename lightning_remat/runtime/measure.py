@@ -14,10 +14,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
-from .tracking import PeakOnlyTracker, snapshot_by_category
+from .tracking import PeakOnlyTracker, Tracker, snapshot_by_category
 
 Step = Callable[[nn.Module], torch.Tensor]
 
@@ -79,7 +78,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
     device = model_device(model)
     if zero_grad:
         model.zero_grad(set_to_none=True)
-    tracker = MemTracker()
+    tracker = Tracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     with tracker, warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
@@ -121,7 +120,7 @@ class PeakWindow:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.device = model_device(model)
-        self.tracker: MemTracker | None = None
+        self.tracker: Tracker | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

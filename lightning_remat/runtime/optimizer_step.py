@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from .fake import clone_optimizer, fake_like, new_fake_mode
+from .tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | None,
                 fakes[id(p)] = copy
     clone = clone_optimizer(optimizer, fakes, mode)
     _as_on_device(clone, device)
-    tracker = MemTracker()
+    tracker = Tracker()
     # Parameters and gradients are tracked up front so that only the state and the step's own
     # temporaries land in the optimizer category.
     tracker.track_external(*fakes.values(), *[f.grad for f in fakes.values() if f.grad is not None], clone)

@@ -9,7 +9,7 @@ integrations a window opened in one hook and closed in another (``PeakOnlyTracke
 Example:
     >>> import torch
     >>> net = torch.nn.Linear(8, 8)
-    >>> tracker = MemTracker()
+    >>> tracker = Tracker()
     >>> tracker.track_external(net)
     >>> with tracker:
     ...     net(torch.randn(4, 8)).sum().backward()
@@ -24,6 +24,39 @@ from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+
+
+class _NoHook:
+    """Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient."""
+
+    def remove(self) -> None:
+        pass
+
+
+class Tracker(MemTracker):
+    """``MemTracker`` that accepts frozen parameters (``requires_grad=False``: LoRA, partial fine-tuning).
+
+    MemTracker puts a gradient hook on every parameter of a module it sees run, and torch refuses a
+    hook on a tensor that needs no gradient. A frozen parameter is still counted as a parameter;
+    it is only marked as hooked already, so no hook is asked for: it never has a gradient to count.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        >>> _ = net[0].requires_grad_(False)
+        >>> tracker = Tracker()
+        >>> tracker.track_external(net)
+        >>> with tracker:
+        ...     net(torch.randn(4, 8)).sum().backward()
+        >>> now = snapshot_by_category(tracker.get_tracker_snapshot("current"), torch.device("cpu"))
+        >>> now["Parameter"], now["Gradient"]  # both layers' parameters, the second one's gradients
+        (576, 288)
+    """
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
 def _device_totals(snapshot: dict, device: torch.device) -> dict:
@@ -62,7 +95,7 @@ class _NoModules:
         pass
 
 
-class PeakOnlyTracker(MemTracker):
+class PeakOnlyTracker(Tracker):
     """MemTracker's byte counting without its per-module bookkeeping.
 
     That bookkeeping supports one forward per ``with`` block and must see the root module's forward
@@ -80,7 +113,7 @@ class PeakOnlyTracker(MemTracker):
         self._optimizer_hook_handles = None
 
 
-class SegmentTracker(MemTracker):
+class SegmentTracker(Tracker):
     """MemTracker that also records the peak of every segment of the step.
 
     Segments are labelled ("fw", i) / ("bw", i) while stage i runs forward / backward, and
@@ -151,7 +184,7 @@ class SegmentTracker(MemTracker):
             self._note()
 
 
-class TimelineTracker(MemTracker):
+class TimelineTracker(Tracker):
     """MemTracker that also records the total tracked memory after every operator.
 
     ``_update_peak_stats`` runs once after each dispatched operator (see

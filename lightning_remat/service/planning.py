@@ -155,6 +155,10 @@ class Planner:
         """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
         options = self.config.profile if warmup is None else replace(self.config.profile, warmup=warmup)
         profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
+        if model_device(model).type != "cpu":
+            # The profile's pass without recomputation filled the caching allocator up to the
+            # baseline's peak; hand that back so training reserves what the plan needs.
+            release_device_memory()
         if adjust is not None:
             profile = adjust(profile)
         plan = solve(profile, self.config.budget_bytes(model_device(model)), cost=self.config.cost)
