@@ -382,16 +382,6 @@ def test_already_checkpointed_model_is_left_alone(count_profiles, tmp_path):
     assert count_profiles == [] and checkpointed_modules(lit) == [] and len(losses.losses) == 1
 
 
-def test_compiled_module_gets_a_clear_message(count_profiles, tmp_path):
-    lit = LitLM(layers=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled = torch.compile(lit)
-    with pytest.warns(UserWarning, match="torch.compile.*plan_remat"):
-        make_trainer(tmp_path, [AutoRemat(budget="1GB")], max_steps=0).fit(compiled, token_batches())
-    assert count_profiles == [] and checkpointed_modules(lit) == []
-
-
 def test_autoremat_is_exported_lazily():
     assert lightning_remat.AutoRemat is AutoRemat
 

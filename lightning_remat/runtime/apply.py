@@ -9,7 +9,12 @@ checkpoint saved with recomputation loads without it and the reverse.
 Semantics users should know:
 - Dropout masks are reproduced on recompute (the RNG state is saved and restored).
 - BatchNorm (and any ``_NormBase``) running statistics are updated once per step, not twice: the
-  buffers are put back after the recompute.
+  buffers are put back after the recompute (under ``torch.compile`` the compiled backward does not
+  update them again).
+- Plans survive ``torch.compile`` in either order: compile after ``apply_plan``, or plan a model
+  that is compiled (or holds compiled submodules): profiling runs it eagerly, the plan wraps the
+  original modules (names as ``named_modules()`` gives them, ``_orig_mod.`` included), and the
+  compiled module recompiles with the recompute at its next call.
 - Forward hooks of the *children* of a recomputed module run again during backward; the module's
   own hooks run once, since they sit outside the recomputed forward.
 - Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
@@ -26,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..core.errors import AlreadyCheckpointedError
+from .compiled import uncompiled
 
 _ORIGINAL = "_remat_original_forward"
 _HAD_INSTANCE_FORWARD = "_remat_had_instance_forward"
@@ -78,7 +84,8 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
         >>> checkpointed_modules(apply_plan(net, ["0"]))
         ['0']
     """
-    return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
+    with uncompiled(model) as model:
+        return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
 
 
 @contextlib.contextmanager
@@ -105,10 +112,20 @@ def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 
+def _has_running_statistics(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+               for m in module.modules())
+
+
 def _recomputing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     original = module.__dict__[_ORIGINAL]
     if not _needs_graph(args, kwargs, module):
         return original(*args, **kwargs)
+    if torch.compiler.is_compiling() or not _has_running_statistics(module):
+        # Under torch.compile the recompute is part of the compiled backward, which does not apply
+        # buffer updates a second time (BatchNorm statistics stay as once); and torch.compile
+        # accepts no context_fn but a pair of dispatch modes.
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     context = functools.partial(lambda m: (contextlib.nullcontext(), _restore_norm_statistics(m)), module)
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context, **kwargs)
 
@@ -145,6 +162,9 @@ def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
     A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
     error never leaves a half-wrapped model.
 
+    Names are those of the uncompiled model: a plan made for a model applies to its
+    ``torch.compile`` twin and the reverse.
+
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         ValueError: a name is not a module of ``model``, or a name lies inside another named module.
@@ -163,7 +183,8 @@ def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
         raise AlreadyCheckpointedError(
             "Not applying the recompute plan, to avoid checkpointing twice: " + "; ".join(existing)
         )
-    modules = dict(model.named_modules())
+    with uncompiled(model) as plain:
+        modules = dict(plain.named_modules())
     unknown = [n for n in names if n not in modules]
     if unknown:
         raise ValueError(f"plan names module(s) {unknown} that {type(model).__name__} does not have")

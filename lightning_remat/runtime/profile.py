@@ -32,6 +32,7 @@ from ..core.errors import AlreadyCheckpointedError, RematError
 from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
+from .compiled import uncompiled
 from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                    gpu_peak_flops, new_fake_mode, real_code_paths)
 from .measure import RandomState, Step, model_device, preserved_training_state
@@ -177,6 +178,9 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         cost in seconds and FLOPs), its saved/input/output bytes and forward cost; the segments
         between stages; static bytes and the baseline peak of the step.
 
+    A model compiled with ``torch.compile`` (or holding compiled submodules) is profiled as its
+    original modules, and stage names are those of the uncompiled model (no ``_orig_mod.``).
+
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         NoCandidateError: the model has no candidate block.
@@ -197,9 +201,11 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
-    if not options.fake:
-        return _profile(model, step, optimizer, options, timed=True)
-    return _fake_profile(model, step, optimizer, options)
+    # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire.
+    with uncompiled(model) as model:
+        if not options.fake:
+            return _profile(model, step, optimizer, options, timed=True)
+        return _fake_profile(model, step, optimizer, options)
 
 
 def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype | None, str]:

@@ -24,16 +24,6 @@ from ...service.planning import Planner, plan_metrics
 from .step import training_step_closure
 
 
-def _is_compiled(pl_module: nn.Module) -> bool:
-    if getattr(pl_module, "_compiler_ctx", None) is not None:
-        return True
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return False
-    return any(isinstance(m, OptimizedModule) for m in pl_module.modules())
-
-
 class AutoRemat(Callback):
     """Keep every training step under a memory budget by recomputing the cheapest set of modules.
 
@@ -84,10 +74,14 @@ class AutoRemat(Callback):
       backward anyway.
     - An out-of-memory error while profiling is caught: every candidate block is recomputed whole
       (the simple plan most likely to fit) with a warning, and training goes on.
+    - Compiled models work: a module compiled in ``__init__`` or ``configure_model`` (or the
+      LightningModule given to ``fit`` compiled) is profiled and wrapped as its original modules,
+      and recompiles with the recompute at its next call. Plan names are those of the uncompiled
+      model.
     - Models that already use activation checkpointing (Hugging Face
       ``gradient_checkpointing_enable``, torch ``checkpoint_wrapper``, FSDP
-      ``activation_checkpointing_policy``), compiled models, manual optimization and strategies
-      other than single-device and DDP are left alone with a warning.
+      ``activation_checkpointing_policy``), manual optimization and strategies other than
+      single-device and DDP are left alone with a warning.
     - ``training_step`` is called several times on the first batch while profiling; ``self.log``
       is muted during those calls.
 
@@ -224,11 +218,6 @@ class AutoRemat(Callback):
         existing = existing_checkpointing(pl_module)
         if existing:
             return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
-        if _is_compiled(pl_module):
-            return ("the LightningModule (or a module in it) is compiled with torch.compile, and a compiled graph "
-                    "cannot be profiled or re-wrapped from a callback. Plan on the uncompiled model instead: "
-                    "plan = lightning_remat.plan_remat(model, step, budget); lightning_remat.apply_plan(model, plan); "
-                    "then torch.compile")
         if not pl_module.automatic_optimization:
             return ("manual optimization: the callback profiles training_step, which under manual optimization runs "
                     "backward and the optimizer itself; use lightning_remat.plan_remat/apply_plan in setup() instead")

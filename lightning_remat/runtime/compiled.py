@@ -1,0 +1,72 @@
+"""Models compiled with ``torch.compile``: plan and wrap their original modules.
+
+A compiled module (``OptimizedModule``) runs a captured graph in which the hooks of the modules
+inside do not fire, and torch's MemTracker does not see them either; the profile needs both. So
+while a model is profiled or a plan is applied, ``uncompiled`` puts every compiled wrapper's
+original module (``_orig_mod``) in its place. Names are therefore those of the uncompiled model
+(no ``_orig_mod.``, as in the original's ``state_dict``), and a plan moves between a model and
+its compiled twin. The wrappers come back afterwards; they guard on their modules, so they
+recompile with the recompute at their next call.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.compile(torch.nn.Sequential(torch.nn.Tanh())))
+    >>> is_compiled(net)
+    True
+    >>> with uncompiled(net) as plain:
+    ...     is_compiled(plain), [n for n, _ in plain.named_modules()]
+    (False, ['', '0', '1', '1.0'])
+    >>> is_compiled(net)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+
+def _optimized_module() -> type | tuple:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return ()
+    return OptimizedModule
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a module in it is a ``torch.compile`` wrapper.
+
+    Example:
+        >>> is_compiled(nn.Linear(2, 2))
+        False
+    """
+    compiled = _optimized_module()
+    return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with each compiled wrapper replaced by its original module for the block."""
+    compiled = _optimized_module()
+    while compiled and isinstance(model, compiled):
+        model = model._orig_mod
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        stack = [model]
+        while stack:
+            parent = stack.pop()
+            for name, child in list(parent._modules.items()):
+                while compiled and isinstance(child, compiled):
+                    swapped.append((parent, name, parent._modules[name]))
+                    child = child._orig_mod
+                    parent._modules[name] = child
+                if child is not None:
+                    stack.append(child)
+        yield model
+    finally:
+        # Innermost first, so a wrapper of a wrapper comes back whole.
+        for parent, name, wrapper in reversed(swapped):
+            parent._modules[name] = wrapper

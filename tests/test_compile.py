@@ -1,0 +1,146 @@
+"""torch.compile in either order: plan then compile, and compile then plan (plain and Lightning).
+Same losses and gradients as without recomputation, BatchNorm statistics updated once, less memory."""
+
+import copy
+import warnings
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_remat import AutoRemat, apply_plan, measure_step, plan_remat, profile_step
+from lightning_remat.models import build
+from lightning_remat.runtime.apply import checkpointed_modules
+from lightning_remat.runtime.measure import PeakWindow
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+class BNBlock(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.up, self.norm = nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width)
+        self.act, self.down = nn.GELU(), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.norm(self.up(x))))
+
+
+def test_plan_then_compile_with_inductor_keeps_losses_and_batchnorm_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[BNBlock() for _ in range(4)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    step = lambda m: m(x).square().mean()
+    plan = plan_remat(model, step, "min", cost="flops")
+    assert plan.checkpointed
+    apply_plan(model, plan)
+    compiled = torch.compile(model)  # inductor, on the CPU
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (compiled, reference)]
+    for _ in range(3):
+        losses = []
+        for m, optimizer in zip((compiled, reference), optimizers):
+            optimizer.zero_grad()
+            loss = step(m)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    for mine, theirs in zip(model.modules(), reference.modules()):
+        if isinstance(mine, nn.BatchNorm1d):
+            assert int(mine.num_batches_tracked) == int(theirs.num_batches_tracked) == 3  # once per step
+            torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_then_plan_wraps_the_original_modules_and_the_compiled_step_uses_less_memory():
+    torch.manual_seed(0)
+    case = build("gpt2", layers=3, hidden=64, seq_len=128, batch_size=4, vocab=128)
+    reference = copy.deepcopy(case.model)
+    compiled = torch.compile(case.model, backend="aot_eager")
+    before = measure_step(compiled, case.step).peak_bytes
+    plan = plan_remat(compiled, case.step, "min", cost="flops")
+    assert plan.checkpointed and not any("_orig_mod" in n for n in plan.checkpointed)
+    apply_plan(compiled, plan)
+    assert checkpointed_modules(case.model) == plan.checkpointed  # the original modules are wrapped
+    after = measure_step(compiled, case.step).peak_bytes  # recompiled with the recompute
+    assert after < 0.8 * before
+    case.model.zero_grad(set_to_none=True)  # measure_step left its gradients
+    torch.manual_seed(1)
+    loss = case.step(compiled)
+    loss.backward()
+    torch.manual_seed(1)
+    expected = case.step(reference)
+    expected.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    for mine, theirs in zip(case.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+SMALL = dict(layers=3, hidden=64, seq_len=64, batch_size=2, vocab=128)
+
+
+class CompiledLM(L.LightningModule):
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        torch.manual_seed(0)
+        model = build("gpt2", **SMALL).model
+        self.model = torch.compile(model, backend="aot_eager") if where == "__init__" else model
+
+    def configure_model(self):
+        if self.where == "configure_model" and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model, backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Recorder(L.Callback):
+    def __init__(self):
+        self.losses, self.peaks, self.window = [], [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= 2:
+            self.window = PeakWindow(pl_module, trainer.optimizers[0])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if self.window is not None:
+            self.peaks.append(self.window.close())
+            self.window = None
+
+
+def _fit(tmp_path, lit, callbacks):
+    if lit.where == "fit":  # the whole LightningModule compiled and given to fit
+        lit = torch.compile(lit, backend="aot_eager")
+    ids = torch.randint(0, SMALL["vocab"], (5 * SMALL["batch_size"], SMALL["seq_len"]),
+                        generator=torch.Generator().manual_seed(1))
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=callbacks, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, deterministic=True)
+    trainer.fit(lit, DataLoader(TensorDataset(ids), batch_size=SMALL["batch_size"]))
+
+
+@pytest.mark.parametrize("where", ["__init__", "configure_model", "fit"])
+def test_autoremat_plans_a_module_compiled_in_init_configure_model_or_for_fit(tmp_path, where):
+    plain = Recorder()
+    _fit(tmp_path, CompiledLM(where), [plain])
+    lit = CompiledLM(where)
+    ids = torch.randint(0, SMALL["vocab"], (SMALL["batch_size"], SMALL["seq_len"]))
+    profile = profile_step(lit, lambda m: m.model(input_ids=ids, labels=ids).loss,
+                           optimizer=torch.optim.Adam(lit.parameters()))
+    budget = int(profile.static_bytes + 0.5 * profile.baseline_activation_bytes)
+    callback, recorded = AutoRemat(budget=budget, cost="flops", verbose=False), Recorder()
+    _fit(tmp_path, lit, [callback, recorded])
+    assert callback.plan.checkpointed and checkpointed_modules(lit) == callback.plan.checkpointed
+    assert not any("_orig_mod" in name for name in callback.plan.checkpointed)
+    assert recorded.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert max(recorded.peaks) <= budget
