@@ -227,7 +227,9 @@ DDP_SCRIPT = textwrap.dedent('''
     rank = trainer.global_rank
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"profile_calls": len(calls), "checkpointed": checkpointed_modules(lit),
-                   "plan": callback.plan.checkpointed, "world_size": trainer.world_size}, f)
+                   "plan": callback.plan.checkpointed, "world_size": trainer.world_size,
+                   "budget": callback.plan.budget_bytes, "predicted": callback.plan.predicted_peak_bytes,
+                   "measured": callback.measured_peak_bytes, "notes": callback.plan.notes}, f)
     torch.save(lit.state_dict(), f"{out}/weights{rank}.pt")
 ''')
 
@@ -258,6 +260,11 @@ def test_ddp_ranks_apply_the_plan_of_rank_zero(tmp_path, monkeypatch):
     # Only rank 0 profiles; both wrap the same (non-empty) set of modules, the one rank 0 chose.
     assert [r["profile_calls"] for r in ranks] == [1, 0]
     assert ranks[0]["checkpointed"] and ranks[0]["checkpointed"] == ranks[1]["checkpointed"] == ranks[0]["plan"]
+    # DDP's gradient buckets are in the prediction, and the largest peak of either rank over a
+    # steady step (the callback reduces it with max) is within the budget and the prediction.
+    assert any("DDP's gradient buckets" in note for note in ranks[0]["notes"])
+    assert ranks[0]["measured"] == ranks[1]["measured"] <= ranks[0]["budget"]
+    assert ranks[0]["measured"] == pytest.approx(ranks[0]["predicted"], rel=0.05)
     # (The single process plans for its own batch of 4, so its plan may differ; values may not.)
     assert json.loads((tmp_path / "single" / "rank0.json").read_text())["checkpointed"]
     # Two SGD steps on 2 ranks x 2 samples equal two steps of one process on 4 samples.

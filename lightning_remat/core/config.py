@@ -88,6 +88,12 @@ class ProfileOptions:
         gpu: with ``fake``, a GPU name whose throughput prices FLOPs in seconds.
         device_memory: the target device's total memory when it is not this machine's.
         warmup: unmeasured steps before profiling.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation). Above 1,
+            every micro-batch but the first of a window runs with all gradients alive from its
+            start, and the profile measures that one.
+        gradient_buckets: the model trains under DDP, whose reducer keeps its gradient buckets
+            (a copy of the gradients, or the gradients themselves with ``gradient_as_bucket_view``)
+            for the whole run: counted in every term.
         precision: with ``fake``, how the step trains, in Lightning's names: ``"bf16-mixed"``
             (float32 parameters, gradients and optimizer state, the step under bfloat16 autocast),
             ``"bf16-true"`` (everything in bfloat16, as ``dtype=torch.bfloat16``), ``"16-mixed"``,
@@ -108,6 +114,8 @@ class ProfileOptions:
     device_memory: int | str | None = None
     warmup: int = 1
     precision: str | None = None
+    accumulation_steps: int = 1
+    gradient_buckets: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -123,6 +131,9 @@ class ProfileOptions:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
             object.__setattr__(self, "device", str(self.device))
+        steps = self.accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from .tracking import SegmentTracker, snapshot_by_category
 MIN_CHILD_SHARE = 0.15
 MAX_CHILD_SHARE = 0.9
 MAX_CHILD_OPTIONS = 2
+DDP_ALLOWANCE = 1024
 
 
 @dataclass
@@ -63,9 +64,16 @@ class _MemoryRun:
 
 
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
-                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None]) -> _MemoryRun:
+                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
+                gradients_alive: bool = False) -> _MemoryRun:
     modules = dict(model.named_modules())
     replay()
+    if gradients_alive:
+        # A later micro-batch of an accumulation window: every gradient exists from the start
+        # (backward then accumulates into it).
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     device = model_device(model)
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
@@ -290,7 +298,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             warnings.simplefilter("ignore")
             calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
             runs = {name: _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
-                                      optimizer, replay)
+                                      optimizer, replay, gradients_alive=options.accumulation_steps > 1)
                     for name, wrap in wraps.items()}
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
@@ -299,19 +307,33 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                         optimizer is not None, device)
     profile = _with_untracked(profile, runs["keep"].untracked_bytes)
+    if options.accumulation_steps > 1:
+        profile.notes = (*profile.notes, f"gradient accumulation over {options.accumulation_steps} micro-batches: "
+                         "profiled as a later micro-batch, with every gradient alive from its start")
+    if options.gradient_buckets:
+        # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
+        # tensors (a 4-byte scalar was alive at the peak of a 2-process CPU run).
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_ALLOWANCE
+        profile = _with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
+                                     "the gradients), alive through the whole step; counted in every term")
     return _with_unobserved(profile, stage_names, modules)
 
 
 def _with_untracked(profile: Profile, untracked: int) -> Profile:
     """Calibrate against the allocator: bytes it held above MemTracker's count at the peak (on CUDA)
     are alive through the whole step, so every term carries them."""
-    if untracked <= 0:
+    return _with_always_alive(profile, untracked, (
+        f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
+        "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
+
+
+def _with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
+    """``nbytes`` more in every term of the model: memory alive through the whole step."""
+    if nbytes <= 0:
         return profile
-    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + untracked)
+    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + nbytes)
                                             for o in s.options)) for s in profile.stages)
-    segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + untracked) for seg in profile.segments)
-    note = (f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
-            "the profile tracks (the batch already on the device, library workspaces); counted in every term")
+    segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes) for seg in profile.segments)
     result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
     result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
     return result

@@ -15,6 +15,7 @@ How it works, per model:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...runtime.apply import apply_plan
+from ...runtime.measure import model_device
 from ...core.plan import Plan
 from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
 from .plugin import ENV_BUDGET, RematPlugin
@@ -73,6 +75,7 @@ class RematSession:
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
         self._busy = False
+        self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -100,7 +103,7 @@ class RematSession:
         self._step_boundary(optimizer_stepped=False)
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
-        if self.phase in ("observe", "measure"):
+        if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -143,6 +146,8 @@ class RematSession:
         if self._busy or self.phase == "done":
             return
         self._step_boundary(optimizer_stepped=True)
+        if self.phase == "measure" and self._window is None:
+            self._stepped_since_plan = True
 
     # -- the state machine -------------------------------------------------------------------
 
@@ -178,16 +183,22 @@ class RematSession:
                 self._make_plan()
                 self.phase = "measure"
                 self._window_backward_ran = False
-        elif self.phase == "measure" and self._window_backward_ran:
+        elif self.phase == "measure" and self._window is not None and self._window_backward_ran:
             # The measured step ends with the optimizer step; without a known optimizer, at the
             # next forward.
             if optimizer_stepped or self._known_optimizer() is None:
                 self.observed_steps += 1
                 self._finish_measurement()
 
+    def _steady(self) -> bool:
+        """Whether a steady optimizer step starts now: right after an optimizer step with the plan
+        applied, so the optimizer holds its state and a whole accumulation window follows."""
+        return self._known_optimizer() is None or self._stepped_since_plan
+
     def _open_window(self) -> None:
-        """Measure the step that starts now: the observed ones calibrate the plan, the next checks it."""
-        if self._window is None and is_main_process():
+        """Measure the step that starts now: the observed ones calibrate the plan (on the main
+        process, which plans), the first steady one checks it (on every rank)."""
+        if self._window is None and (self.phase == "measure" or is_main_process()):
             self._window = WindowTracker(self.model, self._known_optimizer())
 
     def _make_plan(self) -> None:
@@ -197,7 +208,7 @@ class RematSession:
         self._busy = True
         try:
             # The observed steps were the warm-up: lazy initialisation has happened.
-            plan = Planner(self.plugin.config()).shared_plan(
+            plan = Planner(self._config()).shared_plan(
                 self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast,
                 hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
                 adjust=(lambda profile: calibrate(profile, *observed)) if observed is not None else None)
@@ -212,12 +223,22 @@ class RematSession:
             logger.info("lightning-remat applied after %d step(s):\n%s", self.observed_steps, plan.summary())
         self._log(dict(self.metrics))
 
+    def _config(self) -> Any:
+        """The plugin's settings, with what the loop adds to a step's memory: gradient accumulation
+        and, with several processes, DDP's gradient buckets."""
+        config = self.plugin.config()
+        steps = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
+        buckets = self.accelerator is not None and getattr(self.accelerator, "num_processes", 1) > 1
+        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
+                                               gradient_buckets=buckets))
+
     def _finish_measurement(self) -> None:
         window, self._window = self._window, None
-        if window is None:  # not the main process: it only follows the main process's plan
-            self.phase = "done"
-            return
-        self.metrics["remat/measured_peak_bytes"] = float(window.close())
+        peak = torch.tensor(float(window.close()), dtype=torch.float64, device=model_device(self.model))
+        if torch_distributed_broadcast()[1] is not None:
+            # The largest peak of any rank: the budget holds on every one or it does not hold.
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        self.metrics["remat/measured_peak_bytes"] = float(peak.item())
         self.phase = "done"  # the hooks are removed at the next forward (not from inside a step hook)
         if is_main_process():
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes",

@@ -7,8 +7,10 @@ real peak of a step with the plan, and reports the figures to every logger. See 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
@@ -22,6 +24,12 @@ from ...runtime.candidates import find_stages
 from ...runtime.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from .step import training_step_closure
+
+
+def _figure(nbytes: int, other: int) -> str:
+    """Bytes for a message; exact when rounding would make two different figures look equal."""
+    text = format_bytes(nbytes)
+    return f"{text} ({nbytes} bytes)" if nbytes != other and text == format_bytes(other) else text
 
 
 class AutoRemat(Callback):
@@ -114,7 +122,8 @@ class AutoRemat(Callback):
         self.measured_peak_bytes: int | None = None
         self.profile_count = 0
         self._disabled_reason: str | None = None
-        self._measure_countdown: int | None = None
+        self._measure_in: int | None = None  # batches until the measured window starts
+        self._window_left = 0
         self._meter: PeakWindow | None = None
 
     @property
@@ -145,42 +154,50 @@ class AutoRemat(Callback):
             self._apply(trainer, pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")
-        if self.measured_peak_bytes is None and self._measure_countdown is None:
-            self._measure_countdown = 0
+        if self.measured_peak_bytes is None and self._measure_in is None:
+            self._measure_in = 0
             self._log_plan(trainer, self.plan)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._disabled_reason:
             return
+        window = max(1, trainer.accumulate_grad_batches)
         if self.plan is None:
             self._plan_now(trainer, pl_module, batch, batch_idx)
             if self.plan is None:
                 return
-        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+        if batch_idx % window == 0:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             pl_module.zero_grad(set_to_none=True)
-        if self._measure_countdown is not None:
-            if self._measure_countdown == 0:
+        if self._measure_in is not None:
+            if self._measure_in > 0:
+                self._measure_in -= 1
+            elif batch_idx % window == 0:
+                # One meter over a whole accumulation window: every micro-batch and the optimizer step.
+                self._measure_in, self._window_left = None, window
                 self._meter = PeakWindow(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
-            else:
-                self._measure_countdown -= 1
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._meter is None:
             return
+        self._window_left -= 1
+        if self._window_left > 0:
+            return
         meter, self._meter = self._meter, None
-        self._measure_countdown = None
-        self.measured_peak_bytes = meter.close()
+        # The largest peak of any rank: the budget holds on every one or it does not hold.
+        local = torch.tensor(float(meter.close()), dtype=torch.float64, device=pl_module.device)
+        self.measured_peak_bytes = int(trainer.strategy.reduce(local, reduce_op="max").item())
         self._log_metrics(trainer, {"remat/measured_peak_bytes": float(self.measured_peak_bytes)})
         assert self.plan is not None
-        message = (f"AutoRemat: measured peak of a training step with the plan: {format_bytes(self.measured_peak_bytes)} "
-                   f"(predicted {format_bytes(self.plan.predicted_peak_bytes)}, budget {format_bytes(self.plan.budget_bytes)})")
+        message = (f"AutoRemat: measured peak of a steady training step with the plan"
+                   f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
+                   f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
+                   f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
+                   f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
         if self.measured_peak_bytes > self.plan.budget_bytes:
-            rank_zero_warn(message + ": the measured peak exceeds the budget. Memory the profile of the bare module "
-                           "does not see: under DDP its gradient buckets and all-reduce buffers (about one more copy of "
-                           "the gradients; DDPStrategy(gradient_as_bucket_view=True) reduces it), and with gradient "
-                           "accumulation the gradients that live through the forward pass. Lower the budget by that much.")
+            rank_zero_warn(message + ": the measured peak exceeds the budget, by memory the profile did not see. "
+                           "Lower the budget by the difference.")
         elif self.verbose:
             rank_zero_info(message)
 
@@ -199,7 +216,7 @@ class AutoRemat(Callback):
         self.plan = Plan.from_dict(plan) if plan is not None else None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
-        self._measure_countdown = None
+        self._measure_in = None
 
     # ------------------------------------------------------------------------------- internals
 
@@ -231,14 +248,26 @@ class AutoRemat(Callback):
         if trainer.is_global_zero:
             self.profile_count += 1
         broadcast = (lambda outcome: trainer.strategy.broadcast(outcome, src=0)) if trainer.world_size > 1 else None
-        self.plan = Planner(self.config).shared_plan(
+        self.plan = Planner(self._config_for(trainer)).shared_plan(
             pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast,
             hint=f"(AutoRemat, budget={self.budget!r})")
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
         if self.verbose:
             self._print_plan(self.plan)
-        self._measure_countdown = self.profile_steps - 1
+        # The first whole accumulation window at least profile_steps - 1 batches on (with the
+        # defaults, the first step whose optimizer state exists).
+        window = max(1, trainer.accumulate_grad_batches)
+        self._measure_in = -(-(self.profile_steps - 1) // window) * window
+
+    def _config_for(self, trainer: Trainer) -> RematConfig:
+        """The settings, with what this trainer adds to the memory of a step: gradient
+        accumulation, and DDP's gradient buckets."""
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return replace(self.config, profile=replace(
+            self.config.profile, accumulation_steps=max(1, trainer.accumulate_grad_batches),
+            gradient_buckets=isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1))
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
         # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so
