@@ -8,7 +8,9 @@ the batched "foreach" step on CUDA), gradients set to None before every forward:
 - ``none``: no checkpointing (the baseline);
 - ``hf``: Hugging Face every-layer checkpointing (``gradient_checkpointing_enable``, non-reentrant);
 - ``ours@50%``: ``plan_remat`` at static memory + 50% of the baseline's activation memory;
-- ``ours@hf``: ``plan_remat`` at the peak Hugging Face checkpointing measured (to compare overheads).
+- ``ours@hf``: ``plan_remat`` at the peak Hugging Face checkpointing measured (to compare overheads);
+- ``ours@50%+compile`` (GPT-2, Llama): the 50% plan, then ``torch.compile`` (inductor);
+- ``gpt2-lora``, ``llama-lora``: LoRA fine-tunes (PEFT, frozen base weights), no checkpointing and ours@50%.
 
 Measurement, over a steady window (after 2 warm-up steps, so AdamW's state exists): on CUDA, per
 step ``reset_peak_memory_stats`` then ``max_memory_allocated`` (what the budget means) and
@@ -61,6 +63,9 @@ GPU_MODELS: dict[str, dict[str, Any]] = {
     "mlp": dict(batch_size=8192, depth=24, width=1024),
 }
 SMOKE_MODELS: dict[str, dict[str, Any]] = {"mlp": dict(batch_size=64, depth=4, width=32)}
+# Also run the plan at 50% under torch.compile (inductor) for these; and LoRA fine-tunes of these.
+COMPILED = ("gpt2", "llama")
+LORA = {"gpt2": dict(target_modules=["c_attn"], fan_in_fan_out=True), "llama": dict(target_modules=["q_proj", "v_proj"])}
 
 
 @dataclass
@@ -155,11 +160,11 @@ def _dispose(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -
 
 def _fresh(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = copy.deepcopy(base).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
 def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int | None, meter: Meter,
-          steps: int) -> Row:
+          steps: int, compiled: bool = False) -> Row:
     model, optimizer = _fresh(base)
     row = Row(name, config, budget_bytes=budget)
     try:
@@ -171,16 +176,18 @@ def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int |
         return row
     apply_plan(model, plan)
     row.predicted_peak_bytes, row.checkpointed = plan.predicted_peak_bytes, len(plan.checkpointed)
+    runner = torch.compile(model) if compiled else model
     row.note = "; ".join(n.split(":")[0] + ":" + n.split(":")[1][:60] for n in plan.notes if n.startswith("calibrated"))
-    row.allocated_peak_bytes, row.reserved_peak_bytes, seconds = _window(meter, model, step, optimizer, steps)
+    row.allocated_peak_bytes, row.reserved_peak_bytes, seconds = _window(meter, runner, step, optimizer, steps)
     row.step_ms = 1000 * seconds
     _dispose(model, optimizer)
     meter.clear()
     return row
 
 
-def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: int) -> list[Row]:
-    """Every configuration of one model."""
+def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: int, compiled: bool = False,
+                lora: dict[str, Any] | None = None) -> list[Row]:
+    """Every configuration of one model (with ``lora``, of a LoRA fine-tune of it)."""
     meter = Meter(device)
     meter.clear()
     if meter.cuda and torch.cuda.memory_allocated(device):
@@ -189,6 +196,12 @@ def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: 
     case = build(name, **kwargs)
     if hasattr(case.model, "config"):
         case.model.config.use_cache = False
+    if lora is not None:
+        import peft
+
+        case.model = peft.get_peft_model(case.model, peft.LoraConfig(r=16, lora_dropout=0.0, **lora))
+        case.supports_hf_checkpointing = False
+        name = f"{name}-lora"
     base, step = _on_device(case, device)
     rows = []
     model, optimizer = _fresh(base)
@@ -197,9 +210,10 @@ def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: 
     none.step_ms = 1000 * seconds
     # Static memory (parameters, gradients, AdamW's state) from the tensors themselves.
     params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor))
-    static = 2 * params + state
+    static = params + grads + state
     rows.append(none)
     _dispose(model, optimizer)
     meter.clear()
@@ -215,6 +229,8 @@ def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: 
         meter.clear()
     budget = int(static + 0.5 * (none.allocated_peak_bytes - static))
     rows.append(_ours(name, "ours@50%", base, step, budget, meter, steps))
+    if compiled:
+        rows.append(_ours(name, "ours@50%+compile", base, step, budget, meter, steps, compiled=True))
     if hf_peak is not None:
         rows.append(_ours(name, "ours@hf", base, step, hf_peak, meter, steps))
     _dispose(base)
@@ -251,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", default=None, help=f"models (default all: {list(GPU_MODELS)})")
     parser.add_argument("--steps", type=int, default=5, help="steady steps measured per configuration")
     parser.add_argument("--smoke", action="store_true", help="one small model on the CPU (what the tests run)")
+    parser.add_argument("--no-lora", action="store_true", help="skip the LoRA fine-tunes (they need peft)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")))
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -267,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         torch.manual_seed(0)
         start = time.perf_counter()
-        rows.extend(check_model(name, models[name], device, args.steps))
+        rows.extend(check_model(name, models[name], device, args.steps, compiled=cuda and name in COMPILED))
+        if cuda and name in LORA and not args.no_lora:
+            rows.extend(check_model(name, models[name], device, args.steps, lora=LORA[name]))
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     text = table(rows)
     print(text)
