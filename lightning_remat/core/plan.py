@@ -62,6 +62,9 @@ class Plan:
     optimizer_state_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     fallback: bool = False
+    # What the plan was made for (parameter bytes, the batch's size and shapes), so that an
+    # integration can tell when it no longer applies: a resumed run, a larger batch.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,

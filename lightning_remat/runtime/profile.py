@@ -209,6 +209,10 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
+    if not options.fake and options.device is not None and torch.device(options.device) != model_device(model):
+        raise ValueError(f"device={options.device!r} but the model is on {model_device(model)}: a real profile "
+                         "measures the device the model is on; to plan for another device, profile on fake "
+                         "tensors (fake=True)")
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire.
     with uncompiled(model) as model:
         if not options.fake:

@@ -19,8 +19,9 @@ from ...core.budget import format_bytes
 from ...core.config import ProfileOptions, RematConfig
 from ...core.plan import Plan
 from ...report.render import print_plan
-from ...runtime.apply import apply_plan, checkpointed_modules, existing_checkpointing
+from ...runtime.apply import apply_plan, checkpointed_modules, existing_checkpointing, remove_remat
 from ...runtime.candidates import find_stages
+from ...runtime.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from .step import training_step_closure
@@ -73,7 +74,9 @@ class AutoRemat(Callback):
     - Under DDP rank 0 profiles and decides; the plan is broadcast so every rank wraps the same
       modules (by name, relative to the LightningModule).
     - The plan is part of the callback's ``state_dict``: a run resumed from a checkpoint applies it
-      in ``on_train_start`` without profiling again. Parameter names never change, so checkpoints
+      in ``on_train_start`` without profiling again, unless the model's parameters differ from
+      those it was made for. A batch larger than the one a plan was made for (a longer sequence, a
+      bigger batch, also after resuming) is planned again, on that batch. Parameter names never change, so checkpoints
       load with and without the callback.
     - Lightning zeroes gradients after the forward pass (just before backward), so the previous
       step's gradients would otherwise stay alive through the forward pass, which the budget does
@@ -149,6 +152,12 @@ class AutoRemat(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._disabled_reason or self.plan is None:
             return
+        if not same_model(self.plan.fingerprint, pl_module):
+            rank_zero_warn("AutoRemat: the saved plan was made for a model with other parameters; planning again "
+                           "on the first batch.")
+            self.plan = None
+            remove_remat(pl_module)
+            return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
         if checkpointed_modules(pl_module) != list(self.plan.checkpointed):
             self._apply(trainer, pl_module, self.plan)
@@ -162,6 +171,10 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             return
         window = max(1, trainer.accumulate_grad_batches)
+        if self.plan is not None and self._outgrown(trainer, batch):
+            rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
+                           f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
+            self.plan = None
         if self.plan is None:
             self._plan_now(trainer, pl_module, batch, batch_idx)
             if self.plan is None:
@@ -251,6 +264,7 @@ class AutoRemat(Callback):
         self.plan = Planner(self._config_for(trainer)).shared_plan(
             pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast,
             hint=f"(AutoRemat, budget={self.budget!r})")
+        self.plan.fingerprint = fingerprint(pl_module, batch)
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
         if self.verbose:
@@ -259,6 +273,14 @@ class AutoRemat(Callback):
         # defaults, the first step whose optimizer state exists).
         window = max(1, trainer.accumulate_grad_batches)
         self._measure_in = -(-(self.profile_steps - 1) // window) * window
+
+    def _outgrown(self, trainer: Trainer, batch: Any) -> bool:
+        """Whether some rank's batch is larger than the one the plan was made for (decided together,
+        since re-planning is collective)."""
+        if "batch_elements" not in self.plan.fingerprint:
+            return False
+        grown = torch.tensor(float(outgrows(self.plan.fingerprint, batch)), device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(grown, reduce_op="max").item()) if trainer.world_size > 1 else bool(grown)
 
     def _config_for(self, trainer: Trainer) -> RematConfig:
         """The settings, with what this trainer adds to the memory of a step: gradient

@@ -1,0 +1,53 @@
+"""plan_remat under torch.distributed (plain PyTorch, e.g. before FSDP2 or DDP): rank 0 decides,
+every rank gets the same plan whatever the cost kind, or the same error."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, init: str, out: str, budget) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import lightning_remat.runtime.profile as profiling
+    from lightning_remat import BudgetTooSmallError, plan_remat
+    from lightning_remat.models import build
+
+    calls = []
+    real = profiling.profile_step
+    profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    case = build("mlp", batch_size=256 + 64 * rank, depth=6, width=64)  # ranks see different batches
+    result = {"profiles": 0}
+    try:
+        plan = plan_remat(case.model, case.step, budget, cost="time")  # measured time differs per rank
+        result.update(checkpointed=plan.checkpointed, predicted=plan.predicted_peak_bytes)
+    except BudgetTooSmallError as err:
+        result.update(error=str(err), smallest=err.smallest_peak_bytes)
+    result["profiles"] = len(calls)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, budget):
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_rank, args=(2, init, str(tmp_path), budget), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_every_rank_gets_rank_zeros_plan(tmp_path):
+    ranks = _run(tmp_path, "min")
+    assert [r["profiles"] for r in ranks] == [1, 0]  # only rank 0 profiles
+    assert ranks[0]["checkpointed"] and ranks[0]["checkpointed"] == ranks[1]["checkpointed"]
+    assert ranks[0]["predicted"] == ranks[1]["predicted"]
+
+
+def test_every_rank_raises_rank_zeros_error_with_its_figures(tmp_path):
+    ranks = _run(tmp_path, 1000)
+    assert ranks[0]["error"] == ranks[1]["error"] and "smallest reachable peak" in ranks[0]["error"]
+    assert ranks[0]["smallest"] == ranks[1]["smallest"] > 1000
