@@ -140,3 +140,26 @@ def test_autoremat_trains_a_lora_model_within_the_budget(tmp_path):
     assert callback.plan is not None and callback.plan.checkpointed
     assert peaks.peaks and max(peaks.peaks) <= budget
     assert callback.measured_peak_bytes <= budget
+
+
+def test_remat_accelerator_trains_a_lora_model_within_the_budget():
+    from accelerate.state import AcceleratorState
+
+    from lightning_remat.accelerate import RematAccelerator, RematPlugin
+
+    AcceleratorState._reset_state(True)
+    model, step = _lora("llama")
+    optimizer = torch.optim.AdamW(_trainable(model), lr=1e-3)
+    profile = profile_step(model, step, optimizer=optimizer)
+    budget = int(profile.static_bytes + 0.5 * profile.baseline_activation_bytes)
+    accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget=budget, cost="flops"))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for _ in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(step(model))
+        optimizer.step()
+    metrics = accelerator.remat_metrics
+    assert metrics["remat/num_checkpointed"] > 0
+    assert metrics["remat/measured_peak_bytes"] <= budget
+    assert metrics["remat/measured_peak_bytes"] == pytest.approx(metrics["remat/predicted_peak_bytes"], rel=0.05)
+    AcceleratorState._reset_state(True)
