@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .budget import MIN_BUDGET, parse_budget
+from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile, plan_cost, predict_peak
@@ -225,7 +225,10 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         >>> solve(profile, "min").predicted_peak_bytes
         160
     """
-    parsed = parse_budget(budget, device=profile.device)
+    # A percentage needs the device's memory; a size is taken as given (the integrations check it
+    # against the device: the solver also serves synthetic profiles and devices that are not here).
+    given = Budget.parse(budget)
+    parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     choices = solve_choices(profile, parsed, cost)
     budget_bytes = predict_peak(profile, choices) if parsed == MIN_BUDGET else parsed
     return plan_from_choices(profile, choices, budget_bytes, cost, requested_budget=str(budget))
