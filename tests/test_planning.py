@@ -1,6 +1,7 @@
 """The planning service every integration shares: fallback, errors across ranks, metrics."""
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -51,3 +52,16 @@ def test_a_real_profile_for_another_device_is_refused():
     model = _blocks()
     with pytest.raises(ValueError, match="fake=True"):
         plan_remat(model, lambda m: m(torch.randn(4, 16)).sum(), "min", device="cuda:7")
+
+
+def test_a_cuda_budget_above_what_the_device_has_left_is_warned_about(monkeypatch):
+    from lightning_remat.service import planning
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * 2**30)
+    with pytest.warns(UserWarning, match="above what cuda:0 has available to this process"):
+        planning._warn_if_beyond_the_device(80 * 2**30, torch.device("cuda:0"))  # "100%" of an 80 GiB card
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planning._warn_if_beyond_the_device(60 * 2**30, torch.device("cuda:0"))

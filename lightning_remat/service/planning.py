@@ -134,6 +134,21 @@ def torch_distributed_broadcast() -> tuple[bool, Broadcast | None]:
     return is_main_process(), broadcast
 
 
+def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
+    """On CUDA, a budget above what this process can still get (free memory plus what its caching
+    allocator holds) cannot bind before the device runs out: say so ("100%" of the card is one)."""
+    if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    available = int(free) + int(torch.cuda.memory_reserved(device))
+    if budget > available:
+        from ..core.budget import format_bytes
+
+        warnings.warn(f"lightning-remat: the budget ({format_bytes(budget)}) is above what {device} has available to "
+                      f"this process ({format_bytes(available)}: free memory and this process's cache): the device "
+                      "would run out before the budget binds. Lower the budget.", UserWarning, stacklevel=3)
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
@@ -161,7 +176,9 @@ class Planner:
             release_device_memory()
         if adjust is not None:
             profile = adjust(profile)
-        plan = solve(profile, self.config.budget_bytes(model_device(model)), cost=self.config.cost)
+        budget = self.config.budget_bytes(model_device(model))
+        _warn_if_beyond_the_device(budget, model_device(model))
+        plan = solve(profile, budget, cost=self.config.cost)
         plan.requested_budget = self.config.budget.text
         return plan
 
