@@ -38,6 +38,7 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
+from .profile_adjust import with_always_alive, with_unobserved, with_untracked
 from .tracking import SegmentTracker, snapshot_by_category
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
@@ -310,7 +311,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                         optimizer is not None, device)
-    profile = _with_untracked(profile, runs["keep"].untracked_bytes)
+    profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if options.accumulation_steps > 1:
         profile.notes = (*profile.notes, f"gradient accumulation over {options.accumulation_steps} micro-batches: "
                          "profiled as a later micro-batch, with every gradient alive from its start")
@@ -318,64 +319,9 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
         # tensors (a 4-byte scalar was alive at the peak of a 2-process CPU run).
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_ALLOWANCE
-        profile = _with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
+        profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
-    return _with_unobserved(profile, stage_names, modules)
-
-
-def _with_untracked(profile: Profile, untracked: int) -> Profile:
-    """Calibrate against the allocator: bytes it held above MemTracker's count at the peak (on CUDA)
-    are alive through the whole step, so every term carries them."""
-    return _with_always_alive(profile, untracked, (
-        f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
-        "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
-
-
-def _with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
-    """``nbytes`` more in every term of the model: memory alive through the whole step."""
-    if nbytes <= 0:
-        return profile
-    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + nbytes)
-                                            for o in s.options)) for s in profile.stages)
-    segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes) for seg in profile.segments)
-    result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
-    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
-    return result
-
-
-def _with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
-    """Put the stages that did not run on the profiled batch (layer drop, conditional blocks) into the
-    chain as if they had run, with the figures of a stage that did: of the same class where there is
-    one, else the one that stores most. Placed after the observed stage registered before them, so
-    every later stage's peak counts what they would store; the optimizer step's segment is not moved.
-    """
-    observed = {s.name: s for s in profile.stages}
-    missing = [n for n in stage_names if n not in observed]
-    if not missing:
-        return profile
-    stages = list(profile.stages)
-    positions = {s.name: i for i, s in enumerate(stages)}
-    for name in missing:
-        twin = next((s for s in profile.stages if s.module_type == type(modules[name]).__name__),
-                    max(profile.stages, key=lambda s: s.options[0].stored_bytes))
-        same_class = twin.module_type == type(modules[name]).__name__
-        options = tuple(replace(o, checkpointed=tuple(name + c[len(twin.name):] for c in o.checkpointed))
-                        for o in twin.options if same_class or o.name in ("keep", "whole"))
-        before = [n for n in stage_names[:stage_names.index(name)] if n in positions]
-        at = positions[before[-1]] + 1 if before else 0
-        stages.insert(at, replace(twin, name=name, options=options, module_type=type(modules[name]).__name__))
-        positions = {s.name: i for i, s in enumerate(stages)}
-    first_observed = [positions[s.name] for s in profile.stages]
-
-    def alive(k: int) -> int:
-        return 0 if k == 0 else (first_observed[k] if k < len(first_observed) else len(stages))
-
-    segments = tuple(replace(seg, stages_alive=alive(seg.stages_alive)) for seg in profile.segments)
-    note = (f"{len(missing)} stage(s) did not run on the profiled batch ({', '.join(missing[:4])}"
-            f"{', ...' if len(missing) > 4 else ''}): each is planned as if it ran, with the figures of a stage that did")
-    result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
-    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
-    return result
+    return with_unobserved(profile, stage_names, modules)
 
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],

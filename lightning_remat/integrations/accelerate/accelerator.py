@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
+import torch  # noqa: F401 - the doctests use it
 from accelerate import Accelerator
 from torch import nn
 

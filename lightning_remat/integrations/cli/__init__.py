@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .factory import UsageError
-from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, run_plan
+from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, run_plan  # noqa: F401 - the exit codes are public
 
 
 def _parser() -> argparse.ArgumentParser:

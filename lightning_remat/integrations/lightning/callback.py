@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch import nn
 
 from ...core.budget import format_bytes
 from ...core.config import ProfileOptions, RematConfig

@@ -1,0 +1,82 @@
+"""Adjustments to a measured profile: memory alive through the whole step, and stages that did not run.
+
+The profile measures what it can see; these add what the integration or the allocator knows beyond
+it, each stated in the profile's notes:
+
+- ``with_always_alive``: bytes alive through the whole step (what CUDA's allocator held beyond the
+  tracked tensors, ``with_untracked``; DDP's gradient buckets) go into every term of the model;
+- ``with_unobserved``: a candidate stage that did not run on the profiled batch (layer drop) is
+  planned as if it had, with the figures of one that did.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 50),))
+    >>> with_always_alive(p, 10, "ten more bytes").stages[0].options[0].local_peak_bytes
+    160
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from torch import nn
+
+from ..core.budget import format_bytes
+from ..core.memory_model import Profile, predict_peak
+
+
+def with_untracked(profile: Profile, untracked: int) -> Profile:
+    """Calibrate against the allocator: bytes it held above MemTracker's count at the peak (on CUDA)
+    are alive through the whole step, so every term carries them."""
+    return with_always_alive(profile, untracked, (
+        f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
+        "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
+
+
+def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
+    """``nbytes`` more in every term of the model: memory alive through the whole step."""
+    if nbytes <= 0:
+        return profile
+    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + nbytes)
+                                            for o in s.options)) for s in profile.stages)
+    segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes) for seg in profile.segments)
+    result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
+    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    return result
+
+
+def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
+    """Put the stages that did not run on the profiled batch (layer drop, conditional blocks) into the
+    chain as if they had run, with the figures of a stage that did: of the same class where there is
+    one, else the one that stores most. Placed after the observed stage registered before them, so
+    every later stage's peak counts what they would store; the optimizer step's segment is not moved.
+    """
+    observed = {s.name: s for s in profile.stages}
+    missing = [n for n in stage_names if n not in observed]
+    if not missing:
+        return profile
+    stages = list(profile.stages)
+    positions = {s.name: i for i, s in enumerate(stages)}
+    for name in missing:
+        twin = next((s for s in profile.stages if s.module_type == type(modules[name]).__name__),
+                    max(profile.stages, key=lambda s: s.options[0].stored_bytes))
+        same_class = twin.module_type == type(modules[name]).__name__
+        options = tuple(replace(o, checkpointed=tuple(name + c[len(twin.name):] for c in o.checkpointed))
+                        for o in twin.options if same_class or o.name in ("keep", "whole"))
+        before = [n for n in stage_names[:stage_names.index(name)] if n in positions]
+        at = positions[before[-1]] + 1 if before else 0
+        stages.insert(at, replace(twin, name=name, options=options, module_type=type(modules[name]).__name__))
+        positions = {s.name: i for i, s in enumerate(stages)}
+    first_observed = [positions[s.name] for s in profile.stages]
+
+    def alive(k: int) -> int:
+        return 0 if k == 0 else (first_observed[k] if k < len(first_observed) else len(stages))
+
+    segments = tuple(replace(seg, stages_alive=alive(seg.stages_alive)) for seg in profile.segments)
+    note = (f"{len(missing)} stage(s) did not run on the profiled batch ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}): each is planned as if it ran, with the figures of a stage that did")
+    result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
+    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    return result
