@@ -51,3 +51,51 @@ def test_every_rank_raises_rank_zeros_error_with_its_figures(tmp_path):
     ranks = _run(tmp_path, 1000)
     assert ranks[0]["error"] == ranks[1]["error"] and "smallest reachable peak" in ranks[0]["error"]
     assert ranks[0]["smallest"] == ranks[1]["smallest"] > 1000
+
+
+def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_remat import ProfileOptions, apply_plan, plan_remat, profile_step
+    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.models import build
+    from lightning_remat.runtime.measure import measure_step
+
+    torch.manual_seed(0)
+    case = build("mlp", batch_size=1024, depth=6, width=64)
+    ddp = DDP(case.model)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    plain = profile_step(case.model, case.step, optimizer=optimizer, options=ProfileOptions(gradient_buckets=True))
+    budget = int(plain.static_bytes + 0.7 * plain.baseline_activation_bytes)
+    # The wrapper itself goes in: rank 0 profiles the module inside (no all-reduce on one rank).
+    plan = plan_remat(ddp, case.step, budget, optimizer=optimizer, cost="flops")
+    apply_plan(ddp, plan)  # names are the inner module's, the wrapper is looked through
+    steps = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        peak = measure_step(ddp, case.step, optimizer).peak_bytes
+        steps.append(peak)
+    grad = [p.grad.clone() for p in ddp.parameters()]
+    result = dict(checkpointed=plan.checkpointed, applied=checkpointed_modules(ddp), budget=budget,
+                  predicted=plan.predicted_peak_bytes, peaks=steps,
+                  bucket_note=any("DDP" in n for n in plan.notes), grad_sum=float(sum(g.sum() for g in grad)))
+    with open(os.path.join(out, f"ddp{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_plan_remat_on_a_ddp_model_profiles_the_module_inside_and_counts_buckets(tmp_path):
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_ddp_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"ddp{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["checkpointed"] and ranks[0]["checkpointed"] == ranks[1]["checkpointed"]
+    assert ranks[0]["applied"] == ranks[1]["applied"] == ranks[0]["checkpointed"]
+    assert ranks[0]["bucket_note"]
+    assert ranks[0]["grad_sum"] == pytest.approx(ranks[1]["grad_sum"])  # gradients all-reduced
+    for r in ranks:
+        steady = max(r["peaks"][1:])  # after Adam's state exists
+        assert steady <= r["budget"]
+        assert abs(r["predicted"] - steady) <= 0.05 * steady

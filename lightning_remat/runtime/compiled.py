@@ -8,6 +8,10 @@ original module (``_orig_mod``) in its place. Names are therefore those of the u
 its compiled twin. The wrappers come back afterwards; they guard on their modules, so they
 recompile with the recompute at their next call.
 
+A ``DistributedDataParallel`` wrapper around the whole model is looked through the same way (its
+``module``): profiling the wrapper would start gradient all-reduces on one rank while the others
+wait for the plan, and its names carry a ``module.`` prefix that the plan's names do not.
+
 Example:
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.compile(torch.nn.Sequential(torch.nn.Tanh())))
@@ -47,12 +51,48 @@ def is_compiled(model: nn.Module) -> bool:
     return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
 
 
-@contextlib.contextmanager
-def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` with each compiled wrapper replaced by its original module for the block."""
-    compiled = _optimized_module()
+def _ddp() -> type | tuple:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return ()
+    return DistributedDataParallel
+
+
+def without_outer_wrappers(model: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile`` and ``DistributedDataParallel`` wrappers around ``model``.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Linear(2, 2)
+        >>> without_outer_wrappers(torch.compile(net)) is net
+        True
+    """
+    compiled, ddp = _optimized_module(), _ddp()
+    while (compiled and isinstance(model, compiled)) or (ddp and isinstance(model, ddp)):
+        model = model._orig_mod if compiled and isinstance(model, compiled) else model.module
+    return model
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is (a compiled) ``DistributedDataParallel``, whose reducer keeps gradient buckets.
+
+    Example:
+        >>> is_data_parallel(nn.Linear(2, 2))
+        False
+    """
+    compiled, ddp = _optimized_module(), _ddp()
     while compiled and isinstance(model, compiled):
         model = model._orig_mod
+    return bool(ddp) and isinstance(model, ddp)
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with each compiled wrapper replaced by its original module for the block (and an
+    outer ``DistributedDataParallel`` looked through)."""
+    compiled = _optimized_module()
+    model = without_outer_wrappers(model)
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     try:
         stack = [model]

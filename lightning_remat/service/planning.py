@@ -34,6 +34,7 @@ from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
 from ..core.solve import solve
 from ..runtime.candidates import CandidateSpec, find_stages
+from ..runtime.compiled import is_data_parallel
 from ..runtime.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime import profile as profiling
 
@@ -234,7 +235,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
-               device_memory: int | str | None = None, precision: str | None = None) -> Plan:
+               device_memory: int | str | None = None, precision: str | None = None,
+               accumulation_steps: int = 1) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -252,6 +254,12 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         precision: with ``fake``, how the step trains (``"bf16-mixed"``: float32 parameters,
             gradients and optimizer state, the step under bfloat16 autocast; ``"bf16-true"``: all in
             bfloat16); see ``ProfileOptions``. The plan's notes state the precision modelled.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation): from the second
+            on, every gradient is alive through the forward pass, and the plan counts it.
+
+    ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
+    is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
+    DDP's gradient buckets (one copy of the trainable gradients) are counted in the budget.
 
     The arguments are checked before any profiling, so a malformed budget fails at once. Under
     an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
@@ -269,7 +277,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
-        warmup=warmup, precision=precision))
+        warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
+        gradient_buckets=is_data_parallel(model)))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     is_main, broadcast = torch_distributed_broadcast()
     return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)
