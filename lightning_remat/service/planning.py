@@ -32,7 +32,7 @@ from torch import nn
 from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
-from ..core.solve import solve
+from ..core.sharding import solve_sharded
 from ..runtime.candidates import CandidateSpec, find_stages
 from ..runtime.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime import profile as profiling
@@ -178,7 +178,7 @@ class Planner:
             profile = adjust(profile)
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        plan = solve(profile, budget, cost=self.config.cost)
+        plan = solve_sharded(profile, budget, self.config.cost)
         plan.requested_budget = self.config.budget.text
         return plan
 
@@ -234,7 +234,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
-               device_memory: int | str | None = None, precision: str | None = None) -> Plan:
+               device_memory: int | str | None = None, precision: str | None = None, world_size: int = 1) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -252,6 +252,9 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         precision: with ``fake``, how the step trains (``"bf16-mixed"``: float32 parameters,
             gradients and optimizer state, the step under bfloat16 autocast; ``"bf16-true"``: all in
             bfloat16); see ``ProfileOptions``. The plan's notes state the precision modelled.
+        world_size: with ``fake``, plan one GPU of an FSDP2 step sharded over this many GPUs
+            (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
+            GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
 
     The arguments are checked before any profiling, so a malformed budget fails at once. Under
     an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
@@ -269,7 +272,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
-        warmup=warmup, precision=precision))
+        warmup=warmup, precision=precision, world_size=world_size))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     is_main, broadcast = torch_distributed_broadcast()
     return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)
