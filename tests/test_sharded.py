@@ -38,6 +38,11 @@ def test_sharded_static_terms_are_the_unsharded_ones_over_the_world_size():
     steps = one.optimizer_state_bytes - 2 * one.parameter_bytes
     assert steps == 4 * len(list(_llama()[0].parameters()))
     assert four.optimizer_state_bytes == 2 * four.parameter_bytes + steps
+    model = _llama()[0]
+    profile_step(model, _llama()[1], options=ProfileOptions(fake=True, world_size=2))
+    layer = model.model.layers[0]  # the model given is left as it was
+    assert type(layer).__name__ == "LlamaDecoderLayer" and not layer._forward_pre_hooks
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
     assert four.sharding["world_size"] == 4 and four.sharding["units"] == LLAMA["layers"] + 1
     assert one.sharding == {}
     # Sharding moves static memory out of the peak; activations of the (same) local batch stay.

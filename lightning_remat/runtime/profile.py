@@ -248,7 +248,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     mode = existing_fake_mode(model) or new_fake_mode()
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
-    with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as sharding:
+    with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (model, sharding):
         if optimizer is not None:
             fake_params = dict(model.named_parameters())
             optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)

@@ -150,14 +150,19 @@ def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
 
 @contextlib.contextmanager
 def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
-                 param_dtype: torch.dtype | None) -> Iterator[dict]:
-    """With ``world_size`` > 1, shard the fake twin ``model`` over a fake process group for the
-    duration (see the module's docstring) and yield what the profile records of it (its
-    ``sharding``); with 1, do nothing and yield an empty dict."""
+                 param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
+    """With ``world_size`` > 1, yield a copy of the fake twin ``model`` sharded over a fake process
+    group for the duration (see the module's docstring) and what the profile records of it (its
+    ``sharding``); with 1, yield ``model`` and an empty dict."""
     if world_size <= 1:
-        yield {}
+        yield model, {}
         return
     from .candidates import find_stages
+
+    # fully_shard changes the classes of the modules it shards, their parameters and their hooks:
+    # it gets a twin of its own, so that the model given (which may be a meta model converted in
+    # place, or share hook dicts with the fake copy) is left as it was.
+    model = _own_module_copy(model)
 
     units = find_stages(model, candidates)
     stored = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -170,7 +175,19 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
     }
     with fake_process_group(world_size) as mesh:
         shard_model(model, units, mesh, mode, param_dtype)
-        yield info
+        yield model, info
+
+
+def _own_module_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree (tensors shared) whose modules have their own hook dicts."""
+    from .fake import _shallow_module_copy
+
+    twin = _shallow_module_copy(model)
+    for module in twin.modules():
+        for attr, value in list(vars(module).items()):
+            if "hooks" in attr and isinstance(value, dict):
+                object.__setattr__(module, attr, type(value)(value))
+    return twin
 
 
 def sharding_note(info: dict) -> str:
