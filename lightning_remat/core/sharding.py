@@ -79,7 +79,7 @@ def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
         >>> solve_sharded(p, 60, "flops")
         Traceback (most recent call last):
         ...
-        lightning_remat.core.errors.ShardedBudgetTooSmallError: No recompute plan fits a budget of 60 B per GPU at world size 2: the least peak per GPU there is 100 B (100 bytes), of which 80 B is sharded parameters, gradients and optimizer state; sharding over more GPUs would: the least peak is estimated to fit from world size 4 on (or reduce the batch per GPU).
+        lightning_remat.core.errors.ShardedBudgetTooSmallError: No recompute plan fits a budget of 60 B per GPU at world size 2: the least peak per GPU there is 100 B (100 bytes), of which 80 B is sharded parameters, gradients and optimizer state; sharding over more GPUs would: the least peak is estimated to fit from world size 6 on (or reduce the batch per GPU).
     """
     from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
     from .solve import solve
@@ -91,6 +91,9 @@ def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
         if world_size <= 1 or not isinstance(error.budget_bytes, int):
             raise
         sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
+        # Only what is surely alive at the least peak is taken to shrink: parameters and optimizer
+        # state (gradients may not all exist yet there), so the estimate errs towards more GPUs.
+        shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
         raise ShardedBudgetTooSmallError(
             error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,
-            smallest_world_size(error.smallest_peak_bytes, sharded, world_size, error.budget_bytes)) from None
+            smallest_world_size(error.smallest_peak_bytes, shrinking, world_size, error.budget_bytes)) from None
