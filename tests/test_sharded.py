@@ -12,7 +12,6 @@ import torch.multiprocessing as mp
 from lightning_remat import plan_remat
 from lightning_remat.core.config import ProfileOptions
 from lightning_remat.core.errors import RematError, ShardedBudgetTooSmallError, ShardingError
-from lightning_remat.core.memory_model import predict_peak
 from lightning_remat.models import build
 from lightning_remat.runtime.profile import profile_step
 

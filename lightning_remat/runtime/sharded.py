@@ -31,10 +31,8 @@ Example:
     >>> with fake_process_group(4) as mesh:
     ...     shard_model(net, ["0", "1"], mesh, mode)
     ...     local = [local_tensor(p).shape for p in net.parameters()]
-    >>> local[0], torch.distributed.is_initialized()
-    (torch.Size([2, 8]), True)
-    >>> torch.distributed.is_initialized()
-    False
+    >>> local[0], torch.distributed.is_initialized()  # the fake group is gone
+    (torch.Size([2, 8]), False)
 """
 
 from __future__ import annotations
