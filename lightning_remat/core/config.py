@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .budget import Budget
+from .errors import ShardingError
 
 COST_KINDS = ("time", "flops")
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
@@ -94,6 +95,9 @@ class ProfileOptions:
         gradient_buckets: the model trains under DDP, whose reducer keeps its gradient buckets
             (a copy of the gradients, or the gradients themselves with ``gradient_as_bucket_view``)
             for the whole run: counted in every term.
+        world_size: with ``fake``, plan one rank of an FSDP2 run over this many GPUs: the fake twin
+            is sharded with ``fully_shard`` (each candidate block, then the root) over a fake process
+            group, and the figures are per GPU (``docs/sharded.md``). The step's batch is one rank's.
         precision: with ``fake``, how the step trains, in Lightning's names: ``"bf16-mixed"``
             (float32 parameters, gradients and optimizer state, the step under bfloat16 autocast),
             ``"bf16-true"`` (everything in bfloat16, as ``dtype=torch.bfloat16``), ``"16-mixed"``,
@@ -116,6 +120,7 @@ class ProfileOptions:
     precision: str | None = None
     accumulation_steps: int = 1
     gradient_buckets: bool = False
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -134,6 +139,33 @@ class ProfileOptions:
         steps = self.accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")
+        check_world_size(self.world_size, self.fake)
+
+
+def check_world_size(world_size: Any, fake: bool) -> int:
+    """Validate a world size (GPUs an FSDP2 step is sharded over).
+
+    FSDP2 pads a parameter whose first dimension the world size does not divide, so any world
+    size >= 1 is valid; above 1 a single process can only plan it on fake tensors.
+
+    Example:
+        >>> check_world_size(8, fake=True)
+        8
+        >>> check_world_size(8, fake=False)
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.ShardingError: world_size=8 needs fake=True: a single process cannot run a real step sharded over 8 GPUs. Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ShardingError(f"world_size must be an int >= 1 (the number of GPUs the step is sharded over), "
+                            f"got {world_size!r}")
+    if world_size > 1 and not fake:
+        raise ShardingError(
+            f"world_size={world_size} needs fake=True: a single process cannot run a real step sharded over "
+            f"{world_size} GPUs",
+            "Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), "
+            "or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1")
+    return world_size
 
 
 @dataclass(frozen=True)

@@ -127,3 +127,47 @@ class PlanningFailedError(RematError, RuntimeError):
         >>> str(PlanningFailedError("TypeError: bad step"))
         'TypeError: bad step'
     """
+
+
+class ShardingError(RematError, ValueError):
+    """A sharded (FSDP2, ``world_size`` > 1) plan was asked for in a way that cannot work; the
+    message says what to do instead.
+
+    Example:
+        >>> err = ShardingError("world_size must be an int >= 1, got 0", "Pass world_size=8 for 8 GPUs.")
+        >>> str(err)
+        'world_size must be an int >= 1, got 0. Pass world_size=8 for 8 GPUs.'
+    """
+
+    def __init__(self, problem: str, hint: str = ""):
+        self.problem = problem
+        super().__init__(f"{problem}. {hint}" if hint else problem)
+
+
+class ShardedBudgetTooSmallError(BudgetTooSmallError):
+    """No plan fits the budget per GPU at this world size. ``smallest_peak_bytes`` is the least peak
+    per GPU at ``world_size``; ``smallest_world_size`` the least world size at which that least peak
+    is estimated to fit (None when no number of GPUs would: what is not sharded, the activations and
+    the unsharded parameters in flight, is already over the budget).
+
+    Example:
+        >>> err = ShardedBudgetTooSmallError(100, 150, 80, world_size=2, smallest_world_size=8)
+        >>> err.smallest_world_size, "world size 8" in str(err)
+        (8, True)
+    """
+
+    def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int, world_size: int,
+                 smallest_world_size: int | None):
+        self.world_size = world_size
+        self.smallest_world_size = smallest_world_size
+        if smallest_world_size is None:
+            what = ("no world size would fit it: what sharding does not divide (activations of the local batch, "
+                    "unsharded parameters in flight) is already above it. Reduce the batch per GPU")
+        else:
+            what = (f"sharding over more GPUs would: the least peak is estimated to fit from world size "
+                    f"{smallest_world_size} on (or reduce the batch per GPU)")
+        super().__init__(budget_bytes, smallest_peak_bytes, static_bytes, message=(
+            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} per GPU at world size {world_size}: "
+            f"the least peak per GPU there is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {_format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
+            f"{what}."))

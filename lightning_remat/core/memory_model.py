@@ -120,6 +120,9 @@ class Profile:
     baseline_step_flops: int = 0
     device: str = "cpu"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # A sharded (FSDP2) step: world_size, unsharded_parameter_bytes in flight at most, dtypes
+    # (``runtime.sharded``); empty for one device. Every byte figure above is then per GPU.
+    sharding: dict[str, Any] = field(default_factory=dict)
 
     @property
     def static_bytes(self) -> int:

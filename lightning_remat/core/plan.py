@@ -65,6 +65,8 @@ class Plan:
     # What the plan was made for (parameter bytes, the batch's size and shapes), so that an
     # integration can tell when it no longer applies: a resumed run, a larger batch.
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # The profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight); empty on one device.
+    sharding: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,

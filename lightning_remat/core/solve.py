@@ -197,6 +197,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         gradient_bytes=profile.gradient_bytes,
         optimizer_state_bytes=profile.optimizer_state_bytes,
         notes=list(profile.notes),
+        sharding=dict(profile.sharding),
     )
 
 

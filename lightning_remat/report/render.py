@@ -90,7 +90,9 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     lines: list[Any] = [plan_headline(plan, title)]
     if plan.choices or plan.checkpointed:
         lines.append(plan_table(plan))
-    if not getattr(plan, "fallback", False):
+    if getattr(plan, "sharding", None) and not getattr(plan, "fallback", False):
+        lines.append(sharded_memory_line(plan))
+    elif not getattr(plan, "fallback", False):
         # Gradients exist only from some point of backward on, so the rest of the peak is not
         # split between them and activations: it is said as what it is.
         held = plan.parameter_bytes + plan.optimizer_state_bytes
@@ -101,6 +103,31 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
             "activations, temporaries and the gradients alive at that point")
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines
+
+
+def sharded_memory_line(plan: Any) -> str:
+    """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``core.sharding.per_gpu_breakdown``).
+
+    Example:
+        >>> from lightning_remat.core.plan import Plan
+        >>> plan = Plan([], 0, 2**30, 2**30, 0.0, parameter_bytes=2**28, optimizer_state_bytes=2**29,
+        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 2**27,
+        ...                       "sharded_dtype": "float32", "param_dtype": "bfloat16"})
+        >>> print(sharded_memory_line(plan))
+          per GPU of 8 (FSDP2): sharded parameters (float32 master weights) 256.00 MiB, gradients 0 B, optimizer state 512.00 MiB, unsharded parameters in flight (bfloat16) up to 128.00 MiB; the rest of the predicted peak, 128.00 MiB, is activations of the local batch, temporaries and reduce-scatter buffers
+    """
+    from ..core.sharding import per_gpu_breakdown
+
+    parts = per_gpu_breakdown(plan)
+    sharding = plan.sharding
+    stored, computed = sharding.get("sharded_dtype", ""), sharding.get("param_dtype", "")
+    master = f" ({stored} master weights)" if stored and computed and stored != computed else ""
+    return (f"  per GPU of {parts['world_size']} (FSDP2): sharded parameters{master} "
+            f"{format_bytes(parts['parameter_bytes'])}, gradients {format_bytes(parts['gradient_bytes'])}, optimizer "
+            f"state {format_bytes(parts['optimizer_state_bytes'])}, unsharded parameters in flight"
+            f"{f' ({computed})' if computed else ''} up to {format_bytes(parts['unsharded_parameter_bytes'])}; the rest "
+            f"of the predicted peak, {format_bytes(parts['activations_and_rest_bytes'])}, is activations of the local "
+            "batch, temporaries and reduce-scatter buffers")
 
 
 def plan_summary(plan: Any, title: str = "Recompute plan") -> str:

@@ -83,9 +83,11 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | None,
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in fakes:
-                copy = nn.Parameter(fake_like(mode, p), requires_grad=p.requires_grad)
+                # A sharded (DTensor) parameter: its step works on this rank's shard.
+                local = getattr(p, "_local_tensor", p)
+                copy = nn.Parameter(fake_like(mode, local), requires_grad=p.requires_grad)
                 if p.requires_grad:
-                    copy.grad = fake_like(mode, p)
+                    copy.grad = fake_like(mode, local)
                 fakes[id(p)] = copy
     clone = clone_optimizer(optimizer, fakes, mode)
     _as_on_device(clone, device)

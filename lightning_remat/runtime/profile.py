@@ -39,6 +39,7 @@ from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
+from .sharded import sharded_twin, sharding_note
 from .tracking import SegmentTracker, snapshot_by_category
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
@@ -241,18 +242,25 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
-    if autocast is not None:
+    sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
+    if autocast is not None and not sharded:
         step = _under_autocast(step, autocast)
     mode = existing_fake_mode(model) or new_fake_mode()
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
-    if optimizer is not None:
-        fake_params = dict(model.named_parameters())
-        optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
-    with mode, explain_fake_failures(), real_code_paths():
-        # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
-        profile = _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
-                           timed=False)
+    with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (model, sharding):
+        if optimizer is not None:
+            fake_params = dict(model.named_parameters())
+            optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
+            if sharded:  # state of the unsharded parameters: the profile counts the sharded state ahead
+                optimizer.state.clear()
+        with mode, explain_fake_failures(), real_code_paths():
+            # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
+            profile = _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
+                               timed=False)
+    if sharded:
+        profile.sharding = sharding
+        precision_note = sharding_note(sharding)
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,

@@ -32,7 +32,7 @@ from torch import nn
 from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
-from ..core.solve import solve
+from ..core.sharding import solve_sharded
 from ..runtime.candidates import CandidateSpec, find_stages
 from ..runtime.compiled import is_data_parallel
 from ..runtime.measure import Step, is_out_of_memory, model_device, release_device_memory
@@ -179,7 +179,7 @@ class Planner:
             profile = adjust(profile)
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        plan = solve(profile, budget, cost=self.config.cost)
+        plan = solve_sharded(profile, budget, self.config.cost)
         plan.requested_budget = self.config.budget.text
         return plan
 
@@ -236,7 +236,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -256,6 +256,9 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             bfloat16); see ``ProfileOptions``. The plan's notes state the precision modelled.
         accumulation_steps: micro-batches per optimizer step (gradient accumulation): from the second
             on, every gradient is alive through the forward pass, and the plan counts it.
+        world_size: with ``fake``, plan one GPU of an FSDP2 step sharded over this many GPUs
+            (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
+            GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -278,7 +281,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model)))
+        gradient_buckets=is_data_parallel(model), world_size=world_size))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     is_main, broadcast = torch_distributed_broadcast()
     return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)

@@ -4,6 +4,7 @@
     lightning-remat plan train.py:make_model --budget 80% --cost flops --out report/
     lightning-remat plan train.py:make_model --budget min --json > plan.json
     lightning-remat plan examples/factories.py:llama7b --fake --device cuda --device-memory 80GB --budget 90% --gpu h100
+    lightning-remat plan examples/factories.py:llama7b --fake --gpu h100 --device-memory 80GB --world-size 8
 
 ``FILE.py:FACTORY`` names a function in a Python file that takes no arguments and returns one of
 
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                         choices=("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"),
                         help="with --fake, how the step trains, in Lightning's names (bf16-mixed: float32 parameters "
                              "and optimizer state, bfloat16 autocast)")
+    target.add_argument("--world-size", type=int, default=1,
+                        help="with --fake, plan one GPU of an FSDP2 step sharded over this many GPUs (fully_shard of "
+                             "each block and the root); the budget and figures are per GPU. Default: 1")
     return parser
 
 

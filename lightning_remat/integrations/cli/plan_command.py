@@ -11,9 +11,9 @@ import warnings
 from typing import Any, Callable, Iterator
 
 from ...core.config import ProfileOptions, RematConfig
-from ...core.errors import BudgetTooSmallError
+from ...core.errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from ...core.plan import Plan
-from ...core.solve import solve
+from ...core.sharding import per_gpu_breakdown, solve_sharded
 from ...report.render import breakdown_renderables, pareto_table, plan_renderables, print_renderables
 from .factory import Target, UsageError, load_factory, normalize
 
@@ -64,10 +64,11 @@ def _config(args: argparse.Namespace) -> RematConfig:
     try:
         return RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(
             fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory,
-            precision=args.precision))
+            precision=args.precision, world_size=args.world_size))
     except ValueError as err:
         message = str(err).replace("gpu=, dtype= and precision= apply to fake profiles (fake=True)",
-                                   "--gpu, --dtype and --precision apply with --fake")
+                                   "--gpu, --dtype and --precision apply with --fake").replace(
+            "world_size=", "--world-size ").replace("fake=True", "--fake")
         raise UsageError(message) from err
 
 
@@ -169,10 +170,12 @@ def run_plan(args: argparse.Namespace) -> int:
         breakdown = _breakdown(args, target, profile)
         advance("solving")
         try:
-            plan = solve(profile, budget, cost=args.cost)
+            plan = solve_sharded(profile, budget, args.cost)
             plan.requested_budget = config.budget.text
         except BudgetTooSmallError as err:
             result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes)
+            if isinstance(err, ShardedBudgetTooSmallError):
+                result.update(world_size=err.world_size, smallest_world_size=err.smallest_world_size)
         points = pareto_sweep(profile, args.points, cost=args.cost)
         files = {} if args.no_plots else _write_files(args, target, name, profile, plan, points, advance)
         advance("done")
@@ -180,6 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result.update({
         "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
+        "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
         "pareto": [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
                     "predicted_overhead": _finite(p.predicted_overhead), "modules": p.modules, "feasible": p.feasible}
                    for p in points],

@@ -1,0 +1,99 @@
+"""Per-GPU figures of a sharded (FSDP2) plan, in plain numbers (no torch).
+
+A sharded profile (``ProfileOptions.world_size`` > 1) is measured per GPU: parameters, gradients
+and optimizer state are that rank's shards, and ``Profile.sharding`` records the world size and
+the unsharded parameters in flight. This module answers the two questions built on that: how the
+per-GPU peak splits (``per_gpu_breakdown``), and how many GPUs a budget would need
+(``smallest_world_size``).
+
+Example:
+    >>> smallest_world_size(least_peak=100, sharded_static=80, world_size=2, budget=60)
+    4
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
+    """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None.
+
+    Estimate: the sharded part (parameters, gradients, optimizer state: ``sharded_static`` at
+    ``world_size``) divides by the world size; the rest of the least peak (activations of the local
+    batch, unsharded parameters in flight) does not change. None when that rest alone is over the
+    budget.
+
+    Example:
+        >>> smallest_world_size(100, 80, 2, 30) is None   # 20 bytes that do not shard, 80 that do: 10 more at most
+        False
+        >>> smallest_world_size(100, 80, 2, 20) is None
+        True
+    """
+    rest = least_peak - sharded_static
+    room = budget - rest
+    if room <= 0:
+        return None
+    return max(world_size, math.ceil(sharded_static * world_size / room))
+
+
+def per_gpu_breakdown(plan: Any) -> dict[str, int]:
+    """The per-GPU peak of a sharded plan, split: sharded parameters (the master weights under mixed
+    precision), gradients and optimizer state, the unsharded parameters in flight at most, and the
+    rest of the predicted peak (activations of the local batch, temporaries, reduce-scatter
+    buffers). Empty for an unsharded plan.
+
+    Example:
+        >>> from lightning_remat.core.plan import Plan
+        >>> plan = Plan([], 0, 100, 100, 0.0, parameter_bytes=10, gradient_bytes=10, optimizer_state_bytes=20,
+        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 15})
+        >>> per_gpu_breakdown(plan)["activations_and_rest_bytes"]
+        45
+    """
+    sharding = getattr(plan, "sharding", None) or {}
+    if not sharding:
+        return {}
+    parts = {
+        "world_size": int(sharding["world_size"]),
+        "parameter_bytes": int(plan.parameter_bytes),
+        "gradient_bytes": int(plan.gradient_bytes),
+        "optimizer_state_bytes": int(plan.optimizer_state_bytes),
+        "unsharded_parameter_bytes": int(sharding.get("unsharded_parameter_bytes", 0)),
+    }
+    held = sum(v for k, v in parts.items() if k != "world_size")
+    parts["activations_and_rest_bytes"] = max(0, int(plan.predicted_peak_bytes) - held)
+    parts["peak_bytes"] = int(plan.predicted_peak_bytes)
+    return parts
+
+
+def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
+    """``solve``, whose ``BudgetTooSmallError`` on a sharded profile becomes a
+    ``ShardedBudgetTooSmallError`` naming the least world size estimated to fit.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 10, 100, 0.0, 0)
+        >>> p = Profile((StageProfile("a", (keep,)),), (), parameter_bytes=20, gradient_bytes=20,
+        ...             optimizer_state_bytes=40, sharding={"world_size": 2})
+        >>> solve_sharded(p, 60, "flops")
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.ShardedBudgetTooSmallError: No recompute plan fits a budget of 60 B per GPU at world size 2: the least peak per GPU there is 100 B (100 bytes), of which 80 B is sharded parameters, gradients and optimizer state; sharding over more GPUs would: the least peak is estimated to fit from world size 6 on (or reduce the batch per GPU).
+    """
+    from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
+    from .solve import solve
+
+    try:
+        return solve(profile, budget, cost=cost)
+    except BudgetTooSmallError as error:
+        world_size = int((profile.sharding or {}).get("world_size", 1))
+        if world_size <= 1 or not isinstance(error.budget_bytes, int):
+            raise
+        sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
+        # Only what is surely alive at the least peak is taken to shrink: parameters and optimizer
+        # state (gradients may not all exist yet there), so the estimate errs towards more GPUs.
+        shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
+        raise ShardedBudgetTooSmallError(
+            error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,
+            smallest_world_size(error.smallest_peak_bytes, shrinking, world_size, error.budget_bytes)) from None

@@ -1,0 +1,201 @@
+"""Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
+
+The fake profile (``profile._fake_profile``) runs on a fake twin of the model; with
+``ProfileOptions.world_size = N > 1`` that twin is really sharded with torch's ``fully_shard``
+(one unit per candidate block, plus the root) over a *fake* process group of N ranks (torch's
+``"fake"`` backend: collectives return at once and move nothing). The profile then measures what
+rank 0 of a real N-GPU run holds, with FSDP2's own code doing the allocating:
+
+- parameters, gradients and optimizer state as DTensor shards (FSDP2 pads each parameter's
+  first dimension to a multiple of N; the padding is allocated and counted);
+- the unsharded parameters of the unit running and of the one FSDP2 prefetches in backward
+  (``reshard_after_forward=True``; the root's stay unsharded from forward to backward); the
+  recompute of a checkpointed block runs after FSDP2 has all-gathered the block for its backward,
+  so it needs no more;
+- the unsharded gradient of the unit in backward and the reduce-scatter buffers;
+- the activations of the local batch (the batch ``step`` makes is one rank's batch).
+
+Precision follows FSDP2's ``MixedPrecisionPolicy``, not autocast: ``"bf16-mixed"`` keeps float32
+sharded parameters (the master weights), gradients (``reduce_dtype``) and Adam moments, and
+all-gathers and computes in bfloat16 (``param_dtype``).
+
+Only one process group can be the default one: planning refuses to run inside a process that
+already has one (use the real sharded run there), and destroys the fake group afterwards.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_remat.runtime.fake import fake_model, new_fake_mode
+    >>> mode = new_fake_mode()
+    >>> net = fake_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mode)
+    >>> with fake_process_group(4) as mesh:
+    ...     shard_model(net, ["0", "1"], mesh, mode)
+    ...     local = [local_tensor(p).shape for p in net.parameters()]
+    >>> local[0], torch.distributed.is_initialized()  # the fake group is gone
+    (torch.Size([2, 8]), False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..core.errors import ShardingError
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (what this rank allocates); any other tensor as it is.
+
+    Example:
+        >>> local_tensor(torch.zeros(3)).shape
+        torch.Size([3])
+    """
+    return getattr(t, "_local_tensor", t)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[object]:
+    """A default process group of ``world_size`` fake ranks (this process is rank 0) and a 1-D CPU
+    device mesh over it; destroyed on exit.
+
+    Raises:
+        ShardingError: a process group exists already (a real distributed run): planning for
+            other world sizes there would replace the user's group.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_available():
+        raise ShardingError("planning a sharded step needs torch.distributed, which this torch build lacks")
+    if dist.is_initialized():
+        raise ShardingError(
+            "world_size > 1 plans a sharded step in this one process on a fake process group, but this process "
+            "already has a process group (a real distributed run)",
+            "Plan inside the real sharded run with world_size=1 (each rank profiles its own shard), or plan "
+            "with fake=True and world_size=N in a separate process before torch.distributed starts.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        # Made outside any fake mode: the mesh reads its rank table's values.
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> object | None:
+    """FSDP2's policy for a step that computes in ``param_dtype`` (None: as stored), reducing
+    gradients in the stored dtype (float32 for mixed precision)."""
+    if param_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: object,
+                param_dtype: torch.dtype | None = None) -> None:
+    """``fully_shard`` each of ``units`` (module names) and then ``model`` itself, in ``mode``
+    (a ``FakeTensorMode``: the shards are fake tensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(model.named_modules())
+    policy = mixed_precision_policy(param_dtype)
+    kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
+    with mode:  # type: ignore[attr-defined]
+        for name in units:
+            fully_shard(modules[name], **kwargs)
+        fully_shard(model, **kwargs)
+
+
+def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtype: torch.dtype | None) -> int:
+    """Bytes of unsharded parameters alive together at most: the root's own (not resharded
+    between forward and backward) and the two largest units (the one in backward and the one
+    FSDP2 prefetches), all-gathered in ``param_dtype`` (None: their own dtype).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> unsharded_in_flight_bytes(net, ["0", "1", "2"], None)  # the two largest units, 20 floats each
+        160
+    """
+    modules = dict(model.named_modules())
+
+    def nbytes(params: Sequence[torch.Tensor]) -> int:
+        return sum(p.numel() * (torch.finfo(param_dtype).bits // 8 if param_dtype is not None and p.is_floating_point()
+                                else p.element_size()) for p in params)
+
+    in_units: set[int] = set()
+    sizes = []
+    for name in units:
+        params = list(modules[name].parameters())
+        in_units.update(id(p) for p in params)
+        sizes.append(nbytes(params))
+    root = nbytes([p for p in model.parameters() if id(p) not in in_units])
+    return root + sum(sorted(sizes, reverse=True)[:2])
+
+
+def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
+    """Names of parameters whose first dimension ``world_size`` does not divide (FSDP2 pads them).
+
+    Example:
+        >>> uneven_parameters(nn.Linear(4, 3), 2)
+        ['weight', 'bias']
+    """
+    return [name for name, p in model.named_parameters() if p.dim() > 0 and p.shape[0] % world_size]
+
+
+@contextlib.contextmanager
+def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
+                 param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
+    """With ``world_size`` > 1, yield a copy of the fake twin ``model`` sharded over a fake process
+    group for the duration (see the module's docstring) and what the profile records of it (its
+    ``sharding``); with 1, yield ``model`` and an empty dict."""
+    if world_size <= 1:
+        yield model, {}
+        return
+    from .candidates import find_stages
+
+    # fully_shard changes the classes of the modules it shards, their parameters and their hooks:
+    # it gets a twin of its own, so that the model given (which may be a meta model converted in
+    # place, or share hook dicts with the fake copy) is left as it was.
+    model = _own_module_copy(model)
+
+    units = find_stages(model, candidates)
+    stored = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    info = {
+        "world_size": world_size, "units": len(units) + 1,
+        "unsharded_parameter_bytes": unsharded_in_flight_bytes(model, units, param_dtype),
+        "sharded_dtype": str(stored).replace("torch.", ""),
+        "param_dtype": str(param_dtype or stored).replace("torch.", ""),
+        "padded_parameters": len(uneven_parameters(model, world_size)),
+    }
+    with fake_process_group(world_size) as mesh:
+        shard_model(model, units, mesh, mode, param_dtype)
+        yield model, info
+
+
+def _own_module_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree (tensors shared) whose modules have their own hook dicts."""
+    from .fake import _shallow_module_copy
+
+    twin = _shallow_module_copy(model)
+    for module in twin.modules():
+        for attr, value in list(vars(module).items()):
+            if "hooks" in attr and isinstance(value, dict):
+                object.__setattr__(module, attr, type(value)(value))
+    return twin
+
+
+def sharding_note(info: dict) -> str:
+    """The profile's note on what was modelled."""
+    mixed = info["param_dtype"] != info["sharded_dtype"]
+    precision = (f"MixedPrecisionPolicy(param_dtype={info['param_dtype']}, reduce_dtype=float32): {info['sharded_dtype']} "
+                 "sharded parameters (master weights), gradients and optimizer state, all-gathered and computed in "
+                 f"{info['param_dtype']}" if mixed else f"parameters, gradients and optimizer state in {info['sharded_dtype']}")
+    padded = (f"; {info['padded_parameters']} parameter(s) have a first dimension the world size does not divide, "
+              "which FSDP2 pads (the padding is counted)" if info["padded_parameters"] else "")
+    return (f"sharded: FSDP2 fully_shard over {info['world_size']} GPUs ({info['units']} units: each candidate block "
+            f"and the root, reshard_after_forward=True), figures per GPU for a batch per GPU as the step makes it; "
+            f"{precision}{padded}")
