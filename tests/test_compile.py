@@ -151,14 +151,19 @@ def test_autoremat_plans_a_module_compiled_in_init_configure_model_or_for_fit(tm
 
 
 class Recording:
-    """A torch.compile backend that keeps every graph dynamo hands it and runs it eagerly."""
+    """A torch.compile backend that keeps every graph dynamo hands it and runs it with aot_eager.
+
+    (Not dynamo's graph as it is: backend="eager" runs a checkpoint region eagerly in torch's own
+    higher-order op, where a BatchNorm's in-place statistics fail the recompute's version check,
+    in plain torch as well. aot_eager runs the same ops through AOTAutograd, like inductor.)
+    """
 
     def __init__(self):
         self.graphs = []
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
-        return gm.forward
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     def recomputes(self) -> bool:
         # A checkpointed call is captured as torch's checkpoint higher-order op.
@@ -197,7 +202,10 @@ def test_batchnorm_statistics_are_updated_once_per_step_when_recomputed(mode):
             torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-5, atol=1e-6)
 
 
-def test_a_compiled_model_compiles_with_the_recompute_after_profiling_and_planning():
+@pytest.mark.parametrize("first_call", ["measure_step", "plan_remat"])
+def test_a_compiled_model_compiles_whole_after_being_measured_or_planned(first_call):
+    # Dynamo marks code first met under a dispatch mode (MemTracker, FlopCounterMode) as never to
+    # compile: the model then runs eagerly, apart from code it has not met yet (a plan's wrapper).
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(*[BNBlock(16) for _ in range(4)])
@@ -205,13 +213,49 @@ def test_a_compiled_model_compiles_with_the_recompute_after_profiling_and_planni
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(8, 16)
     step = lambda m: m(x).square().mean()
-    measure_step(compiled, step)  # the compiled model's first call, under MemTracker
+    if first_call == "measure_step":
+        measure_step(compiled, step)  # the compiled model's first call, under MemTracker
+        assert backend.graphs == []  # ran eagerly
+        step(compiled).backward()
+        assert len(backend.graphs) == 1  # the whole model in one graph (it has no graph break)
+        return
     plan = plan_remat(compiled, step, "min", cost="flops")
     assert plan.checkpointed and backend.graphs == []  # profiled eagerly: nothing compiled yet
     apply_plan(compiled, plan)
     step(compiled).backward()
-    assert backend.graphs and backend.recomputes()  # compiled at the first real step, recompute inside
+    assert len(backend.graphs) == 1 and backend.recomputes()  # one graph, the recompute inside
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+class FusedBlock(BNBlock):
+    """A block that calls a compiled function (as a hand-fused activation would be)."""
+
+    def __init__(self, width, fused):
+        super().__init__(width)
+        self.fused = fused
+
+    def forward(self, x):
+        return x + self.down(self.fused(self.norm(self.up(x))))
+
+
+def test_a_compiled_function_inside_the_model_compiles_after_planning():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = Recording()
+    fused = torch.compile(lambda h: torch.tanh(h) * h, backend=backend)
+    model = nn.Sequential(*[FusedBlock(16, fused) for _ in range(3)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    step = lambda m: m(x).square().mean()
+    plan = plan_remat(model, step, "min", cost="flops")  # the function's first calls, under our trackers
+    assert plan.checkpointed and backend.graphs == []
+    apply_plan(model, plan)
+    loss = step(model)
+    loss.backward()
+    assert backend.graphs  # compiled at the first real step
+    expected = step(reference)
+    expected.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_trackers_hold_the_eager_stance_nested_and_give_it_back_after_an_error():
@@ -285,6 +329,6 @@ def test_autoremat_plans_a_compiled_lightning_module_on_its_original_names_and_i
     assert callback.plan.checkpointed and all(n.startswith("net.") for n in callback.plan.checkpointed)
     assert not any("_orig_mod" in n for n in callback.plan.checkpointed)
     assert checkpointed_modules(lit) == callback.plan.checkpointed
-    assert backend.graphs and backend.recomputes()
+    assert len(backend.graphs) == 1 and backend.recomputes()  # compiled whole, with the recompute
     norms = [m for m in lit.modules() if isinstance(m, nn.BatchNorm1d)]
     assert norms and all(int(m.num_batches_tracked) == 3 for m in norms)  # once per step
