@@ -8,12 +8,13 @@ checkpoint saved with recomputation loads without it and the reverse.
 
 Semantics users should know:
 - Dropout masks are reproduced on recompute (the RNG state is saved and restored).
-- BatchNorm (and any ``_NormBase``) running statistics are updated once per step, not twice: the
-  buffers are put back after the recompute (under ``torch.compile`` the compiled backward does not
-  update them again).
+- BatchNorm (and any ``_NormBase``) running statistics are updated once per step, not twice: a
+  forward that runs inside backward (the autograd engine running: a recompute) puts the buffers
+  back after itself, eager or under ``torch.compile`` with graph breaks in the block; a compiled
+  backward does not update them again.
 - Plans survive ``torch.compile`` in either order: compile after ``apply_plan``, or plan a model
   that is compiled (or holds compiled submodules): profiling runs it eagerly, the plan wraps the
-  original modules (names as ``named_modules()`` gives them, ``_orig_mod.`` included), and the
+  original modules (names of the uncompiled model, no ``_orig_mod.``), and the
   compiled module recompiles with the recompute at its next call.
 - Forward hooks of the *children* of a recomputed module run again during backward; the module's
   own hooks run once, since they sit outside the recomputed forward.
@@ -117,17 +118,34 @@ def _has_running_statistics(module: nn.Module) -> bool:
                for m in module.modules())
 
 
-def _recomputing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _recomputing() -> bool:
+    """Whether this forward runs as a recompute: inside backward, while the autograd engine runs.
+
+    Checkpoint recomputes from the unpack hook of a saved tensor, that is inside the engine; an
+    ordinary forward runs outside it (graph task -1). Unlike a ``context_fn`` this also holds for a
+    recompute that runs eagerly because ``torch.compile`` broke the graph inside the block, and it
+    leaves ``context_fn`` free for an op-level recompute policy.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def _run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The checkpointed function: the original forward, running statistics restored on recompute."""
     original = module.__dict__[_ORIGINAL]
-    if not _needs_graph(args, kwargs, module):
+    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
+    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
+    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    if torch.compiler.is_compiling() or not _recomputing() or not _has_running_statistics(module):
         return original(*args, **kwargs)
-    if torch.compiler.is_compiling() or not _has_running_statistics(module):
-        # Under torch.compile the recompute is part of the compiled backward, which does not apply
-        # buffer updates a second time (BatchNorm statistics stay as once); and torch.compile
-        # accepts no context_fn but a pair of dispatch modes.
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-    context = functools.partial(lambda m: (contextlib.nullcontext(), _restore_norm_statistics(m)), module)
-    return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context, **kwargs)
+    with _restore_norm_statistics(module):
+        return original(*args, **kwargs)
+
+
+def _recomputing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not _needs_graph(args, kwargs, module):
+        return module.__dict__[_ORIGINAL](*args, **kwargs)
+    return checkpoint(functools.partial(_run_original, module), *args, use_reentrant=False, preserve_rng_state=True,
+                      **kwargs)
 
 
 def _wrap(module: nn.Module) -> None:

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence, Union
 from torch import nn
 
 from ..core.errors import NoCandidateError
+from .compiled import uncompiled
 
 CandidateSpec = Union[None, str, type, Sequence[Union[str, type]]]
 
@@ -70,6 +71,9 @@ def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]
         candidates: None for automatic; or module classes, class names (``"GPT2Block"``) or
             ``fnmatch`` patterns over module names (``"transformer.h.*"``).
 
+    A model compiled with ``torch.compile`` (or holding compiled submodules) has the stage names of
+    the uncompiled model (no ``_orig_mod.``), as ``profile_step`` and ``apply_plan`` use them.
+
     Raises:
         NoCandidateError: when nothing qualifies, or a given class or pattern matches nothing
             (the message lists the model's module classes).
@@ -80,7 +84,17 @@ def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]
         ['0', '1', '2']
         >>> find_stages(blocks, candidates="*.0")
         ['0.0', '1.0', '2.0']
+        >>> import torch
+        >>> find_stages(torch.compile(blocks))  # names of the uncompiled model
+        ['0', '1', '2']
     """
+    # Names are those of the uncompiled model, as profile_step and apply_plan use them: look
+    # through torch.compile wrappers (the model itself, or any submodule).
+    with uncompiled(model) as plain:
+        return _find_stages(plain, candidates)
+
+
+def _find_stages(model: nn.Module, candidates: CandidateSpec) -> list[str]:
     if candidates is None:
         stages = _automatic(model)
         if not stages:

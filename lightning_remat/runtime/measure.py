@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .stance import eager_stance
 from .tracking import PeakOnlyTracker, Tracker, snapshot_by_category
 
 Step = Callable[[nn.Module], torch.Tensor]
@@ -197,7 +198,8 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
         >>> count_step_flops(nn.Linear(8, 8, bias=False), lambda m: m(torch.randn(4, 8)).sum())
         1024
     """
-    with FlopCounterMode(display=False) as counter:
+    # Eagerly: dynamo would never compile code it first met under FlopCounterMode (see stance.py).
+    with eager_stance(), FlopCounterMode(display=False) as counter:
         loss = step(model)
         loss.backward()
     model.zero_grad(set_to_none=True)

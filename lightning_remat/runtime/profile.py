@@ -40,6 +40,7 @@ from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
 from .sharded import sharded_twin, sharding_note
+from .stance import eager_stance
 from .tracking import SegmentTracker, snapshot_by_category
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
@@ -215,8 +216,9 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         raise ValueError(f"device={options.device!r} but the model is on {model_device(model)}: a real profile "
                          "measures the device the model is on; to plan for another device, profile on fake "
                          "tensors (fake=True)")
-    # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire.
-    with uncompiled(model) as model:
+    # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
+    # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
+    with eager_stance(), uncompiled(model) as model:
         if not options.fake:
             return _profile(model, step, optimizer, options, timed=True)
         return _fake_profile(model, step, optimizer, options)

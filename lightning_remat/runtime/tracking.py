@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from .stance import hold_eager, release_eager
+
 
 class _NoHook:
     """Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient."""
@@ -57,6 +59,22 @@ class Tracker(MemTracker):
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
                 self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    # While a tracker is active, compiled code runs eagerly and nothing compiles: dynamo would mark
+    # a first call under the tracker's dispatch mode as never to compile (see stance.py).
+    def __enter__(self) -> "Tracker":
+        hold_eager()
+        try:
+            return super().__enter__()  # type: ignore[return-value]
+        except BaseException:
+            release_eager()
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            release_eager()
 
 
 def _device_totals(snapshot: dict, device: torch.device) -> dict:
