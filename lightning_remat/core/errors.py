@@ -127,3 +127,14 @@ class PlanningFailedError(RematError, RuntimeError):
         >>> str(PlanningFailedError("TypeError: bad step"))
         'TypeError: bad step'
     """
+
+
+class UnsupportedShardingError(RematError, ValueError):
+    """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
+    The message names the workaround: FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``),
+    or ``plan_remat`` and ``apply_plan`` on the model before it is wrapped.
+
+    Example:
+        >>> issubclass(UnsupportedShardingError, ValueError)
+        True
+    """
