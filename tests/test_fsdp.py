@@ -87,6 +87,26 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     losses, peaks = _train(case.model, case.step, optimizer)
     result["before"] = dict(plan=plan.checkpointed, wrapped=checkpointed_modules(case.model),
                             budget=plan.budget_bytes, losses=losses, steady=max(peaks[1:]))
+
+    # (3) Accelerate's session (what RematAccelerator attaches after its FSDP2 prepare) on a model
+    # sharded by hand: the user's loop observed, then planned on every rank, then measured.
+    from lightning_remat.accelerate import RematPlugin, prepare_remat, remat_session
+
+    case = _model()
+    _shard(case.model)
+    optimizer = torch.optim.Adam(case.model.parameters(), lr=1e-3)
+    session = remat_session(prepare_remat(case.model, RematPlugin(budget=budget, cost="flops")))
+    calls.clear()
+    losses = []
+    for _ in range(STEPS):
+        loss = case.step(case.model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    case.step(case.model)  # the session lets go of the model at the next forward
+    result["session"] = dict(profiles=len(calls), plan=session.plan.checkpointed, phase=session.phase,
+                             wrapped=checkpointed_modules(case.model), metrics=session.metrics, losses=losses)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -117,3 +137,32 @@ def test_planned_before_sharding_keeps_working(ranks):
     # Sharding only lowers a rank's peak below the unsharded budget.
     assert max(r0["steady"], r1["steady"]) <= r0["budget"]
     assert r0["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
+
+
+def test_accelerate_session_plans_a_sharded_model_on_every_rank(ranks):
+    r0, r1 = ranks[0]["session"], ranks[1]["session"]
+    assert r0["profiles"] == r1["profiles"] == 1
+    assert r0["phase"] == r1["phase"] == "done"
+    assert r0["plan"] and r0["plan"] == r1["plan"] == r0["wrapped"] == r1["wrapped"]
+    metrics = r0["metrics"]
+    assert metrics["remat/measured_peak_bytes"] == r1["metrics"]["remat/measured_peak_bytes"]  # the max over ranks
+    assert metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+    assert metrics["remat/measured_peak_bytes"] == pytest.approx(metrics["remat/predicted_peak_bytes"], rel=0.05)
+    assert r0["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
+    assert r1["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
+
+
+def test_accelerate_fsdp1_is_refused_with_the_workaround():
+    from lightning_remat.core.errors import UnsupportedShardingError
+    from lightning_remat.integrations.accelerate.accelerator import _check_supported
+
+    class FSDP1:
+        distributed_type, is_fsdp2 = "FSDP", False
+
+    class FSDP2:
+        distributed_type, is_fsdp2 = "FSDP", True
+
+    with pytest.raises(UnsupportedShardingError, match="fsdp_version=2") as info:
+        _check_supported(FSDP1())
+    assert isinstance(info.value, NotImplementedError) and "apply_plan" in str(info.value)
+    _check_supported(FSDP2())  # accepted

@@ -129,12 +129,12 @@ class PlanningFailedError(RematError, RuntimeError):
     """
 
 
-class UnsupportedShardingError(RematError, ValueError):
+class UnsupportedShardingError(RematError, NotImplementedError):
     """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
     The message names the workaround: FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``),
     or ``plan_remat`` and ``apply_plan`` on the model before it is wrapped.
 
     Example:
-        >>> issubclass(UnsupportedShardingError, ValueError)
+        >>> issubclass(UnsupportedShardingError, NotImplementedError)
         True
     """

@@ -82,8 +82,7 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
     first = profiles[0]
     shape = [(s.name, [o.name for o in s.options]) for s in first.stages]
     for other in profiles[1:]:
-        if [(s.name, [o.name for o in s.options]) for s in other.stages] != shape or \
-                [(g.name, g.stages_alive) for g in other.segments] != [(g.name, g.stages_alive) for g in first.segments]:
+        if [(s.name, [o.name for o in s.options]) for s in other.stages] != shape:
             raise UnsupportedShardingError(
                 "the ranks profiled different stages or options (different control flow, or batches of different "
                 "shapes): give every rank a batch of the same shape while planning, or pass candidates=")
@@ -94,8 +93,13 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
                                 cost_seconds=max(p.stages[i].options[j].cost_seconds for p in profiles))
                         for j, o in enumerate(stage.options))
         stages.append(replace(stage, options=options))
-    segments = tuple(replace(g, peak_bytes=max(p.segments[k].peak_bytes for p in profiles))
-                     for k, g in enumerate(first.segments))
+    # A segment some rank lacks (a calibration only one rank needed) is taken from the ranks that have it.
+    by_key: dict[tuple[str, int], Any] = {}
+    for p in profiles:
+        for g in p.segments:
+            key = (g.name, g.stages_alive)
+            by_key[key] = g if key not in by_key or g.peak_bytes > by_key[key].peak_bytes else by_key[key]
+    segments = tuple(by_key.values())
     merged = replace(first, stages=tuple(stages), segments=segments, **{
         name: max(getattr(p, name) for p in profiles)
         for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes")})
