@@ -166,3 +166,26 @@ def test_accelerate_fsdp1_is_refused_with_the_workaround():
         _check_supported(FSDP1())
     assert isinstance(info.value, NotImplementedError) and "apply_plan" in str(info.value)
     _check_supported(FSDP2())  # accepted
+
+
+def test_profiles_merge_term_by_term_and_must_have_the_same_stages():
+    from lightning_remat.core.errors import UnsupportedShardingError
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+    from lightning_remat.service.sharded import merge_profiles
+
+    def profile(stored, local, head, extra=()):
+        options = (StageOption("keep", (), stored, local, 0.0, 0), StageOption("whole", ("a",), 10, local + 5, 1.0, 7))
+        return Profile((StageProfile("a", options),), (Segment("head", 1, head), *extra), parameter_bytes=stored)
+
+    a, b = profile(100, 150, 50), profile(120, 140, 60, (Segment("outside the model (the loss)", 1, 30),))
+    merged = merge_profiles([a, b])
+    keep, whole = merged.stages[0].options
+    assert (keep.stored_bytes, keep.local_peak_bytes, whole.local_peak_bytes) == (120, 150, 155)
+    assert [(s.name, s.peak_bytes) for s in merged.segments] == [("head", 60), ("outside the model (the loss)", 30)]
+    assert merged.parameter_bytes == 120 and merged.baseline_peak_bytes == predict_peak(merged, [0])
+    # The merged prediction bounds every rank's own.
+    for choice in ([0], [1]):
+        assert predict_peak(merged, choice) >= max(predict_peak(a, choice), predict_peak(b, choice))
+    other = Profile((StageProfile("b", a.stages[0].options),), a.segments)
+    with pytest.raises(UnsupportedShardingError, match="same shape"):
+        merge_profiles([a, other])
