@@ -189,3 +189,18 @@ def test_profiles_merge_term_by_term_and_must_have_the_same_stages():
     other = Profile((StageProfile("b", a.stages[0].options),), a.segments)
     with pytest.raises(UnsupportedShardingError, match="same shape"):
         merge_profiles([a, other])
+
+
+def test_fake_profiling_of_a_sharded_model_is_refused_before_any_collective():
+    from torch import nn
+
+    from lightning_remat import ProfileOptions, RematConfig
+    from lightning_remat.core.errors import UnsupportedShardingError
+    from lightning_remat.service.planning import Planner
+
+    def never(*args):
+        raise AssertionError("no collective may start")
+
+    planner = Planner(RematConfig("min", cost="flops", profile=ProfileOptions(fake=True)))
+    with pytest.raises(UnsupportedShardingError, match="world_size"):
+        planner.shared_plan(nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), broadcast=never, gather=never)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..core.errors import PlanningFailedError, RematError
+from ..core.errors import PlanningFailedError, RematError, UnsupportedShardingError
 from ..core.plan import Plan
 from ..runtime.measure import Step, is_out_of_memory
 from .sharded import merge_profiles
@@ -46,6 +46,12 @@ def lockstep_plan(planner: "Planner", model: nn.Module, step: Step, optimizer: t
     """
     from .planning import PlanOutcome
 
+    if planner.config.profile.fake:
+        # Decided alike on every rank, before any collective.
+        raise UnsupportedShardingError(
+            "fake profiling of a model already sharded across processes is not supported: profile it for real "
+            "(fake=False), or plan the unsharded model in one process with fake=True and world_size=N "
+            "(docs/sharded.md)")
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     profile, error, oom = None, None, False
     try:
