@@ -28,6 +28,7 @@ from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
                           FakeProfileError, NoCandidateError, PlanningFailedError, RematError)
+from .core.errors import UnsupportedShardingError
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageChoice
 from .core.solve import solve
@@ -68,6 +69,7 @@ __all__ = [
     "StageChoice",
     "StageOption",
     "StageProfile",
+    "UnsupportedShardingError",
     "format_bytes",
     "parse_budget",
     "solve",

@@ -171,3 +171,12 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
             f"the least peak per GPU there is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
             f"of which {_format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
             f"{what}."))
+class UnsupportedShardingError(RematError, NotImplementedError):
+    """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
+    The message names the workaround: FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``),
+    or ``plan_remat`` and ``apply_plan`` on the model before it is wrapped.
+
+    Example:
+        >>> issubclass(UnsupportedShardingError, NotImplementedError)
+        True
+    """

@@ -136,8 +136,21 @@ def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None =
         >>> fake_like(new_fake_mode(), torch.zeros(2, 3)).shape
         torch.Size([2, 3])
     """
+    t = local_shard(t)
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (FSDP2's parameters, gradients and optimizer state): what
+    the rank holds, and what its optimizer allocates state for. Any other tensor as it is.
+
+    Example:
+        >>> local_shard(torch.zeros(2)).shape
+        torch.Size([2])
+    """
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
 
 
 def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,13 @@ class SegmentTracker(Tracker):
         if index is not None:
             self.backwards_done[index] = self.backwards_done.get(index, 0) + 1
             more = self.backwards_done[index] < self.calls.get(index, 1)
-            self.label = ("bw", index) if more else ("gap", index)
+            if more:
+                self.label = ("bw", index)
+            elif self.label == ("bw", index):
+                self.label = ("gap", index)
+            # Otherwise the next stage's backward has begun already (FSDP2 puts a function of its own
+            # on each block's inputs, so the stage's end is seen after the next stage's start): the
+            # label stays with that stage, whose recompute would otherwise be counted in a gap.
             self._note()
 
 

@@ -169,14 +169,21 @@ class Planner:
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
         """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
+        return self.solve_profile(model, self.profile(model, step, optimizer, adjust=adjust, warmup=warmup))
+
+    def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
+                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
+        """The profile ``decide`` solves on (``adjust`` applied)."""
         options = self.config.profile if warmup is None else replace(self.config.profile, warmup=warmup)
         profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
         if model_device(model).type != "cpu":
             # The profile's pass without recomputation filled the caching allocator up to the
             # baseline's peak; hand that back so training reserves what the plan needs.
             release_device_memory()
-        if adjust is not None:
-            profile = adjust(profile)
+        return adjust(profile) if adjust is not None else profile
+
+    def solve_profile(self, model: nn.Module, profile: Any) -> Plan:
+        """The least-cost plan within the budget for ``profile``."""
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
         plan = solve_sharded(profile, budget, self.config.cost)
@@ -209,12 +216,20 @@ class Planner:
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     is_main: bool = True, broadcast: Broadcast | None = None, hint: str = "", fallback: bool = True,
-                    **kwargs: Any) -> Plan:
+                    gather: Callable[[Any], list] | None = None, **kwargs: Any) -> Plan:
         """Rank 0 decides (with ``fallback``, ``decide_or_fall_back``); with ``broadcast``, every rank
         gets its plan or its error.
 
         ``hint`` is added to the message of an error of ours (which integration, which setting).
+        With ``gather`` (an all-gather of objects; for a model sharded with FSDP2, whose passes run
+        collectives) every rank profiles in lockstep and rank 0 solves on the largest of every term
+        over the ranks (``sharded.lockstep_plan``).
         """
+        if gather is not None and broadcast is not None:
+            from .sharded_planning import lockstep_plan
+
+            return lockstep_plan(self, model, step, optimizer, is_main=is_main, broadcast=broadcast, gather=gather,
+                                 hint=hint, fallback=fallback, **kwargs)
         decide = self.decide_or_fall_back if fallback else self.decide
         outcome = PlanOutcome()
         if is_main:
@@ -266,7 +281,10 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
 
     The arguments are checked before any profiling, so a malformed budget fails at once. Under
     an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
-    and every rank returns the same plan (or raises the same error).
+    and every rank returns the same plan (or raises the same error). A model already sharded with
+    FSDP2 (``fully_shard``) is profiled on every rank in lockstep (call ``plan_remat`` on every
+    rank); the budget is per rank and holds on each. A model not yet sharded is planned as it is,
+    and may be sharded after ``apply_plan``: then plan with the budget of the unsharded model.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
@@ -283,5 +301,11 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
+    from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
+
+    refuse_fsdp1(model, "plan_remat")
     is_main, broadcast = torch_distributed_broadcast()
-    return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False)
+    # A model sharded with FSDP2 runs collectives in every pass: every rank profiles.
+    gather = torch_distributed_gather() if fsdp2_sharded(model) else None
+    return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False,
+                                       gather=gather)

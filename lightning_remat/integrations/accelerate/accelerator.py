@@ -5,9 +5,11 @@
 The script uses ``RematAccelerator`` instead of ``Accelerator`` (or keeps the stock ``Accelerator``
 and calls ``prepare_remat(model, accelerator=accelerator)``); nothing else in the loop changes.
 
-Supported: one process, and DDP (multi-GPU, multi-CPU). Not supported: FSDP, DeepSpeed, Megatron-LM,
-XLA and ``torch.compile`` through Accelerate (a plan needs the whole unsharded model on one device
-to profile); ``RematAccelerator`` and ``prepare_remat`` raise at start for those.
+Supported: one process, DDP (multi-GPU, multi-CPU) and FSDP2 (``fsdp_version=2``: every rank
+profiles the sharded model in lockstep; the budget is per rank). Not supported: FSDP1, DeepSpeed,
+Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
+``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``, a
+``NotImplementedError``, naming the workarounds).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch  # noqa: F401 - the doctests use it
 from accelerate import Accelerator
 from torch import nn
 
-from ...core.errors import AlreadyCheckpointedError
+from ...core.errors import AlreadyCheckpointedError, UnsupportedShardingError
 from ...core.plan import Plan
 from ...runtime.apply import existing_checkpointing
 from ...runtime.candidates import find_stages
@@ -33,6 +35,14 @@ _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKe
 
 def _check_supported(accelerator: Accelerator) -> None:
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
+        return  # FSDP2 shards in place: every rank profiles the sharded model in lockstep
+    if kind == "FSDP":
+        raise UnsupportedShardingError(
+            "lightning-remat does not support Accelerate's FSDP1 (fsdp_version=1): its flat parameters cannot be "
+            "profiled. Use FullyShardedDataParallelPlugin(fsdp_version=2), or make a plan with "
+            "lightning_remat.plan_remat and apply it with apply_plan before accelerator.prepare, and unset "
+            f"{ENV_BUDGET}.")
     if kind in _UNSUPPORTED:
         raise NotImplementedError(
             f"lightning-remat does not support Accelerate's {kind} mode: a plan is made by profiling the whole "
@@ -75,7 +85,7 @@ def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
         ValueError: a malformed environment variable (named in the message).
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         NoCandidateError: the model has no module to recompute (set ``candidates``).
-        NotImplementedError: FSDP, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
+        NotImplementedError: FSDP1, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
@@ -172,6 +182,16 @@ class RematAccelerator(Accelerator):
         self.remat_metrics: dict[str, float] = {}
         if plugin.enabled:
             _check_supported(self)
+
+    def _prepare_fsdp2(self, *args: Any) -> Any:
+        """Prepare as Accelerate does with FSDP2 (which shards in place and does not go through
+        ``prepare_model``), then watch each sharded model in training mode for recomputation."""
+        result = super()._prepare_fsdp2(*args)
+        if self.remat_plugin.enabled:
+            for obj in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(obj, nn.Module) and obj.training:
+                    prepare_remat(obj, self.remat_plugin, accelerator=self)
+        return result
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """Prepare as ``Accelerator.prepare_model`` does, and watch the model for recomputation."""

@@ -26,6 +26,7 @@ from ...runtime.apply import apply_plan
 from ...runtime.measure import model_device
 from ...core.plan import Plan
 from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
+from ...service.sharded import fsdp2_sharded, torch_distributed_gather
 from .plugin import ENV_BUDGET, RematPlugin
 from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves
 
@@ -67,7 +68,6 @@ class RematSession:
         self.metrics: dict[str, float] = {}
         self.phase = "observe"
         self.observed_steps = 0
-        self._parameter_ids = {id(p) for p in model.parameters()}
         self._optimizer: torch.optim.Optimizer | None = None
         self._current: RecordedCall | None = None  # the latest training forward
         self._completed: RecordedCall | None = None  # the latest one whose backward ran
@@ -78,7 +78,9 @@ class RematSession:
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
         self._handles = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            # First among the model's pre-hooks: planning may run in it (at a step boundary found at
+            # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
             # Finds the optimizer when it first steps, if no accelerator told us about it.
             register_optimizer_step_post_hook(self._discover_optimizer),
@@ -155,7 +157,9 @@ class RematSession:
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
             return False  # a wrapper (Accelerate's AcceleratedOptimizer): its inner optimizer reports the step
-        return any(id(p) in self._parameter_ids for group in optimizer.param_groups for p in group["params"])
+        # Read now, not when the session began: FSDP2 (accelerator.prepare) replaces the parameters.
+        parameter_ids = {id(p) for p in self.model.parameters()}
+        return any(id(p) in parameter_ids for group in optimizer.param_groups for p in group["params"])
 
     def _known_optimizer(self) -> torch.optim.Optimizer | None:
         if self._optimizer is not None:
@@ -198,18 +202,20 @@ class RematSession:
     def _open_window(self) -> None:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
-        if self._window is None and (self.phase == "measure" or is_main_process()):
+        if self._window is None and (self.phase == "measure" or is_main_process() or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
         is_main, broadcast = torch_distributed_broadcast()
+        # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
+        gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(self.model) else None
         observed = self._observed
         self._busy = True
         try:
             # The observed steps were the warm-up: lazy initialisation has happened.
             plan = Planner(self._config()).shared_plan(
-                self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast,
+                self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast, gather=gather,
                 hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
                 adjust=(lambda profile: calibrate(profile, *observed)) if observed is not None else None)
         finally:
@@ -228,7 +234,8 @@ class RematSession:
         and, with several processes, DDP's gradient buckets."""
         config = self.plugin.config()
         steps = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
-        buckets = self.accelerator is not None and getattr(self.accelerator, "num_processes", 1) > 1
+        buckets = self.accelerator is not None and getattr(self.accelerator, "num_processes", 1) > 1 \
+            and not fsdp2_sharded(self.model)  # FSDP2 reduce-scatters each block's gradients: no DDP buckets
         return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
                                                gradient_buckets=buckets))
 

@@ -23,6 +23,7 @@ from ...runtime.candidates import find_stages
 from ...runtime.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
+from ...service.sharded import FSDP1_HINT, fsdp2_sharded, torch_distributed_gather
 from .step import training_step_closure
 
 
@@ -30,6 +31,33 @@ def _figure(nbytes: int, other: int) -> str:
     """Bytes for a message; exact when rounding would make two different figures look equal."""
     text = format_bytes(nbytes)
     return f"{text} ({nbytes} bytes)" if nbytes != other and text == format_bytes(other) else text
+
+
+def _refuse_fsdp1(trainer: Trainer) -> None:
+    """Lightning's FSDPStrategy (FSDP1) wraps the model in flat parameters the profile cannot see:
+    an error naming the ways that work, rather than a run without the budget."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ...core.errors import UnsupportedShardingError
+
+    if isinstance(trainer.strategy, FSDPStrategy):
+        raise UnsupportedShardingError(
+            "AutoRemat does not support Lightning's FSDPStrategy (FSDP1): its flat parameters cannot be profiled. "
+            "Use ModelParallelStrategy with fully_shard in configure_model (FSDP2), which AutoRemat plans on "
+            "every rank, or call plan_remat and apply_plan on the model in configure_model before it is wrapped. "
+            + FSDP1_HINT)
+
+
+def _sharded_allowance(profile: Any) -> Any:
+    """Lightning's loop keeps a few scalars of its own alive through a sharded step (4 bytes at the
+    peak of a 2-process CPU run), which the profile of ``training_step`` does not see."""
+    from ...runtime.profile_adjust import with_always_alive
+
+    return with_always_alive(profile, SHARDED_ALLOWANCE, f"an allowance of {SHARDED_ALLOWANCE} bytes for the "
+                             "scalars Lightning's loop keeps alive through a sharded step; counted in every term")
+
+
+SHARDED_ALLOWANCE = 1024
 
 
 class AutoRemat(Callback):
@@ -72,6 +100,11 @@ class AutoRemat(Callback):
       ``candidates`` fail in ``setup`` with the module classes the model has.
     - Under DDP rank 0 profiles and decides; the plan is broadcast so every rank wraps the same
       modules (by name, relative to the LightningModule).
+    - Under ``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in ``configure_model``) every rank
+      profiles in lockstep (the passes all-gather parameters), rank 0 solves on the largest of every
+      term over the ranks, and every rank wraps the same modules: the budget is per rank (per
+      GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
+      with an ``UnsupportedShardingError`` naming these workarounds.
     - The plan is part of the callback's ``state_dict``: a run resumed from a checkpoint applies it
       in ``on_train_start`` without profiling again, unless the model's parameters differ from
       those it was made for. A batch larger than the one a plan was made for (a longer sequence, a
@@ -91,7 +124,7 @@ class AutoRemat(Callback):
     - Models that already use activation checkpointing (Hugging Face
       ``gradient_checkpointing_enable``, torch ``checkpoint_wrapper``, FSDP
       ``activation_checkpointing_policy``), manual optimization and strategies other than
-      single-device and DDP are left alone with a warning.
+      single-device, DDP and ModelParallelStrategy are left alone with a warning.
     - ``training_step`` is called several times on the first batch while profiling; ``self.log``
       is muted during those calls.
 
@@ -138,6 +171,7 @@ class AutoRemat(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        _refuse_fsdp1(trainer)
         self._disabled_reason = self._unsupported(trainer, pl_module)
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
@@ -238,12 +272,13 @@ class AutoRemat(Callback):
             self._meter = None
 
     def _unsupported(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or "DeepSpeed" in type(strategy).__name__:
-            return (f"the {type(strategy).__name__} strategy is not supported (single-device and DDP strategies are); "
-                    "with FSDP use its activation_checkpointing_policy")
+        supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+        if not isinstance(strategy, supported) or "DeepSpeed" in type(strategy).__name__:
+            return (f"the {type(strategy).__name__} strategy is not supported (single-device, DDP and "
+                    "ModelParallelStrategy (FSDP2) are)")
         existing = existing_checkpointing(pl_module)
         if existing:
             return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
@@ -257,12 +292,14 @@ class AutoRemat(Callback):
         """Profile and solve on rank 0, share the outcome, and apply it on every rank."""
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         step = training_step_closure(pl_module, batch, batch_idx, trainer)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero or fsdp2_sharded(pl_module):
             self.profile_count += 1
         broadcast = (lambda outcome: trainer.strategy.broadcast(outcome, src=0)) if trainer.world_size > 1 else None
+        # Sharded with FSDP2 (ModelParallelStrategy): every pass runs collectives, so every rank profiles.
+        gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(pl_module) else None
         self.plan = Planner(self._config_for(trainer)).shared_plan(
-            pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast,
-            hint=f"(AutoRemat, budget={self.budget!r})")
+            pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast, gather=gather,
+            hint=f"(AutoRemat, budget={self.budget!r})", **({"adjust": _sharded_allowance} if gather else {}))
         self.plan.fingerprint = fingerprint(pl_module, batch)
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)

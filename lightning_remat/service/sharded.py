@@ -1,0 +1,110 @@
+"""Planning a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): every rank profiles.
+
+Under DDP rank 0 can profile the model alone; under FSDP2 a forward or backward all-gathers
+parameters and reduce-scatters gradients, so every rank must run the same profiling passes in
+lockstep. Each rank's profile is per rank (its shard of the parameters, gradients and optimizer
+state, the parameters all-gathered while a block runs, its own batch); rank 0 solves on the
+largest of every term over the ranks (``merge_profiles``), so the budget holds on every rank, and
+broadcasts the plan: every rank wraps the same modules.
+
+FSDP1 (``FullyShardedDataParallel``: flat parameters, its own forward) cannot be profiled this way;
+``refuse_fsdp1`` raises an ``UnsupportedShardingError`` naming the workarounds.
+
+Example:
+    >>> from torch import nn
+    >>> fsdp2_sharded(nn.Linear(2, 2)), torch_distributed_gather()
+    (False, None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.errors import UnsupportedShardingError
+from ..core.memory_model import Profile, predict_peak
+
+Gather = Callable[[Any], list]
+
+FSDP1_HINT = ("Use FSDP2 instead (torch.distributed.fsdp.fully_shard; in Lightning ModelParallelStrategy with "
+              "fully_shard in configure_model; in Accelerate FullyShardedDataParallelPlugin(fsdp_version=2)), "
+              "or call plan_remat and apply_plan on the model before it is wrapped, on every rank.")
+
+
+def fsdp2_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its modules is sharded with FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp1_wrapped(model: nn.Module) -> bool:
+    """Whether ``model`` is or holds an FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+
+
+def refuse_fsdp1(model: nn.Module, where: str) -> None:
+    """Raise ``UnsupportedShardingError`` if ``model`` is wrapped by FSDP1."""
+    if fsdp1_wrapped(model):
+        raise UnsupportedShardingError(f"{where}: the model is wrapped by FSDP1 (FullyShardedDataParallel), whose "
+                                       "flat parameters and forward cannot be profiled or wrapped. " + FSDP1_HINT)
+
+
+def torch_distributed_gather() -> Gather | None:
+    """``all_gather_object`` over an initialised ``torch.distributed`` group of several processes, else None."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+
+    def gather(value: Any) -> list:
+        values: list = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+
+    return gather
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """One profile whose every term is the largest of the ranks' (stored bytes, local and segment
+    peaks, static bytes, costs): a plan within the budget on it is within the budget on every rank.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+        >>> def p(stored): return Profile((StageProfile("a", (StageOption("keep", (), stored, 150, 0.0, 0),)),), (Segment("head", 1, 50),))
+        >>> merge_profiles([p(100), p(120)]).stages[0].options[0].stored_bytes
+        120
+    """
+    first = profiles[0]
+    shape = [(s.name, [o.name for o in s.options]) for s in first.stages]
+    for other in profiles[1:]:
+        if [(s.name, [o.name for o in s.options]) for s in other.stages] != shape:
+            raise UnsupportedShardingError(
+                "the ranks profiled different stages or options (different control flow, or batches of different "
+                "shapes): give every rank a batch of the same shape while planning, or pass candidates=")
+    stages = []
+    for i, stage in enumerate(first.stages):
+        options = tuple(replace(o, stored_bytes=max(p.stages[i].options[j].stored_bytes for p in profiles),
+                                local_peak_bytes=max(p.stages[i].options[j].local_peak_bytes for p in profiles),
+                                cost_seconds=max(p.stages[i].options[j].cost_seconds for p in profiles))
+                        for j, o in enumerate(stage.options))
+        stages.append(replace(stage, options=options))
+    # A segment some rank lacks (a calibration only one rank needed) is taken from the ranks that have it.
+    by_key: dict[tuple[str, int], Any] = {}
+    for p in profiles:
+        for g in p.segments:
+            key = (g.name, g.stages_alive)
+            by_key[key] = g if key not in by_key or g.peak_bytes > by_key[key].peak_bytes else by_key[key]
+    segments = tuple(by_key.values())
+    merged = replace(first, stages=tuple(stages), segments=segments, **{
+        name: max(getattr(p, name) for p in profiles)
+        for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes")})
+    if len(profiles) > 1:
+        merged.notes = (*first.notes, f"profiled on each of {len(profiles)} ranks in lockstep (the model is sharded); "
+                        "every term is the largest over the ranks, so the budget is per rank")
+    merged.baseline_peak_bytes = predict_peak(merged, [0] * len(stages))
+    return merged
