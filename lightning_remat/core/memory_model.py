@@ -120,6 +120,9 @@ class Profile:
     baseline_step_flops: int = 0
     device: str = "cpu"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Stage names that may be recomputed together as one checkpoint segment (``core.spans``): each
+    # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
+    span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
 
     @property
     def static_bytes(self) -> int:
@@ -146,7 +149,8 @@ class Profile:
             for s in data["stages"]
         )
         segments = tuple(Segment(**s) for s in data["segments"])
-        return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ()))})
+        return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
+                      "span_groups": tuple(tuple(g) for g in data.get("span_groups", ()))})
 
 
 def predict_peak(profile: Profile, choices: Sequence[int]) -> int:

@@ -65,6 +65,9 @@ class Plan:
     # What the plan was made for (parameter bytes, the batch's size and shapes), so that an
     # integration can tell when it no longer applies: a resumed run, a larger batch.
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # Runs of consecutive stages (items of one nn.Sequential) recomputed as ONE checkpoint each:
+    # their inner boundaries are not kept (``core.spans``). Empty: every module is recomputed alone.
+    segments: list[list[str]] = field(default_factory=list)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
@@ -101,6 +104,7 @@ class Plan:
         known["choices"] = [StageChoice(**c) for c in data.get("choices", [])]
         known["checkpointed"] = list(checkpointed)
         known["notes"] = list(data.get("notes", []))
+        known["segments"] = [list(s) for s in data.get("segments", [])]
         return cls(**known)
 
     def summary(self, title: str = "Recompute plan") -> str:
