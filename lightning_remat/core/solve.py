@@ -23,7 +23,7 @@ from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .spans import all_spans, plan_cost_spans, predict_peak_spans, span_option
+from .spans import span_rows, plan_cost_spans, predict_peak_spans, span_option
 from .plan import Plan, StageChoice
 
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
@@ -78,24 +78,25 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _span_transitions(profile: Profile, kind: str) -> list[list[tuple[int, int, int, float]]]:
-    """Per end position ``p`` (after stage ``p - 1``), the spans ending there: (first, stored, local, cost)."""
-    ends: list[list[tuple[int, int, int, float]]] = [[] for _ in range(len(profile.stages) + 1)]
-    for span in all_spans(profile):
-        ends[span.last + 1].append((span.first, span.stored_bytes, span.local_peak_bytes, float(span.cost(kind))))
-    return ends
+def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
+    """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
+    (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
+    ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
+    for first, last, stored, local, seconds, flops in span_rows(profile):
+        ends[last + 1].append((first, stored, local, seconds if kind == "time" else flops))
+    return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
 
 
 def _frontier_dp(arrays: _Arrays, budget: int | None,
-                 spans: list[list[tuple[int, int, int, float]]] | None = None) -> tuple[list[int], list[tuple[int, int]]] | None:
+                 spans: list[np.ndarray] | None = None) -> tuple[list[int], list[tuple[int, int]]] | None:
     """Least-cost choices whose peak is within ``budget``; with ``budget=None`` least peak instead.
 
     The frontier after ``p`` stages is reached from the one after ``p - 1`` by an option of stage
-    ``p - 1``, or from the one after ``first`` by a span ``first..p-1`` (``spans[p]``). Returns the
-    option index per stage (0 inside spans) and the spans taken, or None when nothing fits.
+    ``p - 1``, or from the one after ``first`` by a span ``first..p-1`` (``spans[p]``). All
+    transitions into ``p`` are evaluated as one vector. Returns the option index per stage (0 inside
+    spans) and the spans taken, or None when nothing fits.
     """
     n = arrays.stored.shape[0]
-    spans = spans or [[] for _ in range(n + 1)]
     minimise_peak = budget is None
     # The second coordinate: cost so far (budget mode) or peak so far (min mode).
     value = np.array([max(0, int(arrays.segment_peak[0]))], dtype=np.float64) if minimise_peak else np.zeros(1)
@@ -106,47 +107,52 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
     back: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64),) * 3]
     for p in range(1, n + 1):
         i = p - 1
-        transitions = [(i, int(arrays.stored[i, j]), int(arrays.local[i, j]), float(arrays.cost[i, j]), j)
-                       for j in range(arrays.stored.shape[1]) if arrays.stored[i, j] >= 0]
-        transitions += [(first, stored, local, cost, -1) for first, stored, local, cost in spans[p]]
-        cand_stored, cand_value, cand_from, cand_parent, cand_option = [], [], [], [], []
+        rows = [(i, arrays.stored[i, j], arrays.local[i, j], arrays.cost[i, j], j)
+                for j in range(arrays.stored.shape[1]) if arrays.stored[i, j] >= 0]
+        origin = np.array([r[0] for r in rows], dtype=np.int64)
+        t_stored = np.array([r[1] for r in rows], dtype=np.int64)
+        t_local = np.array([r[2] for r in rows], dtype=np.int64)
+        t_cost = np.array([r[3] for r in rows], dtype=np.float64)
+        t_option = np.array([r[4] for r in rows], dtype=np.int64)
+        if spans is not None and len(spans[p]):
+            table = spans[p]
+            origin = np.concatenate((origin, table[:, 0].astype(np.int64)))
+            t_stored = np.concatenate((t_stored, table[:, 1].astype(np.int64)))
+            t_local = np.concatenate((t_local, table[:, 2].astype(np.int64)))
+            t_cost = np.concatenate((t_cost, table[:, 3]))
+            t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
+        sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
+        src_stored = np.concatenate([frontiers[o][0] for o in origin])
+        src_value = np.concatenate([frontiers[o][1] for o in origin])
+        which = np.repeat(np.arange(len(origin)), sizes)
+        src_index = np.arange(len(src_stored)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        local_peak = t_local[which] + src_stored
+        new_stored = src_stored + t_stored[which]
         segment = arrays.segment_peak[p]
-        for origin, stored, local, cost, option in transitions:
-            stored_so_far, value = frontiers[origin]
-            local_peak = local + stored_so_far
-            new_stored = stored_so_far + stored
-            if minimise_peak:
-                new_value = np.maximum(np.maximum(value, local_peak.astype(np.float64)),
-                                       (segment + new_stored).astype(np.float64))
-                idx = np.arange(len(value))
-            else:
-                new_value = value + cost
-                idx = np.nonzero((local_peak <= budget) & (segment + new_stored <= budget))[0]
-            cand_stored.append(new_stored[idx])
-            cand_value.append(new_value[idx])
-            cand_from.append(np.full(len(idx), origin, dtype=np.int64))
-            cand_parent.append(idx)
-            cand_option.append(np.full(len(idx), option, dtype=np.int64))
-        all_stored = np.concatenate(cand_stored)
-        if len(all_stored) == 0:
+        if minimise_peak:
+            new_value = np.maximum(np.maximum(src_value, local_peak.astype(np.float64)),
+                                   (segment + new_stored).astype(np.float64))
+            idx = np.arange(len(new_value))
+        else:
+            new_value = src_value + t_cost[which]
+            idx = np.nonzero((local_peak <= budget) & (segment + new_stored <= budget))[0]
+        if len(idx) == 0:
             return None
-        all_value = np.concatenate(cand_value)
-        keep = _pareto(all_stored, all_value)
-        frontiers.append((all_stored[keep], all_value[keep]))
-        back.append((np.concatenate(cand_from)[keep], np.concatenate(cand_parent)[keep],
-                     np.concatenate(cand_option)[keep]))
+        keep = idx[_pareto(new_stored[idx], new_value[idx])]
+        frontiers.append((new_stored[keep], new_value[keep]))
+        back.append((origin[which[keep]], src_index[keep], t_option[which[keep]]))
     # Least value; among equal values the first (least stored bytes) because of the sort.
     best = int(np.argmin(frontiers[n][1]))
     choices = [0] * n
     taken: list[tuple[int, int]] = []
     p = n
     while p > 0:
-        origin, parent, option = (int(a[best]) for a in back[p])
+        origin_p, parent, option = (int(a[best]) for a in back[p])
         if option >= 0:
             choices[p - 1] = option
         else:
-            taken.append((origin, p - 1))
-        p, best = origin, parent
+            taken.append((origin_p, p - 1))
+        p, best = origin_p, parent
     return choices, sorted(taken)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .memory_model import Profile, predict_peak
 
@@ -127,7 +127,8 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
     """Every span the solver considers: within one group, 2 to ``max_length`` stages (default
-    ``max_span_length``), all stages with a ``"whole"`` option.
+    ``max_span_length``), all stages with a ``"whole"`` option. Same figures as ``span_option``,
+    built incrementally (one pass per first stage).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -136,16 +137,36 @@ def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOptio
         >>> [(s.first, s.last) for s in all_spans(p)]
         [(0, 1), (0, 2), (1, 2)]
     """
+    names = [s.name for s in profile.stages]
+    return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops)
+            for first, last, stored, local, seconds, flops in span_rows(profile, max_length)]
+
+
+def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int]]:
+    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops): what the solver reads."""
     limit = max_span_length(len(profile.stages)) if max_length is None else max_length
-    spans = []
+    wholes = [_whole(profile, k) for k in range(len(profile.stages))]
+    inner: dict[int, int] = {}
+    for seg in profile.segments:
+        inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
     for start, end in span_ranges(profile):
         for first in range(start, end):
+            if wholes[first] is None:
+                continue
+            keep = profile.stages[first].options[0]
+            local, held = keep.local_peak_bytes, keep.stored_bytes
+            seconds, flops = wholes[first].cost_seconds, wholes[first].cost_flops
             for last in range(first + 1, min(end, first + limit)):
-                if _whole(profile, last) is None:
+                if wholes[last] is None:
                     break
-                if _whole(profile, first) is not None:
-                    spans.append(span_option(profile, first, last))
-    return spans
+                keep = profile.stages[last].options[0]
+                if last in inner:
+                    local = max(local, inner[last] + held)
+                local = max(local, keep.local_peak_bytes + held)
+                held += keep.stored_bytes
+                seconds += wholes[last].cost_seconds
+                flops += wholes[last].cost_flops
+                yield first, last, wholes[last].stored_bytes, local, float(seconds), int(flops)
 
 
 def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
