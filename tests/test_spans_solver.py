@@ -130,7 +130,10 @@ def test_spans_reach_below_per_stage_recompute_on_a_chain():
 def test_span_figures_are_derived_from_keep_and_whole():
     p = _mlp_like(4)
     span = span_option(p, 1, 3)
-    assert (span.stored_bytes, span.local_peak_bytes, span.cost_flops) == (1, 8 + 5 + 5, 30)
+    # Keep terms: 8 + 5 + 5 (stages 1, 2 recomputed and held while stage 3 runs); the end of the
+    # recompute: the gap after stage 3 (the head, 20) + 5 + 5 + the span's output 1.
+    assert (span.stored_bytes, span.local_peak_bytes, span.cost_flops) == (1, 31, 30)
+    assert span_option(p, 0, 1).local_peak_bytes == 8 + 5  # no segment after stage 1
     assert Profile.from_dict(p.to_dict()) == p
     assert Profile.from_dict({k: v for k, v in p.to_dict().items() if k != "span_groups"}).span_groups == ()
 

@@ -13,8 +13,10 @@ A span's figures are derived exactly from the per-stage terms the profiler measu
 - local peak: its backward recomputes the stages' forward with everything saved, as the ``"keep"``
   run did, so while stage ``k`` runs forward or backward the stages ``first..k-1`` hold their
   ``"keep"`` stored bytes: ``max_k (keep stored of first..k-1 + keep local peak of k)``, and the
-  same for the gaps between them (a segment with ``k`` stages alive, ``first < k <= last``). The
-  span's own forward, which saves nothing, stays below that;
+  same for the gaps between them (a segment with ``k`` stages alive, ``first < k <= last``); the
+  last stage's term also carries the gradient of the span's output (its ``output_bytes``), which
+  is alive through the whole recompute; and the end of the recompute, measured by a "whole" run
+  for the last stage alone (the gap after it), plus the other stages' keep bytes. The span's own forward, which saves nothing, stays below that;
 - cost: the forward of every stage in it, as ``"whole"`` prices each.
 
 Example:
@@ -100,6 +102,24 @@ def _whole(profile: Profile, i: int):
     return next((o for o in profile.stages[i].options if o.name == "whole"), None)
 
 
+def _gradient_held(profile: Profile, k: int) -> int:
+    # The gradient of the span's output arrives before the span recomputes, and stays alive through
+    # the recompute of every stage; in the "keep" run it arrives only when the last stage is the
+    # one running. Measured: the span's peak is at the end of its recompute, above the keep terms
+    # by this gradient less the last stage's parameter gradients (not yet made), which we do not
+    # subtract (an upper bound by those bytes).
+    return profile.stages[k].output_bytes
+
+
+def _recompute_end(gap_peak: int, held: int, output: int) -> int:
+    # The moment the span has recomputed its last stage, before that stage's backward: its output
+    # gradient and its recomputed tensors are alive, and so is its original output (the stage after
+    # it still holds it). A "whole" run reaches the same moment for its last stage alone in the gap
+    # after it (the segment with ``last + 1`` stages alive, whose prefix holds that output); the
+    # span adds the "keep" bytes of its other stages (``held``).
+    return gap_peak + held + output
+
+
 def span_option(profile: Profile, first: int, last: int) -> SpanOption:
     """The figures of stages ``first..last`` recomputed as one segment (see the module docstring)."""
     if not 0 <= first < last < len(profile.stages):
@@ -109,7 +129,7 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
         raise ValueError(f"stages {first}..{last} do not all have a 'whole' option")
     inner: dict[int, int] = {}
     for seg in profile.segments:
-        if first < seg.stages_alive <= last:
+        if first < seg.stages_alive <= last + 1:
             inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
     local = 0
     held = 0  # "keep" stored bytes of the stages of the span recomputed so far
@@ -117,7 +137,9 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
         keep = profile.stages[k].options[0]
         if k in inner:
             local = max(local, inner[k] + held)
-        local = max(local, keep.local_peak_bytes + held)
+        local = max(local, keep.local_peak_bytes + held + (_gradient_held(profile, k) if k == last else 0))
+        if k == last and last + 1 in inner:
+            local = max(local, _recompute_end(inner[last + 1], held, wholes[-1].stored_bytes))
         held += keep.stored_bytes
     return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]),
                       stored_bytes=wholes[-1].stored_bytes, local_peak_bytes=local,
@@ -162,11 +184,16 @@ def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple
                 keep = profile.stages[last].options[0]
                 if last in inner:
                     local = max(local, inner[last] + held)
+                # "local" stays the max over the stages so far; the last one's term is taken apart
+                # because only the span's last stage adds the gradient it holds.
+                last_term = keep.local_peak_bytes + held + _gradient_held(profile, last)
+                if last + 1 in inner:
+                    last_term = max(last_term, _recompute_end(inner[last + 1], held, wholes[last].stored_bytes))
                 local = max(local, keep.local_peak_bytes + held)
                 held += keep.stored_bytes
                 seconds += wholes[last].cost_seconds
                 flops += wholes[last].cost_flops
-                yield first, last, wholes[last].stored_bytes, local, float(seconds), int(flops)
+                yield first, last, wholes[last].stored_bytes, max(local, last_term), float(seconds), int(flops)
 
 
 def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
