@@ -89,6 +89,21 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
         return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
 
 
+def segmented_modules(model: nn.Module) -> list[list[str]]:
+    """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each (names as
+    in the uncompiled model); the sibling of ``checkpointed_modules``.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
+        >>> segmented_modules(apply_plan(net, [], segments=[["0", "1"]]))
+        [['0', '1']]
+    """
+    from .segments import segmented_modules as listed
+
+    with uncompiled(model) as model:
+        return listed(model)
+
+
 @contextlib.contextmanager
 def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
     """Run a recompute without updating running statistics a second time."""
@@ -230,11 +245,8 @@ def remove_remat(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = ()) -> Iterator[nn.Module]:
     """Apply a set of names (and segments) for the duration of a ``with`` block, then restore the previous plan."""
-    from .segments import segmented_modules
-
     previous = checkpointed_modules(model)
-    with uncompiled(model) as plain:
-        previous_segments = segmented_modules(plain)
+    previous_segments = segmented_modules(model)
     apply_plan(model, list(names), segments=[list(s) for s in segments])
     try:
         yield model
