@@ -57,7 +57,7 @@ from lightning_remat.models import MODEL_NAMES, build  # noqa: E402
 from lightning_remat.runtime.profile import profile_step  # noqa: E402
 from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
-from lightning_remat.core.solve import solve  # noqa: E402
+from lightning_remat.core.solve import least_peak, solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 FRACTIONS = (0.7, 0.5, 0.3)
@@ -165,7 +165,7 @@ def _plan_config(case, profile: Profile, profile_seconds: float, label: str, bud
 
 def _instantiate(config: Config, case, unique: dict[tuple, Config]) -> None:
     """Give an AutoRemat configuration its own model copy, unless an identical plan has one."""
-    key = tuple(sorted(config.plan.checkpointed))
+    key = (tuple(sorted(config.plan.checkpointed)), tuple(tuple(s) for s in config.plan.segments))
     if key in unique:
         config.same_as = unique[key]
         return
@@ -210,6 +210,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
         except Exception as err:  # transformers raises ValueError for models without support
             hf.error = f"not supported: {str(err).splitlines()[0]}"
         configs.append(hf)
+    seq = None
     if case.sequential is not None and case.sequential is base:
         segments = max(1, round(math.sqrt(len(base))))
         model = copy.deepcopy(base)
@@ -233,7 +234,22 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
         hf_matched = _plan_config(case, profile, profile_seconds, "AutoRemat @ HF peak", hf.measured["peak_bytes"],
                                   "HF's measured peak")
         ours.append(hf_matched)
-    unique: dict[tuple, Config] = {(): baseline}
+    seq_matched = []
+    if seq is not None and seq.measured:
+        # Against checkpoint_sequential: our plan at its measured peak, and our least peak at its
+        # FLOP overhead (the smallest budget whose plan costs no more, by bisection on the budget).
+        seq_matched.append(_plan_config(case, profile, profile_seconds, "AutoRemat @ sequential peak",
+                                        seq.measured["peak_bytes"], "checkpoint_sequential's measured peak"))
+        seq_overhead = (seq.measured["flops"] - baseline.measured["flops"]) / baseline.measured["flops"]
+        low, high = least_peak(profile), profile.baseline_peak_bytes
+        while high - low > max(1, profile.baseline_peak_bytes // 1000):
+            middle = (low + high) // 2
+            plan = solve(profile, middle, cost="flops")
+            low, high = (low, middle) if plan.predicted_overhead <= seq_overhead else (middle, high)
+        seq_matched.append(_plan_config(case, profile, profile_seconds, "AutoRemat @ sequential overhead", high,
+                                        f"least budget at checkpoint_sequential's FLOP overhead ({seq_overhead:.1%})"))
+        ours.extend(seq_matched)
+    unique: dict[tuple, Config] = {((), ()): baseline}
     for config in ours:
         if config.plan is not None:
             _instantiate(config, case, unique)
@@ -287,6 +303,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
                 "predicted_overhead": plan.predicted_overhead,
                 "modules": len(plan.checkpointed),
                 "checkpointed": plan.checkpointed,
+                "segments": plan.segments,
                 "options": {c.option: sum(1 for d in plan.choices if d.option == c.option) for c in plan.choices},
             })
         if config.kind == "baseline":

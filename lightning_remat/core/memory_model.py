@@ -123,6 +123,9 @@ class Profile:
     # A sharded (FSDP2) step: world_size, unsharded_parameter_bytes in flight at most, dtypes
     # (``runtime.sharded``); empty for one device. Every byte figure above is then per GPU.
     sharding: dict[str, Any] = field(default_factory=dict)
+    # Stage names that may be recomputed together as one checkpoint segment (``core.spans``): each
+    # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
+    span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
 
     @property
     def static_bytes(self) -> int:
@@ -149,7 +152,8 @@ class Profile:
             for s in data["stages"]
         )
         segments = tuple(Segment(**s) for s in data["segments"])
-        return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ()))})
+        return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
+                      "span_groups": tuple(tuple(g) for g in data.get("span_groups", ()))})
 
 
 def predict_peak(profile: Profile, choices: Sequence[int]) -> int:

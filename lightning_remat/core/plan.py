@@ -67,6 +67,9 @@ class Plan:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     # The profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight); empty on one device.
     sharding: dict[str, Any] = field(default_factory=dict)
+    # Runs of consecutive stages (items of one nn.Sequential) recomputed as ONE checkpoint each:
+    # their inner boundaries are not kept (``core.spans``). Empty: every module is recomputed alone.
+    segments: list[list[str]] = field(default_factory=list)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
@@ -103,6 +106,7 @@ class Plan:
         known["choices"] = [StageChoice(**c) for c in data.get("choices", [])]
         known["checkpointed"] = list(checkpointed)
         known["notes"] = list(data.get("notes", []))
+        known["segments"] = [list(s) for s in data.get("segments", [])]
         return cls(**known)
 
     def summary(self, title: str = "Recompute plan") -> str:

@@ -22,7 +22,8 @@ import numpy as np
 from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
-from .memory_model import Profile, plan_cost, predict_peak
+from .memory_model import Profile
+from .spans import span_rows, plan_cost_spans, predict_peak_spans, span_option
 from .plan import Plan, StageChoice
 
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
@@ -77,58 +78,96 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _frontier_dp(arrays: _Arrays, budget: int | None) -> list[int] | None:
+def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
+    """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
+    (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
+    ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
+    for first, last, stored, local, seconds, flops in span_rows(profile):
+        ends[last + 1].append((first, stored, local, seconds if kind == "time" else flops))
+    return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
+
+
+def _frontier_dp(arrays: _Arrays, budget: int | None,
+                 spans: list[np.ndarray] | None = None) -> tuple[list[int], list[tuple[int, int]]] | None:
     """Least-cost choices whose peak is within ``budget``; with ``budget=None`` least peak instead.
 
-    Returns the option index per stage, or None when nothing fits.
+    The frontier after ``p`` stages is reached from the one after ``p - 1`` by an option of stage
+    ``p - 1``, or from the one after ``first`` by a span ``first..p-1`` (``spans[p]``). All
+    transitions into ``p`` are evaluated as one vector. Returns the option index per stage (0 inside
+    spans) and the spans taken, or None when nothing fits.
     """
     n = arrays.stored.shape[0]
     minimise_peak = budget is None
-    stored_so_far = np.zeros(1, dtype=np.int64)
     # The second coordinate: cost so far (budget mode) or peak so far (min mode).
     value = np.array([max(0, int(arrays.segment_peak[0]))], dtype=np.float64) if minimise_peak else np.zeros(1)
     if not minimise_peak and arrays.segment_peak[0] > budget:
         return None
-    parents: list[np.ndarray] = []
-    options: list[np.ndarray] = []
-    for i in range(n):
-        cand_stored, cand_value, cand_parent, cand_option = [], [], [], []
-        for j in range(arrays.stored.shape[1]):
-            if arrays.stored[i, j] < 0:
-                continue
-            local_peak = arrays.local[i, j] + stored_so_far
-            new_stored = stored_so_far + arrays.stored[i, j]
-            if minimise_peak:
-                new_value = np.maximum(value, local_peak.astype(np.float64))
-                mask = np.ones(len(value), dtype=bool)
-            else:
-                new_value = value + arrays.cost[i, j]
-                mask = local_peak <= budget
-            segment = arrays.segment_peak[i + 1]
-            if minimise_peak:
-                new_value = np.maximum(new_value, (segment + new_stored).astype(np.float64))
-            else:
-                mask &= segment + new_stored <= budget
-            idx = np.nonzero(mask)[0]
-            cand_stored.append(new_stored[idx])
-            cand_value.append(new_value[idx])
-            cand_parent.append(idx)
-            cand_option.append(np.full(len(idx), j, dtype=np.int64))
-        all_stored = np.concatenate(cand_stored)
-        if len(all_stored) == 0:
+    frontiers: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(1, dtype=np.int64), value)]
+    # Per position: the position and index of each point's parent, and the option taken (-1: a span).
+    back: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64),) * 3]
+    for p in range(1, n + 1):
+        i = p - 1
+        rows = [(i, arrays.stored[i, j], arrays.local[i, j], arrays.cost[i, j], j)
+                for j in range(arrays.stored.shape[1]) if arrays.stored[i, j] >= 0]
+        origin = np.array([r[0] for r in rows], dtype=np.int64)
+        t_stored = np.array([r[1] for r in rows], dtype=np.int64)
+        t_local = np.array([r[2] for r in rows], dtype=np.int64)
+        t_cost = np.array([r[3] for r in rows], dtype=np.float64)
+        t_option = np.array([r[4] for r in rows], dtype=np.int64)
+        if spans is not None and len(spans[p]):
+            table = spans[p]
+            origin = np.concatenate((origin, table[:, 0].astype(np.int64)))
+            t_stored = np.concatenate((t_stored, table[:, 1].astype(np.int64)))
+            t_local = np.concatenate((t_local, table[:, 2].astype(np.int64)))
+            t_cost = np.concatenate((t_cost, table[:, 3]))
+            t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
+        sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
+        src_stored = np.concatenate([frontiers[o][0] for o in origin])
+        src_value = np.concatenate([frontiers[o][1] for o in origin])
+        which = np.repeat(np.arange(len(origin)), sizes)
+        src_index = np.arange(len(src_stored)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        local_peak = t_local[which] + src_stored
+        new_stored = src_stored + t_stored[which]
+        segment = arrays.segment_peak[p]
+        if minimise_peak:
+            new_value = np.maximum(np.maximum(src_value, local_peak.astype(np.float64)),
+                                   (segment + new_stored).astype(np.float64))
+            idx = np.arange(len(new_value))
+        else:
+            new_value = src_value + t_cost[which]
+            idx = np.nonzero((local_peak <= budget) & (segment + new_stored <= budget))[0]
+        if len(idx) == 0:
             return None
-        all_value = np.concatenate(cand_value)
-        keep = _pareto(all_stored, all_value)
-        stored_so_far, value = all_stored[keep], all_value[keep]
-        parents.append(np.concatenate(cand_parent)[keep])
-        options.append(np.concatenate(cand_option)[keep])
+        keep = idx[_pareto(new_stored[idx], new_value[idx])]
+        frontiers.append((new_stored[keep], new_value[keep]))
+        back.append((origin[which[keep]], src_index[keep], t_option[which[keep]]))
     # Least value; among equal values the first (least stored bytes) because of the sort.
-    best = int(np.argmin(value))
+    best = int(np.argmin(frontiers[n][1]))
     choices = [0] * n
-    for i in range(n - 1, -1, -1):
-        choices[i] = int(options[i][best])
-        best = int(parents[i][best])
-    return choices
+    taken: list[tuple[int, int]] = []
+    p = n
+    while p > 0:
+        origin_p, parent, option = (int(a[best]) for a in back[p])
+        if option >= 0:
+            choices[p - 1] = option
+        else:
+            taken.append((origin_p, p - 1))
+        p, best = origin_p, parent
+    return choices, sorted(taken)
+
+
+@dataclass
+class Solution:
+    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each (the
+    choices of the stages inside a span are 0 and not used).
+
+    Example:
+        >>> Solution([0, 1], []).spans
+        []
+    """
+
+    choices: list[int]
+    spans: list[tuple[int, int]]
 
 
 def least_peak(profile: Profile) -> int:
@@ -141,29 +180,48 @@ def least_peak(profile: Profile) -> int:
         >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
         160
     """
-    choices = _frontier_dp(_arrays(profile, "flops"), None)
-    return predict_peak(profile, choices)
+    choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
+    return predict_peak_spans(profile, choices, spans)
 
 
-def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> list[int]:
-    """Option index per stage for the least-cost plan within ``budget`` (bytes or ``"min"``).
+def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
+    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans: stages in
+    ``profile.span_groups`` may be recomputed several at a time as one segment.
 
     Raises BudgetTooSmallError when nothing fits.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+        >>> opts = (StageOption("keep", (), 12, 15, 0.0, 0), StageOption("whole", (), 10, 20, 1.0, 1))
+        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 5),),
+        ...             span_groups=(("a", "b", "c"),))
+        >>> solve_segmentation(p, "min", "flops").spans   # peak 30; every stage alone: 40
+        [(0, 1)]
     """
     check_cost_kind(cost)
     arrays = _arrays(profile, cost)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
+    spans = _span_transitions(profile, cost)
     if budget == MIN_BUDGET:
-        budget = predict_peak(profile, _frontier_dp(arrays, None))
-    choices = _frontier_dp(arrays, int(budget))
-    if choices is None:
+        budget = predict_peak_spans(profile, *_frontier_dp(arrays, None, spans))
+    found = _frontier_dp(arrays, int(budget), spans)
+    if found is None:
         raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
-    return choices
+    return Solution(*found)
+
+
+def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> list[int]:
+    """Option index per stage for the least-cost plan within ``budget`` (bytes or ``"min"``), for a
+    profile without span groups (with them, ``solve_segmentation`` also says the spans).
+
+    Raises BudgetTooSmallError when nothing fits.
+    """
+    return solve_segmentation(profile, budget, cost).choices
 
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
-                      requested_budget: str = "") -> Plan:
+                      requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
     """Build the Plan for given option indices (used by ``solve`` and by tests and benchmarks).
 
     Example:
@@ -175,10 +233,20 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         ['a']
     """
     baseline_cost = profile.baseline_cost(cost)
-    extra = plan_cost(profile, choices, cost)
+    extra = plan_cost_spans(profile, choices, cost, spans)
     stage_choices = []
     checkpointed: list[str] = []
-    for stage, c in zip(profile.stages, choices):
+    segments = [list(profile.stages[a].name for a in range(first, last + 1)) for first, last in sorted(spans)]
+    in_span = {k: (first, last) for first, last in spans for k in range(first, last + 1)}
+    for k, (stage, c) in enumerate(zip(profile.stages, choices)):
+        if k in in_span:
+            first, last = in_span[k]
+            whole = stage.option("whole")
+            # The span's stored bytes are its last stage's; its cost is the sum of its stages'.
+            stored = span_option(profile, first, last).stored_bytes if k == last else 0
+            stage_choices.append(StageChoice(stage.name, f"segment {profile.stages[first].name}..{profile.stages[last].name}",
+                                             stage.options[0].stored_bytes, stored, float(whole.cost(cost))))
+            continue
         option = stage.options[c]
         checkpointed.extend(option.checkpointed)
         stage_choices.append(
@@ -188,7 +256,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         checkpointed=checkpointed,
         budget_bytes=int(budget_bytes),
         baseline_peak_bytes=int(profile.baseline_peak_bytes),
-        predicted_peak_bytes=int(predict_peak(profile, choices)),
+        predicted_peak_bytes=int(predict_peak_spans(profile, choices, spans)),
         predicted_overhead=float(extra / baseline_cost) if baseline_cost else 0.0,
         cost_kind=cost,
         requested_budget=requested_budget or str(budget_bytes),
@@ -198,6 +266,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         optimizer_state_bytes=profile.optimizer_state_bytes,
         notes=list(profile.notes),
         sharding=dict(profile.sharding),
+        segments=segments,
     )
 
 
@@ -230,6 +299,6 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     # against the device: the solver also serves synthetic profiles and devices that are not here).
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
-    choices = solve_choices(profile, parsed, cost)
-    budget_bytes = predict_peak(profile, choices) if parsed == MIN_BUDGET else parsed
-    return plan_from_choices(profile, choices, budget_bytes, cost, requested_budget=str(budget))
+    found = solve_segmentation(profile, parsed, cost)
+    budget_bytes = predict_peak_spans(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
+    return plan_from_choices(profile, found.choices, budget_bytes, cost, requested_budget=str(budget), spans=found.spans)

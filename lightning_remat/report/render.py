@@ -62,7 +62,9 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
         return (f"{title}: {len(plan.checkpointed)} module(s) recomputed whole (fallback: not profiled, peak not "
                 f"predicted; budget {plan.requested_budget or format_bytes(plan.budget_bytes)})")
     overhead = "unknown" if math.isnan(plan.predicted_overhead) else f"{plan.predicted_overhead:.1%}"
-    return (f"{title}: {len(plan.checkpointed)} module(s), predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+    segments = len(getattr(plan, "segments", []))
+    spans = f" and {segments} segment(s)" if segments else ""
+    return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {format_bytes(plan.predicted_peak_bytes)} "
             f"(budget {format_bytes(plan.budget_bytes)}, baseline {format_bytes(plan.baseline_peak_bytes)}), "
             f"overhead {overhead} ({plan.cost_kind})")
 
@@ -90,6 +92,10 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     lines: list[Any] = [plan_headline(plan, title)]
     if plan.choices or plan.checkpointed:
         lines.append(plan_table(plan))
+    segments = getattr(plan, "segments", [])
+    if segments:
+        lines.append("  segments, each recomputed as one checkpoint (inner boundaries not kept): "
+                     + ", ".join(f"{s[0]}..{s[-1]} ({len(s)})" for s in segments))
     if getattr(plan, "sharding", None) and not getattr(plan, "fallback", False):
         lines.append(sharded_memory_line(plan))
     elif not getattr(plan, "fallback", False):

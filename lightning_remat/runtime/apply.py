@@ -78,7 +78,8 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` that lightning-remat currently recomputes.
+    """Names of the modules of ``model`` that lightning-remat currently recomputes alone (the
+    segments recomputed as one checkpoint are listed by ``segments.segmented_modules``).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -87,6 +88,21 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
     """
     with uncompiled(model) as model:
         return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
+
+
+def segmented_modules(model: nn.Module) -> list[list[str]]:
+    """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each (names as
+    in the uncompiled model); the sibling of ``checkpointed_modules``.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
+        >>> segmented_modules(apply_plan(net, [], segments=[["0", "1"]]))
+        [['0', '1']]
+    """
+    from .segments import segmented_modules as listed
+
+    with uncompiled(model) as model:
+        return listed(model)
 
 
 @contextlib.contextmanager
@@ -170,12 +186,14 @@ def _plan_names(plan: Any) -> list[str]:
     return list(names)
 
 
-def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Any, segments: Any = None) -> nn.Module:
     """Recompute, in place, the modules a plan names; returns ``model``.
 
     Args:
         model: the model (the same module tree the plan was made for).
         plan: a ``Plan`` or an iterable of module names.
+        segments: runs of consecutive items of one ``nn.Sequential``, each recomputed as one
+            checkpoint (``runtime.segments``); default: the plan's ``segments`` (none for names).
 
     A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
     error never leaves a half-wrapped model.
@@ -196,8 +214,9 @@ def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
         False
     """
     names = _plan_names(plan)
+    segments = [list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)]
     existing = existing_checkpointing(model)
-    if existing and names:
+    if existing and (names or segments):
         raise AlreadyCheckpointedError(
             "Not applying the recompute plan, to avoid checkpointing twice: " + "; ".join(existing)
         )
@@ -211,9 +230,15 @@ def apply_plan(model: nn.Module, plan: Any) -> nn.Module:
         raise ValueError(f"plan names modules inside other planned modules: {nested}")
     if len(set(names)) != len(names):
         raise ValueError(f"plan names a module twice: {names}")
+    from .segments import apply_segments, check_segments  # segments builds on this module's _wrap
+
+    check_segments(modules, segments, names)
     remove_remat(model)
     for name in names:
         _wrap(modules[name])
+    if segments:
+        with uncompiled(model) as plain:
+            apply_segments(plain, segments)
     return model
 
 
@@ -225,18 +250,23 @@ def remove_remat(model: nn.Module) -> nn.Module:
         >>> remove_remat(apply_plan(net, ["0"])) is net and checkpointed_modules(net) == []
         True
     """
+    from .segments import remove_segments
+
     for module in model.modules():
         if _ORIGINAL in module.__dict__:
             _unwrap(module)
+    with uncompiled(model) as plain:
+        remove_segments(plain)
     return model
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, names: Iterable[str]) -> Iterator[nn.Module]:
-    """Apply a set of names for the duration of a ``with`` block, then restore the previous plan."""
+def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = ()) -> Iterator[nn.Module]:
+    """Apply a set of names (and segments) for the duration of a ``with`` block, then restore the previous plan."""
     previous = checkpointed_modules(model)
-    apply_plan(model, list(names))
+    previous_segments = segmented_modules(model)
+    apply_plan(model, list(names), segments=[list(s) for s in segments])
     try:
         yield model
     finally:
-        apply_plan(model, previous)
+        apply_plan(model, previous, segments=previous_segments)

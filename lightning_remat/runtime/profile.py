@@ -38,6 +38,7 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
+from .segments import chained_groups, sequential_groups
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
 from .sharded import sharded_twin, sharding_note
 from .stance import eager_stance
@@ -146,6 +147,16 @@ def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str,
         if MIN_CHILD_SHARE <= share <= MAX_CHILD_SHARE:
             scored.append((share, child))
     return [child for _, child in sorted(scored, reverse=True)[:MAX_CHILD_OPTIONS]]
+
+
+def _span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]) -> tuple:
+    """Stages that may be recomputed together (``core.spans``): consecutive items of one Sequential
+    that one forward really chains (checked on a forward without gradients)."""
+    groups = sequential_groups(model, order)
+    if not groups:
+        return ()
+    replay()
+    return tuple(tuple(g) for g in chained_groups(model, step, groups))
 
 
 def _use_cache_note(model: nn.Module) -> str | None:
@@ -308,6 +319,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         if not observed.order:
             raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         wraps = _option_wraps(observed.order, observed, modules)
+        span_groups = _span_groups(model, step, observed.order, replay)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
@@ -321,6 +333,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                         optimizer is not None, device)
+    profile.span_groups = span_groups
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if options.accumulation_steps > 1:
         profile.notes = (*profile.notes, f"gradient accumulation over {options.accumulation_steps} micro-batches: "

@@ -55,7 +55,7 @@ from ..core.budget import format_bytes
 from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
-from ..runtime.apply import apply_plan, checkpointed_modules
+from ..runtime.apply import apply_plan, checkpointed_modules, segmented_modules
 from ..runtime.candidates import CandidateSpec
 from ..runtime.measure import model_device
 from ..runtime.trial import Trial
@@ -244,6 +244,7 @@ def find_remat_batch_size(
     config.require_size("a batch-size search")
     budget_bytes = int(config.budget_bytes(model_device(model)))
     previous_plan = checkpointed_modules(model)
+    previous_segments = segmented_modules(model)
     search = BatchSearch(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, start)
     fit = search.fit_profiles(max_batch_size)
     found = search.largest(True, max_batch_size)
@@ -263,8 +264,8 @@ def find_remat_batch_size(
     assert final_plan is not None
     if apply:
         apply_plan(model, final_plan)
-    elif previous_plan != checkpointed_modules(model):
-        apply_plan(model, previous_plan)
+    elif previous_plan != checkpointed_modules(model) or previous_segments != segmented_modules(model):
+        apply_plan(model, previous_plan, segments=previous_segments)
     binsearch = lightning_binsearch_sizes(start, confirmed, max_val=max_batch_size + 1)
     return BatchSizeResult(
         batch_size=final, batch_size_without_remat=without, largest_fitting=confirmed, plan=final_plan,

@@ -1,0 +1,137 @@
+"""Multi-stage segments: the MLP chain against checkpoint_sequential, and ResNet-50's least peak.
+
+Measured peaks (MemTracker, the second step, Adam state alive) and counted FLOPs, for:
+- mlp: no recomputation; ``checkpoint_sequential`` with sqrt(n) segments; our least peak with and
+  without segments; our least peak at checkpoint_sequential's FLOP overhead; our plan at its peak.
+- resnet50: our least peak with and without segments: the activation memory cut and its overhead.
+
+    python benchmarks/segments.py [--quick] [--models mlp resnet50]
+
+Writes benchmarks/results/segments.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from lightning_remat.core.solve import least_peak, solve  # noqa: E402
+from lightning_remat.models import build  # noqa: E402
+from lightning_remat.runtime.apply import apply_plan  # noqa: E402
+from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
+from lightning_remat.runtime.profile import profile_step  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import SequentialCheckpointed  # noqa: E402
+
+KWARGS = {"mlp": {}, "resnet50": dict(batch_size=8, image_size=64)}
+QUICK = {"mlp": dict(batch_size=128, depth=16, width=64), "resnet50": dict(batch_size=4, image_size=32, width=4)}
+MIB = 2 ** 20
+
+
+def _measure(model, step):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for _ in range(1):  # creates Adam's state
+        torch.manual_seed(0)
+        step(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peak = measure_step(model, step, opt).peak_bytes
+    torch.manual_seed(0)
+    flops = count_step_flops(model, step)
+    start = time.perf_counter()
+    for _ in range(2):
+        step(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return peak, flops, (time.perf_counter() - start) / 2
+
+
+def _plan_row(label, case, plan, base):
+    model = copy.deepcopy(case.model)
+    apply_plan(model, plan)
+    peak, flops, seconds = _measure(model, case.step)
+    return dict(config=label, peak=peak, predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
+                predicted_overhead=plan.predicted_overhead, seconds=seconds, segments=[len(s) for s in plan.segments],
+                alone=len(plan.checkpointed))
+
+
+def run(name, kwargs, log):
+    case = build(name, **kwargs)
+    opt = torch.optim.Adam(case.model.parameters(), lr=1e-4)
+    profiled = copy.deepcopy(case.model)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profile = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4))
+    log(f"[{name}] profiled in {time.perf_counter() - start:.0f} s; {len(profile.stages)} stages, "
+        f"groups {[len(g) for g in profile.span_groups]}")
+    del opt
+    peak, flops, seconds = _measure(copy.deepcopy(case.model), case.step)
+    base = dict(config="no recomputation", peak=peak, flops=flops, flop_overhead=0.0, seconds=seconds,
+                predicted=profile.baseline_peak_bytes)
+    rows = [base]
+    alone = dataclasses.replace(profile, span_groups=())
+    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base))
+    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base))
+    if case.sequential is case.model:
+        k = max(1, round(math.sqrt(len(case.model))))
+        seq_peak, seq_flops, seq_seconds = _measure(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
+        overhead = seq_flops / flops - 1
+        rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, flop_overhead=overhead,
+                         seconds=seq_seconds))
+        rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base))
+        low, high = least_peak(profile), profile.baseline_peak_bytes
+        while high - low > max(1, profile.baseline_peak_bytes // 2000):
+            middle = (low + high) // 2
+            low, high = (low, middle) if solve(profile, middle, cost="flops").predicted_overhead <= overhead else (middle, high)
+        rows.append(_plan_row("ours, least peak at checkpoint_sequential's FLOP overhead", case,
+                              solve(profile, high, cost="flops"), base))
+    static = profile.static_bytes
+    for row in rows:
+        row["activation_cut"] = 1 - (row["peak"] - static) / (base["peak"] - static)
+        row["wall_ratio"] = row["seconds"] / base["seconds"]
+        if "predicted" in row:
+            row["prediction_error"] = row["predicted"] / row["peak"] - 1
+    return dict(model=name, kwargs=kwargs, static_bytes=static, stages=len(profile.stages), rows=rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", nargs="+", default=["mlp", "resnet50"])
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.models:
+        results.append(run(name, (QUICK if args.quick else KWARGS)[name], lambda m: print(m, file=sys.stderr, flush=True)))
+        out = Path(__file__).resolve().parent / "results" / ("segments_quick.json" if args.quick else "segments.json")
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+    for result in results:
+        print(f"\n{result['model']} {result['kwargs']}: {result['stages']} stages, static {result['static_bytes'] / MIB:.1f} MiB")
+        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'FLOPs+':>7} {'wall':>6}  segments/alone")
+        for r in result["rows"]:
+            err = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else "-"
+            print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} "
+                  f"{r['flop_overhead']:7.1%} {r['wall_ratio']:6.2f}  {r.get('segments', '')} {r.get('alone', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

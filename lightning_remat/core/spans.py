@@ -1,0 +1,254 @@
+"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint (no torch).
+
+A *span* ``(first, last)`` runs stages ``first..last`` under a single checkpoint: their inner
+boundaries (the outputs of ``first..last-1``) are not kept, so a chain gets the sqrt(n)-like plans
+of Chen et al. that per-stage checkpointing cannot express. Which stages may share a span is told by
+``Profile.span_groups`` (stage names that are consecutive items of one ``nn.Sequential``).
+
+A span's figures are derived exactly from the per-stage terms the profiler measured:
+
+- stored bytes: what its forward leaves allocated, which is what the last stage leaves under
+  ``"whole"`` (its output; the span's input was counted by the stage before it, the inner outputs
+  are freed);
+- local peak: its backward recomputes the stages' forward with everything saved, as the ``"keep"``
+  run did, so while stage ``k`` runs forward or backward the stages ``first..k-1`` hold their
+  ``"keep"`` stored bytes: ``max_k (keep stored of first..k-1 + keep local peak of k)``, and the
+  same for the gaps between them (a segment with ``k`` stages alive, ``first < k <= last``); the
+  last stage's term also carries the gradient of the span's output (its ``output_bytes``), which
+  is alive through the whole recompute; and the end of the recompute, measured by a "whole" run
+  for the last stage alone (the gap after it), plus the other stages' keep bytes. The span's own forward, which saves nothing, stays below that;
+- cost: the forward of every stage in it, as ``"whole"`` prices each.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+    >>> def stage(n):
+    ...     return StageProfile(n, (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (n,), 10, 160, 1.0, 5)))
+    >>> p = Profile(tuple(stage(f"s.{i}") for i in range(3)), (), span_groups=(("s.0", "s.1", "s.2"),))
+    >>> span_option(p, 0, 2).stored_bytes, span_option(p, 0, 2).local_peak_bytes, span_option(p, 0, 2).cost_flops
+    (10, 350, 15)
+    >>> predict_peak_spans(p, [0, 0, 0], [(0, 2)])
+    350
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .memory_model import Profile, predict_peak
+
+
+@dataclass(frozen=True)
+class SpanOption:
+    """Stages ``first..last`` (inclusive, in the profile's order) recomputed as one segment.
+
+    Example:
+        >>> SpanOption(0, 3, ("a", "b", "c", "d"), 10, 400, 1.0, 20).names[-1]
+        'd'
+    """
+
+    first: int
+    last: int
+    names: tuple[str, ...]
+    stored_bytes: int
+    local_peak_bytes: int
+    cost_seconds: float
+    cost_flops: int
+
+    def cost(self, kind: str) -> float:
+        """Recompute cost in seconds (``"time"``) or FLOPs (``"flops"``)."""
+        return self.cost_seconds if kind == "time" else self.cost_flops
+
+
+def max_span_length(n_stages: int) -> int:
+    """The longest span the solver considers: ``2 * ceil(sqrt(n))`` stages (at least 2).
+
+    Memory-optimal chain plans use segments of about sqrt(n) stages; twice that leaves room for
+    uneven stages while keeping the solver's transitions per stage at O(sqrt(n)).
+
+    Example:
+        >>> max_span_length(24), max_span_length(1000)
+        (10, 64)
+    """
+    return max(2, 2 * math.ceil(math.sqrt(max(1, n_stages))))
+
+
+def span_ranges(profile: Profile) -> list[tuple[int, int]]:
+    """Index ranges ``(start, end)`` (end exclusive) of the span groups, each contiguous in the profile's
+    stage order; a group whose stages do not stand next to each other there is split where they do not.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
+        >>> p = Profile(tuple(StageProfile(n, (keep,)) for n in "abcd"), (), span_groups=(("a", "b", "d"),))
+        >>> span_ranges(p)
+        [(0, 2)]
+    """
+    position = {s.name: i for i, s in enumerate(profile.stages)}
+    ranges = []
+    for group in profile.span_groups:
+        indices = [position[n] for n in group if n in position]
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                if k - start >= 2:
+                    ranges.append((indices[start], indices[k - 1] + 1))
+                start = k
+    return sorted(ranges)
+
+
+def _whole(profile: Profile, i: int):
+    return next((o for o in profile.stages[i].options if o.name == "whole"), None)
+
+
+def _gradient_held(profile: Profile, k: int) -> int:
+    # The gradient of the span's output arrives before the span recomputes, and stays alive through
+    # the recompute of every stage; in the "keep" run it arrives only when the last stage is the
+    # one running. Measured: the span's peak is at the end of its recompute, above the keep terms
+    # by this gradient less the last stage's parameter gradients (not yet made), which we do not
+    # subtract (an upper bound by those bytes).
+    return profile.stages[k].output_bytes
+
+
+def _recompute_end(gap_peak: int, held: int, output: int) -> int:
+    # The moment the span has recomputed its last stage, before that stage's backward: its output
+    # gradient and its recomputed tensors are alive, and so is its original output (the stage after
+    # it still holds it). A "whole" run reaches the same moment for its last stage alone in the gap
+    # after it (the segment with ``last + 1`` stages alive, whose prefix holds that output); the
+    # span adds the "keep" bytes of its other stages (``held``).
+    return gap_peak + held + output
+
+
+def span_option(profile: Profile, first: int, last: int) -> SpanOption:
+    """The figures of stages ``first..last`` recomputed as one segment (see the module docstring)."""
+    if not 0 <= first < last < len(profile.stages):
+        raise ValueError(f"a span needs 0 <= first < last < {len(profile.stages)}, got {first}..{last}")
+    wholes = [_whole(profile, k) for k in range(first, last + 1)]
+    if any(w is None for w in wholes):
+        raise ValueError(f"stages {first}..{last} do not all have a 'whole' option")
+    inner: dict[int, int] = {}
+    for seg in profile.segments:
+        if first < seg.stages_alive <= last + 1:
+            inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
+    local = 0
+    held = 0  # "keep" stored bytes of the stages of the span recomputed so far
+    for k in range(first, last + 1):
+        keep = profile.stages[k].options[0]
+        if k in inner:
+            local = max(local, inner[k] + held)
+        local = max(local, keep.local_peak_bytes + held + (_gradient_held(profile, k) if k == last else 0))
+        if k == last and last + 1 in inner:
+            local = max(local, _recompute_end(inner[last + 1], held, wholes[-1].stored_bytes))
+        held += keep.stored_bytes
+    return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]),
+                      stored_bytes=wholes[-1].stored_bytes, local_peak_bytes=local,
+                      cost_seconds=float(sum(w.cost_seconds for w in wholes)),
+                      cost_flops=int(sum(w.cost_flops for w in wholes)))
+
+
+def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
+    """Every span the solver considers: within one group, 2 to ``max_length`` stages (default
+    ``max_span_length``), all stages with a ``"whole"`` option. Same figures as ``span_option``,
+    built incrementally (one pass per first stage).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> opts = (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("whole", (), 0, 1, 1.0, 1))
+        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (), span_groups=(("a", "b", "c"),))
+        >>> [(s.first, s.last) for s in all_spans(p)]
+        [(0, 1), (0, 2), (1, 2)]
+    """
+    names = [s.name for s in profile.stages]
+    return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops)
+            for first, last, stored, local, seconds, flops in span_rows(profile, max_length)]
+
+
+def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int]]:
+    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops): what the solver reads."""
+    limit = max_span_length(len(profile.stages)) if max_length is None else max_length
+    wholes = [_whole(profile, k) for k in range(len(profile.stages))]
+    inner: dict[int, int] = {}
+    for seg in profile.segments:
+        inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
+    for start, end in span_ranges(profile):
+        for first in range(start, end):
+            if wholes[first] is None:
+                continue
+            keep = profile.stages[first].options[0]
+            local, held = keep.local_peak_bytes, keep.stored_bytes
+            seconds, flops = wholes[first].cost_seconds, wholes[first].cost_flops
+            for last in range(first + 1, min(end, first + limit)):
+                if wholes[last] is None:
+                    break
+                keep = profile.stages[last].options[0]
+                if last in inner:
+                    local = max(local, inner[last] + held)
+                # "local" stays the max over the stages so far; the last one's term is taken apart
+                # because only the span's last stage adds the gradient it holds.
+                last_term = keep.local_peak_bytes + held + _gradient_held(profile, last)
+                if last + 1 in inner:
+                    last_term = max(last_term, _recompute_end(inner[last + 1], held, wholes[last].stored_bytes))
+                local = max(local, keep.local_peak_bytes + held)
+                held += keep.stored_bytes
+                seconds += wholes[last].cost_seconds
+                flops += wholes[last].cost_flops
+                yield first, last, wholes[last].stored_bytes, max(local, last_term), float(seconds), int(flops)
+
+
+def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    ordered = sorted((int(a), int(b)) for a, b in spans)
+    end = -1
+    for first, last in ordered:
+        if not 0 <= first < last < n or first <= end:
+            raise ValueError(f"spans {ordered} must be disjoint ranges first < last within 0..{n - 1}")
+        end = last
+    return ordered
+
+
+def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
+    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment; the choices of
+    the stages inside a span are ignored. Segments with their stages alive inside a span are part of
+    the span's local peak.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
+        >>> opts = (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (), 10, 160, 1.0, 1))
+        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 50),))
+        >>> predict_peak_spans(p, [1, 1, 1]), predict_peak_spans(p, [0, 0, 0], [(0, 2)])
+        (180, 350)
+    """
+    spans = _check_spans(len(profile.stages), spans)
+    if not spans:
+        return predict_peak(profile, choices)
+    if len(choices) != len(profile.stages):
+        raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
+    starting = {first: last for first, last in spans}
+    inside: set[int] = set()
+    prefix = {0: 0}
+    peak, stored, i = 0, 0, 0
+    while i < len(profile.stages):
+        if i in starting:
+            span = span_option(profile, i, starting[i])
+            peak = max(peak, span.local_peak_bytes + stored)
+            stored += span.stored_bytes
+            inside.update(range(i + 1, span.last + 1))
+            i = span.last + 1
+        else:
+            option = profile.stages[i].options[choices[i]]
+            peak = max(peak, option.local_peak_bytes + stored)
+            stored += option.stored_bytes
+            i += 1
+        prefix[i] = stored
+    for segment in profile.segments:
+        if segment.stages_alive not in inside:
+            peak = max(peak, segment.peak_bytes + prefix[segment.stages_alive])
+    return peak
+
+
+def plan_cost_spans(profile: Profile, choices: Sequence[int], kind: str, spans: Sequence[tuple[int, int]] = ()) -> float:
+    """Total recompute cost of ``choices`` with ``spans`` (stages inside a span priced by the span)."""
+    spans = _check_spans(len(profile.stages), spans)
+    inside = {k for first, last in spans for k in range(first, last + 1)}
+    total = sum(span_option(profile, a, b).cost(kind) for a, b in spans)
+    return total + sum(s.options[c].cost(kind) for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)

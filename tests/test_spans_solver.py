@@ -1,0 +1,148 @@
+"""The solver with multi-stage spans against exhaustive search over every segmentation x option."""
+
+import itertools
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat.core.solve import least_peak, solve_segmentation
+from lightning_remat.core.spans import (max_span_length, plan_cost_spans, predict_peak_spans, span_option,
+                                        span_ranges)
+
+
+@st.composite
+def profiles(draw, max_stages=7, max_options=3):
+    n = draw(st.integers(1, max_stages))
+    stages = []
+    for i in range(n):
+        k = draw(st.integers(1, max_options))
+        options = []
+        for j in range(k):
+            options.append(StageOption(
+                name=["keep", "whole", "o2"][j], checkpointed=() if j == 0 else (f"s{i}.o{j}",),
+                stored_bytes=draw(st.integers(0, 1000)), local_peak_bytes=draw(st.integers(0, 3000)),
+                cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
+                cost_flops=0 if j == 0 else draw(st.integers(0, 1000))))
+        stages.append(StageProfile(f"s{i}", tuple(options)))
+    segments = tuple(Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
+                     for k in range(draw(st.integers(0, 4))))
+    # One or two groups of consecutive stages (a group may name a stage without "whole").
+    groups = []
+    for _ in range(draw(st.integers(0, 2))):
+        a = draw(st.integers(0, n - 1))
+        b = draw(st.integers(a, n))
+        groups.append(tuple(f"s{i}" for i in range(a, b)))
+    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
+                   span_groups=tuple(groups))
+
+
+def allowed_spans(profile):
+    limit = max_span_length(len(profile.stages))
+    has_whole = [any(o.name == "whole" for o in s.options) for s in profile.stages]
+    return {(a, b) for start, end in span_ranges(profile) for a in range(start, end) for b in range(a + 1, end)
+            if b - a + 1 <= limit and all(has_whole[a:b + 1])}
+
+
+def all_plans(profile):
+    """Every (choices, spans): each segmentation into single stages and allowed spans, x the options."""
+    n = len(profile.stages)
+    allowed = allowed_spans(profile)
+
+    def segmentations(i):
+        if i == n:
+            yield []
+            return
+        yield from ([None] + rest for rest in segmentations(i + 1))
+        for a, b in allowed:
+            if a == i:
+                yield from ([(a, b)] + rest for rest in segmentations(b + 1))
+
+    for seg in segmentations(0):
+        spans = [s for s in seg if s is not None]
+        inside = {k for a, b in spans for k in range(a, b + 1)}
+        ranges = [[0] if k in inside else range(len(s.options)) for k, s in enumerate(profile.stages)]
+        for choices in itertools.product(*ranges):
+            yield list(choices), spans
+
+
+def brute_force(profile, budget, kind):
+    best = None
+    for choices, spans in all_plans(profile):
+        if predict_peak_spans(profile, choices, spans) <= budget:
+            cost = plan_cost_spans(profile, choices, kind, spans)
+            if best is None or cost < best:
+                best = cost
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time"]))
+def test_solve_with_spans_equals_exhaustive_search(profile, fraction, kind):
+    peaks = [predict_peak_spans(profile, c, s) for c, s in all_plans(profile)]
+    lowest, highest = min(peaks), max(peaks)
+    assert least_peak(profile) == lowest
+    budget = int(lowest - 1 + fraction * (highest - lowest + 1))
+    expected = brute_force(profile, budget, kind)
+    if expected is None:
+        with pytest.raises(BudgetTooSmallError):
+            solve_segmentation(profile, budget, kind)
+        return
+    found = solve_segmentation(profile, budget, kind)
+    assert predict_peak_spans(profile, found.choices, found.spans) <= budget
+    assert plan_cost_spans(profile, found.choices, kind, found.spans) == pytest.approx(expected, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles(max_stages=8, max_options=2))
+def test_min_with_spans_is_the_least_peak_then_the_least_cost(profile):
+    lowest = min(predict_peak_spans(profile, c, s) for c, s in all_plans(profile))
+    found = solve_segmentation(profile, "min", "flops")
+    assert predict_peak_spans(profile, found.choices, found.spans) == lowest
+    assert plan_cost_spans(profile, found.choices, "flops", found.spans) == brute_force(profile, lowest, "flops")
+
+
+def _mlp_like(n, group=True):
+    # Each stage keeps 5 units (its output 1 and 4 inside) or, recomputed, its output only.
+    keep = StageOption("keep", (), 5, 8, 0.0, 0)
+    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, 1.0, 10)))
+                   for i in range(n))
+    groups = (tuple(s.name for s in stages),) if group else ()
+    return Profile(stages, (Segment("head", n, 20),), baseline_step_seconds=n, baseline_step_flops=30 * n,
+                   span_groups=groups)
+
+
+def test_spans_reach_below_per_stage_recompute_on_a_chain():
+    n = 25
+    alone = least_peak(_mlp_like(n, group=False))
+    plan = solve(_mlp_like(n), "min", cost="flops")
+    assert alone == 20 + n  # every stage recomputed alone: the head plus every output
+    assert plan.predicted_peak_bytes < alone
+    assert plan.segments and all(len(s) >= 2 for s in plan.segments)
+    names = [n for s in plan.segments for n in s]
+    assert not set(names) & set(plan.checkpointed)
+    assert [c.stage for c in plan.choices] == [s.name for s in _mlp_like(n).stages]
+    assert type(plan).from_dict(plan.to_dict()) == plan
+
+
+def test_span_figures_are_derived_from_keep_and_whole():
+    p = _mlp_like(4)
+    span = span_option(p, 1, 3)
+    # Keep terms: 8 + 5 + 5 (stages 1, 2 recomputed and held while stage 3 runs); the end of the
+    # recompute: the gap after stage 3 (the head, 20) + 5 + 5 + the span's output 1.
+    assert (span.stored_bytes, span.local_peak_bytes, span.cost_flops) == (1, 31, 30)
+    assert span_option(p, 0, 1).local_peak_bytes == 8 + 5  # no segment after stage 1
+    assert Profile.from_dict(p.to_dict()) == p
+    assert Profile.from_dict({k: v for k, v in p.to_dict().items() if k != "span_groups"}).span_groups == ()
+
+
+def test_solve_with_spans_on_1000_stages_is_fast():
+    p = _mlp_like(1000)
+    start = time.perf_counter()
+    plan = solve(p, "min", cost="flops")
+    budget_plan = solve(p, int(plan.predicted_peak_bytes * 1.5), cost="flops")
+    seconds = time.perf_counter() - start
+    assert budget_plan.predicted_peak_bytes <= int(plan.predicted_peak_bytes * 1.5)
+    assert seconds < 5.0, seconds  # two solves, about 0.6 s each on one core (the machine is shared)
