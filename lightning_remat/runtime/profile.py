@@ -39,6 +39,7 @@ from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
+from .repeated import repeated_profile
 from .tracking import SegmentTracker, snapshot_by_category
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
@@ -249,10 +250,14 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if optimizer is not None:
         fake_params = dict(model.named_parameters())
         optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
-    with mode, explain_fake_failures(), real_code_paths():
-        # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
-        profile = _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
-                           timed=False)
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Profile:
+        with mode, explain_fake_failures(), real_code_paths():
+            # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
+            return _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
+                            timed=False)
+
+    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py).
+    profile = repeated_profile(model, optimizer, options, run) or run(model, optimizer)
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
