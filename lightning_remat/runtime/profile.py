@@ -250,11 +250,11 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if optimizer is not None:
         fake_params = dict(model.named_parameters())
         optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
-    def run(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Profile:
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Callable | None = None) -> Profile:
         with mode, explain_fake_failures(), real_code_paths():
             # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
-            return _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
-                            timed=False)
+            return _profile(model, wrap(step) if wrap else step, optimizer,
+                            replace(options, warmup=0, device=options.device or "cpu"), timed=False)
 
     # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py).
     profile = repeated_profile(model, optimizer, options, run) or run(model, optimizer)

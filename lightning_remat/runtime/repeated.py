@@ -55,7 +55,7 @@ MIN_LAYERS = 10
 DEPTHS = (4, 5)
 _SIMPLE = (str, bool, int, float, type(None))
 
-ProfileRun = Callable[[nn.Module, "torch.optim.Optimizer | None"], Profile]
+ProfileRun = Callable[[nn.Module, "torch.optim.Optimizer | None", "Callable | None"], Profile]
 
 
 @dataclass(frozen=True)
@@ -204,23 +204,62 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         model: the (fake) model; not changed.
         optimizer: its optimizer, over ``model``'s parameters.
         options: the profile options (``candidates``, ``repeated_blocks``, ``accumulation_steps``).
-        run: ``run(model, optimizer)`` profiles a model: the same call the whole model would get.
+        run: ``run(model, optimizer, wrap)`` profiles a model: the same call the whole model would
+            get, with its step replaced by ``wrap(step)`` when ``wrap`` is not None.
     """
     if not getattr(options, "repeated_blocks", True):
         return None
     stack = repeated_stack(model, options.candidates)
     if stack is None:
         return None
-    profiles = []
-    for layers in DEPTHS:
-        short = truncated(model, stack, layers)
-        profiles.append(run(short, _sub_optimizer(optimizer, short)))
+    shorts = [truncated(model, stack, layers) for layers in DEPTHS]
+    small, large = (run(short, _sub_optimizer(optimizer, short), None) for short in shorts)
     layer = model.get_submodule(stack.stage(0))
     gradients_vary = options.accumulation_steps == 1 and any(p.requires_grad for p in layer.parameters())
-    return extrapolate(profiles[0], profiles[1], stack.prefix, stack.layers, gradients_vary)
+    found = extrapolate(small, large, stack.prefix, stack.layers, gradients_vary)
+    if found is not None:
+        return found
+    # Some peak kept its forward figure at every measured position, so its backward figure is
+    # unknown: measure again with ballast that lifts every backward figure above every forward one.
+    ballast = 4 * max(small.baseline_peak_bytes, large.baseline_peak_bytes) + 2**20
+    lifted = [run(short, _sub_optimizer(optimizer, short), lambda step: with_backward_ballast(step, ballast))
+              for short in shorts]
+    return extrapolate(small, large, stack.prefix, stack.layers, gradients_vary, backward=(*lifted, ballast))
 
 
-def extrapolate(small: Profile, large: Profile, prefix: str, layers: int, gradients_vary: bool = True) -> Profile | None:
+class _Ballast(torch.autograd.Function):
+    """Identity on the loss whose backward, first of the whole backward pass, allocates ``nbytes``
+    held until the pass ends."""
+
+    @staticmethod
+    def forward(ctx, loss, nbytes):  # type: ignore[no-untyped-def, override]
+        ctx.nbytes = nbytes
+        return loss.view_as(loss)  # a view: no storage of its own, nothing counted in forward
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        held = [torch.empty(ctx.nbytes, dtype=torch.uint8, device=grad.device)]
+        torch.autograd.Variable._execution_engine.queue_callback(held.clear)
+        return grad, None
+
+
+def with_backward_ballast(step: Callable, nbytes: int) -> Callable:
+    """``step`` whose backward pass holds ``nbytes`` more from its start to its end (forward unchanged).
+
+    Every peak of a profile is the higher of a forward and a backward figure; with ballast larger
+    than any forward figure, the profile shows every backward figure (plus ``nbytes``).
+
+    Example:
+        >>> net = nn.Linear(4, 4)
+        >>> loss = with_backward_ballast(lambda m: m(torch.ones(2, 4)).sum(), 1000)(net)
+        >>> loss.backward(); net.weight.grad.shape
+        torch.Size([4, 4])
+    """
+    return lambda model: _Ballast.apply(step(model), nbytes)
+
+
+def extrapolate(small: Profile, large: Profile, prefix: str, layers: int, gradients_vary: bool = True,
+                backward: tuple[Profile, Profile, int] | None = None) -> Profile | None:
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
 
     Args:
@@ -231,6 +270,8 @@ def extrapolate(small: Profile, large: Profile, prefix: str, layers: int, gradie
             depends on its position (trainable layers, no gradient accumulation). If so, every peak
             whose backward figure is not seen (it stays at its forward figure at every measured
             position) makes the result None: deeper, the backward figure may rule.
+        backward: the same two profiles measured with backward ballast (``with_backward_ballast``)
+            and its size: they give every peak's backward figure, so no peak needs to show it.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -257,6 +298,8 @@ def extrapolate(small: Profile, large: Profile, prefix: str, layers: int, gradie
         return None
     fit = _Fit(layers, gradients_vary)
     try:
+        if backward is not None:
+            small, large = _paired(small, backward[0], backward[2]), _paired(large, backward[1], backward[2])
         build_stages = _stages(small, large, prefix, layers, fit)
         build_segments = _segments(small, large, layers, fit)
         top = _fields(small, large, ("stages", "segments", "notes", "device", "baseline_peak_bytes"),
@@ -318,6 +361,8 @@ class _Fit:
     def boundary(self, small: Any, large: Any, role: str = "n") -> Callable[[], Any]:
         """A number of the first layer (``role="first"``), the last (``"last"``) or the rest (``"n"``)."""
         a, b = DEPTHS
+        if isinstance(small, _Pair):
+            return lambda: self._pair({(a, 0): small, (b, 0): large}, 0)
         if not _is_number(small):
             if small != large:
                 raise _NoFit
@@ -331,6 +376,14 @@ class _Fit:
     def solve(self) -> None:
         """Find ``s`` and ``g`` from the middle layers' peaks, and check that every peak fits."""
         a, b = DEPTHS
+        if self.peaks and isinstance(self.peaks[0][(a, 1)], _Pair):
+            slopes = {p[(b, 1)].backward - p[(a, 1)].backward for p in self.peaks}
+            if len(slopes) != 1:
+                raise _NoFit
+            self.s = slopes.pop()
+            for p in self.peaks:
+                self._pair(p, 1)
+            return
         slopes = {p[(b, d)] - p[(a, d)] for p in self.peaks for d in (1, 2)}
         if len(slopes) != 1:
             raise _NoFit
@@ -358,7 +411,24 @@ class _Fit:
             raise _NoFit  # the backward figure never ruled: unknown, and it may rule deeper
         return forward, backward
 
-    def _peak(self, points: dict[tuple[int, int], int], d: int) -> int:
+    def _pair(self, points: dict[tuple[int, int], "_Pair"], d: int) -> int:
+        """A peak at ``d`` layers after, from (plain, backward figure) points: the backward figure is
+        linear (checked); the forward one, ``s`` per layer in ``N``, shows where the plain peak is above."""
+        a, b = DEPTHS
+        if any(pair.plain < pair.backward for pair in points.values()):
+            raise _NoFit
+        if len({d for _, d in points}) == 1:  # a boundary: linear in N alone
+            backward = points[(a, 0)].backward + (points[(b, 0)].backward - points[(a, 0)].backward) * (self.layers - a)
+        else:
+            backward = self.middle({k: pair.backward for k, pair in points.items()})(d)
+        forwards = {pair.plain - self.s * (n - a) for (n, _), pair in points.items() if pair.plain > pair.backward}
+        if len(forwards) > 1:
+            raise _NoFit
+        return max([backward, *(f + self.s * (self.layers - a) for f in forwards)])
+
+    def _peak(self, points: dict[tuple[int, int], Any], d: int) -> int:
+        if isinstance(points[(DEPTHS[0], 1)], _Pair):
+            return self._pair(points, d)
         forward, backward = self._forward_backward(points)
         return self.s * (self.layers - DEPTHS[0]) + max(forward, backward + self.g * d)
 
@@ -373,6 +443,32 @@ class _Fit:
         if large - small != self.s:
             raise _NoFit
         return small + self.s * (self.layers - DEPTHS[0])
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A peak as measured (the higher of its forward and backward figures) and its backward figure."""
+
+    plain: int
+    backward: int
+
+
+def _paired(plain: Profile, lifted: Profile, ballast: int) -> Profile:
+    """``plain`` with every peak a ``_Pair``; ``lifted`` is it measured with ``ballast`` in backward
+    (a peak below the ballast, the optimizer step's, has no backward part: its own figure)."""
+    if [s.name for s in plain.stages] != [s.name for s in lifted.stages] or \
+            [g.name for g in plain.segments] != [g.name for g in lifted.segments]:
+        raise _NoFit
+
+    def pair(value: int, high: int) -> _Pair:
+        return _Pair(value, high - ballast if high >= ballast else high)
+
+    stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=pair(o.local_peak_bytes, q.local_peak_bytes))
+                                            for o, q in zip(s.options, t.options)))
+                   for s, t in zip(plain.stages, lifted.stages))
+    segments = tuple(replace(g, peak_bytes=pair(g.peak_bytes, h.peak_bytes))
+                     for g, h in zip(plain.segments, lifted.segments))
+    return replace(plain, stages=stages, segments=segments)
 
 
 def _is_number(value: Any) -> bool:
@@ -416,7 +512,7 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
         option_numbers.append({k: fit.middle({key: getattr(s.options[j], k) for key, s in middle.items()},
                                              peak=k == "local_peak_bytes")
                                for k, v in _fields(option, option, ("name", "checkpointed"), lambda v, w, _: v).items()
-                               if _is_number(v)})
+                               if _is_number(v) or isinstance(v, _Pair)})
 
     def middle_stage(i: int):
         d = layers - 1 - i
