@@ -1,5 +1,7 @@
 """Profiles of N identical layers extrapolated from 4 and 5 layers equal the full profiles."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,25 +66,35 @@ def test_per_layer_config_settings_are_refused(monkeypatch):
     assert repeated.repeated_stack(case.model, None) is not None
 
 
-def _chain(n: int, forward: int, ballast: int = 0) -> Profile:
-    """A synthetic n-layer profile: static n bytes; a layer's backward peak holds 3 bytes per later layer
-    (plus ``ballast``); its forward peak is ``forward``."""
+def _chain(n: int, forward: int, lift_forward: int = 0, lift_backward: int = 0) -> Profile:
+    """A synthetic n-layer profile: static n bytes; a layer's forward peak is ``forward``, its backward
+    peak 20 + 3 bytes per later layer; ballast lifts the forward or the backward figures."""
     def peak(later: int) -> int:
-        return n + max(forward, 20 + 3 * later + ballast)
+        return n + max(forward + lift_forward, 20 + 3 * later + lift_backward)
 
     stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, peak(n - 1 - i), 0.0, 0),)) for i in range(n))
-    segments = (Segment("outside stages", 0, n + 1 + 3 * n + ballast),
-                *(Segment(f"between stages ({j} stored)", j, n + 3 * (n - j) + ballast) for j in range(1, n + 1)))
+    segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),
+                *(Segment(f"between stages ({j} stored)", j, n + max(lift_forward, 3 * (n - j) + lift_backward))
+                  for j in range(1, n + 1)),
+                Segment("optimizer step", 0, 7 * n))
     profile = Profile(stages, segments, parameter_bytes=n)
     profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
     return profile
 
 
-def test_a_forward_figure_ruling_everywhere_needs_the_backward_pass():
-    # At 4-5 layers the forward figure (40) rules every layer; at 20 layers the backward one does.
-    small, large = _chain(4, 40), _chain(5, 40)
-    assert repeated.extrapolate(small, large, "l", 20) is None
-    ballast = 1000
-    deep = repeated.extrapolate(small, large, "l", 20, backward=(_chain(4, 40, ballast), _chain(5, 40, ballast), ballast))
+def test_forward_and_backward_figures_are_extrapolated_apart():
+    # At 4-5 layers the forward figure (40) rules every layer; at 20 layers the backward one rules
+    # the first ones: a line through the measured peaks would say 40 + 20 everywhere.
+    x = 1000
+    forward = (_chain(4, 40, lift_forward=x), _chain(5, 40, lift_forward=x))
+    backward = (_chain(4, 40, lift_backward=x), _chain(5, 40, lift_backward=x))
+    deep = repeated.extrapolate(forward, backward, x, "l", 20)
     assert deep.stages == _chain(20, 40).stages and deep.segments == _chain(20, 40).segments
     assert deep.baseline_peak_bytes == _chain(20, 40).baseline_peak_bytes
+    assert deep.stages[0].options[0].local_peak_bytes == 20 + 20 + 3 * 19 > 20 + 40
+    # A middle layer off the line (one byte more in layer 1 of the 5-layer copy): no fit, profile all.
+    stages = list(forward[1].stages)
+    stages[1] = replace(stages[1], options=(replace(stages[1].options[0], local_peak_bytes=stages[1].options[0].local_peak_bytes + 1),))
+    bent = replace(forward[1], stages=tuple(stages))
+    bent.baseline_peak_bytes = predict_peak(bent, [0] * 5)
+    assert repeated.extrapolate((forward[0], bent), backward, x, "l", 20) is None

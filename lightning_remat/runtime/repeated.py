@@ -1,21 +1,21 @@
 """Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N.
 
-A transformer is N interchangeable layers between an embedding and a head. Every term of its
-profile is a linear function of where a stage sits, which is what lets a deep model be profiled
-from two shallow copies:
+A transformer is N interchangeable layers between an embedding and a head, and every term of its
+profile is linear in where a stage sits, which lets a deep model be profiled from two shallow copies:
 
 - a stage's stored bytes, saved bytes and FLOPs do not depend on the depth;
-- every peak counts the static memory (parameters, buffers, the optimizer state counted ahead),
-  which grows by the same bytes per layer, and, in backward, the gradients of the layers after
-  the stage: ``value = a + s * N + g * d``, where ``d`` is the number of layers after it.
+- a peak is the higher of a forward figure and a backward figure. Each counts the static memory
+  (parameters, buffers, the optimizer state counted ahead), which grows by the same bytes per
+  layer, and the backward one also the gradients of the layers after the stage:
+  ``figure = a + s * N + g * d``, ``d`` the number of layers after it.
 
-The first and last layers (and the gaps beside them) may differ from the middle ones (the first
-layer's input is the embedding's output, the last one feeds the head); they are fitted on their
-own, in ``N``. A peak is the higher of a forward figure (no later gradients, slope 0 in ``d``)
-and a backward one (slope ``g``); the fit is taken only where the backward one is seen to rule
-at the smallest ``d``, since it then rules at every larger one. The middle layers give five
-points for three unknowns, so the linear form is checked, not assumed. Whatever does not fit
-returns None and the caller profiles the whole model.
+The higher of two lines is not a line, so the two figures are measured apart: each copy is profiled
+with ballast (a pebibyte of fake memory) held through forward, which makes every peak its forward
+figure, and again with it held through backward. Each figure is extrapolated alone and the peak is
+the higher. The first and last layers (and the gaps beside them) may differ from the middle ones (the
+first layer's input is the embedding's output, the last one feeds the head); they are fitted in
+``N`` alone. The middle layers give five points for three unknowns, so the linear form is checked,
+not assumed; whatever does not fit returns None and the caller profiles the whole model.
 
 Only the fake (``FakeTensorMode``) path uses it: the shallow copies share the fake model's
 tensors, so nothing is allocated and the user's model is never changed.
@@ -197,15 +197,17 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None.
 
     None when ``options.repeated_blocks`` is off, when the model's stages are not a stack of
-    interchangeable layers (``repeated_stack``), or when the two profiles do not fit the linear
-    form (``extrapolate``); the caller then profiles the whole model.
+    interchangeable layers (``repeated_stack``), or when the profiles do not fit (``extrapolate``);
+    the caller then profiles the whole model. Each copy is profiled twice, with ballast held in
+    forward and with ballast held in backward, so every peak shows its forward figure in one run
+    and its backward figure in the other.
 
     Args:
         model: the (fake) model; not changed.
         optimizer: its optimizer, over ``model``'s parameters.
-        options: the profile options (``candidates``, ``repeated_blocks``, ``accumulation_steps``).
+        options: the profile options (``candidates``, ``repeated_blocks``).
         run: ``run(model, optimizer, wrap)`` profiles a model: the same call the whole model would
-            get, with its step replaced by ``wrap(step)`` when ``wrap`` is not None.
+            get, with its step replaced by ``wrap(step)``.
     """
     if not getattr(options, "repeated_blocks", True):
         return None
@@ -213,108 +215,124 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if stack is None:
         return None
     shorts = [truncated(model, stack, layers) for layers in DEPTHS]
-    small, large = (run(short, _sub_optimizer(optimizer, short), None) for short in shorts)
-    layer = model.get_submodule(stack.stage(0))
-    gradients_vary = options.accumulation_steps == 1 and any(p.requires_grad for p in layer.parameters())
-    found = extrapolate(small, large, stack.prefix, stack.layers, gradients_vary)
-    if found is not None:
-        return found
-    # Some peak kept its forward figure at every measured position, so its backward figure is
-    # unknown: measure again with ballast that lifts every backward figure above every forward one.
-    ballast = 4 * max(small.baseline_peak_bytes, large.baseline_peak_bytes) + 2**20
-    lifted = [run(short, _sub_optimizer(optimizer, short), lambda step: with_backward_ballast(step, ballast))
-              for short in shorts]
-    return extrapolate(small, large, stack.prefix, stack.layers, gradients_vary, backward=(*lifted, ballast))
+    lifted = {phase: tuple(run(short, _sub_optimizer(optimizer, short),
+                               lambda step, phase=phase: with_ballast(step, BALLAST, phase)) for short in shorts)
+              for phase in ("forward", "backward")}
+    return extrapolate(lifted["forward"], lifted["backward"], BALLAST, stack.prefix, stack.layers)
+
+
+# Above any figure a profile measures (a pebibyte); fake tensors allocate nothing.
+BALLAST = 2**50
 
 
 class _Ballast(torch.autograd.Function):
-    """Identity on the loss whose backward, first of the whole backward pass, allocates ``nbytes``
-    held until the pass ends."""
+    """Identity on the loss. Forward phase: releases ``held`` (allocated before the forward) when the
+    backward pass starts. Backward phase: allocates ``nbytes`` when it starts, held until it ends."""
 
     @staticmethod
-    def forward(ctx, loss, nbytes):  # type: ignore[no-untyped-def, override]
-        ctx.nbytes = nbytes
-        return loss.view_as(loss)  # a view: no storage of its own, nothing counted in forward
+    def forward(ctx, loss, held, nbytes):  # type: ignore[no-untyped-def, override]
+        ctx.held, ctx.nbytes = held, nbytes
+        return loss.view_as(loss)  # a view: no storage of its own
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        held = [torch.empty(ctx.nbytes, dtype=torch.uint8, device=grad.device)]
-        torch.autograd.Variable._execution_engine.queue_callback(held.clear)
-        return grad, None
+        ctx.held = None
+        if ctx.nbytes:
+            held = [torch.empty(ctx.nbytes, dtype=torch.uint8, device=grad.device)]
+            torch.autograd.Variable._execution_engine.queue_callback(held.clear)
+        return grad, None, None
 
 
-def with_backward_ballast(step: Callable, nbytes: int) -> Callable:
-    """``step`` whose backward pass holds ``nbytes`` more from its start to its end (forward unchanged).
+def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
+    """``step`` whose forward (``phase="forward"``) or backward pass holds ``nbytes`` more throughout.
 
     Every peak of a profile is the higher of a forward and a backward figure; with ballast larger
-    than any forward figure, the profile shows every backward figure (plus ``nbytes``).
+    than any figure, the profile shows one of the two (plus ``nbytes``).
 
     Example:
         >>> net = nn.Linear(4, 4)
-        >>> loss = with_backward_ballast(lambda m: m(torch.ones(2, 4)).sum(), 1000)(net)
+        >>> loss = with_ballast(lambda m: m(torch.ones(2, 4)).sum(), 1000, "backward")(net)
         >>> loss.backward(); net.weight.grad.shape
         torch.Size([4, 4])
     """
-    return lambda model: _Ballast.apply(step(model), nbytes)
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+
+    def lifted(model: nn.Module) -> torch.Tensor:
+        held = torch.empty(nbytes, dtype=torch.uint8) if phase == "forward" else None
+        loss = step(model)
+        return _Ballast.apply(loss, held, nbytes if phase == "backward" else 0)
+
+    return lifted
 
 
-def extrapolate(small: Profile, large: Profile, prefix: str, layers: int, gradients_vary: bool = True,
-                backward: tuple[Profile, Profile, int] | None = None) -> Profile | None:
+def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profile], ballast: int, prefix: str,
+                layers: int) -> Profile | None:
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
 
     Args:
-        small, large: the profiles of the model cut to ``DEPTHS[0]`` and ``DEPTHS[1]`` layers.
+        forward: the profiles of the model cut to ``DEPTHS[0]`` and ``DEPTHS[1]`` layers, measured
+            with ``ballast`` held in forward (``with_ballast``): every peak is its forward figure.
+        backward: the same, with the ballast held in backward.
+        ballast: its size.
         prefix: the name of the layers' ``ModuleList`` (stages are ``prefix.i``).
         layers: the depth to extrapolate to.
-        gradients_vary: whether a layer's backward sees a number of later layers' gradients that
-            depends on its position (trainable layers, no gradient accumulation). If so, every peak
-            whose backward figure is not seen (it stays at its forward figure at every measured
-            position) makes the result None: deeper, the backward figure may rule.
-        backward: the same two profiles measured with backward ballast (``with_backward_ballast``)
-            and its size: they give every peak's backward figure, so no peak needs to show it.
+
+    Every number is linear: in ``N`` and ``d`` (layers after it) for the middle layers, checked on
+    five points for three unknowns; in ``N`` for the first and last layers, the gaps beside them and
+    the rest. A peak is the higher of its forward and backward figures, each extrapolated alone.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> def chain(n):  # static n bytes; backward: 3 more bytes per later layer; "whole": forward peak 25
-        ...     stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + 15 + 3 * (n - 1 - i), 0.0, 0),
-        ...                    StageOption("whole", (f"l.{i}",), 1, n + max(25, 20 + 3 * (n - 1 - i)), 0.0, 5)))
-        ...                    for i in range(n))
-        ...     segs = (Segment("outside stages", 0, 5 + n + 3 * n), *(Segment(f"between stages ({j} stored)", j,
-        ...             2 + n + 3 * (n - j)) for j in range(1, n + 1)))
+        >>> def chain(n, fw=0, bw=0):  # static n bytes; forward peak 25; backward 20 + 3 per later layer
+        ...     stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(25 + fw,
+        ...                    20 + 3 * (n - 1 - i) + bw), 0.0, 5),)) for i in range(n))
+        ...     segs = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
+        ...                  for j in range(1, n + 1))
         ...     p = Profile(stages, segs, parameter_bytes=n, baseline_step_flops=10 * n + 1)
         ...     p.baseline_peak_bytes = predict_peak(p, [0] * n)
         ...     return p
-        >>> deep = extrapolate(chain(4), chain(5), "l", 12)
+        >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 12)
         >>> deep.stages == chain(12).stages, deep.segments == chain(12).segments, deep.baseline_step_flops
         (True, True, 121)
     """
     a, b = DEPTHS
-    if [s.name for s in small.stages] != [f"{prefix}.{i}" for i in range(a)] or \
-            [s.name for s in large.stages] != [f"{prefix}.{i}" for i in range(b)]:
+    for p, q, n in zip(forward, backward, DEPTHS):
+        if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or _skeleton(p) != _skeleton(q):
+            return None
+        if p.baseline_peak_bytes != predict_peak(p, [0] * n):
+            return None
+    if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
         return None
-    if small.notes != large.notes or small.device != large.device:
-        return None
-    if any(p.baseline_peak_bytes != predict_peak(p, [0] * len(p.stages)) for p in (small, large)):
-        return None
-    fit = _Fit(layers, gradients_vary)
+    fit = _Fit(layers)
     try:
-        if backward is not None:
-            small, large = _paired(small, backward[0], backward[2]), _paired(large, backward[1], backward[2])
+        small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
         build_stages = _stages(small, large, prefix, layers, fit)
         build_segments = _segments(small, large, layers, fit)
         top = _fields(small, large, ("stages", "segments", "notes", "device", "baseline_peak_bytes"),
                       lambda v, w, _: fit.boundary(v, w))
-        fit.solve()
         stages, segments = build_stages(), build_segments()
         top = {k: f() for k, f in top.items()}
     except _NoFit:
         return None
-    note = (f"extrapolated from profiles of {a} and {b} of the {layers} identical layers of {prefix} (each term is "
-            "linear in the depth, or the higher of two linear terms; checked on the measured layers); "
+    note = (f"extrapolated from profiles of {a} and {b} of the {layers} identical layers of {prefix} (every "
+            "forward and backward figure is linear in the depth, checked on the measured layers); "
             "ProfileOptions(repeated_blocks=False) profiles every layer")
     profile = replace(small, stages=stages, segments=segments, notes=(*large.notes, note), **top)
     profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
     return profile
+
+
+def _skeleton(profile: Profile) -> dict:
+    """Everything but the peaks (which the ballast lifts) and the baseline."""
+    data = profile.to_dict()
+    for stage in data["stages"]:
+        for option in stage["options"]:
+            option.pop("local_peak_bytes")
+    for segment in data["segments"]:
+        segment.pop("peak_bytes")
+    data.pop("baseline_peak_bytes")
+    return data
 
 
 class _NoFit(Exception):
@@ -322,30 +340,23 @@ class _NoFit(Exception):
 
 
 class _Fit:
-    """Fits every number of the profile on the two depths; the peaks once ``solve`` has found the
-    slopes they share.
+    """Fits every number of the profile on the two depths.
 
-    A middle layer's number is ``v(N, d)`` (``d`` layers after it). A peak is
-    ``s * N + max(A, B + g * d)``: static memory grows by ``s`` per layer; the forward figure ``A`` does
-    not depend on ``d``, the backward one grows by ``g`` (a layer's gradients) per later layer. ``s``
-    and ``g`` are shared by all peaks. Other numbers (stored bytes, FLOPs) are ``α + β N + γ d``.
-    The first layer (``d = N - 1``), the gap before it and the gap after it are peaks in ``N`` alone
-    with the backward slope ``s + g``; the last layer and the head's gap slope ``s``; the rest
-    (static bytes, the optimizer step) are linear in ``N``. Results are closures, called after ``solve``.
+    A middle layer's number is ``v(N, d) = α + β N + γ d`` (``d`` layers after it): stored bytes and
+    FLOPs are constant; a peak's figures count the static memory (``β`` per layer) and, in backward,
+    the later layers' gradients (``γ`` each). Other numbers are linear in ``N``. A peak (a ``_Pair``)
+    is the higher of its two figures, each extrapolated alone. Results are closures.
     """
 
-    def __init__(self, layers: int, gradients_vary: bool):
+    def __init__(self, layers: int):
         self.layers = layers
-        self.gradients_vary = gradients_vary
-        self.peaks: list[dict[tuple[int, int], int]] = []
-        self.s = 0
-        self.g = 0
 
     def middle(self, points: dict[tuple[int, int], Any], peak: bool = False) -> Callable[[int], Any]:
         """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
-        if peak:
-            self.peaks.append(points)
-            return lambda d: self._peak(points, d)
+        if isinstance(next(iter(points.values())), _Pair):
+            forward = self.middle({k: pair.forward for k, pair in points.items()})
+            backward = self.middle({k: pair.backward for k, pair in points.items()})
+            return lambda d: max(forward(d), backward(d))
         a, b = DEPTHS
         beta = points[(b, 1)] - points[(a, 1)]
         gamma = points[(a, 2)] - points[(a, 1)]
@@ -358,117 +369,39 @@ class _Fit:
                 raise _NoFit
         return lambda d: base + beta * (self.layers - a) + gamma * (d - 1)
 
-    def boundary(self, small: Any, large: Any, role: str = "n") -> Callable[[], Any]:
-        """A number of the first layer (``role="first"``), the last (``"last"``) or the rest (``"n"``)."""
-        a, b = DEPTHS
+    def boundary(self, small: Any, large: Any) -> Callable[[], Any]:
+        """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
         if isinstance(small, _Pair):
-            return lambda: self._pair({(a, 0): small, (b, 0): large}, 0)
+            forward, backward = self.boundary(small.forward, large.forward), self.boundary(small.backward, large.backward)
+            return lambda: max(forward(), backward())
         if not _is_number(small):
             if small != large:
                 raise _NoFit
             return lambda: small
-        if role == "first":
-            return lambda: self._first(small, large)
-        if role == "last":
-            return lambda: self._last(small, large)
-        return lambda: small + (large - small) * (self.layers - a)
-
-    def solve(self) -> None:
-        """Find ``s`` and ``g`` from the middle layers' peaks, and check that every peak fits."""
-        a, b = DEPTHS
-        if self.peaks and isinstance(self.peaks[0][(a, 1)], _Pair):
-            slopes = {p[(b, 1)].backward - p[(a, 1)].backward for p in self.peaks}
-            if len(slopes) != 1:
-                raise _NoFit
-            self.s = slopes.pop()
-            for p in self.peaks:
-                self._pair(p, 1)
-            return
-        slopes = {p[(b, d)] - p[(a, d)] for p in self.peaks for d in (1, 2)}
-        if len(slopes) != 1:
-            raise _NoFit
-        self.s = slopes.pop()
-        steps = [p[(n, d + 1)] - p[(n, d)] for p in self.peaks for n in DEPTHS for d in range(1, n - 2)]
-        if any(step < 0 for step in steps):
-            raise _NoFit
-        self.g = max(steps)
-        # Between the forward and the backward figure, one step can be partial; g shows on two.
-        if self.g > 0 and steps.count(self.g) < 2 or self.g == 0 and self.gradients_vary:
-            raise _NoFit
-        for p in self.peaks:
-            self._forward_backward(p)
-
-    def _forward_backward(self, points: dict[tuple[int, int], int]) -> tuple[int, int]:
-        """(A, B) of one middle peak, normalised to ``DEPTHS[0]`` layers."""
-        a, b = DEPTHS
-        r = {d: v - self.s * (n - a) for (n, d), v in points.items()}
-        forward = min(r.values())
-        # The backward figure shows where a peak rises above the forward one (everywhere, if it rules at d = 1).
-        backward = max((v - self.g * d for d, v in r.items() if v > forward), default=forward - self.g)
-        if any(v != max(forward, backward + self.g * d) for d, v in r.items()):
-            raise _NoFit
-        if self.g > 0 and r[b - 2] == r[b - 3]:
-            raise _NoFit  # the backward figure never ruled: unknown, and it may rule deeper
-        return forward, backward
-
-    def _pair(self, points: dict[tuple[int, int], "_Pair"], d: int) -> int:
-        """A peak at ``d`` layers after, from (plain, backward figure) points: the backward figure is
-        linear (checked); the forward one, ``s`` per layer in ``N``, shows where the plain peak is above."""
-        a, b = DEPTHS
-        if any(pair.plain < pair.backward for pair in points.values()):
-            raise _NoFit
-        if len({d for _, d in points}) == 1:  # a boundary: linear in N alone
-            backward = points[(a, 0)].backward + (points[(b, 0)].backward - points[(a, 0)].backward) * (self.layers - a)
-        else:
-            backward = self.middle({k: pair.backward for k, pair in points.items()})(d)
-        forwards = {pair.plain - self.s * (n - a) for (n, _), pair in points.items() if pair.plain > pair.backward}
-        if len(forwards) > 1:
-            raise _NoFit
-        return max([backward, *(f + self.s * (self.layers - a) for f in forwards)])
-
-    def _peak(self, points: dict[tuple[int, int], Any], d: int) -> int:
-        if isinstance(points[(DEPTHS[0], 1)], _Pair):
-            return self._pair(points, d)
-        forward, backward = self._forward_backward(points)
-        return self.s * (self.layers - DEPTHS[0]) + max(forward, backward + self.g * d)
-
-    def _first(self, small: int, large: int) -> int:
-        a, b = DEPTHS
-        step = large - self.s - small
-        if not (0 < step <= self.g or step == 0 == self.g):
-            raise _NoFit  # the backward figure is not seen ruling at the larger depth
-        return large + (self.s + self.g) * (self.layers - b)
-
-    def _last(self, small: int, large: int) -> int:
-        if large - small != self.s:
-            raise _NoFit
-        return small + self.s * (self.layers - DEPTHS[0])
+        return lambda: small + (large - small) * (self.layers - DEPTHS[0])
 
 
 @dataclass(frozen=True)
 class _Pair:
-    """A peak as measured (the higher of its forward and backward figures) and its backward figure."""
+    """A peak's forward and backward figures."""
 
-    plain: int
+    forward: int
     backward: int
 
 
-def _paired(plain: Profile, lifted: Profile, ballast: int) -> Profile:
-    """``plain`` with every peak a ``_Pair``; ``lifted`` is it measured with ``ballast`` in backward
-    (a peak below the ballast, the optimizer step's, has no backward part: its own figure)."""
-    if [s.name for s in plain.stages] != [s.name for s in lifted.stages] or \
-            [g.name for g in plain.segments] != [g.name for g in lifted.segments]:
-        raise _NoFit
+def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
+    """``forward`` with every peak a ``_Pair`` of its figures (less the ballast); a peak the ballast
+    did not lift (the optimizer step's, outside forward and backward) is both."""
 
-    def pair(value: int, high: int) -> _Pair:
-        return _Pair(value, high - ballast if high >= ballast else high)
+    def pair(up: int, down: int) -> _Pair:
+        return _Pair(up - ballast if up >= ballast else up, down - ballast if down >= ballast else down)
 
     stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=pair(o.local_peak_bytes, q.local_peak_bytes))
                                             for o, q in zip(s.options, t.options)))
-                   for s, t in zip(plain.stages, lifted.stages))
+                   for s, t in zip(forward.stages, backward.stages))
     segments = tuple(replace(g, peak_bytes=pair(g.peak_bytes, h.peak_bytes))
-                     for g, h in zip(plain.segments, lifted.segments))
-    return replace(plain, stages=stages, segments=segments)
+                     for g, h in zip(forward.segments, backward.segments))
+    return replace(forward, stages=stages, segments=segments)
 
 
 def _is_number(value: Any) -> bool:
@@ -521,7 +454,7 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
                         for j, o in enumerate(reference.options))
         return replace(reference, name=f"{prefix}.{i}", options=options, **{k: f(d) for k, f in numbers.items()})
 
-    def boundary_stage(s, t, i: int, role: str):
+    def boundary_stage(s, t, i: int):
         if [o.name for o in s.options] != [o.name for o in t.options]:
             raise _NoFit
         options = []
@@ -529,21 +462,21 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
             if _rename(o.checkpointed, s.name, t.name) != p.checkpointed:
                 raise _NoFit
             values = _fields(o, p, ("name", "checkpointed"),
-                             lambda v, w, k: fit.boundary(v, w, role if k == "local_peak_bytes" else "n"))
+                             lambda v, w, _: fit.boundary(v, w))
             options.append((p, _rename(p.checkpointed, t.name, f"{prefix}.{i}"), values))
         values = _fields(s, t, ("name", "options"), lambda v, w, _: fit.boundary(v, w))
         return lambda: replace(t, name=f"{prefix}.{i}", options=tuple(
             replace(p, checkpointed=c, **{k: f() for k, f in vs.items()}) for p, c, vs in options),
             **{k: f() for k, f in values.items()})
 
-    first = boundary_stage(small.stages[0], large.stages[0], 0, "first")
-    last = boundary_stage(small.stages[a - 1], large.stages[b - 1], layers - 1, "last")
+    first = boundary_stage(small.stages[0], large.stages[0], 0)
+    last = boundary_stage(small.stages[a - 1], large.stages[b - 1], layers - 1)
     return lambda: (first(), *(middle_stage(i) for i in range(1, layers - 1)), last())
 
 
 def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callable[[], tuple]:
-    """Segments by role: stages_alive 0 (by name), 1 (after the first layer: slopes like it), the
-    middle ones (``d`` = layers after), and all stages alive (the head)."""
+    """Segments by role: stages_alive 0 (by name), 1 (after the first layer), the middle ones
+    (``d`` = layers after), and all stages alive (the head)."""
     a, b = DEPTHS
 
     def by_role(p: Profile, n: int) -> dict:
@@ -574,11 +507,7 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callabl
         if len(mine) != 1 or len(segs) != 1:
             raise _NoFit
         s, t = mine[0], segs[0]
-        # The gap before the first layer (embedding backward, with every layer's gradient) and the
-        # one after it slope like the first layer; the head's gap like the last; the rest in N only.
-        peak_role = {"first": "first", "last": "last"}.get(role, "first" if key == "outside stages" else "n")
-        values = _fields(s, t, ("name", "stages_alive"),
-                         lambda v, w, k: fit.boundary(v, w, peak_role if k == "peak_bytes" else "n"))
+        values = _fields(s, t, ("name", "stages_alive"), lambda v, w, _: fit.boundary(v, w))
         alive = layers if role == "last" else t.stages_alive
         name = _restate(t.name, t.stages_alive, alive) if role == "last" else t.name
         # The profile's order: by stages alive, the optimizer step (added last) last.
