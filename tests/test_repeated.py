@@ -27,8 +27,7 @@ def _without_note(profile: Profile) -> dict:
     return data
 
 
-# llama: every peak shows its backward figure at 4-5 layers (the plain fit); gpt2: some keep their
-# forward figure there, so the backward-ballast pass is needed.
+# gpt2: some peaks keep their forward figure at 4-5 layers and take the backward one deeper.
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_extrapolated_profile_equals_full_profile(monkeypatch, name):
     monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
