@@ -28,11 +28,13 @@ def _without_note(profile: Profile) -> dict:
 
 
 # gpt2: some peaks keep their forward figure at 4-5 layers and take the backward one deeper.
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_extrapolated_profile_equals_full_profile(monkeypatch, name):
+# llama also under bf16-mixed autocast and gradient accumulation (every gradient alive from the start).
+@pytest.mark.parametrize("name, options", [("llama", {}), ("gpt2", {}),
+                                           ("llama", {"precision": "bf16-mixed", "accumulation_steps": 2})])
+def test_extrapolated_profile_equals_full_profile(monkeypatch, name, options):
     monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
     case = build(name, layers=7, batch_size=4, seq_len=128)
-    fast, full = _profiles(case)
+    fast, full = _profiles(case, **options)
     assert any(n.startswith("extrapolated from profiles of 4 and 5") for n in fast.notes)
     assert len(fast.stages) == 7
     assert _without_note(fast) == _without_note(full)  # every byte, FLOP and second
