@@ -102,6 +102,10 @@ class ProfileOptions:
             (float32 parameters, gradients and optimizer state, the step under bfloat16 autocast),
             ``"bf16-true"`` (everything in bfloat16, as ``dtype=torch.bfloat16``), ``"16-mixed"``,
             ``"16-true"``, ``"32-true"``. A real profile runs the step as it is given.
+        repeated_blocks: with ``fake``, a model whose stages are N interchangeable layers (same
+            class, parameters and settings, in one ``ModuleList``) is profiled at 4 and 5 layers
+            and the profile extrapolated to N (exact: every term is linear in the depth, checked
+            on the measured ones; otherwise the whole model is profiled). False profiles all N.
 
     Example:
         >>> ProfileOptions(gpu="h100")
@@ -121,6 +125,7 @@ class ProfileOptions:
     accumulation_steps: int = 1
     gradient_buckets: bool = False
     world_size: int = 1
+    repeated_blocks: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))

@@ -40,7 +40,8 @@ from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from .segments import chained_groups, sequential_groups
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
-from .sharded import sharded_twin, sharding_note
+from .repeated import repeated_profile
+from .sharded import sharded_twin, sharding_info, sharding_note
 from .stance import eager_stance
 from .tracking import SegmentTracker, snapshot_by_category
 
@@ -261,19 +262,28 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     mode = existing_fake_mode(model) or new_fake_mode()
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
-    with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (model, sharding):
-        if optimizer is not None:
-            fake_params = dict(model.named_parameters())
-            optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
-            if sharded:  # state of the unsharded parameters: the profile counts the sharded state ahead
-                optimizer.state.clear()
-        with mode, explain_fake_failures(), real_code_paths():
-            # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
-            profile = _profile(model, step, optimizer, replace(options, warmup=0, device=options.device or "cpu"),
-                               timed=False)
+    if optimizer is not None:
+        fake_params = dict(model.named_parameters())
+        optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Callable | None = None) -> Profile:
+        # Sharded: each model profiled (the whole one, or a truncated copy) gets a twin of its own
+        # sharded over a fake process group, and an optimizer over the twin's sharded parameters.
+        with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (twin, _):
+            if sharded and optimizer is not None:
+                by_name = dict(twin.named_parameters())
+                optimizer = clone_optimizer(optimizer, {id(p): by_name[n] for n, p in model.named_parameters()}, mode)
+                optimizer.state.clear()  # state of the unsharded parameters: the sharded state is counted ahead
+            with mode, explain_fake_failures(), real_code_paths():
+                # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
+                return _profile(twin, wrap(step) if wrap else step, optimizer,
+                                replace(options, warmup=0, device=options.device or "cpu"), timed=False)
+
+    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py).
+    profile = repeated_profile(model, optimizer, options, run) or run(model, optimizer)
     if sharded:
-        profile.sharding = sharding
-        precision_note = sharding_note(sharding)
+        profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
+        precision_note = sharding_note(profile.sharding)
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,

@@ -157,23 +157,40 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
         return
     from .candidates import find_stages
 
+    info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes the classes of the modules it shards, their parameters and their hooks:
     # it gets a twin of its own, so that the model given (which may be a meta model converted in
     # place, or share hook dicts with the fake copy) is left as it was.
     model = _own_module_copy(model)
 
     units = find_stages(model, candidates)
+    with fake_process_group(world_size) as mesh:
+        shard_model(model, units, mesh, mode, param_dtype)
+        yield model, info
+
+
+def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:
+    """What a profile records of the sharding of ``model`` (unsharded) over ``world_size`` GPUs: the
+    world size, FSDP units (one per candidate block, and the root), the unsharded parameters in
+    flight at most, the dtypes, and how many parameters FSDP2 pads.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        >>> info = sharding_info(net, 8, None, None)
+        >>> info["world_size"], info["units"], info["padded_parameters"]
+        (8, 4, 6)
+    """
+    from .candidates import find_stages
+
+    units = find_stages(model, candidates)
     stored = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    info = {
+    return {
         "world_size": world_size, "units": len(units) + 1,
         "unsharded_parameter_bytes": unsharded_in_flight_bytes(model, units, param_dtype),
         "sharded_dtype": str(stored).replace("torch.", ""),
         "param_dtype": str(param_dtype or stored).replace("torch.", ""),
         "padded_parameters": len(uneven_parameters(model, world_size)),
     }
-    with fake_process_group(world_size) as mesh:
-        shard_model(model, units, mesh, mode, param_dtype)
-        yield model, info
 
 
 def _own_module_copy(model: nn.Module) -> nn.Module:

@@ -1,0 +1,112 @@
+"""How long planning takes for Llama-2-7B and a Llama-2-70B-sized model, profiled on fake tensors.
+
+Each model is built on the meta device from a transformers ``LlamaConfig`` (nothing is downloaded
+or allocated), trained in pure bf16 with AdamW for an H100, and planned for the least peak
+(``budget="min"``: profile, then solve). Each row runs in a fresh process, so its resident-memory
+high-water mark is its own. Prints a table and writes ``docs/benchmarks/plan_speed.json``.
+
+    python benchmarks/plan_speed.py                  # 7B and 70B, identical layers profiled once
+    python benchmarks/plan_speed.py --also-full      # and 7B with every layer profiled
+    python benchmarks/plan_speed.py --row 7b         # one row, JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    # Llama-2-7B: 32 layers, hidden 4096, 32 heads, MLP 11008; 1 x 2048 tokens.
+    "7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+               intermediate_size=11008, tokens=2048),
+    # Llama-2-70B's sizes: 80 layers, hidden 8192, 64 heads, 8 key/value heads, MLP 28672; 1 x 4096 tokens.
+    "70b": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                intermediate_size=28672, tokens=4096),
+}
+OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "plan_speed.json"
+
+
+def _resident() -> tuple[int, int]:
+    """(peak resident bytes from /proc VmHWM, resource.getrusage's ru_maxrss in bytes)."""
+    rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, rusage
+    except OSError:
+        pass
+    return rusage, rusage
+
+
+def row(name: str, repeated_blocks: bool) -> dict:
+    """Plan one model in this process and report time, memory and the predicted peaks."""
+    import torch
+    import transformers
+
+    from lightning_remat.core.config import ProfileOptions
+    from lightning_remat.core.solve import least_peak, solve
+    from lightning_remat.runtime.profile import profile_step
+
+    transformers.logging.set_verbosity_error()
+    sizes = dict(CONFIGS[name])
+    tokens = sizes.pop("tokens")
+    start = time.perf_counter()
+    config = transformers.LlamaConfig(**sizes, vocab_size=32000, max_position_embeddings=tokens, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 32000, (1, tokens))
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = ProfileOptions(fake=True, dtype=torch.bfloat16, device="cuda", gpu="h100",
+                             repeated_blocks=repeated_blocks)
+    profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, optimizer=optimizer, options=options)
+    plan = solve(profile, "min", cost="flops")
+    seconds = time.perf_counter() - start
+    hwm, maxrss = _resident()
+    return {
+        "model": f"llama-{name}", "layers": sizes["num_hidden_layers"], "tokens": tokens,
+        "repeated_blocks": repeated_blocks, "extrapolated": any(n.startswith("extrapolated") for n in profile.notes),
+        "seconds": round(seconds, 2), "max_resident_bytes": hwm, "ru_maxrss_bytes": maxrss,
+        "baseline_peak_bytes": profile.baseline_peak_bytes, "least_peak_bytes": least_peak(profile),
+        "planned_peak_bytes": plan.predicted_peak_bytes, "recomputed": len(plan.checkpointed),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", choices=sorted(CONFIGS), help="run one row here and print its JSON")
+    parser.add_argument("--full", action="store_true", help="with --row: profile every layer")
+    parser.add_argument("--also-full", action="store_true", help="add a 7B row with every layer profiled")
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(row(args.row, repeated_blocks=not args.full)))
+        return []
+    runs = [("7b", False), ("70b", False)] + ([("7b", True)] if args.also_full else [])
+    rows = []
+    for name, full in runs:
+        command = [sys.executable, __file__, "--row", name] + (["--full"] if full else [])
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    gib = 2**30
+    print(f"{'model':10} {'layers':>6} {'profile':>12} {'seconds':>8} {'max RSS':>9} {'baseline peak':>14} "
+          f"{'least peak':>11}")
+    for r in rows:
+        how = "4+5 layers" if r["extrapolated"] else "all layers"
+        print(f"{r['model']:10} {r['layers']:>6} {how:>12} {r['seconds']:>8.1f} {r['max_resident_bytes'] / gib:>7.2f}Gi "
+              f"{r['baseline_peak_bytes'] / gib:>12.2f}Gi {r['least_peak_bytes'] / gib:>9.2f}Gi")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs (shared with other jobs while measured)",
+                               "rows": rows}, indent=1) + "\n")
+    print(f"written {OUT}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Profiles of N identical layers extrapolated from 4 and 5 layers equal the full profiles."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lightning_remat.core.config import ProfileOptions
+from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from lightning_remat.core.solve import least_peak, solve
+from lightning_remat.models import build
+from lightning_remat.runtime import repeated
+from lightning_remat.runtime.profile import profile_step
+
+
+def _profiles(case, **options):
+    opt = torch.optim.AdamW(case.model.parameters())
+    common = dict(fake=True, gpu="h100", device="cuda", **options)
+    fast = profile_step(case.model, case.step, optimizer=opt, options=ProfileOptions(**common))
+    full = profile_step(case.model, case.step, optimizer=opt, options=ProfileOptions(repeated_blocks=False, **common))
+    return fast, full
+
+
+def _without_note(profile: Profile) -> dict:
+    data = profile.to_dict()
+    data["notes"] = tuple(n for n in data["notes"] if not n.startswith("extrapolated"))
+    return data
+
+
+# gpt2: some peaks keep their forward figure at 4-5 layers and take the backward one deeper.
+# llama also under bf16-mixed autocast and gradient accumulation (every gradient alive from the start).
+@pytest.mark.parametrize("name, options", [("llama", {}), ("gpt2", {}),
+                                           ("llama", {"precision": "bf16-mixed", "accumulation_steps": 2})])
+def test_extrapolated_profile_equals_full_profile(monkeypatch, name, options):
+    monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
+    case = build(name, layers=7, batch_size=4, seq_len=128)
+    fast, full = _profiles(case, **options)
+    assert any(n.startswith("extrapolated from profiles of 4 and 5") for n in fast.notes)
+    assert len(fast.stages) == 7
+    assert _without_note(fast) == _without_note(full)  # every byte, FLOP and second
+    assert least_peak(full) < full.baseline_peak_bytes
+    budget = (least_peak(full) + full.baseline_peak_bytes) // 2
+    assert solve(fast, budget, cost="flops").checkpointed == solve(full, budget, cost="flops").checkpointed
+    assert solve(fast, budget, cost="flops").checkpointed  # the budget makes it recompute something
+
+
+def test_layers_that_differ_are_profiled_whole(monkeypatch):
+    monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
+    case = build("llama", layers=6, batch_size=2, seq_len=32)
+    assert repeated.repeated_stack(case.model, None) == repeated.RepeatedStack("model.layers", 6)
+    # One layer with a wider MLP: not interchangeable.
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    wide = type(case.model.config)(**{**case.model.config.to_dict(), "intermediate_size": 400})
+    case.model.model.layers[3].mlp = LlamaMLP(wide)
+    assert repeated.repeated_stack(case.model, None) is None
+    profile = profile_step(case.model, case.step, options=ProfileOptions(fake=True, device="cuda"))
+    assert not any(n.startswith("extrapolated") for n in profile.notes) and len(profile.stages) == 6
+
+
+def test_per_layer_config_settings_are_refused(monkeypatch):
+    monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
+    case = build("llama", layers=6, batch_size=2, seq_len=32)
+    case.model.config.layer_types = ["full_attention", "sliding_attention"] * 3
+    assert repeated.repeated_stack(case.model, None) is None
+    case.model.config.layer_types = ["full_attention"] * 6
+    assert repeated.repeated_stack(case.model, None) is not None
+
+
+def _chain(n: int, forward: int, lift_forward: int = 0, lift_backward: int = 0) -> Profile:
+    """A synthetic n-layer profile: static n bytes; a layer's forward peak is ``forward``, its backward
+    peak 20 + 3 bytes per later layer; ballast lifts the forward or the backward figures."""
+    def peak(later: int) -> int:
+        return n + max(forward + lift_forward, 20 + 3 * later + lift_backward)
+
+    stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, peak(n - 1 - i), 0.0, 0),)) for i in range(n))
+    segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),
+                *(Segment(f"between stages ({j} stored)", j, n + max(lift_forward, 3 * (n - j) + lift_backward))
+                  for j in range(1, n + 1)),
+                Segment("optimizer step", 0, 7 * n))
+    profile = Profile(stages, segments, parameter_bytes=n)
+    profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
+    return profile
+
+
+def test_forward_and_backward_figures_are_extrapolated_apart():
+    # At 4-5 layers the forward figure (40) rules every layer; at 20 layers the backward one rules
+    # the first ones: a line through the measured peaks would say 40 + 20 everywhere.
+    x = 1000
+    forward = (_chain(4, 40, lift_forward=x), _chain(5, 40, lift_forward=x))
+    backward = (_chain(4, 40, lift_backward=x), _chain(5, 40, lift_backward=x))
+    deep = repeated.extrapolate(forward, backward, x, "l", 20)
+    assert deep.stages == _chain(20, 40).stages and deep.segments == _chain(20, 40).segments
+    assert deep.baseline_peak_bytes == _chain(20, 40).baseline_peak_bytes
+    assert deep.stages[0].options[0].local_peak_bytes == 20 + 20 + 3 * 19 > 20 + 40
+    # A middle layer off the line (one byte more in layer 1 of the 5-layer copy): no fit, profile all.
+    stages = list(forward[1].stages)
+    stages[1] = replace(stages[1], options=(replace(stages[1].options[0], local_peak_bytes=stages[1].options[0].local_peak_bytes + 1),))
+    bent = replace(forward[1], stages=tuple(stages))
+    bent.baseline_peak_bytes = predict_peak(bent, [0] * 5)
+    assert repeated.extrapolate((forward[0], bent), backward, x, "l", 20) is None
