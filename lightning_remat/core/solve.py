@@ -178,9 +178,12 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     extra = plan_cost(profile, choices, cost)
     stage_choices = []
     checkpointed: list[str] = []
+    policies: dict[str, str] = {}
     for stage, c in zip(profile.stages, choices):
         option = stage.options[c]
         checkpointed.extend(option.checkpointed)
+        if option.policy:
+            policies.update({name: option.policy for name in option.checkpointed})
         stage_choices.append(
             StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(cost)))
         )
@@ -198,6 +201,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         optimizer_state_bytes=profile.optimizer_state_bytes,
         notes=list(profile.notes),
         sharding=dict(profile.sharding),
+        policies=policies,
     )
 
 

@@ -61,14 +61,14 @@ def future_optimizer_state(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
-                  names: Sequence[str]) -> TimelineTracker:
+                  names: Sequence[str], policies: dict[str, str] | None = None) -> TimelineTracker:
     """One forward and backward pass under the timeline tracker, with ``names`` recomputed.
 
     Gradients, buffers, RNG state and the previous plan are put back afterwards.
     """
     device = model_device(model)
     tracker = TimelineTracker(device)
-    with preserved_training_state(model, optimizer), applied(model, names), warnings.catch_warnings():
+    with preserved_training_state(model, optimizer), applied(model, names, policies), warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
         model.zero_grad(set_to_none=True)
@@ -104,7 +104,7 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
         True
     """
     names = list(plan.checkpointed if isinstance(plan, Plan) else (plan or []))
-    tracker = tracked_step(model, step, optimizer, names)
+    tracker = tracked_step(model, step, optimizer, names, plan.policies if isinstance(plan, Plan) else None)
     offset = future_optimizer_state(optimizer)
     backward_start = next((i for i, bw in enumerate(tracker.in_backward) if bw), None)
     if label is None:

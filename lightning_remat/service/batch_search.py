@@ -149,7 +149,8 @@ class BatchSearch:
         plan = self.plan_for(batch_size, recompute)
         assert plan is not None
         trial = run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
-                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes)
+                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
+                          policies=getattr(plan, "policies", None))
         self.trials.append(trial)
         if not trial.fits and not trial.out_of_memory and trial.measured_peak_bytes is not None:
             self.corrections[recompute].append((batch_size, trial.measured_peak_bytes - plan.predicted_peak_bytes))
