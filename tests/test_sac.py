@@ -16,7 +16,7 @@ from lightning_remat.models import build
 from lightning_remat.runtime import sac
 from lightning_remat.runtime.apply import checkpoint_policies
 from lightning_remat.runtime.observe import observe_step
-from lightning_remat.runtime.roofline import OpRecorder, Peaks, cpu_peaks, option_costs
+from lightning_remat.runtime.roofline import OpRecorder, Peaks, cpu_peaks, option_costs, sac_seconds_per_op
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -161,6 +161,10 @@ def test_roofline_is_deterministic_and_ordered_for_a_transformer_block():
     # Only elementwise ops recomputed: one FLOP each, the tie-breaker against keeping the stage.
     assert 0 < flops["sac:save_matmuls"] < 1000 < flops["sac:save_alternate_matmuls"] < flops["whole"]
     assert cpu_peaks() is cpu_peaks()  # calibrated once per process
+    # Eager SAC's own per-op cost is added to a policy's seconds, for every op of the module.
+    base, extra = (option_costs("0", "sac:save_matmuls", ("0",), observed[0].stats, peaks, per_op)[0] for per_op in (0.0, 1.0))
+    assert extra - base == pytest.approx(len(observed[0].stats["0"].ops))
+    assert 0.0 <= sac_seconds_per_op() < 1e-2
 
 
 def test_op_recorder_bytes_skip_views_and_count_inputs_and_outputs():

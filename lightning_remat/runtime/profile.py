@@ -40,7 +40,7 @@ from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
 from . import sac
-from .roofline import Peaks, device_peaks, option_costs, roofline_seconds
+from .roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
 from .sharded import sharded_twin, sharding_note
 from .stance import eager_stance
@@ -342,8 +342,10 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
     peaks = device_peaks(device, options.gpu)
+    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
+    per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                        optimizer is not None, device, peaks)
+                        optimizer is not None, device, peaks, per_op)
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if dropped:
         profile.notes = (*profile.notes, "selective-checkpointing option(s) dropped, their recompute did not replay "
@@ -362,7 +364,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],
               state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-              device: str, peaks: Peaks) -> Profile:
+              device: str, peaks: Peaks, seconds_per_op: float = 0.0) -> Profile:
     """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
     modules = dict(model.named_modules())
     stats = observed.stats
@@ -372,7 +374,7 @@ def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[st
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks)
+            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,

@@ -181,11 +181,47 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
+@functools.lru_cache(maxsize=None)
+def sac_seconds_per_op() -> float:
+    """What selective checkpointing adds per op of an eager step on this machine, measured once per
+    process: its dispatch modes see every op of the module (cached in forward, replayed or looked
+    up in backward). Tens of microseconds on a CPU: more than a small elementwise op costs.
+
+    Example:
+        >>> sac_seconds_per_op() >= 0.0
+        True
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from .sac import context_fn
+
+    ops = 100
+    x = torch.zeros(32, 32, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            t = t * 1.0
+        return t
+
+    def best(extra: dict) -> float:
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            checkpoint(chain, x, use_reentrant=False, **extra).sum().backward()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    with torch.enable_grad():
+        plain, selective = best({}), best({"context_fn": context_fn("save_matmuls")})
+    return max(0.0, (selective - plain) / ops)
+
+
 def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
-                 peaks: Peaks) -> tuple[float, int, float]:
+                 peaks: Peaks, seconds_per_op: float = 0.0) -> tuple[float, int, float]:
     """(seconds, FLOPs, roofline seconds) that recomputing ``wrap`` (modules of stage ``name``)
     under ``option`` costs, from the observed ``stats`` (``observe.ModuleStats`` by module name):
-    a whole module costs all its ops; a policy only the ops it recomputes."""
+    a whole module costs all its ops; a policy only the ops it recomputes, and in seconds also
+    ``seconds_per_op`` for every op of the module (``sac_seconds_per_op``: eager SAC's own cost)."""
     policy = policy_of(option)
     if not policy:
         return (float(sum(stats[m].seconds for m in wrap)), int(sum(stats[m].flops for m in wrap)),
@@ -196,6 +232,7 @@ def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, A
     whole = roofline_seconds(ops, peaks)
     # Only ops are recorded, not their times: the stage's measured time is shared by roofline.
     seconds = stats[name].seconds * (roofline / whole) if whole > 0 else 0.0
+    seconds += len(ops) * seconds_per_op
     # Every recomputed op counts at least one FLOP: a policy that recomputes only elementwise ops
     # is not free (it is not), so under cost="flops" keeping a stage wins the tie with it.
     return seconds, int(sum(max(op.flops, 1) for op in recomputed)), roofline
