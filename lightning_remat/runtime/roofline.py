@@ -233,6 +233,6 @@ def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, A
     # Only ops are recorded, not their times: the stage's measured time is shared by roofline.
     seconds = stats[name].seconds * (roofline / whole) if whole > 0 else 0.0
     seconds += len(ops) * seconds_per_op
-    # Every recomputed op counts at least one FLOP: a policy that recomputes only elementwise ops
-    # is not free (it is not), so under cost="flops" keeping a stage wins the tie with it.
-    return seconds, int(sum(max(op.flops, 1) for op in recomputed)), roofline
+    # One FLOP more than its ops count: a policy that recomputes only elementwise ops (0 FLOPs to
+    # FlopCounterMode) is not free, so under cost="flops" keeping a stage wins the tie with it.
+    return seconds, int(sum(op.flops for op in recomputed)) + 1, roofline
