@@ -10,11 +10,17 @@ each on its own deep copy of the same model with the same seed and an Adam optim
 - ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(n) segments (the MLP chain only),
 - AutoRemat plans (``profile_step`` + ``solve(cost="flops")``) at budgets of static memory plus
   70/50/30% of the baseline's activation memory, and ``"min"``,
-- an AutoRemat plan at the peak that Hugging Face checkpointing reaches (to compare overheads).
+- an AutoRemat plan at the peak that Hugging Face checkpointing reaches (to compare overheads),
+- op-level selective checkpointing on every layer, torchtitan-style (``save_matmuls``: matmul and
+  attention outputs saved, the rest recomputed), where the model has stages.
+
+Plans are solved for ``--cost`` (default ``roofline``) with the selective-checkpointing options in
+the profile (``--no-policies``: only keep, whole and heavy children, as before).
 
 Per configuration: the measured peak of the *second* training step (the first creates Adam's
 state) with torch's MemTracker, activation memory (peak minus static memory), FLOP overhead with
-FlopCounterMode (recomputation included), the wall-clock ratio against no checkpointing (median of
+FlopCounterMode (recomputation included), roofline overhead (per op max(FLOPs / peak FLOP/s,
+bytes / bandwidth), this CPU calibrated), the wall-clock ratio against no checkpointing (median of
 interleaved steps), predicted vs measured peak, and planning time. Also: a Pareto plot per model,
 and the solver's time on a synthetic 1000-stage profile.
 
@@ -58,6 +64,9 @@ from lightning_remat.runtime.profile import profile_step  # noqa: E402
 from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
 from lightning_remat.core.solve import least_peak, solve  # noqa: E402
+from lightning_remat.core.config import ProfileOptions  # noqa: E402
+from lightning_remat.core.plan import Plan  # noqa: E402
+from lightning_remat.runtime.roofline import OpRecorder, device_peaks, roofline_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 FRACTIONS = (0.7, 0.5, 0.3)
@@ -83,7 +92,7 @@ class Config:
     """One way of running the model, with what was measured of it."""
 
     label: str
-    kind: str  # baseline | hf | sequential | autoremat
+    kind: str  # baseline | hf | sequential | opsac | autoremat
     model: nn.Module | None = None
     step: Callable[[nn.Module], torch.Tensor] | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -128,6 +137,17 @@ def _train_step(config: Config) -> float:
     return time.perf_counter() - start
 
 
+def count_step_roofline(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -> float:
+    """Roofline seconds of one forward and backward (recomputation included; ops that selective
+    checkpointing serves from its cache do not run, so do not count)."""
+    with OpRecorder() as recorder:
+        loss = step(model)
+        loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    return roofline_seconds(recorder.ops, device_peaks("cpu"))
+
+
 def _measure(config: Config) -> None:
     """Warm-up step (creates Adam's state), then the measured second step, then FLOPs."""
     torch.manual_seed(0)
@@ -143,14 +163,17 @@ def _measure(config: Config) -> None:
     }
     torch.manual_seed(0)
     config.measured["flops"] = count_step_flops(config.model, config.step)
+    torch.manual_seed(0)
+    config.measured["roofline_seconds"] = count_step_roofline(config.model, config.step)
     config.optimizer.zero_grad(set_to_none=True)
 
 
-def _plan_config(case, profile: Profile, profile_seconds: float, label: str, budget: Any, budget_text: str) -> Config:
+def _plan_config(case, profile: Profile, profile_seconds: float, label: str, budget: Any, budget_text: str,
+                 cost: str = "flops") -> Config:
     config = Config(label, "autoremat", budget=budget_text)
     start = time.perf_counter()
     try:
-        plan = solve(profile, budget, cost="flops")
+        plan = solve(profile, budget, cost=cost)
     except BudgetTooSmallError as err:
         config.error = f"infeasible: smallest reachable peak {format_bytes(err.smallest_peak_bytes)}"
         config.smallest_peak_bytes = err.smallest_peak_bytes
@@ -165,7 +188,8 @@ def _plan_config(case, profile: Profile, profile_seconds: float, label: str, bud
 
 def _instantiate(config: Config, case, unique: dict[tuple, Config]) -> None:
     """Give an AutoRemat configuration its own model copy, unless an identical plan has one."""
-    key = (tuple(sorted(config.plan.checkpointed)), tuple(tuple(s) for s in config.plan.segments))
+    key = (tuple(sorted(config.plan.checkpointed)), tuple(tuple(s) for s in config.plan.segments),
+           tuple(sorted(config.plan.policies.items())))
     if key in unique:
         config.same_as = unique[key]
         return
@@ -176,7 +200,8 @@ def _instantiate(config: Config, case, unique: dict[tuple, Config]) -> None:
     config.optimizer = _adam(config.model)
 
 
-def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Callable[[str], None]) -> dict[str, Any]:
+def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Callable[[str], None],
+              cost: str = "roofline", policies: bool = True) -> dict[str, Any]:
     kwargs = (QUICK_KWARGS if quick else FULL_KWARGS).get(name, {})
     started = time.perf_counter()
     case = build(name, seed=0, **kwargs)
@@ -188,7 +213,8 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        profile = profile_step(profiled, case.step, optimizer=_adam(profiled))
+        profile = profile_step(profiled, case.step, optimizer=_adam(profiled),
+                               options=ProfileOptions(policies=None if policies else ()))
     profile_seconds = time.perf_counter() - start
     del profiled
 
@@ -218,6 +244,14 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
                      SequentialCheckpointed(model, segments), case.step)
         seq.optimizer = _adam(seq.model)
         configs.append(seq)
+    stage_names = [s.name for s in profile.stages]
+    if stage_names:
+        # torchtitan's op-level SAC on every layer: matmul and attention outputs saved.
+        model = copy.deepcopy(base)
+        apply_plan(model, Plan(stage_names, 0, 0, 0, 0.0, policies={n: "save_matmuls" for n in stage_names}))
+        opsac = Config("op-SAC every layer (save_matmuls)", "opsac", model, case.step)
+        opsac.optimizer = _adam(model)
+        configs.append(opsac)
     for config in configs[1:]:
         if config.model is not None:
             log(f"[{name}] measuring {config.label}")
@@ -227,12 +261,12 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
     for fraction in FRACTIONS:
         budget = int(static + fraction * baseline_activation)
         ours.append(_plan_config(case, profile, profile_seconds, f"AutoRemat {fraction:.0%}", budget,
-                                 f"static + {fraction:.0%} of activations"))
-    ours.append(_plan_config(case, profile, profile_seconds, "AutoRemat min", "min", "min"))
+                                 f"static + {fraction:.0%} of activations", cost))
+    ours.append(_plan_config(case, profile, profile_seconds, "AutoRemat min", "min", "min", cost))
     hf_matched = None
     if hf is not None and hf.measured:
         hf_matched = _plan_config(case, profile, profile_seconds, "AutoRemat @ HF peak", hf.measured["peak_bytes"],
-                                  "HF's measured peak")
+                                  "HF's measured peak", cost)
         ours.append(hf_matched)
     seq_matched = []
     if seq is not None and seq.measured:
@@ -274,6 +308,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
         gc.collect()
 
     base_flops = baseline.measured["flops"]
+    base_roofline = baseline.measured["roofline_seconds"]
     base_time = statistics.median(baseline.times)
     rows = []
     for config in configs:
@@ -291,6 +326,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
                 "activation_fraction": (peak - static) / baseline_activation if baseline_activation else None,
                 "flops": source.measured["flops"],
                 "flop_overhead": (source.measured["flops"] - base_flops) / base_flops,
+                "roofline_overhead": (source.measured["roofline_seconds"] - base_roofline) / base_roofline,
                 "step_seconds_median": statistics.median(source.times),
                 "wall_ratio": statistics.median(source.times) / base_time,
                 "measured": source.measured,
@@ -305,6 +341,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
                 "checkpointed": plan.checkpointed,
                 "segments": plan.segments,
                 "options": {c.option: sum(1 for d in plan.choices if d.option == c.option) for c in plan.choices},
+                "cost_kind": plan.cost_kind,
             })
         if config.kind == "baseline":
             row["predicted_peak_bytes"] = profile.baseline_peak_bytes
@@ -316,24 +353,27 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
         hf_row = next(r for r in rows if r["kind"] == "hf")
         ours_row = next(r for r in rows if r["config"] == hf_matched.label)
         hf_check = {"hf_peak_bytes": hf_row["measured_peak_bytes"], "hf_flop_overhead": hf_row["flop_overhead"],
+                    "hf_roofline_overhead": hf_row["roofline_overhead"],
                     "hf_wall_ratio": hf_row["wall_ratio"], "error": ours_row["error"]}
         if "measured_peak_bytes" in ours_row:
             hf_check.update({
                 "ours_peak_bytes": ours_row["measured_peak_bytes"], "ours_predicted_peak_bytes": ours_row["predicted_peak_bytes"],
                 "ours_flop_overhead": ours_row["flop_overhead"], "ours_wall_ratio": ours_row["wall_ratio"],
+                "ours_roofline_overhead": ours_row["roofline_overhead"],
                 "overhead_ok": ours_row["flop_overhead"] <= hf_row["flop_overhead"] + 1e-9,
                 "peak_within_1pct": ours_row["measured_peak_bytes"] <= 1.01 * hf_row["measured_peak_bytes"],
             })
 
     curve = [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
               "predicted_overhead": p.predicted_overhead if p.feasible else None, "modules": p.modules}
-             for p in pareto_sweep(profile, curve_points, cost="flops")]
+             for p in pareto_sweep(profile, curve_points, cost=cost)]
     return {
         "model": name, "kwargs": kwargs, "stages": len(profile.stages),
         "stage_options": sorted({o.name for s in profile.stages for o in s.options}),
         "parameters": sum(p.numel() for p in base.parameters()),
         "static_bytes": static, "baseline_peak_bytes": baseline.measured["peak_bytes"],
         "baseline_activation_bytes": baseline_activation, "baseline_flops": base_flops,
+        "baseline_roofline_seconds": base_roofline, "cost": cost, "policies": policies,
         "baseline_step_seconds": base_time, "profile_seconds": profile_seconds,
         "rows": rows, "hf_check": hf_check, "curve": curve, "seconds": time.perf_counter() - started,
     }
@@ -446,7 +486,7 @@ def _pct(value: float | None, signed: bool = False) -> str:
 
 
 TABLE_COLUMNS = ("model", "configuration", "peak MiB", "activations MiB (% of baseline)", "FLOP overhead",
-                 "wall-clock ratio", "predicted peak MiB (error)", "planning s")
+                 "roofline overhead", "wall-clock ratio", "predicted peak MiB (error)", "planning s")
 
 
 def table_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -454,7 +494,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     for model in results["models"].values():
         for row in model["rows"]:
             if row.get("error") and "measured_peak_bytes" not in row:
-                out.append([row["model"], row["config"], "-", row["error"], "-", "-", "-",
+                out.append([row["model"], row["config"], "-", row["error"], "-", "-", "-", "-",
                             f"{row['planning_seconds']:.1f}" if row.get("planning_seconds") else "-"])
                 continue
             activation = f"{_mib(row['activation_bytes'])} ({row['activation_fraction']:.0%})"
@@ -463,7 +503,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                 predicted = f"{_mib(row['predicted_peak_bytes'])} ({row['prediction_error']:+.1%})"
             name = row["config"] + (f" [{row['modules']} mod.]" if "modules" in row else "")
             out.append([row["model"], name, _mib(row["measured_peak_bytes"]), activation, _pct(row["flop_overhead"]),
-                        f"{row['wall_ratio']:.2f}", predicted,
+                        _pct(row.get("roofline_overhead")), f"{row['wall_ratio']:.2f}", predicted,
                         f"{row['planning_seconds']:.1f}" if row.get("planning_seconds") else "-"])
     return out
 
@@ -472,15 +512,17 @@ def markdown(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(results)]
     lines.append("")
-    lines.append("| model | HF every layer: peak MiB, FLOP overhead | AutoRemat at HF's peak: peak MiB, FLOP overhead | ours <= HF |")
+    lines.append("| model | HF every layer: peak MiB, FLOP / roofline overhead | AutoRemat at HF's peak: peak MiB, "
+                 "FLOP / roofline overhead | ours <= HF (FLOPs) |")
     lines.append("|---|---|---|---|")
     for model in results["models"].values():
         check = model.get("hf_check")
         if not check:
             continue
         if "ours_flop_overhead" in check:
-            lines.append(f"| {model['model']} | {_mib(check['hf_peak_bytes'])}, {_pct(check['hf_flop_overhead'])} | "
-                         f"{_mib(check['ours_peak_bytes'])}, {_pct(check['ours_flop_overhead'])} | "
+            lines.append(f"| {model['model']} | {_mib(check['hf_peak_bytes'])}, {_pct(check['hf_flop_overhead'])} / "
+                         f"{_pct(check.get('hf_roofline_overhead'))} | {_mib(check['ours_peak_bytes'])}, "
+                         f"{_pct(check['ours_flop_overhead'])} / {_pct(check.get('ours_roofline_overhead'))} | "
                          f"{'yes' if check['overhead_ok'] else 'NO'} |")
         else:
             lines.append(f"| {model['model']} | {_mib(check['hf_peak_bytes'])}, {_pct(check['hf_flop_overhead'])} | "
@@ -528,7 +570,8 @@ def print_table(results: dict[str, Any]) -> None:
         if check and "ours_flop_overhead" in check:
             verdict = "[green]ours <= HF[/green]" if check["overhead_ok"] else "[red]ours > HF[/red]"
             console.print(f"{model['model']}: at HF's peak {_mib(check['hf_peak_bytes'])} MiB, HF overhead "
-                          f"{_pct(check['hf_flop_overhead'])}, AutoRemat {_pct(check['ours_flop_overhead'])} "
+                          f"{_pct(check['hf_flop_overhead'])} FLOPs / {_pct(check.get('hf_roofline_overhead'))} roofline, "
+                          f"AutoRemat {_pct(check['ours_flop_overhead'])} / {_pct(check.get('ours_roofline_overhead'))} "
                           f"(peak {_mib(check['ours_peak_bytes'])} MiB): {verdict}")
         elif check:
             console.print(f"{model['model']}: at HF's peak: {check['error']}")
@@ -612,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama7b-layers", type=int, default=32,
                         help="plan Llama-2-7B (this many layers, 1 x 2048 tokens, bf16) for an 80 GB H100 under fake "
                              "tensors, in a fresh process (0: skip)")
+    parser.add_argument("--cost", choices=("flops", "roofline", "time"), default="roofline",
+                        help="what the plans minimise (default roofline)")
+    parser.add_argument("--no-policies", action="store_true",
+                        help="profile without the selective-checkpointing options (keep, whole, children only)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="output folder (default benchmarks/results)")
     parser.add_argument("--copy-to", type=Path, default=None,
                         help="also copy the JSON, the markdown table and the PNGs here (e.g. docs/benchmarks)")
@@ -633,13 +680,14 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "repeats": repeats,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "platform": platform.platform(),
-            "optimizer": "Adam (lr 1e-4)", "measured_step": "second (Adam's state exists)", "cost": "flops",
+            "optimizer": "Adam (lr 1e-4)", "measured_step": "second (Adam's state exists)", "cost": args.cost,
+            "policies": not args.no_policies,
         },
         "models": {},
     }
     for name in args.models:
         results["models"][name] = run_model(name, args.quick, repeats if not (name == "resnet50" and not args.quick)
-                                            else min(repeats, 3), curve_points, log)
+                                            else min(repeats, 3), curve_points, log, args.cost, not args.no_policies)
         gc.collect()
     if args.solver_stages:
         log(f"solver on a synthetic {args.solver_stages}-stage profile")

@@ -19,20 +19,25 @@ def profiles(draw, max_stages=8, max_options=3):
         k = draw(st.integers(1, max_options))
         options = []
         for j in range(k):
+            # Some options recompute the whole stage under a selective-checkpointing policy.
+            policy = "" if j == 0 else draw(st.sampled_from(["", "save_matmuls", "save_attention"]))
             options.append(StageOption(
-                name="keep" if j == 0 else f"o{j}",
-                checkpointed=() if j == 0 else (f"s{i}.o{j}",),
+                name="keep" if j == 0 else (f"sac:{policy}" if policy else f"o{j}"),
+                checkpointed=() if j == 0 else ((f"s{i}",) if policy else (f"s{i}.o{j}",)),
                 stored_bytes=draw(st.integers(0, 1000)),
                 local_peak_bytes=draw(st.integers(0, 3000)),
                 cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
                 cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
+                policy=policy,
+                cost_roofline=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
             ))
         stages.append(StageProfile(f"s{i}", tuple(options)))
     segments = tuple(
         Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
         for k in range(draw(st.integers(0, 4)))
     )
-    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000)
+    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
+                   baseline_step_roofline=10.0)
 
 
 def all_plans(profile):
@@ -56,7 +61,7 @@ def brute_least_peak(profile):
 
 
 @settings(max_examples=150, deadline=None)
-@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time"]))
+@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time", "roofline"]))
 def test_solve_equals_exhaustive_search(profile, fraction, kind):
     lowest = brute_least_peak(profile)
     highest = max(predict_peak(profile, c) for c in all_plans(profile))
@@ -71,6 +76,10 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
     choices = solve_choices(profile, budget, kind)
     assert predict_peak(profile, choices) <= budget
     assert plan_cost(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
+    plan = solve(profile, budget, kind)
+    # The plan carries the policy of every module an option with a policy recomputes.
+    chosen = [s.option(c.option) for s, c in zip(profile.stages, plan.choices)]
+    assert plan.policies == {m: o.policy for o in chosen if o.policy for m in o.checkpointed}
 
 
 @settings(max_examples=150, deadline=None)

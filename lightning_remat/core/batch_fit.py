@@ -220,6 +220,8 @@ def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode
     else:
         low = size
         while True:
+            if mode == "power" and low * 2 > high_limit:
+                return low  # only start * 2**k: never the limit itself
             nxt = min(low * 2, high_limit)
             if nxt == low:
                 return low

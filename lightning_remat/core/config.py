@@ -22,7 +22,7 @@ from typing import Any
 from .budget import Budget
 from .errors import ShardingError
 
-COST_KINDS = ("time", "flops")
+COST_KINDS = ("time", "flops", "roofline")
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
 # state are kept in, and whether the step runs under autocast.
 PRECISIONS = {
@@ -35,7 +35,7 @@ PRECISIONS = {
 
 
 def check_cost_kind(kind: Any) -> str:
-    """Validate a cost kind (``"time"`` or ``"flops"``).
+    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``).
 
     Example:
         >>> check_cost_kind("flops")
@@ -106,6 +106,9 @@ class ProfileOptions:
             class, parameters and settings, in one ``ModuleList``) is profiled at 4 and 5 layers
             and the profile extrapolated to N (exact: every term is linear in the depth, checked
             on the measured ones; otherwise the whole model is profiled). False profiles all N.
+        policies: the op-level selective-checkpointing policies offered as options of every stage
+            (``runtime.sac.POLICIES``, e.g. ``("save_matmuls",)``); None for the default set, ``()``
+            for none (only keep, whole and heavy children). Each costs one more measured step.
 
     Example:
         >>> ProfileOptions(gpu="h100")
@@ -126,9 +129,14 @@ class ProfileOptions:
     gradient_buckets: bool = False
     world_size: int = 1
     repeated_blocks: bool = True
+    policies: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
+        if self.policies is not None:
+            if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
+                raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
+            object.__setattr__(self, "policies", tuple(self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
@@ -183,7 +191,7 @@ class RematConfig:
         >>> RematConfig("1GB", cost="seconds")
         Traceback (most recent call last):
         ...
-        ValueError: cost must be one of ('time', 'flops'), got 'seconds'
+        ValueError: cost must be one of ('time', 'flops', 'roofline'), got 'seconds'
     """
 
     budget: Any

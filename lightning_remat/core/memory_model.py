@@ -48,9 +48,17 @@ class StageOption:
     local_peak_bytes: int
     cost_seconds: float
     cost_flops: int
+    # The selective-checkpointing policy (``runtime.sac.POLICIES``) the checkpointed modules run
+    # under: "" recomputes their whole forward.
+    policy: str = ""
+    # Roofline seconds of the recomputed ops: per op max(FLOPs / peak FLOP/s, bytes / bandwidth).
+    cost_roofline: float = 0.0
 
     def cost(self, kind: str) -> float:
-        """Recompute cost of this option in seconds (``"time"``) or FLOPs (``"flops"``)."""
+        """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
+        seconds (``"roofline"``)."""
+        if kind == "roofline":
+            return self.cost_roofline
         return self.cost_seconds if kind == "time" else self.cost_flops
 
 
@@ -119,6 +127,7 @@ class Profile:
     baseline_step_seconds: float = 0.0
     baseline_step_flops: int = 0
     device: str = "cpu"
+    baseline_step_roofline: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     # A sharded (FSDP2) step: world_size, unsharded_parameter_bytes in flight at most, dtypes
     # (``runtime.sharded``); empty for one device. Every byte figure above is then per GPU.
@@ -139,6 +148,8 @@ class Profile:
 
     def baseline_cost(self, kind: str) -> float:
         """Cost of one training step without recomputation, in the unit of ``kind``."""
+        if kind == "roofline":
+            return self.baseline_step_roofline
         return self.baseline_step_seconds if kind == "time" else self.baseline_step_flops
 
     def to_dict(self) -> dict[str, Any]:

@@ -33,13 +33,19 @@ class Plan:
         baseline_peak_bytes: measured peak of a training step without recomputation.
         predicted_peak_bytes: the memory model's peak for this plan.
         predicted_overhead: recompute cost divided by the cost of a step without recomputation.
-        cost_kind: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs).
+        cost_kind: ``"time"`` (measured seconds), ``"flops"`` (counted FLOPs) or ``"roofline"``
+            (per op max(FLOPs / peak, bytes / bandwidth)).
+        policies: per checkpointed module, the selective-checkpointing policy its recompute runs
+            under (``runtime.sac.POLICIES``); a module not in it recomputes its whole forward.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan
         True
+        >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
+        >>> Plan.from_dict(sac.to_dict()).policies
+        {'h.0': 'save_matmuls'}
         >>> Plan.from_dict({**plan.to_dict(), "checkpointed": "h.0"})
         Traceback (most recent call last):
         ...
@@ -70,6 +76,7 @@ class Plan:
     # Runs of consecutive stages (items of one nn.Sequential) recomputed as ONE checkpoint each:
     # their inner boundaries are not kept (``core.spans``). Empty: every module is recomputed alone.
     segments: list[list[str]] = field(default_factory=list)
+    policies: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
@@ -107,6 +114,10 @@ class Plan:
         known["checkpointed"] = list(checkpointed)
         known["notes"] = list(data.get("notes", []))
         known["segments"] = [list(s) for s in data.get("segments", [])]
+        policies = data.get("policies", {})
+        if not isinstance(policies, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in policies.items()):
+            raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
+        known["policies"] = dict(policies)
         return cls(**known)
 
     def summary(self, title: str = "Recompute plan") -> str:

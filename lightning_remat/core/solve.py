@@ -236,6 +236,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     extra = plan_cost_spans(profile, choices, cost, spans)
     stage_choices = []
     checkpointed: list[str] = []
+    policies: dict[str, str] = {}
     segments = [list(profile.stages[a].name for a in range(first, last + 1)) for first, last in sorted(spans)]
     in_span = {k: (first, last) for first, last in spans for k in range(first, last + 1)}
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
@@ -249,6 +250,8 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
             continue
         option = stage.options[c]
         checkpointed.extend(option.checkpointed)
+        if option.policy:
+            policies.update({name: option.policy for name in option.checkpointed})
         stage_choices.append(
             StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(cost)))
         )
@@ -267,6 +270,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         notes=list(profile.notes),
         sharding=dict(profile.sharding),
         segments=segments,
+        policies=policies,
     )
 
 

@@ -73,7 +73,7 @@ def plan_table(plan: Any) -> Any:
     """The plan's stages as a ``rich.table.Table``: option, stored bytes with and without it, cost."""
     from rich.table import Table
 
-    unit = "s" if plan.cost_kind == "time" else "FLOP"
+    unit = "FLOP" if plan.cost_kind == "flops" else "s"
     table = Table(show_edge=False, pad_edge=False)
     for column, justify in (("stage", "left"), ("option", "left"), ("stored (keep)", "right"),
                             ("stored (plan)", "right"), ("recompute cost", "right")):
@@ -83,7 +83,8 @@ def plan_table(plan: Any) -> Any:
                       f"{c.cost:.3g} {unit}" if c.cost else "-")
     if not plan.choices:
         for name in plan.checkpointed:
-            table.add_row(name, "whole", "-", "-", "-")
+            policy = getattr(plan, "policies", {}).get(name)
+            table.add_row(name, f"sac:{policy}" if policy else "whole", "-", "-", "-")
     return table
 
 
@@ -96,6 +97,13 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     if segments:
         lines.append("  segments, each recomputed as one checkpoint (inner boundaries not kept): "
                      + ", ".join(f"{s[0]}..{s[-1]} ({len(s)})" for s in segments))
+    policies = getattr(plan, "policies", {})
+    if policies:
+        counts: dict[str, int] = {}
+        for policy in policies.values():
+            counts[policy] = counts.get(policy, 0) + 1
+        lines.append("  selective checkpointing (op-level policy per recomputed module): "
+                     + ", ".join(f"{policy} x{n}" for policy, n in sorted(counts.items())))
     if getattr(plan, "sharding", None) and not getattr(plan, "fallback", False):
         lines.append(sharded_memory_line(plan))
     elif not getattr(plan, "fallback", False):

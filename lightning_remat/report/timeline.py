@@ -61,14 +61,15 @@ def future_optimizer_state(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
-                  names: Sequence[str], segments: Sequence[Sequence[str]] = ()) -> TimelineTracker:
+                  names: Sequence[str], segments: Sequence[Sequence[str]] = (),
+                  policies: dict[str, str] | None = None) -> TimelineTracker:
     """One forward and backward pass under the timeline tracker, with ``names`` recomputed.
 
     Gradients, buffers, RNG state and the previous plan are put back afterwards.
     """
     device = model_device(model)
     tracker = TimelineTracker(device)
-    with preserved_training_state(model, optimizer), applied(model, names, segments), warnings.catch_warnings():
+    with preserved_training_state(model, optimizer), applied(model, names, segments, policies), warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
         model.zero_grad(set_to_none=True)
@@ -104,7 +105,8 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
         True
     """
     names = list(plan.checkpointed if isinstance(plan, Plan) else (plan or []))
-    tracker = tracked_step(model, step, optimizer, names, plan.segments if isinstance(plan, Plan) else ())
+    tracker = tracked_step(model, step, optimizer, names, plan.segments if isinstance(plan, Plan) else (),
+                           plan.policies if isinstance(plan, Plan) else None)
     offset = future_optimizer_state(optimizer)
     backward_start = next((i for i, bw in enumerate(tracker.in_backward) if bw), None)
     if label is None:

@@ -19,6 +19,9 @@ Semantics users should know:
 - Forward hooks of the *children* of a recomputed module run again during backward; the module's
   own hooks run once, since they sit outside the recomputed forward.
 - Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
+- A plan's ``policies`` run a module under op-level selective checkpointing (``runtime.sac``): the
+  checkpoint's ``context_fn`` is the policy's pair of contexts and nothing else, so it is the same
+  eagerly and under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..core.errors import AlreadyCheckpointedError
+from . import sac
 from .compiled import uncompiled
 
 _ORIGINAL = "_remat_original_forward"
 _HAD_INSTANCE_FORWARD = "_remat_had_instance_forward"
+_POLICY = "_remat_policy"
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
@@ -153,26 +159,40 @@ def _run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # and runs this frame eagerly in backward) updates them again, and is undone here.
     if torch.compiler.is_compiling() or not _recomputing() or not _has_running_statistics(module):
         return original(*args, **kwargs)
-    with _restore_norm_statistics(module):
+    # The copies are made outside the dispatch modes: selective checkpointing's cache replays the
+    # forward's ops by count during the recompute, and these ops are not the forward's.
+    restore = _restore_norm_statistics(module)
+    with _disable_current_modes():
+        restore.__enter__()
+    try:
         return original(*args, **kwargs)
+    finally:
+        with _disable_current_modes():
+            restore.__exit__(None, None, None)
 
 
 def _recomputing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not _needs_graph(args, kwargs, module):
         return module.__dict__[_ORIGINAL](*args, **kwargs)
+    policy = module.__dict__.get(_POLICY)
+    # An op-level policy is the whole context_fn (BatchNorm statistics are restored above).
+    extra = {"context_fn": sac.context_fn(policy)} if policy else {}
     return checkpoint(functools.partial(_run_original, module), *args, use_reentrant=False, preserve_rng_state=True,
-                      **kwargs)
+                      **extra, **kwargs)
 
 
-def _wrap(module: nn.Module) -> None:
+def _wrap(module: nn.Module, policy: str = "") -> None:
     had_instance_forward = "forward" in module.__dict__
     module.__dict__[_HAD_INSTANCE_FORWARD] = had_instance_forward
     module.__dict__[_ORIGINAL] = module.forward
+    if policy:
+        module.__dict__[_POLICY] = policy
     module.forward = functools.partial(_recomputing_forward, module)  # type: ignore[method-assign]
 
 
 def _unwrap(module: nn.Module) -> None:
     original = module.__dict__.pop(_ORIGINAL)
+    module.__dict__.pop(_POLICY, None)
     if module.__dict__.pop(_HAD_INSTANCE_FORWARD):
         module.forward = original  # type: ignore[method-assign]
     else:
@@ -186,7 +206,20 @@ def _plan_names(plan: Any) -> list[str]:
     return list(names)
 
 
-def apply_plan(model: nn.Module, plan: Any, segments: Any = None) -> nn.Module:
+def checkpoint_policies(model: nn.Module) -> dict[str, str]:
+    """The selective-checkpointing policy of each recomputed module that has one.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> checkpoint_policies(apply_plan(net, ["0"], policies={"0": "save_matmuls"}))
+        {'0': 'save_matmuls'}
+    """
+    with uncompiled(model) as model:
+        return {name: m.__dict__[_POLICY] for name, m in model.named_modules() if _POLICY in m.__dict__}
+
+
+def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
+               policies: dict[str, str] | None = None) -> nn.Module:
     """Recompute, in place, the modules a plan names; returns ``model``.
 
     Args:
@@ -194,6 +227,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None) -> nn.Module:
         plan: a ``Plan`` or an iterable of module names.
         segments: runs of consecutive items of one ``nn.Sequential``, each recomputed as one
             checkpoint (``runtime.segments``); default: the plan's ``segments`` (none for names).
+        policies: per module name, the selective-checkpointing policy (``runtime.sac.POLICIES``)
+            it recomputes under; default the plan's ``policies`` (a module without one recomputes
+            its whole forward).
 
     A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
     error never leaves a half-wrapped model.
@@ -215,6 +251,13 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None) -> nn.Module:
     """
     names = _plan_names(plan)
     segments = [list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)]
+    if policies is None:
+        policies = dict(getattr(plan, "policies", None) or {})
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    for policy in policies.values():
+        sac.check_policy(policy)
     existing = existing_checkpointing(model)
     if existing and (names or segments):
         raise AlreadyCheckpointedError(
@@ -235,7 +278,7 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None) -> nn.Module:
     check_segments(modules, segments, names)
     remove_remat(model)
     for name in names:
-        _wrap(modules[name])
+        _wrap(modules[name], policies.get(name, ""))
     if segments:
         with uncompiled(model) as plain:
             apply_segments(plain, segments)
@@ -261,12 +304,14 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = ()) -> Iterator[nn.Module]:
-    """Apply a set of names (and segments) for the duration of a ``with`` block, then restore the previous plan."""
-    previous = checkpointed_modules(model)
+def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = (),
+            policies: dict[str, str] | None = None) -> Iterator[nn.Module]:
+    """Apply a set of names (with their segments and policies) for the duration of a ``with`` block,
+    then restore the previous plan."""
+    previous, previous_policies = checkpointed_modules(model), checkpoint_policies(model)
     previous_segments = segmented_modules(model)
-    apply_plan(model, list(names), segments=[list(s) for s in segments])
+    apply_plan(model, list(names), segments=[list(s) for s in segments], policies=policies or {})
     try:
         yield model
     finally:
-        apply_plan(model, previous, segments=previous_segments)
+        apply_plan(model, previous, segments=previous_segments, policies=previous_policies)

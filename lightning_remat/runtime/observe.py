@@ -7,7 +7,9 @@ The profiler's first look at a step (``profile.py`` then measures memory under e
   FLOPs (``FlopCounterMode``'s growth across the module's forward, whatever calls it), and the
   unique storages it saves for backward (saved-tensor hooks; parameters and buffers excluded),
   takes as input and returns as output;
-- the whole step's seconds and FLOPs (forward and backward).
+- per stage and per child, the ops of its forward in call order with their FLOPs and bytes
+  (``roofline.OpRecorder``), which price recomputation op by op (roofline, selective policies);
+- the whole step's seconds and FLOPs (forward and backward), and its ops.
 
 Example:
     >>> import torch
@@ -29,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .measure import Step, model_device, synchronize
+from .roofline import OpCost, OpRecorder
 
 
 def storages(value: Any) -> dict[int, int]:
@@ -55,6 +58,7 @@ class ModuleStats:
     saved: dict[int, int] = field(default_factory=dict)
     inputs: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)
+    ops: list[OpCost] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ObservedStep:
     stats: dict[str, ModuleStats]
     step_seconds: float
     step_flops: int
+    step_ops: list[OpCost] = field(default_factory=list)
 
 
 def run_step(model: nn.Module, step: Step) -> None:
@@ -131,6 +136,10 @@ class _Observer:
                     self.stats[name].saved[storage._cdata] = storage.nbytes()
         return tensor
 
+    def record(self, op: OpCost) -> None:
+        for name in self.active:
+            self.stats[name].ops.append(op)
+
     def register(self) -> list:
         handles = []
         for name, module in self.watched.items():
@@ -146,6 +155,7 @@ class _Observer:
             s.outputs.clear()
             s.flops = 0
             s.calls = 0
+            s.ops.clear()
         self.order.clear()
 
 
@@ -174,11 +184,11 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         observer.reset_counts()
         before_pass()
         with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
-            with FlopCounterMode(display=False) as forward_counter:
+            with FlopCounterMode(display=False) as forward_counter, OpRecorder(observer.record) as forward_ops:
                 observer.counter = forward_counter
                 loss = step(model)
             observer.counter = None
-            with FlopCounterMode(display=False) as backward_counter:
+            with FlopCounterMode(display=False) as backward_counter, OpRecorder() as backward_ops:
                 loss.backward()
             del loss
         model.zero_grad(set_to_none=True)
@@ -188,4 +198,4 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(forward_counter.get_total_flops() + backward_counter.get_total_flops())
-    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops)
+    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops, forward_ops.ops + backward_ops.ops)

@@ -6,9 +6,10 @@ What is measured, and how:
   module time, FLOPs and bytes saved for backward.
 - Memory, with torch's ``MemTracker`` around forward and backward, once per option: nothing
   recomputed (``"keep"``), every stage recomputed (``"whole"``), and each heavy child recomputed in
-  every stage (``"attn"``, ``"mlp"``, ...). A stage's stored bytes are what its forward leaves
-  allocated; its local peak is the peak during its forward or backward less what the stages
-  before it store. The gaps between stages (embeddings, head, loss) are segments. Because each
+  every stage (``"attn"``, ``"mlp"``, ...), and each selective-checkpointing policy on every
+  stage where it differs from the other options (``"sac:save_matmuls"``, ...: ``sac.py``). A
+  stage's stored bytes are what its forward leaves allocated; its local peak is the peak during
+  its forward or backward less what the stages before it store. The gaps between stages (embeddings, head, loss) are segments. Because each
   term is measured under the option it describes, the model reproduces every measured run exactly.
 - The optimizer step, under ``FakeTensorMode`` on fake copies (``optimizer_step``): its
   temporaries and the state it creates are counted without allocating them.
@@ -38,6 +39,8 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
+from . import sac
+from .roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
 from .segments import chained_groups, sequential_groups
 from .profile_adjust import with_always_alive, with_unobserved, with_untracked
 from .repeated import repeated_profile
@@ -70,7 +73,7 @@ class _MemoryRun:
 
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
-                gradients_alive: bool = False) -> _MemoryRun:
+                gradients_alive: bool = False, policy: str = "") -> _MemoryRun:
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -83,7 +86,7 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
-    with applied(model, wrapped), tracker:
+    with applied(model, wrapped, {m: policy for m in wrapped} if policy else None), tracker:
         loss = step(model)
         loss.backward()
         after_backward = tracker.current_total()
@@ -194,7 +197,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         options: all of the above but ``optimizer`` as one ``ProfileOptions`` (then the keyword
-            arguments are not read).
+            arguments are not read); its ``policies`` choose the selective-checkpointing options.
 
     Returns:
         A ``Profile``: per stage in execution order its options (stored bytes, local peak, recompute
@@ -214,7 +217,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         >>> x = torch.randn(32, 64)
         >>> profile = profile_step(net, lambda m: m(x).square().mean())
         >>> [s.name for s in profile.stages], [o.name for o in profile.stages[0].options]
-        (['0', '1', '2', '3'], ['keep', 'whole'])
+        (['0', '1', '2', '3'], ['keep', 'whole', 'sac:save_matmuls'])
         >>> fake = profile_step(net, lambda m: m(x).square().mean(), fake=True, device="cuda", gpu="h100")
         >>> fake.device, fake.stages[0].options[1].stored_bytes == profile.stages[0].options[1].stored_bytes
         ('cuda', True)
@@ -308,12 +311,19 @@ def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
     return autocast_step
 
 
-def _option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module]) -> dict[str, dict[str, tuple]]:
+def _option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
+                  policies: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
     """Per option name, the modules each stage recomputes under it (stages without the option absent)."""
     children = {name: _child_options(name, observed.stats, modules) for name in order}
     wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
     for child in sorted({c for cs in children.values() for c in cs}):
         wraps[child] = {n: (f"{n}.{child}",) for n in order if child in children[n]}
+    # A policy is an option of the stages where it differs from keep, whole and the other policies.
+    offered = {n: sac.distinct_policies(policies, [op.func for op in observed.stats[n].ops]) for n in order}
+    for policy in policies:
+        stages = {n: (n,) for n in order if policy in offered[n]}
+        if stages:
+            wraps[sac.option_name(policy)] = stages
     return wraps
 
 
@@ -331,23 +341,41 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         observed = observe_step(model, step, stage_names, timed, before_pass=replay)
         if not observed.order:
             raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
-        wraps = _option_wraps(observed.order, observed, modules)
+        policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
+        wraps = _option_wraps(observed.order, observed, modules, policies)
         span_groups = _span_groups(model, step, observed.order, replay)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
             calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
-            runs = {name: _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
-                                      optimizer, replay, gradients_alive=options.accumulation_steps > 1)
-                    for name, wrap in wraps.items()}
+            runs, dropped = {}, []
+            for name, wrap in list(wraps.items()):
+                try:
+                    runs[name] = _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
+                                             optimizer, replay, gradients_alive=options.accumulation_steps > 1,
+                                             policy=sac.policy_of(name))
+                except RuntimeError as err:
+                    # Selective checkpointing needs the recompute to run the forward's ops again,
+                    # which a forward that mutates state it reads (a key/value cache) does not.
+                    if not sac.policy_of(name):
+                        raise
+                    model.zero_grad(set_to_none=True)
+                    del wraps[name]
+                    dropped.append(f"{name} ({str(err).splitlines()[0][:120]})")
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
+    peaks = device_peaks(device, options.gpu)
+    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
+    per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                        optimizer is not None, device)
+                        optimizer is not None, device, peaks, per_op)
     profile.span_groups = span_groups
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
+    if dropped:
+        profile.notes = (*profile.notes, "selective-checkpointing option(s) dropped, their recompute did not replay "
+                         "the forward: " + "; ".join(dropped))
     if options.accumulation_steps > 1:
         profile.notes = (*profile.notes, f"gradient accumulation over {options.accumulation_steps} micro-batches: "
                          "profiled as a later micro-batch, with every gradient alive from its start")
@@ -362,18 +390,21 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],
               state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-              device: str) -> Profile:
+              device: str, peaks: Peaks, seconds_per_op: float = 0.0) -> Profile:
     """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
     modules = dict(model.named_modules())
     stats = observed.stats
     stages = []
     for i, name in enumerate(observed.order):
-        options = [
-            StageOption(name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
-                        local_peak_bytes=int(runs[option].local[i] + future_state),
-                        cost_seconds=float(sum(stats[m].seconds for m in wrap[name])),
-                        cost_flops=int(sum(stats[m].flops for m in wrap[name])))
-            for option, wrap in wraps.items() if name in wrap]
+        options = []
+        for option, wrap in wraps.items():
+            if name not in wrap:
+                continue
+            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
+            options.append(StageOption(
+                name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
+                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
+                policy=sac.policy_of(option), cost_roofline=roofline))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
@@ -396,6 +427,7 @@ def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[st
         optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
         baseline_peak_bytes=0, baseline_step_seconds=observed.step_seconds, baseline_step_flops=observed.step_flops,
         device=device, notes=tuple(n for n in [_use_cache_note(model)] if n),
+        baseline_step_roofline=roofline_seconds(observed.step_ops, peaks),
     )
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).

@@ -18,8 +18,8 @@ from ...core.budget import format_bytes
 from ...core.config import ProfileOptions, RematConfig
 from ...core.plan import Plan
 from ...report.render import print_plan
-from ...runtime.apply import (apply_plan, checkpointed_modules, existing_checkpointing, remove_remat,
-                              segmented_modules)
+from ...runtime.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
+                              remove_remat, segmented_modules)
 from ...runtime.candidates import find_stages
 from ...runtime.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measure import PeakWindow
@@ -194,7 +194,8 @@ class AutoRemat(Callback):
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
         if (checkpointed_modules(pl_module) != list(self.plan.checkpointed)
-                or segmented_modules(pl_module) != [list(s) for s in self.plan.segments]):
+                or segmented_modules(pl_module) != [list(s) for s in self.plan.segments]
+                or checkpoint_policies(pl_module) != dict(self.plan.policies)):
             self._apply(trainer, pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")

@@ -1,0 +1,238 @@
+"""Roofline costs: what an op takes at best on a device, from its FLOPs and the bytes it moves.
+
+Per op, ``max(FLOPs / peak FLOP/s, bytes read and written / memory bandwidth)``: a matmul is
+priced by its FLOPs, an elementwise op or a norm by its memory traffic, which counting FLOPs alone
+calls free. ``OpRecorder`` (a ``TorchDispatchMode``) records each op's FLOPs (torch's
+``flop_counter`` formulas) and bytes; ``device_peaks`` gives the device's two ceilings: the data
+sheet of a named GPU, or on the CPU a quick measured calibration (one matmul, one large copy,
+once per process).
+
+Example:
+    >>> import torch
+    >>> with OpRecorder() as rec:
+    ...     _ = torch.randn(8, 16) @ torch.randn(16, 4)
+    >>> [(str(op.func), op.flops, op.bytes) for op in rec.ops if op.flops]
+    [('aten.mm.default', 1024, 896)]
+    >>> roofline_seconds(rec.ops, Peaks(1e9, 1e9)) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from .sac import policy_of, recomputed_ops, register_attention_flops
+from .fake import GPU_PEAK_FLOPS
+
+# Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
+register_attention_flops()
+
+# Memory bandwidth of the GPUs in fake.GPU_PEAK_FLOPS, bytes/s (data sheets; SXM where both).
+GPU_MEMORY_BANDWIDTH = {
+    "h200": 4.8e12,
+    "h100": 3.35e12,
+    "h100-pcie": 2.0e12,
+    "b200": 8.0e12,
+    "a100": 2.039e12,
+    "a10g": 0.6e12,
+    "a10": 0.6e12,
+    "l40s": 0.864e12,
+    "l4": 0.3e12,
+    "v100": 0.9e12,
+    "t4": 0.32e12,
+    "rtx4090": 1.008e12,
+    "rtx3090": 0.936e12,
+    "mi300x": 5.3e12,
+}
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """A device's ceilings: FLOP/s and bytes/s."""
+
+    flops_per_second: float
+    bytes_per_second: float
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op of a recorded pass: the op, its FLOPs and the bytes it reads and writes."""
+
+    func: Any
+    flops: int
+    bytes: int
+
+    def seconds(self, peaks: Peaks) -> float:
+        """Roofline seconds of this op on ``peaks``."""
+        return max(self.flops / peaks.flops_per_second, self.bytes / peaks.bytes_per_second)
+
+
+def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
+    """Sum of the ops' roofline seconds."""
+    return float(sum(op.seconds(peaks) for op in ops))
+
+
+def gpu_peaks(name: str) -> Peaks:
+    """The data-sheet ceilings of a named GPU.
+
+    Example:
+        >>> gpu_peaks("H100").bytes_per_second / 1e12
+        3.35
+    """
+    key = name.strip().lower()
+    if key not in GPU_MEMORY_BANDWIDTH:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY_BANDWIDTH))}")
+    return Peaks(GPU_PEAK_FLOPS[key], GPU_MEMORY_BANDWIDTH[key])
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_peaks() -> Peaks:
+    """This CPU's measured ceilings: a float32 matmul's FLOP/s and a large copy's bytes/s (read
+    plus written), the best of a few repeats; measured once per process."""
+    # A generator of its own: calibrating must not move the global random state training uses.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
+    src = torch.zeros(8 * 2**20 // 4)  # 8 MiB: beyond most caches
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], Any], repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return max(min(times), 1e-9)
+
+    flops = 2 * 384**3 / best(lambda: torch.mm(a, b))
+    bandwidth = 2 * src.nbytes / best(lambda: dst.copy_(src))
+    return Peaks(flops, bandwidth)
+
+
+def _matching_gpu(device_name: str) -> str | None:
+    lowered = device_name.lower().replace(" ", "")
+    # Longest key first: "h100-pcie" before "h100", "a10g" before "a10".
+    for key in sorted(GPU_MEMORY_BANDWIDTH, key=len, reverse=True):
+        if key.replace("-", "") in lowered:
+            return key
+    return None
+
+
+def device_peaks(device: str, gpu: str | None = None) -> Peaks:
+    """The ceilings to price a profile for ``device``: a named ``gpu``; a CUDA device here, by its
+    name; the CPU, measured. A CUDA device of unknown name is priced as an H100.
+
+    Example:
+        >>> device_peaks("cuda", "a100").flops_per_second / 1e12
+        312.0
+    """
+    if gpu is not None:
+        return gpu_peaks(gpu)
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return cpu_peaks()
+    if kind == "cuda" and torch.cuda.is_available():
+        match = _matching_gpu(torch.cuda.get_device_name(torch.device(device)))
+        if match:
+            return gpu_peaks(match)
+    return gpu_peaks("h100")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every op under it: ``ops`` (``OpCost`` in call order); ``on_op`` is called with each.
+
+    Bytes are those of the distinct input and output tensors; a view op (which moves no data)
+    counts no bytes, and an in-place op's output (its input again) is not counted twice.
+    """
+
+    def __init__(self, on_op: Callable[[OpCost], None] | None = None):
+        super().__init__()
+        self.ops: list[OpCost] = []
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        moved = 0
+        if not func.is_view:
+            seen: set[int] = set()
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    moved += _nbytes(t)
+        op = OpCost(func, flops, moved)
+        self.ops.append(op)
+        if self.on_op is not None:
+            self.on_op(op)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def sac_seconds_per_op() -> float:
+    """What selective checkpointing adds per op of an eager step on this machine, measured once per
+    process: its dispatch modes see every op of the module (cached in forward, replayed or looked
+    up in backward). Tens of microseconds on a CPU: more than a small elementwise op costs.
+
+    Example:
+        >>> sac_seconds_per_op() >= 0.0
+        True
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from .sac import context_fn
+
+    ops = 100
+    x = torch.zeros(32, 32, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            t = t * 1.0
+        return t
+
+    def best(extra: dict) -> float:
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            checkpoint(chain, x, use_reentrant=False, **extra).sum().backward()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    with torch.enable_grad():
+        plain, selective = best({}), best({"context_fn": context_fn("save_matmuls")})
+    return max(0.0, (selective - plain) / ops)
+
+
+def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
+                 peaks: Peaks, seconds_per_op: float = 0.0) -> tuple[float, int, float]:
+    """(seconds, FLOPs, roofline seconds) that recomputing ``wrap`` (modules of stage ``name``)
+    under ``option`` costs, from the observed ``stats`` (``observe.ModuleStats`` by module name):
+    a whole module costs all its ops; a policy only the ops it recomputes, and in seconds also
+    ``seconds_per_op`` for every op of the module (``sac_seconds_per_op``: eager SAC's own cost)."""
+    policy = policy_of(option)
+    if not policy:
+        return (float(sum(stats[m].seconds for m in wrap)), int(sum(stats[m].flops for m in wrap)),
+                sum(roofline_seconds(stats[m].ops, peaks) for m in wrap))
+    ops = stats[name].ops
+    recomputed = [op for op, again in zip(ops, recomputed_ops(policy, [op.func for op in ops])) if again]
+    roofline = roofline_seconds(recomputed, peaks)
+    whole = roofline_seconds(ops, peaks)
+    # Only ops are recorded, not their times: the stage's measured time is shared by roofline.
+    seconds = stats[name].seconds * (roofline / whole) if whole > 0 else 0.0
+    seconds += len(ops) * seconds_per_op
+    # One FLOP more than its ops count: a policy that recomputes only elementwise ops (0 FLOPs to
+    # FlopCounterMode) is not free, so under cost="flops" keeping a stage wins the tie with it.
+    return seconds, int(sum(op.flops for op in recomputed)) + 1, roofline

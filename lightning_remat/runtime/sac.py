@@ -1,0 +1,188 @@
+"""Op-level selective checkpointing: named policies over torch's public SAC API.
+
+A policy decides, op by op, what a checkpointed module's forward saves for backward (the output of
+that op is kept) and what it recomputes (everything else), through
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``. Between ``"keep"`` (save
+everything) and ``"whole"`` (save only the inputs) they give the solver cheaper middle options:
+
+- ``"save_matmuls"``: save the outputs of matmuls (mm, addmm, bmm, baddbmm, scaled mm),
+  convolutions and attention (every SDPA backend); recompute the cheap elementwise ops, norms,
+  activations, dropout. Little FLOP cost, memory of the matmul outputs kept.
+- ``"save_alternate_matmuls"``: as torchtitan's op-SAC: attention saved, every other matmul (in
+  call order within the module) saved, the rest recomputed.
+- ``"save_attention"``: save only attention outputs (the op whose recompute is quadratic in the
+  sequence: a fused SDPA kernel, or the batched matmuls of SDPA's math path); recompute the
+  projections' matmuls and everything else.
+
+The same decision function replays a policy on the ops the observed forward recorded
+(``recomputed_ops``), so a policy's recompute cost is exactly the ops it recomputes.
+
+Example:
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> y = checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False, context_fn=context_fn("save_matmuls"))
+    >>> y.sum().backward()
+    >>> x.grad.shape
+    torch.Size([2, 4])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset:
+    # Some ops exist only in some builds; a name torch lacks is simply not there.
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+MATMUL_OPS = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm")
+BATCHED_MATMUL_OPS = _packets("bmm", "baddbmm")
+CONV_OPS = _packets("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable",
+                    "_slow_conv2d_forward", "mkldnn_convolution")
+ATTENTION_OPS = _packets("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+                         "_efficient_attention_forward")
+
+# Option names in a profile are "sac:" + the policy name.
+PREFIX = "sac:"
+POLICIES = ("save_matmuls", "save_alternate_matmuls", "save_attention")
+
+
+def _packet(func: Any) -> Any:
+    return getattr(func, "overloadpacket", func)
+
+
+def _decider(policy: str) -> Callable[[Any, str], bool]:
+    """A fresh stateful ``save(func, pass_key) -> bool`` for one checkpointed call."""
+    counts: dict[str, int] = defaultdict(int)
+
+    def save_matmuls(func: Any, key: str) -> bool:
+        packet = _packet(func)
+        return packet in MATMUL_OPS or packet in CONV_OPS or packet in ATTENTION_OPS
+
+    def save_attention(func: Any, key: str) -> bool:
+        # SDPA's math path (taken with a mask and dropout, as GPT-2 and BERT do on the CPU) runs
+        # attention as batched matmuls: those stand for it there.
+        return _packet(func) in ATTENTION_OPS or _packet(func) in BATCHED_MATMUL_OPS
+
+    def save_alternate_matmuls(func: Any, key: str) -> bool:
+        packet = _packet(func)
+        if packet in ATTENTION_OPS:
+            return True
+        if packet in MATMUL_OPS or packet in CONV_OPS:
+            # Counted per pass (forward, recompute) so both passes take the same decisions.
+            counts[key] += 1
+            return counts[key] % 2 == 1
+        return False
+
+    deciders = {"save_matmuls": save_matmuls, "save_attention": save_attention,
+                "save_alternate_matmuls": save_alternate_matmuls}
+    return deciders[check_policy(policy)]
+
+
+def check_policy(policy: str) -> str:
+    """Validate a policy name.
+
+    Example:
+        >>> check_policy("save_matmuls")
+        'save_matmuls'
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown selective-checkpointing policy {policy!r}; known: {', '.join(POLICIES)}")
+    return policy
+
+
+def _contexts(policy: str) -> tuple[Any, Any]:
+    decide = _decider(policy)
+
+    def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        save = decide(func, "recompute" if ctx.is_recompute else "forward")
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy_fn)
+
+
+def context_fn(policy: str) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` that runs ``policy``: only the
+    policy's two contexts, as a ``functools.partial`` of a module function (the form
+    torch.compile accepts)."""
+    return functools.partial(_contexts, check_policy(policy))
+
+
+def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
+    """For ops in forward order, whether ``policy`` recomputes each (``True``) or saves it.
+
+    Example:
+        >>> recomputed_ops("save_matmuls", [aten.addmm.default, aten.relu.default])
+        [False, True]
+        >>> recomputed_ops("save_alternate_matmuls", [aten.mm.default, aten.mm.default, aten.mm.default])
+        [False, True, False]
+    """
+    decide = _decider(policy)
+    # Ops SAC never caches (detach) run again on recompute whatever the policy says.
+    return [True if f in SAC_IGNORED_OPS else not decide(f, "forward") for f in funcs]
+
+
+def option_name(policy: str) -> str:
+    """The stage option name of a policy: ``"sac:save_matmuls"``."""
+    return PREFIX + policy
+
+
+def policy_of(option: str) -> str:
+    """The policy of an option name, or "" for keep, whole and child options."""
+    return option[len(PREFIX):] if option.startswith(PREFIX) else ""
+
+
+def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:
+    """The policies worth an option for a module running ``funcs``: those that save some op and
+    recompute some other (else they are "keep" or "whole"), one per distinct set of saved ops."""
+    chosen, seen = [], set()
+    for policy in policies:
+        recomputed = tuple(recomputed_ops(policy, funcs))
+        if all(recomputed) or not any(recomputed) or recomputed in seen:
+            continue
+        seen.add(recomputed)
+        chosen.append(policy)
+    return chosen
+
+
+# --------------------------------------------------------------------------- attention FLOPs
+# FlopCounterMode has formulas for the CUDA SDPA backends but not for the CPU flash kernel (the
+# one SDPA takes on the CPU), so attention counted 0 there; register the same formulas for it.
+
+def _register(name: str, formula: Callable[..., int]) -> None:
+    packet = getattr(aten, name, None)
+    if packet is not None and packet not in flop_registry:
+        register_flop_formula(packet)(formula)
+
+
+def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+@functools.lru_cache(maxsize=None)
+def register_attention_flops() -> None:
+    """Count attention FLOPs on every SDPA backend (idempotent; run at import)."""
+    _register("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward)
+    _register("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward)
+    _register("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward)
+    _register("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_backward)
+
+
+register_attention_flops()
