@@ -310,7 +310,7 @@ def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[
     then restore the previous plan."""
     previous, previous_policies = checkpointed_modules(model), checkpoint_policies(model)
     previous_segments = segmented_modules(model)
-    apply_plan(model, list(names), segments=[list(s) for s in segments], policies=policies or {})
+    apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {})
     try:
         yield model
     finally:

@@ -86,7 +86,7 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
-    with applied(model, wrapped, {m: policy for m in wrapped} if policy else None), tracker:
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), tracker:
         loss = step(model)
         loss.backward()
         after_backward = tracker.current_total()
