@@ -251,7 +251,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1, world_size: int = 1) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1, policies: Any = ()) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -274,6 +274,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         world_size: with ``fake``, plan one GPU of an FSDP2 step sharded over this many GPUs
             (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
             GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
+        policies: op-level selective-checkpointing policies to offer as options of every stage
+            (``("save_matmuls",)``, or None for all of ``runtime.sac.POLICIES``); none by default.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -299,7 +301,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model), world_size=world_size))
+        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
 
