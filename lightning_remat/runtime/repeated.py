@@ -225,6 +225,13 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 BALLAST = 2**50
 
 
+def _ballast_tensor(nbytes: int, device: torch.device | None) -> torch.Tensor:
+    """Two bytes ``nbytes - 1`` apart: a storage of ``nbytes`` (what the memory tracker counts) in a
+    tensor of two elements (what the roofline's op recorder counts as moved: an ``empty`` of
+    ``nbytes`` would price the step hundreds of seconds higher)."""
+    return torch.empty_strided((2,), (nbytes - 1,), dtype=torch.uint8, device=device)
+
+
 class _Ballast(torch.autograd.Function):
     """Identity on the loss. Forward phase: releases ``held`` (allocated before the forward) when the
     backward pass starts. Backward phase: allocates ``nbytes`` when it starts, held until it ends."""
@@ -238,7 +245,7 @@ class _Ballast(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
         ctx.held = None
         if ctx.nbytes:
-            held = [torch.empty(ctx.nbytes, dtype=torch.uint8, device=grad.device)]
+            held = [_ballast_tensor(ctx.nbytes, grad.device)]
             torch.autograd.Variable._execution_engine.queue_callback(held.clear)
         return grad, None, None
 
@@ -259,7 +266,7 @@ def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
         raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
 
     def lifted(model: nn.Module) -> torch.Tensor:
-        held = torch.empty(nbytes, dtype=torch.uint8) if phase == "forward" else None
+        held = _ballast_tensor(nbytes, None) if phase == "forward" else None
         loss = step(model)
         return _Ballast.apply(loss, held, nbytes if phase == "backward" else 0)
 
