@@ -108,3 +108,16 @@ def test_forward_and_backward_figures_are_extrapolated_apart():
     bent = replace(forward[1], stages=tuple(stages))
     bent.baseline_peak_bytes = predict_peak(bent, [0] * 5)
     assert repeated.extrapolate((forward[0], bent), backward, x, "l", 20) is None
+
+
+def test_sharded_extrapolated_profile_equals_full_profile(monkeypatch):
+    # FSDP2 at 8 GPUs: deep in the forward a gap's figure falls to its floor (zero plus the optimizer
+    # state yet to exist) while it was above it at 4 and 5 layers; the extrapolation clamps it there.
+    monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
+    case = build("llama", layers=10, batch_size=2, seq_len=64)
+    fast, full = _profiles(case, precision="bf16-mixed", world_size=8)
+    assert any(n.startswith("extrapolated from profiles of 4 and 5") for n in fast.notes)
+    assert fast.sharding == full.sharding and full.sharding["world_size"] == 8
+    floor = full.optimizer_state_bytes
+    assert any(s.peak_bytes == floor for s in full.segments)  # the clamp is exercised
+    _assert_equal_profiles(fast, full)
