@@ -341,7 +341,19 @@ def _skeleton(profile: Profile) -> dict:
     for segment in data["segments"]:
         segment.pop("peak_bytes")
     data.pop("baseline_peak_bytes")
-    return data
+    # Roofline seconds are float sums over thousands of ops, whose last bits differ between the
+    # forward- and backward-ballast runs: compared to nine significant digits.
+    return _rounded(data)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rounded(v) for v in value)
+    return value
 
 
 class _NoFit(Exception):
