@@ -36,6 +36,9 @@ def test_gradients_rng_and_batchnorm_bit_equal():
     # The hooks really ran: the stages' saved activations went out (not the parameters).
     sent = model_offloader(off).host_bytes
     assert set(sent) == {"0", "1", "3"} and all(v > 5 * 4 * 8 * 8 * 4 for v in sent.values()), sent
+    # Stages 0 and 1 come back ahead of their backward (the next stage's backward started); stage 3's
+    # next module is not a stage, so it comes back on demand.
+    assert set(model_offloader(off).prefetched) == {"0", "1"}, model_offloader(off).prefetched
 
 
 def test_parameters_and_host_tensors_left_alone():

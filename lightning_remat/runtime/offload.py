@@ -9,9 +9,9 @@
   device (already on the host) are returned unchanged. The device tensor is held until the next
   stage's forward has run (``order`` given) or backward starts: the copy is then surely done, and
   the copy overlaps the next stage's compute.
-- unpack: the tensor comes back. When the backward of an offloaded stage starts (its first unpack),
-  the previous stage's tensors, when that stage is offloaded too, start coming back on the side
-  stream (prefetch, one stage ahead); a tensor not prefetched comes back when it is needed.
+- unpack: the tensor comes back. When the backward of the next stage starts (the gradient of its
+  output is computed), the offloaded stage's tensors start coming back on the side stream
+  (prefetch, one stage ahead); a tensor not prefetched comes back when it is needed.
 
 Values are copied bit for bit, and nothing touches RNG state or buffers, so gradients, dropout masks
 and BatchNorm statistics are those of the plain model. On the CPU the "host" copy is a plain copy
@@ -60,11 +60,10 @@ class _Packed:
 class _Group:
     """The tensors one forward call of one offloaded module saved."""
 
-    def __init__(self, name: str, previous: "_Group | None"):
+    def __init__(self, name: str):
         self.name = name
+        # Weak: a tensor lives as long as autograd holds it, and no longer.
         self.handles: list[weakref.ref] = []
-        # Weak: a group lives as long as autograd holds one of its tensors, and no longer.
-        self.previous = weakref.ref(previous) if previous is not None else None
         self.unpacked = False
         self.released = False
 
@@ -77,8 +76,6 @@ class Offloader:
 
     Attributes:
         host_bytes: bytes sent to the host since the last ``reset``, per module name.
-        prefetch_after: module name -> the offloaded stage run just before it, whose tensors start
-            coming back when this module's backward starts.
 
     Example:
         >>> off = Offloader(measure=False)
@@ -86,17 +83,17 @@ class Offloader:
         {}
     """
 
-    def __init__(self, measure: bool = False, prefetch_after: dict[str, str] | None = None):
+    def __init__(self, measure: bool = False):
         self.measure = measure
-        self.prefetch_after = dict(prefetch_after or {})
         self.host_bytes: dict[str, int] = {}
-        self._last: weakref.ref | None = None
+        self.latest: dict[str, weakref.ref] = {}  # name -> its group of the current step
+        self.prefetched: dict[str, int] = {}  # name -> tensors brought back ahead of their backward
         self._in_flight: list[tuple[weakref.ref, bool]] = []  # (group, released by its next stage's hook)
         self._stream: Any = None
         self._protected: set[int] = set()
 
     def reset(self) -> None:
-        self.host_bytes = {}
+        self.host_bytes, self.prefetched = {}, {}
 
     # -- the copies --------------------------------------------------------------------------
 
@@ -150,6 +147,7 @@ class Offloader:
         for handle in group.live():
             if handle.back is not None or handle.device_tensor is not None or handle.host is None:
                 continue
+            self.prefetched[group.name] = self.prefetched.get(group.name, 0) + 1
             stream = None if self.measure else self._side_stream(handle.device)
             if stream is None:
                 handle.back = self._to_device(handle, None)
@@ -164,9 +162,8 @@ class Offloader:
 
     def begin(self, name: str, module: nn.Module) -> _Group:
         """A new forward call of ``name``: a new group of saved tensors."""
-        previous = self._last() if self._last is not None else None
-        group = _Group(name, previous)
-        self._last = weakref.ref(group)
+        group = _Group(name)
+        self.latest[name] = weakref.ref(group)
         self._protected = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
         self._device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
         return group
@@ -197,19 +194,13 @@ class Offloader:
             return handle
         group = handle.group
         if not group.unpacked:
-            # This stage's backward starts: everything in flight is done by now, and the previous
-            # stage's tensors start coming back.
+            # This stage's backward starts: whatever is still in flight is surely copied by now.
             group.unpacked = True
             for ref, _ in self._in_flight:
                 earlier = ref()
                 if earlier is not None:
                     self._release(earlier)
             self._in_flight = []
-            self._release(group)
-            previous = group.previous() if group.previous is not None else None
-            if previous is not None and self.prefetch_after.get(group.name) == previous.name:
-                self._release(previous)
-                self._prefetch(previous)
         if handle.device_tensor is not None:
             return handle.device_tensor
         if handle.back is not None:
@@ -221,6 +212,12 @@ class Offloader:
                 t.record_stream(current)  # allocated on the side stream, used on this one
             return t
         return self._to_device(handle, None)
+
+
+def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -> None:
+    group = ref()
+    if group is not None and not group.unpacked:
+        offloader._prefetch(group)
 
 
 def _offloading_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -260,8 +257,9 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
     Args:
         names: module names (as in ``model.named_modules()``); none inside another.
         order: every stage in execution order (a plan's stages): with it, a stage's tensors leave
-            the device once the next stage's forward ran, and come back (prefetch) when the
-            next stage's backward starts, where that stage is offloaded too.
+            the device once the next stage's forward ran, and start coming back (prefetch) when
+            the next stage's backward starts (the gradient of its output is computed). Without
+            it they leave when the next offloaded stage's forward ends and come back on demand.
         measure: keep only metadata on the "host" (fake profiles).
 
     A previous offload is replaced. ``remove_offload`` (and ``apply.remove_remat``) undo it exactly.
@@ -280,13 +278,8 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
     if nested or len(set(names)) != len(names):
         raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or names}")
     remove_offload(model)
-    prefetch_after: dict[str, str] = {}
-    chosen = set(names)
     position = {n: i for i, n in enumerate(order or ())}
-    for i, name in enumerate(order or ()):
-        if name in chosen and i > 0 and order[i - 1] in chosen:
-            prefetch_after[name] = order[i - 1]
-    offloader = Offloader(measure=measure, prefetch_after=prefetch_after)
+    offloader = Offloader(measure=measure)
     for name in names:
         module = modules[name]
         module.__dict__[_HAD_INSTANCE_FORWARD] = "forward" in module.__dict__
@@ -300,13 +293,18 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
         # The next stage's forward ran: this stage's copies are done, its device tensors may go.
         nxt = modules[order[i + 1]]
 
-        def release(_m: nn.Module, _args: Any, _out: Any, name: str = name) -> None:
-            for ref, _ in list(offloader._in_flight):
-                group = ref()
-                if group is not None and group.name == name:
-                    offloader._release(group)
+        def after_next(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
+            ref = offloader.latest.get(name)
+            group = ref() if ref is not None else None
+            if group is None or not torch.is_grad_enabled():
+                return
+            offloader._release(group)
+            # The gradient of the next stage's output is its backward's start: prefetch then.
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if leaves:
+                leaves[0].register_hook(functools.partial(_prefetch_hook, weakref.ref(group), offloader))
 
-        modules[name].__dict__[_RELEASE_HOOK] = nxt.register_forward_hook(release)
+        modules[name].__dict__[_RELEASE_HOOK] = nxt.register_forward_hook(after_next)
     return model
 
 
