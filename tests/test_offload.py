@@ -72,3 +72,65 @@ def test_recomputed_and_offloaded_is_an_error():
     with pytest.raises(ValueError, match="does not have"):
         apply_offload(net, ["nope"])
     remove_offload(net)
+
+
+def _llama(layers=4, hidden=256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, vocab_size=512, use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).train()
+
+
+def _llama_step(batch, seq):
+    ids = torch.randint(0, 512, (batch, seq))
+    return lambda m: m(input_ids=ids, labels=ids).loss
+
+
+def test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget():
+    from lightning_remat.core.solve import least_peak, solve
+    from lightning_remat.runtime.profile import profile_step
+
+    model = _llama(4, 1024)
+    step = _llama_step(2, 512)
+    from lightning_remat.core.config import ProfileOptions
+
+    both = profile_step(model, step, options=ProfileOptions(fake=True, gpu="h100", device="cuda", offload=True,
+                                                            precision="bf16-mixed"))
+    assert all(s.option("offload").host_bytes > 0 for s in both.stages)
+    # "offload:hidden" moves what the link carries while the next stage computes, at no cost.
+    hidden = [s.option("offload:hidden") for s in both.stages[:-1]]
+    assert all(0 < o.host_bytes and o.cost_seconds == 0 for o in hidden), hidden
+    # The offload option's memory run: what stays on the device is far less than keep's.
+    assert all(s.option("offload").stored_bytes < s.options[0].stored_bytes / 2 for s in both.stages)
+    only = replace_profile_without_offload(both)
+    # A tight budget: where recomputation alone costs more than 5% (sac's policies are nearly free
+    # in FLOPs, so that is close to its least peak).
+    low, high = least_peak(only), both.baseline_peak_bytes
+    budget = next(b for b in (low + (high - low) * k // 100 for k in (20, 10, 5, 2, 1, 0))
+                  if solve(only, b, "time").predicted_overhead > 0.05)
+    recompute_only, with_offload = solve(only, budget, "time"), solve(both, budget, "time")
+    assert with_offload.offloaded and with_offload.predicted_peak_bytes <= budget
+    assert with_offload.predicted_overhead < recompute_only.predicted_overhead, (
+        with_offload.predicted_overhead, recompute_only.predicted_overhead)
+    # Offloading reaches below the least peak of recomputation alone.
+    assert least_peak(both) < least_peak(only)
+
+
+def replace_profile_without_offload(profile):
+    from lightning_remat.core.offload_model import without_offload
+
+    return without_offload(profile, set(range(len(profile.stages))))
+
+
+def test_offload_without_an_accelerator_target_is_an_error():
+    from lightning_remat import plan_remat
+    from lightning_remat.core.errors import RematError
+
+    net = _net()
+    x = torch.randn(2, 4, 8, 8)
+    with pytest.raises(RematError, match="nothing to gain without an accelerator.*fake=True, gpu="):
+        plan_remat(net, lambda m: m(x).sum(), "min", offload=True)
+    with pytest.raises(RematError, match="nothing to gain"):
+        plan_remat(net, lambda m: m(x).sum(), "min", offload=True, fake=True)

@@ -57,6 +57,9 @@ class StageOption:
     # there: the "offload" option. Its cost is the transfer time not hidden behind compute.
     offloaded: tuple[str, ...] = ()
     host_bytes: int = 0
+    # "offload:hidden": only this many bytes per forward call go out (what the host link moves
+    # while the next stage computes); 0: everything.
+    offload_limit: int = 0
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline

@@ -35,6 +35,18 @@ from typing import Any, Callable
 from .memory_model import Profile
 
 OFFLOAD = "offload"
+# Offload only what the host link moves while the next stage's forward runs: free by construction.
+OFFLOAD_HIDDEN = "offload:hidden"
+
+
+def is_offload(option_name: str) -> bool:
+    """Whether an option name is one of the offload options.
+
+    Example:
+        >>> is_offload("offload:hidden"), is_offload("whole")
+        (True, False)
+    """
+    return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
 
 # Effective host-link bandwidth (bytes/s, one direction) of a named GPU: PCIe 3 ~12 GB/s, PCIe 4
 # ~25 GB/s, PCIe 5 ~50 GB/s effective, NVLink-C2C (Grace Hopper) ~400 GB/s.
@@ -70,7 +82,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
         hidden = nxt.forward_seconds if nxt is not None else 0.0
         next_peak = max(o.local_peak_bytes for o in nxt.options) if nxt is not None else after_last
         for option in stage.options:
-            if option.name == OFFLOAD:
+            if is_offload(option.name):
                 transfer = option.host_bytes / bandwidth
                 seconds = max(0.0, transfer - hidden) + max(0.0, transfer - 2 * hidden)
                 local = max(option.local_peak_bytes, option.stored_bytes + option.host_bytes + next_peak)
@@ -89,7 +101,7 @@ def plan_host_bytes(profile: Profile, choices: list[int]) -> int:
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
     """``profile`` with the offload option removed from the given stage indices."""
     return replace(profile, stages=tuple(
-        replace(s, options=tuple(o for o in s.options if o.name != OFFLOAD)) if i in stages else s
+        replace(s, options=tuple(o for o in s.options if not o.offloaded)) if i in stages else s
         for i, s in enumerate(profile.stages)))
 
 
@@ -131,8 +143,8 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
         if plan.host_bytes <= host_free:
             return plan
         first_host = first_host if first_host is not None else plan.host_bytes
-        chosen = sorted(((s.option(OFFLOAD).host_bytes, i) for i, s in enumerate(profile.stages)
-                         if any(o.name == OFFLOAD for o in s.options) and s.name in plan.offloaded), reverse=True)
+        chosen = sorted(((max(o.host_bytes for o in s.options), i) for i, s in enumerate(profile.stages)
+                         if s.name in plan.offloaded), reverse=True)
         excess = plan.host_bytes - host_free
         for host, i in chosen:
             withdrawn.add(i)

@@ -83,6 +83,8 @@ class Plan:
     # (``runtime.offload``); ``host_bytes`` is what they hold on the host.
     offloaded: list[str] = field(default_factory=list)
     host_bytes: int = 0
+    # Per offloaded module, the bytes it offloads at most per forward call (absent: everything).
+    offload_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
@@ -128,6 +130,7 @@ class Plan:
         if not isinstance(offloaded, (list, tuple)) or not all(isinstance(n, str) for n in offloaded):
             raise ValueError(f"a plan's 'offloaded' must be a list of module names, got {offloaded!r}")
         known["offloaded"] = list(offloaded)
+        known["offload_limits"] = {str(k): int(v) for k, v in data.get("offload_limits", {}).items()}
         return cls(**known)
 
     def summary(self, title: str = "Recompute plan") -> str:

@@ -291,8 +291,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         from .offload import apply_offload
 
         order = [c.stage for c in getattr(plan, "choices", [])] or None
+        limits = {k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded}
         with uncompiled(model) as plain:
-            apply_offload(plain, offloaded, order=order)
+            apply_offload(plain, offloaded, order=order, limits=limits)
     return model
 
 

@@ -42,6 +42,10 @@ _STATE = "_remat_offload_state"
 _RELEASE_HOOK = "_remat_offload_release_hook"
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class _Packed:
     """One saved tensor while it is away: its host copy, and its device self while in flight."""
 
@@ -64,6 +68,8 @@ class _Group:
         self.name = name
         # Weak: a tensor lives as long as autograd holds it, and no longer.
         self.handles: list[weakref.ref] = []
+        self.sent = 0
+        self.pending: list[_Packed] = []  # with a limit: chosen when the forward ends
         self.unpacked = False
         self.released = False
 
@@ -83,8 +89,9 @@ class Offloader:
         {}
     """
 
-    def __init__(self, measure: bool = False):
+    def __init__(self, measure: bool = False, limits: dict[str, int] | None = None):
         self.measure = measure
+        self.limits = dict(limits or {})  # name -> bytes offloaded at most per forward call
         self.host_bytes: dict[str, int] = {}
         self.latest: dict[str, weakref.ref] = {}  # name -> its group of the current step
         self.prefetched: dict[str, int] = {}  # name -> tensors brought back ahead of their backward
@@ -138,6 +145,8 @@ class Offloader:
             return
         group.released = True
         for handle in group.live():
+            if handle.host is None:
+                continue  # not offloaded (beyond the limit): the handle keeps the tensor
             if handle.event is not None:
                 # Later work on the compute stream waits for the copy, so the memory is free to reuse.
                 torch.cuda.current_stream(handle.device).wait_event(handle.event)
@@ -160,17 +169,33 @@ class Offloader:
 
     # -- the hooks ---------------------------------------------------------------------------
 
-    def begin(self, name: str, module: nn.Module) -> _Group:
+    def begin(self, name: str, module: nn.Module, inputs: Any = ()) -> _Group:
         """A new forward call of ``name``: a new group of saved tensors."""
         group = _Group(name)
         self.latest[name] = weakref.ref(group)
         self._protected = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
         self._device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
+        # The module's inputs: the caller holds them anyway, so offloading them frees nothing.
+        group.inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(inputs)
+                        if isinstance(t, torch.Tensor)}
         return group
 
     def end(self, group: _Group, has_release_hook: bool) -> None:
-        """The forward of ``group`` ended: release earlier groups still in flight (those whose
-        next stage has no hook of its own), keep this one in flight until its next stage ran."""
+        """The forward of ``group`` ended: with a limit, send its largest tensors (not its inputs)
+        up to the limit; release earlier groups still in flight (those whose next stage has no hook
+        of its own), keep this one in flight until its next stage ran."""
+        if group.pending:
+            limit = self.limits[group.name]
+            for handle in sorted(group.pending, key=lambda h: -_nbytes(h.device_tensor)):
+                t = handle.device_tensor
+                nbytes = _nbytes(t)
+                if group.sent + nbytes > limit or t.untyped_storage()._cdata in group.inputs:
+                    continue
+                group.sent += nbytes
+                handle.device_tensor = None
+                self._to_host(handle, t)
+                self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + nbytes
+            group.pending = []
         waiting = []
         for ref, hooked in self._in_flight:
             earlier = ref()
@@ -184,9 +209,18 @@ class Offloader:
         if t.device != self._device or t.untyped_storage()._cdata in self._protected:
             return t
         handle = _Packed(group)
-        self._to_host(handle, t)
-        self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + t.numel() * t.element_size()
         group.handles.append(weakref.ref(handle))
+        if group.name in self.limits:
+            # Which tensors go is decided when the forward ends (the largest, up to the limit):
+            # until then, and for those that stay, the handle holds the tensor itself.
+            handle.device_tensor = t
+            handle.device = t.device
+            group.pending.append(handle)
+            return handle
+        nbytes = _nbytes(t)
+        group.sent += nbytes
+        self._to_host(handle, t)
+        self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + nbytes
         return handle
 
     def unpack(self, handle: Any) -> torch.Tensor:
@@ -225,7 +259,7 @@ def _offloading_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     offloader, name = module.__dict__[_STATE]
-    group = offloader.begin(name, module)
+    group = offloader.begin(name, module, (args, kwargs))
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(offloader.pack, group), offloader.unpack):
         out = original(*args, **kwargs)
     offloader.end(group, _RELEASE_HOOK in module.__dict__)
@@ -251,7 +285,7 @@ def model_offloader(model: nn.Module) -> Offloader | None:
 
 
 def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] | None = None,
-                  measure: bool = False) -> nn.Module:
+                  measure: bool = False, limits: dict[str, int] | None = None) -> nn.Module:
     """Offload, in place, what the named modules save for backward; returns ``model``.
 
     Args:
@@ -261,6 +295,8 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
             the next stage's backward starts (the gradient of its output is computed). Without
             it they leave when the next offloaded stage's forward ends and come back on demand.
         measure: keep only metadata on the "host" (fake profiles).
+        limits: per module, the bytes offloaded at most per forward call (tensors saved in order
+            until the next would pass it; the rest stays on the device); default everything.
 
     A previous offload is replaced. ``remove_offload`` (and ``apply.remove_remat``) undo it exactly.
 
@@ -279,7 +315,7 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
         raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or names}")
     remove_offload(model)
     position = {n: i for i, n in enumerate(order or ())}
-    offloader = Offloader(measure=measure)
+    offloader = Offloader(measure=measure, limits=limits)
     for name in names:
         module = modules[name]
         module.__dict__[_HAD_INSTANCE_FORWARD] = "forward" in module.__dict__

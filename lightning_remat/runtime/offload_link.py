@@ -17,13 +17,15 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..core.config import ProfileOptions
 from ..core.errors import RematError
 from ..core.memory_model import Profile
 from ..core.offload_model import HOST_LINK_BANDWIDTH, host_link_bandwidth, with_offload_costs
-from .fake import GPU_EFFICIENCY
+from .fake import GPU_EFFICIENCY, gpu_peak_flops
 from .roofline import _matching_gpu, device_peaks
 
 _MEASURE_BYTES = 64 * 2**20
@@ -71,6 +73,20 @@ def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
     return HOST_LINK_BANDWIDTH["h100"], "assumed PCIe 5 (no GPU named)"
 
 
+def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:
+    """Per stage (but the last), the bytes the host link moves while the next stage's forward runs:
+    the ``offload:hidden`` option offloads that much, whose transfer compute hides entirely."""
+    bandwidth, _ = link_bandwidth(options, device)
+    if timed:
+        seconds = {n: observed.stats[n].seconds for n in observed.order}
+    else:
+        rate = (gpu_peak_flops(options.gpu) if options.gpu else device_peaks(device).flops_per_second) * GPU_EFFICIENCY
+        seconds = {n: observed.stats[n].flops / rate for n in observed.order}
+    order = observed.order
+    limits = {order[i]: int(bandwidth * seconds[order[i + 1]]) for i in range(len(order) - 1)}
+    return {n: v for n, v in limits.items() if v > 0}
+
+
 def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Profile:
     """``profile`` with its offload options priced for the target's host link (and a note)."""
     bandwidth, source = link_bandwidth(options, device)
@@ -79,3 +95,28 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
     priced.notes = (*priced.notes, f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
                     "transfer is hidden behind the next stage's compute where it is shorter")
     return priced
+
+
+def host_free_bytes() -> int:
+    """Host memory available now (psutil if installed, else ``/proc/meminfo``'s MemAvailable).
+
+    Example:
+        >>> host_free_bytes() > 0
+        True
+    """
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
