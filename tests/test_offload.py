@@ -133,4 +133,49 @@ def test_offload_without_an_accelerator_target_is_an_error():
     with pytest.raises(RematError, match="nothing to gain without an accelerator.*fake=True, gpu="):
         plan_remat(net, lambda m: m(x).sum(), "min", offload=True)
     with pytest.raises(RematError, match="nothing to gain"):
-        plan_remat(net, lambda m: m(x).sum(), "min", offload=True, fake=True)
+        plan_remat(net, lambda m: m(x).sum(), "min", offload=True, fake=True, cost="flops")
+
+
+def test_plan_round_trip_summary_and_metrics():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.service.planning import plan_metrics
+
+    plan = Plan(["h.1"], 2**30, 2**31, 2**30, 0.05, offloaded=["h.0"], host_bytes=3 * 2**20,
+                offload_limits={"h.0": 2**20})
+    assert Plan.from_dict(plan.to_dict()) == plan
+    summary = " ".join(plan.summary().split())
+    assert "offloaded to host memory" in summary and "1 module(s), 3.00 MiB on the host" in summary, summary
+    metrics = plan_metrics(plan)
+    assert metrics["remat/offloaded_bytes"] == metrics["remat/host_bytes"] == 3 * 2**20
+    with pytest.raises(ValueError, match="'offloaded' must be a list"):
+        Plan.from_dict({**plan.to_dict(), "offloaded": "h.0"})
+
+
+def test_host_memory_too_small_is_a_clear_error():
+    from lightning_remat.core.errors import RematError
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.offload_model import solve_within_host
+    from lightning_remat.core.solve import solve
+
+    keep = StageOption("keep", (), 100, 100, 0.0, 0)
+    off = StageOption("offload", (), 0, 60, 0.1, 1, offloaded=("a",), host_bytes=100)
+    whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
+    profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
+    assert solve_within_host(profile, 100, lambda p: solve(p, 70)).offloaded == ["a"]
+    with pytest.raises(RematError, match="host memory.*has 99 B free"):
+        solve_within_host(profile, 99, lambda p: solve(p, 70))
+
+
+def test_accelerate_env_flag_and_cli_flag(monkeypatch):
+    from lightning_remat.integrations.accelerate.plugin import RematPlugin
+    from lightning_remat.integrations.cli import _parser as build_parser
+
+    monkeypatch.setenv("ACCELERATE_REMAT_OFFLOAD", "true")
+    assert RematPlugin(budget="1GB").config().profile.offload is True
+    monkeypatch.setenv("ACCELERATE_REMAT_OFFLOAD", "maybe")
+    with pytest.raises(ValueError, match="ACCELERATE_REMAT_OFFLOAD='maybe'"):
+        RematPlugin(budget="1GB")
+    monkeypatch.delenv("ACCELERATE_REMAT_OFFLOAD")
+    assert RematPlugin(budget="1GB").config().profile.offload is False
+    args = build_parser().parse_args(["plan", "f.py:make", "--budget", "1GB", "--offload"])
+    assert args.offload is True
