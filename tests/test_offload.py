@@ -41,6 +41,20 @@ def test_gradients_rng_and_batchnorm_bit_equal():
     assert set(model_offloader(off).prefetched) == {"0", "1"}, model_offloader(off).prefetched
 
 
+def test_offload_within_a_limit_is_exact_and_sends_whole_storages_up_to_it():
+    x = torch.randn(5, 4, 8, 8)
+    plain, off = _net(), _net()
+    limit = 5 * 4 * 8 * 8 * 4 * 2 + 1  # two of the stage's activation-sized storages
+    apply_offload(off, ["0", "1", "2"], order=["0", "1", "2", "3"], limits={"0": limit, "1": limit, "2": limit})
+    assert torch.equal(_step(plain, x), _step(off, x))
+    for (name, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), off.buffers()):
+        assert torch.equal(a, b), name
+    sent = model_offloader(off).host_bytes
+    assert all(0 < v < limit for v in sent.values()) and set(sent) == {"0", "1", "2"}, sent
+
+
 def test_parameters_and_host_tensors_left_alone():
     net = nn.Linear(8, 8)
     seq = nn.Sequential(net)

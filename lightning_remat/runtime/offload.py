@@ -49,7 +49,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class _Packed:
     """One saved tensor while it is away: its host copy, and its device self while in flight."""
 
-    __slots__ = ("device_tensor", "host", "event", "group", "back", "back_event", "device", "__weakref__")
+    __slots__ = ("device_tensor", "host", "event", "group", "back", "back_event", "device", "base", "view",
+                 "__weakref__")
 
     def __init__(self, group: "_Group"):
         self.group = group
@@ -59,6 +60,9 @@ class _Packed:
         self.back: torch.Tensor | None = None
         self.back_event: Any = None
         self.device: torch.device | None = None
+        # A view of a storage sent once as a whole (``base``): (size, stride, storage offset).
+        self.base: _Packed | None = None
+        self.view: tuple | None = None
 
 
 class _Group:
@@ -185,16 +189,34 @@ class Offloader:
         up to the limit; release earlier groups still in flight (those whose next stage has no hook
         of its own), keep this one in flight until its next stage ran."""
         if group.pending:
-            limit = self.limits[group.name]
-            for handle in sorted(group.pending, key=lambda h: -_nbytes(h.device_tensor)):
-                t = handle.device_tensor
-                nbytes = _nbytes(t)
-                if group.sent + nbytes > limit or t.untyped_storage()._cdata in group.inputs:
+            # Whole storages go, largest first: a tensor whose storage another saved tensor (a view)
+            # still holds frees nothing.
+            by_storage: dict[int, list[_Packed]] = {}
+            for handle in group.pending:
+                by_storage.setdefault(handle.device_tensor.untyped_storage()._cdata, []).append(handle)
+            sizes = {k: hs[0].device_tensor.untyped_storage().nbytes() for k, hs in by_storage.items()}
+            limit, sent = self.limits[group.name], 0
+            for key in sorted(by_storage, key=lambda k: -sizes[k]):
+                handles = by_storage[key]
+                first = handles[0].device_tensor
+                if (key in group.inputs or sent + sizes[key] > limit
+                        or any(h.device_tensor.dtype != first.dtype for h in handles)):
                     continue
-                group.sent += nbytes
-                handle.device_tensor = None
-                self._to_host(handle, t)
-                self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + nbytes
+                sent += sizes[key]
+                # The storage goes once; each saved tensor comes back as a view of it.
+                base = _Packed(group)
+                group.handles.append(weakref.ref(base))
+                numel = sizes[key] // first.element_size()
+                if self.measure:
+                    base.device = first.device
+                    base.host = torch.empty(numel, dtype=first.dtype, device="meta")
+                else:
+                    self._to_host(base, first.new_empty(0).set_(first.untyped_storage(), 0, (numel,), (1,)))
+                self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + sizes[key]
+                for handle in handles:
+                    t, handle.device_tensor = handle.device_tensor, None
+                    handle.base, handle.view = base, (t.size(), t.stride(), t.storage_offset())
+            group.sent += sent
             group.pending = []
         waiting = []
         for ref, hooked in self._in_flight:
@@ -223,6 +245,19 @@ class Offloader:
         self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + nbytes
         return handle
 
+    def _whole(self, base: _Packed) -> torch.Tensor:
+        """A storage sent as a whole, back on the device (kept while its views are unpacked)."""
+        if base.device_tensor is not None:
+            return base.device_tensor
+        if base.back is None:
+            base.back = self._to_device(base, None)
+        elif base.back_event is not None:
+            current = torch.cuda.current_stream(base.device)
+            current.wait_event(base.back_event)
+            base.back.record_stream(current)
+            base.back_event = None
+        return base.back
+
     def unpack(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, _Packed):
             return handle
@@ -235,6 +270,8 @@ class Offloader:
                 if earlier is not None:
                     self._release(earlier)
             self._in_flight = []
+        if handle.base is not None:
+            return self._whole(handle.base).as_strided(*handle.view)
         if handle.device_tensor is not None:
             return handle.device_tensor
         if handle.back is not None:
