@@ -9,7 +9,8 @@ things it does not see are added here, both while the *next* stage runs:
 - in backward, they come back (prefetch) while the next stage's backward runs.
 
 Both are at most the stage's ``host_bytes`` on top of the next stage's peak, whatever option the
-next stage runs under. That is a term of the *stage's own* option (the memory model is additive):
+next stage runs under. And a prefetched stage has all its tensors back when its backward starts,
+so its own local peak is at least keep's. That is a term of the *stage's own* option (the memory model is additive):
 its local peak is raised to ``stored + host_bytes + the largest local peak of the next stage`` (or
 of the segment that follows the last stage), which bounds the real peak from above.
 
@@ -75,6 +76,15 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
     ``flops_per_second``, roofline seconds) and their in-flight bytes bounded (module docstring)."""
     stages = list(profile.stages)
     n = len(stages)
+    # First: a stage prefetched (every stage but the last) has all its tensors back when its
+    # backward starts, as if kept: its local peak is at least keep's (plus what the host copies
+    # add beyond keep's stored bytes, for storages sent more than once).
+    for i, stage in enumerate(stages[:-1]):
+        keep = stage.options[0]
+        stages[i] = replace(stage, options=tuple(
+            replace(o, local_peak_bytes=int(max(o.local_peak_bytes, keep.local_peak_bytes
+                                                + max(0, o.stored_bytes + o.host_bytes - keep.stored_bytes))))
+            if is_offload(o.name) else o for o in stage.options))
     after_last = max((s.peak_bytes for s in profile.segments if s.stages_alive == n), default=0)
     for i, stage in enumerate(stages):
         options = []
