@@ -8,6 +8,8 @@ high-water mark is its own. Prints a table and writes ``docs/benchmarks/plan_spe
     python benchmarks/plan_speed.py                  # 7B and 70B, identical layers profiled once
     python benchmarks/plan_speed.py --also-full      # and 7B with every layer profiled
     python benchmarks/plan_speed.py --row 7b         # one row, JSON on stdout
+    python benchmarks/plan_speed.py --world-size 8   # and the 70B sharded over 8 GPUs (FSDP2)
+    python benchmarks/plan_speed.py --row 70b --world-size 8
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def _resident() -> tuple[int, int]:
     return rusage, rusage
 
 
-def row(name: str, repeated_blocks: bool) -> dict:
-    """Plan one model in this process and report time, memory and the predicted peaks."""
+def row(name: str, repeated_blocks: bool, world_size: int = 1) -> dict:
+    """Plan one model in this process (one GPU of ``world_size`` under FSDP2) and report time, memory
+    and the predicted peaks."""
     import torch
     import transformers
 
@@ -64,14 +67,14 @@ def row(name: str, repeated_blocks: bool) -> dict:
     ids = torch.randint(0, 32000, (1, tokens))
     optimizer = torch.optim.AdamW(model.parameters())
     options = ProfileOptions(fake=True, dtype=torch.bfloat16, device="cuda", gpu="h100",
-                             repeated_blocks=repeated_blocks)
+                             repeated_blocks=repeated_blocks, world_size=world_size)
     profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, optimizer=optimizer, options=options)
     plan = solve(profile, "min", cost="flops")
     seconds = time.perf_counter() - start
     hwm, maxrss = _resident()
     return {
         "model": f"llama-{name}", "layers": sizes["num_hidden_layers"], "tokens": tokens,
-        "repeated_blocks": repeated_blocks, "extrapolated": any(n.startswith("extrapolated") for n in profile.notes),
+        "world_size": world_size, "repeated_blocks": repeated_blocks, "extrapolated": any(n.startswith("extrapolated") for n in profile.notes),
         "seconds": round(seconds, 2), "max_resident_bytes": hwm, "ru_maxrss_bytes": maxrss,
         "baseline_peak_bytes": profile.baseline_peak_bytes, "least_peak_bytes": least_peak(profile),
         "planned_peak_bytes": plan.predicted_peak_bytes, "recomputed": len(plan.checkpointed),
@@ -84,22 +87,25 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--row", choices=sorted(CONFIGS), help="run one row here and print its JSON")
     parser.add_argument("--full", action="store_true", help="with --row: profile every layer")
     parser.add_argument("--also-full", action="store_true", help="add a 7B row with every layer profiled")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="with --row: plan one GPU of this many under FSDP2; else add a 70B row at this many")
     args = parser.parse_args(argv)
     if args.row:
-        print(json.dumps(row(args.row, repeated_blocks=not args.full)))
+        print(json.dumps(row(args.row, repeated_blocks=not args.full, world_size=args.world_size)))
         return []
-    runs = [("7b", False), ("70b", False)] + ([("7b", True)] if args.also_full else [])
+    runs = [("7b", False, 1), ("70b", False, 1)] + ([("7b", True, 1)] if args.also_full else [])
+    runs += [("70b", False, args.world_size)] if args.world_size > 1 else []
     rows = []
-    for name, full in runs:
-        command = [sys.executable, __file__, "--row", name] + (["--full"] if full else [])
+    for name, full, world_size in runs:
+        command = [sys.executable, __file__, "--row", name, "--world-size", str(world_size)] + (["--full"] if full else [])
         out = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     gib = 2**30
-    print(f"{'model':10} {'layers':>6} {'profile':>12} {'seconds':>8} {'max RSS':>9} {'baseline peak':>14} "
+    print(f"{'model':10} {'layers':>6} {'GPUs':>4} {'profile':>12} {'seconds':>8} {'max RSS':>9} {'baseline peak':>14} "
           f"{'least peak':>11}")
     for r in rows:
         how = "4+5 layers" if r["extrapolated"] else "all layers"
-        print(f"{r['model']:10} {r['layers']:>6} {how:>12} {r['seconds']:>8.1f} {r['max_resident_bytes'] / gib:>7.2f}Gi "
+        print(f"{r['model']:10} {r['layers']:>6} {r.get('world_size', 1):>4} {how:>12} {r['seconds']:>8.1f} {r['max_resident_bytes'] / gib:>7.2f}Gi "
               f"{r['baseline_peak_bytes'] / gib:>12.2f}Gi {r['least_peak_bytes'] / gib:>9.2f}Gi")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs (shared with other jobs while measured)",

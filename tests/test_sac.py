@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_remat import Plan, apply_plan, measure_step, profile_step, remove_remat
+from lightning_remat import Plan, ProfileOptions, apply_plan, measure_step, profile_step, remove_remat
 from lightning_remat.core.solve import plan_from_choices, solve
 from lightning_remat.models import build
 from lightning_remat.runtime import sac
@@ -185,7 +185,7 @@ def profiled():
     step = lambda m: m(x).square().mean()  # noqa: E731
     optimizer = torch.optim.Adam(net.parameters())
     measure_step(net, step, optimizer)  # Adam's state exists, as in every later step
-    return net, step, optimizer, profile_step(net, step, optimizer=optimizer)
+    return net, step, optimizer, profile_step(net, step, optimizer=optimizer, options=ProfileOptions(policies=None))
 
 
 def test_profile_offers_policies_and_prices_them(profiled):

@@ -240,7 +240,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         >>> x = torch.randn(32, 64)
         >>> profile = profile_step(net, lambda m: m(x).square().mean())
         >>> [s.name for s in profile.stages], [o.name for o in profile.stages[0].options]
-        (['0', '1', '2', '3'], ['keep', 'whole', 'sac:save_matmuls'])
+        (['0', '1', '2', '3'], ['keep', 'whole'])
         >>> fake = profile_step(net, lambda m: m(x).square().mean(), fake=True, device="cuda", gpu="h100")
         >>> fake.device, fake.stages[0].options[1].stored_bytes == profile.stages[0].options[1].stored_bytes
         ('cuda', True)
@@ -307,10 +307,9 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False)
 
-    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py). Not
-    # when sharded: FSDP2's figures are not linear in the depth there (a 12-layer Llama at 8 GPUs
-    # came out 9% under its full profile), so every layer is profiled.
-    repeated = None if sharded else repeated_profile(model, optimizer, options, run)
+    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py), sharded
+    # or not (each truncated copy gets a sharded twin of its own).
+    repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
     if sharded:
         profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)

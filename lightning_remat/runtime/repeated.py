@@ -36,9 +36,11 @@ from __future__ import annotations
 import functools
 
 import copy
+import itertools
 import math
 import re
 from dataclasses import dataclass, fields, is_dataclass, replace
+from fractions import Fraction
 from typing import Any, Callable
 
 import torch
@@ -227,6 +229,13 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 BALLAST = 2**50
 
 
+def _ballast_tensor(nbytes: int, device: torch.device | None) -> torch.Tensor:
+    """Two bytes ``nbytes - 1`` apart: a storage of ``nbytes`` (what the memory tracker counts) in a
+    tensor of two elements (what the roofline's op recorder counts as moved: an ``empty`` of
+    ``nbytes`` would price the step hundreds of seconds higher)."""
+    return torch.empty_strided((2,), (nbytes - 1,), dtype=torch.uint8, device=device)
+
+
 class _Ballast(torch.autograd.Function):
     """Identity on the loss. Forward phase: releases ``held`` (allocated before the forward) when the
     backward pass starts. Backward phase: allocates ``nbytes`` when it starts, held until it ends."""
@@ -240,7 +249,7 @@ class _Ballast(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
         ctx.held = None
         if ctx.nbytes:
-            held = [torch.empty(ctx.nbytes, dtype=torch.uint8, device=grad.device)]
+            held = [_ballast_tensor(ctx.nbytes, grad.device)]
             torch.autograd.Variable._execution_engine.queue_callback(held.clear)
         return grad, None, None
 
@@ -261,7 +270,7 @@ def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
         raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
 
     def lifted(model: nn.Module) -> torch.Tensor:
-        held = torch.empty(nbytes, dtype=torch.uint8) if phase == "forward" else None
+        held = _ballast_tensor(nbytes, None) if phase == "forward" else None
         loss = step(model)
         return _Ballast.apply(loss, held, nbytes if phase == "backward" else 0)
 
@@ -306,7 +315,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
             return None
     if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
         return None
-    fit = _Fit(layers)
+    fit = _Fit(layers, (forward[0].optimizer_state_bytes, forward[1].optimizer_state_bytes))
     try:
         small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
         build_stages = _stages(small, large, prefix, layers, fit)
@@ -350,15 +359,25 @@ class _Fit:
     is the higher of its two figures, each extrapolated alone. Results are closures.
     """
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, floors: tuple[int, int] = (0, 0)):
         self.layers = layers
+        # A peak figure is never below its profile's floor: ``_profile`` clamps a figure at zero
+        # and then adds the optimizer state yet to exist (``Profile.optimizer_state_bytes``, linear
+        # in N). A measured figure at the floor may be a clamped line; the extrapolated line is
+        # clamped again at the target's floor. (Sharded: FSDP2 frees the unsharded parameters counted
+        # in the stored bytes, so deep in the forward a gap's figure falls below zero.)
+        self.floors = dict(zip(DEPTHS, floors))
+        a, b = DEPTHS
+        self.floor = floors[0] + (floors[1] - floors[0]) * (layers - a) // (b - a)
 
     def middle(self, points: dict[tuple[int, int], Any], peak: bool = False) -> Callable[[int], Any]:
         """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
         if isinstance(next(iter(points.values())), _Pair):
-            forward = self.middle({k: pair.forward for k, pair in points.items()})
-            backward = self.middle({k: pair.backward for k, pair in points.items()})
+            forward = self.middle({k: pair.forward for k, pair in points.items()}, peak=True)
+            backward = self.middle({k: pair.backward for k, pair in points.items()}, peak=True)
             return lambda d: max(forward(d), backward(d))
+        if peak:
+            return self._clamped_line(points)
         a, b = DEPTHS
         beta = points[(b, 1)] - points[(a, 1)]
         gamma = points[(a, 2)] - points[(a, 1)]
@@ -374,13 +393,52 @@ class _Fit:
     def boundary(self, small: Any, large: Any) -> Callable[[], Any]:
         """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
         if isinstance(small, _Pair):
-            forward, backward = self.boundary(small.forward, large.forward), self.boundary(small.backward, large.backward)
+            forward, backward = (self._clamped_boundary(small.forward, large.forward),
+                                 self._clamped_boundary(small.backward, large.backward))
             return lambda: max(forward(), backward())
         if not _is_number(small):
             if small != large:
                 raise _NoFit
             return lambda: small
         return lambda: small + (large - small) * (self.layers - DEPTHS[0])
+
+
+    def _clamped_boundary(self, small: int, large: int) -> Callable[[], int]:
+        a, b = DEPTHS
+        at_floor = (small == self.floors[a], large == self.floors[b])
+        if all(at_floor):
+            return lambda: self.floor
+        if any(at_floor):
+            raise _NoFit  # one depth clamped, the other not: the line is not known
+        line = self.boundary(small, large)
+        return lambda: max(line(), self.floor)
+
+    def _clamped_line(self, points: dict[tuple[int, int], int]) -> Callable[[int], int]:
+        """``max(α + β N + γ d, floor)`` fitted on the points above their floor (exactly), the
+        points at their floor checked to lie on or above the line."""
+        free = {k: v for k, v in points.items() if v != self.floors[k[0]]}
+        basis = None
+        for p, q, r in itertools.combinations(sorted(free), 3):
+            det = (q[0] - p[0]) * (r[1] - p[1]) - (r[0] - p[0]) * (q[1] - p[1])
+            if det:
+                basis = (p, q, r, det)
+                break
+        if basis is None:
+            if len(free) != 0:
+                raise _NoFit
+            return lambda d: self.floor  # every measured figure at its floor
+        p, q, r, det = basis
+        dv1, dv2 = free[q] - free[p], free[r] - free[p]
+        beta = Fraction(dv1 * (r[1] - p[1]) - dv2 * (q[1] - p[1]), det)
+        gamma = Fraction((q[0] - p[0]) * dv2 - (r[0] - p[0]) * dv1, det)
+
+        def line(n: int, d: int) -> Fraction:
+            return free[p] + beta * (n - p[0]) + gamma * (d - p[1])
+
+        for (n, d), value in points.items():
+            if (value != line(n, d)) if (n, d) in free else (line(n, d) > value):
+                raise _NoFit
+        return lambda d: max(int(line(self.layers, d)), self.floor)
 
 
 @dataclass(frozen=True)

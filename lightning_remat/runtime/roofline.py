@@ -155,7 +155,8 @@ class OpRecorder(TorchDispatchMode):
     """Records every op under it: ``ops`` (``OpCost`` in call order); ``on_op`` is called with each.
 
     Bytes are those of the distinct input and output tensors; a view op (which moves no data)
-    counts no bytes, and an in-place op's output (its input again) is not counted twice.
+    counts no bytes, nor does a metadata query (``prim.device``), and an in-place op's output (its
+    input again) is not counted twice.
     """
 
     def __init__(self, on_op: Callable[[OpCost], None] | None = None):
@@ -169,7 +170,9 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         moved = 0
-        if not func.is_view:
+        # prim ops (prim.device, prim.layout) read metadata, not data; torch issues some of them
+        # only on a first call, which made the first profile in a process price higher than the next.
+        if not func.is_view and func.namespace != "prim":
             seen: set[int] = set()
             for t in tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:

@@ -260,7 +260,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1, world_size: int = 1, offload: bool = False) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -283,6 +283,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         world_size: with ``fake``, plan one GPU of an FSDP2 step sharded over this many GPUs
             (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
             GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
+        policies: op-level selective-checkpointing policies to offer as options of every stage
+            (``("save_matmuls",)``, or None for all of ``runtime.sac.POLICIES``); none by default.
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
@@ -312,7 +314,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model), world_size=world_size, offload=offload))
+        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
 
