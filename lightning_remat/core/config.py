@@ -106,6 +106,8 @@ class ProfileOptions:
             class, parameters and settings, in one ``ModuleList``) is profiled at 4 and 5 layers
             and the profile extrapolated to N (exact: every term is linear in the depth, checked
             on the measured ones; otherwise the whole model is profiled). False profiles all N.
+        offload: also offer each stage's "offload" option (its saved tensors go to host memory and
+            come back for backward: ``runtime.offload``); only for an accelerator target.
         policies: the op-level selective-checkpointing policies offered as options of every stage
             (``runtime.sac.POLICIES``, e.g. ``("save_matmuls",)``); None for every one of them;
             ``()`` (the default) for none: only keep, whole and heavy children. Opt-in for now:
@@ -133,6 +135,7 @@ class ProfileOptions:
     world_size: int = 1
     repeated_blocks: bool = True
     policies: Any = ()
+    offload: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))

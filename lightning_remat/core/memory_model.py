@@ -53,6 +53,13 @@ class StageOption:
     policy: str = ""
     # Roofline seconds of the recomputed ops: per op max(FLOPs / peak FLOP/s, bytes / bandwidth).
     cost_roofline: float = 0.0
+    # Modules whose saved tensors go to host memory (``runtime.offload``), and the bytes they put
+    # there: the "offload" option. Its cost is the transfer time not hidden behind compute.
+    offloaded: tuple[str, ...] = ()
+    host_bytes: int = 0
+    # "offload:hidden": only this many bytes per forward call go out (what the host link moves
+    # while the next stage computes); 0: everything.
+    offload_limit: int = 0
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
@@ -159,7 +166,8 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
         stages = tuple(
-            StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"])}) for o in s["options"])})
+            StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
+                                                           "offloaded": tuple(o.get("offloaded", ()))}) for o in s["options"])})
             for s in data["stages"]
         )
         segments = tuple(Segment(**s) for s in data["segments"])

@@ -35,6 +35,8 @@ class Plan:
         predicted_overhead: recompute cost divided by the cost of a step without recomputation.
         cost_kind: ``"time"`` (measured seconds), ``"flops"`` (counted FLOPs) or ``"roofline"``
             (per op max(FLOPs / peak, bytes / bandwidth)).
+        offloaded: modules whose saved tensors go to host memory and come back for backward
+            (``runtime.offload``); ``host_bytes`` is the host memory they take.
         policies: per checkpointed module, the selective-checkpointing policy its recompute runs
             under (``runtime.sac.POLICIES``); a module not in it recomputes its whole forward.
 
@@ -77,6 +79,12 @@ class Plan:
     # their inner boundaries are not kept (``core.spans``). Empty: every module is recomputed alone.
     segments: list[list[str]] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)
+    # Modules whose saved tensors go to host memory during forward and come back for backward
+    # (``runtime.offload``); ``host_bytes`` is what they hold on the host.
+    offloaded: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    # Per offloaded module, the bytes it offloads at most per forward call (absent: everything).
+    offload_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
@@ -118,6 +126,11 @@ class Plan:
         if not isinstance(policies, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in policies.items()):
             raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
         known["policies"] = dict(policies)
+        offloaded = data.get("offloaded", [])
+        if not isinstance(offloaded, (list, tuple)) or not all(isinstance(n, str) for n in offloaded):
+            raise ValueError(f"a plan's 'offloaded' must be a list of module names, got {offloaded!r}")
+        known["offloaded"] = list(offloaded)
+        known["offload_limits"] = {str(k): int(v) for k, v in data.get("offload_limits", {}).items()}
         return cls(**known)
 
     def summary(self, title: str = "Recompute plan") -> str:

@@ -237,6 +237,9 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     stage_choices = []
     checkpointed: list[str] = []
     policies: dict[str, str] = {}
+    offloaded: list[str] = []
+    offload_limits: dict[str, int] = {}
+    host_bytes = 0
     segments = [list(profile.stages[a].name for a in range(first, last + 1)) for first, last in sorted(spans)]
     in_span = {k: (first, last) for first, last in spans for k in range(first, last + 1)}
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
@@ -250,6 +253,10 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
             continue
         option = stage.options[c]
         checkpointed.extend(option.checkpointed)
+        offloaded.extend(option.offloaded)
+        if option.offload_limit:
+            offload_limits.update({name: option.offload_limit for name in option.offloaded})
+        host_bytes += option.host_bytes
         if option.policy:
             policies.update({name: option.policy for name in option.checkpointed})
         stage_choices.append(
@@ -271,6 +278,9 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         sharding=dict(profile.sharding),
         segments=segments,
         policies=policies,
+        offloaded=offloaded,
+        host_bytes=int(host_bytes),
+        offload_limits=offload_limits,
     )
 
 

@@ -104,6 +104,10 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
             counts[policy] = counts.get(policy, 0) + 1
         lines.append("  selective checkpointing (op-level policy per recomputed module): "
                      + ", ".join(f"{policy} x{n}" for policy, n in sorted(counts.items())))
+    offloaded = getattr(plan, "offloaded", [])
+    if offloaded:
+        lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
+                     f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
     if getattr(plan, "sharding", None) and not getattr(plan, "fallback", False):
         lines.append(sharded_memory_line(plan))
     elif not getattr(plan, "fallback", False):

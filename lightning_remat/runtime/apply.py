@@ -219,7 +219,7 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
 
 
 def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
-               policies: dict[str, str] | None = None) -> nn.Module:
+               policies: dict[str, str] | None = None, offloaded: Any = None) -> nn.Module:
     """Recompute, in place, the modules a plan names; returns ``model``.
 
     Args:
@@ -230,6 +230,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         policies: per module name, the selective-checkpointing policy (``runtime.sac.POLICIES``)
             it recomputes under; default the plan's ``policies`` (a module without one recomputes
             its whole forward).
+        offloaded: names of modules whose saved tensors go to host memory (``runtime.offload``);
+            default the plan's ``offloaded`` (none for names). A module is recomputed or
+            offloaded, never both.
 
     A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
     error never leaves a half-wrapped model.
@@ -276,13 +279,31 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
     from .segments import apply_segments, check_segments  # segments builds on this module's _wrap
 
     check_segments(modules, segments, names)
+    offloaded = list(getattr(plan, "offloaded", []) if offloaded is None else offloaded)
+    _check_offloaded(names, segments, offloaded)
     remove_remat(model)
     for name in names:
         _wrap(modules[name], policies.get(name, ""))
     if segments:
         with uncompiled(model) as plain:
             apply_segments(plain, segments)
+    if offloaded:
+        from .offload import apply_offload
+
+        order = [c.stage for c in getattr(plan, "choices", [])] or None
+        limits = {k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded}
+        with uncompiled(model) as plain:
+            apply_offload(plain, offloaded, order=order, limits=limits)
     return model
+
+
+def _check_offloaded(names: list[str], segments: list[list[str]], offloaded: list[str]) -> None:
+    if isinstance(offloaded, (str, bytes)) or not all(isinstance(n, str) for n in offloaded):
+        raise TypeError(f"offloaded is a list of module names, got {offloaded!r}")
+    recomputed = [*names, *(n for s in segments for n in s)]
+    both = [n for n in offloaded if any(n == r or n.startswith(r + ".") or r.startswith(n + ".") for r in recomputed)]
+    if both:
+        raise ValueError(f"module(s) {both} are both recomputed and offloaded: a module is one or the other")
 
 
 def remove_remat(model: nn.Module) -> nn.Module:
@@ -293,6 +314,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
         >>> remove_remat(apply_plan(net, ["0"])) is net and checkpointed_modules(net) == []
         True
     """
+    from .offload import remove_offload
     from .segments import remove_segments
 
     for module in model.modules():
@@ -300,6 +322,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
             _unwrap(module)
     with uncompiled(model) as plain:
         remove_segments(plain)
+        remove_offload(plain)
     return model
 
 
@@ -310,8 +333,13 @@ def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[
     then restore the previous plan."""
     previous, previous_policies = checkpointed_modules(model), checkpoint_policies(model)
     previous_segments = segmented_modules(model)
-    apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {})
+    from .offload import offloaded_modules
+
+    with uncompiled(model) as plain:
+        previous_offloaded = offloaded_modules(plain)
+    apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {}, offloaded=[])
     try:
         yield model
     finally:
-        apply_plan(model, previous, segments=previous_segments, policies=previous_policies)
+        # (Prefetch order is not kept here: the offloaded modules come back without it.)
+        apply_plan(model, previous, segments=previous_segments, policies=previous_policies, offloaded=previous_offloaded)

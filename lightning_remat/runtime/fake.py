@@ -36,6 +36,7 @@ from ..core.errors import FakeProfileError
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs,
 # from the vendors' data sheets (without sparsity).
 GPU_PEAK_FLOPS = {
+    "gh200": 989e12,
     "h200": 989e12,
     "h100": 989e12,
     "h100-pcie": 756e12,

@@ -20,9 +20,10 @@ so profiling does not change training.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,11 +32,14 @@ from ..core.budget import format_bytes
 from ..core.config import PRECISIONS, ProfileOptions
 from ..core.errors import AlreadyCheckpointedError, RematError
 from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from ..core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
 from .apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
 from .compiled import uncompiled
 from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
-                   gpu_peak_flops, new_fake_mode, real_code_paths)
+                   gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
+from .offload import Offloader, apply_offload, model_offloader, remove_offload
+from .offload_link import check_offload_target, hidden_limits, price_offload
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
@@ -69,11 +73,13 @@ class _MemoryRun:
     buffer_bytes: int
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
     untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
+    host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
 
 
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
-                gradients_alive: bool = False, policy: str = "") -> _MemoryRun:
+                gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
+                offload_limits: dict[str, int] | None = None) -> _MemoryRun:
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -86,7 +92,8 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), tracker:
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
+            _offloading(model, offloaded, offload_limits) as offloader, tracker:
         loss = step(model)
         loss.backward()
         after_backward = tracker.current_total()
@@ -116,7 +123,23 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
         stored=stored, local=local, segments=segments, peak=peak, untracked_bytes=allocator.above(peak),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
+        host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
     )
+
+
+@contextlib.contextmanager
+def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] | None) -> Iterator[Offloader | None]:
+    """Offload ``names`` for one memory run: on fake tensors only metadata goes to the "host"
+    (the meta device, which MemTracker does not count); tensors come back on demand (the
+    prefetch is modelled in ``core.offload_model``)."""
+    if not names:
+        yield None
+        return
+    apply_offload(model, names, measure=any(is_fake(p) for p in model.parameters()), limits=limits)
+    try:
+        yield model_offloader(model)
+    finally:
+        remove_offload(model)
 
 
 class _AllocatorPeak:
@@ -231,6 +254,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         raise ValueError(f"device={options.device!r} but the model is on {model_device(model)}: a real profile "
                          "measures the device the model is on; to plan for another device, profile on fake "
                          "tensors (fake=True)")
+    if options.offload:
+        check_offload_target(options, model_device(model))
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
     with eager_stance(), uncompiled(model) as model:
@@ -295,6 +320,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
         for stage in profile.stages)
     profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
+    if options.offload:
+        profile = price_offload(profile, options, options.device or "cuda")
     profile.notes = (*profile.notes, precision_note)
     if options.gpu is None:
         profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
@@ -342,6 +369,12 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
         wraps = _option_wraps(observed.order, observed, modules, policies)
+        limits: dict[str, int] = {}
+        if options.offload:
+            wraps[OFFLOAD] = {n: () for n in observed.order}
+            limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
+            if limits:
+                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
         span_groups = _span_groups(model, step, observed.order, replay)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
@@ -352,7 +385,9 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                 try:
                     runs[name] = _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
                                              optimizer, replay, gradients_alive=options.accumulation_steps > 1,
-                                             policy=sac.policy_of(name))
+                                             policy=sac.policy_of(name),
+                                             offloaded=list(wrap) if is_offload(name) else (),
+                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None)
                 except RuntimeError as err:
                     # Selective checkpointing needs the recompute to run the forward's ops again,
                     # which a forward that mutates state it reads (a key/value cache) does not.
@@ -369,7 +404,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
     per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                        optimizer is not None, device, peaks, per_op)
+                        optimizer is not None, device, peaks, per_op, limits)
     profile.span_groups = span_groups
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if dropped:
@@ -384,15 +419,18 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_ALLOWANCE
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
-    return with_unobserved(profile, stage_names, modules)
+    profile = with_unobserved(profile, stage_names, modules)
+    return price_offload(profile, options, device) if timed and options.offload else profile
 
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],
               state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-              device: str, peaks: Peaks, seconds_per_op: float = 0.0) -> Profile:
+              device: str, peaks: Peaks, seconds_per_op: float = 0.0,
+              offload_limits: dict[str, int] | None = None) -> Profile:
     """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
     modules = dict(model.named_modules())
     stats = observed.stats
+    offload_limits = offload_limits or {}
     stages = []
     for i, name in enumerate(observed.order):
         options = []
@@ -403,7 +441,10 @@ def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[st
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
-                policy=sac.policy_of(option), cost_roofline=roofline))
+                policy=sac.policy_of(option), cost_roofline=roofline,
+                offloaded=(name,) if is_offload(option) else (),
+                host_bytes=int((runs[option].host_bytes or {}).get(name, 0)) if is_offload(option) else 0,
+                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),

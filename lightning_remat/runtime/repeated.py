@@ -33,6 +33,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import itertools
 import math
@@ -478,6 +480,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Option fields that hold module names (renamed per layer, not fitted).
+_NAMES = ("name", "checkpointed", "offloaded")
+
+
 def _fields(small: Any, large: Any, skip: tuple, combine: Callable[[Any, Any, str], Any]) -> dict[str, Any]:
     if type(small) is not type(large) or not is_dataclass(small):
         raise _NoFit
@@ -509,17 +515,18 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
     option_numbers = []
     for j, option in enumerate(reference.options):
         for stage in middle.values():
-            if [c[len(stage.name):] for c in stage.options[j].checkpointed] != \
-                    [c[len(reference.name):] for c in option.checkpointed]:
+            if [c[len(stage.name):] for c in (*stage.options[j].checkpointed, *stage.options[j].offloaded)] != \
+                    [c[len(reference.name):] for c in (*option.checkpointed, *option.offloaded)]:
                 raise _NoFit
         option_numbers.append({k: fit.middle({key: getattr(s.options[j], k) for key, s in middle.items()},
                                              peak=k == "local_peak_bytes")
-                               for k, v in _fields(option, option, ("name", "checkpointed"), lambda v, w, _: v).items()
+                               for k, v in _fields(option, option, _NAMES, lambda v, w, _: v).items()
                                if _is_number(v) or isinstance(v, _Pair)})
 
     def middle_stage(i: int):
         d = layers - 1 - i
         options = tuple(replace(o, checkpointed=_rename(o.checkpointed, reference.name, f"{prefix}.{i}"),
+                                offloaded=_rename(o.offloaded, reference.name, f"{prefix}.{i}"),
                                 **{k: f(d) for k, f in option_numbers[j].items()})
                         for j, o in enumerate(reference.options))
         return replace(reference, name=f"{prefix}.{i}", options=options, **{k: f(d) for k, f in numbers.items()})
@@ -529,10 +536,10 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
             raise _NoFit
         options = []
         for o, p in zip(s.options, t.options):
-            if _rename(o.checkpointed, s.name, t.name) != p.checkpointed:
+            if _rename(o.checkpointed, s.name, t.name) != p.checkpointed or _rename(o.offloaded, s.name, t.name) != p.offloaded:
                 raise _NoFit
-            values = _fields(o, p, ("name", "checkpointed"),
-                             lambda v, w, _: fit.boundary(v, w))
+            values = _fields(o, p, _NAMES, lambda v, w, _: fit.boundary(v, w))
+            values["offloaded"] = functools.partial(_rename, p.offloaded, t.name, f"{prefix}.{i}")
             options.append((p, _rename(p.checkpointed, t.name, f"{prefix}.{i}"), values))
         values = _fields(s, t, ("name", "options"), lambda v, w, _: fit.boundary(v, w))
         return lambda: replace(t, name=f"{prefix}.{i}", options=tuple(

@@ -37,6 +37,7 @@ register_attention_flops()
 
 # Memory bandwidth of the GPUs in fake.GPU_PEAK_FLOPS, bytes/s (data sheets; SXM where both).
 GPU_MEMORY_BANDWIDTH = {
+    "gh200": 4.0e12,
     "h200": 4.8e12,
     "h100": 3.35e12,
     "h100-pcie": 2.0e12,

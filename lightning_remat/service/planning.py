@@ -60,6 +60,8 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     if not plan.fallback:
         metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                        predicted_overhead=plan.predicted_overhead)
+    if plan.offloaded:
+        metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
     if measured_peak_bytes is not None:
         metrics["measured_peak_bytes"] = measured_peak_bytes
     return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
@@ -186,7 +188,14 @@ class Planner:
         """The least-cost plan within the budget for ``profile``."""
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        plan = solve_sharded(profile, budget, self.config.cost)
+        if any(o.offloaded for s in profile.stages for o in s.options):
+            # Host memory is a limit too: never plan more offloaded bytes than the host has free.
+            from ..core.offload_model import solve_within_host
+            from ..runtime.offload_link import host_free_bytes
+
+            plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
+        else:
+            plan = solve_sharded(profile, budget, self.config.cost)
         plan.requested_budget = self.config.budget.text
         return plan
 
@@ -251,7 +260,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1, world_size: int = 1, policies: Any = ()) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -276,6 +285,10 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
         policies: op-level selective-checkpointing policies to offer as options of every stage
             (``("save_matmuls",)``, or None for all of ``runtime.sac.POLICIES``); none by default.
+        offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
+            for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
+            Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
+            more host memory than the host has free. ``plan.offloaded`` names those stages.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -301,7 +314,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies))
+        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
 

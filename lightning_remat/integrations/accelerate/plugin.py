@@ -17,6 +17,7 @@ ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
 ENV_PROFILE_STEPS = "ACCELERATE_REMAT_PROFILE_STEPS"
 ENV_CANDIDATES = "ACCELERATE_REMAT_CANDIDATES"
 ENV_COST = "ACCELERATE_REMAT_COST"
+ENV_OFFLOAD = "ACCELERATE_REMAT_OFFLOAD"
 
 METRIC_NAMES = (
     "remat/budget_bytes",
@@ -48,6 +49,9 @@ class RematPlugin:
             ``"transformer.h.*"``).
         cost: what the plan minimises: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs,
             deterministic). Env: ``ACCELERATE_REMAT_COST``. Default ``"time"``.
+        offload: let the plan also offload activations to host memory (a CUDA model only;
+            ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
+            ``0``/``false``/``no``). Default off.
 
     Raises:
         ValueError: a malformed value; the message names the environment variable (or the field)
@@ -67,11 +71,13 @@ class RematPlugin:
         default=None, metadata={"help": f"Module classes or name patterns to choose among. Env: {ENV_CANDIDATES}."})
     cost: str | None = field(
         default=None, metadata={"help": f"'time' or 'flops': what the plan minimises. Env: {ENV_COST}."})
+    offload: Any = field(
+        default=None, metadata={"help": f"Also offload activations to host memory (CUDA). Env: {ENV_OFFLOAD}."})
 
     def __post_init__(self):
         sources: dict[str, str] = {}
         for name, variable in (("budget", ENV_BUDGET), ("profile_steps", ENV_PROFILE_STEPS),
-                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST)):
+                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST), ("offload", ENV_OFFLOAD)):
             if getattr(self, name) is None:
                 value = os.environ.get(variable, "").strip()
                 if value:
@@ -100,6 +106,12 @@ class RematPlugin:
         self.cost = "time" if self.cost is None else str(self.cost).strip().lower()
         if self.cost not in COST_KINDS:
             raise invalid("cost", f"expected one of {list(COST_KINDS)}")
+        flag = str(self.offload).strip().lower() if self.offload is not None else "false"
+        if isinstance(self.offload, bool):
+            flag = str(self.offload).lower()
+        if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise invalid("offload", "expected 1/true/yes or 0/false/no")
+        self.offload = flag in ("1", "true", "yes", "on")
 
     def _steps(self, invalid: Any) -> int:
         if self.profile_steps is None:
@@ -116,7 +128,8 @@ class RematPlugin:
 
     def config(self) -> RematConfig:
         """The settings as the planning service takes them."""
-        return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(candidates=self.candidates))
+        return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(candidates=self.candidates,
+                                                                               offload=bool(self.offload)))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""

@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--world-size", type=int, default=1,
                         help="with --fake, plan one GPU of an FSDP2 step sharded over this many GPUs (fully_shard of "
                              "each block and the root); the budget and figures are per GPU. Default: 1")
+    target.add_argument("--offload", action="store_true",
+                        help="also offload activations to host memory where the transfer hides behind compute "
+                             "(an accelerator target: --fake with --gpu, or a CUDA model)")
     return parser
 
 

@@ -64,7 +64,7 @@ def _config(args: argparse.Namespace) -> RematConfig:
     try:
         return RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(
             fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory,
-            precision=args.precision, world_size=args.world_size))
+            precision=args.precision, world_size=args.world_size, offload=getattr(args, "offload", False)))
     except ValueError as err:
         message = str(err).replace("gpu=, dtype= and precision= apply to fake profiles (fake=True)",
                                    "--gpu, --dtype and --precision apply with --fake").replace(

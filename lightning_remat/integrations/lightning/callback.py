@@ -93,6 +93,8 @@ class AutoRemat(Callback):
             allocates nothing, so the first real step already runs under the plan and a model that
             only fits with recomputation never tries without it. Costs are counted FLOPs, so
             ``cost="flops"`` is required.
+        offload: let the plan also offload activations to host memory (``docs/offload.md``): a
+            CUDA model only (a CPU-only run raises ``RematError``).
 
     Behaviour worth knowing:
 
@@ -141,12 +143,13 @@ class AutoRemat(Callback):
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 2, candidates: list[str] | None = None,
-                 cost: str = "time", verbose: bool = True, fake: bool = False) -> None:
+                 cost: str = "time", verbose: bool = True, fake: bool = False, offload: bool = False) -> None:
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
-        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
+                                                                            offload=offload))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps

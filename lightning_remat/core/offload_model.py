@@ -1,0 +1,163 @@
+"""The "offload" option of a stage in the memory model: its transfer cost and its in-flight bytes.
+
+Plain numbers, no torch. The memory run of the "offload" option (every stage offloaded, tensors
+brought back on demand) measures what stays on the device and the bytes sent to the host. Two
+things it does not see are added here, both while the *next* stage runs:
+
+- in forward, the stage's saved tensors stay on the device until the next stage's forward has run
+  (the copy to the host overlaps that compute), and
+- in backward, they come back (prefetch) while the next stage's backward runs.
+
+Both are at most the stage's ``host_bytes`` on top of the next stage's peak, whatever option the
+next stage runs under. And a prefetched stage has all its tensors back when its backward starts,
+so its own local peak is at least keep's. That is a term of the *stage's own* option (the memory model is additive):
+its local peak is raised to ``stored + host_bytes + the largest local peak of the next stage`` (or
+of the segment that follows the last stage), which bounds the real peak from above.
+
+The cost is the transfer time not hidden behind the next stage's compute: forward
+``max(0, host / bandwidth - forward seconds of the next stage)``, backward the same against the
+next stage's backward (twice its forward). The last stage has nothing after it to hide behind.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> off = StageOption("offload", (), 10, 120, 0.0, 0, offloaded=("a",), host_bytes=90)
+    >>> a = StageProfile("a", (keep, off), forward_seconds=1.0)
+    >>> p = with_offload_costs(Profile((a, a), ()), bandwidth=90.0, flops_per_second=10.0)
+    >>> [round(s.options[1].cost_seconds, 2) for s in p.stages], p.stages[0].options[1].local_peak_bytes
+    ([0.0, 2.0], 250)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from .memory_model import Profile
+
+OFFLOAD = "offload"
+# Offload only what the host link moves while the next stage's forward runs: free by construction.
+OFFLOAD_HIDDEN = "offload:hidden"
+
+
+def is_offload(option_name: str) -> bool:
+    """Whether an option name is one of the offload options.
+
+    Example:
+        >>> is_offload("offload:hidden"), is_offload("whole")
+        (True, False)
+    """
+    return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
+
+# Effective host-link bandwidth (bytes/s, one direction) of a named GPU: PCIe 3 ~12 GB/s, PCIe 4
+# ~25 GB/s, PCIe 5 ~50 GB/s effective, NVLink-C2C (Grace Hopper) ~400 GB/s.
+HOST_LINK_BANDWIDTH = {
+    "gh200": 400e9, "h200": 50e9, "h100": 50e9, "h100-pcie": 50e9, "b200": 50e9, "mi300x": 50e9,
+    "a100": 25e9, "a10g": 25e9, "a10": 25e9, "l40s": 25e9, "l4": 25e9, "rtx4090": 25e9, "rtx3090": 25e9,
+    "v100": 12e9, "t4": 12e9,
+}
+
+
+def host_link_bandwidth(gpu: str) -> float:
+    """Effective host-link bandwidth of a named GPU in bytes/s.
+
+    Example:
+        >>> host_link_bandwidth("H100") / 1e9
+        50.0
+    """
+    key = gpu.strip().lower()
+    if key not in HOST_LINK_BANDWIDTH:
+        raise ValueError(f"no host-link bandwidth known for GPU {gpu!r}; known: {', '.join(sorted(HOST_LINK_BANDWIDTH))}")
+    return HOST_LINK_BANDWIDTH[key]
+
+
+def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:
+    """``profile`` with its offload options priced (seconds, FLOP-equivalents at
+    ``flops_per_second``, roofline seconds) and their in-flight bytes bounded (module docstring)."""
+    stages = list(profile.stages)
+    n = len(stages)
+    # First: a stage prefetched (every stage but the last) has all its tensors back when its
+    # backward starts, as if kept: its local peak is at least keep's (plus what the host copies
+    # add beyond keep's stored bytes, for storages sent more than once).
+    for i, stage in enumerate(stages[:-1]):
+        keep = stage.options[0]
+        stages[i] = replace(stage, options=tuple(
+            replace(o, local_peak_bytes=int(max(o.local_peak_bytes, keep.local_peak_bytes
+                                                + max(0, o.stored_bytes + o.host_bytes - keep.stored_bytes))))
+            if is_offload(o.name) else o for o in stage.options))
+    after_last = max((s.peak_bytes for s in profile.segments if s.stages_alive == n), default=0)
+    for i, stage in enumerate(stages):
+        options = []
+        nxt = stages[i + 1] if i + 1 < n else None
+        hidden = nxt.forward_seconds if nxt is not None else 0.0
+        next_peak = max(o.local_peak_bytes for o in nxt.options) if nxt is not None else after_last
+        for option in stage.options:
+            if is_offload(option.name):
+                transfer = option.host_bytes / bandwidth
+                seconds = max(0.0, transfer - hidden) + max(0.0, transfer - 2 * hidden)
+                local = max(option.local_peak_bytes, option.stored_bytes + option.host_bytes + next_peak)
+                option = replace(option, cost_seconds=seconds, cost_flops=int(seconds * flops_per_second),
+                                 cost_roofline=seconds, local_peak_bytes=int(local))
+            options.append(option)
+        stages[i] = replace(stage, options=tuple(options))
+    return replace(profile, stages=tuple(stages))
+
+
+def plan_host_bytes(profile: Profile, choices: list[int]) -> int:
+    """Host bytes of a plan: the offloaded stages' ``host_bytes``."""
+    return sum(s.options[c].host_bytes for s, c in zip(profile.stages, choices))
+
+
+def without_offload(profile: Profile, stages: set[int]) -> Profile:
+    """``profile`` with the offload option removed from the given stage indices."""
+    return replace(profile, stages=tuple(
+        replace(s, options=tuple(o for o in s.options if not o.offloaded)) if i in stages else s
+        for i, s in enumerate(profile.stages)))
+
+
+def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile], Any]) -> Any:
+    """``solve(profile)``, with no more than ``host_free`` bytes offloaded to the host.
+
+    The solver has no host-memory constraint, so while a plan offloads too much, the offload
+    option of the largest offloaded stages (enough of them to get under the limit) is withdrawn
+    and the profile solved again: the plans stay within the host's memory, though not always the
+    cheapest such plan. If no plan fits the budget without more host memory, a ``RematError`` says so.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 100, 100, 0.0, 0)
+        >>> off = StageOption("offload", (), 0, 100, 0.1, 1, offloaded=("a",), host_bytes=100)
+        >>> whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
+        >>> p = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
+        >>> from lightning_remat.core.solve import solve
+        >>> solve_within_host(p, 10**9, lambda q: solve(q, 130)).offloaded
+        ['a']
+        >>> solve_within_host(p, 50, lambda q: solve(q, 130)).checkpointed
+        ['a']
+    """
+    from .errors import BudgetTooSmallError, RematError
+    from .budget import format_bytes
+
+    withdrawn: set[int] = set()
+    first_host = None
+    while True:
+        try:
+            plan = solve(without_offload(profile, withdrawn) if withdrawn else profile)
+        except BudgetTooSmallError as error:
+            if not withdrawn:
+                raise
+            raise RematError(f"offload: the budget needs {format_bytes(first_host or 0)} of activations offloaded to "
+                             f"host memory, and the host has {format_bytes(host_free)} free; no plan within the "
+                             f"host's memory fits ({error.args[0].split(':')[0]}). Free host memory, raise the "
+                             "budget, or reduce the batch") from None
+        if plan.host_bytes <= host_free:
+            return plan
+        first_host = first_host if first_host is not None else plan.host_bytes
+        chosen = sorted(((max(o.host_bytes for o in s.options), i) for i, s in enumerate(profile.stages)
+                         if s.name in plan.offloaded), reverse=True)
+        excess = plan.host_bytes - host_free
+        for host, i in chosen:
+            withdrawn.add(i)
+            excess -= host
+            if excess <= 0:
+                break

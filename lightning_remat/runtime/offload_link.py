@@ -1,0 +1,122 @@
+"""Where offloading is offered, and what the host link costs: the bridge between the profiler and
+``core.offload_model``.
+
+Offloading trades device memory for host-link transfers hidden behind compute; with no accelerator
+the "host" *is* the device and there is nothing to gain, so the option is offered only for an
+accelerator target: a fake profile for a named GPU or ``device="cuda"``, or a real CUDA model.
+The bandwidth is the named GPU's (``core.offload_model.HOST_LINK_BANDWIDTH``), or measured here
+on a real CUDA device.
+
+Example:
+    >>> from lightning_remat.core.config import ProfileOptions
+    >>> check_offload_target(ProfileOptions(offload=True), torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    lightning_remat.core.errors.RematError: offload=True: offloading activations to host memory has nothing to gain without an accelerator target (the model is on cpu, and there the host is the device). Plan for a GPU on fake tensors (fake=True, gpu='h100'), or profile a CUDA model
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.config import ProfileOptions
+from ..core.errors import RematError
+from ..core.memory_model import Profile
+from ..core.offload_model import HOST_LINK_BANDWIDTH, host_link_bandwidth, with_offload_costs
+from .fake import GPU_EFFICIENCY, gpu_peak_flops
+from .roofline import _matching_gpu, device_peaks
+
+_MEASURE_BYTES = 64 * 2**20
+
+
+def check_offload_target(options: ProfileOptions, model_device: torch.device) -> None:
+    """Raise ``RematError`` unless the profile targets an accelerator."""
+    target = options.device if options.fake else str(model_device)
+    if options.fake and (options.gpu is not None or (target and torch.device(target).type == "cuda")):
+        return
+    if not options.fake and torch.device(target).type == "cuda":
+        return
+    where = f"device={options.device!r}" if options.fake else f"the model is on {model_device}"
+    raise RematError(f"offload=True: offloading activations to host memory has nothing to gain without an "
+                     f"accelerator target ({where}, and there the host is the device). Plan for a GPU on fake "
+                     "tensors (fake=True, gpu='h100'), or profile a CUDA model")
+
+
+def measured_bandwidth(device: torch.device) -> float:
+    """The slower direction of a pinned host <-> device copy of 64 MiB, in bytes/s (CUDA only)."""
+    host = torch.empty(_MEASURE_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(_MEASURE_BYTES, dtype=torch.uint8, device=device)
+    seconds = []
+    for copy in (lambda: dev.copy_(host, non_blocking=True), lambda: host.copy_(dev, non_blocking=True)):
+        copy()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copy()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return _MEASURE_BYTES / max(seconds)
+
+
+def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
+    """(bytes/s, where the figure comes from) of the target's host link."""
+    if options.gpu is not None:
+        return host_link_bandwidth(options.gpu), f"{options.gpu}'s data sheet"
+    dev = torch.device(device)
+    if not options.fake and dev.type == "cuda" and torch.cuda.is_available():
+        return measured_bandwidth(dev), "measured here"
+    match = _matching_gpu(torch.cuda.get_device_name(dev)) if dev.type == "cuda" and torch.cuda.is_available() else None
+    if match in HOST_LINK_BANDWIDTH:
+        return HOST_LINK_BANDWIDTH[match], f"{match}'s data sheet"
+    return HOST_LINK_BANDWIDTH["h100"], "assumed PCIe 5 (no GPU named)"
+
+
+def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:
+    """Per stage (but the last), the bytes the host link moves while the next stage's forward runs:
+    the ``offload:hidden`` option offloads that much, whose transfer compute hides entirely."""
+    bandwidth, _ = link_bandwidth(options, device)
+    if timed:
+        seconds = {n: observed.stats[n].seconds for n in observed.order}
+    else:
+        rate = (gpu_peak_flops(options.gpu) if options.gpu else device_peaks(device).flops_per_second) * GPU_EFFICIENCY
+        seconds = {n: observed.stats[n].flops / rate for n in observed.order}
+    order = observed.order
+    limits = {order[i]: int(bandwidth * seconds[order[i + 1]]) for i in range(len(order) - 1)}
+    return {n: v for n, v in limits.items() if v > 0}
+
+
+def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Profile:
+    """``profile`` with its offload options priced for the target's host link (and a note)."""
+    bandwidth, source = link_bandwidth(options, device)
+    flops = device_peaks(device, options.gpu).flops_per_second * GPU_EFFICIENCY
+    priced = with_offload_costs(profile, bandwidth, flops)
+    priced.notes = (*priced.notes, f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
+                    "transfer is hidden behind the next stage's compute where it is shorter")
+    return priced
+
+
+def host_free_bytes() -> int:
+    """Host memory available now (psutil if installed, else ``/proc/meminfo``'s MemAvailable).
+
+    Example:
+        >>> host_free_bytes() > 0
+        True
+    """
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
