@@ -1,6 +1,5 @@
 """Offloading saved tensors (runtime/offload.py): exact gradients, exact undo, planning with it."""
 
-import copy
 
 import pytest
 import torch
