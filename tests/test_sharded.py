@@ -134,3 +134,25 @@ def test_budget_below_the_sharded_peak_names_the_world_size_that_fits():
     assert fits.predicted_peak_bytes <= budget
     with pytest.raises(ShardedBudgetTooSmallError, match="no world size would fit"):
         plan_remat(model, step, 10_000, optimizer=optimizer, cost="flops", fake=True, world_size=2)
+
+
+def test_the_command_line_plans_one_gpu_of_n(capsys):
+    """``--world-size`` through the CLI: the per-GPU breakdown in --json, with the parameters of one
+    GPU about a quarter of the unsharded ones (FSDP2 pads uneven shards), and the same figures as
+    ``plan_remat(..., world_size=4)``."""
+    import json
+    from pathlib import Path
+
+    from lightning_remat.integrations.cli import main
+
+    target = f"{Path(__file__).resolve().parents[1] / 'examples' / 'factories.py'}:gpt2"
+    common = ["plan", target, "--fake", "--cost", "flops", "--device", "cuda", "--budget", "min", "--json", "--no-plots"]
+    assert main(common) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(common + ["--world-size", "4"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    per_gpu = sharded["per_gpu"]
+    assert per_gpu["world_size"] == 4 and per_gpu["unsharded_parameter_bytes"] > 0
+    unsharded_parameters = whole["plan"]["parameter_bytes"]
+    assert unsharded_parameters / 4 <= per_gpu["parameter_bytes"] <= unsharded_parameters / 4 * 1.05
+    assert sharded["plan"]["predicted_peak_bytes"] < whole["plan"]["predicted_peak_bytes"]
