@@ -309,7 +309,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     """
     a, b = DEPTHS
     for p, q, n in zip(forward, backward, DEPTHS):
-        if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or _skeleton(p) != _skeleton(q):
+        if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or not _same(_skeleton(p), _skeleton(q)):
             return None
         if p.baseline_peak_bytes != predict_peak(p, [0] * n):
             return None
@@ -343,19 +343,24 @@ def _skeleton(profile: Profile) -> dict:
     for segment in data["segments"]:
         segment.pop("peak_bytes")
     data.pop("baseline_peak_bytes")
-    # Roofline seconds are float sums over thousands of ops, whose last bits differ between the
-    # forward- and backward-ballast runs: compared to nine significant digits.
-    return _rounded(data)
+    return data
 
 
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return float(f"{value:.9g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rounded(v) for v in value)
-    return value
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats to a relative 1e-9: roofline seconds are float sums over thousands of ops, whose
+    last bits differ between the forward- and backward-ballast runs. Everything else exactly.
+
+    Example:
+        >>> _same({"s": [0.1 + 0.2, 3]}, {"s": [0.3, 3]}), _same({"s": [1]}, {"s": [2]})
+        (True, False)
+    """
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 class _NoFit(Exception):
