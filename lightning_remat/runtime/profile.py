@@ -108,19 +108,22 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
-    local = [0] * n
+    # Not clamped at zero: a figure below what the stages before it store is real where they free
+    # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
+    # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
+    local: list[int | None] = [None] * n
     segments: dict[int, int] = {}
     for (kind, k), peak in tracker.segment_peaks.items():
         if kind in ("fw", "bw"):
-            local[k] = max(local[k], peak - prefix[k])
+            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
         else:
-            segments[k] = max(segments.get(k, 0), peak - prefix[k])
+            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return _MemoryRun(
-        stored=stored, local=local, segments=segments, peak=peak, untracked_bytes=allocator.above(peak),
+        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak, untracked_bytes=allocator.above(peak),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
@@ -453,7 +456,7 @@ def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[st
     segment_peaks: dict[int, int] = {}
     for run in runs.values():
         for k, peak in run.segments.items():
-            segment_peaks[k] = max(segment_peaks.get(k, 0), peak)
+            segment_peaks[k] = max(segment_peaks.get(k, peak), peak)
     segments = [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state))
                 for k, v in sorted(segment_peaks.items())]
     keep = runs["keep"]

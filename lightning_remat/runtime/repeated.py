@@ -36,11 +36,9 @@ from __future__ import annotations
 import functools
 
 import copy
-import itertools
 import math
 import re
 from dataclasses import dataclass, fields, is_dataclass, replace
-from fractions import Fraction
 from typing import Any, Callable
 
 import torch
@@ -315,7 +313,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
             return None
     if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
         return None
-    fit = _Fit(layers, (forward[0].optimizer_state_bytes, forward[1].optimizer_state_bytes))
+    fit = _Fit(layers)
     try:
         small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
         build_stages = _stages(small, large, prefix, layers, fit)
@@ -373,28 +371,23 @@ class _Fit:
     A middle layer's number is ``v(N, d) = α + β N + γ d`` (``d`` layers after it): stored bytes and
     FLOPs are constant; a peak's figures count the static memory (``β`` per layer) and, in backward,
     the later layers' gradients (``γ`` each). Other numbers are linear in ``N``. A peak (a ``_Pair``)
-    is the higher of its two figures, each extrapolated alone. Results are closures.
+    is the higher of its two figures, each extrapolated alone. Figures are not clamped (the profile
+    keeps a figure below zero, as FSDP2 makes them deep in the forward), so every line is exact.
+    Results are closures.
     """
 
-    def __init__(self, layers: int, floors: tuple[int, int] = (0, 0)):
+    def __init__(self, layers: int):
         self.layers = layers
-        # A peak figure is never below its profile's floor: ``_profile`` clamps a figure at zero
-        # and then adds the optimizer state yet to exist (``Profile.optimizer_state_bytes``, linear
-        # in N). A measured figure at the floor may be a clamped line; the extrapolated line is
-        # clamped again at the target's floor. (Sharded: FSDP2 frees the unsharded parameters counted
-        # in the stored bytes, so deep in the forward a gap's figure falls below zero.)
-        self.floors = dict(zip(DEPTHS, floors))
-        a, b = DEPTHS
-        self.floor = floors[0] + (floors[1] - floors[0]) * (layers - a) // (b - a)
 
-    def middle(self, points: dict[tuple[int, int], Any], peak: bool = False) -> Callable[[int], Any]:
+    def middle(self, points: dict[tuple[int, int], Any]) -> Callable[[int], Any]:
         """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
         if isinstance(next(iter(points.values())), _Pair):
-            forward = self.middle({k: pair.forward for k, pair in points.items()}, peak=True)
-            backward = self.middle({k: pair.backward for k, pair in points.items()}, peak=True)
-            return lambda d: max(forward(d), backward(d))
-        if peak:
-            return self._clamped_line(points)
+            figures = [self._figure({k: getattr(pair, phase) for k, pair in points.items()})
+                       for phase in ("forward", "backward")]
+            present = [f for f in figures if f is not None]
+            if not present:
+                raise _NoFit
+            return lambda d: max(f(d) for f in present)
         a, b = DEPTHS
         beta = points[(b, 1)] - points[(a, 1)]
         gamma = points[(a, 2)] - points[(a, 1)]
@@ -410,68 +403,57 @@ class _Fit:
     def boundary(self, small: Any, large: Any) -> Callable[[], Any]:
         """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
         if isinstance(small, _Pair):
-            forward, backward = (self._clamped_boundary(small.forward, large.forward),
-                                 self._clamped_boundary(small.backward, large.backward))
-            return lambda: max(forward(), backward())
+            figures = []
+            for phase in ("forward", "backward"):
+                v, w = getattr(small, phase), getattr(large, phase)
+                if (v is None) != (w is None):
+                    raise _NoFit  # a pass visits the region at one depth and not at the other
+                if v is not None:
+                    figures.append(self.boundary(v, w))
+            if not figures:
+                raise _NoFit
+            return lambda: max(f() for f in figures)
         if not _is_number(small):
             if small != large:
                 raise _NoFit
             return lambda: small
         return lambda: small + (large - small) * (self.layers - DEPTHS[0])
 
-
-    def _clamped_boundary(self, small: int, large: int) -> Callable[[], int]:
-        a, b = DEPTHS
-        at_floor = (small == self.floors[a], large == self.floors[b])
-        if all(at_floor):
-            return lambda: self.floor
-        if any(at_floor):
-            raise _NoFit  # one depth clamped, the other not: the line is not known
-        line = self.boundary(small, large)
-        return lambda: max(line(), self.floor)
-
-    def _clamped_line(self, points: dict[tuple[int, int], int]) -> Callable[[int], int]:
-        """``max(α + β N + γ d, floor)`` fitted on the points above their floor (exactly), the
-        points at their floor checked to lie on or above the line."""
-        free = {k: v for k, v in points.items() if v != self.floors[k[0]]}
-        basis = None
-        for p, q, r in itertools.combinations(sorted(free), 3):
-            det = (q[0] - p[0]) * (r[1] - p[1]) - (r[0] - p[0]) * (q[1] - p[1])
-            if det:
-                basis = (p, q, r, det)
-                break
-        if basis is None:
-            if len(free) != 0:
-                raise _NoFit
-            return lambda d: self.floor  # every measured figure at its floor
-        p, q, r, det = basis
-        dv1, dv2 = free[q] - free[p], free[r] - free[p]
-        beta = Fraction(dv1 * (r[1] - p[1]) - dv2 * (q[1] - p[1]), det)
-        gamma = Fraction((q[0] - p[0]) * dv2 - (r[0] - p[0]) * dv1, det)
-
-        def line(n: int, d: int) -> Fraction:
-            return free[p] + beta * (n - p[0]) + gamma * (d - p[1])
-
-        for (n, d), value in points.items():
-            if (value != line(n, d)) if (n, d) in free else (line(n, d) > value):
-                raise _NoFit
-        return lambda d: max(int(line(self.layers, d)), self.floor)
+    def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
+        """One phase's figure of a middle peak: None where that pass visits none of the measured
+        regions (FSDP2 leaves no moment between two late layers in backward), a line where it visits all."""
+        missing = [k for k, v in points.items() if v is None]
+        if len(missing) == len(points):
+            return None
+        if missing:
+            raise _NoFit
+        return self.middle(points)
 
 
 @dataclass(frozen=True)
 class _Pair:
     """A peak's forward and backward figures."""
 
-    forward: int
-    backward: int
+    forward: int | None
+    backward: int | None
 
 
 def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
-    """``forward`` with every peak a ``_Pair`` of its figures (less the ballast); a peak the ballast
-    did not lift (the optimizer step's, outside forward and backward) is both."""
+    """``forward`` with every peak a ``_Pair`` of its figures (less the ballast); a figure the ballast did not lift is None (the pass never visited the region), and a peak
+    the ballast lifted in neither run (the optimizer step's, outside forward and backward) is both."""
+
+    def lifted(value: int) -> int | None:
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
+        # (FSDP2 frees unsharded parameters the stored bytes count).
+        return value - ballast if value >= ballast // 2 else None
 
     def pair(up: int, down: int) -> _Pair:
-        return _Pair(up - ballast if up >= ballast else up, down - ballast if down >= ballast else down)
+        forward, backward = lifted(up), lifted(down)
+        if forward is None and backward is None:
+            return _Pair(up, down)
+        # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no
+        # moment between two late layers in backward): that figure does not exist.
+        return _Pair(forward, backward)
 
     stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=pair(o.local_peak_bytes, q.local_peak_bytes))
                                             for o, q in zip(s.options, t.options)))
@@ -523,8 +505,7 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
             if [c[len(stage.name):] for c in (*stage.options[j].checkpointed, *stage.options[j].offloaded)] != \
                     [c[len(reference.name):] for c in (*option.checkpointed, *option.offloaded)]:
                 raise _NoFit
-        option_numbers.append({k: fit.middle({key: getattr(s.options[j], k) for key, s in middle.items()},
-                                             peak=k == "local_peak_bytes")
+        option_numbers.append({k: fit.middle({key: getattr(s.options[j], k) for key, s in middle.items()})
                                for k, v in _fields(option, option, _NAMES, lambda v, w, _: v).items()
                                if _is_number(v) or isinstance(v, _Pair)})
 
@@ -580,7 +561,7 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callabl
             points = {**{(a, a - s.stages_alive): s for s in mine}, **{(b, b - s.stages_alive): s for s in segs}}
             if len(points) != (a - 2) + (b - 2) or len(mine) + len(segs) != len(points):
                 raise _NoFit
-            peak = fit.middle({k: s.peak_bytes for k, s in points.items()}, peak=True)
+            peak = fit.middle({k: s.peak_bytes for k, s in points.items()})
             template = segs[0]
             builders.append((2, lambda peak=peak, template=template: [
                 replace(template, name=_restate(template.name, template.stages_alive, j), stages_alive=j,
