@@ -71,6 +71,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     import lightning_remat.runtime.profile as profiling
     from lightning_remat import plan_remat
     from lightning_remat.accelerate import RematAccelerator, remat_session
+    from lightning_remat.core.errors import AlreadyCheckpointedError
     from lightning_remat.runtime.apply import checkpointed_modules
     from lightning_remat.runtime.measure import measure_step
 
@@ -115,6 +116,15 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     result["remat"] = dict(fsdp2=accelerator.is_fsdp2, profiles=len(calls), plan=session.plan.checkpointed,
                            phase=session.phase, wrapped=checkpointed_modules(model), metrics=accelerator.remat_metrics,
                            budget=budget, steady=max(m.peak_bytes for m in steady), losses=losses)
+
+    # The plugin's own activation checkpointing would wrap every block before sharding: refused at start.
+    AcceleratorState._reset_state(True)
+    try:
+        RematAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                              activation_checkpointing=True))
+        result["with_ac"] = None
+    except AlreadyCheckpointedError as error:
+        result["with_ac"] = str(error)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -148,3 +158,9 @@ def test_remat_accelerator_plans_accelerates_fsdp2_model_within_the_budget(ranks
     assert steady == pytest.approx(metrics["remat/predicted_peak_bytes"], rel=0.05)
     assert r0["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
     assert r1["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
+
+
+def test_the_plugins_own_activation_checkpointing_is_refused_at_start(ranks):
+    message = ranks[0]["with_ac"]
+    assert message and "activation_checkpointing=True" in message and "ACCELERATE_REMAT_BUDGET" in message
+    assert ranks[1]["with_ac"] == message

@@ -36,7 +36,14 @@ _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKe
 def _check_supported(accelerator: Accelerator) -> None:
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
-        return  # FSDP2 shards in place: every rank profiles the sharded model in lockstep
+        # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
+        # activation checkpointing wraps every block before sharding: refuse it now, not after.
+        if getattr(getattr(accelerator.state, "fsdp_plugin", None), "activation_checkpointing", False):
+            raise AlreadyCheckpointedError(
+                f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): Accelerate's FSDP plugin recomputes "
+                "every block already (activation_checkpointing=True, FSDP_ACTIVATION_CHECKPOINTING); turn it off to "
+                f"let lightning-remat choose, or unset {ENV_BUDGET}")
+        return
     if kind == "FSDP":
         raise UnsupportedShardingError(
             "lightning-remat does not support Accelerate's FSDP1 (fsdp_version=1): its flat parameters cannot be "
