@@ -38,7 +38,8 @@ def _check_supported(accelerator: Accelerator) -> None:
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
         # activation checkpointing wraps every block before sharding: refuse it now, not after.
-        if getattr(getattr(accelerator.state, "fsdp_plugin", None), "activation_checkpointing", False):
+        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+        if getattr(plugin, "activation_checkpointing", False):
             raise AlreadyCheckpointedError(
                 f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): Accelerate's FSDP plugin recomputes "
                 "every block already (activation_checkpointing=True, FSDP_ACTIVATION_CHECKPOINTING); turn it off to "
