@@ -6,7 +6,8 @@ The script uses ``RematAccelerator`` instead of ``Accelerator`` (or keeps the st
 and calls ``prepare_remat(model, accelerator=accelerator)``); nothing else in the loop changes.
 
 Supported: one process, DDP (multi-GPU, multi-CPU) and FSDP2 (``fsdp_version=2``: every rank
-profiles the sharded model in lockstep; the budget is per rank). Not supported: FSDP1, DeepSpeed,
+profiles the sharded model in lockstep; the budget is per rank; the plugin's own
+``activation_checkpointing`` is refused with a budget). Not supported: FSDP1, DeepSpeed,
 Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
 ``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``, a
 ``NotImplementedError``, naming the workarounds).
@@ -91,7 +92,8 @@ def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
 
     Raises:
         ValueError: a malformed environment variable (named in the message).
-        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already, or
+            Accelerate's FSDP2 plugin has ``activation_checkpointing`` on.
         NoCandidateError: the model has no module to recompute (set ``candidates``).
         NotImplementedError: FSDP1, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
 
