@@ -4,9 +4,9 @@ Accelerate 1.15 turns FSDP on only for accelerators (``AcceleratorState.__init__
 ``DistributedType.FSDP`` in its MULTI_GPU/NPU/XPU/... branch, never for MULTI_CPU), although
 ``_prepare_fsdp2`` itself needs nothing of a GPU: ``fully_shard`` builds its default mesh on the CPU
 with gloo. ``_fsdp2_on_cpu`` does, in the test processes only, what that branch does on a GPU
-(``distributed_type = FSDP``, ``fsdp_plugin = plugin``, and the
-``PartialState`` copy of the type that ``AcceleratorState()`` reloads), so the real ``Accelerator.prepare`` ->
-``_prepare_fsdp2`` -> ``fsdp2_prepare_model`` (auto-wrap policy, tied embeddings' tail group, optimizer
+(``distributed_type = FSDP``, ``fsdp_plugin = plugin``, its mixed precision, and the ``PartialState``
+copy of the type that every later ``AcceleratorState()`` reloads), so the real ``Accelerator.prepare``
+-> ``_prepare_fsdp2`` -> ``fsdp2_prepare_model`` (auto-wrap policy, tied embeddings' tail group, optimizer
 parameter switch) runs, and ``RematAccelerator`` plans the model Accelerate sharded.
 
 Shown: the script is switched on by the environment alone (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION=2``,
@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 
 SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
-STEPS = 5  # observed; planned at its end; measured by the session; two more steady steps measured here
+STEPS = 5  # observed, planned at its end; measured by the session; one more; two measured here with MemTracker
 
 
 def _fsdp2_on_cpu() -> None:
@@ -42,6 +42,8 @@ def _fsdp2_on_cpu() -> None:
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             PartialState._shared_state["distributed_type"] = self.distributed_type  # as its __init__ ends
 
     AcceleratorState.__init__ = init
