@@ -6,7 +6,8 @@ The script uses ``RematAccelerator`` instead of ``Accelerator`` (or keeps the st
 and calls ``prepare_remat(model, accelerator=accelerator)``); nothing else in the loop changes.
 
 Supported: one process, DDP (multi-GPU, multi-CPU) and FSDP2 (``fsdp_version=2``: every rank
-profiles the sharded model in lockstep; the budget is per rank). Not supported: FSDP1, DeepSpeed,
+profiles the sharded model in lockstep; the budget is per rank; the plugin's own
+``activation_checkpointing`` is refused with a budget). Not supported: FSDP1, DeepSpeed,
 Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
 ``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``, a
 ``NotImplementedError``, naming the workarounds).
@@ -36,7 +37,15 @@ _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKe
 def _check_supported(accelerator: Accelerator) -> None:
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
-        return  # FSDP2 shards in place: every rank profiles the sharded model in lockstep
+        # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
+        # activation checkpointing wraps every block before sharding: refuse it now, not after.
+        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+        if getattr(plugin, "activation_checkpointing", False):
+            raise AlreadyCheckpointedError(
+                f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): Accelerate's FSDP plugin recomputes "
+                "every block already (activation_checkpointing=True, FSDP_ACTIVATION_CHECKPOINTING); turn it off to "
+                f"let lightning-remat choose, or unset {ENV_BUDGET}")
+        return
     if kind == "FSDP":
         raise UnsupportedShardingError(
             "lightning-remat does not support Accelerate's FSDP1 (fsdp_version=1): its flat parameters cannot be "
@@ -83,7 +92,8 @@ def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
 
     Raises:
         ValueError: a malformed environment variable (named in the message).
-        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already, or
+            Accelerate's FSDP2 plugin has ``activation_checkpointing`` on.
         NoCandidateError: the model has no module to recompute (set ``candidates``).
         NotImplementedError: FSDP1, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
 
