@@ -68,6 +68,8 @@ class ShardedBatchSearch(BatchSearch):
     def __init__(self, *args: Any, gather: Gather, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.gather = gather
+        self.notes.append(f"searched on each of {len(gather(None))} ranks in lockstep (the model is sharded with "
+                          "FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
 
     def _all(self, compute: Callable[[], Any]) -> list:
         """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all."""
