@@ -97,3 +97,69 @@ def test_larger_than_the_largest_batch_without_recomputation(ranks):
     assert r0["peak_8"] <= r0["budget"] < r0["peak_9"]  # by measurement, 9 does not fit without recomputation
     assert r0["without"] == ranks[1]["without"] <= 8
     assert r0["batch_size"] > 8
+
+
+def _mlp_search(other_rank):
+    """A ``ShardedBatchSearch`` in one process whose "other rank" is simulated by ``gather``."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    from lightning_remat.core.config import RematConfig
+    from lightning_remat.runtime.trial import Trial
+    from lightning_remat.service.sharded_batch import ShardedBatchSearch
+
+    def gather(value):
+        if isinstance(value, tuple) and value and isinstance(value[0], Trial):
+            return [value, (other_rank(value[0], replace), None)]
+        return [value, value]
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32)) for _ in range(6)])
+
+    def mlp_step(b):
+        x = torch.randn(b, 32, generator=torch.Generator().manual_seed(b))
+        return lambda m: m(x).square().mean()
+
+    budget = 1_100_000
+    search = ShardedBatchSearch(mlp_step, net, None, RematConfig(budget, cost="flops"), budget, 0.35, 1, "binsearch",
+                                4, gather=gather)
+    search.fit_profiles(512)
+    return search, budget
+
+
+@pytest.mark.parametrize("failure", ["over budget", "out of memory"])
+def test_a_trial_that_fails_on_any_rank_fails_on_all(failure):
+    injected = []
+
+    def other_rank(trial, replace):
+        if injected or not trial.fits:  # the first trial that fits on this rank fails on the other
+            return trial
+        injected.append(trial.batch_size)
+        if failure == "over budget":
+            return replace(trial, measured_peak_bytes=budget + 1, fits=False)
+        return replace(trial, measured_peak_bytes=None, out_of_memory=True, fits=False)
+
+    search, budget = _mlp_search(other_rank)
+    confirmed, measured = search.confirm(512, 25)
+    assert injected
+    failed = next(t for t in search.trials if t.batch_size == injected[0])
+    assert not failed.fits and failed.out_of_memory == (failure == "out of memory")
+    assert 0 < confirmed < injected[0] and measured <= budget
+
+
+def test_an_error_on_another_rank_is_raised_on_every_rank():
+    from torch import nn
+
+    from lightning_remat.core.config import RematConfig
+    from lightning_remat.core.errors import PlanningFailedError
+    from lightning_remat.service.sharded_batch import ShardedBatchSearch
+
+    def gather(value):  # the other rank failed while profiling
+        return [value, (None, PlanningFailedError("profiling failed on rank 1: RuntimeError: boom"))]
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    search = ShardedBatchSearch(lambda b: (lambda m: m(torch.ones(b, 4)).sum()), net, None, RematConfig(10**6), 10**6,
+                                0.35, 1, "binsearch", 2, gather=gather)
+    with pytest.raises(PlanningFailedError, match="rank 1: RuntimeError: boom"):
+        search.fit_profiles(64)
