@@ -236,6 +236,11 @@ def find_remat_batch_size(
         confirm_without_remat: confirm the batch without recomputation by real steps too.
         apply: apply the plan for the final batch to ``model``.
 
+    On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
+    same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
+    or out of memory on any rank fails on all, and every rank returns rank 0's result; the budget
+    and the batch size are per rank (``service.sharded_batch``, docs/batch_size.md).
+
     Returns:
         A ``BatchSizeResult``: the batch size, the plan, the largest batch without recomputation,
         the measured peak and what the search cost in real steps next to Lightning's binsearch.

@@ -60,6 +60,11 @@ class RematBatchSizeFinder(BatchSizeFinder):
     train dataloader (``self.log`` is silenced during them) and step the first optimizer; the
     weights, optimizer state, gradients, buffers and RNG are put back afterwards.
 
+    Under ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``: the model is sharded
+    and the optimizer created before ``on_fit_start``) every rank searches in lockstep and sets the
+    same batch size; the budget is per GPU. Other distributed strategies raise
+    ``UnsupportedShardingError`` naming the workarounds.
+
     Reported through every logger (``logger.log_metrics`` for each of ``trainer.loggers``):
     ``remat/batch_size``, ``remat/batch_size_without_remat`` (the largest batch that fits the budget
     with nothing recomputed), ``remat/batch_size_ratio`` and ``remat/predicted_overhead``; and a
