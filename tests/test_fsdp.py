@@ -6,37 +6,15 @@ per-rank budget and within 5% of the prediction, and the losses are those of one
 Planning before sharding (plan_remat and apply_plan, then fully_shard) keeps working."""
 
 import copy
-import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.gloo_ranks import shard_gpt2, small_gpt2, spawn
 
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 
-SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
 STEPS = 4
-
-
-def _model():
-    from lightning_remat.models import build
-
-    torch.manual_seed(0)
-    case = build("gpt2", **SMALL)
-    for m in case.model.modules():  # ranks would draw other dropout masks than one process
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return case
-
-
-def _shard(model):
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+_model, _shard = small_gpt2, shard_gpt2
 
 
 def _train(model, step, optimizer):
@@ -47,10 +25,7 @@ def _train(model, step, optimizer):
     return [r.loss for r in runs], [r.peak_bytes for r in runs]
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _rank(rank: int) -> dict:
     import lightning_remat.runtime.profile as profiling
     from lightning_remat import apply_plan, plan_remat
     from lightning_remat.runtime.apply import checkpointed_modules
@@ -107,16 +82,12 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     case.step(case.model)  # the session lets go of the model at the next forward
     result["session"] = dict(profiles=len(calls), plan=session.plan.checkpointed, phase=session.phase,
                              wrapped=checkpointed_modules(case.model), metrics=session.metrics, losses=losses)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_rank, args=(2, f"file://{out / 'rendezvous'}", str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return spawn(_rank, tmp_path_factory.mktemp("fsdp"))
 
 
 def test_sharded_model_is_planned_on_every_rank_and_holds_the_budget(ranks):

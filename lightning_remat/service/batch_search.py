@@ -150,12 +150,16 @@ class BatchSearch:
     def largest(self, recompute: bool, limit: int) -> int:
         return largest_batch(lambda b: self.plan_for(b, recompute) is not None, self.start, limit, self.mode)
 
+    def run_trial(self, batch_size: int, plan: Plan) -> Trial:
+        """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""
+        return run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
+                         self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
+                         segments=plan.segments, policies=getattr(plan, "policies", None))
+
     def _trial(self, batch_size: int, recompute: bool) -> Trial:
         plan = self.plan_for(batch_size, recompute)
         assert plan is not None
-        trial = run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
-                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
-                          segments=plan.segments, policies=getattr(plan, "policies", None))
+        trial = self.run_trial(batch_size, plan)
         self.trials.append(trial)
         if not trial.fits and not trial.out_of_memory and trial.measured_peak_bytes is not None:
             self.corrections[recompute].append((batch_size, trial.measured_peak_bytes - plan.predicted_peak_bytes))

@@ -173,6 +173,21 @@ class BatchSizeResult:
         return to_text([batch_size_table(self)], width=100)
 
 
+def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: RematConfig,
+            budget_bytes: int, *args: Any) -> BatchSearch:
+    """A ``BatchSearch``; for a model sharded with FSDP2 across processes, one every rank runs in lockstep."""
+    from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
+
+    refuse_fsdp1(model, "find_remat_batch_size")
+    gather = torch_distributed_gather() if fsdp2_sharded(model) else None
+    if gather is None:
+        return BatchSearch(make_step, model, optimizer, config, budget_bytes, *args)
+    from .sharded_batch import ShardedBatchSearch, shared_budget
+
+    return ShardedBatchSearch(make_step, model, optimizer, config, shared_budget(budget_bytes, gather), *args,
+                              gather=gather)
+
+
 def find_remat_batch_size(
     make_step: MakeStep,
     model: nn.Module,
@@ -221,6 +236,11 @@ def find_remat_batch_size(
         confirm_without_remat: confirm the batch without recomputation by real steps too.
         apply: apply the plan for the final batch to ``model``.
 
+    On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
+    same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
+    or out of memory on any rank fails on all, and every rank returns rank 0's result; the budget
+    and the batch size are per rank (``service.sharded_batch``, docs/batch_size.md).
+
     Returns:
         A ``BatchSizeResult``: the batch size, the plan, the largest batch without recomputation,
         the measured peak and what the search cost in real steps next to Lightning's binsearch.
@@ -245,7 +265,8 @@ def find_remat_batch_size(
     budget_bytes = int(config.budget_bytes(model_device(model)))
     previous_plan = checkpointed_modules(model)
     previous_segments = segmented_modules(model)
-    search = BatchSearch(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, start)
+    search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, start)
+    budget_bytes = search.budget_bytes
     fit = search.fit_profiles(max_batch_size)
     found = search.largest(True, max_batch_size)
     if found == 0:
@@ -262,6 +283,13 @@ def find_remat_batch_size(
     final = max(1, int(math.floor(confirmed * (1 - margin))))
     final_plan = search.plan_for(final, True) or search.plan_for(confirmed, True)
     assert final_plan is not None
+    if getattr(search, "gather", None) is not None:
+        # Sharded: every rank decided on the same figures; rank 0's decision is the one kept.
+        from .sharded_batch import share_result
+
+        final, without, confirmed, measured, plan_dict = share_result(
+            (final, without, confirmed, measured, final_plan.to_dict()))
+        final_plan = Plan.from_dict(plan_dict)
     if apply:
         apply_plan(model, final_plan)
     elif previous_plan != checkpointed_modules(model) or previous_segments != segmented_modules(model):

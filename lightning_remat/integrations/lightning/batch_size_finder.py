@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ...core.batch_fit import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, validate_search
 from ...core.config import RematConfig
+from ...core.errors import UnsupportedShardingError
 from ...core.plan import Plan
 from ...report.render import batch_size_table, print_renderables
 from ...runtime.apply import apply_plan
@@ -28,6 +29,18 @@ def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Traine
     else:
         places.append("no datamodule (none was passed to the Trainer)")
     return ", ".join(places)
+
+
+def _check_distributed(trainer: "pl.Trainer") -> None:
+    """Only ModelParallelStrategy (FSDP2 in ``configure_model``) is searched across processes."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise UnsupportedShardingError(
+            f"RematBatchSizeFinder under {type(trainer.strategy).__name__}: across processes the batch-size search "
+            "runs only under ModelParallelStrategy with fully_shard in configure_model (FSDP2), where every rank "
+            "searches in lockstep. Otherwise find the batch size in one process (devices=1) and train with it, or "
+            "call find_remat_batch_size on every rank of a model sharded with fully_shard.")
 
 
 class RematBatchSizeFinder(BatchSizeFinder):
@@ -46,6 +59,11 @@ class RematBatchSizeFinder(BatchSizeFinder):
     is applied to the LightningModule. Trial steps run ``training_step`` on real batches of the
     train dataloader (``self.log`` is silenced during them) and step the first optimizer; the
     weights, optimizer state, gradients, buffers and RNG are put back afterwards.
+
+    Under ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``: the model is sharded
+    and the optimizer created before ``on_fit_start``) every rank searches in lockstep and sets the
+    same batch size; the budget is per GPU. Other distributed strategies raise
+    ``UnsupportedShardingError`` naming the workarounds.
 
     Reported through every logger (``logger.log_metrics`` for each of ``trainer.loggers``):
     ``remat/batch_size``, ``remat/batch_size_without_remat`` (the largest batch that fits the budget
@@ -130,6 +148,15 @@ class RematBatchSizeFinder(BatchSizeFinder):
         if not pl_module.automatic_optimization:
             raise MisconfigurationException("RematBatchSizeFinder needs automatic optimization: trial steps run "
                                             "training_step and step the optimizer themselves.")
+        if trainer._accelerator_connector.is_distributed:
+            # BatchSizeFinder refuses every distributed strategy; under ModelParallelStrategy the model
+            # is sharded with FSDP2 in configure_model before on_fit_start, where every rank searches.
+            _check_distributed(trainer)
+            if not trainer.fit_loop._data_source.is_module():
+                raise MisconfigurationException(
+                    "RematBatchSizeFinder cannot be used with dataloaders passed directly to `.fit()`: define "
+                    "train_dataloader in the LightningModule or a LightningDataModule.")
+            return
         super().setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

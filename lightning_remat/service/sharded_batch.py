@@ -1,0 +1,118 @@
+"""The batch-size search on a model sharded with FSDP2 (``fully_shard``): every rank searches in lockstep.
+
+A sharded model runs collectives (all-gathers of parameters, reduce-scatters of gradients) in every
+forward and backward, so every rank must run the same profiling passes and the same trial steps,
+at the same batch sizes, in the same order. ``ShardedBatchSearch`` is ``BatchSearch`` with the
+figures it decides on made the same on every rank:
+
+- a profile at a batch size is taken on every rank and merged term by term (the largest over the
+  ranks, ``sharded.merge_profiles``), so a plan within the budget on the merge is within it on every
+  rank; an out-of-memory error on any rank is an out-of-memory error on all;
+- a trial runs on every rank and counts as failed when it went over the budget or out of memory on
+  any rank; its measured peak is the largest over the ranks;
+- every decision is then computed from the same figures on every rank; before each trial the ranks
+  check that they chose the same batch size and plan, and the final result is rank 0's, broadcast
+  (``share_result``).
+
+The budget is per rank (per GPU); a relative budget ("80%") is resolved on each rank and the
+smallest is used.
+
+Example:
+    >>> combine_trials([Trial(8, ("h.0",), 1, 100, False, True, 90), Trial(8, ("h.0",), 1, 130, False, True, 90)],
+    ...                budget=120).fits
+    False
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..core.errors import PlanningFailedError
+from ..core.memory_model import Profile
+from ..core.plan import Plan
+from ..runtime.trial import Trial
+from .batch_search import BatchSearch
+from .sharded import merge_profiles
+from .sharded_planning import _first_error, _travelling
+
+Gather = Callable[[Any], list]
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def combine_trials(trials: list[Trial], budget: int) -> Trial:
+    """One trial from every rank's: out of memory if any rank was, the largest measured peak, and
+    fitting only when no rank ran out of memory and that peak is within ``budget``.
+
+    Example:
+        >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
+        >>> t.out_of_memory, t.fits, t.measured_peak_bytes
+        (True, False, None)
+    """
+    first = trials[0]
+    oom = any(t.out_of_memory for t in trials)
+    peaks = [t.measured_peak_bytes for t in trials]
+    peak = None if any(p is None for p in peaks) else max(p for p in peaks if p is not None)
+    fits = not oom and peak is not None and peak <= budget
+    return Trial(first.batch_size, first.checkpointed, max(t.steps for t in trials), peak, oom, fits,
+                 first.predicted_peak_bytes)
+
+
+class ShardedBatchSearch(BatchSearch):
+    """``BatchSearch`` run by every rank of a model sharded with FSDP2, in lockstep (see the module)."""
+
+    def __init__(self, *args: Any, gather: Gather, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.gather = gather
+        self.notes.append(f"searched on each of {len(gather(None))} ranks in lockstep (the model is sharded with "
+                          "FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
+
+    def _all(self, compute: Callable[[], Any]) -> list:
+        """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all."""
+        value, error = None, None
+        try:
+            value = compute()
+        except Exception as caught:  # noqa: BLE001 - every rank raises the first rank's error, below
+            error = _travelling(caught, _rank())
+        results = self.gather((value, error))
+        failed = _first_error(results)
+        if failed is not None:
+            raise failed
+        return [value for value, _ in results]
+
+    def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
+        profiles = self._all(lambda: super(ShardedBatchSearch, self)._profile_at(batch_size, warmup))
+        if any(p is None for p in profiles):  # out of memory on some rank: on all
+            return None
+        return merge_profiles(profiles)
+
+    def run_trial(self, batch_size: int, plan: Plan) -> Trial:
+        # The ranks computed their choice from the same figures; check before any collective runs.
+        choice = (batch_size, tuple(plan.checkpointed), tuple(tuple(s) for s in plan.segments))
+        choices = self.gather(choice)
+        if any(c != choices[0] for c in choices):
+            raise PlanningFailedError(f"the ranks chose different trials (batch size, plan): {choices}; the "
+                                      "batch-size search needs the same model and batch shapes on every rank")
+        trials = self._all(lambda: super(ShardedBatchSearch, self).run_trial(batch_size, plan))
+        return combine_trials(trials, self.budget_bytes)
+
+
+def shared_budget(budget_bytes: int, gather: Gather) -> int:
+    """The smallest of the ranks' budgets (a relative budget resolves per device).
+
+    Example:
+        >>> shared_budget(100, lambda v: [v, 80])
+        80
+    """
+    return min(gather(budget_bytes))
+
+
+def share_result(result: Any) -> Any:
+    """Rank 0's result on every rank (``broadcast_object_list``)."""
+    box = [result]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
