@@ -157,6 +157,30 @@ def test_training_loop_stays_under_budget_with_same_losses(monkeypatch):
     assert remat_session(model).phase == "done"
 
 
+def test_budget_min_holds_with_the_outputs_the_loop_keeps(monkeypatch):
+    # A loop that binds the outputs (``logits = model(ids).logits``) keeps them alive through the
+    # backward, the optimizer step and the next forward, and accelerator.backward keeps a scaled copy
+    # of the loss: re-running the model alone sees neither. With budget "min" (no slack) the
+    # measured peak went 32,772 bytes over (the logits and a scalar) before the loop was counted.
+    batches = _batches(4, batch=2, seq=32)
+    monkeypatch.setenv(ENV_BUDGET, "min")
+    monkeypatch.setenv(ENV_COST, "flops")
+    accelerator = RematAccelerator()
+    model = _tiny_gpt2()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for ids in batches:
+        logits = model(input_ids=ids).logits
+        accelerator.backward(_lm_loss(logits, ids))
+        optimizer.step()
+        optimizer.zero_grad()
+    metrics = accelerator.remat_metrics
+    assert metrics["remat/num_checkpointed"] > 0
+    assert metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+    assert metrics["remat/measured_peak_bytes"] == pytest.approx(metrics["remat/predicted_peak_bytes"], rel=0.01)
+    assert any("holds the model's outputs (32.00 KiB)" in note for note in accelerator.remat_plan.notes)
+
+
 class _ListTracker(GeneralTracker):
     name = "list"
     requires_logging_directory = False

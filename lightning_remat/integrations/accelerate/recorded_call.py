@@ -16,6 +16,7 @@ backward did:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +27,12 @@ from torch import nn
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measure import PeakWindow
+from ...runtime.profile_adjust import with_always_alive
+
+# The user's loss scalar and Accelerate's copy of it (``accelerator.backward`` divides the loss by
+# ``gradient_accumulation_steps``, even by 1), alive through the backward, which re-running the model
+# alone does not see; a CUDA block (512 bytes) each, with room.
+LOOP_ALLOWANCE = 2048
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
     """Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order."""
@@ -58,6 +65,33 @@ class RecordedCall:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output position -> gradient it received
     backward_ran: bool = False
     used_model_loss: bool = False
+    outputs: list = field(default_factory=list)  # weak references to the output tensors
+
+    def watch_outputs(self, leaves: list[torch.Tensor]) -> None:
+        """Remember the outputs weakly, to learn later whether the user's loop still holds them."""
+        self.outputs = [weakref.ref(t) for t in leaves]
+
+    def held_bytes(self) -> int:
+        """Bytes of the outputs still alive: read between two steps, what the user's loop holds
+        (``outputs = model(batch)`` keeps them through the backward, the optimizer step and the next
+        forward, until the name is bound again).
+
+        Example:
+            >>> call = RecordedCall(args=(), kwargs={})
+            >>> out = torch.ones(4)
+            >>> call.watch_outputs([out, out[:2]])
+            >>> call.held_bytes()
+            16
+            >>> del out; call.held_bytes()
+            0
+        """
+        storages = {}
+        for ref in self.outputs:
+            tensor = ref()
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())
 
     def on_grad(self, index: int, grad: torch.Tensor) -> None:
         self.backward_ran = True
@@ -92,6 +126,22 @@ class WindowTracker(PeakWindow):
         # without the state that every later step holds.
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
+
+
+def with_loop_references(profile: Profile, held_bytes: int) -> Profile:
+    """Count what the user's loop keeps alive around the model in every term: the outputs it holds
+    (``held_bytes``: the current step's through backward and the optimizer step, the previous step's
+    through the next forward) and ``LOOP_ALLOWANCE`` for the loss scalars.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
+        >>> with_loop_references(p, 4096).stages[0].options[0].local_peak_bytes == 100 + 4096 + LOOP_ALLOWANCE
+        True
+    """
+    note = f"the training loop holds the model's outputs ({format_bytes(held_bytes)}) " if held_bytes else ""
+    return with_always_alive(profile, held_bytes + LOOP_ALLOWANCE,
+                             note + f"and the loss ({LOOP_ALLOWANCE} bytes allowed) through the step; counted in every term")
 
 
 def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True) -> Profile:

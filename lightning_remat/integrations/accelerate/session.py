@@ -28,7 +28,7 @@ from ...core.plan import Plan
 from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
 from ...service.sharded import fsdp2_sharded, torch_distributed_gather
 from .plugin import ENV_BUDGET, RematPlugin
-from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves
+from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves, with_loop_references
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._held_bytes = 0  # outputs of the last observed step the user's loop still held after it
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
@@ -116,6 +117,7 @@ class RematSession:
             call = self._current
             loss = scalar_loss(output)
             call.loss_index = next((i for i, t in enumerate(leaves) if t is loss), None)
+            call.watch_outputs(leaves)
             for i, tensor in enumerate(leaves):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, i=i, call=call: call.on_grad(i, grad))
@@ -176,6 +178,9 @@ class RematSession:
             if self._current is not None and self._current.backward_ran:
                 self._completed, self._current = self._current, None
                 self.observed_steps += 1
+                # After the backward (and the optimizer step, or before the next forward binds them
+                # again): the outputs still alive are the ones the loop holds.
+                self._held_bytes = self._completed.held_bytes()
                 if self._window is not None:
                     window, self._window = self._window, None
                     peak = window.close()
@@ -210,14 +215,19 @@ class RematSession:
         is_main, broadcast = torch_distributed_broadcast()
         # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
         gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(self.model) else None
-        observed = self._observed
+        observed, held = self._observed, self._held_bytes
+
+        def adjust(profile: Any) -> Any:
+            profile = with_loop_references(profile, held)
+            return calibrate(profile, *observed) if observed is not None else profile
+
         self._busy = True
         try:
             # The observed steps were the warm-up: lazy initialisation has happened.
             plan = Planner(self._config()).shared_plan(
                 self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast, gather=gather,
                 hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
-                adjust=(lambda profile: calibrate(profile, *observed)) if observed is not None else None)
+                adjust=adjust)
         finally:
             self._busy = False
         apply_plan(self.model, plan)
