@@ -462,3 +462,25 @@ def test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_me
     for b in range(2, small + 1):
         plan = limited.plan_for(b, True)
         assert plan is not None and plan.host_bytes <= cheapest_host and plan.predicted_peak_bytes <= budget
+
+
+def test_offload_trial_runs_with_the_plans_offloading_and_puts_it_back():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.runtime.apply import apply_plan
+    from lightning_remat.runtime.offload import offloaded_modules
+    from lightning_remat.runtime.trial import run_trial
+
+    net = mlp(depth=4)
+    apply_plan(net, ["3"])  # the model's own plan, back after the trial
+    plan = Plan(["1"], 10**9, 10**9, 10**9, 0.0, offloaded=["0", "2"], host_bytes=1)
+    seen = []
+    step = mlp_make_step(8)
+
+    def watched(model):
+        seen.append((sorted(offloaded_modules(model)), checkpointed_modules(model)))
+        return step(model)
+
+    trial = run_trial(net, watched, None, 8, plan.checkpointed, 1, 10**9, plan.predicted_peak_bytes, plan=plan)
+    assert trial.fits and seen and all(s == (["0", "2"], ["1"]) for s in seen), seen
+    assert offloaded_modules(net) == [] and checkpointed_modules(net) == ["3"]
+    remove_remat(net)
