@@ -24,7 +24,6 @@ import torch
 import transformers
 
 from lightning_remat.core.batch_fit import ProfileFit
-from lightning_remat.core.budget import format_bytes
 from lightning_remat.core.config import ProfileOptions, RematConfig
 from lightning_remat.core.offload_model import without_offload
 from lightning_remat.core.solve import least_peak, solve
@@ -100,10 +99,10 @@ def binding(p, plan) -> str:
         option = stage.option(choice.option)
         terms.append((option.local_peak_bytes + prefix[-1], f"{stage.name} ({option.name}) forward/backward"))
         prefix.append(prefix[-1] + option.stored_bytes)
-    terms += [(s.peak_bytes + prefix[s.stages_alive], f"{s.name}, with {format_bytes(prefix[s.stages_alive])} stored "
+    terms += [(s.peak_bytes + prefix[s.stages_alive], f"{s.name}, with {prefix[s.stages_alive] / GB:.2f} GB stored "
                f"by the stages") for s in p.segments]
     peak, name = max(terms)
-    return f"{name}: {format_bytes(peak)}"
+    return f"{name}: {peak / GB:.2f} GB"
 
 
 def largest_batch(name: str, first) -> dict:
