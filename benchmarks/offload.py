@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import transformers
 
-from lightning_remat.core.config import ProfileOptions
+from lightning_remat.core.batch_fit import ProfileFit
+from lightning_remat.core.config import ProfileOptions, RematConfig
 from lightning_remat.core.offload_model import without_offload
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.runtime.profile import profile_step
+from lightning_remat.service.batch_search import BatchSearch
 
 GB = 10**9
 DEVICE = 80 * GB
+HOST = 1000 * GB  # host memory free for offloading (an 8-GPU H100 server has 1-2 TB)
 MODELS = {
     "llama-2-7b": (dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
                         intermediate_size=11008), 4, 2048, "sgd"),
@@ -72,22 +76,70 @@ def overheads(p, fractions=(0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.0)) -> list[di
     return rows
 
 
+class _Variant:
+    """A ``ProfileFit`` with some options withdrawn at every batch size (what the search reads)."""
+
+    def __init__(self, fit: ProfileFit, keep):
+        self.fit, self.keep, self.batch_sizes = fit, keep, fit.batch_sizes
+
+    def at(self, batch: int):
+        return self.keep(self.fit.at(batch))
+
+
+def no_recompute(p):
+    """Keep and the offload options only (offloading alone, as in the seed paper)."""
+    return replace(p, stages=tuple(replace(s, options=tuple(o for o in s.options if o.name == "keep" or o.offloaded))
+                                   for s in p.stages))
+
+
+def binding(p, plan) -> str:
+    """The term of the memory model that reaches ``plan``'s peak, and its size."""
+    prefix, terms = [0], []
+    for stage, choice in zip(p.stages, plan.choices):
+        option = stage.option(choice.option)
+        terms.append((option.local_peak_bytes + prefix[-1], f"{stage.name} ({option.name}) forward/backward"))
+        prefix.append(prefix[-1] + option.stored_bytes)
+    terms += [(s.peak_bytes + prefix[s.stages_alive], f"{s.name}, with {prefix[s.stages_alive] / GB:.2f} GB stored "
+               f"by the stages") for s in p.segments]
+    peak, name = max(terms)
+    return f"{name}: {peak / GB:.2f} GB"
+
+
 def largest_batch(name: str, first) -> dict:
+    """The largest batch whose least peak fits 80 GB, searched as ``find_remat_batch_size`` predicts it:
+    the profiles at the table's batch and twice it fitted term by term (``ProfileFit``), then
+    solved at every batch size tried (within ``HOST`` bytes of host memory). The least peak is
+    not affine in the batch (the term that sets it changes), so it is not extrapolated itself."""
     b1 = MODELS[name][1]
-    one, two = first, profile(name, 2 * b1)
+    fit = ProfileFit([(b1, first), (2 * b1, profile(name, 2 * b1))])
+    config = RematConfig(DEVICE, cost="time", profile=ProfileOptions(offload=True))
+    result = {}
+    for label, keep in (("offload_and_recompute", lambda p: p), ("recompute_only", only),
+                        ("offload_only", no_recompute)):
+        search = BatchSearch(None, None, None, config, DEVICE, float("inf"), 1, "binsearch", b1)
+        search.fit, search.host_free = _Variant(fit, keep), HOST
+        found = search.largest(True, 4096)
+        plan = search.plan_for(found, True) if found else None
+        result[label] = found
+        if plan is not None:
+            result[label + "_limited_by"] = binding(keep(fit.at(found)), plan)
+            result[label + "_host_gb"] = round(plan.host_bytes / GB, 1)
+        if label == "offload_and_recompute":
+            result["neither"] = search.largest(False, 4096)
+    def figures(batch: int) -> dict:
+        at = fit.at(batch)
+        head = max(s.peak_bytes for s in at.segments if s.stages_alive == len(at.stages))
+        return dict(head_and_loss=head - at.parameter_bytes,
+                    checkpoints=sum(s.option("whole").stored_bytes for s in at.stages),
+                    first_stage_backward=at.stages[0].option("whole").local_peak_bytes - at.static_bytes)
 
-    def fit(f) -> int:
-        a, b = f(one), f(two)
-        slope = (b - a) / b1  # per sample
-        return max(0, int(b1 + (DEVICE - a) // slope)) if slope > 0 else 0
-
-    neither = fit(lambda p: p.baseline_peak_bytes)
-    rec = fit(lambda p: least_peak(only(p)))
-    off = fit(lambda p: least_peak(p))
-    return dict(neither=neither, recompute_only=rec, offload_and_recompute=off,
-                baseline_gb=[round(p.baseline_peak_bytes / GB, 2) for p in (one, two)],
-                least_recompute_only_gb=[round(least_peak(only(p)) / GB, 2) for p in (one, two)],
-                least_with_offload_gb=[round(least_peak(p) / GB, 2) for p in (one, two)])
+    low, high = figures(b1), figures(2 * b1)
+    result["static_gb"] = round(first.static_bytes / GB, 2)
+    result["parameters_gb"] = round(first.parameter_bytes / GB, 2)
+    # Beyond parameters (head) or static memory (first stage): per sample, and the fixed part.
+    result["per_sample_gb"] = {k: round((high[k] - low[k]) / b1 / GB, 4) for k in low}
+    result["fixed_gb"] = {k: round((2 * low[k] - high[k]) / GB, 3) for k in low}
+    return result
 
 
 def main() -> dict:

@@ -379,3 +379,108 @@ def test_the_example_finds_a_larger_batch(capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     without, with_remat = int(line.split("batch ")[1].split()[0]), int(line.split(", ")[1].split()[0])
     assert with_remat >= 2 * without
+
+
+# ---------------------------------------------------------------- offload (docs/offload.md)
+
+
+def test_offload_search_without_an_accelerator_is_the_clear_error_plan_remat_gives(tmp_path):
+    from lightning_remat.core.errors import RematError
+
+    net = mlp(depth=2)
+    called = []
+    with pytest.raises(RematError, match="nothing to gain without an accelerator.*fake=True, gpu="):
+        find_remat_batch_size(lambda b: called.append(b), net, "1GB", offload=True)
+    assert called == []  # refused before any step is built or run
+    # The Lightning finder passes it through: the same error, and the batch size is left as it was.
+    module = _LitMLP()
+    with pytest.raises(RematError, match="nothing to gain without an accelerator"):
+        _trainer(tmp_path, RematBatchSizeFinder(budget="1GB", offload=True)).fit(module)
+    assert module.hparams.batch_size == 2 and checkpointed_modules(module) == []
+
+
+def _fake_llama_fit(batch_sizes=(2, 4)):
+    """A ProfileFit of a small Llama planned on fake tensors for an H100 with offload offered,
+    as ``find_remat_batch_size(offload=True)`` fits a CUDA model's profiles."""
+    from lightning_remat.core.config import ProfileOptions
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=512, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).train()
+    options = ProfileOptions(fake=True, gpu="h100", device="cuda", offload=True, dtype=torch.bfloat16, policies=())
+
+    def at(batch):
+        ids = torch.randint(0, 512, (batch, 512))
+        return profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, options=options)
+
+    return ProfileFit([(b, at(b)) for b in batch_sizes]), at
+
+
+def _offload_search(fit, budget, host_free=None):
+    from lightning_remat.core.config import ProfileOptions, RematConfig
+    from lightning_remat.service.batch_search import BatchSearch
+
+    config = RematConfig(budget, cost="time", profile=ProfileOptions(offload=True))
+    search = BatchSearch(None, None, None, config, budget, float("inf"), 1, "binsearch", 2)
+    search.fit, search.host_free = fit, host_free
+    return search
+
+
+def test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_memory():
+    from lightning_remat.core.batch_fit import largest_batch
+    from lightning_remat.core.offload_model import without_offload
+    from lightning_remat.core.solve import least_peak
+
+    fit, at = _fake_llama_fit()
+    # The offloaded bytes grow with the batch like every other term: the host-memory limit and the
+    # "offload:hidden" limit applied at the batch found read the fitted figures.
+    real = at(8)
+    for predicted, measured in zip(fit.at(8).stages, real.stages):
+        for name in ("offload", "offload:hidden"):
+            if any(o.name == name for o in measured.options):
+                p, m = predicted.option(name), measured.option(name)
+                assert p.host_bytes == pytest.approx(m.host_bytes, rel=0.01) and m.host_bytes > 0
+                assert p.offload_limit == pytest.approx(m.offload_limit, rel=0.01)
+    # A budget where recomputation alone stops at some batch: offloading never fits fewer samples.
+    budget = least_peak(without_offload(fit.at(24), set(range(len(real.stages)))))
+    unlimited = _offload_search(fit, budget, host_free=10**15)
+    found = unlimited.largest(True, 256)
+    n = len(real.stages)
+    recompute_only = largest_batch(lambda b: least_peak(without_offload(fit.at(b), set(range(n)))) <= budget,
+                                   2, 256, "binsearch")
+    assert found >= recompute_only >= 24 > unlimited.largest(False, 256)  # (False: nothing recomputed)
+    plan = unlimited.plan_for(found, True)
+    assert plan.predicted_peak_bytes <= budget
+    # With little host memory free, every plan of the search stays within it (offloading withdrawn
+    # from the largest offloaded stages), and the batch found is no larger.
+    cheapest_host = min(s.option("offload:hidden").host_bytes for s in fit.at(found).stages[:-1])
+    limited = _offload_search(fit, budget, host_free=cheapest_host)
+    small = limited.largest(True, 256)
+    assert 24 <= small <= found
+    for b in range(2, small + 1):
+        plan = limited.plan_for(b, True)
+        assert plan is not None and plan.host_bytes <= cheapest_host and plan.predicted_peak_bytes <= budget
+
+
+def test_offload_trial_runs_with_the_plans_offloading_and_puts_it_back():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.runtime.apply import apply_plan
+    from lightning_remat.runtime.offload import offloaded_modules
+    from lightning_remat.runtime.trial import run_trial
+
+    net = mlp(depth=4)
+    apply_plan(net, ["3"])  # the model's own plan, back after the trial
+    plan = Plan(["1"], 10**9, 10**9, 10**9, 0.0, offloaded=["0", "2"], host_bytes=1)
+    seen = []
+    step = mlp_make_step(8)
+
+    def watched(model):
+        seen.append((sorted(offloaded_modules(model)), checkpointed_modules(model)))
+        return step(model)
+
+    trial = run_trial(net, watched, None, 8, plan.checkpointed, 1, 10**9, plan.predicted_peak_bytes, plan=plan)
+    assert trial.fits and seen and all(s == (["0", "2"], ["1"]) for s in seen), seen
+    assert offloaded_modules(net) == [] and checkpointed_modules(net) == ["3"]
+    remove_remat(net)

@@ -110,6 +110,10 @@ class ProfileFit:
                     local_peak_bytes=nbytes(self._pair(option.local_peak_bytes, match and match.local_peak_bytes, b, static)),
                     cost_seconds=max(0.0, self._pair(option.cost_seconds, match and match.cost_seconds, b)),
                     cost_flops=max(0, round(self._pair(option.cost_flops, match and match.cost_flops, b))),
+                    # Offloaded bytes grow with the batch too: the host-memory limit and the
+                    # "offload:hidden" limit at apply time read them at the batch planned.
+                    host_bytes=max(0, nbytes(self._pair(option.host_bytes, match and match.host_bytes, b))),
+                    offload_limit=max(0, nbytes(self._pair(option.offload_limit, match and match.offload_limit, b))),
                 ))
             stages.append(replace(
                 stage,

@@ -176,6 +176,8 @@ def batch_size_table(result: Any) -> Any:
     table.add_row("ratio", ratio)
     table.add_row("predicted overhead", f"{result.predicted_overhead:.1%} ({plan.cost_kind}; max {result.max_overhead:.0%})")
     table.add_row("modules recomputed", str(len(plan.checkpointed)))
+    if getattr(plan, "offloaded", None):
+        table.add_row("modules offloaded (host memory)", f"{len(plan.offloaded)} ({format_bytes(plan.host_bytes)})")
     table.add_row("budget", format_bytes(result.budget_bytes))
     table.add_row("predicted peak / measured peak", f"{format_bytes(plan.predicted_peak_bytes)} / {measured}")
     table.add_row("real trial steps (Lightning binsearch)",

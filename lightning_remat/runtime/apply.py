@@ -328,16 +328,20 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = (),
-            policies: dict[str, str] | None = None) -> Iterator[nn.Module]:
+            policies: dict[str, str] | None = None, plan: Any = None) -> Iterator[nn.Module]:
     """Apply a set of names (with their segments and policies) for the duration of a ``with`` block,
-    then restore the previous plan."""
+    then restore the previous plan. With ``plan`` (a ``Plan``), that plan is applied as it is instead
+    (its offloaded modules included)."""
     previous, previous_policies = checkpointed_modules(model), checkpoint_policies(model)
     previous_segments = segmented_modules(model)
     from .offload import offloaded_modules
 
     with uncompiled(model) as plain:
         previous_offloaded = offloaded_modules(plain)
-    apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {}, offloaded=[])
+    if plan is not None:
+        apply_plan(model, plan)
+    else:
+        apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {}, offloaded=[])
     try:
         yield model
     finally:

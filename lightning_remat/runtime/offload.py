@@ -4,9 +4,11 @@
 ``apply.py`` does: names, ``state_dict`` and parameters unchanged) by one that runs the original under
 ``torch.autograd.graph.saved_tensors_hooks``:
 
-- pack: a tensor the forward saves for backward is copied to host memory (pinned, on a side stream,
-  on CUDA). Parameters, buffers (any tensor sharing their storage) and tensors not on the module's
-  device (already on the host) are returned unchanged. The device tensor is held until the next
+- pack: a tensor the forward saves for backward is held until the forward ends; then each storage
+  the saved tensors use is copied to host memory once (pinned, on a side stream, on CUDA), and the
+  saved tensors come back as views of it (with ``limits``: the largest storages up to the limit,
+  not the module's inputs). Parameters, buffers (any tensor sharing their storage) and tensors not
+  on the module's device (already on the host) are returned unchanged. The device tensor is held until the next
   stage's forward has run (``order`` given) or backward starts: the copy is then surely done, and
   the copy overlaps the next stage's compute.
 - unpack: the tensor comes back. When the backward of the next stage starts (the gradient of its
@@ -40,10 +42,6 @@ _ORIGINAL = "_remat_offload_original_forward"
 _HAD_INSTANCE_FORWARD = "_remat_offload_had_instance_forward"
 _STATE = "_remat_offload_state"
 _RELEASE_HOOK = "_remat_offload_release_hook"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class _Packed:
@@ -195,11 +193,13 @@ class Offloader:
             for handle in group.pending:
                 by_storage.setdefault(handle.device_tensor.untyped_storage()._cdata, []).append(handle)
             sizes = {k: hs[0].device_tensor.untyped_storage().nbytes() for k, hs in by_storage.items()}
-            limit, sent = self.limits[group.name], 0
+            # Without a limit ("offload") every storage goes, the module's inputs too (its caller
+            # drops them once it returns); with one ("offload:hidden"), not the inputs.
+            limit, sent = self.limits.get(group.name), 0
             for key in sorted(by_storage, key=lambda k: -sizes[k]):
                 handles = by_storage[key]
                 first = handles[0].device_tensor
-                if (key in group.inputs or sent + sizes[key] > limit
+                if ((limit is not None and (key in group.inputs or sent + sizes[key] > limit))
                         or any(h.device_tensor.dtype != first.dtype for h in handles)):
                     continue
                 sent += sizes[key]
@@ -232,17 +232,11 @@ class Offloader:
             return t
         handle = _Packed(group)
         group.handles.append(weakref.ref(handle))
-        if group.name in self.limits:
-            # Which tensors go is decided when the forward ends (the largest, up to the limit):
-            # until then, and for those that stay, the handle holds the tensor itself.
-            handle.device_tensor = t
-            handle.device = t.device
-            group.pending.append(handle)
-            return handle
-        nbytes = _nbytes(t)
-        group.sent += nbytes
-        self._to_host(handle, t)
-        self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + nbytes
+        # Which tensors go is decided when the forward ends (each storage once; with a limit, the
+        # largest up to it): until then, and for those that stay, the handle holds the tensor itself.
+        handle.device_tensor = t
+        handle.device = t.device
+        group.pending.append(handle)
         return handle
 
     def _whole(self, base: _Packed) -> torch.Tensor:

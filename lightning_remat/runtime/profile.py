@@ -105,6 +105,8 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
+    if offloaded:
+        stored = _net_of_released(stored, tracker.forward_starts, calls)
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
@@ -128,6 +130,27 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
     )
+
+
+def _net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
+    """Stored bytes net of what the gap after each stage's forward released (offload runs).
+
+    A stage's forward leaves its output allocated, and its input is released only after it returns
+    (the caller drops it), in the gap before the next stage. Under "offload" the stage does not
+    hold its input, so counting the output of every stage and never the release over-counts one
+    hidden state per stage whenever the stage is not recomputed (a recomputed stage's checkpoint
+    does hold its input: those runs are left as they are). The release belongs to the stage whose
+    forward just ran, so the term stays additive. The last stage (no next forward) and stages
+    called more than once are left as measured; nothing goes below zero.
+    """
+    if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
+        return stored
+    net = list(stored)
+    for i in range(len(stored) - 1):
+        released = starts[i] + stored[i] - starts[i + 1]
+        if released > 0:
+            net[i] = max(0, stored[i] - released)
+    return net
 
 
 @contextlib.contextmanager

@@ -165,6 +165,8 @@ class SegmentTracker(Tracker):
         self.segment_peaks: dict[tuple[str, int], int] = {}
         self.pre_fw: dict[int, int] = {}
         self.stored: dict[int, int] = {}
+        # The total when each stage's (first) forward began: what the gaps between stages released.
+        self.forward_starts: dict[int, int] = {}
 
     def current_total(self) -> int:
         return current_total(self, self.device)
@@ -183,6 +185,7 @@ class SegmentTracker(Tracker):
         index = self.stage_ids.get(id(module))
         if index is not None and not self._mod_tracker.is_bw:
             self.pre_fw[index] = self.current_total()
+            self.forward_starts.setdefault(index, self.pre_fw[index])
             self.label = ("fw", index)
             self._note()
 

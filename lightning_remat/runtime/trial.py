@@ -97,8 +97,12 @@ def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim
 
 def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
                names: Sequence[str], steps_per_trial: int, budget: int, predicted: int,
-               segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None) -> Trial:
+               segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None,
+               plan: Any = None) -> Trial:
     """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed; everything put back after.
+
+    With ``plan`` (a ``Plan`` that offloads), the plan is applied as it is instead (its offloaded
+    modules, their order and limits included).
 
     An optimizer without state first creates it (the budget is for steady-state steps). The trial
     fits when no step ran out of memory and the largest measured peak is within ``budget``.
@@ -107,7 +111,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _RestoreAfterTrial(model, optimizer), applied(model, names, segments, policies):
+        with _RestoreAfterTrial(model, optimizer), applied(model, names, segments, policies, plan=plan):
             if optimizer is not None and not optimizer.state:
                 # The budget is for steady-state steps, which hold the optimizer's state: create it
                 # with an optimizer step on zero gradients (everything is put back afterwards).

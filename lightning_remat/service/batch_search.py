@@ -15,7 +15,7 @@ from torch import nn
 from ..core.batch_fit import ProfileFit, largest_batch
 from ..core.budget import format_bytes
 from ..core.config import RematConfig
-from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError
+from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError, RematError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.solve import least_peak, plan_from_choices, solve
@@ -62,6 +62,7 @@ class BatchSearch:
         self.corrections: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self.plans: dict[tuple[int, bool], Plan | None] = {}
         self.fit: ProfileFit | None = None
+        self.host_free: int | None = None  # host memory free for offloading (bytes), read when first needed
 
     # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
@@ -132,9 +133,12 @@ class BatchSearch:
             plan: Plan | None
             if recompute:
                 try:
-                    plan = solve(profile, effective, cost=self.cost)
+                    plan = self._solve(profile, effective)
                 except BudgetTooSmallError:
                     plan = None
+                except RematError as error:  # offload: no plan within the host's free memory
+                    plan = None
+                    self._note_host_limit(batch_size, error)
                 if plan is not None and plan.predicted_overhead > self.max_overhead + 1e-12:
                     plan = None
             else:
@@ -147,6 +151,22 @@ class BatchSearch:
             self.plans[key] = plan
         return self.plans[key]
 
+    def _solve(self, profile: Profile, budget: int) -> Plan:
+        """``solve``; with offload options, within the host's free memory (as ``Planner.solve_profile``)."""
+        if not any(o.offloaded for s in profile.stages for o in s.options):
+            return solve(profile, budget, cost=self.cost)
+        from ..core.offload_model import solve_within_host
+        from ..runtime.offload_link import host_free_bytes
+
+        if self.host_free is None:
+            # Read once per search: the same limit for every batch size (and the plans stay cached).
+            self.host_free = host_free_bytes()
+        return solve_within_host(profile, self.host_free, lambda p: solve(p, budget, cost=self.cost))
+
+    def _note_host_limit(self, batch_size: int, error: Exception) -> None:
+        if not any("host memory" in n for n in self.notes):
+            self.notes.append(f"host memory limits offloading from batch size {batch_size} on: {error}")
+
     def largest(self, recompute: bool, limit: int) -> int:
         return largest_batch(lambda b: self.plan_for(b, recompute) is not None, self.start, limit, self.mode)
 
@@ -154,7 +174,8 @@ class BatchSearch:
         """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""
         return run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
-                         segments=plan.segments, policies=getattr(plan, "policies", None))
+                         segments=plan.segments, policies=getattr(plan, "policies", None),
+                         plan=plan if plan.offloaded else None)
 
     def _trial(self, batch_size: int, recompute: bool) -> Trial:
         plan = self.plan_for(batch_size, recompute)

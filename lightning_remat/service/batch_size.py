@@ -58,6 +58,7 @@ from ..core.plan import Plan
 from ..runtime.apply import apply_plan, checkpointed_modules, segmented_modules
 from ..runtime.candidates import CandidateSpec
 from ..runtime.measure import model_device
+from ..runtime.offload_link import check_offload_target
 from ..runtime.trial import Trial
 from .batch_search import BatchSearch, MakeStep, too_small_at_one
 
@@ -206,6 +207,7 @@ def find_remat_batch_size(
     confirm: bool = True,
     confirm_without_remat: bool = False,
     apply: bool = True,
+    offload: bool = False,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
@@ -235,6 +237,11 @@ def find_remat_batch_size(
             prediction only).
         confirm_without_remat: confirm the batch without recomputation by real steps too.
         apply: apply the plan for the final batch to ``model``.
+        offload: the plans may also offload stages' saved tensors to host memory (``docs/offload.md``),
+            as ``plan_remat(offload=True)``: a CUDA model only (on a CPU model the host is the
+            device, and a ``RematError`` says so before anything runs). Every batch size's plan
+            stays within the host memory free when the search starts; trials run with the plan's
+            offloading applied.
 
     On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
     same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
@@ -260,8 +267,11 @@ def find_remat_batch_size(
         ValueError: margin must be in [0, 1) (the share the found batch size is reduced by), got 1.5
     """
     validate_search(max_overhead, margin, steps_per_trial, start, max_batch_size, mode, max_trials)
-    config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates))
+    config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload))
     config.require_size("a batch-size search")
+    if offload:
+        # The error profile_step would raise, before any step runs (no accelerator target).
+        check_offload_target(config.profile, model_device(model))
     budget_bytes = int(config.budget_bytes(model_device(model)))
     previous_plan = checkpointed_modules(model)
     previous_segments = segmented_modules(model)

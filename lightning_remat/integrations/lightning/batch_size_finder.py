@@ -83,6 +83,8 @@ class RematBatchSizeFinder(BatchSizeFinder):
         max_val: the largest batch size considered (capped by the dataset's length when it has one).
         cost: ``"flops"`` (deterministic) or ``"time"`` prices recomputation.
         verbose: print the result table on rank zero.
+        offload: the plans may also offload activations to host memory (``docs/offload.md``; a CUDA
+            model only, as ``find_remat_batch_size(offload=True)``).
 
     Attributes:
         batch_size: the batch size found (also ``optimal_batch_size``, as on ``BatchSizeFinder``).
@@ -116,6 +118,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
         max_val: int = DEFAULT_MAX_BATCH_SIZE,
         cost: str = "flops",
         verbose: bool = True,
+        offload: bool = False,
     ) -> None:
         validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode.lower(), max_trials)
         self.config = RematConfig(budget, cost=cost)
@@ -126,6 +129,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
         self._max_overhead = max_overhead
         self._cost = cost
         self._verbose = verbose
+        self._offload = bool(offload)
         self.optimal_batch_size = None
         self.plan: Optional[Plan] = None
         self.result: Optional[BatchSizeResult] = None
@@ -190,7 +194,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
                 make_step, pl_module, self.budget, optimizer=optimizers[0] if optimizers else None,
                 start=min(self._init_val, max_val), max_batch_size=max_val, max_overhead=self._max_overhead,
                 steps_per_trial=self._steps_per_trial, margin=self._margin, cost=self._cost, mode=self._mode,
-                max_trials=self._max_trials, apply=False,
+                max_trials=self._max_trials, apply=False, offload=self._offload,
             )
         except BaseException:
             lightning_setattr(pl_module, self._batch_arg_name, original)
