@@ -220,7 +220,7 @@ def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence
         >>> opts = (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (), 10, 160, 1.0, 1))
         >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 50),))
         >>> predict_peak_spans(p, [1, 1, 1]), predict_peak_spans(p, [0, 0, 0], [(0, 2)])
-        (180, 350)
+        (180, 360)
     """
     spans = _check_spans(len(profile.stages), spans)
     if not spans:
