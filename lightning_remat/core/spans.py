@@ -20,7 +20,7 @@ A span's figures are derived exactly from the per-stage terms the profiler measu
   last stage alone in the gap after it, likewise. The span's own forward, which saves nothing,
   stays below that. (Adding the output gradient to the last stage's keep term, as before, counted
   it twice: the keep run's backward of that stage holds it already; +0.26 to +0.44% on the MLP chain.)
-- cost: the forward of every stage in it, as ``"whole"`` prices each.
+- cost: the forward of every stage in it, as ``"whole"`` prices each (seconds, FLOPs, roofline).
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
@@ -58,9 +58,12 @@ class SpanOption:
     local_peak_bytes: int
     cost_seconds: float
     cost_flops: int
+    cost_roofline: float = 0.0
 
     def cost(self, kind: str) -> float:
-        """Recompute cost in seconds (``"time"``) or FLOPs (``"flops"``)."""
+        """Recompute cost in seconds (``"time"``), FLOPs (``"flops"``) or roofline seconds (``"roofline"``)."""
+        if kind == "roofline":
+            return self.cost_roofline
         return self.cost_seconds if kind == "time" else self.cost_flops
 
 
@@ -146,7 +149,8 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
     return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]),
                       stored_bytes=wholes[-1].stored_bytes, local_peak_bytes=local,
                       cost_seconds=float(sum(w.cost_seconds for w in wholes)),
-                      cost_flops=int(sum(w.cost_flops for w in wholes)))
+                      cost_flops=int(sum(w.cost_flops for w in wholes)),
+                      cost_roofline=float(sum(w.cost_roofline for w in wholes)))
 
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
@@ -162,12 +166,13 @@ def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOptio
         [(0, 1), (0, 2), (1, 2)]
     """
     names = [s.name for s in profile.stages]
-    return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops)
-            for first, last, stored, local, seconds, flops in span_rows(profile, max_length)]
+    return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops, roofline)
+            for first, last, stored, local, seconds, flops, roofline in span_rows(profile, max_length)]
 
 
-def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int]]:
-    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops): what the solver reads."""
+def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
+    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops, roofline): what the
+    solver reads."""
     limit = max_span_length(len(profile.stages)) if max_length is None else max_length
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
     inner: dict[int, int] = {}
@@ -180,6 +185,7 @@ def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple
             keep = profile.stages[first].options[0]
             local, held = keep.local_peak_bytes, keep.stored_bytes
             seconds, flops = wholes[first].cost_seconds, wholes[first].cost_flops
+            roofline = wholes[first].cost_roofline
             for last in range(first + 1, min(end, first + limit)):
                 if wholes[last] is None:
                     break
@@ -197,7 +203,8 @@ def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple
                 held += keep.stored_bytes
                 seconds += wholes[last].cost_seconds
                 flops += wholes[last].cost_flops
-                yield first, last, wholes[last].stored_bytes, span_local, float(seconds), int(flops)
+                roofline += wholes[last].cost_roofline
+                yield first, last, wholes[last].stored_bytes, span_local, float(seconds), int(flops), float(roofline)
 
 
 def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
