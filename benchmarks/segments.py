@@ -2,7 +2,11 @@
 
 Measured peaks (MemTracker, the second step, Adam state alive) and counted FLOPs, for:
 - mlp: no recomputation; ``checkpoint_sequential`` with sqrt(n) segments; our least peak with and
-  without segments; our least peak at checkpoint_sequential's FLOP overhead; our plan at its peak.
+  without segments; our least peak at checkpoint_sequential's FLOP overhead; our plan at its peak;
+  the same with the op-level selective-checkpointing policies offered too (``policies=None``), at
+  its FLOP and at its roofline overhead (FlopCounterMode counts matmuls only, so a policy that
+  recomputes GELU and LayerNorm costs ~0 FLOPs; the roofline prices their memory traffic).
+Every plan's roofline overhead is the profile's (checkpoint_sequential's: its plan as our segments).
 - resnet50: our least peak with and without segments: the activation memory cut and its overhead.
 
     python benchmarks/segments.py [--quick] [--models mlp resnet50]
@@ -28,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from lightning_remat.core.solve import least_peak, solve  # noqa: E402
+from lightning_remat.core.config import ProfileOptions  # noqa: E402
+from lightning_remat.core.solve import least_peak, plan_from_choices, solve  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
 from lightning_remat.runtime.apply import apply_plan  # noqa: E402
 from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
@@ -63,13 +68,35 @@ def _measure(model, step):
     return peak, flops, (time.perf_counter() - start) / 2
 
 
-def _plan_row(label, case, plan, base):
+def _roofline_overhead(profile, plan):
+    # Stages of a segment cost their "whole" roofline seconds, as core.spans prices a span.
+    total = 0.0
+    for stage, choice in zip(profile.stages, plan.choices):
+        name = "whole" if choice.option.startswith("segment ") else choice.option
+        total += stage.option(name).cost_roofline
+    return total / profile.baseline_step_roofline
+
+
+def _plan_row(label, case, plan, base, profile):
     model = copy.deepcopy(case.model)
     apply_plan(model, plan)
     peak, flops, seconds = _measure(model, case.step)
     return dict(config=label, peak=peak, predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
-                predicted_overhead=plan.predicted_overhead, seconds=seconds, segments=[len(s) for s in plan.segments],
-                alone=len(plan.checkpointed))
+                predicted_overhead=plan.predicted_overhead, roofline_overhead=_roofline_overhead(profile, plan),
+                seconds=seconds, segments=[len(s) for s in plan.segments], alone=len(plan.checkpointed),
+                policies=len(plan.policies))
+
+
+def _least_peak_within(profile, overhead, cost):
+    """Our least predicted peak whose ``cost`` overhead is at most ``overhead`` (bisection on the budget)."""
+    low, high = least_peak(profile), profile.baseline_peak_bytes
+    while high - low > max(1, profile.baseline_peak_bytes // 2000):
+        middle = (low + high) // 2
+        # FLOP counts are integers, the overheads their ratios: equal counts can differ in the
+        # last bit (58.53 MiB at +22.38% was missed for that), hence the tolerance.
+        fits = solve(profile, middle, cost=cost).predicted_overhead <= overhead + 1e-9
+        low, high = (low, middle) if fits else (middle, high)
+    return solve(profile, high, cost=cost)
 
 
 def run(name, kwargs, log):
@@ -88,24 +115,37 @@ def run(name, kwargs, log):
                 predicted=profile.baseline_peak_bytes)
     rows = [base]
     alone = dataclasses.replace(profile, span_groups=())
-    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base))
-    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base))
+    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base, profile))
+    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base, profile))
     if case.sequential is case.model:
-        k = max(1, round(math.sqrt(len(case.model))))
+        n = len(case.model)
+        k = max(1, round(math.sqrt(n)))
         seq_peak, seq_flops, seq_seconds = _measure(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
         overhead = seq_flops / flops - 1
+        # Its plan as our segments: k - 1 checkpoints of n // k items, the rest run plainly.
+        size = n // k
+        theirs = plan_from_choices(profile, [0] * n, 0, "flops",
+                                   spans=[(a, a + size - 1) for a in range(0, size * (k - 1), size)])
+        roofline = _roofline_overhead(profile, theirs)
         rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, flop_overhead=overhead,
-                         seconds=seq_seconds))
-        rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base))
-        low, high = least_peak(profile), profile.baseline_peak_bytes
-        while high - low > max(1, profile.baseline_peak_bytes // 2000):
-            middle = (low + high) // 2
-            # FLOP counts are integers, the overheads their ratios: equal counts can differ in the
-            # last bit (58.53 MiB at +22.38% was missed for that), hence the tolerance.
-            fits = solve(profile, middle, cost="flops").predicted_overhead <= overhead + 1e-9
-            low, high = (low, middle) if fits else (middle, high)
+                         seconds=seq_seconds, predicted=theirs.predicted_peak_bytes, roofline_overhead=roofline))
+        rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base, profile))
         rows.append(_plan_row("ours, least peak at checkpoint_sequential's FLOP overhead", case,
-                              solve(profile, high, cost="flops"), base))
+                              _least_peak_within(profile, overhead, "flops"), base, profile))
+        profiled = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sac = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                               options=ProfileOptions(policies=None))
+        rows.append(_plan_row("+ op-level policies: least peak", case, solve(sac, "min", cost="flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: at checkpoint_sequential's peak", case,
+                              solve(sac, seq_peak, cost="flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: least peak at its FLOP overhead", case,
+                              _least_peak_within(sac, overhead, "flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: at its peak, cost=roofline", case,
+                              solve(sac, seq_peak, cost="roofline"), base, sac))
+        rows.append(_plan_row("+ op-level policies: least peak at its roofline overhead", case,
+                              _least_peak_within(sac, roofline, "roofline"), base, sac))
     static = profile.static_bytes
     for row in rows:
         row["activation_cut"] = 1 - (row["peak"] - static) / (base["peak"] - static)
@@ -128,11 +168,12 @@ def main(argv=None):
         out.write_text(json.dumps(results, indent=1))
     for result in results:
         print(f"\n{result['model']} {result['kwargs']}: {result['stages']} stages, static {result['static_bytes'] / MIB:.1f} MiB")
-        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'FLOPs+':>7} {'wall':>6}  segments/alone")
+        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'FLOPs+':>7} {'roofl+':>7} {'wall':>6}  segments/alone/policies")
         for r in result["rows"]:
             err = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else "-"
             print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} "
-                  f"{r['flop_overhead']:7.1%} {r['wall_ratio']:6.2f}  {r.get('segments', '')} {r.get('alone', '')}")
+                  f"{r['flop_overhead']:7.1%} {r.get('roofline_overhead', 0.0):7.1%} {r['wall_ratio']:6.2f}  "
+                  f"{r.get('segments', '')} {r.get('alone', '')} {r.get('policies', '')}")
     return 0
 
 
