@@ -68,6 +68,21 @@ def _measure(model, step):
     return peak, flops, (time.perf_counter() - start) / 2
 
 
+def _forward_backward_peak(model, step):
+    """MemTracker's peak of forward and backward alone, Adam's state alive but its step not run:
+    the activation memory Feng & Huang count, without the optimizer step's own temporaries."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    torch.manual_seed(0)
+    step(model).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.step = lambda *args, **kwargs: None  # the state stays tracked; nothing is updated
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return measure_step(model, step, opt).peak_bytes
+
+
 def _roofline_overhead(profile, plan):
     # Stages of a segment cost their "whole" roofline seconds, as core.spans prices a span.
     total = 0.0
@@ -81,7 +96,7 @@ def _plan_row(label, case, plan, base, profile):
     model = copy.deepcopy(case.model)
     apply_plan(model, plan)
     peak, flops, seconds = _measure(model, case.step)
-    return dict(config=label, peak=peak, predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
+    return dict(config=label, peak=peak, fb_peak=_forward_backward_peak(model, case.step), predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
                 predicted_overhead=plan.predicted_overhead, roofline_overhead=_roofline_overhead(profile, plan),
                 seconds=seconds, segments=[len(s) for s in plan.segments], alone=len(plan.checkpointed),
                 policies=len(plan.policies))
@@ -111,7 +126,7 @@ def run(name, kwargs, log):
         f"groups {[len(g) for g in profile.span_groups]}")
     del opt
     peak, flops, seconds = _measure(copy.deepcopy(case.model), case.step)
-    base = dict(config="no recomputation", peak=peak, flops=flops, flop_overhead=0.0, seconds=seconds,
+    base = dict(config="no recomputation", peak=peak, fb_peak=_forward_backward_peak(copy.deepcopy(case.model), case.step), flops=flops, flop_overhead=0.0, seconds=seconds,
                 predicted=profile.baseline_peak_bytes)
     rows = [base]
     alone = dataclasses.replace(profile, span_groups=())
@@ -127,7 +142,8 @@ def run(name, kwargs, log):
         theirs = plan_from_choices(profile, [0] * n, 0, "flops",
                                    spans=[(a, a + size - 1) for a in range(0, size * (k - 1), size)])
         roofline = _roofline_overhead(profile, theirs)
-        rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, flop_overhead=overhead,
+        seq_fb = _forward_backward_peak(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
+        rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, fb_peak=seq_fb, flop_overhead=overhead,
                          seconds=seq_seconds, predicted=theirs.predicted_peak_bytes, roofline_overhead=roofline))
         rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base, profile))
         rows.append(_plan_row("ours, least peak at checkpoint_sequential's FLOP overhead", case,
@@ -146,12 +162,29 @@ def run(name, kwargs, log):
                               solve(sac, seq_peak, cost="roofline"), base, sac))
         rows.append(_plan_row("+ op-level policies: least peak at its roofline overhead", case,
                               _least_peak_within(sac, roofline, "roofline"), base, sac))
+    if name == "resnet50":
+        # Stages one level down: each conv+bn+relu of a bottleneck and its shortcut, segments within
+        # a bottleneck's Sequential of three (docs/segments.md: what bounds the least peak).
+        profiled = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fine = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                                candidates=["ResNetConvLayer", "ResNetShortCut"])
+        log(f"[{name}] finer candidates: {len(fine.stages)} stages, groups {[len(g) for g in fine.span_groups]}")
+        rows.append(_plan_row("finer candidates: least peak", case, solve(fine, "min", cost="flops"), base, fine))
+        no_step = dataclasses.replace(fine, segments=tuple(s for s in fine.segments if s.name != "optimizer step"))
+        row = _plan_row("finer candidates: least forward/backward peak", case, solve(no_step, "min", cost="flops"), base, fine)
+        row["predicted_fb"], row["predicted"] = row["predicted"], None
+        rows.append(row)
     static = profile.static_bytes
     for row in rows:
         row["activation_cut"] = 1 - (row["peak"] - static) / (base["peak"] - static)
+        row["fb_activation_cut"] = 1 - (row["fb_peak"] - static) / (base["fb_peak"] - static)
         row["wall_ratio"] = row["seconds"] / base["seconds"]
-        if "predicted" in row:
+        if row.get("predicted"):
             row["prediction_error"] = row["predicted"] / row["peak"] - 1
+        if row.get("predicted_fb"):
+            row["fb_prediction_error"] = row["predicted_fb"] / row["fb_peak"] - 1
     return dict(model=name, kwargs=kwargs, static_bytes=static, stages=len(profile.stages), rows=rows)
 
 
@@ -168,10 +201,11 @@ def main(argv=None):
         out.write_text(json.dumps(results, indent=1))
     for result in results:
         print(f"\n{result['model']} {result['kwargs']}: {result['stages']} stages, static {result['static_bytes'] / MIB:.1f} MiB")
-        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'FLOPs+':>7} {'roofl+':>7} {'wall':>6}  segments/alone/policies")
+        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'f/b cut':>8} {'FLOPs+':>7} {'roofl+':>7} {'wall':>6}  segments/alone/policies")
         for r in result["rows"]:
-            err = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else "-"
-            print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} "
+            err = (f"{r['prediction_error']:+.1%}" if "prediction_error" in r
+                   else f"{r['fb_prediction_error']:+.1%}fb" if "fb_prediction_error" in r else "-")
+            print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} {r['fb_activation_cut']:8.1%} "
                   f"{r['flop_overhead']:7.1%} {r.get('roofline_overhead', 0.0):7.1%} {r['wall_ratio']:6.2f}  "
                   f"{r.get('segments', '')} {r.get('alone', '')} {r.get('policies', '')}")
     return 0
