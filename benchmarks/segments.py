@@ -2,7 +2,11 @@
 
 Measured peaks (MemTracker, the second step, Adam state alive) and counted FLOPs, for:
 - mlp: no recomputation; ``checkpoint_sequential`` with sqrt(n) segments; our least peak with and
-  without segments; our least peak at checkpoint_sequential's FLOP overhead; our plan at its peak.
+  without segments; our least peak at checkpoint_sequential's FLOP overhead; our plan at its peak;
+  the same with the op-level selective-checkpointing policies offered too (``policies=None``), at
+  its FLOP and at its roofline overhead (FlopCounterMode counts matmuls only, so a policy that
+  recomputes GELU and LayerNorm costs ~0 FLOPs; the roofline prices their memory traffic).
+Every plan's roofline overhead is the profile's (checkpoint_sequential's: its plan as our segments).
 - resnet50: our least peak with and without segments: the activation memory cut and its overhead.
 
     python benchmarks/segments.py [--quick] [--models mlp resnet50]
@@ -28,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from lightning_remat.core.solve import least_peak, solve  # noqa: E402
+from lightning_remat.core.config import ProfileOptions  # noqa: E402
+from lightning_remat.core.solve import least_peak, plan_from_choices, solve  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
 from lightning_remat.runtime.apply import apply_plan  # noqa: E402
 from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
@@ -63,13 +68,50 @@ def _measure(model, step):
     return peak, flops, (time.perf_counter() - start) / 2
 
 
-def _plan_row(label, case, plan, base):
+def _forward_backward_peak(model, step):
+    """MemTracker's peak of forward and backward alone, Adam's state alive but its step not run:
+    the activation memory Feng & Huang count, without the optimizer step's own temporaries."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    torch.manual_seed(0)
+    step(model).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.step = lambda *args, **kwargs: None  # the state stays tracked; nothing is updated
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return measure_step(model, step, opt).peak_bytes
+
+
+def _roofline_overhead(profile, plan):
+    # Stages of a segment cost their "whole" roofline seconds, as core.spans prices a span.
+    total = 0.0
+    for stage, choice in zip(profile.stages, plan.choices):
+        name = "whole" if choice.option.startswith("segment ") else choice.option
+        total += stage.option(name).cost_roofline
+    return total / profile.baseline_step_roofline
+
+
+def _plan_row(label, case, plan, base, profile):
     model = copy.deepcopy(case.model)
     apply_plan(model, plan)
     peak, flops, seconds = _measure(model, case.step)
-    return dict(config=label, peak=peak, predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
-                predicted_overhead=plan.predicted_overhead, seconds=seconds, segments=[len(s) for s in plan.segments],
-                alone=len(plan.checkpointed))
+    return dict(config=label, peak=peak, fb_peak=_forward_backward_peak(model, case.step), predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
+                predicted_overhead=plan.predicted_overhead, roofline_overhead=_roofline_overhead(profile, plan),
+                seconds=seconds, segments=[len(s) for s in plan.segments], alone=len(plan.checkpointed),
+                policies=len(plan.policies))
+
+
+def _least_peak_within(profile, overhead, cost):
+    """Our least predicted peak whose ``cost`` overhead is at most ``overhead`` (bisection on the budget)."""
+    low, high = least_peak(profile), profile.baseline_peak_bytes
+    while high - low > max(1, profile.baseline_peak_bytes // 2000):
+        middle = (low + high) // 2
+        # FLOP counts are integers, the overheads their ratios: equal counts can differ in the
+        # last bit (58.53 MiB at +22.38% was missed for that), hence the tolerance.
+        fits = solve(profile, middle, cost=cost).predicted_overhead <= overhead + 1e-9
+        low, high = (low, middle) if fits else (middle, high)
+    return solve(profile, high, cost=cost)
 
 
 def run(name, kwargs, log):
@@ -84,31 +126,73 @@ def run(name, kwargs, log):
         f"groups {[len(g) for g in profile.span_groups]}")
     del opt
     peak, flops, seconds = _measure(copy.deepcopy(case.model), case.step)
-    base = dict(config="no recomputation", peak=peak, flops=flops, flop_overhead=0.0, seconds=seconds,
+    base = dict(config="no recomputation", peak=peak, fb_peak=_forward_backward_peak(copy.deepcopy(case.model), case.step), flops=flops, flop_overhead=0.0, seconds=seconds,
                 predicted=profile.baseline_peak_bytes)
     rows = [base]
     alone = dataclasses.replace(profile, span_groups=())
-    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base))
-    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base))
+    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base, profile))
+    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base, profile))
     if case.sequential is case.model:
-        k = max(1, round(math.sqrt(len(case.model))))
+        n = len(case.model)
+        k = max(1, round(math.sqrt(n)))
         seq_peak, seq_flops, seq_seconds = _measure(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
         overhead = seq_flops / flops - 1
-        rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, flop_overhead=overhead,
-                         seconds=seq_seconds))
-        rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base))
-        low, high = least_peak(profile), profile.baseline_peak_bytes
-        while high - low > max(1, profile.baseline_peak_bytes // 2000):
-            middle = (low + high) // 2
-            low, high = (low, middle) if solve(profile, middle, cost="flops").predicted_overhead <= overhead else (middle, high)
+        # Its plan as our segments: k - 1 checkpoints of n // k items, the rest run plainly.
+        size = n // k
+        theirs = plan_from_choices(profile, [0] * n, 0, "flops",
+                                   spans=[(a, a + size - 1) for a in range(0, size * (k - 1), size)])
+        roofline = _roofline_overhead(profile, theirs)
+        seq_fb = _forward_backward_peak(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
+        rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, fb_peak=seq_fb, flop_overhead=overhead,
+                         seconds=seq_seconds, predicted=theirs.predicted_peak_bytes, roofline_overhead=roofline))
+        rows.append(_plan_row("ours at checkpoint_sequential's peak", case, solve(profile, seq_peak, cost="flops"), base, profile))
         rows.append(_plan_row("ours, least peak at checkpoint_sequential's FLOP overhead", case,
-                              solve(profile, high, cost="flops"), base))
+                              _least_peak_within(profile, overhead, "flops"), base, profile))
+        profiled = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sac = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                               options=ProfileOptions(policies=None))
+        rows.append(_plan_row("+ op-level policies: least peak", case, solve(sac, "min", cost="flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: at checkpoint_sequential's peak", case,
+                              solve(sac, seq_peak, cost="flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: least peak at its FLOP overhead", case,
+                              _least_peak_within(sac, overhead, "flops"), base, sac))
+        rows.append(_plan_row("+ op-level policies: at its peak, cost=roofline", case,
+                              solve(sac, seq_peak, cost="roofline"), base, sac))
+        rows.append(_plan_row("+ op-level policies: least peak at its roofline overhead", case,
+                              _least_peak_within(sac, roofline, "roofline"), base, sac))
+    if name == "resnet50":
+        # The automatic candidates leave the stem out: its saved activations are alive under every
+        # bottleneck's recompute. With the stem as a stage too:
+        profiled = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stem = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                                candidates=["resnet.embedder.embedder", "ResNetBottleNeckLayer"])
+        rows.append(_plan_row("stem + bottlenecks: least peak", case, solve(stem, "min", cost="flops"), base, stem))
+        # Stages one level down: each conv+bn+relu of a bottleneck and its shortcut, segments within
+        # a bottleneck's Sequential of three (docs/segments.md: what bounds the least peak).
+        profiled = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fine = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                                candidates=["ResNetConvLayer", "ResNetShortCut"])
+        log(f"[{name}] finer candidates: {len(fine.stages)} stages, groups {[len(g) for g in fine.span_groups]}")
+        rows.append(_plan_row("finer candidates: least peak", case, solve(fine, "min", cost="flops"), base, fine))
+        no_step = dataclasses.replace(fine, segments=tuple(s for s in fine.segments if s.name != "optimizer step"))
+        row = _plan_row("finer candidates: least forward/backward peak", case, solve(no_step, "min", cost="flops"), base, fine)
+        row["predicted_fb"], row["predicted"] = row["predicted"], None
+        rows.append(row)
     static = profile.static_bytes
     for row in rows:
         row["activation_cut"] = 1 - (row["peak"] - static) / (base["peak"] - static)
+        row["fb_activation_cut"] = 1 - (row["fb_peak"] - static) / (base["fb_peak"] - static)
         row["wall_ratio"] = row["seconds"] / base["seconds"]
-        if "predicted" in row:
+        if row.get("predicted"):
             row["prediction_error"] = row["predicted"] / row["peak"] - 1
+        if row.get("predicted_fb"):
+            row["fb_prediction_error"] = row["predicted_fb"] / row["fb_peak"] - 1
     return dict(model=name, kwargs=kwargs, static_bytes=static, stages=len(profile.stages), rows=rows)
 
 
@@ -125,11 +209,13 @@ def main(argv=None):
         out.write_text(json.dumps(results, indent=1))
     for result in results:
         print(f"\n{result['model']} {result['kwargs']}: {result['stages']} stages, static {result['static_bytes'] / MIB:.1f} MiB")
-        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'FLOPs+':>7} {'wall':>6}  segments/alone")
+        print(f"{'config':58} {'peak MiB':>9} {'pred err':>8} {'act cut':>8} {'f/b cut':>8} {'FLOPs+':>7} {'roofl+':>7} {'wall':>6}  segments/alone/policies")
         for r in result["rows"]:
-            err = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else "-"
-            print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} "
-                  f"{r['flop_overhead']:7.1%} {r['wall_ratio']:6.2f}  {r.get('segments', '')} {r.get('alone', '')}")
+            err = (f"{r['prediction_error']:+.1%}" if "prediction_error" in r
+                   else f"{r['fb_prediction_error']:+.1%}fb" if "fb_prediction_error" in r else "-")
+            print(f"{r['config']:58} {r['peak'] / MIB:9.2f} {err:>8} {r['activation_cut']:8.1%} {r['fb_activation_cut']:8.1%} "
+                  f"{r['flop_overhead']:7.1%} {r.get('roofline_overhead', 0.0):7.1%} {r['wall_ratio']:6.2f}  "
+                  f"{r.get('segments', '')} {r.get('alone', '')} {r.get('policies', '')}")
     return 0
 
 

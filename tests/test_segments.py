@@ -195,3 +195,51 @@ def test_profile_offers_no_groups_for_module_lists():
     x = torch.randn(4, 8)
     profile = profile_step(Stack(), lambda m: m(x).sum())
     assert len(profile.stages) == 3 and profile.span_groups == ()
+
+
+def _checkpoint_sequential_spans(n, segments):
+    # torch's checkpoint_sequential: segments - 1 checkpoints of n // segments items, the rest run plainly.
+    size = n // segments
+    return [(start, start + size - 1) for start in range(0, size * (segments - 1), size)]
+
+
+class _CheckpointSequential(nn.Module):
+    def __init__(self, chain, segments):
+        super().__init__()
+        self.chain, self.segments = chain, segments
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint_sequential
+        return checkpoint_sequential(self.chain, self.segments, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4])
+def test_checkpoint_sequentials_own_plan_is_predicted_exactly(segments):
+    # The span terms are exact where memory is additive: checkpoint_sequential's plan, expressed as
+    # our segments, is predicted to the byte of MemTracker's peak of checkpoint_sequential itself.
+    case = build("mlp", batch_size=512, depth=12, width=32)
+    model, x = case.model, torch.randn(512, 32, generator=torch.Generator().manual_seed(1))
+    step = lambda m: m(x).square().mean()  # noqa: E731
+    opt = torch.optim.Adam(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        profile = profile_step(model, step, optimizer=opt)
+        n = len(profile.stages)
+        plan = plan_from_choices(profile, [0] * n, 0, "flops", spans=_checkpoint_sequential_spans(n, segments))
+        theirs = _measured_peak(_CheckpointSequential(model, segments), step, opt)
+        apply_plan(model, plan)
+        ours = _measured_peak(model, step, opt)
+        remove_remat(model)
+        # Its plain tail is where its peak lies; with the tail recomputed stage by stage, the peak
+        # lies in a segment's recompute (where the old terms counted the output gradient twice).
+        spans = _checkpoint_sequential_spans(n, segments)
+        tail = plan_from_choices(profile, [0] * (spans[-1][1] + 1) + [1] * (n - spans[-1][1] - 1), 0, "flops", spans=spans)
+        apply_plan(model, tail)
+        tail_peak = _measured_peak(model, step, opt)
+        remove_remat(model)
+    assert ours == theirs  # the same plan
+    assert plan.predicted_peak_bytes == theirs, (plan.predicted_peak_bytes, theirs)
+    assert tail.predicted_peak_bytes == tail_peak, (tail.predicted_peak_bytes, tail_peak)

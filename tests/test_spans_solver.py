@@ -25,7 +25,8 @@ def profiles(draw, max_stages=7, max_options=3):
                 name=["keep", "whole", "o2"][j], checkpointed=() if j == 0 else (f"s{i}.o{j}",),
                 stored_bytes=draw(st.integers(0, 1000)), local_peak_bytes=draw(st.integers(0, 3000)),
                 cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
-                cost_flops=0 if j == 0 else draw(st.integers(0, 1000))))
+                cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
+                cost_roofline=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False))))
         stages.append(StageProfile(f"s{i}", tuple(options)))
     segments = tuple(Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
                      for k in range(draw(st.integers(0, 4))))
@@ -79,7 +80,7 @@ def brute_force(profile, budget, kind):
 
 
 @settings(max_examples=150, deadline=None)
-@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time"]))
+@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["flops", "time", "roofline"]))
 def test_solve_with_spans_equals_exhaustive_search(profile, fraction, kind):
     peaks = [predict_peak_spans(profile, c, s) for c, s in all_plans(profile)]
     lowest, highest = min(peaks), max(peaks)
@@ -133,7 +134,8 @@ def test_span_figures_are_derived_from_keep_and_whole():
     # Keep terms: 8 + 5 + 5 (stages 1, 2 recomputed and held while stage 3 runs); the end of the
     # recompute: the gap after stage 3 (the head, 20) + 5 + 5 + the span's output 1.
     assert (span.stored_bytes, span.local_peak_bytes, span.cost_flops) == (1, 31, 30)
-    assert span_option(p, 0, 1).local_peak_bytes == 8 + 5  # no segment after stage 1
+    # No segment after stage 1: the last stage runs as recomputed alone (9) while stage 0 holds 5.
+    assert span_option(p, 0, 1).local_peak_bytes == 9 + 5
     assert Profile.from_dict(p.to_dict()) == p
     assert Profile.from_dict({k: v for k, v in p.to_dict().items() if k != "span_groups"}).span_groups == ()
 
@@ -146,3 +148,24 @@ def test_solve_with_spans_on_1000_stages_is_fast():
     seconds = time.perf_counter() - start
     assert budget_plan.predicted_peak_bytes <= int(plan.predicted_peak_bytes * 1.5)
     assert seconds < 5.0, seconds  # two solves, about 0.6 s each on one core (the machine is shared)
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles())
+def test_incremental_span_rows_equal_span_option(profile):
+    # The solver reads span_rows (built incrementally); predictions read span_option: they must agree.
+    from lightning_remat.core.spans import all_spans
+    for span in all_spans(profile):
+        assert span == span_option(profile, span.first, span.last)
+
+
+def test_spans_are_priced_in_roofline_seconds_under_the_roofline_cost():
+    # A span's roofline cost is its stages' "whole" roofline seconds (it was priced in FLOPs).
+    keep = StageOption("keep", (), 5, 8, 0.0, 0)
+    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, 1.0, 10**6, cost_roofline=0.25)))
+                   for i in range(6))
+    p = Profile(stages, (Segment("head", 6, 20),), baseline_step_seconds=6, baseline_step_flops=3 * 10**6,
+                baseline_step_roofline=3.0, span_groups=(tuple(s.name for s in stages),))
+    assert span_option(p, 0, 2).cost("roofline") == 0.75
+    plan = solve(p, "min", cost="roofline")
+    assert plan.segments and plan.predicted_overhead <= 6 * 0.25 / 3.0

@@ -82,8 +82,9 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
     (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
-    for first, last, stored, local, seconds, flops in span_rows(profile):
-        ends[last + 1].append((first, stored, local, seconds if kind == "time" else flops))
+    for first, last, stored, local, seconds, flops, roofline in span_rows(profile):
+        cost = roofline if kind == "roofline" else seconds if kind == "time" else flops
+        ends[last + 1].append((first, stored, local, cost))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
 
 
