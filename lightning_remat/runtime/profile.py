@@ -40,6 +40,7 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
 from .offload import Offloader, apply_offload, model_offloader, remove_offload
 from .offload_link import check_offload_target, hidden_limits, price_offload
+from .held_inputs import HeldInputs, dead_inputs
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
@@ -79,7 +80,9 @@ class _MemoryRun:
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
-                offload_limits: dict[str, int] | None = None) -> _MemoryRun:
+                offload_limits: dict[str, int] | None = None,
+                policies: dict[str, str] | None = None, dead: dict[str, set[str]] | None = None) -> _MemoryRun:
+    # ``policies``: a policy per wrapped module (a mixed plan); ``policy``: one for all of them.
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -92,8 +95,11 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
-            _offloading(model, offloaded, offload_limits) as offloader, tracker:
+    if policies is None and policy:
+        policies = {m: policy for m in wrapped}
+    with applied(model, wrapped, policies=policies or None), \
+            _offloading(model, offloaded, offload_limits) as offloader, \
+            HeldInputs(model, order, dead or {}, wrapped) as held, tracker:
         loss = step(model)
         loss.backward()
         after_backward = tracker.current_total()
@@ -104,7 +110,9 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
         raise RematError(f"stages {missing} ran in one pass over the profiled batch and not in another: the model's "
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
-    stored = [tracker.stored[i] for i in range(n)]
+    # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint keeps
+    # alive that a kept stage would have freed (held_inputs.py): the model stays additive.
+    stored = [tracker.stored[i] + held.bytes[i] for i in range(n)]
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
@@ -379,6 +387,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
         span_groups = _span_groups(model, step, observed.order, replay)
+        dead = dead_inputs(model, step, observed.order, replay)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
@@ -390,7 +399,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                                              optimizer, replay, gradients_alive=options.accumulation_steps > 1,
                                              policy=sac.policy_of(name),
                                              offloaded=list(wrap) if is_offload(name) else (),
-                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None)
+                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None,
+                                             dead=dead)
                 except RuntimeError as err:
                     # Selective checkpointing needs the recompute to run the forward's ops again,
                     # which a forward that mutates state it reads (a key/value cache) does not.
