@@ -17,17 +17,17 @@ to its backward, exactly what stored bytes mean) makes the model additive again.
 Two steps: ``dead_inputs`` finds, on a pass with nothing recomputed, which arguments of each stage
 are freed by the end of the forward; ``HeldInputs`` counts, during a memory run, the bytes of those
 arguments each recomputed stage receives. A tensor several recomputed stages receive is counted
-for each: the model then over-counts it (by a few hundred bytes for ``cache_position``) but never
-misses it, whichever of them a plan recomputes.
+in each one's stored bytes but not subtracted from the later terms of the run (``exclusive``): the
+model then over-counts it (by a few hundred bytes for ``position_ids``) but never misses it,
+whichever of them a plan recomputes.
 
 Example:
     >>> import torch
     >>> from torch import nn
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     >>> _ = net[0].requires_grad_(False)
-    >>> x = torch.randn(4, 8)
-    >>> dead = dead_inputs(net, lambda m: m(x).sum(), ["0", "1"])
-    >>> dead  # net[0] is frozen: nothing saves x; net[1] saves its input for its weight's gradient
+    >>> dead = dead_inputs(net, lambda m: m(torch.randn(4, 8)).sum(), ["0", "1"])
+    >>> dead  # net[0] is frozen: nothing saves its input; net[1] saves its own for its weight's gradient
     {'0': {'0'}, '1': set()}
 """
 
@@ -58,6 +58,13 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
         return int(tensor.numel() * tensor.element_size())
+
+
+def _ident(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or id(tensor)
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors: the object stands for it
+        return id(tensor)
 
 
 def dead_inputs(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], order: Sequence[str],
@@ -95,7 +102,8 @@ def dead_inputs(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], ord
 
 class HeldInputs:
     """During a memory run, the bytes of the dead arguments (``dead_inputs``) each recomputed stage
-    receives: what its checkpoint keeps alive beyond what the stages' own forwards leave.
+    (or recomputed child of a stage) receives: what its checkpoint keeps alive beyond what the
+    stages' own forwards leave.
 
     Example:
         >>> import torch
@@ -103,39 +111,76 @@ class HeldInputs:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         >>> with HeldInputs(net, ["0", "1"], {"0": {"0"}, "1": set()}, recomputed=["0"]) as held:
         ...     _ = net(torch.randn(4, 8))
-        >>> held.bytes
-        [128, 0]
+        >>> held.bytes, held.exclusive
+        ([128, 0], [128, 0])
     """
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str]):
         self.model, self.order, self.dead = model, list(order), dead
         self.recomputed = set(recomputed)
         self.bytes = [0] * len(self.order)
+        self._holders: dict[int, list[tuple[int, int]]] = {}  # storage -> [(stage, bytes)]
         self._handles: list[Any] = []
+
+    @property
+    def exclusive(self) -> list[int]:
+        """Per stage, the held bytes no other stage of this run holds too.
+
+        A tensor several recomputed stages hold (``position_ids``) is alive once, until the backward
+        of the first of them. Every holder counts it in its stored bytes (a plan may recompute any
+        of them), but the run's later terms are taken relative to the exclusive bytes only, so they
+        keep it too: a plan then counts it at least once wherever it is alive (a few hundred bytes
+        more than once where several holders are recomputed), never less.
+        """
+        out = list(self.bytes)
+        for holders in self._holders.values():
+            if len({i for i, _ in holders}) > 1:
+                for i, nbytes in holders:
+                    out[i] -= nbytes
+        return out
 
     def __enter__(self) -> "HeldInputs":
         modules = dict(self.model.named_modules())
-        seen: dict[int, bool] = {}
         for i, name in enumerate(self.order):
-            if name not in self.recomputed or not self.dead.get(name):
+            if not self.dead.get(name):
                 continue
+            # Recomputed children of the stage (an "attn" or "mlp" option) hold what the stage
+            # passes them unchanged (cos, sin, position ids): those of its dead arguments.
+            children = [c for c in self.recomputed if c.startswith(name + ".")]
+            if name not in self.recomputed and not children:
+                continue
+            outside: dict[int, int] = {}  # storage -> bytes of the stage's dead arguments, this call
+            counted: set[int] = set()
+            seen = [False]
 
-            def hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name) -> None:
-                if seen.get(i):
-                    return  # as ``dead_inputs``: the first call of a stage
-                seen[i] = True
-                storages = set()
+            def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool]) -> None:
+                for key, tensor in tensors:
+                    ident = _ident(tensor)
+                    if keep(key, ident) and ident not in counted:  # a tensor passed twice, or two views
+                        counted.add(ident)
+                        nbytes = _storage_bytes(tensor)
+                        self.bytes[i] += nbytes
+                        self._holders.setdefault(ident, []).append((i, nbytes))
+
+            def stage_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name,
+                           outside: dict = outside, seen: list = seen, count: Callable = count) -> None:
+                if seen[0]:
+                    return  # as ``dead_inputs``: the first call of a stage (not the recompute)
+                seen[0] = True
+                dead = self.dead[name]
                 for key, tensor in _tensors(args, kwargs):
-                    if key not in self.dead[name]:
-                        continue
-                    try:
-                        ident = tensor.untyped_storage().data_ptr() or id(tensor)
-                    except (RuntimeError, NotImplementedError):
-                        ident = id(tensor)
-                    if ident not in storages:  # a tensor passed twice, or two views of one storage
-                        storages.add(ident)
-                        self.bytes[i] += _storage_bytes(tensor)
-            self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+                    if key in dead:
+                        outside[_ident(tensor)] = _storage_bytes(tensor)
+                if name in self.recomputed:
+                    count(_tensors(args, kwargs), i, lambda key, ident: key in dead)
+
+            def child_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, outside: dict = outside,
+                           count: Callable = count) -> None:
+                count(_tensors(args, kwargs), i, lambda key, ident: ident in outside)
+
+            self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
+            for child in children:
+                self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:

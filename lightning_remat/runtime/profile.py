@@ -113,9 +113,10 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint keeps
     # alive that a kept stage would have freed (held_inputs.py): the model stays additive.
     stored = [tracker.stored[i] + held.bytes[i] for i in range(n)]
+    exclusive = held.exclusive
     prefix = [0]
-    for s in stored:
-        prefix.append(prefix[-1] + s)
+    for i in range(n):
+        prefix.append(prefix[-1] + tracker.stored[i] + exclusive[i])
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
