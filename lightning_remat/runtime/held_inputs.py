@@ -153,7 +153,8 @@ class HeldInputs:
             counted: set[int] = set()
             seen = [False]
 
-            def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool]) -> None:
+            def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool],
+                      counted: set = counted) -> None:
                 for key, tensor in tensors:
                     ident = _ident(tensor)
                     if keep(key, ident) and ident not in counted:  # a tensor passed twice, or two views
