@@ -85,16 +85,20 @@ def test_a_recomputed_first_layer_counts_the_frozen_embedding_it_keeps_alive():
     hidden = SMALL["batch_size"] * SMALL["seq_len"] * SMALL["hidden"] * 4
     # Layer 0 recomputed stores its output and the embedding's output; layer 1 only its output.
     assert first.option("whole").stored_bytes - second.option("whole").stored_bytes >= hidden
-    # The plan that measured 4,905,864 B against 4,843,912 B predicted before.
-    picks = ["sac:save_alternate_matmuls", "whole", "whole", "keep"]
-    plan = plan_from_choices(profile, [[o.name for o in s.options].index(p) for s, p in zip(profile.stages, picks)], 0,
-                             cost="flops")
-    apply_plan(model, plan)
-    try:
-        measured = max(measure_step(model, step, optimizer).peak_bytes for _ in range(2))
-    finally:
-        remove_remat(model)
-    assert measured <= plan.predicted_peak_bytes <= 1.001 * measured
+    # The first plan measured 4,905,864 B against 4,843,912 B predicted before.
+    # And mixes of every kind: never below the measured peak (what a recomputed stage holds is
+    # counted in its stored bytes), above it by at most the few shared bytes counted twice.
+    plans = [["sac:save_alternate_matmuls", "whole", "whole", "keep"], ["whole", "keep", "keep", "keep"],
+             ["keep", "mlp", "sac:save_matmuls", "self_attn"], ["sac:save_attention", "keep", "whole", "mlp"]]
+    for picks in plans:
+        plan = plan_from_choices(profile, [[o.name for o in s.options].index(p) for s, p in zip(profile.stages, picks)],
+                                 0, cost="flops")
+        apply_plan(model, plan)
+        try:
+            measured = measure_step(model, step, optimizer).peak_bytes
+        finally:
+            remove_remat(model)
+        assert measured <= plan.predicted_peak_bytes <= 1.001 * measured, picks
 
 
 def test_hand_frozen_layers_and_an_optimizer_over_every_parameter():
