@@ -14,7 +14,7 @@ under-predicted (a LoRA Llama: +65,536 B, the embedding's output, +1.3% over the
 over the budget). Counting them in the recomputed stage's own stored bytes (alive from its forward
 to its backward, exactly what stored bytes mean) makes the model additive again.
 
-Two steps: ``dead_inputs`` finds, on a pass with nothing recomputed, which arguments of each stage
+Two steps: ``DeadInputs`` finds, on the pass with nothing recomputed, which arguments of each stage
 are freed by the end of the forward; ``HeldInputs`` counts, during a memory run, the bytes of those
 arguments each recomputed stage receives. A tensor several recomputed stages receive is counted
 in each one's stored bytes but not subtracted from the later terms of the run (``exclusive``): the
@@ -26,9 +26,13 @@ Example:
     >>> from torch import nn
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     >>> _ = net[0].requires_grad_(False)
-    >>> dead = dead_inputs(net, lambda m: m(torch.randn(4, 8)).sum(), ["0", "1"])
-    >>> dead  # net[0] is frozen: nothing saves its input; net[1] saves its own for its weight's gradient
-    {'0': {'0'}, '1': set()}
+    >>> with DeadInputs(net, ["0", "1"]) as finder:
+    ...     _ = net(torch.randn(4, 8)).sum()
+    ...     dead = finder.check()
+    >>> with HeldInputs(net, ["0", "1"], dead, recomputed=["0", "1"]) as held:
+    ...     _ = net(torch.randn(4, 8))
+    >>> held.bytes  # recomputed, net[0] would keep its input (4 x 8 floats) to its backward
+    [128, 0]
 """
 
 from __future__ import annotations
@@ -67,41 +71,61 @@ def _ident(tensor: torch.Tensor) -> int:
         return id(tensor)
 
 
-def dead_inputs(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], order: Sequence[str],
-                before_pass: Callable[[], None] | None = None) -> dict[str, set[str]]:
-    """Per stage, the keys of its tensor arguments that are freed by the end of a forward with
-    nothing recomputed (nothing saves them for backward and nothing else refers to them).
+class DeadInputs:
+    """Finds, on a pass with nothing recomputed, the keys of each stage's tensor arguments that are
+    freed by the end of the forward (nothing saves them for backward, nothing else refers to them).
 
-    One forward of ``step`` runs (gradients enabled, no backward). Tensors of a stage's own inner
-    stages are not arguments of it and are not looked at.
+    Enter it around the forward, call ``check()`` once the forward returned (before backward): the
+    result goes into ``dead`` (given, or a new dict). The profile does this inside its memory run
+    with nothing recomputed, so finding them costs no pass of its own. A stage called several
+    times: its first call stands for the others.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        >>> _ = net[0].requires_grad_(False)
+        >>> with DeadInputs(net, ["0", "1"]) as finder:
+        ...     loss = net(torch.randn(4, 8)).sum()
+        ...     _ = finder.check()
+        >>> finder.dead  # net[0] is frozen: nothing saves its input; net[1] saves its own for its weight's gradient
+        {'0': {'0'}, '1': set()}
     """
-    modules = dict(model.named_modules())
-    refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in order}
-    handles = []
-    for name in order:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            if refs[name]:
-                return  # a stage called several times: its first call stands for the others
-            for key, tensor in _tensors(args, kwargs):
-                try:
-                    refs[name].append((key, weakref.ref(tensor)))
-                except TypeError:
-                    pass
-        handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        if before_pass is not None:
-            before_pass()
-        loss = step(model)
-        dead = {name: {key for key, ref in refs[name] if ref() is None} for name in order}
-        del loss
-    finally:
-        for handle in handles:
+
+    def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
+        self.model, self.order = model, list(order)
+        self.dead = {} if dead is None else dead
+        self._refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in self.order}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "DeadInputs":
+        modules = dict(self.model.named_modules())
+        for name in self.order:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                if self._refs[name]:
+                    return
+                for key, tensor in _tensors(args, kwargs):
+                    try:
+                        self._refs[name].append((key, weakref.ref(tensor)))
+                    except TypeError:
+                        pass
+            self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+        return self
+
+    def check(self) -> dict[str, set[str]]:
+        """Record which arguments are dead now (call after the forward, before backward)."""
+        for name in self.order:
+            self.dead[name] = {key for key, ref in self._refs[name] if ref() is None}
+        return self.dead
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
             handle.remove()
-    return dead
+        self._handles.clear()
 
 
 class HeldInputs:
-    """During a memory run, the bytes of the dead arguments (``dead_inputs``) each recomputed stage
+    """During a memory run, the bytes of the dead arguments (``DeadInputs``) each recomputed stage
     (or recomputed child of a stage) receives: what its checkpoint keeps alive beyond what the
     stages' own forwards leave.
 

@@ -40,7 +40,7 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
 from .offload import Offloader, apply_offload, model_offloader, remove_offload
 from .offload_link import check_offload_target, hidden_limits, price_offload
-from .held_inputs import HeldInputs, dead_inputs
+from .held_inputs import DeadInputs, HeldInputs
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
@@ -83,6 +83,8 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
                 offload_limits: dict[str, int] | None = None,
                 policies: dict[str, str] | None = None, dead: dict[str, set[str]] | None = None) -> _MemoryRun:
     # ``policies``: a policy per wrapped module (a mixed plan); ``policy``: one for all of them.
+    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
+    # nothing recomputed and ``dead`` empty fills it.
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -99,8 +101,10 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
         policies = {m: policy for m in wrapped}
     with applied(model, wrapped, policies=policies or None), \
             _offloading(model, offloaded, offload_limits) as offloader, \
-            HeldInputs(model, order, dead or {}, wrapped) as held, tracker:
+            HeldInputs(model, order, dead or {}, wrapped) as held, \
+            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder, tracker:
         loss = step(model)
+        finder.check()
         loss.backward()
         after_backward = tracker.current_total()
         del loss
@@ -388,7 +392,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
         span_groups = _span_groups(model, step, observed.order, replay)
-        dead = dead_inputs(model, step, observed.order, replay)
+        dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
