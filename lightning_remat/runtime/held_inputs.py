@@ -73,7 +73,8 @@ def _ident(tensor: torch.Tensor) -> int:
 
 class DeadInputs:
     """Finds, on a pass with nothing recomputed, the keys of each stage's tensor arguments that are
-    freed by the end of the forward (nothing saves them for backward, nothing else refers to them).
+    freed by the end of the forward (nothing saves them for backward, nothing else refers to them),
+    other than outputs of earlier stages (those count in the earlier stage's stored bytes already).
 
     Enter it around the forward, call ``check()`` once the forward returned (before backward): the
     result goes into ``dead`` (given, or a new dict). The profile does this inside its memory run
@@ -96,6 +97,7 @@ class DeadInputs:
         self.model, self.order = model, list(order)
         self.dead = {} if dead is None else dead
         self._refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in self.order}
+        self._outputs: dict[int, Any] = {}  # id -> weak reference (a tensor's == is elementwise)
         self._handles: list[Any] = []
 
     def __enter__(self) -> "DeadInputs":
@@ -105,11 +107,24 @@ class DeadInputs:
                 if self._refs[name]:
                     return
                 for key, tensor in _tensors(args, kwargs):
+                    ref = self._outputs.get(id(tensor))
+                    if ref is not None and ref() is tensor:
+                        # An earlier stage's output: that stage's stored bytes hold it already (the
+                        # profile's later terms absorb its early free), so it is not held anew.
+                        continue
                     try:
                         self._refs[name].append((key, weakref.ref(tensor)))
                     except TypeError:
                         pass
+
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                for _, tensor in _tensors((output,), {}):
+                    try:
+                        self._outputs[id(tensor)] = weakref.ref(tensor)
+                    except TypeError:
+                        pass
             self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(modules[name].register_forward_hook(leave))
         return self
 
     def check(self) -> dict[str, set[str]]:
