@@ -72,6 +72,7 @@ def test_dead_inputs_are_those_made_outside_the_stages_and_freed_early():
     with DeadInputs(chain, [str(i) for i in range(5)]) as finder:
         loss = chain_step(chain)
         finder.check()
+    del loss
     assert all(not keys for keys in finder.dead.values())  # earlier stages' outputs: stored there already
     with HeldInputs(net, names, {"blocks.0": {"0", "1"}, "blocks.2": {"1"}}, ["blocks.0", "blocks.2"]) as held:
         step(net)
