@@ -81,8 +81,7 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
-                policies: dict[str, str] | None = None, dead: dict[str, set[str]] | None = None) -> _MemoryRun:
-    # ``policies``: a policy per wrapped module (a mixed plan); ``policy``: one for all of them.
+                dead: dict[str, set[str]] | None = None) -> _MemoryRun:
     # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
     # nothing recomputed and ``dead`` empty fills it.
     modules = dict(model.named_modules())
@@ -97,9 +96,7 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
-    if policies is None and policy:
-        policies = {m: policy for m in wrapped}
-    with applied(model, wrapped, policies=policies or None), \
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder, tracker:
@@ -114,13 +111,19 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
         raise RematError(f"stages {missing} ran in one pass over the profiled batch and not in another: the model's "
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
-    # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint keeps
-    # alive that a kept stage would have freed (held_inputs.py): the model stays additive.
-    stored = [tracker.stored[i] + held.bytes[i] for i in range(n)]
-    exclusive = held.exclusive
+    stored = [tracker.stored[i] for i in range(n)]
     prefix = [0]
-    for i in range(n):
-        prefix.append(prefix[-1] + tracker.stored[i] + exclusive[i])
+    for s in stored:
+        prefix.append(prefix[-1] + s)
+    if any(held.bytes):
+        # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint
+        # keeps alive that a kept stage would have freed (held_inputs.py): the model stays
+        # additive. The later terms are taken net of the bytes only this stage holds.
+        exclusive = held.exclusive
+        prefix = [0]
+        for i in range(n):
+            prefix.append(prefix[-1] + stored[i] + exclusive[i])
+        stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
