@@ -40,6 +40,7 @@ from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
 from .offload import Offloader, apply_offload, model_offloader, remove_offload
 from .offload_link import check_offload_target, hidden_limits, price_offload
+from .held_inputs import DeadInputs, HeldInputs
 from .measure import RandomState, Step, model_device, preserved_training_state
 from .observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
@@ -79,7 +80,10 @@ class _MemoryRun:
 def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
-                offload_limits: dict[str, int] | None = None) -> _MemoryRun:
+                offload_limits: dict[str, int] | None = None,
+                dead: dict[str, set[str]] | None = None) -> _MemoryRun:
+    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
+    # nothing recomputed and ``dead`` empty fills it.
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -93,8 +97,11 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     allocator = _AllocatorPeak(device)
     with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
-            _offloading(model, offloaded, offload_limits) as offloader, tracker:
+            _offloading(model, offloaded, offload_limits) as offloader, \
+            HeldInputs(model, order, dead or {}, wrapped) as held, \
+            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder, tracker:
         loss = step(model)
+        finder.check()
         loss.backward()
         after_backward = tracker.current_total()
         del loss
@@ -110,6 +117,15 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
+    if any(held.bytes):
+        # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint
+        # keeps alive that a kept stage would have freed (held_inputs.py): the model stays
+        # additive. The later terms are taken net of the bytes only this stage holds.
+        exclusive = held.exclusive
+        prefix = [0]
+        for i in range(n):
+            prefix.append(prefix[-1] + stored[i] + exclusive[i])
+        stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
@@ -402,6 +418,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
         span_groups = _span_groups(model, step, observed.order, replay)
+        dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
         with warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.simplefilter("ignore")
@@ -413,7 +430,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                                              optimizer, replay, gradients_alive=options.accumulation_steps > 1,
                                              policy=sac.policy_of(name),
                                              offloaded=list(wrap) if is_offload(name) else (),
-                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None)
+                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None,
+                                             dead=dead)
                 except RuntimeError as err:
                     # Selective checkpointing needs the recompute to run the forward's ops again,
                     # which a forward that mutates state it reads (a key/value cache) does not.

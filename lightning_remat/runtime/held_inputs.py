@@ -1,0 +1,229 @@
+"""Inputs a recomputed stage keeps alive that would otherwise be freed: a term of its stored bytes.
+
+A recomputed module (``torch.utils.checkpoint``, with or without a selective-checkpointing policy)
+holds its forward's arguments until its backward, to run the forward again. Most of them are alive
+anyway (the previous stage's output, which the previous stage stores). Some are not: with a frozen
+embedding (LoRA), the first layer's input needs no gradient, so a kept first layer saves nothing of
+it and it is freed after that layer's forward; small tensors every layer receives
+(``cache_position``) are freed after the forward too. Recomputing the stage keeps them to its
+backward, so every later stage's peak sees them.
+
+The profiler measured them inside the *later* stages' terms of the run where the stage was
+recomputed, which made a plan that recomputes an early stage and keeps a later one
+under-predicted (a LoRA Llama: +65,536 B, the embedding's output, +1.3% over the prediction and
+over the budget). Counting them in the recomputed stage's own stored bytes (alive from its forward
+to its backward, exactly what stored bytes mean) makes the model additive again.
+
+Two steps: ``DeadInputs`` finds, on the pass with nothing recomputed, which arguments of each stage
+are freed by the end of the forward; ``HeldInputs`` counts, during a memory run, the bytes of those
+arguments each recomputed stage receives. A tensor several recomputed stages receive is counted
+in each one's stored bytes but not subtracted from the later terms of the run (``exclusive``): the
+model then over-counts it (by a few hundred bytes for ``position_ids``) but never misses it,
+whichever of them a plan recomputes.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    >>> _ = net[0].requires_grad_(False)
+    >>> with DeadInputs(net, ["0", "1"]) as finder:
+    ...     _ = net(torch.randn(4, 8)).sum()
+    ...     dead = finder.check()
+    >>> with HeldInputs(net, ["0", "1"], dead, recomputed=["0", "1"]) as held:
+    ...     _ = net(torch.randn(4, 8))
+    >>> held.bytes  # recomputed, net[0] would keep its input (4 x 8 floats) to its backward
+    [128, 0]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for the tensor arguments of a call, one level into tuples and lists (the
+    ``position_embeddings=(cos, sin)`` of transformers' layers)."""
+    items = [(str(i), a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            yield key, value
+        elif isinstance(value, (tuple, list)):
+            for j, inner in enumerate(value):
+                if isinstance(inner, torch.Tensor):
+                    yield f"{key}.{j}", inner
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
+        return int(tensor.numel() * tensor.element_size())
+
+
+def _ident(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or id(tensor)
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors: the object stands for it
+        return id(tensor)
+
+
+class DeadInputs:
+    """Finds, on a pass with nothing recomputed, the keys of each stage's tensor arguments that are
+    freed by the end of the forward (nothing saves them for backward, nothing else refers to them),
+    other than outputs of earlier stages (those count in the earlier stage's stored bytes already).
+
+    Enter it around the forward, call ``check()`` once the forward returned (before backward): the
+    result goes into ``dead`` (given, or a new dict). The profile does this inside its memory run
+    with nothing recomputed, so finding them costs no pass of its own. A stage called several
+    times: its first call stands for the others.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        >>> _ = net[0].requires_grad_(False)
+        >>> with DeadInputs(net, ["0", "1"]) as finder:
+        ...     loss = net(torch.randn(4, 8)).sum()
+        ...     _ = finder.check()
+        >>> finder.dead  # net[0] is frozen: nothing saves its input; net[1] saves its own for its weight's gradient
+        {'0': {'0'}, '1': set()}
+    """
+
+    def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
+        self.model, self.order = model, list(order)
+        self.dead = {} if dead is None else dead
+        self._refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in self.order}
+        self._outputs: dict[int, Any] = {}  # id -> weak reference (a tensor's == is elementwise)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "DeadInputs":
+        modules = dict(self.model.named_modules())
+        for name in self.order:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                if self._refs[name]:
+                    return
+                for key, tensor in _tensors(args, kwargs):
+                    ref = self._outputs.get(id(tensor))
+                    if ref is not None and ref() is tensor:
+                        # An earlier stage's output: that stage's stored bytes hold it already (the
+                        # profile's later terms absorb its early free), so it is not held anew.
+                        continue
+                    try:
+                        self._refs[name].append((key, weakref.ref(tensor)))
+                    except TypeError:
+                        pass
+
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                for _, tensor in _tensors((output,), {}):
+                    try:
+                        self._outputs[id(tensor)] = weakref.ref(tensor)
+                    except TypeError:
+                        pass
+            self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(modules[name].register_forward_hook(leave))
+        return self
+
+    def check(self) -> dict[str, set[str]]:
+        """Record which arguments are dead now (call after the forward, before backward)."""
+        for name in self.order:
+            self.dead[name] = {key for key, ref in self._refs[name] if ref() is None}
+        return self.dead
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class HeldInputs:
+    """During a memory run, the bytes of the dead arguments (``DeadInputs``) each recomputed stage
+    (or recomputed child of a stage) receives: what its checkpoint keeps alive beyond what the
+    stages' own forwards leave.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        >>> with HeldInputs(net, ["0", "1"], {"0": {"0"}, "1": set()}, recomputed=["0"]) as held:
+        ...     _ = net(torch.randn(4, 8))
+        >>> held.bytes, held.exclusive
+        ([128, 0], [128, 0])
+    """
+
+    def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str]):
+        self.model, self.order, self.dead = model, list(order), dead
+        self.recomputed = set(recomputed)
+        self.bytes = [0] * len(self.order)
+        self._holders: dict[int, list[tuple[int, int]]] = {}  # storage -> [(stage, bytes)]
+        self._handles: list[Any] = []
+
+    @property
+    def exclusive(self) -> list[int]:
+        """Per stage, the held bytes no other stage of this run holds too.
+
+        A tensor several recomputed stages hold (``position_ids``) is alive once, until the backward
+        of the first of them. Every holder counts it in its stored bytes (a plan may recompute any
+        of them), but the run's later terms are taken relative to the exclusive bytes only, so they
+        keep it too: a plan then counts it at least once wherever it is alive (a few hundred bytes
+        more than once where several holders are recomputed), never less.
+        """
+        out = list(self.bytes)
+        for holders in self._holders.values():
+            if len({i for i, _ in holders}) > 1:
+                for i, nbytes in holders:
+                    out[i] -= nbytes
+        return out
+
+    def __enter__(self) -> "HeldInputs":
+        modules = dict(self.model.named_modules())
+        for i, name in enumerate(self.order):
+            if not self.dead.get(name):
+                continue
+            # Recomputed children of the stage (an "attn" or "mlp" option) hold what the stage
+            # passes them unchanged (cos, sin, position ids): those of its dead arguments.
+            children = [c for c in self.recomputed if c.startswith(name + ".")]
+            if name not in self.recomputed and not children:
+                continue
+            outside: dict[int, int] = {}  # storage -> bytes of the stage's dead arguments, this call
+            counted: set[int] = set()
+            seen = [False]
+
+            def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool],
+                      counted: set = counted) -> None:
+                for key, tensor in tensors:
+                    ident = _ident(tensor)
+                    if keep(key, ident) and ident not in counted:  # a tensor passed twice, or two views
+                        counted.add(ident)
+                        nbytes = _storage_bytes(tensor)
+                        self.bytes[i] += nbytes
+                        self._holders.setdefault(ident, []).append((i, nbytes))
+
+            def stage_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name,
+                           outside: dict = outside, seen: list = seen, count: Callable = count) -> None:
+                if seen[0]:
+                    return  # as ``dead_inputs``: the first call of a stage (not the recompute)
+                seen[0] = True
+                dead = self.dead[name]
+                for key, tensor in _tensors(args, kwargs):
+                    if key in dead:
+                        outside[_ident(tensor)] = _storage_bytes(tensor)
+                if name in self.recomputed:
+                    count(_tensors(args, kwargs), i, lambda key, ident: key in dead)
+
+            def child_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, outside: dict = outside,
+                           count: Callable = count) -> None:
+                count(_tensors(args, kwargs), i, lambda key, ident: ident in outside)
+
+            self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
+            for child in children:
+                self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
