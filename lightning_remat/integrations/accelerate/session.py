@@ -54,9 +54,9 @@ class RematSession:
         ...     net(torch.randn(64, 32)).pow(2).mean().backward()
         ...     opt.step()
         ...     opt.zero_grad()
-        >>> session.phase, session.plan.checkpointed
-        ('done', ['0', '1', '2', '3'])
-        >>> session.metrics["remat/measured_peak_bytes"] == session.metrics["remat/predicted_peak_bytes"]
+        >>> session.phase, session.plan.checkpointed, session.plan.segments
+        ('done', ['0', '3'], [['1', '2']])
+        >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
         True
     """
 
