@@ -37,8 +37,9 @@ def _assert_equal_profiles(fast: Profile, full: Profile) -> None:
 
 
 # gpt2: some peaks keep their forward figure at 4-5 layers and take the backward one deeper.
-# llama also under bf16-mixed autocast and gradient accumulation (every gradient alive from the start).
-@pytest.mark.parametrize("name, options", [("llama", {}), ("gpt2", {}),
+# llama under bf16-mixed autocast and gradient accumulation (every gradient alive from the start);
+# (a plain fp32 Llama runs the same code as the latter; left out to keep the suite short).
+@pytest.mark.parametrize("name, options", [("gpt2", {}),
                                            ("llama", {"precision": "bf16-mixed", "accumulation_steps": 2})])
 def test_extrapolated_profile_equals_full_profile(monkeypatch, name, options):
     monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
@@ -138,7 +139,7 @@ def test_sharded_extrapolated_profile_equals_full_profile(monkeypatch):
     # FSDP2 at 8 GPUs: deep in the forward a gap's figure falls below zero (the stored bytes count
     # unsharded parameters FSDP2 frees), and backward never visits the gaps between late layers.
     monkeypatch.setattr(repeated, "MIN_LAYERS", 6)
-    case = build("llama", layers=10, batch_size=2, seq_len=64)
+    case = build("llama", layers=7, batch_size=2, seq_len=64)
     fast, full = _profiles(case, precision="bf16-mixed", world_size=8)
     assert any(n.startswith("extrapolated from profiles of 4 and 5") for n in fast.notes)
     assert fast.sharding == full.sharding and full.sharding["world_size"] == 8
