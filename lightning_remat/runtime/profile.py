@@ -449,6 +449,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
     profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                         optimizer is not None, device, peaks, per_op, limits)
+    assembled = profile
     profile.span_groups = span_groups
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if dropped:
@@ -464,7 +465,31 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
     profile = with_unobserved(profile, stage_names, modules)
-    return price_offload(profile, options, device) if timed and options.offload else profile
+    profile = price_offload(profile, options, device) if timed and options.offload else profile
+    profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
+    return profile
+
+
+def gap_figures(assembled: Profile, final: Profile, runs: dict[str, _MemoryRun],
+                future_state: int) -> dict[str, dict[str, int]] | None:
+    """Each gap's figure in each memory run (its segment's peak is the largest of them), with what
+    the adjustments after ``_assemble`` added to the segment (the same bytes to every run's figure).
+
+    Not a field of ``Profile`` (nothing plans with it; an attribute of the profile as made, lost by
+    ``replace``): the 4/5-layer extrapolation (``repeated.py``) fits each run's figures alone, since
+    the largest of two lines of different slopes is no line. None when the adjustments moved the
+    segments (stages that did not run, put into the chain).
+    """
+    pairs = [(a, b) for a, b in zip(assembled.segments, final.segments) if a.name != "optimizer step"]
+    if len(assembled.segments) != len(final.segments) or any(
+            (a.name, a.stages_alive) != (b.name, b.stages_alive) for a, b in pairs):
+        return None
+    figures = {}
+    for a, b in pairs:
+        added = b.peak_bytes - a.peak_bytes
+        figures[a.name] = {option: int(run.segments[a.stages_alive] + future_state + added)
+                           for option, run in runs.items() if a.stages_alive in run.segments}
+    return figures
 
 
 def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],

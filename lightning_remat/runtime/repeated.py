@@ -317,7 +317,8 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     try:
         small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
         build_stages = _stages(small, large, prefix, layers, fit)
-        build_segments = _segments(small, large, layers, fit)
+        gap_runs = tuple(_gap_runs(p, q, ballast) for p, q in zip(forward, backward))
+        build_segments = _segments(small, large, layers, fit, gap_runs)
         top = _fields(small, large, ("stages", "segments", "notes", "device", "baseline_peak_bytes"),
                       lambda v, w, _: fit.boundary(v, w))
         stages, segments = build_stages(), build_segments()
@@ -442,18 +443,8 @@ def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
     """``forward`` with every peak a ``_Pair`` of its figures (less the ballast); a figure the ballast did not lift is None (the pass never visited the region), and a peak
     the ballast lifted in neither run (the optimizer step's, outside forward and backward) is both."""
 
-    def lifted(value: int) -> int | None:
-        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
-        # (FSDP2 frees unsharded parameters the stored bytes count).
-        return value - ballast if value >= ballast // 2 else None
-
     def pair(up: int, down: int) -> _Pair:
-        forward, backward = lifted(up), lifted(down)
-        if forward is None and backward is None:
-            return _Pair(up, down)
-        # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no
-        # moment between two late layers in backward): that figure does not exist.
-        return _Pair(forward, backward)
+        return _pair(up, down, ballast)
 
     stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=pair(o.local_peak_bytes, q.local_peak_bytes))
                                             for o, q in zip(s.options, t.options)))
@@ -461,6 +452,32 @@ def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
     segments = tuple(replace(g, peak_bytes=pair(g.peak_bytes, h.peak_bytes))
                      for g, h in zip(forward.segments, backward.segments))
     return replace(forward, stages=stages, segments=segments)
+
+
+def _pair(up: int, down: int, ballast: int) -> _Pair:
+    """A peak's figures from its forward-ballast and backward-ballast values."""
+
+    def lifted(value: int) -> int | None:
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
+        # (FSDP2 frees unsharded parameters the stored bytes count).
+        return value - ballast if value >= ballast // 2 else None
+
+    forward, backward = lifted(up), lifted(down)
+    if forward is None and backward is None:
+        return _Pair(up, down)
+    # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no moment
+    # between two late layers in backward): that figure does not exist.
+    return _Pair(forward, backward)
+
+
+def _gap_runs(forward: Profile, backward: Profile, ballast: int) -> dict[str, dict[str, _Pair]] | None:
+    """Each gap's figures per memory run (``profile.gap_figures``), paired as ``_paired`` pairs peaks."""
+    up, down = getattr(forward, "gap_figures", None), getattr(backward, "gap_figures", None)
+    if up is None or down is None or up.keys() != down.keys():
+        return None
+    if any(up[name].keys() != down[name].keys() for name in up):
+        return None
+    return {name: {run: _pair(up[name][run], down[name][run], ballast) for run in up[name]} for name in up}
 
 
 def _is_number(value: Any) -> bool:
@@ -537,7 +554,8 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
     return lambda: (first(), *(middle_stage(i) for i in range(1, layers - 1)), last())
 
 
-def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callable[[], tuple]:
+def _segments(small: Profile, large: Profile, layers: int, fit: _Fit,
+              gap_runs: tuple = (None, None)) -> Callable[[], tuple]:
     """Segments by role: stages_alive 0 (by name), 1 (after the first layer), the middle ones
     (``d`` = layers after), and all stages alive (the head)."""
     a, b = DEPTHS
@@ -561,7 +579,8 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callabl
             points = {**{(a, a - s.stages_alive): s for s in mine}, **{(b, b - s.stages_alive): s for s in segs}}
             if len(points) != (a - 2) + (b - 2) or len(mine) + len(segs) != len(points):
                 raise _NoFit
-            peak = fit.middle({k: s.peak_bytes for k, s in points.items()})
+            peak = _gap_line(fit, {k: s.peak_bytes for k, s in points.items()},
+                             _run_points(points, dict(zip((a, b), gap_runs))))
             template = segs[0]
             builders.append((2, lambda peak=peak, template=template: [
                 replace(template, name=_restate(template.name, template.stages_alive, j), stages_alive=j,
@@ -571,6 +590,9 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callabl
             raise _NoFit
         s, t = mine[0], segs[0]
         values = _fields(s, t, ("name", "stages_alive"), lambda v, w, _: fit.boundary(v, w))
+        runs = _run_points({(a, 0): s, (b, 0): t}, dict(zip((a, b), gap_runs)))
+        if runs is not None:
+            values["peak_bytes"] = _gap_boundary(fit, runs, values["peak_bytes"])
         alive = layers if role == "last" else t.stages_alive
         name = _restate(t.name, t.stages_alive, alive) if role == "last" else t.name
         # The profile's order: by stages alive, the optimizer step (added last) last.
@@ -585,6 +607,44 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit) -> Callabl
         return result
 
     return build
+
+
+def _run_points(points: dict[tuple[int, int], Segment], gap_runs: dict[int, Any]) -> dict[str, dict] | None:
+    """``points`` (``(N, d)`` -> segment) as each memory run's figures, or None where a profile has
+    none (the optimizer step's segment, a profile without ``gap_figures``) or the runs differ."""
+    per_point = {}
+    for key, seg in points.items():
+        runs = gap_runs.get(key[0])
+        if runs is None or seg.name not in runs:
+            return None
+        per_point[key] = runs[seg.name]
+    names = {tuple(r) for r in per_point.values()}
+    if len(names) != 1:
+        return None
+    return {run: {key: figures[run] for key, figures in per_point.items()} for run in next(iter(names))}
+
+
+def _gap_line(fit: _Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[[int], int]:
+    """A middle gap's peak: the largest of each memory run's figure extrapolated alone (the largest
+    of a keep run's figure, falling with the depth, and a recompute run's, flat, bends where they
+    cross: no line fits it), else of the peaks themselves."""
+    if runs is not None:
+        try:
+            lines = [fit.middle(points) for points in runs.values()]
+            return lambda d: max(line(d) for line in lines)
+        except _NoFit:
+            pass
+    return fit.middle(peaks)
+
+
+def _gap_boundary(fit: _Fit, runs: dict[str, dict], fallback: Callable[[], int]) -> Callable[[], int]:
+    """A first or last gap's peak, as ``_gap_line`` does it, linear in ``N``."""
+    a, b = DEPTHS
+    try:
+        lines = [fit.boundary(points[(a, 0)], points[(b, 0)]) for points in runs.values()]
+    except _NoFit:
+        return fallback
+    return lambda: max(line() for line in lines)
 
 
 def _restate(name: str, old: int, new: int) -> str:
