@@ -33,9 +33,8 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import copy
+import functools
 import math
 import re
 from dataclasses import dataclass, fields, is_dataclass, replace
@@ -440,12 +439,8 @@ class _Pair:
 
 
 def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
-    """``forward`` with every peak a ``_Pair`` of its figures (less the ballast); a figure the ballast did not lift is None (the pass never visited the region), and a peak
-    the ballast lifted in neither run (the optimizer step's, outside forward and backward) is both."""
-
-    def pair(up: int, down: int) -> _Pair:
-        return _pair(up, down, ballast)
-
+    """``forward`` with every peak a ``_Pair`` of its figures (``_pair``)."""
+    pair = functools.partial(_pair, ballast=ballast)
     stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=pair(o.local_peak_bytes, q.local_peak_bytes))
                                             for o, q in zip(s.options, t.options)))
                    for s, t in zip(forward.stages, backward.stages))
@@ -455,7 +450,9 @@ def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
 
 
 def _pair(up: int, down: int, ballast: int) -> _Pair:
-    """A peak's figures from its forward-ballast and backward-ballast values."""
+    """A peak's figures from its forward-ballast and backward-ballast values, less the ballast. A
+    figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
+    neither run (the optimizer step's, outside forward and backward) keeps both values."""
 
     def lifted(value: int) -> int | None:
         # Half the ballast: a lifted figure sits below it where the region's own figure is negative
