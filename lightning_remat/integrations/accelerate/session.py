@@ -74,7 +74,6 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
-        self._held_bytes = 0  # outputs of the last observed step the user's loop still held after it
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
@@ -178,9 +177,6 @@ class RematSession:
             if self._current is not None and self._current.backward_ran:
                 self._completed, self._current = self._current, None
                 self.observed_steps += 1
-                # After the backward (and the optimizer step, or before the next forward binds them
-                # again): the outputs still alive are the ones the loop holds.
-                self._held_bytes = self._completed.held_bytes()
                 if self._window is not None:
                     window, self._window = self._window, None
                     peak = window.close()
@@ -215,7 +211,9 @@ class RematSession:
         is_main, broadcast = torch_distributed_broadcast()
         # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
         gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(self.model) else None
-        observed, held = self._observed, self._held_bytes
+        # Planned at a step boundary, after the backward (and the optimizer step, or before the next
+        # forward binds them again): the outputs still alive are the ones the loop holds.
+        observed, held = self._observed, call.held_bytes()
 
         def adjust(profile: Any) -> Any:
             profile = with_loop_references(profile, held)
