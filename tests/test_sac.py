@@ -177,6 +177,21 @@ def test_op_recorder_bytes_skip_views_and_count_inputs_and_outputs():
     assert by_op["aten.mul.Tensor"].bytes == 2 * x.nbytes  # read once, written once
     assert by_op["aten.mul.Tensor"].flops == 0
 
+def test_op_recorder_prices_aliases_and_allocations_at_zero_and_in_place_ops_at_their_traffic():
+    x, w = torch.randn(2, 3, 16), torch.randn(16, 8)
+    with OpRecorder() as rec:
+        y = torch.matmul(x, w)  # view, mm, then aten._unsafe_view back to 3-d: an alias, no copy
+        mask = torch.empty_like(y)
+        mask.bernoulli_(0.5)
+        y.add_(1.0)
+    by_op = {str(op.func): op for op in rec.ops}
+    assert by_op["aten._unsafe_view.default"].bytes == 0
+    assert by_op["aten.empty_like.default"].bytes == 0
+    assert by_op["aten.bernoulli_.float"].bytes == y.nbytes  # written in place: one tensor
+    assert by_op["aten.add_.Tensor"].bytes == y.nbytes
+    assert by_op["aten.mm.default"].bytes == x.nbytes + w.nbytes + y.nbytes
+
+
 
 @pytest.fixture(scope="module")
 def profiled():

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -151,12 +152,39 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Ops that allocate without writing: an ``empty`` tensor moves no data until an op fills it.
+_ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef | None:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
+        return None
+
+
+def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
+    """Whether ``func`` only allocates or re-labels memory: a view, a metadata query, an ``empty``
+    allocation, or an op whose every output shares an input's storage without writing to it
+    (``aten._unsafe_view``, which every ``nn.Linear`` on a 3-d input ends with)."""
+    if func.is_view or func.namespace == "prim" or func.overloadpacket.__name__ in _ALLOCATING:
+        return True
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return False  # in place: it reads and writes
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not outputs:
+        return False
+    inputs = {_storage(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    inputs.discard(None)
+    return all(_storage(t) in inputs for t in outputs)
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every op under it: ``ops`` (``OpCost`` in call order); ``on_op`` is called with each.
 
-    Bytes are those of the distinct input and output tensors; a view op (which moves no data)
-    counts no bytes, nor does a metadata query (``prim.device``), and an in-place op's output (its
-    input again) is not counted twice.
+    Bytes are those of the distinct input and output tensors; an op that moves no data counts no
+    bytes: a view, a metadata query (``prim.device``), an ``empty`` allocation, an alias that is not
+    a view (``aten._unsafe_view``); an in-place op's output (its input again) is not counted twice.
     """
 
     def __init__(self, on_op: Callable[[OpCost], None] | None = None):
@@ -172,7 +200,7 @@ class OpRecorder(TorchDispatchMode):
         moved = 0
         # prim ops (prim.device, prim.layout) read metadata, not data; torch issues some of them
         # only on a first call, which made the first profile in a process price higher than the next.
-        if not func.is_view and func.namespace != "prim":
+        if not _moves_no_data(func, (args, kwargs), out):
             seen: set[int] = set()
             for t in tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
