@@ -94,6 +94,35 @@ def test_resnet_stage_loops_run_segments_with_equal_gradients():
         assert torch.equal(a, b), name
 
 
+def test_a_cnn_stem_is_a_stage_and_recomputing_it_cuts_the_least_peak_with_equal_gradients():
+    """ResNet's stem (conv, BatchNorm, ReLU, max-pool) is found as a stage before the bottlenecks;
+    recomputing it keeps gradients and BatchNorm statistics bit-equal and lowers the least peak."""
+    from lightning_remat.runtime.candidates import find_stages
+
+    case = build("resnet50", batch_size=2, image_size=64, width=16)
+    stages = find_stages(case.model)
+    assert stages[0] == "resnet.embedder" and stages[1] == "resnet.encoder.stages.0.layers.0"
+    assert find_stages(nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 1), nn.ReLU()) for _ in range(2)])) == ["0", "1"]
+    assert find_stages(build("gpt2", batch_size=1, seq_len=8, layers=2, hidden=32).model)[0] == "transformer.h.0"
+    plain, stem = case.model, copy.deepcopy(case.model)
+    apply_plan(stem, ["resnet.embedder"])
+    for model in (plain, stem):
+        torch.manual_seed(0)
+        case.step(model).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), stem.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), (_, b) in zip(plain.state_dict().items(), stem.state_dict().items()):
+        assert torch.equal(a, b), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_stem = profile_step(copy.deepcopy(plain), case.step, optimizer=torch.optim.Adam(plain.parameters()))
+        without = profile_step(copy.deepcopy(plain), case.step, optimizer=torch.optim.Adam(plain.parameters()),
+                               candidates="ResNetBottleNeckLayer")
+    plan = solve(with_stem, "min", cost="flops")
+    assert "resnet.embedder" in plan.checkpointed
+    assert plan.predicted_peak_bytes < solve(without, "min", cost="flops").predicted_peak_bytes
+
+
 def _measured_peak(model, step, opt):
     tracker = Tracker()
     tracker.track_external(model, opt)
