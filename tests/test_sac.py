@@ -79,10 +79,11 @@ def test_gradients_and_batchnorm_statistics_bit_equal_under_every_policy(policy)
 
 
 def test_gradients_bit_equal_on_gpt2_with_dropout_under_a_mixed_plan():
-    case = build("gpt2", layers=3, hidden=64, seq_len=32, batch_size=2)
+    case = build("gpt2", layers=4, hidden=64, seq_len=32, batch_size=2)
     reference, wrapped = case.model, copy.deepcopy(case.model)
-    plan = Plan(["transformer.h.0", "transformer.h.1", "transformer.h.2.mlp"], 0, 0, 0, 0.0,
-                policies={"transformer.h.0": "save_matmuls", "transformer.h.1": "save_alternate_matmuls"})
+    plan = Plan(["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3.mlp"], 0, 0, 0, 0.0,
+                policies={"transformer.h.0": "save_matmuls", "transformer.h.1": "save_alternate_matmuls",
+                          "transformer.h.2": "save_projections"})
     apply_plan(wrapped, plan)
     assert reference.config.attn_pdrop > 0
     losses = []
@@ -94,6 +95,30 @@ def test_gradients_bit_equal_on_gpt2_with_dropout_under_a_mixed_plan():
     assert torch.equal(*losses)
     for (name, p), q in zip(reference.named_parameters(), wrapped.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_save_projections_is_offered_where_attention_runs_as_batched_matmuls():
+    """GPT-2 with attention dropout takes SDPA's math path on the CPU: recomputing its batched
+    matmuls (the score matrix) stores less than save_matmuls for a few FLOPs, and the prediction
+    holds. Llama's attention is a fused kernel: the policy equals save_matmuls and is not offered."""
+    case = build("gpt2", layers=2, hidden=64, seq_len=64, batch_size=2)
+    optimizer = torch.optim.Adam(case.model.parameters())
+    profile = profile_step(case.model, case.step, optimizer=optimizer,
+                           options=ProfileOptions(policies=("save_matmuls", "save_projections")))
+    stage = profile.stages[0]
+    matmuls, projections = stage.option("sac:save_matmuls"), stage.option("sac:save_projections")
+    scores = 2 * 4 * 64 * 64 * 4  # batch x heads x seq x seq, float32: one score matrix
+    assert projections.stored_bytes <= matmuls.stored_bytes - scores
+    assert matmuls.cost_flops < projections.cost_flops < stage.option("whole").cost_flops
+    plan = plan_from_choices(profile, [[o.name for o in s.options].index("sac:save_projections") for s in profile.stages],
+                             0, cost="roofline")
+    apply_plan(case.model, plan)
+    measure_step(case.model, case.step, optimizer)
+    measured = measure_step(case.model, case.step, optimizer).peak_bytes
+    assert measured <= plan.predicted_peak_bytes <= 1.05 * measured
+    llama = build("llama", layers=1, hidden=64, seq_len=32, batch_size=2)
+    fused = profile_step(llama.model, llama.step, options=ProfileOptions(policies=("save_matmuls", "save_projections")))
+    assert [o.name for o in fused.stages[0].options if o.policy] == ["sac:save_matmuls"]
 
 
 def test_a_policy_runs_under_torch_compile():

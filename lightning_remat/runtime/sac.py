@@ -10,6 +10,12 @@ everything) and ``"whole"`` (save only the inputs) they give the solver cheaper 
   activations, dropout. Little FLOP cost, memory of the matmul outputs kept.
 - ``"save_alternate_matmuls"``: as torchtitan's op-SAC: attention saved, every other matmul (in
   call order within the module) saved, the rest recomputed.
+- ``"save_projections"``: as ``"save_matmuls"``, but the batched matmuls (bmm, baddbmm) are
+  recomputed too. In a transformer block those are the attention core of SDPA's math path (the
+  path taken with attention dropout on the CPU, or an explicit mask it cannot fuse): its score
+  matrix is quadratic in the sequence and costs few FLOPs per byte (its inner dimension is the
+  head size), the trade Megatron-LM's selective recomputation makes. Where attention is a fused
+  kernel (saved) and no bmm runs, it equals ``"save_matmuls"`` and is not offered.
 - ``"save_attention"``: save only attention outputs (the op whose recompute is quadratic in the
   sequence: a fused SDPA kernel, or the batched matmuls of SDPA's math path); recompute the
   projections' matmuls and everything else.
@@ -57,7 +63,7 @@ ATTENTION_OPS = _packets("_scaled_dot_product_flash_attention", "_scaled_dot_pro
 
 # Option names in a profile are "sac:" + the policy name.
 PREFIX = "sac:"
-POLICIES = ("save_matmuls", "save_alternate_matmuls", "save_attention")
+POLICIES = ("save_matmuls", "save_projections", "save_alternate_matmuls", "save_attention")
 
 
 def _packet(func: Any) -> Any:
@@ -71,6 +77,9 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
     def save_matmuls(func: Any, key: str) -> bool:
         packet = _packet(func)
         return packet in MATMUL_OPS or packet in CONV_OPS or packet in ATTENTION_OPS
+
+    def save_projections(func: Any, key: str) -> bool:
+        return save_matmuls(func, key) and _packet(func) not in BATCHED_MATMUL_OPS
 
     def save_attention(func: Any, key: str) -> bool:
         # SDPA's math path (taken with a mask and dropout, as GPT-2 and BERT do on the CPU) runs
@@ -87,7 +96,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
             return counts[key] % 2 == 1
         return False
 
-    deciders = {"save_matmuls": save_matmuls, "save_attention": save_attention,
+    deciders = {"save_matmuls": save_matmuls, "save_projections": save_projections, "save_attention": save_attention,
                 "save_alternate_matmuls": save_alternate_matmuls}
     return deciders[check_policy(policy)]
 
@@ -129,6 +138,8 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
         [False, True]
         >>> recomputed_ops("save_alternate_matmuls", [aten.mm.default, aten.mm.default, aten.mm.default])
         [False, True, False]
+        >>> recomputed_ops("save_projections", [aten.addmm.default, aten.bmm.default, aten._softmax.default])
+        [False, True, True]
     """
     decide = _decider(policy)
     # Ops SAC never caches (detach) run again on recompute whatever the policy says.
