@@ -153,3 +153,29 @@ def test_fake_planning_models_the_precision_and_says_which():
         plan_remat(case.model, case.step, "min", cost="flops", fake=True, precision="bf16")
     with pytest.raises(ValueError, match="apply to fake profiles"):
         plan_remat(case.model, case.step, "min", precision="bf16-mixed")
+
+
+def test_a_gpu_target_runs_attention_dropout_in_the_fused_kernel_the_gpu_uses():
+    """On the CPU, SDPA with dropout takes its math path and saves the score and probability
+    matrices; a GPU's fused kernels run the dropout and save only the output and its log-sum-exp.
+    Planned for a GPU, GPT-2 with attention dropout stores what it stores without dropout (plus the
+    kernel's random seed and offset), and the quadratic matrices only when planned for the CPU."""
+    from lightning_remat import ProfileOptions
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def keep_bytes(dropout, **options):
+        case = build("gpt2", layers=1, hidden=64, seq_len=256, batch_size=2)
+        case.model.config.attn_pdrop = dropout
+        for module in case.model.modules():
+            if hasattr(module, "attn_dropout"):
+                module.attn_dropout.p = dropout
+        profile = profile_step(case.model, case.step, options=ProfileOptions(fake=True, **options))
+        return profile.stages[0].option("keep").stored_bytes
+
+    scores = 2 * 4 * 256 * 256 * 4  # batch x heads x seq x seq, float32
+    on_gpu, without_dropout = keep_bytes(0.1, device="cuda"), keep_bytes(0.0, device="cuda")
+    assert without_dropout <= on_gpu <= without_dropout + 1024
+    assert keep_bytes(0.1, gpu="h100") == on_gpu
+    assert keep_bytes(0.1) >= on_gpu + 2 * scores  # the CPU's math path: scores and probabilities
+    assert torch.nn.functional.scaled_dot_product_attention is original  # put back after profiling

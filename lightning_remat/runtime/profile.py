@@ -36,6 +36,7 @@ from ..core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
 from .apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
 from .compiled import uncompiled
+from .fake_attention import cuda_attention
 from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
 from .offload import Offloader, apply_offload, model_offloader, remove_offload
@@ -330,6 +331,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if autocast is not None and not sharded:
         step = _under_autocast(step, autocast)
     mode = existing_fake_mode(model) or new_fake_mode()
+    # Planned for a GPU (named, or device="cuda"): attention with dropout as its fused kernels run it.
+    targets_cuda = options.gpu is not None or torch.device(options.device or "cpu").type == "cuda"
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
     if optimizer is not None:
@@ -344,7 +347,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 by_name = dict(twin.named_parameters())
                 optimizer = clone_optimizer(optimizer, {id(p): by_name[n] for n, p in model.named_parameters()}, mode)
                 optimizer.state.clear()  # state of the unsharded parameters: the sharded state is counted ahead
-            with mode, explain_fake_failures(), real_code_paths():
+            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False)
