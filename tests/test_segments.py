@@ -85,12 +85,17 @@ def test_resnet_stage_loops_run_segments_with_equal_gradients():
     stages = "resnet.encoder.stages"
     apply_plan(segmented, [], segments=[[f"{stages}.1.layers.{i}" for i in range(4)],
                                         [f"{stages}.2.layers.{i}" for i in range(1, 4)]])
-    for model in (plain, segmented):
+    _assert_one_step_bit_equal(case.step, plain, segmented)
+
+
+def _assert_one_step_bit_equal(step, plain, other):
+    """One forward and backward of each: equal gradients and equal state (BatchNorm statistics)."""
+    for model in (plain, other):
         torch.manual_seed(0)
-        case.step(model).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), segmented.named_parameters()):
+        step(model).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), other.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
-    for (name, a), (_, b) in zip(plain.state_dict().items(), segmented.state_dict().items()):
+    for (name, a), (_, b) in zip(plain.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), name
 
 
@@ -106,13 +111,7 @@ def test_a_cnn_stem_is_a_stage_and_recomputing_it_cuts_the_least_peak_with_equal
     assert find_stages(build("gpt2", batch_size=1, seq_len=8, layers=2, hidden=32).model)[0] == "transformer.h.0"
     plain, stem = case.model, copy.deepcopy(case.model)
     apply_plan(stem, ["resnet.embedder"])
-    for model in (plain, stem):
-        torch.manual_seed(0)
-        case.step(model).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), stem.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
-    for (name, a), (_, b) in zip(plain.state_dict().items(), stem.state_dict().items()):
-        assert torch.equal(a, b), name
+    _assert_one_step_bit_equal(case.step, plain, stem)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with_stem = profile_step(copy.deepcopy(plain), case.step, optimizer=torch.optim.Adam(plain.parameters()))
