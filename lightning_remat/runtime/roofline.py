@@ -166,7 +166,8 @@ def _storage(t: torch.Tensor) -> StorageWeakRef | None:
 def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
     """Whether ``func`` only allocates or re-labels memory: a view, a metadata query, an ``empty``
     allocation, or an op whose every output shares an input's storage without writing to it
-    (``aten._unsafe_view``, which every ``nn.Linear`` on a 3-d input ends with)."""
+    (``aten._unsafe_view``, which ``torch.matmul`` on a 3-d input and ``reshape`` of a non-contiguous
+    tensor end with)."""
     if func.is_view or func.namespace == "prim" or func.overloadpacket.__name__ in _ALLOCATING:
         return True
     if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
