@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from results_io import RESULTS, log, write_results  # noqa: E402
 import torch._functorch.config as functorch_config  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
@@ -76,7 +77,7 @@ def median_seconds(model, step, rounds: int) -> float:
     return statistics.median(times)
 
 
-def run(name: str, rounds: int, log) -> dict:
+def run(name: str, rounds: int) -> dict:
     case = build(name, seed=0)
     for module in case.model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -128,18 +129,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    log = lambda text: print(time.strftime("%H:%M:%S"), text, flush=True)  # noqa: E731
-    results = [run(name, args.rounds, log) for name in args.models]
-    text = table(results)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_budget.json").write_text(json.dumps(results, indent=1))
-    (out / "compile_budget.md").write_text(text + "\n")
-    print(f"wrote {out / 'compile_budget.json'} and {out / 'compile_budget.md'}")
-
+    results = [run(name, args.rounds) for name in args.models]
+    write_results(args.out, "compile_budget", results, table(results))
 
 if __name__ == "__main__":
     main()

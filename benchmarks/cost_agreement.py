@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from results_io import RESULTS, log, write_results  # noqa: E402
 
 from lightning_remat import BudgetTooSmallError, apply_plan, profile_step, solve  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
@@ -103,7 +104,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-def run(name: str, rounds: int, log) -> dict:
+def run(name: str, rounds: int) -> dict:
     case = build(name, seed=0)
     profiles = []
     for _ in range(2):  # the second profile: does "time" choose the same plans again?
@@ -166,18 +167,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2", "bert", "vit", "llama", "mlp"])
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds (one step of every plan each)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    log = lambda text: print(time.strftime("%H:%M:%S"), text, flush=True)  # noqa: E731
-    results = [run(name, args.rounds, log) for name in args.models]
-    text = table(results)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cost_agreement.json").write_text(json.dumps(results, indent=1))
-    (out / "cost_agreement.md").write_text(text + "\n")
-    print(f"wrote {out / 'cost_agreement.json'} and {out / 'cost_agreement.md'}")
-
+    results = [run(name, args.rounds) for name in args.models]
+    write_results(args.out, "cost_agreement", results, table(results))
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 """Diagnostic (GPU): every block recomputed (ours) against Hugging Face every-layer checkpointing."""
-import copy, gc, sys, warnings
+import sys, warnings
 warnings.filterwarnings("ignore")
 import torch
 sys.path.insert(0, "benchmarks")

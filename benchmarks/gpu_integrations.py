@@ -41,7 +41,7 @@ def _budget(model, accumulation: int = 1, autocast: bool = False) -> int:
 
     profile = profile_step(model, step, optimizer=torch.optim.AdamW(model.parameters()),
                            options=ProfileOptions(accumulation_steps=accumulation))
-    del ids
+    ids = None  # the batch the closure holds: freed before the next model is built
     torch.cuda.empty_cache()
     return int(profile.static_bytes + 0.5 * profile.baseline_activation_bytes)
 

@@ -23,7 +23,6 @@ Everything here is a prediction: the fake profile equals a real one byte for byt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,8 +32,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from results_io import RESULTS, log, write_results  # noqa: E402
 
 from lightning_remat import BudgetTooSmallError, ProfileOptions, format_bytes, profile_step, solve  # noqa: E402
 from lightning_remat.core.memory_model import plan_cost, predict_peak  # noqa: E402
@@ -135,20 +136,13 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     results = []
     for name in args.models:
-        print(f"[{name}] planning on fake tensors for an H100", flush=True)
+        log(f"[{name}] planning on fake tensors for an H100")
         results.append(run(name))
-    text = table(results)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_targets.json").write_text(json.dumps(results, indent=1))
-    (out / "gpu_targets.md").write_text(text + "\n")
-    print(f"wrote {out / 'gpu_targets.json'} and {out / 'gpu_targets.md'}")
-
+    write_results(args.out, "gpu_targets", results, table(results))
 
 if __name__ == "__main__":
     main()
