@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
