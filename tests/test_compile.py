@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_remat import AutoRemat, apply_plan, measure_step, plan_remat, profile_step
 from lightning_remat.models import build
 from lightning_remat.runtime.apply import checkpointed_modules
-from lightning_remat.runtime.measure import PeakWindow
+from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -82,39 +82,18 @@ def test_compile_then_plan_wraps_the_original_modules_and_the_compiled_step_uses
 SMALL = dict(layers=3, hidden=64, seq_len=64, batch_size=2, vocab=128)
 
 
-class CompiledLM(L.LightningModule):
+class CompiledLM(LitGPT2):
+    """GPT-2 compiled in ``__init__``, in ``configure_model``, or (``"fit"``) as a whole by the test."""
+
     def __init__(self, where: str):
-        super().__init__()
+        super().__init__(seq_len=SMALL["seq_len"])
         self.where = where
-        torch.manual_seed(0)
-        model = build("gpt2", **SMALL).model
-        self.model = torch.compile(model, backend="aot_eager") if where == "__init__" else model
+        if where == "__init__":
+            self.model = torch.compile(self.model, backend="aot_eager")
 
     def configure_model(self):
         if self.where == "configure_model" and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model, backend="aot_eager")
-
-    def training_step(self, batch, batch_idx):
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
-class Recorder(L.Callback):
-    def __init__(self):
-        self.losses, self.peaks, self.window = [], [], None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx >= 2:
-            self.window = PeakWindow(pl_module, trainer.optimizers[0])
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        if self.window is not None:
-            self.peaks.append(self.window.close())
-            self.window = None
 
 
 def _fit(tmp_path, lit, callbacks):
@@ -132,7 +111,7 @@ def _fit(tmp_path, lit, callbacks):
 @pytest.fixture(scope="module")
 def plain_losses(tmp_path_factory):
     """The losses of the same fit uncompiled and without recomputation (aot_eager runs the same ops)."""
-    plain = Recorder()
+    plain = SteadyPeaks()
     _fit(tmp_path_factory.mktemp("plain"), CompiledLM("not compiled"), [plain])
     return plain.losses
 
@@ -144,7 +123,7 @@ def test_autoremat_plans_a_module_compiled_in_init_configure_model_or_for_fit(tm
     profile = profile_step(lit, lambda m: m.model(input_ids=ids, labels=ids).loss,
                            optimizer=torch.optim.Adam(lit.parameters()))
     budget = int(profile.static_bytes + 0.5 * profile.baseline_activation_bytes)
-    callback, recorded = AutoRemat(budget=budget, cost="flops", verbose=False), Recorder()
+    callback, recorded = AutoRemat(budget=budget, cost="flops", verbose=False), SteadyPeaks()
     _fit(tmp_path, lit, [callback, recorded])
     assert callback.plan.checkpointed and checkpointed_modules(lit) == callback.plan.checkpointed
     assert not any("_orig_mod" in name for name in callback.plan.checkpointed)

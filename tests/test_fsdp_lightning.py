@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.lightning_gpt2 import LitGPT2, script_header
+
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 
 SCRIPT = r'''
@@ -19,63 +21,20 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_remat import AutoRemat
 import lightning_remat.runtime.profile as profiling
-from lightning_remat.models import build
 from lightning_remat.runtime.apply import checkpointed_modules
-from lightning_remat.runtime.measure import PeakWindow
+from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 out = sys.argv[1]
 calls = []
 real = profiling.profile_step
 profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
 
 
 def ids():
     return torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
 
 
-class LitLM(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = build("gpt2", **SMALL).model
-        for m in self.model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.model(input_ids=x, labels=x).loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
-class Steady(L.Callback):
-    """Each rank's MemTracker peak of steps 2 and 3 (after the callback's measured step 1), and the losses."""
-
-    def __init__(self):
-        self.peaks, self.losses, self.window = [], [], None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx >= 2:
-            self.window = PeakWindow(pl_module, trainer.optimizers[0])
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        if self.window is not None:
-            self.peaks.append(self.window.close())
-            self.window = None
-
-
-lit, steady = LitLM(), Steady()
+lit, steady = LitGPT2(shard=True, dropout=False), SteadyPeaks(first=2)
 callback = AutoRemat(budget="min", cost="flops", verbose=False)
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                     max_steps=4, callbacks=[callback, steady], logger=False, enable_checkpointing=False,
@@ -92,13 +51,7 @@ with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
 
 def _reference_losses():
     """Four Adam steps of one unsharded process on the same batches."""
-    from lightning_remat.models import build
-
-    torch.manual_seed(0)
-    model = build("gpt2", layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128).model
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model = LitGPT2(dropout=False).model
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -114,7 +67,7 @@ def _reference_losses():
 
 def test_model_parallel_strategy_plans_on_every_rank_and_holds_the_budget(tmp_path):
     script = tmp_path / "fsdp_fit.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_header() + SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.lightning_gpt2 import script_header
+
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 
 SCRIPT = r'''
@@ -16,59 +18,16 @@ import json, sys
 import torch
 import lightning.pytorch as L
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, TensorDataset
 from lightning_remat import RematBatchSizeFinder
-from lightning_remat.models import build
 from lightning_remat.runtime.apply import checkpointed_modules
-from lightning_remat.runtime.measure import PeakWindow
+from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 out, budget = sys.argv[1], int(sys.argv[2])
 
 
-class LitLM(L.LightningModule):
-    def __init__(self, batch_size=2):
-        super().__init__()
-        self.batch_size = batch_size
-        torch.manual_seed(0)
-        self.model = build("gpt2", layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128).model
-        for m in self.model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-    def train_dataloader(self):
-        ids = torch.randint(0, 128, (64, 32), generator=torch.Generator().manual_seed(1))
-        return DataLoader(TensorDataset(ids), batch_size=self.batch_size)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.model(input_ids=x, labels=x).loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
-class Steady(L.Callback):
-    """Each rank's MemTracker peak of steps 1 and 2 (Adam's state exists after step 0), and the batch shapes."""
-
-    def __init__(self):
-        self.peaks, self.shapes, self.window = [], [], None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.shapes.append(list(batch[0].shape))
-        if batch_idx >= 1:
-            self.window = PeakWindow(pl_module, trainer.optimizers[0])
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.window is not None:
-            self.peaks.append(self.window.close())
-            self.window = None
+class Steady(SteadyPeaks):
+    """Each rank's MemTracker peak of steps 1 and 2 (Adam's state exists after step 0), the batch
+    shapes, and at the end this rank's steady peaks at batch 8 and 9 without recomputation."""
 
     def on_train_end(self, trainer, pl_module):
         # Without recomputation, this rank's steady peaks at batch 8 and 9: the budget lies between.
@@ -84,7 +43,7 @@ class Steady(L.Callback):
             self.without[b] = measure_step(pl_module, step, trainer.optimizers[0]).peak_bytes
 
 
-lit, steady = LitLM(), Steady()
+lit, steady = LitGPT2(shard=True, dropout=False), Steady(first=1)
 finder = RematBatchSizeFinder(budget=budget, margin=0.0, max_val=32, verbose=False)
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                     max_steps=3, callbacks=[finder, steady], logger=False, enable_checkpointing=False,
@@ -106,7 +65,7 @@ BUDGET = 8_006_824
 
 def test_model_parallel_strategy_finds_the_same_batch_on_every_rank(tmp_path):
     script = tmp_path / "fsdp_batch.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_header() + SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run([sys.executable, str(script), str(tmp_path), str(BUDGET)], cwd=tmp_path, env=env,
