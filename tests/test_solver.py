@@ -9,35 +9,11 @@ from hypothesis import strategies as st
 from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
 from lightning_remat.core.memory_model import plan_cost, predict_peak
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve_choices
+from tests.profile_strategies import random_profiles
 
 
-@st.composite
-def profiles(draw, max_stages=8, max_options=3):
-    n = draw(st.integers(1, max_stages))
-    stages = []
-    for i in range(n):
-        k = draw(st.integers(1, max_options))
-        options = []
-        for j in range(k):
-            # Some options recompute the whole stage under a selective-checkpointing policy.
-            policy = "" if j == 0 else draw(st.sampled_from(["", "save_matmuls", "save_attention"]))
-            options.append(StageOption(
-                name="keep" if j == 0 else (f"sac:{policy}" if policy else f"o{j}"),
-                checkpointed=() if j == 0 else ((f"s{i}",) if policy else (f"s{i}.o{j}",)),
-                stored_bytes=draw(st.integers(0, 1000)),
-                local_peak_bytes=draw(st.integers(0, 3000)),
-                cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
-                cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
-                policy=policy,
-                cost_roofline=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
-            ))
-        stages.append(StageProfile(f"s{i}", tuple(options)))
-    segments = tuple(
-        Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
-        for k in range(draw(st.integers(0, 4)))
-    )
-    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
-                   baseline_step_roofline=10.0)
+def profiles(max_stages=8, max_options=3):
+    return random_profiles(max_stages=max_stages, max_options=max_options, policies=True)
 
 
 def all_plans(profile):

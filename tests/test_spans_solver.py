@@ -11,33 +11,11 @@ from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, 
 from lightning_remat.core.solve import least_peak, solve_segmentation
 from lightning_remat.core.spans import (max_span_length, plan_cost_spans, predict_peak_spans, span_option,
                                         span_ranges)
+from tests.profile_strategies import random_profiles
 
 
-@st.composite
-def profiles(draw, max_stages=7, max_options=3):
-    n = draw(st.integers(1, max_stages))
-    stages = []
-    for i in range(n):
-        k = draw(st.integers(1, max_options))
-        options = []
-        for j in range(k):
-            options.append(StageOption(
-                name=["keep", "whole", "o2"][j], checkpointed=() if j == 0 else (f"s{i}.o{j}",),
-                stored_bytes=draw(st.integers(0, 1000)), local_peak_bytes=draw(st.integers(0, 3000)),
-                cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
-                cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
-                cost_roofline=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False))))
-        stages.append(StageProfile(f"s{i}", tuple(options)))
-    segments = tuple(Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
-                     for k in range(draw(st.integers(0, 4))))
-    # One or two groups of consecutive stages (a group may name a stage without "whole").
-    groups = []
-    for _ in range(draw(st.integers(0, 2))):
-        a = draw(st.integers(0, n - 1))
-        b = draw(st.integers(a, n))
-        groups.append(tuple(f"s{i}" for i in range(a, b)))
-    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
-                   span_groups=tuple(groups))
+def profiles(max_stages=7, max_options=3):
+    return random_profiles(max_stages=max_stages, max_options=max_options, span_groups=True)
 
 
 def allowed_spans(profile):
