@@ -181,16 +181,21 @@ def _mlp_case():
     return case.model, case.step
 
 
-@pytest.mark.parametrize("make", [_mlp_case, _small_resnet_case])
-def test_predicted_peak_of_plans_with_segments_within_5_percent(make):
-    model, step = make()
+def _steady_profile(model, step):
+    """An Adam whose state exists (one real step), and the model's profile with it."""
     opt = torch.optim.Adam(model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step(model).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        profile = profile_step(model, step, optimizer=opt)
+        return opt, profile_step(model, step, optimizer=opt)
+
+
+@pytest.mark.parametrize("make", [_mlp_case, _small_resnet_case])
+def test_predicted_peak_of_plans_with_segments_within_5_percent(make):
+    model, step = make()
+    opt, profile = _steady_profile(model, step)
     assert profile.span_groups and all(len(g) >= 2 for g in profile.span_groups)
     n = len(profile.stages)
     index = {s.name: i for i, s in enumerate(profile.stages)}
@@ -248,13 +253,9 @@ def test_checkpoint_sequentials_own_plan_is_predicted_exactly(segments):
     case = build("mlp", batch_size=512, depth=12, width=32)
     model, x = case.model, torch.randn(512, 32, generator=torch.Generator().manual_seed(1))
     step = lambda m: m(x).square().mean()  # noqa: E731
-    opt = torch.optim.Adam(model.parameters())
+    opt, profile = _steady_profile(model, step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step(model).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        profile = profile_step(model, step, optimizer=opt)
         n = len(profile.stages)
         plan = plan_from_choices(profile, [0] * n, 0, "flops", spans=_checkpoint_sequential_spans(n, segments))
         theirs = _measured_peak(_CheckpointSequential(model, segments), step, opt)
