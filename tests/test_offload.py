@@ -1,5 +1,6 @@
 """Offloading saved tensors (runtime/offload.py): exact gradients, exact undo, planning with it."""
 
+import warnings
 
 import pytest
 import torch
@@ -128,6 +129,26 @@ def _llama_step(batch, seq):
     return lambda m: m(input_ids=ids, labels=ids).loss
 
 
+def _fake_offloaded_peak(model, step, offloaded, order, limits=None):
+    """MemTracker's peak of one fake bf16 step with ``offloaded`` stages sent to the host (their
+    transfers measured), and the model's offloader."""
+    from lightning_remat.runtime.fake import fake_model, new_fake_mode
+    from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
+
+    mode = new_fake_mode()
+    fake = fake_model(model, mode, torch.bfloat16)
+    with mode:
+        apply_offload(fake, offloaded, order=order, measure=True, limits=limits or {})
+        tracker = Tracker()
+        tracker.track_external(fake)
+        with tracker, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = step(fake)
+            loss.backward()
+            del loss
+        return snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"], model_offloader(fake)
+
+
 def test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget():
     from lightning_remat.core.solve import least_peak, solve
     from lightning_remat.runtime.profile import profile_step
@@ -230,13 +251,9 @@ def test_fake_memory_with_prefetch_matches_the_model():
     """The memory runs bring tensors back on demand; the model adds the in-flight and prefetched
     bytes. A step with the prefetch really running (fake tensors, MemTracker) is at most 1% above
     the prediction (369 vs 367 MiB; without the prefetch terms it was 4% above it)."""
-    import warnings
-
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
-    from lightning_remat.runtime.fake import fake_model, new_fake_mode
     from lightning_remat.runtime.profile import profile_step
-    from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
 
     model, step = _llama(4, 1024), _llama_step(2, 512)
     profile = profile_step(model, step, options=ProfileOptions(
@@ -245,20 +262,9 @@ def test_fake_memory_with_prefetch_matches_the_model():
     for option in ("offload", "offload:hidden"):
         choices = [next((j for j, o in enumerate(s.options) if o.name == option), 0) for s in profile.stages]
         chosen = [(s, s.options[c]) for s, c in zip(profile.stages, choices)]
-        mode = new_fake_mode()
-        fake = fake_model(model, mode, torch.bfloat16)
-        with mode:
-            apply_offload(fake, [s.name for s, o in chosen if o.offloaded], order=names, measure=True,
-                          limits={s.name: o.offload_limit for s, o in chosen if o.offload_limit})
-            tracker = Tracker()
-            tracker.track_external(fake)
-            with tracker, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                loss = step(fake)
-                loss.backward()
-                del loss
-            peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
-            assert model_offloader(fake).prefetched, option  # the prefetch ran
+        peak, offloader = _fake_offloaded_peak(model, step, [s.name for s, o in chosen if o.offloaded], names,
+                                               {s.name: o.offload_limit for s, o in chosen if o.offload_limit})
+        assert offloader.prefetched, option  # the prefetch ran
         predicted = predict_peak(profile, choices)
         # Within 1% above (the bound is conservative: up to 2% below)
         assert 0.98 * predicted <= peak <= 1.01 * predicted, (option, peak, predicted)
@@ -270,13 +276,9 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
     stage counted one hidden state until its backward, and a plan offloading every layer was
     predicted one hidden state per layer above its measured peak at the head (the largest batch
     with offloading was set by that over-count)."""
-    import warnings
-
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
-    from lightning_remat.runtime.fake import fake_model, new_fake_mode
     from lightning_remat.runtime.profile import _net_of_released, profile_step
-    from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
 
     # The rule on numbers: stage 1 released 30 bytes after returning, stage 0 released nothing.
     assert _net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {}) == [100, 20, 40]
@@ -299,19 +301,7 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
     # Every layer offloaded but the last (which has nothing after it to hide its transfer behind;
     # its in-flight bound on top of the head is conservative).
     choices = [next(j for j, o in enumerate(s.options) if o.name == "offload") for s in profile.stages[:-1]] + [0]
-    mode = new_fake_mode()
-    fake = fake_model(model, mode, torch.bfloat16)
-    with mode:
-        apply_offload(fake, [s.name for s in profile.stages[:-1]], order=[s.name for s in profile.stages],
-                      measure=True)
-        tracker = Tracker()
-        tracker.track_external(fake)
-        with tracker, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loss = step(fake)
-            loss.backward()
-            del loss
-        peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
+    peak, _ = _fake_offloaded_peak(model, step, [s.name for s in profile.stages[:-1]], [s.name for s in profile.stages])
     predicted = predict_peak(profile, choices)
     # Never below the measured peak, and now within 2% above it (it was 7 hidden states above).
     assert peak <= predicted <= 1.02 * peak, (peak, predicted, (predicted - peak) / hidden_state)
