@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.gloo_ranks import count_profile_calls
+
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 
 SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
@@ -70,16 +72,13 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    import lightning_remat.runtime.profile as profiling
     from lightning_remat import plan_remat
     from lightning_remat.accelerate import RematAccelerator, remat_session
     from lightning_remat.core.errors import AlreadyCheckpointedError
     from lightning_remat.runtime.apply import checkpointed_modules
     from lightning_remat.runtime.measure import measure_step
 
-    calls = []
-    real = profiling.profile_step
-    profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    calls = count_profile_calls()
     result = {}
     case = _model()
     if rank == 0:  # the reference: one unsharded process, the same batch, the same Adam steps
