@@ -13,6 +13,7 @@ from lightning_remat import AutoRemat, ProfileOptions, profile_step
 from lightning_remat.accelerate import RematPlugin, prepare_remat, remat_session
 from lightning_remat.models import build
 from lightning_remat.runtime.measure import PeakWindow
+from tests.lightning_gpt2 import LitGPT2
 
 SMALL = dict(layers=3, hidden=64, seq_len=64, batch_size=2, vocab=256)
 WINDOW = 4
@@ -25,20 +26,6 @@ def _ids(n):
 def _budget(model, step, optimizer):
     profile = profile_step(model, step, optimizer=optimizer, options=ProfileOptions(accumulation_steps=WINDOW))
     return int(profile.static_bytes + 0.5 * profile.baseline_activation_bytes)
-
-
-class LM(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = build("gpt2", **SMALL).model
-
-    def training_step(self, batch, batch_idx):
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 class WindowPeaks(L.Callback):
@@ -61,7 +48,7 @@ class WindowPeaks(L.Callback):
 
 def _fit(tmp_path, callbacks):
     L.seed_everything(0)
-    lit = LM()
+    lit = LitGPT2(**SMALL)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=WINDOW, logger=False,
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, default_root_dir=tmp_path, deterministic=True)
@@ -72,7 +59,7 @@ def _fit(tmp_path, callbacks):
 def test_lightning_accumulation_window_holds_the_budget_and_is_reported(tmp_path):
     plain = WindowPeaks()
     _fit(tmp_path, [plain])
-    lit = LM()
+    lit = LitGPT2(**SMALL)
     first = _ids(SMALL["batch_size"])
     budget = _budget(lit, lambda m: m.model(input_ids=first, labels=first).loss, torch.optim.Adam(lit.parameters()))
     callback, recorded = AutoRemat(budget=budget, cost="flops", verbose=False), WindowPeaks()
