@@ -89,3 +89,14 @@ def test_a_plan_already_applied_is_lifted_for_the_profile_and_put_back():
     assert checkpointed_modules(net) == ["1"]
     assert [o.stored_bytes for s in wrapped.stages for o in s.options] == \
         [o.stored_bytes for s in plain.stages for o in s.options]
+
+
+def test_identical_layers_share_their_measured_seconds_and_the_rest_stays_measured():
+    """Timing noise does not choose between identical layers: every GPT-2 block gets, per option,
+    the median of the blocks' measured seconds; FLOPs and bytes stay as measured."""
+    case = build("gpt2", layers=4, hidden=64, seq_len=32, batch_size=2)
+    profile = profile_step(case.model, case.step)
+    seconds = [tuple(o.cost_seconds for o in s.options) for s in profile.stages]
+    assert len(set(seconds)) == 1 and seconds[0][0] == 0.0 and all(t > 0 for t in seconds[0][1:])
+    assert len({s.forward_seconds for s in profile.stages}) == 1
+    assert len({tuple(o.cost_flops for o in s.options) for s in profile.stages}) == 1

@@ -48,7 +48,7 @@ from .optimizer_step import optimizer_step_cost
 from . import sac
 from .roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
 from .segments import chained_groups, sequential_groups
-from .profile_adjust import with_always_alive, with_unobserved, with_untracked
+from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
 from .sharded import sharded_twin, sharding_info, sharding_note
 from .stance import eager_stance
@@ -454,6 +454,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                         optimizer is not None, device, peaks, per_op, limits)
     assembled = profile
     profile.span_groups = span_groups
+    if timed:
+        profile = with_pooled_timings(profile)
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if dropped:
         profile.notes = (*profile.notes, "selective-checkpointing option(s) dropped, their recompute did not replay "

@@ -6,7 +6,9 @@ it, each stated in the profile's notes:
 - ``with_always_alive``: bytes alive through the whole step (what CUDA's allocator held beyond the
   tracked tensors, ``with_untracked``; DDP's gradient buckets) go into every term of the model;
 - ``with_unobserved``: a candidate stage that did not run on the profiled batch (layer drop) is
-  planned as if it had, with the figures of one that did.
+  planned as if it had, with the figures of one that did;
+- ``with_pooled_timings``: identical stages (the same module class running the same ops) share the
+  median of their measured seconds, so timing noise does not choose between them.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
@@ -18,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from typing import Sequence
 
@@ -80,3 +83,39 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
     result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
     result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
     return result
+
+
+def with_pooled_timings(profile: Profile) -> Profile:
+    """Identical stages cost the same: each gets, per option, the median of their measured seconds.
+
+    Stages are identical when they are of one module class and every option counts the same FLOPs
+    and roofline (the same ops on the same shapes). Measured once each, six identical GPT-2 layers
+    differed enough that a plan recomputed one whole and the MLPs of the others; pooled, the choice
+    between them is the solver's, not the noise's, and a second profile picks the same plan more
+    often. Memory figures are left as measured (a first layer may hold what the others do not).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+        >>> def stage(name, seconds):
+        ...     options = (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (name,), 10, 150, seconds, 7))
+        ...     return StageProfile(name, options, forward_seconds=seconds, forward_flops=7, module_type="Block")
+        >>> p = Profile(tuple(stage(n, s) for n, s in [("a", 1.0), ("b", 3.0), ("c", 2.5)]), (Segment("head", 3, 50),))
+        >>> [s.option("whole").cost_seconds for s in with_pooled_timings(p).stages]
+        [2.5, 2.5, 2.5]
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, stage in enumerate(profile.stages):
+        key = (stage.module_type, stage.forward_flops,
+               tuple((o.name, o.cost_flops, o.cost_roofline) for o in stage.options))
+        groups.setdefault(key, []).append(i)
+    stages = list(profile.stages)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        forward = statistics.median(stages[i].forward_seconds for i in members)
+        seconds = [statistics.median(stages[i].options[j].cost_seconds for i in members)
+                   for j in range(len(stages[members[0]].options))]
+        for i in members:
+            stages[i] = replace(stages[i], forward_seconds=forward,
+                                options=tuple(replace(o, cost_seconds=t) for o, t in zip(stages[i].options, seconds)))
+    return replace(profile, stages=tuple(stages))
