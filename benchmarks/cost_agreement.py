@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from results_io import RESULTS, log, write_results  # noqa: E402
 
 from lightning_remat import BudgetTooSmallError, apply_plan, profile_step, solve  # noqa: E402
+from lightning_remat.core.spans import plan_cost_spans  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
 
 KINDS = ("time", "flops", "roofline")
@@ -46,17 +47,24 @@ def _plan_key(plan) -> tuple:
             tuple(sorted(plan.policies.items())))
 
 
+def plan_overhead(profile, plan, kind: str) -> float:
+    """The plan's predicted overhead under cost ``kind``, priced as the solver prices it
+    (``core.spans.plan_cost_spans``: a segment costs its stages' "whole" options)."""
+    names = [s.name for s in profile.stages]
+    choices, spans = [], set()
+    for stage, choice in zip(profile.stages, plan.choices):
+        if choice.option.startswith("segment "):
+            first, last = choice.option[len("segment "):].split("..")
+            spans.add((names.index(first), names.index(last)))
+            choices.append(0)
+        else:
+            choices.append([o.name for o in stage.options].index(choice.option))
+    return plan_cost_spans(profile, choices, kind, sorted(spans)) / profile.baseline_cost(kind)
+
+
 def predicted_overheads(profile, plan) -> dict[str, float]:
-    """The plan's overhead under every cost kind (a segment's stages cost their "whole" option,
-    as ``core.spans`` prices a span)."""
-    out = {}
-    for kind in KINDS:
-        total = 0.0
-        for stage, choice in zip(profile.stages, plan.choices):
-            name = "whole" if choice.option.startswith("segment ") else choice.option
-            total += stage.option(name).cost(kind)
-        out[kind] = total / profile.baseline_cost(kind)
-    return out
+    """The plan's overhead under every cost kind."""
+    return {kind: plan_overhead(profile, plan, kind) for kind in KINDS}
 
 
 def _plans(profile) -> dict[tuple, object]:

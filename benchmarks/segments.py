@@ -41,6 +41,7 @@ from lightning_remat.runtime.measure import count_step_flops, measure_step  # no
 from lightning_remat.runtime.profile import profile_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cost_agreement import plan_overhead  # noqa: E402
 from run import SequentialCheckpointed  # noqa: E402
 
 # ResNet-50 at ImageNet's 224 px, Feng & Huang's setting: at 64 px Adam's step temporaries are
@@ -87,21 +88,12 @@ def _forward_backward_peak(model, step):
         return measure_step(model, step, opt).peak_bytes
 
 
-def _roofline_overhead(profile, plan):
-    # Stages of a segment cost their "whole" roofline seconds, as core.spans prices a span.
-    total = 0.0
-    for stage, choice in zip(profile.stages, plan.choices):
-        name = "whole" if choice.option.startswith("segment ") else choice.option
-        total += stage.option(name).cost_roofline
-    return total / profile.baseline_step_roofline
-
-
 def _plan_row(label, case, plan, base, profile):
     model = copy.deepcopy(case.model)
     apply_plan(model, plan)
     peak, flops, seconds = _measure(model, case.step)
     return dict(config=label, peak=peak, fb_peak=_forward_backward_peak(model, case.step), predicted=plan.predicted_peak_bytes, flop_overhead=flops / base["flops"] - 1,
-                predicted_overhead=plan.predicted_overhead, roofline_overhead=_roofline_overhead(profile, plan),
+                predicted_overhead=plan.predicted_overhead, roofline_overhead=plan_overhead(profile, plan, "roofline"),
                 seconds=seconds, segments=[len(s) for s in plan.segments], alone=len(plan.checkpointed),
                 policies=len(plan.policies))
 
@@ -145,7 +137,7 @@ def run(name, kwargs, log):
         size = n // k
         theirs = plan_from_choices(profile, [0] * n, 0, "flops",
                                    spans=[(a, a + size - 1) for a in range(0, size * (k - 1), size)])
-        roofline = _roofline_overhead(profile, theirs)
+        roofline = plan_overhead(profile, theirs, "roofline")
         seq_fb = _forward_backward_peak(SequentialCheckpointed(copy.deepcopy(case.model), k), case.step)
         rows.append(dict(config=f"checkpoint_sequential ({k} segments)", peak=seq_peak, fb_peak=seq_fb, flop_overhead=overhead,
                          seconds=seq_seconds, predicted=theirs.predicted_peak_bytes, roofline_overhead=roofline))
