@@ -46,7 +46,7 @@ def build(layers: int, hidden: int, device: str):
 def build_gpt2(layers: int, hidden: int, device: str):
     """GPT-2 (hidden 768 = 12 heads of 64) with its default dropouts, attention dropout 0.1 included:
     planned on fake tensors for CUDA, attention runs in the fused kernel CUDA picks with dropout
-    (runtime/fake_attention.py), not the CPU's math path."""
+    (runtime/targets/fake_attention.py), not the CPU's math path."""
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -27,7 +27,7 @@ from lightning_remat.core.batch_fit import ProfileFit
 from lightning_remat.core.config import ProfileOptions, RematConfig
 from lightning_remat.core.offload_model import without_offload
 from lightning_remat.core.solve import least_peak, solve
-from lightning_remat.runtime.profile import profile_step
+from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.service.batch_search import BatchSearch
 
 GB = 10**9

@@ -55,7 +55,7 @@ def row(name: str, repeated_blocks: bool, world_size: int = 1) -> dict:
 
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.solve import least_peak, solve
-    from lightning_remat.runtime.profile import profile_step
+    from lightning_remat.runtime.profiling.profile import profile_step
 
     transformers.logging.set_verbosity_error()
     sizes = dict(CONFIGS[name])

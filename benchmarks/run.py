@@ -56,17 +56,17 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_remat import format_bytes  # noqa: E402
-from lightning_remat.runtime.apply import apply_plan  # noqa: E402
-from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
+from lightning_remat.runtime.installing.apply import apply_plan  # noqa: E402
+from lightning_remat.runtime.measuring.measure import count_step_flops, measure_step  # noqa: E402
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile  # noqa: E402
 from lightning_remat.models import MODEL_NAMES, build  # noqa: E402
-from lightning_remat.runtime.profile import profile_step  # noqa: E402
+from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
 from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
 from lightning_remat.core.solve import least_peak, solve  # noqa: E402
 from lightning_remat.core.config import ProfileOptions  # noqa: E402
 from lightning_remat.core.plan import Plan  # noqa: E402
-from lightning_remat.runtime.roofline import OpRecorder, device_peaks, roofline_seconds  # noqa: E402
+from lightning_remat.runtime.measuring.roofline import OpRecorder, device_peaks, roofline_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 FRACTIONS = (0.7, 0.5, 0.3)

@@ -36,9 +36,9 @@ from lightning_remat.core.config import ProfileOptions  # noqa: E402
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
-from lightning_remat.runtime.apply import apply_plan  # noqa: E402
-from lightning_remat.runtime.measure import count_step_flops, measure_step  # noqa: E402
-from lightning_remat.runtime.profile import profile_step  # noqa: E402
+from lightning_remat.runtime.installing.apply import apply_plan  # noqa: E402
+from lightning_remat.runtime.measuring.measure import count_step_flops, measure_step  # noqa: E402
+from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cost_agreement import plan_overhead  # noqa: E402

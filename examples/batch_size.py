@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from lightning_remat import find_remat_batch_size
-    from lightning_remat.runtime.measure import measure_step
+    from lightning_remat.runtime.measuring.measure import measure_step
     from lightning_remat.models import build
 
     torch.set_num_threads(1)

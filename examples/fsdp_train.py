@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_remat import apply_plan, format_bytes, plan_remat
 from lightning_remat.models import build
-from lightning_remat.runtime.measure import measure_step
+from lightning_remat.runtime.measuring.measure import measure_step
 
 
 def main() -> None:

@@ -36,11 +36,11 @@ from .core.solve import solve
 __version__ = "0.1.0"
 
 _LAZY = {
-    "profile_step": "lightning_remat.runtime.profile",
-    "apply_plan": "lightning_remat.runtime.apply",
-    "remove_remat": "lightning_remat.runtime.apply",
-    "find_stages": "lightning_remat.runtime.candidates",
-    "measure_step": "lightning_remat.runtime.measure",
+    "profile_step": "lightning_remat.runtime.profiling.profile",
+    "apply_plan": "lightning_remat.runtime.installing.apply",
+    "remove_remat": "lightning_remat.runtime.installing.apply",
+    "find_stages": "lightning_remat.runtime.profiling.candidates",
+    "measure_step": "lightning_remat.runtime.measuring.measure",
     "plan_remat": "lightning_remat.service.planning",
     "find_remat_batch_size": "lightning_remat.service.batch_size",
     "BatchSizeResult": "lightning_remat.service.batch_size",

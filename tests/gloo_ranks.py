@@ -39,7 +39,7 @@ def shard_gpt2(model):
 def count_profile_calls() -> list:
     """From now on in this process, one item more in the returned list per ``profile_step`` call
     (every rank of a sharded plan profiles, in lockstep)."""
-    import lightning_remat.runtime.profile as profiling
+    import lightning_remat.runtime.profiling.profile as profiling
 
     calls, real = [], profiling.profile_step
     profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]

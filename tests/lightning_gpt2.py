@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remat.models import build
-from lightning_remat.runtime.measure import PeakWindow
+from lightning_remat.runtime.measuring.measure import PeakWindow
 
 SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
 

@@ -26,7 +26,7 @@ from lightning_remat.accelerate import (
     prepare_remat,
     remat_session,
 )
-from lightning_remat.runtime.apply import checkpointed_modules
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).parent / "accelerate"

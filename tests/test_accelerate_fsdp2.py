@@ -75,8 +75,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     from lightning_remat import plan_remat
     from lightning_remat.accelerate import RematAccelerator, remat_session
     from lightning_remat.core.errors import AlreadyCheckpointedError
-    from lightning_remat.runtime.apply import checkpointed_modules
-    from lightning_remat.runtime.measure import measure_step
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
+    from lightning_remat.runtime.measuring.measure import measure_step
 
     calls = count_profile_calls()
     result = {}

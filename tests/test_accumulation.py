@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_remat import AutoRemat, ProfileOptions, profile_step
 from lightning_remat.accelerate import RematPlugin, prepare_remat, remat_session
 from lightning_remat.models import build
-from lightning_remat.runtime.measure import PeakWindow
+from lightning_remat.runtime.measuring.measure import PeakWindow
 from tests.lightning_gpt2 import LitGPT2
 
 SMALL = dict(layers=3, hidden=64, seq_len=64, batch_size=2, vocab=256)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_remat import AlreadyCheckpointedError, apply_plan, remove_remat
-from lightning_remat.runtime.apply import checkpointed_modules, existing_checkpointing
+from lightning_remat.runtime.installing.apply import checkpointed_modules, existing_checkpointing
 from lightning_remat.models import build
 
 

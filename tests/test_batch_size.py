@@ -12,18 +12,18 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remat.runtime.apply import checkpointed_modules, remove_remat
+from lightning_remat.runtime.installing.apply import checkpointed_modules, remove_remat
 from lightning_remat.service.batch_size import (
     BatchSizeTooSmallBudgetError,
     ProfileFit,
     find_remat_batch_size,
     lightning_binsearch_sizes,
 )
-from lightning_remat.runtime.measure import is_out_of_memory
+from lightning_remat.runtime.measuring.measure import is_out_of_memory
 from lightning_remat.integrations.lightning.batch_size_finder import RematBatchSizeFinder
-from lightning_remat.runtime.measure import measure_step
+from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.models import build
-from lightning_remat.runtime.profile import profile_step
+from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat import BudgetTooSmallError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -466,9 +466,9 @@ def test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_me
 
 def test_offload_trial_runs_with_the_plans_offloading_and_puts_it_back():
     from lightning_remat.core.plan import Plan
-    from lightning_remat.runtime.apply import apply_plan
-    from lightning_remat.runtime.offload import offloaded_modules
-    from lightning_remat.runtime.trial import run_trial
+    from lightning_remat.runtime.installing.apply import apply_plan
+    from lightning_remat.runtime.installing.offload import offloaded_modules
+    from lightning_remat.runtime.measuring.trial import run_trial
 
     net = mlp(depth=4)
     apply_plan(net, ["3"])  # the model's own plan, back after the trial

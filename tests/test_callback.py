@@ -23,10 +23,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_remat
-import lightning_remat.runtime.profile as profile_module
+import lightning_remat.runtime.profiling.profile as profile_module
 from lightning_remat import (AutoRemat, BudgetTooSmallError, NoCandidateError, format_bytes, measure_step, profile_step,
                              solve)
-from lightning_remat.runtime.apply import checkpointed_modules
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 from lightning_remat.models import build
 
 VOCAB, SEQ, BATCH, LAYERS, HIDDEN = 128, 32, 2, 3, 32
@@ -186,9 +186,9 @@ DDP_SCRIPT = textwrap.dedent('''
     import torch
     import lightning.pytorch as L
     from torch.utils.data import DataLoader, TensorDataset
-    import lightning_remat.runtime.profile as profile_module
+    import lightning_remat.runtime.profiling.profile as profile_module
     from lightning_remat import AutoRemat
-    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
     from lightning_remat.models import build
 
     devices, out = int(sys.argv[1]), sys.argv[2]

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remat import AutoRemat, apply_plan, measure_step, plan_remat, profile_step
 from lightning_remat.models import build
-from lightning_remat.runtime.apply import checkpointed_modules
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -244,7 +244,7 @@ def test_a_compiled_function_inside_the_model_compiles_after_planning():
 
 
 def test_trackers_hold_the_eager_stance_nested_and_give_it_back_after_an_error():
-    from lightning_remat.runtime.tracking import PeakOnlyTracker, Tracker
+    from lightning_remat.runtime.measuring.tracking import PeakOnlyTracker, Tracker
 
     stance = lambda: torch._dynamo.eval_frame._stance.stance
     outer, inner = Tracker(), PeakOnlyTracker()

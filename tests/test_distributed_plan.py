@@ -14,7 +14,7 @@ def _rank(rank: int, world: int, init: str, out: str, budget) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    import lightning_remat.runtime.profile as profiling
+    import lightning_remat.runtime.profiling.profile as profiling
     from lightning_remat import BudgetTooSmallError, plan_remat
     from lightning_remat.models import build
 
@@ -60,9 +60,9 @@ def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_remat import ProfileOptions, apply_plan, plan_remat, profile_step
-    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
     from lightning_remat.models import build
-    from lightning_remat.runtime.measure import measure_step
+    from lightning_remat.runtime.measuring.measure import measure_step
 
     torch.manual_seed(0)
     case = build("mlp", batch_size=1024, depth=6, width=64)

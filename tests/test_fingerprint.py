@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_remat.runtime.profile as profiling
+import lightning_remat.runtime.profiling.profile as profiling
 from lightning_remat import AutoRemat, ProfileOptions, profile_step
 from lightning_remat.models import build
-from lightning_remat.runtime.measure import PeakWindow
+from lightning_remat.runtime.measuring.measure import PeakWindow
 
 VOCAB, BATCH = 128, 2
 

@@ -149,7 +149,7 @@ class PeakRecorder(L.Callback):
         self.peaks, self.window = [], None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_remat.runtime.measure import PeakWindow
+        from lightning_remat.runtime.measuring.measure import PeakWindow
 
         if batch_idx >= 2:
             self.window = PeakWindow(pl_module, trainer.optimizers[0])

@@ -19,7 +19,7 @@ _model, _shard = small_gpt2, shard_gpt2
 
 def _train(model, step, optimizer):
     """Losses and MemTracker peaks of STEPS steps."""
-    from lightning_remat.runtime.measure import measure_step
+    from lightning_remat.runtime.measuring.measure import measure_step
 
     runs = [measure_step(model, step, optimizer) for _ in range(STEPS)]
     return [r.loss for r in runs], [r.peak_bytes for r in runs]
@@ -27,7 +27,7 @@ def _train(model, step, optimizer):
 
 def _rank(rank: int) -> dict:
     from lightning_remat import apply_plan, plan_remat
-    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
 
     calls = count_profile_calls()
     result = {}

@@ -28,7 +28,7 @@ def _sharded_with_adam():
 
 def _steady_peak(model, optimizer, batch_size: int) -> int:
     """This rank's MemTracker peak of a real step once Adam's state exists."""
-    from lightning_remat.runtime.measure import measure_step
+    from lightning_remat.runtime.measuring.measure import measure_step
 
     if not optimizer.state:
         measure_step(model, make_step(1), optimizer)
@@ -38,9 +38,9 @@ def _steady_peak(model, optimizer, batch_size: int) -> int:
 def _rank(rank: int) -> dict:
     import torch.distributed as dist
 
-    import lightning_remat.runtime.profile as profiling
+    import lightning_remat.runtime.profiling.profile as profiling
     from lightning_remat import find_remat_batch_size
-    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
 
     def largest(value: int) -> int:
         values = [None, None]
@@ -106,7 +106,7 @@ def _mlp_search(other_rank):
     from torch import nn
 
     from lightning_remat.core.config import RematConfig
-    from lightning_remat.runtime.trial import Trial
+    from lightning_remat.runtime.measuring.trial import Trial
     from lightning_remat.service.sharded_batch import ShardedBatchSearch
 
     def gather(value):

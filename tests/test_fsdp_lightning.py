@@ -20,8 +20,8 @@ import lightning.pytorch as L
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_remat import AutoRemat
-import lightning_remat.runtime.profile as profiling
-from lightning_remat.runtime.apply import checkpointed_modules
+import lightning_remat.runtime.profiling.profile as profiling
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 out = sys.argv[1]

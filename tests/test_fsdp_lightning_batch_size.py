@@ -19,7 +19,7 @@ import torch
 import lightning.pytorch as L
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_remat import RematBatchSizeFinder
-from lightning_remat.runtime.apply import checkpointed_modules
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 from tests.lightning_gpt2 import LitGPT2, SteadyPeaks
 
 out, budget = sys.argv[1], int(sys.argv[2])
@@ -32,7 +32,7 @@ class Steady(SteadyPeaks):
     def on_train_end(self, trainer, pl_module):
         # Without recomputation, this rank's steady peaks at batch 8 and 9: the budget lies between.
         from lightning_remat import remove_remat
-        from lightning_remat.runtime.measure import measure_step
+        from lightning_remat.runtime.measuring.measure import measure_step
 
         self.wrapped = checkpointed_modules(pl_module)
         remove_remat(pl_module)

@@ -1,4 +1,4 @@
-"""What a recomputed stage keeps alive of its inputs (runtime/held_inputs.py): counted once, where it
+"""What a recomputed stage keeps alive of its inputs (runtime/profiling/held_inputs.py): counted once, where it
 would otherwise be missed (an input made outside every stage and freed early), and not again where
 an earlier stage's stored bytes hold it already (a frozen chain). Mixed plans are then predicted
 at their measured peak."""
@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_remat import ProfileOptions, apply_plan, measure_step, profile_step, remove_remat
 from lightning_remat.core.solve import plan_from_choices
-from lightning_remat.runtime.held_inputs import DeadInputs, HeldInputs
+from lightning_remat.runtime.profiling.held_inputs import DeadInputs, HeldInputs
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_remat import BudgetTooSmallError, apply_plan, profile_step, solve
-from lightning_remat.runtime.measure import count_step_flops, measure_step
+from lightning_remat.runtime.measuring.measure import count_step_flops, measure_step
 from lightning_remat.models import build
 from lightning_remat.core.solve import least_peak
 

@@ -1,4 +1,4 @@
-"""Offloading saved tensors (runtime/offload.py): exact gradients, exact undo, planning with it."""
+"""Offloading saved tensors (runtime/installing/offload.py): exact gradients, exact undo, planning with it."""
 
 import warnings
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat.runtime.apply import apply_plan, remove_remat
-from lightning_remat.runtime.offload import apply_offload, model_offloader, offloaded_modules, remove_offload
+from lightning_remat.runtime.installing.apply import apply_plan, remove_remat
+from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules, remove_offload
 
 
 def _net():
@@ -132,8 +132,8 @@ def _llama_step(batch, seq):
 def _fake_offloaded_peak(model, step, offloaded, order, limits=None):
     """MemTracker's peak of one fake bf16 step with ``offloaded`` stages sent to the host (their
     transfers measured), and the model's offloader."""
-    from lightning_remat.runtime.fake import fake_model, new_fake_mode
-    from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
+    from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
+    from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
 
     mode = new_fake_mode()
     fake = fake_model(model, mode, torch.bfloat16)
@@ -151,7 +151,7 @@ def _fake_offloaded_peak(model, step, offloaded, order, limits=None):
 
 def test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget():
     from lightning_remat.core.solve import least_peak, solve
-    from lightning_remat.runtime.profile import profile_step
+    from lightning_remat.runtime.profiling.profile import profile_step
 
     model = _llama(6, 1024)
     step = _llama_step(2, 512)
@@ -253,7 +253,7 @@ def test_fake_memory_with_prefetch_matches_the_model():
     the prediction (369 vs 367 MiB; without the prefetch terms it was 4% above it)."""
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
-    from lightning_remat.runtime.profile import profile_step
+    from lightning_remat.runtime.profiling.profile import profile_step
 
     model, step = _llama(4, 1024), _llama_step(2, 512)
     profile = profile_step(model, step, options=ProfileOptions(
@@ -278,7 +278,7 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
     with offloading was set by that over-count)."""
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
-    from lightning_remat.runtime.profile import _net_of_released, profile_step
+    from lightning_remat.runtime.profiling.profile import _net_of_released, profile_step
 
     # The rule on numbers: stage 1 released 30 bytes after returning, stage 0 released nothing.
     assert _net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {}) == [100, 20, 40]

@@ -82,7 +82,7 @@ def test_a_plan_already_applied_is_lifted_for_the_profile_and_put_back():
     x = torch.randn(16, 8)
     plain = profile_step(net, lambda m: m(x).sum())
     from lightning_remat import apply_plan
-    from lightning_remat.runtime.apply import checkpointed_modules
+    from lightning_remat.runtime.installing.apply import checkpointed_modules
 
     apply_plan(net, ["1"])
     wrapped = profile_step(net, lambda m: m(x).sum())

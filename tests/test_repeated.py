@@ -9,8 +9,8 @@ from lightning_remat.core.config import ProfileOptions
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.models import build
-from lightning_remat.runtime import repeated
-from lightning_remat.runtime.profile import profile_step
+from lightning_remat.runtime.profiling import repeated
+from lightning_remat.runtime.profiling.profile import profile_step
 
 
 def _profiles(case, **options):

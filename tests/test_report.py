@@ -10,8 +10,8 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from lightning_remat.runtime.measure import measure_step
-from lightning_remat.runtime.profile import profile_step
+from lightning_remat.runtime.measuring.measure import measure_step
+from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.report.breakdown import memory_breakdown
 from lightning_remat.report.plots import pareto_sweep, plot_memory_timeline, plot_pareto
 from lightning_remat.report.timeline import MemoryTimeline, memory_timeline

@@ -1,4 +1,4 @@
-"""Op-level selective checkpointing (runtime/sac.py) and the roofline cost (runtime/roofline.py):
+"""Op-level selective checkpointing (runtime/installing/sac.py) and the roofline cost (runtime/measuring/roofline.py):
 bit-equal gradients under every policy, BatchNorm statistics updated once, torch.compile, exact
 memory for uniform plans, attention FLOPs on the CPU's SDPA kernel, roofline ordered and stable."""
 
@@ -13,10 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_remat import Plan, ProfileOptions, apply_plan, measure_step, profile_step, remove_remat
 from lightning_remat.core.solve import plan_from_choices, solve
 from lightning_remat.models import build
-from lightning_remat.runtime import sac
-from lightning_remat.runtime.apply import checkpoint_policies
-from lightning_remat.runtime.observe import observe_step
-from lightning_remat.runtime.roofline import OpRecorder, Peaks, cpu_peaks, option_costs, sac_seconds_per_op
+from lightning_remat.runtime.installing import sac
+from lightning_remat.runtime.installing.apply import checkpoint_policies
+from lightning_remat.runtime.measuring.observe import observe_step
+from lightning_remat.runtime.measuring.roofline import OpRecorder, Peaks, cpu_peaks, option_costs, sac_seconds_per_op
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

@@ -10,9 +10,9 @@ from torch import nn
 from lightning_remat import profile_step, solve
 from lightning_remat.core.solve import plan_from_choices
 from lightning_remat.models import build
-from lightning_remat.runtime.apply import apply_plan, applied, checkpointed_modules, remove_remat
-from lightning_remat.runtime.segments import segmented_modules
-from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
+from lightning_remat.runtime.installing.apply import apply_plan, applied, checkpointed_modules, remove_remat
+from lightning_remat.runtime.installing.segments import segmented_modules
+from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
 
 
 def _bn_dropout_chain(depth=6, width=16):
@@ -102,7 +102,7 @@ def _assert_one_step_bit_equal(step, plain, other):
 def test_a_cnn_stem_is_a_stage_and_recomputing_it_cuts_the_least_peak_with_equal_gradients():
     """ResNet's stem (conv, BatchNorm, ReLU, max-pool) is found as a stage before the bottlenecks;
     recomputing it keeps gradients and BatchNorm statistics bit-equal and lowers the least peak."""
-    from lightning_remat.runtime.candidates import find_stages
+    from lightning_remat.runtime.profiling.candidates import find_stages
 
     case = build("resnet50", batch_size=2, image_size=64, width=16)
     stages = find_stages(case.model)

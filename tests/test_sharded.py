@@ -13,7 +13,7 @@ from lightning_remat import plan_remat
 from lightning_remat.core.config import ProfileOptions
 from lightning_remat.core.errors import RematError, ShardedBudgetTooSmallError, ShardingError
 from lightning_remat.models import build
-from lightning_remat.runtime.profile import profile_step
+from lightning_remat.runtime.profiling.profile import profile_step
 
 LLAMA = dict(layers=2, seq_len=64, batch_size=2)
 
@@ -56,8 +56,8 @@ def _rank(rank, world, init, out, plans):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_remat.runtime.apply import apply_plan, remove_remat
-    from lightning_remat.runtime.tracking import Tracker, snapshot_by_category
+    from lightning_remat.runtime.installing.apply import apply_plan, remove_remat
+    from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
 
     model, step, optimizer = _llama()
     mesh = init_device_mesh("cpu", (world,))

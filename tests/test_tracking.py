@@ -4,7 +4,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_remat.models import build
-from lightning_remat.runtime.tracking import SegmentTracker, Tracker, snapshot_by_category
+from lightning_remat.runtime.measuring.tracking import SegmentTracker, Tracker, snapshot_by_category
 
 
 def _peak_and_current(tracker_class, case):

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..core.memory_model import Profile
-from ..runtime.measure import model_device
-from ..runtime.tracking import snapshot_by_category
+from ..runtime.measuring.measure import model_device
+from ..runtime.measuring.tracking import snapshot_by_category
 from .timeline import tracked_step
 
 Step = Callable[[nn.Module], torch.Tensor]
@@ -156,7 +156,7 @@ def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimi
         (True, 4, True)
     """
     if profile is None:
-        from ..runtime.profile import profile_step
+        from ..runtime.profiling.profile import profile_step
 
         profile = profile_step(model, step, optimizer=optimizer)
     counted_ahead = optimizer is not None and not optimizer.state

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..core.plan import Plan
-from ..runtime.apply import applied
-from ..runtime.measure import model_device, preserved_training_state
-from ..runtime.optimizer_step import optimizer_step_cost
-from ..runtime.tracking import TimelineTracker
+from ..runtime.installing.apply import applied
+from ..runtime.measuring.measure import model_device, preserved_training_state
+from ..runtime.profiling.optimizer_step import optimizer_step_cost
+from ..runtime.measuring.tracking import TimelineTracker
 
 Step = Callable[[nn.Module], torch.Tensor]
 

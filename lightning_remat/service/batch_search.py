@@ -19,9 +19,9 @@ from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError, Rem
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.solve import least_peak, plan_from_choices, solve
-from ..runtime.measure import Step, is_out_of_memory, release_device_memory
-from ..runtime import profile as profiling
-from ..runtime.trial import Trial, run_trial
+from ..runtime.measuring.measure import Step, is_out_of_memory, release_device_memory
+from ..runtime.profiling import profile as profiling
+from ..runtime.measuring.trial import Trial, run_trial
 
 MakeStep = Callable[[int], Step]
 
@@ -156,7 +156,7 @@ class BatchSearch:
         if not any(o.offloaded for s in profile.stages for o in s.options):
             return solve(profile, budget, cost=self.cost)
         from ..core.offload_model import solve_within_host
-        from ..runtime.offload_link import host_free_bytes
+        from ..runtime.targets.offload_link import host_free_bytes
 
         if self.host_free is None:
             # Read once per search: the same limit for every batch size (and the plans stay cached).

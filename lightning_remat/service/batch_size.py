@@ -55,11 +55,11 @@ from ..core.budget import format_bytes
 from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
-from ..runtime.apply import apply_plan, checkpointed_modules, segmented_modules
-from ..runtime.candidates import CandidateSpec
-from ..runtime.measure import model_device
-from ..runtime.offload_link import check_offload_target
-from ..runtime.trial import Trial
+from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
+from ..runtime.profiling.candidates import CandidateSpec
+from ..runtime.measuring.measure import model_device
+from ..runtime.targets.offload_link import check_offload_target
+from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch, MakeStep, too_small_at_one
 
 __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH_SIZE", "ProfileFit", "SEARCH_MODES",

@@ -33,10 +33,10 @@ from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
-from ..runtime.candidates import CandidateSpec, find_stages
-from ..runtime.compiled import is_data_parallel
-from ..runtime.measure import Step, is_out_of_memory, model_device, release_device_memory
-from ..runtime import profile as profiling
+from ..runtime.profiling.candidates import CandidateSpec, find_stages
+from ..runtime.installing.compiled import is_data_parallel
+from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
+from ..runtime.profiling import profile as profiling
 
 METRIC_PREFIX = "remat/"
 
@@ -191,7 +191,7 @@ class Planner:
         if any(o.offloaded for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
-            from ..runtime.offload_link import host_free_bytes
+            from ..runtime.targets.offload_link import host_free_bytes
 
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:

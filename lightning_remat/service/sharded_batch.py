@@ -32,7 +32,7 @@ import torch
 from ..core.errors import PlanningFailedError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
-from ..runtime.trial import Trial
+from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch
 from .sharded import merge_profiles
 from .sharded_planning import _first_error, _travelling

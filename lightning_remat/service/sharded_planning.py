@@ -15,7 +15,7 @@ from torch import nn
 
 from ..core.errors import PlanningFailedError, RematError, UnsupportedShardingError
 from ..core.plan import Plan
-from ..runtime.measure import Step, is_out_of_memory
+from ..runtime.measuring.measure import Step, is_out_of_memory
 from .sharded import merge_profiles
 
 if TYPE_CHECKING:  # pragma: no cover

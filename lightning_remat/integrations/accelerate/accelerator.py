@@ -24,8 +24,8 @@ from torch import nn
 
 from ...core.errors import AlreadyCheckpointedError, UnsupportedShardingError
 from ...core.plan import Plan
-from ...runtime.apply import existing_checkpointing
-from ...runtime.candidates import find_stages
+from ...runtime.installing.apply import existing_checkpointing
+from ...runtime.profiling.candidates import find_stages
 from .plugin import ENV_BUDGET, RematPlugin
 from .session import RematSession
 

@@ -26,8 +26,8 @@ from torch import nn
 
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment, predict_peak
-from ...runtime.measure import PeakWindow
-from ...runtime.profile_adjust import with_always_alive
+from ...runtime.measuring.measure import PeakWindow
+from ...runtime.profiling.profile_adjust import with_always_alive
 
 # The user's loss scalar and Accelerate's copy of it (``accelerator.backward`` divides the loss by
 # ``gradient_accumulation_steps``, even by 1), alive through the backward, which re-running the model

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ...runtime.apply import apply_plan
-from ...runtime.measure import model_device
+from ...runtime.installing.apply import apply_plan
+from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
 from ...service.sharded import fsdp2_sharded, torch_distributed_gather

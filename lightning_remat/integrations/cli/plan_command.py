@@ -139,8 +139,8 @@ def _show(result: dict[str, Any], breakdown: Any, plan: Plan | None, points: lis
 def run_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand (``args`` as parsed by the command line)."""
     from ...report.plots import pareto_sweep
-    from ...runtime.measure import model_device
-    from ...runtime.profile import profile_step
+    from ...runtime.measuring.measure import model_device
+    from ...runtime.profiling.profile import profile_step
 
     config = _config(args)  # a malformed budget fails before anything heavy is imported
     if args.points < 1 or args.top < 0:

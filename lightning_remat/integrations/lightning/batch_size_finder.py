@@ -16,7 +16,7 @@ from ...core.config import RematConfig
 from ...core.errors import UnsupportedShardingError
 from ...core.plan import Plan
 from ...report.render import batch_size_table, print_renderables
-from ...runtime.apply import apply_plan
+from ...runtime.installing.apply import apply_plan
 from ...service.batch_size import BatchSizeResult, find_remat_batch_size
 from .step import training_step_closure
 

@@ -18,11 +18,11 @@ from ...core.budget import format_bytes
 from ...core.config import ProfileOptions, RematConfig
 from ...core.plan import Plan
 from ...report.render import print_plan
-from ...runtime.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
+from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
                               remove_remat, segmented_modules)
-from ...runtime.candidates import find_stages
-from ...runtime.fingerprint import fingerprint, outgrows, same_model
-from ...runtime.measure import PeakWindow
+from ...runtime.profiling.candidates import find_stages
+from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
+from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from ...service.sharded import FSDP1_HINT, fsdp2_sharded, torch_distributed_gather
 from .step import training_step_closure
@@ -53,7 +53,7 @@ def _loop_allowance(profile: Any) -> Any:
     """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
     and logs), which the profile of ``training_step`` does not see: 4 bytes at the peak of a
     2-process DDP or FSDP2 run on the CPU, 10 with a compiled module, over a budget of "min"."""
-    from ...runtime.profile_adjust import with_always_alive
+    from ...runtime.profiling.profile_adjust import with_always_alive
 
     return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
                              "Lightning's loop keeps alive through a step; counted in every term")

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .apply import applied
+from ..installing.apply import applied
 from .measure import Step, is_out_of_memory, measure_step, preserved_training_state, release_device_memory
 
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..core.config import ProfileOptions
-from ..core.errors import RematError
-from ..core.memory_model import Profile
-from ..core.offload_model import HOST_LINK_BANDWIDTH, host_link_bandwidth, with_offload_costs
+from ...core.config import ProfileOptions
+from ...core.errors import RematError
+from ...core.memory_model import Profile
+from ...core.offload_model import HOST_LINK_BANDWIDTH, host_link_bandwidth, with_offload_costs
 from .fake import GPU_EFFICIENCY, gpu_peak_flops
-from .roofline import _matching_gpu, device_peaks
+from ..measuring.roofline import _matching_gpu, device_peaks
 
 _MEASURE_BYTES = 64 * 2**20
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from ..core.errors import AlreadyCheckpointedError
+from ...core.errors import AlreadyCheckpointedError
 from . import sac
 from .compiled import uncompiled
 

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .sac import policy_of, recomputed_ops, register_attention_flops
-from .fake import GPU_PEAK_FLOPS
+from ..installing.sac import policy_of, recomputed_ops, register_attention_flops
+from ..targets.fake import GPU_PEAK_FLOPS
 
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
 register_attention_flops()
@@ -226,7 +226,7 @@ def sac_seconds_per_op() -> float:
     """
     from torch.utils.checkpoint import checkpoint
 
-    from .sac import context_fn
+    from ..installing.sac import context_fn
 
     ops = 100
     x = torch.zeros(32, 32, requires_grad=True)

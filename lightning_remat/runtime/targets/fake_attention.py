@@ -16,7 +16,7 @@ FLOPs. Calls without dropout keep the CPU's fused kernel, which saves the same t
 
 Example:
     >>> import torch
-    >>> from lightning_remat.runtime.fake import new_fake_mode
+    >>> from lightning_remat.runtime.targets.fake import new_fake_mode
     >>> with new_fake_mode(), cuda_attention():
     ...     q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
     ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
 )
 
-from ..core.errors import FakeProfileError
+from ...core.errors import FakeProfileError
 
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs,
 # from the vendors' data sheets (without sparsity).

@@ -15,8 +15,8 @@ from typing import Iterable, Sequence, Union
 
 from torch import nn
 
-from ..core.errors import NoCandidateError
-from .compiled import uncompiled
+from ...core.errors import NoCandidateError
+from ..installing.compiled import uncompiled
 
 CandidateSpec = Union[None, str, type, Sequence[Union[str, type]]]
 

@@ -43,11 +43,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.config import ProfileOptions
-from ..core.errors import RematError
-from ..core.memory_model import Profile, Segment, predict_peak
+from ...core.config import ProfileOptions
+from ...core.errors import RematError
+from ...core.memory_model import Profile, Segment, predict_peak
 from .candidates import find_stages
-from .fake import _shallow_module_copy
+from ..targets.fake import _shallow_module_copy
 
 # Fewer layers than this are profiled whole: 4 + 5 layers cost about as much.
 MIN_LAYERS = 10

@@ -26,8 +26,8 @@ from typing import Sequence
 
 from torch import nn
 
-from ..core.budget import format_bytes
-from ..core.memory_model import Profile, predict_peak
+from ...core.budget import format_bytes
+from ...core.memory_model import Profile, predict_peak
 
 
 def with_untracked(profile: Profile, untracked: int) -> Profile:

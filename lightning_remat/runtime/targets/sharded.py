@@ -25,7 +25,7 @@ already has one (use the real sharded run there), and destroys the fake group af
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from lightning_remat.runtime.fake import fake_model, new_fake_mode
+    >>> from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
     >>> mode = new_fake_mode()
     >>> net = fake_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mode)
     >>> with fake_process_group(4) as mesh:
@@ -43,7 +43,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..core.errors import ShardingError
+from ...core.errors import ShardingError
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
     if world_size <= 1:
         yield model, {}
         return
-    from .candidates import find_stages
+    from ..profiling.candidates import find_stages
 
     info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes the classes of the modules it shards, their parameters and their hooks:
@@ -180,7 +180,7 @@ def sharding_info(model: nn.Module, world_size: int, candidates: object, param_d
         >>> info["world_size"], info["units"], info["padded_parameters"]
         (8, 4, 6)
     """
-    from .candidates import find_stages
+    from ..profiling.candidates import find_stages
 
     units = find_stages(model, candidates)
     stored = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fake import clone_optimizer, fake_like, new_fake_mode
-from .tracking import Tracker
+from ..targets.fake import clone_optimizer, fake_like, new_fake_mode
+from ..measuring.tracking import Tracker
 
 
 @dataclass(frozen=True)

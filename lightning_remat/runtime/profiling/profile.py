@@ -28,31 +28,31 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..core.budget import format_bytes
-from ..core.config import PRECISIONS, ProfileOptions
-from ..core.errors import AlreadyCheckpointedError, RematError
-from ..core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-from ..core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
-from .apply import applied, existing_checkpointing
+from ...core.budget import format_bytes
+from ...core.config import PRECISIONS, ProfileOptions
+from ...core.errors import AlreadyCheckpointedError, RematError
+from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
+from ..installing.apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
-from .compiled import uncompiled
-from .fake_attention import cuda_attention
-from .fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
+from ..installing.compiled import uncompiled
+from ..targets.fake_attention import cuda_attention
+from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
-from .offload import Offloader, apply_offload, model_offloader, remove_offload
-from .offload_link import check_offload_target, hidden_limits, price_offload
+from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
+from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from .held_inputs import DeadInputs, HeldInputs
-from .measure import RandomState, Step, model_device, preserved_training_state
-from .observe import ModuleStats, ObservedStep, observe_step, run_step
+from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
+from ..measuring.observe import ModuleStats, ObservedStep, observe_step, run_step
 from .optimizer_step import optimizer_step_cost
-from . import sac
-from .roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
-from .segments import chained_groups, sequential_groups
+from ..installing import sac
+from ..measuring.roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
+from ..installing.segments import chained_groups, sequential_groups
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
-from .sharded import sharded_twin, sharding_info, sharding_note
-from .stance import eager_stance
-from .tracking import SegmentTracker, snapshot_by_category
+from ..targets.sharded import sharded_twin, sharding_info, sharding_note
+from ..measuring.stance import eager_stance
+from ..measuring.tracking import SegmentTracker, snapshot_by_category
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
 # activation bytes (and is not almost all of it, which "whole" already covers).
@@ -352,7 +352,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False)
 
-    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/repeated.py), sharded
+    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/profiling/repeated.py), sharded
     # or not (each truncated copy gets a sharded twin of its own).
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)

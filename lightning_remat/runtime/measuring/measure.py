@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .stance import eager_stance
 from .tracking import PeakOnlyTracker, Tracker, snapshot_by_category
-from .sac import register_attention_flops
+from ..installing.sac import register_attention_flops
 
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
 register_attention_flops()
