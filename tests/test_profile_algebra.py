@@ -14,6 +14,7 @@ import pytest
 
 from lightning_remat.core.batch_fit import ProfileFit
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from lightning_remat.service.sharded import merge_profiles
 
 # Memory no batch changes. Every other number grows with the batch.
 STATIC = {"parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes"}
@@ -116,6 +117,59 @@ def test_batch_fit_scales_roofline_costs():
     assert alone.baseline_step_roofline == pytest.approx(8e-05)
 
 
+def _rank(rank: int, ranks: int) -> Profile:
+    """A rank's profile: every numeric field a value of its own, the largest on a rank that
+    changes from field to field (so no rank has every largest value)."""
+    counter = itertools.count()
+
+    def renumber(node):
+        values = {}
+        for name, kind in _numeric(type(node)):
+            k = next(counter)
+            value = getattr(node, name) + 7 * ((rank + k) % ranks)
+            values[name] = value / 8 if kind == "float" else value
+        return replace(node, **values)
+
+    base = _profile(16)
+    stages = tuple(replace(renumber(s), options=tuple(renumber(o) for o in s.options)) for s in base.stages)
+    profile = replace(renumber(base), stages=stages, segments=tuple(renumber(g) for g in base.segments),
+                      notes=(f"rank {rank}",))
+    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    return profile
+
+
+def _numbers(profile: Profile) -> list:
+    values = [getattr(profile, n) for n, _ in _numeric(Profile)]
+    for stage in profile.stages:
+        values += [getattr(stage, n) for n, _ in _numeric(StageProfile)]
+        values += [getattr(o, n) for o in stage.options for n, _ in _numeric(StageOption)]
+    return values + [getattr(g, n) for g in profile.segments for n, _ in _numeric(Segment)]
+
+
+def test_rank_merge_takes_the_largest_of_every_numeric_field():
+    ranks = [_rank(r, 3) for r in range(3)]
+    merged = merge_profiles(ranks)
+    per_rank = [_numbers(p) for p in ranks]
+    assert _numbers(merged) == [max(column) for column in zip(*per_rank)]
+    assert all(_numbers(merged) != values for values in per_rank)  # no rank had them all
+    assert merged.baseline_peak_bytes == predict_peak(merged, [0] * 3)
+    assert merged.notes[0] == "rank 0" and merged.stages[1].name == "l.1"
+
+
+def test_rank_merge_takes_the_largest_costs_and_host_bytes():
+    # Rank 1 recomputes more FLOPs, takes longer on the roofline and offloads more than rank 0.
+    def profile(flops, roofline, host, step_roofline):
+        options = (StageOption("keep", (), 100, 150, 0.0, 0),
+                   StageOption("offload", (), 10, 60, 0.5, flops, cost_roofline=roofline, offloaded=("a",),
+                               host_bytes=host))
+        return Profile((StageProfile("a", options),), (Segment("head", 1, 50),), baseline_step_roofline=step_roofline)
+
+    merged = merge_profiles([profile(5, 1e-05, 90, 2e-04), profile(7, 3e-05, 120, 1e-04)])
+    offload = merged.stages[0].option("offload")
+    assert (offload.cost_flops, offload.cost_roofline, offload.host_bytes) == (7, 3e-05, 120)
+    assert merged.baseline_step_roofline == 2e-04
+
+
 def test_every_numeric_field_has_a_quantity_and_a_new_one_is_combined():
     from lightning_remat.core.profile_algebra import Growth, Unit, combine, largest, quantity, terms
 
@@ -130,7 +184,7 @@ def test_every_numeric_field_has_a_quantity_and_a_new_one_is_combined():
     assert quantity(Profile, "baseline_peak_bytes").derived
 
     # A field someone adds later is combined with no change to the algebra: scaled by the batch fit
-    # (bytes round up), maxed by the merge's combiner.
+    # (bytes round up), maxed by the merge.
     @dataclass(frozen=True)
     class SpillingOption(StageOption):
         spill_bytes: int = 0
