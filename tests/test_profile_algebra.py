@@ -212,3 +212,35 @@ def test_children_line_up_by_position_name_and_key():
     merged = combine([a, short], largest)
     assert [o.name for o in merged.stages[0].options] == ["keep", "whole"]
     assert merged.segments[0] == a.segments[0] and merged.segments[1] == b.segments[1]
+
+
+def test_depth_fit_extrapolates_every_numeric_field():
+    # Every numeric field a value of its own: the options' and stages' the same in every layer, the
+    # profile's linear in the depth, the peaks a forward and a backward figure (20 + 3 per later layer).
+    from lightning_remat.core.depth_fit import extrapolate
+
+    def chain(n: int, lift_forward: int = 0, lift_backward: int = 0) -> Profile:
+        def peak(later: int) -> int:
+            return n + max(40 + lift_forward, 20 + 3 * later + lift_backward)
+
+        stages = []
+        for i in range(n):
+            options = tuple(StageOption(**{"name": name, "checkpointed": () if name == "keep" else (f"l.{i}",),
+                                           **_values(StageOption, j, 1, 0), "local_peak_bytes": peak(n - 1 - i) + j})
+                            for j, name in enumerate(("keep", "whole", "offload")))
+            stages.append(StageProfile(name=f"l.{i}", options=options, module_type="Block",
+                                       **_values(StageProfile, 5, 1, 0)))
+        segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),
+                    *(Segment(f"between stages ({j} stored)", j, n + max(lift_forward, 3 * (n - j) + lift_backward))
+                      for j in range(1, n + 1)),
+                    Segment("optimizer step", 0, 7 * n))
+        profile = Profile(tuple(stages), segments, notes=("n",), **_values(Profile, 60, n, 0))
+        profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
+        return profile
+
+    x = 10**6
+    deep = extrapolate((chain(4, lift_forward=x), chain(5, lift_forward=x)),
+                       (chain(4, lift_backward=x), chain(5, lift_backward=x)), x, "l", 20)
+    want = chain(20)
+    assert deep.stages == want.stages and deep.segments == want.segments
+    assert replace(deep, notes=want.notes) == want
