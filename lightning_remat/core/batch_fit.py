@@ -62,14 +62,12 @@ class BatchLine:
         kind = term.quantity
         if kind.growth is Growth.STATIC:
             return values[0]
-        measured = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]
-        if len(measured) == 1:
-            (bs, value), = measured
-            # Proportional beyond the part that does not grow (a float zero: the sum as it always was).
-            offset = self.static_bytes if kind.growth is Growth.PEAK else 0.0
-            return kind.coerce(offset + (value - offset) * self.batch_size / bs)
-        (low_bs, low), (high_bs, high) = measured
-        return kind.coerce(_line(low, high, low_bs, high_bs, self.batch_size))
+        if len(values) == 2 and None not in values:
+            return kind.coerce(_line(values[0], values[1], *self.batch_sizes, self.batch_size))
+        (bs, value), = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]
+        # Proportional beyond the part that does not grow (a float zero: the sum as it always was).
+        offset = self.static_bytes if kind.growth is Growth.PEAK else 0.0
+        return kind.coerce(offset + (value - offset) * self.batch_size / bs)
 
 
 class ProfileFit:

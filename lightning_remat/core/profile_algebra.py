@@ -234,20 +234,27 @@ def largest(term: Term, values: Sequence[Any]) -> Any:
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
     """The fields of one node, children excepted, combined from aligned ``nodes`` (None: an input that
     lacks the node): numbers by ``combiner(term, values)`` with ``values`` aligned with ``nodes``,
-    structure by ``structure(owner, name, values)`` over the nodes present. Derived figures are
-    combined like the rest; ``combine`` then recomputes them.
+    structure by ``structure(owner, name, values)`` over the nodes present (left out under
+    ``first_present``: a node built on the first present one has it). Derived figures are combined
+    like the rest; ``combine`` then recomputes them.
 
     Example:
         >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
+        {'peak_bytes': 70}
+        >>> combine_fields([Segment("head", 1, 50), Segment("head", 1, 70)], largest, lambda o, n, v: v[-1])
         {'name': 'head', 'stages_alive': 1, 'peak_bytes': 70}
     """
     present = [n for n in nodes if n is not None]
+    owner = type(present[0])
     out = {}
-    for name, term, child in _layout(type(present[0])):
+    for name, term, child in _layout(owner):
         if child is not None:
             continue
         if term is None:
-            out[name] = structure(type(present[0]), name, [getattr(n, name) for n in present])
+            if structure is not first_present:  # else the node is built on the first present one
+                out[name] = structure(owner, name, [getattr(n, name) for n in present])
+        elif len(present) == len(nodes):
+            out[name] = combiner(term, [getattr(n, name) for n in nodes])
         else:
             out[name] = combiner(term, [None if n is None else getattr(n, name) for n in nodes])
     return out
@@ -278,10 +285,15 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
             groups = _align([() if n is None else getattr(n, name) for n in nodes], child)
             values[name] = tuple(combine(group, combiner, structure=structure, derive=derive) for group in groups)
     node = replace(present[0], **values)
-    derived = [term for term in terms(owner) if term.quantity.derived]
+    derived = _derived(owner)
     if derive and derived:
         node = replace(node, **{term.name: term.quantity.derive(node) for term in derived})
     return node
+
+
+@functools.cache
+def _derived(owner: type) -> tuple[Term, ...]:
+    return tuple(term for term in terms(owner) if term.quantity.derived)
 
 
 def _align(collections: Sequence[Sequence[Any]], child: type) -> list[list[Any]]:
