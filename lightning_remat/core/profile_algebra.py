@@ -180,7 +180,10 @@ def quantity(owner: type, name: str) -> Quantity | None:
     for cls in owner.__mro__:
         if (cls, name) in _DECLARED:
             return _DECLARED[(cls, name)]
-    annotation = _type_name(next(f.type for f in fields(owner) if f.name == name))
+    declared = {f.name: f.type for f in fields(owner)}
+    if name not in declared:
+        raise KeyError(f"{owner.__name__} has no field {name!r}")
+    annotation = _type_name(declared[name])
     if annotation == "float":
         return Quantity(Unit.SECONDS)
     if annotation == "int":
