@@ -1,4 +1,5 @@
-"""The pure core: memory model, exact solver, plans, budgets, the batch-size fit, errors. No torch.
+"""The pure core: memory model, exact solver, plans, budgets, the profile algebra (batch and depth
+fits), errors. No torch.
 
 Example:
     >>> from lightning_remat.core import parse_budget
