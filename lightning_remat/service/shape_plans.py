@@ -1,0 +1,304 @@
+"""Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles.
+
+A plan is made from a profile at one batch shape; a run changes shape every step (dynamic padding,
+the last short batch). ``ShapePlans`` gives each step the plan for its own shape:
+
+1. The first batch: a fake-tensor profile at its shape (a *node* of the shape fit,
+   ``core.shape_fit``) and, when that predicts its step without recomputation fits the budget, a
+   real profile of it (the *anchor*: real timings, the allocator's view, an integration's
+   adjustment), as an integration profiles its first batch today. That is the only real profiling
+   pass of a run: at most one, whatever the data.
+2. Every batch: its shape is rounded up to a bucket (``ShapeBuckets``: a few steps per doubling of
+   the batch size and of the sequence length), whose plan is cached. A bucket met for the first time
+   is predicted from the nodes (between two nodes, by interpolation, at or above the truth), or,
+   outside them, profiled on fake tensors as one more node (no memory is allocated; nothing real
+   runs), and solved within the budget. So no step runs without a plan after the first, and no step
+   runs without recomputation to be profiled.
+3. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
+   model without recomputation, whatever plan a step runs under.
+
+``counts`` says how many real and fake profiling passes, solves and plan changes a run took.
+
+Under ``torch.compile`` each plan change (and each new shape) recompiles the graphs it touches:
+``plan_for="largest"`` plans every batch for the largest shape met so far (or ``max_shape``, when
+declared: then the first plan is the only one), so the plan changes at most as often as the largest
+shape grows. See ``docs/shapes.md``.
+
+Example:
+    >>> import torch
+    >>> from lightning_remat.models import build
+    >>> model = build("gpt2", layers=2, hidden=32, seq_len=64, vocab=64).model
+    >>> plans = ShapePlans(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, budget="min")
+    >>> for length in (16, 40, 24):
+    ...     ids = torch.randint(0, 64, (2, length))
+    ...     plan = plans.use(ids)                       # before the forward pass
+    ...     model(input_ids=ids, labels=ids).loss.backward()
+    >>> plans.counts.real_profiles, sorted(str(shape) for shape in plans.plans)
+    (1, ['2x16', '2x24', '2x40'])
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.budget import format_bytes
+from ..core.config import ProfileOptions, RematConfig
+from ..core.errors import BudgetTooSmallError
+from ..core.memory_model import Profile
+from ..core.plan import Plan
+from ..core.shape_fit import Shape, ShapeBuckets, ShapeFit
+from ..runtime.installing.apply import apply_plan
+from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
+from ..runtime.profiling import profile as profiling
+from ..runtime.profiling.batch_shape import batch_shape, resize_batch
+from .planning import Planner
+
+PLAN_FOR = ("shape", "largest")
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class ShapePlanCounts:
+    """What following the batch's shape has cost so far.
+
+    Attributes:
+        real_profiles: profiles of a real step (each runs the step without recomputation): 0 or 1.
+        fake_profiles: profiles on fake tensors (nodes of the shape fit; no memory allocated).
+        solves: plans solved (one per bucket met).
+        installs: times a plan was installed on the model (the first, and each change of plan).
+        steps: batches seen.
+
+    Example:
+        >>> ShapePlanCounts().real_profiles
+        0
+    """
+
+    real_profiles: int = 0
+    fake_profiles: int = 0
+    solves: int = 0
+    installs: int = 0
+    steps: int = 0
+
+
+def _priced(profile: Profile, seconds_per_flop: float) -> Profile:
+    """A fake profile's costs in seconds, at the anchor's seconds per FLOP (as ``profile_step``
+    prices a fake profile with a GPU's speed)."""
+    stages = tuple(replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
+                           options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop)
+                                         for o in stage.options))
+                   for stage in profile.stages)
+    return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * seconds_per_flop)
+
+
+def _signature(plan: Plan) -> tuple:
+    """What an installed plan changes on the model: two plans with it are the same installation."""
+    return (tuple(plan.checkpointed), tuple(map(tuple, plan.segments)), tuple(sorted(plan.policies.items())),
+            tuple(plan.offloaded), tuple(sorted(plan.offload_limits.items())))
+
+
+class ShapePlans:
+    """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
+
+    Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
+    installing). The first call profiles that batch (the only real profiling pass of the run); later
+    shapes are predicted from fake-tensor profiles (``core.shape_fit``), so no step runs without
+    recomputation to be profiled and no step after the first runs without a plan.
+
+    Args:
+        model: the model, in training mode.
+        loss_fn: ``loss_fn(model, batch)`` runs the forward pass on ``batch`` and returns the loss
+            (the profiles call it on fake copies of ``model`` and of ``batch`` at other shapes).
+        budget: as ``parse_budget``: ``"10GB"``, bytes, ``"80%"``, ``"min"``. Or pass ``config``.
+        optimizer: counted in the budget (its state and its step).
+        cost: ``"flops"`` (counted FLOPs: the same plans on every run), ``"time"`` or ``"roofline"``.
+        candidates: None for automatic stages, or module classes / name patterns.
+        fake: profile the first batch on fake tensors too: no real profiling pass at all (costs
+            are FLOPs).
+        config: a ``RematConfig`` instead of ``budget``, ``cost``, ``candidates`` and ``fake``.
+        plan_for: ``"shape"`` (each bucket its own plan: a short batch does not pay for a long
+            one's recompute) or ``"largest"`` (every batch planned for the largest shape met so far
+            and ``max_shape``: fewer plan changes, for ``torch.compile``).
+        max_shape: the largest ``Shape`` (or ``(batch_size, seq_len)``) the data has, when known:
+            buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start.
+        per_octave: bucket steps per doubling of each dimension (4: a plan is for a shape at most
+            25% above its batch's in each dimension; 0: every shape its own plan).
+        shape_of: ``shape_of(batch) -> Shape`` where ``batch_shape`` does not read the batch right.
+        resize: ``resize(batch, shape) -> batch`` where ``resize_batch`` cannot stretch it.
+        adjust: ``adjust(profile) -> profile``, applied to the first batch's profile (an
+            integration's allowance for what its loop keeps alive); carried to every shape.
+        install: ``install(model, plan)``; default ``apply_plan``.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+        >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
+        >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
+        [True, True, True]
+        >>> plans.counts.real_profiles, plans.counts.solves, plans.counts.installs
+        (1, 2, 3)
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,
+                 optimizer: torch.optim.Optimizer | None = None, cost: str = "flops", candidates: Any = None,
+                 fake: bool = False, config: RematConfig | None = None, plan_for: str = "shape",
+                 max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 4,
+                 shape_of: Callable[[Any], Shape | None] | None = None,
+                 resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
+                 install: Callable[[nn.Module, Plan], Any] | None = None):
+        if config is None:
+            if budget is None:
+                raise ValueError("ShapePlans needs a budget (or a config)")
+            config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
+        if plan_for not in PLAN_FOR:
+            raise ValueError(f"plan_for must be one of {PLAN_FOR}, got {plan_for!r}")
+        if isinstance(per_octave, bool) or not isinstance(per_octave, int) or per_octave < 0:
+            raise ValueError(f"per_octave must be an int >= 0, got {per_octave!r}")
+        self.model, self.loss_fn, self.optimizer, self.config = model, loss_fn, optimizer, config
+        self.plan_for = plan_for
+        self.max_shape = Shape(*max_shape) if isinstance(max_shape, tuple) else max_shape
+        self.buckets = ShapeBuckets(per_octave, self.max_shape)
+        self.shape_of = shape_of or batch_shape
+        self.resize = resize or (lambda batch, shape: resize_batch(batch, shape))
+        self.adjust, self.install = adjust, install or apply_plan
+        self.planner = Planner(config)
+        self.counts = ShapePlanCounts()
+        self.fit: ShapeFit | None = None
+        self.plans: dict[Shape, Plan] = {}  # bucket -> its plan
+        self.sources: dict[Shape, str] = {}  # bucket -> how its profile was had: "node", "chord", ...
+        self.installed: Plan | None = None
+        self.largest: Shape | None = self.max_shape if plan_for == "largest" else None
+        self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
+
+    # ------------------------------------------------------------------------------ the interface
+
+    def use(self, batch: Any) -> Plan:
+        """Install the plan for ``batch``'s shape (if it is not installed already) and return it."""
+        plan = self.plan(batch)
+        if self.installed is None or _signature(plan) != _signature(self.installed):
+            self.install(self.model, plan)
+            self.counts.installs += 1
+        self.installed = plan
+        return plan
+
+    def plan(self, batch: Any) -> Plan:
+        """The plan for ``batch``'s shape: cached for its bucket, else predicted and solved."""
+        self.counts.steps += 1
+        shape = self.shape_of(batch)
+        if shape is None:
+            raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
+        if self.fit is None:
+            self._start(batch, shape)
+        key = self.bucket(shape)
+        if key not in self.plans:
+            key, plan = self._plan_at(batch, shape, key)
+            self.plans[key] = plan
+        return self.plans[key]
+
+    def bucket(self, shape: Shape) -> Shape:
+        """The shape ``shape``'s plan is made for (at least ``shape``; with ``plan_for="largest"``,
+        at least every shape met before and ``max_shape``)."""
+        if self.plan_for == "largest":
+            self.largest = shape if self.largest is None else self.largest.union(shape)
+            shape = self.largest
+        key = self.buckets.up(shape)
+        return shape if key in self._too_large else key
+
+    def predict(self, shape: Shape | tuple[int, int]) -> Profile:
+        """The profile predicted at ``shape`` (no profiling: outside the nodes, by the shape law,
+        not a bound). Only after the first ``plan``/``use``."""
+        if self.fit is None:
+            raise RuntimeError("ShapePlans.predict needs a first batch: call plan() or use() first")
+        return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _step(self, batch: Any) -> Callable[[nn.Module], torch.Tensor]:
+        return lambda module: self.loss_fn(module, batch)
+
+    def _start(self, batch: Any, shape: Shape) -> None:
+        """The first batch: a fake node at its shape and, when its step fits, the real anchor."""
+        self._seconds_per_flop: float | None = None
+        node = self._fake_profile(batch, shape, shape)
+        anchor = None
+        if not self.config.profile.fake and self._real_step_fits(node):
+            anchor = self._real_profile(batch)
+        if anchor is not None:
+            self._seconds_per_flop = anchor.baseline_step_seconds / max(1, anchor.baseline_step_flops)
+            node = _priced(node, self._seconds_per_flop)
+        elif self.config.cost != "flops":
+            # No real timing: FLOPs stand in for seconds (a plan's overhead is a ratio, the same in either).
+            self._seconds_per_flop = 1e-12
+            node = _priced(node, self._seconds_per_flop)
+        if anchor is None and self.adjust is not None:
+            anchor = self.adjust(node)
+        self.fit = ShapeFit({shape: node}, anchor=(shape, anchor) if anchor is not None else None)
+
+    def _real_step_fits(self, node: Profile) -> bool:
+        """Whether profiling the first batch for real (its step runs without recomputation) is
+        predicted to stay within the budget; if not, the run has no real profiling pass."""
+        budget = self.config.budget_bytes(model_device(self.model))
+        if not isinstance(budget, int) or node.baseline_peak_bytes <= budget:
+            return True
+        warnings.warn(f"lightning-remat: the first batch's step without recomputation is predicted to peak at "
+                      f"{format_bytes(node.baseline_peak_bytes)}, above the budget ({format_bytes(budget)}): it is "
+                      "not profiled for real; plans are made on fake-tensor profiles alone.", UserWarning, stacklevel=4)
+        return False
+
+    def _real_profile(self, batch: Any) -> Profile | None:
+        """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
+        self.counts.real_profiles += 1
+        try:
+            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(error):
+                raise
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
+        warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
+                      "on fake-tensor profiles alone.", UserWarning, stacklevel=4)
+        return None
+
+    def _fake_profile(self, batch: Any, shape: Shape, at: Shape) -> Profile:
+        """A node: the step on ``batch`` stretched from ``shape`` to ``at``, profiled on fake tensors."""
+        stretched = batch if at == shape else self.resize(batch, at)
+        options = replace(self.config.profile, fake=True, warmup=0,
+                          device=self.config.profile.device or str(model_device(self.model)))
+        self.counts.fake_profiles += 1
+        profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
+        return _priced(profile, self._seconds_per_flop) if self._seconds_per_flop is not None else profile
+
+    def _plan_at(self, batch: Any, shape: Shape, key: Shape) -> tuple[Shape, Plan]:
+        """The plan for bucket ``key`` (and the bucket it ends up under): at the batch's own shape
+        when no plan fits the bucket, or the bucket cannot be profiled."""
+        try:
+            return key, self._solve_at(batch, shape, key)
+        except BudgetTooSmallError as error:
+            if key == shape:
+                raise
+            reason = f"no plan fits the budget at {key} ({error.smallest_peak_bytes} bytes at least)"
+        except Exception as error:  # noqa: BLE001 - a model that refuses the stretched batch: its own shape then
+            if key == shape or key in self.fit.nodes:
+                raise
+            reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
+        self._too_large.add(key)
+        warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
+                      UserWarning, stacklevel=4)
+        return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
+
+    def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
+        """Predict the profile at ``key`` (adding a node there when no nodes bracket it) and solve."""
+        assert self.fit is not None
+        how = "node" if key in self.fit.nodes else "chord"
+        if not self.fit.bounded(key):
+            self.fit = self.fit.with_node(key, self._fake_profile(batch, shape, key))
+            how = "node"
+        profile = self.fit.at(key)
+        self.counts.solves += 1
+        plan = self.planner.solve_profile(self.model, profile)
+        self.sources[key] = how
+        return plan
