@@ -113,6 +113,19 @@ def ladder_up(n: int, per_octave: int = 4) -> int:
     return -(-n // step) * step
 
 
+def ladder_down(n: int, per_octave: int = 4) -> int:
+    """The largest value of the ``ladder_up`` ladder at or below ``n``.
+
+    Example:
+        >>> [ladder_down(n) for n in (1, 7, 9, 33, 100, 128, 129)]
+        [1, 7, 8, 32, 96, 128, 128]
+    """
+    if n <= 2 * per_octave:
+        return max(1, n)
+    step = 2 ** (n.bit_length() - 1) // per_octave
+    return n // step * step
+
+
 @dataclass(frozen=True)
 class ShapeBuckets:
     """How shapes are rounded up before they are planned: each dimension up the ``ladder_up``
@@ -352,6 +365,41 @@ class ShapeFit:
         """Whether nodes bracket ``shape``: its prediction is then at or above the truth."""
         return chord_weights(list(self.nodes), shape) is not None
 
+    def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
+        """The nodes to profile so that ``shape`` is bracketed: at the ladder's values (``ladder_up``,
+        ``ladder_down``: ``per_octave`` per doubling) around its batch size, the ladder's values
+        around its sequence length on the sides no node has yet; never beyond ``limit`` (the
+        largest shape the data has) unless ``shape`` is. Empty when ``shape`` is bracketed.
+
+        Nodes at a few fixed values, rather than at every shape met, bound the profiles a run
+        takes (at most two per ladder step the data reaches) and keep each chord short.
+
+        Example:
+            >>> fit = ShapeFit({Shape(4, 76): Profile((), ())})
+            >>> fit.missing_nodes(Shape(4, 85)), fit.missing_nodes(Shape(4, 50))
+            ([Shape(batch_size=4, seq_len=96)], [Shape(batch_size=4, seq_len=48)])
+            >>> fit.missing_nodes(Shape(9, 76))  # 9 is between the ladder's 8 and 10
+            [Shape(batch_size=8, seq_len=80), Shape(batch_size=8, seq_len=64), Shape(batch_size=10, seq_len=80), Shape(batch_size=10, seq_len=64)]
+        """
+        if self.bounded(shape):
+            return []
+
+        def up(n: int, cap: int | None) -> int:
+            return ladder_up(n, per_octave) if cap is None else min(ladder_up(n, per_octave), max(cap, n))
+
+        top = up(shape.seq_len, limit.seq_len if limit else None)
+        bottom = ladder_down(shape.seq_len, per_octave)
+        batches = dict.fromkeys((ladder_down(shape.batch_size, per_octave),
+                                 up(shape.batch_size, limit.batch_size if limit else None)))
+        missing: list[Shape] = []
+        for batch in batches:
+            lengths = [n.seq_len for n in self.nodes if n.batch_size == batch]
+            if not any(length >= shape.seq_len for length in lengths):
+                missing.append(Shape(batch, top))
+            if not any(length <= shape.seq_len for length in lengths) and bottom != top:
+                missing.append(Shape(batch, bottom))
+        return missing
+
     def weights(self, shape: Shape) -> tuple[dict[Shape, float], str]:
         """The nodes' weights at ``shape`` and how they were found: ``"chord"``, ``"law"`` or ``"scaled"``."""
         nodes = list(self.nodes)
@@ -364,6 +412,9 @@ class ShapeFit:
     def at(self, shape: Shape) -> Profile:
         """The profile predicted for ``shape``."""
         weights, how = self.weights(shape)
+        return self._combined(shape, weights, how)
+
+    def _combined(self, shape: Shape, weights: dict[Shape, float], how: str) -> Profile:
         shapes = list(weights)
         first = self.nodes[shapes[0]]
         profile = combine([self.nodes[s] for s in shapes], NodeWeights([weights[s] for s in shapes], first.static_bytes))

@@ -26,14 +26,14 @@ shape grows. See ``docs/shapes.md``.
 
 Example:
     >>> import torch
-    >>> from lightning_remat.models import build
-    >>> model = build("gpt2", layers=2, hidden=32, seq_len=64, vocab=64).model
-    >>> plans = ShapePlans(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, budget="min")
+    >>> block = lambda: nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    >>> model = nn.Sequential(nn.Embedding(64, 16), *[block() for _ in range(4)])
+    >>> plans = ShapePlans(model, lambda m, ids: m(ids).square().mean(), budget="min")
     >>> for length in (16, 40, 24):
     ...     ids = torch.randint(0, 64, (2, length))
     ...     plan = plans.use(ids)                       # before the forward pass
-    ...     model(input_ids=ids, labels=ids).loss.backward()
-    >>> plans.counts.real_profiles, sorted(str(shape) for shape in plans.plans)
+    ...     model(ids).square().mean().backward()
+    >>> plans.counts.real_profiles, sorted(str(shape) for shape in plans.plans)  # buckets: 1/16 octave
     (1, ['2x16', '2x24', '2x40'])
 """
 
@@ -53,12 +53,16 @@ from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.shape_fit import Shape, ShapeBuckets, ShapeFit
 from ..runtime.installing.apply import apply_plan
+from ..runtime.installing.compiled import is_compiled
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, resize_batch
 from .planning import Planner
 
 PLAN_FOR = ("shape", "largest")
+# Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
+# size and of the sequence length; plans are made at the (finer) buckets between them.
+NODE_STEPS = 4
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -122,11 +126,14 @@ class ShapePlans:
         config: a ``RematConfig`` instead of ``budget``, ``cost``, ``candidates`` and ``fake``.
         plan_for: ``"shape"`` (each bucket its own plan: a short batch does not pay for a long
             one's recompute) or ``"largest"`` (every batch planned for the largest shape met so far
-            and ``max_shape``: fewer plan changes, for ``torch.compile``).
+            and ``max_shape``: the plan changes only when that grows, for ``torch.compile``, which
+            recompiles at every change of plan). None: ``"largest"`` for a model holding
+            ``torch.compile`` wrappers, else ``"shape"``.
         max_shape: the largest ``Shape`` (or ``(batch_size, seq_len)``) the data has, when known:
             buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start.
-        per_octave: bucket steps per doubling of each dimension (4: a plan is for a shape at most
-            25% above its batch's in each dimension; 0: every shape its own plan).
+        per_octave: plan buckets per doubling of each dimension (16: a plan is for a shape at most
+            1/16 above its batch's in each dimension, at most 16 plans per doubling; 0: every shape
+            its own plan, optimal for each batch at one solve per distinct shape).
         shape_of: ``shape_of(batch) -> Shape`` where ``batch_shape`` does not read the batch right.
         resize: ``resize(batch, shape) -> batch`` where ``resize_batch`` cannot stretch it.
         adjust: ``adjust(profile) -> profile``, applied to the first batch's profile (an
@@ -145,8 +152,8 @@ class ShapePlans:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,
                  optimizer: torch.optim.Optimizer | None = None, cost: str = "flops", candidates: Any = None,
-                 fake: bool = False, config: RematConfig | None = None, plan_for: str = "shape",
-                 max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 4,
+                 fake: bool = False, config: RematConfig | None = None, plan_for: str | None = None,
+                 max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 16,
                  shape_of: Callable[[Any], Shape | None] | None = None,
                  resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
                  install: Callable[[nn.Module, Plan], Any] | None = None):
@@ -154,6 +161,8 @@ class ShapePlans:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
             config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
+        if plan_for is None:
+            plan_for = "largest" if is_compiled(model) else "shape"
         if plan_for not in PLAN_FOR:
             raise ValueError(f"plan_for must be one of {PLAN_FOR}, got {plan_for!r}")
         if isinstance(per_octave, bool) or not isinstance(per_octave, int) or per_octave < 0:
@@ -291,14 +300,13 @@ class ShapePlans:
         return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
 
     def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
-        """Predict the profile at ``key`` (adding a node there when no nodes bracket it) and solve."""
+        """Predict the profile at ``key`` (adding the nodes around it that are missing) and solve."""
         assert self.fit is not None
-        how = "node" if key in self.fit.nodes else "chord"
-        if not self.fit.bounded(key):
+        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
+            self.fit = self.fit.with_node(node, self._fake_profile(batch, shape, node))
+        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
             self.fit = self.fit.with_node(key, self._fake_profile(batch, shape, key))
-            how = "node"
-        profile = self.fit.at(key)
         self.counts.solves += 1
-        plan = self.planner.solve_profile(self.model, profile)
-        self.sources[key] = how
+        plan = self.planner.solve_profile(self.model, self.fit.at(key))
+        self.sources[key] = "node" if key in self.fit.nodes else "chord"
         return plan
