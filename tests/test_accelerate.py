@@ -58,7 +58,7 @@ def test_plugin_reads_environment(monkeypatch):
 
 def test_plugin_disabled_without_budget():
     plugin = RematPlugin()
-    assert not plugin.enabled and plugin.profile_steps == 1 and plugin.cost == "time" and plugin.candidates is None
+    assert not plugin.enabled and plugin.profile_steps == 1 and plugin.cost == "flops" and plugin.candidates is None
     accelerator = RematAccelerator()
     net = _blocks()
     assert prepare_remat(net, accelerator=accelerator) is net and remat_session(net) is None

@@ -57,7 +57,7 @@ def _rank(rank: int) -> dict:
     profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     model, optimizer = _sharded_with_adam()
     before = [p.detach().full_tensor().clone() for p in model.parameters()]
-    result = find_remat_batch_size(make_step, model, budget, optimizer=optimizer, start=2, max_batch_size=64,
+    result = find_remat_batch_size(model, make_step, budget, optimizer=optimizer, init_val=2, max_val=64,
                                    confirm_without_remat=True)
     unchanged = (all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
                  and not optimizer.state)
