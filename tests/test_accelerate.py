@@ -262,6 +262,7 @@ def test_save_and_load_state_keep_parameter_names(monkeypatch, tmp_path):
     assert checkpointed_modules(net)
 
 
+@pytest.mark.distributed
 def test_accelerate_launch_runs_the_example_with_the_flag(tmp_path):
     env = {**os.environ, ENV_BUDGET: "min", ENV_COST: "flops", "PYTHONPATH": str(REPO)}
     cmd = [str(ACCELERATE), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",

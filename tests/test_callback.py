@@ -242,6 +242,7 @@ def _run_ddp_script(script: Path, out: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.distributed
 def test_ddp_ranks_apply_the_plan_of_rank_zero(tmp_path, monkeypatch):
     """strategy="ddp", devices=2 on CPU (gloo), launched as a script as users launch it."""
     script = tmp_path / "ddp_fit.py"
