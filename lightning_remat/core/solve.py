@@ -25,6 +25,7 @@ from .errors import BudgetTooSmallError
 from .memory_model import Profile
 from .spans import span_rows, plan_cost_spans, predict_peak_spans, span_option
 from .plan import Plan, StageChoice
+from .vocabulary import cost_of
 
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
 # stored bytes, plus the point that stores least. Plans stay feasible (every constraint is checked
@@ -83,7 +84,7 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
     for first, last, stored, local, seconds, flops, roofline in span_rows(profile):
-        cost = roofline if kind == "roofline" else seconds if kind == "time" else flops
+        cost = cost_of(kind, seconds, flops, roofline)
         ends[last + 1].append((first, stored, local, cost))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
 
