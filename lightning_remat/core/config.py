@@ -21,7 +21,7 @@ from typing import Any
 
 from .budget import Budget
 from .errors import ShardingError
-from .vocabulary import CostKind, Precision
+from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
@@ -135,7 +135,7 @@ class ProfileOptions:
         if self.policies is not None:
             if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
                 raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(self.policies))
+            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
