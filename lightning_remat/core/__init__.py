@@ -1,5 +1,4 @@
-"""The pure core: vocabularies, memory model, exact solvers, typed plans and their one predictor,
-budgets, the batch-size fit, errors. No torch.
+"""The pure core: memory model, exact solver, plans, budgets, the batch-size fit, errors. No torch.
 
 Example:
     >>> from lightning_remat.core import parse_budget

@@ -102,8 +102,8 @@ class StageAction:
     def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
         if not isinstance(data, Mapping) or "stage" not in data:
             raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
-        return cls(data["stage"], data.get("action", Action.KEEP), modules=tuple(data.get("modules") or ()),
-                   policy=data.get("policy"), segment=tuple(data.get("segment") or ()),
+        return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
+                   policy=data.get("policy"), segment=data.get("segment") or (),
                    offload_limit=data.get("offload_limit"))
 
 

@@ -137,7 +137,12 @@ class Plan:
 
     Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
     alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
-    checkpoint), ``offloaded`` and ``offload_limits``; ``fallback`` (nothing predicted).
+    checkpointed), ``offloaded`` and ``offload_limits``; ``fallback`` (nothing predicted).
+
+    Each action is checked when it is made (``StageAction``); whether the actions can be installed
+    together (no module recomputed twice, or recomputed and offloaded) is checked against the model
+    by the installer (``core.actions.check_actions``), as a plan solved on a synthetic profile may
+    name a stage twice.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
