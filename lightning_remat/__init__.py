@@ -30,7 +30,7 @@ from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError
                           FakeProfileError, NoCandidateError, PlanningFailedError, RematError)
 from .core.errors import UnsupportedShardingError
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
-from .core.plan import Plan, StageChoice
+from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
 
 __version__ = "0.1.0"
@@ -66,6 +66,7 @@ __all__ = [
     "RematConfig",
     "RematError",
     "Segment",
+    "StageAction",
     "StageChoice",
     "StageOption",
     "StageProfile",

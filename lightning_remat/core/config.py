@@ -21,29 +21,22 @@ from typing import Any
 
 from .budget import Budget
 from .errors import ShardingError
+from .vocabulary import CostKind, Policy, Precision
 
-COST_KINDS = ("time", "flops", "roofline")
+COST_KINDS = CostKind.values()
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
-# state are kept in, and whether the step runs under autocast.
-PRECISIONS = {
-    "32-true": ("float32", None),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "16-mixed": ("float32", "float16"),
-    "bf16-true": ("bfloat16", None),
-    "16-true": ("float16", None),
-}
+# state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
+PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
 
 
-def check_cost_kind(kind: Any) -> str:
-    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``).
+def check_cost_kind(kind: Any) -> CostKind:
+    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``): the ``CostKind`` it names.
 
     Example:
-        >>> check_cost_kind("flops")
-        'flops'
+        >>> check_cost_kind("flops") is CostKind.FLOPS
+        True
     """
-    if kind not in COST_KINDS:
-        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
-    return kind
+    return CostKind.check(kind)
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
@@ -142,15 +135,14 @@ class ProfileOptions:
         if self.policies is not None:
             if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
                 raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(self.policies))
+            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
             raise ValueError("gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times "
                              "the real step")
         if self.precision is not None:
-            if self.precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            object.__setattr__(self, "precision", Precision.check(self.precision))
             if self.dtype is not None:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
@@ -201,12 +193,12 @@ class RematConfig:
     """
 
     budget: Any
-    cost: str = "time"
+    cost: CostKind = CostKind.TIME
     profile: ProfileOptions = field(default_factory=ProfileOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        check_cost_kind(self.cost)
+        object.__setattr__(self, "cost", check_cost_kind(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -170,8 +171,7 @@ def run_plan(args: argparse.Namespace) -> int:
         breakdown = _breakdown(args, target, profile)
         advance("solving")
         try:
-            plan = solve_sharded(profile, budget, args.cost)
-            plan.requested_budget = config.budget.text
+            plan = dataclasses.replace(solve_sharded(profile, budget, args.cost), requested_budget=config.budget.text)
         except BudgetTooSmallError as err:
             result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes)
             if isinstance(err, ShardedBudgetTooSmallError):
