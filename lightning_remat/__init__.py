@@ -30,7 +30,7 @@ from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError
                           ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanningFailedError,
                           RematError, StepError, UnsupportedSetupError, UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
-from .core.plan import Plan, StageChoice
+from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
 
 __version__ = "0.1.0"
@@ -67,6 +67,7 @@ __all__ = [
     "RematConfig",
     "RematError",
     "Segment",
+    "StageAction",
     "StageChoice",
     "StageOption",
     "StageProfile",

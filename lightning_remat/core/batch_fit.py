@@ -14,11 +14,10 @@ Example:
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from typing import Callable, Sequence
 
-from .memory_model import Profile, Segment, predict_peak
+from .memory_model import Profile
+from .profile_algebra import Growth, Term, combine
 
 SEARCH_MODES = ("binsearch", "power")
 DEFAULT_MAX_BATCH_SIZE = 8192  # Lightning's BatchSizeFinder max_val
@@ -30,17 +29,60 @@ def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -
     return low + (high - low) * (batch_size - low_bs) / (high_bs - low_bs)
 
 
+class BatchLine:
+    """The combiner of the batch fit (``profile_algebra.combine``): every term at ``batch_size``.
+
+    A term two profiles have is the line through them; a term one profile has (there is one, or the
+    other lacks the segment) is in proportion to the batch beyond its static part (static memory for
+    a peak, nothing for the rest). Static memory is the first profile's. Values are stored as their
+    quantity says: bytes rounded up, FLOPs rounded, never below zero but for the model's terms.
+
+    Args:
+        batch_sizes: the batch sizes of the profiles combined, in their order.
+        batch_size: the batch size predicted.
+        static_bytes: the static memory under every peak.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment, StageOption
+        >>> from lightning_remat.core.profile_algebra import quantity, Term
+        >>> line = BatchLine((16, 64), 40, static_bytes=1000)
+        >>> roofline = Term(StageOption, "cost_roofline", quantity(StageOption, "cost_roofline"))
+        >>> line(roofline, [1.0, 4.0]), line(roofline, [None, 4.0])
+        (2.5, 2.5)
+        >>> line(Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes")), [1100, None])
+        1250
+    """
+
+    def __init__(self, batch_sizes: Sequence[int], batch_size: int, static_bytes: int):
+        self.batch_sizes = tuple(batch_sizes)
+        self.batch_size = batch_size
+        self.static_bytes = static_bytes
+
+    def __call__(self, term: Term, values: Sequence[float | None]) -> float:
+        kind = term.quantity
+        if kind.growth is Growth.STATIC:
+            return values[0]
+        if len(values) == 2 and None not in values:
+            return kind.coerce(_line(values[0], values[1], *self.batch_sizes, self.batch_size))
+        (bs, value), = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]
+        # Proportional beyond the part that does not grow (a float zero: the sum as it always was).
+        offset = self.static_bytes if kind.growth is Growth.PEAK else 0.0
+        return kind.coerce(offset + (value - offset) * self.batch_size / bs)
+
+
 class ProfileFit:
     """Profiles measured at one or two batch sizes, extended to any batch size.
 
     Every term of the memory model is fitted as ``a + b * batch`` through the two profiles: stored
     bytes, local and segment peaks (whose static part, the same in both, stays as it is), recompute
-    and step costs. Static memory is taken as measured. Options or segments that only one profile
-    has are dropped (options) or scaled in proportion to the batch beyond static memory (segments).
-    With a single profile every term beyond static memory is taken as proportional to the batch.
+    and step costs (seconds, FLOPs and roofline seconds). Static memory is taken as measured. Options
+    or segments that only one profile has are dropped (options) or scaled in proportion to the batch
+    beyond static memory (segments). With a single profile every term beyond static memory is taken
+    as proportional to the batch. The terms are those of ``core.profile_algebra``: every numeric
+    field of the profile, combined by ``BatchLine``.
 
     Example:
-        >>> from lightning_remat import StageOption, StageProfile
+        >>> from lightning_remat import Segment, StageOption, StageProfile
         >>> keep = lambda s, p: StageOption("keep", (), s, p, 0.0, 0)
         >>> whole = lambda s, p, f: StageOption("whole", ("a",), s, p, 0.0, f)
         >>> def profile(b):
@@ -76,77 +118,13 @@ class ProfileFit:
         """Parameters, gradients, optimizer state and buffers (the same at every batch size)."""
         return self.profiles[-1].static_bytes
 
-    def _pair(self, low_value: float, high_value: float | None, batch_size: int, offset: float = 0.0) -> float:
-        if high_value is None or len(self.batch_sizes) == 1:
-            # Proportional beyond ``offset`` (static memory for peaks, zero for the rest).
-            return offset + (low_value - offset) * batch_size / self.batch_sizes[0]
-        return _line(low_value, high_value, self.batch_sizes[0], self.batch_sizes[-1], batch_size)
-
     def at(self, batch_size: int) -> Profile:
         """The profile predicted for ``batch_size``."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         low = self.profiles[0]
-        high = self.profiles[-1] if len(self.profiles) == 2 else None
-        static = low.static_bytes
-        b = batch_size
-
-        def nbytes(value: float) -> int:
-            return int(math.ceil(value))
-
-        stages = []
-        for i, stage in enumerate(low.stages):
-            other = high.stages[i] if high is not None else None
-            options = []
-            for option in stage.options:
-                match = None
-                if other is not None:
-                    match = next((o for o in other.options if o.name == option.name), None)
-                    if match is None:
-                        continue
-                options.append(replace(
-                    option,
-                    stored_bytes=nbytes(self._pair(option.stored_bytes, match and match.stored_bytes, b)),
-                    local_peak_bytes=nbytes(self._pair(option.local_peak_bytes, match and match.local_peak_bytes, b, static)),
-                    cost_seconds=max(0.0, self._pair(option.cost_seconds, match and match.cost_seconds, b)),
-                    cost_flops=max(0, round(self._pair(option.cost_flops, match and match.cost_flops, b))),
-                    # Offloaded bytes grow with the batch too: the host-memory limit and the
-                    # "offload:hidden" limit at apply time read them at the batch planned.
-                    host_bytes=max(0, nbytes(self._pair(option.host_bytes, match and match.host_bytes, b))),
-                    offload_limit=max(0, nbytes(self._pair(option.offload_limit, match and match.offload_limit, b))),
-                ))
-            stages.append(replace(
-                stage,
-                options=tuple(options),
-                saved_bytes=max(0, nbytes(self._pair(stage.saved_bytes, other and other.saved_bytes, b))),
-                input_bytes=max(0, nbytes(self._pair(stage.input_bytes, other and other.input_bytes, b))),
-                output_bytes=max(0, nbytes(self._pair(stage.output_bytes, other and other.output_bytes, b))),
-                forward_seconds=max(0.0, self._pair(stage.forward_seconds, other and other.forward_seconds, b)),
-                forward_flops=max(0, round(self._pair(stage.forward_flops, other and other.forward_flops, b))),
-            ))
-        segments = []
-        high_segments = {(s.name, s.stages_alive): s for s in high.segments} if high is not None else {}
-        for segment in low.segments:
-            match = high_segments.get((segment.name, segment.stages_alive))
-            if high is not None and match is None:
-                peak = static + (segment.peak_bytes - static) * b / self.batch_sizes[0]
-            else:
-                peak = self._pair(segment.peak_bytes, match and match.peak_bytes, b, static)
-            segments.append(Segment(segment.name, segment.stages_alive, nbytes(peak)))
-        low_keys = {(s.name, s.stages_alive) for s in low.segments}
-        for key, segment in high_segments.items():
-            if key not in low_keys:
-                peak = static + (segment.peak_bytes - static) * b / self.batch_sizes[-1]
-                segments.append(Segment(segment.name, segment.stages_alive, nbytes(peak)))
-        profile = replace(
-            low,
-            stages=tuple(stages),
-            segments=tuple(segments),
-            baseline_step_seconds=max(0.0, self._pair(low.baseline_step_seconds, high and high.baseline_step_seconds, b)),
-            baseline_step_flops=max(0, round(self._pair(low.baseline_step_flops, high and high.baseline_step_flops, b))),
-            notes=tuple(dict.fromkeys([*low.notes, *(high.notes if high is not None else ())])),
-        )
-        profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+        profile = combine(self.profiles, BatchLine(self.batch_sizes, batch_size, low.static_bytes))
+        profile.notes = tuple(dict.fromkeys(note for p in self.profiles for note in p.notes))
         return profile
 
 

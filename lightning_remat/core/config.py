@@ -26,33 +26,26 @@ from typing import Any
 
 from .budget import Budget
 from .errors import ConflictingArgumentsError, ShardingError
+from .vocabulary import CostKind, Policy, Precision
 
-COST_KINDS = ("time", "flops", "roofline")
+COST_KINDS = CostKind.values()
 # Counted FLOPs: the same plan on every run and every machine, the only cost a fake profile has
 # without a GPU named, and the one the batch-size search fits across batch sizes.
-DEFAULT_COST = "flops"
+DEFAULT_COST = CostKind.FLOPS.value
 DTYPES = ("bfloat16", "float16", "float32")
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
-# state are kept in, and whether the step runs under autocast.
-PRECISIONS = {
-    "32-true": ("float32", None),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "16-mixed": ("float32", "float16"),
-    "bf16-true": ("bfloat16", None),
-    "16-true": ("float16", None),
-}
+# state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
+PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
 
 
-def check_cost_kind(kind: Any) -> str:
-    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``).
+def check_cost_kind(kind: Any) -> CostKind:
+    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``): the ``CostKind`` it names.
 
     Example:
-        >>> check_cost_kind("flops")
-        'flops'
+        >>> check_cost_kind("flops") is CostKind.FLOPS
+        True
     """
-    if kind not in COST_KINDS:
-        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
-    return kind
+    return CostKind.check(kind)
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
@@ -149,10 +142,11 @@ class ProfileOptions:
         "are profiled at 4 and 5 layers and the profile extrapolated to N (exact: every term is linear in the "
         "depth); off profiles all N")})
     policies: Any = field(default=(), metadata={"help": (
-        "op-level selective-checkpointing policies offered as options of every stage (such as save_matmuls: "
-        "matmul and attention outputs saved, the rest recomputed; in text, separated by commas); 'all' (None) "
-        "for every one; none by default (). Opt-in: each costs one more measured step, eager SAC is slower in wall-clock on the "
-        "CPU, and plans that mix a policy with other options can exceed their prediction "
+        "op-level selective-checkpointing policies offered as options of every stage: save_matmuls (matmul "
+        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (in text, "
+        "separated by commas); 'all' (None) "
+        "for every one; none by default (). Opt-in: each costs one more measured step, eager SAC is slower in "
+        "wall-clock on the CPU, and plans that mix a policy with other options can exceed their prediction "
         "(docs/selective_checkpointing.md)"), "parse": parse_policies})
     offload: bool = field(default=False, metadata={"group": "target", "help": (
         "also offer each stage's offload option (its saved tensors go to host memory and come back for backward, "
@@ -164,15 +158,14 @@ class ProfileOptions:
         if self.policies is not None:
             if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
                 raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(self.policies))
+            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
             raise ValueError("gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times "
                              "the real step")
         if self.precision is not None:
-            if self.precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            object.__setattr__(self, "precision", Precision.check(self.precision))
             if self.dtype is not None:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
@@ -226,7 +219,7 @@ class RematConfig:
         "peak memory of a whole training step on the device (parameters, gradients, optimizer state, "
         "activations, temporaries): '10GB', '10 GiB', '512MiB', a number of bytes, '80%' of the device's total "
         "memory (the host's RAM on a CPU), or 'min' for the plan of least peak")})
-    cost: str = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
+    cost: CostKind = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
         "what recomputation costs, which the plan minimises: flops (counted FLOPs: the same plan on every run, "
         "also on fake tensors), time (measured forward seconds) or roofline (per recomputed op, max(FLOPs / "
         "peak, bytes / bandwidth) for the target device)")})
@@ -235,7 +228,7 @@ class RematConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        check_cost_kind(self.cost)
+        object.__setattr__(self, "cost", check_cost_kind(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
 

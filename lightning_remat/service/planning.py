@@ -33,6 +33,7 @@ from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
+from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
@@ -44,22 +45,20 @@ METRIC_PREFIX = "remat/"
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
     """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
 
-    A fallback plan has no prediction, so only what is known is reported; a ``"min"`` budget
-    that was never resolved (fallback) has no byte figure.
+    Only what is known is reported: a figure the plan does not have (None: a plan made without a
+    profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
 
     Example:
         >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
         >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
         88.0
-        >>> sorted(plan_metrics(Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")))
+        >>> sorted(plan_metrics(solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")))
         ['remat/num_checkpointed']
     """
     metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
-    if plan.budget_bytes:
-        metrics["budget_bytes"] = plan.budget_bytes
-    if not plan.fallback:
-        metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                       predicted_overhead=plan.predicted_overhead)
+    figures = {"budget_bytes": plan.budget_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
+               "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead}
+    metrics.update({name: value for name, value in figures.items() if value is not None})
     if plan.offloaded:
         metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
     if measured_peak_bytes is not None:
@@ -196,8 +195,7 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        plan.requested_budget = self.config.budget.text
-        return plan
+        return replace(plan, requested_budget=self.config.budget.text)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -220,8 +218,8 @@ class Planner:
         warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
                       f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
                       "by the measured peak.", UserWarning, stacklevel=3)
-        return Plan.recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
-                                         self.config.budget.text, note)
+        return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
+                                          self.config.budget.text, note)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     is_main: bool = True, broadcast: Broadcast | None = None, hint: str = "", fallback: bool = True,

@@ -18,14 +18,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..core.errors import UnsupportedShardingError
-from ..core.memory_model import Profile, predict_peak
+from ..core.memory_model import Profile
+from ..core.profile_algebra import combine, largest
 
 Gather = Callable[[Any], list]
 
@@ -71,7 +71,10 @@ def torch_distributed_gather() -> Gather | None:
 
 def merge_profiles(profiles: list[Profile]) -> Profile:
     """One profile whose every term is the largest of the ranks' (stored bytes, local and segment
-    peaks, static bytes, costs): a plan within the budget on it is within the budget on every rank.
+    peaks, static bytes, costs in seconds, FLOPs and roofline seconds, offloaded bytes, the baseline
+    step's costs): a plan within the budget on it is within the budget on every rank. Every numeric
+    field of the profile is a term (``core.profile_algebra``); names, policies and the sharding are
+    rank 0's, and a segment some rank lacks is taken from the ranks that have it.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
@@ -86,25 +89,8 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
             raise UnsupportedShardingError(
                 "the ranks profiled different stages or options (different control flow, or batches of different "
                 "shapes): give every rank a batch of the same shape while planning, or pass candidates=")
-    stages = []
-    for i, stage in enumerate(first.stages):
-        options = tuple(replace(o, stored_bytes=max(p.stages[i].options[j].stored_bytes for p in profiles),
-                                local_peak_bytes=max(p.stages[i].options[j].local_peak_bytes for p in profiles),
-                                cost_seconds=max(p.stages[i].options[j].cost_seconds for p in profiles))
-                        for j, o in enumerate(stage.options))
-        stages.append(replace(stage, options=options))
-    # A segment some rank lacks (a calibration only one rank needed) is taken from the ranks that have it.
-    by_key: dict[tuple[str, int], Any] = {}
-    for p in profiles:
-        for g in p.segments:
-            key = (g.name, g.stages_alive)
-            by_key[key] = g if key not in by_key or g.peak_bytes > by_key[key].peak_bytes else by_key[key]
-    segments = tuple(by_key.values())
-    merged = replace(first, stages=tuple(stages), segments=segments, **{
-        name: max(getattr(p, name) for p in profiles)
-        for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes")})
+    merged = combine(profiles, largest)
     if len(profiles) > 1:
         merged.notes = (*first.notes, f"profiled on each of {len(profiles)} ranks in lockstep (the model is sharded); "
                         "every term is the largest over the ranks, so the budget is per rank")
-    merged.baseline_peak_bytes = predict_peak(merged, [0] * len(stages))
     return merged

@@ -13,6 +13,7 @@ from typing import Any
 from ...core.budget import Budget
 from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
                             parse_policies)
+from ...core.vocabulary import Policy
 
 ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
 ENV_PROFILE_STEPS = "ACCELERATE_REMAT_PROFILE_STEPS"
@@ -124,10 +125,8 @@ class RematPlugin:
         self.offload = flag in ("1", "true", "yes", "on")
         policies = () if self.policies is None else parse_policies(self.policies)
         if policies is not None:
-            from ...runtime.installing.sac import POLICIES
-
-            if isinstance(policies, str) or not all(p in POLICIES for p in policies):
-                raise invalid("policies", f"expected comma-separated policy names among {', '.join(POLICIES)}, "
+            if isinstance(policies, str) or not all(p in Policy.values() for p in policies):
+                raise invalid("policies", f"expected comma-separated policy names among {', '.join(Policy.values())}, "
                               "or 'all' or 'none'")
             policies = tuple(policies)
         self.policies = policies

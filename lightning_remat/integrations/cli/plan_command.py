@@ -81,14 +81,9 @@ def _config(args: argparse.Namespace) -> RematConfig:
         message = str(err).replace("gpu=, dtype= and precision= apply to fake profiles (fake=True)",
                                    "--gpu, --dtype and --precision apply with --fake").replace(
             "world_size=", "--world-size ").replace("fake=True", "--fake").replace("cost='flops'", "--cost flops")
+        if message.startswith("unknown selective-checkpointing policy"):
+            message = f"--policies: {message}, or all, or none"
         raise UsageError(message) from err
-    if config.profile.policies:
-        from ...runtime.installing.sac import POLICIES
-
-        unknown = [p for p in config.profile.policies if p not in POLICIES]
-        if unknown:
-            raise UsageError(f"--policies: unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}, "
-                             "or all, or none")
     return config
 
 

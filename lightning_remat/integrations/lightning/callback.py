@@ -28,10 +28,13 @@ from ...service.sharded import FSDP1_HINT, fsdp2_sharded, torch_distributed_gath
 from .step import training_step_closure
 
 
-def _figure(nbytes: int, other: int) -> str:
-    """Bytes for a message; exact when rounding would make two different figures look equal."""
+def _figure(nbytes: int | None, other: int | None) -> str:
+    """Bytes for a message; exact when rounding would make two different figures look equal (a
+    figure a plan does not have, made without a profile, is "not predicted")."""
+    if nbytes is None:
+        return "not predicted"
     text = format_bytes(nbytes)
-    return f"{text} ({nbytes} bytes)" if nbytes != other and text == format_bytes(other) else text
+    return f"{text} ({nbytes} bytes)" if other is not None and nbytes != other and text == format_bytes(other) else text
 
 
 def _refuse_fsdp1(trainer: Trainer) -> None:
@@ -252,7 +255,7 @@ class AutoRemat(Callback):
                    f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
                    f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
                    f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
-        if self.measured_peak_bytes > self.plan.budget_bytes:
+        if self.plan.budget_bytes is not None and self.measured_peak_bytes > self.plan.budget_bytes:
             rank_zero_warn(message + ": the measured peak exceeds the budget, by memory the profile did not see. "
                            "Lower the budget by the difference.")
         elif self.verbose:
@@ -311,7 +314,7 @@ class AutoRemat(Callback):
         self.plan = Planner(self._config_for(trainer)).shared_plan(
             pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast, gather=gather,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
-        self.plan.fingerprint = fingerprint(pl_module, batch)
+        self.plan = replace(self.plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
         if self.verbose:

@@ -362,8 +362,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False)
 
-    # N identical layers: profiled at 4 and 5 layers and extrapolated (runtime/profiling/repeated.py), sharded
-    # or not (each truncated copy gets a sharded twin of its own).
+    # N identical layers: profiled at 4 and 5 layers (runtime/profiling/repeated.py) and extrapolated
+    # (core/depth_fit.py), sharded or not (each truncated copy gets a sharded twin of its own).
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
     if sharded:
@@ -491,7 +491,7 @@ def gap_figures(assembled: Profile, final: Profile, runs: dict[str, _MemoryRun],
     the adjustments after ``_assemble`` added to the segment (the same bytes to every run's figure).
 
     Not a field of ``Profile`` (nothing plans with it; an attribute of the profile as made, lost by
-    ``replace``): the 4/5-layer extrapolation (``repeated.py``) fits each run's figures alone, since
+    ``replace``): the 4/5-layer extrapolation (``core.depth_fit``) fits each run's figures alone, since
     the largest of two lines of different slopes is no line. None when the adjustments moved the
     segments (stages that did not run, put into the chain).
     """

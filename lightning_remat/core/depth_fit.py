@@ -1,0 +1,427 @@
+"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
+
+A transformer is N interchangeable layers between an embedding and a head, and every term of its
+profile is linear in where a stage sits, which lets a deep model be profiled from two shallow copies
+(``runtime.profiling.repeated`` runs them):
+
+- a stage's stored bytes, saved bytes and FLOPs do not depend on the depth;
+- a peak is the higher of a forward figure and a backward figure. Each counts the static memory
+  (parameters, buffers, the optimizer state counted ahead), which grows by the same bytes per
+  layer, and the backward one also the gradients of the layers after the stage:
+  ``figure = a + s * N + g * d``, ``d`` the number of layers after it.
+
+The higher of two lines is not a line, so the two figures are measured apart: each copy is profiled
+with ballast (a pebibyte of fake memory) held through forward, which makes every peak its forward
+figure, and again with it held through backward. Each figure is extrapolated alone and the peak is
+the higher. The first and last layers (and the gaps beside them) may differ from the middle ones (the
+first layer's input is the embedding's output, the last one feeds the head); they are fitted in
+``N`` alone. The middle layers give five points for three unknowns, so the linear form is checked,
+not assumed; whatever does not fit makes ``extrapolate`` return None and the caller profiles the
+whole model.
+
+Every number goes through the profile algebra (``core.profile_algebra.combine``): the fits here
+are combiners, so a numeric field added to the profile is extrapolated with no change here; which
+figures are peaks (lifted by the ballast) is the algebra's ``Growth.PEAK``.
+
+Example:
+    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+    >>> def chain(n, fw=0, bw=0):  # static n bytes; forward peak 25; backward 20 + 3 per later layer
+    ...     keep = lambda i: StageOption("keep", (), 10, n + max(25 + fw, 20 + 3 * (n - 1 - i) + bw), 0.0, 5)
+    ...     gaps = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
+    ...                  for j in range(1, n + 1))
+    ...     p = Profile(tuple(StageProfile(f"l.{i}", (keep(i),)) for i in range(n)), gaps, parameter_bytes=n)
+    ...     p.baseline_peak_bytes = predict_peak(p, [0] * n)
+    ...     return p
+    >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 30)
+    >>> [s.options[0].local_peak_bytes for s in deep.stages[:3]], deep.stages[-1].options[0].local_peak_bytes
+    ([137, 134, 131], 55)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from .profile_algebra import Growth, Term, combine, combine_fields, terms
+
+# The two depths profiled. Five points on the middle layers (two in the first, three in the
+# second) check the three-term linear form.
+DEPTHS = (4, 5)
+
+
+def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profile], ballast: int, prefix: str,
+                layers: int) -> Profile | None:
+    """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
+
+    Args:
+        forward: the profiles of the model cut to ``DEPTHS[0]`` and ``DEPTHS[1]`` layers, measured
+            with ``ballast`` held in forward (``runtime.profiling.repeated.with_ballast``): every
+            peak is its forward figure.
+        backward: the same, with the ballast held in backward.
+        ballast: its size.
+        prefix: the name of the layers' ``ModuleList`` (stages are ``prefix.i``).
+        layers: the depth to extrapolate to.
+
+    Every number is linear: in ``N`` and ``d`` (layers after it) for the middle layers, checked on
+    five points for three unknowns; in ``N`` for the first and last layers, the gaps beside them and
+    the rest. A peak is the higher of its forward and backward figures, each extrapolated alone.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> def chain(n, fw=0, bw=0):  # static n bytes; forward peak 25; backward 20 + 3 per later layer
+        ...     stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(25 + fw,
+        ...                    20 + 3 * (n - 1 - i) + bw), 0.0, 5),)) for i in range(n))
+        ...     segs = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
+        ...                  for j in range(1, n + 1))
+        ...     p = Profile(stages, segs, parameter_bytes=n, baseline_step_flops=10 * n + 1)
+        ...     p.baseline_peak_bytes = predict_peak(p, [0] * n)
+        ...     return p
+        >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 12)
+        >>> deep.stages == chain(12).stages, deep.segments == chain(12).segments, deep.baseline_step_flops
+        (True, True, 121)
+    """
+    a, b = DEPTHS
+    for p, q, n in zip(forward, backward, DEPTHS):
+        if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or not _same(_skeleton(p), _skeleton(q)):
+            return None
+        if p.baseline_peak_bytes != predict_peak(p, [0] * n):
+            return None
+    if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
+        return None
+    fit = _Fit(layers)
+    try:
+        small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
+        stages = _stages(small, large, prefix, layers, fit)
+        gap_runs = tuple(_gap_runs(p, q, ballast) for p, q in zip(forward, backward))
+        segments = _segments(small, large, layers, fit, gap_runs)
+        top = combine_fields([small, large], fit.boundary, structure=_alike)
+    except _NoFit:
+        return None
+    note = (f"extrapolated from profiles of {a} and {b} of the {layers} identical layers of {prefix} (every "
+            "forward and backward figure is linear in the depth, checked on the measured layers); "
+            "ProfileOptions(repeated_blocks=False) profiles every layer")
+    profile = replace(small, **{**top, "stages": stages, "segments": segments, "notes": (*large.notes, note)})
+    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    return profile
+
+
+def _skeleton(profile: Profile) -> dict:
+    """Everything but the peaks (which the ballast lifts: every figure that counts the memory alive),
+    the baseline's included."""
+    return combine([profile], lambda term, values: None if term.quantity.growth is Growth.PEAK else values[0],
+                   derive=False).to_dict()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats to a relative 1e-9: roofline seconds are float sums over thousands of ops, whose
+    last bits differ between the forward- and backward-ballast runs. Everything else exactly.
+
+    Example:
+        >>> _same({"s": [0.1 + 0.2, 3]}, {"s": [0.3, 3]}), _same({"s": [1]}, {"s": [2]})
+        (True, False)
+    """
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _NoFit(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A peak's forward and backward figures."""
+
+    forward: int | None
+    backward: int | None
+
+
+class _Fit:
+    """Fits every number of the profile on the two depths.
+
+    A middle layer's number is ``v(N, d) = α + β N + γ d`` (``d`` layers after it): stored bytes and
+    FLOPs are constant; a peak's figures count the static memory (``β`` per layer) and, in backward,
+    the later layers' gradients (``γ`` each). Other numbers are linear in ``N``. A peak (a ``_Pair``)
+    is the higher of its two figures, each extrapolated alone. Figures are not clamped (the profile
+    keeps a figure below zero, as FSDP2 makes them deep in the forward), so every line is exact.
+    """
+
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def middle(self, points: dict[tuple[int, int], Any]) -> Callable[[int], Any]:
+        """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
+        if isinstance(next(iter(points.values())), _Pair):
+            figures = [self._figure({k: getattr(pair, phase) for k, pair in points.items()})
+                       for phase in ("forward", "backward")]
+            present = [f for f in figures if f is not None]
+            if not present:
+                raise _NoFit
+            return lambda d: max(f(d) for f in present)
+        a, b = DEPTHS
+        beta = points[(b, 1)] - points[(a, 1)]
+        gamma = points[(a, 2)] - points[(a, 1)]
+        base = points[(a, 1)]
+        for (n, d), value in points.items():
+            expected = base + beta * (n - a) + gamma * (d - 1)
+            # Bytes and FLOPs must fit exactly; seconds (a real profile's timings) to rounding.
+            if value != expected and not (isinstance(value, float) and math.isclose(value, expected, rel_tol=1e-6,
+                                                                                      abs_tol=1e-12)):
+                raise _NoFit
+        return lambda d: base + beta * (self.layers - a) + gamma * (d - 1)
+
+    def line(self, small: Any, large: Any) -> Any:
+        """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
+        if isinstance(small, _Pair):
+            figures = []
+            for phase in ("forward", "backward"):
+                v, w = getattr(small, phase), getattr(large, phase)
+                if (v is None) != (w is None):
+                    raise _NoFit  # a pass visits the region at one depth and not at the other
+                if v is not None:
+                    figures.append(self.line(v, w))
+            if not figures:
+                raise _NoFit
+            return max(figures)
+        return small + (large - small) * (self.layers - DEPTHS[0])
+
+    def boundary(self, term: Term, values: Sequence[Any]) -> Any:
+        """``line`` as a combiner of the profile algebra, on the (small, large) values of ``term``."""
+        return self.line(*values)
+
+    def middles(self, points: Sequence[tuple[int, int]]) -> Callable[[Term, Sequence[Any]], Callable[[int], Any]]:
+        """``middle`` as a combiner, on values measured at ``points``: each term becomes ``d -> value``."""
+        return lambda term, values: self.middle(dict(zip(points, values)))
+
+    def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
+        """One phase's figure of a middle peak: None where that pass visits none of the measured
+        regions (FSDP2 leaves no moment between two late layers in backward), a line where it visits all."""
+        missing = [k for k, v in points.items() if v is None]
+        if len(missing) == len(points):
+            return None
+        if missing:
+            raise _NoFit
+        return self.middle(points)
+
+
+# Fields renamed per layer (module names, a gap's stages alive), not fitted or compared.
+_RENAMED = {(StageProfile, "name"), (StageOption, "checkpointed"), (StageOption, "offloaded"), (Segment, "name"),
+            (Segment, "stages_alive")}
+
+
+def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
+    """The structure policy of the boundary fits: a field renamed per layer is the larger copy's (the
+    caller renames it), anything else (a policy, a module type, the sharding) the same at both depths."""
+    if (owner, name) in _RENAMED:
+        return values[-1]
+    if any(v != values[0] for v in values[1:]):
+        raise _NoFit
+    return values[0]
+
+
+def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
+    """``forward`` with every peak a ``_Pair`` of its figures (``_pair``); the baseline is left as it is
+    (``extrapolate`` predicts it again)."""
+
+    def pair(term: Term, values: Sequence[Any]) -> Any:
+        up, down = values
+        return _pair(up, down, ballast) if term.quantity.growth is Growth.PEAK and not term.quantity.derived else up
+
+    return combine([forward, backward], pair, derive=False)
+
+
+def _pair(up: int, down: int, ballast: int) -> _Pair:
+    """A peak's figures from its forward-ballast and backward-ballast values, less the ballast. A
+    figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
+    neither run (the optimizer step's, outside forward and backward) keeps both values."""
+
+    def lifted(value: int) -> int | None:
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
+        # (FSDP2 frees unsharded parameters the stored bytes count).
+        return value - ballast if value >= ballast // 2 else None
+
+    forward, backward = lifted(up), lifted(down)
+    if forward is None and backward is None:
+        return _Pair(up, down)
+    # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no moment
+    # between two late layers in backward): that figure does not exist.
+    return _Pair(forward, backward)
+
+
+def _gap_runs(forward: Profile, backward: Profile, ballast: int) -> dict[str, dict[str, _Pair]] | None:
+    """Each gap's figures per memory run (``profile.gap_figures``), paired as ``_paired`` pairs peaks."""
+    up, down = getattr(forward, "gap_figures", None), getattr(backward, "gap_figures", None)
+    if up is None or down is None or up.keys() != down.keys():
+        return None
+    if any(up[name].keys() != down[name].keys() for name in up):
+        return None
+    return {name: {run: _pair(up[name][run], down[name][run], ballast) for run in up[name]} for name in up}
+
+
+def _rename(names: tuple, old: str, new: str) -> tuple:
+    out = []
+    for name in names:
+        if name != old and not name.startswith(old + "."):
+            raise _NoFit
+        out.append(new + name[len(old):])
+    return tuple(out)
+
+
+def _renamed(stage: StageProfile, new: str) -> StageProfile:
+    """``stage`` as layer ``new``: its name and the modules its options name."""
+    options = tuple(replace(o, checkpointed=_rename(o.checkpointed, stage.name, new),
+                            offloaded=_rename(o.offloaded, stage.name, new)) for o in stage.options)
+    return replace(stage, name=new, options=options)
+
+
+def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit) -> tuple[StageProfile, ...]:
+    a, b = DEPTHS
+    # The larger copy's second layer first: the middle layers' structure is its.
+    middle = {**{(b, b - 1 - i): large.stages[i] for i in range(1, b - 1)},
+              **{(a, a - 1 - i): small.stages[i] for i in range(1, a - 1)}}
+    reference = large.stages[1]
+    for stage in middle.values():
+        if [o.name for o in stage.options] != [o.name for o in reference.options] or \
+                stage.module_type != reference.module_type:
+            raise _NoFit
+        for option, like in zip(stage.options, reference.options):
+            if [c[len(stage.name):] for c in (*option.checkpointed, *option.offloaded)] != \
+                    [c[len(reference.name):] for c in (*like.checkpointed, *like.offloaded)]:
+                raise _NoFit
+    # Every number a line fitted once (``d -> value``), then read at each middle layer.
+    lines = combine(list(middle.values()), fit.middles(list(middle)), derive=False)
+    middles = tuple(_renamed(combine([lines], lambda term, line: line[0](layers - 1 - i), derive=False),
+                             f"{prefix}.{i}") for i in range(1, layers - 1))
+    first = _boundary_stage(small.stages[0], large.stages[0], f"{prefix}.0", fit)
+    last = _boundary_stage(small.stages[a - 1], large.stages[b - 1], f"{prefix}.{layers - 1}", fit)
+    return (first, *middles, last)
+
+
+def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: _Fit) -> StageProfile:
+    """The first or the last layer from its two copies (``s`` of the smaller), named ``new``."""
+    if [o.name for o in s.options] != [o.name for o in t.options]:
+        raise _NoFit
+    for o, p in zip(s.options, t.options):
+        if (_rename(o.checkpointed, s.name, t.name), _rename(o.offloaded, s.name, t.name)) != (p.checkpointed,
+                                                                                           p.offloaded):
+            raise _NoFit
+    return _renamed(combine([s, t], fit.boundary, structure=_alike, derive=False), new)
+
+
+def _roles(profile: Profile, n: int) -> dict[tuple[str, str], list[Segment]]:
+    """Segments by role: stages_alive 0 (by name), 1 (after the first layer), the middle ones
+    (``d`` = layers after), and all stages alive (the head)."""
+    roles: dict = {}
+    for seg in profile.segments:
+        k = seg.stages_alive
+        role = "zero" if k == 0 else "first" if k == 1 else "last" if k == n else "middle"
+        roles.setdefault((role, re.sub(r"\d+", "#", seg.name)), []).append(seg)
+    return roles
+
+
+def _segments(small: Profile, large: Profile, layers: int, fit: _Fit, gap_runs: tuple = (None, None)) -> tuple:
+    """The segments at ``layers``, in the profile's order: by stages alive, the optimizer step last."""
+    a, b = DEPTHS
+    rs, rl = _roles(small, a), _roles(large, b)
+    if rs.keys() != rl.keys():
+        raise _NoFit
+    runs_at = dict(zip((a, b), gap_runs))
+    placed: list[tuple[int, list[Segment]]] = []
+    for (role, key), segs in rl.items():
+        mine = rs[(role, key)]
+        if role == "middle":
+            placed.append((2, _middle_segments(mine, segs, layers, fit, runs_at)))
+            continue
+        if len(mine) != 1 or len(segs) != 1:
+            raise _NoFit
+        placed.append(_boundary_segment(mine[0], segs[0], role == "last", layers, fit, runs_at))
+    result = tuple(seg for _, group in sorted(placed, key=lambda kv: kv[0]) for seg in group)
+    if len(result) != len(large.segments) + (layers - b):
+        raise _NoFit
+    return result
+
+
+def _middle_segments(mine: list[Segment], segs: list[Segment], layers: int, fit: _Fit,
+                     runs_at: dict[int, Any]) -> list[Segment]:
+    """The gaps between middle layers (``j`` stored, ``d = layers - j`` after): the peak as
+    ``_gap_line`` says, any other number a line in ``N`` and ``d``; the rest the larger copy's first."""
+    a, b = DEPTHS
+    points = {**{(a, a - s.stages_alive): s for s in mine}, **{(b, b - s.stages_alive): s for s in segs}}
+    if len(points) != (a - 2) + (b - 2) or len(mine) + len(segs) != len(points):
+        raise _NoFit
+    peak = _gap_line(fit, {k: s.peak_bytes for k, s in points.items()}, _run_points(points, runs_at))
+    middles = fit.middles(list(points))
+    template = segs[0]
+    lines = combine(list(points.values()),
+                    lambda term, values: peak if term.quantity.growth is Growth.PEAK else middles(term, values),
+                    structure=lambda owner, name, values: getattr(template, name), derive=False)
+    return [replace(lines, name=_restate(template.name, template.stages_alive, j), stages_alive=j,
+                    **{term.name: getattr(lines, term.name)(layers - j) for term in terms(Segment)})
+            for j in range(2, layers)]
+
+
+def _boundary_segment(s: Segment, t: Segment, last: bool, layers: int, fit: _Fit,
+                      runs_at: dict[int, Any]) -> tuple[int, list[Segment]]:
+    """A segment outside the middle gaps, linear in ``N``, and its place in the profile's order."""
+    a, b = DEPTHS
+    runs = _run_points({(a, 0): s, (b, 0): t}, runs_at)
+
+    def boundary(term: Term, values: Sequence[Any]) -> Any:
+        value = fit.boundary(term, values)
+        return _gap_boundary(fit, runs, value) if runs is not None and term.quantity.growth is Growth.PEAK else value
+
+    values = combine_fields([s, t], boundary, structure=_alike)
+    alive = layers if last else t.stages_alive
+    name = _restate(t.name, t.stages_alive, alive) if last else t.name
+    # The profile's order: by stages alive, the optimizer step (added last) last.
+    order = layers + 1 if name == "optimizer step" else alive
+    return order, [replace(t, **{**values, "name": name, "stages_alive": alive})]
+
+
+def _run_points(points: dict[tuple[int, int], Segment], gap_runs: dict[int, Any]) -> dict[str, dict] | None:
+    """``points`` (``(N, d)`` -> segment) as each memory run's figures, or None where a profile has
+    none (the optimizer step's segment, a profile without ``gap_figures``) or the runs differ."""
+    per_point = {}
+    for key, seg in points.items():
+        runs = gap_runs.get(key[0])
+        if runs is None or seg.name not in runs:
+            return None
+        per_point[key] = runs[seg.name]
+    names = {tuple(r) for r in per_point.values()}
+    if len(names) != 1:
+        return None
+    return {run: {key: figures[run] for key, figures in per_point.items()} for run in next(iter(names))}
+
+
+def _gap_line(fit: _Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[[int], int]:
+    """A middle gap's peak: the largest of each memory run's figure extrapolated alone (the largest
+    of a keep run's figure, falling with the depth, and a recompute run's, flat, bends where they
+    cross: no line fits it), else of the peaks themselves."""
+    if runs is not None:
+        try:
+            lines = [fit.middle(points) for points in runs.values()]
+            return lambda d: max(line(d) for line in lines)
+        except _NoFit:
+            pass
+    return fit.middle(peaks)
+
+
+def _gap_boundary(fit: _Fit, runs: dict[str, dict], fallback: int) -> int:
+    """A first or last gap's peak, as ``_gap_line`` does it, linear in ``N``."""
+    a, b = DEPTHS
+    try:
+        return max(fit.line(points[(a, 0)], points[(b, 0)]) for points in runs.values())
+    except _NoFit:
+        return fallback
+
+
+def _restate(name: str, old: int, new: int) -> str:
+    return name.replace(f"({old} stored)", f"({new} stored)")

@@ -1,0 +1,323 @@
+"""One algebra for profiles: combine aligned profiles number by number, whatever the job.
+
+A ``Profile`` is a tree of dataclasses (the profile, its stages, their options, its segments) whose
+leaves are either measures (bytes, seconds, FLOPs) or structure (names, module tuples, policies,
+notes). Three jobs build a profile from others, number by number: the batch fit (a profile at any
+batch size from two, ``core.batch_fit``), the depth fit (N layers from 4 and 5, ``core.depth_fit``)
+and the rank merge (the largest of every term over the ranks, ``service.sharded.merge_profiles``).
+Each is a *combiner*, ``combiner(term, values) -> value``: given one numeric field (``Term``) and
+its values in the aligned inputs, it returns the combined value. ``combine`` walks every field of
+every node for all of them, so a numeric field added to the dataclasses is scaled, merged and
+extrapolated with no list to keep in sync; a fit in a second shape variable (the sequence length)
+is one more combiner.
+
+What each number is (``Quantity``) is declared here, once: its unit (bytes round up, counts round,
+seconds stay floats) from its type and name, and how it grows with the batch: static memory does not,
+a peak counts static memory under a part that grows, everything else grows in proportion. Only the
+exceptions to "a per-sample figure, never below zero" are listed (``_DECLARED``).
+
+Example:
+    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+    >>> def p(stored, flops): return Profile((StageProfile("a", (StageOption("keep", (), stored, 150, 0.0, flops),)),),
+    ...                                      (Segment("head", 1, 50),))
+    >>> merged = combine([p(100, 7), p(120, 5)], largest)
+    >>> merged.stages[0].options[0].stored_bytes, merged.stages[0].options[0].cost_flops, merged.baseline_peak_bytes
+    (120, 7, 170)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any, Callable, Optional, Sequence
+
+from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+
+
+class Unit(Enum):
+    """What a number counts, which says how a combined value is stored.
+
+    Example:
+        >>> Unit.BYTES.value
+        'bytes'
+    """
+
+    BYTES = "bytes"  # an int, rounded up: a byte short is a prediction below the truth
+    COUNT = "count"  # an int (FLOPs), rounded
+    SECONDS = "seconds"  # a float
+
+
+class Growth(Enum):
+    """How a number changes with the batch size.
+
+    Example:
+        >>> Growth.PEAK.value
+        'peak'
+    """
+
+    STATIC = "static"  # parameters, gradients, optimizer state, buffers: the same at any batch
+    PER_SAMPLE = "per sample"  # activations, costs: in proportion to the batch, zero without one
+    PEAK = "peak"  # a peak counts the static memory under it: static plus a part that grows
+
+
+def _baseline_peak(profile: Profile) -> int:
+    return predict_peak(profile, [0] * len(profile.stages))
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """What one numeric field of a profile is.
+
+    Args:
+        unit: bytes, a count or seconds.
+        growth: how it changes with the batch size.
+        signed: whether it may be below zero. Terms of the memory model that the predictor adds up
+            are measured differences (FSDP2 frees unsharded parameters that the stored bytes count,
+            so deep figures fall below zero): never clamped. Other figures are sizes and costs.
+        derive: for a figure computed from the rest of the node (the baseline peak, predicted from
+            the combined stages): how. ``combine`` recomputes it after the other fields.
+
+    Example:
+        >>> Quantity(Unit.BYTES).coerce(2.1), Quantity(Unit.COUNT).coerce(-3.4), Quantity(Unit.SECONDS).coerce(-1.0)
+        (3, 0, 0.0)
+        >>> Quantity(Unit.BYTES, Growth.PEAK, signed=True).coerce(-2.5)
+        -2
+    """
+
+    unit: Unit
+    growth: Growth = Growth.PER_SAMPLE
+    signed: bool = False
+    derive: Optional[Callable[[Any], Any]] = field(default=None, compare=False)
+
+    @property
+    def derived(self) -> bool:
+        """Whether the figure is computed from the rest of its node, not combined."""
+        return self.derive is not None
+
+    def coerce(self, value: float) -> int | float:
+        """``value`` as this quantity is stored: bytes rounded up, counts rounded, seconds as they are,
+        and never below zero unless ``signed``."""
+        if self.unit is Unit.SECONDS:
+            return value if self.signed else max(0.0, value)
+        number = int(math.ceil(value)) if self.unit is Unit.BYTES else round(value)
+        return number if self.signed else max(0, number)
+
+
+# The one declaration: every numeric field not named here is a per-sample figure, never below zero,
+# whose unit its type says (a float is seconds; an int is bytes, or a count when named ``*_flops``).
+_STATIC = Quantity(Unit.BYTES, Growth.STATIC)
+_DECLARED: dict[tuple[type, str], Quantity | None] = {
+    **{(Profile, name): _STATIC for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
+                                              "buffer_bytes")},
+    (StageOption, "stored_bytes"): Quantity(Unit.BYTES, signed=True),
+    (StageOption, "local_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True),
+    (Segment, "peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True),
+    (Profile, "baseline_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True, derive=_baseline_peak),
+    # Which stages are alive while the segment runs: part of what the segment is, not a measure.
+    (Segment, "stages_alive"): None,
+}
+
+
+class Missing(Enum):
+    """What becomes of a child (an option, a segment) that some of the inputs lack.
+
+    Example:
+        >>> Missing.DROP.value
+        'drop'
+    """
+
+    REFUSE = "refuse"  # a ValueError
+    DROP = "drop"  # left out of the result
+    KEEP = "keep"  # combined from the inputs that have it (the combiner sees None for the others)
+
+
+# Nodes that hold others, by the type of the children: the fields that line a child up across the
+# inputs (None: by position) and what becomes of one that some inputs lack.
+_CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
+    # Stages by position: every job checks that the inputs have the same stages.
+    StageProfile: (None, Missing.REFUSE),
+    # An option only some profiles measured cannot be fitted: it is not offered.
+    StageOption: (("name",), Missing.DROP),
+    # A segment only some profiles have (a calibration one rank needed) is still part of the step.
+    Segment: (("name", "stages_alive"), Missing.KEEP),
+}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One numeric field of one node type, as a combiner sees it.
+
+    Example:
+        >>> Term(StageOption, "cost_roofline", quantity(StageOption, "cost_roofline")).quantity.unit
+        <Unit.SECONDS: 'seconds'>
+    """
+
+    owner: type
+    name: str
+    quantity: Quantity
+
+
+Combiner = Callable[[Term, Sequence[Any]], Any]
+Structure = Callable[[type, str, Sequence[Any]], Any]
+
+
+def _type_name(annotation: Any) -> str:
+    # ``from __future__ import annotations`` keeps annotations as strings.
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+
+
+def quantity(owner: type, name: str) -> Quantity | None:
+    """What the field ``name`` of ``owner`` (a profile dataclass, or a subclass) is; None for structure.
+
+    Example:
+        >>> quantity(Profile, "gradient_bytes").growth, quantity(StageProfile, "forward_flops").unit
+        (<Growth.STATIC: 'static'>, <Unit.COUNT: 'count'>)
+        >>> quantity(StageOption, "policy") is None, quantity(Segment, "stages_alive") is None
+        (True, True)
+    """
+    for cls in owner.__mro__:
+        if (cls, name) in _DECLARED:
+            return _DECLARED[(cls, name)]
+    declared = {f.name: f.type for f in fields(owner)}
+    if name not in declared:
+        raise KeyError(f"{owner.__name__} has no field {name!r}")
+    annotation = _type_name(declared[name])
+    if annotation == "float":
+        return Quantity(Unit.SECONDS)
+    if annotation == "int":
+        return Quantity(Unit.COUNT if name.endswith("_flops") else Unit.BYTES)
+    return None
+
+
+@functools.cache
+def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
+    """Every field of ``owner``: its name, its term (None: structure) and the child type it holds."""
+    layout = []
+    for f in fields(owner):
+        annotation = _type_name(f.type)
+        child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
+        kind = None if child is not None else quantity(owner, f.name)
+        layout.append((f.name, None if kind is None else Term(owner, f.name, kind), child))
+    return tuple(layout)
+
+
+def terms(owner: type) -> tuple[Term, ...]:
+    """The numeric fields of ``owner``, in declaration order.
+
+    Example:
+        >>> [t.name for t in terms(Segment)]
+        ['peak_bytes']
+    """
+    return tuple(term for _, term, _ in _layout(owner) if term is not None)
+
+
+def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
+    """The structure policy of the batch fit and the rank merge: a structural field (a name, a
+    policy, the notes) is the first input's.
+
+    Example:
+        >>> first_present(StageOption, "policy", ["", "save_matmuls"])
+        ''
+    """
+    return values[0]
+
+
+def largest(term: Term, values: Sequence[Any]) -> Any:
+    """The combiner of the rank merge: the largest value of the inputs that have the field.
+
+    Example:
+        >>> largest(terms(Segment)[0], [50, None, 60])
+        60
+    """
+    return max(v for v in values if v is not None)
+
+
+def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
+    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: an input that
+    lacks the node): numbers by ``combiner(term, values)`` with ``values`` aligned with ``nodes``,
+    structure by ``structure(owner, name, values)`` over the nodes present (left out under
+    ``first_present``: a node built on the first present one has it). Derived figures are combined
+    like the rest; ``combine`` then recomputes them.
+
+    Example:
+        >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
+        {'peak_bytes': 70}
+        >>> combine_fields([Segment("head", 1, 50), Segment("head", 1, 70)], largest, lambda o, n, v: v[-1])
+        {'name': 'head', 'stages_alive': 1, 'peak_bytes': 70}
+    """
+    present = [n for n in nodes if n is not None]
+    owner = type(present[0])
+    out = {}
+    for name, term, child in _layout(owner):
+        if child is not None:
+            continue
+        if term is None:
+            if structure is not first_present:  # else the node is built on the first present one
+                out[name] = structure(owner, name, [getattr(n, name) for n in present])
+        elif len(present) == len(nodes):
+            out[name] = combiner(term, [getattr(n, name) for n in nodes])
+        else:
+            out[name] = combiner(term, [None if n is None else getattr(n, name) for n in nodes])
+    return out
+
+
+def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = first_present,
+            derive: bool = True) -> Any:
+    """One node (a profile, stage, option or segment) combined from aligned ``nodes``, children and all.
+
+    Every numeric field goes through ``combiner`` and every structural one through ``structure``
+    (``combine_fields``); children line up as ``_CHILDREN`` says (stages by position, options by name,
+    segments by name and stages alive) and are combined the same way. Derived figures (the baseline
+    peak) are then recomputed from the result, unless ``derive`` is False (a combiner whose values are
+    not numbers yet).
+
+    Example:
+        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)
+        >>> low = StageProfile("a", (opt("keep", 10), opt("whole", 1)))
+        >>> high = StageProfile("a", (opt("keep", 30),))
+        >>> [(o.name, o.stored_bytes) for o in combine([low, high], largest).options]  # "whole": only in low
+        [('keep', 30)]
+    """
+    present = [n for n in nodes if n is not None]
+    owner = type(present[0])
+    values = combine_fields(nodes, combiner, structure)
+    for name, _, child in _layout(owner):
+        if child is not None:
+            groups = _align([() if n is None else getattr(n, name) for n in nodes], child)
+            values[name] = tuple(combine(group, combiner, structure=structure, derive=derive) for group in groups)
+    node = replace(present[0], **values)
+    derived = _derived(owner)
+    if derive and derived:
+        node = replace(node, **{term.name: term.quantity.derive(node) for term in derived})
+    return node
+
+
+@functools.cache
+def _derived(owner: type) -> tuple[Term, ...]:
+    return tuple(term for term in terms(owner) if term.quantity.derived)
+
+
+def _align(collections: Sequence[Sequence[Any]], child: type) -> list[list[Any]]:
+    """The children of every input, lined up: one list per child, aligned with the inputs (None where
+    an input lacks it), in the order the inputs first have them."""
+    keys, missing = _CHILDREN[child]
+    if keys is None:
+        if len({len(items) for items in collections}) > 1:
+            raise ValueError(f"the inputs have different numbers of {child.__name__}: "
+                             f"{[len(items) for items in collections]}")
+        return [list(group) for group in zip(*collections)]
+    groups: dict[tuple, list] = {}
+    for i, items in enumerate(collections):
+        for item in items:
+            group = groups.setdefault(tuple(getattr(item, k) for k in keys), [None] * len(collections))
+            if group[i] is not None:
+                raise ValueError(f"two {child.__name__}s of one input share {({k: getattr(item, k) for k in keys})}")
+            group[i] = item
+    aligned = list(groups.values())
+    if missing is not Missing.KEEP and any(None in group for group in aligned):
+        if missing is Missing.REFUSE:
+            raise ValueError(f"some inputs lack a {child.__name__} others have")
+        aligned = [group for group in aligned if None not in group]
+    return aligned
