@@ -27,8 +27,8 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          FakeProfileError, NoCandidateError, PlanningFailedError, RematError)
-from .core.errors import UnsupportedShardingError
+                          ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanningFailedError,
+                          RematError, StepError, UnsupportedSetupError, UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
@@ -57,6 +57,7 @@ __all__ = [
     "BatchSizeTooSmallBudgetError",
     "Budget",
     "BudgetTooSmallError",
+    "ConflictingArgumentsError",
     "FakeProfileError",
     "NoCandidateError",
     "Plan",
@@ -70,6 +71,8 @@ __all__ = [
     "StageChoice",
     "StageOption",
     "StageProfile",
+    "StepError",
+    "UnsupportedSetupError",
     "UnsupportedShardingError",
     "format_bytes",
     "parse_budget",

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.config import ProfileOptions, RematConfig
+from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
@@ -254,11 +254,12 @@ class Planner:
 
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
-               optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
+               optimizer: torch.optim.Optimizer | None = None, cost: str = DEFAULT_COST,
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
+               repeated_blocks: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -266,7 +267,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
         budget: as ``parse_budget``: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
         optimizer: counted in the budget (its state and its step).
-        cost: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs: deterministic plans).
+        cost: ``"flops"`` (counted FLOPs: the same plan on every run; the default), ``"time"``
+            (measured seconds) or ``"roofline"`` (per op, max(FLOPs / peak, bytes / bandwidth)).
         candidates: None for automatic stages, or module classes / name patterns.
         warmup: unmeasured steps first.
         fake, dtype, device, gpu: plan without the hardware, as ``profile_step``: profile on fake
@@ -287,6 +289,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
             more host memory than the host has free. ``plan.offloaded`` names those stages.
+        repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
+            False profiles all N. Every argument is described once, in ``ProfileOptions``/``RematConfig``.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -312,7 +316,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload))
+        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
+        repeated_blocks=repeated_blocks))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
 
