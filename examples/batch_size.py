@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     del probe, probe_optimizer
 
     optimizer = torch.optim.AdamW(model.parameters())
-    result = find_remat_batch_size(make_step, model, budget, optimizer=optimizer, start=2,
-                                   max_batch_size=512, max_overhead=args.max_overhead)
+    result = find_remat_batch_size(model, make_step, budget, optimizer=optimizer, init_val=2,
+                                   max_val=512, max_overhead=args.max_overhead)
     print(result.summary())
     print(f"budget {budget / 2**20:.2f} MiB: batch {result.batch_size_without_remat} without recomputation, "
           f"{result.batch_size} with it ({result.ratio:.1f}x) at {result.predicted_overhead:.1%} recompute FLOPs; "

@@ -47,7 +47,7 @@ def main() -> None:
         ids = torch.randint(0, 128, (batch_size, 32), device=device)
         return lambda m: m(input_ids=ids, labels=ids).loss
 
-    result = find_remat_batch_size(make_step, model, args.budget, optimizer=optimizer, max_batch_size=256)
+    result = find_remat_batch_size(model, make_step, args.budget, optimizer=optimizer, max_val=256)
     # Train at the batch found (the plan is applied); the budget holds on every rank or it does not hold.
     peaks = [measure_step(model, make_step(result.batch_size), optimizer).peak_bytes for _ in range(3)]
     steady = torch.tensor(float(max(peaks[1:])), device=device)

@@ -41,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4, help="samples per step")
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    parser.add_argument("--cost", choices=["time", "flops"], default="time",
-                        help="price recomputation by measured seconds or by counted FLOPs")
+    parser.add_argument("--cost", choices=["flops", "time", "roofline"], default="flops",
+                        help="price recomputation by counted FLOPs (the package's default), measured seconds or "
+                             "the roofline")
     parser.add_argument("--log-dir", default="runs", help="where the CSV logs go")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads: 1 keeps a small model fast and timings steady on a busy machine; "

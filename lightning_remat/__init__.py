@@ -27,10 +27,10 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          FakeProfileError, NoCandidateError, PlanningFailedError, RematError)
-from .core.errors import UnsupportedShardingError
+                          ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanningFailedError,
+                          RematError, StepError, UnsupportedSetupError, UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
-from .core.plan import Plan, StageChoice
+from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
 
 __version__ = "0.1.0"
@@ -57,6 +57,7 @@ __all__ = [
     "BatchSizeTooSmallBudgetError",
     "Budget",
     "BudgetTooSmallError",
+    "ConflictingArgumentsError",
     "FakeProfileError",
     "NoCandidateError",
     "Plan",
@@ -66,9 +67,12 @@ __all__ = [
     "RematConfig",
     "RematError",
     "Segment",
+    "StageAction",
     "StageChoice",
     "StageOption",
     "StageProfile",
+    "StepError",
+    "UnsupportedSetupError",
     "UnsupportedShardingError",
     "format_bytes",
     "parse_budget",

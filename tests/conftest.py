@@ -2,6 +2,7 @@
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,18 +11,90 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # With one test process per core, a second torch thread per process only oversubscribes.
-    torch.set_num_threads(1)
+# One torch thread per test process, with or without xdist (CI's `-n 2` runs one process per core):
+# the test models are tiny and gain nothing from a second thread, and on a busy 2-core machine the
+# threads wait on each other (a LoRA test took 3 s with one thread and 21-43 s with two).
+torch.set_num_threads(1)
+
+
+# The `slow` tests: over about 2 s each on a busy 2-core CPU (one torch thread; with the set-up of
+# the model they share), from pytest --durations, seconds in the comments. `pytest -m "not
+# distributed and not slow"` deselects them and the tests that start processes (marked where they
+# are written): about 45 s instead of about 20 min; CI runs everything. "*": every test of the
+# module. A name is a test function (all its parameters) or one parametrized test ("name[param]").
+SLOW = {
+    "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
+    "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
+    "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
+    "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
+                         "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
+                         "test_layers_that_differ_are_profiled_whole"),  # 13 s
+    "test_profile.py": ("test_profiling_leaves_parameters_gradients_buffers_rng_and_optimizer_as_found",  # 46 s
+                        "test_identical_layers_share_their_measured_seconds_and_the_rest_stays_measured"),  # 4 s
+    "test_segments.py": ("test_a_cnn_stem_is_a_stage_and_recomputing_it_cuts_the_least_peak_with_equal_gradients",  # 44 s
+                         "test_predicted_peak_of_plans_with_segments_within_5_percent"),  # 10 s, 6 s
+    "test_compile.py": ("test_plan_then_compile_with_inductor_keeps_losses_and_batchnorm_statistics",  # 25 s
+                        "test_autoremat_plans_a_module_compiled_in_init_configure_model_or_for_fit",  # 9-13 s each
+                        "test_compile_then_plan_wraps_the_original_modules_and_the_compiled_step_uses_less_memory"),  # 5 s
+    "test_sac.py": ("test_save_projections_is_offered_where_attention_runs_as_batched_matmuls",  # 24 s
+                    "test_a_policy_runs_under_torch_compile",  # 7 s
+                    "test_gradients_bit_equal_on_gpt2_with_dropout_under_a_mixed_plan",  # 5 s
+                    "test_gradients_and_batchnorm_statistics_bit_equal_under_every_policy",  # 5 s each
+                    # the three on the module's profiled model (8 s set-up)
+                    "test_profile_offers_policies_and_prices_them",
+                    "test_predicted_peak_within_5_percent_of_measured_for_plans_with_policies",
+                    "test_roofline_plan_uses_policies_where_they_are_cheapest"),
+    "test_accelerate.py": ("test_training_loop_stays_under_budget_with_same_losses",  # 12 s
+                           "test_budget_min_holds_with_the_outputs_the_loop_keeps"),  # 7 s
+    "test_batch_size.py": ("test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_memory",  # 10 s
+                           "test_binsearch_transcription_matches_lightning[13]",  # 2.3 s
+                           # the three on the GPT-2 search (2.5 s set-up)
+                           "test_chosen_batch_fits_the_budget_when_measured",
+                           "test_at_least_twice_the_batch_without_recomputation",
+                           "test_costs_no_more_real_steps_than_lightning_binsearch"),
+    "test_fake.py": ("test_fake_profile_equals_the_real_one_and_plans_the_same",  # 1.5-8 s each
+                     "test_fake_planning_models_the_precision_and_says_which",  # 4 s
+                     "test_a_gpu_target_runs_attention_dropout_in_the_fused_kernel_the_gpu_uses",  # 3 s
+                     "test_a_7b_llama_is_planned_for_an_80gb_gpu_without_allocating_it"),  # 4 s, a subprocess
+    "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
+                            "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
+    "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
+    "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
+    "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
+    "test_sharded.py": ("test_budget_below_the_sharded_peak_names_the_world_size_that_fits",  # 6 s
+                        "test_sharded_static_terms_are_the_unsharded_ones_over_the_world_size",  # 3 s
+                        "test_the_command_line_plans_one_gpu_of_n"),  # 3.5 s
+    "test_offload.py": ("test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget",  # 5 s
+                        "test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released",  # 5 s
+                        "test_fake_memory_with_prefetch_matches_the_model"),  # 3 s
+    "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
+                       "test_pareto_sweep_and_plot"),  # 5 s
+    "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s
+}
+
+
+def _is_slow(item) -> bool:
+    names = SLOW.get(item.path.name)
+    return names == "*" or (names is not None and (item.name in names or getattr(item, "originalname", None) in names))
 
 
 def pytest_collection_modifyitems(items):
-    # Tests that share a profiled model (a module-scoped fixture per model) run on one worker, so
-    # each model is profiled once under `pytest -n 2 --dist loadgroup`.
     for item in items:
+        # Tests that share a profiled model (a module-scoped fixture per model) run on one worker, so
+        # each model is profiled once under `pytest -n 2 --dist loadgroup`.
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "profiled" in callspec.params:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{callspec.params['profiled']}"))
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+    # A renamed test must not drop out of the list unnoticed.
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        names = SLOW.get(Path(module.__file__).name)
+        if isinstance(names, tuple):
+            gone = [n for n in names if not hasattr(module, n.split("[")[0])]
+            if gone:
+                raise pytest.UsageError(f"tests/conftest.py SLOW names tests {Path(module.__file__).name} no longer "
+                                        f"has: {gone}")
 
 
 @pytest.fixture(autouse=True)

@@ -58,7 +58,7 @@ def test_plugin_reads_environment(monkeypatch):
 
 def test_plugin_disabled_without_budget():
     plugin = RematPlugin()
-    assert not plugin.enabled and plugin.profile_steps == 1 and plugin.cost == "time" and plugin.candidates is None
+    assert not plugin.enabled and plugin.profile_steps == 1 and plugin.cost == "flops" and plugin.candidates is None
     accelerator = RematAccelerator()
     net = _blocks()
     assert prepare_remat(net, accelerator=accelerator) is net and remat_session(net) is None
@@ -262,6 +262,7 @@ def test_save_and_load_state_keep_parameter_names(monkeypatch, tmp_path):
     assert checkpointed_modules(net)
 
 
+@pytest.mark.distributed
 def test_accelerate_launch_runs_the_example_with_the_flag(tmp_path):
     env = {**os.environ, ENV_BUDGET: "min", ENV_COST: "flops", "PYTHONPATH": str(REPO)}
     cmd = [str(ACCELERATE), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from tests.gloo_ranks import count_profile_calls
 
-pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
+pytestmark = [pytest.mark.xdist_group("fsdp-multiprocess"), pytest.mark.distributed]
 
 SMALL = dict(layers=3, hidden=64, seq_len=32, batch_size=2, vocab=128)
 STEPS = 5  # observed, planned at its end; measured by the session; one more; two measured here with MemTracker

@@ -76,7 +76,7 @@ def gpt2_search():
     torch.manual_seed(0)
     model, optimizer = gpt2_with_adam()
     before = [p.detach().clone() for p in model.parameters()]
-    result = find_remat_batch_size(gpt2_make_step, model, budget, optimizer=optimizer, start=2,
+    result = find_remat_batch_size(model, gpt2_make_step, budget, optimizer=optimizer, init_val=2,
                                    max_overhead=0.35, steps_per_trial=1)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not optimizer.state
     return dict(model=model, optimizer=optimizer, budget=budget, peak_8=peak_8, peak_9=peak_9, result=result,
@@ -185,14 +185,14 @@ def test_profile_fit_predicts_a_real_profile():
 def test_bad_arguments_give_clear_errors():
     net = mlp(depth=2)
     with pytest.raises(ValueError, match="max_overhead must be a number >= 0"):
-        find_remat_batch_size(mlp_make_step, net, "1GB", max_overhead=-0.01)
+        find_remat_batch_size(net, mlp_make_step, "1GB", max_overhead=-0.01)
     for margin in (1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
-            find_remat_batch_size(mlp_make_step, net, "1GB", margin=margin)
+            find_remat_batch_size(net, mlp_make_step, "1GB", margin=margin)
     with pytest.raises(ValueError, match="has no meaning for a batch-size search"):
-        find_remat_batch_size(mlp_make_step, net, "min")
+        find_remat_batch_size(net, mlp_make_step, "min")
     with pytest.raises(ValueError, match="Invalid memory budget"):
-        find_remat_batch_size(mlp_make_step, net, "ten gigs")
+        find_remat_batch_size(net, mlp_make_step, "ten gigs")
     with pytest.raises(ValueError, match="margin must be in"):
         RematBatchSizeFinder(budget="1GB", margin=1.0)
     with pytest.raises(ValueError, match="max_overhead"):
@@ -203,7 +203,7 @@ def test_budget_too_small_even_at_batch_size_one():
     net = mlp(depth=2)
     static = sum(p.numel() * p.element_size() for p in net.parameters())
     with pytest.raises(BatchSizeTooSmallBudgetError, match="too small even at batch size 1") as info:
-        find_remat_batch_size(mlp_make_step, net, static)
+        find_remat_batch_size(net, mlp_make_step, static)
     assert isinstance(info.value, BudgetTooSmallError)
     assert info.value.smallest_peak_bytes > static
     assert checkpointed_modules(net) == []
@@ -222,7 +222,7 @@ def test_real_out_of_memory_steps_down():
             return step(model)
         return run
 
-    result = find_remat_batch_size(make_step, net, "1GB", start=4, max_batch_size=64)
+    result = find_remat_batch_size(net, make_step, "1GB", init_val=4, max_val=64)
     # Bisection between what passed and what ran out of memory finds the limit exactly.
     assert result.largest_fitting == limit
     assert any(t.out_of_memory for t in result.trials)
@@ -236,7 +236,7 @@ def test_real_out_of_memory_steps_down():
         return run
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        find_remat_batch_size(broken, net, "1GB")
+        find_remat_batch_size(net, broken, "1GB")
     assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
@@ -244,10 +244,10 @@ def test_real_out_of_memory_steps_down():
 def test_margin_and_power_mode():
     net = mlp(depth=4)
     budget = 2_000_000
-    binsearch = find_remat_batch_size(mlp_make_step, net, budget, start=4, max_batch_size=512, margin=0.25, apply=False)
+    binsearch = find_remat_batch_size(net, mlp_make_step, budget, init_val=4, max_val=512, margin=0.25, apply=False)
     assert binsearch.batch_size == max(1, int(binsearch.largest_fitting * 0.75))
     assert checkpointed_modules(net) == []
-    power = find_remat_batch_size(mlp_make_step, net, budget, start=4, max_batch_size=512, mode="power", apply=False)
+    power = find_remat_batch_size(net, mlp_make_step, budget, init_val=4, max_val=512, mode="power", apply=False)
     assert power.largest_fitting in {4 * 2**k for k in range(8)}
     assert power.largest_fitting <= binsearch.largest_fitting < 2 * power.largest_fitting
 
@@ -354,7 +354,7 @@ def test_step_calling_a_submodule_prices_recomputation_by_flops():
 
     model = Wrapper()
     make_step = lambda b: (lambda m, x=torch.randn(b, 32): m.net(x).square().mean())
-    result = find_remat_batch_size(make_step, model, 2_000_000, start=4, max_batch_size=256, apply=False)
+    result = find_remat_batch_size(model, make_step, 2_000_000, init_val=4, max_val=256, apply=False)
     # The profiler attributes FLOPs by the counter's growth across each module's forward, so a
     # step that calls m.net (as a LightningModule's training_step often does) is priced in FLOPs.
     assert result.plan.cost_kind == "flops"
@@ -390,7 +390,7 @@ def test_offload_search_without_an_accelerator_is_the_clear_error_plan_remat_giv
     net = mlp(depth=2)
     called = []
     with pytest.raises(RematError, match="nothing to gain without an accelerator.*fake=True, gpu="):
-        find_remat_batch_size(lambda b: called.append(b), net, "1GB", offload=True)
+        find_remat_batch_size(net, lambda b: called.append(b), "1GB", offload=True)
     assert called == []  # refused before any step is built or run
     # The Lightning finder passes it through: the same error, and the batch size is left as it was.
     module = _LitMLP()

@@ -9,6 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Every test here runs 2 gloo ranks.
+pytestmark = pytest.mark.distributed
+
 
 def _rank(rank: int, world: int, init: str, out: str, budget) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"

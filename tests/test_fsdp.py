@@ -87,6 +87,7 @@ def ranks(tmp_path_factory):
     return spawn(_rank, tmp_path_factory.mktemp("fsdp"))
 
 
+@pytest.mark.distributed
 def test_sharded_model_is_planned_on_every_rank_and_holds_the_budget(ranks):
     r0, r1 = ranks[0]["sharded"], ranks[1]["sharded"]
     assert r0["profiles"] == r1["profiles"] == 2  # every rank profiled, in lockstep
@@ -99,6 +100,7 @@ def test_sharded_model_is_planned_on_every_rank_and_holds_the_budget(ranks):
     assert r1["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
 
 
+@pytest.mark.distributed
 def test_planned_before_sharding_keeps_working(ranks):
     r0, r1 = ranks[0]["before"], ranks[1]["before"]
     assert r0["plan"] and r0["plan"] == r1["plan"] == r0["wrapped"] == r1["wrapped"]
@@ -107,6 +109,7 @@ def test_planned_before_sharding_keeps_working(ranks):
     assert r0["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
 
 
+@pytest.mark.distributed
 def test_accelerate_session_plans_a_sharded_model_on_every_rank(ranks):
     r0, r1 = ranks[0]["session"], ranks[1]["session"]
     assert r0["profiles"] == r1["profiles"] == 1

@@ -57,7 +57,7 @@ def _rank(rank: int) -> dict:
     profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     model, optimizer = _sharded_with_adam()
     before = [p.detach().full_tensor().clone() for p in model.parameters()]
-    result = find_remat_batch_size(make_step, model, budget, optimizer=optimizer, start=2, max_batch_size=64,
+    result = find_remat_batch_size(model, make_step, budget, optimizer=optimizer, init_val=2, max_val=64,
                                    confirm_without_remat=True)
     unchanged = (all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
                  and not optimizer.state)
@@ -77,6 +77,7 @@ def ranks(tmp_path_factory):
     return spawn(_rank, tmp_path_factory.mktemp("fsdp-batch"))
 
 
+@pytest.mark.distributed
 def test_every_rank_finds_the_same_batch_and_plan(ranks):
     r0, r1 = ranks
     assert r0["batch_size"] == r1["batch_size"]
@@ -86,12 +87,14 @@ def test_every_rank_finds_the_same_batch_and_plan(ranks):
     assert r0["unchanged"] and r1["unchanged"]  # trials put weights and optimizer state back
 
 
+@pytest.mark.distributed
 def test_the_batch_found_holds_the_per_rank_budget(ranks):
     budget = ranks[0]["budget"]
     assert ranks[0]["measured"] == ranks[1]["measured"] <= budget
     assert max(max(r["steady"]) for r in ranks) <= budget
 
 
+@pytest.mark.distributed
 def test_larger_than_the_largest_batch_without_recomputation(ranks):
     r0 = ranks[0]
     assert r0["peak_8"] <= r0["budget"] < r0["peak_9"]  # by measurement, 9 does not fit without recomputation

@@ -65,6 +65,7 @@ def _reference_losses():
     return losses
 
 
+@pytest.mark.distributed
 def test_model_parallel_strategy_plans_on_every_rank_and_holds_the_budget(tmp_path):
     script = tmp_path / "fsdp_fit.py"
     script.write_text(script_header() + SCRIPT)

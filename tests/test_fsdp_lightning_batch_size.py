@@ -63,6 +63,7 @@ with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
 BUDGET = 8_006_824
 
 
+@pytest.mark.distributed
 def test_model_parallel_strategy_finds_the_same_batch_on_every_rank(tmp_path):
     script = tmp_path / "fsdp_batch.py"
     script.write_text(script_header() + SCRIPT)

@@ -87,6 +87,7 @@ def _rank(rank, world, init, out, plans):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_prediction_matches_a_real_two_process_fully_shard_run(tmp_path):
     model, step, optimizer = _llama()
     plan = plan_remat(model, step, "min", optimizer=optimizer, cost="flops", fake=True, world_size=2)

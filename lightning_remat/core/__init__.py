@@ -11,9 +11,12 @@ from .budget import Budget, format_bytes, parse_budget
 from .config import ProfileOptions, RematConfig, check_cost_kind
 from .errors import RematError
 from .memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
-from .plan import Plan, StageChoice
-from .solve import least_peak, plan_from_choices, solve
+from .plan import Plan, StageAction, StageChoice
+from .predict import Prediction, predict
+from .solve import least_peak, plan_from_choices, solve, solve_recompute_everything
+from .vocabulary import Action, CostKind, OptionKind, Policy, Precision
 
-__all__ = ["Budget", "Plan", "Profile", "ProfileOptions", "RematConfig", "RematError", "Segment", "StageChoice",
-           "StageOption", "StageProfile", "check_cost_kind", "format_bytes", "least_peak", "parse_budget",
-           "plan_cost", "plan_from_choices", "predict_peak", "solve"]
+__all__ = ["Action", "Budget", "CostKind", "OptionKind", "Plan", "Policy", "Precision", "Prediction", "Profile",
+           "ProfileOptions", "RematConfig", "RematError", "Segment", "StageAction", "StageChoice", "StageOption",
+           "StageProfile", "check_cost_kind", "format_bytes", "least_peak", "parse_budget", "plan_cost",
+           "plan_from_choices", "predict", "predict_peak", "solve", "solve_recompute_everything"]

@@ -222,17 +222,17 @@ def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode
     return low
 
 
-def validate_search(max_overhead: float, margin: float, steps_per_trial: int, start: int, max_batch_size: int,
+def validate_search(max_overhead: float, margin: float, steps_per_trial: int, init_val: int, max_val: int,
               mode: str, max_trials: int) -> None:
     if not isinstance(max_overhead, (int, float)) or isinstance(max_overhead, bool) or not max_overhead >= 0:
         raise ValueError(f"max_overhead must be a number >= 0 (a share of the step's cost, 0.35 = 35%), got {max_overhead!r}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1) (the share the found batch size is reduced by), got {margin!r}")
-    for name, value in (("steps_per_trial", steps_per_trial), ("start", start), ("max_batch_size", max_batch_size),
+    for name, value in (("steps_per_trial", steps_per_trial), ("init_val", init_val), ("max_val", max_val),
                         ("max_trials", max_trials)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if start > max_batch_size:
-        raise ValueError(f"start ({start}) must not exceed max_batch_size ({max_batch_size})")
+    if init_val > max_val:
+        raise ValueError(f"init_val ({init_val}) must not exceed max_val ({max_val})")
     if mode not in SEARCH_MODES:
         raise ValueError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")

@@ -3,12 +3,15 @@
 Every entry point (``plan_remat``, ``AutoRemat``, the Accelerate plugin, the batch-size search,
 the command line) builds one ``RematConfig`` from its arguments; the checks below run there,
 once, and the planning service reads the typed fields instead of a row of keyword arguments.
+Each field's ``help`` (its ``metadata``) is the one description of that setting: the classes'
+docstrings and the command line's ``--help`` are made from it, and every entry point takes the
+setting under the field's name, with the field's default.
 
 Example:
     >>> config = RematConfig("10GB", cost="flops", profile=ProfileOptions(candidates=("GPT2Block",)))
     >>> config.budget.text, config.budget_bytes(), config.profile.candidates
     ('10GB', 10000000000, ('GPT2Block',))
-    >>> RematConfig("10GB", profile=ProfileOptions(fake=True))
+    >>> RematConfig("10GB", cost="time", profile=ProfileOptions(fake=True))
     Traceback (most recent call last):
     ...
     ValueError: a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds
@@ -16,34 +19,33 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import textwrap
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .budget import Budget
-from .errors import ShardingError
+from .errors import ConflictingArgumentsError, ShardingError
+from .vocabulary import CostKind, Policy, Precision
 
-COST_KINDS = ("time", "flops", "roofline")
+COST_KINDS = CostKind.values()
+# Counted FLOPs: the same plan on every run and every machine, the only cost a fake profile has
+# without a GPU named, and the one the batch-size search fits across batch sizes.
+DEFAULT_COST = CostKind.FLOPS.value
+DTYPES = ("bfloat16", "float16", "float32")
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
-# state are kept in, and whether the step runs under autocast.
-PRECISIONS = {
-    "32-true": ("float32", None),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "16-mixed": ("float32", "float16"),
-    "bf16-true": ("bfloat16", None),
-    "16-true": ("float16", None),
-}
+# state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
+PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
 
 
-def check_cost_kind(kind: Any) -> str:
-    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``).
+def check_cost_kind(kind: Any) -> CostKind:
+    """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``): the ``CostKind`` it names.
 
     Example:
-        >>> check_cost_kind("flops")
-        'flops'
+        >>> check_cost_kind("flops") is CostKind.FLOPS
+        True
     """
-    if kind not in COST_KINDS:
-        raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
-    return kind
+    return CostKind.check(kind)
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
@@ -75,45 +77,26 @@ def normalize_candidates(candidates: Any) -> tuple | None:
     return tuple(items)
 
 
+def parse_policies(text: Any) -> tuple | None:
+    """Policies as text gives them (a flag, an environment variable): names separated by commas;
+    ``"all"`` for every policy (None), ``""`` or ``"none"`` for none (``()``). Anything else
+    passes through unchanged.
+
+    Example:
+        >>> parse_policies("save_matmuls, save_attention"), parse_policies("all"), parse_policies("none")
+        (('save_matmuls', 'save_attention'), None, ())
+    """
+    if not isinstance(text, str):
+        return text
+    words = tuple(part.strip() for part in text.split(",") if part.strip())
+    if words in ((), ("none",)):
+        return ()
+    return None if words == ("all",) else words
+
+
 @dataclass(frozen=True)
 class ProfileOptions:
     """How a step is profiled.
-
-    Attributes:
-        candidates: None for automatic stages, or module classes / class names / name patterns.
-        fake: profile on fake tensors (nothing is allocated): a model larger than this machine,
-            a device that is not here.
-        dtype: with ``fake``, the dtype floating-point parameters train in (a ``torch.dtype`` or
-            its name, ``"bfloat16"``).
-        device: the device planned for (``"cuda"``); default the model's.
-        gpu: with ``fake``, a GPU name whose throughput prices FLOPs in seconds.
-        device_memory: the target device's total memory when it is not this machine's.
-        warmup: unmeasured steps before profiling.
-        accumulation_steps: micro-batches per optimizer step (gradient accumulation). Above 1,
-            every micro-batch but the first of a window runs with all gradients alive from its
-            start, and the profile measures that one.
-        gradient_buckets: the model trains under DDP, whose reducer keeps its gradient buckets
-            (a copy of the gradients, or the gradients themselves with ``gradient_as_bucket_view``)
-            for the whole run: counted in every term.
-        world_size: with ``fake``, plan one rank of an FSDP2 run over this many GPUs: the fake twin
-            is sharded with ``fully_shard`` (each candidate block, then the root) over a fake process
-            group, and the figures are per GPU (``docs/sharded.md``). The step's batch is one rank's.
-        precision: with ``fake``, how the step trains, in Lightning's names: ``"bf16-mixed"``
-            (float32 parameters, gradients and optimizer state, the step under bfloat16 autocast),
-            ``"bf16-true"`` (everything in bfloat16, as ``dtype=torch.bfloat16``), ``"16-mixed"``,
-            ``"16-true"``, ``"32-true"``. A real profile runs the step as it is given.
-        repeated_blocks: with ``fake``, a model whose stages are N interchangeable layers (same
-            class, parameters and settings, in one ``ModuleList``) is profiled at 4 and 5 layers
-            and the profile extrapolated to N (exact: every term is linear in the depth, checked
-            on the measured ones; otherwise the whole model is profiled). False profiles all N.
-        offload: also offer each stage's "offload" option (its saved tensors go to host memory and
-            come back for backward: ``runtime.offload``); only for an accelerator target.
-        policies: the op-level selective-checkpointing policies offered as options of every stage
-            (``runtime.sac.POLICIES``, e.g. ``("save_matmuls",)``); None for every one of them;
-            ``()`` (the default) for none: only keep, whole and heavy children. Opt-in for now:
-            each costs one more measured step, eager SAC is slower in wall-clock on the CPU, and
-            plans that mix a policy with other options can exceed their prediction (a LoRA Llama
-            measured 1.3% above it: docs/selective_checkpointing.md).
 
     Example:
         >>> ProfileOptions(gpu="h100")
@@ -122,35 +105,67 @@ class ProfileOptions:
         ValueError: gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times the real step
     """
 
-    candidates: Any = None
-    fake: bool = False
-    dtype: Any = None
-    device: str | None = None
-    gpu: str | None = None
-    device_memory: int | str | None = None
-    warmup: int = 1
-    precision: str | None = None
-    accumulation_steps: int = 1
-    gradient_buckets: bool = False
-    world_size: int = 1
-    repeated_blocks: bool = True
-    policies: Any = ()
-    offload: bool = False
+    candidates: Any = field(default=None, metadata={"help": (
+        "which modules may be recomputed: module classes, class names or fnmatch patterns over module names "
+        "('GPT2Block', 'transformer.h.*'; in text, separated by commas); unset (None), found automatically: the "
+        "blocks of the model's layer stack"), "parse": normalize_candidates})
+    fake: bool = field(default=False, metadata={"group": "target", "help": (
+        "profile on fake tensors (nothing is allocated, nothing real runs): a model larger than this machine, "
+        "a device that is not here; costs are counted FLOPs")})
+    dtype: Any = field(default=None, metadata={"group": "target", "choices": DTYPES, "help": (
+        "fake profiles only: the dtype floating-point parameters, gradients and optimizer state are kept in "
+        "(pure: no autocast), bfloat16, float16 or float32 (a torch.dtype or its name)")})
+    device: str | None = field(default=None, metadata={"group": "target", "help": (
+        "the device planned for, such as 'cuda'; unset (None), the model's")})
+    gpu: str | None = field(default=None, metadata={"group": "target", "help": (
+        "fake profiles only: a GPU name (h100, a100, l4, ...) whose throughput prices FLOPs in seconds")})
+    device_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
+        "the target device's total memory ('80GB') when it is not this machine's: percentages refer to it, and "
+        "a budget above it is an error")})
+    warmup: int = field(default=1, metadata={"help": "unmeasured steps run before profiling (lazy set-up, allocator)"})
+    precision: str | None = field(default=None, metadata={"group": "target", "choices": tuple(PRECISIONS), "help": (
+        "fake profiles only: how the step trains, in Lightning's names: bf16-mixed (float32 parameters, gradients "
+        "and optimizer state, the step under bfloat16 autocast), bf16-true (everything in bfloat16), 16-mixed, "
+        "16-true, 32-true. A real profile runs the step as it is given")})
+    accumulation_steps: int = field(default=1, metadata={"help": (
+        "micro-batches per optimizer step (gradient accumulation); above 1, every micro-batch but the first of a "
+        "window runs with all gradients alive from its start, and that one is profiled")})
+    gradient_buckets: bool = field(default=False, metadata={"help": (
+        "the model trains under DDP, whose reducer keeps its gradient buckets (a copy of the gradients, or the "
+        "gradients themselves with gradient_as_bucket_view) for the whole run: counted in every term")})
+    world_size: int = field(default=1, metadata={"group": "target", "help": (
+        "fake profiles only: plan one GPU of an FSDP2 step sharded over this many GPUs (fully_shard of each "
+        "candidate block, then the root, over a fake process group); the budget and every figure are per GPU, "
+        "and the step's batch is one GPU's (docs/sharded.md)")})
+    repeated_blocks: bool = field(default=True, metadata={"group": "target", "help": (
+        "fake profiles only: N interchangeable layers (same class, parameters and settings, in one ModuleList) "
+        "are profiled at 4 and 5 layers and the profile extrapolated to N (exact: every term is linear in the "
+        "depth); off profiles all N")})
+    policies: Any = field(default=(), metadata={"help": (
+        "op-level selective-checkpointing policies offered as options of every stage: save_matmuls (matmul "
+        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (in text, "
+        "separated by commas); 'all' (None) "
+        "for every one; none by default (). Opt-in: each costs one more measured step, eager SAC is slower in "
+        "wall-clock on the CPU, and plans that mix a policy with other options can exceed their prediction "
+        "(docs/selective_checkpointing.md)"), "parse": parse_policies})
+    offload: bool = field(default=False, metadata={"group": "target", "help": (
+        "also offer each stage's offload option (its saved tensors go to host memory and come back for backward, "
+        "where the transfer hides behind compute; docs/offload.md); an accelerator target only (a CUDA model, or "
+        "fake with a gpu), and never more host memory than the host has free")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
         if self.policies is not None:
             if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
                 raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(self.policies))
+            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
             raise ValueError("gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times "
                              "the real step")
         if self.precision is not None:
-            if self.precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            object.__setattr__(self, "precision", Precision.check(self.precision))
             if self.dtype is not None:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
@@ -200,13 +215,20 @@ class RematConfig:
         ValueError: cost must be one of ('time', 'flops', 'roofline'), got 'seconds'
     """
 
-    budget: Any
-    cost: str = "time"
-    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    budget: Any = field(metadata={"help": (
+        "peak memory of a whole training step on the device (parameters, gradients, optimizer state, "
+        "activations, temporaries): '10GB', '10 GiB', '512MiB', a number of bytes, '80%' of the device's total "
+        "memory (the host's RAM on a CPU), or 'min' for the plan of least peak")})
+    cost: CostKind = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
+        "what recomputation costs, which the plan minimises: flops (counted FLOPs: the same plan on every run, "
+        "also on fake tensors), time (measured forward seconds) or roofline (per recomputed op, max(FLOPs / "
+        "peak, bytes / bandwidth) for the target device)")})
+    profile: ProfileOptions = field(default_factory=ProfileOptions, metadata={"help": (
+        "how the step is profiled (ProfileOptions)")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        check_cost_kind(self.cost)
+        object.__setattr__(self, "cost", check_cost_kind(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
 
@@ -226,3 +248,100 @@ class RematConfig:
         if self.budget.is_min:
             raise ValueError(f'budget="min" has no meaning for {purpose}: give a size such as "10GB", '
                              'a number of bytes or a percentage such as "80%"')
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's ``help`` (its one description), by name.
+
+    Example:
+        >>> field_help(RematConfig)["cost"].split(":")[0]
+        'what recomputation costs, which the plan minimises'
+    """
+    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
+
+
+def _with_attributes(cls: type) -> str:
+    """``cls``'s docstring with an ``Attributes:`` section made from its fields' help, before its example."""
+    lines = ["    Attributes:"]
+    for f in fields(cls):
+        default = "" if f.default is MISSING else f" Default: {f.default!r}."
+        lines += textwrap.wrap(f"{f.name}: {f.metadata['help']}.{default}", width=100, initial_indent=" " * 8,
+                               subsequent_indent=" " * 12, break_on_hyphens=False)
+    doc = cls.__doc__ or ""
+    head, example, tail = doc.partition("    Example:")
+    return head.rstrip() + "\n\n" + "\n".join(lines) + "\n\n" + example + tail
+
+
+ProfileOptions.__doc__ = _with_attributes(ProfileOptions)
+RematConfig.__doc__ = _with_attributes(RematConfig)
+
+
+def _same(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def profile_options(options: ProfileOptions | None = None, **keywords: Any) -> ProfileOptions:
+    """``options``, or one made from ``keywords`` (``ProfileOptions``' field names); both at once is a
+    ``ConflictingArgumentsError`` (a ``TypeError``) naming the keywords, never a silent choice.
+
+    A keyword left at its default counts as not given.
+
+    Example:
+        >>> profile_options(warmup=3).warmup, profile_options(ProfileOptions(warmup=3), warmup=1).warmup
+        (3, 3)
+        >>> profile_options(ProfileOptions(warmup=3), warmup=2, fake=True)
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.ConflictingArgumentsError: profile settings given both as keywords (warmup=2, fake=True) and as options=ProfileOptions(...): put them in one place, e.g. options=dataclasses.replace(options, warmup=2, fake=True)
+    """
+    if options is None:
+        return ProfileOptions(**keywords)
+    if not isinstance(options, ProfileOptions):
+        raise TypeError(f"options must be a ProfileOptions, got {type(options).__name__}")
+    defaults = {f.name: f.default for f in fields(ProfileOptions)}
+    given = ", ".join(f"{name}={value!r}" for name, value in keywords.items() if not _same(value, defaults[name]))
+    if given:
+        raise ConflictingArgumentsError(
+            f"profile settings given both as keywords ({given}) and as options=ProfileOptions(...): put them in one "
+            f"place, e.g. options=dataclasses.replace(options, {given})")
+    return options
+
+
+def renamed_arguments(where: str, deprecated: dict[str, Any], renames: dict[str, tuple[str, Any, Any]],
+                      stacklevel: int = 3) -> dict[str, Any]:
+    """Resolve arguments given under deprecated names.
+
+    ``deprecated`` holds the keywords a function received under names it no longer documents (its
+    ``**deprecated``); ``renames`` maps each old name to ``(new name, the value received under the new
+    name, the new name's default)``. Returns ``{new name: value}`` for every rename: the old name's
+    value (with a ``DeprecationWarning`` naming the new name) or the new one's. Both given is a
+    ``ConflictingArgumentsError``; an unknown keyword a ``TypeError``, as Python's own.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     renamed_arguments("find_remat_batch_size", {"start": 4}, {"start": ("init_val", 2, 2)})
+        {'init_val': 4}
+        >>> str(caught[0].message)
+        'find_remat_batch_size: start= is deprecated (it goes in the next release): use init_val='
+        >>> renamed_arguments("f", {"colour": 1}, {})
+        Traceback (most recent call last):
+        ...
+        TypeError: f() got an unexpected keyword argument 'colour'
+    """
+    for name in deprecated:
+        if name not in renames:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+    resolved = {}
+    for old, (new, value, default) in renames.items():
+        resolved[new] = value
+        if old not in deprecated:
+            continue
+        warnings.warn(f"{where}: {old}= is deprecated (it goes in the next release): use {new}=", DeprecationWarning,
+                      stacklevel=stacklevel)
+        if not _same(value, default):
+            raise ConflictingArgumentsError(f"{where}: {new}= and its deprecated name {old}= were both given; "
+                                            f"give only {new}=")
+        resolved[new] = deprecated[old]
+    return resolved

@@ -171,7 +171,40 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
             f"the least peak per GPU there is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
             f"of which {_format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
             f"{what}."))
-class UnsupportedShardingError(RematError, NotImplementedError):
+
+
+class UnsupportedSetupError(RematError, NotImplementedError):
+    """The training setup is one planning does not support (Accelerate's DeepSpeed, Megatron-LM or
+    XLA modes, ``torch.compile`` through Accelerate's ``dynamo_backend``); the message names the
+    workaround. Also a ``NotImplementedError``, as these refusals were before.
+
+    Example:
+        >>> issubclass(UnsupportedSetupError, NotImplementedError)
+        True
+    """
+
+
+class StepError(RematError, RuntimeError):
+    """The training step does something planning cannot use (no candidate block ran in it, or it
+    returned a loss once and not when re-run). Also a ``RuntimeError``, as it was before.
+
+    Example:
+        >>> issubclass(StepError, RuntimeError)
+        True
+    """
+
+
+class ConflictingArgumentsError(RematError, TypeError):
+    """The same setting was given twice: as a keyword and inside ``options=``, or under its new
+    name and its deprecated one. A ``TypeError``, as Python's own "got multiple values for argument".
+
+    Example:
+        >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))
+        'give warmup= or options=, not both'
+    """
+
+
+class UnsupportedShardingError(UnsupportedSetupError):
     """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
     The message names the workaround: FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``),
     or ``plan_remat`` and ``apply_plan`` on the model before it is wrapped.

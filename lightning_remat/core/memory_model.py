@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from .vocabulary import cost_of
+
 @dataclass(frozen=True)
 class StageOption:
     """One way to run a stage: which modules are recomputed and what that costs and stores.
@@ -63,10 +65,8 @@ class StageOption:
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
-        seconds (``"roofline"``)."""
-        if kind == "roofline":
-            return self.cost_roofline
-        return self.cost_seconds if kind == "time" else self.cost_flops
+        seconds (``"roofline"``): a ``vocabulary.CostKind``."""
+        return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,7 @@ class Profile:
 
     def baseline_cost(self, kind: str) -> float:
         """Cost of one training step without recomputation, in the unit of ``kind``."""
-        if kind == "roofline":
-            return self.baseline_step_roofline
-        return self.baseline_step_seconds if kind == "time" else self.baseline_step_flops
+        return cost_of(kind, self.baseline_step_seconds, self.baseline_step_flops, self.baseline_step_roofline)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict; ``Profile.from_dict`` rebuilds an equal profile."""

@@ -34,10 +34,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from .memory_model import Profile
+from .vocabulary import OPTION_NAMES, OptionKind
 
-OFFLOAD = "offload"
+OFFLOAD = OPTION_NAMES[OptionKind.OFFLOAD]
 # Offload only what the host link moves while the next stage's forward runs: free by construction.
-OFFLOAD_HIDDEN = "offload:hidden"
+OFFLOAD_HIDDEN = OPTION_NAMES[OptionKind.OFFLOAD_HIDDEN]
 
 
 def is_offload(option_name: str) -> bool:

@@ -1,9 +1,31 @@
-"""The plan: which modules to recompute, and what that is predicted to cost and save."""
+"""The plan: one typed action per stage, and what the plan is predicted to cost and save.
+
+A plan is a schedule, as rotor's solvers return one: for each stage (a candidate block, in
+execution order) a ``StageAction`` says what happens to it: kept, recomputed (whole, some children,
+or under an op-level policy), recomputed with its neighbours as one segment, or offloaded to host
+memory (everything, or up to a byte limit). Every solver returns it (``core.solve.solve``,
+``core.solve.solve_recompute_everything``), one predictor prices it (``core.predict``) and one
+installer puts it on a model (``runtime.installing.installer``).
+
+The names a plan used to hold side by side (``checkpointed``, ``policies``, ``segments``,
+``offloaded``, ``offload_limits``) are read from the actions, and the constructor still takes them,
+so plans written before the actions existed, and the dicts saved from them (Lightning checkpoints),
+still load. A plan is immutable: ``dataclasses.replace(plan, requested_budget="10GB")`` makes a
+changed copy. A plan made without a profile predicts nothing: its predicted figures are None.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+import copy
+import math
+import warnings
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable, Mapping, Sequence
+
+from .actions import StageAction, check_actions, module_names, nested_in
+from .vocabulary import Action, CostKind, Policy
+
+__all__ = ["Plan", "StageAction", "StageChoice", "check_actions"]
 
 
 @dataclass(frozen=True)
@@ -22,29 +44,111 @@ class StageChoice:
     cost: float
 
 
-@dataclass
+def _legacy_actions(checkpointed: Any, segments: Any, policies: Any, offloaded: Any, offload_limits: Any,
+                    stages: Sequence[str]) -> tuple[StageAction, ...]:
+    """The actions of a plan given as names side by side (as plans were before their actions).
+
+    With ``stages`` (a solved plan's stages in execution order, from its choices), every stage
+    gets an action, in that order: the modules recomputed inside it (itself or its children), its
+    segment, its offload, or keep. Without, the recomputed modules, then the segments' stages, then
+    the offloaded modules, each its own stage.
+    """
+    names = module_names("checkpointed", checkpointed)
+    groups = [module_names("segments", s) for s in _module_names_lists(segments)]
+    moved = module_names("offloaded", offloaded)
+    if not isinstance(policies, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in policies.items()):
+        raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    chosen = {n: Policy.check(p) for n, p in policies.items()}
+    limits = {str(k): int(v) for k, v in dict(offload_limits).items()}
+    if not stages:
+        return (*(StageAction.recompute(n, policy=chosen.get(n)) for n in names),
+                *(StageAction.in_segment(s, group) for group in groups for s in group),
+                *(StageAction.offload(n, limits.get(n)) for n in moved))
+    known = set(stages)
+
+    def stage_of(name: str) -> str:
+        owners = [s for s in known if name == s or nested_in(name, s)]
+        return max(owners, key=len) if owners else name
+
+    recomputing: dict[str, list[str]] = {}
+    for name in names:
+        recomputing.setdefault(stage_of(name), []).append(name)
+    actions: list[StageAction] = []
+    # Every stage gets what the names say of it (several actions where they say several things:
+    # ``check_actions`` then says what is wrong), or keep.
+    for stage in dict.fromkeys([*stages, *recomputing, *(s for group in groups for s in group), *moved]):
+        said = len(actions)
+        # One policy per action: modules of a stage under different policies are actions of their own.
+        by_policy: dict[Any, list[str]] = {}
+        for m in recomputing.get(stage, ()):
+            by_policy.setdefault(chosen.get(m), []).append(m)
+        for k, (policy, group) in enumerate(by_policy.items()):
+            actions.append(StageAction.recompute(stage if k == 0 else group[0], group, policy))
+        actions.extend(StageAction.in_segment(stage, group) for group in groups if stage in group)
+        actions.extend(StageAction.offload(stage, limits.get(stage)) for n in moved if n == stage)
+        if len(actions) == said:
+            actions.append(StageAction.keep(stage))
+    return tuple(actions)
+
+
+def _module_names_lists(segments: Any) -> list[Any]:
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
+        raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {segments!r}")
+    return list(segments)
+
+
+def _figure(value: Any, kind: type) -> Any:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return kind(value)
+
+
+# What ``to_dict`` writes for readers of the dict (plan.json, older versions): read from the actions.
+_DERIVED = ("checkpointed", "segments", "policies", "offloaded", "offload_limits")
+
+
+@dataclass(frozen=True, init=False)
 class Plan:
-    """A recompute plan for one model under one budget.
+    """A plan for one model under one budget: an action per stage, and its predicted figures.
 
     Attributes:
-        checkpointed: names (as in ``model.named_modules()``) of the modules whose forward is
-            recomputed during backward.
-        budget_bytes: the budget the plan was solved for (for ``budget="min"``, the least peak).
-        baseline_peak_bytes: measured peak of a training step without recomputation.
-        predicted_peak_bytes: the memory model's peak for this plan.
-        predicted_overhead: recompute cost divided by the cost of a step without recomputation.
-        cost_kind: ``"time"`` (measured seconds), ``"flops"`` (counted FLOPs) or ``"roofline"``
-            (per op max(FLOPs / peak, bytes / bandwidth)).
-        offloaded: modules whose saved tensors go to host memory and come back for backward
-            (``runtime.offload``); ``host_bytes`` is the host memory they take.
-        policies: per checkpointed module, the selective-checkpointing policy its recompute runs
-            under (``runtime.sac.POLICIES``); a module not in it recomputes its whole forward.
+        actions: one ``StageAction`` per stage; for a plan solved on a profile, every stage in
+            execution order (keeps included), as ``choices``.
+        budget_bytes: the budget the plan was solved for (for ``budget="min"``, the least peak);
+            None for a ``"min"`` that was never resolved (no profile).
+        baseline_peak_bytes: the profiled peak of a training step without recomputation (None: not profiled).
+        predicted_peak_bytes: the memory model's peak for this plan (None: not predicted).
+        predicted_overhead: recompute cost divided by the cost of a step without recomputation (None: not predicted).
+        cost_kind: ``CostKind.TIME`` (measured seconds), ``FLOPS`` (counted FLOPs) or ``ROOFLINE``
+            (per op max(FLOPs / peak, bytes / bandwidth)); equal to its string.
+        requested_budget: the budget as the user gave it.
+        choices: per stage, the profile's option chosen and its figures (empty without a profile).
+        parameter_bytes, gradient_bytes, optimizer_state_bytes: static memory in the profile.
+        notes: what the profile or the planner noticed.
+        fingerprint: what the plan was made for (parameter bytes, the batch's size and shapes), so
+            that an integration can tell when it no longer applies: a resumed run, a larger batch.
+        sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
+            empty on one device.
+        host_bytes: host memory the offloaded stages take.
+
+    Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
+    alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
+    checkpointed), ``offloaded`` and ``offload_limits``; ``fallback`` (nothing predicted).
+
+    Each action is checked when it is made (``StageAction``); whether the actions can be installed
+    together (no module recomputed twice, or recomputed and offloaded) is checked against the model
+    by the installer (``core.actions.check_actions``), as a plan solved on a synthetic profile may
+    name a stage twice.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
-        >>> Plan.from_dict(plan.to_dict()) == plan
-        True
+        >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
+        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None),))
         >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
@@ -55,87 +159,190 @@ class Plan:
 
         >>> print(plan.summary().splitlines()[0])
         Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
+        >>> plan.requested_budget = "1GB"
+        Traceback (most recent call last):
+        ...
+        dataclasses.FrozenInstanceError: cannot assign to field 'requested_budget'
     """
 
-    checkpointed: list[str]
-    budget_bytes: int
-    baseline_peak_bytes: int
-    predicted_peak_bytes: int
-    predicted_overhead: float
-    cost_kind: str = "time"
-    requested_budget: str = ""
-    choices: list[StageChoice] = field(default_factory=list)
-    parameter_bytes: int = 0
-    gradient_bytes: int = 0
-    optimizer_state_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-    fallback: bool = False
-    # What the plan was made for (parameter bytes, the batch's size and shapes), so that an
-    # integration can tell when it no longer applies: a resumed run, a larger batch.
-    fingerprint: dict[str, Any] = field(default_factory=dict)
-    # The profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight); empty on one device.
-    sharding: dict[str, Any] = field(default_factory=dict)
-    # Runs of consecutive stages (items of one nn.Sequential) recomputed as ONE checkpoint each:
-    # their inner boundaries are not kept (``core.spans``). Empty: every module is recomputed alone.
-    segments: list[list[str]] = field(default_factory=list)
-    policies: dict[str, str] = field(default_factory=dict)
-    # Modules whose saved tensors go to host memory during forward and come back for backward
-    # (``runtime.offload``); ``host_bytes`` is what they hold on the host.
-    offloaded: list[str] = field(default_factory=list)
-    host_bytes: int = 0
-    # Per offloaded module, the bytes it offloads at most per forward call (absent: everything).
-    offload_limits: dict[str, int] = field(default_factory=dict)
+    actions: tuple[StageAction, ...]
+    budget_bytes: int | None
+    baseline_peak_bytes: int | None
+    predicted_peak_bytes: int | None
+    predicted_overhead: float | None
+    cost_kind: CostKind
+    requested_budget: str
+    choices: tuple[StageChoice, ...]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    notes: tuple[str, ...]
+    fingerprint: dict[str, Any]
+    sharding: dict[str, Any]
+    host_bytes: int
+
+    def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
+                 baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
+                 predicted_overhead: float | None = None, cost_kind: CostKind | str = CostKind.TIME,
+                 requested_budget: str = "", choices: Iterable[StageChoice] = (), parameter_bytes: int = 0,
+                 gradient_bytes: int = 0, optimizer_state_bytes: int = 0, notes: Iterable[str] = (),
+                 fallback: bool | None = None, fingerprint: Mapping[str, Any] | None = None,
+                 sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
+                 policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
+                 host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
+                 actions: Iterable[StageAction] | None = None) -> None:
+        choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
+        named = {k: v for k, v in (("checkpointed", checkpointed), ("segments", segments), ("policies", policies),
+                                   ("offloaded", offloaded), ("offload_limits", offload_limits)) if v is not None}
+        if actions is not None:
+            if named:
+                raise TypeError(f"give a plan its actions or its names ({', '.join(named)}), not both")
+            actions = tuple(actions)
+            if not all(isinstance(a, StageAction) for a in actions):
+                raise TypeError(f"a plan's actions are StageActions, got {actions!r}")
+        else:
+            actions = _legacy_actions(checkpointed if checkpointed is not None else (), segments or (),
+                                      policies if policies is not None else {}, offloaded or (), offload_limits or {},
+                                      [c.stage for c in choices])
+        if fallback is not None:
+            warnings.warn("Plan(fallback=...) is deprecated: a plan made without a profile has None predictions "
+                          "(core.solve.solve_recompute_everything)", DeprecationWarning, stacklevel=2)
+            if fallback:
+                baseline_peak_bytes = predicted_peak_bytes = predicted_overhead = None
+                budget_bytes = budget_bytes or None
+        values = dict(
+            actions=actions, budget_bytes=_figure(budget_bytes, int), baseline_peak_bytes=_figure(baseline_peak_bytes, int),
+            predicted_peak_bytes=_figure(predicted_peak_bytes, int), predicted_overhead=_figure(predicted_overhead, float),
+            cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
+            parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
+            optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
+            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------------ read from the actions
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """Names of the modules recomputed alone (in the plan's order)."""
+        return [m for a in self.actions if a.action is Action.RECOMPUTE for m in a.modules]
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """Per recomputed module that has one, its op-level policy's name."""
+        return {m: a.policy.value for a in self.actions if a.action is Action.RECOMPUTE and a.policy is not None
+                for m in a.modules}
+
+    @property
+    def segments(self) -> list[list[str]]:
+        """Runs of consecutive stages (items of one nn.Sequential) recomputed as ONE checkpoint each."""
+        return [list(s) for s in dict.fromkeys(a.segment for a in self.actions if a.action is Action.SEGMENT)]
+
+    @property
+    def offloaded(self) -> list[str]:
+        """Modules whose saved tensors go to host memory during forward and come back for backward."""
+        return [a.stage for a in self.actions if a.action is Action.OFFLOAD]
+
+    @property
+    def offload_limits(self) -> dict[str, int]:
+        """Per offloaded module with a limit, the bytes it offloads at most per forward call."""
+        return {a.stage: a.offload_limit for a in self.actions
+                if a.action is Action.OFFLOAD and a.offload_limit is not None}
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages the actions are for, in the plan's order."""
+        return tuple(a.stage for a in self.actions)
+
+    @property
+    def stage_order(self) -> tuple[str, ...] | None:
+        """Every stage in execution order, for a plan solved on a profile (None otherwise): what
+        offloading needs to release and prefetch one stage ahead."""
+        chosen = {c.stage for c in self.choices}
+        return tuple(a.stage for a in self.actions if a.stage in chosen) if chosen else None
+
+    @property
+    def fallback(self) -> bool:
+        """Whether nothing is predicted (a plan made without a profile)."""
+        return self.predicted_peak_bytes is None
+
+    @property
+    def predicted_saving_bytes(self) -> int | None:
+        """Bytes of peak memory the plan is predicted to save against no recomputation (None: not predicted)."""
+        if self.baseline_peak_bytes is None or self.predicted_peak_bytes is None:
+            return None
+        return self.baseline_peak_bytes - self.predicted_peak_bytes
 
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
                              note: str) -> "Plan":
-        """The plan made without a profile (profiling ran out of memory): every stage recomputed whole.
+        """Deprecated: ``core.solve.solve_recompute_everything``, which returns the same plan."""
+        warnings.warn("Plan.recompute_everything is deprecated: use lightning_remat.core.solve."
+                      "solve_recompute_everything", DeprecationWarning, stacklevel=2)
+        return cls(actions=[StageAction.recompute(s) for s in stages],
+                   budget_bytes=budget if isinstance(budget, int) else None, cost_kind=cost_kind,
+                   requested_budget=requested_budget, notes=[note] if note else [])
 
-        Nothing is predicted: ``predicted_peak_bytes`` and ``baseline_peak_bytes`` are 0 and
-        ``predicted_overhead`` is NaN (unknown); ``budget_bytes`` is 0 for ``"min"``.
-
-        Example:
-            >>> plan = Plan.recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
-            >>> plan.fallback, plan.checkpointed, plan.budget_bytes
-            (True, ['h.0', 'h.1'], 0)
-        """
-        return cls(checkpointed=list(stages), budget_bytes=budget if isinstance(budget, int) else 0,
-                   baseline_peak_bytes=0, predicted_peak_bytes=0, predicted_overhead=float("nan"),
-                   cost_kind=cost_kind, requested_budget=requested_budget, notes=[note], fallback=True)
-
-    @property
-    def predicted_saving_bytes(self) -> int:
-        """Bytes of peak memory the plan is predicted to save against no recomputation."""
-        return self.baseline_peak_bytes - self.predicted_peak_bytes
+    # ------------------------------------------------------------------------- dicts and text
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``Plan.from_dict`` rebuilds an equal plan."""
-        return asdict(self)
+        """A JSON-safe dict of plain values; ``Plan.from_dict`` rebuilds an equal plan. Besides the
+        fields it holds what the actions say under the names plans held before (``checkpointed``,
+        ``segments``, ``policies``, ``offloaded``, ``offload_limits``, ``fallback``), for readers of
+        the dict."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "actions":
+                value = [a.to_dict() for a in value]
+            elif f.name == "choices":
+                value = [asdict(c) for c in value]
+            elif f.name in ("notes",):
+                value = list(value)
+            elif f.name in ("fingerprint", "sharding"):
+                value = copy.deepcopy(value)
+            elif f.name == "cost_kind":
+                value = value.value
+            data[f.name] = value
+        data.update({name: getattr(self, name) for name in _DERIVED}, fallback=self.fallback)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        checkpointed = data.get("checkpointed")
-        if not isinstance(checkpointed, (list, tuple)) or not all(isinstance(n, str) for n in checkpointed):
-            raise ValueError(f"a plan's 'checkpointed' must be a list of module names, got {checkpointed!r}")
-        known["choices"] = [StageChoice(**c) for c in data.get("choices", [])]
-        known["checkpointed"] = list(checkpointed)
-        known["notes"] = list(data.get("notes", []))
-        known["segments"] = [list(s) for s in data.get("segments", [])]
-        policies = data.get("policies", {})
+        """The plan of a dict from ``to_dict``, of this version or of one before plans had actions."""
+        legacy = {name: data[name] for name in _DERIVED if name in data}
+        if "checkpointed" not in data and "actions" not in data:
+            legacy["checkpointed"] = None
+        if "checkpointed" in legacy:
+            legacy["checkpointed"] = list(module_names("checkpointed", legacy["checkpointed"]))
+        if "offloaded" in legacy:
+            legacy["offloaded"] = list(module_names("offloaded", legacy["offloaded"]))
+        if "segments" in legacy:
+            legacy["segments"] = [list(module_names("segments", s)) for s in _module_names_lists(legacy["segments"])]
+        policies = legacy.get("policies", {})
         if not isinstance(policies, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in policies.items()):
             raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
-        known["policies"] = dict(policies)
-        offloaded = data.get("offloaded", [])
-        if not isinstance(offloaded, (list, tuple)) or not all(isinstance(n, str) for n in offloaded):
-            raise ValueError(f"a plan's 'offloaded' must be a list of module names, got {offloaded!r}")
-        known["offloaded"] = list(offloaded)
-        known["offload_limits"] = {str(k): int(v) for k, v in data.get("offload_limits", {}).items()}
-        return cls(**known)
+        if "offload_limits" in legacy:
+            legacy["offload_limits"] = {str(k): int(v) for k, v in legacy["offload_limits"].items()}
+        common = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "actions"}
+        if "actions" not in data:
+            if data.get("fallback"):
+                # Saved before predictions could be None: 0 and NaN stood for "not predicted".
+                common.update(baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,
+                              budget_bytes=common.get("budget_bytes") or None)
+            return cls(**legacy, **common)
+        if not isinstance(data["actions"], (list, tuple)):
+            raise ValueError(f"a plan's 'actions' must be a list of actions, got {data['actions']!r}")
+        plan = cls(actions=[StageAction.from_dict(a) for a in data["actions"]], **common)
+        disagree = [name for name, value in legacy.items() if value != getattr(plan, name)]
+        if disagree:
+            raise ValueError(f"a plan's {', '.join(repr(n) for n in disagree)} disagree(s) with its 'actions'")
+        return plan
 
     def summary(self, title: str = "Recompute plan") -> str:
-        """A readable table: the totals, one row per stage, and memory no recomputation frees
-        (rendered by ``lightning_remat.report.render.plan_summary``)."""
-        from ..report.render import plan_summary
+        """A readable text: the totals, one row per stage, and memory no recomputation frees
+        (``core.plan_text``; the report layer shows the same with rich)."""
+        from .plan_text import plan_text
 
-        return plan_summary(self, title)
+        return plan_text(self, title)
+

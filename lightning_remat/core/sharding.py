@@ -16,6 +16,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# The per-GPU split is part of how a plan is written (``core.plan_text``), which needs nothing above it.
+from .plan_text import per_gpu_breakdown
+
+__all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
+
 
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
     """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None.
@@ -36,35 +41,6 @@ def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, b
     if room <= 0:
         return None
     return max(world_size, math.ceil(sharded_static * world_size / room))
-
-
-def per_gpu_breakdown(plan: Any) -> dict[str, int]:
-    """The per-GPU peak of a sharded plan, split: sharded parameters (the master weights under mixed
-    precision), gradients and optimizer state, the unsharded parameters in flight at most, and the
-    rest of the predicted peak (activations of the local batch, temporaries, reduce-scatter
-    buffers). Empty for an unsharded plan.
-
-    Example:
-        >>> from lightning_remat.core.plan import Plan
-        >>> plan = Plan([], 0, 100, 100, 0.0, parameter_bytes=10, gradient_bytes=10, optimizer_state_bytes=20,
-        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 15})
-        >>> per_gpu_breakdown(plan)["activations_and_rest_bytes"]
-        45
-    """
-    sharding = getattr(plan, "sharding", None) or {}
-    if not sharding:
-        return {}
-    parts = {
-        "world_size": int(sharding["world_size"]),
-        "parameter_bytes": int(plan.parameter_bytes),
-        "gradient_bytes": int(plan.gradient_bytes),
-        "optimizer_state_bytes": int(plan.optimizer_state_bytes),
-        "unsharded_parameter_bytes": int(sharding.get("unsharded_parameter_bytes", 0)),
-    }
-    held = sum(v for k, v in parts.items() if k != "world_size")
-    parts["activations_and_rest_bytes"] = max(0, int(plan.predicted_peak_bytes) - held)
-    parts["peak_bytes"] = int(plan.predicted_peak_bytes)
-    return parts
 
 
 def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:

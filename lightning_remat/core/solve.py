@@ -23,8 +23,10 @@ from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .spans import span_rows, plan_cost_spans, predict_peak_spans, span_option
-from .plan import Plan, StageChoice
+from .spans import span_rows, predict_peak_spans, span_option
+from .plan import Plan, StageAction, StageChoice
+from .predict import actions_of, predict
+from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
 # stored bytes, plus the point that stores least. Plans stay feasible (every constraint is checked
@@ -83,7 +85,7 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
     for first, last, stored, local, seconds, flops, roofline in span_rows(profile):
-        cost = roofline if kind == "roofline" else seconds if kind == "time" else flops
+        cost = cost_of(kind, seconds, flops, roofline)
         ends[last + 1].append((first, stored, local, cost))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
 
@@ -223,7 +225,8 @@ def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> li
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """Build the Plan for given option indices (used by ``solve`` and by tests and benchmarks).
+    """Build the Plan for given option indices and spans (used by ``solve`` and by tests and
+    benchmarks): its actions (``predict.actions_of``), priced by the one predictor (``predict.predict``).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -233,56 +236,58 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         >>> plan_from_choices(p, [1], 200).checkpointed
         ['a']
     """
-    baseline_cost = profile.baseline_cost(cost)
-    extra = plan_cost_spans(profile, choices, cost, spans)
+    kind = check_cost_kind(cost)
+    actions = actions_of(profile, choices, spans)
+    predicted = predict(profile, actions, kind)
     stage_choices = []
-    checkpointed: list[str] = []
-    policies: dict[str, str] = {}
-    offloaded: list[str] = []
-    offload_limits: dict[str, int] = {}
-    host_bytes = 0
-    segments = [list(profile.stages[a].name for a in range(first, last + 1)) for first, last in sorted(spans)]
     in_span = {k: (first, last) for first, last in spans for k in range(first, last + 1)}
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         if k in in_span:
             first, last = in_span[k]
-            whole = stage.option("whole")
+            whole = stage.option(OPTION_NAMES[OptionKind.WHOLE])
             # The span's stored bytes are its last stage's; its cost is the sum of its stages'.
             stored = span_option(profile, first, last).stored_bytes if k == last else 0
             stage_choices.append(StageChoice(stage.name, f"segment {profile.stages[first].name}..{profile.stages[last].name}",
-                                             stage.options[0].stored_bytes, stored, float(whole.cost(cost))))
+                                             stage.options[0].stored_bytes, stored, float(whole.cost(kind))))
             continue
         option = stage.options[c]
-        checkpointed.extend(option.checkpointed)
-        offloaded.extend(option.offloaded)
-        if option.offload_limit:
-            offload_limits.update({name: option.offload_limit for name in option.offloaded})
-        host_bytes += option.host_bytes
-        if option.policy:
-            policies.update({name: option.policy for name in option.checkpointed})
         stage_choices.append(
-            StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(cost)))
+            StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(kind)))
         )
     return Plan(
-        checkpointed=checkpointed,
+        actions=actions,
         budget_bytes=int(budget_bytes),
         baseline_peak_bytes=int(profile.baseline_peak_bytes),
-        predicted_peak_bytes=int(predict_peak_spans(profile, choices, spans)),
-        predicted_overhead=float(extra / baseline_cost) if baseline_cost else 0.0,
-        cost_kind=cost,
+        predicted_peak_bytes=predicted.peak_bytes,
+        predicted_overhead=predicted.overhead,
+        cost_kind=kind,
         requested_budget=requested_budget or str(budget_bytes),
         choices=stage_choices,
         parameter_bytes=profile.parameter_bytes,
         gradient_bytes=profile.gradient_bytes,
         optimizer_state_bytes=profile.optimizer_state_bytes,
-        notes=list(profile.notes),
-        sharding=dict(profile.sharding),
-        segments=segments,
-        policies=policies,
-        offloaded=offloaded,
-        host_bytes=int(host_bytes),
-        offload_limits=offload_limits,
+        notes=profile.notes,
+        sharding=profile.sharding,
+        host_bytes=predicted.host_bytes,
     )
+
+
+def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
+                               requested_budget: str = "", note: str = "") -> Plan:
+    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole,
+    the plan most likely to fit. Another solver: it returns the same typed plan as ``solve``, with
+    nothing predicted (its predicted figures are None); ``budget_bytes`` is None for ``"min"``.
+
+    Example:
+        >>> plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
+        >>> plan.fallback, plan.checkpointed, plan.budget_bytes, plan.predicted_peak_bytes
+        (True, ['h.0', 'h.1'], None, None)
+    """
+    return Plan(actions=[StageAction.recompute(s) for s in stages],
+                budget_bytes=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
+                baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,
+                cost_kind=check_cost_kind(cost), requested_budget=requested_budget or str(budget),
+                notes=[note] if note else [])
 
 
 def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:

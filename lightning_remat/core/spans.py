@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .memory_model import Profile, predict_peak
+from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,7 @@ class SpanOption:
 
     def cost(self, kind: str) -> float:
         """Recompute cost in seconds (``"time"``), FLOPs (``"flops"``) or roofline seconds (``"roofline"``)."""
-        if kind == "roofline":
-            return self.cost_roofline
-        return self.cost_seconds if kind == "time" else self.cost_flops
+        return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
 def max_span_length(n_stages: int) -> int:
@@ -105,7 +104,7 @@ def span_ranges(profile: Profile) -> list[tuple[int, int]]:
 
 
 def _whole(profile: Profile, i: int):
-    return next((o for o in profile.stages[i].options if o.name == "whole"), None)
+    return next((o for o in profile.stages[i].options if o.name == OPTION_NAMES[OptionKind.WHOLE]), None)
 
 
 def _last_term(profile: Profile, k: int, held: int) -> int:

@@ -1,9 +1,10 @@
 """Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
 
 The data classes (``Plan``, ``BatchSizeResult``, ``MemoryBreakdown``, pareto points) hold numbers;
-this module turns them into ``rich`` tables for a terminal and into plain text for logs and
-``summary()``. A plan is rendered one way everywhere: a headline, one row per stage, the static
-memory at the peak, and the plan's notes.
+this module turns them into ``rich`` tables for a terminal and into plain text for logs. A plan is
+rendered one way everywhere: a headline, one row per stage, the static memory at the peak, and the
+plan's notes; its text (``Plan.summary()``) is ``core.plan_text``, which this module shows with a
+rich table.
 
 Example:
     >>> from lightning_remat.core.plan import Plan
@@ -19,6 +20,11 @@ import math
 from typing import Any, Iterable, Sequence
 
 from ..core.budget import format_bytes
+from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
+
+__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
+           "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table",
+           "breakdown_modules_table", "breakdown_renderables", "pareto_table"]
 
 TEXT_WIDTH = 120
 
@@ -56,101 +62,32 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
 # --------------------------------------------------------------------------------------- plans
 
 
-def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
-    """One line: modules recomputed, predicted peak against budget and baseline, overhead."""
-    if getattr(plan, "fallback", False):
-        return (f"{title}: {len(plan.checkpointed)} module(s) recomputed whole (fallback: not profiled, peak not "
-                f"predicted; budget {plan.requested_budget or format_bytes(plan.budget_bytes)})")
-    overhead = "unknown" if math.isnan(plan.predicted_overhead) else f"{plan.predicted_overhead:.1%}"
-    segments = len(getattr(plan, "segments", []))
-    spans = f" and {segments} segment(s)" if segments else ""
-    return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {format_bytes(plan.predicted_peak_bytes)} "
-            f"(budget {format_bytes(plan.budget_bytes)}, baseline {format_bytes(plan.baseline_peak_bytes)}), "
-            f"overhead {overhead} ({plan.cost_kind})")
-
-
 def plan_table(plan: Any) -> Any:
-    """The plan's stages as a ``rich.table.Table``: option, stored bytes with and without it, cost."""
+    """The plan's stages as a ``rich.table.Table``: option, stored bytes with and without it, cost
+    (the rows of ``core.plan_text.plan_rows``)."""
     from rich.table import Table
 
-    unit = "FLOP" if plan.cost_kind == "flops" else "s"
     table = Table(show_edge=False, pad_edge=False)
-    for column, justify in (("stage", "left"), ("option", "left"), ("stored (keep)", "right"),
-                            ("stored (plan)", "right"), ("recompute cost", "right")):
-        table.add_column(column, justify=justify, no_wrap=column == "stage")  # type: ignore[arg-type]
-    for c in plan.choices:
-        table.add_row(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
-                      f"{c.cost:.3g} {unit}" if c.cost else "-")
-    if not plan.choices:
-        for name in plan.checkpointed:
-            policy = getattr(plan, "policies", {}).get(name)
-            table.add_row(name, f"sac:{policy}" if policy else "whole", "-", "-", "-")
+    for k, column in enumerate(TABLE_HEADER):
+        table.add_column(column, justify="left" if k < 2 else "right", no_wrap=k == 0)  # type: ignore[arg-type]
+    for row in plan_rows(plan):
+        table.add_row(*row)
     return table
 
 
 def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
-    """Headline, stage table, static memory at the peak, notes: the plan as it is shown everywhere."""
+    """Headline, stage table, static memory at the peak, notes: the plan as ``Plan.summary()``
+    writes it (``core.plan_text``), with a rich table."""
     lines: list[Any] = [plan_headline(plan, title)]
-    if plan.choices or plan.checkpointed:
+    if plan_rows(plan):
         lines.append(plan_table(plan))
-    segments = getattr(plan, "segments", [])
-    if segments:
-        lines.append("  segments, each recomputed as one checkpoint (inner boundaries not kept): "
-                     + ", ".join(f"{s[0]}..{s[-1]} ({len(s)})" for s in segments))
-    policies = getattr(plan, "policies", {})
-    if policies:
-        counts: dict[str, int] = {}
-        for policy in policies.values():
-            counts[policy] = counts.get(policy, 0) + 1
-        lines.append("  selective checkpointing (op-level policy per recomputed module): "
-                     + ", ".join(f"{policy} x{n}" for policy, n in sorted(counts.items())))
-    offloaded = getattr(plan, "offloaded", [])
-    if offloaded:
-        lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
-                     f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
-    if getattr(plan, "sharding", None) and not getattr(plan, "fallback", False):
-        lines.append(sharded_memory_line(plan))
-    elif not getattr(plan, "fallback", False):
-        # Gradients exist only from some point of backward on, so the rest of the peak is not
-        # split between them and activations: it is said as what it is.
-        held = plan.parameter_bytes + plan.optimizer_state_bytes
-        lines.append(
-            f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "
-            f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
-            f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
-            "activations, temporaries and the gradients alive at that point")
-    lines.extend(f"  note: {note}" for note in plan.notes)
+    lines.extend(plan_lines(plan))
     return lines
 
 
-def sharded_memory_line(plan: Any) -> str:
-    """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``core.sharding.per_gpu_breakdown``).
-
-    Example:
-        >>> from lightning_remat.core.plan import Plan
-        >>> plan = Plan([], 0, 2**30, 2**30, 0.0, parameter_bytes=2**28, optimizer_state_bytes=2**29,
-        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 2**27,
-        ...                       "sharded_dtype": "float32", "param_dtype": "bfloat16"})
-        >>> print(sharded_memory_line(plan))
-          per GPU of 8 (FSDP2): sharded parameters (float32 master weights) 256.00 MiB, gradients 0 B, optimizer state 512.00 MiB, unsharded parameters in flight (bfloat16) up to 128.00 MiB; the rest of the predicted peak, 128.00 MiB, is activations of the local batch, temporaries and reduce-scatter buffers
-    """
-    from ..core.sharding import per_gpu_breakdown
-
-    parts = per_gpu_breakdown(plan)
-    sharding = plan.sharding
-    stored, computed = sharding.get("sharded_dtype", ""), sharding.get("param_dtype", "")
-    master = f" ({stored} master weights)" if stored and computed and stored != computed else ""
-    return (f"  per GPU of {parts['world_size']} (FSDP2): sharded parameters{master} "
-            f"{format_bytes(parts['parameter_bytes'])}, gradients {format_bytes(parts['gradient_bytes'])}, optimizer "
-            f"state {format_bytes(parts['optimizer_state_bytes'])}, unsharded parameters in flight"
-            f"{f' ({computed})' if computed else ''} up to {format_bytes(parts['unsharded_parameter_bytes'])}; the rest "
-            f"of the predicted peak, {format_bytes(parts['activations_and_rest_bytes'])}, is activations of the local "
-            "batch, temporaries and reduce-scatter buffers")
-
-
 def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    """The plan as plain text (``Plan.summary()``)."""
-    return to_text(plan_renderables(plan, title))
+    """The plan as plain text (``Plan.summary()``: ``core.plan_text.plan_text``)."""
+    return plan_text(plan, title)
 
 
 def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:

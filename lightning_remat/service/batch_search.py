@@ -146,8 +146,7 @@ class BatchSearch:
                 if plan.predicted_peak_bytes > effective:
                     plan = None
             if plan is not None:
-                plan.budget_bytes = self.budget_bytes
-                plan.requested_budget = self.config.budget.text
+                plan = replace(plan, budget_bytes=self.budget_bytes, requested_budget=self.config.budget.text)
             self.plans[key] = plan
         return self.plans[key]
 

@@ -4,7 +4,7 @@
 Lightning's ``BatchSizeFinder``, with recomputation in the loop. Instead of trying batch after batch
 until one runs out of memory, it
 
-1. profiles a training step at two small batch sizes (``start`` and ``2 * start``) and fits every
+1. profiles a training step at two small batch sizes (``init_val`` and ``2 * init_val``) and fits every
    term of the memory model as ``a + b * batch`` (``core.batch_fit.ProfileFit``), a ``Profile`` for
    any batch size without running it;
 2. searches, on these predictions only, the largest batch whose optimal plan (``solve``) fits the
@@ -31,7 +31,7 @@ Example:
     >>> def make_step(batch_size):
     ...     x = torch.randn(batch_size, 32)
     ...     return lambda model: model(x).square().mean()
-    >>> result = find_remat_batch_size(make_step, net, 600_000, start=4, max_batch_size=256)
+    >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
     >>> result.batch_size > result.batch_size_without_remat > 0
     True
     >>> result.measured_peak_bytes <= 600_000
@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ from torch import nn
 from ..core.batch_fit import (DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, ProfileFit, lightning_binsearch_sizes,
                               validate_search)
 from ..core.budget import format_bytes
-from ..core.config import ProfileOptions, RematConfig
+from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig, renamed_arguments
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
@@ -84,7 +85,7 @@ class BatchSizeResult:
         profile_batch_sizes: the batch sizes profiled; ``profile_passes`` forward/backward passes
             the profiler ran at them, ``profile_samples`` the samples those passes processed.
         binsearch_sizes: the sizes Lightning's binsearch would try for the same range (from
-            ``start`` up to ``largest_fitting``), ``binsearch_trial_steps`` its real steps.
+            ``init_val`` up to ``largest_fitting``), ``binsearch_trial_steps`` its real steps.
 
     Example:
         >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -190,49 +191,58 @@ def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def find_remat_batch_size(
-    make_step: MakeStep,
     model: nn.Module,
+    make_step: MakeStep,
     budget: int | str,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    start: int = 2,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    init_val: int = 2,
+    max_val: int = DEFAULT_MAX_BATCH_SIZE,
     max_overhead: float = 0.35,
     steps_per_trial: int = 1,
     margin: float = 0.0,
-    cost: str = "flops",
+    cost: str = DEFAULT_COST,
     mode: str = "binsearch",
     max_trials: int = 25,
     candidates: CandidateSpec = None,
+    policies: Any = (),
     confirm: bool = True,
     confirm_without_remat: bool = False,
     apply: bool = True,
     offload: bool = False,
+    **deprecated: Any,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
+    The arguments have Lightning's names (``Tuner.scale_batch_size``, ``BatchSizeFinder``:
+    ``init_val``, ``max_val``, ``mode``, ``steps_per_trial``, ``max_trials``, ``margin``) and the
+    planning ones ``plan_remat``'s (``cost``, ``candidates``, ``policies``, ``offload``).
+
     Args:
+        model: the model, in training mode. Left with the plan for the result applied (``apply``).
         make_step: ``make_step(batch_size)`` returns a step closure ``step(model) -> loss`` on a batch
             of ``batch_size`` samples (as ``profile_step`` and ``measure_step`` take it). It is
             called once per batch size profiled or tried.
-        model: the model, in training mode. Left with the plan for the result applied (``apply``).
         budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
         optimizer: counted in the budget (its state and its step). Trial steps step it for real;
             parameters, optimizer state, gradients, buffers and RNG are put back afterwards.
-        start: the first batch size, as Lightning's ``init_val``; the model is profiled at ``start``
-            and ``2 * start``.
-        max_batch_size: the largest batch size considered (Lightning's ``max_val``).
+        init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
+        max_val: the largest batch size considered.
         max_overhead: the largest recompute cost accepted, as a share of the cost of a step
             without recomputation (0.35 = 35%); 0 means no recomputation.
         steps_per_trial: real steps per confirmation trial. An optimizer without state creates it
             first with one optimizer step on zero gradients (no forward or backward), since the
             budget is for steady-state steps.
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
-        cost: ``"flops"`` (counted, deterministic) or ``"time"`` (measured) prices recomputation.
-        mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``start * 2**k``.
+        cost: ``"flops"`` (counted, deterministic; the default), ``"time"`` (measured) or
+            ``"roofline"`` prices recomputation.
+        mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
         max_trials: the most confirmation trials run before giving up with the last size that passed
             (or the largest predicted one, noted, when none did).
         candidates: as ``find_stages``: None for automatic stages, or module classes / name patterns.
+        policies: op-level selective-checkpointing policies offered to every stage, as
+            ``plan_remat(policies=)``; none by default (None, "every one", is read as none here: the
+            fit across batch sizes under-predicted them).
         confirm: run real trial steps at the chosen batch (recommended; without it the result is a
             prediction only).
         confirm_without_remat: confirm the batch without recomputation by real steps too.
@@ -242,6 +252,9 @@ def find_remat_batch_size(
             device, and a ``RematError`` says so before anything runs). Every batch size's plan
             stays within the host memory free when the search starts; trials run with the plan's
             offloading applied.
+        **deprecated: ``start`` (now ``init_val``) and ``max_batch_size`` (now ``max_val``), accepted
+            with a ``DeprecationWarning`` until the next release. The old order
+            ``find_remat_batch_size(make_step, model, ...)`` is accepted the same way.
 
     On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
     same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
@@ -261,13 +274,22 @@ def find_remat_batch_size(
         >>> import torch
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3)])
         >>> make_step = lambda b: (lambda m, x=torch.randn(b, 16): m(x).square().mean())
-        >>> find_remat_batch_size(make_step, net, 10**6, margin=1.5)
+        >>> find_remat_batch_size(net, make_step, 10**6, margin=1.5)
         Traceback (most recent call last):
         ...
         ValueError: margin must be in [0, 1) (the share the found batch size is reduced by), got 1.5
     """
-    validate_search(max_overhead, margin, steps_per_trial, start, max_batch_size, mode, max_trials)
-    config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload))
+    if not isinstance(model, nn.Module) and isinstance(make_step, nn.Module):
+        warnings.warn("find_remat_batch_size(make_step, model, ...) is deprecated (it goes in the next release): "
+                      "the model comes first, as everywhere in lightning-remat: "
+                      "find_remat_batch_size(model, make_step, budget, ...)", DeprecationWarning, stacklevel=2)
+        model, make_step = make_step, model
+    renamed = renamed_arguments("find_remat_batch_size", deprecated, {
+        "start": ("init_val", init_val, 2), "max_batch_size": ("max_val", max_val, DEFAULT_MAX_BATCH_SIZE)})
+    init_val, max_val = renamed["init_val"], renamed["max_val"]
+    validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
+    config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,
+                                                                   policies=policies))
     config.require_size("a batch-size search")
     if offload:
         # The error profile_step would raise, before any step runs (no accelerator target).
@@ -275,15 +297,15 @@ def find_remat_batch_size(
     budget_bytes = int(config.budget_bytes(model_device(model)))
     previous_plan = checkpointed_modules(model)
     previous_segments = segmented_modules(model)
-    search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, start)
+    search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, init_val)
     budget_bytes = search.budget_bytes
-    fit = search.fit_profiles(max_batch_size)
-    found = search.largest(True, max_batch_size)
+    fit = search.fit_profiles(max_val)
+    found = search.largest(True, max_val)
     if found == 0:
         raise too_small_at_one(fit, budget_bytes, max_overhead, search.cost)
     measured: int | None = None
     if confirm:
-        confirmed, measured = search.confirm(max_batch_size, max_trials)
+        confirmed, measured = search.confirm(max_val, max_trials)
     else:
         confirmed = found
         search.notes.append("not confirmed by real steps (confirm=False): the batch size is a prediction")
@@ -304,7 +326,7 @@ def find_remat_batch_size(
         apply_plan(model, final_plan)
     elif previous_plan != checkpointed_modules(model) or previous_segments != segmented_modules(model):
         apply_plan(model, previous_plan, segments=previous_segments)
-    binsearch = lightning_binsearch_sizes(start, confirmed, max_val=max_batch_size + 1)
+    binsearch = lightning_binsearch_sizes(init_val, confirmed, max_val=max_val + 1)
     return BatchSizeResult(
         batch_size=final, batch_size_without_remat=without, largest_fitting=confirmed, plan=final_plan,
         budget_bytes=budget_bytes, measured_peak_bytes=measured, max_overhead=float(max_overhead),

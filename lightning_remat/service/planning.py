@@ -29,10 +29,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.config import ProfileOptions, RematConfig
+from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import PlanningFailedError, RematError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
+from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
@@ -44,22 +45,20 @@ METRIC_PREFIX = "remat/"
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
     """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
 
-    A fallback plan has no prediction, so only what is known is reported; a ``"min"`` budget
-    that was never resolved (fallback) has no byte figure.
+    Only what is known is reported: a figure the plan does not have (None: a plan made without a
+    profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
 
     Example:
         >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
         >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
         88.0
-        >>> sorted(plan_metrics(Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")))
+        >>> sorted(plan_metrics(solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")))
         ['remat/num_checkpointed']
     """
     metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
-    if plan.budget_bytes:
-        metrics["budget_bytes"] = plan.budget_bytes
-    if not plan.fallback:
-        metrics.update(baseline_peak_bytes=plan.baseline_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                       predicted_overhead=plan.predicted_overhead)
+    figures = {"budget_bytes": plan.budget_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
+               "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead}
+    metrics.update({name: value for name, value in figures.items() if value is not None})
     if plan.offloaded:
         metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
     if measured_peak_bytes is not None:
@@ -196,8 +195,7 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        plan.requested_budget = self.config.budget.text
-        return plan
+        return replace(plan, requested_budget=self.config.budget.text)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -220,8 +218,8 @@ class Planner:
         warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
                       f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
                       "by the measured peak.", UserWarning, stacklevel=3)
-        return Plan.recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
-                                         self.config.budget.text, note)
+        return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
+                                          self.config.budget.text, note)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     is_main: bool = True, broadcast: Broadcast | None = None, hint: str = "", fallback: bool = True,
@@ -256,11 +254,12 @@ class Planner:
 
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
-               optimizer: torch.optim.Optimizer | None = None, cost: str = "time",
+               optimizer: torch.optim.Optimizer | None = None, cost: str = DEFAULT_COST,
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
-               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False) -> Plan:
+               accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
+               repeated_blocks: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -268,7 +267,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
         budget: as ``parse_budget``: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
         optimizer: counted in the budget (its state and its step).
-        cost: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs: deterministic plans).
+        cost: ``"flops"`` (counted FLOPs: the same plan on every run; the default), ``"time"``
+            (measured seconds) or ``"roofline"`` (per op, max(FLOPs / peak, bytes / bandwidth)).
         candidates: None for automatic stages, or module classes / name patterns.
         warmup: unmeasured steps first.
         fake, dtype, device, gpu: plan without the hardware, as ``profile_step``: profile on fake
@@ -289,6 +289,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
             more host memory than the host has free. ``plan.offloaded`` names those stages.
+        repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
+            False profiles all N. Every argument is described once, in ``ProfileOptions``/``RematConfig``.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -314,7 +316,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
-        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload))
+        gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
+        repeated_blocks=repeated_blocks))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
 

@@ -9,8 +9,8 @@ Supported: one process, DDP (multi-GPU, multi-CPU) and FSDP2 (``fsdp_version=2``
 profiles the sharded model in lockstep; the budget is per rank; the plugin's own
 ``activation_checkpointing`` is refused with a budget). Not supported: FSDP1, DeepSpeed,
 Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
-``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``, a
-``NotImplementedError``, naming the workarounds).
+``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``; the others:
+``UnsupportedSetupError``; both ``RematError`` and ``NotImplementedError``), naming the workarounds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch  # noqa: F401 - the doctests use it
 from accelerate import Accelerator
 from torch import nn
 
-from ...core.errors import AlreadyCheckpointedError, UnsupportedShardingError
+from ...core.config import renamed_arguments
+from ...core.errors import AlreadyCheckpointedError, UnsupportedSetupError, UnsupportedShardingError
 from ...core.plan import Plan
 from ...runtime.installing.apply import existing_checkpointing
 from ...runtime.profiling.candidates import find_stages
@@ -53,14 +54,14 @@ def _check_supported(accelerator: Accelerator) -> None:
             "lightning_remat.plan_remat and apply it with apply_plan before accelerator.prepare, and unset "
             f"{ENV_BUDGET}.")
     if kind in _UNSUPPORTED:
-        raise NotImplementedError(
+        raise UnsupportedSetupError(
             f"lightning-remat does not support Accelerate's {kind} mode: a plan is made by profiling the whole "
             "unsharded model on one device. Use one process or DDP, or make a plan with lightning_remat.plan_remat "
             f"on one device, apply it with apply_plan before accelerator.prepare, and unset {ENV_BUDGET}."
         )
     dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
-        raise NotImplementedError("lightning-remat does not support torch.compile through Accelerate (dynamo_backend); "
+        raise UnsupportedSetupError("lightning-remat does not support torch.compile through Accelerate (dynamo_backend); "
                                   f"unset {ENV_BUDGET} or the dynamo backend")
 
 
@@ -70,19 +71,21 @@ def _inner_model(model: nn.Module) -> nn.Module:
     return extract_model_from_parallel(model, keep_fp32_wrapper=True)
 
 
-def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
-                  accelerator: Accelerator | None = None) -> nn.Module:
+def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
+                  accelerator: Accelerator | None = None, **deprecated: Any) -> nn.Module:
     """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
 
     Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it for you in ``prepare``).
     Call it before or after ``accelerator.prepare``; the training loop stays as it is. The first
-    ``plugin.profile_steps`` training steps are observed, the plan is made and applied in place at
-    the end of the last of them, and the next step is measured (see the module docstring).
+    ``remat_plugin.profile_steps`` training steps are observed, the plan is made and applied in place
+    at the end of the last of them, and the next step is measured (see the module docstring).
 
     Args:
         model: the model (already wrapped by DDP is fine: the inner module is watched).
-        plugin: the settings; None reads them from the environment (``ACCELERATE_REMAT_BUDGET``, ...).
-            Without a budget nothing happens.
+        remat_plugin: the settings; None reads them from the environment (``ACCELERATE_REMAT_BUDGET``,
+            ...). Without a budget nothing happens. The name ``RematAccelerator`` takes it under, as
+            ``Accelerator`` takes ``fsdp_plugin=`` and ``deepspeed_plugin=``; ``plugin=`` is its
+            deprecated name (a ``DeprecationWarning``, until the next release).
         accelerator: to find the prepared optimizer (its state counts in the budget), to log
             ``remat/...`` metrics to its trackers, and to receive ``accelerator.remat_metrics`` and
             ``accelerator.remat_plan``. Without it the optimizer is found when it first steps.
@@ -95,7 +98,8 @@ def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already, or
             Accelerate's FSDP2 plugin has ``activation_checkpointing`` on.
         NoCandidateError: the model has no module to recompute (set ``candidates``).
-        NotImplementedError: FSDP1, DeepSpeed, Megatron-LM, XLA or torch.compile through Accelerate.
+        UnsupportedSetupError: (a ``NotImplementedError``) DeepSpeed, Megatron-LM, XLA or torch.compile
+            through Accelerate; ``UnsupportedShardingError`` (one of them) for FSDP1.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
@@ -105,7 +109,9 @@ def prepare_remat(model: nn.Module, plugin: RematPlugin | None = None,
         'observe'
         >>> remat_session(net).remove()
     """
-    plugin = RematPlugin() if plugin is None else plugin
+    remat_plugin = renamed_arguments("prepare_remat", deprecated, {"plugin": ("remat_plugin", remat_plugin, None)})[
+        "remat_plugin"]
+    plugin = RematPlugin() if remat_plugin is None else remat_plugin
     if accelerator is not None:
         if not hasattr(accelerator, "remat_metrics"):
             accelerator.remat_metrics = {}
@@ -154,7 +160,8 @@ class RematAccelerator(Accelerator):
 
     Args:
         remat_plugin: the settings; None reads ``RematPlugin`` from the environment. A malformed
-            value fails here, at start, naming the variable.
+            value fails here, at start, naming the variable. Named as ``Accelerator``'s own
+            ``fsdp_plugin``/``deepspeed_plugin``; ``prepare_remat`` takes it under the same name.
         *args, **kwargs: passed to ``Accelerator``.
 
     Attributes:

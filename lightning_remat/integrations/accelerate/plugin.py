@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.budget import Budget
-from ...core.config import COST_KINDS, ProfileOptions, RematConfig, normalize_candidates
+from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
+                            parse_policies)
+from ...core.vocabulary import Policy
 
 ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
 ENV_PROFILE_STEPS = "ACCELERATE_REMAT_PROFILE_STEPS"
 ENV_CANDIDATES = "ACCELERATE_REMAT_CANDIDATES"
 ENV_COST = "ACCELERATE_REMAT_COST"
 ENV_OFFLOAD = "ACCELERATE_REMAT_OFFLOAD"
+ENV_POLICIES = "ACCELERATE_REMAT_POLICIES"
 
 METRIC_NAMES = (
     "remat/budget_bytes",
@@ -40,18 +43,22 @@ class RematPlugin:
             ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the device's total memory (on a CPU,
             of the host's memory), or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. Recomputation is
             enabled if and only if a budget is set.
-        profile_steps: training steps run as written, and observed, before the plan is made and
-            applied (at least 1: the recorded call needs one real backward). Env:
-            ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
+        profile_steps: training steps before the plan's real peak is measured, as in
+            ``AutoRemat``: they run as written and are observed, the plan is made and applied at
+            the end of the last, and the next is measured (at least 1: the recorded call needs one
+            real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
         candidates: which modules may be recomputed: None for automatic (repeated blocks), or module
             classes, class names or ``fnmatch`` patterns over module names; a string is split at
             commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
             ``"transformer.h.*"``).
-        cost: what the plan minimises: ``"time"`` (measured seconds) or ``"flops"`` (counted FLOPs,
-            deterministic). Env: ``ACCELERATE_REMAT_COST``. Default ``"time"``.
+        cost: what the plan minimises: ``"flops"`` (counted FLOPs, deterministic), ``"time"``
+            (measured seconds) or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
         offload: let the plan also offload activations to host memory (a CUDA model only;
             ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
             ``0``/``false``/``no``). Default off.
+        policies: op-level selective-checkpointing policies offered to every block, as
+            ``plan_remat(policies=)``. Env: ``ACCELERATE_REMAT_POLICIES`` (comma-separated names,
+            ``all`` for every one, ``none``). Default none.
 
     Raises:
         ValueError: a malformed value; the message names the environment variable (or the field)
@@ -60,7 +67,7 @@ class RematPlugin:
     Example:
         >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
         >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
-        (True, 1, ['GPT2Block', 'transformer.h.*'], 'time')
+        (True, 1, ['GPT2Block', 'transformer.h.*'], 'flops')
     """
 
     budget: str | int | None = field(
@@ -70,14 +77,18 @@ class RematPlugin:
     candidates: Any = field(
         default=None, metadata={"help": f"Module classes or name patterns to choose among. Env: {ENV_CANDIDATES}."})
     cost: str | None = field(
-        default=None, metadata={"help": f"'time' or 'flops': what the plan minimises. Env: {ENV_COST}."})
+        default=None, metadata={"help": f"'flops', 'time' or 'roofline': what the plan minimises. Env: {ENV_COST}."})
     offload: Any = field(
         default=None, metadata={"help": f"Also offload activations to host memory (CUDA). Env: {ENV_OFFLOAD}."})
+    policies: Any = field(
+        default=None, metadata={"help": f"Selective-checkpointing policies to offer ('all', 'none', names). "
+                                        f"Env: {ENV_POLICIES}."})
 
     def __post_init__(self):
         sources: dict[str, str] = {}
         for name, variable in (("budget", ENV_BUDGET), ("profile_steps", ENV_PROFILE_STEPS),
-                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST), ("offload", ENV_OFFLOAD)):
+                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST), ("offload", ENV_OFFLOAD),
+                               ("policies", ENV_POLICIES)):
             if getattr(self, name) is None:
                 value = os.environ.get(variable, "").strip()
                 if value:
@@ -103,7 +114,7 @@ class RematPlugin:
             raise invalid("candidates", "expected module classes, class names or comma-separated name patterns, "
                           "such as 'GPT2Block' or 'transformer.h.*'") from None
         self.candidates = list(candidates) if candidates is not None else None
-        self.cost = "time" if self.cost is None else str(self.cost).strip().lower()
+        self.cost = DEFAULT_COST if self.cost is None else str(self.cost).strip().lower()
         if self.cost not in COST_KINDS:
             raise invalid("cost", f"expected one of {list(COST_KINDS)}")
         flag = str(self.offload).strip().lower() if self.offload is not None else "false"
@@ -112,6 +123,13 @@ class RematPlugin:
         if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise invalid("offload", "expected 1/true/yes or 0/false/no")
         self.offload = flag in ("1", "true", "yes", "on")
+        policies = () if self.policies is None else parse_policies(self.policies)
+        if policies is not None:
+            if isinstance(policies, str) or not all(p in Policy.values() for p in policies):
+                raise invalid("policies", f"expected comma-separated policy names among {', '.join(Policy.values())}, "
+                              "or 'all' or 'none'")
+            policies = tuple(policies)
+        self.policies = policies
 
     def _steps(self, invalid: Any) -> int:
         if self.profile_steps is None:
@@ -128,8 +146,8 @@ class RematPlugin:
 
     def config(self) -> RematConfig:
         """The settings as the planning service takes them."""
-        return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(candidates=self.candidates,
-                                                                               offload=bool(self.offload)))
+        return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
+            candidates=self.candidates, offload=bool(self.offload), policies=self.policies))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...core.budget import format_bytes
+from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
 from ...runtime.profiling.profile_adjust import with_always_alive
@@ -109,7 +110,7 @@ class RecordedCall:
         if self.used_model_loss:
             loss = scalar_loss(output)
             if loss is None:
-                raise RuntimeError("the model returned a loss when it was observed, and none when re-run")
+                raise StepError("the model returned a loss when it was observed, and none when re-run")
             return loss
         leaves = tensor_leaves(output)
         terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in self.grads.items()]

@@ -3,6 +3,7 @@
     lightning-remat plan examples/factories.py:gpt2 --budget 200MB
     lightning-remat plan train.py:make_model --budget 80% --cost flops --out report/
     lightning-remat plan train.py:make_model --budget min --json > plan.json
+    lightning-remat plan train.py:make_model --budget 1GB --candidates GPT2Block --policies save_matmuls --cost roofline
     lightning-remat plan examples/factories.py:llama7b --fake --device cuda --device-memory 80GB --budget 90% --gpu h100
     lightning-remat plan examples/factories.py:llama7b --fake --gpu h100 --device-memory 80GB --world-size 8
 
@@ -35,10 +36,50 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .factory import UsageError
 from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, run_plan  # noqa: F401 - the exit codes are public
+
+
+# The command line plans the least peak unless told otherwise; every other default is the field's.
+_CLI_DEFAULTS = {"budget": "min"}
+
+
+def _help(text: str, default: Any) -> str:
+    """A field's help for ``--help``, with its default (argparse's ``%`` escaped)."""
+    if default is True:
+        text += ". Default: on"
+    elif default not in (None, False, ()):
+        text += f". Default: {default}"
+    return text.replace("%", "%%")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
+    """One flag per field of ``RematConfig`` and ``ProfileOptions``, its help the field's help: the
+    settings ``plan_remat`` takes, under the same names (``--device-memory`` for ``device_memory``)."""
+    from dataclasses import fields
+
+    from ...core.config import ProfileOptions, RematConfig
+
+    for cls in (RematConfig, ProfileOptions):
+        for f in fields(cls):
+            if f.type == "ProfileOptions" or f.name == "profile":
+                continue
+            default = _CLI_DEFAULTS.get(f.name, f.default)
+            group = target if f.metadata.get("group") == "target" else parser
+            kwargs: dict[str, Any] = {"dest": f.name, "help": _help(f.metadata["help"], default)}
+            if isinstance(default, bool):
+                kwargs.update(action=argparse.BooleanOptionalAction if default else "store_true", default=default)
+            else:
+                kwargs["default"] = default
+                if isinstance(default, int):
+                    kwargs["type"] = int
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+                elif "parse" in f.metadata:
+                    kwargs["metavar"] = "A,B,..."
+            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,40 +89,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser(
         "plan", help="profile a training step, show where memory goes and the least-cost plan within a budget",
-        description=__doc__.split("\n\n")[2] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__.split("\n\n", 2)[2] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("target", metavar="FILE.py:FACTORY",
                       help="a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)")
-    plan.add_argument("--budget", default="min",
-                      help="peak memory of a training step: 10GB, 512MiB, bytes, min, or a percentage of the device's "
-                           "total memory (the host's RAM on CPU). Default: min")
-    plan.add_argument("--cost", choices=("time", "flops"), default="time",
-                      help="price recomputation by measured seconds (time) or counted FLOPs (flops). Default: time")
-    plan.add_argument("--out", type=Path, default=Path("remat-report"),
-                      help="folder for the plots and plan.json. Default: ./remat-report")
-    plan.add_argument("--no-plots", action="store_true", help="write no files")
-    plan.add_argument("--points", type=int, default=10, help="budgets in the table from least peak to baseline. Default: 10")
-    plan.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
-    plan.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
+    settings = plan.add_argument_group(
+        "what to plan for (the fields of RematConfig and ProfileOptions: plan_remat's arguments, same names)")
     target = plan.add_argument_group(
         "planning without the hardware",
         "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
-    target.add_argument("--fake", action="store_true", help="profile under fake tensors; costs are counted FLOPs")
-    target.add_argument("--device", default=None, help='the device to plan for, e.g. "cuda" (default: the model\'s)')
-    target.add_argument("--device-memory", default=None,
-                        help='the target device\'s total memory, e.g. "80GB": percentages refer to it')
-    target.add_argument("--gpu", default=None, help="a GPU name (h100, a100, l4, ...) to price FLOPs in seconds")
-    target.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                        help="with --fake, the dtype parameters, gradients and optimizer state are kept in (pure)")
-    target.add_argument("--precision", default=None,
-                        choices=("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"),
-                        help="with --fake, how the step trains, in Lightning's names (bf16-mixed: float32 parameters "
-                             "and optimizer state, bfloat16 autocast)")
-    target.add_argument("--world-size", type=int, default=1,
-                        help="with --fake, plan one GPU of an FSDP2 step sharded over this many GPUs (fully_shard of "
-                             "each block and the root); the budget and figures are per GPU. Default: 1")
-    target.add_argument("--offload", action="store_true",
-                        help="also offload activations to host memory where the transfer hides behind compute "
-                             "(an accelerator target: --fake with --gpu, or a CUDA model)")
+    _add_config_flags(settings, target)
+    output = plan.add_argument_group("output")
+    output.add_argument("--out", type=Path, default=Path("remat-report"),
+                        help="folder for the plots and plan.json. Default: ./remat-report")
+    output.add_argument("--no-plots", action="store_true", help="write no files")
+    output.add_argument("--points", type=int, default=10,
+                        help="budgets in the table from least peak to baseline. Default: 10")
+    output.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
+    output.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
     return parser
 
 

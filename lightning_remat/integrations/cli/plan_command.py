@@ -1,4 +1,8 @@
-"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
+"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot.
+
+The plan is the planning service's (``service.planning.Planner``), as ``plan_remat``'s: the same
+profile, the same solver, the host-memory limit for ``--offload``.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import json
 import math
 import time
 import warnings
+from dataclasses import fields
 from typing import Any, Callable, Iterator
 
 from ...core.config import ProfileOptions, RematConfig
-from ...core.errors import BudgetTooSmallError, ShardedBudgetTooSmallError
+from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError
 from ...core.plan import Plan
-from ...core.sharding import per_gpu_breakdown, solve_sharded
+from ...core.sharding import per_gpu_breakdown
 from ...report.render import breakdown_renderables, pareto_table, plan_renderables, print_renderables
 from .factory import Target, UsageError, load_factory, normalize
 
@@ -60,16 +65,26 @@ def _profile_warnings(profile: Any, cost: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    """The command line's settings, checked once; a mistake is a usage error (exit code 2)."""
+    """The command line's settings, checked once; a mistake is a usage error (exit code 2).
+
+    Every field of ``ProfileOptions`` has its flag (``cli._add_config_flags``); a flag whose field
+    has a ``parse`` reads its text (``--candidates A,B``, ``--policies all``)."""
+    profile: dict[str, Any] = {}
+    for f in fields(ProfileOptions):
+        value = getattr(args, f.name, f.default)
+        if isinstance(value, str) and "parse" in f.metadata:
+            value = f.metadata["parse"](value)
+        profile[f.name] = value
     try:
-        return RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(
-            fake=args.fake, dtype=args.dtype, device=args.device, gpu=args.gpu, device_memory=args.device_memory,
-            precision=args.precision, world_size=args.world_size, offload=getattr(args, "offload", False)))
+        config = RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(**profile))
     except ValueError as err:
         message = str(err).replace("gpu=, dtype= and precision= apply to fake profiles (fake=True)",
                                    "--gpu, --dtype and --precision apply with --fake").replace(
-            "world_size=", "--world-size ").replace("fake=True", "--fake")
+            "world_size=", "--world-size ").replace("fake=True", "--fake").replace("cost='flops'", "--cost flops")
+        if message.startswith("unknown selective-checkpointing policy"):
+            message = f"--policies: {message}, or all, or none"
         raise UsageError(message) from err
+    return config
 
 
 def _target(args: argparse.Namespace, advance: Callable[[str], None]) -> tuple[Target, str]:
@@ -108,7 +123,7 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
                                              label=f"plan ({len(plan.checkpointed)} modules recomputed)"))
         files["memory_timeline"] = str(plot_memory_timeline(
             timelines, args.out / "memory_timeline.png", title=f"{name}: memory over one forward and backward pass"))
-    unit = "time overhead (%)" if args.cost == "time" else "FLOP overhead (%)"
+    unit = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)"}.get(args.cost, "time overhead (%)")
     chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
     files["pareto"] = str(plot_pareto(
         args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],
@@ -140,7 +155,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand (``args`` as parsed by the command line)."""
     from ...report.plots import pareto_sweep
     from ...runtime.measuring.measure import model_device
-    from ...runtime.profiling.profile import profile_step
+    from ...service.planning import Planner
 
     config = _config(args)  # a malformed budget fails before anything heavy is imported
     if args.points < 1 or args.top < 0:
@@ -150,14 +165,17 @@ def run_plan(args: argparse.Namespace) -> int:
     with _progress(not args.json) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         target, name = _target(args, advance)
-        try:
-            budget = config.budget_bytes(model_device(target.model))
+        try:  # a budget above the device's memory is a usage error, before profiling
+            config.budget_bytes(model_device(target.model))
         except ValueError as err:
             raise UsageError(str(err)) from err
         advance("profiling one training step" + (" on fake tensors" if args.fake else ""))
         start = time.perf_counter()
+        # The planning service profiles and solves, as for plan_remat and every integration (with
+        # --offload, within the host's free memory).
+        planner = Planner(config)
         try:
-            profile = profile_step(target.model, target.step, optimizer=target.optimizer, options=config.profile)
+            profile = planner.profile(target.model, target.step, target.optimizer)
         except (TypeError, ValueError, RuntimeError) as err:
             from rich.console import Console
 
@@ -170,12 +188,13 @@ def run_plan(args: argparse.Namespace) -> int:
         breakdown = _breakdown(args, target, profile)
         advance("solving")
         try:
-            plan = solve_sharded(profile, budget, args.cost)
-            plan.requested_budget = config.budget.text
+            plan = planner.solve_profile(target.model, profile)
         except BudgetTooSmallError as err:
             result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes)
             if isinstance(err, ShardedBudgetTooSmallError):
                 result.update(world_size=err.world_size, smallest_world_size=err.smallest_world_size)
+        except RematError as err:  # the host memory cannot hold what the budget needs offloaded
+            result.update(error=str(err))
         points = pareto_sweep(profile, args.points, cost=args.cost)
         files = {} if args.no_plots else _write_files(args, target, name, profile, plan, points, advance)
         advance("done")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder
@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ...core.batch_fit import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, validate_search
-from ...core.config import RematConfig
+from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import UnsupportedShardingError
 from ...core.plan import Plan
 from ...report.render import batch_size_table, print_renderables
@@ -78,13 +78,20 @@ class RematBatchSizeFinder(BatchSizeFinder):
         max_trials: the most confirmation trials.
         batch_arg_name: the attribute holding the batch size, looked up as ``BatchSizeFinder`` does:
             the LightningModule, its ``hparams``, the datamodule, the datamodule's ``hparams``.
-        margin: reduce the found batch size by this share, in [0, 1) (``BatchSizeFinder``'s default 0.05).
+        margin: reduce the found batch size by this share, in [0, 1). Default 0, as
+            ``find_remat_batch_size``: the batch is confirmed by real steps measured against the
+            budget, so the budget is the headroom (``BatchSizeFinder``'s 0.05 guards a search that
+            only knows a step did not run out of memory).
         max_overhead: the largest recompute cost accepted, as a share of a step's cost (0.35 = 35%).
         max_val: the largest batch size considered (capped by the dataset's length when it has one).
-        cost: ``"flops"`` (deterministic) or ``"time"`` prices recomputation.
+        cost: ``"flops"`` (deterministic; the default), ``"time"`` or ``"roofline"`` prices recomputation.
         verbose: print the result table on rank zero.
         offload: the plans may also offload activations to host memory (``docs/offload.md``; a CUDA
             model only, as ``find_remat_batch_size(offload=True)``).
+        candidates: which modules may be recomputed, as ``AutoRemat(candidates=)`` (names relative
+            to the LightningModule); None for automatic.
+        policies: op-level selective-checkpointing policies offered to every block, as
+            ``find_remat_batch_size(policies=)``; none by default.
 
     Attributes:
         batch_size: the batch size found (also ``optimal_batch_size``, as on ``BatchSizeFinder``).
@@ -113,15 +120,18 @@ class RematBatchSizeFinder(BatchSizeFinder):
         init_val: int = 2,
         max_trials: int = 25,
         batch_arg_name: str = "batch_size",
-        margin: float = 0.05,
+        margin: float = 0.0,
         max_overhead: float = 0.35,
         max_val: int = DEFAULT_MAX_BATCH_SIZE,
-        cost: str = "flops",
+        cost: str = DEFAULT_COST,
         verbose: bool = True,
         offload: bool = False,
+        candidates: Optional[list[str]] = None,
+        policies: Optional[Sequence[str]] = (),
     ) -> None:
         validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode.lower(), max_trials)
-        self.config = RematConfig(budget, cost=cost)
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, policies=policies,
+                                                                            offload=offload))
         self.config.require_size("a batch-size search")
         super().__init__(mode=mode, steps_per_trial=steps_per_trial, init_val=init_val, max_trials=max_trials,
                          batch_arg_name=batch_arg_name, margin=margin, max_val=max_val)
@@ -191,10 +201,11 @@ class RematBatchSizeFinder(BatchSizeFinder):
 
         try:
             result = find_remat_batch_size(
-                make_step, pl_module, self.budget, optimizer=optimizers[0] if optimizers else None,
-                start=min(self._init_val, max_val), max_batch_size=max_val, max_overhead=self._max_overhead,
+                pl_module, make_step, self.budget, optimizer=optimizers[0] if optimizers else None,
+                init_val=min(self._init_val, max_val), max_val=max_val, max_overhead=self._max_overhead,
                 steps_per_trial=self._steps_per_trial, margin=self._margin, cost=self._cost, mode=self._mode,
                 max_trials=self._max_trials, apply=False, offload=self._offload,
+                candidates=self.config.profile.candidates, policies=self.config.profile.policies,
             )
         except BaseException:
             lightning_setattr(pl_module, self._batch_arg_name, original)

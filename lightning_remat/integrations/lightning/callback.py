@@ -8,14 +8,14 @@ real peak of a step with the plan, and reports the figures to every logger. See 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.budget import format_bytes
-from ...core.config import ProfileOptions, RematConfig
+from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
 from ...report.render import print_plan
 from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
@@ -28,10 +28,13 @@ from ...service.sharded import FSDP1_HINT, fsdp2_sharded, torch_distributed_gath
 from .step import training_step_closure
 
 
-def _figure(nbytes: int, other: int) -> str:
-    """Bytes for a message; exact when rounding would make two different figures look equal."""
+def _figure(nbytes: int | None, other: int | None) -> str:
+    """Bytes for a message; exact when rounding would make two different figures look equal (a
+    figure a plan does not have, made without a profile, is "not predicted")."""
+    if nbytes is None:
+        return "not predicted"
     text = format_bytes(nbytes)
-    return f"{text} ({nbytes} bytes)" if nbytes != other and text == format_bytes(other) else text
+    return f"{text} ({nbytes} bytes)" if other is not None and nbytes != other and text == format_bytes(other) else text
 
 
 def _refuse_fsdp1(trainer: Trainer) -> None:
@@ -80,15 +83,16 @@ class AutoRemat(Callback):
             activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
             device's memory, or ``"min"`` for the plan of least peak. Checked here, so a malformed
             budget fails when the callback is built.
-        profile_steps: the first ``profile_steps`` batches are spent planning: batch 0 is profiled
-            (and already trains with the plan), and the plan's real peak is measured on batch
-            ``profile_steps - 1`` (default 2: batch 1, the first step at which the optimizer state
-            exists, as in every later step). With 1 the measured step is batch 0 itself.
+        profile_steps: training steps before the plan's real peak is measured, as in
+            ``RematPlugin``: batch 0 is profiled (and already trains with the plan) and batch
+            ``profile_steps`` is measured (default 1: batch 1, the first step at which the
+            optimizer state exists, as in every later step). Up to 0.1.0 the measured batch was
+            ``profile_steps - 1``, with a default of 2: the same batch.
         candidates: None to find the repeated blocks automatically (transformer layers, ResNet
             blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
             relative to the LightningModule (``"model.transformer.h.*"``).
-        cost: what recomputation costs: ``"time"`` (measured seconds) or ``"flops"`` (counted
-            FLOPs: the same plan on every run).
+        cost: what recomputation costs: ``"flops"`` (counted FLOPs: the same plan on every run;
+            the default), ``"time"`` (measured seconds) or ``"roofline"``.
         verbose: print the plan as a table on rank 0.
         fake: profile the first batch on fake tensors (``profile_step(fake=True)``): planning
             allocates nothing, so the first real step already runs under the plan and a model that
@@ -96,6 +100,8 @@ class AutoRemat(Callback):
             ``cost="flops"`` is required.
         offload: let the plan also offload activations to host memory (``docs/offload.md``): a
             CUDA model only (a CPU-only run raises ``RematError``).
+        policies: op-level selective-checkpointing policies offered to every block, as
+            ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
 
     Behaviour worth knowing:
 
@@ -143,14 +149,15 @@ class AutoRemat(Callback):
         >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
     """
 
-    def __init__(self, budget: str | int, profile_steps: int = 2, candidates: list[str] | None = None,
-                 cost: str = "time", verbose: bool = True, fake: bool = False, offload: bool = False) -> None:
+    def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
+                 cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
+                 policies: Sequence[str] | None = ()) -> None:
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
-                                                                            offload=offload))
+                                                                            offload=offload, policies=policies))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
@@ -248,7 +255,7 @@ class AutoRemat(Callback):
                    f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
                    f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
                    f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
-        if self.measured_peak_bytes > self.plan.budget_bytes:
+        if self.plan.budget_bytes is not None and self.measured_peak_bytes > self.plan.budget_bytes:
             rank_zero_warn(message + ": the measured peak exceeds the budget, by memory the profile did not see. "
                            "Lower the budget by the difference.")
         elif self.verbose:
@@ -307,15 +314,15 @@ class AutoRemat(Callback):
         self.plan = Planner(self._config_for(trainer)).shared_plan(
             pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast, gather=gather,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
-        self.plan.fingerprint = fingerprint(pl_module, batch)
+        self.plan = replace(self.plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
         if self.verbose:
             self._print_plan(self.plan)
-        # The first whole accumulation window at least profile_steps - 1 batches on (with the
+        # The first whole accumulation window at least profile_steps batches on (with the
         # defaults, the first step whose optimizer state exists).
         window = max(1, trainer.accumulate_grad_batches)
-        self._measure_in = -(-(self.profile_steps - 1) // window) * window
+        self._measure_in = -(-self.profile_steps // window) * window
 
     def _outgrown(self, trainer: Trainer, batch: Any) -> bool:
         """Whether some rank's batch is larger than the one the plan was made for (decided together,

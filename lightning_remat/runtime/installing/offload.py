@@ -1,8 +1,8 @@
 """Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
 
-``apply_offload(model, names)`` replaces each named module's ``forward`` (an instance attribute, as
-``apply.py`` does: names, ``state_dict`` and parameters unchanged) by one that runs the original under
-``torch.autograd.graph.saved_tensors_hooks``:
+``apply_offload(model, names)`` has the one installer (``installer.py``) run each named module's
+forward under ``torch.autograd.graph.saved_tensors_hooks`` (its ``forward`` an instance attribute:
+names, ``state_dict`` and parameters unchanged), with the pack/unpack pair of ``offloader.py``:
 
 - pack: a tensor the forward saves for backward is held until the forward ends; then each storage
   the saved tensors use is copied to host memory once (pinned, on a side stream, on CUDA), and the
@@ -31,270 +31,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import weakref
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
-_ORIGINAL = "_remat_offload_original_forward"
-_HAD_INSTANCE_FORWARD = "_remat_offload_had_instance_forward"
-_STATE = "_remat_offload_state"
-_RELEASE_HOOK = "_remat_offload_release_hook"
+from . import installer
+from .offloader import Offloader
 
-
-class _Packed:
-    """One saved tensor while it is away: its host copy, and its device self while in flight."""
-
-    __slots__ = ("device_tensor", "host", "event", "group", "back", "back_event", "device", "base", "view",
-                 "__weakref__")
-
-    def __init__(self, group: "_Group"):
-        self.group = group
-        self.device_tensor: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
-        self.event: Any = None
-        self.back: torch.Tensor | None = None
-        self.back_event: Any = None
-        self.device: torch.device | None = None
-        # A view of a storage sent once as a whole (``base``): (size, stride, storage offset).
-        self.base: _Packed | None = None
-        self.view: tuple | None = None
-
-
-class _Group:
-    """The tensors one forward call of one offloaded module saved."""
-
-    def __init__(self, name: str):
-        self.name = name
-        # Weak: a tensor lives as long as autograd holds it, and no longer.
-        self.handles: list[weakref.ref] = []
-        self.sent = 0
-        self.pending: list[_Packed] = []  # with a limit: chosen when the forward ends
-        self.unpacked = False
-        self.released = False
-
-    def live(self) -> list[_Packed]:
-        return [h for h in (r() for r in self.handles) if h is not None]
-
-
-class Offloader:
-    """The pack/unpack pair shared by the offloaded modules of one model.
-
-    Attributes:
-        host_bytes: bytes sent to the host since the last ``reset``, per module name.
-
-    Example:
-        >>> off = Offloader(measure=False)
-        >>> off.host_bytes
-        {}
-    """
-
-    def __init__(self, measure: bool = False, limits: dict[str, int] | None = None):
-        self.measure = measure
-        self.limits = dict(limits or {})  # name -> bytes offloaded at most per forward call
-        self.host_bytes: dict[str, int] = {}
-        self.latest: dict[str, weakref.ref] = {}  # name -> its group of the current step
-        self.prefetched: dict[str, int] = {}  # name -> tensors brought back ahead of their backward
-        self._in_flight: list[tuple[weakref.ref, bool]] = []  # (group, released by its next stage's hook)
-        self._stream: Any = None
-        self._protected: set[int] = set()
-
-    def reset(self) -> None:
-        self.host_bytes, self.prefetched = {}, {}
-
-    # -- the copies --------------------------------------------------------------------------
-
-    def _side_stream(self, device: torch.device) -> Any:
-        if device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
-
-    def _to_host(self, handle: _Packed, t: torch.Tensor) -> None:
-        handle.device = t.device
-        if self.measure:
-            # Metadata only: a fake profile needs sizes, not values.
-            handle.host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            return
-        stream = self._side_stream(t.device)
-        if stream is None:
-            handle.host = t.detach().to("cpu", copy=True)
-            return
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(stream):
-            host.copy_(t.detach(), non_blocking=True)
-            handle.event = torch.cuda.Event()
-            handle.event.record(stream)
-        handle.host = host
-        handle.device_tensor = t  # held until the copy is surely done (``_release``)
-
-    def _to_device(self, handle: _Packed, stream: Any) -> torch.Tensor:
-        assert handle.host is not None and handle.device is not None
-        if self.measure:
-            return torch.empty_strided(handle.host.size(), handle.host.stride(), dtype=handle.host.dtype,
-                                       device=handle.device)
-        if stream is None:
-            return handle.host.to(handle.device, copy=True)
-        return handle.host.to(handle.device, non_blocking=True)
-
-    def _release(self, group: _Group) -> None:
-        """Drop the device copies of ``group``'s tensors once their copies to the host are done."""
-        if group.released:
-            return
-        group.released = True
-        for handle in group.live():
-            if handle.host is None:
-                continue  # not offloaded (beyond the limit): the handle keeps the tensor
-            if handle.event is not None:
-                # Later work on the compute stream waits for the copy, so the memory is free to reuse.
-                torch.cuda.current_stream(handle.device).wait_event(handle.event)
-            handle.device_tensor = None
-
-    def _prefetch(self, group: _Group) -> None:
-        for handle in group.live():
-            if handle.back is not None or handle.device_tensor is not None or handle.host is None:
-                continue
-            self.prefetched[group.name] = self.prefetched.get(group.name, 0) + 1
-            stream = None if self.measure else self._side_stream(handle.device)
-            if stream is None:
-                handle.back = self._to_device(handle, None)
-                continue
-            stream.wait_stream(torch.cuda.current_stream(handle.device))
-            with torch.cuda.stream(stream):
-                handle.back = self._to_device(handle, stream)
-                handle.back_event = torch.cuda.Event()
-                handle.back_event.record(stream)
-
-    # -- the hooks ---------------------------------------------------------------------------
-
-    def begin(self, name: str, module: nn.Module, inputs: Any = ()) -> _Group:
-        """A new forward call of ``name``: a new group of saved tensors."""
-        group = _Group(name)
-        self.latest[name] = weakref.ref(group)
-        self._protected = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
-        self._device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
-        # The module's inputs: the caller holds them anyway, so offloading them frees nothing.
-        group.inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(inputs)
-                        if isinstance(t, torch.Tensor)}
-        return group
-
-    def end(self, group: _Group, has_release_hook: bool) -> None:
-        """The forward of ``group`` ended: with a limit, send its largest tensors (not its inputs)
-        up to the limit; release earlier groups still in flight (those whose next stage has no hook
-        of its own), keep this one in flight until its next stage ran."""
-        if group.pending:
-            # Whole storages go, largest first: a tensor whose storage another saved tensor (a view)
-            # still holds frees nothing.
-            by_storage: dict[int, list[_Packed]] = {}
-            for handle in group.pending:
-                by_storage.setdefault(handle.device_tensor.untyped_storage()._cdata, []).append(handle)
-            sizes = {k: hs[0].device_tensor.untyped_storage().nbytes() for k, hs in by_storage.items()}
-            # Without a limit ("offload") every storage goes, the module's inputs too (its caller
-            # drops them once it returns); with one ("offload:hidden"), not the inputs.
-            limit, sent = self.limits.get(group.name), 0
-            for key in sorted(by_storage, key=lambda k: -sizes[k]):
-                handles = by_storage[key]
-                first = handles[0].device_tensor
-                if ((limit is not None and (key in group.inputs or sent + sizes[key] > limit))
-                        or any(h.device_tensor.dtype != first.dtype for h in handles)):
-                    continue
-                sent += sizes[key]
-                # The storage goes once; each saved tensor comes back as a view of it.
-                base = _Packed(group)
-                group.handles.append(weakref.ref(base))
-                numel = sizes[key] // first.element_size()
-                if self.measure:
-                    base.device = first.device
-                    base.host = torch.empty(numel, dtype=first.dtype, device="meta")
-                else:
-                    self._to_host(base, first.new_empty(0).set_(first.untyped_storage(), 0, (numel,), (1,)))
-                self.host_bytes[group.name] = self.host_bytes.get(group.name, 0) + sizes[key]
-                for handle in handles:
-                    t, handle.device_tensor = handle.device_tensor, None
-                    handle.base, handle.view = base, (t.size(), t.stride(), t.storage_offset())
-            group.sent += sent
-            group.pending = []
-        waiting = []
-        for ref, hooked in self._in_flight:
-            earlier = ref()
-            if earlier is not None and not hooked:
-                self._release(earlier)
-            elif earlier is not None:
-                waiting.append((ref, hooked))
-        self._in_flight = [*waiting, (weakref.ref(group), has_release_hook)]
-
-    def pack(self, group: _Group, t: torch.Tensor) -> Any:
-        if t.device != self._device or t.untyped_storage()._cdata in self._protected:
-            return t
-        handle = _Packed(group)
-        group.handles.append(weakref.ref(handle))
-        # Which tensors go is decided when the forward ends (each storage once; with a limit, the
-        # largest up to it): until then, and for those that stay, the handle holds the tensor itself.
-        handle.device_tensor = t
-        handle.device = t.device
-        group.pending.append(handle)
-        return handle
-
-    def _whole(self, base: _Packed) -> torch.Tensor:
-        """A storage sent as a whole, back on the device (kept while its views are unpacked)."""
-        if base.device_tensor is not None:
-            return base.device_tensor
-        if base.back is None:
-            base.back = self._to_device(base, None)
-        elif base.back_event is not None:
-            current = torch.cuda.current_stream(base.device)
-            current.wait_event(base.back_event)
-            base.back.record_stream(current)
-            base.back_event = None
-        return base.back
-
-    def unpack(self, handle: Any) -> torch.Tensor:
-        if not isinstance(handle, _Packed):
-            return handle
-        group = handle.group
-        if not group.unpacked:
-            # This stage's backward starts: whatever is still in flight is surely copied by now.
-            group.unpacked = True
-            for ref, _ in self._in_flight:
-                earlier = ref()
-                if earlier is not None:
-                    self._release(earlier)
-            self._in_flight = []
-        if handle.base is not None:
-            return self._whole(handle.base).as_strided(*handle.view)
-        if handle.device_tensor is not None:
-            return handle.device_tensor
-        if handle.back is not None:
-            t, event = handle.back, handle.back_event
-            handle.back = None
-            if event is not None:
-                current = torch.cuda.current_stream(handle.device)
-                current.wait_event(event)
-                t.record_stream(current)  # allocated on the side stream, used on this one
-            return t
-        return self._to_device(handle, None)
-
-
-def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -> None:
-    group = ref()
-    if group is not None and not group.unpacked:
-        offloader._prefetch(group)
-
-
-def _offloading_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    original = module.__dict__[_ORIGINAL]
-    if not torch.is_grad_enabled():
-        return original(*args, **kwargs)
-    offloader, name = module.__dict__[_STATE]
-    group = offloader.begin(name, module, (args, kwargs))
-    with torch.autograd.graph.saved_tensors_hooks(functools.partial(offloader.pack, group), offloader.unpack):
-        out = original(*args, **kwargs)
-    offloader.end(group, _RELEASE_HOOK in module.__dict__)
-    return out
+__all__ = ["Offloader", "apply_offload", "model_offloader", "offloaded_modules", "remove_offload"]
 
 
 def offloaded_modules(model: nn.Module) -> list[str]:
@@ -304,15 +49,12 @@ def offloaded_modules(model: nn.Module) -> list[str]:
         >>> offloaded_modules(nn.Linear(2, 2))
         []
     """
-    return [name for name, m in model.named_modules() if _ORIGINAL in m.__dict__]
+    return installer.offloaded(model)
 
 
 def model_offloader(model: nn.Module) -> Offloader | None:
     """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
-    for m in model.modules():
-        if _STATE in m.__dict__:
-            return m.__dict__[_STATE][0]
-    return None
+    return installer.offloader_of(model)
 
 
 def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] | None = None,
@@ -329,49 +71,15 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
         limits: per module, the bytes offloaded at most per forward call (tensors saved in order
             until the next would pass it; the rest stays on the device); default everything.
 
-    A previous offload is replaced. ``remove_offload`` (and ``apply.remove_remat``) undo it exactly.
+    A previous offload is replaced (what else is installed stays). ``remove_offload`` (and
+    ``apply.remove_remat``) undo it exactly.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
         >>> offloaded_modules(apply_offload(net, ["0"]))
         ['0']
     """
-    names = list(names)
-    modules = dict(model.named_modules())
-    unknown = [n for n in names if n not in modules]
-    if unknown:
-        raise ValueError(f"offload names module(s) {unknown} that {type(model).__name__} does not have")
-    nested = [n for n in names if any(n != o and n.startswith(o + ".") for o in names)]
-    if nested or len(set(names)) != len(names):
-        raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or names}")
-    remove_offload(model)
-    position = {n: i for i, n in enumerate(order or ())}
-    offloader = Offloader(measure=measure, limits=limits)
-    for name in names:
-        module = modules[name]
-        module.__dict__[_HAD_INSTANCE_FORWARD] = "forward" in module.__dict__
-        module.__dict__[_ORIGINAL] = module.forward
-        module.__dict__[_STATE] = (offloader, name)
-        module.forward = functools.partial(_offloading_forward, module)  # type: ignore[method-assign]
-    for name in names:
-        i = position.get(name)
-        if i is None or i + 1 >= len(order or ()):
-            continue
-        # The next stage's forward ran: this stage's copies are done, its device tensors may go.
-        nxt = modules[order[i + 1]]
-
-        def after_next(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
-            ref = offloader.latest.get(name)
-            group = ref() if ref is not None else None
-            if group is None or not torch.is_grad_enabled():
-                return
-            offloader._release(group)
-            # The gradient of the next stage's output is its backward's start: prefetch then.
-            leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if leaves:
-                leaves[0].register_hook(functools.partial(_prefetch_hook, weakref.ref(group), offloader))
-
-        modules[name].__dict__[_RELEASE_HOOK] = nxt.register_forward_hook(after_next)
+    installer.install_offload(model, list(names), order=order, measure=measure, limits=limits)
     return model
 
 
@@ -383,16 +91,5 @@ def remove_offload(model: nn.Module) -> nn.Module:
         >>> "forward" in remove_offload(apply_offload(net, ["0"]))[0].__dict__
         False
     """
-    for module in model.modules():
-        if _ORIGINAL not in module.__dict__:
-            continue
-        original = module.__dict__.pop(_ORIGINAL)
-        module.__dict__.pop(_STATE)
-        hook = module.__dict__.pop(_RELEASE_HOOK, None)
-        if hook is not None:
-            hook.remove()
-        if module.__dict__.pop(_HAD_INSTANCE_FORWARD):
-            module.forward = original  # type: ignore[method-assign]
-        else:
-            del module.forward
+    installer.uninstall_offload(model)
     return model

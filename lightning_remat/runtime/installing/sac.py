@@ -44,6 +44,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
+from ...core.vocabulary import POLICY_PREFIX, OptionKind, Policy
+from ...core.vocabulary import option_name as _option_name
+from ...core.vocabulary import policy_of as _policy_of
+
 aten = torch.ops.aten
 
 
@@ -61,9 +65,9 @@ ATTENTION_OPS = _packets("_scaled_dot_product_flash_attention", "_scaled_dot_pro
                          "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                          "_efficient_attention_forward")
 
-# Option names in a profile are "sac:" + the policy name.
-PREFIX = "sac:"
-POLICIES = ("save_matmuls", "save_projections", "save_alternate_matmuls", "save_attention")
+# Option names in a profile are "sac:" + the policy name (``core.vocabulary``).
+PREFIX = POLICY_PREFIX
+POLICIES = Policy.values()
 
 
 def _packet(func: Any) -> Any:
@@ -102,15 +106,14 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
 
 
 def check_policy(policy: str) -> str:
-    """Validate a policy name.
+    """Validate a policy name (through ``core.vocabulary.Policy``); the plain name, as torch.compile
+    sees it in a ``context_fn``'s arguments.
 
     Example:
         >>> check_policy("save_matmuls")
         'save_matmuls'
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown selective-checkpointing policy {policy!r}; known: {', '.join(POLICIES)}")
-    return policy
+    return Policy.check(policy).value
 
 
 def _contexts(policy: str) -> tuple[Any, Any]:
@@ -148,12 +151,12 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
 
 def option_name(policy: str) -> str:
     """The stage option name of a policy: ``"sac:save_matmuls"``."""
-    return PREFIX + policy
+    return _option_name(OptionKind.POLICY, policy)
 
 
 def policy_of(option: str) -> str:
     """The policy of an option name, or "" for keep, whole and child options."""
-    return option[len(PREFIX):] if option.startswith(PREFIX) else ""
+    return _policy_of(option)
 
 
 def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ...core.budget import format_bytes
-from ...core.config import PRECISIONS, ProfileOptions
-from ...core.errors import AlreadyCheckpointedError, RematError
+from ...core.config import PRECISIONS, ProfileOptions, profile_options
+from ...core.errors import AlreadyCheckpointedError, RematError, StepError
 from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
 from ..installing.apply import applied, existing_checkpointing
@@ -242,6 +242,9 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  optimizer: torch.optim.Optimizer | None = None, warmup: int = 1,
                  candidates: CandidateSpec = None, fake: bool = False, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, gpu: str | None = None,
+                 device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
+                 gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
+                 policies: Sequence[str] | None = (), offload: bool = False,
                  options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
@@ -262,8 +265,11 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         device: the device the profile plans for (``"cuda"``); the default is the model's.
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
-        options: all of the above but ``optimizer`` as one ``ProfileOptions`` (then the keyword
-            arguments are not read); its ``policies`` choose the selective-checkpointing options.
+        device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
+            policies, offload: as ``ProfileOptions`` (the one description of each).
+        options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
+            either as keywords or as ``options``: a keyword set to anything but its default next to
+            ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
 
     Returns:
         A ``Profile``: per stage in execution order its options (stored bytes, local peak, recompute
@@ -277,6 +283,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         NoCandidateError: the model has no candidate block.
         FakeProfileError: with ``fake``, the model's code needs real values; it names the op.
+        ConflictingArgumentsError: keywords and ``options`` both given.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
@@ -288,8 +295,11 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         >>> fake.device, fake.stages[0].options[1].stored_bytes == profile.stages[0].options[1].stored_bytes
         ('cuda', True)
     """
-    if options is None:
-        options = ProfileOptions(candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup)
+    options = profile_options(
+        options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
+        device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
+        gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
+        offload=offload)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
@@ -411,7 +421,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         replay = RandomState.capture(model_device(model)).restore
         observed = observe_step(model, step, stage_names, timed, before_pass=replay)
         if not observed.order:
-            raise RuntimeError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
+            raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
         wraps = _option_wraps(observed.order, observed, modules, policies)
         limits: dict[str, int] = {}

@@ -1,0 +1,179 @@
+"""What a plan does with one stage: a typed action (``StageAction``), and the rules that make a
+set of actions installable together (``check_actions``).
+
+Example:
+    >>> StageAction.in_segment("1", ["0", "1", "2"]).segment
+    ('0', '1', '2')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from .vocabulary import Action, Policy
+
+
+@dataclass(frozen=True)
+class StageAction:
+    """What a plan does with one stage.
+
+    Attributes:
+        stage: the stage's module name (as in ``model.named_modules()``).
+        action: ``Action.KEEP``, ``RECOMPUTE``, ``SEGMENT`` or ``OFFLOAD`` (or their strings).
+        modules: with ``RECOMPUTE``, the modules whose forward runs again in backward: the stage
+            itself (the default) or some of its children (``("h.0.attn",)``).
+        policy: with ``RECOMPUTE``, the op-level selective-checkpointing policy the recompute runs
+            under (a ``Policy`` or its name); None recomputes the whole forward.
+        segment: with ``SEGMENT``, every stage of the segment in order, this one among them: items
+            of one ``nn.Sequential`` recomputed as one checkpoint.
+        offload_limit: with ``OFFLOAD``, the bytes offloaded at most per forward call; None: all.
+
+    Example:
+        >>> StageAction.recompute("h.0", policy="save_matmuls").modules
+        ('h.0',)
+        >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576)
+        >>> StageAction("h.0", "keep", policy="save_matmuls")
+        Traceback (most recent call last):
+        ...
+        ValueError: stage 'h.0': only a recomputed stage has a policy, got 'save_matmuls' with action 'keep'
+    """
+
+    stage: str
+    action: Action = Action.KEEP
+    modules: tuple[str, ...] = ()
+    policy: Policy | None = None
+    segment: tuple[str, ...] = ()
+    offload_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, str):
+            raise ValueError(f"a stage is named by a string, got {self.stage!r}")
+        action = Action.check(self.action)
+        modules = module_names("modules", self.modules)
+        segment = module_names("segment", self.segment)
+        if action is Action.RECOMPUTE and not modules:
+            modules = (self.stage,)
+        if modules and action is not Action.RECOMPUTE:
+            raise ValueError(f"stage {self.stage!r}: only a recomputed stage names modules to recompute, got "
+                             f"{list(modules)} with action {action.value!r}")
+        if self.policy is not None and action is not Action.RECOMPUTE:
+            raise ValueError(f"stage {self.stage!r}: only a recomputed stage has a policy, got {str(self.policy)!r} "
+                             f"with action {action.value!r}")
+        if (action is Action.SEGMENT) != bool(segment) or (segment and self.stage not in segment):
+            raise ValueError(f"stage {self.stage!r}: a segment's stage names the segment it is in, got {list(segment)} "
+                             f"with action {action.value!r}")
+        limit = self.offload_limit
+        if limit is not None and (action is not Action.OFFLOAD or isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 0):
+            raise ValueError(f"stage {self.stage!r}: an offload limit is bytes >= 0 of an offloaded stage, got "
+                             f"{limit!r} with action {action.value!r}")
+        object.__setattr__(self, "action", action)
+        object.__setattr__(self, "modules", modules)
+        object.__setattr__(self, "segment", segment)
+        object.__setattr__(self, "policy", None if self.policy is None else Policy.check(self.policy))
+        # 0 bytes meant "no limit" where limits were a dict of ints.
+        object.__setattr__(self, "offload_limit", limit or None)
+
+    @classmethod
+    def keep(cls, stage: str) -> "StageAction":
+        return cls(stage, Action.KEEP)
+
+    @classmethod
+    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None)
+
+    @classmethod
+    def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":
+        return cls(stage, Action.SEGMENT, segment=tuple(segment))
+
+    @classmethod
+    def offload(cls, stage: str, limit: int | None = None) -> "StageAction":
+        return cls(stage, Action.OFFLOAD, offload_limit=limit or None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain strings, lists and ints (JSON, and checkpoints that load without this package)."""
+        return {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
+                "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
+                "offload_limit": self.offload_limit}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
+        if not isinstance(data, Mapping) or "stage" not in data:
+            raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
+        return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
+                   policy=data.get("policy"), segment=data.get("segment") or (),
+                   offload_limit=data.get("offload_limit"))
+
+
+def module_names(what: str, names: Any) -> tuple[str, ...]:
+    """``names`` as a tuple of module names, or a ValueError saying what a plan's ``what`` must be.
+
+    Example:
+        >>> module_names("checkpointed", "h.0")
+        Traceback (most recent call last):
+        ...
+        ValueError: a plan's 'checkpointed' must be a list of module names, got 'h.0'
+    """
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise ValueError(f"a plan's {what!r} must be a list of module names, got {names!r}")
+    names = tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"a plan's {what!r} must be a list of module names, got {list(names)!r}")
+    return names
+
+
+def nested_in(inner: str, outer: str) -> bool:
+    """Whether module ``inner`` lies inside module ``outer`` (by name)."""
+    return inner.startswith(outer + ".")
+
+
+def check_actions(actions: Sequence[StageAction]) -> None:
+    """Raise ValueError unless the actions can be installed together: no module recomputed twice or
+    inside another recomputed one, segments disjoint and complete (each of their stages has the
+    segment's action), no module recomputed alone and in a segment, no module recomputed and
+    offloaded, nothing offloaded twice or inside another offloaded module, one action per stage.
+
+    (Whether the names are modules of a model, and segments items of one ``nn.Sequential``, the
+    installer checks against the model.)
+
+    Example:
+        >>> check_actions([StageAction.recompute("h.0"), StageAction.offload("h.0.mlp")])
+        Traceback (most recent call last):
+        ...
+        ValueError: module(s) ['h.0.mlp'] are both recomputed and offloaded: a module is one or the other
+    """
+    recomputed = [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
+    if len(set(recomputed)) != len(recomputed):
+        raise ValueError(f"plan names a module twice: {recomputed}")
+    nested = [n for n in recomputed if any(nested_in(n, o) for o in recomputed)]
+    if nested:
+        raise ValueError(f"plan names modules inside other planned modules: {nested}")
+    segments = list(dict.fromkeys(a.segment for a in actions if a.action is Action.SEGMENT))
+    taken: set[str] = set()
+    for segment in segments:
+        overlap = taken & set(segment)
+        if overlap or len(set(segment)) != len(segment):
+            raise ValueError(f"plan names module(s) {sorted(overlap or segment)} in two segments")
+        taken.update(segment)
+    members = {a.stage: a.segment for a in actions if a.action is Action.SEGMENT}
+    for segment in segments:
+        missing = [s for s in segment if members.get(s) != segment]
+        if missing:
+            raise ValueError(f"segment {list(segment)}: stage(s) {missing} do not have that segment's action")
+    for name in recomputed:
+        if any(name == t or nested_in(name, t) or nested_in(t, name) for t in taken):
+            raise ValueError(f"plan recomputes {name!r} alone and as part of a segment")
+    offloaded = [a.stage for a in actions if a.action is Action.OFFLOAD]
+    nested = [n for n in offloaded if any(nested_in(n, o) for o in offloaded)]
+    if nested or len(set(offloaded)) != len(offloaded):
+        raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or offloaded}")
+    both = [n for n in offloaded
+            if any(n == r or nested_in(n, r) or nested_in(r, n) for r in [*recomputed, *taken])]
+    if both:
+        raise ValueError(f"module(s) {both} are both recomputed and offloaded: a module is one or the other")
+    stages = [a.stage for a in actions]
+    twice = sorted({s for s in stages if stages.count(s) > 1})
+    if twice:
+        raise ValueError(f"a plan has one action per stage; stage(s) {twice} have several")

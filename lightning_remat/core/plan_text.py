@@ -1,0 +1,178 @@
+"""A plan as plain text, the one way it is written everywhere (no rich, no torch).
+
+``Plan.summary()`` is this text; the report layer (``report.render``) shows the same headline and
+lines in a terminal with a rich table. A plan that predicts nothing (made without a profile) is
+read one way: its predicted figures are None, and the text says they are not predicted.
+
+Example:
+    >>> from lightning_remat.core.plan import Plan
+    >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
+    ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
+    >>> print(plan_text(plan))  # doctest: +NORMALIZE_WHITESPACE
+    Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
+      stage  option  stored (keep)  stored (plan)  recompute cost
+      -----  ------  -------------  -------------  --------------
+      h.0    whole               -              -               -
+      memory: parameters 0 B, optimizer state 0 B, gradients 0 B by the end of backward; the rest of the predicted peak, 1024.00 MiB, is activations, temporaries and the gradients alive at that point
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .budget import format_bytes
+
+TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute cost")
+
+
+def _budget(plan: Any) -> str:
+    if plan.requested_budget:
+        return plan.requested_budget
+    return "not given" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
+
+
+def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
+    """One line: modules recomputed, predicted peak against budget and baseline, overhead.
+
+    Example:
+        >>> from lightning_remat.core.solve import solve_recompute_everything
+        >>> plan_headline(solve_recompute_everything(["h.0", "h.1"], "min", "flops", note="out of memory"))
+        'Recompute plan: 2 module(s) recomputed whole (fallback: not profiled, peak not predicted; budget min)'
+    """
+    segments = len(plan.segments)
+    spans = f" and {segments} segment(s)" if segments else ""
+    if plan.predicted_peak_bytes is None:
+        how = " under op-level policies" if plan.policies else " whole"
+        return (f"{title}: {len(plan.checkpointed)} module(s){spans} recomputed{how} (fallback: not profiled, peak "
+                f"not predicted; budget {_budget(plan)})")
+    overhead = "unknown" if plan.predicted_overhead is None else f"{plan.predicted_overhead:.1%}"
+    baseline = "not profiled" if plan.baseline_peak_bytes is None else format_bytes(plan.baseline_peak_bytes)
+    budget = "not given" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
+    return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+            f"(budget {budget}, baseline {baseline}), overhead {overhead} ({plan.cost_kind})")
+
+
+def plan_rows(plan: Any) -> list[tuple[str, str, str, str, str]]:
+    """One row per stage (``TABLE_HEADER``): option, stored bytes with and without it, recompute
+    cost; without a profile's choices, one row per recomputed module."""
+    unit = "FLOP" if plan.cost_kind == "flops" else "s"
+    rows = [(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
+             f"{c.cost:.3g} {unit}" if c.cost else "-") for c in plan.choices]
+    if not rows:
+        policies = plan.policies
+        rows = [(name, f"sac:{policies[name]}" if name in policies else "whole", "-", "-", "-")
+                for name in plan.checkpointed]
+    return rows
+
+
+def table_text(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    """Aligned columns: the first two left-justified, the others right-justified.
+
+    Example:
+        >>> print("\\n".join(table_text(("a", "b", "n"), [("x", "yy", "1")])))
+          a  b   n
+          -  --  -
+          x  yy  1
+    """
+    widths = [max(len(str(r[k])) for r in [header, *rows]) for k in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return indent + "  ".join(str(c).ljust(w) if k < 2 else str(c).rjust(w)
+                                  for k, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
+
+
+def plan_lines(plan: Any) -> list[str]:
+    """What follows the table: segments, policies, offloading, the memory at the peak (when it is
+    predicted), notes."""
+    lines: list[str] = []
+    segments = plan.segments
+    if segments:
+        lines.append("  segments, each recomputed as one checkpoint (inner boundaries not kept): "
+                     + ", ".join(f"{s[0]}..{s[-1]} ({len(s)})" for s in segments))
+    policies = plan.policies
+    if policies:
+        counts: dict[str, int] = {}
+        for policy in policies.values():
+            counts[policy] = counts.get(policy, 0) + 1
+        lines.append("  selective checkpointing (op-level policy per recomputed module): "
+                     + ", ".join(f"{policy} x{n}" for policy, n in sorted(counts.items())))
+    offloaded = plan.offloaded
+    if offloaded:
+        lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
+                     f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
+    if plan.predicted_peak_bytes is not None and plan.sharding:
+        lines.append(sharded_memory_line(plan))
+    elif plan.predicted_peak_bytes is not None:
+        # Gradients exist only from some point of backward on, so the rest of the peak is not
+        # split between them and activations: it is said as what it is.
+        held = plan.parameter_bytes + plan.optimizer_state_bytes
+        lines.append(
+            f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "
+            f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
+            f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
+            "activations, temporaries and the gradients alive at that point")
+    lines.extend(f"  note: {note}" for note in plan.notes)
+    return lines
+
+
+def plan_text(plan: Any, title: str = "Recompute plan") -> str:
+    """Headline, stage table, static memory at the peak, notes (``Plan.summary()``)."""
+    rows = plan_rows(plan)
+    table = table_text(TABLE_HEADER, rows) if rows else []
+    return "\n".join([plan_headline(plan, title), *table, *plan_lines(plan)])
+
+
+def per_gpu_breakdown(plan: Any) -> dict[str, int]:
+    """The per-GPU peak of a sharded plan, split: sharded parameters (the master weights under mixed
+    precision), gradients and optimizer state, the unsharded parameters in flight at most, and the
+    rest of the predicted peak (activations of the local batch, temporaries, reduce-scatter
+    buffers). Empty for an unsharded plan, and for a plan that predicts nothing.
+
+    (Also ``core.sharding.per_gpu_breakdown``; it lives here so that the text needs nothing above it.)
+
+    Example:
+        >>> from lightning_remat.core.plan import Plan
+        >>> plan = Plan([], 0, 100, 100, 0.0, parameter_bytes=10, gradient_bytes=10, optimizer_state_bytes=20,
+        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 15})
+        >>> per_gpu_breakdown(plan)["activations_and_rest_bytes"]
+        45
+    """
+    sharding = getattr(plan, "sharding", None) or {}
+    if not sharding or plan.predicted_peak_bytes is None:
+        return {}
+    parts = {
+        "world_size": int(sharding["world_size"]),
+        "parameter_bytes": int(plan.parameter_bytes),
+        "gradient_bytes": int(plan.gradient_bytes),
+        "optimizer_state_bytes": int(plan.optimizer_state_bytes),
+        "unsharded_parameter_bytes": int(sharding.get("unsharded_parameter_bytes", 0)),
+    }
+    held = sum(v for k, v in parts.items() if k != "world_size")
+    parts["activations_and_rest_bytes"] = max(0, int(plan.predicted_peak_bytes) - held)
+    parts["peak_bytes"] = int(plan.predicted_peak_bytes)
+    return parts
+
+
+def sharded_memory_line(plan: Any) -> str:
+    """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``per_gpu_breakdown``).
+
+    Example:
+        >>> from lightning_remat.core.plan import Plan
+        >>> plan = Plan([], 0, 2**30, 2**30, 0.0, parameter_bytes=2**28, optimizer_state_bytes=2**29,
+        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 2**27,
+        ...                       "sharded_dtype": "float32", "param_dtype": "bfloat16"})
+        >>> print(sharded_memory_line(plan))
+          per GPU of 8 (FSDP2): sharded parameters (float32 master weights) 256.00 MiB, gradients 0 B, optimizer state 512.00 MiB, unsharded parameters in flight (bfloat16) up to 128.00 MiB; the rest of the predicted peak, 128.00 MiB, is activations of the local batch, temporaries and reduce-scatter buffers
+    """
+    parts = per_gpu_breakdown(plan)
+    sharding = plan.sharding
+    stored, computed = sharding.get("sharded_dtype", ""), sharding.get("param_dtype", "")
+    master = f" ({stored} master weights)" if stored and computed and stored != computed else ""
+    return (f"  per GPU of {parts['world_size']} (FSDP2): sharded parameters{master} "
+            f"{format_bytes(parts['parameter_bytes'])}, gradients {format_bytes(parts['gradient_bytes'])}, optimizer "
+            f"state {format_bytes(parts['optimizer_state_bytes'])}, unsharded parameters in flight"
+            f"{f' ({computed})' if computed else ''} up to {format_bytes(parts['unsharded_parameter_bytes'])}; the rest "
+            f"of the predicted peak, {format_bytes(parts['activations_and_rest_bytes'])}, is activations of the local "
+            "batch, temporaries and reduce-scatter buffers")

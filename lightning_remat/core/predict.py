@@ -1,0 +1,145 @@
+"""The one predictor: a plan's peak, recompute cost and host bytes from a profile, read from its
+typed actions (``core.plan.StageAction``), as rotor's simulator reads the one operation sequence
+its solvers return.
+
+Each action names what happens to a stage; the predictor finds the profile's option that does
+that (keep; recompute these modules under this policy; offload up to this limit) and the spans of
+the segments, and prices them with the memory model (``core.spans.predict_peak_spans``,
+``plan_cost_spans``). ``actions_of`` is the other direction: the actions of option indices and
+spans, which is what the exact solver finds.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    >>> from lightning_remat.core.plan import StageAction
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> def stage(n):
+    ...     return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, 1.0, 5)))
+    >>> p = Profile((stage("a"), stage("b")), (Segment("head", 2, 50),), baseline_step_flops=20)
+    >>> predict(p, [StageAction.recompute("a"), StageAction.keep("b")], "flops")
+    Prediction(peak_bytes=160, cost=5.0, overhead=0.25, host_bytes=0)
+    >>> actions_of(p, [1, 0]) == (StageAction.recompute("a"), StageAction.keep("b"))
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .memory_model import Profile, StageOption, StageProfile
+from .actions import StageAction
+from .spans import plan_cost_spans, predict_peak_spans
+from .vocabulary import Action, CostKind
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the memory model says of a plan.
+
+    Attributes:
+        peak_bytes: the predicted peak of a training step.
+        cost: recompute (and unhidden transfer) cost, in the unit of the cost kind.
+        overhead: ``cost`` over the cost of a step without recomputation (0.0 when that is unknown).
+        host_bytes: host memory the offloaded stages take.
+    """
+
+    peak_bytes: int
+    cost: float
+    overhead: float
+    host_bytes: int
+
+
+def _does(option: StageOption, action: StageAction) -> bool:
+    if action.action is Action.KEEP:
+        return not option.checkpointed and not option.offloaded
+    if action.action is Action.RECOMPUTE:
+        return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
+                and not option.offloaded)
+    if action.action is Action.OFFLOAD:
+        return bool(option.offloaded) and not option.checkpointed and (option.offload_limit or None) == action.offload_limit
+    return False
+
+
+def option_index(stage: StageProfile, action: StageAction) -> int:
+    """The index of ``stage``'s option that does what ``action`` says (not for segment actions).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption
+        >>> s = StageProfile("a", (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("attn", ("a.attn",), 1, 1, 0.0, 0)))
+        >>> option_index(s, StageAction.recompute("a", ["a.attn"]))
+        1
+    """
+    for j, option in enumerate(stage.options):
+        if _does(option, action):
+            return j
+    raise ValueError(f"stage {stage.name!r} has no option for {action}; its options: {[o.name for o in stage.options]}")
+
+
+def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The option index of each stage of ``profile`` and the spans ``(first, last)`` of the segments,
+    for ``actions`` (stages without an action are kept). Actions for every stage in the profile's
+    order are read by position (a synthetic profile may repeat a name), others by stage name.
+
+    Raises ValueError for an action on a stage the profile does not have, or an option it does not offer.
+    """
+    names = [s.name for s in profile.stages]
+    if [a.stage for a in actions] == names:
+        positions = list(range(len(names)))
+    else:
+        position = {name: i for i, name in enumerate(names)}
+        unknown = [a.stage for a in actions if a.stage not in position]
+        if unknown:
+            raise ValueError(f"the plan has actions for {unknown}, which are not stages of the profile")
+        positions = [position[a.stage] for a in actions]
+    choices = [0] * len(names)
+    starts: dict[tuple[str, ...], list[int]] = {}
+    for i, action in zip(positions, actions):
+        if action.action is Action.SEGMENT:
+            starts.setdefault(action.segment, []).append(i)
+        else:
+            choices[i] = option_index(profile.stages[i], action)
+    spans = []
+    for segment, indices in starts.items():
+        indices = sorted(indices)
+        if len(indices) != len(segment) or indices != list(range(indices[0], indices[0] + len(indices))) \
+                or [names[i] for i in indices] != list(segment):
+            raise ValueError(f"segment {list(segment)} is not a run of consecutive stages of the profile")
+        spans.append((indices[0], indices[-1]))
+    return choices, sorted(spans)
+
+
+def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | str = CostKind.TIME) -> Prediction:
+    """The peak, cost, overhead and host bytes of ``actions`` on ``profile`` under the memory model."""
+    kind = CostKind.check(cost)
+    choices, spans = schedule(profile, actions)
+    inside = {k for first, last in spans for k in range(first, last + 1)}
+    extra = plan_cost_spans(profile, choices, kind, spans)
+    baseline = profile.baseline_cost(kind)
+    host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
+    return Prediction(peak_bytes=int(predict_peak_spans(profile, choices, spans)), cost=float(extra),
+                      overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host))
+
+
+def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
+    """One action per stage of ``profile`` for option indices ``choices`` and ``spans`` (the stages
+    inside a span are its segment's; their choices are not read)."""
+    if len(choices) != len(profile.stages):
+        raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
+    segment_of = {}
+    for first, last in spans:
+        names = tuple(s.name for s in profile.stages[first:last + 1])
+        segment_of.update({k: names for k in range(first, last + 1)})
+    actions = []
+    for k, (stage, c) in enumerate(zip(profile.stages, choices)):
+        option = stage.options[c]
+        if k in segment_of:
+            actions.append(StageAction.in_segment(stage.name, segment_of[k]))
+        elif option.offloaded and option.checkpointed:
+            raise ValueError(f"stage {stage.name!r}: option {option.name!r} both recomputes and offloads")
+        elif option.offloaded:
+            actions.append(StageAction.offload(stage.name, option.offload_limit or None))
+        elif option.checkpointed:
+            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None))
+        else:
+            actions.append(StageAction.keep(stage.name))
+    return tuple(actions)

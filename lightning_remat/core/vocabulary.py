@@ -1,0 +1,216 @@
+"""The words plans and profiles are made of, as enums: cost kinds, option kinds, plan actions,
+selective-checkpointing policies, precisions.
+
+Each enum is a ``str`` (its members equal their values), as torch's ``CheckpointPolicy`` names a
+fixed set: code that compares with ``"flops"``, JSON, and strings a user gives keep working, and
+``check`` turns a user's string into a member with the error message the package always gave.
+
+- ``CostKind``: what recomputation is priced in (measured seconds, counted FLOPs, roofline seconds).
+- ``OptionKind``: what a profile option of a stage does. Option *names* stay strings, since the
+  child options are named after the children (``"attn"``, ``"mlp"``); ``OptionKind.of`` classifies
+  a name, and ``option_name`` builds the names of the fixed kinds.
+- ``Action``: what a plan does with a stage (``core.plan.StageAction``).
+- ``Policy``: the op-level selective-checkpointing policies (``runtime.installing.sac``).
+- ``Precision``: how a fake profile trains, in Lightning's names.
+
+Example:
+    >>> CostKind.check("flops") == "flops", f"{CostKind.ROOFLINE}"
+    (True, 'roofline')
+    >>> OptionKind.of("sac:save_matmuls"), OptionKind.of("attn"), OptionKind.of("offload:hidden")
+    (<OptionKind.POLICY: 'policy'>, <OptionKind.CHILDREN: 'children'>, <OptionKind.OFFLOAD_HIDDEN: 'offload-hidden'>)
+    >>> option_name(OptionKind.POLICY, Policy.SAVE_MATMULS), policy_of("sac:save_attention")
+    ('sac:save_matmuls', 'save_attention')
+    >>> CostKind.check("seconds")
+    Traceback (most recent call last):
+    ...
+    ValueError: cost must be one of ('time', 'flops', 'roofline'), got 'seconds'
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+
+class _Words(str, Enum):
+    """A ``str`` enum whose ``str()`` and format are its value on every Python (3.10's mixins print
+    ``Class.MEMBER``), so messages and f-strings read as before."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class CostKind(_Words):
+    """What recomputation is priced in.
+
+    Example:
+        >>> CostKind.TIME == "time", CostKind("flops") is CostKind.FLOPS
+        (True, True)
+    """
+
+    TIME = "time"  # measured forward seconds
+    FLOPS = "flops"  # counted FLOPs: deterministic plans
+    ROOFLINE = "roofline"  # per op max(FLOPs / peak FLOP/s, bytes / bandwidth)
+
+    @classmethod
+    def check(cls, kind: Any) -> "CostKind":
+        """The member named by ``kind``, or a ValueError naming what is accepted."""
+        if isinstance(kind, str) and kind in cls.values():
+            return cls(kind)
+        raise ValueError(f"cost must be one of {cls.values()}, got {kind!r}")
+
+
+def cost_of(kind: Any, seconds: float, flops: float, roofline: float) -> float:
+    """The figure of ``kind`` among the three every option and span carries.
+
+    Example:
+        >>> cost_of("roofline", 1.0, 10, 0.5)
+        0.5
+    """
+    if kind == CostKind.ROOFLINE:
+        return roofline
+    return seconds if kind == CostKind.TIME else flops
+
+
+class Policy(_Words):
+    """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves).
+
+    Example:
+        >>> Policy.check("save_matmuls") is Policy.SAVE_MATMULS
+        True
+    """
+
+    SAVE_MATMULS = "save_matmuls"
+    SAVE_PROJECTIONS = "save_projections"
+    SAVE_ALTERNATE_MATMULS = "save_alternate_matmuls"
+    SAVE_ATTENTION = "save_attention"
+
+    @classmethod
+    def check(cls, policy: Any) -> "Policy":
+        """The member named by ``policy``, or a ValueError naming the known policies."""
+        if isinstance(policy, str) and policy in cls.values():
+            return cls(policy)
+        raise ValueError(f"unknown selective-checkpointing policy {policy!r}; known: {', '.join(cls.values())}")
+
+
+# A profile names a policy's option "sac:" + the policy.
+POLICY_PREFIX = "sac:"
+
+
+class OptionKind(_Words):
+    """What a profile option of a stage does (``core.memory_model.StageOption``).
+
+    Example:
+        >>> [OptionKind.of(n) for n in ("keep", "whole", "offload")]
+        [<OptionKind.KEEP: 'keep'>, <OptionKind.WHOLE: 'whole'>, <OptionKind.OFFLOAD: 'offload'>]
+    """
+
+    KEEP = "keep"  # nothing recomputed: everything the forward saves is kept
+    WHOLE = "whole"  # the stage's whole forward recomputed
+    CHILDREN = "children"  # some children recomputed (the option is named after them: "attn", "mlp")
+    POLICY = "policy"  # recomputed under an op-level policy ("sac:save_matmuls")
+    SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint (``core.spans``)
+    OFFLOAD = "offload"  # saved tensors to host memory and back
+    OFFLOAD_HIDDEN = "offload-hidden"  # only what the host link moves while the next stage computes
+
+    @classmethod
+    def of(cls, name: str) -> "OptionKind":
+        """The kind of an option name (a child option's name is the child's)."""
+        if name.startswith(POLICY_PREFIX):
+            return cls.POLICY
+        if name.startswith("segment "):
+            return cls.SEGMENT
+        return _FIXED_KINDS.get(name, cls.CHILDREN)
+
+
+# The option names of the kinds that have one fixed name.
+OPTION_NAMES = {OptionKind.KEEP: "keep", OptionKind.WHOLE: "whole", OptionKind.OFFLOAD: "offload",
+                OptionKind.OFFLOAD_HIDDEN: "offload:hidden"}
+_FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
+
+
+def option_name(kind: OptionKind, policy: Any = None) -> str:
+    """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``, or
+    ``"sac:" + policy``.
+
+    Example:
+        >>> option_name(OptionKind.OFFLOAD_HIDDEN)
+        'offload:hidden'
+    """
+    if kind == OptionKind.POLICY:
+        return POLICY_PREFIX + str(Policy.check(policy))
+    if kind not in OPTION_NAMES:
+        raise ValueError(f"options of kind {kind!r} are named after what they recompute")
+    return OPTION_NAMES[OptionKind(kind)]
+
+
+def policy_of(name: str) -> str:
+    """The policy of an option name, or "" for the options that run no policy.
+
+    Example:
+        >>> policy_of("whole")
+        ''
+    """
+    return name[len(POLICY_PREFIX):] if name.startswith(POLICY_PREFIX) else ""
+
+
+class Action(_Words):
+    """What a plan does with a stage (``core.plan.StageAction``).
+
+    Example:
+        >>> Action("segment") is Action.SEGMENT
+        True
+    """
+
+    KEEP = "keep"  # run as it is: everything it saves stays on the device
+    RECOMPUTE = "recompute"  # its forward (or some children's) runs again in backward, maybe under a policy
+    SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint
+    OFFLOAD = "offload"  # what it saves goes to host memory and comes back, maybe only up to a limit
+
+    @classmethod
+    def check(cls, action: Any) -> "Action":
+        if isinstance(action, str) and action in cls.values():
+            return cls(action)
+        raise ValueError(f"a stage's action must be one of {cls.values()}, got {action!r}")
+
+
+class Precision(_Words):
+    """How a (fake) step trains, in Lightning's names.
+
+    Example:
+        >>> Precision.check("bf16-mixed").storage_and_autocast
+        ('float32', 'bfloat16')
+    """
+
+    FP32_TRUE = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
+    FP16_TRUE = "16-true"
+
+    @property
+    def storage_and_autocast(self) -> tuple[str, str | None]:
+        """The dtype parameters, gradients and optimizer state are kept in, and the autocast dtype (None: none)."""
+        return _PRECISION_DTYPES[self]
+
+    @classmethod
+    def check(cls, precision: Any) -> "Precision":
+        if isinstance(precision, str) and precision in cls.values():
+            return cls(precision)
+        raise ValueError(f"precision must be one of {sorted(cls.values())}, got {precision!r}")
+
+
+_PRECISION_DTYPES = {
+    Precision.FP32_TRUE: ("float32", None),
+    Precision.BF16_MIXED: ("float32", "bfloat16"),
+    Precision.FP16_MIXED: ("float32", "float16"),
+    Precision.BF16_TRUE: ("bfloat16", None),
+    Precision.FP16_TRUE: ("float16", None),
+}

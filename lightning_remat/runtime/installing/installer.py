@@ -1,0 +1,368 @@
+"""The one installer: puts a plan's actions on a model and takes them off exactly.
+
+A module the plan touches gets ONE record (in its ``__dict__``): the forward it had (and whether
+it was set on the instance) and the behaviours installed on it. Its ``forward`` becomes an instance
+attribute that composes them, as torch composes a checkpoint's ``context_fn`` with saved-tensor hooks:
+
+- recompute: the original forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant,
+  RNG state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute;
+- op-level policy: the checkpoint's ``context_fn`` is the policy's pair of contexts (``sac.py``), and
+  nothing else, so it is the same eagerly and under ``torch.compile``;
+- offload: the call runs under ``saved_tensors_hooks`` that send what it saves to host memory
+  (``offloader.py``), outside the checkpoint;
+- segment: several consecutive items of an ``nn.Sequential`` recomputed as one checkpoint. The
+  items are run by a *runner*, an ``nn.Sequential`` of them that is not registered in the model,
+  recomputed like any module; the Sequential yields it in place of the items when iterated
+  (``nn.Sequential.forward`` and code that loops over a Sequential itself, as transformers'
+  ``ResNetStage``). Python looks ``__iter__`` up on the type, so that is the one thing done by a
+  class swap (a subclass of the same name, undone on removal), not by patching ``forward``.
+
+Nothing else about a module changes: parameter names, ``state_dict`` keys and parameter objects
+stay, and removing the plan restores each forward (and class) as it was. Names are those of the
+uncompiled model (``compiled.uncompiled``).
+
+Example:
+    >>> import torch
+    >>> from lightning_remat.core.plan import Plan
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)])
+    >>> _ = install(net, Plan(["3"], policies={"3": "save_matmuls"}, segments=[["0", "1"]], offloaded=["2"]))
+    >>> recomputed(net), installed_segments(net), offloaded(net)
+    ({'3': 'save_matmuls'}, [['0', '1']], ['2'])
+    >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    >>> uninstall(net) is net and recomputed(net) == {} and "forward" not in net[3].__dict__
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+from ...core.actions import StageAction, check_actions
+from ...core.plan import Plan
+from ...core.vocabulary import Action
+from . import sac
+from .compiled import uncompiled
+from .offloader import Offloader, offloaded_call, release_after_next
+from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
+
+__all__ = ["Installation", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
+           "offloader_of", "qualifies", "recomputed", "restore", "segment_positions", "snapshot", "uninstall",
+           "uninstall_offload", "uninstall_segments"]
+
+_RECORD = "_remat_installed"  # in a module's __dict__: its _Record
+
+
+@dataclass
+class _Record:
+    """What the installer did to one module: the forward it had, and the behaviours it now runs."""
+
+    original: Callable[..., Any]
+    had_instance_forward: bool
+    recompute: bool = False
+    policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
+    offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
+    release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
+
+    def empty(self) -> bool:
+        return not self.recompute and self.offload is None
+
+
+# ------------------------------------------------------------------------------------ the forward
+
+
+@contextlib.contextmanager
+def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """Run a recompute without updating running statistics a second time."""
+    norms = [m for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, saved):
+                for k, value in buffers.items():
+                    getattr(m, k).copy_(value)
+
+
+def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def _has_running_statistics(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+               for m in module.modules())
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs as a recompute: inside backward, while the autograd engine runs.
+
+    Checkpoint recomputes from the unpack hook of a saved tensor, that is inside the engine; an
+    ordinary forward runs outside it (graph task -1). Unlike a ``context_fn`` this also holds for a
+    recompute that runs eagerly because ``torch.compile`` broke the graph inside the block, and it
+    leaves ``context_fn`` free for an op-level recompute policy.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def _run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The checkpointed function: the original forward, running statistics restored on recompute."""
+    original = module.__dict__[_RECORD].original
+    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
+    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
+    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    if torch.compiler.is_compiling() or not _recomputing() or not _has_running_statistics(module):
+        return original(*args, **kwargs)
+    # The copies are made outside the dispatch modes: selective checkpointing's cache replays the
+    # forward's ops by count during the recompute, and these ops are not the forward's.
+    restore = _restore_norm_statistics(module)
+    with _disable_current_modes():
+        restore.__enter__()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        with _disable_current_modes():
+            restore.__exit__(None, None, None)
+
+
+def _recomputed_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    record = module.__dict__[_RECORD]
+    if not record.recompute or not _needs_graph(args, kwargs, module):
+        return record.original(*args, **kwargs)
+    # An op-level policy is the whole context_fn (BatchNorm statistics are restored above).
+    extra = {"context_fn": sac.context_fn(record.policy)} if record.policy else {}
+    return checkpoint(functools.partial(_run_original, module), *args, use_reentrant=False, preserve_rng_state=True,
+                      **extra, **kwargs)
+
+
+def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module with a record: its behaviours around its original forward."""
+    record = module.__dict__[_RECORD]
+    if record.offload is None:
+        return _recomputed_call(module, *args, **kwargs)
+    offloader, name = record.offload
+    return offloaded_call(offloader, name, module, record.release_hook is not None,
+                          functools.partial(_recomputed_call, module), args, kwargs)
+
+
+def _record(module: nn.Module) -> _Record:
+    """The module's record, made (and its forward patched, once) on first use."""
+    if _RECORD not in module.__dict__:
+        module.__dict__[_RECORD] = _Record(module.forward, "forward" in module.__dict__)
+        module.forward = functools.partial(_installed_forward, module)  # type: ignore[method-assign]
+    return module.__dict__[_RECORD]
+
+
+def _settle(module: nn.Module) -> None:
+    """Give a module without behaviours its own forward back exactly."""
+    record = module.__dict__.get(_RECORD)
+    if record is None or not record.empty():
+        return
+    del module.__dict__[_RECORD]
+    if record.had_instance_forward:
+        module.forward = record.original  # type: ignore[method-assign]
+    else:
+        del module.forward
+
+
+# -------------------------------------------------------------------------------------- segments
+
+
+def _install_segments(modules: dict[str, nn.Module], segments: Sequence[Sequence[str]]) -> None:
+    by_parent: dict[str, list] = {}
+    for names in segments:
+        parent, positions = segment_positions(modules, names)
+        runner = nn.Sequential(*[modules[n] for n in names])
+        _record(runner).recompute = True
+        by_parent.setdefault(parent, []).append((positions[0], positions[-1] + 1, runner, list(names)))
+    for parent, entries in by_parent.items():
+        container = modules[parent]
+        container.__dict__[SEGMENTS] = sorted(entries, key=lambda e: e[0])
+        if not getattr(type(container), "_remat_segmented", False):
+            container.__class__ = segmented_class(type(container))
+
+
+def install_segments(model: nn.Module, segments: Sequence[Sequence[str]]) -> None:
+    """Recompute each run of names as one checkpoint (names as ``model.named_modules()`` gives them),
+    after checking them all; other behaviours stay (``uninstall_segments`` first to replace a set)."""
+    modules = dict(model.named_modules())
+    check_actions([StageAction.in_segment(s, names) for names in segments for s in names])
+    for names in segments:
+        segment_positions(modules, names)
+    _install_segments(modules, segments)
+
+
+def uninstall_segments(model: nn.Module) -> None:
+    """Every Sequential gets back its class and iterates its items again."""
+    for module in model.modules():
+        if SEGMENTS in module.__dict__:
+            del module.__dict__[SEGMENTS]
+            if getattr(type(module), "_remat_segmented", False):
+                module.__class__ = type(module).__mro__[1]
+
+
+# ------------------------------------------------------------------------------ install, uninstall
+
+
+def _check_names(model: nn.Module, modules: dict[str, nn.Module], names: Sequence[str], what: str = "plan") -> None:
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ValueError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
+
+
+def install_offload(model: nn.Module, names: Sequence[str], order: Sequence[str] | None = None, measure: bool = False,
+                    limits: dict[str, int] | None = None) -> Offloader:
+    """Offload what the named modules of ``model`` save (names as ``model.named_modules()`` gives
+    them); a previous offload is replaced, other behaviours stay. Returns the modules' offloader."""
+    modules = dict(model.named_modules())
+    _check_names(model, modules, names, "offload")
+    nested = [n for n in names if any(n != o and n.startswith(o + ".") for o in names)]
+    if nested or len(set(names)) != len(names):
+        raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or list(names)}")
+    uninstall_offload(model)
+    offloader = Offloader(measure=measure, limits=limits, order=order)
+    for name in names:
+        _record(modules[name]).offload = (offloader, name)
+    position = {n: i for i, n in enumerate(order or ())}
+    for name in names:
+        i = position.get(name)
+        if i is not None and i + 1 < len(position):
+            # The next stage's forward ran: this stage's copies are done, its device tensors may go.
+            nxt = modules[order[i + 1]]  # type: ignore[index]
+            modules[name].__dict__[_RECORD].release_hook = nxt.register_forward_hook(release_after_next(offloader, name))
+    return offloader
+
+
+def uninstall_offload(model: nn.Module) -> None:
+    for module in list(model.modules()):
+        record = module.__dict__.get(_RECORD)
+        if record is not None and record.offload is not None:
+            if record.release_hook is not None:
+                record.release_hook.remove()
+            record.offload, record.release_hook = None, None
+            _settle(module)
+
+
+def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, measure: bool = False) -> nn.Module:
+    """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
+
+    Every name and segment is checked before anything changes, so an error never leaves a
+    half-installed model. ``order`` (default the plan's ``stage_order``): every stage in execution
+    order, for offloading one stage ahead. ``measure``: offload only metadata (fake profiles).
+
+    Raises:
+        ValueError: a name is not a module of ``model``, the actions cannot go together
+            (``core.actions.check_actions``), or a segment is not a run of items of one Sequential.
+    """
+    with uncompiled(model) as plain:
+        modules = dict(plain.named_modules())
+        _check_names(model, modules, list(dict.fromkeys(
+            m for a in plan.actions if a.action is not Action.KEEP for m in (a.stage, *a.modules, *a.segment))))
+        check_actions(plan.actions)
+        for names in plan.segments:
+            segment_positions(modules, names)
+        uninstall(plain)
+        _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
+                 plan.offload_limits, plan.stage_order if order is None else order, measure)
+    return model
+
+
+def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
+             segments: Sequence[Sequence[str]], offload: Sequence[str], limits: dict[str, int],
+             order: Sequence[str] | None, measure: bool) -> None:
+    for name in recompute:
+        record = _record(modules[name])
+        record.recompute, record.policy = True, sac.check_policy(policies[name]) if name in policies else ""
+    _install_segments(modules, segments)
+    if offload:
+        install_offload(plain, offload, order=order, measure=measure,
+                        limits={k: v for k, v in limits.items() if k in offload})
+
+
+def uninstall(model: nn.Module) -> nn.Module:
+    """Take every behaviour of ours off ``model``: each module gets back exactly the forward (and
+    class) it had. Returns ``model``."""
+    with uncompiled(model) as plain:
+        uninstall_segments(plain)
+        uninstall_offload(plain)
+        for module in plain.modules():
+            record = module.__dict__.get(_RECORD)
+            if record is not None:
+                record.recompute, record.policy = False, ""
+                _settle(module)
+    return model
+
+
+# -------------------------------------------------------------------------------------- reading
+
+
+def recomputed(model: nn.Module) -> dict[str, str]:
+    """Per module of ``model`` recomputed alone (names of the uncompiled model), its policy ("" for none)."""
+    with uncompiled(model) as plain:
+        return {name: m.__dict__[_RECORD].policy for name, m in plain.named_modules()
+                if _RECORD in m.__dict__ and m.__dict__[_RECORD].recompute}
+
+
+def installed_segments(model: nn.Module) -> list[list[str]]:
+    """The segments installed on ``model``, as lists of module names."""
+    return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
+
+
+def offloaded(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose saved tensors are offloaded."""
+    return [name for name, m in model.named_modules()
+            if _RECORD in m.__dict__ and m.__dict__[_RECORD].offload is not None]
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
+    for m in model.modules():
+        record = m.__dict__.get(_RECORD)
+        if record is not None and record.offload is not None:
+            return record.offload[0]
+    return None
+
+
+@dataclass
+class Installation:
+    """What is installed on a model, to put back later exactly (``snapshot``, ``restore``)."""
+
+    recompute: dict[str, str] = field(default_factory=dict)
+    segments: list[list[str]] = field(default_factory=list)
+    offloaded: list[str] = field(default_factory=list)
+    limits: dict[str, int] = field(default_factory=dict)
+    order: tuple[str, ...] | None = None
+    measure: bool = False
+
+
+def snapshot(model: nn.Module) -> Installation:
+    """What is installed on ``model`` now (names of the uncompiled model)."""
+    with uncompiled(model) as plain:
+        offloader = offloader_of(plain)
+        return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
+                            limits=dict(offloader.limits) if offloader else {},
+                            order=offloader.order if offloader else None,
+                            measure=bool(offloader and offloader.measure))
+
+
+def restore(model: nn.Module, installation: Installation) -> nn.Module:
+    """Install exactly ``installation`` (from ``snapshot``) on ``model`` in place of what it has."""
+    with uncompiled(model) as plain:
+        uninstall(plain)
+        _install(plain, dict(plain.named_modules()), {k: v for k, v in installation.recompute.items() if v},
+                 list(installation.recompute), installation.segments, installation.offloaded, installation.limits,
+                 installation.order, installation.measure)
+    return model

@@ -1,0 +1,257 @@
+"""The typed plan (one action per stage), its one predictor, the recompute-everything solver, and the
+one installer composing recompute, op-level policies, offload and segments on one model."""
+
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.plan import Plan, StageAction, StageChoice
+from lightning_remat.core.predict import predict
+from lightning_remat.core.solve import plan_from_choices, solve, solve_recompute_everything
+from lightning_remat.core.vocabulary import Action, CostKind, Policy
+from lightning_remat.report.render import plan_renderables, to_text
+from lightning_remat.runtime.installing import installer
+from lightning_remat.runtime.installing.apply import applied, apply_plan, checkpoint_policies, remove_remat
+from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules
+from lightning_remat.runtime.installing.segments import segmented_modules
+from lightning_remat.service.planning import plan_metrics
+
+# Plan.to_dict() of the version before actions (0.1.0), for a solved plan with a policy, a child, an
+# offload within a limit and a segment, and for the fallback plan ("min", nothing predicted).
+OLD_SOLVED = {
+    "checkpointed": ["h.0", "h.1.mlp", "h.5"], "budget_bytes": 650, "baseline_peak_bytes": 700,
+    "predicted_peak_bytes": 390, "predicted_overhead": 0.19, "cost_kind": "flops", "requested_budget": "650",
+    "choices": [{"stage": "h.0", "option": "sac:save_matmuls", "baseline_stored_bytes": 100, "stored_bytes": 50, "cost": 2.0},
+                {"stage": "h.1", "option": "mlp", "baseline_stored_bytes": 100, "stored_bytes": 60, "cost": 2.0},
+                {"stage": "h.2", "option": "offload:hidden", "baseline_stored_bytes": 100, "stored_bytes": 20, "cost": 0.0},
+                {"stage": "h.3", "option": "segment h.3..h.4", "baseline_stored_bytes": 100, "stored_bytes": 0, "cost": 5.0},
+                {"stage": "h.4", "option": "segment h.3..h.4", "baseline_stored_bytes": 100, "stored_bytes": 10, "cost": 5.0},
+                {"stage": "h.5", "option": "whole", "baseline_stored_bytes": 100, "stored_bytes": 10, "cost": 5.0}],
+    "parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "notes": [], "fallback": False,
+    "fingerprint": {}, "sharding": {}, "segments": [["h.3", "h.4"]], "policies": {"h.0": "save_matmuls"},
+    "offloaded": ["h.2"], "host_bytes": 80, "offload_limits": {"h.2": 64}}
+OLD_FALLBACK = {
+    "checkpointed": ["h.0", "h.1"], "budget_bytes": 0, "baseline_peak_bytes": 0, "predicted_peak_bytes": 0,
+    "predicted_overhead": float("nan"), "cost_kind": "flops", "requested_budget": "min", "choices": [],
+    "parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "notes": ["oom"], "fallback": True,
+    "fingerprint": {}, "sharding": {}, "segments": [], "policies": {}, "offloaded": [], "host_bytes": 0,
+    "offload_limits": {}}
+
+
+def _profile():
+    """The synthetic profile OLD_SOLVED was made from: six stages with keep, whole, a policy, a child
+    and a hidden offload, all in one span group."""
+    keep = StageOption("keep", (), 100, 150, 0.0, 0)
+
+    def stage(n):
+        return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, 1.0, 5),
+                                StageOption("sac:save_matmuls", (n,), 50, 155, 0.5, 2, policy="save_matmuls"),
+                                StageOption("mlp", (n + ".mlp",), 60, 155, 0.4, 2),
+                                StageOption("offload:hidden", (), 20, 150, 0.0, 0, offloaded=(n,), host_bytes=80,
+                                            offload_limit=64)))
+
+    return Profile(tuple(stage(f"h.{i}") for i in range(6)), (Segment("head", 6, 50),), baseline_peak_bytes=700,
+                   baseline_step_flops=100, span_groups=(tuple(f"h.{i}" for i in range(6)),))
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+def test_a_plan_saved_before_actions_loads_with_one_action_per_stage_and_the_same_fields():
+    plan = Plan.from_dict(OLD_SOLVED)
+    assert [(a.stage, a.action) for a in plan.actions] == [
+        ("h.0", Action.RECOMPUTE), ("h.1", Action.RECOMPUTE), ("h.2", Action.OFFLOAD), ("h.3", Action.SEGMENT),
+        ("h.4", Action.SEGMENT), ("h.5", Action.RECOMPUTE)]
+    assert plan.actions[0].policy is Policy.SAVE_MATMULS and plan.actions[1].modules == ("h.1.mlp",)
+    assert plan.actions[2].offload_limit == 64 and plan.actions[3].segment == ("h.3", "h.4")
+    for name in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "predicted_peak_bytes",
+                 "predicted_overhead", "budget_bytes", "host_bytes", "requested_budget"):
+        assert getattr(plan, name) == OLD_SOLVED[name], name
+    assert plan.stage_order == ("h.0", "h.1", "h.2", "h.3", "h.4", "h.5") and plan.fallback is False
+    # The same plan solved now: equal, and the one predictor gives the figures the old code stored.
+    now = plan_from_choices(_profile(), [2, 3, 4, 0, 0, 1], 650, "flops", spans=[(3, 4)])
+    assert now == plan
+    assert predict(_profile(), plan.actions, "flops") == predict(_profile(), now.actions, CostKind.FLOPS)
+    # The new dict round-trips, is plain JSON, and still says what the old names said.
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert Plan.from_dict(data) == plan
+    assert {k: data[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "fallback")} == \
+        {k: OLD_SOLVED[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "fallback")}
+    with pytest.raises(ValueError, match="disagree"):
+        Plan.from_dict({**data, "checkpointed": ["h.0"]})
+
+
+def test_a_fallback_plan_saved_with_zero_and_nan_loads_as_nothing_predicted():
+    plan = Plan.from_dict(OLD_FALLBACK)
+    assert plan.fallback and plan.checkpointed == ["h.0", "h.1"]
+    assert (plan.budget_bytes, plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.predicted_overhead) == \
+        (None, None, None, None)
+    assert plan == solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "oom")
+    assert plan_metrics(plan) == {"remat/num_checkpointed": 2.0}
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_plan_is_immutable_and_changed_by_replace():
+    plan = solve(_profile(), 650, cost="flops")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.requested_budget = "650B"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.actions = ()
+    assert isinstance(plan.notes, tuple) and isinstance(plan.choices, tuple) and isinstance(plan.actions, tuple)
+    renamed = dataclasses.replace(plan, requested_budget="650B", fingerprint={"batch_elements": 3})
+    assert renamed.requested_budget == "650B" and renamed.actions == plan.actions and plan.requested_budget == "650"
+    assert renamed.fingerprint == {"batch_elements": 3} and plan.fingerprint == {}
+    # A derived list is a copy: changing it changes nothing.
+    plan.checkpointed.append("h.9")
+    assert "h.9" not in plan.checkpointed
+    with pytest.raises(TypeError, match="not both"):
+        dataclasses.replace(plan, checkpointed=["h.0"])
+
+
+def test_the_recompute_everything_solver_predicts_nothing_and_nothing_prints_nan():
+    plan = solve_recompute_everything(["h.0", "h.1", "h.2"], 10**9, "time", "1GB", "out of memory while profiling")
+    assert isinstance(plan, Plan) and plan.fallback and plan.checkpointed == ["h.0", "h.1", "h.2"]
+    assert [a.action for a in plan.actions] == [Action.RECOMPUTE] * 3
+    assert (plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.predicted_overhead) == (None, None, None)
+    assert plan.predicted_saving_bytes is None
+    metrics = plan_metrics(plan, measured_peak_bytes=123)
+    assert metrics == {"remat/num_checkpointed": 3.0, "remat/budget_bytes": 1e9, "remat/measured_peak_bytes": 123.0}
+    assert not any(math.isnan(v) for v in metrics.values())
+    for text in (plan.summary(), to_text(plan_renderables(plan))):
+        assert "nan" not in text.lower() and "peak not predicted" in text and "budget 1GB" in text
+        assert "out of memory while profiling" in text and "memory: parameters" not in text
+
+
+def test_vocabularies_take_strings_and_keep_their_messages():
+    plan = Plan(["h.0"], 1, 2, 1, 0.5, cost_kind="roofline", policies={"h.0": "save_attention"})
+    assert plan.cost_kind is CostKind.ROOFLINE and plan.cost_kind == "roofline" and f"{plan.cost_kind}" == "roofline"
+    assert plan.to_dict()["cost_kind"] == "roofline" and type(plan.to_dict()["cost_kind"]) is str
+    with pytest.raises(ValueError, match=r"cost must be one of \('time', 'flops', 'roofline'\), got 'seconds'"):
+        Plan(["h.0"], cost_kind="seconds")
+    with pytest.raises(ValueError, match="unknown selective-checkpointing policy 'save_all'"):
+        Plan(["h.0"], policies={"h.0": "save_all"})
+    with pytest.raises(ValueError, match="does not recompute"):
+        Plan(["h.0"], policies={"h.1": "save_matmuls"})
+    with pytest.raises(ValueError, match="only a recomputed stage has a policy"):
+        StageAction("h.0", Action.OFFLOAD, policy="save_matmuls")
+
+
+def test_a_typed_plan_and_the_same_plan_by_names_are_equal():
+    # By names (no stage order known): the recomputed modules, the segments' stages, the offloaded modules.
+    typed = Plan(actions=[StageAction.recompute("0", policy="save_matmuls"), StageAction.in_segment("2", ["2", "3"]),
+                          StageAction.in_segment("3", ["2", "3"]), StageAction.offload("1", limit=10)],
+                 budget_bytes=5)
+    named = Plan(["0"], 5, policies={"0": "save_matmuls"}, offloaded=["1"], offload_limits={"1": 10},
+                 segments=[["2", "3"]])
+    assert typed == named and typed.stage_order is None
+    with_choices = Plan(["0"], 5, choices=[StageChoice(s, "keep", 0, 0, 0.0) for s in "0123"], segments=[["2", "3"]])
+    assert with_choices.stage_order == ("0", "1", "2", "3") and with_choices.actions[1] == StageAction.keep("1")
+
+
+# ------------------------------------------------------------------------------- the installer
+
+
+class _Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.norm(self.lin(x))))
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block() for _ in range(6)], nn.Linear(8, 1)).train()
+
+
+def _steps(model, steps=2):
+    torch.manual_seed(3)
+    x = torch.randn(16, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_bit_equal(plain, other):
+    for a, b in zip(_steps(plain), _steps(other)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for (name, a), (_, b) in zip(plain.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name  # BatchNorm statistics: updated once per step
+
+
+def test_one_installer_composes_policy_recompute_offload_and_segments_bit_equal_and_restores_exactly():
+    plain, model = _net(), _net()
+    before = {n: (type(m), dict(m.__dict__).keys(), dict(m._forward_hooks)) for n, m in model.named_modules()}
+    keys = list(model.state_dict())
+    stages = [str(i) for i in range(6)]
+    plan = Plan(actions=[StageAction.recompute("0", policy="save_matmuls"), StageAction.offload("1"),
+                         StageAction.recompute("2"), StageAction.in_segment("3", ["3", "4"]),
+                         StageAction.in_segment("4", ["3", "4"]), StageAction.offload("5", limit=16 * 8 * 4)],
+                choices=[StageChoice(s, "-", 0, 0, 0.0) for s in stages])
+    apply_plan(model, plan)
+    assert checkpoint_policies(model) == {"0": "save_matmuls"} and installer.recomputed(model) == {"0": "save_matmuls", "2": ""}
+    assert offloaded_modules(model) == ["1", "5"] and segmented_modules(model) == [["3", "4"]]
+    assert model_offloader(model).order == tuple(stages) and model_offloader(model).limits == {"5": 512}
+    assert list(model.state_dict()) == keys
+    _assert_bit_equal(plain, model)
+    assert set(model_offloader(model).host_bytes) == {"1", "5"}
+    remove_remat(model)
+    after = {n: (type(m), dict(m.__dict__).keys(), dict(m._forward_hooks)) for n, m in model.named_modules()}
+    assert after == before
+
+
+def test_recompute_and_offload_on_one_module_compose_in_one_forward():
+    plain, model = _net(), _net()
+    apply_plan(model, ["1", "2"], policies={"2": "save_matmuls"})
+    apply_offload(model, ["1", "3"], order=[str(i) for i in range(6)])  # around the checkpoint of "1"
+    record = model[1].__dict__[installer._RECORD]
+    assert record.recompute and record.offload is not None  # one record, one patched forward
+    assert model[1].forward.func is installer._installed_forward
+    _assert_bit_equal(plain, model)
+    apply_plan(model, ["2"])  # replaces the plan: no double wrapping, nothing left behind
+    assert installer.recomputed(model) == {"2": ""} and offloaded_modules(model) == []
+    remove_remat(model)
+    assert all("forward" not in m.__dict__ and installer._RECORD not in m.__dict__ for m in model.modules())
+
+
+def test_applied_puts_back_offloading_with_its_order_and_limits():
+    model = _net()
+    order = [str(i) for i in range(6)]
+    apply_plan(model, ["0"])
+    apply_offload(model, ["2"], order=order, limits={"2": 64})
+    with applied(model, ["4"]):
+        assert installer.recomputed(model) == {"4": ""} and offloaded_modules(model) == []
+    offloader = model_offloader(model)
+    assert installer.recomputed(model) == {"0": ""} and offloaded_modules(model) == ["2"]
+    assert offloader.order == tuple(order) and offloader.limits == {"2": 64}
+    assert model[3]._forward_hooks  # the next stage releases and prefetches stage 2 again
+
+
+def test_a_deep_copy_of_an_installed_model_trains_as_the_original():
+    model = _net()
+    apply_plan(model, ["0", "2"], segments=[["3", "4"]])
+    twin = copy.deepcopy(model)
+    _assert_bit_equal(model, twin)
+
+
+def test_the_old_fallback_spellings_still_work_and_warn():
+    with pytest.warns(DeprecationWarning, match="solve_recompute_everything"):
+        old = Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")
+    assert old == solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")
+    with pytest.warns(DeprecationWarning, match="fallback"):
+        flagged = Plan(["h.0"], 0, 0, 0, float("nan"), "flops", "min", fallback=True, notes=["oom"])
+    assert flagged == old and flagged.fallback
