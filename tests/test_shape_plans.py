@@ -19,8 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_remat import profile_step
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
-from lightning_remat.core.shape_fit import Shape, ShapeBuckets, ShapeFit, chord_weights, ladder_down, ladder_up
+from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.predict import predict
+from lightning_remat.core.shape_fit import ShapeFit, chord_weights
+from lightning_remat.core.shapes import Shape, ShapeBuckets, ladder_down, ladder_up
 from lightning_remat.core.solve import solve
 from lightning_remat.models import build, padded_batches
 from lightning_remat.runtime.measuring.measure import measure_step
@@ -29,6 +31,8 @@ from lightning_remat.service.shape_plans import ShapePlans
 from tests.step_peaks import StepPeak
 
 SIZES = dict(layers=3, hidden=64, seq_len=128, vocab=128)
+# The run tests share module fixtures (the runs): one worker runs them all under `-n 2 --dist loadgroup`.
+pytestmark = pytest.mark.xdist_group("shape-plans")
 
 
 def loss_fn(model, batch):
@@ -186,14 +190,6 @@ def test_plain_loop_trains_exactly_as_without_the_package(plain_runs):
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
 
 
-def _choices(profile, plan):
-    """The option of each stage of ``profile`` that recomputes what ``plan`` recomputes there."""
-    names = set(plan.checkpointed)
-    return [next(i for i, option in enumerate(stage.options)
-                 if set(option.checkpointed) == names & {m for o in stage.options for m in o.checkpointed})
-            for stage in profile.stages]
-
-
 # A plan made between nodes is made on a bound above the truth by the chord's margin (0.25% of the
 # peak at most here): it is the optimal plan for a budget lower by at most this much.
 CHORD_TOLERANCE = 0.005
@@ -217,10 +213,10 @@ def test_each_plan_is_the_optimal_plan_of_its_shape(scenario, plain_runs):
     for key in (Shape(4, 128), between[0]):
         batch = resize_batch(batches[0], key)
         real = profile_step(model, lambda m: loss_fn(m, batch), optimizer=optimizer)
-        ours, choices = plans.plans[key], _choices(real, plans.plans[key])
-        cost = plan_cost(real, choices, "flops") / real.baseline_step_flops
-        optimal = solve(real, budget, "flops").predicted_overhead
-        assert predict_peak(real, choices) <= ours.predicted_peak_bytes <= budget, key
+        ours = plans.plans[key]
+        measured = predict(real, ours.actions, "flops")  # the plan priced on the real profile
+        cost, optimal = measured.overhead, solve(real, budget, "flops").predicted_overhead
+        assert measured.peak_bytes <= ours.predicted_peak_bytes <= budget, key
         if plans.sources[key] == "node":
             assert math.isclose(cost, optimal, abs_tol=1e-9), key
         else:

@@ -51,7 +51,8 @@ from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import BudgetTooSmallError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
-from ..core.shape_fit import Shape, ShapeBuckets, ShapeFit
+from ..core.shape_fit import ShapeFit
+from ..core.shapes import Shape, ShapeBuckets
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import is_compiled
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
@@ -100,9 +101,8 @@ def _priced(profile: Profile, seconds_per_flop: float) -> Profile:
 
 
 def _signature(plan: Plan) -> tuple:
-    """What an installed plan changes on the model: two plans with it are the same installation."""
-    return (tuple(plan.checkpointed), tuple(map(tuple, plan.segments)), tuple(sorted(plan.policies.items())),
-            tuple(plan.offloaded), tuple(sorted(plan.offload_limits.items())))
+    """What an installed plan changes on the model: two plans with the same actions are one installation."""
+    return tuple(plan.actions)
 
 
 class ShapePlans:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...core.shape_fit import Shape
+from ...core.shapes import Shape
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
