@@ -255,7 +255,7 @@ class ShapePlans:
             return True
         warnings.warn(f"lightning-remat: the first batch's step without recomputation is predicted to peak at "
                       f"{format_bytes(node.baseline_peak_bytes)}, above the budget ({format_bytes(budget)}): it is "
-                      "not profiled for real; plans are made on fake-tensor profiles alone.", UserWarning, stacklevel=4)
+                      "not profiled for real; plans are made on fake-tensor profiles alone.", UserWarning, stacklevel=5)
         return False
 
     def _real_profile(self, batch: Any) -> Profile | None:
@@ -269,7 +269,7 @@ class ShapePlans:
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
         release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
         warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
-                      "on fake-tensor profiles alone.", UserWarning, stacklevel=4)
+                      "on fake-tensor profiles alone.", UserWarning, stacklevel=5)
         return None
 
     def _fake_profile(self, batch: Any, shape: Shape, at: Shape) -> Profile:
@@ -296,7 +296,7 @@ class ShapePlans:
             reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
         self._too_large.add(key)
         warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=5)
         return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
 
     def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
