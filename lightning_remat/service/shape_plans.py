@@ -3,17 +3,16 @@
 A plan is made from a profile at one batch shape; a run changes shape every step (dynamic padding,
 the last short batch). ``ShapePlans`` gives each step the plan for its own shape:
 
-1. The first batch: a fake-tensor profile at its shape (a *node* of the shape fit,
-   ``core.shape_fit``) and, when that predicts its step without recomputation fits the budget, a
-   real profile of it (the *anchor*: real timings, the allocator's view, an integration's
-   adjustment), as an integration profiles its first batch today. That is the only real profiling
-   pass of a run: at most one, whatever the data.
-2. Every batch: its shape is rounded up to a bucket (``ShapeBuckets``: a few steps per doubling of
-   the batch size and of the sequence length), whose plan is cached. A bucket met for the first time
-   is predicted from the nodes (between two nodes, by interpolation, at or above the truth), or,
-   outside them, profiled on fake tensors as one more node (no memory is allocated; nothing real
-   runs), and solved within the budget. So no step runs without a plan after the first, and no step
-   runs without recomputation to be profiled.
+1. The first batch is profiled for real, as every integration profiled it before, and planned on
+   that profile: the *anchor* (real timings, the allocator's view, an integration's adjustment).
+   That is the only real profiling pass of a run, whatever the data (none with ``fake=True``).
+2. Every batch: its shape is rounded up to a bucket (``ShapeBuckets``: 16 steps per doubling of the
+   batch size and of the sequence length), whose plan is cached. A bucket met for the first time is
+   predicted from *nodes*, fake-tensor profiles at a few shapes (``core.shape_fit``: between nodes,
+   by interpolation, at or above the truth; the nodes around it that are missing are profiled, on
+   fake tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
+   the budget. So no step runs without a plan after the first, and no step runs without
+   recomputation to be profiled.
 3. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
    model without recomputation, whatever plan a step runs under.
 
@@ -40,13 +39,13 @@ Example:
 from __future__ import annotations
 
 import warnings
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..core.budget import format_bytes
 from ..core.config import ProfileOptions, RematConfig
 from ..core.errors import BudgetTooSmallError
 from ..core.memory_model import Profile
@@ -109,9 +108,10 @@ class ShapePlans:
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
     Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
-    installing). The first call profiles that batch (the only real profiling pass of the run); later
-    shapes are predicted from fake-tensor profiles (``core.shape_fit``), so no step runs without
-    recomputation to be profiled and no step after the first runs without a plan.
+    installing). The first call profiles that batch for real and plans it on that profile (the only
+    real profiling pass of the run, as an integration profiled its first batch before); a batch of
+    another shape is planned on a prediction from fake-tensor profiles (``core.shape_fit``), so no
+    step runs without recomputation to be profiled and no step after the first runs without a plan.
 
     Args:
         model: the model, in training mode.
@@ -139,6 +139,10 @@ class ShapePlans:
         adjust: ``adjust(profile) -> profile``, applied to the first batch's profile (an
             integration's allowance for what its loop keeps alive); carried to every shape.
         install: ``install(model, plan)``; default ``apply_plan``.
+        channel: how ranks talk (``service.channel``): every rank's batch shape is gathered and the
+            largest planned, rank 0 profiles and solves, every rank gets its plan (or its error).
+            None: one process.
+        hint: added to the message of an error of ours (which integration, which setting).
 
     Example:
         >>> import torch
@@ -156,7 +160,7 @@ class ShapePlans:
                  max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 16,
                  shape_of: Callable[[Any], Shape | None] | None = None,
                  resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
-                 install: Callable[[nn.Module, Plan], Any] | None = None):
+                 install: Callable[[nn.Module, Plan], Any] | None = None, channel: Any = None, hint: str = ""):
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
@@ -176,9 +180,13 @@ class ShapePlans:
         self.adjust, self.install = adjust, install or apply_plan
         self.planner = Planner(config)
         self.counts = ShapePlanCounts()
-        self.fit: ShapeFit | None = None
+        self.channel, self.hint = channel, hint
+        self.anchor: tuple[Shape, Profile] | None = None  # the first batch's profile, and its shape
+        self.fit: ShapeFit | None = None  # fake nodes, from the first shape other than the first batch's
+        self.fallback: Plan | None = None  # profiling ran out of memory: every block recomputed, every shape
+        self._seconds_per_flop: float | None = None
         self.plans: dict[Shape, Plan] = {}  # bucket -> its plan
-        self.sources: dict[Shape, str] = {}  # bucket -> how its profile was had: "node", "chord", ...
+        self.sources: dict[Shape, str] = {}  # bucket -> its profile: "profile", "node", "chord", "saved"
         self.installed: Plan | None = None
         self.largest: Shape | None = self.max_shape if plan_for == "largest" else None
         self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
@@ -195,68 +203,135 @@ class ShapePlans:
         return plan
 
     def plan(self, batch: Any) -> Plan:
-        """The plan for ``batch``'s shape: cached for its bucket, else predicted and solved."""
+        """The plan for ``batch``'s shape (on every rank, the largest shape of any rank's batch):
+        cached for its bucket, else predicted and solved (on rank 0, and shared)."""
         self.counts.steps += 1
         shape = self.shape_of(batch)
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
-        if self.fit is None:
-            self._start(batch, shape)
-        key = self.bucket(shape)
+        if self.channel is not None and self.channel.distributed:
+            shape = functools.reduce(Shape.union, (Shape(*s) for s in self.channel.gather(tuple(vars(shape).values()))))
+        key = self.key(shape)
         if key not in self.plans:
-            key, plan = self._plan_at(batch, shape, key)
-            self.plans[key] = plan
+            plan = self._shared(lambda: self._plan_at(batch, shape, key))
+            key = self._settle(key, shape, plan)
         return self.plans[key]
 
-    def bucket(self, shape: Shape) -> Shape:
-        """The shape ``shape``'s plan is made for (at least ``shape``; with ``plan_for="largest"``,
-        at least every shape met before and ``max_shape``)."""
+    def key(self, shape: Shape) -> Shape:
+        """The shape ``shape``'s plan is made for: its own when a plan for it exists (the profiled
+        first batch), else its bucket (at least ``shape``; with ``plan_for="largest"``, at least
+        every shape met before and ``max_shape``)."""
         if self.plan_for == "largest":
             self.largest = shape if self.largest is None else self.largest.union(shape)
             shape = self.largest
+        if shape in self.plans or shape in self._too_large:
+            return shape
         key = self.buckets.up(shape)
         return shape if key in self._too_large else key
 
+    def seed(self, shape: Shape, plan: Plan) -> None:
+        """Take ``plan`` as the plan of ``shape`` (one saved in a checkpoint): batches of that shape
+        are not profiled again."""
+        self.plans[shape] = plan
+        self.sources.setdefault(shape, "saved")
+
     def predict(self, shape: Shape | tuple[int, int]) -> Profile:
         """The profile predicted at ``shape`` (no profiling: outside the nodes, by the shape law,
-        not a bound). Only after the first ``plan``/``use``."""
+        not a bound). Only once a shape other than the first batch's has been planned."""
         if self.fit is None:
-            raise RuntimeError("ShapePlans.predict needs a first batch: call plan() or use() first")
+            raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
         return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
 
     # ------------------------------------------------------------------------------- internals
 
+    def _shared(self, compute: Callable[[], tuple[Shape, Plan]]) -> tuple[Shape, Plan]:
+        """``compute()`` on rank 0, its outcome (or its error) on every rank."""
+        if self.channel is None or not self.channel.distributed:
+            return compute()
+        return self.channel.from_main(compute, action="planning for a batch shape", hint=self.hint)
+
+    def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
+        """Store a plan decided for ``key`` (under the shape it was made for)."""
+        made_for, plan = outcome
+        if made_for != key:  # no plan fits the bucket: its batches are planned at their own shape
+            self._too_large.add(key)
+        self.plans[made_for] = plan
+        self.sources.setdefault(made_for, "shared")
+        return made_for
+
     def _step(self, batch: Any) -> Callable[[nn.Module], torch.Tensor]:
         return lambda module: self.loss_fn(module, batch)
 
-    def _start(self, batch: Any, shape: Shape) -> None:
-        """The first batch: a fake node at its shape and, when its step fits, the real anchor."""
-        self._seconds_per_flop: float | None = None
-        node = self._fake_profile(batch, shape, shape)
-        anchor = None
-        if not self.config.profile.fake and self._real_step_fits(node):
-            anchor = self._real_profile(batch)
-        if anchor is not None:
-            self._seconds_per_flop = anchor.baseline_step_seconds / max(1, anchor.baseline_step_flops)
-            node = _priced(node, self._seconds_per_flop)
-        elif self.config.cost != "flops":
-            # No real timing: FLOPs stand in for seconds (a plan's overhead is a ratio, the same in either).
-            self._seconds_per_flop = 1e-12
-            node = _priced(node, self._seconds_per_flop)
-        if anchor is None and self.adjust is not None:
-            anchor = self.adjust(node)
-        self.fit = ShapeFit({shape: node}, anchor=(shape, anchor) if anchor is not None else None)
+    def _plan_at(self, batch: Any, shape: Shape, key: Shape) -> tuple[Shape, Plan]:
+        """The plan for ``key`` (and the shape it is made for): at the batch's own shape when no
+        plan fits the bucket, or the bucket cannot be profiled."""
+        try:
+            return key, self._solve_at(batch, shape, key)
+        except BudgetTooSmallError as error:
+            if key == shape:
+                if self.hint:
+                    error.add_hint(self.hint)
+                raise
+            reason = f"no plan fits the budget at {key} ({error.smallest_peak_bytes} bytes at least)"
+        except Exception as error:  # noqa: BLE001 - a model that refuses the stretched batch: its own shape then
+            if key == shape or (self.fit is not None and key in self.fit.nodes):
+                raise
+            reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
+        warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
+                      UserWarning, stacklevel=5)
+        return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
 
-    def _real_step_fits(self, node: Profile) -> bool:
-        """Whether profiling the first batch for real (its step runs without recomputation) is
-        predicted to stay within the budget; if not, the run has no real profiling pass."""
-        budget = self.config.budget_bytes(model_device(self.model))
-        if not isinstance(budget, int) or node.baseline_peak_bytes <= budget:
-            return True
-        warnings.warn(f"lightning-remat: the first batch's step without recomputation is predicted to peak at "
-                      f"{format_bytes(node.baseline_peak_bytes)}, above the budget ({format_bytes(budget)}): it is "
-                      "not profiled for real; plans are made on fake-tensor profiles alone.", UserWarning, stacklevel=5)
-        return False
+    def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
+        """The profile at ``key``: the first batch's own where ``key`` is its shape, else predicted
+        (adding the nodes around ``key`` that are missing); solved within the budget."""
+        if self.fallback is not None:
+            return self.fallback
+        if self.anchor is None and self.fit is None:
+            self._first(batch, shape)
+            if self.fallback is not None:
+                return self.fallback
+        if self.anchor is not None and key == self.anchor[0]:
+            profile, self.sources[key] = self.anchor[1], "profile"
+        else:
+            self._grow(batch, shape, key)
+            profile = self.fit.at(key)
+            self.sources[key] = "node" if key in self.fit.nodes else "chord"
+        self.counts.solves += 1
+        return self.planner.solve_profile(self.model, profile)
+
+    def _first(self, batch: Any, shape: Shape) -> None:
+        """The first batch: profiled for real (``fake``: on fake tensors), ``adjust`` applied: the
+        anchor every prediction is carried from."""
+        if not self.config.profile.fake:
+            real = self._real_profile(batch)
+            if real is not None:
+                self._seconds_per_flop = real.baseline_step_seconds / max(1, real.baseline_step_flops)
+                self.anchor = (shape, real)
+                return
+        try:
+            node = self._fake_profile(batch, shape, shape)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(error):
+                raise
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+            self.fallback = self.planner.fallback_plan(self.model, reason)
+            return
+        self.fit = ShapeFit({shape: node}, anchor=(shape, self.adjust(node)) if self.adjust else None)
+        self.anchor = self.fit.anchor
+
+    def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
+        """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
+        first node at ``key``, then the ladder nodes around ``key`` that are missing."""
+        if self.fit is None and self.anchor is not None:
+            anchor_shape, anchor = self.anchor
+            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, shape, anchor_shape)}, anchor=self.anchor)
+        elif self.fit is None:  # a plan was seeded (a resumed run), nothing was profiled: start at ``key``
+            node = self._fake_profile(batch, shape, key)
+            self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
+        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
+            self.fit = self.fit.with_node(node, self._fake_profile(batch, shape, node))
+        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
+            self.fit = self.fit.with_node(key, self._fake_profile(batch, shape, key))
 
     def _real_profile(self, batch: Any) -> Profile | None:
         """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
@@ -266,47 +341,25 @@ class ShapePlans:
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(error):
                 raise
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+            reason = f"{type(error).__name__}: {_first_line(error)}"
         release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
         warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
-                      "on fake-tensor profiles alone.", UserWarning, stacklevel=5)
+                      "on fake-tensor profiles alone.", UserWarning, stacklevel=6)
         return None
 
     def _fake_profile(self, batch: Any, shape: Shape, at: Shape) -> Profile:
-        """A node: the step on ``batch`` stretched from ``shape`` to ``at``, profiled on fake tensors."""
+        """A node: the step on ``batch`` stretched from ``shape`` to ``at``, profiled on fake tensors
+        (priced in seconds at the real profile's seconds per FLOP, or FLOPs standing in for them)."""
         stretched = batch if at == shape else self.resize(batch, at)
         options = replace(self.config.profile, fake=True, warmup=0,
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1
         profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
-        return _priced(profile, self._seconds_per_flop) if self._seconds_per_flop is not None else profile
+        # No real timing: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
+        seconds_per_flop = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
+        return _priced(profile, seconds_per_flop) if seconds_per_flop else profile
 
-    def _plan_at(self, batch: Any, shape: Shape, key: Shape) -> tuple[Shape, Plan]:
-        """The plan for bucket ``key`` (and the bucket it ends up under): at the batch's own shape
-        when no plan fits the bucket, or the bucket cannot be profiled."""
-        try:
-            return key, self._solve_at(batch, shape, key)
-        except BudgetTooSmallError as error:
-            if key == shape:
-                raise
-            reason = f"no plan fits the budget at {key} ({error.smallest_peak_bytes} bytes at least)"
-        except Exception as error:  # noqa: BLE001 - a model that refuses the stretched batch: its own shape then
-            if key == shape or key in self.fit.nodes:
-                raise
-            reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
-        self._too_large.add(key)
-        warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
-                      UserWarning, stacklevel=5)
-        return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
 
-    def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
-        """Predict the profile at ``key`` (adding the nodes around it that are missing) and solve."""
-        assert self.fit is not None
-        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
-            self.fit = self.fit.with_node(node, self._fake_profile(batch, shape, node))
-        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
-            self.fit = self.fit.with_node(key, self._fake_profile(batch, shape, key))
-        self.counts.solves += 1
-        plan = self.planner.solve_profile(self.model, self.fit.at(key))
-        self.sources[key] = "node" if key in self.fit.nodes else "chord"
-        return plan
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
