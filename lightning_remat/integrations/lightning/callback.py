@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
@@ -54,15 +55,14 @@ def _refuse_fsdp1(trainer: Trainer) -> None:
 
 def _loop_allowance(profile: Any) -> Any:
     """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
-    and logs), which the profile of ``training_step`` does not see: 4 bytes at the peak of a
-    2-process DDP or FSDP2 run on the CPU, 10 with a compiled module, over a budget of "min"."""
+    and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
     from ...runtime.profiling.profile_adjust import with_always_alive
 
     return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
                              "Lightning's loop keeps alive through a step; counted in every term")
 
 
-LOOP_ALLOWANCE = 1024
+LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
 
 class AutoRemat(Callback):

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ...core.allowances import DDP_REDUCER_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, RematError, StepError
@@ -59,7 +60,7 @@ from ..measuring.tracking import SegmentTracker, snapshot_by_category
 MIN_CHILD_SHARE = 0.15
 MAX_CHILD_SHARE = 0.9
 MAX_CHILD_OPTIONS = 2
-DDP_ALLOWANCE = 1024
+DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
 @dataclass
@@ -475,8 +476,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                          "profiled as a later micro-batch, with every gradient alive from its start")
     if options.gradient_buckets:
         # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
-        # tensors (a 4-byte scalar was alive at the peak of a 2-process CPU run).
-        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_ALLOWANCE
+        # tensors (core.allowances).
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_REDUCER_ALLOWANCE
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
     profile = with_unobserved(profile, stage_names, modules)

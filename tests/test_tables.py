@@ -1,4 +1,5 @@
-"""The one table of GPU figures and its lookup by device name; the old tables are views of it."""
+"""The one table of GPU figures (and its lookup by device name) and the one table of byte allowances;
+the old names are views of them."""
 
 import pytest
 
@@ -50,3 +51,14 @@ def test_the_old_tables_are_views_of_the_one_table():
     assert GPU_EFFICIENCY == hardware.TRAINING_EFFICIENCY == 0.4
     assert _matching_gpu("NVIDIA H100 PCIe") == "h100-pcie"
     assert device_peaks("cuda", "a100") == gpu_peaks("a100")
+
+
+def test_every_byte_allowance_is_named_in_one_table_with_its_old_value():
+    from lightning_remat.core.allowances import ALLOWANCES
+    from lightning_remat.integrations.accelerate import recorded_call
+    from lightning_remat.integrations.lightning import callback
+    from lightning_remat.runtime.profiling import profile
+
+    assert dict(ALLOWANCES) == {"ddp_reducer": 1024, "lightning_loop": 1024, "accelerate_loop": 2048}
+    assert (profile.DDP_ALLOWANCE, callback.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
+        ALLOWANCES["ddp_reducer"], ALLOWANCES["lightning_loop"], ALLOWANCES["accelerate_loop"])
