@@ -85,3 +85,23 @@ class _noting:
 
     def __exit__(self, *exc):
         self.seen.append("/" + self.name)
+
+
+def test_on_cuda_every_measured_peak_is_the_allocators(monkeypatch):
+    """The budget means ``max_memory_allocated`` on CUDA: the measured step (and so every trial) and
+    the window the integrations open read it, with ``max_memory_reserved`` beside it."""
+    from lightning_remat.runtime.measuring import meter as meter_module
+
+    resets = []
+    monkeypatch.setattr(meter_module, "model_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2048)
+    net = nn.Linear(4, 4)
+    window = PeakWindow(net, None)
+    assert (window.close(), window.reserved_bytes, window.tracker) == (1000, 2048, None)
+    measured = measure_step(net, lambda m: m(torch.ones(2, 4)).sum())
+    assert (measured.peak_bytes, measured.reserved_bytes) == (1000, 2048)
+    assert resets == [torch.device("cuda", 0)] * 2

@@ -130,24 +130,25 @@ class Channel:
                  action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
         """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank
         (errors as ``travelling`` makes them). Nothing is raised."""
-        attempt = _Attempt()
-        attempt.run(compute, self.rank, action)
-        return self.gather((attempt.value, attempt.error))
+        return self._attempt_on_every_rank(compute, action)[1]
 
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling") -> list[T]:
         """``compute()`` on every rank; every rank's value in rank order, or the error of the first
         rank that failed raised on every rank."""
         if not self.distributed:
             return [compute()]
-        attempt = _Attempt()
-        attempt.run(compute, self.rank, action)
-        results = self.gather((attempt.value, attempt.error))
+        attempt, results = self._attempt_on_every_rank(compute, action)
         failed = next((rank for rank, (_, error) in enumerate(results) if error is not None), None)
         if failed == self.rank:
             attempt.raise_if_failed()  # this rank's own error, from its original
         elif failed is not None:
             raise results[failed][1]  # type: ignore[misc]
         return [value for value, _ in results]  # type: ignore[misc]
+
+    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str) -> tuple["_Attempt", list]:
+        attempt = _Attempt()
+        attempt.run(compute, self.rank, action)
+        return attempt, self.gather((attempt.value, attempt.error))
 
 
 class _Attempt:

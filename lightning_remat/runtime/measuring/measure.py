@@ -66,6 +66,9 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
         optimizer: stepped after backward when given (its state counts in the peak).
         zero_grad: set gradients to None first, as Lightning and ``optimizer.zero_grad()`` do.
 
+    On CUDA the device's peak statistics are reset when the step starts
+    (``torch.cuda.reset_peak_memory_stats``), as every measurement of a peak there does.
+
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
         >>> opt = torch.optim.Adam(net.parameters())
