@@ -120,6 +120,7 @@ def _two_ranks(rank):
     return result
 
 
+@pytest.mark.distributed
 def test_two_gloo_ranks_share_values_and_every_rank_raises_one_ranks_error(tmp_path):
     from tests.gloo_ranks import spawn
 
