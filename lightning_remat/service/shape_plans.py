@@ -39,7 +39,6 @@ Example:
 from __future__ import annotations
 
 import warnings
-import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -54,6 +53,7 @@ from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape, ShapeBuckets
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import is_compiled
+from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, resize_batch
@@ -143,6 +143,7 @@ class ShapePlans:
             largest planned, rank 0 profiles and solves, every rank gets its plan (or its error).
             None: one process.
         hint: added to the message of an error of ours (which integration, which setting).
+        warmup: unmeasured steps before the first batch's real profile (None: the config's).
 
     Example:
         >>> import torch
@@ -160,7 +161,8 @@ class ShapePlans:
                  max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 16,
                  shape_of: Callable[[Any], Shape | None] | None = None,
                  resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
-                 install: Callable[[nn.Module, Plan], Any] | None = None, channel: Any = None, hint: str = ""):
+                 install: Callable[[nn.Module, Plan], Any] | None = None, channel: Any = None, hint: str = "",
+                 warmup: int | None = None):
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
@@ -180,7 +182,7 @@ class ShapePlans:
         self.adjust, self.install = adjust, install or apply_plan
         self.planner = Planner(config)
         self.counts = ShapePlanCounts()
-        self.channel, self.hint = channel, hint
+        self.channel, self.hint, self.warmup = channel, hint, warmup
         self.anchor: tuple[Shape, Profile] | None = None  # the first batch's profile, and its shape
         self.fit: ShapeFit | None = None  # fake nodes, from the first shape other than the first batch's
         self.fallback: Plan | None = None  # profiling ran out of memory: every block recomputed, every shape
@@ -210,7 +212,8 @@ class ShapePlans:
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
         if self.channel is not None and self.channel.distributed:
-            shape = functools.reduce(Shape.union, (Shape(*s) for s in self.channel.gather(tuple(vars(shape).values()))))
+            # Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped modules.
+            shape = Shape(int(self.channel.max(shape.batch_size)), int(self.channel.max(shape.seq_len)))
         key = self.key(shape)
         if key not in self.plans:
             plan = self._shared(lambda: self._plan_at(batch, shape, key))
@@ -286,8 +289,8 @@ class ShapePlans:
         (adding the nodes around ``key`` that are missing); solved within the budget."""
         if self.fallback is not None:
             return self.fallback
-        if self.anchor is None and self.fit is None:
-            self._first(batch, shape)
+        if self.anchor is None and self.fit is None and not self.plans:
+            self._first(batch)
             if self.fallback is not None:
                 return self.fallback
         if self.anchor is not None and key == self.anchor[0]:
@@ -297,11 +300,15 @@ class ShapePlans:
             profile = self.fit.at(key)
             self.sources[key] = "node" if key in self.fit.nodes else "chord"
         self.counts.solves += 1
-        return self.planner.solve_profile(self.model, profile)
+        plan = self.planner.solve_profile(self.model, profile)
+        # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
+        return replace(plan, fingerprint={**fingerprint(self.model, batch), "shape": [key.batch_size, key.seq_len]})
 
-    def _first(self, batch: Any, shape: Shape) -> None:
+    def _first(self, batch: Any) -> None:
         """The first batch: profiled for real (``fake``: on fake tensors), ``adjust`` applied: the
-        anchor every prediction is carried from."""
+        anchor every prediction is carried from. (A run that starts from saved plans has none: its
+        new shapes are profiled on fake tensors only.)"""
+        shape = self.shape_of(batch)
         if not self.config.profile.fake:
             real = self._real_profile(batch)
             if real is not None:
@@ -309,7 +316,7 @@ class ShapePlans:
                 self.anchor = (shape, real)
                 return
         try:
-            node = self._fake_profile(batch, shape, shape)
+            node = self._fake_profile(batch, shape)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(error):
                 raise
@@ -324,20 +331,21 @@ class ShapePlans:
         first node at ``key``, then the ladder nodes around ``key`` that are missing."""
         if self.fit is None and self.anchor is not None:
             anchor_shape, anchor = self.anchor
-            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, shape, anchor_shape)}, anchor=self.anchor)
+            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
         elif self.fit is None:  # a plan was seeded (a resumed run), nothing was profiled: start at ``key``
-            node = self._fake_profile(batch, shape, key)
+            node = self._fake_profile(batch, key)
             self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
         for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
-            self.fit = self.fit.with_node(node, self._fake_profile(batch, shape, node))
+            self.fit = self.fit.with_node(node, self._fake_profile(batch, node))
         if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
-            self.fit = self.fit.with_node(key, self._fake_profile(batch, shape, key))
+            self.fit = self.fit.with_node(key, self._fake_profile(batch, key))
 
     def _real_profile(self, batch: Any) -> Profile | None:
         """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
         self.counts.real_profiles += 1
         try:
-            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust)
+            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust,
+                                        warmup=self.warmup)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(error):
                 raise
@@ -347,10 +355,10 @@ class ShapePlans:
                       "on fake-tensor profiles alone.", UserWarning, stacklevel=6)
         return None
 
-    def _fake_profile(self, batch: Any, shape: Shape, at: Shape) -> Profile:
-        """A node: the step on ``batch`` stretched from ``shape`` to ``at``, profiled on fake tensors
-        (priced in seconds at the real profile's seconds per FLOP, or FLOPs standing in for them)."""
-        stretched = batch if at == shape else self.resize(batch, at)
+    def _fake_profile(self, batch: Any, at: Shape) -> Profile:
+        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors (priced in
+        seconds at the real profile's seconds per FLOP, or FLOPs standing in for them)."""
+        stretched = batch if at == self.shape_of(batch) else self.resize(batch, at)
         options = replace(self.config.profile, fake=True, warmup=0,
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1

@@ -2,7 +2,8 @@
 
 On the first training batch it profiles the step (``profile_step``), solves for the least-cost set
 of modules to recompute within the budget (``solve``), wraps them (``apply_plan``), measures the
-real peak of a step with the plan, and reports the figures to every logger. See ``docs/lightning.md``.
+real peak of a step with the plan, and reports the figures to every logger; every later batch gets
+the plan for its own shape (``service.shape_plans``). See ``docs/lightning.md`` and ``docs/shapes.md``.
 """
 
 from __future__ import annotations
@@ -11,19 +12,23 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
+from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
                               remove_remat, segmented_modules)
+from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
-from ...service.planning import Planner, plan_metrics
+from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.shape_plans import ShapePlans
 from ...service.sharded import FSDP1_HINT, fsdp2_sharded
 from .channel import lightning_channel
 from .step import training_step_closure
@@ -116,10 +121,16 @@ class AutoRemat(Callback):
       term over the ranks, and every rank wraps the same modules: the budget is per rank (per
       GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
       with an ``UnsupportedShardingError`` naming these workarounds.
-    - The plan is part of the callback's ``state_dict``: a run resumed from a checkpoint applies it
-      in ``on_train_start`` without profiling again, unless the model's parameters differ from
-      those it was made for. A batch larger than the one a plan was made for (a longer sequence, a
-      bigger batch, also after resuming) is planned again, on that batch. Parameter names never change, so checkpoints
+    - Plans follow the batch's shape (``docs/shapes.md``): every batch's shape is read (under DDP,
+      the largest of the ranks'), rounded up to a bucket, and gets that bucket's plan, installed
+      before the batch trains when it differs from the one installed. The first batch is profiled
+      for real (the only real profiling pass of a fit); a bucket met later is planned on a
+      prediction from fake-tensor profiles (nothing allocated, no step run without recomputation),
+      once. A short batch does not pay for the recompute a long one needs. Under FSDP2 a larger
+      batch is profiled again instead, on every rank.
+    - The plans are part of the callback's ``state_dict``: a run resumed from a checkpoint applies
+      the last one in ``on_train_start`` and profiles none of their shapes again, unless the model's
+      parameters differ from those they were made for. Parameter names never change, so checkpoints
       load with and without the callback.
     - Lightning zeroes gradients after the forward pass (just before backward), so the previous
       step's gradients would otherwise stay alive through the forward pass, which the budget does
@@ -173,6 +184,10 @@ class AutoRemat(Callback):
         self._measure_in: int | None = None  # batches until the measured window starts
         self._window_left = 0
         self._meter: PeakWindow | None = None
+        # Plans that follow the batch's shape (``service.shape_plans``), made in the first batch of a fit.
+        self.shape_plans: ShapePlans | None = None
+        self._saved_plans: dict[Shape, Plan] = {}
+        self._batch_idx = 0
 
     @property
     def state_key(self) -> str:
@@ -189,6 +204,7 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
+        self.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
@@ -219,14 +235,18 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             return
         window = max(1, trainer.accumulate_grad_batches)
-        if self.plan is not None and self._outgrown(trainer, batch):
-            rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
-                           f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-            self.plan = None
-        if self.plan is None:
-            self._plan_now(trainer, pl_module, batch, batch_idx)
+        if fsdp2_sharded(pl_module):
+            # A model sharded with FSDP2 has no fake twin yet: a larger batch is profiled again, on every rank.
+            if self.plan is not None and self._outgrown(trainer, batch):
+                rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
+                               f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
+                self.plan = None
             if self.plan is None:
-                return
+                self._plan_now(trainer, pl_module, batch, batch_idx)
+        else:
+            self._plan_for_batch(trainer, pl_module, batch, batch_idx)
+        if self.plan is None:
+            return
         if batch_idx % window == 0:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             pl_module.zero_grad(set_to_none=True)
@@ -260,9 +280,9 @@ class AutoRemat(Callback):
                    f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
                    f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
                    f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
-        if self.plan.budget_bytes is not None and self.measured_peak_bytes > self.plan.budget_bytes:
-            rank_zero_warn(message + ": the measured peak exceeds the budget, by memory the profile did not see. "
-                           "Lower the budget by the difference.")
+        warning = over_budget(self.measured_peak_bytes, self.plan, f"a steady training step (batch {batch_idx})")
+        if warning is not None:
+            rank_zero_warn(message + ". " + warning)
         elif self.verbose:
             rank_zero_info(message)
 
@@ -273,12 +293,17 @@ class AutoRemat(Callback):
         self._close_meter()
 
     def state_dict(self) -> dict[str, Any]:
+        # Every shape's plan, so that a resumed run profiles none of them again.
+        plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
         return {"plan": self.plan.to_dict() if self.plan is not None else None,
-                "measured_peak_bytes": self.measured_peak_bytes}
+                "measured_peak_bytes": self.measured_peak_bytes,
+                "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan = state_dict.get("plan")
         self.plan = Plan.from_dict(plan) if plan is not None else None
+        self._saved_plans = {Shape(b, s): Plan.from_dict(p) for b, s, p in state_dict.get("plans", [])}
+        self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
         self._measure_in = None
@@ -327,6 +352,52 @@ class AutoRemat(Callback):
         # defaults, the first step whose optimizer state exists).
         window = max(1, trainer.accumulate_grad_batches)
         self._measure_in = -(-self.profile_steps // window) * window
+
+    def _plan_for_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """The plan for this batch's shape (every rank: the largest of the ranks' batches), made
+        once per shape bucket from the first batch's profile and fake-tensor profiles of the new
+        shapes, installed when it changes."""
+        plans = self.shape_plans or self._start_shape_plans(trainer, pl_module, batch)
+        self._batch_idx = batch_idx
+        known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
+        first = self.plan is None
+        self.plan = plans.use(batch)
+        self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
+        if len(plans.plans) == known:
+            return
+        self._log_plan(trainer, self.plan)
+        if first:
+            if self.verbose:
+                self._print_plan(self.plan)
+            # The first whole accumulation window at least profile_steps batches on (with the
+            # defaults, the first step whose optimizer state exists).
+            window = max(1, trainer.accumulate_grad_batches)
+            self._measure_in = -(-self.profile_steps // window) * window
+            return
+        if self.verbose:
+            rank_zero_info(f"AutoRemat: batch shape {plans.shape_of(batch)}: a plan for "
+                           f"{self.plan.fingerprint.get('shape')}, {len(self.plan.checkpointed)} module(s) recomputed, "
+                           f"predicted peak {_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
+        if self._meter is None and self._measure_in is None:
+            self._measure_in = 0  # measure this plan's first window too
+
+    def _start_shape_plans(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> ShapePlans:
+        """The fit's ``ShapePlans``: its loss is ``training_step`` on a batch, its plans start from
+        the checkpoint's (a plan saved without its shape counts for batches no larger than its own)."""
+        saved = dict(self._saved_plans)
+        if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
+            saved = {batch_shape(batch): self.plan}
+
+        def loss(module: nn.Module, any_batch: Any) -> Any:
+            return training_step_closure(pl_module, any_batch, self._batch_idx, trainer)(module)
+
+        self.shape_plans = ShapePlans(
+            pl_module, loss, config=self._config_for(trainer), optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            adjust=_loop_allowance, install=lambda model, plan: self._apply(trainer, model, plan),
+            channel=lightning_channel(trainer), hint=f"(AutoRemat, budget={self.budget!r})")
+        for shape, plan in saved.items():
+            self.shape_plans.seed(shape, plan)
+        return self.shape_plans
 
     def _outgrown(self, trainer: Trainer, batch: Any) -> bool:
         """Whether some rank's batch is larger than the one the plan was made for (decided together,
