@@ -87,19 +87,21 @@ class StepPeak:
 
 
 def lightning_step_peaks():
-    """A Lightning callback recording ``StepPeak`` of every training batch (``peaks``) and every
-    loss (``losses``); put it FIRST in the trainer's callbacks, so that its window opens before any
+    """A Lightning callback recording ``StepPeak`` of every training batch (``peaks``), every loss
+    (``losses``) and the gradients every optimizer step applies (``grads``); put it FIRST in the trainer's callbacks, so that its window opens before any
     other callback's ``on_train_batch_start`` (where planning runs) and closes after theirs."""
     import lightning.pytorch as L
 
     class StepPeaks(L.Callback):
         def __init__(self):
-            self.peaks, self.losses, self.shapes, self.meter = [], [], [], None
+            self.peaks, self.losses, self.grads, self.meter = [], [], [], None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.shapes.append(tuple(batch[0].shape) if isinstance(batch, (list, tuple)) else None)
             self.meter = StepPeak(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
             self.meter.start()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads.append([p.grad.clone() for p in pl_module.parameters()])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             # Lightning calls this after the optimizer step (and its zero_grad).

@@ -222,3 +222,91 @@ def test_each_plan_is_the_optimal_plan_of_its_shape(scenario, plain_runs):
         else:
             tighter = solve(real, int(budget * (1 - CHORD_TOLERANCE)), "flops").predicted_overhead
             assert optimal - 1e-9 <= cost <= tighter + 1e-9, (key, cost, optimal, tighter)
+
+
+# ------------------------------------------------------------------------------ Lightning and Accelerate
+
+
+def _assert_run(peaks, losses, grads, reference, budget, counts, batches):
+    table = [(tuple(b["input_ids"].shape), ref, ours) for b, ref, ours in zip(batches, reference[0], peaks)]
+    assert len(peaks) == len(batches) and all(peak <= budget for peak in peaks), (budget, table)
+    assert counts.real_profiles <= 1, counts
+    assert losses == reference[1]
+    for step, (expected, got) in enumerate(zip(reference[2], grads)):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
+
+
+def _lightning_run(batches, callbacks):
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from tests.step_peaks import lightning_step_peaks
+
+    class LitPadded(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build("gpt2", **SIZES).model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    meter = lightning_step_peaks()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), callbacks=[meter, *callbacks],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    lit = LitPadded()
+    torch.manual_seed(1)
+    trainer.fit(lit, DataLoader(batches, batch_size=None))
+    return meter.peaks, meter.losses, meter.grads
+
+
+def test_lightning_autoremat_follows_the_batch_shape(scenario):
+    from lightning_remat import AutoRemat
+
+    batches, budget = scenario
+    reference = _lightning_run(batches, [])
+    callback = AutoRemat(budget=budget, cost="flops", verbose=False)
+    peaks, losses, grads = _lightning_run(batches, [callback])
+    _assert_run(peaks, losses, grads, reference, budget, callback.shape_plans.counts, batches)
+    assert max(reference[0]) > 1.5 * budget
+    assert callback.shape_plans.counts.real_profiles == 1 and len(callback.shape_plans.plans) > 3
+    assert callback.measured_peak_bytes <= budget
+
+
+def _accelerate_run(batches, monkeypatch, budget=None):
+    from lightning_remat.accelerate import ENV_BUDGET, ENV_COST, RematAccelerator, remat_session
+
+    if budget is not None:
+        monkeypatch.setenv(ENV_BUDGET, str(budget))
+        monkeypatch.setenv(ENV_COST, "flops")
+    accelerator = RematAccelerator()
+    torch.manual_seed(0)
+    model = build("gpt2", **SIZES).model
+    model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    torch.manual_seed(1)
+    peaks, losses, grads = [], [], []
+    for batch in batches:
+        meter = StepPeak(model, optimizer)
+        meter.start()
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        del loss
+        peaks.append(meter.stop())
+    return (peaks, losses, grads), remat_session(model)
+
+
+def test_accelerate_session_follows_the_batch_shape(scenario, monkeypatch):
+    batches, budget = scenario
+    reference, _ = _accelerate_run(batches, monkeypatch)
+    (peaks, losses, grads), session = _accelerate_run(batches, monkeypatch, budget)
+    _assert_run(peaks, losses, grads, reference, budget, session.shape_plans.counts, batches)
+    # The first step ran as written (observed), and calibrates fake profiles: no real profiling pass.
+    assert session.shape_plans.counts.real_profiles == 0 and len(session.shape_plans.plans) > 3
+    assert session.metrics["remat/measured_peak_bytes"] <= budget

@@ -1,4 +1,5 @@
-"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure once.
+"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then
+give every step the plan for its batch's shape.
 
 How it works, per model:
 
@@ -7,10 +8,18 @@ How it works, per model:
    (``recorded_call``).
 2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
    forward) the planning service profiles the recorded call, solves, and every rank applies the
-   main process's plan in place.
-3. The next step is measured by the peak meter (``max_memory_allocated`` on CUDA, with
-   ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU) and the figures go to
-   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
+   main process's plan in place. The call is profiled on fake tensors (with ``cost="time"``, for
+   real: it needs timings): the observed step ran for real already, and its measured peak
+   calibrates the profile, so planning runs no real step without recomputation, and allocates
+   nothing while the step's gradients are still alive.
+3. From then on every training forward's batch shape is read (under DDP, the largest of the
+   ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
+   it (``service.shape_plans``), and its plan installed before the forward runs. Not under FSDP2,
+   which keeps the first plan.
+4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
+   CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
+   (a warning when above), and the figures go to ``accelerator.log`` under ``remat/...`` and to
+   ``accelerator.remat_metrics``.
 """
 
 from __future__ import annotations
@@ -254,9 +263,13 @@ class RematSession:
                                                            channel=channel, hint=hint, warmup=0, adjust=adjust)
                 apply_plan(self.model, plan)
             else:
-                # The observed steps were the warm-up: lazy initialisation has happened.
+                # The observed steps were the warm-up: lazy initialisation has happened. The observed step
+                # ran for real and calibrates the profile: with FLOP costs a fake one is enough.
+                config = self._config()
+                if config.cost != "time":
+                    config = replace(config, profile=replace(config.profile, fake=True))
                 self.shape_plans = ShapePlans(
-                    self.model, lambda model, template: template.loss(model), config=self._config(),
+                    self.model, lambda model, template: template.loss(model), config=config,
                     optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
                     resize=lambda template, shape: template.at(shape), adjust=adjust, channel=channel, hint=hint,
                     warmup=0)
