@@ -12,7 +12,6 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import nn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
@@ -31,7 +30,7 @@ from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import FSDP1_HINT, fsdp2_sharded
 from .channel import lightning_channel
-from .step import training_step_closure
+from .step import training_step_closure, training_step_shape_plans
 
 
 def _figure(nbytes: int | None, other: int | None) -> str:
@@ -121,17 +120,13 @@ class AutoRemat(Callback):
       term over the ranks, and every rank wraps the same modules: the budget is per rank (per
       GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
       with an ``UnsupportedShardingError`` naming these workarounds.
-    - Plans follow the batch's shape (``docs/shapes.md``): every batch's shape is read (under DDP,
-      the largest of the ranks'), rounded up to a bucket, and gets that bucket's plan, installed
-      before the batch trains when it differs from the one installed. The first batch is profiled
-      for real (the only real profiling pass of a fit); a bucket met later is planned on a
-      prediction from fake-tensor profiles (nothing allocated, no step run without recomputation),
-      once. A short batch does not pay for the recompute a long one needs. Under FSDP2 a larger
-      batch is profiled again instead, on every rank.
-    - The plans are part of the callback's ``state_dict``: a run resumed from a checkpoint applies
-      the last one in ``on_train_start`` and profiles none of their shapes again, unless the model's
-      parameters differ from those they were made for. Parameter names never change, so checkpoints
-      load with and without the callback.
+    - Plans follow the batch's shape (``docs/shapes.md``): each batch (under DDP, the largest of the
+      ranks') gets the plan of its shape bucket, installed before it trains. Only the first batch is
+      profiled for real; a bucket met later is planned, once, on fake-tensor profiles (no step runs
+      without recomputation). Under FSDP2 a larger batch is profiled again, on every rank.
+    - The plans are in the ``state_dict``: a resumed run applies the last in ``on_train_start`` and
+      profiles none of their shapes again (unless the model's parameters differ). Parameter names
+      never change, so checkpoints load with and without the callback.
     - Lightning zeroes gradients after the forward pass (just before backward), so the previous
       step's gradients would otherwise stay alive through the forward pass, which the budget does
       not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
@@ -184,8 +179,7 @@ class AutoRemat(Callback):
         self._measure_in: int | None = None  # batches until the measured window starts
         self._window_left = 0
         self._meter: PeakWindow | None = None
-        # Plans that follow the batch's shape (``service.shape_plans``), made in the first batch of a fit.
-        self.shape_plans: ShapePlans | None = None
+        self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
 
@@ -235,18 +229,13 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             return
         window = max(1, trainer.accumulate_grad_batches)
-        if fsdp2_sharded(pl_module):
-            # A model sharded with FSDP2 has no fake twin yet: a larger batch is profiled again, on every rank.
-            if self.plan is not None and self._outgrown(trainer, batch):
-                rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
-                               f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-                self.plan = None
-            if self.plan is None:
-                self._plan_now(trainer, pl_module, batch, batch_idx)
-        else:
-            self._plan_for_batch(trainer, pl_module, batch, batch_idx)
+        first = self.plan is None
+        planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module, batch,
+                                                                                         batch_idx)
         if self.plan is None:
             return
+        if planned:
+            self._announce(trainer, first)
         if batch_idx % window == 0:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             pl_module.zero_grad(set_to_none=True)
@@ -331,80 +320,59 @@ class AutoRemat(Callback):
                     "backward and the optimizer itself; use lightning_remat.plan_remat/apply_plan in setup() instead")
         return None
 
-
-    def _plan_now(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Profile and solve on rank 0, share the outcome, and apply it on every rank."""
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        step = training_step_closure(pl_module, batch, batch_idx, trainer)
+    def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
+        """FSDP2: a sharded model has no fake twin, so the first batch, and a batch larger than the
+        plan's (on some rank), is profiled on every rank in lockstep; rank 0 solves, every rank applies."""
         channel = lightning_channel(trainer)
-        # Sharded with FSDP2 (ModelParallelStrategy): every pass runs collectives, so every rank profiles.
-        if channel.is_main or fsdp2_sharded(pl_module):
-            self.profile_count += 1
-        self.plan = Planner(self._config_for(trainer)).shared_plan(
-            pl_module, step, optimizer, channel=channel, hint=f"(AutoRemat, budget={self.budget!r})",
-            adjust=_loop_allowance)
-        self.plan = replace(self.plan, fingerprint=fingerprint(pl_module, batch))
+        if self.plan is not None:
+            if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
+                return False
+            rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
+                           f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
+        self.profile_count += 1
+        plan = Planner(self._config_for(trainer)).shared_plan(
+            pl_module, training_step_closure(pl_module, batch, batch_idx, trainer),
+            trainer.optimizers[0] if trainer.optimizers else None, channel=channel,
+            hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+        self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
-        self._log_plan(trainer, self.plan)
-        if self.verbose:
-            self._print_plan(self.plan)
-        # The first whole accumulation window at least profile_steps batches on (with the
-        # defaults, the first step whose optimizer state exists).
-        window = max(1, trainer.accumulate_grad_batches)
-        self._measure_in = -(-self.profile_steps // window) * window
+        return True
 
-    def _plan_for_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """The plan for this batch's shape (every rank: the largest of the ranks' batches), made
         once per shape bucket from the first batch's profile and fake-tensor profiles of the new
-        shapes, installed when it changes."""
-        plans = self.shape_plans or self._start_shape_plans(trainer, pl_module, batch)
-        self._batch_idx = batch_idx
+        shapes, installed when it changes. Whether it was made now. The fit's ``ShapePlans`` starts
+        from the checkpoint's plans (one saved without its shape counts for batches no larger)."""
+        if self.shape_plans is None:
+            saved = dict(self._saved_plans)
+            if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
+                saved = {batch_shape(batch): self.plan}
+            self.shape_plans = training_step_shape_plans(
+                pl_module, trainer, lambda: self._batch_idx, config=self._config_for(trainer), adjust=_loop_allowance,
+                install=lambda model, plan: self._apply(trainer, model, plan),
+                hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
+        plans, self._batch_idx = self.shape_plans, batch_idx
         known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
-        first = self.plan is None
         self.plan = plans.use(batch)
         self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
-        if len(plans.plans) == known:
-            return
+        return len(plans.plans) > known
+
+    def _announce(self, trainer: Trainer, first: bool) -> None:
+        """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
+        on, whole accumulation windows) and the first window of every later one."""
         self._log_plan(trainer, self.plan)
         if first:
             if self.verbose:
                 self._print_plan(self.plan)
-            # The first whole accumulation window at least profile_steps batches on (with the
-            # defaults, the first step whose optimizer state exists).
             window = max(1, trainer.accumulate_grad_batches)
             self._measure_in = -(-self.profile_steps // window) * window
             return
         if self.verbose:
-            rank_zero_info(f"AutoRemat: batch shape {plans.shape_of(batch)}: a plan for "
-                           f"{self.plan.fingerprint.get('shape')}, {len(self.plan.checkpointed)} module(s) recomputed, "
-                           f"predicted peak {_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
+            rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
+                           f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
+                           f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:
-            self._measure_in = 0  # measure this plan's first window too
-
-    def _start_shape_plans(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> ShapePlans:
-        """The fit's ``ShapePlans``: its loss is ``training_step`` on a batch, its plans start from
-        the checkpoint's (a plan saved without its shape counts for batches no larger than its own)."""
-        saved = dict(self._saved_plans)
-        if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
-            saved = {batch_shape(batch): self.plan}
-
-        def loss(module: nn.Module, any_batch: Any) -> Any:
-            return training_step_closure(pl_module, any_batch, self._batch_idx, trainer)(module)
-
-        self.shape_plans = ShapePlans(
-            pl_module, loss, config=self._config_for(trainer), optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-            adjust=_loop_allowance, install=lambda model, plan: self._apply(trainer, model, plan),
-            channel=lightning_channel(trainer), hint=f"(AutoRemat, budget={self.budget!r})")
-        for shape, plan in saved.items():
-            self.shape_plans.seed(shape, plan)
-        return self.shape_plans
-
-    def _outgrown(self, trainer: Trainer, batch: Any) -> bool:
-        """Whether some rank's batch is larger than the one the plan was made for (decided together,
-        since re-planning is collective)."""
-        if "batch_elements" not in self.plan.fingerprint:
-            return False
-        return lightning_channel(trainer).any(outgrows(self.plan.fingerprint, batch))
+            self._measure_in = 0
 
     def _config_for(self, trainer: Trainer) -> RematConfig:
         """The settings, with what this trainer adds to the memory of a step: gradient

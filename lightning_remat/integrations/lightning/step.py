@@ -78,3 +78,24 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
         return loss_of(output)
 
     return step
+
+
+def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Callable[[], int], *, config: Any,
+                              adjust: Any = None, install: Any = None, hint: str = "",
+                              saved: dict | None = None) -> Any:
+    """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module.training_step`` on a batch,
+    over ``trainer``'s ranks, with ``saved`` plans (shape -> plan) taken as they are.
+
+    ``batch_idx()`` is the index the step is called with (the current batch's).
+    """
+    from ...service.shape_plans import ShapePlans
+    from .channel import lightning_channel
+
+    def loss(module: nn.Module, batch: Any) -> torch.Tensor:
+        return training_step_closure(pl_module, batch, batch_idx(), trainer)(module)
+
+    plans = ShapePlans(pl_module, loss, config=config, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                       adjust=adjust, install=install, channel=lightning_channel(trainer), hint=hint)
+    for shape, plan in (saved or {}).items():
+        plans.seed(shape, plan)
+    return plans
