@@ -104,6 +104,50 @@ def test_batch_shape_and_resize():
     assert torch.equal(wider["attention_mask"][:4, :shape.seq_len], batch["attention_mask"])
 
 
+# ------------------------------------------------------------------------------ ShapePlans on a small model
+
+
+def _token_model():
+    torch.manual_seed(0)
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))  # noqa: E731
+    return torch.nn.Sequential(torch.nn.Embedding(64, 16), *[block() for _ in range(4)])
+
+
+def _token_loss(model, ids):
+    return model(ids).square().mean()
+
+
+def test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows():
+    lengths = (40, 24, 64, 16, 48, 64, 100, 30)
+    plans = ShapePlans(_token_model(), _token_loss, budget="min", plan_for="largest")
+    keys = []
+    for n in lengths:
+        plans.use(torch.randint(0, 64, (2, n)))
+        keys.append(plans.key(Shape(2, n)))
+    assert all(b.covers(a) and b.covers(Shape(2, n)) for a, b, n in zip(keys, keys[1:], lengths[1:]))
+    assert sorted(plans.plans) == [Shape(2, 40), Shape(2, 64), Shape(2, 100)] and plans.counts.installs <= 3
+    declared = ShapePlans(_token_model(), _token_loss, budget="min", plan_for="largest", max_shape=(2, 100))
+    for n in lengths:
+        declared.use(torch.randint(0, 64, (2, n)))
+    assert list(declared.plans) == [Shape(2, 100)] and declared.counts.installs == 1
+    assert declared.counts.real_profiles == 1  # the first batch, whose shape is not the one planned
+    compiled = _token_model()
+    compiled[1] = torch.compile(compiled[1])
+    assert ShapePlans(compiled, _token_loss, budget="min").plan_for == "largest"
+
+
+def test_ranks_run_the_plan_of_the_largest_batch_of_any_rank():
+    from lightning_remat.service.channel import FunctionChannel
+
+    # Another rank whose batch is always twice as long: every rank plans for the longer one.
+    twice = FunctionChannel(broadcast=lambda value: value, gather=lambda value: [value, 2 * value if value else value])
+    plans = ShapePlans(_token_model(), _token_loss, budget="min", channel=twice, per_octave=0)
+    for n in (16, 24):
+        plans.use(torch.randint(0, 64, (2, n)))
+    assert sorted(plans.plans) == [Shape(4, 32), Shape(4, 48)]
+    assert plans.counts.real_profiles == 1  # rank 0's own batch, at its own shape
+
+
 # ------------------------------------------------------------------------------ the meter
 
 

@@ -214,6 +214,8 @@ class ShapePlans:
         if self.channel is not None and self.channel.distributed:
             # Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped modules.
             shape = Shape(int(self.channel.max(shape.batch_size)), int(self.channel.max(shape.seq_len)))
+        if self.plan_for == "largest":
+            self.largest = shape if self.largest is None else self.largest.union(shape)
         key = self.key(shape)
         if key not in self.plans:
             plan = self._shared(lambda: self._plan_at(batch, shape, key))
@@ -224,9 +226,8 @@ class ShapePlans:
         """The shape ``shape``'s plan is made for: its own when a plan for it exists (the profiled
         first batch), else its bucket (at least ``shape``; with ``plan_for="largest"``, at least
         every shape met before and ``max_shape``)."""
-        if self.plan_for == "largest":
-            self.largest = shape if self.largest is None else self.largest.union(shape)
-            shape = self.largest
+        if self.plan_for == "largest" and self.largest is not None:
+            shape = self.largest.union(shape)
         if shape in self.plans or shape in self._too_large:
             return shape
         key = self.buckets.up(shape)

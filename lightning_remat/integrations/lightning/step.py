@@ -84,9 +84,23 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Cal
                               adjust: Any = None, install: Any = None, hint: str = "",
                               saved: dict | None = None) -> Any:
     """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module.training_step`` on a batch,
-    over ``trainer``'s ranks, with ``saved`` plans (shape -> plan) taken as they are.
+    over ``trainer``'s ranks (None: one process, no optimizer), with ``saved`` plans (shape -> plan)
+    taken as they are. ``batch_idx()`` is the index the step is called with (the current batch's).
 
-    ``batch_idx()`` is the index the step is called with (the current batch's).
+    Example:
+        >>> import torch, lightning.pytorch as L
+        >>> from lightning_remat import RematConfig
+        >>> class Lit(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+        ...                                                              torch.nn.Linear(32, 8)) for _ in range(3)])
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self.net(batch).square().mean()
+        >>> plans = training_step_shape_plans(Lit(), None, lambda: 0, config=RematConfig("min", cost="flops"))
+        >>> plan = plans.use(torch.randn(64, 8))
+        >>> plans.counts.real_profiles, plan.predicted_peak_bytes <= plan.baseline_peak_bytes
+        (1, True)
     """
     from ...service.shape_plans import ShapePlans
     from .channel import lightning_channel
@@ -94,8 +108,9 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Cal
     def loss(module: nn.Module, batch: Any) -> torch.Tensor:
         return training_step_closure(pl_module, batch, batch_idx(), trainer)(module)
 
-    plans = ShapePlans(pl_module, loss, config=config, optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                       adjust=adjust, install=install, channel=lightning_channel(trainer), hint=hint)
+    optimizer = trainer.optimizers[0] if trainer is not None and trainer.optimizers else None
+    plans = ShapePlans(pl_module, loss, config=config, optimizer=optimizer, adjust=adjust, install=install,
+                       channel=lightning_channel(trainer) if trainer is not None else None, hint=hint)
     for shape, plan in (saved or {}).items():
         plans.seed(shape, plan)
     return plans
