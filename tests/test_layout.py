@@ -27,14 +27,6 @@ LAYERS = ["core", "runtime", "report", "service", "integrations"]
 # reads: ("lightning_remat.core.x", "lightning_remat.report.y"): "why it cannot move down".
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
-# The cycles the tree has now, each being removed on another branch: when none is left,
-# test_no_import_cycles passes, and its xfail (strict) makes that a failure until it is removed.
-# (core.plan <-> report.render and installing.apply <-> installing.segments are gone already.)
-KNOWN_CYCLES = (
-    "lightning_remat.service.planning <-> lightning_remat.service.sharded_planning",
-)
-
-
 @dataclass(frozen=True)
 class Import:
     source: str  # the importing module
@@ -170,8 +162,6 @@ def test_cycle_finder_finds_loops():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="the tree has import cycles, each being removed on another branch: "
-                   + "; ".join(KNOWN_CYCLES) + ". Remove this mark when they are gone (the test then passes).")
 def test_no_import_cycles():
     edges: dict[str, set[str]] = {}
     for i in ALL_IMPORTS:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from .hardware import GPUS
 from .memory_model import Profile
 from .vocabulary import OPTION_NAMES, OptionKind
 
@@ -51,12 +52,8 @@ def is_offload(option_name: str) -> bool:
     return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
 
 # Effective host-link bandwidth (bytes/s, one direction) of a named GPU: PCIe 3 ~12 GB/s, PCIe 4
-# ~25 GB/s, PCIe 5 ~50 GB/s effective, NVLink-C2C (Grace Hopper) ~400 GB/s.
-HOST_LINK_BANDWIDTH = {
-    "gh200": 400e9, "h200": 50e9, "h100": 50e9, "h100-pcie": 50e9, "b200": 50e9, "mi300x": 50e9,
-    "a100": 25e9, "a10g": 25e9, "a10": 25e9, "l40s": 25e9, "l4": 25e9, "rtx4090": 25e9, "rtx3090": 25e9,
-    "v100": 12e9, "t4": 12e9,
-}
+# ~25 GB/s, PCIe 5 ~50 GB/s effective, NVLink-C2C (Grace Hopper) ~400 GB/s. A view of ``core.hardware.GPUS``.
+HOST_LINK_BANDWIDTH = {name: spec.host_link_bandwidth for name, spec in GPUS.items()}
 
 
 def host_link_bandwidth(gpu: str) -> float:
@@ -67,9 +64,9 @@ def host_link_bandwidth(gpu: str) -> float:
         50.0
     """
     key = gpu.strip().lower()
-    if key not in HOST_LINK_BANDWIDTH:
-        raise ValueError(f"no host-link bandwidth known for GPU {gpu!r}; known: {', '.join(sorted(HOST_LINK_BANDWIDTH))}")
-    return HOST_LINK_BANDWIDTH[key]
+    if key not in GPUS:
+        raise ValueError(f"no host-link bandwidth known for GPU {gpu!r}; known: {', '.join(sorted(GPUS))}")
+    return GPUS[key].host_link_bandwidth
 
 
 def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:

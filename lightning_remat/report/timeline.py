@@ -16,6 +16,7 @@ from torch import nn
 from ..core.plan import Plan
 from ..runtime.installing.apply import applied
 from ..runtime.measuring.measure import model_device, preserved_training_state
+from ..runtime.measuring.runner import Tracking, run_step
 from ..runtime.profiling.optimizer_step import optimizer_step_cost
 from ..runtime.measuring.tracking import TimelineTracker
 
@@ -72,12 +73,8 @@ def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
     with preserved_training_state(model, optimizer), applied(model, names, segments, policies), warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
-        model.zero_grad(set_to_none=True)
-        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-        with tracker:
-            loss = step(model)
-            loss.backward()
-            del loss
+        # The optimizer is tracked (its state is part of the step's memory), not stepped.
+        run_step(model, step, watch=Tracking(tracker, model, optimizer), zero_grad="before")
     return tracker
 
 

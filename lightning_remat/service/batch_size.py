@@ -178,16 +178,17 @@ class BatchSizeResult:
 def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: RematConfig,
             budget_bytes: int, *args: Any) -> BatchSearch:
     """A ``BatchSearch``; for a model sharded with FSDP2 across processes, one every rank runs in lockstep."""
-    from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
+    from .channel import torch_distributed_channel
+    from .sharded import fsdp2_sharded, refuse_fsdp1
 
     refuse_fsdp1(model, "find_remat_batch_size")
-    gather = torch_distributed_gather() if fsdp2_sharded(model) else None
-    if gather is None:
+    channel = torch_distributed_channel()
+    if not (fsdp2_sharded(model) and channel.distributed):
         return BatchSearch(make_step, model, optimizer, config, budget_bytes, *args)
     from .sharded_batch import ShardedBatchSearch, shared_budget
 
-    return ShardedBatchSearch(make_step, model, optimizer, config, shared_budget(budget_bytes, gather), *args,
-                              gather=gather)
+    return ShardedBatchSearch(make_step, model, optimizer, config, shared_budget(budget_bytes, channel), *args,
+                              channel=channel)
 
 
 def find_remat_batch_size(
@@ -315,11 +316,10 @@ def find_remat_batch_size(
     final = max(1, int(math.floor(confirmed * (1 - margin))))
     final_plan = search.plan_for(final, True) or search.plan_for(confirmed, True)
     assert final_plan is not None
-    if getattr(search, "gather", None) is not None:
+    channel = getattr(search, "channel", None)
+    if channel is not None:
         # Sharded: every rank decided on the same figures; rank 0's decision is the one kept.
-        from .sharded_batch import share_result
-
-        final, without, confirmed, measured, plan_dict = share_result(
+        final, without, confirmed, measured, plan_dict = channel.broadcast(
             (final, without, confirmed, measured, final_plan.to_dict()))
         final_plan = Plan.from_dict(plan_dict)
     if apply:

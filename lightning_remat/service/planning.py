@@ -5,8 +5,9 @@ the batch-size search and the command line all go through it.
 - ``Planner.decide``: profile the step and solve for the least-cost plan within the budget.
 - ``Planner.decide_or_fall_back``: the same, but an out-of-memory error while profiling gives the
   plan most likely to fit (every candidate block recomputed whole) instead of a crash.
-- ``Planner.shared_plan``: rank 0 decides, every rank gets the same plan or the same error
-  (``PlanOutcome``, a picklable dataclass), through whatever broadcast the integration has.
+- ``Planner.shared_plan``: rank 0 decides, every rank gets the same plan or the same error, through
+  the channel between ranks the integration has (``channel.Channel``); for a model sharded with
+  FSDP2 every rank profiles in lockstep (``sharded_planning.lockstep_plan``).
 - ``plan_metrics``: the ``remat/...`` figures every integration logs.
 
 Example:
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import PlanningFailedError, RematError
+from ..core.errors import PlanningFailedError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
@@ -38,6 +39,9 @@ from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
+from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
+from .sharded import fsdp2_sharded, refuse_fsdp1
+from .sharded_planning import lockstep_plan
 
 METRIC_PREFIX = "remat/"
 
@@ -68,10 +72,11 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
 
 @dataclass
 class PlanOutcome:
-    """Rank 0's decision as it travels to the other ranks: a plan (as a dict) or an error.
+    """Rank 0's decision as a value: a plan (as a dict) or an error.
 
-    An error of ours travels as itself (message, hint and fields intact); any other error as a
-    ``PlanningFailedError`` naming its type and message, since arbitrary exceptions may not pickle.
+    An error of ours is kept as itself (message, hint and fields intact); any other error as a
+    ``PlanningFailedError`` naming its type and message, since arbitrary exceptions may not pickle
+    (``channel.travelling``, the one way errors travel between ranks).
 
     Example:
         >>> from lightning_remat.core.errors import BudgetTooSmallError
@@ -86,9 +91,7 @@ class PlanOutcome:
 
     @classmethod
     def failed(cls, error: BaseException) -> "PlanOutcome":
-        if not isinstance(error, RematError):
-            error = PlanningFailedError(f"planning failed on rank 0: {type(error).__name__}: {error}")
-        return cls(error=error)
+        return cls(error=travelling(error, rank=0, action="planning"))
 
     def result(self) -> Plan:
         """The plan, or the error raised."""
@@ -99,14 +102,6 @@ class PlanOutcome:
         return Plan.from_dict(self.plan)
 
 
-Broadcast = Callable[[PlanOutcome], PlanOutcome]
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def is_main_process() -> bool:
     """Rank 0 of an initialised ``torch.distributed`` group, or a single process.
 
@@ -114,26 +109,7 @@ def is_main_process() -> bool:
         >>> is_main_process()
         True
     """
-    return not _distributed() or torch.distributed.get_rank() == 0
-
-
-def torch_distributed_broadcast() -> tuple[bool, Broadcast | None]:
-    """(is this rank 0, a broadcast from rank 0) under an initialised ``torch.distributed`` group of
-    several processes; ``(True, None)`` otherwise.
-
-    Example:
-        >>> torch_distributed_broadcast()
-        (True, None)
-    """
-    if not _distributed():
-        return True, None
-
-    def broadcast(outcome: PlanOutcome) -> PlanOutcome:
-        box = [outcome]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    return is_main_process(), broadcast
+    return torch_distributed_channel().is_main
 
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
@@ -222,35 +198,31 @@ class Planner:
                                           self.config.budget.text, note)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
-                    is_main: bool = True, broadcast: Broadcast | None = None, hint: str = "", fallback: bool = True,
+                    channel: Channel | None = None, hint: str = "", fallback: bool = True,
+                    lockstep: bool | None = None, is_main: bool = True, broadcast: Callable[[Any], Any] | None = None,
                     gather: Callable[[Any], list] | None = None, **kwargs: Any) -> Plan:
-        """Rank 0 decides (with ``fallback``, ``decide_or_fall_back``); with ``broadcast``, every rank
-        gets its plan or its error.
+        """Rank 0 of ``channel`` decides (with ``fallback``, ``decide_or_fall_back``); every rank gets
+        its plan or its error.
 
         ``hint`` is added to the message of an error of ours (which integration, which setting).
-        With ``gather`` (an all-gather of objects; for a model sharded with FSDP2, whose passes run
-        collectives) every rank profiles in lockstep and rank 0 solves on the largest of every term
-        over the ranks (``sharded.lockstep_plan``).
+        With ``lockstep`` every rank profiles in lockstep and rank 0 solves on the largest of every
+        term over the ranks (``sharded_planning.lockstep_plan``); by default so for a model sharded
+        with FSDP2 (whose passes run collectives) when there are several ranks. ``is_main``,
+        ``broadcast`` and ``gather`` are the functions this took before there was a channel (a
+        ``FunctionChannel``; lockstep when both functions are given).
         """
-        if gather is not None and broadcast is not None:
-            from .sharded_planning import lockstep_plan
-
-            return lockstep_plan(self, model, step, optimizer, is_main=is_main, broadcast=broadcast, gather=gather,
-                                 hint=hint, fallback=fallback, **kwargs)
+        if channel is None:
+            functions = broadcast is not None or gather is not None
+            channel = FunctionChannel(broadcast, gather, is_main) if functions else Channel()
+            if lockstep is None and functions:
+                lockstep = broadcast is not None and gather is not None
+        if lockstep is None:
+            lockstep = channel.distributed and fsdp2_sharded(model)
+        if lockstep:
+            return lockstep_plan(self, model, step, optimizer, channel=channel, hint=hint, fallback=fallback, **kwargs)
         decide = self.decide_or_fall_back if fallback else self.decide
-        outcome = PlanOutcome()
-        if is_main:
-            try:
-                outcome = PlanOutcome(plan=decide(model, step, optimizer, **kwargs).to_dict())
-            except Exception as error:  # noqa: BLE001 - every rank raises it, below
-                if isinstance(error, RematError) and hint:
-                    error.add_hint(hint)
-                if broadcast is None:
-                    raise
-                outcome = PlanOutcome.failed(error)
-        if broadcast is not None:
-            outcome = broadcast(outcome)
-        return outcome.result()
+        return Plan.from_dict(channel.from_main(lambda: decide(model, step, optimizer, **kwargs).to_dict(),
+                                                action="planning", hint=hint))
 
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
@@ -319,11 +291,6 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
         repeated_blocks=repeated_blocks))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
-    from .sharded import fsdp2_sharded, refuse_fsdp1, torch_distributed_gather
-
     refuse_fsdp1(model, "plan_remat")
-    is_main, broadcast = torch_distributed_broadcast()
-    # A model sharded with FSDP2 runs collectives in every pass: every rank profiles.
-    gather = torch_distributed_gather() if fsdp2_sharded(model) else None
-    return Planner(config).shared_plan(model, step, optimizer, is_main=is_main, broadcast=broadcast, fallback=False,
-                                       gather=gather)
+    # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).
+    return Planner(config).shared_plan(model, step, optimizer, channel=torch_distributed_channel(), fallback=False)

@@ -12,22 +12,17 @@ FSDP1 (``FullyShardedDataParallel``: flat parameters, its own forward) cannot be
 
 Example:
     >>> from torch import nn
-    >>> fsdp2_sharded(nn.Linear(2, 2)), torch_distributed_gather()
-    (False, None)
+    >>> fsdp2_sharded(nn.Linear(2, 2))
+    False
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
 from torch import nn
 
 from ..core.errors import UnsupportedShardingError
 from ..core.memory_model import Profile
 from ..core.profile_algebra import combine, largest
-
-Gather = Callable[[Any], list]
 
 FSDP1_HINT = ("Use FSDP2 instead (torch.distributed.fsdp.fully_shard; in Lightning ModelParallelStrategy with "
               "fully_shard in configure_model; in Accelerate FullyShardedDataParallelPlugin(fsdp_version=2)), "
@@ -53,20 +48,6 @@ def refuse_fsdp1(model: nn.Module, where: str) -> None:
     if fsdp1_wrapped(model):
         raise UnsupportedShardingError(f"{where}: the model is wrapped by FSDP1 (FullyShardedDataParallel), whose "
                                        "flat parameters and forward cannot be profiled or wrapped. " + FSDP1_HINT)
-
-
-def torch_distributed_gather() -> Gather | None:
-    """``all_gather_object`` over an initialised ``torch.distributed`` group of several processes, else None."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-
-    def gather(value: Any) -> list:
-        values: list = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-        return values
-
-    return gather
 
 
 def merge_profiles(profiles: list[Profile]) -> Profile:

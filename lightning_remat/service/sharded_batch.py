@@ -11,8 +11,9 @@ figures it decides on made the same on every rank:
 - a trial runs on every rank and counts as failed when it went over the budget or out of memory on
   any rank; its measured peak is the largest over the ranks;
 - every decision is then computed from the same figures on every rank; before each trial the ranks
-  check that they chose the same batch size and plan, and the final result is rank 0's, broadcast
-  (``share_result``).
+  check that they chose the same batch size and plan, and the final result is rank 0's, broadcast.
+
+The ranks talk through the one channel between ranks (``channel.Channel``).
 
 The budget is per rank (per GPU); a relative budget ("80%") is resolved on each rank and the
 smallest is used.
@@ -27,21 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from ..core.errors import PlanningFailedError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch
+from .channel import Channel, FunctionChannel
 from .sharded import merge_profiles
-from .sharded_planning import _first_error, _travelling
 
 Gather = Callable[[Any], list]
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
@@ -63,26 +58,21 @@ def combine_trials(trials: list[Trial], budget: int) -> Trial:
 
 
 class ShardedBatchSearch(BatchSearch):
-    """``BatchSearch`` run by every rank of a model sharded with FSDP2, in lockstep (see the module)."""
+    """``BatchSearch`` run by every rank of a model sharded with FSDP2, in lockstep (see the module).
 
-    def __init__(self, *args: Any, gather: Gather, **kwargs: Any):
+    ``channel``: how the ranks talk; ``gather`` (an all-gather function) stands for one, as before
+    there were channels.
+    """
+
+    def __init__(self, *args: Any, channel: Channel | None = None, gather: Gather | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.gather = gather
-        self.notes.append(f"searched on each of {len(gather(None))} ranks in lockstep (the model is sharded with "
-                          "FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
+        self.channel = channel if channel is not None else FunctionChannel(gather=gather)
+        self.notes.append(f"searched on each of {self.channel.world_size} ranks in lockstep (the model is sharded "
+                          "with FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
 
     def _all(self, compute: Callable[[], Any]) -> list:
         """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all."""
-        value, error = None, None
-        try:
-            value = compute()
-        except Exception as caught:  # noqa: BLE001 - every rank raises the first rank's error, below
-            error = _travelling(caught, _rank())
-        results = self.gather((value, error))
-        failed = _first_error(results)
-        if failed is not None:
-            raise failed
-        return [value for value, _ in results]
+        return self.channel.on_every_rank(compute, action="profiling")
 
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         profiles = self._all(lambda: super(ShardedBatchSearch, self)._profile_at(batch_size, warmup))
@@ -93,7 +83,7 @@ class ShardedBatchSearch(BatchSearch):
     def run_trial(self, batch_size: int, plan: Plan) -> Trial:
         # The ranks computed their choice from the same figures; check before any collective runs.
         choice = (batch_size, tuple(plan.checkpointed), tuple(tuple(s) for s in plan.segments))
-        choices = self.gather(choice)
+        choices = self.channel.gather(choice)
         if any(c != choices[0] for c in choices):
             raise PlanningFailedError(f"the ranks chose different trials (batch size, plan): {choices}; the "
                                       "batch-size search needs the same model and batch shapes on every rank")
@@ -101,18 +91,11 @@ class ShardedBatchSearch(BatchSearch):
         return combine_trials(trials, self.budget_bytes)
 
 
-def shared_budget(budget_bytes: int, gather: Gather) -> int:
+def shared_budget(budget_bytes: int, channel: Channel) -> int:
     """The smallest of the ranks' budgets (a relative budget resolves per device).
 
     Example:
-        >>> shared_budget(100, lambda v: [v, 80])
+        >>> shared_budget(100, FunctionChannel(gather=lambda v: [v, 80]))
         80
     """
-    return min(gather(budget_bytes))
-
-
-def share_result(result: Any) -> Any:
-    """Rank 0's result on every rank (``broadcast_object_list``)."""
-    box = [result]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    return min(channel.gather(budget_bytes))

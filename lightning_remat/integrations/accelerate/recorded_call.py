@@ -24,16 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.allowances import ACCELERATE_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
 from ...runtime.profiling.profile_adjust import with_always_alive
 
-# The user's loss scalar and Accelerate's copy of it (``accelerator.backward`` divides the loss by
-# ``gradient_accumulation_steps``, even by 1), alive through the backward, which re-running the model
-# alone does not see; a CUDA block (512 bytes) each, with room.
-LOOP_ALLOWANCE = 2048
+# The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
+LOOP_ALLOWANCE = ACCELERATE_LOOP_ALLOWANCE
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
     """Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order."""

@@ -8,8 +8,9 @@ How it works, per model:
 2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
    forward) the planning service profiles the recorded call, solves, and every rank applies the
    main process's plan in place.
-3. The next step is measured (``MemTracker`` on a CPU, ``max_memory_allocated`` on CUDA) and the
-   figures go to ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
+3. The next step is measured by the peak meter (``max_memory_allocated`` on CUDA, with
+   ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU) and the figures go to
+   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ...runtime.installing.apply import apply_plan
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
-from ...service.planning import Planner, is_main_process, plan_metrics, torch_distributed_broadcast
-from ...service.sharded import fsdp2_sharded, torch_distributed_gather
+from ...service.channel import Channel, torch_distributed_channel
+from ...service.planning import Planner, plan_metrics
+from ...service.sharded import fsdp2_sharded
 from .plugin import ENV_BUDGET, RematPlugin
 from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves, with_loop_references
 
@@ -203,14 +205,12 @@ class RematSession:
     def _open_window(self) -> None:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
-        if self._window is None and (self.phase == "measure" or is_main_process() or fsdp2_sharded(self.model)):
+        if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
-        is_main, broadcast = torch_distributed_broadcast()
-        # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
-        gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(self.model) else None
+        channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
         observed, held = self._observed, call.held_bytes()
@@ -222,8 +222,9 @@ class RematSession:
         self._busy = True
         try:
             # The observed steps were the warm-up: lazy initialisation has happened.
+            # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
             plan = Planner(self._config()).shared_plan(
-                self.model, call.loss, self._known_optimizer(), is_main=is_main, broadcast=broadcast, gather=gather,
+                self.model, call.loss, self._known_optimizer(), channel=channel,
                 hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
                 adjust=adjust)
         finally:
@@ -233,7 +234,7 @@ class RematSession:
         self.metrics.update(plan_metrics(plan))
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
-        if is_main:
+        if channel.is_main:
             logger.info("lightning-remat applied after %d step(s):\n%s", self.observed_steps, plan.summary())
         self._log(dict(self.metrics))
 
@@ -249,16 +250,22 @@ class RematSession:
 
     def _finish_measurement(self) -> None:
         window, self._window = self._window, None
-        peak = torch.tensor(float(window.close()), dtype=torch.float64, device=model_device(self.model))
-        if torch_distributed_broadcast()[1] is not None:
-            # The largest peak of any rank: the budget holds on every one or it does not hold.
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        self.metrics["remat/measured_peak_bytes"] = float(peak.item())
+        channel = self._channel()
+        # The largest peak of any rank: the budget holds on every one or it does not hold.
+        measured = {"remat/measured_peak_bytes": channel.max(window.close())}
+        if window.reserved_bytes is not None:
+            # On CUDA: what the caching allocator held beside it (fragmentation included).
+            measured["remat/measured_reserved_bytes"] = channel.max(window.reserved_bytes)
+        self.metrics.update(measured)
         self.phase = "done"  # the hooks are removed at the next forward (not from inside a step hook)
-        if is_main_process():
+        if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes",
                         self.metrics["remat/measured_peak_bytes"])
-        self._log({"remat/measured_peak_bytes": self.metrics["remat/measured_peak_bytes"]})
+        self._log(measured)
+
+    def _channel(self) -> Channel:
+        """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""
+        return torch_distributed_channel(model_device(self.model))
 
     def _log(self, values: dict[str, float]) -> None:
         if self.accelerator is not None and getattr(self.accelerator, "trackers", None):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
@@ -24,7 +24,8 @@ from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
-from ...service.sharded import FSDP1_HINT, fsdp2_sharded, torch_distributed_gather
+from ...service.sharded import FSDP1_HINT, fsdp2_sharded
+from .channel import lightning_channel
 from .step import training_step_closure
 
 
@@ -54,15 +55,14 @@ def _refuse_fsdp1(trainer: Trainer) -> None:
 
 def _loop_allowance(profile: Any) -> Any:
     """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
-    and logs), which the profile of ``training_step`` does not see: 4 bytes at the peak of a
-    2-process DDP or FSDP2 run on the CPU, 10 with a compiled module, over a budget of "min"."""
+    and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
     from ...runtime.profiling.profile_adjust import with_always_alive
 
     return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
                              "Lightning's loop keeps alive through a step; counted in every term")
 
 
-LOOP_ALLOWANCE = 1024
+LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
 
 class AutoRemat(Callback):
@@ -76,7 +76,8 @@ class AutoRemat(Callback):
     would have without the callback (dropout masks included). The real peak of a step with the plan
     is then measured and everything is reported to each of ``trainer.loggers`` as ``remat/budget_bytes``,
     ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``, ``remat/measured_peak_bytes``,
-    ``remat/predicted_overhead`` and ``remat/num_checkpointed``.
+    ``remat/predicted_overhead`` and ``remat/num_checkpointed`` (on CUDA also
+    ``remat/measured_reserved_bytes``, the caching allocator's reserved peak beside the allocated one).
 
     Args:
         budget: peak memory of a whole training step (parameters, gradients, optimizer state,
@@ -245,10 +246,14 @@ class AutoRemat(Callback):
         if self._window_left > 0:
             return
         meter, self._meter = self._meter, None
+        channel = lightning_channel(trainer)
         # The largest peak of any rank: the budget holds on every one or it does not hold.
-        local = torch.tensor(float(meter.close()), dtype=torch.float64, device=pl_module.device)
-        self.measured_peak_bytes = int(trainer.strategy.reduce(local, reduce_op="max").item())
-        self._log_metrics(trainer, {"remat/measured_peak_bytes": float(self.measured_peak_bytes)})
+        self.measured_peak_bytes = int(channel.max(meter.close()))
+        measured = {"remat/measured_peak_bytes": float(self.measured_peak_bytes)}
+        if meter.reserved_bytes is not None:
+            # On CUDA: what the caching allocator held beside it (fragmentation included).
+            measured["remat/measured_reserved_bytes"] = channel.max(meter.reserved_bytes)
+        self._log_metrics(trainer, measured)
         assert self.plan is not None
         message = (f"AutoRemat: measured peak of a steady training step with the plan"
                    f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
@@ -306,14 +311,13 @@ class AutoRemat(Callback):
         """Profile and solve on rank 0, share the outcome, and apply it on every rank."""
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         step = training_step_closure(pl_module, batch, batch_idx, trainer)
-        if trainer.is_global_zero or fsdp2_sharded(pl_module):
-            self.profile_count += 1
-        broadcast = (lambda outcome: trainer.strategy.broadcast(outcome, src=0)) if trainer.world_size > 1 else None
+        channel = lightning_channel(trainer)
         # Sharded with FSDP2 (ModelParallelStrategy): every pass runs collectives, so every rank profiles.
-        gather = torch_distributed_gather() if broadcast is not None and fsdp2_sharded(pl_module) else None
+        if channel.is_main or fsdp2_sharded(pl_module):
+            self.profile_count += 1
         self.plan = Planner(self._config_for(trainer)).shared_plan(
-            pl_module, step, optimizer, is_main=trainer.is_global_zero, broadcast=broadcast, gather=gather,
-            hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+            pl_module, step, optimizer, channel=channel, hint=f"(AutoRemat, budget={self.budget!r})",
+            adjust=_loop_allowance)
         self.plan = replace(self.plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
         self._log_plan(trainer, self.plan)
@@ -329,8 +333,7 @@ class AutoRemat(Callback):
         since re-planning is collective)."""
         if "batch_elements" not in self.plan.fingerprint:
             return False
-        grown = torch.tensor(float(outgrows(self.plan.fingerprint, batch)), device=trainer.strategy.root_device)
-        return bool(trainer.strategy.reduce(grown, reduce_op="max").item()) if trainer.world_size > 1 else bool(grown)
+        return lightning_channel(trainer).any(outgrows(self.plan.fingerprint, batch))
 
     def _config_for(self, trainer: Trainer) -> RematConfig:
         """The settings, with what this trainer adds to the memory of a step: gradient

@@ -2,24 +2,12 @@
 
 ``apply_offload(model, names)`` has the one installer (``installer.py``) run each named module's
 forward under ``torch.autograd.graph.saved_tensors_hooks`` (its ``forward`` an instance attribute:
-names, ``state_dict`` and parameters unchanged), with the pack/unpack pair of ``offloader.py``:
+names, ``state_dict`` and parameters unchanged), with the pack/unpack pair of ``offloader.py``.
 
-- pack: a tensor the forward saves for backward is held until the forward ends; then each storage
-  the saved tensors use is copied to host memory once (pinned, on a side stream, on CUDA), and the
-  saved tensors come back as views of it (with ``limits``: the largest storages up to the limit,
-  not the module's inputs). Parameters, buffers (any tensor sharing their storage) and tensors not
-  on the module's device (already on the host) are returned unchanged. The device tensor is held until the next
-  stage's forward has run (``order`` given) or backward starts: the copy is then surely done, and
-  the copy overlaps the next stage's compute.
-- unpack: the tensor comes back. When the backward of the next stage starts (the gradient of its
-  output is computed), the offloaded stage's tensors start coming back on the side stream
-  (prefetch, one stage ahead); a tensor not prefetched comes back when it is needed.
-
+How the saved tensors travel (held until the forward ends, copied once per storage to pinned host
+memory on a side stream, prefetched one stage ahead in backward) is ``offloader.py``'s docstring.
 Values are copied bit for bit, and nothing touches RNG state or buffers, so gradients, dropout masks
-and BatchNorm statistics are those of the plain model. On the CPU the "host" copy is a plain copy
-(the hooks still run: that is how they are tested). ``measure=True`` (fake profiles) keeps only a
-meta tensor on the "host": ``MemTracker`` counts the target device only, so the memory run measures
-what stays on the device exactly, and ``host_bytes`` what went out.
+and BatchNorm statistics are those of the plain model.
 
 Example:
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))

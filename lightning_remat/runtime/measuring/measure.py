@@ -1,41 +1,49 @@
-"""Measure a real training step: peak memory with torch's MemTracker, FLOPs with FlopCounterMode.
+"""Measure a real training step: its peak memory with the one peak meter, FLOPs with FlopCounterMode.
 
-This is how tests, benchmarks and the callback check a plan against reality, and the convention
-the budget is stated in on a CPU: tensors the step creates, plus the model's parameters, buffers,
-gradients and the optimizer's state. Inputs created outside ``step`` are not counted.
+This is how tests, benchmarks, trials and the callback check a plan against reality, in the
+convention the budget is stated in (``meter.PeakMeter``): on CUDA ``torch.cuda.max_memory_allocated``;
+on a CPU torch's MemTracker, counting the tensors the step creates plus the model's parameters,
+buffers, gradients and the optimizer's state (inputs created outside ``step`` are not counted).
+The step itself runs through the one step runner (``runner.run_step``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .optimizers import optimizer_list
+from .meter import PeakMeter, PeakWindow
+from .runner import Step, StepWatch, model_device, run_step, synchronize
 from .stance import eager_stance
-from .tracking import PeakOnlyTracker, Tracker, snapshot_by_category
+from .tracking import Tracker
 from ..installing.sac import register_attention_flops
 
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
 register_attention_flops()
 
-Step = Callable[[nn.Module], torch.Tensor]
+__all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_flops", "is_out_of_memory",
+           "measure_step", "model_device", "preserved_training_state", "release_device_memory", "synchronize"]
 
 
 @dataclass(frozen=True)
 class StepMeasurement:
     """Peak bytes of one training step and its split at the moment of the peak.
 
+    ``peak_bytes`` is the peak meter's (``meter.PeakMeter``): ``max_memory_allocated`` on CUDA, where
+    ``reserved_bytes`` is ``max_memory_reserved`` beside it (None elsewhere). The split by category
+    is MemTracker's, on every device.
+
     Example:
         >>> net = nn.Linear(8, 8)
         >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum())
-        >>> m.peak_bytes >= m.parameter_bytes > 0
-        True
+        >>> m.peak_bytes >= m.parameter_bytes > 0, m.reserved_bytes
+        (True, None)
     """
 
     peak_bytes: int
@@ -46,33 +54,21 @@ class StepMeasurement:
     activation_bytes: int
     temporary_bytes: int
     loss: float
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (or buffer); the CPU for an empty model."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device
-    return torch.device("cpu")
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that wall-clock timings mean something."""
-    if device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        if backend is not None and hasattr(backend, "synchronize"):
-            # The model's device, not the current one: they differ when a process drives several.
-            backend.synchronize(device)
+    reserved_bytes: int | None = None
 
 
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                  zero_grad: bool = True) -> StepMeasurement:
-    """Run one real training step (zero_grad, forward, backward, optimizer step) under MemTracker.
+    """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
 
     Args:
         model: the model, wrapped or not.
         step: ``step(model)`` runs the forward pass and returns the loss.
         optimizer: stepped after backward when given (its state counts in the peak).
         zero_grad: set gradients to None first, as Lightning and ``optimizer.zero_grad()`` do.
+
+    On CUDA the device's peak statistics are reset when the step starts
+    (``torch.cuda.reset_peak_memory_stats``), as every measurement of a peak there does.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -81,78 +77,20 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
         >>> m.optimizer_bytes > 0
         True
     """
-    device = model_device(model)
-    if zero_grad:
-        model.zero_grad(set_to_none=True)
-    tracker = Tracker()
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    with tracker, warnings.catch_warnings():
-        # MemTracker warns when a module's backward hook outlives the module's outputs.
-        warnings.filterwarnings("ignore", message="Module is None")
-        loss = step(model)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-        loss_value = float(loss.detach())
-        del loss
-    by_name = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device)
+    meter = PeakMeter(model, optimizer, tracker=Tracker())
+    loss = run_step(model, step, optimizer, watch=meter, zero_grad="before" if zero_grad else None, read_loss=True)
+    by_name = meter.by_category()
     return StepMeasurement(
-        peak_bytes=int(by_name.get("Total", 0)),
+        peak_bytes=meter.peak_bytes,
         parameter_bytes=int(by_name.get("Parameter", 0)),
         buffer_bytes=int(by_name.get("Buffer", 0)),
         gradient_bytes=int(by_name.get("Gradient", 0)),
         optimizer_bytes=int(by_name.get("Optstate", 0)),
         activation_bytes=int(by_name.get("Activation", 0)),
         temporary_bytes=int(by_name.get("Temp", 0) + by_name.get("Other", 0)),
-        loss=loss_value,
+        loss=float(loss if loss is not None else 0.0),
+        reserved_bytes=meter.reserved_bytes,
     )
-
-
-class PeakWindow:
-    """Peak memory over a window opened in one hook and closed in a later one (a training step
-    measured from inside Lightning or Accelerate), possibly across several forwards.
-
-    On CUDA: ``torch.cuda.max_memory_allocated``. Elsewhere: torch's MemTracker counting the
-    model's parameters, buffers and gradients, the optimizer's state and every tensor the window
-    allocates (inputs made before the window are not counted), as ``measure_step`` does.
-
-    Example:
-        >>> net = nn.Linear(8, 8)
-        >>> window = PeakWindow(net, None)
-        >>> net(torch.randn(4, 8)).sum().backward()
-        >>> window.close() >= 2 * (8 * 8 + 8) * 4
-        True
-    """
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.device = model_device(model)
-        self.tracker: Tracker | None = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.tracker = PeakOnlyTracker()
-            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-            self.tracker.__enter__()
-
-    def peak(self) -> int:
-        """The peak so far."""
-        if self.tracker is None:
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return snapshot_by_category(self.tracker.get_tracker_snapshot("peak"), self.device).get("Total", 0)
-
-    def close(self) -> int:
-        """Stop measuring; the peak of the window."""
-        peak = self.peak()
-        self.abandon()
-        return peak
-
-    def abandon(self) -> None:
-        """Stop measuring without a result (the step failed)."""
-        if self.tracker is not None:
-            tracker, self.tracker = self.tracker, None
-            tracker.__exit__(None, None, None)
 
 
 def is_out_of_memory(exception: BaseException) -> bool:
@@ -196,6 +134,16 @@ def release_device_memory() -> None:
     clear_device_cache(garbage_collection=True)
 
 
+class _FlopCount(StepWatch):
+    """FlopCounterMode around the whole step, eagerly: dynamo would never compile code it first met
+    under FlopCounterMode (see stance.py)."""
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        with eager_stance(), FlopCounterMode(display=False) as self.counter:
+            yield
+
+
 def count_step_flops(model: nn.Module, step: Step) -> int:
     """FLOPs of one forward and backward pass (recomputation included), counted exactly.
 
@@ -203,12 +151,9 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
         >>> count_step_flops(nn.Linear(8, 8, bias=False), lambda m: m(torch.randn(4, 8)).sum())
         1024
     """
-    # Eagerly: dynamo would never compile code it first met under FlopCounterMode (see stance.py).
-    with eager_stance(), FlopCounterMode(display=False) as counter:
-        loss = step(model)
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return int(counter.get_total_flops())
+    watch = _FlopCount()
+    run_step(model, step, watch=watch, zero_grad="after")
+    return int(watch.counter.get_total_flops())
 
 
 @dataclass

@@ -21,17 +21,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .measure import Step, model_device, synchronize
 from .roofline import OpCost, OpRecorder
+from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchronize
 
 
 def storages(value: Any) -> dict[int, int]:
@@ -70,17 +71,6 @@ class ObservedStep:
     step_seconds: float
     step_flops: int
     step_ops: list[OpCost] = field(default_factory=list)
-
-
-def run_step(model: nn.Module, step: Step) -> None:
-    """Forward, backward, gradients dropped: one unmeasured step (warm-up)."""
-    loss = step(model)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-    loss.backward()
-    del loss
-    model.zero_grad(set_to_none=True)
 
 
 class _Observer:
@@ -159,12 +149,27 @@ class _Observer:
         self.order.clear()
 
 
-def _timed_step(model: nn.Module, step: Step, device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    run_step(model, step)
-    synchronize(device)
-    return time.perf_counter() - start
+class _Counting(StepWatch):
+    """The counting pass: saved-tensor hooks over the step; FLOPs and ops of forward and backward
+    counted apart (the forward's counter is the one the observer reads per module)."""
+
+    def __init__(self, observer: _Observer):
+        self.observer = observer
+
+    def watching(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.observer.pack, lambda t: t)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        with FlopCounterMode(display=False) as self.forward_counter, OpRecorder(self.observer.record) as self.forward_ops:
+            self.observer.counter = self.forward_counter
+            yield
+        self.observer.counter = None
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        with FlopCounterMode(display=False) as self.backward_counter, OpRecorder() as self.backward_ops:
+            yield
 
 
 def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True,
@@ -179,23 +184,21 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
     handles = observer.register()
     try:
         before_pass()
-        step_seconds = _timed_step(model, step, observer.device) if timed else 0.0
+        step_seconds = 0.0
+        if timed:
+            stopwatch = Stopwatch(observer.device)
+            run_step(model, step, watch=stopwatch, zero_grad="after", check=True)
+            step_seconds = stopwatch.seconds
         seconds = {n: s.seconds for n, s in observer.stats.items()}
         observer.reset_counts()
         before_pass()
-        with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
-            with FlopCounterMode(display=False) as forward_counter, OpRecorder(observer.record) as forward_ops:
-                observer.counter = forward_counter
-                loss = step(model)
-            observer.counter = None
-            with FlopCounterMode(display=False) as backward_counter, OpRecorder() as backward_ops:
-                loss.backward()
-            del loss
-        model.zero_grad(set_to_none=True)
+        counting = _Counting(observer)
+        run_step(model, step, watch=counting, zero_grad="after")
     finally:
         for h in handles:
             h.remove()
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
-    step_flops = int(forward_counter.get_total_flops() + backward_counter.get_total_flops())
-    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops, forward_ops.ops + backward_ops.ops)
+    step_flops = int(counting.forward_counter.get_total_flops() + counting.backward_counter.get_total_flops())
+    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
+                        counting.forward_ops.ops + counting.backward_ops.ops)

@@ -31,29 +31,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from ..installing.sac import policy_of, recomputed_ops, register_attention_flops
-from ..targets.fake import GPU_PEAK_FLOPS
+from ...core import hardware
 
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
 register_attention_flops()
 
-# Memory bandwidth of the GPUs in fake.GPU_PEAK_FLOPS, bytes/s (data sheets; SXM where both).
-GPU_MEMORY_BANDWIDTH = {
-    "gh200": 4.0e12,
-    "h200": 4.8e12,
-    "h100": 3.35e12,
-    "h100-pcie": 2.0e12,
-    "b200": 8.0e12,
-    "a100": 2.039e12,
-    "a10g": 0.6e12,
-    "a10": 0.6e12,
-    "l40s": 0.864e12,
-    "l4": 0.3e12,
-    "v100": 0.9e12,
-    "t4": 0.32e12,
-    "rtx4090": 1.008e12,
-    "rtx3090": 0.936e12,
-    "mi300x": 5.3e12,
-}
+# Memory bandwidth of the known GPUs, bytes/s: a view of ``core.hardware.GPUS`` (data sheets; SXM where both).
+GPU_MEMORY_BANDWIDTH = {name: spec.memory_bandwidth for name, spec in hardware.GPUS.items()}
 
 
 @dataclass(frozen=True)
@@ -83,16 +67,14 @@ def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
 
 
 def gpu_peaks(name: str) -> Peaks:
-    """The data-sheet ceilings of a named GPU.
+    """The data-sheet ceilings of a named GPU (``core.hardware.gpu``).
 
     Example:
         >>> gpu_peaks("H100").bytes_per_second / 1e12
         3.35
     """
-    key = name.strip().lower()
-    if key not in GPU_MEMORY_BANDWIDTH:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY_BANDWIDTH))}")
-    return Peaks(GPU_PEAK_FLOPS[key], GPU_MEMORY_BANDWIDTH[key])
+    spec = hardware.gpu(name)
+    return Peaks(spec.flops(), spec.memory_bandwidth)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,13 +101,8 @@ def cpu_peaks() -> Peaks:
     return Peaks(flops, bandwidth)
 
 
-def _matching_gpu(device_name: str) -> str | None:
-    lowered = device_name.lower().replace(" ", "")
-    # Longest key first: "h100-pcie" before "h100", "a10g" before "a10".
-    for key in sorted(GPU_MEMORY_BANDWIDTH, key=len, reverse=True):
-        if key.replace("-", "") in lowered:
-            return key
-    return None
+# The lookup of a device's name in the table (kept under its old name here).
+_matching_gpu = hardware.match_gpu
 
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
@@ -142,7 +119,7 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     if kind == "cpu":
         return cpu_peaks()
     if kind == "cuda" and torch.cuda.is_available():
-        match = _matching_gpu(torch.cuda.get_device_name(torch.device(device)))
+        match = hardware.match_gpu(torch.cuda.get_device_name(torch.device(device)))
         if match:
             return gpu_peaks(match)
     return gpu_peaks("h100")

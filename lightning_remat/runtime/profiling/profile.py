@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ...core.allowances import DDP_REDUCER_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, RematError, StepError
@@ -43,8 +44,10 @@ from ..installing.offload import Offloader, apply_offload, model_offloader, remo
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from .held_inputs import DeadInputs, HeldInputs
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
-from ..measuring.observe import ModuleStats, ObservedStep, observe_step, run_step
 from ..measuring.optimizers import as_optimizers, map_optimizers
+from ..measuring.meter import PeakMeter
+from ..measuring.observe import ModuleStats, ObservedStep, observe_step
+from ..measuring.runner import run_step
 from .optimizer_step import optimizer_step_cost
 from ..installing import sac
 from ..measuring.roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
@@ -60,7 +63,7 @@ from ..measuring.tracking import SegmentTracker, snapshot_by_category
 MIN_CHILD_SHARE = 0.15
 MAX_CHILD_SHARE = 0.9
 MAX_CHILD_OPTIONS = 2
-DDP_ALLOWANCE = 1024
+DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
 @dataclass
@@ -96,17 +99,19 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
                 p.grad = torch.zeros_like(p)
     device = model_device(model)
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    allocator = _AllocatorPeak(device)
+    meter = _SegmentMeter(model, optimizer, tracker)
     with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped) as held, \
-            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder, tracker:
-        loss = step(model)
-        finder.check()
-        loss.backward()
-        after_backward = tracker.current_total()
-        del loss
+            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
+
+        def checked(model: nn.Module) -> torch.Tensor:
+            loss = step(model)
+            finder.check()
+            return loss
+
+        run_step(model, checked, watch=meter)
+    after_backward = meter.after_backward
     n = len(order)
     missing = [order[i] for i in range(n) if i not in tracker.stored]
     if missing:
@@ -143,7 +148,10 @@ def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[
     model.zero_grad(set_to_none=True)
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return _MemoryRun(
-        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak, untracked_bytes=allocator.above(peak),
+        # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
+        # batch already on the device, library workspaces); elsewhere it is the tracker's own.
+        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak,
+        untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
@@ -186,24 +194,14 @@ def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] |
         remove_offload(model)
 
 
-class _AllocatorPeak:
-    """On CUDA, the caching allocator's own peak over a pass, which is what a budget means
-    (``max_memory_allocated``): it also sees what MemTracker does not, such as the batch already on
-    the device before the step and library workspaces. Elsewhere there is nothing to compare."""
+class _SegmentMeter(PeakMeter):
+    """The peak meter of a memory run, over its ``SegmentTracker``; it also reads what the step
+    holds right after backward (the loss and what it keeps, besides static memory)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+    after_backward = 0
 
-    def above(self, tracked_peak: int) -> int:
-        """Bytes by which the allocator's peak exceeded ``tracked_peak`` (0 off CUDA)."""
-        if not self.cuda:
-            return 0
-        torch.cuda.synchronize(self.device)
-        return max(0, int(torch.cuda.max_memory_allocated(self.device)) - int(tracked_peak))
+    def backward_done(self) -> None:
+        self.after_backward = self.tracker.current_total()
 
 
 def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
@@ -437,7 +435,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     with preserved_training_state(model, optimizer), applied(model, []):
         model.zero_grad(set_to_none=True)
         for _ in range(options.warmup):
-            run_step(model, step)
+            run_step(model, step, zero_grad="after", check=True)
         # Every pass takes the random decisions of the first (dropout masks, dropped layers).
         replay = RandomState.capture(model_device(model)).restore
         observed = observe_step(model, step, stage_names, timed, before_pass=replay)
@@ -496,8 +494,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                          "profiled as a later micro-batch, with every gradient alive from its start")
     if options.gradient_buckets:
         # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
-        # tensors (a 4-byte scalar was alive at the peak of a 2-process CPU run).
-        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_ALLOWANCE
+        # tensors (core.allowances).
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_REDUCER_ALLOWANCE
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
     profile = with_unobserved(profile, stage_names, modules)

@@ -33,41 +33,23 @@ from torch._subclasses.fake_tensor import (
 
 from ...core.errors import FakeProfileError
 from ..measuring.optimizers import torch_optimizer
+from ...core import hardware
 
-# Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs,
-# from the vendors' data sheets (without sparsity).
-GPU_PEAK_FLOPS = {
-    "gh200": 989e12,
-    "h200": 989e12,
-    "h100": 989e12,
-    "h100-pcie": 756e12,
-    "b200": 2250e12,
-    "a100": 312e12,
-    "a10g": 70e12,
-    "a10": 125e12,
-    "l40s": 362e12,
-    "l4": 121e12,
-    "v100": 125e12,
-    "t4": 65e12,
-    "rtx4090": 165e12,
-    "rtx3090": 71e12,
-    "mi300x": 1307e12,
-}
+# Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs:
+# a view of ``core.hardware.GPUS``, the one table of GPU figures.
+GPU_PEAK_FLOPS = {name: spec.flops() for name, spec in hardware.GPUS.items()}
 # Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
-GPU_EFFICIENCY = 0.4
+GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
 
 
 def gpu_peak_flops(name: str) -> float:
-    """Peak dense FLOP/s of a named GPU (case-insensitive).
+    """Peak dense FLOP/s of a named GPU (case-insensitive; ``core.hardware.gpu``).
 
     Example:
         >>> gpu_peak_flops("H100") / 1e12
         989.0
     """
-    key = name.strip().lower()
-    if key not in GPU_PEAK_FLOPS:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_PEAK_FLOPS))}")
-    return GPU_PEAK_FLOPS[key]
+    return hardware.gpu(name).flops()
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -4,7 +4,7 @@
 Offloading trades device memory for host-link transfers hidden behind compute; with no accelerator
 the "host" *is* the device and there is nothing to gain, so the option is offered only for an
 accelerator target: a fake profile for a named GPU or ``device="cuda"``, or a real CUDA model.
-The bandwidth is the named GPU's (``core.offload_model.HOST_LINK_BANDWIDTH``), or measured here
+The bandwidth is the named GPU's (``core.hardware.GPUS``), or measured here
 on a real CUDA device.
 
 Example:
@@ -24,9 +24,10 @@ import torch
 from ...core.config import ProfileOptions
 from ...core.errors import RematError
 from ...core.memory_model import Profile
-from ...core.offload_model import HOST_LINK_BANDWIDTH, host_link_bandwidth, with_offload_costs
+from ...core import hardware
+from ...core.offload_model import host_link_bandwidth, with_offload_costs
 from .fake import GPU_EFFICIENCY, gpu_peak_flops
-from ..measuring.roofline import _matching_gpu, device_peaks
+from ..measuring.roofline import device_peaks
 
 _MEASURE_BYTES = 64 * 2**20
 
@@ -67,10 +68,10 @@ def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
     dev = torch.device(device)
     if not options.fake and dev.type == "cuda" and torch.cuda.is_available():
         return measured_bandwidth(dev), "measured here"
-    match = _matching_gpu(torch.cuda.get_device_name(dev)) if dev.type == "cuda" and torch.cuda.is_available() else None
-    if match in HOST_LINK_BANDWIDTH:
-        return HOST_LINK_BANDWIDTH[match], f"{match}'s data sheet"
-    return HOST_LINK_BANDWIDTH["h100"], "assumed PCIe 5 (no GPU named)"
+    match = hardware.match_gpu(torch.cuda.get_device_name(dev)) if dev.type == "cuda" and torch.cuda.is_available() else None
+    if match is not None:
+        return hardware.gpu(match).host_link_bandwidth, f"{match}'s data sheet"
+    return hardware.gpu("h100").host_link_bandwidth, "assumed PCIe 5 (no GPU named)"
 
 
 def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:

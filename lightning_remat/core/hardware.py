@@ -1,0 +1,108 @@
+"""One table of the GPUs the package knows, and one lookup by device name. Plain numbers, no torch.
+
+Per GPU model, the vendors' data-sheet figures the planner prices with: dense peak FLOP/s per
+training dtype (tensor cores, without sparsity), the device memory's bandwidth (roofline pricing of
+recompute, ``runtime.measuring.roofline``) and the effective host-link bandwidth (offloading,
+``core.offload_model``). ``fake.GPU_PEAK_FLOPS``, ``roofline.GPU_MEMORY_BANDWIDTH`` and
+``offload_model.HOST_LINK_BANDWIDTH`` are views of this table.
+
+Example:
+    >>> gpu("H100").memory_bandwidth / 1e12, gpu("h100").flops() / 1e12
+    (3.35, 989.0)
+    >>> match_gpu("NVIDIA H100 80GB HBM3"), match_gpu("NVIDIA H100 PCIe"), match_gpu("NVIDIA A10G"), match_gpu("Quadro")
+    ('h100', 'h100-pcie', 'a10g', None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+# Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
+TRAINING_EFFICIENCY = 0.4
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """The data-sheet figures of one GPU model (SXM where there are SXM and PCIe forms).
+
+    Attributes:
+        name: the table's key ("h100", "h100-pcie", ...), lower case.
+        peak_flops: dense FLOP/s per dtype name ("bf16", "fp16") on tensor cores, without sparsity.
+            GPUs without bfloat16 hardware (V100, T4) have the "fp16" figure only.
+        memory_bandwidth: the device memory's bandwidth (HBM or GDDR), bytes/s.
+        host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction: PCIe 3
+            ~12 GB/s, PCIe 4 ~25 GB/s, PCIe 5 ~50 GB/s, NVLink-C2C (Grace Hopper) ~400 GB/s.
+
+    Example:
+        >>> gpu("v100").flops(), gpu("v100").flops("fp16")
+        (125000000000000.0, 125000000000000.0)
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float
+    host_link_bandwidth: float
+
+    def flops(self, dtype: str | None = None) -> float:
+        """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the training dtype's (the 16-bit
+        tensor-core figure, whichever of bf16/fp16 the GPU has)."""
+        if dtype is None:
+            return max(self.peak_flops.values())
+        if dtype not in self.peak_flops:
+            raise ValueError(f"no {dtype} FLOP/s known for GPU {self.name!r}; known: {', '.join(sorted(self.peak_flops))}")
+        return self.peak_flops[dtype]
+
+
+def _spec(name: str, flops_16bit: float, memory_bandwidth: float, host_link: float, bf16: bool = True) -> GpuSpec:
+    dtypes = {"bf16": flops_16bit, "fp16": flops_16bit} if bf16 else {"fp16": flops_16bit}
+    return GpuSpec(name, MappingProxyType(dtypes), memory_bandwidth, host_link)
+
+
+GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
+    #     name         FLOP/s    memory B/s  host link B/s
+    _spec("gh200", 989e12, 4.0e12, 400e9),
+    _spec("h200", 989e12, 4.8e12, 50e9),
+    _spec("h100", 989e12, 3.35e12, 50e9),
+    _spec("h100-pcie", 756e12, 2.0e12, 50e9),
+    _spec("b200", 2250e12, 8.0e12, 50e9),
+    _spec("a100", 312e12, 2.039e12, 25e9),
+    _spec("a10g", 70e12, 0.6e12, 25e9),
+    _spec("a10", 125e12, 0.6e12, 25e9),
+    _spec("l40s", 362e12, 0.864e12, 25e9),
+    _spec("l4", 121e12, 0.3e12, 25e9),
+    _spec("v100", 125e12, 0.9e12, 12e9, bf16=False),
+    _spec("t4", 65e12, 0.32e12, 12e9, bf16=False),
+    _spec("rtx4090", 165e12, 1.008e12, 25e9),
+    _spec("rtx3090", 71e12, 0.936e12, 25e9),
+    _spec("mi300x", 1307e12, 5.3e12, 50e9),
+)})
+
+
+def gpu(name: str) -> GpuSpec:
+    """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie").
+
+    Example:
+        >>> gpu("h1000")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown GPU 'h1000'; known: a10, a100, a10g, b200, gh200, h100, h100-pcie, h200, l4, l40s, mi300x, rtx3090, rtx4090, t4, v100
+    """
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")
+    return GPUS[key]
+
+
+def match_gpu(device_name: str) -> str | None:
+    """The table key a device's name contains (``torch.cuda.get_device_name``), or None.
+
+    Spaces and case are ignored, and the longest key wins: "h100-pcie" before "h100", "a10g"
+    before "a10".
+    """
+    lowered = device_name.lower().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):
+        if key.replace("-", "") in lowered:
+            return key
+    return None

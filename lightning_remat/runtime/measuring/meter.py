@@ -1,0 +1,157 @@
+"""The one peak meter: what a measured peak means, on each device, wherever a peak is measured.
+
+The budget is the peak memory of a training step as ``torch.cuda.max_memory_allocated`` reports it
+on a GPU; on the CPU (and in every test) it is torch's ``MemTracker`` peak. ``PeakMeter`` measures
+exactly that, and every measured peak goes through it: ``measure_step`` (so every trial of the
+batch-size search and every benchmark), the window the Lightning callback and the Accelerate
+session open around a steady step (``PeakWindow``), and the profile's calibration against the
+allocator. The same step is so measured the same way everywhere.
+
+Example:
+    >>> import torch
+    >>> from lightning_remat.runtime.measuring.runner import run_step
+    >>> net = torch.nn.Linear(8, 8)
+    >>> meter = PeakMeter(net)
+    >>> _ = run_step(net, lambda m: m(torch.randn(4, 8)).sum(), watch=meter)
+    >>> meter.peak_bytes >= 2 * (8 * 8 + 8) * 4, meter.reserved_bytes  # parameters and gradients at least
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .runner import Tracking, model_device
+from .tracking import PeakOnlyTracker, snapshot_by_category
+
+
+class PeakMeter(Tracking):
+    """The peak memory of a window (one step, an accumulation window), as the budget means it.
+
+    - On CUDA: ``torch.cuda.max_memory_allocated`` of the model's device since the meter started:
+      everything allocated on the device (the model, its optimizer, inputs made before the window,
+      library workspaces). ``reserved_bytes`` is ``torch.cuda.max_memory_reserved`` beside it: what
+      the caching allocator held, fragmentation included, which is what runs out.
+    - Elsewhere: the peak total of torch's ``MemTracker``: the model's parameters, buffers and
+      gradients, the optimizer's state, and every tensor allocated in the window (inputs made before
+      it are not counted). ``reserved_bytes`` is None.
+
+    A ``StepWatch``: ``run_step(..., watch=meter)`` measures the step. Or ``start()`` it in one hook
+    and ``close()`` it in a later one (``PeakWindow``).
+
+    Args:
+        model: the model whose device is measured (and whose parameters, buffers and gradients are
+            counted off CUDA).
+        optimizer: its state is counted off CUDA (on CUDA the allocator sees it anyway).
+        tracker: a ``MemTracker`` (``tracking.py``) to run as well, for what else it reports (the
+            split by category, per-segment peaks); off CUDA the peak is read from it. None: a
+            ``PeakOnlyTracker`` off CUDA, no tracker on CUDA.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, tracker: Any = None):
+        self.device = model_device(model)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if tracker is None and not self.cuda:
+            tracker = PeakOnlyTracker()
+        super().__init__(tracker, model, optimizer)
+        self._entered: contextlib.ExitStack | None = None
+        self._final: tuple[int, int | None] | None = None
+
+    # -- as a StepWatch ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        except BaseException:
+            entered, self._entered = self._entered, None
+            if entered is not None:
+                entered.__exit__(*sys.exc_info())  # the tracker sees the error, as a `with` would show it
+            raise
+        self.stop()
+
+    # -- as a window opened in one hook and closed in another -----------------------------------
+    def start(self) -> "PeakMeter":
+        """Start measuring (the CUDA peak statistics are reset here)."""
+        self._final = None
+        stack = contextlib.ExitStack()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.tracker is not None:
+            stack.enter_context(super().watching())
+        self._entered = stack
+        return self
+
+    def peak(self) -> int:
+        """The peak so far (the final one once stopped)."""
+        if self._final is not None:
+            return self._final[0]
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.by_category().get("Total", 0)
+
+    def reserved(self) -> int | None:
+        """The allocator's reserved peak so far on CUDA; None elsewhere."""
+        if self._final is not None:
+            return self._final[1]
+        return int(torch.cuda.max_memory_reserved(self.device)) if self.cuda else None
+
+    def stop(self) -> int:
+        """Stop measuring; the peak of the window (kept: ``peak_bytes``, ``reserved_bytes``)."""
+        final = (self.peak(), self.reserved())
+        self.abandon()
+        self._final = final
+        return final[0]
+
+    def close(self) -> int:
+        """``stop()``: the peak of the window."""
+        return self.stop()
+
+    def abandon(self) -> None:
+        """Stop measuring without a result (the step failed)."""
+        if self._entered is not None:
+            entered, self._entered = self._entered, None
+            entered.close()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The peak of the window (once stopped) or so far."""
+        return self.peak()
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """``torch.cuda.max_memory_reserved`` over the window on CUDA; None elsewhere."""
+        return self.reserved()
+
+    def by_category(self) -> dict[str, int]:
+        """The tracker's split of its peak by category ("Parameter", "Gradient", ..., "Total");
+        empty without a tracker."""
+        if self.tracker is None:
+            return {}
+        return snapshot_by_category(self.tracker.get_tracker_snapshot("peak"), self.device)
+
+
+class PeakWindow(PeakMeter):
+    """A ``PeakMeter`` started at once: peak memory over a window opened in one hook and closed in
+    a later one (a training step measured from inside Lightning or Accelerate), possibly across
+    several forwards. Off CUDA its tracker is a ``PeakOnlyTracker``, which needs no forward to begin
+    inside the window.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> window = PeakWindow(net, None)
+        >>> net(torch.randn(4, 8)).sum().backward()
+        >>> window.close() >= 2 * (8 * 8 + 8) * 4
+        True
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        super().__init__(model, optimizer)
+        self.start()

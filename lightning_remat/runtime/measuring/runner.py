@@ -1,0 +1,162 @@
+"""The one step runner: every real training step the package runs itself goes through ``run_step``.
+
+A step is ``step(model)`` (the forward pass, returning the scalar loss), ``loss.backward()`` and,
+when an optimizer is given, its ``step()``. What differs between the places that run one is what
+watches it: nothing (a warm-up), a stopwatch, a FLOP counter, a memory tracker, the peak meter
+(``meter.PeakMeter``), the profile's per-segment tracker. That is the runner's variation point, a
+``StepWatch``: ``run_step`` enters its ``watching()`` around the whole step, its ``forward()`` and
+``backward()`` around the two passes, and calls ``backward_done()`` after backward while the loss is
+still alive. Everything else (gradients set to None before or after, the loss checked or read) is
+said by the caller, the same way everywhere.
+
+Who runs steps through it: ``measure.measure_step`` (the measured step, and so every trial of the
+batch-size search), ``measure.count_step_flops``, ``observe.observe_step`` (warm-up, timing and
+counting passes), the profile's memory runs (``profiling.profile``) and the report's timeline.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Linear(8, 8)
+    >>> watch = Stopwatch(torch.device("cpu"))
+    >>> loss = run_step(net, lambda m: m(torch.randn(4, 8)).sum(), watch=watch, zero_grad="after", read_loss=True)
+    >>> isinstance(loss, float), watch.seconds > 0, net.weight.grad is None
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from .optimizers import optimizer_list
+
+Step = Callable[[nn.Module], torch.Tensor]
+
+
+class StepWatch:
+    """What watches a step that ``run_step`` runs; this one watches nothing.
+
+    Subclasses override what they need: ``watching()`` (a context around the whole step: forward,
+    backward and the optimizer step), ``forward()`` / ``backward()`` (contexts around each pass) and
+    ``backward_done()`` (called after backward, before the optimizer step, with the loss alive).
+    """
+
+    def watching(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def forward(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward_done(self) -> None:
+        pass
+
+
+def check_loss(loss: Any) -> None:
+    """Raise ``TypeError`` unless ``loss`` is a scalar tensor (what ``step(model)`` must return)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+
+
+def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
+             watch: StepWatch | None = None, zero_grad: str | None = None, check: bool = False,
+             read_loss: bool = False) -> float | None:
+    """Run one training step of ``model`` under ``watch``.
+
+    Args:
+        model: the model, wrapped or not.
+        step: ``step(model)`` runs the forward pass and returns the loss.
+        optimizer: stepped after backward when given (inside ``watch.watching()``); several (a list
+            or tuple) step one after the other.
+        watch: what watches the step (None: nothing).
+        zero_grad: ``"before"`` sets the gradients to None before the step (as ``optimizer.zero_grad()``
+            and Lightning do), ``"after"`` drops them after it (a pass that must leave no trace),
+            None leaves them.
+        check: raise ``TypeError`` if ``step`` returns anything but a scalar tensor.
+        read_loss: return the loss as a float (read inside the watch; fake tensors have no value).
+
+    Returns:
+        The loss as a float with ``read_loss``, else None.
+    """
+    if zero_grad not in (None, "before", "after"):
+        raise ValueError(f"zero_grad must be None, 'before' or 'after', got {zero_grad!r}")
+    watch = watch if watch is not None else StepWatch()
+    if zero_grad == "before":
+        model.zero_grad(set_to_none=True)
+    value = None
+    with watch.watching():
+        with watch.forward():
+            loss = step(model)
+        if check:
+            check_loss(loss)
+        with watch.backward():
+            loss.backward()
+        watch.backward_done()
+        for each in optimizer_list(optimizer):
+            each.step()
+        if read_loss:
+            value = float(loss.detach())
+        del loss
+    if zero_grad == "after":
+        model.zero_grad(set_to_none=True)
+    return value
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for an empty model."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that wall-clock timings mean something."""
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            # The model's device, not the current one: they differ when a process drives several.
+            backend.synchronize(device)
+
+
+class Stopwatch(StepWatch):
+    """Wall-clock seconds of the whole step, the device synchronised at both ends (``seconds``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - start
+
+
+class Tracking(StepWatch):
+    """A torch ``MemTracker`` (one of ``tracking.py``'s) around the whole step, counting the model's
+    parameters, buffers and gradients and the optimizer's state besides what the step allocates.
+
+    ``optimizer`` (one, several, or wrapped) is only tracked here; ``run_step`` steps the one it is given.
+    """
+
+    def __init__(self, tracker: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.tracker = tracker
+        self.model = model
+        self.optimizer = optimizer
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        self.tracker.track_external(self.model, *optimizer_list(self.optimizer))
+        with self.tracker, warnings.catch_warnings():
+            # MemTracker warns when a module's backward hook outlives the module's outputs.
+            warnings.filterwarnings("ignore", message="Module is None")
+            yield

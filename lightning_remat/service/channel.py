@@ -1,0 +1,287 @@
+"""The one channel between ranks: who is rank 0, how many ranks there are, how values and errors travel.
+
+Every place where ranks exchange something goes through a ``Channel``: the planner (rank 0 decides,
+every rank gets its plan or its error), the lockstep planning of a sharded model and the sharded
+batch-size search (every rank profiles; the figures are gathered), the Lightning callback and the
+Accelerate session (the largest measured peak over the ranks, a decision taken together).
+
+- ``Channel``: one process, rank 0 of 1: ``broadcast`` and ``gather`` return what they are given.
+- ``TorchDistributedChannel``: an initialised ``torch.distributed`` group (gloo, nccl) of several
+  processes; ``torch_distributed_channel()`` gives it, or the single-process one.
+- ``integrations.lightning.channel.LightningChannel``: a Lightning trainer's strategy.
+
+Errors travel with two patterns, both of which make every rank enter the same collectives whatever
+failed, so that no rank waits for one that gave up:
+
+- ``from_main(compute)``: rank 0 computes; every rank gets its value, or raises its error;
+- ``on_every_rank(compute)``: every rank computes; every rank gets all the values in rank order,
+  or raises the error of the first rank that failed (``outcomes`` gives the values and errors).
+
+An error of ours (``RematError``) travels as itself, message, hint and fields intact; any other
+error (arbitrary exceptions may not pickle) as a ``PlanningFailedError`` naming the rank, the
+error's type and its message, raised on the rank where it happened too, from the original (whose
+type and traceback stay in the chain). In a single process nothing travels: the error is raised as
+it is.
+
+Example:
+    >>> single = Channel()
+    >>> single.is_main, single.rank, single.world_size, single.broadcast("plan"), single.gather(3), single.max(2.5)
+    (True, 0, 1, 'plan', [3], 2.5)
+    >>> travelling(ValueError("bad batch"), rank=1, action="profiling")
+    PlanningFailedError('profiling failed on rank 1: ValueError: bad batch')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from ..core.errors import PlanningFailedError, RematError
+from ..runtime.measuring.measure import is_out_of_memory
+
+T = TypeVar("T")
+
+
+def travelling(error: BaseException, rank: int, action: str = "planning") -> BaseException:
+    """``error`` as it can travel to the other ranks: ours as itself, any other as a
+    ``PlanningFailedError`` naming ``rank``, the ``action`` that failed, the error's type and message
+    (``out_of_memory`` set on it for a real out-of-memory error).
+
+    Example:
+        >>> travelling(MemoryError("host"), rank=0).out_of_memory
+        True
+    """
+    if isinstance(error, RematError):
+        return error
+    if is_out_of_memory(error):
+        travelled = PlanningFailedError(f"out of memory on rank {rank}: {error}")
+        travelled.out_of_memory = True  # type: ignore[attr-defined]
+        return travelled
+    return PlanningFailedError(f"{action} failed on rank {rank}: {type(error).__name__}: {error}")
+
+
+def failed_out_of_memory(error: BaseException | None) -> bool:
+    """Whether ``error``, as ``travelling`` made it, is an out-of-memory error of some rank."""
+    return bool(getattr(error, "out_of_memory", False))
+
+
+class Channel:
+    """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels.
+
+    Implementations override ``rank``, ``world_size``, ``broadcast``, ``gather`` and, when they have
+    a cheaper reduction, ``max`` and ``any``; the error patterns are built on ``broadcast`` and
+    ``gather``.
+    """
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (which plans, prints and logs)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there are other ranks to talk to."""
+        return self.world_size > 1
+
+    def broadcast(self, value: T) -> T:
+        """Rank 0's ``value``, on every rank."""
+        return value
+
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
+        return [value]
+
+    def max(self, value: float) -> float:
+        """The largest ``value`` over the ranks."""
+        return float(max(self.gather(float(value))))
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank."""
+        return self.max(1.0 if flag else 0.0) > 0
+
+    # -- errors that travel ----------------------------------------------------------------------
+    def from_main(self, compute: Callable[[], T], *, action: str = "planning", hint: str = "") -> T:
+        """``compute()`` on rank 0; its value on every rank, or its error raised on every rank.
+
+        ``hint`` is added to the message of an error of ours (which integration, which setting).
+        """
+        if not self.distributed:
+            return _hinted(compute, hint)
+        attempt = _Attempt()
+        if self.is_main:
+            attempt.run(lambda: _hinted(compute, hint), self.rank, action)
+        value, error = self.broadcast((attempt.value, attempt.error))
+        if self.is_main:
+            attempt.raise_if_failed()
+        elif error is not None:
+            raise error
+        return value  # type: ignore[return-value]
+
+    def outcomes(self, compute: Callable[[], T], *,
+                 action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
+        """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank
+        (errors as ``travelling`` makes them). Nothing is raised."""
+        return self._attempt_on_every_rank(compute, action)[1]
+
+    def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling") -> list[T]:
+        """``compute()`` on every rank; every rank's value in rank order, or the error of the first
+        rank that failed raised on every rank."""
+        if not self.distributed:
+            return [compute()]
+        attempt, results = self._attempt_on_every_rank(compute, action)
+        failed = next((rank for rank, (_, error) in enumerate(results) if error is not None), None)
+        if failed == self.rank:
+            attempt.raise_if_failed()  # this rank's own error, from its original
+        elif failed is not None:
+            raise results[failed][1]  # type: ignore[misc]
+        return [value for value, _ in results]  # type: ignore[misc]
+
+    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str) -> tuple["_Attempt", list]:
+        attempt = _Attempt()
+        attempt.run(compute, self.rank, action)
+        return attempt, self.gather((attempt.value, attempt.error))
+
+
+class _Attempt:
+    """One rank's try at ``compute``: its value, or its error as it travels and the original."""
+
+    value: Any = None
+    error: BaseException | None = None
+    original: BaseException | None = None
+
+    def run(self, compute: Callable[[], Any], rank: int, action: str) -> None:
+        try:
+            self.value = compute()
+        except Exception as caught:  # noqa: BLE001 - every rank raises it, once all have heard of it
+            self.original, self.error = caught, travelling(caught, rank, action)
+
+    def raise_if_failed(self) -> None:
+        if self.error is None:
+            return
+        if self.original is self.error:
+            raise self.error
+        raise self.error from self.original
+
+
+def first_error(results: list[tuple[Any, BaseException | None]]) -> BaseException | None:
+    """The error of the first rank that failed in gathered ``(value, error)`` outcomes, or None.
+
+    Example:
+        >>> first_error([(1, None), (None, ValueError("x"))]).args
+        ('x',)
+    """
+    return next((error for _, error in results if error is not None), None)
+
+
+def _hinted(compute: Callable[[], T], hint: str) -> T:
+    try:
+        return compute()
+    except RematError as error:
+        if hint:
+            error.add_hint(hint)
+        raise
+
+
+class TorchDistributedChannel(Channel):
+    """An initialised ``torch.distributed`` process group (gloo, nccl) of several processes.
+
+    Objects travel by ``broadcast_object_list`` / ``all_gather_object``; ``max`` is an
+    ``all_reduce`` of one float64 on ``device`` (default: this process's CUDA device under nccl,
+    else the CPU).
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    def broadcast(self, value: T) -> T:
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: Any) -> list:
+        values: list = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def max(self, value: float) -> float:
+        device = self.device
+        if device is None:
+            nccl = torch.distributed.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        reduced = torch.tensor(float(value), dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+        return float(reduced.item())
+
+
+def torch_distributed_channel(device: torch.device | str | None = None) -> Channel:
+    """The channel of the initialised ``torch.distributed`` group if it has several processes, else
+    the single-process one.
+
+    Example:
+        >>> torch_distributed_channel().world_size
+        1
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchDistributedChannel(device)
+    return Channel()
+
+
+class FunctionChannel(Channel):
+    """A channel over plain functions: ``broadcast(value)`` from rank 0, ``gather(value)`` from every
+    rank (as the service took them before there was a channel; tests stand in for other ranks so).
+
+    ``rank`` and ``world_size`` are torch.distributed's when it is initialised; else rank 0 (or 1
+    when ``is_main`` is false) and the length of one ``gather`` (2 with only a broadcast).
+    """
+
+    def __init__(self, broadcast: Callable[[Any], Any] | None = None, gather: Callable[[Any], list] | None = None,
+                 is_main: bool = True):
+        self._broadcast, self._gather, self._is_main = broadcast, gather, is_main
+        self._world_size: int | None = None
+
+    @property
+    def rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return 0 if self._is_main else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self._is_main
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is None:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                self._world_size = torch.distributed.get_world_size()
+            elif self._gather is not None:
+                self._world_size = len(self._gather(None))
+            else:
+                self._world_size = 2 if self._broadcast is not None else 1
+        return self._world_size
+
+    def broadcast(self, value: T) -> T:
+        return self._broadcast(value) if self._broadcast is not None else value
+
+    def gather(self, value: Any) -> list:
+        if self._gather is None:
+            raise PlanningFailedError("this channel has no gather")
+        return self._gather(value)
