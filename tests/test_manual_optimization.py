@@ -113,3 +113,27 @@ def test_plan_remat_counts_every_optimizer_in_a_list_or_tuple():
     assert second_state >= 2 * sum(p.numel() * p.element_size() for p in rest)
     assert both.predicted_peak_bytes >= alone.predicted_peak_bytes + second_state
     assert not first.state and not second.state  # profiling changed nothing
+
+
+def test_two_backward_passes_in_one_step_are_planned_as_their_sum_with_a_warning():
+    """A training_step with two manual_backward calls (a GAN's two phases) runs the model twice: it
+    is profiled (no tracker refuses the second call) as one backward of the sum, and says so."""
+    from lightning_remat.integrations.lightning.step import manual_step_closure
+
+    class TwoPhases(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                             for _ in range(4)])
+
+        def training_step(self, batch, batch_idx):
+            self.manual_backward(self.net(batch).square().mean())
+            self.manual_backward(self.net(batch.flip(0)).abs().mean())
+
+    module = TwoPhases()
+    step = manual_step_closure(module, torch.randn(64, 32))
+    with pytest.warns(UserWarning, match="manual_backward 2 times"):
+        plan = plan_remat(module, step, "min", optimizer=torch.optim.Adam(module.parameters()))
+    assert [action.stage for action in plan.actions] == [f"net.{i}" for i in range(4)]
+    assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes
