@@ -79,9 +79,11 @@ def alive_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> in
 
 def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
                           optimizers: list[torch.optim.Optimizer]) -> int:
-    """The peak of ``step(model)`` without gradients above what was alive before it (random states put back)."""
+    """The peak of ``step(model)`` without gradients above what was alive before it (random states and
+    gradients put back)."""
     before = alive_bytes(model, optimizers)
     random_state = RandomState.capture(model_device(model))
+    grads = {p: p.grad for p in model.parameters()}
     window = PeakWindow(model, optimizers)
     try:
         with torch.no_grad():
@@ -89,11 +91,14 @@ def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
     finally:
         peak = window.close()
         random_state.restore()
+        for p, grad in grads.items():
+            p.grad = grad
     return max(0, peak - before)
 
 
 class LoopPeaks:
-    """Predict each evaluation batch's peak before it runs; warn once per loop and batch shape over the budget.
+    """Predict each evaluation batch's peak before it runs; warn when one is over the budget (once per
+    loop and batch shape, again if the largest batch that fits has become smaller).
 
     Args:
         step_for: ``step_for(batch) -> step(module)``, the closure of ``training_step`` on a batch
@@ -106,7 +111,7 @@ class LoopPeaks:
         self.warn = warn
         self.fits: dict[tuple, ForwardFit | None] = {}
         self.predicted: dict[tuple, int] = {}  # (loop, shape, batch size) -> predicted peak
-        self._warned: set[tuple] = set()
+        self._warned: dict[tuple, int] = {}  # (loop, shape, batch size) -> the largest fitting batch named
 
     def check(self, loop: str, model: nn.Module, batch: Any, optimizers: list[torch.optim.Optimizer],
               budget_bytes: int) -> int | None:
@@ -123,9 +128,11 @@ class LoopPeaks:
         alive = alive_bytes(model, optimizers)
         peak = fit.peak_at(size, alive)
         self.predicted[(*key, size)] = peak
-        if peak > budget_bytes and (*key, size) not in self._warned:
-            self._warned.add((*key, size))
-            largest = fit.largest_batch(budget_bytes, alive)
+        largest = fit.largest_batch(budget_bytes, alive) if peak > budget_bytes else None
+        # Once per batch shape, and again if more memory is alive than when it was named (the
+        # sanity check runs before the optimizer state exists).
+        if largest is not None and largest < self._warned.get((*key, size), largest + 1):
+            self._warned[(*key, size)] = largest
             self.warn(f"AutoRemat: a {loop} batch of {size} is predicted to peak at {format_bytes(peak)}, over the budget "
                       f"of {format_bytes(budget_bytes)}: it saves nothing for backward, but its batch and the "
                       f"{format_bytes(alive)} alive when it starts (parameters, gradients, optimizer state) exceed it. "

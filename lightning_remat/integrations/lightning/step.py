@@ -4,7 +4,7 @@ The callbacks and the command line all profile or try a LightningModule through 
 ``training_step``; this is the one place that turns it into a loss closure. Under manual
 optimization ``training_step`` runs backward and the optimizers itself: ``manual_step_closure``
 makes the same closure of it (``self.manual_backward`` hands the loss over instead of running
-backward, and the optimizers' and schedulers' ``step`` do nothing while it runs).
+backward, and the optimizers' and schedulers' ``step`` and ``zero_grad`` do nothing while it runs).
 
 Example:
     >>> import torch, lightning.pytorch as L
@@ -108,22 +108,30 @@ def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[N
 _MISSING = object()
 
 
-def _steppers(trainer: Any) -> list[Any]:
-    """Whatever ``training_step`` may step under manual optimization: the optimizers, Lightning's
-    wrappers of them (``self.optimizers()``) and the learning-rate schedulers (``self.lr_schedulers()``)."""
+def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
+    # The profile sets the gradients itself before each pass and puts them back after; a
+    # prediction's forward must not drop the training's gradients either.
+    return None
+
+
+def _held_still(trainer: Any) -> list[tuple[Any, str, Any]]:
+    """What ``training_step`` may change under manual optimization, each made to do nothing: the
+    optimizers' and Lightning's wrappers' (``self.optimizers()``) ``step`` and ``zero_grad``, and the
+    learning-rate schedulers' (``self.lr_schedulers()``) ``step``."""
     if trainer is None:
         return []
-    found = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
-    found += [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
-    return found
+    optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+    return ([(o, "step", _no_step) for o in optimizers + schedulers]
+            + [(o, "zero_grad", _no_zero_grad) for o in optimizers])
 
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
     """``step(module)`` for a LightningModule under manual optimization: ``training_step`` runs with
     ``self.manual_backward(loss)`` keeping the loss instead of running backward, and the optimizers'
-    and schedulers' ``step()`` doing nothing (given a closure, an optimizer runs it), so the call
-    changes no parameter, state or schedule; the profile runs backward on the returned loss and
+    and schedulers' ``step()`` and the optimizers' ``zero_grad()`` doing nothing (given a closure, an
+    optimizer runs it), so the call changes no parameter, gradient, state or schedule; the profile runs backward on the returned loss and
     counts every optimizer's state and step itself (``plan_remat(optimizer=[...])``).
 
     One ``manual_backward`` per ``training_step`` is modelled exactly. Several (a GAN's generator
@@ -153,7 +161,7 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
         losses: list[torch.Tensor] = []
         kept = [(module, "manual_backward", lambda loss, *args, **kwargs: losses.append(loss))]
         with context(), logging_muted(module), \
-                _attributes_replaced(kept + [(obj, "step", _no_step) for obj in _steppers(trainer)]):
+                _attributes_replaced(kept + _held_still(trainer)):
             module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         if not losses:
             raise TypeError("lightning-remat profiles training_step under manual optimization through its "
