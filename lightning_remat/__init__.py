@@ -8,7 +8,8 @@ The package is layered, and imports point down only (see README.md, "Architectur
 - ``report``: tables, summaries, plots.
 - ``service``: the planning service every integration shares (decide, fall back, broadcast,
   metrics), ``plan_remat`` and the batch-size search.
-- ``integrations``: Lightning (``AutoRemat``, ``RematBatchSizeFinder``), Accelerate, the command line.
+- ``integrations``: Lightning (``AutoRemat``, ``RematBatchSizeFinder``), Accelerate, the Hugging Face
+  ``Trainer`` (``RematTrainerCallback``), the command line.
 
 Names that need torch (or an integration) are imported on first use, so ``import lightning_remat``
 stays cheap and the solver stays usable on its own.
@@ -51,6 +52,7 @@ _LAZY = {
     "RematPlugin": "lightning_remat.integrations.accelerate",
     "prepare_remat": "lightning_remat.integrations.accelerate",
     "ShapePlans": "lightning_remat.service.shape_plans",
+    "RematTrainerCallback": "lightning_remat.integrations.hf_trainer",
 }
 
 __all__ = [

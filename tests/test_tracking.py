@@ -4,7 +4,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_remat.models import build
-from lightning_remat.runtime.measuring.tracking import SegmentTracker, Tracker, snapshot_by_category
+from lightning_remat.runtime.measuring.tracking import PeakOnlyTracker, SegmentTracker, Tracker, snapshot_by_category
 
 
 def _peak_and_current(tracker_class, case):
@@ -38,3 +38,20 @@ def test_segment_tracker_still_records_segment_peaks():
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
     assert max(tracker.segment_peaks.values()) == peak
     assert {kind for kind, _ in tracker.segment_peaks} == {"fw", "bw", "gap"}
+
+
+def test_a_step_may_call_its_top_level_module_twice():
+    """MemTracker refuses a top-level module's second forward in one block; a step that runs the
+    model twice (two backward passes under manual optimization, a discriminator on two batches) is
+    counted like two calls of a submodule: the same peak as the tracker without module bookkeeping."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    x = torch.randn(8, 16)
+    peaks = []
+    for tracker in (Tracker(), PeakOnlyTracker()):
+        net.zero_grad(set_to_none=True)
+        tracker.track_external(net)
+        with tracker:
+            net(x).sum().backward()
+            net(x * 2).sum().backward()
+        peaks.append(snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"])
+    assert peaks[0] == peaks[1] > 0

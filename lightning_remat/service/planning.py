@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -249,7 +249,8 @@ class Planner:
 
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
-               optimizer: torch.optim.Optimizer | None = None, cost: str = DEFAULT_COST,
+               optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+               cost: str = DEFAULT_COST,
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
@@ -261,7 +262,9 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         model: the model, in training mode.
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
         budget: as ``parse_budget``: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
-        optimizer: counted in the budget (its state and its step).
+        optimizer: counted in the budget (its state and its step); a list or tuple of optimizers
+            (manual optimization, one per parameter group): every one's state, and their steps one
+            after the other. Lightning's, Fabric's and Accelerate's wrappers are looked through.
         cost: ``"flops"`` (counted FLOPs: the same plan on every run; the default), ``"time"``
             (measured seconds) or ``"roofline"`` (per op, max(FLOPs / peak, bytes / bandwidth)).
         candidates: None for automatic stages, or module classes / name patterns.
@@ -289,7 +292,9 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
-    DDP's gradient buckets (one copy of the trainable gradients) are counted in the budget.
+    DDP's gradient buckets (one copy of the trainable gradients) are counted in the budget. So may
+    it be in Lightning Fabric's wrapper (``fabric.setup``), whose precision context the step then
+    runs in: a plan made before ``setup`` applies after it and the reverse (``docs/fabric.md``).
 
     The arguments are checked before any profiling, so a malformed budget fails at once. Under
     an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides

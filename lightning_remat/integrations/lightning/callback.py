@@ -30,7 +30,8 @@ from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import FSDP1_HINT, fsdp2_sharded
 from .channel import lightning_channel
-from .step import training_step_closure, training_step_shape_plans
+from .loop_peaks import LoopPeaks
+from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 
 
 def _figure(nbytes: int | None, other: int | None) -> str:
@@ -57,6 +58,29 @@ def _refuse_fsdp1(trainer: Trainer) -> None:
             + FSDP1_HINT)
 
 
+def _refuse_deepspeed(trainer: Trainer) -> None:
+    """DeepSpeed partitions and offloads parameters, gradients and optimizer state in its own engine,
+    which the profile cannot see: an error naming the ways that work, as Accelerate's refusal does,
+    rather than a run without the budget."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from ...core.errors import UnsupportedSetupError
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy) or any(c.__name__.startswith("DeepSpeed") for c in type(strategy).__mro__):
+        raise UnsupportedSetupError(
+            f"AutoRemat does not support Lightning's {type(strategy).__name__}: DeepSpeed's engine partitions and "
+            "offloads parameters, gradients and optimizer state where the profile cannot see them, so the budget could "
+            "not be kept. Use ModelParallelStrategy with fully_shard in configure_model (FSDP2) or DDPStrategy, which "
+            "AutoRemat plans, or make a plan with lightning_remat.plan_remat on one device and apply it with "
+            "apply_plan in configure_model, and remove AutoRemat from the callbacks.")
+
+
+def _optimizers(trainer: Trainer) -> list:
+    """Every optimizer of the run (several under manual optimization): each one's state and step count."""
+    return list(trainer.optimizers)
+
+
 def _loop_allowance(profile: Any) -> Any:
     """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
     and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
@@ -73,7 +97,7 @@ class AutoRemat(Callback):
     """Keep every training step under a memory budget by recomputing the cheapest set of modules.
 
     During the first training batch the callback profiles the step (the LightningModule's
-    ``training_step`` on that batch, then backward, with ``trainer.optimizers[0]`` counted), solves
+    ``training_step`` on that batch, then backward, with every optimizer's state and step counted), solves
     for the least recompute cost whose predicted peak fits ``budget``, and wraps the chosen modules
     with non-reentrant activation checkpointing before that batch trains. Profiling puts back
     gradients, buffers, RNG states and optimizer state, so the first batch trains exactly as it
@@ -138,10 +162,22 @@ class AutoRemat(Callback):
       LightningModule given to ``fit`` compiled) is profiled and wrapped as its original modules,
       and recompiles with the recompute at its next call. Plan names are those of the uncompiled
       model.
-    - Models that already use activation checkpointing (Hugging Face
+    - Manual optimization (``self.automatic_optimization = False``), one optimizer or several:
+      ``training_step`` is profiled with ``self.manual_backward`` handing its loss to the profile
+      and the optimizers' and schedulers' ``step()`` doing nothing (``step.manual_step_closure``);
+      every optimizer's state and step is counted. The gradients are left as ``training_step``
+      leaves them (zero them at its start, as Lightning's examples do, or they count against the
+      budget from the previous step on). Several ``manual_backward`` calls in one step are planned
+      as one backward of their sum (an over-estimate, with a warning).
+    - Validation and test batches are predicted before they run (``loop_peaks.py``: no activations
+      saved for backward, but their own batch and the training's memory alive) and one predicted
+      over the budget gets a warning naming the largest batch of that loop that fits. They are
+      not planned: the plan is the training step's.
+    - ``DeepSpeedStrategy`` fails in ``setup`` with an ``UnsupportedSetupError`` naming the
+      workarounds. Models that already use activation checkpointing (Hugging Face
       ``gradient_checkpointing_enable``, torch ``checkpoint_wrapper``, FSDP
-      ``activation_checkpointing_policy``), manual optimization and strategies other than
-      single-device, DDP and ModelParallelStrategy are left alone with a warning.
+      ``activation_checkpointing_policy``) and strategies other than single-device, DDP and
+      ModelParallelStrategy are left alone with a warning.
     - ``training_step`` is called several times on the first batch while profiling; ``self.log``
       is muted during those calls.
 
@@ -182,6 +218,8 @@ class AutoRemat(Callback):
         self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
+        self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
+        self._trainer: Trainer | None = None
 
     @property
     def state_key(self) -> str:
@@ -191,9 +229,11 @@ class AutoRemat(Callback):
     # ----------------------------------------------------------------------------------- hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
         if stage != "fit":
             return
         _refuse_fsdp1(trainer)
+        _refuse_deepspeed(trainer)
         self._disabled_reason = self._unsupported(trainer, pl_module)
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
@@ -236,8 +276,9 @@ class AutoRemat(Callback):
             return
         if planned:
             self._announce(trainer, first)
-        if batch_idx % window == 0:
+        if batch_idx % window == 0 and pl_module.automatic_optimization:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
+            # (Under manual optimization training_step decides when gradients go.)
             pl_module.zero_grad(set_to_none=True)
         if self._measure_in is not None:
             if self._measure_in > 0:
@@ -245,7 +286,7 @@ class AutoRemat(Callback):
             elif batch_idx % window == 0:
                 # One meter over a whole accumulation window: every micro-batch and the optimizer step.
                 self._measure_in, self._window_left = None, window
-                self._meter = PeakWindow(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+                self._meter = PeakWindow(pl_module, _optimizers(trainer) or None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -274,6 +315,14 @@ class AutoRemat(Callback):
             rank_zero_warn(message + ". " + warning)
         elif self.verbose:
             rank_zero_info(message)
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._check_loop("validation", trainer, pl_module, batch)
+
+    def on_test_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._check_loop("test", trainer, pl_module, batch)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close_meter()
@@ -309,16 +358,30 @@ class AutoRemat(Callback):
 
         strategy = trainer.strategy
         supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-        if not isinstance(strategy, supported) or "DeepSpeed" in type(strategy).__name__:
+        if not isinstance(strategy, supported):
             return (f"the {type(strategy).__name__} strategy is not supported (single-device, DDP and "
                     "ModelParallelStrategy (FSDP2) are)")
         existing = existing_checkpointing(pl_module)
         if existing:
             return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
-        if not pl_module.automatic_optimization:
-            return ("manual optimization: the callback profiles training_step, which under manual optimization runs "
-                    "backward and the optimizer itself; use lightning_remat.plan_remat/apply_plan in setup() instead")
         return None
+
+    def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
+        """``training_step`` on ``batch`` as the engine's ``step(module) -> loss``, under either optimization."""
+        trainer = self._trainer
+        pl_module = trainer.lightning_module
+        closure = training_step_closure if pl_module.automatic_optimization else manual_step_closure
+        return closure(pl_module, batch, batch_idx, trainer)
+
+    def _check_loop(self, loop: str, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """Predict an evaluation batch's peak before it runs, and warn when it is over the budget."""
+        if self._disabled_reason or self._trainer is None or fsdp2_sharded(pl_module):
+            return  # sharded: the measured forwards would run collectives on one rank's batch alone
+        budget = self.config.budget_bytes(pl_module.device)
+        if not isinstance(budget, int):  # "min": the plan's least peak, once there is a plan
+            budget = self.plan.budget_bytes if self.plan is not None else None
+        if budget is not None:
+            self.loop_peaks.check(loop, pl_module, batch, _optimizers(trainer), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """FSDP2: a sharded model has no fake twin, so the first batch, and a batch larger than the
@@ -331,8 +394,7 @@ class AutoRemat(Callback):
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
         self.profile_count += 1
         plan = Planner(self._config_for(trainer)).shared_plan(
-            pl_module, training_step_closure(pl_module, batch, batch_idx, trainer),
-            trainer.optimizers[0] if trainer.optimizers else None, channel=channel,
+            pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
         self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
@@ -348,7 +410,8 @@ class AutoRemat(Callback):
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
                 saved = {batch_shape(batch): self.plan}
             self.shape_plans = training_step_shape_plans(
-                pl_module, trainer, lambda: self._batch_idx, config=self._config_for(trainer), adjust=_loop_allowance,
+                pl_module, trainer, lambda any_batch: self._step_for(any_batch, self._batch_idx),
+                config=self._config_for(trainer), adjust=_loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
         plans, self._batch_idx = self.shape_plans, batch_idx

@@ -1,7 +1,10 @@
 """A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles.
 
 The callbacks and the command line all profile or try a LightningModule through its own
-``training_step``; this is the one place that turns it into a loss closure.
+``training_step``; this is the one place that turns it into a loss closure. Under manual
+optimization ``training_step`` runs backward and the optimizers itself: ``manual_step_closure``
+makes the same closure of it (``self.manual_backward`` hands the loss over instead of running
+backward, and the optimizers' and schedulers' ``step`` and ``zero_grad`` do nothing while it runs).
 
 Example:
     >>> import torch, lightning.pytorch as L
@@ -20,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -80,12 +84,104 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
     return step
 
 
-def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Callable[[], int], *, config: Any,
-                              adjust: Any = None, install: Any = None, hint: str = "",
+def _no_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    # An optimizer given a closure (LBFGS, or ``opt.step(closure=...)``) runs the forward in it.
+    return closure() if callable(closure) else None
+
+
+@contextlib.contextmanager
+def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set ``obj.name = value`` on each object's instance dict, and put back what was there."""
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in replacements]
+    for obj, name, value in replacements:
+        obj.__dict__[name] = value
+    try:
+        yield
+    finally:
+        for obj, name, before in saved:
+            if before is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = before
+
+
+_MISSING = object()
+
+
+def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
+    # The profile sets the gradients itself before each pass and puts them back after; a
+    # prediction's forward must not drop the training's gradients either.
+    return None
+
+
+def _held_still(trainer: Any) -> list[tuple[Any, str, Any]]:
+    """What ``training_step`` may change under manual optimization, each made to do nothing: the
+    optimizers' and Lightning's wrappers' (``self.optimizers()``) ``step`` and ``zero_grad``, and the
+    learning-rate schedulers' (``self.lr_schedulers()``) ``step``."""
+    if trainer is None:
+        return []
+    optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+    return ([(o, "step", _no_step) for o in optimizers + schedulers]
+            + [(o, "zero_grad", _no_zero_grad) for o in optimizers])
+
+
+def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
+                        trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
+    """``step(module)`` for a LightningModule under manual optimization: ``training_step`` runs with
+    ``self.manual_backward(loss)`` keeping the loss instead of running backward, and the optimizers'
+    and schedulers' ``step()`` and the optimizers' ``zero_grad()`` doing nothing (given a closure, an
+    optimizer runs it), so the call changes no parameter, gradient, state or schedule; the profile runs backward on the returned loss and
+    counts every optimizer's state and step itself (``plan_remat(optimizer=[...])``).
+
+    One ``manual_backward`` per ``training_step`` is modelled exactly. Several (a GAN's generator
+    and discriminator steps) are planned as one backward of their sum, with every graph alive
+    until then: an over-estimate, said in a warning.
+
+    Example:
+        >>> import lightning.pytorch as L
+        >>> class Manual(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        ...         self.net = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         self.manual_backward(self.net(batch).sum())   # kept, not run, while profiling
+        >>> module = Manual()
+        >>> loss = manual_step_closure(module, torch.ones(2, 4))(module)
+        >>> loss.requires_grad, module.net.weight.grad is None
+        (True, True)
+    """
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+
+    def step(module: nn.Module) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        kept = [(module, "manual_backward", lambda loss, *args, **kwargs: losses.append(loss))]
+        with context(), logging_muted(module), \
+                _attributes_replaced(kept + _held_still(trainer)):
+            module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
+        if not losses:
+            raise TypeError("lightning-remat profiles training_step under manual optimization through its "
+                            "self.manual_backward(loss) call, and it made none")
+        if len(losses) > 1:
+            warnings.warn(f"lightning-remat: training_step calls manual_backward {len(losses)} times; the plan models "
+                          "one backward of their sum, with every graph alive until then (an over-estimate)",
+                          UserWarning, stacklevel=2)
+        return losses[0] if len(losses) == 1 else torch.stack([loss.float() for loss in losses]).sum()
+
+    return step
+
+
+def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Callable[[Any], Any] | None = None, *,
+                              config: Any, adjust: Any = None, install: Any = None, hint: str = "",
                               saved: dict | None = None) -> Any:
-    """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module.training_step`` on a batch,
-    over ``trainer``'s ranks (None: one process, no optimizer), with ``saved`` plans (shape -> plan)
-    taken as they are. ``batch_idx()`` is the index the step is called with (the current batch's).
+    """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module``'s ``training_step`` on a
+    batch, over ``trainer``'s ranks and every optimizer it has (None: one process, no optimizer),
+    with ``saved`` plans (shape -> plan) taken as they are. ``step_for(batch)`` gives the step
+    (``step(module) -> loss``) on a batch; default ``training_step_closure`` at batch index 0.
 
     Example:
         >>> import torch, lightning.pytorch as L
@@ -97,7 +193,7 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Cal
         ...                                                              torch.nn.Linear(32, 8)) for _ in range(3)])
         ...     def training_step(self, batch, batch_idx):
         ...         return self.net(batch).square().mean()
-        >>> plans = training_step_shape_plans(Lit(), None, lambda: 0, config=RematConfig("min", cost="flops"))
+        >>> plans = training_step_shape_plans(Lit(), None, config=RematConfig("min", cost="flops"))
         >>> plan = plans.use(torch.randn(64, 8))
         >>> plans.counts.real_profiles, plan.predicted_peak_bytes <= plan.baseline_peak_bytes
         (1, True)
@@ -105,12 +201,11 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, batch_idx: Cal
     from ...service.shape_plans import ShapePlans
     from .channel import lightning_channel
 
-    def loss(module: nn.Module, batch: Any) -> torch.Tensor:
-        return training_step_closure(pl_module, batch, batch_idx(), trainer)(module)
-
-    optimizer = trainer.optimizers[0] if trainer is not None and trainer.optimizers else None
-    plans = ShapePlans(pl_module, loss, config=config, optimizer=optimizer, adjust=adjust, install=install,
-                       channel=lightning_channel(trainer) if trainer is not None else None, hint=hint)
+    step_for = step_for or (lambda batch: training_step_closure(pl_module, batch, 0, trainer))
+    optimizers = list(trainer.optimizers) if trainer is not None else []
+    plans = ShapePlans(pl_module, lambda module, batch: step_for(batch)(module), config=config,
+                       optimizer=optimizers[0] if len(optimizers) == 1 else optimizers or None, adjust=adjust,
+                       install=install, channel=lightning_channel(trainer) if trainer is not None else None, hint=hint)
     for shape, plan in (saved or {}).items():
         plans.seed(shape, plan)
     return plans

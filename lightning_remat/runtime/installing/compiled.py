@@ -10,7 +10,10 @@ recompile with the recompute at their next call.
 
 A ``DistributedDataParallel`` wrapper around the whole model is looked through the same way (its
 ``module``): profiling the wrapper would start gradient all-reduces on one rank while the others
-wait for the plan, and its names carry a ``module.`` prefix that the plan's names do not.
+wait for the plan, and its names carry a ``module.`` prefix that the plan's names do not. So is
+Lightning Fabric's ``_FabricModule`` (what ``fabric.setup`` returns; its ``_forward_module``): a plan
+made before ``setup`` applies after it and the reverse, and ``fabric_forward_context`` gives its
+precision's context (autocast under mixed precision) for the steps run on the module inside.
 
 Example:
     >>> import torch
@@ -59,8 +62,31 @@ def _ddp() -> type | tuple:
     return DistributedDataParallel
 
 
+def _is_fabric_module(model: nn.Module) -> bool:
+    """Whether ``model`` is Lightning Fabric's wrapper (``fabric.setup``), without importing Lightning."""
+    return hasattr(model, "_forward_module") and any(c.__name__ == "_FabricModule" for c in type(model).__mro__)
+
+
+def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The forward context of the precision of Fabric's wrapper around ``model`` (autocast under mixed
+    precision), which the wrapper's forward enters and a step run on the module inside must enter too;
+    a context that does nothing for any other model.
+
+    Example:
+        >>> fabric_forward_context(nn.Linear(2, 2))  # doctest: +ELLIPSIS
+        <contextlib.nullcontext object at ...>
+    """
+    compiled = _optimized_module()
+    while compiled and isinstance(model, compiled):
+        model = model._orig_mod
+    if _is_fabric_module(model):
+        return model._strategy.precision.forward_context()
+    return contextlib.nullcontext()
+
+
 def without_outer_wrappers(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile`` and ``DistributedDataParallel`` wrappers around ``model``.
+    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers
+    around ``model``.
 
     Example:
         >>> import torch
@@ -69,21 +95,28 @@ def without_outer_wrappers(model: nn.Module) -> nn.Module:
         True
     """
     compiled, ddp = _optimized_module(), _ddp()
-    while (compiled and isinstance(model, compiled)) or (ddp and isinstance(model, ddp)):
-        model = model._orig_mod if compiled and isinstance(model, compiled) else model.module
-    return model
+    while True:
+        if compiled and isinstance(model, compiled):
+            model = model._orig_mod
+        elif ddp and isinstance(model, ddp):
+            model = model.module
+        elif _is_fabric_module(model):
+            model = model._forward_module
+        else:
+            return model
 
 
 def is_data_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is (a compiled) ``DistributedDataParallel``, whose reducer keeps gradient buckets.
+    """Whether ``model`` is (a compiled, or Fabric's wrapper of a) ``DistributedDataParallel``, whose
+    reducer keeps gradient buckets.
 
     Example:
         >>> is_data_parallel(nn.Linear(2, 2))
         False
     """
     compiled, ddp = _optimized_module(), _ddp()
-    while compiled and isinstance(model, compiled):
-        model = model._orig_mod
+    while (compiled and isinstance(model, compiled)) or _is_fabric_module(model):
+        model = model._orig_mod if compiled and isinstance(model, compiled) else model._forward_module
     return bool(ddp) and isinstance(model, ddp)
 
 

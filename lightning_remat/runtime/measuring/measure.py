@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
 from .runner import Step, StepWatch, model_device, run_step, synchronize
 from .stance import eager_stance
@@ -212,7 +213,8 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
     grads = {p: p.grad for p in model.parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     random_state = RandomState.capture(model_device(model))
-    state_keys = set(optimizer.state.keys()) if optimizer is not None else set()
+    optimizers = optimizer_list(optimizer)  # one, several, or none
+    state_keys = [set(o.state.keys()) for o in optimizers]
     try:
         yield
     finally:
@@ -224,6 +226,6 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
                 if name in current:
                     current[name].copy_(value)
         random_state.restore()
-        if optimizer is not None:
-            for key in set(optimizer.state.keys()) - state_keys:
-                del optimizer.state[key]
+        for o, keys in zip(optimizers, state_keys):
+            for key in set(o.state.keys()) - keys:
+                del o.state[key]

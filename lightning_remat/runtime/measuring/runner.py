@@ -32,6 +32,8 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch import nn
 
+from .optimizers import optimizer_list
+
 Step = Callable[[nn.Module], torch.Tensor]
 
 
@@ -71,7 +73,8 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     Args:
         model: the model, wrapped or not.
         step: ``step(model)`` runs the forward pass and returns the loss.
-        optimizer: stepped after backward when given (inside ``watch.watching()``).
+        optimizer: stepped after backward when given (inside ``watch.watching()``); several (a list
+            or tuple) step one after the other.
         watch: what watches the step (None: nothing).
         zero_grad: ``"before"`` sets the gradients to None before the step (as ``optimizer.zero_grad()``
             and Lightning do), ``"after"`` drops them after it (a pass that must leave no trace),
@@ -96,8 +99,8 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         with watch.backward():
             loss.backward()
         watch.backward_done()
-        if optimizer is not None:
-            optimizer.step()
+        for each in optimizer_list(optimizer):
+            each.step()
         if read_loss:
             value = float(loss.detach())
         del loss
@@ -142,7 +145,7 @@ class Tracking(StepWatch):
     """A torch ``MemTracker`` (one of ``tracking.py``'s) around the whole step, counting the model's
     parameters, buffers and gradients and the optimizer's state besides what the step allocates.
 
-    ``optimizer`` is only tracked here; ``run_step`` steps the one it is given.
+    ``optimizer`` (one, several, or wrapped) is only tracked here; ``run_step`` steps the one it is given.
     """
 
     def __init__(self, tracker: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -152,7 +155,7 @@ class Tracking(StepWatch):
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        self.tracker.track_external(self.model, *([self.optimizer] if self.optimizer is not None else []))
+        self.tracker.track_external(self.model, *optimizer_list(self.optimizer))
         with self.tracker, warnings.catch_warnings():
             # MemTracker warns when a module's backward hook outlives the module's outputs.
             warnings.filterwarnings("ignore", message="Module is None")

@@ -60,6 +60,17 @@ class Tracker(MemTracker):
                 self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # MemTracker refuses a top-level module's second forward in one ``with`` block (it takes it
+        # for the next iteration). A step may run several (manual optimization with two backward
+        # passes; a discriminator on real and generated batches): count each like a submodule's
+        # repeated call. Only its per-module statistics start again, which nothing here reads.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     # While a tracker is active, compiled code runs eagerly and nothing compiles: dynamo would mark
     # a first call under the tracker's dispatch mode as never to compile (see stance.py).
     def __enter__(self) -> "Tracker":

@@ -2,7 +2,8 @@
 
 The step runs under ``FakeTensorMode`` on fake copies of the parameters, gradients and state, so
 nothing real is allocated or changed, and whatever the optimizer's implementation (for-loop,
-foreach, fused) allocates is counted.
+foreach, fused) allocates is counted. Several optimizers (manual optimization) step one after the
+other, as a training step runs them: every one's state is alive while each steps.
 
 Example:
     >>> import torch
@@ -15,20 +16,24 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..targets.fake import clone_optimizer, fake_like, new_fake_mode
+from ..measuring.optimizers import optimizer_list
 from ..measuring.tracking import Tracker
 
 
 @dataclass(frozen=True)
 class OptimizerStepCost:
-    """State bytes the optimizer holds after a step; peak bytes of its step beyond parameters and gradients."""
+    """State bytes the optimizers hold after a step; peak bytes of their steps beyond parameters and
+    gradients; of the state, the bytes that do not exist yet (optimizers that have not stepped)."""
 
     state_bytes: int = 0
     step_peak_bytes: int = 0
+    created_state_bytes: int = 0
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -62,9 +67,10 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
             group["foreach"] = True
 
 
-def optimizer_step_cost(optimizer: torch.optim.Optimizer | None,
+def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                         device: str | torch.device | None = None) -> OptimizerStepCost:
-    """Run ``optimizer``'s step on fake copies and count what it allocates.
+    """Run ``optimizer``'s step on fake copies and count what it allocates; several optimizers (a
+    list or tuple) step one after the other, each counted with every one's state.
 
     ``device``: the device the real step runs on; its default implementation (foreach on CUDA)
     is the one measured.
@@ -75,30 +81,38 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | None,
         >>> batched = optimizer_step_cost(torch.optim.Adam(net.parameters()), "cuda")
         >>> batched.step_peak_bytes > loop.step_peak_bytes, batched.state_bytes == loop.state_bytes
         (True, True)
+        >>> halves = net[:4].parameters(), net[4:].parameters()
+        >>> two = optimizer_step_cost([torch.optim.Adam(halves[0]), torch.optim.Adam(halves[1])], "cpu")
+        >>> two.state_bytes == loop.state_bytes == two.created_state_bytes, two.step_peak_bytes <= loop.step_peak_bytes
+        (True, True)
     """
-    if optimizer is None:
+    optimizers = optimizer_list(optimizer)
+    if not optimizers:
         return OptimizerStepCost()
     mode = new_fake_mode()
     fakes: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in fakes:
-                # A sharded (DTensor) parameter: its step works on this rank's shard.
-                local = getattr(p, "_local_tensor", p)
-                copy = nn.Parameter(fake_like(mode, local), requires_grad=p.requires_grad)
-                if p.requires_grad:
-                    copy.grad = fake_like(mode, local)
-                fakes[id(p)] = copy
-    clone = clone_optimizer(optimizer, fakes, mode)
-    _as_on_device(clone, device)
+    for p in (p for o in optimizers for group in o.param_groups for p in group["params"]):
+        if id(p) not in fakes:
+            # A sharded (DTensor) parameter: its step works on this rank's shard.
+            local = getattr(p, "_local_tensor", p)
+            copy = nn.Parameter(fake_like(mode, local), requires_grad=p.requires_grad)
+            if p.requires_grad:
+                copy.grad = fake_like(mode, local)
+            fakes[id(p)] = copy
+    clones = [clone_optimizer(o, fakes, mode) for o in optimizers]
+    for clone in clones:
+        _as_on_device(clone, device)
     tracker = Tracker()
     # Parameters and gradients are tracked up front so that only the state and the step's own
     # temporaries land in the optimizer category.
-    tracker.track_external(*fakes.values(), *[f.grad for f in fakes.values() if f.grad is not None], clone)
+    tracker.track_external(*fakes.values(), *[f.grad for f in fakes.values() if f.grad is not None], *clones)
     with mode, tracker:
-        clone.step()
+        for clone in clones:
+            clone.step()
     step_peak = 0
     for snapshot in tracker.get_tracker_snapshot("peak").values():
         step_peak += sum(v for k, v in snapshot.items() if getattr(k, "value", k) == "Optstate")
-    state = _state_bytes(clone)
-    return OptimizerStepCost(state, max(step_peak, state))
+    state = sum(_state_bytes(clone) for clone in clones)
+    # State that does not exist yet will exist during every later step.
+    created = sum(_state_bytes(clone) for clone, o in zip(clones, optimizers) if not o.state)
+    return OptimizerStepCost(state, max(step_peak, state), created)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from ...core.memory_model import Profile, Segment, StageOption, StageProfile, pr
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
 from ..installing.apply import applied, existing_checkpointing
 from .candidates import CandidateSpec, find_stages
-from ..installing.compiled import uncompiled
+from ..installing.compiled import fabric_forward_context, uncompiled
 from ..targets.fake_attention import cuda_attention
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                    gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
@@ -44,6 +44,7 @@ from ..installing.offload import Offloader, apply_offload, model_offloader, remo
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from .held_inputs import DeadInputs, HeldInputs
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
+from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.meter import PeakMeter
 from ..measuring.observe import ModuleStats, ObservedStep, observe_step
 from ..measuring.runner import run_step
@@ -252,6 +253,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profiler runs backward itself. It is called several times on the same batch.
         optimizer: its state counts in the budget: the state it holds, or, before its first step,
             the state it will create (Adam: two tensors per parameter), and its step's temporaries.
+            A list or tuple of optimizers (manual optimization): each one's state and step, stepped
+            one after the other. Lightning's, Fabric's and Accelerate's wrappers are looked through.
         warmup: steps run first and not measured (lazy initialisation, allocator warm-up).
         candidates: as ``find_stages``: None for automatic, or module classes / name patterns.
         fake: profile on fake tensors (no memory is allocated, nothing real runs): for models
@@ -307,12 +310,25 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                          "tensors (fake=True)")
     if options.offload:
         check_offload_target(options, model_device(model))
+    optimizer = as_optimizers(optimizer)
+    step = _in_forward_context(step, fabric_forward_context(model))
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
             return _profile(model, step, optimizer, options, timed=True)
         return _fake_profile(model, step, optimizer, options)
+
+
+def _in_forward_context(step: Step, context: contextlib.AbstractContextManager) -> Step:
+    """``step`` inside the forward context of the wrapper profiling looks through (Fabric's precision)."""
+    if isinstance(context, contextlib.nullcontext):
+        return step
+
+    def step_in_context(model: nn.Module) -> torch.Tensor:
+        with context:
+            return step(model)
+    return step_in_context
 
 
 def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype | None, str]:
@@ -343,9 +359,9 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     targets_cuda = options.gpu is not None or torch.device(options.device or "cpu").type == "cuda"
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
-    if optimizer is not None:
-        fake_params = dict(model.named_parameters())
-        optimizer = clone_optimizer(optimizer, {i: fake_params[n] for i, n in names.items()}, mode)
+    fake_params = dict(model.named_parameters())
+    optimizer = map_optimizers(optimizer, lambda o: clone_optimizer(o, {i: fake_params[n] for i, n in names.items()},
+                                                                    mode))
 
     def run(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Callable | None = None) -> Profile:
         # Sharded: each model profiled (the whole one, or a truncated copy) gets a twin of its own
@@ -353,8 +369,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
         with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (twin, _):
             if sharded and optimizer is not None:
                 by_name = dict(twin.named_parameters())
-                optimizer = clone_optimizer(optimizer, {id(p): by_name[n] for n, p in model.named_parameters()}, mode)
-                optimizer.state.clear()  # state of the unsharded parameters: the sharded state is counted ahead
+                optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))
             with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
@@ -379,6 +394,12 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if options.gpu is None:
         profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
+
+
+def _sharded_clone(optimizer: torch.optim.Optimizer, model: nn.Module, by_name: dict, mode: Any) -> torch.optim.Optimizer:
+    clone = clone_optimizer(optimizer, {id(p): by_name[n] for n, p in model.named_parameters()}, mode)
+    clone.state.clear()  # state of the unsharded parameters: the sharded state is counted ahead
+    return clone
 
 
 def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
@@ -454,7 +475,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
-    future_state = step_cost.state_bytes if optimizer is not None and not optimizer.state else 0
+    future_state = step_cost.created_state_bytes
     peaks = device_peaks(device, options.gpu)
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
     per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0

@@ -36,6 +36,7 @@ from ...core.config import ProfileOptions
 from ...core.errors import RematError
 from ...core.depth_fit import DEPTHS, extrapolate
 from ...core.memory_model import Profile
+from ..measuring.optimizers import as_optimizers, optimizer_list
 from .candidates import find_stages
 from ..targets.fake import _shallow_module_copy
 
@@ -162,16 +163,22 @@ def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
     return twin
 
 
-def _sub_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> torch.optim.Optimizer | None:
-    """An optimizer of the same class and settings over the parameters ``model`` still has."""
-    if optimizer is None:
-        return None
+def _sub_optimizer(optimizer: Any, model: nn.Module) -> Any:
+    """Optimizers of the same classes and settings over the parameters ``model`` still has (None,
+    one, or a tuple, as given)."""
+    subs = [s for s in (_sub_optimizer_of(o, model) for o in optimizer_list(optimizer)) if s is not None]
+    return as_optimizers(subs)
+
+
+def _sub_optimizer_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer | None:
     kept = {id(p) for p in model.parameters()}
     groups = []
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if id(p) in kept]
         if params:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not groups:
+        return None  # every parameter it steps is in the layers the copy leaves out
     clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
     for group in clone.param_groups:
         for p in group["params"]:

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ...core.errors import FakeProfileError
+from ..measuring.optimizers import torch_optimizer
 from ...core import hardware
 
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs:
@@ -152,7 +153,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
     """An optimizer of the same class and settings over fake parameters, with fake copies of its state.
 
     Args:
-        optimizer: the optimizer to imitate.
+        optimizer: the optimizer to imitate (the one inside Lightning's, Fabric's or Accelerate's wrapper).
         params: maps ``id(p)`` of each of its parameters to the fake parameter that replaces it.
         mode: the fake mode.
 
@@ -163,6 +164,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
         >>> type(twin).__name__, twin.param_groups[0]["lr"]
         ('Adam', 0.1)
     """
+    optimizer = torch_optimizer(optimizer)
     groups = []
     for group in optimizer.param_groups:
         missing = [p for p in group["params"] if id(p) not in params]

@@ -1,0 +1,149 @@
+"""``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])
+
+The Trainer builds its own ``Accelerator``, which a callback cannot reach, so ``RematAccelerator``
+and ``ACCELERATE_REMAT_BUDGET`` alone do not reach it. The callback hands the Trainer's model to the
+Accelerate session (``prepare_remat``) at ``on_train_begin``, when the model is final (wrapped or
+not: the session watches the module inside) and before its first training forward; from there the
+session observes the Trainer's own loop as it observes any Accelerate loop: the first
+``profile_steps`` optimizer steps run as written, the plan is made and applied in place at the end
+of the last, and the next step is measured. Everything the session learns to do (per-step shape
+checks included) the Trainer gets with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..accelerate.accelerator import prepare_remat, remat_session
+from ..accelerate.plugin import ENV_BUDGET, RematPlugin
+from ..accelerate.session import RematSession
+
+logger = logging.getLogger(__name__)
+
+
+class _TrainerAccelerator:
+    """What ``prepare_remat`` and ``RematSession`` read of an ``Accelerator``, for the Trainer's own
+    (which a callback is never given): the process state (Accelerate's singleton, which the
+    Trainer's accelerator set up), the Trainer's gradient accumulation, and its optimizer. Nothing
+    is logged through it: the callback writes the session's figures into the Trainer's log."""
+
+    trackers: tuple = ()
+
+    def __init__(self, args: Any, optimizer: Any):
+        from accelerate.state import AcceleratorState
+
+        self.state = AcceleratorState()
+        self.distributed_type = self.state.distributed_type
+        self.is_fsdp2 = self.state.is_fsdp2
+        self.num_processes = self.state.num_processes
+        self.gradient_accumulation_steps = max(1, int(args.gradient_accumulation_steps))
+        # None when the Trainer creates it later (FSDP): the session then finds it at its first step.
+        self._optimizers = [optimizer] if optimizer is not None else []
+
+
+class RematTrainerCallback(TrainerCallback):
+    """Recompute the cheapest set of modules so that every training step of a Hugging Face
+    ``Trainer`` stays within a memory budget.
+
+    Every argument is a ``RematPlugin`` field, read from its ``ACCELERATE_REMAT_*`` environment
+    variable when not given (an explicit value wins). The first ``profile_steps`` optimizer steps
+    run as written and are observed (their forward inputs and the loss the model returned), the
+    plan is made from them and applied in place (parameter names and ``state_dict`` keys do not
+    change, so checkpoints load with or without it), and the next step is measured. The figures
+    (``remat/budget_bytes``, ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``,
+    ``remat/predicted_overhead``, ``remat/num_checkpointed``, then ``remat/measured_peak_bytes``) are
+    appended to ``trainer.state.log_history`` at the end of the step where they became known, as
+    ``Trainer.log`` appends its own, and kept in ``callback.metrics``; ``callback.plan`` is the plan.
+
+    Args:
+        budget: peak memory of a whole training step (parameters, gradients, optimizer state,
+            activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
+            device's memory, or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. With neither, the
+            callback warns and does nothing.
+        profile_steps: optimizer steps observed before the plan is applied (>= 1). Env:
+            ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
+        candidates: module classes or name patterns to choose among (``"GPT2Block"``); None for
+            the repeated blocks. Env: ``ACCELERATE_REMAT_CANDIDATES``.
+        cost: ``"flops"`` (default), ``"time"`` or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``.
+        offload: also offload activations to host memory (a CUDA model). Env: ``ACCELERATE_REMAT_OFFLOAD``.
+        policies: op-level selective-checkpointing policies to offer. Env: ``ACCELERATE_REMAT_POLICIES``.
+
+    Behaviour worth knowing:
+
+    - A malformed setting fails here, when the callback is made, naming its variable. A budget no
+      plan meets raises ``BudgetTooSmallError`` at the end of step ``profile_steps``, naming the
+      smallest reachable peak. DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at
+      ``on_train_begin`` with an ``UnsupportedSetupError`` naming the workaround, as
+      ``RematAccelerator`` refuses them; ``gradient_checkpointing=True`` with an
+      ``AlreadyCheckpointedError`` (it recomputes every layer already).
+    - The Trainer sets ``model.config.use_cache`` from ``TrainingArguments.use_cache`` (False by
+      default), so causal LMs do not keep a key/value cache through the step; if it is left on, the
+      plan's notes say so and the cache is counted.
+    - Gradient accumulation (``gradient_accumulation_steps``): the later micro-batches' gradients
+      are counted, and the measured step is a whole accumulation window. Under DDP every rank wraps
+      the main process's plan. The evaluation loop (no gradients) is not planned.
+    - Metrics go to ``trainer.state.log_history``; reporters (``report_to``) receive what
+      ``Trainer.log`` sends them, which these figures are not part of.
+
+    Example:
+        >>> import os
+        >>> os.environ["ACCELERATE_REMAT_BUDGET"] = "2GB"
+        >>> callback = RematTrainerCallback()        # the budget from the environment
+        >>> callback.remat_plugin.budget, callback.remat_plugin.profile_steps
+        ('2GB', 1)
+        >>> RematTrainerCallback(budget="min", cost="flops").remat_plugin.budget   # an explicit value wins
+        'min'
+        >>> del os.environ["ACCELERATE_REMAT_BUDGET"]
+        >>> RematTrainerCallback(budget="ten")
+        Traceback (most recent call last):
+        ...
+        ValueError: lightning-remat: invalid RematPlugin(budget='ten'): Invalid memory budget 'ten': ...
+        >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])  # doctest: +SKIP
+    """
+
+    def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,
+                 cost: str | None = None, offload: Any = None, policies: Any = None) -> None:
+        self.remat_plugin = RematPlugin(budget=budget, profile_steps=profile_steps, candidates=candidates, cost=cost,
+                                        offload=offload, policies=policies)
+        self.session: RematSession | None = None
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def plan(self) -> Any:
+        """The applied ``Plan`` (None before it is made)."""
+        return self.session.plan if self.session is not None else None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if not self.remat_plugin.enabled:
+            warnings.warn(f"RematTrainerCallback: no budget given and {ENV_BUDGET} is not set; recomputing nothing.",
+                          UserWarning, stacklevel=2)
+            return
+        if model is None:
+            return
+        prepare_remat(model, self.remat_plugin, accelerator=_TrainerAccelerator(args, optimizer))
+        self.session = remat_session(model)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._log_new_figures(state)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._log_new_figures(state)
+
+    def _log_new_figures(self, state: Any) -> None:
+        """Append the figures the session found since the last call to the Trainer's log history."""
+        if self.session is None:
+            return
+        new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}
+        if not new:
+            return
+        self.metrics.update(new)
+        state.log_history.append({**new, "step": state.global_step})
+        if state.is_world_process_zero:
+            logger.info("RematTrainerCallback: %s", ", ".join(f"{k}={v:g}" for k, v in new.items()))

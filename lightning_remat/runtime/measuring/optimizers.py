@@ -1,0 +1,81 @@
+"""The optimizers of a step, as the engine counts them: none, one or several, each the torch optimizer
+inside whatever wraps it.
+
+A step may have several optimizers (manual optimization: a generator's and a discriminator's, or
+one per parameter group), and each one's state and step count in the budget. Trainers wrap the
+optimizer the user made: Lightning's ``LightningOptimizer``, Fabric's ``_FabricOptimizer`` (a
+subclass of the optimizer's own class whose constructor needs Fabric's strategy, so it cannot be
+re-made from its class) and Accelerate's ``AcceleratedOptimizer``; each holds the user's optimizer,
+whose parameters, state and class are what a step uses. Only these wrappers are looked through: an
+optimizer that wraps another and keeps state of its own (Lookahead) is counted as it is.
+
+Example:
+    >>> import torch
+    >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> one = torch.optim.SGD(a.parameters())
+    >>> optimizer_list(None), optimizer_list(one) == [one]
+    ([], True)
+    >>> both = as_optimizers([one, torch.optim.Adam(b.parameters())])
+    >>> type(both).__name__, [type(o).__name__ for o in both]
+    ('tuple', ['SGD', 'Adam'])
+    >>> map_optimizers(both, lambda o: type(o).__name__)
+    ('SGD', 'Adam')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+
+# The classes that only hold the user's optimizer (at ``.optimizer`` or ``._optimizer``).
+WRAPPERS = ("LightningOptimizer", "_FabricOptimizer", "AcceleratedOptimizer")
+
+Optimizers = Union[None, torch.optim.Optimizer, tuple]
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer inside Lightning's, Fabric's and Accelerate's wrappers (itself if unwrapped).
+
+    Example:
+        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters())
+        >>> torch_optimizer(sgd) is sgd
+        True
+    """
+    while any(cls.__name__ in WRAPPERS for cls in type(optimizer).__mro__):
+        inner = optimizer.__dict__.get("_optimizer", getattr(optimizer, "optimizer", None))
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer (or a list of them), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def as_optimizers(optimizer: Any) -> Optimizers:
+    """None, the one torch optimizer, or a tuple of two or more (a list or tuple given; the same one
+    given twice counts once), every one looked through its wrapper."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, (list, tuple)):
+        return torch_optimizer(optimizer)
+    unique: dict[int, torch.optim.Optimizer] = {}
+    for item in optimizer:
+        inner = torch_optimizer(item)
+        unique.setdefault(id(inner), inner)
+    found = tuple(unique.values())
+    return None if not found else found[0] if len(found) == 1 else found
+
+
+def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """Every torch optimizer in ``optimizer`` (None, one, a list or tuple, wrapped or not), in order."""
+    found = as_optimizers(optimizer)
+    return [] if found is None else list(found) if isinstance(found, tuple) else [found]
+
+
+def map_optimizers(optimizer: Any, fn: Callable[[torch.optim.Optimizer], Any]) -> Any:
+    """``fn`` of each optimizer, in the shape given: None, one result, or a tuple of them."""
+    found = as_optimizers(optimizer)
+    if found is None:
+        return None
+    return tuple(fn(o) for o in found) if isinstance(found, tuple) else fn(found)

@@ -1,0 +1,95 @@
+"""A window's peak memory measured by torch, independently of the package's own trackers and meter.
+
+``torch.profiler`` (``profile_memory=True``) records every allocation and free of the process. A
+window's peak is the memory alive at its start (the model's parameters, buffers and gradients, the
+optimizers' state) plus the largest running sum of the allocation events inside it. It sees
+whatever runs in the window (several forwards of an accumulation window, a profiling pass of the
+package) and does not conflict with a ``MemTracker`` the package opens (it is not a dispatch mode).
+Inputs made before the window are not counted, as MemTracker does not count them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def inner_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizers`` (one, a list, or wrappers of Accelerate, Lightning, Fabric)."""
+    if optimizers is None:
+        return []
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]
+    found = []
+    for optimizer in optimizers:
+        while not type(optimizer).__module__.startswith("torch.optim"):
+            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+            if inner is None:
+                break
+            optimizer = inner
+        found.append(optimizer)
+    return found
+
+
+def _allocation_peak(prof: profile) -> int:
+    """The largest running sum of the CPU allocation events a stopped profiler recorded (>= 0)."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            found.append(node)
+        stack.extend(node.children)
+    running = peak = 0
+    for node in sorted(found, key=lambda n: n.start_time_ns):
+        running += node.extra_fields.alloc_size
+        peak = max(peak, running)
+    return peak
+
+
+def alive_bytes(model: torch.nn.Module, optimizers: Any = None) -> int:
+    """Bytes of the distinct storages of the model's parameters, buffers and gradients and of the
+    optimizers' state."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    for optimizer in inner_optimizers(optimizers):
+        tensors += [v for state in optimizer.state.values() for v in state.values()]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class TorchPeak:
+    """The peak of a window opened in one hook (``start``) and closed in another (``stop``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: Any = None):
+        self.model, self.optimizers = model, optimizers
+        self.prof: profile | None = None
+        self.alive = 0
+
+    def start(self) -> "TorchPeak":
+        self.alive = alive_bytes(self.model, self.optimizers)
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.start()
+        return self
+
+    def stop(self) -> int:
+        prof, self.prof = self.prof, None
+        prof.stop()
+        return self.alive + _allocation_peak(prof)
+
+
+def static_bytes(model: torch.nn.Module, optimizers: Sequence[Any] | Any = None) -> int:
+    """Parameters, buffers, a gradient per trainable parameter and the optimizers' state: what a
+    steady step holds before its forward, gradients included."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    for optimizer in inner_optimizers(optimizers):
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()) + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
