@@ -5,7 +5,7 @@ Part 1, a run: a small GPT-2 (attention dropout: SDPA's math path on the CPU, wh
 grow with the square of the sequence), 12 batches of 4 sequences padded to their longest (32..127
 tokens), the longest batch (128 tokens) first at step 8, Adam; budget static + 50% of the activations
 of the longest batch. Each step's peak is ``torch.profiler``'s allocation events (planning work
-included, ``tests/step_peaks.py``); recomputed FLOPs are counted (``FlopCounterMode``, on the same
+included, ``tests/torch_meter.py``); recomputed FLOPs are counted (``FlopCounterMode``, on the same
 step run again outside the measured one) against the same step without the package. Rows:
 
 - ``plan once (first batch)``: what the Accelerate session did before: one plan from the first batch;
@@ -51,7 +51,7 @@ from lightning_remat.models import build, padded_batches  # noqa: E402
 from lightning_remat.runtime.measuring.measure import count_step_flops, preserved_training_state  # noqa: E402
 from lightning_remat.runtime.profiling.batch_shape import resize_batch  # noqa: E402
 from lightning_remat.service.shape_plans import ShapePlans  # noqa: E402
-from tests.step_peaks import StepPeak  # noqa: E402
+from tests.torch_meter import TorchPeak  # noqa: E402
 
 SIZES = dict(layers=3, hidden=64, seq_len=128, vocab=128)
 
@@ -73,7 +73,7 @@ def train(batches, prepare=None) -> dict:
     before = prepare(model, optimizer) if prepare else None
     steps, started = [], time.perf_counter()
     for batch in batches:
-        meter = StepPeak(model, optimizer)
+        meter = TorchPeak(model, optimizer)
         meter.start()
         planning = time.perf_counter()
         if before is not None:

@@ -79,7 +79,8 @@ SLOW = {
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s
                             "test_step_peak_agrees_with_memtracker_on_a_plain_step",  # 2 s
                             "test_lightning_autoremat_follows_the_batch_shape",  # 15 s
-                            "test_accelerate_session_follows_the_batch_shape"),  # 10 s
+                            "test_accelerate_session_follows_the_batch_shape",  # 10 s
+                            "test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows"),  # 2.5 s
 }
 
 

@@ -5,7 +5,7 @@ The scenario every run test shares: a small GPT-2 (attention dropout: SDPA's mat
 whose score matrices grow with the square of the sequence), 12 batches of 4 sequences padded to
 their longest (32..127 tokens), the longest batch (128 tokens) first at step 8, Adam, and a budget
 of static memory + 50% of the activations of the longest batch. Every step's peak is measured with
-``torch.profiler``'s allocation events (``tests/step_peaks.py``), which also see the package's own
+``torch.profiler``'s allocation events (``tests/torch_meter.py``), which also see the package's own
 planning work inside the step.
 """
 
@@ -28,7 +28,7 @@ from lightning_remat.models import build, padded_batches
 from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.batch_shape import batch_shape, resize_batch
 from lightning_remat.service.shape_plans import ShapePlans
-from tests.step_peaks import StepPeak
+from tests.torch_meter import TorchPeak
 
 SIZES = dict(layers=3, hidden=64, seq_len=128, vocab=128)
 # The run tests share module fixtures (the runs): one worker runs them all under `-n 2 --dist loadgroup`.
@@ -161,7 +161,7 @@ def test_step_peak_agrees_with_memtracker_on_a_plain_step():
     tracked = measure_step(model, lambda m: loss_fn(m, batch), optimizer).peak_bytes
     torch.manual_seed(1)
     model.zero_grad(set_to_none=True)
-    meter = StepPeak(model, optimizer)
+    meter = TorchPeak(model, optimizer)
     meter.start()
     loss_fn(model, batch).backward()
     optimizer.step()
@@ -184,7 +184,7 @@ def scenario():
 
 def _train(batches, before_step=None):
     """Train a fresh model on ``batches`` (Adam, dropout drawn from seed 1); per step: the peak
-    (``StepPeak``, ``before_step`` inside the window), the loss and the gradients."""
+    (``TorchPeak``, ``before_step`` inside the window), the loss and the gradients."""
     torch.manual_seed(0)
     model = build("gpt2", **SIZES).model
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -192,7 +192,7 @@ def _train(batches, before_step=None):
     plans = before_step(model, optimizer) if before_step else None
     peaks, losses, grads = [], [], []
     for batch in batches:
-        meter = StepPeak(model, optimizer)
+        meter = TorchPeak(model, optimizer)
         meter.start()
         if plans is not None:
             plans.use(batch)
@@ -280,11 +280,33 @@ def _assert_run(peaks, losses, grads, reference, budget, counts, batches):
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
 
 
+def _lightning_peaks():
+    """A callback: every training batch's ``TorchPeak`` (``peaks``; put it first among the callbacks, so
+    that its window opens before any other's ``on_train_batch_start``, where planning runs), its loss
+    and the gradients each optimizer step applies."""
+    import lightning.pytorch as L
+
+    class Peaks(L.Callback):
+        def __init__(self):
+            self.peaks, self.losses, self.grads, self.meter = [], [], [], None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.meter = TorchPeak(pl_module, trainer.optimizers).start()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # After the optimizer step (and its zero_grad).
+            self.peaks.append(self.meter.stop())
+            self.losses.append(float(outputs["loss"]))
+
+    return Peaks()
+
+
 def _lightning_run(batches, callbacks):
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
-
-    from tests.step_peaks import lightning_step_peaks
 
     class LitPadded(L.LightningModule):
         def __init__(self):
@@ -298,7 +320,7 @@ def _lightning_run(batches, callbacks):
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-    meter = lightning_step_peaks()
+    meter = _lightning_peaks()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), callbacks=[meter, *callbacks],
                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     lit = LitPadded()
@@ -333,7 +355,7 @@ def _accelerate_run(batches, monkeypatch, budget=None):
     torch.manual_seed(1)
     peaks, losses, grads = [], [], []
     for batch in batches:
-        meter = StepPeak(model, optimizer)
+        meter = TorchPeak(model, optimizer)
         meter.start()
         loss = model(**batch).loss
         accelerator.backward(loss)
