@@ -51,6 +51,7 @@ _LAZY = {
     "RematAccelerator": "lightning_remat.integrations.accelerate",
     "RematPlugin": "lightning_remat.integrations.accelerate",
     "prepare_remat": "lightning_remat.integrations.accelerate",
+    "ShapePlans": "lightning_remat.service.shape_plans",
     "RematTrainerCallback": "lightning_remat.integrations.hf_trainer",
 }
 

@@ -141,3 +141,29 @@ def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
     torch.manual_seed(seed)
     return _FACTORIES[name](**kwargs)
+
+
+def padded_batches(steps: int = 12, batch_size: int = 4, min_len: int = 32, max_len: int = 128,
+                   longest_at: int | None = 8, vocab: int = 128, pad_id: int = 0, seed: int = 0) -> list[dict]:
+    """Batches of random token ids padded to the longest sequence of each batch (dynamic padding, as
+    transformers' ``DataCollatorWithPadding`` makes them): ``input_ids``, ``attention_mask`` (0 on
+    padding) and ``labels`` (-100 on padding). Each batch's longest sequence is drawn from
+    ``[min_len, max_len)`` (the others from ``[min_len, longest]``), except at step ``longest_at``
+    (None: never), whose longest sequence has ``max_len`` tokens: the longest batch arrives there first.
+
+    Example:
+        >>> batches = padded_batches(steps=3, longest_at=2)
+        >>> [b["input_ids"].shape[1] < 128 for b in batches], int(batches[0]["attention_mask"].sum()) < 4 * 128
+        ([True, True, False], True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        width = max_len if step == longest_at else int(torch.randint(min_len, max_len, (1,), generator=g))
+        lengths = torch.randint(min_len, width + 1, (batch_size,), generator=g)
+        lengths[0] = width
+        ids = torch.randint(1, vocab, (batch_size, width), generator=g)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, pad_id)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return batches

@@ -73,6 +73,14 @@ SLOW = {
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",),  # 2-3 s each
     "test_manual_optimization.py": ("test_autoremat_plans_manual_optimization_with_two_optimizers",  # 5 s
                                     "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple"),  # 2.5 s
+    # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
+    "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
+                            "test_plain_loop_trains_exactly_as_without_the_package",
+                            "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s
+                            "test_step_peak_agrees_with_memtracker_on_a_plain_step",  # 2 s
+                            "test_lightning_autoremat_follows_the_batch_shape",  # 15 s
+                            "test_accelerate_session_follows_the_batch_shape",  # 10 s
+                            "test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows"),  # 2.5 s
 }
 
 

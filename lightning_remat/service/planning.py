@@ -70,6 +70,29 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
 
 
+def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step") -> str | None:
+    """The warning every integration gives when a step it measured peaked above the plan's budget
+    (None when it did not, or the plan has no byte budget).
+
+    Example:
+        >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
+        ...             predicted_overhead=0.1)
+        >>> over_budget(990, plan) is None
+        True
+        >>> print(over_budget(1100, plan, "step 7 (4x128)"))
+        lightning-remat: step 7 (4x128) peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): memory the profile did not see. Lower the budget by the difference.
+    """
+    from ..core.budget import format_bytes
+
+    budget = plan.budget_bytes
+    if budget is None or measured_peak_bytes <= budget:
+        return None
+    predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
+    return (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
+            f"above the budget of {format_bytes(budget)} ({budget} bytes{predicted}): memory the profile did not "
+            "see. Lower the budget by the difference.")
+
+
 @dataclass
 class PlanOutcome:
     """Rank 0's decision as a value: a plan (as a dict) or an error.

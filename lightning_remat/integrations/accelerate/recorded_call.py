@@ -29,6 +29,8 @@ from ...core.budget import format_bytes
 from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
+from ...core.shapes import Shape
+from ...runtime.profiling.batch_shape import batch_shape, resize_batch
 from ...runtime.profiling.profile_adjust import with_always_alive
 
 # The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
@@ -114,6 +116,94 @@ class RecordedCall:
         leaves = tensor_leaves(output)
         terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in self.grads.items()]
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor kept by its shape only: made as zeros when a profile needs it (under a fake-tensor
+    mode, where a profile of another shape runs, that allocates nothing).
+
+    Example:
+        >>> TensorSpec.of(torch.ones(2, 3)).make().shape
+        torch.Size([2, 3])
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    def make(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def resized(self, source: Shape, target: Shape) -> "TensorSpec":
+        """At ``target``, as ``resize_batch`` stretches a tensor of a batch at ``source``."""
+        shape = list(self.shape)
+        if shape and shape[0] == source.batch_size:
+            shape[0] = target.batch_size
+            if len(shape) >= 2 and source.seq_len > 1 and shape[1] == source.seq_len:
+                shape[1] = target.seq_len
+        return replace(self, shape=tuple(shape))
+
+
+def _specs(value: Any, change: Any) -> Any:
+    """``value`` with ``change`` applied to each ``TensorSpec`` and floating-point tensor in it."""
+    if isinstance(value, (TensorSpec, torch.Tensor)):
+        return change(value) if isinstance(value, TensorSpec) or value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: _specs(v, change) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_specs(v, change) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class CallTemplate:
+    """A recorded training forward kept to profile the model at other batch shapes, without keeping
+    its floating-point data alive: integer inputs (token ids, masks: what a model reads to choose a
+    code path) as they were, floating-point inputs and the gradients the outputs received by shape
+    only (``TensorSpec``). ``at(shape)`` is the call stretched to another shape; ``loss(model)`` re-runs
+    it (under a fake-tensor mode: its zeros allocate nothing).
+
+    Example:
+        >>> call = RecordedCall(args=(torch.ones(2, 5),), kwargs={"ids": torch.arange(10).view(2, 5)})
+        >>> call.grads = {0: torch.ones(2, 5, 3)}
+        >>> wider = CallTemplate.of(call).at(Shape(4, 8))
+        >>> wider.shape, wider.args[0].shape, wider.kwargs["ids"].shape, wider.grads[0].shape
+        (Shape(batch_size=4, seq_len=8), (4, 8), torch.Size([4, 8]), (4, 8, 3))
+    """
+
+    args: tuple
+    kwargs: dict
+    shape: Shape
+    loss_index: int | None = None
+    grads: dict = field(default_factory=dict)
+    used_model_loss: bool = False
+
+    @classmethod
+    def of(cls, call: RecordedCall) -> "CallTemplate":
+        shape = batch_shape((call.args, call.kwargs)) or Shape(1)
+        return cls(_specs(call.args, TensorSpec.of), _specs(call.kwargs, TensorSpec.of), shape, call.loss_index,
+                   {i: TensorSpec.of(g) for i, g in call.grads.items()}, call.used_model_loss)
+
+    def at(self, shape: Shape) -> "CallTemplate":
+        """This call at ``shape``: integer inputs cycled as ``resize_batch`` does, the rest by shape."""
+        if shape == self.shape:
+            return self
+        args, kwargs = resize_batch((self.args, self.kwargs), shape, self.shape)
+        stretch = lambda spec: spec.resized(self.shape, shape)  # noqa: E731
+        return replace(self, args=_specs(args, stretch), kwargs=_specs(kwargs, stretch), shape=shape,
+                       grads={i: stretch(g) for i, g in self.grads.items()})
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        """Re-run the call on ``model`` (as ``RecordedCall.loss``)."""
+        make = lambda spec: spec.make()  # noqa: E731
+        call = RecordedCall(args=_specs(self.args, make), kwargs=_specs(self.kwargs, make), loss_index=self.loss_index,
+                            grads={i: g.make() for i, g in self.grads.items()}, used_model_loss=self.used_model_loss)
+        return call.loss(model)
 
 
 class WindowTracker(PeakWindow):

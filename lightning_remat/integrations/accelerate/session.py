@@ -1,4 +1,5 @@
-"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure once.
+"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then
+give every step the plan for its batch's shape.
 
 How it works, per model:
 
@@ -7,16 +8,25 @@ How it works, per model:
    (``recorded_call``).
 2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
    forward) the planning service profiles the recorded call, solves, and every rank applies the
-   main process's plan in place.
-3. The next step is measured by the peak meter (``max_memory_allocated`` on CUDA, with
-   ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU) and the figures go to
-   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
+   main process's plan in place. The call is profiled on fake tensors (with ``cost="time"``, for
+   real: it needs timings): the observed step ran for real already, and its measured peak
+   calibrates the profile, so planning runs no real step without recomputation, and allocates
+   nothing while the step's gradients are still alive.
+3. From then on every training forward's batch shape is read (under DDP, the largest of the
+   ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
+   it (``service.shape_plans``), and its plan installed before the forward runs. Not under FSDP2,
+   which keeps the first plan.
+4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
+   CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
+   (a warning when above), and the figures go to ``accelerator.log`` under ``remat/...`` and to
+   ``accelerator.remat_metrics``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,12 +37,30 @@ from ...runtime.installing.apply import apply_plan
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
-from ...service.planning import Planner, plan_metrics
+from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .plugin import ENV_BUDGET, RematPlugin
-from .recorded_call import RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves, with_loop_references
+from ...runtime.profiling.batch_shape import batch_shape
+from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
+                            with_loop_references)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """The observed call itself, as ``ShapePlans`` sees a batch: profiled for real as it ran (its
+    gradients and inputs real), stretched to other shapes through its template."""
+
+    call: RecordedCall
+    shape: Any
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        return self.call.loss(model)
+
+    def at(self, shape: Any) -> Any:
+        return CallTemplate.of(self.call).at(shape)
 
 
 class RematSession:
@@ -79,6 +107,9 @@ class RematSession:
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
+        # After the first plan: the plan of each batch's shape (not under FSDP2), from the observed call.
+        self.shape_plans: ShapePlans | None = None
+        self._template: CallTemplate | None = None
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -98,13 +129,15 @@ class RematSession:
         return not self._busy and module.training and torch.is_grad_enabled()
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.phase == "done":
+        if self.phase == "done" and self.shape_plans is None:
             self.remove()
             return
         if not self._training_call(module):
             return
         self._hook_optimizer(self._known_optimizer())
         self._step_boundary(optimizer_stepped=False)
+        if self.shape_plans is not None:
+            self._follow_shape(args, kwargs)
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
@@ -149,6 +182,7 @@ class RematSession:
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._busy or self.phase == "done":
+            self._stepped_since_plan = self._stepped_since_plan or self.plan is not None
             return
         self._step_boundary(optimizer_stepped=True)
         if self.phase == "measure" and self._window is None:
@@ -219,23 +253,58 @@ class RematSession:
             profile = with_loop_references(profile, held)
             return calibrate(profile, *observed) if observed is not None else profile
 
+        hint = f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
         self._busy = True
         try:
-            # The observed steps were the warm-up: lazy initialisation has happened.
-            # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates).
-            plan = Planner(self._config()).shared_plan(
-                self.model, call.loss, self._known_optimizer(), channel=channel,
-                hint=f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})", warmup=0,
-                adjust=adjust)
+            if fsdp2_sharded(self.model):
+                # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
+                # once: a sharded model has no fake twin to follow shapes with.
+                plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
+                                                           channel=channel, hint=hint, warmup=0, adjust=adjust)
+                apply_plan(self.model, plan)
+            else:
+                # The observed steps were the warm-up: lazy initialisation has happened. The observed step
+                # ran for real and calibrates the profile: with FLOP costs a fake one is enough.
+                config = self._config()
+                if config.cost != "time":
+                    config = replace(config, profile=replace(config.profile, fake=True))
+                self.shape_plans = ShapePlans(
+                    self.model, lambda model, template: template.loss(model), config=config,
+                    optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
+                    resize=lambda template, shape: template.at(shape), adjust=adjust, channel=channel, hint=hint,
+                    warmup=0)
+                self._template = CallTemplate.of(call)
+                plan = self.shape_plans.use(_Observed(call, self._template.shape))
         finally:
             self._busy = False
-        apply_plan(self.model, plan)
+        self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
+
+    def _follow_shape(self, args: tuple, kwargs: dict) -> None:
+        """Before a training forward: install the plan for its batch's shape (a new shape is planned
+        on fake-tensor profiles of the observed call stretched to it); a new plan's first steady step
+        is measured."""
+        shape = batch_shape((args, kwargs))
+        if shape is None:
+            return
+        known = len(self.shape_plans.plans)
+        self._busy = True
+        try:
+            plan = self.shape_plans.use(self._template.at(shape))
+        finally:
+            self._busy = False
+        if len(self.shape_plans.plans) > known:
+            self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
+            if self._window is None:
+                self.phase, self._window_backward_ran = "measure", False
+        self.plan = plan
+
+    def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
         self.metrics.update(plan_metrics(plan))
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
         if channel.is_main:
-            logger.info("lightning-remat applied after %d step(s):\n%s", self.observed_steps, plan.summary())
+            logger.info("%s:\n%s", title, plan.summary())
         self._log(dict(self.metrics))
 
     def _config(self) -> Any:
@@ -257,10 +326,13 @@ class RematSession:
             # On CUDA: what the caching allocator held beside it (fragmentation included).
             measured["remat/measured_reserved_bytes"] = channel.max(window.reserved_bytes)
         self.metrics.update(measured)
-        self.phase = "done"  # the hooks are removed at the next forward (not from inside a step hook)
+        self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
+        peak = int(self.metrics["remat/measured_peak_bytes"])
         if channel.is_main:
-            logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes",
-                        self.metrics["remat/measured_peak_bytes"])
+            logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
+            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)")
+            if warning is not None:
+                warnings.warn(warning, UserWarning, stacklevel=2)
         self._log(measured)
 
     def _channel(self) -> Channel:

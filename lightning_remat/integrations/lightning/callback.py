@@ -2,7 +2,8 @@
 
 On the first training batch it profiles the step (``profile_step``), solves for the least-cost set
 of modules to recompute within the budget (``solve``), wraps them (``apply_plan``), measures the
-real peak of a step with the plan, and reports the figures to every logger. See ``docs/lightning.md``.
+real peak of a step with the plan, and reports the figures to every logger; every later batch gets
+the plan for its own shape (``service.shape_plans``). See ``docs/lightning.md`` and ``docs/shapes.md``.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
+from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
                               remove_remat, segmented_modules)
+from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
-from ...service.planning import Planner, plan_metrics
+from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.shape_plans import ShapePlans
 from ...service.sharded import FSDP1_HINT, fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
-from .step import manual_step_closure, training_step_closure
+from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 
 
 def _figure(nbytes: int | None, other: int | None) -> str:
@@ -140,11 +144,13 @@ class AutoRemat(Callback):
       term over the ranks, and every rank wraps the same modules: the budget is per rank (per
       GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
       with an ``UnsupportedShardingError`` naming these workarounds.
-    - The plan is part of the callback's ``state_dict``: a run resumed from a checkpoint applies it
-      in ``on_train_start`` without profiling again, unless the model's parameters differ from
-      those it was made for. A batch larger than the one a plan was made for (a longer sequence, a
-      bigger batch, also after resuming) is planned again, on that batch. Parameter names never change, so checkpoints
-      load with and without the callback.
+    - Plans follow the batch's shape (``docs/shapes.md``): each batch (under DDP, the largest of the
+      ranks') gets the plan of its shape bucket, installed before it trains. Only the first batch is
+      profiled for real; a bucket met later is planned, once, on fake-tensor profiles (no step runs
+      without recomputation). Under FSDP2 a larger batch is profiled again, on every rank.
+    - The plans are in the ``state_dict``: a resumed run applies the last in ``on_train_start`` and
+      profiles none of their shapes again (unless the model's parameters differ). Parameter names
+      never change, so checkpoints load with and without the callback.
     - Lightning zeroes gradients after the forward pass (just before backward), so the previous
       step's gradients would otherwise stay alive through the forward pass, which the budget does
       not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
@@ -209,6 +215,9 @@ class AutoRemat(Callback):
         self._measure_in: int | None = None  # batches until the measured window starts
         self._window_left = 0
         self._meter: PeakWindow | None = None
+        self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
+        self._saved_plans: dict[Shape, Plan] = {}
+        self._batch_idx = 0
         self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
         self._trainer: Trainer | None = None
 
@@ -229,6 +238,7 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
+        self.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
@@ -259,14 +269,13 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             return
         window = max(1, trainer.accumulate_grad_batches)
-        if self.plan is not None and self._outgrown(trainer, batch):
-            rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
-                           f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-            self.plan = None
+        first = self.plan is None
+        planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module, batch,
+                                                                                         batch_idx)
         if self.plan is None:
-            self._plan_now(trainer, pl_module, batch, batch_idx)
-            if self.plan is None:
-                return
+            return
+        if planned:
+            self._announce(trainer, first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             # (Under manual optimization training_step decides when gradients go.)
@@ -301,9 +310,9 @@ class AutoRemat(Callback):
                    f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
                    f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
                    f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
-        if self.plan.budget_bytes is not None and self.measured_peak_bytes > self.plan.budget_bytes:
-            rank_zero_warn(message + ": the measured peak exceeds the budget, by memory the profile did not see. "
-                           "Lower the budget by the difference.")
+        warning = over_budget(self.measured_peak_bytes, self.plan, f"a steady training step (batch {batch_idx})")
+        if warning is not None:
+            rank_zero_warn(message + ". " + warning)
         elif self.verbose:
             rank_zero_info(message)
 
@@ -322,12 +331,17 @@ class AutoRemat(Callback):
         self._close_meter()
 
     def state_dict(self) -> dict[str, Any]:
+        # Every shape's plan, so that a resumed run profiles none of them again.
+        plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
         return {"plan": self.plan.to_dict() if self.plan is not None else None,
-                "measured_peak_bytes": self.measured_peak_bytes}
+                "measured_peak_bytes": self.measured_peak_bytes,
+                "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan = state_dict.get("plan")
         self.plan = Plan.from_dict(plan) if plan is not None else None
+        self._saved_plans = {Shape(b, s): Plan.from_dict(p) for b, s, p in state_dict.get("plans", [])}
+        self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
         self._measure_in = None
@@ -352,7 +366,6 @@ class AutoRemat(Callback):
             return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
         return None
 
-
     def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
         """``training_step`` on ``batch`` as the engine's ``step(module) -> loss``, under either optimization."""
         trainer = self._trainer
@@ -370,33 +383,59 @@ class AutoRemat(Callback):
         if budget is not None:
             self.loop_peaks.check(loop, pl_module, batch, _optimizers(trainer), budget)
 
-    def _plan_now(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Profile and solve on rank 0, share the outcome, and apply it on every rank."""
-        optimizer = _optimizers(trainer) or None  # profile_step counts one optimizer or several
-        step = self._step_for(batch, batch_idx)
+    def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
+        """FSDP2: a sharded model has no fake twin, so the first batch, and a batch larger than the
+        plan's (on some rank), is profiled on every rank in lockstep; rank 0 solves, every rank applies."""
         channel = lightning_channel(trainer)
-        # Sharded with FSDP2 (ModelParallelStrategy): every pass runs collectives, so every rank profiles.
-        if channel.is_main or fsdp2_sharded(pl_module):
-            self.profile_count += 1
-        self.plan = Planner(self._config_for(trainer)).shared_plan(
-            pl_module, step, optimizer, channel=channel, hint=f"(AutoRemat, budget={self.budget!r})",
-            adjust=_loop_allowance)
-        self.plan = replace(self.plan, fingerprint=fingerprint(pl_module, batch))
+        if self.plan is not None:
+            if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
+                return False
+            rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
+                           f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
+        self.profile_count += 1
+        plan = Planner(self._config_for(trainer)).shared_plan(
+            pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
+            hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+        self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
-        self._log_plan(trainer, self.plan)
-        if self.verbose:
-            self._print_plan(self.plan)
-        # The first whole accumulation window at least profile_steps batches on (with the
-        # defaults, the first step whose optimizer state exists).
-        window = max(1, trainer.accumulate_grad_batches)
-        self._measure_in = -(-self.profile_steps // window) * window
+        return True
 
-    def _outgrown(self, trainer: Trainer, batch: Any) -> bool:
-        """Whether some rank's batch is larger than the one the plan was made for (decided together,
-        since re-planning is collective)."""
-        if "batch_elements" not in self.plan.fingerprint:
-            return False
-        return lightning_channel(trainer).any(outgrows(self.plan.fingerprint, batch))
+    def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
+        """The plan for this batch's shape (every rank: the largest of the ranks' batches), made
+        once per shape bucket from the first batch's profile and fake-tensor profiles of the new
+        shapes, installed when it changes. Whether it was made now. The fit's ``ShapePlans`` starts
+        from the checkpoint's plans (one saved without its shape counts for batches no larger)."""
+        if self.shape_plans is None:
+            saved = dict(self._saved_plans)
+            if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
+                saved = {batch_shape(batch): self.plan}
+            self.shape_plans = training_step_shape_plans(
+                pl_module, trainer, lambda any_batch: self._step_for(any_batch, self._batch_idx),
+                config=self._config_for(trainer), adjust=_loop_allowance,
+                install=lambda model, plan: self._apply(trainer, model, plan),
+                hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
+        plans, self._batch_idx = self.shape_plans, batch_idx
+        known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
+        self.plan = plans.use(batch)
+        self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
+        return len(plans.plans) > known
+
+    def _announce(self, trainer: Trainer, first: bool) -> None:
+        """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
+        on, whole accumulation windows) and the first window of every later one."""
+        self._log_plan(trainer, self.plan)
+        if first:
+            if self.verbose:
+                self._print_plan(self.plan)
+            window = max(1, trainer.accumulate_grad_batches)
+            self._measure_in = -(-self.profile_steps // window) * window
+            return
+        if self.verbose:
+            rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
+                           f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
+                           f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
+        if self._meter is None and self._measure_in is None:
+            self._measure_in = 0
 
     def _config_for(self, trainer: Trainer) -> RematConfig:
         """The settings, with what this trainer adds to the memory of a step: gradient
