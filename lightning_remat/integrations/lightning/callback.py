@@ -74,8 +74,7 @@ class AutoRemat(Callback):
         profile_steps: training steps before the plan's real peak is measured, as in
             ``RematPlugin``: batch 0 is profiled (and already trains with the plan) and batch
             ``profile_steps`` is measured (default 1: batch 1, the first step at which the
-            optimizer state exists, as in every later step). Up to 0.1.0 the measured batch was
-            ``profile_steps - 1``, with a default of 2: the same batch.
+            optimizer state exists, as in every later step).
         candidates: None to find the repeated blocks automatically (transformer layers, ResNet
             blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
             relative to the LightningModule (``"model.transformer.h.*"``).

@@ -96,7 +96,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
-    # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
+    # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
     local: list[int | None] = [None] * n
     segments: dict[int, int] = {}
     for (kind, k), peak in tracker.segment_peaks.items():
