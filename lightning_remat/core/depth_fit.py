@@ -41,15 +41,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from .depth_lines import DEPTHS, Fit, NoFit, Pair, pair_figures
 from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
 
-# The two depths profiled. Five points on the middle layers (two in the first, three in the
-# second) check the three-term linear form.
-DEPTHS = (4, 5)
 
 
 def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profile], ballast: int, prefix: str,
@@ -91,14 +89,14 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
             return None
     if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
         return None
-    fit = _Fit(layers)
+    fit = Fit(layers)
     try:
         small, large = (_paired(p, q, ballast) for p, q in zip(forward, backward))
         stages = _stages(small, large, prefix, layers, fit)
         gap_runs = tuple(_gap_runs(p, q, ballast) for p, q in zip(forward, backward))
         segments = _segments(small, large, layers, fit, gap_runs)
         top = combine_fields([small, large], fit.boundary, structure=_alike)
-    except _NoFit:
+    except NoFit:
         return None
     note = (f"extrapolated from profiles of {a} and {b} of the {layers} identical layers of {prefix} (every "
             "forward and backward figure is linear in the depth, checked on the measured layers); "
@@ -132,86 +130,6 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-class _NoFit(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Pair:
-    """A peak's forward and backward figures."""
-
-    forward: int | None
-    backward: int | None
-
-
-class _Fit:
-    """Fits every number of the profile on the two depths.
-
-    A middle layer's number is ``v(N, d) = α + β N + γ d`` (``d`` layers after it): stored bytes and
-    FLOPs are constant; a peak's figures count the static memory (``β`` per layer) and, in backward,
-    the later layers' gradients (``γ`` each). Other numbers are linear in ``N``. A peak (a ``_Pair``)
-    is the higher of its two figures, each extrapolated alone. Figures are not clamped (the profile
-    keeps a figure below zero, as FSDP2 makes them deep in the forward), so every line is exact.
-    """
-
-    def __init__(self, layers: int):
-        self.layers = layers
-
-    def middle(self, points: dict[tuple[int, int], Any]) -> Callable[[int], Any]:
-        """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
-        if isinstance(next(iter(points.values())), _Pair):
-            figures = [self._figure({k: getattr(pair, phase) for k, pair in points.items()})
-                       for phase in ("forward", "backward")]
-            present = [f for f in figures if f is not None]
-            if not present:
-                raise _NoFit
-            return lambda d: max(f(d) for f in present)
-        a, b = DEPTHS
-        beta = points[(b, 1)] - points[(a, 1)]
-        gamma = points[(a, 2)] - points[(a, 1)]
-        base = points[(a, 1)]
-        for (n, d), value in points.items():
-            expected = base + beta * (n - a) + gamma * (d - 1)
-            # Bytes and FLOPs must fit exactly; seconds (a real profile's timings) to rounding.
-            if value != expected and not (isinstance(value, float) and math.isclose(value, expected, rel_tol=1e-6,
-                                                                                      abs_tol=1e-12)):
-                raise _NoFit
-        return lambda d: base + beta * (self.layers - a) + gamma * (d - 1)
-
-    def line(self, small: Any, large: Any) -> Any:
-        """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
-        if isinstance(small, _Pair):
-            figures = []
-            for phase in ("forward", "backward"):
-                v, w = getattr(small, phase), getattr(large, phase)
-                if (v is None) != (w is None):
-                    raise _NoFit  # a pass visits the region at one depth and not at the other
-                if v is not None:
-                    figures.append(self.line(v, w))
-            if not figures:
-                raise _NoFit
-            return max(figures)
-        return small + (large - small) * (self.layers - DEPTHS[0])
-
-    def boundary(self, term: Term, values: Sequence[Any]) -> Any:
-        """``line`` as a combiner of the profile algebra, on the (small, large) values of ``term``."""
-        return self.line(*values)
-
-    def middles(self, points: Sequence[tuple[int, int]]) -> Callable[[Term, Sequence[Any]], Callable[[int], Any]]:
-        """``middle`` as a combiner, on values measured at ``points``: each term becomes ``d -> value``."""
-        return lambda term, values: self.middle(dict(zip(points, values)))
-
-    def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
-        """One phase's figure of a middle peak: None where that pass visits none of the measured
-        regions (FSDP2 leaves no moment between two late layers in backward), a line where it visits all."""
-        missing = [k for k, v in points.items() if v is None]
-        if len(missing) == len(points):
-            return None
-        if missing:
-            raise _NoFit
-        return self.middle(points)
-
-
 # Fields renamed per layer (module names, a gap's stages alive), not fitted or compared.
 _RENAMED = {(StageProfile, "name"), (StageOption, "checkpointed"), (StageOption, "offloaded"), (Segment, "name"),
             (Segment, "stages_alive")}
@@ -223,54 +141,37 @@ def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
     if (owner, name) in _RENAMED:
         return values[-1]
     if any(v != values[0] for v in values[1:]):
-        raise _NoFit
+        raise NoFit
     return values[0]
 
 
 def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
-    """``forward`` with every peak a ``_Pair`` of its figures (``_pair``); the baseline is left as it is
+    """``forward`` with every peak a ``Pair`` of its figures (``pair_figures``); the baseline is left as it is
     (``extrapolate`` predicts it again)."""
 
     def pair(term: Term, values: Sequence[Any]) -> Any:
         up, down = values
-        return _pair(up, down, ballast) if term.quantity.growth is Growth.PEAK and not term.quantity.derived else up
+        peak = term.quantity.growth is Growth.PEAK and not term.quantity.derived
+        return pair_figures(up, down, ballast) if peak else up
 
     return combine([forward, backward], pair, derive=False)
 
 
-def _pair(up: int, down: int, ballast: int) -> _Pair:
-    """A peak's figures from its forward-ballast and backward-ballast values, less the ballast. A
-    figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
-    neither run (the optimizer step's, outside forward and backward) keeps both values."""
-
-    def lifted(value: int) -> int | None:
-        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
-        # (FSDP2 frees unsharded parameters the stored bytes count).
-        return value - ballast if value >= ballast // 2 else None
-
-    forward, backward = lifted(up), lifted(down)
-    if forward is None and backward is None:
-        return _Pair(up, down)
-    # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no moment
-    # between two late layers in backward): that figure does not exist.
-    return _Pair(forward, backward)
-
-
-def _gap_runs(forward: Profile, backward: Profile, ballast: int) -> dict[str, dict[str, _Pair]] | None:
+def _gap_runs(forward: Profile, backward: Profile, ballast: int) -> dict[str, dict[str, Pair]] | None:
     """Each gap's figures per memory run (``profile.gap_figures``), paired as ``_paired`` pairs peaks."""
     up, down = getattr(forward, "gap_figures", None), getattr(backward, "gap_figures", None)
     if up is None or down is None or up.keys() != down.keys():
         return None
     if any(up[name].keys() != down[name].keys() for name in up):
         return None
-    return {name: {run: _pair(up[name][run], down[name][run], ballast) for run in up[name]} for name in up}
+    return {name: {run: pair_figures(up[name][run], down[name][run], ballast) for run in up[name]} for name in up}
 
 
 def _rename(names: tuple, old: str, new: str) -> tuple:
     out = []
     for name in names:
         if name != old and not name.startswith(old + "."):
-            raise _NoFit
+            raise NoFit
         out.append(new + name[len(old):])
     return tuple(out)
 
@@ -282,7 +183,7 @@ def _renamed(stage: StageProfile, new: str) -> StageProfile:
     return replace(stage, name=new, options=options)
 
 
-def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit) -> tuple[StageProfile, ...]:
+def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: Fit) -> tuple[StageProfile, ...]:
     a, b = DEPTHS
     # The larger copy's second layer first: the middle layers' structure is its.
     middle = {**{(b, b - 1 - i): large.stages[i] for i in range(1, b - 1)},
@@ -291,11 +192,11 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
     for stage in middle.values():
         if [o.name for o in stage.options] != [o.name for o in reference.options] or \
                 stage.module_type != reference.module_type:
-            raise _NoFit
+            raise NoFit
         for option, like in zip(stage.options, reference.options):
             if [c[len(stage.name):] for c in (*option.checkpointed, *option.offloaded)] != \
                     [c[len(reference.name):] for c in (*like.checkpointed, *like.offloaded)]:
-                raise _NoFit
+                raise NoFit
     # Every number a line fitted once (``d -> value``), then read at each middle layer.
     lines = combine(list(middle.values()), fit.middles(list(middle)), derive=False)
     middles = tuple(_renamed(combine([lines], lambda term, line: line[0](layers - 1 - i), derive=False),
@@ -305,14 +206,14 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: _Fit)
     return (first, *middles, last)
 
 
-def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: _Fit) -> StageProfile:
+def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: Fit) -> StageProfile:
     """The first or the last layer from its two copies (``s`` of the smaller), named ``new``."""
     if [o.name for o in s.options] != [o.name for o in t.options]:
-        raise _NoFit
+        raise NoFit
     for o, p in zip(s.options, t.options):
         if (_rename(o.checkpointed, s.name, t.name), _rename(o.offloaded, s.name, t.name)) != (p.checkpointed,
                                                                                            p.offloaded):
-            raise _NoFit
+            raise NoFit
     return _renamed(combine([s, t], fit.boundary, structure=_alike, derive=False), new)
 
 
@@ -327,12 +228,12 @@ def _roles(profile: Profile, n: int) -> dict[tuple[str, str], list[Segment]]:
     return roles
 
 
-def _segments(small: Profile, large: Profile, layers: int, fit: _Fit, gap_runs: tuple = (None, None)) -> tuple:
+def _segments(small: Profile, large: Profile, layers: int, fit: Fit, gap_runs: tuple = (None, None)) -> tuple:
     """The segments at ``layers``, in the profile's order: by stages alive, the optimizer step last."""
     a, b = DEPTHS
     rs, rl = _roles(small, a), _roles(large, b)
     if rs.keys() != rl.keys():
-        raise _NoFit
+        raise NoFit
     runs_at = dict(zip((a, b), gap_runs))
     placed: list[tuple[int, list[Segment]]] = []
     for (role, key), segs in rl.items():
@@ -341,22 +242,22 @@ def _segments(small: Profile, large: Profile, layers: int, fit: _Fit, gap_runs: 
             placed.append((2, _middle_segments(mine, segs, layers, fit, runs_at)))
             continue
         if len(mine) != 1 or len(segs) != 1:
-            raise _NoFit
+            raise NoFit
         placed.append(_boundary_segment(mine[0], segs[0], role == "last", layers, fit, runs_at))
     result = tuple(seg for _, group in sorted(placed, key=lambda kv: kv[0]) for seg in group)
     if len(result) != len(large.segments) + (layers - b):
-        raise _NoFit
+        raise NoFit
     return result
 
 
-def _middle_segments(mine: list[Segment], segs: list[Segment], layers: int, fit: _Fit,
+def _middle_segments(mine: list[Segment], segs: list[Segment], layers: int, fit: Fit,
                      runs_at: dict[int, Any]) -> list[Segment]:
     """The gaps between middle layers (``j`` stored, ``d = layers - j`` after): the peak as
     ``_gap_line`` says, any other number a line in ``N`` and ``d``; the rest the larger copy's first."""
     a, b = DEPTHS
     points = {**{(a, a - s.stages_alive): s for s in mine}, **{(b, b - s.stages_alive): s for s in segs}}
     if len(points) != (a - 2) + (b - 2) or len(mine) + len(segs) != len(points):
-        raise _NoFit
+        raise NoFit
     peak = _gap_line(fit, {k: s.peak_bytes for k, s in points.items()}, _run_points(points, runs_at))
     middles = fit.middles(list(points))
     template = segs[0]
@@ -368,7 +269,7 @@ def _middle_segments(mine: list[Segment], segs: list[Segment], layers: int, fit:
             for j in range(2, layers)]
 
 
-def _boundary_segment(s: Segment, t: Segment, last: bool, layers: int, fit: _Fit,
+def _boundary_segment(s: Segment, t: Segment, last: bool, layers: int, fit: Fit,
                       runs_at: dict[int, Any]) -> tuple[int, list[Segment]]:
     """A segment outside the middle gaps, linear in ``N``, and its place in the profile's order."""
     a, b = DEPTHS
@@ -401,7 +302,7 @@ def _run_points(points: dict[tuple[int, int], Segment], gap_runs: dict[int, Any]
     return {run: {key: figures[run] for key, figures in per_point.items()} for run in next(iter(names))}
 
 
-def _gap_line(fit: _Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[[int], int]:
+def _gap_line(fit: Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[[int], int]:
     """A middle gap's peak: the largest of each memory run's figure extrapolated alone (the largest
     of a keep run's figure, falling with the depth, and a recompute run's, flat, bends where they
     cross: no line fits it), else of the peaks themselves."""
@@ -409,17 +310,17 @@ def _gap_line(fit: _Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[
         try:
             lines = [fit.middle(points) for points in runs.values()]
             return lambda d: max(line(d) for line in lines)
-        except _NoFit:
+        except NoFit:
             pass
     return fit.middle(peaks)
 
 
-def _gap_boundary(fit: _Fit, runs: dict[str, dict], fallback: int) -> int:
+def _gap_boundary(fit: Fit, runs: dict[str, dict], fallback: int) -> int:
     """A first or last gap's peak, as ``_gap_line`` does it, linear in ``N``."""
     a, b = DEPTHS
     try:
         return max(fit.line(points[(a, 0)], points[(b, 0)]) for points in runs.values())
-    except _NoFit:
+    except NoFit:
         return fallback
 
 

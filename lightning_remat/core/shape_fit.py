@@ -16,15 +16,13 @@ Two ways to weigh the nodes:
   and ``b * s**2`` with non-negative coefficients, and a peak is the largest over the moments:
   convex in ``s`` and in ``b`` separately. A chord lies above a convex function, so every peak
   predicted at a shape bracketed by nodes is at or above what that shape measures (a plan made on
-  it holds its budget), and exact where the terms are linear, or at a node. On a small GPT-2 with
-  attention dropout (``benchmarks/dynamic_shapes.py``, 40 shapes of batch 2..8 and sequence 36..120
-  against real profiles), the baseline peak came out 0.8% to 4.5% of the activations above the truth
-  with nodes an octave apart, 0.09% to 0.38% with nodes a quarter octave apart (what plans use), and
-  plans solved on it never went over budget and cost what the optimal plan costs.
+  it holds its budget), and exact where the terms are linear, or at a node. The closer the nodes,
+  the tighter the bound: plans use nodes a quarter octave apart (the figures against real profiles
+  are in ``docs/shapes.md``, from ``benchmarks/dynamic_shapes.py``).
 - ``law_weights``: the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` through every
-  node, for a shape outside them. Not a bound (a maximum of polynomials is not a polynomial): the
-  baseline peak within 0.03%, but single terms 2% of the activations off either way, and one plan
-  of 40 went 0.03% over its budget. So it is what a shape outside the nodes is *predicted* with
+  node, for a shape outside them. Not a bound (a maximum of polynomials is not a polynomial): close
+  on the baseline peak, but single terms off either way and a plan can go over its budget
+  (``docs/shapes.md``). So it is what a shape outside the nodes is *predicted* with
   (a warning); a plan is only made on a bracketed shape (``ShapeFit.bounded``), adding the nodes
   that are missing (``ShapeFit.missing_nodes``).
 

@@ -18,8 +18,8 @@ A span's figures are derived exactly from the per-stage terms the profiler measu
   gradient of its output is alive, then its backward), so its term is its ``"whole"`` local peak
   plus the keep bytes of the others; the end of the recompute, measured by a "whole" run for the
   last stage alone in the gap after it, likewise. The span's own forward, which saves nothing,
-  stays below that. (Adding the output gradient to the last stage's keep term, as before, counted
-  it twice: the keep run's backward of that stage holds it already; +0.26 to +0.44% on the MLP chain.)
+  stays below that. The output gradient is not added to the last stage's keep term: the keep
+  run's backward of that stage holds it already.
 - cost: the forward of every stage in it, as ``"whole"`` prices each (seconds, FLOPs, roofline).
 
 Example:
@@ -111,7 +111,6 @@ def _last_term(profile: Profile, k: int, held: int) -> int:
     # The span's last stage: its recompute and backward are those of the stage recomputed alone
     # (same output gradient alive, same saved tensors, same parameter gradients of the stages
     # after it), measured by its "whole" local peak; the span's other stages hold their keep bytes.
-    # Measured on the MLP chain: exact, where keep local peak + output gradient was 256.5 KiB high.
     return _whole(profile, k).local_peak_bytes + held
 
 

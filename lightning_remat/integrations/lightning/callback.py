@@ -15,65 +15,24 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
-from ...core.budget import format_bytes
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan
 from ...core.shapes import Shape
 from ...report.render import print_plan
-from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, existing_checkpointing,
-                              remove_remat, segmented_modules)
+from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, remove_remat,
+                                         segmented_modules)
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
-from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.planning import Planner, plan_metrics
 from ...service.shape_plans import ShapePlans
-from ...service.sharded import FSDP1_HINT, fsdp2_sharded
+from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
+from .measured_peak import figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
-
-
-def _figure(nbytes: int | None, other: int | None) -> str:
-    """Bytes for a message; exact when rounding would make two different figures look equal (a
-    figure a plan does not have, made without a profile, is "not predicted")."""
-    if nbytes is None:
-        return "not predicted"
-    text = format_bytes(nbytes)
-    return f"{text} ({nbytes} bytes)" if other is not None and nbytes != other and text == format_bytes(other) else text
-
-
-def _refuse_fsdp1(trainer: Trainer) -> None:
-    """Lightning's FSDPStrategy (FSDP1) wraps the model in flat parameters the profile cannot see:
-    an error naming the ways that work, rather than a run without the budget."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from ...core.errors import UnsupportedShardingError
-
-    if isinstance(trainer.strategy, FSDPStrategy):
-        raise UnsupportedShardingError(
-            "AutoRemat does not support Lightning's FSDPStrategy (FSDP1): its flat parameters cannot be profiled. "
-            "Use ModelParallelStrategy with fully_shard in configure_model (FSDP2), which AutoRemat plans on "
-            "every rank, or call plan_remat and apply_plan on the model in configure_model before it is wrapped. "
-            + FSDP1_HINT)
-
-
-def _refuse_deepspeed(trainer: Trainer) -> None:
-    """DeepSpeed partitions and offloads parameters, gradients and optimizer state in its own engine,
-    which the profile cannot see: an error naming the ways that work, as Accelerate's refusal does,
-    rather than a run without the budget."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    from ...core.errors import UnsupportedSetupError
-
-    strategy = trainer.strategy
-    if isinstance(strategy, DeepSpeedStrategy) or any(c.__name__.startswith("DeepSpeed") for c in type(strategy).__mro__):
-        raise UnsupportedSetupError(
-            f"AutoRemat does not support Lightning's {type(strategy).__name__}: DeepSpeed's engine partitions and "
-            "offloads parameters, gradients and optimizer state where the profile cannot see them, so the budget could "
-            "not be kept. Use ModelParallelStrategy with fully_shard in configure_model (FSDP2) or DDPStrategy, which "
-            "AutoRemat plans, or make a plan with lightning_remat.plan_remat on one device and apply it with "
-            "apply_plan in configure_model, and remove AutoRemat from the callbacks.")
+from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
 
 
 def _optimizers(trainer: Trainer) -> list:
@@ -115,8 +74,7 @@ class AutoRemat(Callback):
         profile_steps: training steps before the plan's real peak is measured, as in
             ``RematPlugin``: batch 0 is profiled (and already trains with the plan) and batch
             ``profile_steps`` is measured (default 1: batch 1, the first step at which the
-            optimizer state exists, as in every later step). Up to 0.1.0 the measured batch was
-            ``profile_steps - 1``, with a default of 2: the same batch.
+            optimizer state exists, as in every later step).
         candidates: None to find the repeated blocks automatically (transformer layers, ResNet
             blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
             relative to the LightningModule (``"model.transformer.h.*"``).
@@ -232,9 +190,9 @@ class AutoRemat(Callback):
         self._trainer = trainer
         if stage != "fit":
             return
-        _refuse_fsdp1(trainer)
-        _refuse_deepspeed(trainer)
-        self._disabled_reason = self._unsupported(trainer, pl_module)
+        refuse_fsdp1(trainer)
+        refuse_deepspeed(trainer)
+        self._disabled_reason = unsupported(trainer, pl_module)
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
@@ -296,25 +254,9 @@ class AutoRemat(Callback):
         if self._window_left > 0:
             return
         meter, self._meter = self._meter, None
-        channel = lightning_channel(trainer)
-        # The largest peak of any rank: the budget holds on every one or it does not hold.
-        self.measured_peak_bytes = int(channel.max(meter.close()))
-        measured = {"remat/measured_peak_bytes": float(self.measured_peak_bytes)}
-        if meter.reserved_bytes is not None:
-            # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = channel.max(meter.reserved_bytes)
-        self._log_metrics(trainer, measured)
         assert self.plan is not None
-        message = (f"AutoRemat: measured peak of a steady training step with the plan"
-                   f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
-                   f"{_figure(self.measured_peak_bytes, self.plan.budget_bytes)} (predicted "
-                   f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}, budget "
-                   f"{_figure(self.plan.budget_bytes, self.measured_peak_bytes)})")
-        warning = over_budget(self.measured_peak_bytes, self.plan, f"a steady training step (batch {batch_idx})")
-        if warning is not None:
-            rank_zero_warn(message + ". " + warning)
-        elif self.verbose:
-            rank_zero_info(message)
+        self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
+                                                        self._log_metrics)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -352,19 +294,6 @@ class AutoRemat(Callback):
         if self._meter is not None:
             self._meter.abandon()
             self._meter = None
-
-    def _unsupported(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
-        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-        strategy = trainer.strategy
-        supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-        if not isinstance(strategy, supported):
-            return (f"the {type(strategy).__name__} strategy is not supported (single-device, DDP and "
-                    "ModelParallelStrategy (FSDP2) are)")
-        existing = existing_checkpointing(pl_module)
-        if existing:
-            return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
-        return None
 
     def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
         """``training_step`` on ``batch`` as the engine's ``step(module) -> loss``, under either optimization."""
@@ -433,7 +362,7 @@ class AutoRemat(Callback):
         if self.verbose:
             rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
                            f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
-                           f"{_figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
+                           f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:
             self._measure_in = 0
 

@@ -90,7 +90,7 @@ class Tracker(MemTracker):
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         # MemTracker runs this after every operator and, before updating the overall peak, scans
         # every module seen so far for a per-module peak: time that grows with the square of the
-        # model's depth (81% of a fake Llama-2-7B profile). Nothing here reads per-module peaks
+        # model's depth (most of a deep fake profile's time). Nothing here reads per-module peaks
         # (the profile, the report and the integrations use the per-device totals and the
         # per-category split of the overall peak), so only the overall peak is kept.
         for dev, dev_snap in self._curr_mem_snap.items():

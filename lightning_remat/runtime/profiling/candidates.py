@@ -62,8 +62,8 @@ def _convolutional_stem(model: nn.Module, stages: list[str]) -> str | None:
     ResNet's ``embedder`` (conv, norm, activation, max-pool), a ViT's patch embeddings.
 
     Its outputs are the largest activations of a CNN at full resolution (64 channels at half the
-    image size), and every later stage's recompute happens with them alive: without it, ResNet-50
-    at 224 px cuts at most 60% of its activation memory, with it 64% (docs/segments.md). The stem
+    image size), and every later stage's recompute happens with them alive: a plan that can
+    recompute it cuts more of a CNN's activation memory (docs/segments.md). The stem
     is the outermost block holding the first convolution and no stage; none if that convolution
     lies inside a stage or after the first one.
     """

@@ -8,11 +8,10 @@ it and it is freed after that layer's forward; small tensors every layer receive
 (``cache_position``) are freed after the forward too. Recomputing the stage keeps them to its
 backward, so every later stage's peak sees them.
 
-The profiler measured them inside the *later* stages' terms of the run where the stage was
-recomputed, which made a plan that recomputes an early stage and keeps a later one
-under-predicted (a LoRA Llama: +65,536 B, the embedding's output, +1.3% over the prediction and
-over the budget). Counting them in the recomputed stage's own stored bytes (alive from its forward
-to its backward, exactly what stored bytes mean) makes the model additive again.
+Measured in the run where the stage is recomputed, they would land inside the *later* stages'
+terms, and a plan that recomputes an early stage and keeps a later one would be under-predicted
+(by the embedding's output, under LoRA). Counting them in the recomputed stage's own stored bytes
+(alive from its forward to its backward, exactly what stored bytes mean) keeps the model additive.
 
 Two steps: ``DeadInputs`` finds, on the pass with nothing recomputed, which arguments of each stage
 are freed by the end of the forward; ``HeldInputs`` counts, during a memory run, the bytes of those

@@ -52,8 +52,8 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
 
     With ``foreach=None`` torch picks the batched ("foreach") step for parameters on CUDA and the
     per-tensor loop elsewhere, and the fake copies here are CPU tensors: so on a foreach device we
-    ask for foreach explicitly. Its temporaries are a copy of all parameters at once (12.55 GiB for
-    Llama-2-7B) where the loop's are a copy or two of the largest one.
+    ask for foreach explicitly. Its temporaries are a copy of all parameters at once where the
+    loop's are a copy or two of the largest one.
     """
     if device is None:
         return

@@ -9,8 +9,10 @@ What is measured, and how:
   every stage (``"attn"``, ``"mlp"``, ...), and each selective-checkpointing policy on every
   stage where it differs from the other options (``"sac:save_matmuls"``, ...: ``sac.py``). A
   stage's stored bytes are what its forward leaves allocated; its local peak is the peak during
-  its forward or backward less what the stages before it store. The gaps between stages (embeddings, head, loss) are segments. Because each
-  term is measured under the option it describes, the model reproduces every measured run exactly.
+  its forward or backward less what the stages before it store. The gaps between stages
+  (embeddings, head, loss) are segments. Because each term is measured under the option it
+  describes, the model reproduces every measured run exactly. The options are
+  ``stage_options.py``'s, a run is ``memory_run.py``, the Profile from the runs ``assemble.py``.
 - The optimizer step, under ``FakeTensorMode`` on fake copies (``optimizer_step``): its
   temporaries and the state it creates are counted without allocating them.
 
@@ -21,9 +23,8 @@ so profiling does not change training.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,210 +32,32 @@ from torch import nn
 from ...core.allowances import DDP_REDUCER_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
-from ...core.errors import AlreadyCheckpointedError, RematError, StepError
-from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, is_offload
+from ...core.errors import AlreadyCheckpointedError, StepError
+from ...core.memory_model import Profile
+from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
+from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
-from .candidates import CandidateSpec, find_stages
 from ..installing.compiled import fabric_forward_context, uncompiled
-from ..targets.fake_attention import cuda_attention
-from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
-                   gpu_peak_flops, is_fake, new_fake_mode, real_code_paths)
-from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
-from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
-from .held_inputs import DeadInputs, HeldInputs
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
-from ..measuring.meter import PeakMeter
-from ..measuring.observe import ModuleStats, ObservedStep, observe_step
+from ..measuring.observe import observe_step
+from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
+from ..measuring.stance import eager_stance
+from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
+                            gpu_peak_flops, new_fake_mode, real_code_paths)
+from ..targets.fake_attention import cuda_attention
+from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
+from ..targets.sharded import sharded_twin, sharding_info, sharding_note
+from .assemble import assemble, gap_figures
+from .candidates import CandidateSpec, find_stages
+from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
 from .optimizer_step import optimizer_step_cost
-from ..installing import sac
-from ..measuring.roofline import Peaks, device_peaks, option_costs, roofline_seconds, sac_seconds_per_op
-from ..installing.segments import chained_groups, sequential_groups
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
-from ..targets.sharded import sharded_twin, sharding_info, sharding_note
-from ..measuring.stance import eager_stance
-from ..measuring.tracking import SegmentTracker, snapshot_by_category
+from .stage_options import measure_options, option_wraps, span_groups
 
-# A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
-# activation bytes (and is not almost all of it, which "whole" already covers).
-MIN_CHILD_SHARE = 0.15
-MAX_CHILD_SHARE = 0.9
-MAX_CHILD_OPTIONS = 2
 DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
-
-
-@dataclass
-class _MemoryRun:
-    """One step measured with some modules recomputed, in the terms of the memory model."""
-
-    stored: list[int]
-    local: list[int]
-    segments: dict[int, int]  # stages alive -> peak beyond their stored bytes
-    peak: int
-    gradient_bytes: int
-    parameter_bytes: int
-    buffer_bytes: int
-    residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
-    untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
-    host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
-
-
-def _memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
-                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
-                gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
-                offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None) -> _MemoryRun:
-    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
-    # nothing recomputed and ``dead`` empty fills it.
-    modules = dict(model.named_modules())
-    replay()
-    if gradients_alive:
-        # A later micro-batch of an accumulation window: every gradient exists from the start
-        # (backward then accumulates into it).
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    device = model_device(model)
-    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
-    meter = _SegmentMeter(model, optimizer, tracker)
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
-            _offloading(model, offloaded, offload_limits) as offloader, \
-            HeldInputs(model, order, dead or {}, wrapped) as held, \
-            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
-
-        def checked(model: nn.Module) -> torch.Tensor:
-            loss = step(model)
-            finder.check()
-            return loss
-
-        run_step(model, checked, watch=meter)
-    after_backward = meter.after_backward
-    n = len(order)
-    missing = [order[i] for i in range(n) if i not in tracker.stored]
-    if missing:
-        raise RematError(f"stages {missing} ran in one pass over the profiled batch and not in another: the model's "
-                         "control flow depends on something other than torch's random generators (which the profile "
-                         "replays). Pass candidates= without these modules, or make their use reproducible.")
-    stored = [tracker.stored[i] for i in range(n)]
-    if offloaded:
-        stored = _net_of_released(stored, tracker.forward_starts, calls)
-    prefix = [0]
-    for s in stored:
-        prefix.append(prefix[-1] + s)
-    if any(held.bytes):
-        # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint
-        # keeps alive that a kept stage would have freed (held_inputs.py): the model stays
-        # additive. The later terms are taken net of the bytes only this stage holds.
-        exclusive = held.exclusive
-        prefix = [0]
-        for i in range(n):
-            prefix.append(prefix[-1] + stored[i] + exclusive[i])
-        stored = [s + h for s, h in zip(stored, held.bytes)]
-    # Not clamped at zero: a figure below what the stages before it store is real where they free
-    # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
-    # the memory model stays exact with it (a clamp overstated 70B at 8 GPUs by tens of GiB).
-    local: list[int | None] = [None] * n
-    segments: dict[int, int] = {}
-    for (kind, k), peak in tracker.segment_peaks.items():
-        if kind in ("fw", "bw"):
-            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
-        else:
-            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
-    now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
-    static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
-    model.zero_grad(set_to_none=True)
-    peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
-    return _MemoryRun(
-        # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
-        # batch already on the device, library workspaces); elsewhere it is the tracker's own.
-        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak,
-        untracked_bytes=max(0, meter.peak_bytes - int(peak)),
-        gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
-        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
-        host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
-    )
-
-
-def _net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
-    """Stored bytes net of what the gap after each stage's forward released (offload runs).
-
-    A stage's forward leaves its output allocated, and its input is released only after it returns
-    (the caller drops it), in the gap before the next stage. Under "offload" the stage does not
-    hold its input, so counting the output of every stage and never the release over-counts one
-    hidden state per stage whenever the stage is not recomputed (a recomputed stage's checkpoint
-    does hold its input: those runs are left as they are). The release belongs to the stage whose
-    forward just ran, so the term stays additive. The last stage (no next forward) and stages
-    called more than once are left as measured; nothing goes below zero.
-    """
-    if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
-        return stored
-    net = list(stored)
-    for i in range(len(stored) - 1):
-        released = starts[i] + stored[i] - starts[i + 1]
-        if released > 0:
-            net[i] = max(0, stored[i] - released)
-    return net
-
-
-@contextlib.contextmanager
-def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] | None) -> Iterator[Offloader | None]:
-    """Offload ``names`` for one memory run: on fake tensors only metadata goes to the "host"
-    (the meta device, which MemTracker does not count); tensors come back on demand (the
-    prefetch is modelled in ``core.offload_model``)."""
-    if not names:
-        yield None
-        return
-    apply_offload(model, names, measure=any(is_fake(p) for p in model.parameters()), limits=limits)
-    try:
-        yield model_offloader(model)
-    finally:
-        remove_offload(model)
-
-
-class _SegmentMeter(PeakMeter):
-    """The peak meter of a memory run, over its ``SegmentTracker``; it also reads what the step
-    holds right after backward (the loss and what it keeps, besides static memory)."""
-
-    after_backward = 0
-
-    def backward_done(self) -> None:
-        self.after_backward = self.tracker.current_total()
-
-
-def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
-    total = sum(stats[stage].saved.values())
-    if total <= 0:
-        return []
-    scored = []
-    for child, module in modules[stage].named_children():
-        if not any(True for _ in module.children()):
-            continue  # a single layer stores its input under recomputation too: nothing to gain
-        share = sum(stats[f"{stage}.{child}"].saved.values()) / total
-        if MIN_CHILD_SHARE <= share <= MAX_CHILD_SHARE:
-            scored.append((share, child))
-    return [child for _, child in sorted(scored, reverse=True)[:MAX_CHILD_OPTIONS]]
-
-
-def _span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]) -> tuple:
-    """Stages that may be recomputed together (``core.spans``): consecutive items of one Sequential
-    that one forward really chains (checked on a forward without gradients)."""
-    groups = sequential_groups(model, order)
-    if not groups:
-        return ()
-    replay()
-    return tuple(tuple(g) for g in chained_groups(model, step, groups))
-
-
-def _use_cache_note(model: nn.Module) -> str | None:
-    config = getattr(model, "config", None)
-    if model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers"):
-        return ("use_cache=True: this transformers model returns every layer's key/value cache, which stays alive "
-                "until the forward's outputs are released and which recomputation cannot free; set "
-                "model.config.use_cache = False for training (Hugging Face's own checkpointing does)")
-    return None
 
 
 def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
@@ -411,22 +234,6 @@ def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
     return autocast_step
 
 
-def _option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
-                  policies: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
-    """Per option name, the modules each stage recomputes under it (stages without the option absent)."""
-    children = {name: _child_options(name, observed.stats, modules) for name in order}
-    wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
-    for child in sorted({c for cs in children.values() for c in cs}):
-        wraps[child] = {n: (f"{n}.{child}",) for n in order if child in children[n]}
-    # A policy is an option of the stages where it differs from keep, whole and the other policies.
-    offered = {n: sac.distinct_policies(policies, [op.func for op in observed.stats[n].ops]) for n in order}
-    for policy in policies:
-        stages = {n: (n,) for n in order if policy in offered[n]}
-        if stages:
-            wraps[sac.option_name(policy)] = stages
-    return wraps
-
-
 def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
              timed: bool) -> Profile:
     stage_names = find_stages(model, options.candidates)
@@ -442,36 +249,16 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         if not observed.order:
             raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
-        wraps = _option_wraps(observed.order, observed, modules, policies)
+        wraps = option_wraps(observed.order, observed, modules, policies)
         limits: dict[str, int] = {}
         if options.offload:
             wraps[OFFLOAD] = {n: () for n in observed.order}
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
-        span_groups = _span_groups(model, step, observed.order, replay)
-        dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
-        with warnings.catch_warnings():
-            # MemTracker warns when a module's backward hook outlives the module's outputs.
-            warnings.simplefilter("ignore")
-            calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
-            runs, dropped = {}, []
-            for name, wrap in list(wraps.items()):
-                try:
-                    runs[name] = _memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
-                                             optimizer, replay, gradients_alive=options.accumulation_steps > 1,
-                                             policy=sac.policy_of(name),
-                                             offloaded=list(wrap) if is_offload(name) else (),
-                                             offload_limits=limits if name == OFFLOAD_HIDDEN else None,
-                                             dead=dead)
-                except RuntimeError as err:
-                    # Selective checkpointing needs the recompute to run the forward's ops again,
-                    # which a forward that mutates state it reads (a key/value cache) does not.
-                    if not sac.policy_of(name):
-                        raise
-                    model.zero_grad(set_to_none=True)
-                    del wraps[name]
-                    dropped.append(f"{name} ({str(err).splitlines()[0][:120]})")
+        groups = span_groups(model, step, observed.order, replay)
+        runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
+                                        limits)
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
@@ -479,10 +266,18 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     peaks = device_peaks(device, options.gpu)
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
     per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
-    profile = _assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                        optimizer is not None, device, peaks, per_op, limits)
-    assembled = profile
-    profile.span_groups = span_groups
+    assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
+                         optimizer is not None, device, peaks, per_op, limits)
+    assembled.span_groups = groups
+    profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
+    profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
+    return profile
+
+
+def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],
+              stage_names: Sequence[str], modules: dict[str, nn.Module], device: str, timed: bool) -> Profile:
+    """The assembled profile with what the measured runs do not hold: pooled timings, the allocator's
+    untracked bytes, DDP's buckets, stages that did not run, offload prices; and the notes that say so."""
     if timed:
         profile = with_pooled_timings(profile)
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
@@ -499,80 +294,4 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")
     profile = with_unobserved(profile, stage_names, modules)
-    profile = price_offload(profile, options, device) if timed and options.offload else profile
-    profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
-    return profile
-
-
-def gap_figures(assembled: Profile, final: Profile, runs: dict[str, _MemoryRun],
-                future_state: int) -> dict[str, dict[str, int]] | None:
-    """Each gap's figure in each memory run (its segment's peak is the largest of them), with what
-    the adjustments after ``_assemble`` added to the segment (the same bytes to every run's figure).
-
-    Not a field of ``Profile`` (nothing plans with it; an attribute of the profile as made, lost by
-    ``replace``): the 4/5-layer extrapolation (``core.depth_fit``) fits each run's figures alone, since
-    the largest of two lines of different slopes is no line. None when the adjustments moved the
-    segments (stages that did not run, put into the chain).
-    """
-    pairs = [(a, b) for a, b in zip(assembled.segments, final.segments) if a.name != "optimizer step"]
-    if len(assembled.segments) != len(final.segments) or any(
-            (a.name, a.stages_alive) != (b.name, b.stages_alive) for a, b in pairs):
-        return None
-    figures = {}
-    for a, b in pairs:
-        added = b.peak_bytes - a.peak_bytes
-        figures[a.name] = {option: int(run.segments[a.stages_alive] + future_state + added)
-                           for option, run in runs.items() if a.stages_alive in run.segments}
-    return figures
-
-
-def _assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, _MemoryRun],
-              state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-              device: str, peaks: Peaks, seconds_per_op: float = 0.0,
-              offload_limits: dict[str, int] | None = None) -> Profile:
-    """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
-    modules = dict(model.named_modules())
-    stats = observed.stats
-    offload_limits = offload_limits or {}
-    stages = []
-    for i, name in enumerate(observed.order):
-        options = []
-        for option, wrap in wraps.items():
-            if name not in wrap:
-                continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
-            options.append(StageOption(
-                name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
-                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
-                policy=sac.policy_of(option), cost_roofline=roofline,
-                offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int((runs[option].host_bytes or {}).get(name, 0)) if is_offload(option) else 0,
-                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0))
-        s = stats[name]
-        stages.append(StageProfile(
-            name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
-            input_bytes=sum(s.inputs.values()), output_bytes=sum(s.outputs.values()),
-            forward_seconds=s.seconds, forward_flops=s.flops, module_type=type(modules[name]).__name__))
-    segment_peaks: dict[int, int] = {}
-    for run in runs.values():
-        for k, peak in run.segments.items():
-            segment_peaks[k] = max(segment_peaks.get(k, peak), peak)
-    segments = [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state))
-                for k, v in sorted(segment_peaks.items())]
-    keep = runs["keep"]
-    if has_optimizer:
-        # The loss (and whatever it keeps) is still referenced while the optimizer steps.
-        segments.append(Segment("optimizer step", 0, keep.parameter_bytes + keep.buffer_bytes + keep.gradient_bytes
-                                + keep.residual_bytes + optimizer_step_bytes))
-    profile = Profile(
-        stages=tuple(stages), segments=tuple(segments),
-        parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
-        optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
-        baseline_peak_bytes=0, baseline_step_seconds=observed.step_seconds, baseline_step_flops=observed.step_flops,
-        device=device, notes=tuple(n for n in [_use_cache_note(model)] if n),
-        baseline_step_roofline=roofline_seconds(observed.step_ops, peaks),
-    )
-    # By construction the model reproduces the measured runs; the baseline is the "keep" run
-    # plus the optimizer (its state, and its step when that is the higher point).
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
-    return profile
+    return price_offload(profile, options, device) if timed and options.offload else profile

@@ -89,10 +89,10 @@ def with_pooled_timings(profile: Profile) -> Profile:
     """Identical stages cost the same: each gets, per option, the median of their measured seconds.
 
     Stages are identical when they are of one module class and every option counts the same FLOPs
-    and roofline (the same ops on the same shapes). Measured once each, six identical GPT-2 layers
-    differed enough that a plan recomputed one whole and the MLPs of the others; pooled, the choice
-    between them is the solver's, not the noise's, and a second profile picks the same plan more
-    often. Memory figures are left as measured (a first layer may hold what the others do not).
+    and roofline (the same ops on the same shapes). Timed once each, identical layers differ by
+    noise enough to make a plan treat one of them apart; pooled, the choice between them is the
+    solver's, not the noise's, and a second profile picks the same plan more often. Memory figures
+    are left as measured (a first layer may hold what the others do not).
 
     Example:
         >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile

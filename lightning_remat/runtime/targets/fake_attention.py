@@ -6,8 +6,8 @@ except with attention dropout: the CPU's fused kernel has none, so SDPA falls ba
 path and saves the score and probability matrices, quadratic in the sequence. A GPU runs dropout
 inside its fused kernels (flash attention for half precision without a mask, memory-efficient
 attention otherwise) and saves the output, the log-sum-exp and the dropout's random seed. Planned
-on the CPU path, GPT-2 at 8 x 1024 tokens (attention dropout 0.1, bf16 mixed precision) predicted
-23.1 GiB of activations for an H100 that holds 8.9 GiB: plans recomputed far more than needed.
+on the CPU path, a model with attention dropout is predicted to hold far more activations than a
+GPU holds, and plans recompute far more than needed.
 
 ``cuda_attention()`` routes SDPA calls with dropout to the fused kernel CUDA would choose, as
 torch's own dispatch does (flash first, then memory-efficient). Those ops have meta kernels and

@@ -1,0 +1,97 @@
+"""The Profile from a step's memory runs: per stage its options (stored bytes, local peak, cost),
+the segments between stages, static memory and the baseline peak; each gap's figure per run.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from ...core.offload_model import OFFLOAD_HIDDEN, is_offload
+from ..installing import sac
+from ..measuring.observe import ObservedStep
+from ..measuring.roofline import Peaks, option_costs, roofline_seconds
+from .memory_run import MemoryRun
+
+
+def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
+             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
+             device: str, peaks: Peaks, seconds_per_op: float = 0.0,
+             offload_limits: dict[str, int] | None = None) -> Profile:
+    """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
+    modules = dict(model.named_modules())
+    stats = observed.stats
+    offload_limits = offload_limits or {}
+    stages = []
+    for i, name in enumerate(observed.order):
+        options = []
+        for option, wrap in wraps.items():
+            if name not in wrap:
+                continue
+            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
+            options.append(StageOption(
+                name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
+                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
+                policy=sac.policy_of(option), cost_roofline=roofline,
+                offloaded=(name,) if is_offload(option) else (),
+                host_bytes=int((runs[option].host_bytes or {}).get(name, 0)) if is_offload(option) else 0,
+                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0))
+        s = stats[name]
+        stages.append(StageProfile(
+            name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
+            input_bytes=sum(s.inputs.values()), output_bytes=sum(s.outputs.values()),
+            forward_seconds=s.seconds, forward_flops=s.flops, module_type=type(modules[name]).__name__))
+    segment_peaks: dict[int, int] = {}
+    for run in runs.values():
+        for k, peak in run.segments.items():
+            segment_peaks[k] = max(segment_peaks.get(k, peak), peak)
+    segments = [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state))
+                for k, v in sorted(segment_peaks.items())]
+    keep = runs["keep"]
+    if has_optimizer:
+        # The loss (and whatever it keeps) is still referenced while the optimizer steps.
+        segments.append(Segment("optimizer step", 0, keep.parameter_bytes + keep.buffer_bytes + keep.gradient_bytes
+                                + keep.residual_bytes + optimizer_step_bytes))
+    profile = Profile(
+        stages=tuple(stages), segments=tuple(segments),
+        parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
+        optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
+        baseline_peak_bytes=0, baseline_step_seconds=observed.step_seconds, baseline_step_flops=observed.step_flops,
+        device=device, notes=tuple(n for n in [use_cache_note(model)] if n),
+        baseline_step_roofline=roofline_seconds(observed.step_ops, peaks),
+    )
+    # By construction the model reproduces the measured runs; the baseline is the "keep" run
+    # plus the optimizer (its state, and its step when that is the higher point).
+    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    return profile
+
+
+def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],
+                future_state: int) -> dict[str, dict[str, int]] | None:
+    """Each gap's figure in each memory run (its segment's peak is the largest of them), with what
+    the adjustments after ``assemble`` added to the segment (the same bytes to every run's figure).
+
+    Not a field of ``Profile`` (nothing plans with it; an attribute of the profile as made, lost by
+    ``replace``): the 4/5-layer extrapolation (``core.depth_fit``) fits each run's figures alone, since
+    the largest of two lines of different slopes is no line. None when the adjustments moved the
+    segments (stages that did not run, put into the chain).
+    """
+    pairs = [(a, b) for a, b in zip(assembled.segments, final.segments) if a.name != "optimizer step"]
+    if len(assembled.segments) != len(final.segments) or any(
+            (a.name, a.stages_alive) != (b.name, b.stages_alive) for a, b in pairs):
+        return None
+    figures = {}
+    for a, b in pairs:
+        added = b.peak_bytes - a.peak_bytes
+        figures[a.name] = {option: int(run.segments[a.stages_alive] + future_state + added)
+                           for option, run in runs.items() if a.stages_alive in run.segments}
+    return figures
+
+
+def use_cache_note(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers"):
+        return ("use_cache=True: this transformers model returns every layer's key/value cache, which stays alive "
+                "until the forward's outputs are released and which recomputation cannot free; set "
+                "model.config.use_cache = False for training (Hugging Face's own checkpointing does)")
+    return None

@@ -1,0 +1,165 @@
+"""One memory run: a training step measured with some modules recomputed (or offloaded), in the
+terms of the memory model (``core.memory_model``).
+
+``memory_run`` runs the step once under MemTracker (``SegmentTracker``) with the given modules
+wrapped, and reads per stage the bytes its forward leaves allocated (stored) and its peak during its
+own forward or backward less what the stages before it store (local), the peaks of the gaps between
+stages (segments), and the static memory after backward. ``profile.py`` makes one run per option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ...core.errors import RematError
+from ..installing.apply import applied
+from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
+from ..measuring.measure import Step, model_device
+from ..measuring.meter import PeakMeter
+from ..measuring.runner import run_step
+from ..measuring.tracking import SegmentTracker, snapshot_by_category
+from ..targets.fake import is_fake
+from .held_inputs import DeadInputs, HeldInputs
+
+
+@dataclass
+class MemoryRun:
+    """One step measured with some modules recomputed, in the terms of the memory model."""
+
+    stored: list[int]
+    local: list[int]
+    segments: dict[int, int]  # stages alive -> peak beyond their stored bytes
+    peak: int
+    gradient_bytes: int
+    parameter_bytes: int
+    buffer_bytes: int
+    residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
+    untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
+    host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
+
+
+def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
+                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
+                gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
+                offload_limits: dict[str, int] | None = None,
+                dead: dict[str, set[str]] | None = None) -> MemoryRun:
+    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
+    # nothing recomputed and ``dead`` empty fills it.
+    modules = dict(model.named_modules())
+    replay()
+    if gradients_alive:
+        # A later micro-batch of an accumulation window: every gradient exists from the start
+        # (backward then accumulates into it).
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    device = model_device(model)
+    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
+    meter = _SegmentMeter(model, optimizer, tracker)
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
+            _offloading(model, offloaded, offload_limits) as offloader, \
+            HeldInputs(model, order, dead or {}, wrapped) as held, \
+            DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
+
+        def checked(model: nn.Module) -> torch.Tensor:
+            loss = step(model)
+            finder.check()
+            return loss
+
+        run_step(model, checked, watch=meter)
+    after_backward = meter.after_backward
+    n = len(order)
+    missing = [order[i] for i in range(n) if i not in tracker.stored]
+    if missing:
+        raise RematError(f"stages {missing} ran in one pass over the profiled batch and not in another: the model's "
+                         "control flow depends on something other than torch's random generators (which the profile "
+                         "replays). Pass candidates= without these modules, or make their use reproducible.")
+    stored = [tracker.stored[i] for i in range(n)]
+    if offloaded:
+        stored = net_of_released(stored, tracker.forward_starts, calls)
+    prefix = [0]
+    for s in stored:
+        prefix.append(prefix[-1] + s)
+    if any(held.bytes):
+        # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint
+        # keeps alive that a kept stage would have freed (held_inputs.py): the model stays
+        # additive. The later terms are taken net of the bytes only this stage holds.
+        exclusive = held.exclusive
+        prefix = [0]
+        for i in range(n):
+            prefix.append(prefix[-1] + stored[i] + exclusive[i])
+        stored = [s + h for s, h in zip(stored, held.bytes)]
+    # Not clamped at zero: a figure below what the stages before it store is real where they free
+    # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
+    # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
+    local: list[int | None] = [None] * n
+    segments: dict[int, int] = {}
+    for (kind, k), peak in tracker.segment_peaks.items():
+        if kind in ("fw", "bw"):
+            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
+        else:
+            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+    now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
+    static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
+    model.zero_grad(set_to_none=True)
+    peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
+    return MemoryRun(
+        # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
+        # batch already on the device, library workspaces); elsewhere it is the tracker's own.
+        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak,
+        untracked_bytes=max(0, meter.peak_bytes - int(peak)),
+        gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
+        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
+        host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
+    )
+
+
+def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
+    """Stored bytes net of what the gap after each stage's forward released (offload runs).
+
+    A stage's forward leaves its output allocated, and its input is released only after it returns
+    (the caller drops it), in the gap before the next stage. Under "offload" the stage does not
+    hold its input, so counting the output of every stage and never the release over-counts one
+    hidden state per stage whenever the stage is not recomputed (a recomputed stage's checkpoint
+    does hold its input: those runs are left as they are). The release belongs to the stage whose
+    forward just ran, so the term stays additive. The last stage (no next forward) and stages
+    called more than once are left as measured; nothing goes below zero.
+    """
+    if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
+        return stored
+    net = list(stored)
+    for i in range(len(stored) - 1):
+        released = starts[i] + stored[i] - starts[i + 1]
+        if released > 0:
+            net[i] = max(0, stored[i] - released)
+    return net
+
+
+@contextlib.contextmanager
+def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] | None) -> Iterator[Offloader | None]:
+    """Offload ``names`` for one memory run: on fake tensors only metadata goes to the "host"
+    (the meta device, which MemTracker does not count); tensors come back on demand (the
+    prefetch is modelled in ``core.offload_model``)."""
+    if not names:
+        yield None
+        return
+    apply_offload(model, names, measure=any(is_fake(p) for p in model.parameters()), limits=limits)
+    try:
+        yield model_offloader(model)
+    finally:
+        remove_offload(model)
+
+
+class _SegmentMeter(PeakMeter):
+    """The peak meter of a memory run, over its ``SegmentTracker``; it also reads what the step
+    holds right after backward (the loss and what it keeps, besides static memory)."""
+
+    after_backward = 0
+
+    def backward_done(self) -> None:
+        self.after_backward = self.tracker.current_total()

@@ -1,0 +1,102 @@
+"""The options each stage is measured under, and one memory run per option.
+
+An option is a set of modules recomputed in each stage that offers it: nothing (``"keep"``), the
+whole stage (``"whole"``), a heavy child of the stage (``"attn"``, ``"mlp"``, ...), a
+selective-checkpointing policy where it differs from the other options (``"sac:save_matmuls"``,
+...: ``sac.py``), and offloading when asked for. ``measure_options`` makes the memory run
+(``memory_run.py``) of each; ``span_groups`` finds the stages that may be recomputed together.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ...core.offload_model import OFFLOAD_HIDDEN, is_offload
+from ..installing import sac
+from ..installing.segments import chained_groups, sequential_groups
+from ..measuring.measure import Step
+from ..measuring.observe import ModuleStats, ObservedStep
+from .memory_run import MemoryRun, memory_run
+
+# A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
+# activation bytes (and is not almost all of it, which "whole" already covers).
+MIN_CHILD_SHARE = 0.15
+MAX_CHILD_SHARE = 0.9
+MAX_CHILD_OPTIONS = 2
+
+
+def option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
+                 policies: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
+    """Per option name, the modules each stage recomputes under it (stages without the option absent)."""
+    children = {name: _child_options(name, observed.stats, modules) for name in order}
+    wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
+    for child in sorted({c for cs in children.values() for c in cs}):
+        wraps[child] = {n: (f"{n}.{child}",) for n in order if child in children[n]}
+    # A policy is an option of the stages where it differs from keep, whole and the other policies.
+    offered = {n: sac.distinct_policies(policies, [op.func for op in observed.stats[n].ops]) for n in order}
+    for policy in policies:
+        stages = {n: (n,) for n in order if policy in offered[n]}
+        if stages:
+            wraps[sac.option_name(policy)] = stages
+    return wraps
+
+
+def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
+    total = sum(stats[stage].saved.values())
+    if total <= 0:
+        return []
+    scored = []
+    for child, module in modules[stage].named_children():
+        if not any(True for _ in module.children()):
+            continue  # a single layer stores its input under recomputation too: nothing to gain
+        share = sum(stats[f"{stage}.{child}"].saved.values()) / total
+        if MIN_CHILD_SHARE <= share <= MAX_CHILD_SHARE:
+            scored.append((share, child))
+    return [child for _, child in sorted(scored, reverse=True)[:MAX_CHILD_OPTIONS]]
+
+
+def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]) -> tuple:
+    """Stages that may be recomputed together (``core.spans``): consecutive items of one Sequential
+    that one forward really chains (checked on a forward without gradients)."""
+    groups = sequential_groups(model, order)
+    if not groups:
+        return ()
+    replay()
+    return tuple(tuple(g) for g in chained_groups(model, step, groups))
+
+
+def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],
+                    optimizer: torch.optim.Optimizer | None, replay: Callable[[], None], accumulation_steps: int,
+                    limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
+    """The memory run of every option in ``wraps``, and the options dropped (their names and why).
+
+    A selective-checkpointing option whose recompute fails is dropped (removed from ``wraps``);
+    any other failure is raised.
+    """
+    dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
+    with warnings.catch_warnings():
+        # MemTracker warns when a module's backward hook outlives the module's outputs.
+        warnings.simplefilter("ignore")
+        calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
+        runs, dropped = {}, []
+        for name, wrap in list(wraps.items()):
+            try:
+                runs[name] = memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
+                                        optimizer, replay, gradients_alive=accumulation_steps > 1,
+                                        policy=sac.policy_of(name),
+                                        offloaded=list(wrap) if is_offload(name) else (),
+                                        offload_limits=limits if name == OFFLOAD_HIDDEN else None,
+                                        dead=dead)
+            except RuntimeError as err:
+                # Selective checkpointing needs the recompute to run the forward's ops again,
+                # which a forward that mutates state it reads (a key/value cache) does not.
+                if not sac.policy_of(name):
+                    raise
+                model.zero_grad(set_to_none=True)
+                del wraps[name]
+                dropped.append(f"{name} ({str(err).splitlines()[0][:120]})")
+    return runs, dropped
