@@ -1,7 +1,8 @@
 """The Hugging Face Trainer with ``RematTrainerCallback``: a tiny GPT-2 (random weights, nothing
 downloaded) trained by ``Trainer`` on the CPU holds a budget of static memory + 50% of its
-activations over steady steps (torch's MemTracker, opened by the test), the prediction is within 5%
-of that peak, and the logged losses equal those of the same run without the callback."""
+activations over steady steps (``TorchPeak``, opened by the test), the prediction is within 5%
+of that peak, and the logged losses equal those of the same run without the callback. Under dynamic
+padding (the longest batch late), the plans follow each batch's shape and every step holds the budget."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ STEPS = 6
 FIRST_STEADY = 3  # step 0 observed and planned, step 1 measured by the session, then steady steps
 
 
-def _model():
+def _model(positions: int = 64):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=positions, vocab_size=128)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -32,16 +33,23 @@ def _data(n: int = 48):
 
 
 class SteadyPeaks(transformers.TrainerCallback):
-    """Torch's MemTracker peak of every optimizer step from ``FIRST_STEADY`` on, and the static bytes
-    (parameters, gradients, optimizer state) at the first of them."""
+    """``TorchPeak`` of every optimizer step from ``first`` on (first among the callbacks: its window
+    opens before any other's ``on_step_begin`` and holds the session's work in the model's hooks), the
+    static bytes (parameters, gradients, optimizer state) at the first of them and, with ``grads``,
+    the gradients each optimizer step applies."""
 
-    def __init__(self):
-        self.peaks, self.static, self.meter = [], None, None
+    def __init__(self, first: int = FIRST_STEADY, grads: bool = False):
+        self.first, self.peaks, self.static, self.meter = first, [], None, None
+        self.grads = [] if grads else None
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if state.global_step >= FIRST_STEADY:
+        if state.global_step >= self.first:
             self.static = self.static or static_bytes(model, optimizer)
             self.meter = TorchPeak(model, optimizer).start()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is not None:
+            self.grads.append([p.grad.clone() for p in model.parameters()])
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.meter is not None:
@@ -49,13 +57,15 @@ class SteadyPeaks(transformers.TrainerCallback):
             self.meter = None
 
 
-def _train(tmp_path, *callbacks, accumulation: int = 1, **arguments):
+def _train(tmp_path, *callbacks, accumulation: int = 1, peaks=None, model=None, data=None, collator=None,
+           steps: int = STEPS, **arguments):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
-        max_steps=STEPS, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        max_steps=steps, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=0, **arguments)
-    peaks = SteadyPeaks()
-    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data(), callbacks=[peaks, *callbacks])
+    peaks = peaks or SteadyPeaks()
+    trainer = transformers.Trainer(model=model or _model(), args=args, train_dataset=data or _data(),
+                                   data_collator=collator, callbacks=[peaks, *callbacks])
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return trainer, peaks, losses
@@ -96,3 +106,59 @@ def test_without_a_budget_the_callback_warns_and_leaves_the_run_alone(tmp_path, 
 def test_the_trainer_s_own_gradient_checkpointing_is_refused(tmp_path):
     with pytest.raises(AlreadyCheckpointedError):
         _train(tmp_path, RematTrainerCallback(budget="1GB"), gradient_checkpointing=True)
+
+
+# ------------------------------------------------------------------------------ dynamic padding (issue 21)
+
+
+def _padded_data(batches):
+    """The sequences of ``batches`` (``padded_batches``) without their padding, in order, and a collator
+    that pads each batch to its own longest sequence (ids 0, mask 0, labels -100), as the batches were."""
+    rows = [{k: v[i, :int(b["attention_mask"][i].sum())] for k, v in b.items()}
+            for b in batches for i in range(b["input_ids"].shape[0])]
+
+    def collate(features):
+        width = max(len(f["input_ids"]) for f in features)
+        pad = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+        return {k: torch.stack([torch.nn.functional.pad(f[k], (0, width - len(f[k])), value=v) for f in features])
+                for k, v in pad.items()}
+
+    return rows, collate
+
+
+def test_trainer_follows_the_batch_shape_under_dynamic_padding(tmp_path):
+    """12 batches of 4 sequences padded to their longest (32..127 tokens), the longest (128) first at
+    step 8, in order (``train_sampling_strategy="sequential"``); budget: static + 50% of the longest
+    step's activations in the run without the callback. Every step's ``TorchPeak``, planning work in
+    the model's hooks included, holds it: step 0 too, which the session observes without a plan (it
+    runs as written; its shape fits without recomputation) and plans in its optimizer step."""
+    from lightning_remat.models import padded_batches
+
+    batches = padded_batches(steps=12, batch_size=4, longest_at=8)
+    rows, collate = _padded_data(batches)
+
+    def run(*callbacks):
+        peaks = SteadyPeaks(first=0, grads=True)
+        _, _, losses = _train(tmp_path, *callbacks, peaks=peaks, model=_model(128), data=rows,
+                                    collator=collate, steps=len(batches), train_sampling_strategy="sequential")
+        return peaks, losses
+
+    plain, plain_losses = run()
+    budget = plain.static + (plain.peaks[8] - plain.static) // 2
+    callback = RematTrainerCallback(budget=budget, cost="flops")
+    planned, losses = run(callback)
+
+    shapes = [tuple(b["input_ids"].shape) for b in batches]
+    table = list(zip(shapes, plain.peaks, planned.peaks))
+    assert max(plain.peaks) == plain.peaks[8] > 1.5 * budget, (budget, table)  # it needs recomputation
+    assert len(planned.peaks) == len(batches) and all(peak <= budget for peak in planned.peaks), (budget, table)
+    counts = callback.session.shape_plans.counts
+    # docs/shapes.md: at most one real profiling pass; the session's is none (the observed step calibrates
+    # fake profiles). Fake: the first batch's shape, then ladder nodes (4 per doubling, 32..128).
+    assert counts.real_profiles == 0 and counts.fake_profiles <= 1 + 2 * 4 * 2, counts
+    # Steps: the observed call (step 0's, planned at its end) and every later training forward.
+    assert counts.steps == len(batches) and len(callback.session.shape_plans.plans) > 3, counts
+    assert callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses and len(losses) == len(batches)  # log_history's losses, not rounded
+    for step, (expected, got) in enumerate(zip(plain.grads, planned.grads)):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
