@@ -30,21 +30,15 @@ from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
 from ...core.shapes import Shape
-from ...runtime.profiling.batch_shape import batch_shape, resize_batch
+from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, resize_batch
 from ...runtime.profiling.profile_adjust import with_always_alive
 
 # The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
 LOOP_ALLOWANCE = ACCELERATE_LOOP_ALLOWANCE
 
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensor_leaves(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensor_leaves(v)]
-    return []
+# Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order:
+# the same walk that reads a batch's tensors.
+tensor_leaves = batch_tensors
 
 
 def scalar_loss(output: Any) -> torch.Tensor | None:
