@@ -190,21 +190,28 @@ def _train(batches, before_step=None):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     plans = before_step(model, optimizer) if before_step else None
+    use = plans.use if plans is not None else None
+    return (*_measured_steps(model, optimizer, batches, lambda batch: loss_fn(model, batch), before=use), plans)
+
+
+def _measured_steps(model, optimizer, batches, forward, backward=lambda loss: loss.backward(), before=None):
+    """Per step of ``batches``: the peak (``TorchPeak`` open over the whole step, ``before(batch)``
+    included), the loss and the gradients."""
     peaks, losses, grads = [], [], []
     for batch in batches:
         meter = TorchPeak(model, optimizer)
         meter.start()
-        if plans is not None:
-            plans.use(batch)
-        loss = loss_fn(model, batch)
-        loss.backward()
+        if before is not None:
+            before(batch)
+        loss = forward(batch)
+        backward(loss)
         grads.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
         del loss
         peaks.append(meter.stop())
-    return peaks, losses, grads, plans
+    return peaks, losses, grads
 
 
 @pytest.fixture(scope="module")
@@ -353,19 +360,8 @@ def _accelerate_run(batches, monkeypatch, budget=None):
     model = build("gpt2", **SIZES).model
     model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     torch.manual_seed(1)
-    peaks, losses, grads = [], [], []
-    for batch in batches:
-        meter = TorchPeak(model, optimizer)
-        meter.start()
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        grads.append([p.grad.clone() for p in model.parameters()])
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        del loss
-        peaks.append(meter.stop())
-    return (peaks, losses, grads), remat_session(model)
+    steps = _measured_steps(model, optimizer, batches, lambda batch: model(**batch).loss, accelerator.backward)
+    return steps, remat_session(model)
 
 
 def test_accelerate_session_follows_the_batch_shape(scenario, monkeypatch):
