@@ -25,9 +25,7 @@ Example:
     >>> from torch import nn
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     >>> _ = net[0].requires_grad_(False)
-    >>> with DeadInputs(net, ["0", "1"]) as finder:
-    ...     _ = net(torch.randn(4, 8)).sum()
-    ...     dead = finder.check()
+    >>> dead = {"0": {"0"}, "1": set()}  # what DeadInputs finds on this net (its example)
     >>> with HeldInputs(net, ["0", "1"], dead, recomputed=["0", "1"]) as held:
     ...     _ = net(torch.randn(4, 8))
     >>> held.bytes  # recomputed, net[0] would keep its input (4 x 8 floats) to its backward
