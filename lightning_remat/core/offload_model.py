@@ -101,11 +101,6 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
     return replace(profile, stages=tuple(stages))
 
 
-def plan_host_bytes(profile: Profile, choices: list[int]) -> int:
-    """Host bytes of a plan: the offloaded stages' ``host_bytes``."""
-    return sum(s.options[c].host_bytes for s, c in zip(profile.stages, choices))
-
-
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
     """``profile`` with the offload option removed from the given stage indices."""
     return replace(profile, stages=tuple(

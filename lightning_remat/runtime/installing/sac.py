@@ -44,7 +44,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from ...core.vocabulary import POLICY_PREFIX, OptionKind, Policy
+from ...core.vocabulary import OptionKind, Policy
 from ...core.vocabulary import option_name as _option_name
 from ...core.vocabulary import policy_of as _policy_of
 
@@ -66,7 +66,6 @@ ATTENTION_OPS = _packets("_scaled_dot_product_flash_attention", "_scaled_dot_pro
                          "_efficient_attention_forward")
 
 # Option names in a profile are "sac:" + the policy name (``core.vocabulary``).
-PREFIX = POLICY_PREFIX
 POLICIES = Policy.values()
 
 
