@@ -94,6 +94,32 @@ def parse_policies(text: Any) -> tuple | None:
     return None if words == ("all",) else words
 
 
+def check_policies(policies: Any) -> tuple | None:
+    """Validate the policies a user offers: None (every policy), or a tuple of plain policy names.
+
+    Accepted: None; a list, tuple or set of names, each plain or as its option name
+    (``"save_matmuls"`` or ``"sac:save_matmuls"``, as the docs and a plan's summary spell it); text
+    as ``parse_policies`` reads it. Anything else (``True``, a number) is a ValueError naming what
+    is accepted, whichever entry point it came through.
+
+    Example:
+        >>> check_policies(["sac:save_matmuls", "save_attention"]), check_policies("all")
+        (('save_matmuls', 'save_attention'), None)
+        >>> check_policies(True)
+        Traceback (most recent call last):
+        ...
+        ValueError: policies must be None (every policy), () (none), or a list of policy names among save_matmuls, save_projections, save_alternate_matmuls, save_attention (each also spelled 'sac:' + the name), got True
+    """
+    if isinstance(policies, str):
+        policies = parse_policies(policies)
+    if policies is None:
+        return None
+    if not isinstance(policies, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in policies):
+        raise ValueError(f"policies must be None (every policy), () (none), or a list of policy names among "
+                         f"{', '.join(Policy.values())} (each also spelled 'sac:' + the name), got {policies!r}")
+    return tuple(Policy.check(p).value for p in policies)
+
+
 @dataclass(frozen=True)
 class ProfileOptions:
     """How a step is profiled.
@@ -155,10 +181,7 @@ class ProfileOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
-        if self.policies is not None:
-            if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
-                raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
+        object.__setattr__(self, "policies", check_policies(self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
