@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from lightning_remat import ProfileOptions, measure_step, plan_remat, profile_step
+from lightning_remat.core.vocabulary import OptionKind
+from lightning_remat.models import build
 from lightning_remat.integrations.accelerate import RematPlugin
 from lightning_remat.integrations.lightning.callback import AutoRemat
 
@@ -29,10 +31,11 @@ def step_of(width=16):
 
 def snapshot(model):
     """Everything a failure must leave as it was: names and values of parameters and buffers,
-    state_dict keys, each module's class and forward."""
+    state_dict keys, each module's class, forward and mode, and which parameters have gradients."""
     return ([(n, p.detach().clone()) for n, p in model.named_parameters()],
             [(n, b.clone()) for n, b in model.named_buffers()], list(model.state_dict()),
-            [(n, type(m), m.__dict__.get("forward"), type(m).forward) for n, m in model.named_modules()])
+            [(n, type(m), m.__dict__.get("forward"), type(m).forward, m.training) for n, m in model.named_modules()],
+            [(n, p.grad is None, p.requires_grad) for n, p in model.named_parameters()])
 
 
 def assert_unchanged(model, before):
@@ -142,3 +145,76 @@ def test_measure_step_with_a_number_for_a_loss_says_what_it_needs():
     with pytest.raises(TypeError, match=r"got float .*not loss.item\(\)"):
         measure_step(model, lambda m: m(torch.randn(2, 16)).sum().item())
     assert_unchanged(model, before)
+
+
+# ------------------------------------------- 3: an exception anywhere in planning surfaces as itself
+
+
+class Injected(Exception):
+    """A user's own exception, raised from inside the model."""
+
+
+def faults(call):
+    """The exception injected at forward call ``call``: a user's, an empty RuntimeError, an out-of-memory
+    error, in turn."""
+    return (Injected(f"boom at call {call}"), RuntimeError(),
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))[call % 3]
+
+
+def counted_calls(model, raise_at=None):
+    """A hook on the first layer of every block (so recomputes count too): the number of calls so
+    far; at call ``raise_at`` it raises ``faults(raise_at)``."""
+    count, raised = [0], []
+
+    def hook(module, args):
+        count[0] += 1
+        if count[0] == raise_at:
+            raised.append(faults(raise_at))
+            raise raised[-1]
+
+    handles = [block[0].register_forward_pre_hook(hook) for block in model]
+    return count, raised, handles
+
+
+@pytest.mark.parametrize("target", [{}, {"fake": True, "gpu": "h100", "device": "cuda", "offload": True}],
+                         ids=["real", "fake-offload"])
+def test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself(target):
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
+    model = chain()
+    optimizer = torch.optim.Adam(model.parameters())
+    plan = lambda: plan_remat(model, lambda m: m(x).square().mean(), "min", optimizer=optimizer, policies=None,
+                              **target)
+    count, _, handles = counted_calls(model)
+    clean = plan()
+    for handle in handles:
+        handle.remove()
+    assert count[0] > 20, count
+    # Every kind of option is measured: policies, segments (the blocks chain in one Sequential), offload.
+    profile = profile_step(model, lambda m: m(x).square().mean(), optimizer=optimizer,
+                           options=ProfileOptions(policies=None, **target))
+    kinds = {OptionKind.of(o.name) for stage in profile.stages for o in stage.options}
+    assert {OptionKind.POLICY, OptionKind.WHOLE} <= kinds and profile.span_groups, kinds
+    assert (OptionKind.OFFLOAD in kinds) == bool(target), kinds
+    before = snapshot(model)
+    for call in range(1, count[0] + 1):
+        _, raised, handles = counted_calls(model, raise_at=call)
+        with pytest.raises(BaseException) as caught:
+            plan()
+        assert raised and caught.value is raised[0], (call, caught.value)
+        for handle in handles:
+            handle.remove()
+        assert_unchanged(model, before)
+        assert not optimizer.state, call
+    assert plan() == clean
+
+
+def test_a_policy_whose_recompute_does_not_replay_the_forward_is_still_dropped_with_its_note():
+    # transformers' key/value cache grows on every call (use_cache=True): a policy's recompute asks
+    # its storage for ops the forward did not run, which torch reports; only that drops an option.
+    case = build("gpt2", layers=2, hidden=32, seq_len=16, vocab=64, batch_size=2)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = plan_remat(case.model, lambda m: m(input_ids=ids, labels=ids, use_cache=True).loss, "min",
+                      policies=("save_matmuls",))
+    note = next(n for n in plan.notes if "did not replay" in n)
+    assert "sac:save_matmuls (aten." in note and "not found in storage" in note
+    assert not plan.policies
