@@ -2,6 +2,7 @@
 what is accepted, a user's exceptions surface as themselves, and after any failure the model is
 exactly as it was (parameters, names, state_dict keys, forwards, classes)."""
 
+import logging
 import warnings
 
 import lightning.pytorch as L
@@ -218,3 +219,48 @@ def test_a_policy_whose_recompute_does_not_replay_the_forward_is_still_dropped_w
     note = next(n for n in plan.notes if "did not replay" in n)
     assert "sac:save_matmuls (aten." in note and "not found in storage" in note
     assert not plan.policies
+
+
+# -------------------------------- 4: a fallback plan's messages say what happened, never "0 B"
+
+
+class OutOfMemoryFirst(L.LightningModule):
+    """Runs out of memory (``torch.OutOfMemoryError`` from a forward hook) in its first ``calls``
+    forwards of block 1: the real profile and the fake one, so planning falls back."""
+
+    def __init__(self, calls=2):
+        super().__init__()
+        self.net, self.left = chain(blocks=3, width=32), calls
+        self.net[1].register_forward_pre_hook(self._out_of_memory)
+
+    def _out_of_memory(self, module, args):
+        if self.left > 0:
+            self.left -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("budget", ["min", 4096])
+def test_the_fallback_after_profiling_runs_out_of_memory_says_so_and_predicts_nothing(budget, caplog):
+    module, callback = OutOfMemoryFirst(), AutoRemat(budget=budget, verbose=True)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        fit(module, [callback], steps=3)
+    assert module.left == 0 and callback.plan.fallback
+    assert callback.plan.checkpointed == ["net.0", "net.1", "net.2"] and callback.measured_peak_bytes > 0
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
+    fell_back = [m for m in said if "Installed the fallback plan" in m]
+    assert len(fell_back) == 1 and "out of memory while profiling (OutOfMemoryError" in fell_back[0]
+    assert "every candidate block recomputed whole (3 module(s))" in fell_back[0]
+    assert "no peak is predicted" in fell_back[0]
+    measured = next(m for m in said if m.startswith("AutoRemat: measured peak") or "lightning-remat: a steady" in m)
+    assert "the fallback plan" in measured and "profiling ran out of memory" in measured
+    # Never a figure for what was not predicted, nor advice that assumes a profile.
+    for message in said:
+        for wrong in ("0 B", "not predicted", "the profile did not see"):
+            assert wrong not in message, message
