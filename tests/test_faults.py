@@ -2,6 +2,7 @@
 what is accepted, a user's exceptions surface as themselves, and after any failure the model is
 exactly as it was (parameters, names, state_dict keys, forwards, classes)."""
 
+import functools
 import logging
 import warnings
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat import ProfileOptions, measure_step, plan_remat, profile_step
+from lightning_remat import (Plan, ProfileOptions, RematError, apply_plan, measure_step, plan_remat, profile_step,
+                             remove_remat)
+from lightning_remat.runtime.installing.apply import checkpointed_modules
+from lightning_remat.runtime.installing.offload import offloaded_modules
 from lightning_remat.core.vocabulary import OptionKind
 from lightning_remat.models import build
 from lightning_remat.integrations.accelerate import RematPlugin
@@ -35,8 +39,14 @@ def snapshot(model):
     state_dict keys, each module's class, forward and mode, and which parameters have gradients."""
     return ([(n, p.detach().clone()) for n, p in model.named_parameters()],
             [(n, b.clone()) for n, b in model.named_buffers()], list(model.state_dict()),
-            [(n, type(m), m.__dict__.get("forward"), type(m).forward, m.training) for n, m in model.named_modules()],
+            [(n, type(m), _forward(m), type(m).forward, m.training) for n, m in model.named_modules()],
             [(n, p.grad is None, p.requires_grad) for n, p in model.named_parameters()])
+
+
+def _forward(module):
+    """A module's instance forward: ours is a fresh ``partial`` of the same function each time it is installed."""
+    forward = module.__dict__.get("forward")
+    return (forward.func, forward.args) if isinstance(forward, functools.partial) else forward
 
 
 def assert_unchanged(model, before):
@@ -264,3 +274,45 @@ def test_the_fallback_after_profiling_runs_out_of_memory_says_so_and_predicts_no
     for message in said:
         for wrong in ("0 B", "not predicted", "the profile did not see"):
             assert wrong not in message, message
+
+
+# ------------------------------- 10: nested names refused; installing is all or nothing
+
+
+def test_a_plan_naming_a_module_and_one_of_its_ancestors_is_refused_naming_both():
+    model = chain()
+    before = snapshot(model)
+    for names, inner, outer in ((["0", ""], "'0'", "'' (the model itself)"), (["1.0", "1"], "'1.0'", "'1'")):
+        with pytest.raises(RematError, match="nest") as caught:
+            apply_plan(model, names)
+        assert isinstance(caught.value, ValueError) and f"{inner} inside {outer}" in str(caught.value)
+        assert_unchanged(model, before)
+    with pytest.raises(RematError, match="'2' inside '' \\(the model itself\\)"):
+        apply_plan(model, Plan([], offloaded=["", "2"]))
+    assert_unchanged(model, before)
+
+
+class Stubborn(nn.Sequential):
+    """A module that refuses a new ``forward`` attribute."""
+
+    def __setattr__(self, name, value):
+        if name == "forward":
+            raise AttributeError(f"{type(self).__name__} keeps its own forward")
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("previous", [[], ["1"]], ids=["bare", "with-a-plan"])
+def test_a_module_that_refuses_its_new_forward_leaves_the_model_exactly_as_it_was(previous):
+    model = chain(blocks=4)
+    model[2] = Stubborn(*model[2])
+    apply_plan(model, previous) if previous else None
+    before, x = snapshot(model), torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    expected = model(x)
+    plan = Plan(["0", "1", "2"], policies={"1": "save_matmuls"}, offloaded=["3"])
+    with pytest.raises(AttributeError, match="Stubborn keeps its own forward"):
+        apply_plan(model, plan)
+    assert_unchanged(model, before)
+    assert checkpointed_modules(model) == previous and offloaded_modules(model) == []
+    assert torch.equal(model(x), expected)
+    remove_remat(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
