@@ -169,8 +169,8 @@ class ProfileOptions:
         "depth); off profiles all N")})
     policies: Any = field(default=(), metadata={"help": (
         "op-level selective-checkpointing policies offered as options of every stage: save_matmuls (matmul "
-        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (in text, "
-        "separated by commas); 'all' (None) "
+        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (each also "
+        "spelled as its option name, sac:save_matmuls; in text, separated by commas); 'all' (None) "
         "for every one; none by default (). Opt-in: each costs one more measured step, eager SAC is slower in "
         "wall-clock on the CPU, and plans that mix a policy with other options can exceed their prediction "
         "(docs/selective_checkpointing.md)"), "parse": parse_policies})
