@@ -60,6 +60,7 @@ def assert_unchanged(model, before):
 def test_policies_spelled_as_the_docs_spell_them_are_accepted_everywhere():
     names = ("sac:save_matmuls", "save_attention")
     assert ProfileOptions(policies=names).policies == ("save_matmuls", "save_attention")
+    assert ProfileOptions(policies=(n for n in names)).policies == ("save_matmuls", "save_attention")
     assert AutoRemat(budget="1GB", policies=names).config.profile.policies == ("save_matmuls", "save_attention")
     assert RematPlugin(budget="1GB", policies="sac:save_matmuls").config().profile.policies == ("save_matmuls",)
     model = chain()
@@ -69,7 +70,7 @@ def test_policies_spelled_as_the_docs_spell_them_are_accepted_everywhere():
     assert checkpoint_policies(model) == {"0": "save_matmuls"}
 
 
-@pytest.mark.parametrize("bad", [True, 1, 2.5, object(), [True], ["save_matmuls", None]])
+@pytest.mark.parametrize("bad", [True, 1, 2.5, object(), [True], ["save_matmuls", None], {"save_matmuls": 1}])
 def test_policies_that_are_not_names_are_refused_naming_what_is_accepted(bad):
     for make in (lambda: ProfileOptions(policies=bad), lambda: AutoRemat(budget="1GB", policies=bad),
                  lambda: RematPlugin(budget="1GB", policies=bad)):

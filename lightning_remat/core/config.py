@@ -114,10 +114,14 @@ def check_policies(policies: Any) -> tuple | None:
         policies = parse_policies(policies)
     if policies is None:
         return None
-    if not isinstance(policies, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in policies):
+    try:  # a generator is read once, here
+        names = tuple(policies) if not isinstance(policies, (bytes, dict)) else None
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(p, str) for p in names):
         raise ValueError(f"policies must be None (every policy), () (none), or a list of policy names among "
                          f"{', '.join(Policy.values())} (each also spelled 'sac:' + the name), got {policies!r}")
-    return tuple(Policy.check(p).value for p in policies)
+    return tuple(Policy.check(p).value for p in names)
 
 
 @dataclass(frozen=True)
