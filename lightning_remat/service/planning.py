@@ -87,10 +87,18 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     budget = plan.budget_bytes
     if budget is None or measured_peak_bytes <= budget:
         return None
+    over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
+            f"above the budget of {format_bytes(budget)} ({budget} bytes")
+    if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
+        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. Every candidate block is recomputed already: "
+                "reduce the batch size, raise the budget, or name more candidates.")
     predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
-    return (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
-            f"above the budget of {format_bytes(budget)} ({budget} bytes{predicted}): memory the profile did not "
-            "see. Lower the budget by the difference.")
+    return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
+
+
+# What a plan made without a profile is, in every message that reports on it.
+FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
+                 "ran out of memory)")
 
 
 @dataclass
@@ -214,11 +222,13 @@ class Planner:
         release_device_memory()
         stages = find_stages(model, self.config.profile.candidates)
         note = f"fallback: out of memory while profiling ({reason}); every candidate block recomputed whole"
-        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
-                      f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
-                      "by the measured peak.", UserWarning, stacklevel=3)
-        return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
-                                          self.config.budget.text, note)
+        budget = self.config.budget_bytes(model_device(model))
+        checked = (f"whether the budget of {budget} bytes holds is known only from the measured peak of a later step"
+                   if isinstance(budget, int) else "budget 'min' (the least peak) needs a profile to be found")
+        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Installed the fallback plan: every "
+                      f"candidate block recomputed whole ({len(stages)} module(s)). Without a profile no peak is "
+                      f"predicted: {checked}.", UserWarning, stacklevel=3)
+        return solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,

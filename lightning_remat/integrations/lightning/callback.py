@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
+from ...core.errors import SkippedStepError
 from ...core.plan import Plan
 from ...core.shapes import Shape
 from ...report.render import print_plan
@@ -137,7 +138,8 @@ class AutoRemat(Callback):
       ``activation_checkpointing_policy``) and strategies other than single-device, DDP and
       ModelParallelStrategy are left alone with a warning.
     - ``training_step`` is called several times on the first batch while profiling; ``self.log``
-      is muted during those calls.
+      is muted during those calls. A batch it skips (returns None, as Lightning allows) is left
+      alone and trains as it would; the first batch that returns a loss is profiled.
 
     Example:
         >>> callback = AutoRemat(budget="2GB")
@@ -228,8 +230,11 @@ class AutoRemat(Callback):
             return
         window = max(1, trainer.accumulate_grad_batches)
         first = self.plan is None
-        planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module, batch,
-                                                                                         batch_idx)
+        try:
+            planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module,
+                                                                                             batch, batch_idx)
+        except SkippedStepError:
+            return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
         if planned:
@@ -321,10 +326,10 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        self.profile_count += 1
         plan = Planner(self._config_for(trainer)).shared_plan(
             pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+        self.profile_count += 1
         self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
         return True
