@@ -71,28 +71,48 @@ def pyplot() -> Any:
     return plt
 
 
-def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "") -> Path:
+def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
+                         budget_bytes: int | None = None) -> Path:
     """Plot total memory over one training step for each timeline (e.g. before and after a plan) to a PNG.
+
+    Each timeline was measured (MemTracker, operator by operator): its peak is marked and labelled
+    as the measured peak, and ``budget_bytes`` is drawn as a dashed line, so the picture says at a
+    glance whether the plan held its budget.
 
     Example:
         >>> import tempfile, os
         >>> out = plot_memory_timeline([MemoryTimeline("a", [1, 3 * 2**20, 2**20], 2)],
-        ...                            os.path.join(tempfile.mkdtemp(), "t.png"))
+        ...                            os.path.join(tempfile.mkdtemp(), "t.png"), budget_bytes=4 * 2**20)
         >>> out.read_bytes()[:4] == b"\\x89PNG"
         True
     """
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig = timeline_figure(plt, timelines, title, budget_bytes)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = "", budget_bytes: int | None = None) -> Any:
+    """The memory-timeline figure of ``plot_memory_timeline`` (a matplotlib ``Figure``, for a logger too)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, timeline in enumerate(timelines):
         color = colors[k % len(colors)]
         ys = [b / _MIB for b in timeline.bytes_after_op]
-        ax.plot(range(len(ys)), ys, color=color, linewidth=1.2,
-                label=f"{timeline.label} (peak {format_bytes(timeline.peak_bytes)})")
+        ax.plot(range(len(ys)), ys, color=color, linewidth=1.2, label=timeline.label)
         if timeline.backward_start is not None:
             ax.axvline(timeline.backward_start, color=color, linestyle=":", linewidth=1)
+        if ys:
+            top = max(range(len(ys)), key=ys.__getitem__)
+            ax.scatter([top], [ys[top]], color=color, edgecolor="black", zorder=3)
+            ax.annotate(f"measured peak {format_bytes(timeline.peak_bytes)}", (top, ys[top]), textcoords="offset points",
+                        xytext=(6, -12 * k), fontsize=8)
+    if budget_bytes:
+        ax.axhline(budget_bytes / _MIB, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"budget {format_bytes(budget_bytes)}")
     ax.set_xlabel("operator (forward, then backward from the dotted line)")
     ax.set_ylabel("memory (MiB)")
     ax.set_title(title or "Memory over one training step")
@@ -100,9 +120,7 @@ def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, 
     ax.grid(alpha=0.3)
     ax.legend(loc="lower center", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: str = "",
@@ -151,8 +169,7 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
     if measured:
         ax.scatter([p / _MIB for _, p, _ in measured], [100 * o for _, _, o in measured], color="tab:blue",
                    edgecolor="black", zorder=3, label="AutoRemat (measured)")
-        for label, p, o in measured:
-            ax.annotate(label, (p / _MIB, 100 * o), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        _annotate(ax, measured)
     if planned:
         ax.scatter([p / _MIB for _, p, _ in planned], [100 * o for _, _, o in planned], facecolor="none",
                    edgecolor="tab:blue", zorder=3, label="AutoRemat plan (predicted)")
@@ -166,3 +183,15 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
     ax.set_ylabel(overhead_label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _annotate(ax: Any, measured: Sequence[tuple[str, int, float]]) -> None:
+    """One label per measured point: plans that land on the same point share a label ("min, @ HF peak"),
+    and labels of neighbouring points alternate above and below, so that none is drawn over another."""
+    merged: dict[tuple[float, float], list[str]] = {}
+    for label, p, o in measured:
+        # Points closer than the text's resolution (0.1 MiB, 0.1%) are the same point on the plot.
+        merged.setdefault((round(p / _MIB, 1), round(100 * o, 1)), []).append(label)
+    for k, ((x, y), labels) in enumerate(sorted(merged.items())):
+        ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(4, 4 if k % 2 == 0 else -10),
+                    fontsize=7)

@@ -322,7 +322,7 @@ class AutoRemat(Callback):
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
         self.profile_count += 1
-        plan = Planner(self._config_for(trainer)).shared_plan(
+        plan = Planner(self._config_for(trainer), verbose=self.verbose).shared_plan(
             pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
         self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
@@ -343,6 +343,7 @@ class AutoRemat(Callback):
                 config=self._config_for(trainer), adjust=_loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
+            self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
         plans, self._batch_idx = self.shape_plans, batch_idx
         known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
         self.plan = plans.use(batch)

@@ -1,0 +1,84 @@
+"""The one progress display: after its delay, on a terminal, rank 0, off with verbose=False; in plan_remat and AutoRemat."""
+
+import io
+import time
+
+import lightning.pytorch as L
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_remat.report.progress as progress
+from lightning_remat import AutoRemat, plan_remat
+from lightning_remat.report.progress import PhaseProgress
+
+
+def _terminal():
+    buffer = io.StringIO()
+    return buffer, Console(file=buffer, force_terminal=True, width=100)
+
+
+def test_the_display_appears_only_after_its_delay_on_a_terminal_and_when_enabled():
+    buffer, console = _terminal()
+    with PhaseProgress(2, delay=5.0, console=console) as quick:
+        quick("solving")  # done long before the delay: nothing shown
+    assert not quick.shown and buffer.getvalue() == ""
+    with PhaseProgress(2, delay=0.05, console=console) as slow:
+        slow("profiling a training step")
+        time.sleep(0.4)
+        slow("solving")
+    assert slow.shown and "profiling a training step" in buffer.getvalue() and slow.phases_done == 2
+    for display in (PhaseProgress(delay=0, console=console, enabled=False),
+                    PhaseProgress(delay=0, console=Console(file=io.StringIO(), force_terminal=False))):
+        with display as advance:
+            advance("profiling")
+        assert not display.shown
+
+
+@pytest.fixture()
+def shown(monkeypatch):
+    """Every display at once, to a terminal we read."""
+    buffer, console = _terminal()
+    monkeypatch.setattr(progress, "DELAY_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "default_console", lambda: console)
+    return buffer
+
+
+def _chain():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)])
+    x = torch.randn(32, 16)
+    return model, x
+
+
+def test_plan_remat_shows_planning_unless_verbose_is_false(shown):
+    model, x = _chain()
+    plan_remat(model, lambda m: m(x).square().mean(), "min", verbose=False)
+    assert shown.getvalue() == ""
+    plan_remat(model, lambda m: m(x).square().mean(), "min", fake=True)
+    assert "profiling a training step of Sequential on fake tensors" in shown.getvalue()
+
+
+class _Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, _ = _chain()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_autoremat_with_fake_planning_shows_planning_unless_verbose_is_false(shown, verbose, tmp_path):
+    loader = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=32)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[AutoRemat(budget="min", fake=True, verbose=verbose)])
+    trainer.fit(_Module(), loader)
+    assert ("profiling a training step of _Module on fake tensors" in shown.getvalue()) == verbose
