@@ -148,13 +148,47 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pareto_figure(plt: Any, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,
+                   title: str) -> Any:
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
     draw_pareto(ax, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes)
     ax.set_title(title or "Peak memory vs recompute overhead")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)", "time": "time overhead (%)"}
+
+
+def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
+                       title: str = "") -> Any:
+    """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): the budget sweep of
+    ``profile``, the plan as predicted, the plan as measured (``measured_peak_bytes``, at its
+    predicted overhead) and the budget.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
+        >>> from lightning_remat.core.solve import solve
+        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+        >>> p = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),),
+        ...             baseline_peak_bytes=250, baseline_step_flops=100)
+        >>> fig = plan_pareto_figure(p, solve(p, 200, cost="flops"), measured_peak_bytes=190)
+        >>> [t.get_text() for t in fig.axes[0].texts]
+        ['measured']
+    """
+    plt = pyplot()
+    sweep = pareto_sweep(profile, points, cost=plan.cost_kind)
+    measured = [] if measured_peak_bytes is None else [("measured", measured_peak_bytes, plan.predicted_overhead)]
+    return _pareto_figure(plt, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible], (),
+                          measured, profile.baseline_peak_bytes, OVERHEAD_LABELS.get(plan.cost_kind, "overhead (%)"),
+                          [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)], plan.budget_bytes,
+                          title or "The plan: predicted peak vs overhead, and as measured")
 
 
 _MARKERS = ("s", "^", "D", "v", "P", "X", "*")

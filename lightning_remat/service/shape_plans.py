@@ -248,6 +248,18 @@ class ShapePlans:
             raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
         return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
 
+    def profile_of(self, plan: Plan) -> Profile | None:
+        """The profile ``plan`` (one of these plans) was solved on, without profiling anything: the
+        first batch's where the plan is for its shape, else the fit's; None when there is neither
+        (a fallback plan, or one seeded from a checkpoint)."""
+        shape = plan.fingerprint.get("shape")
+        if shape is None:
+            return None
+        key = Shape(*shape)
+        if self.anchor is not None and key == self.anchor[0]:
+            return self.anchor[1]
+        return self.fit.at(key) if self.fit is not None else None
+
     # ------------------------------------------------------------------------------- internals
 
     def _shared(self, compute: Callable[[], tuple[Shape, Plan]]) -> tuple[Shape, Plan]:

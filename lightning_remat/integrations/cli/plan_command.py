@@ -118,7 +118,7 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
     """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
-    from ...report.plots import plot_memory_timeline, plot_pareto
+    from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
     from ...report.timeline import memory_timeline
 
     files: dict[str, str] = {}
@@ -133,7 +133,7 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
         files["memory_timeline"] = str(plot_memory_timeline(
             timelines, args.out / "memory_timeline.png", budget_bytes=plan.budget_bytes if plan is not None else None,
             title=f"{name}: memory over one training step (optimizer state included)"))
-    unit = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)"}.get(args.cost, "time overhead (%)")
+    unit = OVERHEAD_LABELS[args.cost]
     chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
     files["pareto"] = str(plot_pareto(
         args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],

@@ -27,6 +27,7 @@ from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from ...service.shape_plans import ShapePlans
+from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
@@ -257,6 +258,9 @@ class AutoRemat(Callback):
         assert self.plan is not None
         self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
                                                         self._log_metrics)
+        if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
+            log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
+                             trainer.global_step)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:

@@ -1,11 +1,14 @@
-"""The one progress display: after its delay, on a terminal, rank 0, off with verbose=False; in plan_remat and AutoRemat."""
+"""What a newcomer sees while planning and after: the one progress display (after its delay, on a terminal, rank 0,
+off with verbose=False; in plan_remat and AutoRemat) and the plan's picture in the loggers that take images."""
 
 import io
 import time
+from types import SimpleNamespace
 
 import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -82,3 +85,49 @@ def test_autoremat_with_fake_planning_shows_planning_unless_verbose_is_false(sho
                         callbacks=[AutoRemat(budget="min", fake=True, verbose=verbose)])
     trainer.fit(_Module(), loader)
     assert ("profiling a training step of _Module on fake tensors" in shown.getvalue()) == verbose
+
+
+class _ImageLogger(Logger):
+    """A Lightning logger whose experiment takes figures as TensorBoard's SummaryWriter does
+    (tensorboard is not installed here), or one with W&B's ``log_image``, or MLflow's ``log_figure``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.images = kind, []
+        if kind == "wandb":
+            self.log_image = lambda key, images, step=None: self._take(key, images[0], step)
+        elif kind == "mlflow":
+            self.run_id = "run-1"
+
+    @property
+    def experiment(self):
+        if self.kind == "tensorboard":
+            return SimpleNamespace(add_figure=lambda tag, figure, global_step=None: self._take(tag, figure, global_step))
+        if self.kind == "mlflow":
+            return SimpleNamespace(log_figure=lambda run_id, figure, name: self._take(name, figure, run_id))
+        return SimpleNamespace()
+
+    def _take(self, tag, figure, step):
+        ax = figure.axes[0]
+        self.images.append((tag, step, [t.get_text() for t in ax.texts], [line.get_label() for line in ax.get_lines()]))
+
+    name, version = "images", 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_autoremat_logs_the_plan_picture_with_its_measured_point_to_loggers_that_take_images(tmp_path):
+    loggers = [_ImageLogger(kind) for kind in ("tensorboard", "wandb", "mlflow", "none")]
+    loader = DataLoader(TensorDataset(torch.randn(96, 16)), batch_size=32)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=loggers, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[AutoRemat(budget="min", verbose=False)])
+    trainer.fit(_Module(), loader)
+    for logger in loggers[:3]:
+        (tag, step, texts, lines), = logger.images
+        assert tag.startswith("remat/pareto") and "measured" in texts and "budget" in lines
+    assert loggers[3].images == []
