@@ -44,6 +44,10 @@ from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
 
 METRIC_PREFIX = "remat/"
+# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
+MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
+                      "or cost='roofline' give figures that do not move")
 
 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
@@ -207,7 +211,10 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        return replace(plan, requested_budget=self.config.budget.text)
+        notes = plan.notes
+        if self.config.cost == "time" and not self.config.profile.fake:
+            notes += (MEASURED_TIME_NOTE,)
+        return replace(plan, requested_budget=self.config.budget.text, notes=notes)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
