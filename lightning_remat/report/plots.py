@@ -113,7 +113,7 @@ def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = 
     if budget_bytes:
         ax.axhline(budget_bytes / _MIB, color="tab:red", linestyle="--", linewidth=1,
                    label=f"budget {format_bytes(budget_bytes)}")
-    ax.set_xlabel("operator (forward, then backward from the dotted line)")
+    ax.set_xlabel("operator (forward, then backward from the dotted line; the optimizer step is not drawn)")
     ax.set_ylabel("memory (MiB)")
     ax.set_title(title or "Memory over one training step")
     ax.set_ylim(bottom=0)
