@@ -28,7 +28,8 @@ memory (for a model on the CPU, the host's RAM), as everywhere in lightning-rema
 
 Exit codes: 0 success; 1 the budget cannot be met (the smallest reachable peak is printed) or the
 step failed while profiling; 2 bad input, whatever it is (a missing file or factory, a factory that
-raises or returns something else, a malformed budget, device, GPU or any other flag's value).
+raises or returns something else, a malformed budget, device, GPU or any other flag's value, a
+candidate that matches no module).
 Errors are one line on stderr: "lightning-remat: error: ...".
 """
 

@@ -188,6 +188,10 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             profile = planner.profile(target.model, target.step, target.optimizer)
         except (TypeError, ValueError, RuntimeError) as err:
+            if isinstance(err, RematError) and isinstance(err, ValueError):
+                # Ours, and about what was asked (a candidate that matches nothing, a setting the
+                # model refuses): bad input, as a malformed flag is.
+                raise UsageError(f"{type(err).__name__}: {err}") from err
             raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}") from err
         result["profile_seconds"] = time.perf_counter() - start
         result["warnings"] = _profile_warnings(profile, args.cost)
