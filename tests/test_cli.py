@@ -169,3 +169,11 @@ def test_a_step_that_fails_while_profiling_is_exit_1_in_one_line(capsys, tmp_pat
     code, err = _error(capsys, ["plan", f"{path}:failing", "--no-plots"])
     assert code == 1
     assert err == f"lightning-remat: error: profiling {path}:failing failed: RuntimeError: the step broke on its second line\n"
+
+
+def test_budget_too_small_in_tables_is_one_error_line_on_stderr(capsys, factories):
+    code = main(["plan", f"{factories}:tiny", "--budget", "100kB", "--no-plots", "--cost", "flops"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Budgets from the least reachable peak" in captured.out
+    assert captured.err.startswith("lightning-remat: error: No recompute plan fits a budget of 97.66 KiB")
+    assert captured.err.count("\n") == 1 and "smallest reachable peak" in captured.err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import math
 import time
 import warnings
@@ -155,7 +156,7 @@ def _show(result: dict[str, Any], breakdown: Any, plan: Plan | None, points: lis
     if plan is not None:
         print_renderables(plan_renderables(plan), console)
     else:
-        console.print(f"[red]error:[/red] {result['error']}", highlight=False)
+        print(one_line_error(result["error"]), file=sys.stderr)  # one line, not wrapped by rich
     console.print(pareto_table(points, plan, cost))
     for label, path in result["files"].items():
         console.print(f"wrote {label}: {path}", highlight=False)
