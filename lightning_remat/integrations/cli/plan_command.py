@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import math
+import sys
 import time
 import warnings
 from dataclasses import fields
