@@ -131,3 +131,18 @@ def test_autoremat_logs_the_plan_picture_with_its_measured_point_to_loggers_that
         (tag, step, texts, lines), = logger.images
         assert tag.startswith("remat/pareto") and "measured" in texts and "budget" in lines
     assert loggers[3].images == []
+
+
+def test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies():
+    """Static memory alone above the budget: the advice is precision, sharding or a larger GPU, not the batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "examples/plan_llama7b.py", "--layers", "2", "--precision", "bf16-mixed",
+                          "--device-memory", "8GB"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    line = run.stderr.strip()
+    assert "\n" not in line and line.startswith("plan_llama7b: no plan fits 90% of 8GB: parameters, gradients and AdamW")
+    assert "--precision bf16-true" in line and "world_size" in line and "batch size" not in line
