@@ -156,7 +156,8 @@ def failing():
 
 
 @pytest.mark.parametrize("argv", [["--device", "banana"], ["--fake", "--gpu", "banana"], ["--points", "0"],
-                                  ["--budget", "ten gigs"], ["--world-size", "2"], ["--candidates", "NoSuchBlock"]])
+                                  ["--budget", "ten gigs"], ["--world-size", "2"], ["--candidates", "NoSuchBlock"],
+                                  ["--device-memory", "lots"]])
 def test_bad_input_is_exit_2_in_one_line(capsys, factories, argv):
     code, err = _error(capsys, ["plan", f"{factories}:tiny", "--no-plots", *argv])
     assert code == 2, err

@@ -86,6 +86,15 @@ def _config(args: argparse.Namespace) -> RematConfig:
             gpu(args.gpu)
         except ValueError as err:
             raise UsageError(f"--gpu: {err}") from err
+    if args.device_memory is not None:  # a size that is not one ("lots") is bad input, not ignored
+        from ...core.budget import parse_budget
+
+        try:
+            size = parse_budget(args.device_memory)
+        except ValueError as err:
+            raise UsageError(f"--device-memory: {err}") from err
+        if not isinstance(size, int):
+            raise UsageError(f"--device-memory {args.device_memory!r}: a size in bytes ('80GB', '80 GiB'), not {size!r}")
     if args.device is not None:  # a device torch cannot parse is bad input, found before anything runs
         import torch
 
