@@ -146,3 +146,18 @@ def test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_ap
     line = run.stderr.strip()
     assert "\n" not in line and line.startswith("plan_llama7b: no plan fits 90% of 8GB: parameters, gradients and AdamW")
     assert "--precision bf16-true" in line and "world_size" in line and "batch size" not in line
+
+
+def test_the_batch_size_search_shows_its_profiles_unless_verbose_is_false(shown):
+    from lightning_remat import find_remat_batch_size
+
+    model, _ = _chain()
+
+    def make_step(batch_size):
+        x = torch.randn(batch_size, 16)
+        return lambda m: m(x).square().mean()
+
+    find_remat_batch_size(model, make_step, 2_000_000, max_val=64, apply=False, verbose=False)
+    assert shown.getvalue() == ""
+    find_remat_batch_size(model, make_step, 2_000_000, max_val=64, apply=False)
+    assert "profiling a training step of Sequential" in shown.getvalue()
