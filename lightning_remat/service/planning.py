@@ -44,6 +44,10 @@ from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
 
 METRIC_PREFIX = "remat/"
+# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
+MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
+                      "or cost='roofline' give figures that do not move")
 
 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
@@ -171,8 +175,10 @@ class Planner:
         '1GB'
     """
 
-    def __init__(self, config: RematConfig):
+    def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config
+        # A progress display while deciding takes longer than a few seconds (rank 0, on a terminal).
+        self.verbose = verbose
 
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
@@ -183,12 +189,23 @@ class Planner:
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
         """The profile ``decide`` solves on (``adjust`` applied)."""
         options = self.config.profile if warmup is None else replace(self.config.profile, warmup=warmup)
-        profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
+        with self.progress(model, options.fake):
+            profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
         if model_device(model).type != "cpu":
             # The profile's pass without recomputation filled the caching allocator up to the
             # baseline's peak; hand that back so training reserves what the plan needs.
             release_device_memory()
         return adjust(profile) if adjust is not None else profile
+
+    def progress(self, model: nn.Module, fake: bool) -> Any:
+        """The progress display of one profile: profiling is the long part of planning (15-100 s for
+        a 7B model on fake tensors), so once it runs past a few seconds rank 0 shows what it is
+        doing, unless ``verbose=False`` (``report.progress.PhaseProgress``, a context manager)."""
+        from ..report.progress import PhaseProgress
+
+        display = PhaseProgress(enabled=self.verbose and is_main_process())
+        display(f"lightning-remat: profiling a training step of {type(model).__name__}" + (" on fake tensors" if fake else ""))
+        return display
 
     def solve_profile(self, model: nn.Module, profile: Any) -> Plan:
         """The least-cost plan within the budget for ``profile``."""
@@ -202,7 +219,10 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        return replace(plan, requested_budget=self.config.budget.text)
+        notes = plan.notes
+        if self.config.cost == "time" and not self.config.profile.fake:
+            notes += (MEASURED_TIME_NOTE,)
+        return replace(plan, requested_budget=self.config.budget.text, notes=notes)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -265,7 +285,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True) -> Plan:
+               repeated_blocks: bool = True, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -299,6 +319,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             more host memory than the host has free. ``plan.offloaded`` names those stages.
         repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
             False profiles all N. Every argument is described once, in ``ProfileOptions``/``RematConfig``.
+        verbose: a progress display on stderr (rank 0, on a terminal) when planning runs longer than
+            a few seconds (a 7B model planned on fake tensors); False shows nothing.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -331,4 +353,5 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).
-    return Planner(config).shared_plan(model, step, optimizer, channel=torch_distributed_channel(), fallback=False)
+    return Planner(config, verbose=verbose).shared_plan(model, step, optimizer, channel=torch_distributed_channel(),
+                                                        fallback=False)

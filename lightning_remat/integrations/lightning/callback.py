@@ -28,6 +28,7 @@ from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from ...service.shape_plans import ShapePlans
+from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
@@ -262,6 +263,9 @@ class AutoRemat(Callback):
         assert self.plan is not None
         self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
                                                         self._log_metrics)
+        if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
+            log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
+                             trainer.global_step)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -326,7 +330,7 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        plan = Planner(self._config_for(trainer)).shared_plan(
+        plan = Planner(self._config_for(trainer), verbose=self.verbose).shared_plan(
             pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
         self.profile_count += 1
@@ -348,6 +352,7 @@ class AutoRemat(Callback):
                 config=self._config_for(trainer), adjust=_loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
+            self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
         plans, self._batch_idx = self.shape_plans, batch_idx
         known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
         self.plan = plans.use(batch)
