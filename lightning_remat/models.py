@@ -117,7 +117,7 @@ def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] 
     g = torch.Generator().manual_seed(0)
     images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
     labels = torch.randint(0, 10, (batch_size,), generator=g)
-    return ModelCase("convnext", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, True)
+    return ModelCase("convnext", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
 
 
 class Bottleneck(nn.Module):

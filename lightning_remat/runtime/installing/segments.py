@@ -72,7 +72,9 @@ def segmented_modules(model: nn.Module) -> list[list[str]]:
 
 def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[str, list]:
     """Each named module's calls in one forward of ``step(model)`` under ``torch.no_grad()``, as
-    ``(args, kwargs, output)`` (the caller replays random generators and restores buffers).
+    ``(args, kwargs, output, versions)`` (the caller replays random generators and restores buffers):
+    ``versions`` are the version counters of the tensor arguments as the call began and of the output
+    as it ended, which tell an in-place change between two calls.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
@@ -83,12 +85,21 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
     modules = dict(model.named_modules())
     calls: dict[str, list] = {n: [] for n in names}
 
-    def hook(name: str):
-        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            calls[name].append((args, kwargs, output))
+    began: dict[str, list] = {n: [] for n in names}
+
+    def pre_hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            began[name].append(tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
         return record
 
-    handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in calls]
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            ended = output._version if isinstance(output, torch.Tensor) else None
+            calls[name].append((args, kwargs, output, (began[name].pop(), ended)))
+        return record
+
+    handles = [h for n in calls for h in (modules[n].register_forward_pre_hook(pre_hook(n)),
+                                          modules[n].register_forward_hook(hook(n), with_kwargs=True))]
     try:
         with torch.no_grad():
             step(model)

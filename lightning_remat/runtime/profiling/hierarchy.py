@@ -16,8 +16,9 @@ expanded only where one of its children is a block itself (two or more children)
 (a convolution, a norm) alone gain nothing from their own checkpoint.
 
 Cost: one forward without gradients (whose calls also tell ``stage_options.span_groups`` which
-Sequential items chain); no memory run is added, since each option's run measures every stage at
-the deepest level at once.
+Sequential items chain), and none where no candidate's forward takes a single argument (transformer
+layers take masks and positions); no memory run is added, since each option's run measures every
+stage at the deepest level at once.
 
 Example:
     >>> import torch
@@ -32,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -89,42 +91,56 @@ def _is_block(module: nn.Module) -> bool:
     return len(list(module.children())) >= 2
 
 
+def _one_argument(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes exactly one argument (nothing optional, no ``*args`` or
+    ``**kwargs``): only such a block can be a chain, so a transformer layer (masks, positions, caches)
+    costs no forward to rule out."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (len(parameters) == 1 and parameters[0].default is inspect.Parameter.empty
+            and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
 def _subtree(model: nn.Module, stages: Sequence[str]) -> dict[str, list[str]]:
     """Per block that could be expanded (to ``MAX_DEPTH``), its sub-modules."""
     found: dict[str, list[str]] = {}
     frontier = [(name, 0) for name in stages]
     while frontier:
         name, depth = frontier.pop()
-        subs = sub_modules(model, name) if depth < MAX_DEPTH else []
+        subs = sub_modules(model, name) if depth < MAX_DEPTH and _one_argument(model.get_submodule(name)) else []
         if len(subs) >= 2 and any(_is_block(model.get_submodule(s)) for s in subs):
             found[name] = subs
             frontier.extend((s, depth + 1) for s in subs)
     return found
 
 
-def _single_tensor_call(calls: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _single_tensor_call(calls: list) -> tuple[torch.Tensor, int, torch.Tensor, int] | None:
+    """(input, its version as the call began, output, its version as the call ended) of a module
+    called once with one tensor and returning one."""
     if len(calls) != 1:
         return None
-    args, kwargs, output = calls[0]
+    args, kwargs, output, (began, ended) = calls[0]
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
         return None
-    return args[0], output
+    return args[0], began[0], output, ended
 
 
 def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
     """Whether one forward ran ``block`` as a chain of ``subs``: each called once with one tensor, the
-    first on the block's input, each next on the output of the one before, the block returning the
-    last one's output."""
+    first on the block's input, each next on the output of the one before, unchanged in between (an
+    in-place residual add is a step of the block's own), the block returning the last one's output."""
     outer = _single_tensor_call(calls.get(block, []))
     if outer is None:
         return False
-    current = outer[0]
+    current, version = outer[0], outer[1]
     for name in subs:
         inner = _single_tensor_call(calls.get(name, []))
-        if inner is None or inner[0] is not current:
+        if inner is None or inner[0] is not current or inner[1] != version:
             return False
-        current = inner[1]
-    return current is outer[1]
+        current, version = inner[2], inner[3]
+    return current is outer[2] and version == outer[3]
 
 
 def expand(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
