@@ -11,7 +11,8 @@ MemTracker peak, FlopCounterMode FLOPs):
 - no checkpointing; every block recomputed (each ConvNeXt layer / bottleneck: per-layer checkpointing);
   sqrt(n) segments (each stage of blocks one checkpoint: 4 segments of 10 or 16 blocks);
 - the least peak predicted with the candidates of one level (``find_stages``, passed by hand so no
-  block is expanded) and with the automatic, hierarchical candidates (the profile's ``blocks``);
+  block is expanded; for torchvision's layout the bottlenecks alone, as before its loose stem and head
+  were stages) and with the automatic, hierarchical candidates (the profile's ``blocks``);
 - AutoRemat at static + 50% of the baseline's activations and at ``"min"``: measured peak, predicted
   peak, FLOP overhead, planning time.
 
@@ -44,11 +45,14 @@ from lightning_remat.runtime.profiling.candidates import find_stages  # noqa: E4
 from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "hierarchy.json"
-SHAPES = {
-    "convnext": dict(batch_size=16, image_size=64),
-    "resnet50": dict(batch_size=8, image_size=64),  # benchmarks/run.py's shape
-    "tv_resnet": dict(batch_size=8, image_size=64),
-}
+# (model, shape): the benchmark shapes (resnet50's is benchmarks/run.py's, where Adam's step bounds
+# the least peak), and a torchvision-layout ResNet at a shape where activations bound it.
+CASES = [
+    ("convnext", dict(batch_size=16, image_size=64)),
+    ("resnet50", dict(batch_size=8, image_size=64)),
+    ("tv_resnet", dict(batch_size=8, image_size=64)),
+    ("tv_resnet", dict(batch_size=8, image_size=128, width=2)),
+]
 QUICK = {
     "convnext": dict(batch_size=4, image_size=32, width=4),
     "resnet50": dict(batch_size=2, image_size=32, width=4),
@@ -57,6 +61,9 @@ QUICK = {
 # The blocks every-layer checkpointing recomputes, and the stages sqrt(n) segments recompute whole.
 LAYERS = {"convnext": "ConvNextLayer", "resnet50": "ResNetBottleNeckLayer", "tv_resnet": "Bottleneck"}
 STAGES = {"convnext": "convnext.encoder.stages.*", "resnet50": "resnet.encoder.stages.*", "tv_resnet": "layer?"}
+# The candidates before: one level (find_stages's, passed by hand, so nothing is expanded); for
+# torchvision's layout, the bottlenecks alone (its loose stem and head were no stages).
+BEFORE = {"tv_resnet": "Bottleneck"}
 
 
 def _profile(case, candidates: Any) -> tuple[Any, float]:
@@ -93,12 +100,13 @@ def _row(config: Config, baseline: Config, planning: float | None = None) -> dic
     return row
 
 
-def run_model(name: str, quick: bool, log) -> dict[str, Any]:
-    """Every row of one model."""
-    case = build(name, seed=0, **(QUICK if quick else SHAPES)[name])
-    one_level = find_stages(case.model)
+def run_model(name: str, shape: dict[str, Any], log) -> dict[str, Any]:
+    """Every row of one model at one shape."""
+    case = build(name, seed=0, **shape)
+    one_level = find_stages(case.model, BEFORE.get(name))
+    log(f"[{name} {shape}] profiling (one level)")
     flat, _ = _profile(case, one_level)
-    log(f"[{name}] profiling (hierarchical)")
+    log(f"[{name} {shape}] profiling (hierarchical)")
     deep, seconds = _profile(case, None)
     baseline = _run(case, "no checkpointing")
     modules = dict(case.model.named_modules())
@@ -110,7 +118,7 @@ def run_model(name: str, quick: bool, log) -> dict[str, Any]:
     static = deep.static_bytes
     activations = baseline.measured["peak_bytes"] - static
     for label, budget in (("AutoRemat static + 50%", int(static + 0.5 * activations)), ("AutoRemat min", "min")):
-        log(f"[{name}] {label}")
+        log(f"[{name} {shape}] {label}")
         start = time.perf_counter()
         try:
             plan = solve(deep, budget, cost="flops")
@@ -118,7 +126,7 @@ def run_model(name: str, quick: bool, log) -> dict[str, Any]:
             rows.append({"label": label, "error": f"infeasible: least peak {err.smallest_peak_bytes}"})
             continue
         rows.append(_row(_run(case, label, plan=plan), baseline, seconds + time.perf_counter() - start))
-    return {"model": name, "shape": (QUICK if quick else SHAPES)[name], "static_bytes": static,
+    return {"model": name, "shape": shape, "static_bytes": static,
             "baseline_activation_bytes": activations,
             "one_level": {"stages": len(flat.stages), "least_peak_bytes": least_peak(flat)},
             "hierarchical": {"stages": len(deep.stages), "blocks": [b for b, _ in deep.blocks],
@@ -148,11 +156,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=list(QUICK), choices=list(QUICK))
     parser.add_argument("--quick", action="store_true", help="smaller shapes (a smoke run)")
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes")
     args = parser.parse_args(argv)
-    results = [run_model(name, args.quick, lambda text: print(text, file=sys.stderr)) for name in args.models]
+    cases = [(name, QUICK[name]) for name in args.models] if args.quick else [c for c in CASES if c[0] in args.models]
+    results = [run_model(name, shape, lambda text: print(text, file=sys.stderr)) for name, shape in cases]
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"quick": args.quick, "models": results}, indent=1) + "\n")
