@@ -163,6 +163,36 @@ def test_a_block_recomputed_whole_is_one_action_predicted_and_round_tripped():
 
 # ---- finding the stages ----------------------------------------------------------------------
 
+def _block():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+
+class _Residual(torch.nn.Module):
+    """Two blocks and an in-place residual add: not a chain of its children."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _block(), _block()
+
+    def forward(self, x):
+        y = self.b(self.a(x))
+        y += x
+        return y
+
+
+def test_only_blocks_that_chain_their_children_unchanged_are_expanded_within_the_stage_limit(monkeypatch):
+    from lightning_remat.runtime.profiling import hierarchy
+
+    net = torch.nn.Sequential(torch.nn.Sequential(_block(), _block()), torch.nn.Sequential(_block(), _block()),
+                              _Residual(), _Residual())
+    x = torch.randn(2, 4)
+    found = hierarchy.expand(net, lambda m: m(x).sum(), find_stages(net))
+    assert found.stages == ["0.0", "0.1", "1.0", "1.1", "2", "3"]
+    assert found.blocks == (("0", ("0.0", "0.1")), ("1", ("1.0", "1.1")))
+    monkeypatch.setattr(hierarchy, "MAX_STAGES", 5)  # room for one block's extra stage only
+    assert hierarchy.expand(net, lambda m: m(x).sum(), find_stages(net)).stages == ["0.0", "0.1", "1", "2", "3"]
+
+
 def test_a_torchvision_resnets_loose_stem_and_head_are_stages_recomputed_with_equal_gradients():
     model = TorchvisionResNet((2, 2, 2, 2), width=16).train()
     stages = find_stages(model)
