@@ -155,6 +155,7 @@ def test_a_block_recomputed_whole_is_one_action_predicted_and_round_tripped():
     plan = solve(profile, "min", cost="flops")
     assert "b" in plan.checkpointed and not {"b.0", "b.1"} & set(plan.checkpointed)
     assert [a.stage for a in plan.actions] == ["b", "c"]
+    assert plan.stage_order == ("b.0", "b.1", "c")  # every stage, for offloading one ahead
     assert predict(profile, plan.actions, "flops").peak_bytes == plan.predicted_peak_bytes
     again = Plan.from_dict(plan.to_dict())
     assert again.actions == plan.actions
