@@ -18,7 +18,7 @@ MemTracker peak, FlopCounterMode FLOPs):
 
 Prints a table and writes ``docs/benchmarks/hierarchy.json``.
 
-    python benchmarks/hierarchy.py            # about 2-4 minutes on 2 CPU cores
+    python benchmarks/hierarchy.py            # about 5-6 minutes on 2 shared CPU cores
     python benchmarks/hierarchy.py --quick    # smaller shapes
 """
 
@@ -46,10 +46,11 @@ from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "hierarchy.json"
 # (model, shape): the benchmark shapes (resnet50's is benchmarks/run.py's, where Adam's step bounds
-# the least peak), and a torchvision-layout ResNet at a shape where activations bound it.
+# the least peak), and each ResNet at a shape where activations bound it.
 CASES = [
     ("convnext", dict(batch_size=16, image_size=64)),
     ("resnet50", dict(batch_size=8, image_size=64)),
+    ("resnet50", dict(batch_size=8, image_size=128, width=2)),
     ("tv_resnet", dict(batch_size=8, image_size=64)),
     ("tv_resnet", dict(batch_size=8, image_size=128, width=2)),
 ]
