@@ -122,7 +122,12 @@ def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] 
 
 class Bottleneck(nn.Module):
     """torchvision's bottleneck block (1x1, 3x3, 1x1 convolutions with BatchNorm, a residual, ReLU in
-    place), written out here: torchvision is not a dependency."""
+    place), written out here: torchvision is not a dependency.
+
+    Example:
+        >>> Bottleneck(16, 4)(torch.randn(1, 16, 8, 8)).shape
+        torch.Size([1, 16, 8, 8])
+    """
 
     expansion = 4
 

@@ -52,7 +52,12 @@ MAX_STAGES = 256
 @dataclass
 class Hierarchy:
     """The stages at the deepest level reached, the blocks expanded (each with its stages, in order),
-    and the calls recorded (for ``span_groups``)."""
+    and the calls recorded (for ``span_groups``).
+
+    Example:
+        >>> Hierarchy(["a", "b"]).blocks   # what candidates given by hand get: nothing expanded
+        ()
+    """
 
     stages: list[str]
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -130,7 +135,14 @@ def _single_tensor_call(calls: list) -> tuple[torch.Tensor, int, torch.Tensor, i
 def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
     """Whether one forward ran ``block`` as a chain of ``subs``: each called once with one tensor, the
     first on the block's input, each next on the output of the one before, unchanged in between (an
-    in-place residual add is a step of the block's own), the block returning the last one's output."""
+    in-place residual add is a step of the block's own), the block returning the last one's output.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+        >>> calls = recorded_calls(nn.Sequential(net), lambda m: m(torch.ones(1, 2)).sum(), ["0", "0.0", "0.1"])
+        >>> chains("0", ["0.0", "0.1"], calls), chains("0", ["0.1"], calls)
+        (True, False)
+    """
     outer = _single_tensor_call(calls.get(block, []))
     if outer is None:
         return False
@@ -146,7 +158,14 @@ def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
 def expand(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
            replay: Callable[[], None] = lambda: None) -> Hierarchy:
     """The stages of ``stages`` planned through their children where their forward chains them (see
-    the module docstring); ``replay`` runs before the one forward without gradients."""
+    the module docstring); ``replay`` runs before the one forward without gradients.
+
+    Example:
+        >>> stack = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(2)])
+        >>> net = nn.Sequential(stack, nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+        >>> expand(net, lambda m: m(torch.ones(1, 2)).sum(), ["0", "1"]).stages  # "1" holds single layers
+        ['0.0', '0.1', '1']
+    """
     candidates = _subtree(model, stages)
     if not candidates:
         return Hierarchy(list(stages))
