@@ -258,8 +258,8 @@ class Plan:
     def stage_order(self) -> tuple[str, ...] | None:
         """Every stage in execution order, for a plan solved on a profile (None otherwise): what
         offloading needs to release and prefetch one stage ahead."""
-        chosen = {c.stage for c in self.choices}
-        return tuple(a.stage for a in self.actions if a.stage in chosen) if chosen else None
+        # The choices, not the actions: a block recomputed whole is one action for all its stages.
+        return tuple(c.stage for c in self.choices) if self.choices else None
 
     @property
     def fallback(self) -> bool:
