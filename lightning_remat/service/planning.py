@@ -37,6 +37,7 @@ from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
+from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
@@ -194,7 +195,7 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        return replace(plan, requested_budget=self.config.budget.text)
+        return bound(replace(plan, requested_budget=self.config.budget.text), model)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -217,8 +218,8 @@ class Planner:
         warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
                       f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
                       "by the measured peak.", UserWarning, stacklevel=3)
-        return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
-                                          self.config.budget.text, note)
+        return bound(solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)),
+                                                self.config.cost, self.config.budget.text, note), model)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,

@@ -38,6 +38,7 @@ from ...core.errors import AlreadyCheckpointedError
 from ...core.plan import Plan
 from . import installer
 from .compiled import uncompiled
+from .fingerprint import check_binding
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
@@ -161,6 +162,8 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        PlanMismatchError: the plan was made for other parameter shapes, or a model of another
+            size (``fingerprint.check_binding``; a ``ValueError``).
         ValueError: a name is not a module of ``model``, or a name lies inside another named module.
 
     Example:
@@ -172,6 +175,8 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         False
     """
     plan = as_plan(plan, segments, policies, offloaded)
+    # A plan solved for other shapes would break its budget silently: refused before anything changes.
+    check_binding(model, plan)
     existing = existing_checkpointing(model)
     if existing and (plan.checkpointed or plan.segments):
         raise AlreadyCheckpointedError(
