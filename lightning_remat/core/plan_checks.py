@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from .budget import MAX_BUDGET_BYTES as MAX_BYTES  # the largest byte count a plan holds
 from .errors import PlanFormatError
 from .vocabulary import CostKind
 
-# The largest byte count a plan holds: what a signed 64-bit integer (torch's, JSON readers') holds.
-MAX_BYTES = 2**63 - 1
 _BYTES = "a whole number of bytes from 0 to 2**63 - 1"
 _OPTIONAL_BYTES = ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes")
 _STATIC_BYTES = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "host_bytes")

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
+from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.plan import Plan, saved_plans
 from ...core.shapes import Shape
@@ -153,8 +154,7 @@ class AutoRemat(Callback):
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
                  cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
                  policies: Sequence[str] | None = ()) -> None:
-        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
-            raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
+        check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
