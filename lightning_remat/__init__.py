@@ -28,8 +28,9 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanningFailedError,
-                          RematError, StepError, UnsupportedSetupError, UnsupportedShardingError)
+                          ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanFormatError,
+                          PlanMismatchError, PlanningFailedError, RematError, StepError, UnsupportedSetupError,
+                          UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
@@ -64,6 +65,8 @@ __all__ = [
     "FakeProfileError",
     "NoCandidateError",
     "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
     "PlanningFailedError",
     "Profile",
     "ProfileOptions",
