@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_remat import AutoRemat, apply_plan, plan_remat, remove_remat
+from lightning_remat import AutoRemat, apply_plan, plan_remat
 from lightning_remat.core.errors import PlanFormatError, PlanMismatchError, RematError
 from lightning_remat.core.plan import Plan
 from lightning_remat.integrations.lightning.batch_size_finder import RematBatchSizeFinder
 from lightning_remat.runtime.installing.apply import checkpointed_modules
-from torch_meter import TorchPeak
+from tests.torch_meter import TorchPeak
 
 WIDTH, BATCH = 32, 64
 

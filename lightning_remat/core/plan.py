@@ -131,8 +131,9 @@ class Plan:
         choices: per stage, the profile's option chosen and its figures (empty without a profile).
         parameter_bytes, gradient_bytes, optimizer_state_bytes: static memory in the profile.
         notes: what the profile or the planner noticed.
-        fingerprint: what the plan was made for (parameter bytes, the batch's size and shapes), so
-            that an integration can tell when it no longer applies: a resumed run, a larger batch.
+        fingerprint: what the plan was made for (the parameter shapes of the modules it names and
+            the model's parameter count, which ``apply_plan`` checks; parameter bytes, the batch's
+            size and shapes), so that it is never applied elsewhere silently (``docs/plans.md``).
         sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
             empty on one device.
         host_bytes: host memory the offloaded stages take.
