@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_remat import AutoRemat, ProfileOptions, RematConfig, plan_remat
 from lightning_remat.core.batch_fit import validate_search
-from lightning_remat.core.errors import ShardingError
+from lightning_remat.core.errors import BudgetTooSmallError, ShardingError
 from lightning_remat.integrations.accelerate.plugin import RematPlugin
 from lightning_remat.integrations.cli import main
 
@@ -80,3 +80,14 @@ def test_plan_remat_refuses_them_before_profiling_and_leaves_the_model_as_it_was
             plan_remat(net, step, "min", **bad)
     assert calls == [] and all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert all("forward" not in m.__dict__ for m in net.modules())
+
+
+def test_a_device_memory_below_the_least_peak_is_refused_even_for_the_least_peak_plan():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 2 MiB of parameters, 4 MiB with gradients
+    x = torch.randn(8, 512)
+    with pytest.raises(BudgetTooSmallError, match=r"fits the target device's memory, device_memory='2MiB' "
+                                                  r"\(2097152 bytes\): the least peak is") as caught:
+        plan_remat(net, lambda m: m(x).square().mean(), "min", device_memory="2MiB")
+    assert caught.value.smallest_peak_bytes > caught.value.static_bytes > 2**21
+    assert plan_remat(net, lambda m: m(x).square().mean(), "min", device_memory="1GB").predicted_peak_bytes < 2**30

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import PlanningFailedError
+from ..core.budget import Budget, format_bytes
+from ..core.errors import BudgetTooSmallError, PlanningFailedError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
@@ -151,6 +152,19 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
                       "would run out before the budget binds. Lower the budget.", UserWarning, stacklevel=3)
 
 
+def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -> None:
+    """A plan whose peak is above the target device's whole memory (``device_memory``; only
+    ``budget="min"`` gets one: a size is checked against it) cannot run there: say so, with the least peak."""
+    total = Budget.parse(device_memory).nbytes if device_memory is not None else None
+    peak = plan.predicted_peak_bytes
+    if total is None or peak is None or peak <= total:
+        return
+    raise BudgetTooSmallError(total, peak, profile.static_bytes, message=(
+        f"No recompute plan fits the target device's memory, device_memory={device_memory!r} ({total} bytes): the "
+        f"least peak is {format_bytes(peak)} ({peak} bytes), of which {format_bytes(profile.static_bytes)} is "
+        "parameters, gradients and optimizer state. Give the device's real memory, or reduce the batch size."))
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
@@ -195,6 +209,7 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
+        _refuse_beyond_device_memory(plan, self.config.profile.device_memory, profile)
         return bound(replace(plan, requested_budget=self.config.budget.text), model)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
