@@ -87,7 +87,12 @@ def _named(plan: Plan) -> list[str]:
 
 def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
     """What ``plan`` records of ``model`` (names of the uncompiled model): each named module's
-    parameters and the model's number of parameters."""
+    parameters and the model's number of parameters.
+
+    Example:
+        >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan(["0"]))
+        {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
+    """
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         return {"module_parameters": {n: _parameters(modules[n]) for n in _named(plan) if n in modules},
@@ -95,7 +100,12 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
 
 
 def bound(plan: Plan, model: nn.Module) -> Plan:
-    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint."""
+    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint.
+
+    Example:
+        >>> sorted(bound(Plan(["0"]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
+        ['module_parameters', 'parameter_count']
+    """
     return replace(plan, fingerprint={**plan.fingerprint, **binding(model, plan)})
 
 
@@ -118,7 +128,16 @@ def _module_mismatch(name: str, module: nn.Module | None, recorded: dict[str, li
 
 def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
     """What differs between ``model`` and the model a plan's fingerprint ``saved`` records (None:
-    nothing recorded differs): a named module's parameter shapes, or the model's size."""
+    nothing recorded differs): a named module's parameter shapes, or the model's size.
+
+    Example:
+        >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
+        >>> saved = bound(Plan(["0", "1"]), chain(2)).fingerprint
+        >>> mismatch(chain(2), saved) is None
+        True
+        >>> mismatch(chain(3), saved)
+        "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
+    """
     recorded = saved.get("module_parameters", {})
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
@@ -141,7 +160,13 @@ def _siblings(a: str, b: str) -> bool:
 
 def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
     """Why one of ``plans`` was made for a model other than ``model`` (``mismatch``; with
-    ``bytes_too``, also other parameter bytes: ``same_model``), or None."""
+    ``bytes_too``, also other parameter bytes: ``same_model``), or None.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> made_for_other(net, [None, bound(Plan(["0"]), net)]) is None
+        True
+    """
     plans = [p for p in plans if p is not None]
     found = next((m for m in (mismatch(model, p.fingerprint) for p in plans) if m), None)
     if found is None and bytes_too and not all(same_model(p.fingerprint, model) for p in plans):
@@ -151,7 +176,11 @@ def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool =
 
 def check_binding(model: nn.Module, plan: Plan) -> None:
     """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``
-    (``mismatch``); nothing where it records nothing."""
+    (``mismatch``); nothing where it records nothing.
+
+    Example:
+        >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(["0"]))  # records nothing: no check
+    """
     found = mismatch(model, plan.fingerprint)
     if found is not None:
         raise PlanMismatchError(f"lightning-remat: the plan was made for another model: {found}. Nothing was applied; "
