@@ -194,3 +194,11 @@ def test_a_foreign_checkpoint_state_fails_on_load_and_changes_nothing(state):
         finder.load_state_dict(state if not isinstance(state, dict) or "plans" not in state else
                                {"plan": None, "batch_size": 0})
     assert finder.plan is None
+
+
+def test_a_plan_with_its_actions_overridden_is_still_checked():
+    plan = plan_remat(chain(), step, "min", cost="flops")
+    wide = chain(hidden=2 * WIDTH)
+    with pytest.raises(PlanMismatchError):
+        apply_plan(wide, plan, segments=[], policies={})
+    assert checkpointed_modules(wide) == []

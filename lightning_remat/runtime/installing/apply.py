@@ -135,7 +135,7 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
     return Plan(list(names), segments=[list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)],
                 policies=dict(getattr(plan, "policies", {}) if policies is None else policies), offloaded=offloaded,
                 offload_limits={k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded},
-                choices=getattr(plan, "choices", ()))
+                choices=getattr(plan, "choices", ()), fingerprint=getattr(plan, "fingerprint", None))
 
 
 def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
