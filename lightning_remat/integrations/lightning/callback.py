@@ -205,9 +205,8 @@ class AutoRemat(Callback):
             self._apply(trainer, pl_module, self.plan)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._disabled_reason or self.plan is None:
-            return
-        if not self._keeps_plans(pl_module, bytes_too=True):
+        # Every saved plan is checked against the model, the per-shape ones too (a state may hold only those).
+        if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
         if (checkpointed_modules(pl_module) != list(self.plan.checkpointed)
