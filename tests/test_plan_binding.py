@@ -166,7 +166,7 @@ GOOD = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31, predicted_pe
     ("notes", "abc"), ("notes", [1, 2]), ("requested_budget", 10), ("cost_kind", 3), ("fallback", "no"),
     ("fingerprint", [1]), ("sharding", "x"), ("choices", "x"), ("actions", "h.0"), ("actions", [1]),
     ("fingerprint", {"module_parameters": {"h.0": {"weight": [[-4], "float32"]}}}),
-    ("offload_limits", {"h.0": "1GB"}),
+    ("offload_limits", {"h.0": "1GB"}), ("fingerprint", {"batch_elements": "many"}),
 ])
 def test_a_saved_plan_with_a_value_no_plan_can_have_fails_on_load_naming_the_field(field, value):
     with pytest.raises(PlanFormatError, match=f"'{field}.*' must be .*got") as caught:

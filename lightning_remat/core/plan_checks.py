@@ -105,8 +105,10 @@ def _check_binding(fingerprint: Mapping[str, Any]) -> None:
         if not ok:
             raise PlanFormatError(f"fingerprint.module_parameters[{name!r}]", parameters,
                                   "a dict of parameter names to [shape, dtype]")
-    if "parameter_count" in fingerprint and not _whole(fingerprint["parameter_count"]):
-        raise PlanFormatError("fingerprint.parameter_count", fingerprint["parameter_count"], "a whole number >= 0")
+    # The figures the integrations compare with a model and a batch (``runtime.installing.fingerprint``).
+    for key in ("parameter_count", "parameter_bytes", "trainable_bytes", "batch_elements"):
+        if key in fingerprint and not _whole(fingerprint[key]):
+            raise PlanFormatError(f"fingerprint.{key}", fingerprint[key], "a whole number >= 0")
 
 
 def _check_mappings(data: Mapping[str, Any]) -> None:
