@@ -205,7 +205,6 @@ class AutoRemat(Callback):
             self._apply(trainer, pl_module, self.plan)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Every saved plan is checked against the model, the per-shape ones too (a state may hold only those).
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
@@ -291,13 +290,12 @@ class AutoRemat(Callback):
             self._meter = None
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
-        """Whether the saved plans were made for this model (``made_for_other``); if not, they are
-        forgotten and the first batch planned again: a plan for other shapes is never reused."""
+        """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
         found = made_for_other(pl_module, [self.plan, *self._saved_plans.values()], bytes_too)
         if found is None:
             return True
-        rank_zero_warn(f"AutoRemat: the saved plan was made for another model ({found}); planning again on the first "
-                       "batch.")
+        rank_zero_warn(f"AutoRemat: the saved plan was made for another model ({found}); planning again on the "
+                       "first batch.")
         self.plan, self._saved_plans = None, {}
         remove_remat(pl_module)
         return False
