@@ -162,7 +162,7 @@ GOOD = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31, predicted_pe
 @pytest.mark.parametrize("field, value", [
     ("budget_bytes", "10GB"), ("budget_bytes", 10**400), ("budget_bytes", -1), ("budget_bytes", 1.5),
     ("predicted_peak_bytes", float("inf")), ("parameter_bytes", None), ("host_bytes", True),
-    ("predicted_overhead", "10%"), ("predicted_overhead", math.inf), ("predicted_overhead", -0.5),
+    ("predicted_overhead", "10%"), ("predicted_overhead", math.inf),
     ("notes", "abc"), ("notes", [1, 2]), ("requested_budget", 10), ("cost_kind", 3), ("fallback", "no"),
     ("fingerprint", [1]), ("sharding", "x"), ("choices", "x"), ("actions", "h.0"), ("actions", [1]),
     ("fingerprint", {"module_parameters": {"h.0": {"weight": [[-4], "float32"]}}}),

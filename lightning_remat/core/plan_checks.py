@@ -58,8 +58,10 @@ def check_bytes(field: str, value: Any, optional: bool = False) -> None:
 def _check_overhead(value: Any) -> None:
     if value is None or _is_nan(value):
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise PlanFormatError("predicted_overhead", value, "a finite number >= 0 (or null)")
+    # No sign required: a cost measured in seconds is a difference of timings, and a plan saved with
+    # one slightly below zero must still load.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanFormatError("predicted_overhead", value, "a finite number (or null)")
 
 
 def _check_texts(field: str, value: Any) -> None:
