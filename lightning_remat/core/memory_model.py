@@ -62,6 +62,8 @@ class StageOption:
     # "offload:hidden": only this many bytes per forward call go out (what the host link moves
     # while the next stage computes); 0: everything.
     offload_limit: int = 0
+    # "chunks:k": a causal LM's head and loss over k sequence chunks (``runtime.installing.chunked_loss``).
+    chunks: int = 0
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline

@@ -10,6 +10,8 @@ attribute that composes them, as torch composes a checkpoint's ``context_fn`` wi
   nothing else, so it is the same eagerly and under ``torch.compile``;
 - offload: the call runs under ``saved_tensors_hooks`` that send what it saves to host memory
   (``offloader.py``), outside the checkpoint;
+- chunked loss: a causal LM hands its labels to its head, whose forward returns the loss computed
+  over sequence chunks, each recomputed in backward (``chunked_loss.py``);
 - segment: several consecutive items of an ``nn.Sequential`` recomputed as one checkpoint. The
   items are run by a *runner*, an ``nn.Sequential`` of them that is not registered in the model,
   recomputed like any module; the Sequential yields it in place of the items when iterated
@@ -48,12 +50,12 @@ from torch.utils.checkpoint import checkpoint
 from ...core.actions import StageAction, check_actions
 from ...core.plan import Plan
 from ...core.vocabulary import Action
-from . import sac
+from . import chunked_loss, sac
 from .compiled import uncompiled
 from .offloader import Offloader, offloaded_call, release_after_next
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
 
-__all__ = ["Installation", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
+__all__ = ["Installation", "chunked", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
            "offloader_of", "qualifies", "recomputed", "restore", "segment_positions", "snapshot", "uninstall",
            "uninstall_offload", "uninstall_segments"]
 
@@ -70,9 +72,11 @@ class _Record:
     policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
     offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
     release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
+    chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
+    route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
 
     def empty(self) -> bool:
-        return not self.recompute and self.offload is None
+        return not self.recompute and self.offload is None and not self.chunks and self.route is None
 
 
 # ------------------------------------------------------------------------------------ the forward
@@ -151,6 +155,10 @@ def _recomputed_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module with a record: its behaviours around its original forward."""
     record = module.__dict__[_RECORD]
+    if record.route is not None:
+        return chunked_loss.routed_call(record.original, module, record.route, *args, **kwargs)
+    if record.chunks:
+        return chunked_loss.chunked_head_call(record.original, module, record.chunks, *args, **kwargs)
     if record.offload is None:
         return _recomputed_call(module, *args, **kwargs)
     offloader, name = record.offload
@@ -274,10 +282,18 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
         check_actions(plan.actions)
         for names in plan.segments:
             segment_positions(modules, names)
+        chunked_loss.check_heads(modules, plan.chunked_loss)
         uninstall(plain)
         _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
                  plan.offload_limits, plan.stage_order if order is None else order, measure)
+        _install_chunks(modules, plan.chunked_loss)
     return model
+
+
+def _install_chunks(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
+    for head, count in chunks.items():
+        _record(modules[head]).chunks = count
+        _record(modules[head.rpartition(".")[0]]).route = modules[head]
 
 
 def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
@@ -301,7 +317,7 @@ def uninstall(model: nn.Module) -> nn.Module:
         for module in plain.modules():
             record = module.__dict__.get(_RECORD)
             if record is not None:
-                record.recompute, record.policy = False, ""
+                record.recompute, record.policy, record.chunks, record.route = False, "", 0, None
                 _settle(module)
     return model
 
@@ -314,6 +330,13 @@ def recomputed(model: nn.Module) -> dict[str, str]:
     with uncompiled(model) as plain:
         return {name: m.__dict__[_RECORD].policy for name, m in plain.named_modules()
                 if _RECORD in m.__dict__ and m.__dict__[_RECORD].recompute}
+
+
+def chunked(model: nn.Module) -> dict[str, int]:
+    """Per causal LM head of ``model`` computing its loss in chunks, the number of chunks."""
+    with uncompiled(model) as plain:
+        return {name: m.__dict__[_RECORD].chunks for name, m in plain.named_modules()
+                if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks}
 
 
 def installed_segments(model: nn.Module) -> list[list[str]]:
@@ -346,6 +369,7 @@ class Installation:
     limits: dict[str, int] = field(default_factory=dict)
     order: tuple[str, ...] | None = None
     measure: bool = False
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot(model: nn.Module) -> Installation:
@@ -355,7 +379,7 @@ def snapshot(model: nn.Module) -> Installation:
         return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
                             limits=dict(offloader.limits) if offloader else {},
                             order=offloader.order if offloader else None,
-                            measure=bool(offloader and offloader.measure))
+                            measure=bool(offloader and offloader.measure), chunks=chunked(plain))
 
 
 def restore(model: nn.Module, installation: Installation) -> nn.Module:
@@ -365,4 +389,5 @@ def restore(model: nn.Module, installation: Installation) -> nn.Module:
         _install(plain, dict(plain.named_modules()), {k: v for k, v in installation.recompute.items() if v},
                  list(installation.recompute), installation.segments, installation.offloaded, installation.limits,
                  installation.order, installation.measure)
+        _install_chunks(dict(plain.named_modules()), installation.chunks)
     return model
