@@ -73,24 +73,25 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
     return figures
 
 
-def with_head_stage(profile: Profile, figures: HeadFigures | None) -> Profile:
+def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_second: float = 0.0) -> Profile:
     """``profile`` with the gap the head runs in made a stage after the layers (see the module's
     docstring); unchanged without figures. The stage's figures are the gap segment's peak moved by
-    what chunking changed in the measured gap, so every adjustment made to the segment stays."""
+    what chunking changed in the measured gap, so every adjustment made to the segment stays. The
+    recompute's seconds are the step's per FLOP (a fake profile prices them again), its roofline
+    seconds the projection's FLOPs at the device's peak (a large matmul is bound by compute)."""
     # The last gap: all stages alive (stages that did not run are in the chain by now).
     gap = next((s for s in profile.segments if figures is not None and s.stages_alive == len(profile.stages)
                 and s.name != "optimizer step"), None)
     if gap is None or figures is None:
         return profile
-    flops = profile.baseline_step_flops or 1
-    per_second = profile.baseline_step_seconds / flops
-    per_roofline = profile.baseline_step_roofline / flops
+    per_second = profile.baseline_step_seconds / (profile.baseline_step_flops or 1)
+    roofline = figures.flops / flops_per_second if flops_per_second else 0.0
     options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, 0.0, 0)]
     for chunks, figure in sorted(figures.chunked.items()):
         options.append(StageOption(
             option_name(OptionKind.CHUNKS, chunks), (), 0, gap.peak_bytes - figures.unchunked + figure,
             cost_seconds=figures.flops * per_second, cost_flops=figures.flops + chunks,
-            cost_roofline=figures.flops * per_roofline, chunks=chunks))
+            cost_roofline=roofline, chunks=chunks))
     stage = StageProfile(figures.head, tuple(options), forward_flops=figures.flops, module_type="head and loss")
     result = replace(profile, stages=(*profile.stages, stage), segments=tuple(s for s in profile.segments if s is not gap),
                      notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "

@@ -274,7 +274,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     assembled.span_groups = groups
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
-    return with_head_stage(profile, head)
+    return with_head_stage(profile, head, peaks.flops_per_second)
 
 
 def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],
