@@ -154,3 +154,18 @@ def test_a_model_that_changes_its_logits_after_the_head_is_refused():
     with pytest.raises(UnsupportedSetupError, match="changes them"):
         model(input_ids=ids, labels=ids)
     remove_remat(model)
+
+
+def test_every_entry_point_takes_chunk_loss(monkeypatch):
+    from lightning_remat import AutoRemat, RematTrainerCallback
+    from lightning_remat.accelerate import RematPlugin
+    from lightning_remat.integrations.cli import _parser
+
+    assert AutoRemat(budget="min", chunk_loss=True).config.profile.chunk_loss
+    assert RematTrainerCallback(budget="1GB", chunk_loss=True).remat_plugin.config().profile.chunk_loss
+    monkeypatch.setenv("ACCELERATE_REMAT_CHUNK_LOSS", "yes")
+    assert RematPlugin(budget="1GB").config().profile.chunk_loss
+    monkeypatch.setenv("ACCELERATE_REMAT_CHUNK_LOSS", "maybe")
+    with pytest.raises(ValueError, match="ACCELERATE_REMAT_CHUNK_LOSS"):
+        RematPlugin(budget="1GB")
+    assert _parser().parse_args(["plan", "f.py:g", "--chunk-loss"]).chunk_loss

@@ -89,6 +89,8 @@ class AutoRemat(Callback):
             CUDA model only (a CPU-only run raises ``RematError``).
         policies: op-level selective-checkpointing policies offered to every block, as
             ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
+        chunk_loss: a causal LM's head and loss are a stage too, whole or over sequence chunks
+            (``plan_remat(chunk_loss=)``, ``docs/long_context.md``); the model then returns ``logits=None``.
 
     Behaviour worth knowing:
 
@@ -152,13 +154,14 @@ class AutoRemat(Callback):
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
                  cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
-                 policies: Sequence[str] | None = ()) -> None:
+                 policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
-                                                                            offload=offload, policies=policies))
+                                                                            offload=offload, policies=policies,
+                                                                            chunk_loss=chunk_loss))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
