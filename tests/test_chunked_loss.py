@@ -172,3 +172,26 @@ def test_every_entry_point_takes_chunk_loss(monkeypatch):
     with pytest.raises(ValueError, match="ACCELERATE_REMAT_CHUNK_LOSS"):
         RematPlugin(budget="1GB")
     assert _parser().parse_args(["plan", "f.py:g", "--chunk-loss"]).chunk_loss
+
+
+def test_the_hf_trainer_chunks_the_loss_with_the_same_losses_under_accumulation(tmp_path, monkeypatch):
+    import transformers
+
+    from lightning_remat import RematTrainerCallback
+    from lightning_remat.accelerate import ENV_BUDGET
+    from tests.test_hf_trainer import _train
+
+    def model():  # a vocabulary large beside the hidden size: the head and loss bind
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
+                                                                    vocab_size=4096))
+
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    # The Trainer passes num_items_in_batch under accumulation: the chunked loss divides by it too.
+    _, plain, plain_losses = _train(tmp_path, accumulation=2, model=model())
+    callback = RematTrainerCallback(budget="min", chunk_loss=True)
+    _, peaks, losses = _train(tmp_path, callback, accumulation=2, model=model())
+    assert callback.plan.chunked_loss
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert max(peaks.peaks) < 0.8 * max(plain.peaks)
+    assert abs(max(peaks.peaks) - callback.plan.predicted_peak_bytes) <= 0.05 * max(peaks.peaks)
