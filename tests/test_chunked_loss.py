@@ -201,3 +201,22 @@ def test_the_summary_says_the_head_is_chunked():
     plan = Plan(actions=[StageAction.keep("h.0"), StageAction.chunk("lm_head", 8)], predicted_peak_bytes=2**20,
                 baseline_peak_bytes=2**21, budget_bytes=2**20, predicted_overhead=0.01)
     assert "lm_head in 8 chunks" in plan.summary()
+
+
+def test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=12, vocab_size=4096, use_cache=False)
+    ids = torch.randint(0, 4096, (1, 256))
+    profiles = []
+    for repeated in (True, False):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).train()
+        profiles.append(profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, fake=True, device="cuda",
+                                     gpu="h100", precision="bf16-true", chunk_loss=True, repeated_blocks=repeated,
+                                     optimizer=torch.optim.AdamW(model.parameters())))
+    extrapolated, full = profiles
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    assert extrapolated.stages[-1].name == "lm_head" and extrapolated.stages == full.stages
+    assert extrapolated.segments == full.segments
