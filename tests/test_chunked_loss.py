@@ -220,3 +220,46 @@ def test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly():
     assert any("extrapolated" in note for note in extrapolated.notes)
     assert extrapolated.stages[-1].name == "lm_head" and extrapolated.stages == full.stages
     assert extrapolated.segments == full.segments
+
+
+class _TinyLM(torch.nn.Module):
+    """A language model of its own (not Hugging Face's): it names its head and loss with head_loss."""
+
+    def __init__(self, vocab=4096, hidden=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                                              torch.nn.Linear(2 * hidden, hidden)) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        from lightning_remat import head_loss
+
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return head_loss(self.head, x, labels)
+
+
+def test_a_model_of_its_own_names_its_head_and_loss_with_head_loss():
+    torch.manual_seed(0)
+    model = _TinyLM()
+    ids = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
+    step = lambda m: m(ids, ids)  # noqa: E731
+    expected_loss = step(model)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = plan_remat(model, step, "min", optimizer=optimizer, chunk_loss=True)
+    assert set(plan.chunked_loss) == {"head"}
+    apply_plan(model, plan)
+    model.zero_grad(set_to_none=True)
+    loss = step(model)
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
+    measured = _steady_peak(model, step, optimizer)
+    remove_remat(model)
+    assert "forward" not in model.head.__dict__
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured

@@ -16,6 +16,9 @@ out of the call and hands them to its head, and its ``lm_head``, whose forward t
 loss. The model's output then has ``loss`` and ``logits=None``. Without labels, or with gradients
 off (evaluation, generation), both run exactly as before and the logits are returned.
 
+Another model names its head and loss by computing its loss with ``head_loss(self.head, hidden,
+labels)``: the same cross-entropy, over full logits until a plan chunks that head.
+
 Example:
     >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
@@ -40,6 +43,7 @@ from ...core.errors import UnsupportedSetupError
 # The chunk counts a profile offers (1 is the head and loss as the model computes them).
 CHUNK_COUNTS = (2, 4, 8, 16, 32)
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
+_DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by head_loss (a model of its own)
 
 
 @dataclass(frozen=True)
@@ -52,14 +56,15 @@ class HeadLoss:
         'base_model.model.lm_head'
     """
 
-    root: str
+    root: str | None
     head: str
 
 
 def find_head_loss(model: nn.Module) -> HeadLoss | None:
     """The causal LM head and loss of ``model``, or None: the outermost Hugging Face ``*ForCausalLM``
     or ``*LMHeadModel`` (looked for inside wrappers such as PEFT's) whose ``lm_head`` is a linear
-    layer and whose loss is ``ForCausalLMLoss`` (a model with a loss of its own is not chunked).
+    layer and whose loss is ``ForCausalLMLoss`` (a model with a loss of its own is not chunked);
+    else a linear layer whose loss ``head_loss`` computed (``root`` None: nothing to route).
 
     Example:
         >>> find_head_loss(nn.Linear(2, 2)) is None
@@ -77,7 +82,12 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
             continue
         if getattr(loss, "__name__", "") == "ForCausalLMLoss":
             return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
-    return None
+    return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
+
+
+def declared(head: nn.Module) -> bool:
+    """Whether ``head``'s loss is computed by ``head_loss`` (it ran at least once)."""
+    return isinstance(head, nn.Linear) and head.__dict__.get(_DECLARED, False)
 
 
 def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
@@ -91,7 +101,7 @@ def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
     """
     for head in chunks:
         root = head.rpartition(".")[0]
-        if getattr(modules.get(root), "lm_head", None) is not modules.get(head):
+        if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
             raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
 
 
@@ -127,11 +137,52 @@ def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidde
         else:
             part = _chunk_loss(project, h, y, ignore_index)
         total = part if total is None else total + part
+    return _divided(total, shift_labels, ignore_index, num_items_in_batch)
+
+
+def _divided(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_items_in_batch: Any) -> torch.Tensor:
+    # As Hugging Face's fixed_cross_entropy: the mean over valid tokens, or the sum over num_items_in_batch.
     if num_items_in_batch is None:
-        return total / (shift_labels != ignore_index).sum()
+        return total / (labels != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, shift: bool = True,
+              ignore_index: int = IGNORE_INDEX, num_items_in_batch: Any = None) -> torch.Tensor:
+    """The cross-entropy of a language model's ``head`` over ``hidden`` against ``labels``, for a model
+    that is not a Hugging Face causal LM: call it in the model's forward in place of
+    ``F.cross_entropy(head(hidden), labels)``, and ``chunk_loss=True`` plans this head and loss as a
+    stage (``docs/long_context.md``). Until a plan chunks the head it is that cross-entropy over full
+    logits; then over sequence chunks, each recomputed in backward (the same loss and gradients).
+
+    Args:
+        head: the final projection (an ``nn.Linear``, a module of the model).
+        hidden: its input, ``(..., sequence, features)``.
+        labels: ``(..., sequence)`` class indices; ``ignore_index`` where no loss counts.
+        shift: position ``t`` predicts the label at ``t + 1`` (as Hugging Face's causal LMs); False:
+            the labels are already aligned with ``hidden``.
+        num_items_in_batch: divide the summed loss by this instead of the number of valid labels.
+
+    Example:
+        >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
+        >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
+        >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
+        True
+    """
+    head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
+    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
+    pending = _Pending(shift_labels, ignore_index, num_items_in_batch)
+    token = _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    try:
+        out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
+    finally:
+        _PENDING.reset(token)
+    if pending.loss is not None and out is pending.loss:
+        return out
+    total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index)
+    return _divided(total, shift_labels, ignore_index, num_items_in_batch)
 
 
 @dataclass

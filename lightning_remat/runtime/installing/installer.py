@@ -293,7 +293,8 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
 def _install_chunks(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
     for head, count in chunks.items():
         _record(modules[head]).chunks = count
-        _record(modules[head.rpartition(".")[0]]).route = modules[head]
+        if not chunked_loss.declared(modules[head]):  # a head of head_loss gets its labels from the model itself
+            _record(modules[head.rpartition(".")[0]]).route = modules[head]
 
 
 def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
