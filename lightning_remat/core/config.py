@@ -155,7 +155,8 @@ class ProfileOptions:
     chunk_loss: bool = field(default=False, metadata={"help": (
         "also plan a causal LM's head and its loss as a stage whose options compute the projection and the "
         "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward, so the full logits never "
-        "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=). The loss and "
+        "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=, and for a head whose "
+        "loss the model computes with lightning_remat.head_loss). The loss and "
         "gradients are the same; a plan that chunks makes the model return logits=None (docs/long_context.md)")})
 
     def __post_init__(self) -> None:
