@@ -206,9 +206,9 @@ def test_the_summary_says_the_head_is_chunked():
 def test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly():
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, num_hidden_layers=12, vocab_size=4096, use_cache=False)
-    ids = torch.randint(0, 4096, (1, 256))
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=10, vocab_size=1024, use_cache=False)
+    ids = torch.randint(0, 1024, (1, 64))
     profiles = []
     for repeated in (True, False):
         with torch.device("meta"):
