@@ -3,7 +3,7 @@
 The script is an ordinary Accelerate loop; the only change is ``RematAccelerator`` in place of
 ``Accelerator``. Recomputation is switched on at launch by the environment:
 
-    ACCELERATE_REMAT_BUDGET=30MB accelerate launch --cpu examples/accelerate_train.py
+    ACCELERATE_REMAT_BUDGET=70MB accelerate launch --cpu examples/accelerate_train.py
 
 Without ``ACCELERATE_REMAT_BUDGET`` it trains exactly as with the stock ``Accelerator``.
 """

@@ -5,8 +5,9 @@ the peak of a training step at ``--fits`` sequences without recomputation; the s
 largest batch whose least-cost plan fits it within ``--max-overhead``, confirms it with a real step,
 and prints both batch sizes, their ratio and the measured peak.
 
-    python examples/batch_size.py                    # about half a minute
+    python examples/batch_size.py                    # about 5-15 s on 2 CPU cores
     python examples/batch_size.py --fits 4 --max-overhead 0.2
+    python examples/batch_size.py --figures docs/figures.json   # record the figures README quotes
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ def main(argv=None) -> int:
     parser.add_argument("--fits", type=int, default=8, help="the batch that defines the budget (fits without recomputation)")
     parser.add_argument("--max-overhead", type=float, default=0.35, help="largest recompute FLOPs, as a share of a step")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--figures", default=None, help="record the printed figures in this JSON file (docs/figures.json)")
     args = parser.parse_args(argv)
+    import sys
+    import time
+
+    started = time.perf_counter()
 
     from lightning_remat import find_remat_batch_size
     from lightning_remat.runtime.measuring.measure import measure_step
@@ -49,8 +55,17 @@ def main(argv=None) -> int:
                                    max_val=512, max_overhead=args.max_overhead)
     print(result.summary())
     print(f"budget {budget / 2**20:.2f} MiB: batch {result.batch_size_without_remat} without recomputation, "
-          f"{result.batch_size} with it ({result.ratio:.1f}x) at {result.predicted_overhead:.1%} recompute FLOPs; "
+          f"{result.batch_size} with it ({result.ratio:.2f}x) at {result.predicted_overhead:.1%} recompute FLOPs; "
           f"measured peak {result.measured_peak_bytes / 2**20:.2f} MiB")
+    if args.figures:
+        from lightning_remat.report.figures import figures_key, record_figures
+
+        record_figures(args.figures, figures_key("examples/batch_size.py", list(argv if argv is not None else sys.argv[1:])), {
+            "budget_mib": budget / 2**20, "batch_without": result.batch_size_without_remat, "batch": result.batch_size,
+            "ratio": result.ratio, "overhead_pct": 100 * result.predicted_overhead,
+            "predicted_mib": result.plan.predicted_peak_bytes / 2**20, "measured_mib": result.measured_peak_bytes / 2**20,
+            "trial_steps": result.trial_steps, "binsearch_trial_steps": result.binsearch_trial_steps,
+            "seconds": time.perf_counter() - started})
     return 0
 
 

@@ -7,6 +7,7 @@ with FLOPs priced at an H100's speed.
 
     python examples/plan_llama7b.py                 # the full 32 layers, 1 x 2048 tokens
     python examples/plan_llama7b.py --layers 2 --json
+    python examples/plan_llama7b.py --figures docs/figures.json   # record the figures README quotes
 """
 
 from __future__ import annotations
@@ -61,17 +62,21 @@ def main(argv=None) -> dict:
                         help="bf16-true: weights, gradients and AdamW state in bf16 (16 GB per billion parameters "
                              "less); bf16-mixed keeps them in float32 (16 bytes per parameter)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--figures", default=None, help="record the printed figures in this JSON file (docs/figures.json)")
     args = parser.parse_args(argv)
 
-    from lightning_remat import plan_remat
+    from lightning_remat import BudgetTooSmallError, plan_remat
 
     start = time.perf_counter()
     model = build_llama(args.layers)
     ids = torch.randint(0, 32000, (args.batch, args.seq))
     optimizer = torch.optim.AdamW(model.parameters())
-    plan = plan_remat(model, lambda m: m(input_ids=ids, labels=ids).loss, args.budget, optimizer=optimizer,
-                      cost="time", fake=True, precision=args.precision, device="cuda", gpu=args.gpu,
-                      device_memory=args.device_memory)
+    try:
+        plan = plan_remat(model, lambda m: m(input_ids=ids, labels=ids).loss, args.budget, optimizer=optimizer,
+                          cost="time", fake=True, precision=args.precision, device="cuda", gpu=args.gpu,
+                          device_memory=args.device_memory)
+    except BudgetTooSmallError as err:
+        raise SystemExit(f"plan_llama7b: {too_small(err, args)}") from None
     result = {
         "layers": args.layers, "tokens": args.batch * args.seq, "seconds": time.perf_counter() - start,
         "max_resident_bytes": peak_resident_bytes(),
@@ -82,7 +87,41 @@ def main(argv=None) -> dict:
     else:
         print(plan.summary())
         print(f"planned in {result['seconds']:.1f} s with {result['max_resident_bytes'] / 2**30:.2f} GiB resident")
+    if args.figures:
+        record(args, argv, plan, result)
     return result
+
+
+def too_small(err, args) -> str:
+    """What to change when no plan fits: the batch only where the batch is what does not fit."""
+    from lightning_remat import format_bytes
+
+    least, static = format_bytes(err.smallest_peak_bytes), format_bytes(err.static_bytes)
+    if err.static_bytes >= err.budget_bytes:
+        # Parameters, gradients and optimizer state alone exceed the budget: no recomputation and no
+        # smaller batch frees any of them.
+        return (f"no plan fits {args.budget} of {args.device_memory}: parameters, gradients and AdamW state alone take "
+                f"{static} in {args.precision} (the least peak is {least}), which no recomputation or smaller batch "
+                "reduces; use --precision bf16-true, shard the model over GPUs (plan_remat(..., world_size=8), "
+                "lightning-remat plan --world-size 8) or a GPU with more memory (--device-memory)")
+    return (f"no plan fits {args.budget} of {args.device_memory}: the least peak is {least} ({static} of it parameters, "
+            f"gradients and AdamW state); fewer tokens per step (--batch {args.batch}, --seq {args.seq}) or a larger "
+            "--budget")
+
+
+def record(args, argv, plan, result) -> None:
+    """The figures README quotes, as printed, into ``--figures``."""
+    import sys
+
+    from lightning_remat.report.figures import figures_key, record_figures
+
+    gib = 2.0**30
+    record_figures(args.figures, figures_key("examples/plan_llama7b.py", list(argv if argv is not None else sys.argv[1:])), {
+        "baseline_gib": plan.baseline_peak_bytes / gib, "predicted_gib": plan.predicted_peak_bytes / gib,
+        "budget_gib": plan.budget_bytes / gib, "overhead_pct": 100 * plan.predicted_overhead,
+        "recomputed": len(plan.checkpointed), "parameters_gib": plan.parameter_bytes / gib,
+        "gradients_gib": plan.gradient_bytes / gib, "optimizer_state_gib": plan.optimizer_state_bytes / gib,
+        "seconds": result["seconds"], "resident_gib": result["max_resident_bytes"] / gib})
 
 
 if __name__ == "__main__":

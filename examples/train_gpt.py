@@ -15,12 +15,14 @@ Run::
     python examples/train_gpt.py                 # about a minute on 2 CPU cores
     python examples/train_gpt.py --budget 120MB  # your own budget
     python examples/train_gpt.py --budget min    # the least memory any plan reaches
+    python examples/train_gpt.py --figures docs/figures.json  # record the figures README quotes
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
 
 import torch
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch CPU threads: 1 keeps a small model fast and timings steady on a busy machine; "
                              "0 for torch's default")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--figures", default=None,
+                        help="record the printed figures in this JSON file (docs/figures.json: README quotes them)")
     return parser.parse_args(argv)
 
 
@@ -106,16 +110,23 @@ def main(argv: list[str] | None = None) -> dict:
     measure_step(reference, step, optimizer)
     before = measure_step(reference, step, optimizer)
     del reference, optimizer
-    print(f"peak of a training step without recomputation: {format_bytes(before.peak_bytes)} "
-          f"(parameters {format_bytes(before.parameter_bytes)}, gradients {format_bytes(before.gradient_bytes)}, "
-          f"optimizer state {format_bytes(before.optimizer_bytes)}, activations {format_bytes(before.activation_bytes)}, "
-          f"temporaries {format_bytes(before.temporary_bytes)} at the peak)")
+    # One split of the peak, at the moment it happens: its parts add up to it. Gradients are
+    # counted there as far as backward has made them (none yet when the peak is early in backward).
+    parts = [("parameters", before.parameter_bytes), ("buffers", before.buffer_bytes),
+             ("gradients", before.gradient_bytes), ("optimizer state", before.optimizer_bytes),
+             ("activations", before.activation_bytes), ("temporaries", before.temporary_bytes)]
+    print(f"peak of a training step without recomputation: {format_bytes(before.peak_bytes)} = "
+          + " + ".join(f"{what} {format_bytes(n)}" for what, n in parts if n or what == "gradients")
+          + " at the peak")
 
     if args.budget is None:
         profile = profile_step(module, step, optimizer=torch.optim.AdamW(module.parameters(), lr=args.lr))
         budget = profile.static_bytes + profile.baseline_activation_bytes // 2
-        print(f"budget: {format_bytes(budget)} = static {format_bytes(profile.static_bytes)} "
-              f"+ 50% of activations {format_bytes(profile.baseline_activation_bytes)} (pass --budget to choose)")
+        # Static memory counts every gradient (they all exist by the end of backward), so what lies
+        # above it at the peak is not the activations of the split above: it is named for what it is.
+        print(f"budget: {format_bytes(budget)} = static {format_bytes(profile.static_bytes)} (parameters, gradients, "
+              f"optimizer state) + 50% of the {format_bytes(profile.baseline_activation_bytes)} above it at the peak "
+              "(pass --budget to choose)")
         # On a very small model the head and loss alone can take more than that.
         smallest = least_peak(profile)
         if budget < smallest:
@@ -139,10 +150,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"peak before (no recomputation): {format_bytes(before.peak_bytes)}")
     print(f"peak after  (measured, with the plan): {format_bytes(after)} "
           f"(predicted {format_bytes(plan.predicted_peak_bytes)}, budget {format_bytes(plan.budget_bytes)})")
-    print(f"memory saved: {saved / 2**20:.1f} MiB ({saved / before.peak_bytes:.0%}) "
+    print(f"memory saved: {format_bytes(saved)} ({saved / before.peak_bytes:.0%}) "
           f"at a predicted recompute overhead of {plan.predicted_overhead:.0%} ({plan.cost_kind})")
+    seconds = time.perf_counter() - started
     print(f"final loss {float(trainer.callback_metrics['train/loss']):.3f}; logs: {logger.log_dir}/metrics.csv; "
-          f"{time.perf_counter() - started:.0f} s")
+          f"{seconds:.0f} s")
+    if args.figures:
+        from lightning_remat.report.figures import figures_key, record_figures
+
+        mib = 2.0**20
+        record_figures(args.figures, figures_key("examples/train_gpt.py", list(argv if argv is not None else sys.argv[1:])), {
+            "before_mib": before.peak_bytes / mib, "after_mib": after / mib, "budget_mib": plan.budget_bytes / mib,
+            "predicted_mib": plan.predicted_peak_bytes / mib, "saved_pct": 100 * saved / before.peak_bytes,
+            "overhead_pct": 100 * plan.predicted_overhead, "seconds": seconds})
     return {"before": before.peak_bytes, "after": after, "budget": plan.budget_bytes, "plan": plan}
 
 

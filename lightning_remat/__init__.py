@@ -28,8 +28,9 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          ConflictingArgumentsError, FakeProfileError, NoCandidateError, PlanningFailedError,
-                          RematError, StepError, UnsupportedSetupError, UnsupportedShardingError)
+                          ConflictingArgumentsError, FakeProfileError, InvalidPlanError, NoCandidateError,
+                          PlanningFailedError, RematError, SkippedStepError, StepError, UnsupportedSetupError,
+                          UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
@@ -63,6 +64,7 @@ __all__ = [
     "BudgetTooSmallError",
     "ConflictingArgumentsError",
     "FakeProfileError",
+    "InvalidPlanError",
     "NoCandidateError",
     "Plan",
     "PlanningFailedError",
@@ -71,6 +73,7 @@ __all__ = [
     "RematConfig",
     "RematError",
     "Segment",
+    "SkippedStepError",
     "StageAction",
     "StageChoice",
     "StageOption",

@@ -89,6 +89,9 @@ def test_json_run_in_process(capsys, factories, tmp_path):
     assert breakdown["optimizer_state_counted_ahead"] and breakdown["optimizer_state_bytes"] >= 2 * breakdown["parameter_bytes"]
     assert breakdown["peak_bytes"] == plan["baseline_peak_bytes"]
     assert [m["name"] for m in breakdown["top_modules"]] == ["0", "1", "2", "3"]
+    # The split at the forward/backward peak: its parts, which add up to the figure named for it.
+    assert "Total" not in breakdown["at_peak"]
+    assert sum(breakdown["at_peak"].values()) == breakdown["forward_backward_peak_bytes"] <= breakdown["peak_bytes"]
     pareto = result["pareto"]
     assert len(pareto) == 5 and pareto[0]["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
     assert pareto[-1]["predicted_overhead"] == 0.0
@@ -128,3 +131,50 @@ def test_installed_script_prints_tables(factories, tmp_path):
     bad = subprocess.run([str(script), "plan", str(tmp_path / "missing.py") + ":f"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "file not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_help_is_whole_with_examples_factory_forms_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "lightning-remat plan examples/factories.py:gpt2 --budget 200MB" in out  # the examples
+    assert "(model, step, optimizer)" in out and "(lightning_module, batch)" in out  # the factory forms
+    assert "Exit codes: 0 success; 1 the budget cannot be met" in out and "2 bad input" in out
+
+
+PROFILING_FAILS = '''
+import torch
+from torch import nn
+
+def failing():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    def step(m):
+        raise RuntimeError("the step broke\\n  on its second line")
+    return model, step
+'''
+
+
+@pytest.mark.parametrize("argv", [["--device", "banana"], ["--fake", "--gpu", "banana"], ["--points", "0"],
+                                  ["--budget", "ten gigs"], ["--world-size", "2"], ["--candidates", "NoSuchBlock"],
+                                  ["--device-memory", "lots"]])
+def test_bad_input_is_exit_2_in_one_line(capsys, factories, argv):
+    code, err = _error(capsys, ["plan", f"{factories}:tiny", "--no-plots", *argv])
+    assert code == 2, err
+    assert err.startswith("lightning-remat: error: ") and err.count("\n") == 1, repr(err)
+
+
+def test_a_step_that_fails_while_profiling_is_exit_1_in_one_line(capsys, tmp_path):
+    path = tmp_path / "failing.py"
+    path.write_text(PROFILING_FAILS)
+    code, err = _error(capsys, ["plan", f"{path}:failing", "--no-plots"])
+    assert code == 1
+    assert err == f"lightning-remat: error: profiling {path}:failing failed: RuntimeError: the step broke on its second line\n"
+
+
+def test_budget_too_small_in_tables_is_one_error_line_on_stderr(capsys, factories):
+    code = main(["plan", f"{factories}:tiny", "--budget", "100kB", "--no-plots", "--cost", "flops"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Budgets from the least reachable peak" in captured.out
+    assert captured.err.startswith("lightning-remat: error: No recompute plan fits a budget of 97.66 KiB")
+    assert captured.err.count("\n") == 1 and "smallest reachable peak" in captured.err

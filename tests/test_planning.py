@@ -65,3 +65,16 @@ def test_a_cuda_budget_above_what_the_device_has_left_is_warned_about(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         planning._warn_if_beyond_the_device(60 * 2**30, torch.device("cuda:0"))
+
+
+def test_a_plan_priced_in_measured_seconds_says_its_figures_move_and_points_to_flops():
+    from lightning_remat import plan_remat
+    from lightning_remat.service.planning import MEASURED_TIME_NOTE
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)])
+    x = torch.randn(32, 16)
+    timed = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="time", verbose=False)
+    assert MEASURED_TIME_NOTE in timed.notes and "cost='flops'" in timed.summary()
+    counted = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops", verbose=False)
+    assert MEASURED_TIME_NOTE not in counted.notes

@@ -131,3 +131,48 @@ def test_pareto_sweep_and_plot(tmp_path):
 def test_timeline_summary():
     t = MemoryTimeline("x", [1, 5, 2], 2)
     assert t.to_dict() == {"label": "x", "ops": 3, "backward_start": 2, "peak_bytes": 5}
+
+
+def test_the_breakdown_table_shares_add_up_to_100_and_its_parts_to_their_total():
+    from lightning_remat.report.render import breakdown_table, percent_shares, to_text
+
+    model, step = _chain()
+    report = memory_breakdown(model, step, torch.optim.Adam(model.parameters()), show=False)
+    assert "Total" not in report.at_peak and sum(report.at_peak.values()) == report.forward_backward_peak_bytes
+    cells = [line.split("│")[4].strip() for line in to_text([breakdown_table(report)]).splitlines()
+             if line.count("│") == 5]
+    rows = [cell for cell in cells if cell.endswith("%")]
+    shares = [int(cell[:-1]) for cell in rows]
+    # One row per kind of memory, then the forward/backward peak at 100%: the kinds add up to it.
+    assert shares[-1] == 100 and sum(shares[:-1]) == 100, rows
+    assert percent_shares([1, 1, 1]) == ["34%", "33%", "33%"] and percent_shares([0, 0]) == ["-", "-"]
+    assert all(sum(int(s[:-1]) for s in percent_shares(parts)) == 100
+               for parts in ([5, 5, 5, 5, 5, 5, 1], [999, 1, 1], [3, 7, 11, 13]))
+
+
+def test_timeline_plot_draws_the_budget_and_marks_the_measured_peak():
+    from lightning_remat.report.plots import pyplot, timeline_figure
+
+    plt = pyplot()
+    timelines = [MemoryTimeline("no recomputation", [2**20, 5 * 2**20, 2**20], 2),
+                 MemoryTimeline("plan", [2**20, 3 * 2**20, 2**20], 2)]
+    fig = timeline_figure(plt, timelines, "one training step", budget_bytes=4 * 2**20)
+    ax = fig.axes[0]
+    budget = [line for line in ax.get_lines() if list(line.get_ydata()) == [4.0, 4.0]]
+    assert budget and "budget 4.00 MiB" in budget[0].get_label()
+    texts = [t.get_text() for t in ax.texts]
+    assert "measured peak 5.00 MiB" in texts and "measured peak 3.00 MiB" in texts
+    assert ax.get_title() == "one training step"
+    plt.close(fig)
+
+
+def test_pareto_labels_of_plans_on_the_same_point_are_one_label():
+    from lightning_remat.report.plots import draw_pareto, pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    same = (32 * 2**20, 0.275)
+    draw_pareto(ax, [(30 * 2**20, 0.3), (40 * 2**20, 0.1)], [], [("min", *same), ("@ HF peak", *same),
+                                                                  ("50%", 36 * 2**20, 0.2)], None, "FLOP overhead (%)")
+    assert sorted(t.get_text() for t in ax.texts) == ["50%", "min, @ HF peak"]
+    plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from .errors import InvalidPlanError
 from .vocabulary import Action, Policy, check_chunks
 
 
@@ -142,13 +143,42 @@ def module_names(what: str, names: Any) -> tuple[str, ...]:
 
 
 def nested_in(inner: str, outer: str) -> bool:
-    """Whether module ``inner`` lies inside module ``outer`` (by name)."""
-    return inner.startswith(outer + ".")
+    """Whether module ``inner`` lies inside module ``outer`` (by name; every module but the root
+    lies inside the root, ``""``).
+
+    Example:
+        >>> nested_in("h.0.attn", "h.0"), nested_in("h.0", ""), nested_in("h.10", "h.1"), nested_in("", "")
+        (True, True, False, False)
+    """
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def _nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """Each (inner, outer) pair of ``names`` where ``inner`` lies inside ``outer``."""
+    return [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
+
+
+def refuse_nested(names: Sequence[str], what: str) -> None:
+    """Raise ``InvalidPlanError`` naming each pair of ``names`` where one lies inside the other
+    (``what`` the plan does with them: "recomputes", "offloads").
+
+    Example:
+        >>> refuse_nested(["0", ""], "recomputes")
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.InvalidPlanError: plan recomputes a module and another one inside it, which would nest one inside the other: '0' inside '' (the model itself). Name one of each pair
+    """
+    pairs = _nested_pairs(names)
+    if pairs:
+        shown = "; ".join(f"{inner!r} inside {outer!r}" + (" (the model itself)" if outer == "" else "")
+                          for inner, outer in pairs)
+        raise InvalidPlanError(f"plan {what} a module and another one inside it, which would nest one inside the "
+                               f"other: {shown}. Name one of each pair")
 
 
 def check_actions(actions: Sequence[StageAction]) -> None:
-    """Raise ValueError unless the actions can be installed together: no module recomputed twice or
-    inside another recomputed one, segments disjoint and complete (each of their stages has the
+    """Raise ``InvalidPlanError`` (a ValueError) unless the actions can be installed together: no
+    module recomputed twice or inside another recomputed one, segments disjoint and complete (each of their stages has the
     segment's action), no module recomputed alone and in a segment, no module recomputed and
     offloaded, nothing offloaded twice or inside another offloaded module, one action per stage.
 
@@ -159,43 +189,41 @@ def check_actions(actions: Sequence[StageAction]) -> None:
         >>> check_actions([StageAction.recompute("h.0"), StageAction.offload("h.0.mlp")])
         Traceback (most recent call last):
         ...
-        ValueError: module(s) ['h.0.mlp'] are both recomputed and offloaded: a module is one or the other
+        lightning_remat.core.errors.InvalidPlanError: module(s) ['h.0.mlp'] are both recomputed and offloaded: a module is one or the other
     """
     recomputed = [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
     if len(set(recomputed)) != len(recomputed):
-        raise ValueError(f"plan names a module twice: {recomputed}")
-    nested = [n for n in recomputed if any(nested_in(n, o) for o in recomputed)]
-    if nested:
-        raise ValueError(f"plan names modules inside other planned modules: {nested}")
+        raise InvalidPlanError(f"plan names a module twice: {recomputed}")
+    refuse_nested(recomputed, "recomputes")
     segments = list(dict.fromkeys(a.segment for a in actions if a.action is Action.SEGMENT))
     taken: set[str] = set()
     for segment in segments:
         overlap = taken & set(segment)
         if overlap or len(set(segment)) != len(segment):
-            raise ValueError(f"plan names module(s) {sorted(overlap or segment)} in two segments")
+            raise InvalidPlanError(f"plan names module(s) {sorted(overlap or segment)} in two segments")
         taken.update(segment)
     members = {a.stage: a.segment for a in actions if a.action is Action.SEGMENT}
     for segment in segments:
         missing = [s for s in segment if members.get(s) != segment]
         if missing:
-            raise ValueError(f"segment {list(segment)}: stage(s) {missing} do not have that segment's action")
+            raise InvalidPlanError(f"segment {list(segment)}: stage(s) {missing} do not have that segment's action")
     for name in recomputed:
         if any(name == t or nested_in(name, t) or nested_in(t, name) for t in taken):
-            raise ValueError(f"plan recomputes {name!r} alone and as part of a segment")
+            raise InvalidPlanError(f"plan recomputes {name!r} alone and as part of a segment")
     offloaded = [a.stage for a in actions if a.action is Action.OFFLOAD]
-    nested = [n for n in offloaded if any(nested_in(n, o) for o in offloaded)]
-    if nested or len(set(offloaded)) != len(offloaded):
-        raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or offloaded}")
+    if len(set(offloaded)) != len(offloaded):
+        raise InvalidPlanError(f"offload names a module twice: {offloaded}")
+    refuse_nested(offloaded, "offloads")
     chunked = [a.stage for a in actions if a.action is Action.CHUNK]
     touched = [*recomputed, *taken, *offloaded]
     clash = [n for n in chunked if any(n == t or nested_in(n, t) or nested_in(t, n) for t in touched)]
     if clash or len(set(chunked)) != len(chunked):
-        raise ValueError(f"a chunked head is neither recomputed, offloaded nor chunked twice: {clash or chunked}")
+        raise InvalidPlanError(f"a chunked head is neither recomputed, offloaded nor chunked twice: {clash or chunked}")
     both = [n for n in offloaded
             if any(n == r or nested_in(n, r) or nested_in(r, n) for r in [*recomputed, *taken])]
     if both:
-        raise ValueError(f"module(s) {both} are both recomputed and offloaded: a module is one or the other")
+        raise InvalidPlanError(f"module(s) {both} are both recomputed and offloaded: a module is one or the other")
     stages = [a.stage for a in actions]
     twice = sorted({s for s in stages if stages.count(s) > 1})
     if twice:
-        raise ValueError(f"a plan has one action per stage; stage(s) {twice} have several")
+        raise InvalidPlanError(f"a plan has one action per stage; stage(s) {twice} have several")

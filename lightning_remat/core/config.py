@@ -94,6 +94,36 @@ def parse_policies(text: Any) -> tuple | None:
     return None if words == ("all",) else words
 
 
+def check_policies(policies: Any) -> tuple | None:
+    """Validate the policies a user offers: None (every policy), or a tuple of plain policy names.
+
+    Accepted: None; a list, tuple or set of names, each plain or as its option name
+    (``"save_matmuls"`` or ``"sac:save_matmuls"``, as the docs and a plan's summary spell it); text
+    as ``parse_policies`` reads it. Anything else (``True``, a number) is a ValueError naming what
+    is accepted, whichever entry point it came through.
+
+    Example:
+        >>> check_policies(["sac:save_matmuls", "save_attention"]), check_policies("all")
+        (('save_matmuls', 'save_attention'), None)
+        >>> check_policies(True)
+        Traceback (most recent call last):
+        ...
+        ValueError: policies must be None (every policy), () (none), or a list of policy names among save_matmuls, save_projections, save_alternate_matmuls, save_attention (each also spelled 'sac:' + the name), got True
+    """
+    if isinstance(policies, str):
+        policies = parse_policies(policies)
+    if policies is None:
+        return None
+    try:  # a generator is read once, here
+        names = tuple(policies) if not isinstance(policies, (bytes, dict)) else None
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(p, str) for p in names):
+        raise ValueError(f"policies must be None (every policy), () (none), or a list of policy names among "
+                         f"{', '.join(Policy.values())} (each also spelled 'sac:' + the name), got {policies!r}")
+    return tuple(Policy.check(p).value for p in names)
+
+
 @dataclass(frozen=True)
 class ProfileOptions:
     """How a step is profiled.
@@ -143,8 +173,8 @@ class ProfileOptions:
         "depth); off profiles all N")})
     policies: Any = field(default=(), metadata={"help": (
         "op-level selective-checkpointing policies offered as options of every stage: save_matmuls (matmul "
-        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (in text, "
-        "separated by commas); 'all' (None) "
+        "and attention outputs saved, the rest recomputed), " + ", ".join(Policy.values()[1:]) + " (each also "
+        "spelled as its option name, sac:save_matmuls; in text, separated by commas); 'all' (None) "
         "for every one; none by default (). Opt-in: each costs one more measured step, eager SAC is slower in "
         "wall-clock on the CPU, and plans that mix a policy with other options can exceed their prediction "
         "(docs/selective_checkpointing.md)"), "parse": parse_policies})
@@ -161,10 +191,7 @@ class ProfileOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
-        if self.policies is not None:
-            if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
-                raise ValueError(f"policies must be a sequence of policy names, got {self.policies!r}")
-            object.__setattr__(self, "policies", tuple(Policy.check(p).value for p in self.policies))
+        object.__setattr__(self, "policies", check_policies(self.policies))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):

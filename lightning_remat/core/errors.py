@@ -194,6 +194,27 @@ class StepError(RematError, RuntimeError):
     """
 
 
+class InvalidPlanError(RematError, ValueError):
+    """A plan's actions cannot be installed together (a module named twice, or inside another named
+    module: nested checkpoints). Also a ``ValueError``, as it was before.
+
+    Example:
+        >>> issubclass(InvalidPlanError, ValueError)
+        True
+    """
+
+
+class SkippedStepError(StepError):
+    """``training_step`` skipped the batch it was profiled on (returned None, or under manual
+    optimization called no ``manual_backward``), which Lightning allows: there is no loss to plan
+    on. ``AutoRemat`` catches it and plans on the next batch that returns a loss.
+
+    Example:
+        >>> issubclass(SkippedStepError, StepError)
+        True
+    """
+
+
 class ConflictingArgumentsError(RematError, TypeError):
     """The same setting was given twice: as a keyword and inside ``options=``, or under its new
     name and its deprecated one. A ``TypeError``, as Python's own "got multiple values for argument".

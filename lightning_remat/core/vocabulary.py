@@ -83,7 +83,7 @@ class Policy(_Words):
     """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves).
 
     Example:
-        >>> Policy.check("save_matmuls") is Policy.SAVE_MATMULS
+        >>> Policy.check("save_matmuls") is Policy.SAVE_MATMULS is Policy.check("sac:save_matmuls")
         True
     """
 
@@ -94,10 +94,13 @@ class Policy(_Words):
 
     @classmethod
     def check(cls, policy: Any) -> "Policy":
-        """The member named by ``policy``, or a ValueError naming the known policies."""
-        if isinstance(policy, str) and policy in cls.values():
-            return cls(policy)
-        raise ValueError(f"unknown selective-checkpointing policy {policy!r}; known: {', '.join(cls.values())}")
+        """The member named by ``policy``, with or without the ``"sac:"`` of its option name (the
+        docs' tables and a plan's summary spell it so), or a ValueError naming the known policies."""
+        name = (policy_of(policy) or policy) if isinstance(policy, str) else policy
+        if isinstance(name, str) and name in cls.values():
+            return cls(name)
+        raise ValueError(f"unknown selective-checkpointing policy {policy!r}; known: {', '.join(cls.values())} "
+                         f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
 # A profile names a policy's option "sac:" + the policy, and a chunked head's "chunks:" + the count.

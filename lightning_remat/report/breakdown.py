@@ -49,9 +49,11 @@ class MemoryBreakdown:
             state its first step will create (``optimizer_state_counted_ahead`` is then True).
         activation_bytes, temporary_bytes: measured at the highest point of forward and backward:
             tensors created in forward (mostly saved for backward) and tensors created in backward.
-        at_peak: the split of that highest point by category, as MemTracker reports it (gradients
-            there are only those computed so far).
-        forward_backward_peak_bytes: that highest point, optimizer state included.
+        at_peak: the split of that highest point by MemTracker's categories ("Parameter",
+            "Gradient", "Optstate", "Activation", "Temp", ...; gradients there are only those
+            computed so far); its values add up to ``forward_backward_peak_bytes``.
+        forward_backward_peak_bytes: that highest point, optimizer state included: the sum of
+            ``at_peak``.
         peak_bytes: the peak of a whole steady-state training step (forward, backward and the
             optimizer step), as the profile predicts it; this is what a budget is compared with.
         saved_activation_bytes: bytes saved for backward by all candidate blocks together.
@@ -110,18 +112,19 @@ def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | No
         >>> b.top_modules[0].name, b.peak_bytes, b.static_bytes
         ('a', 170, 20)
     """
-    at_peak = dict(tracker_totals or {})
+    # MemTracker's "Total" is dropped: the parts are kept, and their sum is the one total
+    # (forward_backward_peak_bytes), so the split always adds up to the figure it explains.
+    at_peak = {k: int(v) for k, v in (tracker_totals or {}).items() if k != "Total"}
     saved_total = sum(s.saved_bytes for s in profile.stages)
     ranked = sorted(profile.stages, key=lambda s: s.saved_bytes, reverse=True)[:top]
     modules = [ModuleMemory(s.name, s.module_type, int(s.saved_bytes), s.saved_bytes / saved_total if saved_total else 0.0)
                for s in ranked]
     activation = int(at_peak.get("Activation", 0))
     temporary = int(at_peak.get("Temp", 0))
-    fw_bw_peak = int(at_peak.get("Total", 0))
     if counted_ahead and at_peak:
         # The state does not exist yet while this step runs; in every later step it does.
         at_peak["Optstate"] = at_peak.get("Optstate", 0) + profile.optimizer_state_bytes
-        fw_bw_peak += profile.optimizer_state_bytes
+    fw_bw_peak = sum(at_peak.values())
     return MemoryBreakdown(
         parameter_bytes=profile.parameter_bytes, buffer_bytes=profile.buffer_bytes,
         gradient_bytes=profile.gradient_bytes, optimizer_state_bytes=profile.optimizer_state_bytes,

@@ -71,38 +71,56 @@ def pyplot() -> Any:
     return plt
 
 
-def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "") -> Path:
+def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
+                         budget_bytes: int | None = None) -> Path:
     """Plot total memory over one training step for each timeline (e.g. before and after a plan) to a PNG.
+
+    Each timeline was measured (MemTracker, operator by operator): its peak is marked and labelled
+    as the measured peak, and ``budget_bytes`` is drawn as a dashed line, so the picture says at a
+    glance whether the plan held its budget.
 
     Example:
         >>> import tempfile, os
         >>> out = plot_memory_timeline([MemoryTimeline("a", [1, 3 * 2**20, 2**20], 2)],
-        ...                            os.path.join(tempfile.mkdtemp(), "t.png"))
+        ...                            os.path.join(tempfile.mkdtemp(), "t.png"), budget_bytes=4 * 2**20)
         >>> out.read_bytes()[:4] == b"\\x89PNG"
         True
     """
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig = timeline_figure(plt, timelines, title, budget_bytes)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = "", budget_bytes: int | None = None) -> Any:
+    """The memory-timeline figure of ``plot_memory_timeline`` (a matplotlib ``Figure``, for a logger too)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, timeline in enumerate(timelines):
         color = colors[k % len(colors)]
         ys = [b / _MIB for b in timeline.bytes_after_op]
-        ax.plot(range(len(ys)), ys, color=color, linewidth=1.2,
-                label=f"{timeline.label} (peak {format_bytes(timeline.peak_bytes)})")
+        ax.plot(range(len(ys)), ys, color=color, linewidth=1.2, label=timeline.label)
         if timeline.backward_start is not None:
             ax.axvline(timeline.backward_start, color=color, linestyle=":", linewidth=1)
-    ax.set_xlabel("operator (forward, then backward from the dotted line)")
+        if ys:
+            top = max(range(len(ys)), key=ys.__getitem__)
+            ax.scatter([top], [ys[top]], color=color, edgecolor="black", zorder=3)
+            ax.annotate(f"measured peak {format_bytes(timeline.peak_bytes)}", (top, ys[top]), textcoords="offset points",
+                        xytext=(6, -12 * k), fontsize=8)
+    if budget_bytes:
+        ax.axhline(budget_bytes / _MIB, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"budget {format_bytes(budget_bytes)}")
+    ax.set_xlabel("operator (forward, then backward from the dotted line; the optimizer step is not drawn)")
     ax.set_ylabel("memory (MiB)")
     ax.set_title(title or "Memory over one training step")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower center", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: str = "",
@@ -130,13 +148,47 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pareto_figure(plt: Any, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,
+                   title: str) -> Any:
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
     draw_pareto(ax, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes)
     ax.set_title(title or "Peak memory vs recompute overhead")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)", "time": "time overhead (%)"}
+
+
+def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
+                       title: str = "") -> Any:
+    """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): the budget sweep of
+    ``profile``, the plan as predicted, the plan as measured (``measured_peak_bytes``, at its
+    predicted overhead) and the budget.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
+        >>> from lightning_remat.core.solve import solve
+        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+        >>> p = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),),
+        ...             baseline_peak_bytes=250, baseline_step_flops=100)
+        >>> fig = plan_pareto_figure(p, solve(p, 200, cost="flops"), measured_peak_bytes=190)
+        >>> [t.get_text() for t in fig.axes[0].texts]
+        ['measured']
+    """
+    plt = pyplot()
+    sweep = pareto_sweep(profile, points, cost=plan.cost_kind)
+    measured = [] if measured_peak_bytes is None else [("measured", measured_peak_bytes, plan.predicted_overhead)]
+    return _pareto_figure(plt, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible], (),
+                          measured, profile.baseline_peak_bytes, OVERHEAD_LABELS.get(plan.cost_kind, "overhead (%)"),
+                          [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)], plan.budget_bytes,
+                          title or "The plan: predicted peak vs overhead, and as measured")
 
 
 _MARKERS = ("s", "^", "D", "v", "P", "X", "*")
@@ -151,8 +203,7 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
     if measured:
         ax.scatter([p / _MIB for _, p, _ in measured], [100 * o for _, _, o in measured], color="tab:blue",
                    edgecolor="black", zorder=3, label="AutoRemat (measured)")
-        for label, p, o in measured:
-            ax.annotate(label, (p / _MIB, 100 * o), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        _annotate(ax, measured)
     if planned:
         ax.scatter([p / _MIB for _, p, _ in planned], [100 * o for _, _, o in planned], facecolor="none",
                    edgecolor="tab:blue", zorder=3, label="AutoRemat plan (predicted)")
@@ -166,3 +217,15 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
     ax.set_ylabel(overhead_label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _annotate(ax: Any, measured: Sequence[tuple[str, int, float]]) -> None:
+    """One label per measured point: plans that land on the same point share a label ("min, @ HF peak"),
+    and labels of neighbouring points alternate above and below, so that none is drawn over another."""
+    merged: dict[tuple[float, float], list[str]] = {}
+    for label, p, o in measured:
+        # Points closer than the text's resolution (0.1 MiB, 0.1%) are the same point on the plot.
+        merged.setdefault((round(p / _MIB, 1), round(100 * o, 1)), []).append(label)
+    for k, ((x, y), labels) in enumerate(sorted(merged.items())):
+        ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(4, 4 if k % 2 == 0 else -10),
+                    fontsize=7)

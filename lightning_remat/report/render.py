@@ -23,7 +23,7 @@ from ..core.budget import format_bytes
 from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
 
 __all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
-           "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table",
+           "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table", "percent_shares",
            "breakdown_modules_table", "breakdown_renderables", "pareto_table"]
 
 TEXT_WIDTH = 120
@@ -126,36 +126,57 @@ def batch_size_table(result: Any) -> Any:
 # ------------------------------------------------------------------------ memory breakdown
 
 
+def percent_shares(parts: Sequence[int]) -> list[str]:
+    """Whole percentages of ``parts``' sum that add up to exactly 100% (largest remainders rounded up).
+
+    Example:
+        >>> percent_shares([1, 1, 1])
+        ['34%', '33%', '33%']
+    """
+    total = sum(parts)
+    if total <= 0:
+        return ["-" for _ in parts]
+    exact = [100 * p / total for p in parts]
+    shares = [math.floor(e) for e in exact]
+    for k in sorted(range(len(parts)), key=lambda k: shares[k] - exact[k])[:100 - sum(shares)]:
+        shares[k] += 1
+    return [f"{s}%" for s in shares]
+
+
 def breakdown_table(breakdown: Any) -> Any:
-    """A ``MemoryBreakdown`` as a ``rich.table.Table``: each kind of memory, its share and its size at the peak."""
+    """A ``MemoryBreakdown`` as a ``rich.table.Table``: each kind of memory, its size over the step,
+    its part of the forward/backward peak and its share of that peak (the shares add up to 100%).
+    The peak of the whole step (the optimizer step included, what a budget is compared with) is the
+    last row."""
     from rich.table import Table
 
     table = Table(title=f"Memory of one training step ({breakdown.device})", title_justify="left")
     table.add_column("what")
     table.add_column("size", justify="right")
-    table.add_column("share of peak", justify="right")
     table.add_column("at the forward/backward peak", justify="right")
-
-    def share(nbytes: int) -> str:
-        return f"{nbytes / breakdown.peak_bytes:.0%}" if breakdown.peak_bytes else "-"
-
+    table.add_column("share of that peak", justify="right")
     ahead = " (created by the first step)" if breakdown.optimizer_state_counted_ahead else ""
     rows = [
         ("parameters", breakdown.parameter_bytes, "Parameter"),
         ("buffers", breakdown.buffer_bytes, "Buffer"),
-        ("gradients", breakdown.gradient_bytes, "Gradient"),
+        ("gradients (all of them by the end of backward)", breakdown.gradient_bytes, "Gradient"),
         (f"optimizer state{ahead}", breakdown.optimizer_state_bytes, "Optstate"),
         ("activations (created in forward)", breakdown.activation_bytes, "Activation"),
         ("temporaries (created in backward)", breakdown.temporary_bytes, "Temp"),
     ]
-    for what, nbytes, key in rows:
-        if key == "Buffer" and not nbytes:
-            continue
-        at_peak = breakdown.at_peak.get(key)
-        table.add_row(what, format_bytes(nbytes), share(nbytes), "-" if at_peak is None else format_bytes(at_peak))
+    rows = [r for r in rows if r[2] != "Buffer" or r[1] or breakdown.at_peak.get("Buffer")]
+    at_peak = dict(breakdown.at_peak)
+    known = {key for _, _, key in rows}
+    if at_peak:  # a category without a row of its own is a temporary, so the rows cover the whole peak
+        at_peak["Temp"] = at_peak.get("Temp", 0) + sum(v for k, v in breakdown.at_peak.items() if k not in known)
+    shares = percent_shares([at_peak.get(key, 0) for _, _, key in rows])
+    for (what, nbytes, key), share in zip(rows, shares):
+        part = at_peak.get(key)
+        table.add_row(what, format_bytes(nbytes), "-" if part is None else format_bytes(part), share)
     table.add_section()
-    table.add_row("peak of a training step", format_bytes(breakdown.peak_bytes), "100%",
-                  format_bytes(breakdown.forward_backward_peak_bytes))
+    table.add_row("forward/backward peak", "", format_bytes(breakdown.forward_backward_peak_bytes),
+                  "100%" if breakdown.at_peak else "-")
+    table.add_row("peak of the whole step (optimizer step included)", format_bytes(breakdown.peak_bytes), "", "")
     return table
 
 

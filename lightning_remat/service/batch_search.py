@@ -22,6 +22,7 @@ from ..core.solve import least_peak, plan_from_choices, solve
 from ..runtime.measuring.measure import Step, is_out_of_memory, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.measuring.trial import Trial, run_trial
+from .planning import Planner
 
 MakeStep = Callable[[int], Step]
 
@@ -63,6 +64,7 @@ class BatchSearch:
         self.plans: dict[tuple[int, bool], Plan | None] = {}
         self.fit: ProfileFit | None = None
         self.host_free: int | None = None  # host memory free for offloading (bytes), read when first needed
+        self.verbose = True  # the planning service's progress display while a profile runs long
 
     # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
@@ -73,8 +75,9 @@ class BatchSearch:
             # with ProfileOptions(policies=...).
             options = replace(options, policies=())
         try:
-            return profiling.profile_step(self.model, self.counter.wrap(self.make_step(batch_size), batch_size),
-                                optimizer=self.optimizer, options=options)
+            with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
+                return profiling.profile_step(self.model, self.counter.wrap(self.make_step(batch_size), batch_size),
+                                              optimizer=self.optimizer, options=options)
         except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(exception):
                 raise

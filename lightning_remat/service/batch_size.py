@@ -211,6 +211,7 @@ def find_remat_batch_size(
     confirm_without_remat: bool = False,
     apply: bool = True,
     offload: bool = False,
+    verbose: bool = True,
     **deprecated: Any,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
@@ -253,6 +254,8 @@ def find_remat_batch_size(
             device, and a ``RematError`` says so before anything runs). Every batch size's plan
             stays within the host memory free when the search starts; trials run with the plan's
             offloading applied.
+        verbose: a progress display on stderr while a profile runs longer than a few seconds (rank 0,
+            on a terminal); False shows nothing.
         **deprecated: ``start`` (now ``init_val``) and ``max_batch_size`` (now ``max_val``), accepted
             with a ``DeprecationWarning`` until the next release. The old order
             ``find_remat_batch_size(make_step, model, ...)`` is accepted the same way.
@@ -299,6 +302,7 @@ def find_remat_batch_size(
     previous_plan = checkpointed_modules(model)
     previous_segments = segmented_modules(model)
     search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, init_val)
+    search.verbose = verbose
     budget_bytes = search.budget_bytes
     fit = search.fit_profiles(max_val)
     found = search.largest(True, max_val)

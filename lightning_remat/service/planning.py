@@ -44,6 +44,10 @@ from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
 
 METRIC_PREFIX = "remat/"
+# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
+MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
+                      "or cost='roofline' give figures that do not move")
 
 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
@@ -87,10 +91,18 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     budget = plan.budget_bytes
     if budget is None or measured_peak_bytes <= budget:
         return None
+    over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
+            f"above the budget of {format_bytes(budget)} ({budget} bytes")
+    if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
+        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. Every candidate block is recomputed already: "
+                "reduce the batch size, raise the budget, or name more candidates.")
     predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
-    return (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
-            f"above the budget of {format_bytes(budget)} ({budget} bytes{predicted}): memory the profile did not "
-            "see. Lower the budget by the difference.")
+    return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
+
+
+# What a plan made without a profile is, in every message that reports on it.
+FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
+                 "ran out of memory)")
 
 
 @dataclass
@@ -163,8 +175,10 @@ class Planner:
         '1GB'
     """
 
-    def __init__(self, config: RematConfig):
+    def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config
+        # A progress display while deciding takes longer than a few seconds (rank 0, on a terminal).
+        self.verbose = verbose
 
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
@@ -175,12 +189,23 @@ class Planner:
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
         """The profile ``decide`` solves on (``adjust`` applied)."""
         options = self.config.profile if warmup is None else replace(self.config.profile, warmup=warmup)
-        profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
+        with self.progress(model, options.fake):
+            profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
         if model_device(model).type != "cpu":
             # The profile's pass without recomputation filled the caching allocator up to the
             # baseline's peak; hand that back so training reserves what the plan needs.
             release_device_memory()
         return adjust(profile) if adjust is not None else profile
+
+    def progress(self, model: nn.Module, fake: bool) -> Any:
+        """The progress display of one profile: profiling is the long part of planning (15-100 s for
+        a 7B model on fake tensors), so once it runs past a few seconds rank 0 shows what it is
+        doing, unless ``verbose=False`` (``report.progress.PhaseProgress``, a context manager)."""
+        from ..report.progress import PhaseProgress
+
+        display = PhaseProgress(enabled=self.verbose and is_main_process())
+        display(f"lightning-remat: profiling a training step of {type(model).__name__}" + (" on fake tensors" if fake else ""))
+        return display
 
     def solve_profile(self, model: nn.Module, profile: Any) -> Plan:
         """The least-cost plan within the budget for ``profile``."""
@@ -194,7 +219,10 @@ class Planner:
             plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        return replace(plan, requested_budget=self.config.budget.text)
+        notes = plan.notes
+        if self.config.cost == "time" and not self.config.profile.fake:
+            notes += (MEASURED_TIME_NOTE,)
+        return replace(plan, requested_budget=self.config.budget.text, notes=notes)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -214,11 +242,13 @@ class Planner:
         release_device_memory()
         stages = find_stages(model, self.config.profile.candidates)
         note = f"fallback: out of memory while profiling ({reason}); every candidate block recomputed whole"
-        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Falling back to recomputing every "
-                      f"candidate block whole ({len(stages)} module(s)); the budget is not checked by a profile, only "
-                      "by the measured peak.", UserWarning, stacklevel=3)
-        return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
-                                          self.config.budget.text, note)
+        budget = self.config.budget_bytes(model_device(model))
+        checked = (f"whether the budget of {budget} bytes holds is known only from the measured peak of a later step"
+                   if isinstance(budget, int) else "budget 'min' (the least peak) needs a profile to be found")
+        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Installed the fallback plan: every "
+                      f"candidate block recomputed whole ({len(stages)} module(s)). Without a profile no peak is "
+                      f"predicted: {checked}.", UserWarning, stacklevel=3)
+        return solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
@@ -255,7 +285,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True, chunk_loss: bool = False) -> Plan:
+               repeated_blocks: bool = True, chunk_loss: bool = False, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -293,6 +323,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             (the planner chooses; ``plan.chunked_loss``); a plan that chunks makes the model return
             ``logits=None`` with the same loss (``docs/long_context.md``). Every argument is
             described once, in ``ProfileOptions``/``RematConfig``.
+        verbose: a progress display on stderr (rank 0, on a terminal) when planning runs longer than
+            a few seconds (a 7B model planned on fake tensors); False shows nothing.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
     is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
@@ -325,4 +357,5 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).
-    return Planner(config).shared_plan(model, step, optimizer, channel=torch_distributed_channel(), fallback=False)
+    return Planner(config, verbose=verbose).shared_plan(model, step, optimizer, channel=torch_distributed_channel(),
+                                                        fallback=False)

@@ -144,6 +144,8 @@ class ShapePlans:
             None: one process.
         hint: added to the message of an error of ours (which integration, which setting).
         warmup: unmeasured steps before the first batch's real profile (None: the config's).
+        verbose: a progress display while the real profile runs longer than a few seconds (rank 0,
+            on a terminal); False shows nothing.
 
     Example:
         >>> import torch
@@ -162,7 +164,7 @@ class ShapePlans:
                  shape_of: Callable[[Any], Shape | None] | None = None,
                  resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
                  install: Callable[[nn.Module, Plan], Any] | None = None, channel: Any = None, hint: str = "",
-                 warmup: int | None = None):
+                 warmup: int | None = None, verbose: bool = True):
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
@@ -180,7 +182,7 @@ class ShapePlans:
         self.shape_of = shape_of or batch_shape
         self.resize = resize or (lambda batch, shape: resize_batch(batch, shape))
         self.adjust, self.install = adjust, install or apply_plan
-        self.planner = Planner(config)
+        self.planner = Planner(config, verbose=verbose)
         self.counts = ShapePlanCounts()
         self.channel, self.hint, self.warmup = channel, hint, warmup
         self.anchor: tuple[Shape, Profile] | None = None  # the first batch's profile, and its shape
@@ -245,6 +247,18 @@ class ShapePlans:
         if self.fit is None:
             raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
         return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
+
+    def profile_of(self, plan: Plan) -> Profile | None:
+        """The profile ``plan`` (one of these plans) was solved on, without profiling anything: the
+        first batch's where the plan is for its shape, else the fit's; None when there is neither
+        (a fallback plan, or one seeded from a checkpoint)."""
+        shape = plan.fingerprint.get("shape")
+        if shape is None:
+            return None
+        key = Shape(*shape)
+        if self.anchor is not None and key == self.anchor[0]:
+            return self.anchor[1]
+        return self.fit.at(key) if self.fit is not None else None
 
     # ------------------------------------------------------------------------------- internals
 
@@ -363,7 +377,8 @@ class ShapePlans:
         options = replace(self.config.profile, fake=True, warmup=0,
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1
-        profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
+        with self.planner.progress(self.model, fake=True):
+            profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
         # No real timing: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         seconds_per_flop = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return _priced(profile, seconds_per_flop) if seconds_per_flop else profile

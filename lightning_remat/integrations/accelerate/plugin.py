@@ -12,7 +12,7 @@ from typing import Any
 
 from ...core.budget import Budget
 from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
-                            parse_policies)
+                            check_policies)
 from ...core.vocabulary import Policy
 
 ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
@@ -128,13 +128,11 @@ class RematPlugin:
             if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise invalid(name, "expected 1/true/yes or 0/false/no")
             setattr(self, name, flag in ("1", "true", "yes", "on"))
-        policies = () if self.policies is None else parse_policies(self.policies)
-        if policies is not None:
-            if isinstance(policies, str) or not all(p in Policy.values() for p in policies):
-                raise invalid("policies", f"expected comma-separated policy names among {', '.join(Policy.values())}, "
-                              "or 'all' or 'none'")
-            policies = tuple(policies)
-        self.policies = policies
+        try:
+            self.policies = () if self.policies is None else check_policies(self.policies)
+        except ValueError:
+            raise invalid("policies", f"expected comma-separated policy names among {', '.join(Policy.values())} "
+                          "(each also spelled 'sac:' + the name), or 'all' or 'none'") from None
 
     def _steps(self, invalid: Any) -> int:
         if self.profile_steps is None:

@@ -210,6 +210,10 @@ class RematSession:
     def _step_boundary(self, optimizer_stepped: bool) -> None:
         """Between two steps: count the step that ended, and plan or finish measuring when due."""
         if self.phase == "observe":
+            if self._current is not None and not self._current.backward_ran and self._window is not None:
+                # A forward the loop did not train on (it skipped the batch): not an observed step.
+                self._window.abandon()
+                self._window = None
             if self._current is not None and self._current.backward_ran:
                 self._completed, self._current = self._current, None
                 self.observed_steps += 1

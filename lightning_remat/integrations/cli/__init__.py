@@ -27,8 +27,10 @@ The budget is the peak memory of a whole training step, in the forms of ``parse_
 memory (for a model on the CPU, the host's RAM), as everywhere in lightning-remat.
 
 Exit codes: 0 success; 1 the budget cannot be met (the smallest reachable peak is printed) or the
-step failed while profiling; 2 a usage error (missing file or factory, a factory that raises or
-returns something else, a malformed budget).
+step failed while profiling; 2 bad input, whatever it is (a missing file or factory, a factory that
+raises or returns something else, a malformed budget, device, GPU or any other flag's value, a
+candidate that matches no module).
+Errors are one line on stderr: "lightning-remat: error: ...".
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .factory import UsageError
-from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, run_plan  # noqa: F401 - the exit codes are public
+from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, ProfilingFailed, one_line_error, run_plan  # noqa: F401 - exit codes are public
 
 
 # The command line plans the least peak unless told otherwise; every other default is the field's.
@@ -89,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser(
         "plan", help="profile a training step, show where memory goes and the least-cost plan within a budget",
-        description=__doc__.split("\n\n", 2)[2] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+        # The whole module text: the examples, the factory forms, the budget and the exit codes
+        # (argparse's own wrapping would cut nothing, but it would re-flow the lists).
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("target", metavar="FILE.py:FACTORY",
                       help="a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)")
     settings = plan.add_argument_group(
@@ -122,8 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return run_plan(args)
     except UsageError as err:
-        print(f"lightning-remat: error: {err}", file=sys.stderr)
+        print(one_line_error(err), file=sys.stderr)
         return EXIT_USAGE
+    except ProfilingFailed as err:
+        print(one_line_error(err), file=sys.stderr)
+        return EXIT_NO_PLAN
     except KeyboardInterrupt:
         print("lightning-remat: interrupted", file=sys.stderr)
         return 130

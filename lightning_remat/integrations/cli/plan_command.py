@@ -7,51 +7,46 @@ profile, the same solver, the host-memory limit for ``--offload``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
+import sys
 import time
 import warnings
 from dataclasses import fields
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ...core.config import ProfileOptions, RematConfig
 from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError
 from ...core.plan import Plan
 from ...core.sharding import per_gpu_breakdown
+from ...report.progress import PhaseProgress
 from ...report.render import breakdown_renderables, pareto_table, plan_renderables, print_renderables
 from .factory import Target, UsageError, load_factory, normalize
 
 EXIT_OK, EXIT_NO_PLAN, EXIT_USAGE = 0, 1, 2
 
 
+class ProfilingFailed(RematError):
+    """The factory's step failed while it was profiled: exit code 1, one line on stderr.
+
+    Example:
+        >>> one_line_error(ProfilingFailed("profiling gpt2 failed:\\n  RuntimeError: shapes"))
+        'lightning-remat: error: profiling gpt2 failed: RuntimeError: shapes'
+    """
+
+
+def one_line_error(err: BaseException) -> str:
+    """An error as the command prints it: one line, its whitespace (line breaks included) squashed.
+
+    Example:
+        >>> one_line_error(ValueError("bad\\n  budget"))
+        'lightning-remat: error: bad budget'
+    """
+    return "lightning-remat: error: " + " ".join(str(err).split())
+
+
 def _finite(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr; yields ``advance(description)`` for each phase."""
-    if not enabled:
-        yield lambda description: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    phases = 6
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("starting", total=phases)
-        first = [True]
-
-        def advance(description: str) -> None:
-            if not first[0]:
-                progress.advance(task)
-            first[0] = False
-            progress.update(task, description=description)
-
-        yield advance
-        progress.update(task, completed=phases)
 
 
 def _profile_warnings(profile: Any, cost: str) -> list[str]:
@@ -84,6 +79,29 @@ def _config(args: argparse.Namespace) -> RematConfig:
         if message.startswith("unknown selective-checkpointing policy"):
             message = f"--policies: {message}, or all, or none"
         raise UsageError(message) from err
+    if args.gpu is not None:  # a GPU not in the table is bad input too, found before anything runs
+        from ...core.hardware import gpu
+
+        try:
+            gpu(args.gpu)
+        except ValueError as err:
+            raise UsageError(f"--gpu: {err}") from err
+    if args.device_memory is not None:  # a size that is not one ("lots") is bad input, not ignored
+        from ...core.budget import parse_budget
+
+        try:
+            size = parse_budget(args.device_memory)
+        except ValueError as err:
+            raise UsageError(f"--device-memory: {err}") from err
+        if not isinstance(size, int):
+            raise UsageError(f"--device-memory {args.device_memory!r}: a size in bytes ('80GB', '80 GiB'), not {size!r}")
+    if args.device is not None:  # a device torch cannot parse is bad input, found before anything runs
+        import torch
+
+        try:
+            torch.device(args.device)
+        except (RuntimeError, ValueError) as err:
+            raise UsageError(f"--device {args.device!r} is not a device torch knows ('cpu', 'cuda', 'cuda:1', ...)") from err
     return config
 
 
@@ -110,7 +128,7 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
     """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
-    from ...report.plots import plot_memory_timeline, plot_pareto
+    from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
     from ...report.timeline import memory_timeline
 
     files: dict[str, str] = {}
@@ -119,11 +137,13 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
         advance("recording memory over one step")
         timelines = [memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")]
         if plan is not None and plan.checkpointed:
+            count = len(plan.checkpointed)
             timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
-                                             label=f"plan ({len(plan.checkpointed)} modules recomputed)"))
+                                             label=f"plan ({count} module{'s' if count != 1 else ''} recomputed)"))
         files["memory_timeline"] = str(plot_memory_timeline(
-            timelines, args.out / "memory_timeline.png", title=f"{name}: memory over one forward and backward pass"))
-    unit = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)"}.get(args.cost, "time overhead (%)")
+            timelines, args.out / "memory_timeline.png", budget_bytes=plan.budget_bytes if plan is not None else None,
+            title=f"{name}: memory over one training step (optimizer state included)"))
+    unit = OVERHEAD_LABELS[args.cost]
     chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
     files["pareto"] = str(plot_pareto(
         args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],
@@ -145,7 +165,7 @@ def _show(result: dict[str, Any], breakdown: Any, plan: Plan | None, points: lis
     if plan is not None:
         print_renderables(plan_renderables(plan), console)
     else:
-        console.print(f"[red]error:[/red] {result['error']}", highlight=False)
+        print(one_line_error(result["error"]), file=sys.stderr)  # one line, not wrapped by rich
     console.print(pareto_table(points, plan, cost))
     for label, path in result["files"].items():
         console.print(f"wrote {label}: {path}", highlight=False)
@@ -162,7 +182,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError("--points must be at least 1 and --top at least 0")
     result: dict[str, Any] = {"target": args.target, "budget": args.budget, "cost": args.cost}
     plan = None
-    with _progress(not args.json) as advance, warnings.catch_warnings():
+    # The planning service's progress display, shown at once here (the command is the long work).
+    with PhaseProgress(6, enabled=not args.json, delay=0) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         target, name = _target(args, advance)
         try:  # a budget above the device's memory is a usage error, before profiling
@@ -173,15 +194,15 @@ def run_plan(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         # The planning service profiles and solves, as for plan_remat and every integration (with
         # --offload, within the host's free memory).
-        planner = Planner(config)
+        planner = Planner(config, verbose=False)  # the command's own phases are on the display already
         try:
             profile = planner.profile(target.model, target.step, target.optimizer)
         except (TypeError, ValueError, RuntimeError) as err:
-            from rich.console import Console
-
-            Console(stderr=True).print(f"[red]error:[/red] profiling {name} failed: {type(err).__name__}: {err}",
-                                       highlight=False)
-            return EXIT_NO_PLAN
+            if isinstance(err, RematError) and isinstance(err, ValueError):
+                # Ours, and about what was asked (a candidate that matches nothing, a setting the
+                # model refuses): bad input, as a malformed flag is.
+                raise UsageError(f"{type(err).__name__}: {err}") from err
+            raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}") from err
         result["profile_seconds"] = time.perf_counter() - start
         result["warnings"] = _profile_warnings(profile, args.cost)
         advance("measuring where memory goes")
@@ -197,7 +218,6 @@ def run_plan(args: argparse.Namespace) -> int:
             result.update(error=str(err))
         points = pareto_sweep(profile, args.points, cost=args.cost)
         files = {} if args.no_plots else _write_files(args, target, name, profile, plan, points, advance)
-        advance("done")
     import torch
 
     result.update({

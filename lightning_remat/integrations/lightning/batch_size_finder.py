@@ -85,7 +85,8 @@ class RematBatchSizeFinder(BatchSizeFinder):
         max_overhead: the largest recompute cost accepted, as a share of a step's cost (0.35 = 35%).
         max_val: the largest batch size considered (capped by the dataset's length when it has one).
         cost: ``"flops"`` (deterministic; the default), ``"time"`` or ``"roofline"`` prices recomputation.
-        verbose: print the result table on rank zero.
+        verbose: print the result table on rank zero, and show progress while a profile runs
+            longer than a few seconds.
         offload: the plans may also offload activations to host memory (``docs/offload.md``; a CUDA
             model only, as ``find_remat_batch_size(offload=True)``).
         candidates: which modules may be recomputed, as ``AutoRemat(candidates=)`` (names relative
@@ -206,6 +207,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
                 steps_per_trial=self._steps_per_trial, margin=self._margin, cost=self._cost, mode=self._mode,
                 max_trials=self._max_trials, apply=False, offload=self._offload,
                 candidates=self.config.profile.candidates, policies=self.config.profile.policies,
+                verbose=self._verbose,
             )
         except BaseException:
             lightning_setattr(pl_module, self._batch_arg_name, original)

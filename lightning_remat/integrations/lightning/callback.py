@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
+from ...core.errors import SkippedStepError
 from ...core.plan import Plan
 from ...core.shapes import Shape
 from ...report.render import print_plan
@@ -27,6 +28,7 @@ from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from ...service.shape_plans import ShapePlans
+from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
@@ -89,8 +91,7 @@ class AutoRemat(Callback):
             CUDA model only (a CPU-only run raises ``RematError``).
         policies: op-level selective-checkpointing policies offered to every block, as
             ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
-        chunk_loss: a causal LM's head and loss are a stage too, whole or over sequence chunks
-            (``plan_remat(chunk_loss=)``, ``docs/long_context.md``); the model then returns ``logits=None``.
+        chunk_loss: a causal LM's head and loss may be chunked over the sequence, as ``plan_remat(chunk_loss=)``.
 
     Behaviour worth knowing:
 
@@ -139,7 +140,8 @@ class AutoRemat(Callback):
       ``activation_checkpointing_policy``) and strategies other than single-device, DDP and
       ModelParallelStrategy are left alone with a warning.
     - ``training_step`` is called several times on the first batch while profiling; ``self.log``
-      is muted during those calls.
+      is muted during those calls. A batch it skips (returns None, as Lightning allows) is left
+      alone and trains as it would; the first batch that returns a loss is profiled.
 
     Example:
         >>> callback = AutoRemat(budget="2GB")
@@ -159,9 +161,8 @@ class AutoRemat(Callback):
             raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
-        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
-                                                                            offload=offload, policies=policies,
-                                                                            chunk_loss=chunk_loss))
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
+            candidates=candidates, fake=fake, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
@@ -231,8 +232,11 @@ class AutoRemat(Callback):
             return
         window = max(1, trainer.accumulate_grad_batches)
         first = self.plan is None
-        planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module, batch,
-                                                                                         batch_idx)
+        try:
+            planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module,
+                                                                                             batch, batch_idx)
+        except SkippedStepError:
+            return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
         if planned:
@@ -260,6 +264,9 @@ class AutoRemat(Callback):
         assert self.plan is not None
         self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
                                                         self._log_metrics)
+        if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
+            log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
+                             trainer.global_step)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -324,10 +331,10 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        self.profile_count += 1
-        plan = Planner(self._config_for(trainer)).shared_plan(
+        plan = Planner(self._config_for(trainer), verbose=self.verbose).shared_plan(
             pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+        self.profile_count += 1
         self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
         self._apply(trainer, pl_module, self.plan)
         return True
@@ -346,6 +353,7 @@ class AutoRemat(Callback):
                 config=self._config_for(trainer), adjust=_loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
+            self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
         plans, self._batch_idx = self.shape_plans, batch_idx
         known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
         self.plan = plans.use(batch)

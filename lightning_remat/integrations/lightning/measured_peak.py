@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ...core.budget import format_bytes
 from ...core.plan import Plan
 from ...runtime.measuring.measure import PeakWindow
-from ...service.planning import over_budget
+from ...service.planning import FALLBACK_PLAN, over_budget
 from .channel import lightning_channel
 
 
@@ -40,11 +40,14 @@ def report_measured_peak(trainer: Trainer, plan: Plan, meter: PeakWindow, batch_
         # On CUDA: what the caching allocator held beside it (fragmentation included).
         measured["remat/measured_reserved_bytes"] = channel.max(meter.reserved_bytes)
     log_metrics(trainer, measured)
-    message = (f"AutoRemat: measured peak of a steady training step with the plan"
+    # A fallback plan (no profile) predicted nothing, and a "min" budget never became bytes.
+    predicted = ("no prediction" if plan.fallback
+                 else f"predicted {figure(plan.predicted_peak_bytes, plan.budget_bytes)}")
+    budget = figure(plan.budget_bytes, measured_peak) if plan.budget_bytes is not None else repr(plan.requested_budget)
+    message = (f"AutoRemat: measured peak of a steady training step with "
+               f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
-               f"{figure(measured_peak, plan.budget_bytes)} (predicted "
-               f"{figure(plan.predicted_peak_bytes, plan.budget_bytes)}, budget "
-               f"{figure(plan.budget_bytes, measured_peak)})")
+               f"{figure(measured_peak, plan.budget_bytes)} ({predicted}, budget {budget})")
     warning = over_budget(measured_peak, plan, f"a steady training step (batch {batch_idx})")
     if warning is not None:
         rank_zero_warn(message + ". " + warning)

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ...core.errors import SkippedStepError
+
 
 def loss_of(output: Any) -> torch.Tensor:
     """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``.
@@ -36,11 +38,19 @@ def loss_of(output: Any) -> torch.Tensor:
     Example:
         >>> loss_of({"loss": torch.tensor(1.0)}).item()
         1.0
+        >>> loss_of(None)
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.SkippedStepError: training_step returned None (it skips this batch): lightning-remat profiles the first batch whose training_step returns a loss
     """
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
     if isinstance(output, torch.Tensor):
         return output
+    if output is None:
+        # Lightning's way to skip a batch: no loss here to profile (``AutoRemat`` plans on the next batch).
+        raise SkippedStepError("training_step returned None (it skips this batch): lightning-remat profiles the "
+                               "first batch whose training_step returns a loss")
     detail = f"a dict with keys {sorted(output)}" if isinstance(output, dict) else type(output).__name__
     raise TypeError("lightning-remat profiles training_step, which must return the loss tensor or a dict with a "
                     f"'loss' tensor; it returned {detail}")
@@ -164,8 +174,8 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                 _attributes_replaced(kept + _held_still(trainer)):
             module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         if not losses:
-            raise TypeError("lightning-remat profiles training_step under manual optimization through its "
-                            "self.manual_backward(loss) call, and it made none")
+            raise SkippedStepError("training_step made no self.manual_backward(loss) call (it skips this batch): "
+                                   "lightning-remat profiles the first batch whose training_step runs one")
         if len(losses) > 1:
             warnings.warn(f"lightning-remat: training_step calls manual_backward {len(losses)} times; the plan models "
                           "one backward of their sum, with every graph alive until then (an over-estimate)",

@@ -153,15 +153,17 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
             default the plan's ``offloaded`` (none for names). A module is recomputed or
             offloaded, never both.
 
-    A previous plan of ours is replaced. Every name is checked before anything is wrapped, so an
-    error never leaves a half-wrapped model.
+    A previous plan of ours is replaced. Every name is checked before anything is wrapped, and a
+    module that refuses its new ``forward`` makes the call undo what it wrapped and put the previous
+    plan back before its error is raised, so an error never leaves a half-wrapped model.
 
     Names are those of the uncompiled model: a plan made for a model applies to its
     ``torch.compile`` twin and the reverse.
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
-        ValueError: a name is not a module of ``model``, or a name lies inside another named module.
+        ValueError: a name is not a module of ``model``; ``InvalidPlanError`` (a ``ValueError``) naming
+            both when a name lies inside another named module (the root ``""`` holds every other).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

@@ -47,7 +47,8 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from ...core.actions import StageAction, check_actions
+from ...core.actions import StageAction, check_actions, refuse_nested
+from ...core.errors import InvalidPlanError
 from ...core.plan import Plan
 from ...core.vocabulary import Action
 from . import chunked_loss, sac
@@ -55,7 +56,7 @@ from .compiled import uncompiled
 from .offloader import Offloader, offloaded_call, release_after_next
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
 
-__all__ = ["Installation", "chunked", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
+__all__ = ["Installation", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
            "offloader_of", "qualifies", "recomputed", "restore", "segment_positions", "snapshot", "uninstall",
            "uninstall_offload", "uninstall_segments"]
 
@@ -167,10 +168,12 @@ def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _record(module: nn.Module) -> _Record:
-    """The module's record, made (and its forward patched, once) on first use."""
+    """The module's record, made (and its forward patched, once) on first use. The forward is
+    patched first: a module that refuses it (its ``__setattr__`` raises) is left without a record."""
     if _RECORD not in module.__dict__:
-        module.__dict__[_RECORD] = _Record(module.forward, "forward" in module.__dict__)
+        record = _Record(module.forward, "forward" in module.__dict__)
         module.forward = functools.partial(_installed_forward, module)  # type: ignore[method-assign]
+        module.__dict__[_RECORD] = record
     return module.__dict__[_RECORD]
 
 
@@ -237,9 +240,9 @@ def install_offload(model: nn.Module, names: Sequence[str], order: Sequence[str]
     them); a previous offload is replaced, other behaviours stay. Returns the modules' offloader."""
     modules = dict(model.named_modules())
     _check_names(model, modules, names, "offload")
-    nested = [n for n in names if any(n != o and n.startswith(o + ".") for o in names)]
-    if nested or len(set(names)) != len(names):
-        raise ValueError(f"offload names a module twice or inside another offloaded module: {nested or list(names)}")
+    if len(set(names)) != len(names):
+        raise InvalidPlanError(f"offload names a module twice: {list(names)}")
+    refuse_nested(names, "offloads")
     uninstall_offload(model)
     offloader = Offloader(measure=measure, limits=limits, order=order)
     for name in names:
@@ -267,8 +270,9 @@ def uninstall_offload(model: nn.Module) -> None:
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, measure: bool = False) -> nn.Module:
     """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
 
-    Every name and segment is checked before anything changes, so an error never leaves a
-    half-installed model. ``order`` (default the plan's ``stage_order``): every stage in execution
+    Every name and segment is checked before anything changes, and a failure while installing (a
+    module that refuses a new ``forward``) takes off what was installed and puts the previous plan
+    back before it is raised: the model is as it was. ``order`` (default the plan's ``stage_order``): every stage in execution
     order, for offloading one stage ahead. ``measure``: offload only metadata (fake profiles).
 
     Raises:
@@ -283,10 +287,15 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
         for names in plan.segments:
             segment_positions(modules, names)
         chunked_loss.check_heads(modules, plan.chunked_loss)
+        previous = snapshot(plain)
         uninstall(plain)
-        _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
-                 plan.offload_limits, plan.stage_order if order is None else order, measure)
-        _install_chunks(modules, plan.chunked_loss)
+        try:
+            _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
+                     plan.offload_limits, plan.stage_order if order is None else order, measure)
+            _install_chunks(modules, plan.chunked_loss)
+        except BaseException:
+            restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
+            raise
     return model
 
 
@@ -333,13 +342,6 @@ def recomputed(model: nn.Module) -> dict[str, str]:
                 if _RECORD in m.__dict__ and m.__dict__[_RECORD].recompute}
 
 
-def chunked(model: nn.Module) -> dict[str, int]:
-    """Per causal LM head of ``model`` computing its loss in chunks, the number of chunks."""
-    with uncompiled(model) as plain:
-        return {name: m.__dict__[_RECORD].chunks for name, m in plain.named_modules()
-                if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks}
-
-
 def installed_segments(model: nn.Module) -> list[list[str]]:
     """The segments installed on ``model``, as lists of module names."""
     return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
@@ -380,7 +382,9 @@ def snapshot(model: nn.Module) -> Installation:
         return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
                             limits=dict(offloader.limits) if offloader else {},
                             order=offloader.order if offloader else None,
-                            measure=bool(offloader and offloader.measure), chunks=chunked(plain))
+                            measure=bool(offloader and offloader.measure),
+                            chunks={n: m.__dict__[_RECORD].chunks for n, m in plain.named_modules()
+                                    if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks})
 
 
 def restore(model: nn.Module, installation: Installation) -> nn.Module:

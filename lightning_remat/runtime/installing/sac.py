@@ -37,11 +37,13 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, SAC_IGNORED_OPS,
+                                   create_selective_checkpoint_contexts)
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ...core.vocabulary import OptionKind, Policy
@@ -113,6 +115,30 @@ def check_policy(policy: str) -> str:
         'save_matmuls'
     """
     return Policy.check(policy).value
+
+
+# What torch raises when a selective-checkpointing recompute asks for an op the forward did not
+# save ("aten.mm encountered during backward but not found in storage"; torch < 2.10 has a comma
+# after "backward"): the recompute did not run the forward's ops again.
+_NOT_REPLAYED = re.compile(r"encountered during backward,? but not found in storage")
+
+
+def recompute_not_replayed(error: BaseException) -> bool:
+    """Whether ``error`` is torch's own report that a checkpoint's recompute did not replay its
+    forward: a ``CheckpointError`` (other tensors saved than in the forward), or selective
+    checkpointing's plain ``RuntimeError`` for an op missing from its storage. Nothing else is (a
+    user's error, an out-of-memory error, an empty ``RuntimeError()``), so only these may drop a
+    policy's option.
+
+    Example:
+        >>> recompute_not_replayed(RuntimeError("aten.slice.Tensor encountered during backward but not found in storage."))
+        True
+        >>> recompute_not_replayed(RuntimeError()), recompute_not_replayed(torch.OutOfMemoryError("not found in storage"))
+        (False, False)
+    """
+    if isinstance(error, CheckpointError):
+        return True
+    return type(error) is RuntimeError and bool(_NOT_REPLAYED.search(str(error)))
 
 
 def _contexts(policy: str) -> tuple[Any, Any]:

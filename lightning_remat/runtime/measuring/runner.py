@@ -62,7 +62,9 @@ def check_loss(loss: Any) -> None:
     """Raise ``TypeError`` unless ``loss`` is a scalar tensor (what ``step(model)`` must return)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                        + (" (a number has no graph to run backward on: return the tensor, not loss.item())"
+                           if isinstance(loss, (int, float)) else ""))
 
 
 def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
@@ -94,8 +96,8 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     with watch.watching():
         with watch.forward():
             loss = step(model)
-        if check:
-            check_loss(loss)
+        if check or not isinstance(loss, torch.Tensor):
+            check_loss(loss)  # a number (loss.item()) has no graph: say so rather than fail on .backward
         with watch.backward():
             loss.backward()
         watch.backward_done()

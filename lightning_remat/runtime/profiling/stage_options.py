@@ -74,8 +74,9 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
                     limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
     """The memory run of every option in ``wraps``, and the options dropped (their names and why).
 
-    A selective-checkpointing option whose recompute fails is dropped (removed from ``wraps``);
-    any other failure is raised.
+    A selective-checkpointing option whose recompute torch reports did not replay the forward
+    (``sac.recompute_not_replayed``) is dropped (removed from ``wraps``); any other failure, of any
+    option, is raised as itself.
     """
     dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
     with warnings.catch_warnings():
@@ -91,12 +92,12 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
                                         offloaded=list(wrap) if is_offload(name) else (),
                                         offload_limits=limits if name == OFFLOAD_HIDDEN else None,
                                         dead=dead)
-            except RuntimeError as err:
+            except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,
                 # which a forward that mutates state it reads (a key/value cache) does not.
-                if not sac.policy_of(name):
+                if not (sac.policy_of(name) and sac.recompute_not_replayed(err)):
                     raise
                 model.zero_grad(set_to_none=True)
                 del wraps[name]
-                dropped.append(f"{name} ({str(err).splitlines()[0][:120]})")
+                dropped.append(f"{name} ({(str(err).strip().splitlines() or [type(err).__name__])[0][:120]})")
     return runs, dropped

@@ -1,0 +1,72 @@
+"""The plan's pictures in the logger: Lightning loggers that take images get them under ``remat/``.
+
+TensorBoard (``experiment.add_figure``), Weights & Biases and the other loggers with ``log_image``
+(Neptune, Comet), MLflow (``experiment.log_figure``); a logger that takes no image (CSV) gets none,
+and without matplotlib nothing is drawn. The picture is ``report.plots.plan_pareto_figure``: the
+budget sweep, the plan as predicted and as measured, and the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def image_sink(logger: Any) -> Any:
+    """How ``logger`` takes a matplotlib figure: ``sink(tag, figure, step)``, or None if it takes none.
+
+    Example:
+        >>> class Board:
+        ...     def add_figure(self, tag, figure, global_step=None): print(tag, figure, global_step)
+        >>> class TensorBoardLike:
+        ...     experiment = Board()
+        >>> image_sink(TensorBoardLike())("remat/pareto", "fig", 3)
+        remat/pareto fig 3
+        >>> image_sink(object()) is None
+        True
+    """
+    if callable(getattr(logger, "log_image", None)):  # WandbLogger, NeptuneLogger, CometLogger
+        return lambda tag, figure, step: logger.log_image(key=tag, images=[figure], step=step)
+    experiment = getattr(logger, "experiment", None)
+    if callable(getattr(experiment, "add_figure", None)):  # TensorBoardLogger's SummaryWriter
+        return lambda tag, figure, step: experiment.add_figure(tag, figure, global_step=step)
+    run_id = getattr(logger, "run_id", None)
+    if callable(getattr(experiment, "log_figure", None)) and run_id:  # MLFlowLogger's MlflowClient
+        return lambda tag, figure, step: experiment.log_figure(run_id, figure, f"{tag}_step{step}.png")
+    return None
+
+
+def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> list[str]:
+    """Draw the figures (``make_figures()`` -> {tag: figure}) once, if some logger takes images and
+    matplotlib is installed, and give each to every such logger; the tags logged.
+
+    Example:
+        >>> log_plan_figures([object()], lambda: 1 / 0, step=0)  # no logger takes images: nothing drawn
+        []
+    """
+    sinks = [sink for sink in (image_sink(logger) for logger in loggers) if sink is not None]
+    if not sinks:
+        return []
+    try:
+        import matplotlib  # noqa: F401 - the figures need it; without it, nothing is logged
+    except ImportError:
+        return []
+    from ...report.plots import pyplot
+
+    figures = make_figures()
+    for tag, figure in figures.items():
+        for sink in sinks:
+            sink(tag, figure, step)
+        pyplot().close(figure)
+    return list(figures)
+
+
+def plan_figures(shape_plans: Any, plan: Any, measured_peak_bytes: int | None) -> dict[str, Any]:
+    """``{"remat/pareto": figure}`` for AutoRemat's ``plan`` (measured at ``measured_peak_bytes``),
+    drawn on the profile ``shape_plans`` solved it on; empty when there is none (a fallback plan, a
+    plan from a checkpoint)."""
+    from ...report.plots import plan_pareto_figure
+
+    profile = shape_plans.profile_of(plan) if shape_plans is not None and plan is not None else None
+    if profile is None:
+        return {}
+    return {"remat/pareto": plan_pareto_figure(profile, plan, measured_peak_bytes)}
