@@ -29,7 +29,8 @@ from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
                           ConflictingArgumentsError, FakeProfileError, InvalidPlanError, NoCandidateError,
-                          PlanningFailedError, RematError, SkippedStepError, StepError, UnsupportedSetupError,
+                          PlanFormatError, PlanMismatchError, PlanningFailedError, RematError, SkippedStepError,
+                          StepError, UnsupportedSetupError,
                           UnsupportedShardingError)
 from .core.memory_model import Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageAction, StageChoice
@@ -67,6 +68,8 @@ __all__ = [
     "InvalidPlanError",
     "NoCandidateError",
     "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
     "PlanningFailedError",
     "Profile",
     "ProfileOptions",

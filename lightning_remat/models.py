@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 MODEL_NAMES = ("gpt2", "bert", "vit", "resnet50", "llama", "mlp")
+# CNNs whose blocks nest (planned whole or through their children: benchmarks/hierarchy.py), not in the main table.
+CNN_NAMES = ("convnext", "tv_resnet")
 
 
 @dataclass
@@ -103,6 +105,92 @@ def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> Model
     return ModelCase("resnet50", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
 
 
+def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] = (2, 2, 4, 2), width: int = 2) -> ModelCase:
+    """A ConvNeXt image classifier (transformers' ConvNextForImageClassification; depths 2-2-4-2 by
+    default) on random images. ``width`` divides the channel counts (96-192-384-768 at 1)."""
+    import transformers
+
+    _quiet_transformers()
+    config = transformers.ConvNextConfig(depths=list(depths), hidden_sizes=[96 // width * 2 ** i for i in range(len(depths))],
+                                         num_labels=10, image_size=image_size)
+    model = transformers.ConvNextForImageClassification(config).train()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    return ModelCase("convnext", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
+
+
+class Bottleneck(nn.Module):
+    """torchvision's bottleneck block (1x1, 3x3, 1x1 convolutions with BatchNorm, a residual, ReLU in
+    place), written out here: torchvision is not a dependency.
+
+    Example:
+        >>> Bottleneck(16, 4)(torch.randn(1, 16, 8, 8)).shape
+        torch.Size([1, 16, 8, 8])
+    """
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(inplanes, planes, 1, bias=False), nn.BatchNorm2d(planes)
+        self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.relu(self.bn3(self.conv3(out)) + identity)
+
+
+class TorchvisionResNet(nn.Module):
+    """torchvision's ResNet layout: a loose stem on the root (``conv1``, ``bn1``, ``relu``,
+    ``maxpool``), ``layer1``..``layer4`` Sequentials of ``Bottleneck`` blocks, ``avgpool``, ``fc``.
+
+    Example:
+        >>> [name for name, _ in TorchvisionResNet((1, 1, 1, 1), width=16).named_children()][:4]
+        ['conv1', 'bn1', 'relu', 'maxpool']
+    """
+
+    def __init__(self, depths: tuple[int, ...] = (3, 4, 6, 3), width: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.inplanes = 64 // width
+        self.conv1 = nn.Conv2d(3, self.inplanes, 7, 2, 3, bias=False)
+        self.bn1, self.relu = nn.BatchNorm2d(self.inplanes), nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        for i, depth in enumerate(depths):
+            setattr(self, f"layer{i + 1}", self._layer(64 // width * 2 ** i, depth, 1 if i == 0 else 2))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(self.inplanes, num_classes)
+
+    def _layer(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * Bottleneck.expansion:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * Bottleneck.expansion, 1, stride, bias=False),
+                                       nn.BatchNorm2d(planes * Bottleneck.expansion))
+        layers = [Bottleneck(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * Bottleneck.expansion
+        return nn.Sequential(*layers, *(Bottleneck(self.inplanes, planes) for _ in range(1, blocks)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def tv_resnet(batch_size: int = 8, image_size: int = 96, depths: tuple[int, ...] = (3, 4, 6, 3), width: int = 1) -> ModelCase:
+    """A bottleneck ResNet in torchvision's layout (``TorchvisionResNet``: the loose stem) on random images."""
+    g = torch.Generator().manual_seed(0)
+    model = TorchvisionResNet(depths, width).train()
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    return ModelCase("tv_resnet", model, lambda m: nn.functional.cross_entropy(m(images), labels), batch_size, False)
+
+
 def llama(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int = 128, vocab: int = 1024) -> ModelCase:
     """A small Llama causal language model (``use_cache`` off) on random tokens."""
     import transformers
@@ -127,18 +215,19 @@ def mlp(batch_size: int = 512, depth: int = 24, width: int = 128) -> ModelCase:
     return ModelCase("mlp", model, lambda m: nn.functional.mse_loss(m(x), target), batch_size, False, model)
 
 
-_FACTORIES = {"gpt2": gpt2, "bert": bert, "vit": vit, "resnet50": resnet50, "llama": llama, "mlp": mlp}
+_FACTORIES = {"gpt2": gpt2, "bert": bert, "vit": vit, "resnet50": resnet50, "llama": llama, "mlp": mlp,
+              "convnext": convnext, "tv_resnet": tv_resnet}
 
 
 def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
-    """Build one of ``MODEL_NAMES`` with random weights drawn from ``seed``.
+    """Build one of ``MODEL_NAMES`` or ``CNN_NAMES`` with random weights drawn from ``seed``.
 
     Example:
         >>> build("mlp", depth=2).name
         'mlp'
     """
     if name not in _FACTORIES:
-        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + CNN_NAMES}")
     torch.manual_seed(seed)
     return _FACTORIES[name](**kwargs)
 

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from .bounds import check_int
 from .memory_model import Profile
 from .profile_algebra import Growth, Term, combine
 
 SEARCH_MODES = ("binsearch", "power")
 DEFAULT_MAX_BATCH_SIZE = 8192  # Lightning's BatchSizeFinder max_val
+# Bounds of the search's settings (``core.bounds``): a batch of 2**24 samples, 1000 steps a trial,
+# 10000 trials are far beyond any real search; a typo above them fails at once.
+MAX_BATCH_SIZE = 2**24
+MAX_TRIAL_STEPS = 1_000
+MAX_TRIALS = 10_000
 
 
 def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -> float:
@@ -228,10 +234,9 @@ def validate_search(max_overhead: float, margin: float, steps_per_trial: int, in
         raise ValueError(f"max_overhead must be a number >= 0 (a share of the step's cost, 0.35 = 35%), got {max_overhead!r}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1) (the share the found batch size is reduced by), got {margin!r}")
-    for name, value in (("steps_per_trial", steps_per_trial), ("init_val", init_val), ("max_val", max_val),
-                        ("max_trials", max_trials)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value, high in (("steps_per_trial", steps_per_trial, MAX_TRIAL_STEPS), ("init_val", init_val, MAX_BATCH_SIZE),
+                              ("max_val", max_val, MAX_BATCH_SIZE), ("max_trials", max_trials, MAX_TRIALS)):
+        check_int(name, value, 1, high)
     if init_val > max_val:
         raise ValueError(f"init_val ({init_val}) must not exceed max_val ({max_val})")
     if mode not in SEARCH_MODES:

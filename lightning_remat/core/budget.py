@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MIN_BUDGET = "min"
+# The largest budget: what a signed 64-bit integer holds (torch's sizes, a plan's saved byte counts).
+MAX_BUDGET_BYTES = 2**63 - 1
 
 _UNITS = {
     "": 1, "b": 1,
@@ -108,12 +110,12 @@ class Budget:
         if isinstance(value, bool) or value is None:
             raise _reject(value, f"{type(value).__name__} is not a budget")
         if isinstance(value, int):
-            if value <= 0:
-                raise _reject(value, "a budget must be a positive number of bytes")
+            if value <= 0 or value > MAX_BUDGET_BYTES:
+                raise _reject(value, "a budget must be a positive number of bytes, at most 2**63 - 1")
             return cls(str(value), nbytes=value)
         if isinstance(value, float):
-            if not math.isfinite(value) or value <= 0 or not value.is_integer():
-                raise _reject(value, "a float budget must be a positive whole number of bytes")
+            if not math.isfinite(value) or value <= 0 or not value.is_integer() or value > MAX_BUDGET_BYTES:
+                raise _reject(value, "a float budget must be a positive whole number of bytes, at most 2**63 - 1")
             return cls(str(value), nbytes=int(value))
         if not isinstance(value, str):
             raise _reject(value, f"a {type(value).__name__} is not a budget")
@@ -135,8 +137,8 @@ class Budget:
         number = float(size.group("number"))
         if unit in ("", "b") and not number.is_integer():
             raise _reject(value, "a number of bytes must be whole")
-        if not math.isfinite(number * _UNITS[unit]):
-            raise _reject(value, "the number is too large")
+        if not math.isfinite(number * _UNITS[unit]) or number * _UNITS[unit] > MAX_BUDGET_BYTES:
+            raise _reject(value, "the number is too large (at most 2**63 - 1 bytes)")
         nbytes = int(number * _UNITS[unit])
         if nbytes <= 0:
             raise _reject(value, "a budget must be positive")

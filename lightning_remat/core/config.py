@@ -25,6 +25,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .budget import Budget
+from .bounds import MAX_STEPS, MAX_WARMUP, MAX_WORLD_SIZE, check_device, check_device_memory, check_int
 from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
@@ -36,8 +37,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
 # state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
-
-
 def check_cost_kind(kind: Any) -> CostKind:
     """Validate a cost kind (``"time"``, ``"flops"`` or ``"roofline"``): the ``CostKind`` it names.
 
@@ -192,8 +191,7 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
         object.__setattr__(self, "policies", check_policies(self.policies))
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        check_int("warmup", self.warmup, 0, MAX_WARMUP, " (unmeasured steps before profiling)")
         if not self.fake and (self.gpu is not None or self.dtype is not None or self.precision is not None):
             raise ValueError("gpu=, dtype= and precision= apply to fake profiles (fake=True); a real profile times "
                              "the real step")
@@ -201,11 +199,9 @@ class ProfileOptions:
             object.__setattr__(self, "precision", Precision.check(self.precision))
             if self.dtype is not None:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
-        if self.device is not None:
-            object.__setattr__(self, "device", str(self.device))
-        steps = self.accumulation_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")
+        object.__setattr__(self, "device", check_device(self.device))
+        check_device_memory(self.device_memory)
+        check_int("accumulation_steps", self.accumulation_steps, 1, MAX_STEPS, " (micro-batches per optimizer step)")
         check_world_size(self.world_size, self.fake)
 
 
@@ -213,7 +209,8 @@ def check_world_size(world_size: Any, fake: bool) -> int:
     """Validate a world size (GPUs an FSDP2 step is sharded over).
 
     FSDP2 pads a parameter whose first dimension the world size does not divide, so any world
-    size >= 1 is valid; above 1 a single process can only plan it on fake tensors.
+    size from 1 to ``MAX_WORLD_SIZE`` (65536) is valid; above 1 a single process can only plan it
+    on fake tensors.
 
     Example:
         >>> check_world_size(8, fake=True)
@@ -223,9 +220,9 @@ def check_world_size(world_size: Any, fake: bool) -> int:
         ...
         lightning_remat.core.errors.ShardingError: world_size=8 needs fake=True: a single process cannot run a real step sharded over 8 GPUs. Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ShardingError(f"world_size must be an int >= 1 (the number of GPUs the step is sharded over), "
-                            f"got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step is "
+                            f"sharded over), got {world_size!r}")
     if world_size > 1 and not fake:
         raise ShardingError(
             f"world_size={world_size} needs fake=True: a single process cannot run a real step sharded over "

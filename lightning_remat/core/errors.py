@@ -95,6 +95,34 @@ class NoCandidateError(RematError, ValueError):
     """
 
 
+class PlanFormatError(RematError, ValueError):
+    """A saved plan (a dict from ``Plan.to_dict``, a checkpoint's state) holds a value a plan cannot
+    have; ``field`` names where it is (``owner`` whose field it is) and ``value`` is what was found.
+
+    Example:
+        >>> err = PlanFormatError("budget_bytes", "10GB", "a whole number of bytes")
+        >>> str(err), err.field
+        ("a plan's 'budget_bytes' must be a whole number of bytes, got '10GB'", 'budget_bytes')
+    """
+
+    def __init__(self, field: str, value: Any, expected: str, owner: str = "a plan's"):
+        self.field = field
+        self.value = value
+        shown = repr(value)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        super().__init__(f"{owner} '{field}' must be {expected}, got {shown}")
+
+
+class PlanMismatchError(RematError, ValueError):
+    """A plan was made for a model with other parameter shapes or other stages than the one it is
+    applied to; the message names the module and both shapes. Nothing was applied.
+
+    Example:
+        >>> issubclass(PlanMismatchError, ValueError)
+        True
+    """
+
+
 class AlreadyCheckpointedError(RematError, ValueError):
     """The model already uses activation checkpointing that lightning-remat did not put there.
 

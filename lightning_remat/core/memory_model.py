@@ -144,6 +144,10 @@ class Profile:
     # Stage names that may be recomputed together as one checkpoint segment (``core.spans``): each
     # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
     span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    # Blocks planned through their children (``runtime.profiling.hierarchy``): each a module name and
+    # the stages its forward chains, in order. Recomputing the block whole is one checkpoint over
+    # those stages (``core.spans``), the other choice to planning each of them. Empty: none.
+    blocks: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
 
     @property
     def static_bytes(self) -> int:
@@ -172,7 +176,8 @@ class Profile:
         )
         segments = tuple(Segment(**s) for s in data["segments"])
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
-                      "span_groups": tuple(tuple(g) for g in data.get("span_groups", ()))})
+                      "span_groups": tuple(tuple(g) for g in data.get("span_groups", ())),
+                      "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
 
 
 def without_chunked_loss(profile: Profile) -> Profile:

@@ -23,9 +23,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 from .actions import StageAction, check_actions, module_names, nested_in
+from .errors import PlanFormatError
+from .plan_checks import check_plan_dict, check_saved_state
 from .vocabulary import Action, CostKind, Policy
 
-__all__ = ["Plan", "StageAction", "StageChoice", "check_actions"]
+__all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", "saved_plans"]
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,9 @@ class Plan:
         choices: per stage, the profile's option chosen and its figures (empty without a profile).
         parameter_bytes, gradient_bytes, optimizer_state_bytes: static memory in the profile.
         notes: what the profile or the planner noticed.
-        fingerprint: what the plan was made for (parameter bytes, the batch's size and shapes), so
-            that an integration can tell when it no longer applies: a resumed run, a larger batch.
+        fingerprint: what the plan was made for (the parameter shapes of the modules it names and
+            the model's parameter count, which ``apply_plan`` checks; parameter bytes, the batch's
+            size and shapes), so that it is never applied elsewhere silently (``docs/plans.md``).
         sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
             empty on one device.
         host_bytes: host memory the offloaded stages take.
@@ -264,8 +267,8 @@ class Plan:
     def stage_order(self) -> tuple[str, ...] | None:
         """Every stage in execution order, for a plan solved on a profile (None otherwise): what
         offloading needs to release and prefetch one stage ahead."""
-        chosen = {c.stage for c in self.choices}
-        return tuple(a.stage for a in self.actions if a.stage in chosen) if chosen else None
+        # The choices, not the actions: a block recomputed whole is one action for all its stages.
+        return tuple(c.stage for c in self.choices) if self.choices else None
 
     @property
     def fallback(self) -> bool:
@@ -315,7 +318,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        """The plan of a dict from ``to_dict``, of this version or of one before plans had actions."""
+        """The plan of a dict from ``to_dict``, of this version or of one before plans had actions.
+        Every field is checked first (``core.plan_checks``): a ``PlanFormatError`` names the one
+        that no plan can hold."""
+        check_plan_dict(data)
         legacy = {name: data[name] for name in _DERIVED if name in data}
         if "checkpointed" not in data and "actions" not in data:
             legacy["checkpointed"] = None
@@ -352,3 +358,37 @@ class Plan:
 
         return plan_text(self, title)
 
+
+
+def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[int, int, Plan]]]:
+    """An integration's checkpoint state (``core.plan_checks.check_saved_state``): its ``plan`` and
+    its ``plans`` as (batch size, sequence length, plan), every one checked before any is returned.
+
+    Example:
+        >>> saved_plans({"plan": None, "plans": [[4, 128, Plan(["h.0"]).to_dict()]]}, "AutoRemat's state")[1][0][:2]
+        (4, 128)
+    """
+    check_saved_state(state, owner)
+    return saved_plan(state.get("plan"), owner), [(int(b), int(s), saved_plan(p, owner, f"plans[{i}]"))
+                                                   for i, (b, s, p) in enumerate(state.get("plans", []))]
+
+
+def saved_plan(data: Any, owner: str, where: str = "plan") -> Plan | None:
+    """The plan of ``data`` (``Plan.from_dict``; None for None), where ``data`` is ``owner``'s
+    ``where`` (a checkpoint's state): an error says which saved plan it is about.
+
+    Example:
+        >>> saved_plan({"checkpointed": ["h.0"], "notes": "abc"}, "AutoRemat's checkpoint state")
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.PlanFormatError: a plan's 'notes' must be a list of strings, got 'abc' (in AutoRemat's checkpoint state 'plan')
+    """
+    if data is None:
+        return None
+    try:
+        return Plan.from_dict(data)
+    except PlanFormatError as error:
+        error.add_hint(f"(in {owner} {where!r})")
+        raise
+    except (ValueError, TypeError) as error:
+        raise PlanFormatError(where, data, f"a plan's dict ({error})", owner) from None

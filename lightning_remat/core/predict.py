@@ -28,7 +28,7 @@ from typing import Sequence
 
 from .memory_model import Profile, StageOption, StageProfile
 from .actions import StageAction
-from .spans import plan_cost_spans, predict_peak_spans
+from .spans import block_ranges, plan_cost_spans, predict_peak_spans
 from .vocabulary import Action, CostKind
 
 
@@ -85,6 +85,11 @@ def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int
     Raises ValueError for an action on a stage the profile does not have, or an option it does not offer.
     """
     names = [s.name for s in profile.stages]
+    # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
+    blocks = {module: (first, last) for first, last, module in block_ranges(profile)}
+    whole_blocks = [a for a in actions if a.stage in blocks and a.stage not in names
+                    and a.action is Action.RECOMPUTE and a.modules == (a.stage,) and a.policy is None]
+    actions = [a for a in actions if not any(a is b for b in whole_blocks)]
     if [a.stage for a in actions] == names:
         positions = list(range(len(names)))
     else:
@@ -107,7 +112,7 @@ def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int
                 or [names[i] for i in indices] != list(segment):
             raise ValueError(f"segment {list(segment)} is not a run of consecutive stages of the profile")
         spans.append((indices[0], indices[-1]))
-    return choices, sorted(spans)
+    return choices, sorted([*spans, *(blocks[a.stage] for a in whole_blocks)])
 
 
 def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | str = CostKind.TIME) -> Prediction:
@@ -124,17 +129,35 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
     """One action per stage of ``profile`` for option indices ``choices`` and ``spans`` (the stages
-    inside a span are its segment's; their choices are not read)."""
+    inside a span are its segment's; their choices are not read), except that a span over a block's
+    stages (``Profile.blocks``) is one action, the block recomputed.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> opts = (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("whole", (), 0, 1, 1.0, 1))
+        >>> p = Profile(tuple(StageProfile(n, opts) for n in ("b.0", "b.1", "c")), (), blocks=(("b", ("b.0", "b.1")),))
+        >>> [a.stage for a in actions_of(p, [0, 0, 1], [(0, 1)])]
+        ['b', 'c']
+    """
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     segment_of = {}
+    blocks = {(first, last): module for first, last, module in block_ranges(profile)}
+    block_at: dict[int, str] = {}
     for first, last in spans:
         names = tuple(s.name for s in profile.stages[first:last + 1])
         segment_of.update({k: names for k in range(first, last + 1)})
+        if (first, last) in blocks:
+            # A block's range is installed as the block recomputed: one action for its stages.
+            block_at.update({k: "" for k in range(first, last + 1)})
+            block_at[first] = blocks[first, last]
     actions = []
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         option = stage.options[c]
-        if k in segment_of:
+        if k in block_at:
+            if block_at[k]:
+                actions.append(StageAction.recompute(block_at[k]))
+        elif k in segment_of:
             actions.append(StageAction.in_segment(stage.name, segment_of[k]))
         elif option.offloaded and option.checkpointed:
             raise ValueError(f"stage {stage.name!r}: option {option.name!r} both recomputes and offloads")

@@ -23,7 +23,7 @@ from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .spans import span_rows, predict_peak_spans, span_option
+from .spans import block_ranges, span_rows, predict_peak_spans, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
@@ -241,13 +241,16 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     predicted = predict(profile, actions, kind)
     stage_choices = []
     in_span = {k: (first, last) for first, last in spans for k in range(first, last + 1)}
+    blocks = {(first, last): module for first, last, module in block_ranges(profile)}
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         if k in in_span:
             first, last = in_span[k]
             whole = stage.option(OPTION_NAMES[OptionKind.WHOLE])
             # The span's stored bytes are its last stage's; its cost is the sum of its stages'.
             stored = span_option(profile, first, last).stored_bytes if k == last else 0
-            stage_choices.append(StageChoice(stage.name, f"segment {profile.stages[first].name}..{profile.stages[last].name}",
+            label = (f"block {blocks[first, last]} whole" if (first, last) in blocks
+                     else f"segment {profile.stages[first].name}..{profile.stages[last].name}")
+            stage_choices.append(StageChoice(stage.name, label,
                                              stage.options[0].stored_bytes, stored, float(whole.cost(kind))))
             continue
         option = stage.options[c]

@@ -3,7 +3,10 @@
 A *span* ``(first, last)`` runs stages ``first..last`` under a single checkpoint: their inner
 boundaries (the outputs of ``first..last-1``) are not kept, so a chain gets the sqrt(n)-like plans
 of Chen et al. that per-stage checkpointing cannot express. Which stages may share a span is told by
-``Profile.span_groups`` (stage names that are consecutive items of one ``nn.Sequential``).
+``Profile.span_groups`` (stage names that are consecutive items of one ``nn.Sequential``) and by
+``Profile.blocks``: a block planned through its children (``runtime.profiling.hierarchy``) whose
+forward chains its stages is, recomputed whole, one checkpoint over them, the same span (one range,
+installed as the block recomputed).
 
 A span's figures are derived exactly from the per-stage terms the profiler measured:
 
@@ -103,6 +106,26 @@ def span_ranges(profile: Profile) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
+def block_ranges(profile: Profile) -> list[tuple[int, int, str]]:
+    """``(first, last, module)`` of each of ``Profile.blocks`` whose two or more stages stand next to
+    each other, in order, in the profile's stage order (others are left out: nothing can stand for them).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
+        >>> p = Profile(tuple(StageProfile(n, (keep,)) for n in ("s", "b.0", "b.1")), (), blocks=(("b", ("b.0", "b.1")),))
+        >>> block_ranges(p)
+        [(1, 2, 'b')]
+    """
+    position = {s.name: i for i, s in enumerate(profile.stages)}
+    found = []
+    for module, names in profile.blocks:
+        indices = [position.get(n, -1) for n in names]
+        if len(indices) >= 2 and indices[0] >= 0 and indices == list(range(indices[0], indices[0] + len(indices))):
+            found.append((indices[0], indices[-1], module))
+    return sorted(found)
+
+
 def _whole(profile: Profile, i: int):
     return next((o for o in profile.stages[i].options if o.name == OPTION_NAMES[OptionKind.WHOLE]), None)
 
@@ -153,8 +176,8 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
     """Every span the solver considers: within one group, 2 to ``max_length`` stages (default
-    ``max_span_length``), all stages with a ``"whole"`` option. Same figures as ``span_option``,
-    built incrementally (one pass per first stage).
+    ``max_span_length``), all stages with a ``"whole"`` option; and each block's range. Same figures
+    as ``span_option``, built incrementally (one pass per first stage).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -170,7 +193,20 @@ def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOptio
 
 def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
     """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops, roofline): what the
-    solver reads."""
+    solver reads; then each block's range (``block_ranges``, any length) not among them."""
+    seen = set()
+    for row in _group_rows(profile, max_length):
+        seen.add(row[:2])
+        yield row
+    wholes = [_whole(profile, k) for k in range(len(profile.stages))]
+    for first, last, _ in block_ranges(profile):
+        if (first, last) not in seen and all(w is not None for w in wholes[first:last + 1]):
+            seen.add((first, last))
+            s = span_option(profile, first, last)
+            yield first, last, s.stored_bytes, s.local_peak_bytes, s.cost_seconds, s.cost_flops, s.cost_roofline
+
+
+def _group_rows(profile: Profile, max_length: int | None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
     limit = max_span_length(len(profile.stages)) if max_length is None else max_length
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
     inner: dict[int, int] = {}

@@ -57,6 +57,7 @@ from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig, renamed_arg
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
+from ..runtime.installing.fingerprint import bound
 from ..runtime.profiling.candidates import CandidateSpec
 from ..runtime.measuring.measure import model_device
 from ..runtime.targets.offload_link import check_offload_target
@@ -320,6 +321,7 @@ def find_remat_batch_size(
     final = max(1, int(math.floor(confirmed * (1 - margin))))
     final_plan = search.plan_for(final, True) or search.plan_for(confirmed, True)
     assert final_plan is not None
+    final_plan = bound(final_plan, model)
     channel = getattr(search, "channel", None)
     if channel is not None:
         # Sharded: every rank decided on the same figures; rank 0's decision is the one kept.

@@ -31,12 +31,14 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import PlanningFailedError
+from ..core.budget import Budget, format_bytes
+from ..core.errors import BudgetTooSmallError, PlanningFailedError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
+from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
@@ -162,6 +164,19 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
                       "would run out before the budget binds. Lower the budget.", UserWarning, stacklevel=3)
 
 
+def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -> None:
+    """A plan whose peak is above the target device's whole memory (``device_memory``; only
+    ``budget="min"`` gets one: a size is checked against it) cannot run there: say so, with the least peak."""
+    total = Budget.parse(device_memory).nbytes if device_memory is not None else None
+    peak = plan.predicted_peak_bytes
+    if total is None or peak is None or peak <= total:
+        return
+    raise BudgetTooSmallError(total, peak, profile.static_bytes, message=(
+        f"No recompute plan fits the target device's memory, device_memory={device_memory!r} ({total} bytes): the "
+        f"least peak is {format_bytes(peak)} ({peak} bytes), of which {format_bytes(profile.static_bytes)} is "
+        "parameters, gradients and optimizer state. Give the device's real memory, or reduce the batch size."))
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
@@ -222,7 +237,8 @@ class Planner:
         notes = plan.notes
         if self.config.cost == "time" and not self.config.profile.fake:
             notes += (MEASURED_TIME_NOTE,)
-        return replace(plan, requested_budget=self.config.budget.text, notes=notes)
+        _refuse_beyond_device_memory(plan, self.config.profile.device_memory, profile)
+        return bound(replace(plan, requested_budget=self.config.budget.text, notes=notes), model)
 
     def decide_or_fall_back(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                             **kwargs: Any) -> Plan:
@@ -248,7 +264,7 @@ class Planner:
         warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Installed the fallback plan: every "
                       f"candidate block recomputed whole ({len(stages)} module(s)). Without a profile no peak is "
                       f"predicted: {checked}.", UserWarning, stacklevel=3)
-        return solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note)
+        return bound(solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note), model)
 
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,

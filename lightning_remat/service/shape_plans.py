@@ -317,7 +317,8 @@ class ShapePlans:
         self.counts.solves += 1
         plan = self.planner.solve_profile(self.model, profile)
         # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
-        return replace(plan, fingerprint={**fingerprint(self.model, batch), "shape": [key.batch_size, key.seq_len]})
+        return replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.model, batch),
+                                          "shape": [key.batch_size, key.seq_len]})
 
     def _first(self, batch: Any) -> None:
         """The first batch: profiled for real (``fake``: on fake tensors), ``adjust`` applied: the

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.bounds import MAX_STEPS
 from ...core.budget import Budget
 from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
                             check_policies)
@@ -138,8 +139,9 @@ class RematPlugin:
         if self.profile_steps is None:
             return 1
         text = str(self.profile_steps).strip()
-        if isinstance(self.profile_steps, bool) or not text.isdigit() or int(text) < 1:
-            raise invalid("profile_steps", "expected a whole number of training steps, at least 1")
+        if isinstance(self.profile_steps, bool) or not text.isdigit() or not 1 <= int(text) <= MAX_STEPS:
+            raise invalid("profile_steps", f"expected a whole number of training steps, at least 1 and at most "
+                          f"{MAX_STEPS}")
         return int(text)
 
     @property

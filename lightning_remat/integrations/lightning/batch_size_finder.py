@@ -14,9 +14,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ...core.batch_fit import DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, validate_search
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import UnsupportedShardingError
-from ...core.plan import Plan
+from ...core.plan import Plan, saved_plan
+from ...core.plan_checks import check_saved_state
 from ...report.render import batch_size_table, print_renderables
 from ...runtime.installing.apply import apply_plan
+from ...runtime.installing.fingerprint import mismatch
 from ...service.batch_size import BatchSizeResult, find_remat_batch_size
 from .step import training_step_closure
 
@@ -178,6 +180,10 @@ class RematBatchSizeFinder(BatchSizeFinder):
         if trainer.fast_dev_run:
             rank_zero_warn("Skipping RematBatchSizeFinder since `fast_dev_run` is enabled.")
             return
+        if self._restored and self.plan is not None and mismatch(pl_module, self.plan.fingerprint):
+            rank_zero_warn(f"RematBatchSizeFinder: the saved plan was made for another model "
+                           f"({mismatch(pl_module, self.plan.fingerprint)}); searching again.")
+            self._restored = False
         if self._restored and self.optimal_batch_size is not None and self.plan is not None:
             # Resumed from a checkpoint: no new search, the same batch and plan.
             self._restored = False
@@ -250,7 +256,8 @@ class RematBatchSizeFinder(BatchSizeFinder):
         return {"batch_size": self.optimal_batch_size, "plan": self.plan.to_dict() if self.plan is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        owner = "RematBatchSizeFinder's checkpoint state"
+        check_saved_state(state_dict, owner)
+        self.plan = saved_plan(state_dict.get("plan"), owner)
         self.optimal_batch_size = state_dict.get("batch_size")
-        plan = state_dict.get("plan")
-        self.plan = Plan.from_dict(plan) if plan is not None else None
         self._restored = self.optimal_batch_size is not None and self.plan is not None

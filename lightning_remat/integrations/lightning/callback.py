@@ -15,16 +15,17 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
+from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import SkippedStepError
-from ...core.plan import Plan
+from ...core.plan import Plan, saved_plans
 from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, remove_remat,
                                          segmented_modules)
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
-from ...runtime.installing.fingerprint import fingerprint, outgrows, same_model
+from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
 from ...service.shape_plans import ShapePlans
@@ -110,8 +111,8 @@ class AutoRemat(Callback):
       profiled for real; a bucket met later is planned, once, on fake-tensor profiles (no step runs
       without recomputation). Under FSDP2 a larger batch is profiled again, on every rank.
     - The plans are in the ``state_dict``: a resumed run applies the last in ``on_train_start`` and
-      profiles none of their shapes again (unless the model's parameters differ). Parameter names
-      never change, so checkpoints load with and without the callback.
+      profiles none of their shapes again (unless the model's parameters differ: their bytes, or the
+      shapes the plans record). Parameter names never change, so checkpoints load with and without it.
     - Lightning zeroes gradients after the forward pass (just before backward), so the previous
       step's gradients would otherwise stay alive through the forward pass, which the budget does
       not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
@@ -157,8 +158,7 @@ class AutoRemat(Callback):
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
                  cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
                  policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
-        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
-            raise ValueError(f"profile_steps must be an int >= 1, got {profile_steps!r}")
+        check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
@@ -204,17 +204,12 @@ class AutoRemat(Callback):
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
-        if self.plan is not None:
+        # Shapes only: bytes and dtypes may still change here (a precision plugin converts the model later).
+        if self.plan is not None and self._keeps_plans(pl_module, bytes_too=False):
             self._apply(trainer, pl_module, self.plan)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._disabled_reason or self.plan is None:
-            return
-        if not same_model(self.plan.fingerprint, pl_module):
-            rank_zero_warn("AutoRemat: the saved plan was made for a model with other parameters; planning again "
-                           "on the first batch.")
-            self.plan = None
-            remove_remat(pl_module)
+        if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
         if (checkpointed_modules(pl_module) != list(self.plan.checkpointed)
@@ -290,9 +285,8 @@ class AutoRemat(Callback):
                 "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        plan = state_dict.get("plan")
-        self.plan = Plan.from_dict(plan) if plan is not None else None
-        self._saved_plans = {Shape(b, s): Plan.from_dict(p) for b, s, p in state_dict.get("plans", [])}
+        plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
+        self.plan, self._saved_plans = plan, {Shape(b, s): p for b, s, p in plans}
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
@@ -304,6 +298,17 @@ class AutoRemat(Callback):
         if self._meter is not None:
             self._meter.abandon()
             self._meter = None
+
+    def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
+        """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
+        found = made_for_other(pl_module, [self.plan, *self._saved_plans.values()], bytes_too)
+        if found is None:
+            return True
+        rank_zero_warn(f"AutoRemat: the saved plan was made for another model ({found}); planning again on the "
+                       "first batch.")
+        self.plan, self._saved_plans = None, {}
+        remove_remat(pl_module)
+        return False
 
     def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
         """``training_step`` on ``batch`` as the engine's ``step(module) -> loss``, under either optimization."""
@@ -335,7 +340,7 @@ class AutoRemat(Callback):
             pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
             hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
         self.profile_count += 1
-        self.plan = replace(plan, fingerprint=fingerprint(pl_module, batch))
+        self.plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(pl_module, batch)})
         self._apply(trainer, pl_module, self.plan)
         return True
 

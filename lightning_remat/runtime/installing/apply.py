@@ -38,6 +38,7 @@ from ...core.errors import AlreadyCheckpointedError
 from ...core.plan import Plan
 from . import installer
 from .compiled import uncompiled
+from .fingerprint import check_binding
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
@@ -134,7 +135,7 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
     return Plan(list(names), segments=[list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)],
                 policies=dict(getattr(plan, "policies", {}) if policies is None else policies), offloaded=offloaded,
                 offload_limits={k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded},
-                choices=getattr(plan, "choices", ()))
+                choices=getattr(plan, "choices", ()), fingerprint=getattr(plan, "fingerprint", None))
 
 
 def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
@@ -162,6 +163,8 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
+        PlanMismatchError: the plan was made for other parameter shapes, or a model of another
+            size (``fingerprint.check_binding``; a ``ValueError``).
         ValueError: a name is not a module of ``model``; ``InvalidPlanError`` (a ``ValueError``) naming
             both when a name lies inside another named module (the root ``""`` holds every other).
 
@@ -174,6 +177,8 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         False
     """
     plan = as_plan(plan, segments, policies, offloaded)
+    # A plan solved for other shapes would break its budget silently: refused before anything changes.
+    check_binding(model, plan)
     existing = existing_checkpointing(model)
     if existing and (plan.checkpointed or plan.segments):
         raise AlreadyCheckpointedError(

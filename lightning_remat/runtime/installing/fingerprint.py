@@ -1,8 +1,17 @@
-"""What a plan was made for, in a few numbers: the model's parameters and the batch's size.
+"""What a plan was made for: the model's parameters, the shapes of the modules it names, the batch's size.
 
 A plan holds for the model and batch it was profiled on. A run resumed with another model, or a
 batch larger than the profiled one (a longer sequence, a bigger batch), needs a new plan; these
 figures, stored in ``Plan.fingerprint``, let an integration notice.
+
+Every plan the planning service makes is *bound* to its model (``bound``): it records the shape and
+dtype of every parameter of each module it names (its stages, kept ones included) and the model's
+number of parameters. ``apply_plan`` refuses a plan bound to other shapes (``check_binding``: wider
+blocks would exceed the budget the plan was solved for) or to a model of another size (more stages
+than the plan knows of), with a ``PlanMismatchError`` naming the module and both shapes. Dtypes
+are recorded, not compared: a plan made before a precision conversion (Fabric's ``setup``,
+``model.to(torch.bfloat16)``) still applies after it. A plan that records nothing (made from names,
+saved by an older version) applies unchecked.
 
 Example:
     >>> import torch
@@ -11,15 +20,27 @@ Example:
     (80, 40, '(8, 4) (8,)')
     >>> outgrows(fp, {"x": torch.zeros(32, 4), "y": [torch.zeros(32)]})
     True
+    >>> from lightning_remat.core.plan import Plan
+    >>> plan = bound(Plan(["0"]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    >>> plan.fingerprint["module_parameters"]["0"]["weight"], plan.fingerprint["parameter_count"]
+    ([[4, 4], 'float32'], 20)
+    >>> print(mismatch(torch.nn.Sequential(torch.nn.Linear(4, 8)), plan.fingerprint))
+    module '0' parameter 'weight' has shape (8, 4) float32 in this model; the plan was made for (4, 4) float32
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from ...core.actions import nested_in
+from ...core.errors import PlanMismatchError
+from ...core.plan import Plan
+from .compiled import uncompiled
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
@@ -42,11 +63,128 @@ def fingerprint(model: nn.Module, batch: Any) -> dict[str, Any]:
 
 
 def same_model(saved: dict[str, Any], model: nn.Module) -> bool:
-    """Whether ``model`` has the parameters a plan's fingerprint records (True if none is recorded)."""
+    """Whether ``model`` has the parameters a plan's fingerprint records: their bytes (all,
+    trainable) and the shapes of the modules the plan names (True where none is recorded)."""
+    if mismatch(model, saved) is not None:
+        return False
     if "parameter_bytes" not in saved:
         return True
     now = fingerprint(model, None)
     return (saved["parameter_bytes"], saved.get("trainable_bytes")) == (now["parameter_bytes"], now["trainable_bytes"])
+
+
+def _parameters(module: nn.Module) -> dict[str, list]:
+    """Each parameter of ``module`` (names relative to it): [shape, dtype], as JSON holds them."""
+    return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in module.named_parameters()}
+
+
+def _named(plan: Plan) -> list[str]:
+    """The modules a plan names whose parameters it records: its stages, and modules it recomputes
+    that lie in none of them (a plan made from names), not those inside another."""
+    names = list(dict.fromkeys([*plan.stages, *(m for a in plan.actions for m in (*a.modules, *a.segment))]))
+    return [n for n in names if not any(nested_in(n, other) for other in names)]
+
+
+def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
+    """What ``plan`` records of ``model`` (names of the uncompiled model): each named module's
+    parameters and the model's number of parameters.
+
+    Example:
+        >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan(["0"]))
+        {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
+    """
+    with uncompiled(model) as plain:
+        modules = dict(plain.named_modules())
+        return {"module_parameters": {n: _parameters(modules[n]) for n in _named(plan) if n in modules},
+                "parameter_count": sum(p.numel() for p in plain.parameters())}
+
+
+def bound(plan: Plan, model: nn.Module) -> Plan:
+    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint.
+
+    Example:
+        >>> sorted(bound(Plan(["0"]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
+        ['module_parameters', 'parameter_count']
+    """
+    return replace(plan, fingerprint={**plan.fingerprint, **binding(model, plan)})
+
+
+def _shape(entry: list) -> str:
+    return f"({', '.join(str(d) for d in entry[0])}{',' if len(entry[0]) == 1 else ''}) {entry[1]}"
+
+
+def _module_mismatch(name: str, module: nn.Module | None, recorded: dict[str, list]) -> str | None:
+    if module is None:
+        return f"module {name!r}, which the plan names, is not in this model"
+    now = _parameters(module)
+    for param in dict.fromkeys([*recorded, *now]):
+        here, then = now.get(param), recorded.get(param)
+        if here is None or then is None or list(here[0]) != list(then[0]):
+            return (f"module {name!r} parameter {param!r} has shape "
+                    f"{_shape(here) if here else 'none (no such parameter)'} in this model; the plan was made for "
+                    f"{_shape(then) if then else 'none (no such parameter)'}")
+    return None
+
+
+def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
+    """What differs between ``model`` and the model a plan's fingerprint ``saved`` records (None:
+    nothing recorded differs): a named module's parameter shapes, or the model's size.
+
+    Example:
+        >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
+        >>> saved = bound(Plan(["0", "1"]), chain(2)).fingerprint
+        >>> mismatch(chain(2), saved) is None
+        True
+        >>> mismatch(chain(3), saved)
+        "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
+    """
+    recorded = saved.get("module_parameters", {})
+    with uncompiled(model) as plain:
+        modules = dict(plain.named_modules())
+        for name, parameters in recorded.items():
+            found = _module_mismatch(name, modules.get(name), parameters)
+            if found:
+                return found
+        count = sum(p.numel() for p in plain.parameters())
+        if "parameter_count" in saved and count != saved["parameter_count"]:
+            extra = [n for n, m in modules.items() if n and n not in recorded and any(
+                _siblings(n, r) and type(m) is type(modules.get(r)) for r in recorded)]
+            return (f"this model has {count} parameters; the plan was made for a model of {saved['parameter_count']}"
+                    + (f" (module(s) {extra} are stages the plan does not know)" if extra else ""))
+    return None
+
+
+def _siblings(a: str, b: str) -> bool:
+    return a != b and a.rpartition(".")[0] == b.rpartition(".")[0]
+
+
+def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
+    """Why one of ``plans`` was made for a model other than ``model`` (``mismatch``; with
+    ``bytes_too``, also other parameter bytes: ``same_model``), or None.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> made_for_other(net, [None, bound(Plan(["0"]), net)]) is None
+        True
+    """
+    plans = [p for p in plans if p is not None]
+    found = next((m for m in (mismatch(model, p.fingerprint) for p in plans) if m), None)
+    if found is None and bytes_too and not all(same_model(p.fingerprint, model) for p in plans):
+        found = "other parameter bytes"
+    return found
+
+
+def check_binding(model: nn.Module, plan: Plan) -> None:
+    """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``
+    (``mismatch``); nothing where it records nothing.
+
+    Example:
+        >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(["0"]))  # records nothing: no check
+    """
+    found = mismatch(model, plan.fingerprint)
+    if found is not None:
+        raise PlanMismatchError(f"lightning-remat: the plan was made for another model: {found}. Nothing was applied; "
+                                "plan this model again (plan_remat, or AutoRemat plans again by itself).")
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:

@@ -40,7 +40,7 @@ from ...core.actions import StageAction, check_actions
 from . import installer
 from .sequential import qualifies
 
-__all__ = ["apply_segments", "chained_groups", "check_segments", "qualifies", "remove_segments",
+__all__ = ["apply_segments", "chained_groups", "check_segments", "qualifies", "recorded_calls", "remove_segments",
            "segmented_modules", "sequential_groups"]
 
 
@@ -70,26 +70,54 @@ def segmented_modules(model: nn.Module) -> list[list[str]]:
     return installer.installed_segments(model)
 
 
-def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]]) -> list[list[str]]:
-    """Split ``groups`` (runs of consecutive items of one Sequential) into the runs that one forward of
-    ``step(model)`` really chains: each item called once with a single tensor, the output of the
-    item before it, and nothing else. Runs ``step`` once under ``torch.no_grad()`` (the caller
-    replays random generators and restores buffers)."""
+def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[str, list]:
+    """Each named module's calls in one forward of ``step(model)`` under ``torch.no_grad()``, as
+    ``(args, kwargs, output, versions)`` (the caller replays random generators and restores buffers):
+    ``versions`` are the version counters of the tensor arguments as the call began and of the output
+    as it ended, which tell an in-place change between two calls.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+        >>> calls = recorded_calls(net, lambda m: m(torch.ones(1, 2)).sum(), ["0", "1"])
+        >>> calls["1"][0][0][0] is calls["0"][0][2]
+        True
+    """
     modules = dict(model.named_modules())
-    calls: dict[str, list] = {n: [] for g in groups for n in g}
+    calls: dict[str, list] = {n: [] for n in names}
+
+    began: dict[str, list] = {n: [] for n in names}
+
+    def pre_hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            began[name].append(tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
+        return record
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            calls[name].append((args, kwargs, output))
+            ended = output._version if isinstance(output, torch.Tensor) else None
+            calls[name].append((args, kwargs, output, (began[name].pop(), ended)))
         return record
 
-    handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in calls]
+    handles = [h for n in calls for h in (modules[n].register_forward_pre_hook(pre_hook(n)),
+                                          modules[n].register_forward_hook(hook(n), with_kwargs=True))]
     try:
         with torch.no_grad():
             step(model)
     finally:
         for h in handles:
             h.remove()
+    return calls
+
+
+def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],
+                   calls: dict[str, list] | None = None) -> list[list[str]]:
+    """Split ``groups`` (runs of consecutive items of one Sequential) into the runs that one forward of
+    ``step(model)`` really chains: each item called once with a single tensor, the output of the
+    item before it, and nothing else. Runs ``step`` once (``recorded_calls``), unless ``calls``
+    recorded already holds every item's."""
+    names = [n for g in groups for n in g]
+    if calls is None or any(n not in calls for n in names):
+        calls = recorded_calls(model, step, names)
     chained = []
     for group in groups:
         run: list[str] = []

@@ -4,8 +4,10 @@ A *stage* is a repeated block: a transformer layer, a ResNet bottleneck, an item
 ``nn.Sequential``. Found automatically as the outermost modules that stand in a ``ModuleList``
 (or, two or more of the same class, in a ``Sequential``) and that have two or more children of
 their own (so a block, not a single ``Linear`` nor a mere container of blocks), and a CNN's stem
-(the block around its first convolution, before those). Users can instead name classes or name
-patterns.
+(the block around its first convolution, before those; or, where that convolution stands loose on
+the root, the single layers beside it: torchvision's ``conv1``, ``bn1``, ``maxpool`` and its
+head). Below them, ``hierarchy.py`` plans a block through its children where its forward chains
+them. Users can instead name classes or name patterns.
 """
 
 from __future__ import annotations
@@ -54,7 +56,36 @@ def _automatic(model: nn.Module) -> list[str]:
     if not stages and isinstance(model, nn.Sequential) and len(model) >= 2:
         stages = [name for name, _ in model.named_children()]
     stem = _convolutional_stem(model, stages)
-    return [stem, *stages] if stem else stages
+    if stem:
+        return [stem, *stages]
+    loose = _loose_leaves(model, stages)
+    if not loose:
+        return stages
+    # Registration order, as every other stage: the stem's leaves before the blocks, the head's after.
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted([*loose, *stages], key=order.__getitem__)
+
+
+def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
+    """A CNN's loose stem and head: when its first convolution is a single layer on the root or on a
+    container (torchvision's ResNet: ``conv1``, ``bn1``, ``relu``, ``maxpool`` on the root), the
+    single layers beside it that no stage holds (with the head's ``avgpool`` and ``fc``), each a
+    stage. No block stands for them, so without this they would never be recomputed, and the stem's
+    outputs are a CNN's largest activations. An in-place layer is left out: recomputed alone, it
+    would change the input its checkpoint holds."""
+    first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if first is None or not stages or any(first == s or first.startswith(s + ".") for s in stages):
+        return []
+    parent_name = first.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    if parent_name and not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+        return []
+    prefix = parent_name + "." if parent_name else ""
+    return [prefix + key for key, child in parent.named_children()
+            if not any(True for _ in child.children()) and not isinstance(child, nn.Identity)
+            # An in-place layer (ReLU(inplace=True)) changes its input, which its checkpoint keeps.
+            and not getattr(child, "inplace", False)
+            and not any((prefix + key) == s or s.startswith(prefix + key + ".") for s in stages)]
 
 
 def _convolutional_stem(model: nn.Module, stages: list[str]) -> str | None:

@@ -53,7 +53,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
     None where the model has no causal LM head (``chunked_loss.find_head_loss``) or it did not run."""
     found = find_head_loss(model)
     n = len(observed.order)
-    if found is None or n not in keep_gap:
+    if found is None or n not in keep_gap or found.head in observed.order:  # a head that is a stage already
         return None
     head = model.get_submodule(found.head)
     tokens: list[int] = []

@@ -51,6 +51,7 @@ from ..targets.offload_link import check_offload_target, hidden_limits, price_of
 from ..targets.sharded import sharded_twin, sharding_info, sharding_note
 from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
+from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
 from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
 from .optimizer_step import optimizer_step_cost
@@ -246,6 +247,12 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             run_step(model, step, zero_grad="after", check=True)
         # Every pass takes the random decisions of the first (dropout masks, dropped layers).
         replay = RandomState.capture(model_device(model)).restore
+        # Automatic candidates are planned whole or through their children (hierarchy.py); the
+        # forward that tells which blocks chain also tells which Sequential items do.
+        found = expand(model, step, stage_names, replay) if options.candidates is None else Hierarchy(stage_names)
+        groups = span_groups(model, step, found.stages, replay, found.calls)
+        found.calls = {}  # the recorded outputs: not held through the memory runs
+        stage_names = found.stages
         observed = observe_step(model, step, stage_names, timed, before_pass=replay)
         if not observed.order:
             raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
@@ -257,7 +264,6 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
-        groups = span_groups(model, step, observed.order, replay)
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -272,6 +278,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                          optimizer is not None, device, peaks, per_op, limits)
     assembled.span_groups = groups
+    assembled.blocks = found.blocks
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
     return with_head_stage(profile, head, peaks.flops_per_second)

@@ -59,14 +59,18 @@ def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str,
     return [child for _, child in sorted(scored, reverse=True)[:MAX_CHILD_OPTIONS]]
 
 
-def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]) -> tuple:
+def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None],
+                calls: dict[str, list] | None = None) -> tuple:
     """Stages that may be recomputed together (``core.spans``): consecutive items of one Sequential
-    that one forward really chains (checked on a forward without gradients)."""
+    that one forward really chains (checked on a forward without gradients, or on ``calls`` where
+    ``hierarchy.expand`` recorded every stage's already)."""
     groups = sequential_groups(model, order)
     if not groups:
         return ()
-    replay()
-    return tuple(tuple(g) for g in chained_groups(model, step, groups))
+    if calls is None or any(n not in calls for g in groups for n in g):
+        replay()
+        calls = None
+    return tuple(tuple(g) for g in chained_groups(model, step, groups, calls))
 
 
 def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],

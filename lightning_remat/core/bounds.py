@@ -1,0 +1,91 @@
+"""Bounds of the settings every entry point takes: whole numbers, device names, device memory.
+
+A typo in a setting (``ACCELERATE_REMAT_PROFILE_STEPS=10**20``, ``world_size=10**30``,
+``--device-memory 1KB``, ``--device banana``) fails where the setting is read, with a ``ValueError``
+naming the setting, its limit and the value, instead of running for ever, overflowing a C integer
+deep inside torch, or planning for a device that cannot exist. ``core.config`` checks its fields
+with these; the integrations check their own (``profile_steps``) with the same.
+
+Example:
+    >>> check_int("profile_steps", 3, 1, MAX_STEPS)
+    3
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .budget import Budget
+
+# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20)
+# fails at once instead of running for ever, or overflowing a C integer deep inside torch.
+MAX_WARMUP = 1_000
+MAX_STEPS = 100_000  # profile_steps, accumulation_steps
+MAX_WORLD_SIZE = 65_536
+# The least device memory a target may have: below it not even a toy model's step fits (and 0 or
+# "1KB" are typos), so it is refused rather than planned for.
+MIN_DEVICE_MEMORY = 2**20
+# torch's device types (``torch._C._get_privateuse1_backend_name`` aside), so that the core, which
+# imports no torch, refuses ``device="banana"`` as the setting it is.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "lazy", "ipu", "hip", "ve", "fpga",
+                "maia", "vulkan", "mkldnn", "opengl", "opencl", "ideep", "privateuseone", "npu")
+
+
+def check_int(name: str, value: Any, low: int, high: int, why: str = "") -> int:
+    """``value`` if it is an int from ``low`` to ``high``; else a ValueError naming ``name``, the
+    bounds and ``why`` (what the setting counts).
+
+    Example:
+        >>> check_int("warmup", 10**20, 0, MAX_WARMUP, " (unmeasured steps before profiling)")
+        Traceback (most recent call last):
+        ...
+        ValueError: warmup must be an int >= 0 and <= 1000 (unmeasured steps before profiling), got 100000000000000000000
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int >= {low} and <= {high}{why}, got {value!r}")
+    return value
+
+
+def check_device(device: Any) -> str | None:
+    """A device's name (``"cuda"``, ``"cuda:1"``, a ``torch.device``), as text; None stays None.
+
+    Example:
+        >>> check_device("cuda:1"), check_device(None)
+        ('cuda:1', None)
+        >>> check_device("banana")
+        Traceback (most recent call last):
+        ...
+        ValueError: device must be a device type with an optional index, such as 'cuda' or 'cuda:1' (a type among cpu, cuda, mps, xpu, hpu, mtia, meta, xla, lazy, ipu, hip, ve, fpga, maia, vulkan, mkldnn, opengl, opencl, ideep, privateuseone, npu), got 'banana'
+    """
+    if device is None:
+        return None
+    text = str(device).strip()
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_TYPES or (index and not (index.isdigit() and int(index) <= MAX_WORLD_SIZE)):
+        raise ValueError(f"device must be a device type with an optional index, such as 'cuda' or 'cuda:1' (a type "
+                         f"among {', '.join(DEVICE_TYPES)}), got {device!r}")
+    return text
+
+
+def check_device_memory(total: Any) -> Any:
+    """A target device's total memory: a size ("80GB", bytes) of at least ``MIN_DEVICE_MEMORY``
+    (1 MiB); returned as given, None stays None.
+
+    Example:
+        >>> check_device_memory("80GB")
+        '80GB'
+        >>> check_device_memory("1KB")
+        Traceback (most recent call last):
+        ...
+        ValueError: device_memory must be a size of at least 1 MiB (1048576 bytes): the target device's total memory, such as "80GB"; got '1KB'
+    """
+    if total is None:
+        return None
+    try:
+        nbytes = Budget.parse(total).nbytes
+    except ValueError:
+        nbytes = None
+    if nbytes is None or nbytes < MIN_DEVICE_MEMORY:
+        raise ValueError(f"device_memory must be a size of at least 1 MiB ({MIN_DEVICE_MEMORY} bytes): the target "
+                         f"device's total memory, such as \"80GB\"; got {total!r}")
+    return total
