@@ -56,6 +56,10 @@ SLOW = {
                      "test_fake_planning_models_the_precision_and_says_which",  # 4 s
                      "test_a_gpu_target_runs_attention_dropout_in_the_fused_kernel_the_gpu_uses",  # 3 s
                      "test_a_7b_llama_is_planned_for_an_80gb_gpu_without_allocating_it"),  # 4 s, a subprocess
+    "test_chunked_loss.py": ("test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_without",  # 10-20 s
+                             "test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device",  # 10-35 s
+                             "test_the_hf_trainer_chunks_the_loss_with_the_same_losses_under_accumulation",  # 40 s
+                             "test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly"),  # 40-60 s
     "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
                             "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s

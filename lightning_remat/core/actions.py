@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import InvalidPlanError
-from .vocabulary import Action, Policy
+from .vocabulary import Action, Policy, check_chunks
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,17 @@ class StageAction:
         segment: with ``SEGMENT``, every stage of the segment in order, this one among them: items
             of one ``nn.Sequential`` recomputed as one checkpoint.
         offload_limit: with ``OFFLOAD``, the bytes offloaded at most per forward call; None: all.
+        chunks: with ``CHUNK`` (the stage is a causal LM's head with its loss), the number of
+            sequence chunks the projection and the cross-entropy run over, each recomputed in backward
+            (``runtime.installing.chunked_loss``).
 
     Example:
         >>> StageAction.recompute("h.0", policy="save_matmuls").modules
         ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
-        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576)
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None)
+        >>> StageAction.chunk("lm_head", 8).chunks
+        8
         >>> StageAction("h.0", "keep", policy="save_matmuls")
         Traceback (most recent call last):
         ...
@@ -47,6 +52,7 @@ class StageAction:
     policy: Policy | None = None
     segment: tuple[str, ...] = ()
     offload_limit: int | None = None
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str):
@@ -70,6 +76,11 @@ class StageAction:
                                   or limit < 0):
             raise ValueError(f"stage {self.stage!r}: an offload limit is bytes >= 0 of an offloaded stage, got "
                              f"{limit!r} with action {action.value!r}")
+        if (action is Action.CHUNK) != (self.chunks is not None):
+            raise ValueError(f"stage {self.stage!r}: a chunked head (and only it) has a number of chunks, got "
+                             f"{self.chunks!r} with action {action.value!r}")
+        if self.chunks is not None:
+            check_chunks(self.chunks)
         object.__setattr__(self, "action", action)
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "segment", segment)
@@ -93,11 +104,17 @@ class StageAction:
     def offload(cls, stage: str, limit: int | None = None) -> "StageAction":
         return cls(stage, Action.OFFLOAD, offload_limit=limit or None)
 
+    @classmethod
+    def chunk(cls, stage: str, chunks: int) -> "StageAction":
+        return cls(stage, Action.CHUNK, chunks=chunks)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain strings, lists and ints (JSON, and checkpoints that load without this package)."""
-        return {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
+        data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
+        # Written only where it says something, so that the dicts of other actions stay as they were.
+        return {**data, "chunks": self.chunks} if self.chunks is not None else data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
@@ -105,7 +122,7 @@ class StageAction:
             raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
         return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
                    policy=data.get("policy"), segment=data.get("segment") or (),
-                   offload_limit=data.get("offload_limit"))
+                   offload_limit=data.get("offload_limit"), chunks=data.get("chunks"))
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:
@@ -197,6 +214,11 @@ def check_actions(actions: Sequence[StageAction]) -> None:
     if len(set(offloaded)) != len(offloaded):
         raise InvalidPlanError(f"offload names a module twice: {offloaded}")
     refuse_nested(offloaded, "offloads")
+    chunked = [a.stage for a in actions if a.action is Action.CHUNK]
+    touched = [*recomputed, *taken, *offloaded]
+    clash = [n for n in chunked if any(n == t or nested_in(n, t) or nested_in(t, n) for t in touched)]
+    if clash or len(set(chunked)) != len(chunked):
+        raise InvalidPlanError(f"a chunked head is neither recomputed, offloaded nor chunked twice: {clash or chunked}")
     both = [n for n in offloaded
             if any(n == r or nested_in(n, r) or nested_in(r, n) for r in [*recomputed, *taken])]
     if both:

@@ -181,6 +181,12 @@ class ProfileOptions:
         "also offer each stage's offload option (its saved tensors go to host memory and come back for backward, "
         "where the transfer hides behind compute; docs/offload.md); an accelerator target only (a CUDA model, or "
         "fake with a gpu), and never more host memory than the host has free")})
+    chunk_loss: bool = field(default=False, metadata={"help": (
+        "also plan a causal LM's head and its loss as a stage whose options compute the projection and the "
+        "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward, so the full logits never "
+        "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=, and for a head whose "
+        "loss the model computes with lightning_remat.head_loss). The loss and "
+        "gradients are the same; a plan that chunks makes the model return logits=None (docs/long_context.md)")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))

@@ -82,10 +82,13 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
         (True, True, 121)
     """
     a, b = DEPTHS
+    # Stages after the layers (a causal LM's head and loss, ``chunk_loss``) are the same at both depths.
+    tails = [s.name for s in forward[0].stages[a:]]
     for p, q, n in zip(forward, backward, DEPTHS):
-        if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or not _same(_skeleton(p), _skeleton(q)):
+        names = [s.name for s in p.stages]
+        if names != [f"{prefix}.{i}" for i in range(n)] + tails or not _same(_skeleton(p), _skeleton(q)):
             return None
-        if p.baseline_peak_bytes != predict_peak(p, [0] * n):
+        if p.baseline_peak_bytes != predict_peak(p, [0] * len(names)):
             return None
     if forward[0].notes != forward[1].notes or forward[0].device != forward[1].device:
         return None
@@ -203,7 +206,9 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: Fit) 
                              f"{prefix}.{i}") for i in range(1, layers - 1))
     first = _boundary_stage(small.stages[0], large.stages[0], f"{prefix}.0", fit)
     last = _boundary_stage(small.stages[a - 1], large.stages[b - 1], f"{prefix}.{layers - 1}", fit)
-    return (first, *middles, last)
+    # A stage after the layers (the head and loss) is fitted in N alone, as the last layer.
+    tails = tuple(_boundary_stage(s, t, t.name, fit) for s, t in zip(small.stages[a:], large.stages[b:]))
+    return (first, *middles, last, *tails)
 
 
 def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: Fit) -> StageProfile:

@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from .vocabulary import cost_of
@@ -62,6 +62,8 @@ class StageOption:
     # "offload:hidden": only this many bytes per forward call go out (what the host link moves
     # while the next stage computes); 0: everything.
     offload_limit: int = 0
+    # "chunks:k": a causal LM's head and loss over k sequence chunks (``runtime.installing.chunked_loss``).
+    chunks: int = 0
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
@@ -176,6 +178,20 @@ class Profile:
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
                       "span_groups": tuple(tuple(g) for g in data.get("span_groups", ())),
                       "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
+
+
+def without_chunked_loss(profile: Profile) -> Profile:
+    """``profile`` with a chunked head's options left out (its ``"keep"`` stays): what a plan without
+    ``chunk_loss`` can reach, from a profile made with it, so that both least peaks come from one profile.
+
+    Example:
+        >>> keep, chunked = StageOption("keep", (), 0, 900, 0.0, 0), StageOption("chunks:8", (), 0, 300, 0.0, 9, chunks=8)
+        >>> [o.name for o in without_chunked_loss(Profile((StageProfile("lm_head", (keep, chunked)),), ())).stages[0].options]
+        ['keep']
+    """
+    stages = tuple(replace(s, options=tuple(o for o in s.options if not o.chunks)) for s in profile.stages)
+    result = replace(profile, stages=stages)
+    return result
 
 
 def predict_peak(profile: Profile, choices: Sequence[int]) -> int:

@@ -151,7 +151,7 @@ class Plan:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
-        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None),))
+        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None),))
         >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
@@ -251,6 +251,12 @@ class Plan:
         """Per offloaded module with a limit, the bytes it offloads at most per forward call."""
         return {a.stage: a.offload_limit for a in self.actions
                 if a.action is Action.OFFLOAD and a.offload_limit is not None}
+
+    @property
+    def chunked_loss(self) -> dict[str, int]:
+        """Per causal LM head computed with its loss over sequence chunks, the number of chunks
+        (``chunk_loss=True``; ``docs/long_context.md``)."""
+        return {a.stage: a.chunks for a in self.actions if a.action is Action.CHUNK and a.chunks is not None}
 
     @property
     def stages(self) -> tuple[str, ...]:

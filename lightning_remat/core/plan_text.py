@@ -102,6 +102,10 @@ def plan_lines(plan: Any) -> list[str]:
     if offloaded:
         lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
                      f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
+    chunked = getattr(plan, "chunked_loss", {})
+    if chunked:
+        lines.append("  head and loss over sequence chunks, each recomputed in backward (chunk_loss; the model returns "
+                     "logits=None): " + ", ".join(f"{head} in {k} chunks" for head, k in chunked.items()))
     if plan.predicted_peak_bytes is not None and plan.sharding:
         lines.append(sharded_memory_line(plan))
     elif plan.predicted_peak_bytes is not None:

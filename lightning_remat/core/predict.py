@@ -51,7 +51,9 @@ class Prediction:
 
 def _does(option: StageOption, action: StageAction) -> bool:
     if action.action is Action.KEEP:
-        return not option.checkpointed and not option.offloaded
+        return not option.checkpointed and not option.offloaded and not option.chunks
+    if action.action is Action.CHUNK:
+        return option.chunks == action.chunks
     if action.action is Action.RECOMPUTE:
         return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
                 and not option.offloaded)
@@ -161,6 +163,8 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
             raise ValueError(f"stage {stage.name!r}: option {option.name!r} both recomputes and offloads")
         elif option.offloaded:
             actions.append(StageAction.offload(stage.name, option.offload_limit or None))
+        elif option.chunks:
+            actions.append(StageAction.chunk(stage.name, option.chunks))
         elif option.checkpointed:
             actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None))
         else:

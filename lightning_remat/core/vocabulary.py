@@ -103,8 +103,9 @@ class Policy(_Words):
                          f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
-# A profile names a policy's option "sac:" + the policy.
+# A profile names a policy's option "sac:" + the policy, and a chunked head's "chunks:" + the count.
 POLICY_PREFIX = "sac:"
+CHUNKS_PREFIX = "chunks:"
 
 
 class OptionKind(_Words):
@@ -122,12 +123,15 @@ class OptionKind(_Words):
     SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint (``core.spans``)
     OFFLOAD = "offload"  # saved tensors to host memory and back
     OFFLOAD_HIDDEN = "offload-hidden"  # only what the host link moves while the next stage computes
+    CHUNKS = "chunks"  # the LM head and its loss over sequence chunks, each recomputed in backward ("chunks:8")
 
     @classmethod
     def of(cls, name: str) -> "OptionKind":
         """The kind of an option name (a child option's name is the child's)."""
         if name.startswith(POLICY_PREFIX):
             return cls.POLICY
+        if name.startswith(CHUNKS_PREFIX):
+            return cls.CHUNKS
         if name.startswith("segment "):
             return cls.SEGMENT
         return _FIXED_KINDS.get(name, cls.CHILDREN)
@@ -140,15 +144,17 @@ _FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
 
 
 def option_name(kind: OptionKind, policy: Any = None) -> str:
-    """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``, or
-    ``"sac:" + policy``.
+    """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``,
+    ``"sac:" + policy``, or ``"chunks:" + count`` (``policy`` is then the number of chunks).
 
     Example:
-        >>> option_name(OptionKind.OFFLOAD_HIDDEN)
-        'offload:hidden'
+        >>> option_name(OptionKind.OFFLOAD_HIDDEN), option_name(OptionKind.CHUNKS, 8)
+        ('offload:hidden', 'chunks:8')
     """
     if kind == OptionKind.POLICY:
         return POLICY_PREFIX + str(Policy.check(policy))
+    if kind == OptionKind.CHUNKS:
+        return CHUNKS_PREFIX + str(check_chunks(policy))
     if kind not in OPTION_NAMES:
         raise ValueError(f"options of kind {kind!r} are named after what they recompute")
     return OPTION_NAMES[OptionKind(kind)]
@@ -164,6 +170,32 @@ def policy_of(name: str) -> str:
     return name[len(POLICY_PREFIX):] if name.startswith(POLICY_PREFIX) else ""
 
 
+def check_chunks(chunks: Any) -> int:
+    """A number of sequence chunks for the LM head and its loss: an int >= 1 (1: not chunked).
+
+    Example:
+        >>> check_chunks(8)
+        8
+        >>> check_chunks(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: the number of chunks of a chunked loss is an int >= 1, got 0
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"the number of chunks of a chunked loss is an int >= 1, got {chunks!r}")
+    return chunks
+
+
+def chunks_of(name: str) -> int:
+    """The number of chunks of a chunked head's option name, or 0 for every other option.
+
+    Example:
+        >>> chunks_of("chunks:16"), chunks_of("whole")
+        (16, 0)
+    """
+    return int(name[len(CHUNKS_PREFIX):]) if name.startswith(CHUNKS_PREFIX) else 0
+
+
 class Action(_Words):
     """What a plan does with a stage (``core.plan.StageAction``).
 
@@ -176,6 +208,7 @@ class Action(_Words):
     RECOMPUTE = "recompute"  # its forward (or some children's) runs again in backward, maybe under a policy
     SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint
     OFFLOAD = "offload"  # what it saves goes to host memory and comes back, maybe only up to a limit
+    CHUNK = "chunk"  # the LM head and its loss over sequence chunks, each recomputed in backward
 
     @classmethod
     def check(cls, action: Any) -> "Action":

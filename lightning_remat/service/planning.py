@@ -301,7 +301,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True, verbose: bool = True) -> Plan:
+               repeated_blocks: bool = True, chunk_loss: bool = False, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -334,7 +334,11 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
             more host memory than the host has free. ``plan.offloaded`` names those stages.
         repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
-            False profiles all N. Every argument is described once, in ``ProfileOptions``/``RematConfig``.
+            False profiles all N.
+        chunk_loss: a causal LM's head and loss are a stage too, whole or over 2-32 sequence chunks
+            (the planner chooses; ``plan.chunked_loss``); a plan that chunks makes the model return
+            ``logits=None`` with the same loss (``docs/long_context.md``). Every argument is
+            described once, in ``ProfileOptions``/``RematConfig``.
         verbose: a progress display on stderr (rank 0, on a terminal) when planning runs longer than
             a few seconds (a 7B model planned on fake tensors); False shows nothing.
 
@@ -365,7 +369,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
-        repeated_blocks=repeated_blocks))
+        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).

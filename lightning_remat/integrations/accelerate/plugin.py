@@ -22,6 +22,7 @@ ENV_CANDIDATES = "ACCELERATE_REMAT_CANDIDATES"
 ENV_COST = "ACCELERATE_REMAT_COST"
 ENV_OFFLOAD = "ACCELERATE_REMAT_OFFLOAD"
 ENV_POLICIES = "ACCELERATE_REMAT_POLICIES"
+ENV_CHUNK_LOSS = "ACCELERATE_REMAT_CHUNK_LOSS"
 
 METRIC_NAMES = (
     "remat/budget_bytes",
@@ -60,6 +61,9 @@ class RematPlugin:
         policies: op-level selective-checkpointing policies offered to every block, as
             ``plan_remat(policies=)``. Env: ``ACCELERATE_REMAT_POLICIES`` (comma-separated names,
             ``all`` for every one, ``none``). Default none.
+        chunk_loss: a causal LM's head and loss may be computed over sequence chunks, as
+            ``plan_remat(chunk_loss=)`` (``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``
+            (as ``offload``). Default off.
 
     Raises:
         ValueError: a malformed value; the message names the environment variable (or the field)
@@ -84,12 +88,14 @@ class RematPlugin:
     policies: Any = field(
         default=None, metadata={"help": f"Selective-checkpointing policies to offer ('all', 'none', names). "
                                         f"Env: {ENV_POLICIES}."})
+    chunk_loss: Any = field(
+        default=None, metadata={"help": f"Let the plan chunk a causal LM's head and loss. Env: {ENV_CHUNK_LOSS}."})
 
     def __post_init__(self):
         sources: dict[str, str] = {}
         for name, variable in (("budget", ENV_BUDGET), ("profile_steps", ENV_PROFILE_STEPS),
                                ("candidates", ENV_CANDIDATES), ("cost", ENV_COST), ("offload", ENV_OFFLOAD),
-                               ("policies", ENV_POLICIES)):
+                               ("policies", ENV_POLICIES), ("chunk_loss", ENV_CHUNK_LOSS)):
             if getattr(self, name) is None:
                 value = os.environ.get(variable, "").strip()
                 if value:
@@ -118,12 +124,11 @@ class RematPlugin:
         self.cost = DEFAULT_COST if self.cost is None else str(self.cost).strip().lower()
         if self.cost not in COST_KINDS:
             raise invalid("cost", f"expected one of {list(COST_KINDS)}")
-        flag = str(self.offload).strip().lower() if self.offload is not None else "false"
-        if isinstance(self.offload, bool):
-            flag = str(self.offload).lower()
-        if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise invalid("offload", "expected 1/true/yes or 0/false/no")
-        self.offload = flag in ("1", "true", "yes", "on")
+        for name in ("offload", "chunk_loss"):
+            flag = str(getattr(self, name)).strip().lower() if getattr(self, name) is not None else "false"
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise invalid(name, "expected 1/true/yes or 0/false/no")
+            setattr(self, name, flag in ("1", "true", "yes", "on"))
         try:
             self.policies = () if self.policies is None else check_policies(self.policies)
         except ValueError:
@@ -147,7 +152,8 @@ class RematPlugin:
     def config(self) -> RematConfig:
         """The settings as the planning service takes them."""
         return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
-            candidates=self.candidates, offload=bool(self.offload), policies=self.policies))
+            candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
+            chunk_loss=bool(self.chunk_loss)))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""

@@ -73,6 +73,8 @@ class RematTrainerCallback(TrainerCallback):
         cost: ``"flops"`` (default), ``"time"`` or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``.
         offload: also offload activations to host memory (a CUDA model). Env: ``ACCELERATE_REMAT_OFFLOAD``.
         policies: op-level selective-checkpointing policies to offer. Env: ``ACCELERATE_REMAT_POLICIES``.
+        chunk_loss: let the plan compute a causal LM's head and loss over sequence chunks (the model
+            then returns ``logits=None``; ``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``.
 
     Behaviour worth knowing:
 
@@ -108,9 +110,9 @@ class RematTrainerCallback(TrainerCallback):
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,
-                 cost: str | None = None, offload: Any = None, policies: Any = None) -> None:
+                 cost: str | None = None, offload: Any = None, policies: Any = None, chunk_loss: Any = None) -> None:
         self.remat_plugin = RematPlugin(budget=budget, profile_steps=profile_steps, candidates=candidates, cost=cost,
-                                        offload=offload, policies=policies)
+                                        offload=offload, policies=policies, chunk_loss=chunk_loss)
         self.session: RematSession | None = None
         self.metrics: dict[str, float] = {}
 

@@ -92,6 +92,7 @@ class AutoRemat(Callback):
             CUDA model only (a CPU-only run raises ``RematError``).
         policies: op-level selective-checkpointing policies offered to every block, as
             ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
+        chunk_loss: a causal LM's head and loss may be chunked over the sequence, as ``plan_remat(chunk_loss=)``.
 
     Behaviour worth knowing:
 
@@ -156,12 +157,12 @@ class AutoRemat(Callback):
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
                  cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
-                 policies: Sequence[str] | None = ()) -> None:
+                 policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
         if fake and cost != "flops":
             raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
-        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake,
-                                                                            offload=offload, policies=policies))
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
+            candidates=candidates, fake=fake, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps

@@ -10,6 +10,8 @@ attribute that composes them, as torch composes a checkpoint's ``context_fn`` wi
   nothing else, so it is the same eagerly and under ``torch.compile``;
 - offload: the call runs under ``saved_tensors_hooks`` that send what it saves to host memory
   (``offloader.py``), outside the checkpoint;
+- chunked loss: a causal LM hands its labels to its head, whose forward returns the loss computed
+  over sequence chunks, each recomputed in backward (``chunked_loss.py``);
 - segment: several consecutive items of an ``nn.Sequential`` recomputed as one checkpoint. The
   items are run by a *runner*, an ``nn.Sequential`` of them that is not registered in the model,
   recomputed like any module; the Sequential yields it in place of the items when iterated
@@ -49,7 +51,7 @@ from ...core.actions import StageAction, check_actions, refuse_nested
 from ...core.errors import InvalidPlanError
 from ...core.plan import Plan
 from ...core.vocabulary import Action
-from . import sac
+from . import chunked_loss, sac
 from .compiled import uncompiled
 from .offloader import Offloader, offloaded_call, release_after_next
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
@@ -71,9 +73,11 @@ class _Record:
     policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
     offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
     release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
+    chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
+    route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
 
     def empty(self) -> bool:
-        return not self.recompute and self.offload is None
+        return not self.recompute and self.offload is None and not self.chunks and self.route is None
 
 
 # ------------------------------------------------------------------------------------ the forward
@@ -152,6 +156,10 @@ def _recomputed_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module with a record: its behaviours around its original forward."""
     record = module.__dict__[_RECORD]
+    if record.route is not None:
+        return chunked_loss.routed_call(record.original, module, record.route, *args, **kwargs)
+    if record.chunks:
+        return chunked_loss.chunked_head_call(record.original, module, record.chunks, *args, **kwargs)
     if record.offload is None:
         return _recomputed_call(module, *args, **kwargs)
     offloader, name = record.offload
@@ -278,15 +286,24 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
         check_actions(plan.actions)
         for names in plan.segments:
             segment_positions(modules, names)
+        chunked_loss.check_heads(modules, plan.chunked_loss)
         previous = snapshot(plain)
         uninstall(plain)
         try:
             _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
                      plan.offload_limits, plan.stage_order if order is None else order, measure)
+            _install_chunks(modules, plan.chunked_loss)
         except BaseException:
             restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
             raise
     return model
+
+
+def _install_chunks(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
+    for head, count in chunks.items():
+        _record(modules[head]).chunks = count
+        if not chunked_loss.declared(modules[head]):  # a head of head_loss gets its labels from the model itself
+            _record(modules[head.rpartition(".")[0]]).route = modules[head]
 
 
 def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
@@ -310,7 +327,7 @@ def uninstall(model: nn.Module) -> nn.Module:
         for module in plain.modules():
             record = module.__dict__.get(_RECORD)
             if record is not None:
-                record.recompute, record.policy = False, ""
+                record.recompute, record.policy, record.chunks, record.route = False, "", 0, None
                 _settle(module)
     return model
 
@@ -355,6 +372,7 @@ class Installation:
     limits: dict[str, int] = field(default_factory=dict)
     order: tuple[str, ...] | None = None
     measure: bool = False
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot(model: nn.Module) -> Installation:
@@ -364,7 +382,9 @@ def snapshot(model: nn.Module) -> Installation:
         return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
                             limits=dict(offloader.limits) if offloader else {},
                             order=offloader.order if offloader else None,
-                            measure=bool(offloader and offloader.measure))
+                            measure=bool(offloader and offloader.measure),
+                            chunks={n: m.__dict__[_RECORD].chunks for n, m in plain.named_modules()
+                                    if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks})
 
 
 def restore(model: nn.Module, installation: Installation) -> nn.Module:
@@ -374,4 +394,5 @@ def restore(model: nn.Module, installation: Installation) -> nn.Module:
         _install(plain, dict(plain.named_modules()), {k: v for k, v in installation.recompute.items() if v},
                  list(installation.recompute), installation.segments, installation.offloaded, installation.limits,
                  installation.order, installation.measure)
+        _install_chunks(dict(plain.named_modules()), installation.chunks)
     return model

@@ -16,7 +16,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ...core.actions import StageAction
 from ...core.errors import RematError
+from ...core.plan import Plan
 from ..installing.apply import applied
 from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
 from ..measuring.measure import Step, model_device
@@ -47,9 +49,10 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None) -> MemoryRun:
+                dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None) -> MemoryRun:
     # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
-    # nothing recomputed and ``dead`` empty fills it.
+    # nothing recomputed and ``dead`` empty fills it. ``chunked``: causal LM heads computing their
+    # loss over that many chunks (loss_stage.py; nothing else wrapped then).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -61,7 +64,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     device = model_device(model)
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None), \
+    heads = Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else None
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=heads), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:

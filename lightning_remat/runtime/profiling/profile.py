@@ -52,6 +52,7 @@ from ..targets.sharded import sharded_twin, sharding_info, sharding_note
 from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
+from .loss_stage import measure_head, with_head_stage
 from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
 from .optimizer_step import optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
@@ -67,7 +68,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device: str | torch.device | None = None, gpu: str | None = None,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
-                 policies: Sequence[str] | None = (), offload: bool = False,
+                 policies: Sequence[str] | None = (), offload: bool = False, chunk_loss: bool = False,
                  options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
@@ -91,7 +92,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
-            policies, offload: as ``ProfileOptions`` (the one description of each).
+            policies, offload, chunk_loss: as ``ProfileOptions`` (the one description of each).
         options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
             either as keywords or as ``options``: a keyword set to anything but its default next to
             ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
@@ -124,7 +125,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload)
+        offload=offload, chunk_loss=chunk_loss)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
@@ -265,6 +266,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
+        head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
+                            runs["keep"].segments) if options.chunk_loss else None
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
     # State that does not exist yet will exist during every later step.
@@ -278,7 +281,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     assembled.blocks = found.blocks
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
-    return profile
+    return with_head_stage(profile, head, peaks.flops_per_second)
 
 
 def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],

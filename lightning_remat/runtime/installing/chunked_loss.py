@@ -1,0 +1,275 @@
+"""A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
+
+At long context the final projection and the cross-entropy over full logits bind a training step's
+peak: the logits are ``tokens x vocabulary`` (4 GiB in bf16 for a 128K vocabulary at 32K tokens) and
+the cross-entropy's backward holds about three fp32 copies at once, which no recomputation of the
+layers touches. Here the projection and the cross-entropy run over ``k`` chunks of the sequence,
+each under a non-reentrant checkpoint, so only one chunk's logits exist at a time (in forward and
+again in backward, where the chunk is recomputed); the chunks' summed losses are divided as Hugging
+Face's ``ForCausalLMLoss`` divides them (labels shifted, ``ignore_index`` -100 left out, the mean over
+valid tokens or the sum over ``num_items_in_batch``), so the loss and the gradients are the same
+within float rounding.
+
+It is installed by the one installer (``installer.py``) on two modules of a Hugging Face causal LM
+(``HeadLoss``): the ``*ForCausalLM`` (or ``*LMHeadModel``) itself, whose forward takes the labels
+out of the call and hands them to its head, and its ``lm_head``, whose forward then returns the
+loss. The model's output then has ``loss`` and ``logits=None``. Without labels, or with gradients
+off (evaluation, generation), both run exactly as before and the logits are returned.
+
+Another model names its head and loss by computing its loss with ``head_loss(self.head, hidden,
+labels)``: the same cross-entropy, over full logits until a plan chunks that head.
+
+Example:
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    >>> find_head_loss(model)
+    HeadLoss(root='', head='lm_head')
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ...core.errors import UnsupportedSetupError
+
+# The chunk counts a profile offers (1 is the head and loss as the model computes them).
+CHUNK_COUNTS = (2, 4, 8, 16, 32)
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
+_DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by head_loss (a model of its own)
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """The two modules a chunked loss is installed on: the causal LM (``root``, "" for the model
+    itself) and its head (``head``), by name in ``model.named_modules()``.
+
+    Example:
+        >>> HeadLoss("base_model.model", "base_model.model.lm_head").head
+        'base_model.model.lm_head'
+    """
+
+    root: str | None
+    head: str
+
+
+def find_head_loss(model: nn.Module) -> HeadLoss | None:
+    """The causal LM head and loss of ``model``, or None: the outermost Hugging Face ``*ForCausalLM``
+    or ``*LMHeadModel`` (looked for inside wrappers such as PEFT's) whose ``lm_head`` is a linear
+    layer and whose loss is ``ForCausalLMLoss`` (a model with a loss of its own is not chunked);
+    else a linear layer whose loss ``head_loss`` computed (``root`` None: nothing to route).
+
+    Example:
+        >>> find_head_loss(nn.Linear(2, 2)) is None
+        True
+    """
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+            continue
+        head = getattr(module, "lm_head", None)
+        if not isinstance(head, nn.Linear) or "_loss_function" in module.__dict__:
+            continue
+        try:
+            loss = module.loss_function
+        except AttributeError:
+            continue
+        if getattr(loss, "__name__", "") == "ForCausalLMLoss":
+            return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
+    return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
+
+
+def declared(head: nn.Module) -> bool:
+    """Whether ``head``'s loss is computed by ``head_loss`` (it ran at least once)."""
+    return isinstance(head, nn.Linear) and head.__dict__.get(_DECLARED, False)
+
+
+def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
+    """Raise ValueError unless every name in ``chunks`` is the ``lm_head`` of the module that holds it.
+
+    Example:
+        >>> check_heads({"": nn.Linear(2, 2), "0": nn.Linear(2, 2)}, {"0": 8})
+        Traceback (most recent call last):
+        ...
+        ValueError: a chunked loss names a causal LM's head, its lm_head; '0' is not one
+    """
+    for head in chunks:
+        root = head.rpartition(".")[0]
+        if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
+            raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
+
+
+def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
+    # As ForCausalLMLoss: logits upcast to float before the cross-entropy; summed here, divided once.
+    logits = project(hidden).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
+                           reduction="sum")
+
+
+def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          shift_labels: torch.Tensor, chunks: int, ignore_index: int = IGNORE_INDEX,
+                          num_items_in_batch: Any = None) -> torch.Tensor:
+    """``ForCausalLMLoss(project(hidden), ...)`` computed over ``chunks`` chunks of the sequence (the
+    second-last dimension of ``hidden``), each recomputed in backward: only one chunk's logits exist
+    at a time. ``shift_labels`` are the labels already shifted (position ``t`` predicts ``t + 1``).
+
+    Example:
+        >>> head = nn.Linear(8, 16)
+        >>> hidden, labels = torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
+        >>> labels[0, :2] = IGNORE_INDEX
+        >>> full = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
+        >>> torch.allclose(chunked_cross_entropy(head, hidden, labels, 4), full)
+        True
+    """
+    size = -(-hidden.shape[-2] // chunks)
+    total = None
+    for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)):
+        if torch.is_grad_enabled():
+            # No random ops in a projection and a cross-entropy: no RNG state to keep.
+            part = checkpoint(_chunk_loss, project, h, y, ignore_index, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part = _chunk_loss(project, h, y, ignore_index)
+        total = part if total is None else total + part
+    return _divided(total, shift_labels, ignore_index, num_items_in_batch)
+
+
+def _divided(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_items_in_batch: Any) -> torch.Tensor:
+    # As Hugging Face's fixed_cross_entropy: the mean over valid tokens, or the sum over num_items_in_batch.
+    if num_items_in_batch is None:
+        return total / (labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, shift: bool = True,
+              ignore_index: int = IGNORE_INDEX, num_items_in_batch: Any = None) -> torch.Tensor:
+    """The cross-entropy of a language model's ``head`` over ``hidden`` against ``labels``, for a model
+    that is not a Hugging Face causal LM: call it in the model's forward in place of
+    ``F.cross_entropy(head(hidden), labels)``, and ``chunk_loss=True`` plans this head and loss as a
+    stage (``docs/long_context.md``). Until a plan chunks the head it is that cross-entropy over full
+    logits; then over sequence chunks, each recomputed in backward (the same loss and gradients).
+
+    Args:
+        head: the final projection (an ``nn.Linear``, a module of the model).
+        hidden: its input, ``(..., sequence, features)``.
+        labels: ``(..., sequence)`` class indices; ``ignore_index`` where no loss counts.
+        shift: position ``t`` predicts the label at ``t + 1`` (as Hugging Face's causal LMs); False:
+            the labels are already aligned with ``hidden``.
+        num_items_in_batch: divide the summed loss by this instead of the number of valid labels.
+
+    Example:
+        >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
+        >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
+        >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
+        True
+    """
+    head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
+    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
+    pending = _Pending(shift_labels, ignore_index, num_items_in_batch)
+    token = _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    try:
+        out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
+    finally:
+        _PENDING.reset(token)
+    if pending.loss is not None and out is pending.loss:
+        return out
+    total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index)
+    return _divided(total, shift_labels, ignore_index, num_items_in_batch)
+
+
+@dataclass
+class _Pending:
+    """The labels a routed call hands to its head, and the loss the head hands back."""
+
+    shift_labels: torch.Tensor
+    ignore_index: int
+    num_items_in_batch: Any
+    loss: torch.Tensor | None = None
+
+
+_PENDING: contextvars.ContextVar[dict[int, _Pending] | None] = contextvars.ContextVar("remat_chunked_loss",
+                                                                                      default=None)
+
+
+def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """The ``labels`` of a call, and the call's arguments with ``labels=None``."""
+    if "labels" in kwargs:
+        return kwargs["labels"], args, {**kwargs, "labels": None}
+    names = list(inspect.signature(original).parameters)
+    at = names.index("labels") if "labels" in names else len(args)
+    if at < len(args):
+        return args[at], (*args[:at], None, *args[at + 1:]), kwargs
+    return None, args, kwargs
+
+
+def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The causal LM's forward with its labels handed to its chunked head: the output has the loss and
+    ``logits=None`` (a tuple output: the loss in place of the logits). Without labels, or with
+    gradients off, the forward as it was.
+
+    Raises:
+        UnsupportedSetupError: the model changes the logits after its head (soft-capping, scaling),
+            or never called its head: the chunked loss would not be the model's.
+    """
+    labels, args, kwargs = _take_labels(original, args, kwargs)
+    if labels is None:
+        return original(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return _call_with(original, labels, args, kwargs)
+    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+    shift = kwargs.get("shift_labels")
+    if shift is None:
+        shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"))
+    token = _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        _PENDING.reset(token)
+    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+    if pending.loss is None or logits is not pending.loss:
+        raise UnsupportedSetupError(
+            f"chunk_loss: {type(root).__name__} does not return its lm_head's output as its logits (it changes them "
+            "after the head, or never calls it), so a chunked loss would not be its loss. Plan without chunk_loss")
+    if isinstance(out, tuple):
+        return (pending.loss, *out[1:])
+    return type(out)(**{k: v for k, v in out.items() if k not in ("loss", "logits")}, loss=pending.loss)
+
+
+def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: dict) -> Any:
+    # Gradients off (evaluation): the model's own loss over full logits, labels put back where they were.
+    if "labels" in kwargs:
+        return original(*args, **{**kwargs, "labels": labels})
+    names = list(inspect.signature(original).parameters)
+    at = names.index("labels")
+    return original(*args[:at], labels, *args[at + 1:], **kwargs)
+
+
+def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
+    """The head's forward: with labels handed to it by ``routed_call``, the chunked loss (returned in
+    place of the logits); otherwise the projection as it was."""
+    pending = (_PENDING.get() or {}).get(id(head))
+    if pending is None or pending.loss is not None:
+        return original(hidden)
+    labels = pending.shift_labels.to(hidden.device)
+    pending.loss = chunked_cross_entropy(original, hidden, labels, chunks, pending.ignore_index,
+                                         pending.num_items_in_batch)
+    return pending.loss
+
+
+def head_flops(head: nn.Linear, tokens: int) -> int:
+    """FLOPs of the head's projection over ``tokens`` tokens: what a chunked loss recomputes.
+
+    Example:
+        >>> head_flops(nn.Linear(4096, 128256, bias=False), 1)
+        1050673152
+    """
+    return 2 * tokens * head.in_features * head.out_features

@@ -1,0 +1,101 @@
+"""A causal LM's head and its loss as the last stage of the profile (``chunk_loss=True``).
+
+Without it the head's projection, the cross-entropy and their backward run in the gap between the
+last layer's forward and its backward: a segment of the memory model whose peak no option changes.
+With ``chunk_loss`` the step is also measured once per chunk count (``chunked_loss.CHUNK_COUNTS``,
+the head and loss over that many sequence chunks, each recomputed in backward; the layers kept), and
+that gap becomes a stage of its own after the layers, whose options are ``"keep"`` (the gap as
+measured: the model's own head and loss) and ``"chunks:k"`` (the gap as measured with ``k`` chunks,
+beside the same adjustments). It stores nothing past its own backward, so the solver's DP chooses the
+number of chunks as it chooses any stage's option; its cost is the projection computed again (each
+chunk's logits are recomputed in backward), plus one FLOP per chunk so that, at an equal peak, fewer
+chunks (larger matmuls) win.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, Segment
+    >>> profile = Profile((), (Segment("between stages (0 stored)", 0, 900),), baseline_step_flops=100)
+    >>> head = with_head_stage(profile, HeadFigures("lm_head", 0, 50, 900, {8: 300}))
+    >>> [(o.name, o.local_peak_bytes) for o in head.stages[0].options], head.segments
+    ([('keep', 900), ('chunks:8', 300)], ())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ...core.memory_model import Profile, StageOption, StageProfile
+from ...core.vocabulary import OptionKind, option_name
+from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss, head_flops
+from ..measuring.measure import Step
+from ..measuring.observe import ObservedStep
+from .memory_run import memory_run
+
+
+@dataclass
+class HeadFigures:
+    """What the chunked runs measured: the head's name, the gap it runs in (stages alive), the FLOPs
+    of its projection, and the gap's figure in the run with nothing chunked and in each chunked run."""
+
+    head: str
+    gap: int
+    flops: int
+    unchunked: int
+    chunked: dict[int, int] = field(default_factory=dict)
+
+
+def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer: torch.optim.Optimizer | None,
+                 replay: Callable[[], None], accumulation_steps: int, keep_gap: dict[int, int]) -> HeadFigures | None:
+    """The step measured once per chunk count with the head and loss chunked (the layers kept), or
+    None where the model has no causal LM head (``chunked_loss.find_head_loss``) or it did not run."""
+    found = find_head_loss(model)
+    n = len(observed.order)
+    if found is None or n not in keep_gap or found.head in observed.order:  # a head that is a stage already
+        return None
+    head = model.get_submodule(found.head)
+    tokens: list[int] = []
+    hook = head.register_forward_pre_hook(lambda _, args: tokens.append(args[0].numel() // args[0].shape[-1]))
+    calls = {i: observed.stats[name].calls for i, name in enumerate(observed.order)}
+    figures = HeadFigures(found.head, n, 0, keep_gap[n])
+    try:
+        for chunks in CHUNK_COUNTS:
+            run = memory_run(model, step, observed.order, calls, [], optimizer, replay,
+                             gradients_alive=accumulation_steps > 1, chunked={found.head: chunks})
+            figures.chunked[chunks] = run.segments.get(n, keep_gap[n])
+    finally:
+        hook.remove()
+    if not tokens:
+        return None
+    figures.flops = head_flops(head, max(tokens))
+    return figures
+
+
+def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_second: float = 0.0) -> Profile:
+    """``profile`` with the gap the head runs in made a stage after the layers (see the module's
+    docstring); unchanged without figures. The stage's figures are the gap segment's peak moved by
+    what chunking changed in the measured gap, so every adjustment made to the segment stays. The
+    recompute's seconds are the step's per FLOP (a fake profile prices them again), its roofline
+    seconds the projection's FLOPs at the device's peak (a large matmul is bound by compute)."""
+    # The last gap: all stages alive (stages that did not run are in the chain by now).
+    gap = next((s for s in profile.segments if figures is not None and s.stages_alive == len(profile.stages)
+                and s.name != "optimizer step"), None)
+    if gap is None or figures is None:
+        return profile
+    per_second = profile.baseline_step_seconds / (profile.baseline_step_flops or 1)
+    roofline = figures.flops / flops_per_second if flops_per_second else 0.0
+    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, 0.0, 0)]
+    for chunks, figure in sorted(figures.chunked.items()):
+        options.append(StageOption(
+            option_name(OptionKind.CHUNKS, chunks), (), 0, gap.peak_bytes - figures.unchunked + figure,
+            cost_seconds=figures.flops * per_second, cost_flops=figures.flops + chunks,
+            cost_roofline=roofline, chunks=chunks))
+    stage = StageProfile(figures.head, tuple(options), forward_flops=figures.flops, module_type="head and loss")
+    result = replace(profile, stages=(*profile.stages, stage), segments=tuple(s for s in profile.segments if s is not gap),
+                     notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "
+                            f"over {', '.join(map(str, sorted(figures.chunked)))} sequence chunks"))
+    gaps = getattr(profile, "gap_figures", None)
+    result.gap_figures = None if gaps is None else {k: v for k, v in gaps.items() if k != gap.name}
+    return result

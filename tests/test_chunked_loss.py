@@ -1,0 +1,265 @@
+"""chunk_loss: a causal LM's head and loss over sequence chunks, each recomputed in backward, as a
+planned stage (issue 24).
+
+On small Hugging Face causal LMs on the CPU: the chunked loss and every parameter's gradient equal the
+model's own (labels shifted, -100 ignored, the mean over valid tokens or the sum over
+``num_items_in_batch``); the plan's steady peak, measured by torch's allocator events
+(``TorchPeak``), holds the budget and is within 5% of the prediction; a budget reachable only by
+chunking is met with ``chunk_loss=True`` and refused without; ``remove_remat`` gives back the exact
+model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_remat import apply_plan, plan_remat, profile_step, remove_remat, solve
+from lightning_remat.core.actions import StageAction
+from lightning_remat.core.errors import BudgetTooSmallError, UnsupportedSetupError
+from lightning_remat.core.memory_model import without_chunked_loss
+from lightning_remat.core.plan import Plan
+from lightning_remat.models import build
+from lightning_remat.runtime.installing.chunked_loss import find_head_loss
+from tests.torch_meter import TorchPeak
+
+# A vocabulary large beside the hidden size: the head and its loss bind the step's peak, as at long context.
+SIZES = dict(batch_size=2, seq_len=128, layers=2, hidden=64, vocab=4096)
+
+
+def _chunked(head: str, chunks: int) -> Plan:
+    return Plan(actions=[StageAction.chunk(head, chunks)])
+
+
+def _loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks in both runs
+    out = model(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("chunks", [3, 8])
+@pytest.mark.parametrize("num_items", [None, 150])
+def test_chunked_loss_and_gradients_equal_the_models_own(name, chunks, num_items):
+    model = build(name, **SIZES).model
+    ids = torch.randint(0, SIZES["vocab"], (2, SIZES["seq_len"]), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :40] = -100  # padding: no loss there
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    plain, expected = _loss_and_grads(model, ids, labels, **kwargs)
+    head = find_head_loss(model).head
+    apply_plan(model, _chunked(head, chunks))
+    out, grads = _loss_and_grads(model, ids, labels, **kwargs)
+    remove_remat(model)
+    assert out.logits is None and plain.logits is not None
+    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == expected.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], expected[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_remove_remat_gives_back_the_exact_model_and_evaluation_keeps_its_logits():
+    model = build("llama", **SIZES).model
+    keys = list(model.state_dict())
+    params = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(0, SIZES["vocab"], (1, 32))
+    apply_plan(model, _chunked("lm_head", 4))
+    assert "forward" in model.__dict__ and "forward" in model.lm_head.__dict__
+    with torch.no_grad():  # evaluation: the model's own loss over full logits, logits returned
+        evaluated = model(input_ids=ids, labels=ids)
+    assert evaluated.logits.shape == (1, 32, SIZES["vocab"]) and evaluated.loss is not None
+    assert model(input_ids=ids).logits.shape == (1, 32, SIZES["vocab"])  # no labels: logits as before
+    remove_remat(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+def test_a_plan_with_a_chunked_head_survives_its_dict_and_refuses_what_is_not_a_head():
+    plan = _chunked("lm_head", 8)
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.chunked_loss == {"lm_head": 8}
+    with pytest.raises(ValueError, match="lm_head"):
+        apply_plan(build("llama", **SIZES).model, _chunked("model.norm", 8))
+    with pytest.raises(ValueError, match="chunks"):
+        StageAction("lm_head", "chunk", chunks=0)
+
+
+def _steady_peak(model, step, optimizer, steps=3):
+    peaks = []
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        meter = TorchPeak(model, optimizer).start() if i else None  # after the optimizer state exists
+        step(model).backward()
+        optimizer.step()
+        if meter is not None:
+            peaks.append(meter.stop())
+    return max(peaks)
+
+
+def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_without():
+    case = build("llama", **SIZES)
+    model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
+    plain = solve(profile_step(model, case.step, optimizer=optimizer), "min", cost="flops")
+    chunked = profile_step(model, case.step, optimizer=optimizer, chunk_loss=True)
+    assert [o.name for o in chunked.stages[-1].options] == ["keep", *(f"chunks:{k}" for k in (2, 4, 8, 16, 32))]
+    least = solve(chunked, "min", cost="flops").predicted_peak_bytes
+    # The head's "keep" is the gap it ran in: without its chunked options the profile plans as one made without them.
+    assert solve(without_chunked_loss(chunked), "min", cost="flops").predicted_peak_bytes == plain.predicted_peak_bytes
+    assert least < 0.8 * plain.predicted_peak_bytes  # the head and loss bound the least peak
+    budget = (least + plain.predicted_peak_bytes) // 2
+    with pytest.raises(BudgetTooSmallError):
+        plan_remat(model, case.step, budget, optimizer=optimizer)
+    plan = plan_remat(model, case.step, budget, optimizer=optimizer, chunk_loss=True)
+    assert plan.chunked_loss and plan.predicted_peak_bytes <= budget
+    apply_plan(model, plan)
+    measured = _steady_peak(model, case.step, optimizer)
+    remove_remat(model)
+    assert measured <= budget
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+
+
+def test_without_a_causal_lm_head_chunk_loss_changes_nothing():
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)])
+    x = torch.randn(8, 16)
+    with_it = profile_step(net, lambda m: m(x).square().mean(), chunk_loss=True, warmup=0)
+    assert [s.name for s in with_it.stages] == ["0", "1", "2"]
+
+
+def test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=4096, use_cache=False)
+    ids = torch.randint(0, 4096, (1, 512))
+
+    def least_peak(chunk_loss):
+        with torch.device("meta"):  # a model of its own each time (planning on the meta device rebinds parameters)
+            model = transformers.LlamaForCausalLM(config).train()
+        return plan_remat(model, lambda m: m(input_ids=ids, labels=ids).loss, "min",
+                          optimizer=torch.optim.AdamW(model.parameters()), cost="flops", fake=True, device="cuda",
+                          gpu="h100", precision="bf16-true", device_memory="80GB", chunk_loss=chunk_loss)
+
+    plain, plan = least_peak(False), least_peak(True)
+    assert plan.chunked_loss and plan.predicted_peak_bytes < plain.predicted_peak_bytes
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_refused():
+    import transformers
+
+    config = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, num_hidden_layers=1, vocab_size=256,
+                                       final_logit_softcapping=30.0, use_cache=False)
+    model = transformers.Gemma2ForCausalLM(config).train()
+    ids = torch.randint(0, 256, (1, 16))
+    apply_plan(model, _chunked("lm_head", 2))
+    with pytest.raises(UnsupportedSetupError, match="changes them"):
+        model(input_ids=ids, labels=ids)
+    remove_remat(model)
+
+
+def test_every_entry_point_takes_chunk_loss(monkeypatch):
+    from lightning_remat import AutoRemat, RematTrainerCallback
+    from lightning_remat.accelerate import RematPlugin
+    from lightning_remat.integrations.cli import _parser
+
+    assert AutoRemat(budget="min", chunk_loss=True).config.profile.chunk_loss
+    assert RematTrainerCallback(budget="1GB", chunk_loss=True).remat_plugin.config().profile.chunk_loss
+    monkeypatch.setenv("ACCELERATE_REMAT_CHUNK_LOSS", "yes")
+    assert RematPlugin(budget="1GB").config().profile.chunk_loss
+    monkeypatch.setenv("ACCELERATE_REMAT_CHUNK_LOSS", "maybe")
+    with pytest.raises(ValueError, match="ACCELERATE_REMAT_CHUNK_LOSS"):
+        RematPlugin(budget="1GB")
+    assert _parser().parse_args(["plan", "f.py:g", "--chunk-loss"]).chunk_loss
+
+
+def test_the_hf_trainer_chunks_the_loss_with_the_same_losses_under_accumulation(tmp_path, monkeypatch):
+    import transformers
+
+    from lightning_remat import RematTrainerCallback
+    from lightning_remat.accelerate import ENV_BUDGET
+    from tests.test_hf_trainer import _train
+
+    def model():  # a vocabulary large beside the hidden size: the head and loss bind
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
+                                                                    vocab_size=4096))
+
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    # The Trainer passes num_items_in_batch under accumulation: the chunked loss divides by it too.
+    _, plain, plain_losses = _train(tmp_path, accumulation=2, model=model())
+    callback = RematTrainerCallback(budget="min", chunk_loss=True)
+    _, peaks, losses = _train(tmp_path, callback, accumulation=2, model=model())
+    assert callback.plan.chunked_loss
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert max(peaks.peaks) < 0.8 * max(plain.peaks)
+    assert abs(max(peaks.peaks) - callback.plan.predicted_peak_bytes) <= 0.05 * max(peaks.peaks)
+
+
+def test_the_summary_says_the_head_is_chunked():
+    plan = Plan(actions=[StageAction.keep("h.0"), StageAction.chunk("lm_head", 8)], predicted_peak_bytes=2**20,
+                baseline_peak_bytes=2**21, budget_bytes=2**20, predicted_overhead=0.01)
+    assert "lm_head in 8 chunks" in plan.summary()
+
+
+def test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=10, vocab_size=1024, use_cache=False)
+    ids = torch.randint(0, 1024, (1, 64))
+    profiles = []
+    for repeated in (True, False):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).train()
+        profiles.append(profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, fake=True, device="cuda",
+                                     gpu="h100", precision="bf16-true", chunk_loss=True, repeated_blocks=repeated,
+                                     optimizer=torch.optim.AdamW(model.parameters())))
+    extrapolated, full = profiles
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    assert extrapolated.stages[-1].name == "lm_head" and extrapolated.stages == full.stages
+    assert extrapolated.segments == full.segments
+
+
+class _TinyLM(torch.nn.Module):
+    """A language model of its own (not Hugging Face's): it names its head and loss with head_loss."""
+
+    def __init__(self, vocab=4096, hidden=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                                              torch.nn.Linear(2 * hidden, hidden)) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        from lightning_remat import head_loss
+
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return head_loss(self.head, x, labels)
+
+
+def test_a_model_of_its_own_names_its_head_and_loss_with_head_loss():
+    torch.manual_seed(0)
+    model = _TinyLM()
+    ids = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
+    step = lambda m: m(ids, ids)  # noqa: E731
+    expected_loss = step(model)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = plan_remat(model, step, "min", optimizer=optimizer, chunk_loss=True)
+    assert set(plan.chunked_loss) == {"head"}
+    apply_plan(model, plan)
+    model.zero_grad(set_to_none=True)
+    loss = step(model)
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
+    measured = _steady_peak(model, step, optimizer)
+    remove_remat(model)
+    assert "forward" not in model.head.__dict__
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
