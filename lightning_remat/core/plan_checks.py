@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from .actions import nested_in
 from .budget import MAX_BUDGET_BYTES as MAX_BYTES  # the largest byte count a plan holds
 from .errors import PlanFormatError
 from .vocabulary import CostKind
@@ -88,10 +89,12 @@ def _check_choices(value: Any, stages: list[str] | None) -> None:
         cost = choice["cost"]
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost):
             raise PlanFormatError(f"{where}.cost", cost, "a finite number")
-        if choice["stage"] in seen or (stages is not None and choice["stage"] not in stages):
+        # A block recomputed whole is one action over several chosen stages (its children).
+        known = stages is None or any(choice["stage"] == s or nested_in(choice["stage"], s) for s in stages)
+        if choice["stage"] in seen or not known:
             raise PlanFormatError(f"{where}.stage", choice["stage"],
-                                  "a stage of the plan's actions, chosen once" if stages is not None else
-                                  "a stage chosen once")
+                                  "a stage of the plan's actions (or inside one), chosen once" if stages is not None
+                                  else "a stage chosen once")
         seen.add(choice["stage"])
 
 
