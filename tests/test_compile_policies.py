@@ -16,6 +16,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from lightning_remat import Plan, ProfileOptions, apply_plan, profile_step
 from lightning_remat.core.solve import least_peak, solve
+from lightning_remat.runtime.installing.compiled import runs_compiled
 from lightning_remat.runtime.measuring.roofline import TIE_SECONDS
 from lightning_remat.runtime.profiling.profile import COMPILED_NOTE
 
@@ -134,3 +135,25 @@ def test_compiled_pricing_makes_pointwise_recompute_free_and_the_plan_takes_it()
     assert sum(c > e for c, e in zip(counts["compiled"], counts["eager"])) >= 2
     # With memory to spare nothing is recomputed, compiled or not.
     assert not solve(compiled, high, cost="roofline").checkpointed
+
+
+def test_a_step_compiled_in_place_or_by_lightning_is_priced_as_compiled():
+    import lightning.pytorch as L
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_net()
+
+        def forward(self, x):
+            return self.net(x)
+
+    assert not runs_compiled(make_net()) and not runs_compiled(Lit())
+    # Trainer.fit(torch.compile(lit)) unwraps it so: the module itself, its steps compiled.
+    assert runs_compiled(from_compiled(torch.compile(Lit())))
+    net = make_net()
+    net.compile()  # in place: no wrapper in the module tree
+    x = torch.randn(8, 32)
+    profile = profile_step(net, lambda m: m(x).square().mean(), options=ProfileOptions(policies=("save_matmuls",)))
+    assert COMPILED_NOTE in profile.notes

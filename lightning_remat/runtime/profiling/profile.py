@@ -37,7 +37,7 @@ from ...core.memory_model import Profile
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
-from ..installing.compiled import fabric_forward_context, is_compiled, uncompiled
+from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
@@ -140,8 +140,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     step = _in_forward_context(step, fabric_forward_context(model))
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
-    # Recompute is priced as the compiled step runs it when the model holds a compiled wrapper.
-    compiled = is_compiled(model)
+    # Recompute is priced as the compiled step runs it when the step runs compiled.
+    compiled = runs_compiled(model)
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
             return _profile(model, step, optimizer, options, timed=True, compiled=compiled)
