@@ -19,7 +19,7 @@ the parameters alive at its start plus the largest running sum of allocations); 
 wall-clock of a forward and backward. "x torch" is our saved bytes over those of the budget whose
 peak our plan was given.
 
-    python benchmarks/compile_budget.py        # about 20 minutes on 2 busy CPU cores (compiling)
+    python benchmarks/compile_budget.py        # 5-15 minutes on 2 busy CPU cores (compiling; less when cached)
 """
 
 from __future__ import annotations
