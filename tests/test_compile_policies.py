@@ -6,7 +6,6 @@ compiled, and the solver then takes the policies that recompute them."""
 import copy
 import warnings
 
-import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch import nn
@@ -93,7 +92,6 @@ def test_policy_decisions_reach_the_compiled_graph_as_must_and_the_partitioner_k
     assert not {aten.gelu.default, aten.sigmoid.default, aten.mul.Tensor} & {n.target for n in saved}
 
 
-@pytest.mark.slow  # inductor compiles a forward and a backward graph: about 10 s on a busy CPU
 def test_policies_under_inductor_give_the_gradients_of_eager_training():
     reference, net = make_net(), save_matmuls_everywhere(make_net())
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
