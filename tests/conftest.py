@@ -44,6 +44,8 @@ SLOW = {
                     "test_profile_offers_policies_and_prices_them",
                     "test_predicted_peak_within_5_percent_of_measured_for_plans_with_policies",
                     "test_roofline_plan_uses_policies_where_they_are_cheapest"),
+    "test_compile_policies.py": ("test_policies_under_inductor_give_the_gradients_of_eager_training",  # 6-8 s
+                                 "test_a_step_compiled_in_place_or_by_lightning_is_priced_as_compiled"),  # 4.5 s
     "test_accelerate.py": ("test_training_loop_stays_under_budget_with_same_losses",  # 12 s
                            "test_budget_min_holds_with_the_outputs_the_loop_keeps"),  # 7 s
     "test_batch_size.py": ("test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_memory",  # 10 s

@@ -17,8 +17,9 @@ from .memory_run import MemoryRun
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
              state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
              device: str, peaks: Peaks, seconds_per_op: float = 0.0,
-             offload_limits: dict[str, int] | None = None) -> Profile:
-    """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
+             offload_limits: dict[str, int] | None = None, compiled: bool = False) -> Profile:
+    """The Profile from the measured runs: options per stage, segments, static memory, baseline;
+    with ``compiled``, recompute priced as torch.compile runs it (``roofline.option_costs``)."""
     modules = dict(model.named_modules())
     stats = observed.stats
     offload_limits = offload_limits or {}
@@ -28,7 +29,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
+            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,

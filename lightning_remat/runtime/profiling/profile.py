@@ -37,7 +37,7 @@ from ...core.memory_model import Profile
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
-from ..installing.compiled import fabric_forward_context, uncompiled
+from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
@@ -59,6 +59,9 @@ from .profile_adjust import with_always_alive, with_pooled_timings, with_unobser
 from .repeated import repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
 
+# What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
+COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
+                 "kernels), eager selective checkpointing's per-op cost is not counted")
 DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
@@ -139,10 +142,12 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     step = _in_forward_context(step, fabric_forward_context(model))
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
+    # Recompute is priced as the compiled step runs it when the step runs compiled.
+    compiled = runs_compiled(model)
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
-            return _profile(model, step, optimizer, options, timed=True)
-        return _fake_profile(model, step, optimizer, options)
+            return _profile(model, step, optimizer, options, timed=True, compiled=compiled)
+        return _fake_profile(model, step, optimizer, options, compiled)
 
 
 def _in_forward_context(step: Step, context: contextlib.AbstractContextManager) -> Step:
@@ -172,7 +177,7 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 
 
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
-                  options: ProfileOptions) -> Profile:
+                  options: ProfileOptions, compiled: bool = False) -> Profile:
     """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
@@ -198,7 +203,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
-                                replace(options, warmup=0, device=options.device or "cpu"), timed=False)
+                                replace(options, warmup=0, device=options.device or "cpu"), timed=False,
+                                compiled=compiled)
 
     # N identical layers: profiled at 4 and 5 layers (runtime/profiling/repeated.py) and extrapolated
     # (core/depth_fit.py), sharded or not (each truncated copy gets a sharded twin of its own).
@@ -237,7 +243,7 @@ def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
 
 
 def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
-             timed: bool) -> Profile:
+             timed: bool, compiled: bool = False) -> Profile:
     stage_names = find_stages(model, options.candidates)
     modules = dict(model.named_modules())
     # applied(model, []) lifts any plan the model has for the profile and puts it back after.
@@ -273,14 +279,17 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.created_state_bytes
     peaks = device_peaks(device, options.gpu)
-    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
-    per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
+    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here);
+    # under torch.compile its modes are traced away.
+    per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                         optimizer is not None, device, peaks, per_op, limits)
+                         optimizer is not None, device, peaks, per_op, limits, compiled)
     assembled.span_groups = groups
     assembled.blocks = found.blocks
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
+    if compiled:
+        profile.notes = (*profile.notes, COMPILED_NOTE)
     return with_head_stage(profile, head, peaks.flops_per_second)
 
 
