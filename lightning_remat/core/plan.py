@@ -134,6 +134,9 @@ class Plan:
         sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
             empty on one device.
         host_bytes: host memory the offloaded stages take.
+        binding: what binds the predicted peak (``core.binding.Binding.to_dict()``: the term, its
+            bytes split into static memory, stored activations and its own; the optimizer settings
+            that would lower it when the optimizer step binds); None when not predicted.
 
     Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
     alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
@@ -180,6 +183,7 @@ class Plan:
     fingerprint: dict[str, Any]
     sharding: dict[str, Any]
     host_bytes: int
+    binding: dict[str, Any] | None
 
     def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
                  baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
@@ -190,7 +194,7 @@ class Plan:
                  sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
                  policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
                  host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
-                 actions: Iterable[StageAction] | None = None) -> None:
+                 actions: Iterable[StageAction] | None = None, binding: Mapping[str, Any] | None = None) -> None:
         choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
         named = {k: v for k, v in (("checkpointed", checkpointed), ("segments", segments), ("policies", policies),
                                    ("offloaded", offloaded), ("offload_limits", offload_limits)) if v is not None}
@@ -216,7 +220,8 @@ class Plan:
             cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
             parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
             optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
-            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes))
+            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes),
+            binding=copy.deepcopy(dict(binding)) if binding is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -299,7 +304,7 @@ class Plan:
                 value = [asdict(c) for c in value]
             elif f.name in ("notes",):
                 value = list(value)
-            elif f.name in ("fingerprint", "sharding"):
+            elif f.name in ("fingerprint", "sharding", "binding"):
                 value = copy.deepcopy(value)
             elif f.name == "cost_kind":
                 value = value.value

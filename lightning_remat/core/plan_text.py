@@ -113,6 +113,11 @@ def plan_lines(plan: Any) -> list[str]:
             f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
             f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
             "activations, temporaries and the gradients alive at that point")
+    binding = getattr(plan, "binding", None)
+    if binding and plan.predicted_peak_bytes is not None:
+        from .binding import Binding
+
+        lines.append("  " + Binding.from_dict(binding).text())
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines
 

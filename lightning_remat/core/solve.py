@@ -14,11 +14,12 @@ frontier over (stored bytes, peak so far), then the least-cost plan at that peak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 
+from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
@@ -269,7 +270,19 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         notes=profile.notes,
         sharding=profile.sharding,
         host_bytes=predicted.host_bytes,
+        binding=_binding(profile, predicted.binding),
     )
+
+
+def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
+    """What binds the plan's peak (``core.binding``), with the optimizer settings that would lower
+    it when the optimizer step binds."""
+    if term is None:
+        return None
+    found = describe(profile, term)
+    if found.term == OPTIMIZER:
+        found = replace(found, advice=optimizer_advice(profile, least_peak))
+    return found.to_dict()
 
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",

@@ -65,6 +65,13 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     metrics.update({name: value for name, value in figures.items() if value is not None})
     if plan.offloaded:
         metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
+    if plan.binding:
+        # What binds, as loggers take it (numbers): a 1 under the term's name, and its bytes split.
+        binding = plan.binding
+        metrics[f"binds/{binding['term'].replace(' ', '_')}"] = 1
+        metrics.update({f"binds/{part}_bytes": binding[f"{part}_bytes"] for part in ("static", "stored", "own")})
+        metrics.update({f"binds/optimizer_{setting.replace('=', '_').lower()}_peak_bytes": peak
+                        for setting, peak in (binding.get("advice") or {}).items()})
     if measured_peak_bytes is not None:
         metrics["measured_peak_bytes"] = measured_peak_bytes
     return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
