@@ -41,7 +41,7 @@ OPTIMIZER_SEGMENT = "optimizer step"  # the segment's name (``runtime.profiling.
 # asks for each (``torch.optim`` param-group keys). One entry per setting.
 OPTIMIZER_SETTINGS: Mapping[str, dict[str, bool]] = {"fused=True": {"fused": True, "foreach": False},
                                                      "foreach=False": {"foreach": False, "fused": False}}
-_WHERE = {STAGE: "", HEAD: " (after the last stage)", EMBEDDINGS: " (before the first stage)", BETWEEN: "",
+_WHERE = {STAGE: "", HEAD: " (after the last stage)", EMBEDDINGS: " (before the first stage, and the end of backward)", BETWEEN: "",
           OPTIMIZER: " (its state and its step's temporaries)"}
 _PARTS = {"static": "static memory", "stored": "stored activations", "own": "its own activations and temporaries"}
 

@@ -52,7 +52,7 @@ from ..targets.sharded import sharded_twin, sharding_info, sharding_note
 from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
-from .optimizer_step import optimizer_step_cost
+from .optimizer_step import optimizer_step_alternatives, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
@@ -139,7 +139,10 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
-            return _profile(model, step, optimizer, options, timed=True)
+            profile = _profile(model, step, optimizer, options, timed=True)
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(
+                optimizer, options.device or model_device(model))
+            return profile
         return _fake_profile(model, step, optimizer, options)
 
 
@@ -205,6 +208,10 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if sharded:
         profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
         precision_note = sharding_note(profile.sharding)
+    else:
+        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies').
+        with mode:
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(optimizer, options.device or "cpu")
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
