@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import PlanningFailedError
+from ..core.errors import BudgetTooSmallError, PlanningFailedError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
@@ -175,8 +175,22 @@ class Planner:
 
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
-        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
-        return self.solve_profile(model, self.profile(model, step, optimizer, adjust=adjust, warmup=warmup))
+        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first);
+        a ``BudgetTooSmallError`` names the knobs that would reach it (``solve_or_advise``)."""
+        return self.solve_or_advise(model, step, optimizer, self.profile(model, step, optimizer, adjust=adjust,
+                                                                         warmup=warmup))
+
+    def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
+        """``solve_profile``; when no plan fits, its ``BudgetTooSmallError`` with each knob that
+        lowers the least peak and the peak it gives, predicted (``service.knobs``)."""
+        try:
+            return self.solve_profile(model, profile)
+        except BudgetTooSmallError as error:
+            failed = error
+        from .knobs import KnobContext, advise
+
+        budget = self.config.budget_bytes(model_device(model))
+        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(budget)))
 
     def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
