@@ -305,3 +305,35 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
     predicted = predict_peak(profile, choices)
     # Never below the measured peak, and now within 2% above it (it was 7 hidden states above).
     assert peak <= predicted <= 1.02 * peak, (peak, predicted, (predicted - peak) / hidden_state)
+
+
+def test_host_memory_defaults_to_the_targets_and_can_be_set(monkeypatch):
+    """Fake planning for a named GPU offloads within that GPU's share of a typical node's host memory
+    (core/hardware.py HOST_MEMORY), not this machine's free memory; ``host_memory=`` overrides it."""
+    from lightning_remat.core.config import ProfileOptions, RematConfig
+    from lightning_remat.core.errors import RematError
+    from lightning_remat.core.hardware import HOST_MEMORY
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.integrations.cli import _parser as build_parser
+    from lightning_remat.runtime.targets import offload_link
+    from lightning_remat.service.planning import Planner
+
+    monkeypatch.setattr(offload_link, "host_free_bytes", lambda: 1000)  # this machine: almost nothing free
+    assert offload_link.host_limit_bytes(ProfileOptions(fake=True, gpu="h100")) == HOST_MEMORY["h100"] == 256 * 2**30
+    assert offload_link.host_limit_bytes(ProfileOptions(fake=True, gpu="a100", host_memory="1GiB")) == 2**30
+    assert offload_link.host_limit_bytes(ProfileOptions()) == 1000  # a real profile: this machine's
+    with pytest.raises(ValueError, match="host_memory must be a size"):
+        ProfileOptions(fake=True, gpu="h100", host_memory="50%")
+    # The planner solves within it (only offloading fits 2100 B): 2 KiB offloaded fits the H100's default, not host_memory=1kB.
+    keep = StageOption("keep", (), 2048, 2048, 0.0, 0)
+    off = StageOption("offload", (), 0, 2048, 0.1, 1, offloaded=("a",), host_bytes=2048)
+    whole = StageOption("whole", ("a",), 10, 4000, 1.0, 10)
+    profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 100),))
+    target = nn.Linear(2, 2)
+    plan = Planner(RematConfig(2100, profile=ProfileOptions(fake=True, gpu="h100"))).solve_profile(target, profile)
+    assert plan.offloaded == ["a"]
+    with pytest.raises(RematError, match="host memory.*has 1000 B free"):
+        Planner(RematConfig(2100, profile=ProfileOptions(fake=True, gpu="h100", host_memory=1000))).solve_profile(
+            target, profile)
+    args = build_parser().parse_args(["plan", "f.py:make", "--fake", "--gpu", "h100", "--host-memory", "64GB"])
+    assert ProfileOptions(fake=True, gpu="h100", host_memory=args.host_memory).host_memory == "64GB"

@@ -152,6 +152,10 @@ class ProfileOptions:
         "also offer each stage's offload option (its saved tensors go to host memory and come back for backward, "
         "where the transfer hides behind compute; docs/offload.md); an accelerator target only (a CUDA model, or "
         "fake with a gpu), and never more host memory than the host has free")})
+    host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
+        "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
+        "share of a typical node with it (core/hardware.py HOST_MEMORY: 256 GiB for an H100, an 8xH100 node's 2 "
+        "TiB over 8), otherwise this machine's free memory")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -170,6 +174,10 @@ class ProfileOptions:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         if self.device is not None:
             object.__setattr__(self, "device", str(self.device))
+        if self.host_memory is not None:
+            parsed = Budget.parse(self.host_memory)
+            if parsed.nbytes is None:
+                raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
         steps = self.accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")

@@ -91,11 +91,11 @@ def _model_optimizer(model: Any, optimizer: Any) -> Any:
 
 
 def _reprofiled(context: KnobContext, **settings: Any) -> Any:
-    from .planning import Planner
-
+    # The planner's own class (``service.planning.Planner``) with the setting changed: the same
+    # profile a plan with that setting would solve on.
     config = replace(context.planner.config, profile=replace(context.planner.config.profile, **settings))
     optimizer = _model_optimizer(context.model, context.optimizer) if context.optimizer is not None else None
-    return Planner(config).profile(context.model, context.step, optimizer)
+    return type(context.planner)(config).profile(context.model, context.step, optimizer)
 
 
 def _offload(context: KnobContext) -> tuple[str, int] | None:

@@ -210,9 +210,10 @@ class Planner:
         if any(o.offloaded for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
-            from ..runtime.targets.offload_link import host_free_bytes
+            from ..runtime.targets.offload_link import host_limit_bytes
 
-            plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
+            plan = solve_within_host(profile, host_limit_bytes(self.config.profile),
+                                     lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
         return replace(plan, requested_budget=self.config.budget.text)
@@ -276,7 +277,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True) -> Plan:
+               repeated_blocks: bool = True, host_memory: int | str | None = None) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -307,7 +308,10 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
-            more host memory than the host has free. ``plan.offloaded`` names those stages.
+            more host memory than ``host_memory``. ``plan.offloaded`` names those stages.
+        host_memory: the host memory offloading may use ("256GB"); by default a fake profile for a
+            named GPU takes that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), any
+            other profile this machine's free memory.
         repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
             False profiles all N. Every argument is described once, in ``ProfileOptions``/``RematConfig``.
 
@@ -338,7 +342,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
-        repeated_blocks=repeated_blocks))
+        repeated_blocks=repeated_blocks, host_memory=host_memory))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).

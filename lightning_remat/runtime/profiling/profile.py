@@ -67,7 +67,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
                  policies: Sequence[str] | None = (), offload: bool = False,
-                 options: ProfileOptions | None = None) -> Profile:
+                 host_memory: int | str | None = None, options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -90,7 +90,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
-            policies, offload: as ``ProfileOptions`` (the one description of each).
+            policies, offload, host_memory: as ``ProfileOptions`` (the one description of each).
         options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
             either as keywords or as ``options``: a keyword set to anything but its default next to
             ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
@@ -123,7 +123,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload)
+        offload=offload, host_memory=host_memory)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
