@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 from .actions import StageAction, check_actions, module_names, nested_in
@@ -183,7 +183,9 @@ class Plan:
     fingerprint: dict[str, Any]
     sharding: dict[str, Any]
     host_bytes: int
-    binding: dict[str, Any] | None
+    # Derived from the profile, as the predicted figures are, but a description of them: a plan
+    # saved before it existed (or sent without it) is the same plan.
+    binding: dict[str, Any] | None = field(compare=False)
 
     def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
                  baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,

@@ -18,7 +18,7 @@ Example:
     >>> planner = Planner(RematConfig("min", cost="flops"))
     >>> plan = planner.decide(net, lambda m: m(x).square().mean())
     >>> sorted(plan_metrics(plan))[:3]
-    ['remat/baseline_peak_bytes', 'remat/budget_bytes', 'remat/num_checkpointed']
+    ['remat/baseline_peak_bytes', 'remat/binds/own_bytes', 'remat/binds/stage']
 """
 
 from __future__ import annotations
