@@ -28,12 +28,14 @@ class StageAction:
         segment: with ``SEGMENT``, every stage of the segment in order, this one among them: items
             of one ``nn.Sequential`` recomputed as one checkpoint.
         offload_limit: with ``OFFLOAD``, the bytes offloaded at most per forward call; None: all.
+        offload_input: with ``RECOMPUTE``, the input each recomputed module's checkpoint keeps goes
+            to host memory, and comes back for its recompute (``runtime.installing.input_offload``).
 
     Example:
         >>> StageAction.recompute("h.0", policy="save_matmuls").modules
         ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
-        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576)
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, offload_input=False)
         >>> StageAction("h.0", "keep", policy="save_matmuls")
         Traceback (most recent call last):
         ...
@@ -46,6 +48,7 @@ class StageAction:
     policy: Policy | None = None
     segment: tuple[str, ...] = ()
     offload_limit: int | None = None
+    offload_input: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str):
@@ -69,6 +72,10 @@ class StageAction:
                                   or limit < 0):
             raise ValueError(f"stage {self.stage!r}: an offload limit is bytes >= 0 of an offloaded stage, got "
                              f"{limit!r} with action {action.value!r}")
+        if self.offload_input not in (True, False) or (self.offload_input and action is not Action.RECOMPUTE):
+            raise ValueError(f"stage {self.stage!r}: only a recomputed stage offloads its checkpoint input, got "
+                             f"offload_input={self.offload_input!r} with action {action.value!r}")
+        object.__setattr__(self, "offload_input", bool(self.offload_input))
         object.__setattr__(self, "action", action)
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "segment", segment)
@@ -81,8 +88,9 @@ class StageAction:
         return cls(stage, Action.KEEP)
 
     @classmethod
-    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None) -> "StageAction":
-        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None)
+    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
+                  offload_input: bool = False) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input)
 
     @classmethod
     def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":
@@ -93,10 +101,12 @@ class StageAction:
         return cls(stage, Action.OFFLOAD, offload_limit=limit or None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain strings, lists and ints (JSON, and checkpoints that load without this package)."""
-        return {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
+        """Plain strings, lists and ints (JSON, and checkpoints that load without this package);
+        ``offload_input`` only where it is set, so that plans without it read as before."""
+        data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
+        return {**data, "offload_input": True} if self.offload_input else data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
@@ -104,7 +114,7 @@ class StageAction:
             raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
         return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
                    policy=data.get("policy"), segment=data.get("segment") or (),
-                   offload_limit=data.get("offload_limit"))
+                   offload_limit=data.get("offload_limit"), offload_input=data.get("offload_input", False))
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:

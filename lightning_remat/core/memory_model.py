@@ -62,6 +62,9 @@ class StageOption:
     # "offload:hidden": only this many bytes per forward call go out (what the host link moves
     # while the next stage computes); 0: everything.
     offload_limit: int = 0
+    # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
+    # ``host_bytes`` is that input.
+    input_offloaded: bool = False
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline

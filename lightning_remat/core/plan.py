@@ -151,7 +151,7 @@ class Plan:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
-        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None),))
+        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, offload_input=False),))
         >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
@@ -255,6 +255,11 @@ class Plan:
         """Per offloaded module with a limit, the bytes it offloads at most per forward call."""
         return {a.stage: a.offload_limit for a in self.actions
                 if a.action is Action.OFFLOAD and a.offload_limit is not None}
+
+    @property
+    def offloaded_inputs(self) -> list[str]:
+        """Recomputed modules whose checkpoint input goes to host memory (``StageAction.offload_input``)."""
+        return [m for a in self.actions if a.action is Action.RECOMPUTE and a.offload_input for m in a.modules]
 
     @property
     def stages(self) -> tuple[str, ...]:

@@ -102,6 +102,10 @@ def plan_lines(plan: Any) -> list[str]:
     if offloaded:
         lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
                      f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
+    inputs = getattr(plan, "offloaded_inputs", [])
+    if inputs:
+        lines.append(f"  recomputed with their checkpoint input in host memory (copied out in forward, back for the "
+                     f"recompute): {len(inputs)} module(s)")
     if plan.predicted_peak_bytes is not None and plan.sharding:
         lines.append(sharded_memory_line(plan))
     elif plan.predicted_peak_bytes is not None:

@@ -56,7 +56,7 @@ def _does(option: StageOption, action: StageAction) -> bool:
         return not option.checkpointed and not option.offloaded
     if action.action is Action.RECOMPUTE:
         return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
-                and not option.offloaded)
+                and not option.offloaded and option.input_offloaded == action.offload_input)
     if action.action is Action.OFFLOAD:
         return bool(option.offloaded) and not option.checkpointed and (option.offload_limit or None) == action.offload_limit
     return False
@@ -142,7 +142,8 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
         elif option.offloaded:
             actions.append(StageAction.offload(stage.name, option.offload_limit or None))
         elif option.checkpointed:
-            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None))
+            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
+                                                 offload_input=option.input_offloaded))
         else:
             actions.append(StageAction.keep(stage.name))
     return tuple(actions)

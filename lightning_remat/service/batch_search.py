@@ -152,7 +152,7 @@ class BatchSearch:
 
     def _solve(self, profile: Profile, budget: int) -> Plan:
         """``solve``; with offload options, within the host's free memory (as ``Planner.solve_profile``)."""
-        if not any(o.offloaded for s in profile.stages for o in s.options):
+        if not any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             return solve(profile, budget, cost=self.cost)
         from ..core.offload_model import solve_within_host
         from ..runtime.targets.offload_link import host_limit_bytes

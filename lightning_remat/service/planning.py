@@ -207,7 +207,7 @@ class Planner:
         """The least-cost plan within the budget for ``profile``."""
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        if any(o.offloaded for s in profile.stages for o in s.options):
+        if any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
             from ..runtime.targets.offload_link import host_limit_bytes

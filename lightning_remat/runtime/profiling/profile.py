@@ -34,7 +34,7 @@ from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile
-from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
+from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, uncompiled
@@ -263,6 +263,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+            # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
         groups = span_groups(model, step, observed.order, replay)
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
