@@ -374,7 +374,7 @@ def test_checkpoint_input_offload_is_planned_held_and_predicted():
     """On fake tensors for an H100 (MemTracker counts the device; the host copies are metadata): the
     option "whole+offload-input" stores nearly nothing where "whole" stores the layer's input, its
     least peak is below recomputation alone, and a plan at a budget recomputation alone cannot meet
-    is held by the measured step and predicted within 2%."""
+    is held by the measured step and predicted within 1% (never below it)."""
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.offload_model import without_offload
     from lightning_remat.core.solve import least_peak, solve
@@ -413,5 +413,6 @@ def test_checkpoint_input_offload_is_planned_held_and_predicted():
             del loss
         peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
         remove_remat(fake)
-    assert peak <= budget and 0.98 * plan.predicted_peak_bytes <= peak <= 1.02 * plan.predicted_peak_bytes, (
+    # Never below the measured peak, and within 1% above it (0.03% here: 173.93 MB predicted, 173.88 measured).
+    assert peak <= plan.predicted_peak_bytes <= budget and plan.predicted_peak_bytes <= 1.01 * peak, (
         peak, plan.predicted_peak_bytes, budget)
