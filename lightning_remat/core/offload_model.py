@@ -152,6 +152,9 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
                              f"host's memory fits ({error.args[0].split(':')[0]}). Free host memory, raise the "
                              "budget, or reduce the batch") from None
         if plan.host_bytes <= host_free:
+            if withdrawn and plan.binding is not None:
+                # What binds is then also the host's memory: said with the plan (``core.binding``).
+                plan = replace(plan, binding={**plan.binding, "host_limit_bytes": int(host_free)})
             return plan
         first_host = first_host if first_host is not None else plan.host_bytes
         moved = {*plan.offloaded, *plan.offloaded_inputs}
