@@ -93,6 +93,10 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
     if not optimizers:
         return OptimizerStepCost()
     mode = new_fake_mode()
+    if setting:
+        # A kernel without a fake implementation (fused SGD) would run for real on zeros, the
+        # size of every parameter: refused instead, so that setting is not measured.
+        mode.allow_fallback_kernels = False
     fakes: dict[int, torch.Tensor] = {}
     for p in (p for o in optimizers for group in o.param_groups for p in group["params"]):
         if id(p) not in fakes:
