@@ -109,6 +109,11 @@ def test_cli_json_names_what_binds(capsys, tmp_path):
     assert result["binding"] == result["plan"]["binding"]
     assert result["binding"]["term"] in ("stage", "head and loss", "embeddings", "between stages", "optimizer step")
     assert result["binding"]["peak_bytes"] == result["plan"]["predicted_peak_bytes"]
+    # A budget no plan meets: the error's knobs (each lowering the least peak) are in the JSON too.
+    code = main(["plan", f"{path}:tiny", "--budget", "100kB", "--cost", "flops", "--json", "--no-plots"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and isinstance(result["knobs"], list)
+    assert all(k["peak_bytes"] is None or k["peak_bytes"] < result["smallest_peak_bytes"] for k in result["knobs"])
 
 
 def test_a_plan_limited_by_host_memory_says_so():
