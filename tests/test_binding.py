@@ -2,6 +2,7 @@
 advice; the knobs of a BudgetTooSmallError (service/knobs.py), each equal to planning with it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,7 +92,13 @@ def test_budget_too_small_names_each_knob_with_the_peak_planning_with_it_gives(p
     assert {"fused optimizer", "optimizer without foreach"} <= set(knobs), error.knobs
     assert knobs["fused optimizer"]["fits"] and knobs["fused optimizer"]["peak_bytes"] == planned["fused=True"]
     assert knobs["optimizer without foreach"]["peak_bytes"] == planned["foreach=False"]
-    assert "Knobs, each predicted: fused optimizer (AdamW(fused=True)) reaches" in str(error)
+    assert "fused optimizer (AdamW(fused=True)) reaches" in str(error)
+    # More GPUs: the per-GPU least peak of planning that model sharded over that many (FSDP2, fake).
+    assert "more GPUs (FSDP2)" in knobs, error.knobs
+    world_size = int(re.search(r"world_size=(\d+)", knobs["more GPUs (FSDP2)"]["setting"]).group(1))
+    sharded = plan_remat(model, step, "min", optimizer=torch.optim.AdamW(model.parameters()), world_size=world_size,
+                         **_FAKE)
+    assert knobs["more GPUs (FSDP2)"]["peak_bytes"] == sharded.predicted_peak_bytes
     assert all(k["peak_bytes"] is None or k["peak_bytes"] < least for k in error.knobs)  # each lowers the peak
 
 
