@@ -32,12 +32,14 @@ class StageAction:
         chunks: with ``CHUNK`` (the stage is a causal LM's head with its loss), the number of
             sequence chunks the projection and the cross-entropy run over, each recomputed in backward
             (``runtime.installing.chunked_loss``).
+        offload_input: with ``RECOMPUTE``, the input each recomputed module's checkpoint keeps goes
+            to host memory, and comes back for its recompute (``runtime.installing.input_offload``).
 
     Example:
         >>> StageAction.recompute("h.0", policy="save_matmuls").modules
         ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
-        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None)
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None, offload_input=False)
         >>> StageAction.chunk("lm_head", 8).chunks
         8
         >>> StageAction("h.0", "keep", policy="save_matmuls")
@@ -53,6 +55,7 @@ class StageAction:
     segment: tuple[str, ...] = ()
     offload_limit: int | None = None
     chunks: int | None = None
+    offload_input: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str):
@@ -81,6 +84,10 @@ class StageAction:
                              f"{self.chunks!r} with action {action.value!r}")
         if self.chunks is not None:
             check_chunks(self.chunks)
+        if self.offload_input not in (True, False) or (self.offload_input and action is not Action.RECOMPUTE):
+            raise ValueError(f"stage {self.stage!r}: only a recomputed stage offloads its checkpoint input, got "
+                             f"offload_input={self.offload_input!r} with action {action.value!r}")
+        object.__setattr__(self, "offload_input", bool(self.offload_input))
         object.__setattr__(self, "action", action)
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "segment", segment)
@@ -93,8 +100,9 @@ class StageAction:
         return cls(stage, Action.KEEP)
 
     @classmethod
-    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None) -> "StageAction":
-        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None)
+    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
+                  offload_input: bool = False) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input)
 
     @classmethod
     def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":
@@ -109,12 +117,16 @@ class StageAction:
         return cls(stage, Action.CHUNK, chunks=chunks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain strings, lists and ints (JSON, and checkpoints that load without this package)."""
+        """Plain strings, lists and ints (JSON, and checkpoints that load without this package);
+        ``chunks`` and ``offload_input`` only where they are set, so that plans without them read as before."""
         data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
-        # Written only where it says something, so that the dicts of other actions stay as they were.
-        return {**data, "chunks": self.chunks} if self.chunks is not None else data
+        if self.chunks is not None:
+            data["chunks"] = self.chunks
+        if self.offload_input:
+            data["offload_input"] = True
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
@@ -122,7 +134,8 @@ class StageAction:
             raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
         return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
                    policy=data.get("policy"), segment=data.get("segment") or (),
-                   offload_limit=data.get("offload_limit"), chunks=data.get("chunks"))
+                   offload_limit=data.get("offload_limit"), chunks=data.get("chunks"),
+                   offload_input=data.get("offload_input", False))
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:

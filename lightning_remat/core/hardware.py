@@ -80,6 +80,26 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 )})
 
 
+# Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
+# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
+# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
+# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
+HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
+    ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
+    ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
+    ("rtx3090", 64), ("mi300x", 256))})
+
+
+def host_memory(name: str) -> int:
+    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes.
+
+    Example:
+        >>> host_memory("H100") // 2**30
+        256
+    """
+    return HOST_MEMORY[gpu(name).name]
+
+
 def gpu(name: str) -> GpuSpec:
     """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie").
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 from .actions import StageAction, check_actions, module_names, nested_in
@@ -137,6 +137,9 @@ class Plan:
         sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
             empty on one device.
         host_bytes: host memory the offloaded stages take.
+        binding: what binds the predicted peak (``core.binding.Binding.to_dict()``: the term, its
+            bytes split into static memory, stored activations and its own; the optimizer settings
+            that would lower it when the optimizer step binds); None when not predicted.
 
     Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
     alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
@@ -151,7 +154,7 @@ class Plan:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
-        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None),))
+        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None, offload_input=False),))
         >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
@@ -183,6 +186,9 @@ class Plan:
     fingerprint: dict[str, Any]
     sharding: dict[str, Any]
     host_bytes: int
+    # Derived from the profile, as the predicted figures are, but a description of them: a plan
+    # saved before it existed (or sent without it) is the same plan.
+    binding: dict[str, Any] | None = field(compare=False)
 
     def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
                  baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
@@ -193,7 +199,7 @@ class Plan:
                  sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
                  policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
                  host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
-                 actions: Iterable[StageAction] | None = None) -> None:
+                 actions: Iterable[StageAction] | None = None, binding: Mapping[str, Any] | None = None) -> None:
         choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
         named = {k: v for k, v in (("checkpointed", checkpointed), ("segments", segments), ("policies", policies),
                                    ("offloaded", offloaded), ("offload_limits", offload_limits)) if v is not None}
@@ -219,7 +225,8 @@ class Plan:
             cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
             parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
             optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
-            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes))
+            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes),
+            binding=copy.deepcopy(dict(binding)) if binding is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -257,6 +264,11 @@ class Plan:
         """Per causal LM head computed with its loss over sequence chunks, the number of chunks
         (``chunk_loss=True``; ``docs/long_context.md``)."""
         return {a.stage: a.chunks for a in self.actions if a.action is Action.CHUNK and a.chunks is not None}
+
+    @property
+    def offloaded_inputs(self) -> list[str]:
+        """Recomputed modules whose checkpoint input goes to host memory (``StageAction.offload_input``)."""
+        return [m for a in self.actions if a.action is Action.RECOMPUTE and a.offload_input for m in a.modules]
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -308,7 +320,7 @@ class Plan:
                 value = [asdict(c) for c in value]
             elif f.name in ("notes",):
                 value = list(value)
-            elif f.name in ("fingerprint", "sharding"):
+            elif f.name in ("fingerprint", "sharding", "binding"):
                 value = copy.deepcopy(value)
             elif f.name == "cost_kind":
                 value = value.value

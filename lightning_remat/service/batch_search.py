@@ -155,14 +155,14 @@ class BatchSearch:
 
     def _solve(self, profile: Profile, budget: int) -> Plan:
         """``solve``; with offload options, within the host's free memory (as ``Planner.solve_profile``)."""
-        if not any(o.offloaded for s in profile.stages for o in s.options):
+        if not any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             return solve(profile, budget, cost=self.cost)
         from ..core.offload_model import solve_within_host
-        from ..runtime.targets.offload_link import host_free_bytes
+        from ..runtime.targets.offload_link import host_limit_bytes
 
         if self.host_free is None:
             # Read once per search: the same limit for every batch size (and the plans stay cached).
-            self.host_free = host_free_bytes()
+            self.host_free = host_limit_bytes(self.config.profile)
         return solve_within_host(profile, self.host_free, lambda p: solve(p, budget, cost=self.cost))
 
     def _note_host_limit(self, batch_size: int, error: Exception) -> None:

@@ -18,7 +18,7 @@ Example:
     >>> planner = Planner(RematConfig("min", cost="flops"))
     >>> plan = planner.decide(net, lambda m: m(x).square().mean())
     >>> sorted(plan_metrics(plan))[:3]
-    ['remat/baseline_peak_bytes', 'remat/budget_bytes', 'remat/num_checkpointed']
+    ['remat/baseline_peak_bytes', 'remat/binds/own_bytes', 'remat/binds/stage']
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     metrics.update({name: value for name, value in figures.items() if value is not None})
     if plan.offloaded:
         metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
+    if plan.binding:
+        # What binds, as loggers take it (numbers): a 1 under the term's name, and its bytes split.
+        binding = plan.binding
+        metrics[f"binds/{binding['term'].replace(' ', '_')}"] = 1
+        metrics.update({f"binds/{part}_bytes": binding[f"{part}_bytes"] for part in ("static", "stored", "own")})
+        metrics.update({f"binds/optimizer_{setting.replace('=', '_').lower()}_peak_bytes": peak
+                        for setting, peak in (binding.get("advice") or {}).items()})
     if measured_peak_bytes is not None:
         metrics["measured_peak_bytes"] = measured_peak_bytes
     return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
@@ -197,8 +204,22 @@ class Planner:
 
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
-        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
-        return self.solve_profile(model, self.profile(model, step, optimizer, adjust=adjust, warmup=warmup))
+        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first);
+        a ``BudgetTooSmallError`` names the knobs that would reach it (``solve_or_advise``)."""
+        return self.solve_or_advise(model, step, optimizer, self.profile(model, step, optimizer, adjust=adjust,
+                                                                         warmup=warmup))
+
+    def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
+        """``solve_profile``; when no plan fits, its ``BudgetTooSmallError`` with each knob that
+        lowers the least peak and the peak it gives, predicted (``service.knobs``)."""
+        try:
+            return self.solve_profile(model, profile)
+        except BudgetTooSmallError as error:
+            failed = error
+        from .knobs import KnobContext, advise
+
+        budget = self.config.budget_bytes(model_device(model))
+        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(budget)))
 
     def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
@@ -226,12 +247,13 @@ class Planner:
         """The least-cost plan within the budget for ``profile``."""
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        if any(o.offloaded for s in profile.stages for o in s.options):
+        if any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
-            from ..runtime.targets.offload_link import host_free_bytes
+            from ..runtime.targets.offload_link import host_limit_bytes
 
-            plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
+            plan = solve_within_host(profile, host_limit_bytes(self.config.profile),
+                                     lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
         notes = plan.notes
@@ -301,7 +323,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True, chunk_loss: bool = False, verbose: bool = True) -> Plan:
+               repeated_blocks: bool = True, chunk_loss: bool = False, host_memory: int | str | None = None,
+               verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -332,7 +355,10 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
-            more host memory than the host has free. ``plan.offloaded`` names those stages.
+            more host memory than ``host_memory``. ``plan.offloaded`` names those stages.
+        host_memory: the host memory offloading may use ("256GB"); by default a fake profile for a
+            named GPU takes that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), any
+            other profile this machine's free memory.
         repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
             False profiles all N.
         chunk_loss: a causal LM's head and loss are a stage too, whole or over 2-32 sequence chunks
@@ -369,7 +395,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
-        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss))
+        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss, host_memory=host_memory))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).

@@ -8,6 +8,8 @@ attribute that composes them, as torch composes a checkpoint's ``context_fn`` wi
   RNG state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute;
 - op-level policy: the checkpoint's ``context_fn`` is the policy's pair of contexts (``sac.py``), and
   nothing else, so it is the same eagerly and under ``torch.compile``;
+- checkpoint input to the host: a recomputed module's checkpoint keeps a host copy of its input
+  (``input_offload.py``);
 - offload: the call runs under ``saved_tensors_hooks`` that send what it saves to host memory
   (``offloader.py``), outside the checkpoint;
 - chunked loss: a causal LM hands its labels to its head, whose forward returns the loss computed
@@ -53,6 +55,7 @@ from ...core.plan import Plan
 from ...core.vocabulary import Action
 from . import chunked_loss, sac
 from .compiled import uncompiled
+from .input_offload import InputOffload, checkpointed_with_host_input
 from .offloader import Offloader, offloaded_call, release_after_next
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
 
@@ -75,6 +78,7 @@ class _Record:
     release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
     chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
     route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
+    input_offload: tuple[InputOffload, str] | None = None  # with recompute: its checkpoint input on the host
 
     def empty(self) -> bool:
         return not self.recompute and self.offload is None and not self.chunks and self.route is None
@@ -149,6 +153,10 @@ def _recomputed_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return record.original(*args, **kwargs)
     # An op-level policy is the whole context_fn (BatchNorm statistics are restored above).
     extra = {"context_fn": sac.context_fn(record.policy)} if record.policy else {}
+    if record.input_offload is not None:
+        offload, name = record.input_offload
+        return checkpointed_with_host_input(offload, name, functools.partial(_run_original, module), args, kwargs,
+                                            dict(preserve_rng_state=True, **extra))
     return checkpoint(functools.partial(_run_original, module), *args, use_reentrant=False, preserve_rng_state=True,
                       **extra, **kwargs)
 
@@ -291,7 +299,7 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
         uninstall(plain)
         try:
             _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
-                     plan.offload_limits, plan.stage_order if order is None else order, measure)
+                     plan.offload_limits, plan.stage_order if order is None else order, measure, plan.offloaded_inputs)
             _install_chunks(modules, plan.chunked_loss)
         except BaseException:
             restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
@@ -308,10 +316,13 @@ def _install_chunks(modules: dict[str, nn.Module], chunks: dict[str, int]) -> No
 
 def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
              segments: Sequence[Sequence[str]], offload: Sequence[str], limits: dict[str, int],
-             order: Sequence[str] | None, measure: bool) -> None:
+             order: Sequence[str] | None, measure: bool, offload_inputs: Sequence[str] = ()) -> None:
     for name in recompute:
         record = _record(modules[name])
         record.recompute, record.policy = True, sac.check_policy(policies[name]) if name in policies else ""
+    inputs = InputOffload(measure=measure)  # one per model: its host_bytes say what went, per module
+    for name in offload_inputs:
+        modules[name].__dict__[_RECORD].input_offload = (inputs, name)
     _install_segments(modules, segments)
     if offload:
         install_offload(plain, offload, order=order, measure=measure,
@@ -327,7 +338,7 @@ def uninstall(model: nn.Module) -> nn.Module:
         for module in plain.modules():
             record = module.__dict__.get(_RECORD)
             if record is not None:
-                record.recompute, record.policy, record.chunks, record.route = False, "", 0, None
+                record.recompute, record.policy, record.chunks, record.route, record.input_offload = False, "", 0, None, None
                 _settle(module)
     return model
 
@@ -353,6 +364,13 @@ def offloaded(model: nn.Module) -> list[str]:
             if _RECORD in m.__dict__ and m.__dict__[_RECORD].offload is not None]
 
 
+def input_offload_of(model: nn.Module) -> tuple[list[str], InputOffload | None]:
+    """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
+    found = [(name, m.__dict__[_RECORD].input_offload) for name, m in model.named_modules()
+             if _RECORD in m.__dict__ and m.__dict__[_RECORD].input_offload is not None]
+    return [name for name, _ in found], (found[0][1][0] if found else None)
+
+
 def offloader_of(model: nn.Module) -> Offloader | None:
     """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
     for m in model.modules():
@@ -373,16 +391,20 @@ class Installation:
     order: tuple[str, ...] | None = None
     measure: bool = False
     chunks: dict[str, int] = field(default_factory=dict)
+    offload_inputs: list[str] = field(default_factory=list)
+    inputs_measure: bool = False
 
 
 def snapshot(model: nn.Module) -> Installation:
     """What is installed on ``model`` now (names of the uncompiled model)."""
     with uncompiled(model) as plain:
         offloader = offloader_of(plain)
+        inputs, offload = input_offload_of(plain)
         return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
                             limits=dict(offloader.limits) if offloader else {},
                             order=offloader.order if offloader else None,
                             measure=bool(offloader and offloader.measure),
+                            offload_inputs=inputs, inputs_measure=bool(offload and offload.measure),
                             chunks={n: m.__dict__[_RECORD].chunks for n, m in plain.named_modules()
                                     if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks})
 
@@ -393,6 +415,6 @@ def restore(model: nn.Module, installation: Installation) -> nn.Module:
         uninstall(plain)
         _install(plain, dict(plain.named_modules()), {k: v for k, v in installation.recompute.items() if v},
                  list(installation.recompute), installation.segments, installation.offloaded, installation.limits,
-                 installation.order, installation.measure)
+                 installation.order, installation.measure or installation.inputs_measure, installation.offload_inputs)
         _install_chunks(dict(plain.named_modules()), installation.chunks)
     return model

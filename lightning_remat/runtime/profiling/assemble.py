@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-from ...core.offload_model import OFFLOAD_HIDDEN, is_offload
+from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
@@ -35,8 +35,10 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
                 policy=sac.policy_of(option), cost_roofline=roofline,
                 offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int((runs[option].host_bytes or {}).get(name, 0)) if is_offload(option) else 0,
-                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0))
+                host_bytes=int((runs[option].host_bytes or {}).get(name, 0))
+                if is_offload(option) or option == OFFLOAD_INPUT else 0,
+                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
+                input_offloaded=option == OFFLOAD_INPUT))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),

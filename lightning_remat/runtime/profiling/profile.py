@@ -34,7 +34,7 @@ from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile
-from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
+from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
@@ -54,7 +54,7 @@ from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
 from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
-from .optimizer_step import optimizer_step_cost
+from .optimizer_step import optimizer_step_alternatives, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
@@ -72,7 +72,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
                  policies: Sequence[str] | None = (), offload: bool = False, chunk_loss: bool = False,
-                 options: ProfileOptions | None = None) -> Profile:
+                 host_memory: int | str | None = None, options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -95,7 +95,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
-            policies, offload, chunk_loss: as ``ProfileOptions`` (the one description of each).
+            policies, offload, chunk_loss, host_memory: as ``ProfileOptions`` (the one description of each).
         options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
             either as keywords or as ``options``: a keyword set to anything but its default next to
             ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
@@ -128,7 +128,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload, chunk_loss=chunk_loss)
+        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
@@ -146,7 +146,10 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     compiled = runs_compiled(model)
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
-            return _profile(model, step, optimizer, options, timed=True, compiled=compiled)
+            profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(
+                optimizer, options.device or model_device(model))
+            return profile
         return _fake_profile(model, step, optimizer, options, compiled)
 
 
@@ -213,6 +216,10 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if sharded:
         profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
         precision_note = sharding_note(profile.sharding)
+    else:
+        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies').
+        with mode:
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(optimizer, options.device or "cpu")
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
@@ -270,6 +277,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+            # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
