@@ -10,8 +10,8 @@ what peak it gives, and ``error.knobs`` holds them as dicts. A knob is one entry
 - ``offload=True``: a re-profile with offloading offered (an accelerator target only);
 - more GPUs with FSDP2: a fake re-profile sharded over the least world size estimated to fit
   (``core.sharding.smallest_world_size``), and twice that if it does not;
-- chunked loss (``chunk_loss=True``): an extension point, left out until the head and loss can be
-  planned in chunks (issue 24); adding it is one entry with its ``evaluate``.
+- chunked loss (``chunk_loss=True``, a causal LM's head and loss planned over sequence chunks): a
+  re-profile with it on, where the model has such a head (``runtime.installing.chunked_loss``).
 
 Example:
     >>> [k.name for k in KNOBS]
@@ -128,12 +128,20 @@ def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
     return f"fake=True, world_size={size} (FSDP2, per GPU)", peak
 
 
+def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
+    from ..runtime.installing.chunked_loss import find_head_loss
+
+    if context.planner.config.profile.chunk_loss or find_head_loss(context.model) is None:
+        return None
+    return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
+
+
 KNOBS: tuple[Knob, ...] = (
     Knob("fused optimizer", _optimizer("fused=True")),
     Knob("optimizer without foreach", _optimizer("foreach=False")),
     Knob("offload", _offload),
     Knob("more GPUs (FSDP2)", _more_gpus),
-    Knob("chunked loss", None),  # extension point: chunk_loss=True, the head and loss planned in chunks
+    Knob("chunked loss", _chunked_loss),
 )
 
 
