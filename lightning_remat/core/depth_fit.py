@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from .depth_lines import DEPTHS, Fit, NoFit, Pair, pair_figures
+from .shared_held import without_shared
 from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
 
@@ -82,6 +83,9 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
         (True, True, 121)
     """
     a, b = DEPTHS
+    # Inputs several layers hold are counted in every holder, as the additive model does: what
+    # counts them once is read from figures the ballast changes (core.shared_held).
+    forward, backward = tuple(map(without_shared, forward)), tuple(map(without_shared, backward))
     for p, q, n in zip(forward, backward, DEPTHS):
         if [s.name for s in p.stages] != [f"{prefix}.{i}" for i in range(n)] or not _same(_skeleton(p), _skeleton(q)):
             return None

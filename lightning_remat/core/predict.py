@@ -4,7 +4,7 @@ its solvers return.
 
 Each action names what happens to a stage; the predictor finds the profile's option that does
 that (keep; recompute these modules under this policy; offload up to this limit) and the spans of
-the segments, and prices them with the memory model (``core.spans.predict_peak_spans``,
+the segments, and prices them with the memory model (``core.shared_held.exact_peak``,
 ``plan_cost_spans``). ``actions_of`` is the other direction: the actions of option indices and
 spans, which is what the exact solver finds.
 
@@ -28,7 +28,8 @@ from typing import Sequence
 
 from .memory_model import Profile, StageOption, StageProfile
 from .actions import StageAction
-from .spans import plan_cost_spans, predict_peak_spans
+from .shared_held import exact_peak
+from .spans import plan_cost_spans
 from .vocabulary import Action, CostKind
 
 
@@ -116,7 +117,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     extra = plan_cost_spans(profile, choices, kind, spans)
     baseline = profile.baseline_cost(kind)
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
-    return Prediction(peak_bytes=int(predict_peak_spans(profile, choices, spans)), cost=float(extra),
+    return Prediction(peak_bytes=int(exact_peak(profile, choices, spans)), cost=float(extra),
                       overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host))
 
 
