@@ -8,7 +8,9 @@ shapes (dropout off: compiled and eager dropout draw different numbers):
 - eager, no recomputation; compiled with the default partitioner (budget 1.0);
 - compiled with budgets 0.5, 0.2 and 0.05;
 - our plans (solved on the eager profile, ``cost="flops"``, at static + 70/50/30% of activations),
-  applied and then compiled: the way to use both together.
+  applied and then compiled: the way to use both together;
+- the same with op-level policies (``--policies``, ``cost="roofline"``): each policy's decisions
+  reach the compiled graph as MUST_SAVE / MUST_RECOMPUTE tags, which the partitioner keeps.
 
 What is measured: the bytes the step saves for backward (distinct storages handed to autograd's
 saved-tensor hooks during the forward, parameters left out), and the median wall-clock of a forward
@@ -47,6 +49,9 @@ from lightning_remat.models import build  # noqa: E402
 
 COMPILE_BUDGETS = (0.5, 0.2, 0.05)
 FRACTIONS = (0.7, 0.5, 0.3)
+# Op-level policies for the rows that give the compiled graph our decisions per op (MUST_SAVE /
+# MUST_RECOMPUTE tags, which the partitioner keeps), solved by the roofline cost.
+POLICIES = ("save_matmuls", "save_attention")
 
 
 def saved_bytes(model, step) -> int:
@@ -77,7 +82,7 @@ def median_seconds(model, step, rounds: int) -> float:
     return statistics.median(times)
 
 
-def run(name: str, rounds: int) -> dict:
+def run(name: str, rounds: int, policies: tuple[str, ...] = ()) -> dict:
     case = build(name, seed=0)
     for module in case.model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -108,6 +113,17 @@ def run(name: str, rounds: int) -> dict:
         torch._dynamo.reset()
         measure(f"AutoRemat {fraction:.0%} ({len(plan.checkpointed)} modules, +{plan.predicted_overhead:.1%} FLOPs), "
                 "compiled", torch.compile(model), True)
+    if policies:
+        profiled = copy.deepcopy(case.model)
+        profile = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4),
+                               policies=policies)
+        for fraction in FRACTIONS:
+            plan = solve(profile, int(profile.static_bytes + fraction * profile.baseline_activation_bytes), cost="roofline")
+            model = apply_plan(copy.deepcopy(case.model), plan)
+            torch._dynamo.reset()
+            measure(f"AutoRemat {fraction:.0%} with policies ({len(plan.policies)} under a policy, "
+                    f"{len(plan.checkpointed)} modules, +{plan.predicted_overhead:.1%} roofline), compiled",
+                    torch.compile(model), True)
     base = rows[0]
     for row in rows:
         row["saved_fraction"] = row["saved_bytes"] / base["saved_bytes"]
@@ -130,8 +146,10 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES),
+                        help="op-level policies for the rows with policies (none: leave them out)")
     args = parser.parse_args(argv)
-    results = [run(name, args.rounds) for name in args.models]
+    results = [run(name, args.rounds, tuple(args.policies)) for name in args.models]
     write_results(args.out, "compile_budget", results, table(results))
 
 if __name__ == "__main__":

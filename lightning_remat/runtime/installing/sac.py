@@ -120,7 +120,10 @@ def _contexts(policy: str) -> tuple[Any, Any]:
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         save = decide(func, "recompute" if ctx.is_recompute else "forward")
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        # Decisions, not preferences: under torch.compile the partitioner keeps MUST_* tags as they
+        # are, where a PREFER_* one is its to override (torch 2.13 happens to keep both); eagerly
+        # the two are alike. The plan priced these ops as recomputed.
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy_fn)
 
