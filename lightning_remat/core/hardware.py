@@ -22,6 +22,17 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
+# The CPU's ceilings for the roofline cost (``cost="roofline"`` profiled on a CPU): fixed figures,
+# not measured, so the same profile gives the same plan in every process and on every machine.
+# Only their ratio, the ridge point (FLOPs per byte moved above which an op is priced by its FLOPs),
+# changes a plan or its overhead: scaling both scales every cost alike. One core of this project's
+# CI machine (an Intel Xeon), rounded: a float32 384 x 384 matmul ran at 168-205 GFLOP/s and an 8 MiB
+# copy at 28-29 GB/s (read plus written) over fresh processes, a ridge of 5.8-7.4 FLOP/byte; with two
+# threads on its two busy cores both fell about 25-fold and the ridge stayed at 6.3-7.0.
+# docs/selective_checkpointing.md says how much it moves between machines.
+CPU_FLOPS = 200e9
+CPU_MEMORY_BANDWIDTH = 30e9
+
 
 @dataclass(frozen=True)
 class GpuSpec:

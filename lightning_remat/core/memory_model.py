@@ -67,6 +67,12 @@ class StageOption:
     # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
     # ``host_bytes`` is that input.
     input_offloaded: bool = False
+    # Inputs other recomputed stages' checkpoints may hold too (a tensor every layer receives, as
+    # ``position_ids``), as (label, bytes): part of ``stored_bytes``, alive once however many hold
+    # it (``core.shared_held``). And those an earlier stage held in this option's run, which its
+    # ``local_peak_bytes`` counts: a plan holding them before this stage already counts them.
+    shared_held: tuple[tuple[str, int], ...] = ()
+    held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
@@ -116,6 +122,10 @@ class Segment:
     name: str
     stages_alive: int
     peak_bytes: int
+    # How much lower the peak is where the plan already holds the shared inputs ``shared_labels``
+    # before this segment (their bytes then count in the stored bytes once: ``core.shared_held``).
+    shared_saving: int = 0
+    shared_labels: tuple[str, ...] = ()
 
 
 @dataclass
@@ -178,13 +188,20 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
         stages = tuple(
             StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
-                                                           "offloaded": tuple(o.get("offloaded", ()))}) for o in s["options"])})
+                                                           "offloaded": tuple(o.get("offloaded", ())),
+                                                           "shared_held": _pairs(o.get("shared_held", ())),
+                                                           "held_before": _pairs(o.get("held_before", ()))})
+                                              for o in s["options"])})
             for s in data["stages"]
         )
-        segments = tuple(Segment(**s) for s in data["segments"])
+        segments = tuple(Segment(**{**s, "shared_labels": tuple(s.get("shared_labels", ()))}) for s in data["segments"])
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
                       "span_groups": tuple(tuple(g) for g in data.get("span_groups", ())),
                       "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
+
+
+def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((str(label), int(nbytes)) for label, nbytes in items)
 
 
 def without_chunked_loss(profile: Profile) -> Profile:

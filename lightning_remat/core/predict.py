@@ -4,7 +4,7 @@ its solvers return.
 
 Each action names what happens to a stage; the predictor finds the profile's option that does
 that (keep; recompute these modules under this policy; offload up to this limit) and the spans of
-the segments, and prices them with the memory model (``core.spans.predict_peak_spans``,
+the segments, and prices them with the memory model (``core.shared_held.exact_peak``,
 ``plan_cost_spans``). ``actions_of`` is the other direction: the actions of option indices and
 spans, which is what the exact solver finds.
 
@@ -28,6 +28,7 @@ from typing import Sequence
 
 from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
 from .actions import StageAction
+from .shared_held import exact_peak
 from .spans import block_ranges, peak_terms_spans, plan_cost_spans
 from .vocabulary import Action, CostKind
 
@@ -125,8 +126,10 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     extra = plan_cost_spans(profile, choices, kind, spans)
     baseline = profile.baseline_cost(kind)
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
+    # The peak counts an input several recomputed stages' checkpoints hold once (core.shared_held);
+    # the term that binds is read from the same formula's terms, which count it in every holder.
     term = binding_term(peak_terms_spans(profile, choices, spans))
-    return Prediction(peak_bytes=0 if term is None else int(term.bytes), cost=float(extra),
+    return Prediction(peak_bytes=int(exact_peak(profile, choices, spans)), cost=float(extra),
                       overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host), binding=term)
 
 

@@ -24,7 +24,8 @@ from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .spans import block_ranges, span_rows, predict_peak_spans, span_option
+from .shared_held import exact_peak, slack
+from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
@@ -191,7 +192,7 @@ def least_peak(profile: Profile) -> int:
         160
     """
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
-    return predict_peak_spans(profile, choices, spans)
+    return exact_peak(profile, choices, spans)
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
@@ -213,12 +214,31 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
     spans = _span_transitions(profile, cost)
-    if budget == MIN_BUDGET:
-        budget = predict_peak_spans(profile, *_frontier_dp(arrays, None, spans))
+    least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
+    if least is not None:
+        budget = exact_peak(profile, *least)
     found = _frontier_dp(arrays, int(budget), spans)
+    if found is None and slack(profile):
+        found = _counted_once(profile, arrays, spans, int(budget), least)
     if found is None:
         raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
     return Solution(*found)
+
+
+def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
+                  least: tuple | None) -> tuple | None:
+    """A plan within ``budget`` once each input several checkpoints hold is counted once
+    (``core.shared_held``), where the DP's additive model, which counts it per holder, finds none.
+
+    The search is widened by the most the additive model can count too much; the cheapest plan of
+    the wider search is kept if its exact peak is within the budget (every plan that truly fits is
+    in the wider search, so it is then the cheapest that fits), else the plan of least peak if that fits.
+    """
+    wider = _frontier_dp(arrays, budget + slack(profile), spans)
+    if wider is not None and exact_peak(profile, *wider) <= budget:
+        return wider
+    least = least or _frontier_dp(arrays, None, spans)
+    return least if least is not None and exact_peak(profile, *least) <= budget else None
 
 
 def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> list[int]:
@@ -342,5 +362,5 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     found = solve_segmentation(profile, parsed, cost)
-    budget_bytes = predict_peak_spans(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
+    budget_bytes = exact_peak(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
     return plan_from_choices(profile, found.choices, budget_bytes, cost, requested_budget=str(budget), spans=found.spans)

@@ -4,8 +4,8 @@ Per op, ``max(FLOPs / peak FLOP/s, bytes read and written / memory bandwidth)``:
 priced by its FLOPs, an elementwise op or a norm by its memory traffic, which counting FLOPs alone
 calls free. ``OpRecorder`` (a ``TorchDispatchMode``) records each op's FLOPs (torch's
 ``flop_counter`` formulas) and bytes; ``device_peaks`` gives the device's two ceilings: the data
-sheet of a named GPU, or on the CPU a quick measured calibration (one matmul, one large copy,
-once per process).
+sheet of a named GPU, or on the CPU fixed figures (``core.hardware.CPU_FLOPS``), so that a profile
+prices the same in every process; ``measured_cpu_peaks`` measures this CPU's, for comparison.
 
 Example:
     >>> import torch
@@ -77,10 +77,22 @@ def gpu_peaks(name: str) -> Peaks:
     return Peaks(spec.flops(), spec.memory_bandwidth)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_peaks() -> Peaks:
+    """The CPU's ceilings the roofline cost prices with: fixed (``core.hardware.CPU_FLOPS``,
+    ``CPU_MEMORY_BANDWIDTH``). A calibration measured in each process chose different plans for
+    the same profile in two runs of one check; only the ratio of the two matters to a plan.
+
+    Example:
+        >>> cpu_peaks().flops_per_second / cpu_peaks().bytes_per_second   # FLOP per byte: the ridge point
+        6.666666666666667
+    """
+    return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
+
+
+def measured_cpu_peaks() -> Peaks:
     """This CPU's measured ceilings: a float32 matmul's FLOP/s and a large copy's bytes/s (read
-    plus written), the best of a few repeats; measured once per process."""
+    plus written), the best of a few repeats (what ``cpu_peaks``' fixed figures were read from;
+    ``benchmarks/roofline_cpu.py`` prints them)."""
     # A generator of its own: calibrating must not move the global random state training uses.
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
@@ -107,7 +119,7 @@ _matching_gpu = hardware.match_gpu
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     """The ceilings to price a profile for ``device``: a named ``gpu``; a CUDA device here, by its
-    name; the CPU, measured. A CUDA device of unknown name is priced as an H100.
+    name; the CPU, fixed figures (``cpu_peaks``). A CUDA device of unknown name is priced as an H100.
 
     Example:
         >>> device_peaks("cuda", "a100").flops_per_second / 1e12

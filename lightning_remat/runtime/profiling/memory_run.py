@@ -44,6 +44,11 @@ class MemoryRun:
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
     untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
     host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
+    # Inputs several recomputed stages hold (core.shared_held): per stage what it holds, per stage
+    # what an earlier stage held (its figures count them), per segment the same.
+    shared: list[tuple[tuple[str, int], ...]] | None = None
+    held_before: list[tuple[tuple[str, int], ...]] | None = None
+    segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
 
 
 def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
@@ -128,6 +133,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
+        shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
+        segments_held={k: held.held_before(k) for k in segments},
     )
 
 

@@ -47,6 +47,7 @@ from ..measuring.stance import eager_stance
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
 from ..targets.fake_attention import cuda_attention
+from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from ..targets.sharded import sharded_twin, sharding_info, sharding_note
 from .assemble import assemble, gap_figures
@@ -193,6 +194,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
     fake_params = dict(model.named_parameters())
+    moe_notes: list[str] = []
     optimizer = map_optimizers(optimizer, lambda o: clone_optimizer(o, {i: fake_params[n] for i, n in names.items()},
                                                                     mode))
 
@@ -203,7 +205,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             if sharded and optimizer is not None:
                 by_name = dict(twin.named_parameters())
                 optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))
-            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda):
+            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda), \
+                    grouped_mm_in_every_dtype(), fixed_shape_experts(twin, moe_notes):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
@@ -228,7 +231,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
-    profile.notes = (*profile.notes, precision_note)
+    profile.notes = (*profile.notes, precision_note, *dict.fromkeys(moe_notes))
     if options.gpu is None:
         profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
