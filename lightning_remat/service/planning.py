@@ -37,6 +37,7 @@ from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
+from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
@@ -166,6 +167,7 @@ class Planner:
     def __init__(self, config: RematConfig):
         self.config = config
 
+    @exclusive()
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
         """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
@@ -220,6 +222,7 @@ class Planner:
         return solve_recompute_everything(stages, self.config.budget_bytes(model_device(model)), self.config.cost,
                                           self.config.budget.text, note)
 
+    @exclusive()
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
                     lockstep: bool | None = None, is_main: bool = True, broadcast: Callable[[Any], Any] | None = None,

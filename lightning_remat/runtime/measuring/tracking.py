@@ -23,8 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .exclusive import PLANNING_LOCK
 from .stance import hold_eager, release_eager
 
 
@@ -54,6 +57,35 @@ class Tracker(MemTracker):
         (576, 288)
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # MemTracker's module hooks are global: every thread's modules would run them, and a module
+        # of another thread's model would be tracked (its parameters counted here) or break the
+        # module bookkeeping (KeyError). Only the calls under this tracker's dispatch mode count:
+        # this thread's, and autograd's worker threads' for its backward (they inherit the mode).
+        modules = self._mod_tracker
+        pre, post = modules._fw_pre_hook, modules._fw_post_hook
+        modules._fw_pre_hook = lambda *args: pre(*args) if self._watching() else None
+        modules._fw_post_hook = lambda *args: post(*args) if self._watching() else None
+
+    def _watching(self) -> bool:
+        """Whether the running code is under this tracker (not another thread's)."""
+        return any(mode is self for mode in _get_current_dispatch_mode_stack())
+
+    def _register_global_optimizer_hook(self) -> None:
+        # MemTracker's own hooks, for this tracker's optimizer steps only (see __init__).
+        def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._watching():
+                self._in_opt = True
+
+        def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._watching():
+                self._track_optimizer_states(_MemRefType.OPT, optimizer)
+                self._in_opt = False
+
+        self._optimizer_hook_handles = (register_optimizer_step_pre_hook(before),
+                                        register_optimizer_step_post_hook(after))
+
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
         for param in module.parameters():
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
@@ -73,12 +105,16 @@ class Tracker(MemTracker):
 
     # While a tracker is active, compiled code runs eagerly and nothing compiles: dynamo would mark
     # a first call under the tracker's dispatch mode as never to compile (see stance.py).
+    # The global hooks and the patched ``UntypedStorage.resize_`` are one per process: one thread
+    # tracks at a time (exclusive.py's lock, re-entrant, held from enter to exit).
     def __enter__(self) -> "Tracker":
+        PLANNING_LOCK.acquire()
         hold_eager()
         try:
             return super().__enter__()  # type: ignore[return-value]
         except BaseException:
             release_eager()
+            PLANNING_LOCK.release()
             raise
 
     def __exit__(self, *args: Any) -> None:
@@ -86,6 +122,7 @@ class Tracker(MemTracker):
             super().__exit__(*args)
         finally:
             release_eager()
+            PLANNING_LOCK.release()
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         # MemTracker runs this after every operator and, before updating the overall peak, scans
