@@ -8,7 +8,7 @@ each other's modules and storages (a ``KeyError`` in MemTracker, or a wrong plan
 point that runs a measured step holds ``exclusive()``: a process-wide re-entrant lock (one thread
 plans, the others wait; nesting in one thread is free), and on the way out the settings a step may
 change for the whole process (default dtype, deterministic algorithms) or for its thread (grad
-mode) are put back as they were found. What stays shared is in docs/threads.md.
+mode) are put back as they were found. What stays shared is in docs/process.md.
 
 Example:
     >>> import torch
