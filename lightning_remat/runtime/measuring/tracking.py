@@ -118,9 +118,10 @@ class Tracker(MemTracker):
                 continue
             tensors = entry[1]
             held = [t._use_count() for t in tensors]
+            ours = bool(entry[0]) and bool(tensors)  # a work that holds tensors (a barrier holds none)
             entry[0] = []  # the work dies now, or when the worker thread lets go of it
             deadline = time.monotonic() + _WORKER_WAIT_S
-            while all(t._use_count() >= n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
+            while ours and all(t._use_count() >= n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
                 time.sleep(0)
         self._collectives = waiting
 
