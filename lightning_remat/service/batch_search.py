@@ -66,6 +66,10 @@ class BatchSearch:
         self.host_free: int | None = None  # host memory free for offloading (bytes), read when first needed
         self.verbose = True  # the planning service's progress display while a profile runs long
 
+    def step_at(self, batch_size: int) -> Step:
+        """The user's step at ``batch_size`` (``ShardedBatchSearch`` makes it on every rank at once)."""
+        return self.make_step(batch_size)
+
     # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         options = replace(self.config.profile, warmup=warmup)
@@ -76,7 +80,7 @@ class BatchSearch:
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
-                return profiling.profile_step(self.model, self.counter.wrap(self.make_step(batch_size), batch_size),
+                return profiling.profile_step(self.model, self.counter.wrap(self.step_at(batch_size), batch_size),
                                               optimizer=self.optimizer, options=options)
         except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(exception):
@@ -174,7 +178,7 @@ class BatchSearch:
 
     def run_trial(self, batch_size: int, plan: Plan) -> Trial:
         """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""
-        return run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
+        return run_trial(self.model, self.step_at(batch_size), self.optimizer, batch_size, plan.checkpointed,
                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
                          segments=plan.segments, policies=getattr(plan, "policies", None),
                          plan=plan if plan.offloaded else None)

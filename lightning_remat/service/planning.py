@@ -39,6 +39,7 @@ from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.installing.fingerprint import bound
+from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
@@ -202,6 +203,7 @@ class Planner:
         # A progress display while deciding takes longer than a few seconds (rank 0, on a terminal).
         self.verbose = verbose
 
+    @exclusive()
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
         """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first);
@@ -288,6 +290,7 @@ class Planner:
                       f"predicted: {checked}.", UserWarning, stacklevel=3)
         return bound(solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note), model)
 
+    @exclusive()
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
                     lockstep: bool | None = None, is_main: bool = True, broadcast: Callable[[Any], Any] | None = None,

@@ -38,6 +38,7 @@ from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
+from ..measuring.exclusive import exclusive
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
@@ -66,6 +67,7 @@ COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothin
 DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
+@exclusive()
 def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  optimizer: torch.optim.Optimizer | None = None, warmup: int = 1,
                  candidates: CandidateSpec = None, fake: bool = False, dtype: torch.dtype | None = None,
