@@ -240,3 +240,71 @@ def check_actions(actions: Sequence[StageAction]) -> None:
     twice = sorted({s for s in stages if stages.count(s) > 1})
     if twice:
         raise InvalidPlanError(f"a plan has one action per stage; stage(s) {twice} have several")
+
+
+def actions_from_names(checkpointed: Any, segments: Any, policies: Any, offloaded: Any, offload_limits: Any,
+                    stages: Sequence[str]) -> tuple[StageAction, ...]:
+    """The actions of a plan given as names side by side (as plans were before their actions).
+
+    With ``stages`` (a solved plan's stages in execution order, from its choices), every stage
+    gets an action, in that order: the modules recomputed inside it (itself or its children), its
+    segment, its offload, or keep. Without, the recomputed modules, then the segments' stages, then
+    the offloaded modules, each its own stage.
+
+    Example:
+        >>> [(a.stage, a.action.value) for a in actions_from_names(["h.0"], [], {}, [], {}, ["h.0", "h.1"])]
+        [('h.0', 'recompute'), ('h.1', 'keep')]
+    """
+    names = module_names("checkpointed", checkpointed)
+    groups = [module_names("segments", s) for s in module_names_lists(segments)]
+    moved = module_names("offloaded", offloaded)
+    if not isinstance(policies, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in policies.items()):
+        raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    chosen = {n: Policy.check(p) for n, p in policies.items()}
+    limits = {str(k): int(v) for k, v in dict(offload_limits).items()}
+    if not stages:
+        return (*(StageAction.recompute(n, policy=chosen.get(n)) for n in names),
+                *(StageAction.in_segment(s, group) for group in groups for s in group),
+                *(StageAction.offload(n, limits.get(n)) for n in moved))
+    known = set(stages)
+
+    def stage_of(name: str) -> str:
+        owners = [s for s in known if name == s or nested_in(name, s)]
+        return max(owners, key=len) if owners else name
+
+    recomputing: dict[str, list[str]] = {}
+    for name in names:
+        recomputing.setdefault(stage_of(name), []).append(name)
+    actions: list[StageAction] = []
+    # Every stage gets what the names say of it (several actions where they say several things:
+    # ``check_actions`` then says what is wrong), or keep.
+    for stage in dict.fromkeys([*stages, *recomputing, *(s for group in groups for s in group), *moved]):
+        said = len(actions)
+        # One policy per action: modules of a stage under different policies are actions of their own.
+        by_policy: dict[Any, list[str]] = {}
+        for m in recomputing.get(stage, ()):
+            by_policy.setdefault(chosen.get(m), []).append(m)
+        for k, (policy, group) in enumerate(by_policy.items()):
+            actions.append(StageAction.recompute(stage if k == 0 else group[0], group, policy))
+        actions.extend(StageAction.in_segment(stage, group) for group in groups if stage in group)
+        actions.extend(StageAction.offload(stage, limits.get(stage)) for n in moved if n == stage)
+        if len(actions) == said:
+            actions.append(StageAction.keep(stage))
+    return tuple(actions)
+
+
+def module_names_lists(segments: Any) -> list[Any]:
+    """``segments`` as a list (of lists of module names, checked one by one by the caller), refused
+    where it is text or not a collection at all.
+
+    Example:
+        >>> module_names_lists([["0", "1"]])
+        [['0', '1']]
+    """
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
+        raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {segments!r}")
+    return list(segments)
