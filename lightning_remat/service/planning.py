@@ -97,7 +97,6 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     free, _ = torch.cuda.mem_get_info(device)
     available = int(free) + int(torch.cuda.memory_reserved(device))
     if budget > available:
-
         warnings.warn(f"lightning-remat: the budget ({format_bytes(budget)}) is above what {device} has available to "
                       f"this process ({format_bytes(available)}: free memory and this process's cache): the device "
                       "would run out before the budget binds. Lower the budget.", UserWarning, stacklevel=3)

@@ -114,13 +114,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
-    local: list[int | None] = [None] * n
-    segments: dict[int, int] = {}
-    for (kind, k), peak in tracker.segment_peaks.items():
-        if kind in ("fw", "bw"):
-            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
-        else:
-            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+    local, segments = _local_peaks(tracker.segment_peaks, prefix, n)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
@@ -128,7 +122,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     return MemoryRun(
         # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
         # batch already on the device, library workspaces); elsewhere it is the tracker's own.
-        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak,
+        stored=stored, local=local, segments=segments, peak=peak,
         untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
@@ -136,6 +130,19 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
         segments_held={k: held.held_before(k) for k in segments},
     )
+
+
+def _local_peaks(segment_peaks: dict, prefix: list[int], n: int) -> tuple[list[int], dict[int, int]]:
+    """Each stage's local peak (its forward's and backward's, over what the stages before it store)
+    and each gap's segment peak, from the tracker's peaks per (kind, index)."""
+    local: list[int | None] = [None] * n
+    segments: dict[int, int] = {}
+    for (kind, k), peak in segment_peaks.items():
+        if kind in ("fw", "bw"):
+            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
+        else:
+            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+    return [0 if v is None else v for v in local], segments
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
