@@ -10,13 +10,16 @@ compiled and eager dropout draw different numbers):
 - compiled with budgets 0.5 and 0.2 (``--compile-budgets``);
 - our plans applied and then compiled, solved on the profile of the compiled model (recomputed
   pointwise ops priced as fused, ``cost="roofline"``, every policy offered), at the peak torch's
-  budget measured (the budget is that peak: equal peak), and at our least peak.
+  budget measured (the budget is that peak: equal peak), and at our least peak;
+- the same with ``chunk_loss=True`` (``docs/long_context.md``): the LM head and the cross-entropy
+  a stage of the plan, computed over sequence chunks each recomputed in backward, so the loss's
+  float32 log-softmax output is no longer kept outside our stages (``--no-chunk-loss``: without).
 
 What is measured, each on the same compiled step: the bytes the step saves for backward (distinct
 storages handed to autograd's saved-tensor hooks during the forward, parameters left out); the
 peak of a forward and backward from torch.profiler's allocator events (``tests/torch_meter.TorchPeak``:
 the parameters alive at its start plus the largest running sum of allocations); the median
-wall-clock of a forward and backward. "x torch" is our saved bytes over those of the budget whose
+wall-clock of a forward and backward; dynamo's graph breaks while compiling the step. "x torch" is our saved bytes over those of the budget whose
 peak our plan was given.
 
     python benchmarks/compile_budget.py        # 5-15 minutes on 2 busy CPU cores (compiling; less when cached)
@@ -106,10 +109,14 @@ def median_seconds(model, step, rounds: int) -> float:
 
 
 def _measure(rows: list, name: str, case: ModelCase, rounds: int, label: str, model, compiled: bool, **extra) -> dict:
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
     start = time.perf_counter()
     case.step(model).backward()  # compiles (when compiled) and warms up
     model.zero_grad(set_to_none=True)
     warm = time.perf_counter() - start
+    extra["graph_breaks"] = sum(counters["graph_break"].values())
     rows.append(dict(config=label, compiled=compiled, saved_bytes=saved_bytes(model, case.step),
                      peak_bytes=peak_bytes(model, case.step), seconds=median_seconds(model, case.step, rounds),
                      first_step_seconds=warm, **extra))
@@ -128,6 +135,8 @@ def _ours(rows: list, name: str, case: ModelCase, rounds: int, profile, budget, 
     model = apply_plan(copy.deepcopy(case.model), plan)
     torch._dynamo.reset()
     what = f"{len(plan.checkpointed)} modules, {len(plan.policies)} with a policy, +{plan.predicted_overhead:.1%} roofline"
+    if plan.chunked_loss:
+        what = f"{what}, head and loss in {', '.join(map(str, plan.chunked_loss.values()))} chunks"
     how = "compiled" if compile_budget == 1.0 else f"compiled with activation_memory_budget={compile_budget}"
     # Both together: our decisions are tags the partitioner keeps; its budget acts on the rest.
     functorch_config.activation_memory_budget = compile_budget
@@ -141,7 +150,7 @@ def _ours(rows: list, name: str, case: ModelCase, rounds: int, profile, budget, 
         row["peak_vs_peer"] = row["peak_bytes"] / peer["peak_bytes"]
 
 
-def run(name: str, rounds: int, compile_budgets=COMPILE_BUDGETS) -> dict:
+def run(name: str, rounds: int, compile_budgets=COMPILE_BUDGETS, chunk_loss: bool = True) -> dict:
     case = LOCAL[name]() if name in LOCAL else build(name, seed=0)
     torch.manual_seed(0)
     for module in case.model.modules():
@@ -160,13 +169,15 @@ def run(name: str, rounds: int, compile_budgets=COMPILE_BUDGETS) -> dict:
     functorch_config.activation_memory_budget = 1.0
     # Profiled as compiled (profiling compiles nothing): recomputed pointwise ops priced as fused.
     profiled = torch.compile(copy.deepcopy(case.model))
-    profile = profile_step(profiled, case.step, options=ProfileOptions(policies=None))
-    for peer in peers:
-        _ours(rows, name, case, rounds, profile, peer["peak_bytes"], f"AutoRemat at {peer['config'][10:]}'s peak",
-              peer)
-    _ours(rows, name, case, rounds, profile, "min", "AutoRemat least peak", None)
-    if compile_budgets:
-        _ours(rows, name, case, rounds, profile, "min", "AutoRemat least peak", None, min(compile_budgets))
+    for chunked in (False, True) if chunk_loss else (False,):
+        profile = profile_step(profiled, case.step, options=ProfileOptions(policies=None, chunk_loss=chunked))
+        ours = "AutoRemat chunk_loss" if chunked else "AutoRemat"
+        for peer in peers:
+            _ours(rows, name, case, rounds, profile, peer["peak_bytes"], f"{ours} at {peer['config'][10:]}'s peak",
+                  peer)
+        _ours(rows, name, case, rounds, profile, "min", f"{ours} least peak", None)
+        if compile_budgets and not chunked:
+            _ours(rows, name, case, rounds, profile, "min", f"{ours} least peak", None, min(compile_budgets))
     base = rows[0]
     for row in rows:
         if "saved_bytes" in row:
@@ -185,7 +196,8 @@ def table(results: list[dict]) -> str:
                 lines.append(f"| {result['model']} | {r['config']} | infeasible | | | |")
                 continue
             versus = f"{r['saved_vs_peer']:.2f} (peak {r['peak_vs_peer']:.2f}x)" if "saved_vs_peer" in r else ""
-            lines.append(f"| {result['model']} | {r['config']} | {r['saved_bytes'] / 2**20:.2f} ({r['saved_fraction']:.0%}) | "
+            breaks = f" ({r['graph_breaks']} graph breaks)" if r.get("graph_breaks") else ""
+            lines.append(f"| {result['model']} | {r['config']}{breaks} | {r['saved_bytes'] / 2**20:.2f} ({r['saved_fraction']:.0%}) | "
                          f"{r['peak_bytes'] / 2**20:.2f} | {r['time_ratio']:.2f} | {versus} |")
     return "\n".join(lines)
 
@@ -195,9 +207,11 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["qwen2", "phi3"])
     parser.add_argument("--compile-budgets", nargs="+", type=float, default=list(COMPILE_BUDGETS))
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--no-chunk-loss", dest="chunk_loss", action="store_false",
+                        help="leave out the rows of plans made with chunk_loss=True")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    results = [run(name, args.rounds, tuple(args.compile_budgets)) for name in args.models]
+    results = [run(name, args.rounds, tuple(args.compile_budgets), args.chunk_loss) for name in args.models]
     write_results(args.out, "compile_budget", results, table(results))
 
 

@@ -266,3 +266,33 @@ def test_a_model_of_its_own_names_its_head_and_loss_with_head_loss():
     remove_remat(model)
     assert "forward" not in model.head.__dict__
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+
+
+@pytest.mark.slow  # inductor compiles a forward and a backward: 30-150 s on a busy 2-core CPU
+def test_a_chunked_head_under_torch_compile_gives_eager_gradients_in_one_graph_and_the_predicted_peak():
+    """Compiled with inductor, the chunked head traces in the model's graph (no graph break: the labels
+    are handed to the head without a ContextVar there), its gradients are eager's, and the compiled
+    step's peak is the plan's prediction within 5%."""
+    from torch._dynamo.utils import counters
+
+    case = build("llama", **SIZES)
+    model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
+    chunked = profile_step(torch.compile(model), case.step, optimizer=optimizer, chunk_loss=True)
+    plain = solve(without_chunked_loss(chunked), "min", cost="roofline").predicted_peak_bytes
+    least = solve(chunked, "min", cost="roofline").predicted_peak_bytes
+    plan = solve(chunked, (least + plain) // 2, cost="roofline")
+    assert plan.chunked_loss
+    ids = torch.randint(0, SIZES["vocab"], (2, SIZES["seq_len"]), generator=torch.Generator().manual_seed(1))
+    _, expected = _loss_and_grads(model, ids, ids)
+    apply_plan(model, plan)
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    compiled = torch.compile(model)
+    _, grads = _loss_and_grads(compiled, ids, ids)
+    grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}
+    assert sum(counters["graph_break"].values()) == 0
+    for n in expected:
+        torch.testing.assert_close(grads[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
+    measured = _steady_peak(compiled, case.step, optimizer)
+    remove_remat(model)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured

@@ -136,6 +136,18 @@ def test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows():
     assert ShapePlans(compiled, _token_loss, budget="min").plan_for == "largest"
 
 
+def test_plan_for_is_largest_for_a_model_compiled_in_place():
+    """``module.compile()`` (no wrapper module) and Lightning's compiled LightningModule (its
+    ``_compiler_ctx``) run compiled too: each new shape would recompile, so one plan for the largest."""
+    in_place = _token_model()
+    in_place[1].compile()
+    assert ShapePlans(in_place, _token_loss, budget="min").plan_for == "largest"
+    lightning_compiled = _token_model()
+    lightning_compiled._compiler_ctx = {"compiler": "dynamo"}
+    assert ShapePlans(lightning_compiled, _token_loss, budget="min").plan_for == "largest"
+    assert ShapePlans(_token_model(), _token_loss, budget="min").plan_for == "shape"
+
+
 def test_ranks_run_the_plan_of_the_largest_batch_of_any_rank():
     from lightning_remat.service.channel import FunctionChannel
 

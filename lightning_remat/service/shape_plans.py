@@ -52,7 +52,7 @@ from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape, ShapeBuckets
 from ..runtime.installing.apply import apply_plan
-from ..runtime.installing.compiled import is_compiled
+from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
@@ -127,8 +127,9 @@ class ShapePlans:
         plan_for: ``"shape"`` (each bucket its own plan: a short batch does not pay for a long
             one's recompute) or ``"largest"`` (every batch planned for the largest shape met so far
             and ``max_shape``: the plan changes only when that grows, for ``torch.compile``, which
-            recompiles at every change of plan). None: ``"largest"`` for a model holding
-            ``torch.compile`` wrappers, else ``"shape"``.
+            recompiles at every change of plan). None: ``"largest"`` for a model that runs compiled
+            (``runs_compiled``: a ``torch.compile`` wrapper, a module compiled in place, Lightning's
+            compiled module), else ``"shape"``.
         max_shape: the largest ``Shape`` (or ``(batch_size, seq_len)``) the data has, when known:
             buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start.
         per_octave: plan buckets per doubling of each dimension (16: a plan is for a shape at most
@@ -170,7 +171,7 @@ class ShapePlans:
                 raise ValueError("ShapePlans needs a budget (or a config)")
             config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
         if plan_for is None:
-            plan_for = "largest" if is_compiled(model) else "shape"
+            plan_for = "largest" if runs_compiled(model) else "shape"
         if plan_for not in PLAN_FOR:
             raise ValueError(f"plan_for must be one of {PLAN_FOR}, got {plan_for!r}")
         if isinstance(per_octave, bool) or not isinstance(per_octave, int) or per_octave < 0:

@@ -174,11 +174,11 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
     pending = _Pending(shift_labels, ignore_index, num_items_in_batch)
-    token = _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    token = _hand_to(head, pending)
     try:
         out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
     finally:
-        _PENDING.reset(token)
+        _take_back(head, token)
     if pending.loss is not None and out is pending.loss:
         return out
     total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index)
@@ -197,6 +197,32 @@ class _Pending:
 
 _PENDING: contextvars.ContextVar[dict[int, _Pending] | None] = contextvars.ContextVar("remat_chunked_loss",
                                                                                       default=None)
+_HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute holding its _Pending
+
+
+def _hand_to(head: nn.Module, pending: _Pending) -> Any:
+    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` with the token undoes it. Eager: a
+    context variable (each thread its own). Under torch.compile an attribute of the head, since dynamo
+    cannot trace a ContextVar (a graph break at each get and set: a Qwen2 step split into 8 graphs);
+    eager sets the attribute too, for a head compiled on its own, but reads only its own thread's."""
+    previous = getattr(head, _HANDED, None)
+    setattr(head, _HANDED, pending)
+    if torch.compiler.is_compiling():
+        return previous, None
+    return previous, _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+
+
+def _take_back(head: nn.Module, token: Any) -> None:
+    previous, context = token
+    setattr(head, _HANDED, previous)
+    if context is not None:
+        _PENDING.reset(context)
+
+
+def _handed(head: nn.Module) -> _Pending | None:
+    if torch.compiler.is_compiling():
+        return getattr(head, _HANDED, None)
+    return (_PENDING.get() or {}).get(id(head))  # this thread's: another may run the same model
 
 
 def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
@@ -229,11 +255,11 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"))
-    token = _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    token = _hand_to(head, pending)
     try:
         out = original(*args, **kwargs)
     finally:
-        _PENDING.reset(token)
+        _take_back(head, token)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     if pending.loss is None or logits is not pending.loss:
         raise UnsupportedSetupError(
@@ -256,7 +282,7 @@ def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: d
 def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
     """The head's forward: with labels handed to it by ``routed_call``, the chunked loss (returned in
     place of the logits); otherwise the projection as it was."""
-    pending = (_PENDING.get() or {}).get(id(head))
+    pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
     labels = pending.shift_labels.to(hidden.device)
