@@ -268,31 +268,32 @@ def test_a_model_of_its_own_names_its_head_and_loss_with_head_loss():
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
 
 
-@pytest.mark.slow  # inductor compiles a forward and a backward: 30-150 s on a busy 2-core CPU
-def test_a_chunked_head_under_torch_compile_gives_eager_gradients_in_one_graph_and_the_predicted_peak():
-    """Compiled with inductor, the chunked head traces in the model's graph (no graph break: the labels
-    are handed to the head without a ContextVar there), its gradients are eager's, and the compiled
-    step's peak is the plan's prediction within 5%."""
+@pytest.mark.slow  # dynamo traces a forward and a backward (aot_eager): 6-18 s on a busy 2-core CPU
+def test_under_torch_compile_the_head_is_not_planned_in_chunks_and_a_chunked_head_traces_in_one_graph():
+    """A step that runs compiled gets no chunk options (inductor fuses the chunks back: their eager
+    figures do not hold), with a warning and a note; a chunked head applied by hand traces into the
+    model's graph (no graph break: the labels reach the head without a ContextVar there) and gives
+    eager's gradients."""
     from torch._dynamo.utils import counters
 
     case = build("llama", **SIZES)
     model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
-    chunked = profile_step(torch.compile(model), case.step, optimizer=optimizer, chunk_loss=True)
-    plain = solve(without_chunked_loss(chunked), "min", cost="roofline").predicted_peak_bytes
-    least = solve(chunked, "min", cost="roofline").predicted_peak_bytes
-    plan = solve(chunked, (least + plain) // 2, cost="roofline")
-    assert plan.chunked_loss
+    with pytest.warns(UserWarning, match="torch.compile"):
+        profile = profile_step(torch.compile(model), case.step, optimizer=optimizer, chunk_loss=True)
+    assert not any(o.chunks for s in profile.stages for o in s.options)
+    assert any("chunk_loss" in note for note in profile.notes)
     ids = torch.randint(0, SIZES["vocab"], (2, SIZES["seq_len"]), generator=torch.Generator().manual_seed(1))
     _, expected = _loss_and_grads(model, ids, ids)
-    apply_plan(model, plan)
+    apply_plan(model, _chunked(find_head_loss(model).head, 4))
     torch._dynamo.reset()
     counters["graph_break"].clear()
-    compiled = torch.compile(model)
+    # Graph breaks are dynamo's (the backend does not change them); "aot_eager" traces forward and
+    # backward as inductor would get them, without inductor's minutes of code generation.
+    compiled = torch.compile(model, backend="aot_eager")
     _, grads = _loss_and_grads(compiled, ids, ids)
     grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}
+    remove_remat(model)
     assert sum(counters["graph_break"].values()) == 0
     for n in expected:
         torch.testing.assert_close(grads[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
-    measured = _steady_peak(compiled, case.step, optimizer)
-    remove_remat(model)
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+
