@@ -189,6 +189,10 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
     def copy_module(module: nn.Module) -> nn.Module:
         if id(module) not in copies:
             twin = copy.copy(module)
+            # copy.copy goes through __getstate__, which may drop what pickling must not carry
+            # (a LightningModule's trainer, which ``self.optimizers()`` reads): the twin refers to
+            # all its module does.
+            twin.__dict__.update(module.__dict__)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())
