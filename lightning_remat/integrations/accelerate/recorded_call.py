@@ -29,6 +29,8 @@ from ...core.budget import format_bytes
 from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
+from ...runtime.measuring.meter import model_state_bytes
+from ...runtime.measuring.tracking import snapshot_by_category
 from ...core.shapes import Shape
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, resize_batch
 from ...runtime.profiling.profile_adjust import with_always_alive
@@ -211,20 +213,48 @@ class WindowTracker(PeakWindow):
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
 
+    def carried_bytes(self) -> int:
+        """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
+        gradients and the optimizer's state: read between two micro-batches, what the loop carries
+        into the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, its loss,
+        the running loss), which a profile of one call does not see.
 
-def with_loop_references(profile: Profile, held_bytes: int) -> Profile:
+        Example:
+            >>> net = nn.Linear(8, 8)
+            >>> window = WindowTracker(net, None)
+            >>> loss = net(torch.randn(4, 8)).sum()
+            >>> loss.backward()
+            >>> kept = loss.detach() * 2   # a running loss the loop keeps
+            >>> window.carried_bytes() >= 8, window.close() > 0   # the loss and its copy
+            (True, True)
+        """
+        if self.cuda:
+            now = int(torch.cuda.memory_allocated(self.device))
+        else:
+            now = snapshot_by_category(self.tracker.get_tracker_snapshot("current"), self.device).get("Total", 0)
+        return max(0, now - model_state_bytes(self.model, self.optimizer))
+
+
+def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:
     """Count what the user's loop keeps alive around the model in every term: the outputs it holds
     (``held_bytes``: the current step's through backward and the optimizer step, the previous step's
-    through the next forward) and ``LOOP_ALLOWANCE`` for the loss scalars.
+    through the next forward), what it carries from one micro-batch into the next (``carried_bytes``,
+    measured between them: ``WindowTracker.carried_bytes``, the outputs held among them) and
+    ``LOOP_ALLOWANCE`` for the loss scalars.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
         >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
         >>> with_loop_references(p, 4096).stages[0].options[0].local_peak_bytes == 100 + 4096 + LOOP_ALLOWANCE
         True
+        >>> with_loop_references(p, 4096, 6144).stages[0].options[0].local_peak_bytes == 100 + 6144 + LOOP_ALLOWANCE
+        True
     """
     note = f"the training loop holds the model's outputs ({format_bytes(held_bytes)}) " if held_bytes else ""
-    return with_always_alive(profile, held_bytes + LOOP_ALLOWANCE,
+    if carried_bytes > held_bytes:
+        note += (f"and carries {format_bytes(carried_bytes - held_bytes)} more from one micro-batch into the next "
+                 "(measured: its inputs, losses) ")
+    return with_always_alive(profile, max(held_bytes, carried_bytes) + LOOP_ALLOWANCE,
                              note + f"and the loss ({LOOP_ALLOWANCE} bytes allowed) through the step; counted in every term")
 
 

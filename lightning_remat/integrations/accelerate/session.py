@@ -104,6 +104,7 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._carried = 0  # bytes the loop carried from the last observed micro-batch into the next
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
@@ -219,6 +220,8 @@ class RematSession:
                 self.observed_steps += 1
                 if self._window is not None:
                     window, self._window = self._window, None
+                    # Between two micro-batches (no optimizer step): what the loop carries into the next.
+                    self._carried = 0 if optimizer_stepped else window.carried_bytes()
                     peak = window.close()
                     # Without an optimizer pre-step hook in this step, the whole step's peak stands in
                     # for that of forward and backward (an over-estimate: the plan errs on the safe side).
@@ -251,10 +254,10 @@ class RematSession:
         channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
-        observed, held = self._observed, call.held_bytes()
+        observed, held, carried = self._observed, call.held_bytes(), self._carried
 
         def adjust(profile: Any) -> Any:
-            profile = with_loop_references(profile, held)
+            profile = with_loop_references(profile, held, carried)
             return calibrate(profile, *observed) if observed is not None else profile
 
         hint = f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
