@@ -213,11 +213,14 @@ class WindowTracker(PeakWindow):
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
 
-    def carried_bytes(self) -> int:
+    def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
         """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
-        gradients and the optimizer's state: read between two micro-batches, what the loop carries
-        into the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, its loss,
-        the running loss), which a profile of one call does not see.
+        gradients, the optimizer's state and ``excluded`` (the next call's own inputs, which a profile
+        of that call sees as it sees them, and what the session itself keeps of the last call: the
+        gradients its outputs received): read between two micro-batches, what the loop carries into
+        the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, which it fetched
+        with the whole accumulation window, its loss, the running loss), which a profile of one call
+        does not see.
 
         Example:
             >>> net = nn.Linear(8, 8)
@@ -225,14 +228,18 @@ class WindowTracker(PeakWindow):
             >>> loss = net(torch.randn(4, 8)).sum()
             >>> loss.backward()
             >>> kept = loss.detach() * 2   # a running loss the loop keeps
-            >>> window.carried_bytes() >= 8, window.close() > 0   # the loss and its copy
-            (True, True)
+            >>> following = torch.randn(4, 8)   # the next micro-batch, made in the window
+            >>> window.carried_bytes([following]), window.close() > 0   # the loss and its copy
+            (8, True)
         """
+        excluded = list(excluded)
         if self.cuda:
             now = int(torch.cuda.memory_allocated(self.device))
+            mine = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in excluded}.values())
         else:
             now = snapshot_by_category(self.tracker.get_tracker_snapshot("current"), self.device).get("Total", 0)
-        return max(0, now - model_state_bytes(self.model, self.optimizer))
+            mine = self.tracker.counted_bytes(excluded)
+        return max(0, now - model_state_bytes(self.model, self.optimizer) - mine)
 
 
 def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:

@@ -87,6 +87,24 @@ class Tracker(MemTracker):
         finally:
             release_eager()
 
+    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
+        tensor made before it started only once an operation it sees has used it).
+
+        Example:
+            >>> before, tracker = torch.ones(4), Tracker()
+            >>> with tracker:
+            ...     made = torch.zeros(2)
+            ...     tracker.counted_bytes([before, made, made[:1]])
+            8
+        """
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage in self._WINFO:
+                storages[id(storage)] = storage.nbytes()
+        return sum(storages.values())
+
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         # MemTracker runs this after every operator and, before updating the overall peak, scans
         # every module seen so far for a per-module peak: time that grows with the square of the
@@ -187,6 +205,24 @@ class SegmentTracker(Tracker):
         if total > self.segment_peaks.get(self.label, -1):
             self.segment_peaks[self.label] = total
 
+    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
+        tensor made before it started only once an operation it sees has used it).
+
+        Example:
+            >>> before, tracker = torch.ones(4), Tracker()
+            >>> with tracker:
+            ...     made = torch.zeros(2)
+            ...     tracker.counted_bytes([before, made, made[:1]])
+            8
+        """
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage in self._WINFO:
+                storages[id(storage)] = storage.nbytes()
+        return sum(storages.values())
+
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
         self._note()
@@ -247,6 +283,24 @@ class TimelineTracker(Tracker):
         self.device = device
         self.totals: list[int] = []
         self.in_backward: list[bool] = []
+
+    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
+        tensor made before it started only once an operation it sees has used it).
+
+        Example:
+            >>> before, tracker = torch.ones(4), Tracker()
+            >>> with tracker:
+            ...     made = torch.zeros(2)
+            ...     tracker.counted_bytes([before, made, made[:1]])
+            8
+        """
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage in self._WINFO:
+                storages[id(storage)] = storage.nbytes()
+        return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
