@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 
 from ...core.allowances import ACCELERATE_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
@@ -235,7 +236,7 @@ class WindowTracker(PeakWindow):
         excluded = list(excluded)
         if self.cuda:
             now = int(torch.cuda.memory_allocated(self.device))
-            mine = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in excluded}.values())
+            mine = sum({s.data_ptr(): s.nbytes() for t in excluded for s in get_untyped_storages(t)}.values())
         else:
             now = snapshot_by_category(self.tracker.get_tracker_snapshot("current"), self.device).get("Total", 0)
             mine = self.tracker.counted_bytes(excluded)

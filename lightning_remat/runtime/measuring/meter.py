@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 
 from .optimizers import optimizer_list
 from .runner import Tracking, model_device
@@ -151,8 +152,9 @@ def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
     """
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     tensors += [v for o in optimizer_list(optimizers) for state in o.state.values() for v in state.values()]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if isinstance(t, torch.Tensor)}
+    # Through tensor subclasses (FSDP2's DTensor parameters) to the storages they hold, as MemTracker does.
+    storages = {storage.data_ptr(): storage.nbytes()
+                for t in tensors if isinstance(t, torch.Tensor) for storage in get_untyped_storages(t)}
     return sum(storages.values())
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
 from .stance import hold_eager, release_eager
@@ -98,11 +99,8 @@ class Tracker(MemTracker):
             ...     tracker.counted_bytes([before, made, made[:1]])
             8
         """
-        storages = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage in self._WINFO:
-                storages[id(storage)] = storage.nbytes()
+        storages = {id(storage): storage.nbytes()
+                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
@@ -216,11 +214,8 @@ class SegmentTracker(Tracker):
             ...     tracker.counted_bytes([before, made, made[:1]])
             8
         """
-        storages = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage in self._WINFO:
-                storages[id(storage)] = storage.nbytes()
+        storages = {id(storage): storage.nbytes()
+                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
@@ -295,11 +290,8 @@ class TimelineTracker(Tracker):
             ...     tracker.counted_bytes([before, made, made[:1]])
             8
         """
-        storages = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage in self._WINFO:
-                storages[id(storage)] = storage.nbytes()
+        storages = {id(storage): storage.nbytes()
+                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
