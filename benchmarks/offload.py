@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from lightning_remat.core.batch_fit import ProfileFit
+from lightning_remat.core.binding import Binding
 from lightning_remat.core.config import ProfileOptions, RematConfig
 from lightning_remat.core.offload_model import without_offload
 from lightning_remat.core.solve import least_peak, solve
@@ -69,7 +70,8 @@ def overheads(p, fractions=(0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.0)) -> list[di
         rows.append(dict(budget_gb=round(budget / GB, 2), recompute_only=round(a.predicted_overhead, 4),
                          with_offload=round(b.predicted_overhead, 4), offloaded=len(b.offloaded),
                          hidden=sum(1 for c in b.choices if c.option == "offload:hidden"),
-                         recomputed=len(b.checkpointed), host_gb=round(b.host_bytes / GB, 1)))
+                         recomputed=len(b.checkpointed), inputs_offloaded=len(b.offloaded_inputs),
+                         host_gb=round(b.host_bytes / GB, 1)))
     floor = least_peak(p)
     rows.append(dict(budget_gb=round(floor / GB, 2), recompute_only=None,
                      with_offload=round(solve(p, floor, "time").predicted_overhead, 4), note="least peak with offload"))
@@ -92,17 +94,9 @@ def no_recompute(p):
                                    for s in p.stages))
 
 
-def binding(p, plan) -> str:
-    """The term of the memory model that reaches ``plan``'s peak, and its size."""
-    prefix, terms = [0], []
-    for stage, choice in zip(p.stages, plan.choices):
-        option = stage.option(choice.option)
-        terms.append((option.local_peak_bytes + prefix[-1], f"{stage.name} ({option.name}) forward/backward"))
-        prefix.append(prefix[-1] + option.stored_bytes)
-    terms += [(s.peak_bytes + prefix[s.stages_alive], f"{s.name}, with {prefix[s.stages_alive] / GB:.2f} GB stored "
-               f"by the stages") for s in p.segments]
-    peak, name = max(terms)
-    return f"{name}: {peak / GB:.2f} GB"
+def binding(plan) -> str:
+    """The term of the memory model that reaches ``plan``'s peak, and its size (``core.binding``)."""
+    return Binding.from_dict(plan.binding).text()
 
 
 def largest_batch(name: str, first) -> dict:
@@ -122,8 +116,9 @@ def largest_batch(name: str, first) -> dict:
         plan = search.plan_for(found, True) if found else None
         result[label] = found
         if plan is not None:
-            result[label + "_limited_by"] = binding(keep(fit.at(found)), plan)
+            result[label + "_limited_by"] = binding(plan)
             result[label + "_host_gb"] = round(plan.host_bytes / GB, 1)
+            result[label + "_inputs_offloaded"] = len(plan.offloaded_inputs)
         if label == "offload_and_recompute":
             result["neither"] = search.largest(False, 4096)
     def figures(batch: int) -> dict:

@@ -44,6 +44,8 @@ SLOW = {
                     "test_profile_offers_policies_and_prices_them",
                     "test_predicted_peak_within_5_percent_of_measured_for_plans_with_policies",
                     "test_roofline_plan_uses_policies_where_they_are_cheapest"),
+    "test_compile_policies.py": ("test_policies_under_inductor_give_the_gradients_of_eager_training",  # 6-8 s
+                                 "test_a_step_compiled_in_place_or_by_lightning_is_priced_as_compiled"),  # 4.5 s
     "test_accelerate.py": ("test_training_loop_stays_under_budget_with_same_losses",  # 12 s
                            "test_budget_min_holds_with_the_outputs_the_loop_keeps"),  # 7 s
     "test_batch_size.py": ("test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_memory",  # 10 s
@@ -73,7 +75,11 @@ SLOW = {
                         "test_the_command_line_plans_one_gpu_of_n"),  # 3.5 s
     "test_offload.py": ("test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget",  # 5 s
                         "test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released",  # 5 s
-                        "test_fake_memory_with_prefetch_matches_the_model"),  # 3 s
+                        "test_fake_memory_with_prefetch_matches_the_model",  # 3 s
+                        "test_checkpoint_input_offload_is_planned_held_and_predicted"),  # 8 s
+    # fake Llama plans under three optimizer settings (a module fixture), then the knobs' re-profiles
+    "test_binding.py": ("test_budget_too_small_names_each_knob_with_the_peak_planning_with_it_gives",  # 10 s
+                        "test_the_optimizer_step_binds_and_its_advice_equals_planning_with_each_setting"),  # 8 s
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
                        "test_pareto_sweep_and_plot"),  # 5 s
     "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s

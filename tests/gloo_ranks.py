@@ -55,7 +55,8 @@ def _entry(rank: int, fn, world: int, init: str, out: str, args: tuple) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a rank that failed in lockstep may have aborted the group already
+            dist.destroy_process_group()
 
 
 def spawn(fn, out, *args, world: int = 2) -> list:

@@ -144,7 +144,8 @@ def test_training_loop_stays_under_budget_with_same_losses(monkeypatch):
     model, losses = _train(accelerator, batches)
 
     metrics = accelerator.remat_metrics
-    assert set(metrics) == set(METRIC_NAMES)
+    # The fixed figures, and what binds the predicted peak (remat/binds/*, core/binding.py).
+    assert set(METRIC_NAMES) <= set(metrics) and all(k in METRIC_NAMES or k.startswith("remat/binds/") for k in metrics)
     assert metrics["remat/budget_bytes"] == budget
     assert metrics["remat/num_checkpointed"] > 0
     assert checkpointed_modules(model) == accelerator.remat_plan.checkpointed
@@ -223,7 +224,7 @@ def test_prepare_remat_with_stock_accelerator_logs_metrics(monkeypatch):
         # Observed for two steps, planned at the end of the second, measured during the third.
         assert bool(checkpointed_modules(net)) == (step >= 1)
     logged = {k: v for values, _ in tracker.logged for k, v in values.items()}
-    assert set(logged) == set(METRIC_NAMES)
+    assert set(METRIC_NAMES) <= set(logged) and all(k in METRIC_NAMES or k.startswith("remat/binds/") for k in logged)
     assert logged == accelerator.remat_metrics
     assert logged["remat/measured_peak_bytes"] <= logged["remat/predicted_peak_bytes"] * 1.02
     assert [step for _, step in tracker.logged] == [2, 3]

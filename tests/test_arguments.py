@@ -193,8 +193,8 @@ def test_the_command_line_plans_through_the_planning_service(monkeypatch, capsys
     solved, host_asked = [], []
     real = Planner.solve_profile
     monkeypatch.setattr(Planner, "solve_profile", lambda self, *a: solved.append(self.config) or real(self, *a))
-    monkeypatch.setattr("lightning_remat.runtime.targets.offload_link.host_free_bytes",
-                        lambda: host_asked.append(1) or 2**40)
+    monkeypatch.setattr("lightning_remat.runtime.targets.offload_link.host_limit_bytes",
+                        lambda options: host_asked.append(1) or 2**40)
     assert main(["plan", target, "--fake", "--gpu", "h100", "--device", "cuda", "--offload", "--budget", "min",
                  "--candidates", "GPT2Block", "--json", "--no-plots"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -109,8 +109,11 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
     assert solve(without_chunked_loss(chunked), "min", cost="flops").predicted_peak_bytes == plain.predicted_peak_bytes
     assert least < 0.8 * plain.predicted_peak_bytes  # the head and loss bound the least peak
     budget = (least + plain.predicted_peak_bytes) // 2
-    with pytest.raises(BudgetTooSmallError):
+    with pytest.raises(BudgetTooSmallError) as refused:
         plan_remat(model, case.step, budget, optimizer=optimizer)
+    # The error names the knob that reaches the budget, with the least peak planning with it gives.
+    knob = {k["knob"]: k for k in refused.value.knobs}["chunked loss"]
+    assert knob["setting"] == "chunk_loss=True" and knob["fits"] and knob["peak_bytes"] == least
     plan = plan_remat(model, case.step, budget, optimizer=optimizer, chunk_loss=True)
     assert plan.chunked_loss and plan.predicted_peak_bytes <= budget
     apply_plan(model, plan)

@@ -20,8 +20,9 @@ from lightning_remat.service.sharded import merge_profiles
 STATIC = {"parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes"}
 # Figures a peak counts the static memory under.
 PEAKS = {"local_peak_bytes", "peak_bytes"}
-# Identity, not measures: the same in every input.
-STRUCTURAL_NUMBERS = {"stages_alive"}
+# Identity, not measures: the same in every input (the shared inputs' bytes a segment may leave out
+# are tensors of a fixed size, carried as they are: core.shared_held).
+STRUCTURAL_NUMBERS = {"stages_alive", "shared_saving"}
 
 
 def _numeric(cls: type) -> list[tuple[str, str]]:

@@ -120,3 +120,19 @@ def test_profile_round_trip_and_no_stage_error():
         solve(Profile((), ()), 100)
     with pytest.raises(ValueError, match="cost must be one of"):
         solve(profile, 700, cost="joules")
+
+
+def test_a_stage_whose_stored_bytes_are_below_zero_is_solved():
+    """A sharded (FSDP2) stage may store less than nothing (it frees the unsharded parameters an
+    earlier figure counted): a real figure, not a missing option. The solver used -1 as padding for
+    stages with fewer options and dropped such options, and with every option of a stage below zero
+    failed ("need at least one array to concatenate")."""
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+    from lightning_remat.core.solve import least_peak, solve
+
+    first = StageProfile("a", (StageOption("keep", (), -50, 100, 0.0, 0), StageOption("whole", ("a",), -60, 110, 1.0, 5)))
+    second = StageProfile("b", (StageOption("keep", (), 40, 120, 0.0, 0),))
+    profile = Profile((first, second), (Segment("head", 2, 200),))
+    # keep, keep: max(100, -50 + 120, -10 + 200) = 190; whole, keep: max(110, -60 + 120, -20 + 200) = 180
+    assert [predict_peak(profile, c) for c in ([0, 0], [1, 0])] == [190, 180]
+    assert least_peak(profile) == 180 and solve(profile, 185, "flops").checkpointed == ["a"]

@@ -120,12 +120,14 @@ def test_span_figures_are_derived_from_keep_and_whole():
 
 def test_solve_with_spans_on_1000_stages_is_fast():
     p = _mlp_like(1000)
-    start = time.perf_counter()
+    # This process's CPU time, not the wall clock: other processes on a busy machine (CI's 2 cores,
+    # a second xdist worker) stretch the wall clock, not the work the solver does.
+    start = time.process_time()
     plan = solve(p, "min", cost="flops")
     budget_plan = solve(p, int(plan.predicted_peak_bytes * 1.5), cost="flops")
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     assert budget_plan.predicted_peak_bytes <= int(plan.predicted_peak_bytes * 1.5)
-    assert seconds < 5.0, seconds  # two solves, about 0.6 s each on one core (the machine is shared)
+    assert seconds < 5.0, seconds  # two solves, about 0.6 s each on one core
 
 
 @settings(max_examples=150, deadline=None)

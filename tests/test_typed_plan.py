@@ -218,14 +218,14 @@ def test_recompute_and_offload_on_one_module_compose_in_one_forward():
     plain, model = _net(), _net()
     apply_plan(model, ["1", "2"], policies={"2": "save_matmuls"})
     apply_offload(model, ["1", "3"], order=[str(i) for i in range(6)])  # around the checkpoint of "1"
-    record = model[1].__dict__[installer._RECORD]
+    record = model[1].__dict__[installer.RECORD]
     assert record.recompute and record.offload is not None  # one record, one patched forward
     assert model[1].forward.func is installer._installed_forward
     _assert_bit_equal(plain, model)
     apply_plan(model, ["2"])  # replaces the plan: no double wrapping, nothing left behind
     assert installer.recomputed(model) == {"2": ""} and offloaded_modules(model) == []
     remove_remat(model)
-    assert all("forward" not in m.__dict__ and installer._RECORD not in m.__dict__ for m in model.modules())
+    assert all("forward" not in m.__dict__ and installer.RECORD not in m.__dict__ for m in model.modules())
 
 
 def test_applied_puts_back_offloading_with_its_order_and_limits():

@@ -32,12 +32,14 @@ class StageAction:
         chunks: with ``CHUNK`` (the stage is a causal LM's head with its loss), the number of
             sequence chunks the projection and the cross-entropy run over, each recomputed in backward
             (``runtime.installing.chunked_loss``).
+        offload_input: with ``RECOMPUTE``, the input each recomputed module's checkpoint keeps goes
+            to host memory, and comes back for its recompute (``runtime.installing.input_offload``).
 
     Example:
         >>> StageAction.recompute("h.0", policy="save_matmuls").modules
         ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
-        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None)
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None, offload_input=False)
         >>> StageAction.chunk("lm_head", 8).chunks
         8
         >>> StageAction("h.0", "keep", policy="save_matmuls")
@@ -53,6 +55,7 @@ class StageAction:
     segment: tuple[str, ...] = ()
     offload_limit: int | None = None
     chunks: int | None = None
+    offload_input: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str):
@@ -81,6 +84,10 @@ class StageAction:
                              f"{self.chunks!r} with action {action.value!r}")
         if self.chunks is not None:
             check_chunks(self.chunks)
+        if self.offload_input not in (True, False) or (self.offload_input and action is not Action.RECOMPUTE):
+            raise ValueError(f"stage {self.stage!r}: only a recomputed stage offloads its checkpoint input, got "
+                             f"offload_input={self.offload_input!r} with action {action.value!r}")
+        object.__setattr__(self, "offload_input", bool(self.offload_input))
         object.__setattr__(self, "action", action)
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "segment", segment)
@@ -93,8 +100,9 @@ class StageAction:
         return cls(stage, Action.KEEP)
 
     @classmethod
-    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None) -> "StageAction":
-        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None)
+    def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
+                  offload_input: bool = False) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input)
 
     @classmethod
     def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":
@@ -109,12 +117,16 @@ class StageAction:
         return cls(stage, Action.CHUNK, chunks=chunks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain strings, lists and ints (JSON, and checkpoints that load without this package)."""
+        """Plain strings, lists and ints (JSON, and checkpoints that load without this package);
+        ``chunks`` and ``offload_input`` only where they are set, so that plans without them read as before."""
         data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
-        # Written only where it says something, so that the dicts of other actions stay as they were.
-        return {**data, "chunks": self.chunks} if self.chunks is not None else data
+        if self.chunks is not None:
+            data["chunks"] = self.chunks
+        if self.offload_input:
+            data["offload_input"] = True
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageAction":
@@ -122,7 +134,8 @@ class StageAction:
             raise ValueError(f"a plan's action is a dict with a 'stage', got {data!r}")
         return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
                    policy=data.get("policy"), segment=data.get("segment") or (),
-                   offload_limit=data.get("offload_limit"), chunks=data.get("chunks"))
+                   offload_limit=data.get("offload_limit"), chunks=data.get("chunks"),
+                   offload_input=data.get("offload_input", False))
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:
@@ -227,3 +240,71 @@ def check_actions(actions: Sequence[StageAction]) -> None:
     twice = sorted({s for s in stages if stages.count(s) > 1})
     if twice:
         raise InvalidPlanError(f"a plan has one action per stage; stage(s) {twice} have several")
+
+
+def actions_from_names(checkpointed: Any, segments: Any, policies: Any, offloaded: Any, offload_limits: Any,
+                    stages: Sequence[str]) -> tuple[StageAction, ...]:
+    """The actions of a plan given as names side by side (as plans were before their actions).
+
+    With ``stages`` (a solved plan's stages in execution order, from its choices), every stage
+    gets an action, in that order: the modules recomputed inside it (itself or its children), its
+    segment, its offload, or keep. Without, the recomputed modules, then the segments' stages, then
+    the offloaded modules, each its own stage.
+
+    Example:
+        >>> [(a.stage, a.action.value) for a in actions_from_names(["h.0"], [], {}, [], {}, ["h.0", "h.1"])]
+        [('h.0', 'recompute'), ('h.1', 'keep')]
+    """
+    names = module_names("checkpointed", checkpointed)
+    groups = [module_names("segments", s) for s in module_names_lists(segments)]
+    moved = module_names("offloaded", offloaded)
+    if not isinstance(policies, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in policies.items()):
+        raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    chosen = {n: Policy.check(p) for n, p in policies.items()}
+    limits = {str(k): int(v) for k, v in dict(offload_limits).items()}
+    if not stages:
+        return (*(StageAction.recompute(n, policy=chosen.get(n)) for n in names),
+                *(StageAction.in_segment(s, group) for group in groups for s in group),
+                *(StageAction.offload(n, limits.get(n)) for n in moved))
+    known = set(stages)
+
+    def stage_of(name: str) -> str:
+        owners = [s for s in known if name == s or nested_in(name, s)]
+        return max(owners, key=len) if owners else name
+
+    recomputing: dict[str, list[str]] = {}
+    for name in names:
+        recomputing.setdefault(stage_of(name), []).append(name)
+    actions: list[StageAction] = []
+    # Every stage gets what the names say of it (several actions where they say several things:
+    # ``check_actions`` then says what is wrong), or keep.
+    for stage in dict.fromkeys([*stages, *recomputing, *(s for group in groups for s in group), *moved]):
+        said = len(actions)
+        # One policy per action: modules of a stage under different policies are actions of their own.
+        by_policy: dict[Any, list[str]] = {}
+        for m in recomputing.get(stage, ()):
+            by_policy.setdefault(chosen.get(m), []).append(m)
+        for k, (policy, group) in enumerate(by_policy.items()):
+            actions.append(StageAction.recompute(stage if k == 0 else group[0], group, policy))
+        actions.extend(StageAction.in_segment(stage, group) for group in groups if stage in group)
+        actions.extend(StageAction.offload(stage, limits.get(stage)) for n in moved if n == stage)
+        if len(actions) == said:
+            actions.append(StageAction.keep(stage))
+    return tuple(actions)
+
+
+def module_names_lists(segments: Any) -> list[Any]:
+    """``segments`` as a list (of lists of module names, checked one by one by the caller), refused
+    where it is text or not a collection at all.
+
+    Example:
+        >>> module_names_lists([["0", "1"]])
+        [['0', '1']]
+    """
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
+        raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {segments!r}")
+    return list(segments)

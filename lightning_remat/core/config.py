@@ -187,6 +187,10 @@ class ProfileOptions:
         "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=, and for a head whose "
         "loss the model computes with lightning_remat.head_loss). The loss and "
         "gradients are the same; a plan that chunks makes the model return logits=None (docs/long_context.md)")})
+    host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
+        "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
+        "share of a typical node with it (core/hardware.py HOST_MEMORY: 256 GiB for an H100, an 8xH100 node's 2 "
+        "TiB over 8), otherwise this machine's free memory")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -201,6 +205,10 @@ class ProfileOptions:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         object.__setattr__(self, "device", check_device(self.device))
         check_device_memory(self.device_memory)
+        if self.host_memory is not None:
+            parsed = Budget.parse(self.host_memory)
+            if parsed.nbytes is None:
+                raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
         check_int("accumulation_steps", self.accumulation_steps, 1, MAX_STEPS, " (micro-batches per optimizer step)")
         check_world_size(self.world_size, self.fake)
 

@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from .depth_lines import DEPTHS, Fit, NoFit, Pair, pair_figures
+from .shared_held import without_shared
 from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
 
@@ -84,6 +85,9 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     a, b = DEPTHS
     # Stages after the layers (a causal LM's head and loss, ``chunk_loss``) are the same at both depths.
     tails = [s.name for s in forward[0].stages[a:]]
+    # Inputs several layers hold are counted in every holder, as the additive model does: what
+    # counts them once is read from figures the ballast changes (core.shared_held).
+    forward, backward = tuple(map(without_shared, forward)), tuple(map(without_shared, backward))
     for p, q, n in zip(forward, backward, DEPTHS):
         names = [s.name for s in p.stages]
         if names != [f"{prefix}.{i}" for i in range(n)] + tails or not _same(_skeleton(p), _skeleton(q)):

@@ -67,11 +67,31 @@ class BudgetTooSmallError(RematError, ValueError):
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.static_bytes = static_bytes
+        # Per knob that lowers the least peak: {"knob", "setting", "peak_bytes", "fits"} (service.knobs).
+        self.knobs: list[dict[str, Any]] = []
         super().__init__(message or (
             f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} ({budget_bytes} bytes): "
             f"the smallest reachable peak is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
             f"of which {_format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
             f"Raise the budget to at least that, or reduce the batch size."))
+
+    def with_knobs(self, knobs: list[dict[str, Any]]) -> "BudgetTooSmallError":
+        """This error with ``knobs`` (each predicted: its setting and the least peak it gives) held
+        and said in the message, those that reach the budget first.
+
+        Example:
+            >>> err = BudgetTooSmallError(100, 150).with_knobs(
+            ...     [{"knob": "fused optimizer", "setting": "AdamW(fused=True)", "peak_bytes": 90, "fits": True}])
+            >>> str(err).split(". ")[-1]
+            'Knobs, each predicted: fused optimizer (AdamW(fused=True)) reaches 90 B, within the budget.'
+        """
+        self.knobs = sorted(knobs, key=lambda k: (not k["fits"], k["peak_bytes"] is None, k["peak_bytes"] or 0))
+        if self.knobs:
+            said = "; ".join(f"{k['knob']} could not be predicted ({k['error']})" if k["peak_bytes"] is None else
+                             f"{k['knob']} ({k['setting']}) reaches {_format_bytes(k['peak_bytes'])}, "
+                             + ("within the budget" if k["fits"] else "still above it") for k in self.knobs)
+            self.add_hint(f"Knobs, each predicted: {said}.")
+        return self
 
 
 class BatchSizeTooSmallBudgetError(BudgetTooSmallError):

@@ -22,6 +22,17 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
+# The CPU's ceilings for the roofline cost (``cost="roofline"`` profiled on a CPU): fixed figures,
+# not measured, so the same profile gives the same plan in every process and on every machine.
+# Only their ratio, the ridge point (FLOPs per byte moved above which an op is priced by its FLOPs),
+# changes a plan or its overhead: scaling both scales every cost alike. One core of this project's
+# CI machine (an Intel Xeon), rounded: a float32 384 x 384 matmul ran at 168-205 GFLOP/s and an 8 MiB
+# copy at 28-29 GB/s (read plus written) over fresh processes, a ridge of 5.8-7.4 FLOP/byte; with two
+# threads on its two busy cores both fell about 25-fold and the ridge stayed at 6.3-7.0.
+# docs/selective_checkpointing.md says how much it moves between machines.
+CPU_FLOPS = 200e9
+CPU_MEMORY_BANDWIDTH = 30e9
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -78,6 +89,26 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
     _spec("rtx3090", 71e12, 0.936e12, 25e9),
     _spec("mi300x", 1307e12, 5.3e12, 50e9),
 )})
+
+
+# Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
+# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
+# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
+# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
+HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
+    ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
+    ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
+    ("rtx3090", 64), ("mi300x", 256))})
+
+
+def host_memory(name: str) -> int:
+    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes.
+
+    Example:
+        >>> host_memory("H100") // 2**30
+        256
+    """
+    return HOST_MEMORY[gpu(name).name]
 
 
 def gpu(name: str) -> GpuSpec:

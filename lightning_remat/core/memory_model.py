@@ -64,6 +64,15 @@ class StageOption:
     offload_limit: int = 0
     # "chunks:k": a causal LM's head and loss over k sequence chunks (``runtime.installing.chunked_loss``).
     chunks: int = 0
+    # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
+    # ``host_bytes`` is that input.
+    input_offloaded: bool = False
+    # Inputs other recomputed stages' checkpoints may hold too (a tensor every layer receives, as
+    # ``position_ids``), as (label, bytes): part of ``stored_bytes``, alive once however many hold
+    # it (``core.shared_held``). And those an earlier stage held in this option's run, which its
+    # ``local_peak_bytes`` counts: a plan holding them before this stage already counts them.
+    shared_held: tuple[tuple[str, int], ...] = ()
+    held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
         """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
@@ -113,6 +122,10 @@ class Segment:
     name: str
     stages_alive: int
     peak_bytes: int
+    # How much lower the peak is where the plan already holds the shared inputs ``shared_labels``
+    # before this segment (their bytes then count in the stored bytes once: ``core.shared_held``).
+    shared_saving: int = 0
+    shared_labels: tuple[str, ...] = ()
 
 
 @dataclass
@@ -148,6 +161,10 @@ class Profile:
     # the stages its forward chains, in order. Recomputing the block whole is one checkpoint over
     # those stages (``core.spans``), the other choice to planning each of them. Empty: none.
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
+    # The optimizer step under another setting (``core.binding.OPTIMIZER_SETTINGS``: "fused=True",
+    # "foreach=False"): bytes its step peak would differ by. Measured on fake copies with the profile
+    # (``runtime.profiling.optimizer_step``); empty when not measured (no optimizer, a sharded step).
+    optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
 
     @property
     def static_bytes(self) -> int:
@@ -171,13 +188,20 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
         stages = tuple(
             StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
-                                                           "offloaded": tuple(o.get("offloaded", ()))}) for o in s["options"])})
+                                                           "offloaded": tuple(o.get("offloaded", ())),
+                                                           "shared_held": _pairs(o.get("shared_held", ())),
+                                                           "held_before": _pairs(o.get("held_before", ()))})
+                                              for o in s["options"])})
             for s in data["stages"]
         )
-        segments = tuple(Segment(**s) for s in data["segments"])
+        segments = tuple(Segment(**{**s, "shared_labels": tuple(s.get("shared_labels", ()))}) for s in data["segments"])
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
                       "span_groups": tuple(tuple(g) for g in data.get("span_groups", ())),
                       "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
+
+
+def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((str(label), int(nbytes)) for label, nbytes in items)
 
 
 def without_chunked_loss(profile: Profile) -> Profile:
@@ -194,19 +218,59 @@ def without_chunked_loss(profile: Profile) -> Profile:
     return result
 
 
-def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
-    """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``."""
+@dataclass(frozen=True)
+class PeakTerm:
+    """One term of the peak formula: a stage's local peak (``kind="stage"``, or ``"span"`` for stages
+    recomputed as one segment) or a segment's (``"segment"``), over the bytes stored before it.
+
+    Example:
+        >>> PeakTerm("segment", 0, "head", own_bytes=50, stored_bytes=20).bytes
+        70
+    """
+
+    kind: str
+    index: int
+    name: str
+    own_bytes: int
+    stored_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.own_bytes + self.stored_bytes
+
+
+def peak_terms(profile: Profile, choices: Sequence[int]) -> list[PeakTerm]:
+    """Every term of ``predict_peak`` for ``choices``: stages in order, then segments.
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),))
+        >>> max(peak_terms(p, [0]), key=lambda t: t.bytes).name
+        'head'
+    """
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     prefix = [0]
-    peak = 0
-    for stage, choice in zip(profile.stages, choices):
+    terms = []
+    for i, (stage, choice) in enumerate(zip(profile.stages, choices)):
         option = stage.options[choice]
-        peak = max(peak, option.local_peak_bytes + prefix[-1])
+        terms.append(PeakTerm("stage", i, stage.name, option.local_peak_bytes, prefix[-1]))
         prefix.append(prefix[-1] + option.stored_bytes)
-    for segment in profile.segments:
-        peak = max(peak, segment.peak_bytes + prefix[segment.stages_alive])
-    return peak
+    for k, segment in enumerate(profile.segments):
+        terms.append(PeakTerm("segment", k, segment.name, segment.peak_bytes, prefix[segment.stages_alive]))
+    return terms
+
+
+def binding_term(terms: Sequence[PeakTerm]) -> PeakTerm | None:
+    """The term that attains the peak (the first of equal ones), None without terms."""
+    return max(terms, key=lambda t: t.bytes, default=None)
+
+
+def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
+    """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``: the largest
+    of ``peak_terms``."""
+    term = binding_term(peak_terms(profile, choices))
+    return 0 if term is None else term.bytes
 
 
 def plan_cost(profile: Profile, choices: Sequence[int], kind: str) -> float:

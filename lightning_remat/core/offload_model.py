@@ -40,6 +40,8 @@ from .vocabulary import OPTION_NAMES, OptionKind
 OFFLOAD = OPTION_NAMES[OptionKind.OFFLOAD]
 # Offload only what the host link moves while the next stage's forward runs: free by construction.
 OFFLOAD_HIDDEN = OPTION_NAMES[OptionKind.OFFLOAD_HIDDEN]
+# Recomputed whole, with the input its checkpoint keeps in host memory (copied synchronously both ways).
+OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
 
 
 def is_offload(option_name: str) -> bool:
@@ -87,6 +89,12 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
     for i, stage in enumerate(stages):
         options = []
         nxt = stages[i + 1] if i + 1 < n else None
+        # A checkpoint input sent out and back (synchronously: nothing hides it) on top of the recompute.
+        stage = replace(stage, options=tuple(
+            replace(o, cost_seconds=o.cost_seconds + 2 * o.host_bytes / bandwidth,
+                    cost_flops=o.cost_flops + int(2 * o.host_bytes / bandwidth * flops_per_second),
+                    cost_roofline=o.cost_roofline + 2 * o.host_bytes / bandwidth) if o.input_offloaded else o
+            for o in stage.options))
         hidden = nxt.forward_seconds if nxt is not None else 0.0
         next_peak = max(o.local_peak_bytes for o in nxt.options) if nxt is not None else after_last
         for option in stage.options:
@@ -102,9 +110,9 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
-    """``profile`` with the offload option removed from the given stage indices."""
+    """``profile`` with the offload options (the checkpoint input's too) removed from the given stage indices."""
     return replace(profile, stages=tuple(
-        replace(s, options=tuple(o for o in s.options if not o.offloaded)) if i in stages else s
+        replace(s, options=tuple(o for o in s.options if not o.offloaded and not o.input_offloaded)) if i in stages else s
         for i, s in enumerate(profile.stages)))
 
 
@@ -144,10 +152,14 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
                              f"host's memory fits ({error.args[0].split(':')[0]}). Free host memory, raise the "
                              "budget, or reduce the batch") from None
         if plan.host_bytes <= host_free:
+            if withdrawn and plan.binding is not None:
+                # What binds is then also the host's memory: said with the plan (``core.binding``).
+                plan = replace(plan, binding={**plan.binding, "host_limit_bytes": int(host_free)})
             return plan
         first_host = first_host if first_host is not None else plan.host_bytes
+        moved = {*plan.offloaded, *plan.offloaded_inputs}
         chosen = sorted(((max(o.host_bytes for o in s.options), i) for i, s in enumerate(profile.stages)
-                         if s.name in plan.offloaded), reverse=True)
+                         if s.name in moved), reverse=True)
         excess = plan.host_bytes - host_free
         for host, i in chosen:
             withdrawn.add(i)

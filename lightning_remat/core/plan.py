@@ -19,13 +19,13 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
-from .actions import StageAction, check_actions, module_names, nested_in
+from .actions import StageAction, actions_from_names, check_actions, module_names, module_names_lists
 from .errors import PlanFormatError
 from .plan_checks import check_plan_dict, check_saved_state
-from .vocabulary import Action, CostKind, Policy
+from .vocabulary import Action, CostKind
 
 __all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", "saved_plans"]
 
@@ -44,63 +44,6 @@ class StageChoice:
     baseline_stored_bytes: int
     stored_bytes: int
     cost: float
-
-
-def _legacy_actions(checkpointed: Any, segments: Any, policies: Any, offloaded: Any, offload_limits: Any,
-                    stages: Sequence[str]) -> tuple[StageAction, ...]:
-    """The actions of a plan given as names side by side (as plans were before their actions).
-
-    With ``stages`` (a solved plan's stages in execution order, from its choices), every stage
-    gets an action, in that order: the modules recomputed inside it (itself or its children), its
-    segment, its offload, or keep. Without, the recomputed modules, then the segments' stages, then
-    the offloaded modules, each its own stage.
-    """
-    names = module_names("checkpointed", checkpointed)
-    groups = [module_names("segments", s) for s in _module_names_lists(segments)]
-    moved = module_names("offloaded", offloaded)
-    if not isinstance(policies, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                    for k, v in policies.items()):
-        raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
-    stray = [n for n in policies if n not in names]
-    if stray:
-        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
-    chosen = {n: Policy.check(p) for n, p in policies.items()}
-    limits = {str(k): int(v) for k, v in dict(offload_limits).items()}
-    if not stages:
-        return (*(StageAction.recompute(n, policy=chosen.get(n)) for n in names),
-                *(StageAction.in_segment(s, group) for group in groups for s in group),
-                *(StageAction.offload(n, limits.get(n)) for n in moved))
-    known = set(stages)
-
-    def stage_of(name: str) -> str:
-        owners = [s for s in known if name == s or nested_in(name, s)]
-        return max(owners, key=len) if owners else name
-
-    recomputing: dict[str, list[str]] = {}
-    for name in names:
-        recomputing.setdefault(stage_of(name), []).append(name)
-    actions: list[StageAction] = []
-    # Every stage gets what the names say of it (several actions where they say several things:
-    # ``check_actions`` then says what is wrong), or keep.
-    for stage in dict.fromkeys([*stages, *recomputing, *(s for group in groups for s in group), *moved]):
-        said = len(actions)
-        # One policy per action: modules of a stage under different policies are actions of their own.
-        by_policy: dict[Any, list[str]] = {}
-        for m in recomputing.get(stage, ()):
-            by_policy.setdefault(chosen.get(m), []).append(m)
-        for k, (policy, group) in enumerate(by_policy.items()):
-            actions.append(StageAction.recompute(stage if k == 0 else group[0], group, policy))
-        actions.extend(StageAction.in_segment(stage, group) for group in groups if stage in group)
-        actions.extend(StageAction.offload(stage, limits.get(stage)) for n in moved if n == stage)
-        if len(actions) == said:
-            actions.append(StageAction.keep(stage))
-    return tuple(actions)
-
-
-def _module_names_lists(segments: Any) -> list[Any]:
-    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
-        raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {segments!r}")
-    return list(segments)
 
 
 def _figure(value: Any, kind: type) -> Any:
@@ -137,6 +80,9 @@ class Plan:
         sharding: the profile's ``sharding`` (FSDP2 world size, unsharded parameters in flight);
             empty on one device.
         host_bytes: host memory the offloaded stages take.
+        binding: what binds the predicted peak (``core.binding.Binding.to_dict()``: the term, its
+            bytes split into static memory, stored activations and its own; the optimizer settings
+            that would lower it when the optimizer step binds); None when not predicted.
 
     Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
     alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
@@ -151,7 +97,7 @@ class Plan:
         >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
-        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None),))
+        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None, offload_input=False),))
         >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
@@ -183,6 +129,9 @@ class Plan:
     fingerprint: dict[str, Any]
     sharding: dict[str, Any]
     host_bytes: int
+    # Derived from the profile, as the predicted figures are, but a description of them: a plan
+    # saved before it existed (or sent without it) is the same plan.
+    binding: dict[str, Any] | None = field(compare=False)
 
     def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
                  baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
@@ -193,7 +142,7 @@ class Plan:
                  sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
                  policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
                  host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
-                 actions: Iterable[StageAction] | None = None) -> None:
+                 actions: Iterable[StageAction] | None = None, binding: Mapping[str, Any] | None = None) -> None:
         choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
         named = {k: v for k, v in (("checkpointed", checkpointed), ("segments", segments), ("policies", policies),
                                    ("offloaded", offloaded), ("offload_limits", offload_limits)) if v is not None}
@@ -204,7 +153,7 @@ class Plan:
             if not all(isinstance(a, StageAction) for a in actions):
                 raise TypeError(f"a plan's actions are StageActions, got {actions!r}")
         else:
-            actions = _legacy_actions(checkpointed if checkpointed is not None else (), segments or (),
+            actions = actions_from_names(checkpointed if checkpointed is not None else (), segments or (),
                                       policies if policies is not None else {}, offloaded or (), offload_limits or {},
                                       [c.stage for c in choices])
         if fallback is not None:
@@ -219,7 +168,8 @@ class Plan:
             cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
             parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
             optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
-            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes))
+            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes),
+            binding=copy.deepcopy(dict(binding)) if binding is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -257,6 +207,11 @@ class Plan:
         """Per causal LM head computed with its loss over sequence chunks, the number of chunks
         (``chunk_loss=True``; ``docs/long_context.md``)."""
         return {a.stage: a.chunks for a in self.actions if a.action is Action.CHUNK and a.chunks is not None}
+
+    @property
+    def offloaded_inputs(self) -> list[str]:
+        """Recomputed modules whose checkpoint input goes to host memory (``StageAction.offload_input``)."""
+        return [m for a in self.actions if a.action is Action.RECOMPUTE and a.offload_input for m in a.modules]
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -308,7 +263,7 @@ class Plan:
                 value = [asdict(c) for c in value]
             elif f.name in ("notes",):
                 value = list(value)
-            elif f.name in ("fingerprint", "sharding"):
+            elif f.name in ("fingerprint", "sharding", "binding"):
                 value = copy.deepcopy(value)
             elif f.name == "cost_kind":
                 value = value.value
@@ -330,7 +285,7 @@ class Plan:
         if "offloaded" in legacy:
             legacy["offloaded"] = list(module_names("offloaded", legacy["offloaded"]))
         if "segments" in legacy:
-            legacy["segments"] = [list(module_names("segments", s)) for s in _module_names_lists(legacy["segments"])]
+            legacy["segments"] = [list(module_names("segments", s)) for s in module_names_lists(legacy["segments"])]
         policies = legacy.get("policies", {})
         if not isinstance(policies, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in policies.items()):
             raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")

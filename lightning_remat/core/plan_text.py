@@ -106,6 +106,10 @@ def plan_lines(plan: Any) -> list[str]:
     if chunked:
         lines.append("  head and loss over sequence chunks, each recomputed in backward (chunk_loss; the model returns "
                      "logits=None): " + ", ".join(f"{head} in {k} chunks" for head, k in chunked.items()))
+    inputs = getattr(plan, "offloaded_inputs", [])
+    if inputs:
+        lines.append(f"  recomputed with their checkpoint input in host memory (copied out in forward, back for the "
+                     f"recompute): {len(inputs)} module(s)")
     if plan.predicted_peak_bytes is not None and plan.sharding:
         lines.append(sharded_memory_line(plan))
     elif plan.predicted_peak_bytes is not None:
@@ -117,6 +121,11 @@ def plan_lines(plan: Any) -> list[str]:
             f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
             f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
             "activations, temporaries and the gradients alive at that point")
+    binding = getattr(plan, "binding", None)
+    if binding and plan.predicted_peak_bytes is not None:
+        from .binding import Binding
+
+        lines.append("  " + Binding.from_dict(binding).text())
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines
 

@@ -4,7 +4,7 @@ its solvers return.
 
 Each action names what happens to a stage; the predictor finds the profile's option that does
 that (keep; recompute these modules under this policy; offload up to this limit) and the spans of
-the segments, and prices them with the memory model (``core.spans.predict_peak_spans``,
+the segments, and prices them with the memory model (``core.shared_held.exact_peak``,
 ``plan_cost_spans``). ``actions_of`` is the other direction: the actions of option indices and
 spans, which is what the exact solver finds.
 
@@ -23,12 +23,13 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from .memory_model import Profile, StageOption, StageProfile
+from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
 from .actions import StageAction
-from .spans import block_ranges, plan_cost_spans, predict_peak_spans
+from .shared_held import exact_peak
+from .spans import block_ranges, peak_terms_spans, plan_cost_spans
 from .vocabulary import Action, CostKind
 
 
@@ -41,12 +42,14 @@ class Prediction:
         cost: recompute (and unhidden transfer) cost, in the unit of the cost kind.
         overhead: ``cost`` over the cost of a step without recomputation (0.0 when that is unknown).
         host_bytes: host memory the offloaded stages take.
+        binding: the term of the peak formula that attains the peak (``core.binding.describe`` names it).
     """
 
     peak_bytes: int
     cost: float
     overhead: float
     host_bytes: int
+    binding: PeakTerm | None = field(default=None, repr=False, compare=False)
 
 
 def _does(option: StageOption, action: StageAction) -> bool:
@@ -56,7 +59,7 @@ def _does(option: StageOption, action: StageAction) -> bool:
         return option.chunks == action.chunks
     if action.action is Action.RECOMPUTE:
         return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
-                and not option.offloaded)
+                and not option.offloaded and option.input_offloaded == action.offload_input)
     if action.action is Action.OFFLOAD:
         return bool(option.offloaded) and not option.checkpointed and (option.offload_limit or None) == action.offload_limit
     return False
@@ -123,8 +126,11 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     extra = plan_cost_spans(profile, choices, kind, spans)
     baseline = profile.baseline_cost(kind)
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
-    return Prediction(peak_bytes=int(predict_peak_spans(profile, choices, spans)), cost=float(extra),
-                      overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host))
+    # The peak counts an input several recomputed stages' checkpoints hold once (core.shared_held);
+    # the term that binds is read from the same formula's terms, which count it in every holder.
+    term = binding_term(peak_terms_spans(profile, choices, spans))
+    return Prediction(peak_bytes=int(exact_peak(profile, choices, spans)), cost=float(extra),
+                      overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host), binding=term)
 
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
@@ -166,7 +172,8 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
         elif option.chunks:
             actions.append(StageAction.chunk(stage.name, option.chunks))
         elif option.checkpointed:
-            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None))
+            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
+                                                 offload_input=option.input_offloaded))
         else:
             actions.append(StageAction.keep(stage.name))
     return tuple(actions)

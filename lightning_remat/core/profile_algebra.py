@@ -117,6 +117,9 @@ _DECLARED: dict[tuple[type, str], Quantity | None] = {
     (Profile, "baseline_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True, derive=_baseline_peak),
     # Which stages are alive while the segment runs: part of what the segment is, not a measure.
     (Segment, "stages_alive"): None,
+    # The bytes of the shared inputs it may leave out (``core.shared_held``): tensors of a fixed size
+    # (``position_ids``), the same at any batch and depth, so carried as they are, never scaled.
+    (Segment, "shared_saving"): None,
 }
 
 
@@ -244,8 +247,8 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
     Example:
         >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
         {'peak_bytes': 70}
-        >>> combine_fields([Segment("head", 1, 50), Segment("head", 1, 70)], largest, lambda o, n, v: v[-1])
-        {'name': 'head', 'stages_alive': 1, 'peak_bytes': 70}
+        >>> combine_fields([Segment("head", 1, 50), Segment("head", 1, 70)], largest, lambda o, n, v: v[-1])["stages_alive"]
+        1
     """
     present = [n for n in nodes if n is not None]
     owner = type(present[0])

@@ -14,16 +14,18 @@ frontier over (stored bytes, peak so far), then the least-cost plan at that peak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 
+from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .spans import block_ranges, span_rows, predict_peak_spans, span_option
+from .shared_held import exact_peak, slack
+from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
@@ -37,10 +39,13 @@ MAX_FRONTIER = 1_000
 
 @dataclass
 class _Arrays:
-    stored: np.ndarray  # [stage, option] bytes, -1 where a stage has fewer options
+    stored: np.ndarray  # [stage, option] bytes (below zero where a sharded stage frees more than it keeps)
     local: np.ndarray  # [stage, option] local peak bytes
     cost: np.ndarray  # [stage, option]
     segment_peak: np.ndarray  # [k] the largest segment peak with k stages alive, -inf if none
+    # [stage] how many options it has: the rows beyond are padding (not a -1 in ``stored``, which a
+    # sharded stage's real figure can be).
+    options: np.ndarray = None  # type: ignore[assignment]
 
 
 def _arrays(profile: Profile, kind: str) -> _Arrays:
@@ -54,12 +59,15 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
             stored[i, j] = option.stored_bytes
             local[i, j] = option.local_peak_bytes
             cost[i, j] = option.cost(kind)
-    segment_peak = np.full(n + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    # "No segment here": far below any figure, yet far enough from int64's least that adding stored
+    # bytes below zero (a sharded stage's) does not wrap around to a huge peak.
+    segment_peak = np.full(n + 1, -(2**62), dtype=np.int64)
     for segment in profile.segments:
         if not 0 <= segment.stages_alive <= n:
             raise ValueError(f"segment {segment.name!r} has stages_alive={segment.stages_alive} outside 0..{n}")
         segment_peak[segment.stages_alive] = max(segment_peak[segment.stages_alive], segment.peak_bytes)
-    return _Arrays(stored, local, cost, segment_peak)
+    return _Arrays(stored, local, cost, segment_peak,
+                   np.array([len(s.options) for s in profile.stages], dtype=np.int64))
 
 
 def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -111,7 +119,7 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
     for p in range(1, n + 1):
         i = p - 1
         rows = [(i, arrays.stored[i, j], arrays.local[i, j], arrays.cost[i, j], j)
-                for j in range(arrays.stored.shape[1]) if arrays.stored[i, j] >= 0]
+                for j in range(int(arrays.options[i]))]
         origin = np.array([r[0] for r in rows], dtype=np.int64)
         t_stored = np.array([r[1] for r in rows], dtype=np.int64)
         t_local = np.array([r[2] for r in rows], dtype=np.int64)
@@ -184,7 +192,7 @@ def least_peak(profile: Profile) -> int:
         160
     """
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
-    return predict_peak_spans(profile, choices, spans)
+    return exact_peak(profile, choices, spans)
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
@@ -206,12 +214,31 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
     spans = _span_transitions(profile, cost)
-    if budget == MIN_BUDGET:
-        budget = predict_peak_spans(profile, *_frontier_dp(arrays, None, spans))
+    least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
+    if least is not None:
+        budget = exact_peak(profile, *least)
     found = _frontier_dp(arrays, int(budget), spans)
+    if found is None and slack(profile):
+        found = _counted_once(profile, arrays, spans, int(budget), least)
     if found is None:
         raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
     return Solution(*found)
+
+
+def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
+                  least: tuple | None) -> tuple | None:
+    """A plan within ``budget`` once each input several checkpoints hold is counted once
+    (``core.shared_held``), where the DP's additive model, which counts it per holder, finds none.
+
+    The search is widened by the most the additive model can count too much; the cheapest plan of
+    the wider search is kept if its exact peak is within the budget (every plan that truly fits is
+    in the wider search, so it is then the cheapest that fits), else the plan of least peak if that fits.
+    """
+    wider = _frontier_dp(arrays, budget + slack(profile), spans)
+    if wider is not None and exact_peak(profile, *wider) <= budget:
+        return wider
+    least = least or _frontier_dp(arrays, None, spans)
+    return least if least is not None and exact_peak(profile, *least) <= budget else None
 
 
 def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> list[int]:
@@ -272,7 +299,19 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         notes=profile.notes,
         sharding=profile.sharding,
         host_bytes=predicted.host_bytes,
+        binding=_binding(profile, predicted.binding),
     )
+
+
+def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
+    """What binds the plan's peak (``core.binding``), with the optimizer settings that would lower
+    it when the optimizer step binds."""
+    if term is None:
+        return None
+    found = describe(profile, term)
+    if found.term == OPTIMIZER:
+        found = replace(found, advice=optimizer_advice(profile, least_peak))
+    return found.to_dict()
 
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
@@ -323,5 +362,5 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     found = solve_segmentation(profile, parsed, cost)
-    budget_bytes = predict_peak_spans(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
+    budget_bytes = exact_peak(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
     return plan_from_choices(profile, found.choices, budget_bytes, cost, requested_budget=str(budget), spans=found.spans)

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .memory_model import Profile, predict_peak
+from .memory_model import PeakTerm, Profile, binding_term, peak_terms
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
 
@@ -263,32 +263,39 @@ def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence
         >>> predict_peak_spans(p, [1, 1, 1]), predict_peak_spans(p, [0, 0, 0], [(0, 2)])
         (180, 360)
     """
+    term = binding_term(peak_terms_spans(profile, choices, spans))
+    return 0 if term is None else term.bytes
+
+
+def peak_terms_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> list[PeakTerm]:
+    """Every term of ``predict_peak_spans``: stages and spans in order (a span's term is named
+    ``first..last``), then the segments not inside a span."""
     spans = _check_spans(len(profile.stages), spans)
     if not spans:
-        return predict_peak(profile, choices)
+        return peak_terms(profile, choices)
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     starting = {first: last for first, last in spans}
     inside: set[int] = set()
     prefix = {0: 0}
-    peak, stored, i = 0, 0, 0
+    terms: list[PeakTerm] = []
+    stored, i = 0, 0
     while i < len(profile.stages):
         if i in starting:
             span = span_option(profile, i, starting[i])
-            peak = max(peak, span.local_peak_bytes + stored)
+            terms.append(PeakTerm("span", i, f"{span.names[0]}..{span.names[-1]}", span.local_peak_bytes, stored))
             stored += span.stored_bytes
             inside.update(range(i + 1, span.last + 1))
             i = span.last + 1
         else:
             option = profile.stages[i].options[choices[i]]
-            peak = max(peak, option.local_peak_bytes + stored)
+            terms.append(PeakTerm("stage", i, profile.stages[i].name, option.local_peak_bytes, stored))
             stored += option.stored_bytes
             i += 1
         prefix[i] = stored
-    for segment in profile.segments:
-        if segment.stages_alive not in inside:
-            peak = max(peak, segment.peak_bytes + prefix[segment.stages_alive])
-    return peak
+    terms.extend(PeakTerm("segment", k, segment.name, segment.peak_bytes, prefix[segment.stages_alive])
+                 for k, segment in enumerate(profile.segments) if segment.stages_alive not in inside)
+    return terms
 
 
 def plan_cost_spans(profile: Profile, choices: Sequence[int], kind: str, spans: Sequence[tuple[int, int]] = ()) -> float:

@@ -124,6 +124,7 @@ class OptionKind(_Words):
     OFFLOAD = "offload"  # saved tensors to host memory and back
     OFFLOAD_HIDDEN = "offload-hidden"  # only what the host link moves while the next stage computes
     CHUNKS = "chunks"  # the LM head and its loss over sequence chunks, each recomputed in backward ("chunks:8")
+    OFFLOAD_INPUT = "offload-input"  # recomputed whole, the input its checkpoint keeps on the host
 
     @classmethod
     def of(cls, name: str) -> "OptionKind":
@@ -139,7 +140,7 @@ class OptionKind(_Words):
 
 # The option names of the kinds that have one fixed name.
 OPTION_NAMES = {OptionKind.KEEP: "keep", OptionKind.WHOLE: "whole", OptionKind.OFFLOAD: "offload",
-                OptionKind.OFFLOAD_HIDDEN: "offload:hidden"}
+                OptionKind.OFFLOAD_HIDDEN: "offload:hidden", OptionKind.OFFLOAD_INPUT: "whole+offload-input"}
 _FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
 
 

@@ -66,6 +66,10 @@ class BatchSearch:
         self.host_free: int | None = None  # host memory free for offloading (bytes), read when first needed
         self.verbose = True  # the planning service's progress display while a profile runs long
 
+    def step_at(self, batch_size: int) -> Step:
+        """The user's step at ``batch_size`` (``ShardedBatchSearch`` makes it on every rank at once)."""
+        return self.make_step(batch_size)
+
     # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         options = replace(self.config.profile, warmup=warmup)
@@ -76,7 +80,7 @@ class BatchSearch:
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
-                return profiling.profile_step(self.model, self.counter.wrap(self.make_step(batch_size), batch_size),
+                return profiling.profile_step(self.model, self.counter.wrap(self.step_at(batch_size), batch_size),
                                               optimizer=self.optimizer, options=options)
         except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(exception):
@@ -155,14 +159,14 @@ class BatchSearch:
 
     def _solve(self, profile: Profile, budget: int) -> Plan:
         """``solve``; with offload options, within the host's free memory (as ``Planner.solve_profile``)."""
-        if not any(o.offloaded for s in profile.stages for o in s.options):
+        if not any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             return solve(profile, budget, cost=self.cost)
         from ..core.offload_model import solve_within_host
-        from ..runtime.targets.offload_link import host_free_bytes
+        from ..runtime.targets.offload_link import host_limit_bytes
 
         if self.host_free is None:
             # Read once per search: the same limit for every batch size (and the plans stay cached).
-            self.host_free = host_free_bytes()
+            self.host_free = host_limit_bytes(self.config.profile)
         return solve_within_host(profile, self.host_free, lambda p: solve(p, budget, cost=self.cost))
 
     def _note_host_limit(self, batch_size: int, error: Exception) -> None:
@@ -174,7 +178,7 @@ class BatchSearch:
 
     def run_trial(self, batch_size: int, plan: Plan) -> Trial:
         """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""
-        return run_trial(self.model, self.make_step(batch_size), self.optimizer, batch_size, plan.checkpointed,
+        return run_trial(self.model, self.step_at(batch_size), self.optimizer, batch_size, plan.checkpointed,
                          self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
                          segments=plan.segments, policies=getattr(plan, "policies", None),
                          plan=plan if plan.offloaded else None)

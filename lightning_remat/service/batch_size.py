@@ -59,6 +59,7 @@ from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
 from ..runtime.installing.fingerprint import bound
 from ..runtime.profiling.candidates import CandidateSpec
+from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import model_device
 from ..runtime.targets.offload_link import check_offload_target
 from ..runtime.measuring.trial import Trial
@@ -192,6 +193,7 @@ def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimi
                               channel=channel)
 
 
+@exclusive()
 def find_remat_batch_size(
     model: nn.Module,
     make_step: MakeStep,

@@ -16,6 +16,9 @@ failed, so that no rank waits for one that gave up:
 - ``from_main(compute)``: rank 0 computes; every rank gets its value, or raises its error;
 - ``on_every_rank(compute)``: every rank computes; every rank gets all the values in rank order,
   or raises the error of the first rank that failed (``outcomes`` gives the values and errors).
+  A rank whose work ended early says so on the process group's store before any collective, and
+  when another rank is left waiting in a collective of the work, the group is aborted and every
+  rank raises its error within seconds (``rank_failures``).
 
 An error of ours (``RematError``) travels as itself, message, hint and fields intact; any other
 error (arbitrary exceptions may not pickle) as a ``PlanningFailedError`` naming the rank, the
@@ -39,6 +42,7 @@ import torch
 
 from ..core.errors import PlanningFailedError, RematError
 from ..runtime.measuring.measure import is_out_of_memory
+from .rank_failures import section_board, settle, verdict_or
 
 T = TypeVar("T")
 
@@ -126,18 +130,23 @@ class Channel:
             raise error
         return value  # type: ignore[return-value]
 
-    def outcomes(self, compute: Callable[[], T], *,
-                 action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
+    def outcomes(self, compute: Callable[[], T], *, action: str = "profiling",
+                 ended_early: Callable[[T], bool] | None = None) -> list[tuple[T | None, BaseException | None]]:
         """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank
-        (errors as ``travelling`` makes them). Nothing is raised."""
-        return self._attempt_on_every_rank(compute, action)[1]
+        (errors as ``travelling`` makes them). Nothing is raised, except when a rank's work ended
+        early while another waited in a collective for it (``rank_failures``: the group is aborted).
 
-    def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling") -> list[T]:
+        ``ended_early(value)``: whether a value means this rank stopped before the others could
+        finish (an out-of-memory error caught inside, as a trial does), as an error does."""
+        return self._attempt_on_every_rank(compute, action, ended_early)[1]
+
+    def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
+                      ended_early: Callable[[T], bool] | None = None) -> list[T]:
         """``compute()`` on every rank; every rank's value in rank order, or the error of the first
-        rank that failed raised on every rank."""
+        rank that failed raised on every rank (``ended_early`` as in ``outcomes``)."""
         if not self.distributed:
             return [compute()]
-        attempt, results = self._attempt_on_every_rank(compute, action)
+        attempt, results = self._attempt_on_every_rank(compute, action, ended_early)
         failed = next((rank for rank, (_, error) in enumerate(results) if error is not None), None)
         if failed == self.rank:
             attempt.raise_if_failed()  # this rank's own error, from its original
@@ -145,10 +154,26 @@ class Channel:
             raise results[failed][1]  # type: ignore[misc]
         return [value for value, _ in results]  # type: ignore[misc]
 
-    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str) -> tuple["_Attempt", list]:
+    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str,
+                               ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
         attempt = _Attempt()
         attempt.run(compute, self.rank, action)
-        return attempt, self.gather((attempt.value, attempt.error))
+        # A rank that stopped early must not enter the gather while another waits in a collective
+        # of the work for it (a mismatched collective: gloo aborts the process).
+        board = section_board(self)
+        try:
+            settle(board, attempt.early(ended_early, self.rank, action))
+        except Exception as verdict:
+            if attempt.original is None or verdict is attempt.original:
+                raise
+            raise verdict from attempt.original
+        try:
+            return attempt, self.gather((attempt.value, attempt.error))
+        except Exception as error:  # noqa: BLE001 - the verdict of a rank that aborted the group, if any
+            verdict = verdict_or(board, error)
+            if verdict is error:
+                raise
+            raise verdict from error
 
 
 class _Attempt:
@@ -163,6 +188,15 @@ class _Attempt:
             self.value = compute()
         except Exception as caught:  # noqa: BLE001 - every rank raises it, once all have heard of it
             self.original, self.error = caught, travelling(caught, rank, action)
+
+    def early(self, ended_early: Callable[[Any], bool] | None, rank: int, action: str) -> BaseException | None:
+        """Why this rank's work ended before the others could finish theirs: its error, or an
+        out-of-memory error for a value ``ended_early`` flags; None when it finished."""
+        if self.error is not None or ended_early is None or not ended_early(self.value):
+            return self.error
+        stopped = PlanningFailedError(f"out of memory on rank {rank} while {action}")
+        stopped.out_of_memory = True  # type: ignore[attr-defined]
+        return stopped
 
     def raise_if_failed(self) -> None:
         if self.error is None:

@@ -8,7 +8,7 @@ the batch-size search and the command line all go through it.
 - ``Planner.shared_plan``: rank 0 decides, every rank gets the same plan or the same error, through
   the channel between ranks the integration has (``channel.Channel``); for a model sharded with
   FSDP2 every rank profiles in lockstep (``sharded_planning.lockstep_plan``).
-- ``plan_metrics``: the ``remat/...`` figures every integration logs.
+- ``plan_metrics`` (``plan_figures``): the ``remat/...`` figures every integration logs.
 
 Example:
     >>> import torch
@@ -18,7 +18,7 @@ Example:
     >>> planner = Planner(RematConfig("min", cost="flops"))
     >>> plan = planner.decide(net, lambda m: m(x).square().mean())
     >>> sorted(plan_metrics(plan))[:3]
-    ['remat/baseline_peak_bytes', 'remat/budget_bytes', 'remat/num_checkpointed']
+    ['remat/baseline_peak_bytes', 'remat/binds/own_bytes', 'remat/binds/stage']
 """
 
 from __future__ import annotations
@@ -39,73 +39,13 @@ from ..core.solve import solve_recompute_everything
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.installing.fingerprint import bound
+from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
+from .plan_figures import FALLBACK_PLAN, MEASURED_TIME_NOTE, METRIC_PREFIX, over_budget, plan_metrics
 from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
-
-METRIC_PREFIX = "remat/"
-# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
-MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
-                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
-                      "or cost='roofline' give figures that do not move")
-
-
-def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
-    """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
-
-    Only what is known is reported: a figure the plan does not have (None: a plan made without a
-    profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
-
-    Example:
-        >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
-        >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
-        88.0
-        >>> sorted(plan_metrics(solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")))
-        ['remat/num_checkpointed']
-    """
-    metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
-    figures = {"budget_bytes": plan.budget_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
-               "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead}
-    metrics.update({name: value for name, value in figures.items() if value is not None})
-    if plan.offloaded:
-        metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
-    if measured_peak_bytes is not None:
-        metrics["measured_peak_bytes"] = measured_peak_bytes
-    return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
-
-
-def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step") -> str | None:
-    """The warning every integration gives when a step it measured peaked above the plan's budget
-    (None when it did not, or the plan has no byte budget).
-
-    Example:
-        >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
-        ...             predicted_overhead=0.1)
-        >>> over_budget(990, plan) is None
-        True
-        >>> print(over_budget(1100, plan, "step 7 (4x128)"))
-        lightning-remat: step 7 (4x128) peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): memory the profile did not see. Lower the budget by the difference.
-    """
-    from ..core.budget import format_bytes
-
-    budget = plan.budget_bytes
-    if budget is None or measured_peak_bytes <= budget:
-        return None
-    over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
-            f"above the budget of {format_bytes(budget)} ({budget} bytes")
-    if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
-        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. Every candidate block is recomputed already: "
-                "reduce the batch size, raise the budget, or name more candidates.")
-    predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
-    return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
-
-
-# What a plan made without a profile is, in every message that reports on it.
-FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
-                 "ran out of memory)")
-
 
 @dataclass
 class PlanOutcome:
@@ -157,8 +97,6 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     free, _ = torch.cuda.mem_get_info(device)
     available = int(free) + int(torch.cuda.memory_reserved(device))
     if budget > available:
-        from ..core.budget import format_bytes
-
         warnings.warn(f"lightning-remat: the budget ({format_bytes(budget)}) is above what {device} has available to "
                       f"this process ({format_bytes(available)}: free memory and this process's cache): the device "
                       "would run out before the budget binds. Lower the budget.", UserWarning, stacklevel=3)
@@ -195,10 +133,25 @@ class Planner:
         # A progress display while deciding takes longer than a few seconds (rank 0, on a terminal).
         self.verbose = verbose
 
+    @exclusive()
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
-        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
-        return self.solve_profile(model, self.profile(model, step, optimizer, adjust=adjust, warmup=warmup))
+        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first);
+        a ``BudgetTooSmallError`` names the knobs that would reach it (``solve_or_advise``)."""
+        return self.solve_or_advise(model, step, optimizer, self.profile(model, step, optimizer, adjust=adjust,
+                                                                         warmup=warmup))
+
+    def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
+        """``solve_profile``; when no plan fits, its ``BudgetTooSmallError`` with each knob that
+        lowers the least peak and the peak it gives, predicted (``service.knobs``)."""
+        try:
+            return self.solve_profile(model, profile)
+        except BudgetTooSmallError as error:
+            failed = error
+        from .knobs import KnobContext, advise
+
+        budget = self.config.budget_bytes(model_device(model))
+        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(budget)))
 
     def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
@@ -226,12 +179,13 @@ class Planner:
         """The least-cost plan within the budget for ``profile``."""
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        if any(o.offloaded for s in profile.stages for o in s.options):
+        if any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
-            from ..runtime.targets.offload_link import host_free_bytes
+            from ..runtime.targets.offload_link import host_limit_bytes
 
-            plan = solve_within_host(profile, host_free_bytes(), lambda p: solve_sharded(p, budget, self.config.cost))
+            plan = solve_within_host(profile, host_limit_bytes(self.config.profile),
+                                     lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
         notes = plan.notes
@@ -266,6 +220,7 @@ class Planner:
                       f"predicted: {checked}.", UserWarning, stacklevel=3)
         return bound(solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note), model)
 
+    @exclusive()
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
                     lockstep: bool | None = None, is_main: bool = True, broadcast: Callable[[Any], Any] | None = None,
@@ -301,7 +256,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
-               repeated_blocks: bool = True, chunk_loss: bool = False, verbose: bool = True) -> Plan:
+               repeated_blocks: bool = True, chunk_loss: bool = False, host_memory: int | str | None = None,
+               verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Args:
@@ -332,7 +288,10 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
-            more host memory than the host has free. ``plan.offloaded`` names those stages.
+            more host memory than ``host_memory``. ``plan.offloaded`` names those stages.
+        host_memory: the host memory offloading may use ("256GB"); by default a fake profile for a
+            named GPU takes that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), any
+            other profile this machine's free memory.
         repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
             False profiles all N.
         chunk_loss: a causal LM's head and loss are a stage too, whole or over 2-32 sequence chunks
@@ -369,7 +328,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
-        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss))
+        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss, host_memory=host_memory))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).

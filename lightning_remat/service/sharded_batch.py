@@ -31,6 +31,7 @@ from typing import Any, Callable
 from ..core.errors import PlanningFailedError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
+from ..runtime.measuring.measure import Step
 from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch
 from .channel import Channel, FunctionChannel
@@ -70,12 +71,21 @@ class ShardedBatchSearch(BatchSearch):
         self.notes.append(f"searched on each of {self.channel.world_size} ranks in lockstep (the model is sharded "
                           "with FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
 
-    def _all(self, compute: Callable[[], Any]) -> list:
-        """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all."""
-        return self.channel.on_every_rank(compute, action="profiling")
+    def _all(self, compute: Callable[[], Any], action: str) -> list:
+        """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all.
+        A value that says this rank ran out of memory part-way (no profile; a trial out of memory)
+        ended its passes early, as an error does (``channel.outcomes``)."""
+        return self.channel.on_every_rank(compute, action=action, ended_early=_out_of_memory)
+
+    def step_at(self, batch_size: int) -> Step:
+        # make_step runs no collective: it runs on every rank and they compare notes before any pass,
+        # so one rank's error is every rank's and the process group stays usable.
+        made: list[Step] = []
+        self._all(lambda: made.append(super(ShardedBatchSearch, self).step_at(batch_size)), "making the step")
+        return made[0]
 
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
-        profiles = self._all(lambda: super(ShardedBatchSearch, self)._profile_at(batch_size, warmup))
+        profiles = self._all(lambda: super(ShardedBatchSearch, self)._profile_at(batch_size, warmup), "profiling")
         if any(p is None for p in profiles):  # out of memory on some rank: on all
             return None
         return merge_profiles(profiles)
@@ -87,8 +97,12 @@ class ShardedBatchSearch(BatchSearch):
         if any(c != choices[0] for c in choices):
             raise PlanningFailedError(f"the ranks chose different trials (batch size, plan): {choices}; the "
                                       "batch-size search needs the same model and batch shapes on every rank")
-        trials = self._all(lambda: super(ShardedBatchSearch, self).run_trial(batch_size, plan))
+        trials = self._all(lambda: super(ShardedBatchSearch, self).run_trial(batch_size, plan), "running a trial")
         return combine_trials(trials, self.budget_bytes)
+
+
+def _out_of_memory(value: Any) -> bool:
+    return value is None or bool(getattr(value, "out_of_memory", False))
 
 
 def shared_budget(budget_bytes: int, channel: Channel) -> int:

@@ -209,9 +209,9 @@ def run_plan(args: argparse.Namespace) -> int:
         breakdown = _breakdown(args, target, profile)
         advance("solving")
         try:
-            plan = planner.solve_profile(target.model, profile)
+            plan = planner.solve_or_advise(target.model, target.step, target.optimizer, profile)
         except BudgetTooSmallError as err:
-            result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes)
+            result.update(error=str(err), smallest_peak_bytes=err.smallest_peak_bytes, knobs=err.knobs)
             if isinstance(err, ShardedBudgetTooSmallError):
                 result.update(world_size=err.world_size, smallest_world_size=err.smallest_world_size)
         except RematError as err:  # the host memory cannot hold what the budget needs offloaded
@@ -222,6 +222,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result.update({
         "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
+        "binding": plan.binding if plan is not None else None,
         "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
         "pareto": [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
                     "predicted_overhead": _finite(p.predicted_overhead), "modules": p.modules, "feasible": p.feasible}

@@ -14,7 +14,6 @@ from typing import Any, Sequence
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import SkippedStepError
@@ -36,23 +35,7 @@ from .loop_peaks import LoopPeaks
 from .measured_peak import figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
-
-
-def _optimizers(trainer: Trainer) -> list:
-    """Every optimizer of the run (several under manual optimization): each one's state and step count."""
-    return list(trainer.optimizers)
-
-
-def _loop_allowance(profile: Any) -> Any:
-    """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
-    and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
-    from ...runtime.profiling.profile_adjust import with_always_alive
-
-    return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
-                             "Lightning's loop keeps alive through a step; counted in every term")
-
-
-LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
+from .trainer_terms import LOOP_ALLOWANCE, config_for, loop_allowance, trainer_optimizers  # noqa: F401 (LOOP_ALLOWANCE: its old path)
 
 
 class AutoRemat(Callback):
@@ -246,7 +229,7 @@ class AutoRemat(Callback):
             elif batch_idx % window == 0:
                 # One meter over a whole accumulation window: every micro-batch and the optimizer step.
                 self._measure_in, self._window_left = None, window
-                self._meter = PeakWindow(pl_module, _optimizers(trainer) or None)
+                self._meter = PeakWindow(pl_module, trainer_optimizers(trainer) or None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -325,7 +308,7 @@ class AutoRemat(Callback):
         if not isinstance(budget, int):  # "min": the plan's least peak, once there is a plan
             budget = self.plan.budget_bytes if self.plan is not None else None
         if budget is not None:
-            self.loop_peaks.check(loop, pl_module, batch, _optimizers(trainer), budget)
+            self.loop_peaks.check(loop, pl_module, batch, trainer_optimizers(trainer), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """FSDP2: a sharded model has no fake twin, so the first batch, and a batch larger than the
@@ -336,9 +319,9 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        plan = Planner(self._config_for(trainer), verbose=self.verbose).shared_plan(
-            pl_module, self._step_for(batch, batch_idx), _optimizers(trainer) or None, channel=channel,
-            hint=f"(AutoRemat, budget={self.budget!r})", adjust=_loop_allowance)
+        plan = Planner(config_for(self.config, trainer), verbose=self.verbose).shared_plan(
+            pl_module, self._step_for(batch, batch_idx), trainer_optimizers(trainer) or None, channel=channel,
+            hint=f"(AutoRemat, budget={self.budget!r})", adjust=loop_allowance)
         self.profile_count += 1
         self.plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(pl_module, batch)})
         self._apply(trainer, pl_module, self.plan)
@@ -355,7 +338,7 @@ class AutoRemat(Callback):
                 saved = {batch_shape(batch): self.plan}
             self.shape_plans = training_step_shape_plans(
                 pl_module, trainer, lambda any_batch: self._step_for(any_batch, self._batch_idx),
-                config=self._config_for(trainer), adjust=_loop_allowance,
+                config=config_for(self.config, trainer), adjust=loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
             self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
@@ -381,15 +364,6 @@ class AutoRemat(Callback):
                            f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:
             self._measure_in = 0
-
-    def _config_for(self, trainer: Trainer) -> RematConfig:
-        """The settings, with what this trainer adds to the memory of a step: gradient
-        accumulation, and DDP's gradient buckets."""
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return replace(self.config, profile=replace(
-            self.config.profile, accumulation_steps=max(1, trainer.accumulate_grad_batches),
-            gradient_buckets=isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1))
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
         # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so

@@ -54,6 +54,24 @@ def is_compiled(model: nn.Module) -> bool:
     return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
 
 
+def runs_compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s step runs under torch.compile: it holds a compile wrapper (``is_compiled``),
+    a module of it was compiled in place (``module.compile()``), or it is a LightningModule given to
+    ``Trainer.fit`` compiled (Lightning unwraps it and compiles its steps: ``_compiler_ctx``). What
+    recompute is priced as (``roofline.option_costs``).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> runs_compiled(net)
+        False
+        >>> net[0].compile()
+        >>> runs_compiled(net)
+        True
+    """
+    return is_compiled(model) or any(getattr(m, "_compiled_call_impl", None) is not None
+                                     or getattr(m, "_compiler_ctx", None) for m in model.modules())
+
+
 def _ddp() -> type | tuple:
     try:
         from torch.nn.parallel import DistributedDataParallel

@@ -8,6 +8,8 @@ attribute that composes them, as torch composes a checkpoint's ``context_fn`` wi
   RNG state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute;
 - op-level policy: the checkpoint's ``context_fn`` is the policy's pair of contexts (``sac.py``), and
   nothing else, so it is the same eagerly and under ``torch.compile``;
+- checkpoint input to the host: a recomputed module's checkpoint keeps a host copy of its input
+  (``input_offload.py``);
 - offload: the call runs under ``saved_tensors_hooks`` that send what it saves to host memory
   (``offloader.py``), outside the checkpoint;
 - chunked loss: a causal LM hands its labels to its head, whose forward returns the loss computed
@@ -53,32 +55,15 @@ from ...core.plan import Plan
 from ...core.vocabulary import Action
 from . import chunked_loss, sac
 from .compiled import uncompiled
+from .input_offload import InputOffload, checkpointed_with_host_input
 from .offloader import Offloader, offloaded_call, release_after_next
+from .records import (RECORD, Record, input_offload_of, installed_segments, offloaded, offloader_of,
+                      recomputed)
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
 
 __all__ = ["Installation", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
            "offloader_of", "qualifies", "recomputed", "restore", "segment_positions", "snapshot", "uninstall",
            "uninstall_offload", "uninstall_segments"]
-
-_RECORD = "_remat_installed"  # in a module's __dict__: its _Record
-
-
-@dataclass
-class _Record:
-    """What the installer did to one module: the forward it had, and the behaviours it now runs."""
-
-    original: Callable[..., Any]
-    had_instance_forward: bool
-    recompute: bool = False
-    policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
-    offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
-    release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
-    chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
-    route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
-
-    def empty(self) -> bool:
-        return not self.recompute and self.offload is None and not self.chunks and self.route is None
-
 
 # ------------------------------------------------------------------------------------ the forward
 
@@ -125,7 +110,7 @@ def _recomputing() -> bool:
 
 def _run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The checkpointed function: the original forward, running statistics restored on recompute."""
-    original = module.__dict__[_RECORD].original
+    original = module.__dict__[RECORD].original
     # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
     # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
     # and runs this frame eagerly in backward) updates them again, and is undone here.
@@ -144,18 +129,22 @@ def _run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _recomputed_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    record = module.__dict__[_RECORD]
+    record = module.__dict__[RECORD]
     if not record.recompute or not _needs_graph(args, kwargs, module):
         return record.original(*args, **kwargs)
     # An op-level policy is the whole context_fn (BatchNorm statistics are restored above).
     extra = {"context_fn": sac.context_fn(record.policy)} if record.policy else {}
+    if record.input_offload is not None:
+        offload, name = record.input_offload
+        return checkpointed_with_host_input(offload, name, functools.partial(_run_original, module), args, kwargs,
+                                            dict(preserve_rng_state=True, **extra))
     return checkpoint(functools.partial(_run_original, module), *args, use_reentrant=False, preserve_rng_state=True,
                       **extra, **kwargs)
 
 
 def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module with a record: its behaviours around its original forward."""
-    record = module.__dict__[_RECORD]
+    record = module.__dict__[RECORD]
     if record.route is not None:
         return chunked_loss.routed_call(record.original, module, record.route, *args, **kwargs)
     if record.chunks:
@@ -167,22 +156,22 @@ def _installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                           functools.partial(_recomputed_call, module), args, kwargs)
 
 
-def _record(module: nn.Module) -> _Record:
+def _record(module: nn.Module) -> Record:
     """The module's record, made (and its forward patched, once) on first use. The forward is
     patched first: a module that refuses it (its ``__setattr__`` raises) is left without a record."""
-    if _RECORD not in module.__dict__:
-        record = _Record(module.forward, "forward" in module.__dict__)
+    if RECORD not in module.__dict__:
+        record = Record(module.forward, "forward" in module.__dict__)
         module.forward = functools.partial(_installed_forward, module)  # type: ignore[method-assign]
-        module.__dict__[_RECORD] = record
-    return module.__dict__[_RECORD]
+        module.__dict__[RECORD] = record
+    return module.__dict__[RECORD]
 
 
 def _settle(module: nn.Module) -> None:
     """Give a module without behaviours its own forward back exactly."""
-    record = module.__dict__.get(_RECORD)
+    record = module.__dict__.get(RECORD)
     if record is None or not record.empty():
         return
-    del module.__dict__[_RECORD]
+    del module.__dict__[RECORD]
     if record.had_instance_forward:
         module.forward = record.original  # type: ignore[method-assign]
     else:
@@ -253,13 +242,13 @@ def install_offload(model: nn.Module, names: Sequence[str], order: Sequence[str]
         if i is not None and i + 1 < len(position):
             # The next stage's forward ran: this stage's copies are done, its device tensors may go.
             nxt = modules[order[i + 1]]  # type: ignore[index]
-            modules[name].__dict__[_RECORD].release_hook = nxt.register_forward_hook(release_after_next(offloader, name))
+            modules[name].__dict__[RECORD].release_hook = nxt.register_forward_hook(release_after_next(offloader, name))
     return offloader
 
 
 def uninstall_offload(model: nn.Module) -> None:
     for module in list(model.modules()):
-        record = module.__dict__.get(_RECORD)
+        record = module.__dict__.get(RECORD)
         if record is not None and record.offload is not None:
             if record.release_hook is not None:
                 record.release_hook.remove()
@@ -291,7 +280,7 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
         uninstall(plain)
         try:
             _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
-                     plan.offload_limits, plan.stage_order if order is None else order, measure)
+                     plan.offload_limits, plan.stage_order if order is None else order, measure, plan.offloaded_inputs)
             _install_chunks(modules, plan.chunked_loss)
         except BaseException:
             restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
@@ -308,10 +297,13 @@ def _install_chunks(modules: dict[str, nn.Module], chunks: dict[str, int]) -> No
 
 def _install(plain: nn.Module, modules: dict[str, nn.Module], policies: dict[str, str], recompute: Sequence[str],
              segments: Sequence[Sequence[str]], offload: Sequence[str], limits: dict[str, int],
-             order: Sequence[str] | None, measure: bool) -> None:
+             order: Sequence[str] | None, measure: bool, offload_inputs: Sequence[str] = ()) -> None:
     for name in recompute:
         record = _record(modules[name])
         record.recompute, record.policy = True, sac.check_policy(policies[name]) if name in policies else ""
+    inputs = InputOffload(measure=measure)  # one per model: its host_bytes say what went, per module
+    for name in offload_inputs:
+        modules[name].__dict__[RECORD].input_offload = (inputs, name)
     _install_segments(modules, segments)
     if offload:
         install_offload(plain, offload, order=order, measure=measure,
@@ -325,41 +317,11 @@ def uninstall(model: nn.Module) -> nn.Module:
         uninstall_segments(plain)
         uninstall_offload(plain)
         for module in plain.modules():
-            record = module.__dict__.get(_RECORD)
+            record = module.__dict__.get(RECORD)
             if record is not None:
-                record.recompute, record.policy, record.chunks, record.route = False, "", 0, None
+                record.recompute, record.policy, record.chunks, record.route, record.input_offload = False, "", 0, None, None
                 _settle(module)
     return model
-
-
-# -------------------------------------------------------------------------------------- reading
-
-
-def recomputed(model: nn.Module) -> dict[str, str]:
-    """Per module of ``model`` recomputed alone (names of the uncompiled model), its policy ("" for none)."""
-    with uncompiled(model) as plain:
-        return {name: m.__dict__[_RECORD].policy for name, m in plain.named_modules()
-                if _RECORD in m.__dict__ and m.__dict__[_RECORD].recompute}
-
-
-def installed_segments(model: nn.Module) -> list[list[str]]:
-    """The segments installed on ``model``, as lists of module names."""
-    return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
-
-
-def offloaded(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose saved tensors are offloaded."""
-    return [name for name, m in model.named_modules()
-            if _RECORD in m.__dict__ and m.__dict__[_RECORD].offload is not None]
-
-
-def offloader_of(model: nn.Module) -> Offloader | None:
-    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
-    for m in model.modules():
-        record = m.__dict__.get(_RECORD)
-        if record is not None and record.offload is not None:
-            return record.offload[0]
-    return None
 
 
 @dataclass
@@ -373,18 +335,22 @@ class Installation:
     order: tuple[str, ...] | None = None
     measure: bool = False
     chunks: dict[str, int] = field(default_factory=dict)
+    offload_inputs: list[str] = field(default_factory=list)
+    inputs_measure: bool = False
 
 
 def snapshot(model: nn.Module) -> Installation:
     """What is installed on ``model`` now (names of the uncompiled model)."""
     with uncompiled(model) as plain:
         offloader = offloader_of(plain)
+        inputs, offload = input_offload_of(plain)
         return Installation(recompute=recomputed(plain), segments=installed_segments(plain), offloaded=offloaded(plain),
                             limits=dict(offloader.limits) if offloader else {},
                             order=offloader.order if offloader else None,
                             measure=bool(offloader and offloader.measure),
-                            chunks={n: m.__dict__[_RECORD].chunks for n, m in plain.named_modules()
-                                    if _RECORD in m.__dict__ and m.__dict__[_RECORD].chunks})
+                            offload_inputs=inputs, inputs_measure=bool(offload and offload.measure),
+                            chunks={n: m.__dict__[RECORD].chunks for n, m in plain.named_modules()
+                                    if RECORD in m.__dict__ and m.__dict__[RECORD].chunks})
 
 
 def restore(model: nn.Module, installation: Installation) -> nn.Module:
@@ -393,6 +359,6 @@ def restore(model: nn.Module, installation: Installation) -> nn.Module:
         uninstall(plain)
         _install(plain, dict(plain.named_modules()), {k: v for k, v in installation.recompute.items() if v},
                  list(installation.recompute), installation.segments, installation.offloaded, installation.limits,
-                 installation.order, installation.measure)
+                 installation.order, installation.measure or installation.inputs_measure, installation.offload_inputs)
         _install_chunks(dict(plain.named_modules()), installation.chunks)
     return model

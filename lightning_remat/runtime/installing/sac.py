@@ -141,12 +141,25 @@ def recompute_not_replayed(error: BaseException) -> bool:
     return type(error) is RuntimeError and bool(_NOT_REPLAYED.search(str(error)))
 
 
+def decision(save: bool) -> CheckpointPolicy:
+    """The ``CheckpointPolicy`` a policy's decision for one op is handed over as: ``MUST_SAVE`` or
+    ``MUST_RECOMPUTE``, never a ``PREFER_*``. Eagerly the two kinds act alike; under torch.compile the
+    decisions become ``recompute`` tags on the traced graph's nodes, and a ``PREFER_*`` tag is a hint
+    the partitioner may override (torch's documented contract), where ours are the plan the solver
+    priced and the profile measured: the compiled graph must keep them.
+
+    Example:
+        >>> decision(True), decision(False)
+        (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.MUST_RECOMPUTE: 2>)
+    """
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
+
+
 def _contexts(policy: str) -> tuple[Any, Any]:
     decide = _decider(policy)
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        save = decide(func, "recompute" if ctx.is_recompute else "forward")
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        return decision(decide(func, "recompute" if ctx.is_recompute else "forward"))
 
     return create_selective_checkpoint_contexts(policy_fn)
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .exclusive import exclusive
 from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
 from .runner import Step, StepWatch, model_device, run_step, synchronize
@@ -57,6 +58,7 @@ class StepMeasurement:
     reserved_bytes: int | None = None
 
 
+@exclusive()
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.

@@ -4,8 +4,8 @@ Per op, ``max(FLOPs / peak FLOP/s, bytes read and written / memory bandwidth)``:
 priced by its FLOPs, an elementwise op or a norm by its memory traffic, which counting FLOPs alone
 calls free. ``OpRecorder`` (a ``TorchDispatchMode``) records each op's FLOPs (torch's
 ``flop_counter`` formulas) and bytes; ``device_peaks`` gives the device's two ceilings: the data
-sheet of a named GPU, or on the CPU a quick measured calibration (one matmul, one large copy,
-once per process).
+sheet of a named GPU, or on the CPU fixed figures (``core.hardware.CPU_FLOPS``), so that a profile
+prices the same in every process; ``measured_cpu_peaks`` measures this CPU's, for comparison.
 
 Example:
     >>> import torch
@@ -77,10 +77,22 @@ def gpu_peaks(name: str) -> Peaks:
     return Peaks(spec.flops(), spec.memory_bandwidth)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_peaks() -> Peaks:
+    """The CPU's ceilings the roofline cost prices with: fixed (``core.hardware.CPU_FLOPS``,
+    ``CPU_MEMORY_BANDWIDTH``). A calibration measured in each process chose different plans for
+    the same profile in two runs of one check; only the ratio of the two matters to a plan.
+
+    Example:
+        >>> cpu_peaks().flops_per_second / cpu_peaks().bytes_per_second   # FLOP per byte: the ridge point
+        6.666666666666667
+    """
+    return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
+
+
+def measured_cpu_peaks() -> Peaks:
     """This CPU's measured ceilings: a float32 matmul's FLOP/s and a large copy's bytes/s (read
-    plus written), the best of a few repeats; measured once per process."""
+    plus written), the best of a few repeats (what ``cpu_peaks``' fixed figures were read from;
+    ``benchmarks/roofline_cpu.py`` prints them)."""
     # A generator of its own: calibrating must not move the global random state training uses.
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
@@ -107,7 +119,7 @@ _matching_gpu = hardware.match_gpu
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     """The ceilings to price a profile for ``device``: a named ``gpu``; a CUDA device here, by its
-    name; the CPU, measured. A CUDA device of unknown name is priced as an H100.
+    name; the CPU, fixed figures (``cpu_peaks``). A CUDA device of unknown name is priced as an H100.
 
     Example:
         >>> device_peaks("cuda", "a100").flops_per_second / 1e12
@@ -226,23 +238,64 @@ def sac_seconds_per_op() -> float:
     return max(0.0, (selective - plain) / ops)
 
 
+# The least a policy's recompute costs under compile (one nanosecond), so a stage whose policy
+# recomputes only fused-away ops is kept where memory allows: a plan recomputes what the budget needs.
+TIE_SECONDS = 1e-9
+
+
+def fused_under_compile(func: Any) -> bool:
+    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op (``torch.Tag.pointwise``:
+    add, mul, gelu, silu, dropout's mask product, a dtype cast). Inductor fuses a recomputed pointwise
+    chain into the backward kernel that consumes it, which reads the chain's inputs anyway: no kernel
+    of its own, no traffic of its own, and its FLOPs are few. Matmuls, reductions (norms, softmax) and
+    attention keep their price.
+
+    Example:
+        >>> aten = torch.ops.aten
+        >>> fused_under_compile(aten.gelu.default), fused_under_compile(aten.mm.default)
+        (True, False)
+    """
+    return torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+def _recompute_priced(ops: Sequence[OpCost], compiled: bool) -> list[OpCost]:
+    """The recomputed ``ops`` that cost something: all of them eagerly; under torch.compile those
+    not fused away (``fused_under_compile``)."""
+    return [op for op in ops if not (compiled and fused_under_compile(op.func))]
+
+
 def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
-                 peaks: Peaks, seconds_per_op: float = 0.0) -> tuple[float, int, float]:
+                 peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> tuple[float, int, float]:
     """(seconds, FLOPs, roofline seconds) that recomputing ``wrap`` (modules of stage ``name``)
     under ``option`` costs, from the observed ``stats`` (``observe.ModuleStats`` by module name):
     a whole module costs all its ops; a policy only the ops it recomputes, and in seconds also
-    ``seconds_per_op`` for every op of the module (``sac_seconds_per_op``: eager SAC's own cost)."""
+    ``seconds_per_op`` for every op of the module (``sac_seconds_per_op``: eager SAC's own cost).
+
+    ``compiled`` (the model runs under torch.compile): recomputed pointwise ops cost nothing, fused
+    into the backward's kernels (``fused_under_compile``), and SAC's per-op cost is traced away. The
+    roofline drops their seconds and the measured time its share of them; FLOPs are unchanged (the
+    FLOP counter gives pointwise ops none). So a policy that recomputes only pointwise ops costs
+    ``TIE_SECONDS`` under compile, and the solver takes it wherever it lowers the peak.
+    """
     policy = policy_of(option)
     if not policy:
-        return (float(sum(stats[m].seconds for m in wrap)), int(sum(stats[m].flops for m in wrap)),
-                sum(roofline_seconds(stats[m].ops, peaks) for m in wrap))
+        seconds = flops = roofline = 0.0
+        for m in wrap:
+            priced = roofline_seconds(_recompute_priced(stats[m].ops, compiled), peaks)
+            whole = roofline_seconds(stats[m].ops, peaks)
+            seconds += stats[m].seconds * (priced / whole if compiled and whole > 0 else 1.0)
+            flops, roofline = flops + stats[m].flops, roofline + priced
+        return float(seconds), int(flops), roofline
     ops = stats[name].ops
     recomputed = [op for op, again in zip(ops, recomputed_ops(policy, [op.func for op in ops])) if again]
-    roofline = roofline_seconds(recomputed, peaks)
+    roofline = roofline_seconds(_recompute_priced(recomputed, compiled), peaks)
     whole = roofline_seconds(ops, peaks)
     # Only ops are recorded, not their times: the stage's measured time is shared by roofline.
     seconds = stats[name].seconds * (roofline / whole) if whole > 0 else 0.0
-    seconds += len(ops) * seconds_per_op
+    seconds += 0.0 if compiled else len(ops) * seconds_per_op
+    if compiled:
+        # As the one FLOP below: a recompute fused away still loses the tie with keeping the stage.
+        roofline, seconds = max(roofline, TIE_SECONDS), max(seconds, TIE_SECONDS)
     # One FLOP more than its ops count: a policy that recomputes only elementwise ops (0 FLOPs to
     # FlopCounterMode) is not free, so under cost="flops" keeping a stage wins the tie with it.
     return seconds, int(sum(op.flops for op in recomputed)) + 1, roofline

@@ -20,13 +20,22 @@ Example:
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.utils._pytree import tree_leaves
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .exclusive import PLANNING_LOCK
 from .stance import hold_eager, release_eager
+
+
+_WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors
 
 
 class _NoHook:
@@ -55,6 +64,68 @@ class Tracker(MemTracker):
         (576, 288)
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # MemTracker's module hooks are global: every thread's modules would run them, and a module
+        # of another thread's model would be tracked (its parameters counted here) or break the
+        # module bookkeeping (KeyError). Only the calls under this tracker's dispatch mode count:
+        # this thread's, and autograd's worker threads' for its backward (they inherit the mode).
+        modules = self._mod_tracker
+        pre, post = modules._fw_pre_hook, modules._fw_post_hook
+        modules._fw_pre_hook = lambda *args: pre(*args) if self._watching() else None
+        modules._fw_post_hook = lambda *args: post(*args) if self._watching() else None
+        self._collectives: list[list] = []  # [works, tensors] of each collective not settled yet
+
+    def _watching(self) -> bool:
+        """Whether the running code is under this tracker (not another thread's)."""
+        return any(mode is self for mode in _get_current_dispatch_mode_stack())
+
+    def _register_global_optimizer_hook(self) -> None:
+        # MemTracker's own hooks, for this tracker's optimizer steps only (see __init__).
+        def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._watching():
+                self._in_opt = True
+
+        def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._watching():
+                self._track_optimizer_states(_MemRefType.OPT, optimizer)
+                self._in_opt = False
+
+        self._optimizer_hook_handles = (register_optimizer_step_pre_hook(before),
+                                        register_optimizer_step_post_hook(after))
+
+    # A collective's tensors are held by its work, which the process group's worker thread drops
+    # after the caller has moved on: a buffer the caller freed (FSDP2's reduce-scatter input) dies
+    # in that thread whenever it gets there, and a busy machine's peaks vary by the buffer's size.
+    # So the tracker holds them itself until the caller has dropped the work and the worker is done
+    # with it: then they die here, in the caller's order of operations, at the next operator.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._collectives:
+            self._settle_collectives()
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "c10d":
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self._collectives.append([[w for w in tree_leaves(result) if isinstance(w, torch.ScriptObject)], tensors])
+        return result
+
+    def _settle_collectives(self, finished: bool = False) -> None:
+        """Let go of the works of the collectives nobody else holds any more (``finished``: of all),
+        wait for their worker thread to let go too (their tensors' use counts drop when the work
+        dies), and only then of their tensors: a tensor nobody else holds dies here."""
+        waiting = []
+        for entry in self._collectives:
+            if not finished and any(sys.getrefcount(w) > 3 for w in entry[0]):  # the list, w, the call
+                waiting.append(entry)  # an asynchronous collective not yet waited for
+                continue
+            tensors = entry[1]
+            held = [t._use_count() for t in tensors]
+            ours = bool(entry[0]) and bool(tensors)  # a work that holds tensors (a barrier holds none)
+            entry[0] = []  # the work dies now, or when the worker thread lets go of it
+            deadline = time.monotonic() + _WORKER_WAIT_S
+            while ours and all(t._use_count() >= n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
+                time.sleep(0)
+        self._collectives = waiting
+
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
         for param in module.parameters():
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
@@ -74,19 +145,25 @@ class Tracker(MemTracker):
 
     # While a tracker is active, compiled code runs eagerly and nothing compiles: dynamo would mark
     # a first call under the tracker's dispatch mode as never to compile (see stance.py).
+    # The global hooks and the patched ``UntypedStorage.resize_`` are one per process: one thread
+    # tracks at a time (exclusive.py's lock, re-entrant, held from enter to exit).
     def __enter__(self) -> "Tracker":
+        PLANNING_LOCK.acquire()
         hold_eager()
         try:
             return super().__enter__()  # type: ignore[return-value]
         except BaseException:
             release_eager()
+            PLANNING_LOCK.release()
             raise
 
     def __exit__(self, *args: Any) -> None:
+        self._settle_collectives(finished=True)
         try:
             super().__exit__(*args)
         finally:
             release_eager()
+            PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
@@ -203,21 +280,6 @@ class SegmentTracker(Tracker):
         if total > self.segment_peaks.get(self.label, -1):
             self.segment_peaks[self.label] = total
 
-    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
-        tensor made before it started only once an operation it sees has used it).
-
-        Example:
-            >>> before, tracker = torch.ones(4), Tracker()
-            >>> with tracker:
-            ...     made = torch.zeros(2)
-            ...     tracker.counted_bytes([before, made, made[:1]])
-            8
-        """
-        storages = {id(storage): storage.nbytes()
-                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
-        return sum(storages.values())
-
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
         self._note()
@@ -278,21 +340,6 @@ class TimelineTracker(Tracker):
         self.device = device
         self.totals: list[int] = []
         self.in_backward: list[bool] = []
-
-    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
-        tensor made before it started only once an operation it sees has used it).
-
-        Example:
-            >>> before, tracker = torch.ones(4), Tracker()
-            >>> with tracker:
-            ...     made = torch.zeros(2)
-            ...     tracker.counted_bytes([before, made, made[:1]])
-            8
-        """
-        storages = {id(storage): storage.nbytes()
-                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
-        return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..installing.apply import applied
+from .exclusive import exclusive
 from .measure import Step, is_out_of_memory, measure_step, preserved_training_state, release_device_memory
 
 
@@ -95,6 +96,7 @@ def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim
             p.grad = None
 
 
+@exclusive()
 def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
                names: Sequence[str], steps_per_trial: int, budget: int, predicted: int,
                segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None,

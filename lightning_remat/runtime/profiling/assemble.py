@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-from ...core.offload_model import OFFLOAD_HIDDEN, is_offload
+from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
@@ -17,8 +17,9 @@ from .memory_run import MemoryRun
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
              state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
              device: str, peaks: Peaks, seconds_per_op: float = 0.0,
-             offload_limits: dict[str, int] | None = None) -> Profile:
-    """The Profile from the measured runs: options per stage, segments, static memory, baseline."""
+             offload_limits: dict[str, int] | None = None, compiled: bool = False) -> Profile:
+    """The Profile from the measured runs: options per stage, segments, static memory, baseline;
+    with ``compiled``, recompute priced as torch.compile runs it (``roofline.option_costs``)."""
     modules = dict(model.named_modules())
     stats = observed.stats
     offload_limits = offload_limits or {}
@@ -28,25 +29,24 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op)
+            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
                 policy=sac.policy_of(option), cost_roofline=roofline,
                 offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int((runs[option].host_bytes or {}).get(name, 0)) if is_offload(option) else 0,
-                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0))
+                host_bytes=int((runs[option].host_bytes or {}).get(name, 0))
+                if is_offload(option) or option == OFFLOAD_INPUT else 0,
+                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
+                input_offloaded=option == OFFLOAD_INPUT,
+                shared_held=(runs[option].shared or [()] * (i + 1))[i],
+                held_before=(runs[option].held_before or [()] * (i + 1))[i]))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
             input_bytes=sum(s.inputs.values()), output_bytes=sum(s.outputs.values()),
             forward_seconds=s.seconds, forward_flops=s.flops, module_type=type(modules[name]).__name__))
-    segment_peaks: dict[int, int] = {}
-    for run in runs.values():
-        for k, peak in run.segments.items():
-            segment_peaks[k] = max(segment_peaks.get(k, peak), peak)
-    segments = [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state))
-                for k, v in sorted(segment_peaks.items())]
+    segments = _segments(runs, future_state)
     keep = runs["keep"]
     if has_optimizer:
         # The loss (and whatever it keeps) is still referenced while the optimizer steps.
@@ -64,6 +64,24 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     # plus the optimizer (its state, and its step when that is the higher point).
     profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
     return profile
+
+
+def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:
+    """Each gap's segment: its largest figure over the runs, and how much lower the largest is with
+    the shared inputs an earlier stage held in a run left out of that run's figure (``core.shared_held``)."""
+    peaks: dict[int, int] = {}
+    held_out: dict[int, int] = {}  # the largest figure with the held shared inputs left out
+    labels: dict[int, set[str]] = {}
+    for run in runs.values():
+        for k, peak in run.segments.items():
+            held = (run.segments_held or {}).get(k, ())
+            peaks[k] = max(peaks.get(k, peak), peak)
+            without = peak - sum(nbytes for _, nbytes in held)
+            held_out[k] = max(held_out.get(k, without), without)
+            labels.setdefault(k, set()).update(label for label, _ in held)
+    return [Segment(f"between stages ({k} stored)" if k else "outside stages", k, int(v + future_state),
+                    shared_saving=int(v - held_out[k]) if labels[k] else 0, shared_labels=tuple(sorted(labels[k])))
+            for k, v in sorted(peaks.items())]
 
 
 def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],

@@ -156,6 +156,7 @@ class HeldInputs:
         self.recomputed = set(recomputed)
         self.bytes = [0] * len(self.order)
         self._holders: dict[int, list[tuple[int, int]]] = {}  # storage -> [(stage, bytes)]
+        self._labels: dict[int, str] = {}  # storage -> "first stage:its argument" (core.shared_held)
         self._handles: list[Any] = []
 
     @property
@@ -175,6 +176,29 @@ class HeldInputs:
                     out[i] -= nbytes
         return out
 
+    def _shared(self) -> Iterator[tuple[str, int, list[int]]]:
+        """(label, bytes, holding stages) of each tensor several stages of this run hold."""
+        for ident, holders in self._holders.items():
+            stages = sorted({i for i, _ in holders})
+            if len(stages) > 1:
+                yield self._labels[ident], max(b for _, b in holders), stages
+
+    @property
+    def shared(self) -> list[tuple[tuple[str, int], ...]]:
+        """Per stage, the (label, bytes) of what it holds that other stages hold too: one tensor, named
+        after the first stage that receives it and its argument there, whichever option holds it, since
+        which tensor a stage receives does not depend on what is recomputed (``core.shared_held``)."""
+        out: list[list[tuple[str, int]]] = [[] for _ in self.order]
+        for label, nbytes, stages in self._shared():
+            for i in stages:
+                out[i].append((label, nbytes))
+        return [tuple(sorted(pairs)) for pairs in out]
+
+    def held_before(self, k: int) -> tuple[tuple[str, int], ...]:
+        """The shared tensors a stage before ``k`` holds in this run: alive all through stage ``k``
+        (its forward and backward) and the gap before it, so every figure there counts them."""
+        return tuple(sorted((label, nbytes) for label, nbytes, stages in self._shared() if stages[0] < k))
+
     def __enter__(self) -> "HeldInputs":
         modules = dict(self.model.named_modules())
         for i, name in enumerate(self.order):
@@ -185,12 +209,12 @@ class HeldInputs:
             children = [c for c in self.recomputed if c.startswith(name + ".")]
             if name not in self.recomputed and not children:
                 continue
-            outside: dict[int, int] = {}  # storage -> bytes of the stage's dead arguments, this call
+            outside: dict[int, tuple[str, int]] = {}  # storage -> (argument, bytes): the stage's dead arguments
             counted: set[int] = set()
             seen = [False]
 
             def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool],
-                      counted: set = counted) -> None:
+                      counted: set = counted, outside: dict = outside) -> None:
                 for key, tensor in tensors:
                     ident = _ident(tensor)
                     if keep(key, ident) and ident not in counted:  # a tensor passed twice, or two views
@@ -198,6 +222,8 @@ class HeldInputs:
                         nbytes = _storage_bytes(tensor)
                         self.bytes[i] += nbytes
                         self._holders.setdefault(ident, []).append((i, nbytes))
+                        # Named by the stage's own argument (a child's is the same tensor under its name).
+                        self._labels.setdefault(ident, f"{self.order[i]}:{outside.get(ident, (key,))[0]}")
 
             def stage_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name,
                            outside: dict = outside, seen: list = seen, count: Callable = count) -> None:
@@ -207,7 +233,7 @@ class HeldInputs:
                 dead = self.dead[name]
                 for key, tensor in _tensors(args, kwargs):
                     if key in dead:
-                        outside[_ident(tensor)] = _storage_bytes(tensor)
+                        outside[_ident(tensor)] = (key, _storage_bytes(tensor))
                 if name in self.recomputed:
                     count(_tensors(args, kwargs), i, lambda key, ident: key in dead)
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from ...core.actions import StageAction
 from ...core.errors import RematError
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction
 from ..installing.apply import applied
+from ..installing.installer import input_offload_of
 from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
@@ -43,16 +44,23 @@ class MemoryRun:
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
     untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
     host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
+    # Inputs several recomputed stages hold (core.shared_held): per stage what it holds, per stage
+    # what an earlier stage held (its figures count them), per segment the same.
+    shared: list[tuple[tuple[str, int], ...]] | None = None
+    held_before: list[tuple[tuple[str, int], ...]] | None = None
+    segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
 
 
 def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None) -> MemoryRun:
+                dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
+                offload_inputs: bool = False) -> MemoryRun:
     # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
     # nothing recomputed and ``dead`` empty fills it. ``chunked``: causal LM heads computing their
-    # loss over that many chunks (loss_stage.py; nothing else wrapped then).
+    # loss over that many chunks (loss_stage.py; nothing else wrapped then). ``offload_inputs``: the
+    # recomputed modules' checkpoint inputs go to the host (input_offload.py).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -64,8 +72,11 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     device = model_device(model)
     tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
-    heads = Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else None
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=heads), \
+    # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
+    plan = (Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else
+            Plan(actions=[StageAction.recompute(m, offload_input=True) for m in wrapped]) if offload_inputs else None)
+    host: dict[str, int] | None = None
+    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
@@ -76,6 +87,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
             return loss
 
         run_step(model, checked, watch=meter)
+        if offload_inputs:
+            host = dict(input_offload_of(model)[1].host_bytes)
     after_backward = meter.after_backward
     n = len(order)
     missing = [order[i] for i in range(n) if i not in tracker.stored]
@@ -84,7 +97,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
-    if offloaded:
+    if offloaded or offload_inputs:
         stored = net_of_released(stored, tracker.forward_starts, calls)
     prefix = [0]
     for s in stored:
@@ -101,13 +114,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
-    local: list[int | None] = [None] * n
-    segments: dict[int, int] = {}
-    for (kind, k), peak in tracker.segment_peaks.items():
-        if kind in ("fw", "bw"):
-            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
-        else:
-            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+    local, segments = _local_peaks(tracker.segment_peaks, prefix, n)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
@@ -115,12 +122,27 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     return MemoryRun(
         # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
         # batch already on the device, library workspaces); elsewhere it is the tracker's own.
-        stored=stored, local=[0 if v is None else v for v in local], segments=segments, peak=peak,
+        stored=stored, local=local, segments=segments, peak=peak,
         untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
-        host_bytes=dict(offloader.host_bytes) if offloader is not None else None,
+        host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
+        shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
+        segments_held={k: held.held_before(k) for k in segments},
     )
+
+
+def _local_peaks(segment_peaks: dict, prefix: list[int], n: int) -> tuple[list[int], dict[int, int]]:
+    """Each stage's local peak (its forward's and backward's, over what the stages before it store)
+    and each gap's segment peak, from the tracker's peaks per (kind, index)."""
+    local: list[int | None] = [None] * n
+    segments: dict[int, int] = {}
+    for (kind, k), peak in segment_peaks.items():
+        if kind in ("fw", "bw"):
+            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
+        else:
+            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+    return [0 if v is None else v for v in local], segments
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
@@ -130,7 +152,7 @@ def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, 
     (the caller drops it), in the gap before the next stage. Under "offload" the stage does not
     hold its input, so counting the output of every stage and never the release over-counts one
     hidden state per stage whenever the stage is not recomputed (a recomputed stage's checkpoint
-    does hold its input: those runs are left as they are). The release belongs to the stage whose
+    does hold its input: those runs are left as they are, unless its input is offloaded too). The release belongs to the stage whose
     forward just ran, so the term stays additive. The last stage (no next forward) and stages
     called more than once are left as measured; nothing goes below zero.
     """

@@ -16,11 +16,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from ...core.binding import OPTIMIZER_SETTINGS
 from ..targets.fake import clone_optimizer, fake_like, new_fake_mode
 from ..measuring.optimizers import optimizer_list
 from ..measuring.tracking import Tracker
@@ -68,12 +69,14 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
 
 
 def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-                        device: str | torch.device | None = None) -> OptimizerStepCost:
+                        device: str | torch.device | None = None,
+                        setting: Mapping[str, bool] | None = None) -> OptimizerStepCost:
     """Run ``optimizer``'s step on fake copies and count what it allocates; several optimizers (a
     list or tuple) step one after the other, each counted with every one's state.
 
     ``device``: the device the real step runs on; its default implementation (foreach on CUDA)
-    is the one measured.
+    is the one measured. ``setting``: param-group keys set on every group first
+    (``{"fused": True}``: the step as ``fused=True`` would run it).
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
@@ -90,6 +93,10 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
     if not optimizers:
         return OptimizerStepCost()
     mode = new_fake_mode()
+    if setting:
+        # A kernel without a fake implementation (fused SGD) would run for real on zeros, the
+        # size of every parameter: refused instead, so that setting is not measured.
+        mode.allow_fallback_kernels = False
     fakes: dict[int, torch.Tensor] = {}
     for p in (p for o in optimizers for group in o.param_groups for p in group["params"]):
         if id(p) not in fakes:
@@ -101,6 +108,8 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
             fakes[id(p)] = copy
     clones = [clone_optimizer(o, fakes, mode) for o in optimizers]
     for clone in clones:
+        for group in clone.param_groups:
+            group.update({k: v for k, v in (setting or {}).items() if k in group})
         _as_on_device(clone, device)
     tracker = Tracker()
     # Parameters and gradients are tracked up front so that only the state and the step's own
@@ -116,3 +125,35 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
     # State that does not exist yet will exist during every later step.
     created = sum(_state_bytes(clone) for clone, o in zip(clones, optimizers) if not o.state)
     return OptimizerStepCost(state, max(step_peak, state), created)
+
+
+def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+                                device: str | torch.device | None = None) -> dict[str, int]:
+    """Per optimizer setting (``core.binding.OPTIMIZER_SETTINGS``: ``fused=True``, ``foreach=False``)
+    that the optimizers take and do not run already, the bytes by which their step's peak would
+    differ under it (negative: lower), measured on fake copies as ``optimizer_step_cost``. A setting
+    an optimizer lacks (no such param-group key) or cannot run here (fused kernels for this dtype)
+    is left out.
+
+    Example:
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+        >>> alternatives = optimizer_step_alternatives(torch.optim.AdamW(net.parameters()), "cuda")
+        >>> sorted(alternatives), alternatives["foreach=False"] < 0
+        (['foreach=False', 'fused=True'], True)
+    """
+    optimizers = optimizer_list(optimizer)
+    if not optimizers:
+        return {}
+    base = None
+    found = {}
+    for name, setting in OPTIMIZER_SETTINGS.items():
+        groups = [g for o in optimizers for g in o.param_groups]
+        key = next(iter(setting))  # the key that names the setting; the others keep it alone
+        if not all(all(k in g for k in setting) for g in groups) or all(g[key] == setting[key] for g in groups):
+            continue
+        try:
+            base = base if base is not None else optimizer_step_cost(optimizers, device).step_peak_bytes
+            found[name] = optimizer_step_cost(optimizers, device, setting).step_peak_bytes - base
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # the setting has no kernel for these tensors: it is no knob here
+    return found

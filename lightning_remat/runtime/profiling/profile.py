@@ -34,10 +34,11 @@ from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile
-from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN
+from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import sac
 from ..installing.apply import applied, existing_checkpointing
-from ..installing.compiled import fabric_forward_context, uncompiled
+from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
+from ..measuring.exclusive import exclusive
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
@@ -47,6 +48,7 @@ from ..measuring.stance import eager_stance
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
 from ..targets.fake_attention import cuda_attention
+from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from ..targets.sharded import sharded_twin, sharding_info, sharding_note
 from .assemble import assemble, gap_figures
@@ -54,14 +56,18 @@ from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
 from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
-from .optimizer_step import optimizer_step_cost
+from .optimizer_step import optimizer_step_alternatives, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
 
+# What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
+COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
+                 "kernels), eager selective checkpointing's per-op cost is not counted")
 DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
+@exclusive()
 def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  optimizer: torch.optim.Optimizer | None = None, warmup: int = 1,
                  candidates: CandidateSpec = None, fake: bool = False, dtype: torch.dtype | None = None,
@@ -69,7 +75,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
                  policies: Sequence[str] | None = (), offload: bool = False, chunk_loss: bool = False,
-                 options: ProfileOptions | None = None) -> Profile:
+                 host_memory: int | str | None = None, options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -92,7 +98,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
-            policies, offload, chunk_loss: as ``ProfileOptions`` (the one description of each).
+            policies, offload, chunk_loss, host_memory: as ``ProfileOptions`` (the one description of each).
         options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
             either as keywords or as ``options``: a keyword set to anything but its default next to
             ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
@@ -125,7 +131,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload, chunk_loss=chunk_loss)
+        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
@@ -139,10 +145,15 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     step = _in_forward_context(step, fabric_forward_context(model))
     # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
     # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
+    # Recompute is priced as the compiled step runs it when the step runs compiled.
+    compiled = runs_compiled(model)
     with eager_stance(), uncompiled(model) as model:
         if not options.fake:
-            return _profile(model, step, optimizer, options, timed=True)
-        return _fake_profile(model, step, optimizer, options)
+            profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(
+                optimizer, options.device or model_device(model))
+            return profile
+        return _fake_profile(model, step, optimizer, options, compiled)
 
 
 def _in_forward_context(step: Step, context: contextlib.AbstractContextManager) -> Step:
@@ -172,7 +183,7 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 
 
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
-                  options: ProfileOptions) -> Profile:
+                  options: ProfileOptions, compiled: bool = False) -> Profile:
     """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
@@ -185,6 +196,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     model = fake_model(model, mode, dtype)
     fake_params = dict(model.named_parameters())
+    moe_notes: list[str] = []
     optimizer = map_optimizers(optimizer, lambda o: clone_optimizer(o, {i: fake_params[n] for i, n in names.items()},
                                                                     mode))
 
@@ -195,10 +207,12 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             if sharded and optimizer is not None:
                 by_name = dict(twin.named_parameters())
                 optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))
-            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda):
+            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda), \
+                    grouped_mm_in_every_dtype(), fixed_shape_experts(twin, moe_notes):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
-                                replace(options, warmup=0, device=options.device or "cpu"), timed=False)
+                                replace(options, warmup=0, device=options.device or "cpu"), timed=False,
+                                compiled=compiled)
 
     # N identical layers: profiled at 4 and 5 layers (runtime/profiling/repeated.py) and extrapolated
     # (core/depth_fit.py), sharded or not (each truncated copy gets a sharded twin of its own).
@@ -207,6 +221,10 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if sharded:
         profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
         precision_note = sharding_note(profile.sharding)
+    else:
+        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies').
+        with mode:
+            profile.optimizer_step_alternatives = optimizer_step_alternatives(optimizer, options.device or "cpu")
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
@@ -215,7 +233,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
-    profile.notes = (*profile.notes, precision_note)
+    profile.notes = (*profile.notes, precision_note, *dict.fromkeys(moe_notes))
     if options.gpu is None:
         profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
@@ -237,7 +255,7 @@ def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
 
 
 def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
-             timed: bool) -> Profile:
+             timed: bool, compiled: bool = False) -> Profile:
     stage_names = find_stages(model, options.candidates)
     modules = dict(model.named_modules())
     # applied(model, []) lifts any plan the model has for the profile and puts it back after.
@@ -264,6 +282,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+            # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -273,14 +293,17 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     # State that does not exist yet will exist during every later step.
     future_state = step_cost.created_state_bytes
     peaks = device_peaks(device, options.gpu)
-    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here).
-    per_op = sac_seconds_per_op() if timed and any(sac.policy_of(n) for n in wraps) else 0.0
+    # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here);
+    # under torch.compile its modes are traced away.
+    per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                         optimizer is not None, device, peaks, per_op, limits)
+                         optimizer is not None, device, peaks, per_op, limits, compiled)
     assembled.span_groups = groups
     assembled.blocks = found.blocks
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
+    if compiled:
+        profile.notes = (*profile.notes, COMPILED_NOTE)
     return with_head_stage(profile, head, peaks.flops_per_second)
 
 

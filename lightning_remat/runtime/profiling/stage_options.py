@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ...core.offload_model import OFFLOAD_HIDDEN, is_offload
+from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..installing.segments import chained_groups, sequential_groups
 from ..measuring.measure import Step
@@ -95,7 +95,7 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
                                         policy=sac.policy_of(name),
                                         offloaded=list(wrap) if is_offload(name) else (),
                                         offload_limits=limits if name == OFFLOAD_HIDDEN else None,
-                                        dead=dead)
+                                        dead=dead, offload_inputs=name == OFFLOAD_INPUT)
             except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,
                 # which a forward that mutates state it reads (a key/value cache) does not.

@@ -98,6 +98,26 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
     return priced
 
 
+def host_limit_bytes(options: ProfileOptions) -> int:
+    """The host memory offloading may use: ``options.host_memory`` when given; for a fake profile
+    for a named GPU, that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), not this
+    machine's; otherwise this machine's free memory (``host_free_bytes``).
+
+    Example:
+        >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100")) // 2**30
+        256
+        >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100", host_memory="64GiB")) // 2**30
+        64
+    """
+    from ...core.budget import Budget
+
+    if options.host_memory is not None:
+        return int(Budget.parse(options.host_memory).nbytes)
+    if options.fake and options.gpu is not None:
+        return hardware.host_memory(options.gpu)
+    return host_free_bytes()
+
+
 def host_free_bytes() -> int:
     """Host memory available now (psutil if installed, else ``/proc/meminfo``'s MemAvailable).
 

@@ -1,0 +1,152 @@
+"""What binds: the term of the memory model that attains a plan's peak, named, and what it is made of.
+
+The predictor (``core.predict``) finds the term of the peak formula (``memory_model.peak_terms``)
+that attains the peak; this module says what that term is in a training step and splits its bytes
+into static memory (parameters, buffers, optimizer state; gradients too at the optimizer step),
+the activations earlier stages stored, and the term's own activations and temporaries:
+
+- ``stage``: a layer (a candidate block), in its forward or its backward (recompute included);
+- ``head and loss``: after the last stage: the head, the loss, and their backward;
+- ``embeddings``: before the first stage (the embeddings, and the end of backward);
+- ``between stages``: code between two stages;
+- ``optimizer step``: its state and its step's temporaries (a foreach step holds one more copy of
+  the parameters); ``optimizer_advice`` says what ``fused=True`` or ``foreach=False`` would reach.
+
+A plan holds ``Binding.to_dict()`` as ``plan.binding``; the summary, the metrics and the CLI's
+``--json`` read it there.
+
+Example:
+    >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> p = Profile((StageProfile("h.0", (keep,)),), (Segment("between stages (1 stored)", 1, 400),),
+    ...             parameter_bytes=40)
+    >>> b = describe(p, PeakTerm("segment", 0, "between stages (1 stored)", 400, 100))
+    >>> b.term, b.peak_bytes, b.static_bytes, b.stored_bytes, b.own_bytes, b.largest
+    ('head and loss', 500, 40, 100, 360, 'own')
+    >>> b.text()
+    'what binds: the head and loss (after the last stage) at 500 B: static memory 40 B, stored activations 100 B, its own activations and temporaries 360 B'
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping
+
+from .budget import format_bytes
+from .memory_model import PeakTerm, Profile
+
+STAGE, HEAD, EMBEDDINGS, BETWEEN, OPTIMIZER = "stage", "head and loss", "embeddings", "between stages", "optimizer step"
+OPTIMIZER_SEGMENT = "optimizer step"  # the segment's name (``runtime.profiling.assemble``)
+# The optimizer settings whose step is measured beside the one the user gave, as the keyword that
+# asks for each (``torch.optim`` param-group keys). One entry per setting.
+OPTIMIZER_SETTINGS: Mapping[str, dict[str, bool]] = {"fused=True": {"fused": True, "foreach": False},
+                                                     "foreach=False": {"foreach": False, "fused": False}}
+_WHERE = {STAGE: "", HEAD: " (after the last stage)", EMBEDDINGS: " (before the first stage, and the end of backward)", BETWEEN: "",
+          OPTIMIZER: " (its state and its step's temporaries)"}
+_PARTS = {"static": "static memory", "stored": "stored activations", "own": "its own activations and temporaries"}
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The term that attains a plan's peak and its bytes, split.
+
+    Attributes:
+        term: ``stage``, ``head and loss``, ``embeddings``, ``between stages`` or ``optimizer step``.
+        name: the stage (or span ``first..last``) or segment's name.
+        peak_bytes: the term's bytes: the plan's predicted peak.
+        static_bytes: parameters, buffers and optimizer state alive there (and gradients at the optimizer step).
+        stored_bytes: activations stored by earlier stages, alive there.
+        own_bytes: the rest: the term's own activations, temporaries and gradients alive.
+        advice: per optimizer setting (``OPTIMIZER_SETTINGS``), the least peak it would reach.
+        host_limit_bytes: host memory that limited offloading (``offload_model.solve_within_host``), or None.
+
+    Example:
+        >>> Binding("stage", "h.3", 10, 4, 2, 4).largest
+        'static'
+    """
+
+    term: str
+    name: str
+    peak_bytes: int
+    static_bytes: int
+    stored_bytes: int
+    own_bytes: int
+    advice: Mapping[str, int] = None  # type: ignore[assignment]
+    host_limit_bytes: int | None = None
+
+    @property
+    def largest(self) -> str:
+        """Which part is largest: ``static``, ``stored`` or ``own``."""
+        parts = {"static": self.static_bytes, "stored": self.stored_bytes, "own": self.own_bytes}
+        return max(parts, key=lambda k: parts[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict; ``Binding.from_dict`` rebuilds it."""
+        return {**asdict(self), "advice": dict(self.advice or {}), "largest": self.largest}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Binding":
+        return cls(**{k: v for k, v in data.items() if k != "largest"})
+
+    def text(self) -> str:
+        """One line: the term, its bytes, split; the optimizer advice; the host limit."""
+        what = f"stage {self.name}'s forward or backward" if self.term == STAGE else f"the {self.term}"
+        split = ", ".join(f"{_PARTS[k]} {format_bytes(v)}" for k, v in
+                          (("static", self.static_bytes), ("stored", self.stored_bytes), ("own", self.own_bytes)))
+        line = f"what binds: {what}{_WHERE.get(self.term, '')} at {format_bytes(self.peak_bytes)}: {split}"
+        if self.advice:
+            line += "; the optimizer's step would reach " + ", ".join(
+                f"{format_bytes(peak)} with {setting}" for setting, peak in self.advice.items())
+        if self.host_limit_bytes is not None:
+            line += f"; offloading limited by host memory ({format_bytes(self.host_limit_bytes)})"
+        return line
+
+
+def term_kind(profile: Profile, term: PeakTerm) -> str:
+    """What a peak term is in a training step (module docstring)."""
+    if term.kind != "segment":
+        return STAGE
+    segment = profile.segments[term.index]
+    if segment.name == OPTIMIZER_SEGMENT:
+        return OPTIMIZER
+    if segment.stages_alive >= len(profile.stages):
+        return HEAD
+    return EMBEDDINGS if segment.stages_alive == 0 else BETWEEN
+
+
+def describe(profile: Profile, term: PeakTerm) -> Binding:
+    """The ``Binding`` of ``term`` (from ``memory_model.peak_terms``) on ``profile``."""
+    kind = term_kind(profile, term)
+    static = profile.parameter_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
+    if kind == OPTIMIZER:
+        static += profile.gradient_bytes
+    static = min(static, term.own_bytes)
+    return Binding(kind, term.name, int(term.bytes), int(static), int(term.stored_bytes),
+                   int(term.own_bytes - static))
+
+
+def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
+    """``profile`` with its optimizer step as it runs under ``setting`` (an ``OPTIMIZER_SETTINGS``
+    key), from the measured alternative; None when that was not measured.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment
+        >>> p = Profile((), (Segment("optimizer step", 0, 500),), optimizer_step_alternatives={"fused=True": -200})
+        >>> with_optimizer_setting(p, "fused=True").segments[0].peak_bytes, with_optimizer_setting(p, "foreach=False")
+        (300, None)
+    """
+    delta = profile.optimizer_step_alternatives.get(setting)
+    if delta is None:
+        return None
+    return replace(profile, segments=tuple(
+        replace(s, peak_bytes=s.peak_bytes + delta) if s.name == OPTIMIZER_SEGMENT else s for s in profile.segments))
+
+
+def optimizer_advice(profile: Profile, least_peak: Callable[[Profile], int]) -> dict[str, int]:
+    """Per optimizer setting that lowers the step's peak, the least peak the profile reaches with it
+    (``least_peak``: ``core.solve.least_peak``)."""
+    advice = {}
+    for setting, delta in profile.optimizer_step_alternatives.items():
+        if delta < 0:
+            advice[setting] = int(least_peak(with_optimizer_setting(profile, setting)))
+    return advice

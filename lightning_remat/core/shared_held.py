@@ -1,0 +1,99 @@
+"""Inputs several recomputed stages hold (``position_ids``, which every layer receives): counted once.
+
+A recomputed stage keeps its forward's arguments to its backward, and those a kept stage would
+have freed count in its stored bytes (``runtime.profiling.held_inputs``). A tensor every layer
+receives is one tensor however many checkpoints hold it: alive from the forward to the backward of
+the first of them. The additive model the exact solver needs counts it in every holder's stored
+bytes, which over-predicts a plan that recomputes n holders by n times its size (4 KiB on a
+2-layer Qwen2 at 256 tokens), enough to refuse a budget equal to a peak the plan reaches.
+
+``exact_peak`` prices a plan with each such tensor counted once, where it is alive: in the stored
+bytes of the first holder the plan recomputes, and in the local figures and segments after it,
+which were measured in runs where an earlier stage held it (``StageOption.held_before``,
+``Segment.shared_saving``) and count it already. Every figure it lowers is lowered by bytes that
+are alive once in its term, so it stays at or above the truth. ``slack`` bounds how far the
+additive model can be above it: the solver searches within the budget plus the slack, and keeps
+the plan found if its exact peak is within the budget (``core.solve``).
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+    >>> ids = (("a:position_ids", 8),)
+    >>> def stage(name, before=()):
+    ...     keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    ...     whole = StageOption("whole", (name,), 18, 160, 1.0, 5, shared_held=ids, held_before=before)
+    ...     return StageProfile(name, (keep, whole))
+    >>> p = Profile((stage("a"), stage("b", ids)), (Segment("head", 2, 50, 8, ("a:position_ids",)),))
+    >>> predict_peak(p, [1, 1]), exact_peak(p, [1, 1]), slack(p)
+    (178, 170, 24)
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Sequence
+
+from .memory_model import Profile
+from .spans import predict_peak_spans
+
+
+def has_shared(profile: Profile) -> bool:
+    """Whether any option of ``profile`` holds an input other stages may hold too."""
+    return any(o.shared_held for s in profile.stages for o in s.options)
+
+
+def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
+    """The predicted peak of ``choices`` (and ``spans``) with each shared input counted once: never
+    above ``predict_peak_spans``; equal to it where nothing is shared, or with spans (whose
+    checkpoints hold their first stage's arguments only, and are left as the additive model says)."""
+    additive = predict_peak_spans(profile, choices, spans)
+    if spans or not has_shared(profile):
+        return additive
+    held: set[str] = set()
+    held_after = [frozenset()]  # the labels held by the stages before each point
+    prefix = [0]
+    peak = 0
+    for stage, choice in zip(profile.stages, choices):
+        option = stage.options[choice]
+        counted = sum(nbytes for label, nbytes in option.held_before if label in held)
+        peak = max(peak, option.local_peak_bytes - counted + prefix[-1])
+        again = sum(nbytes for label, nbytes in option.shared_held if label in held)
+        prefix.append(prefix[-1] + option.stored_bytes - again)
+        held.update(label for label, _ in option.shared_held)
+        held_after.append(frozenset(held))
+    for segment in profile.segments:
+        k = segment.stages_alive
+        saving = segment.shared_saving if segment.shared_labels and set(segment.shared_labels) <= held_after[k] else 0
+        peak = max(peak, segment.peak_bytes - saving + prefix[k])
+    return min(peak, additive)
+
+
+def slack(profile: Profile) -> int:
+    """An upper bound on how far ``predict_peak`` can be above ``exact_peak`` for any plan: every
+    stage's largest shared bytes, plus the largest any one term leaves out."""
+    stored = sum(max((sum(b for _, b in o.shared_held) for o in s.options), default=0) for s in profile.stages)
+    local = max((sum(b for _, b in o.held_before) for s in profile.stages for o in s.options), default=0)
+    segment = max((seg.shared_saving for seg in profile.segments), default=0)
+    return stored + max(local, segment)
+
+
+
+def without_shared(profile: Profile) -> Profile:
+    """``profile`` with every shared input counted in each holder, as the additive model counts it
+    (the fits that build a profile from others, whose figures these are not, start from it).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment
+        >>> without_shared(Profile((), (Segment("head", 0, 50, 8, ("a:position_ids",)),))).segments[0].shared_saving
+        0
+    """
+    if not has_shared(profile) and not any(seg.shared_saving for seg in profile.segments):
+        return profile
+    stages = tuple(replace(s, options=tuple(replace(o, shared_held=(), held_before=()) for o in s.options))
+                   for s in profile.stages)
+    segments = tuple(replace(seg, shared_saving=0, shared_labels=()) for seg in profile.segments)
+    result = replace(profile, stages=stages, segments=segments)
+    # What the profile carries beside its fields (each gap's figure per run, which the depth fit
+    # reads: runtime.profiling.assemble.gap_figures) is the additive model's: kept.
+    names = {f.name for f in fields(Profile)}
+    result.__dict__.update({k: v for k, v in vars(profile).items() if k not in names})
+    return result

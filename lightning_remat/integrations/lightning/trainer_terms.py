@@ -1,0 +1,44 @@
+"""What a Lightning ``Trainer`` adds to the memory of a training step, for ``AutoRemat``: every
+optimizer of the run, the scalars Lightning's loop keeps alive, gradient accumulation and DDP's
+gradient buckets.
+
+Example:
+    >>> LOOP_ALLOWANCE > 0
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from lightning.pytorch import Trainer
+
+from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
+from ...core.config import RematConfig
+
+LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
+
+
+def trainer_optimizers(trainer: Trainer) -> list:
+    """Every optimizer of the run (several under manual optimization): each one's state and step count."""
+    return list(trainer.optimizers)
+
+
+def loop_allowance(profile: Any) -> Any:
+    """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
+    and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
+    from ...runtime.profiling.profile_adjust import with_always_alive
+
+    return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
+                             "Lightning's loop keeps alive through a step; counted in every term")
+
+
+def config_for(config: RematConfig, trainer: Trainer) -> RematConfig:
+    """``config`` with what ``trainer`` adds to the memory of a step: gradient accumulation, and
+    DDP's gradient buckets."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return replace(config, profile=replace(
+        config.profile, accumulation_steps=max(1, trainer.accumulate_grad_batches),
+        gradient_buckets=isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1))

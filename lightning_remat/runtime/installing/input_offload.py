@@ -1,0 +1,106 @@
+"""A recomputed module's checkpoint input in host memory: the tensor non-reentrant checkpoint keeps
+from a recomputed block's forward to its backward, to run the forward again, is its input; here the
+checkpoint keeps a host copy of it instead, and the recompute brings it back.
+
+- forward: each tensor positional argument (the hidden states; keyword arguments, such as masks and
+  position embeddings every layer shares, stay) is copied to host memory, and the checkpoint is
+  given the copy. The forward itself runs on the argument as it came (so the autograd graph, the
+  gradients and everything the forward computes are exactly those of plain recomputation), and
+  nothing keeps the device tensor once the caller drops it.
+- backward: the recompute copies the input back to the device (``requires_grad`` as it was, so it
+  saves what the forward saved), runs the forward again, and the backward proceeds as under
+  checkpointing.
+
+The copies are synchronous (priced as transfers not hidden, ``core.offload_model``). On the CPU the
+"host" copy is a plain copy (the path runs; that is how it is tested); a fake tensor (fake
+profiles), or ``measure=True``, keeps only a meta tensor, which MemTracker does not count, so a
+memory run measures what stays on the device, and ``host_bytes`` what went out.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> lin = nn.Linear(4, 4)
+    >>> offload = InputOffload()
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> out = checkpointed_with_host_input(offload, "lin", lin.forward, (x,), {}, {})
+    >>> out.sum().backward()
+    >>> offload.host_bytes, x.grad.shape
+    ({'lin': 32}, torch.Size([2, 4]))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import checkpoint
+
+
+class InputOffload:
+    """Where the checkpoint inputs of a model's recomputed modules go, and how many bytes went.
+
+    Attributes:
+        measure: keep metadata only (fake profiles).
+        host_bytes: bytes sent to the host per module name, per forward call added up since ``reset``.
+
+    Example:
+        >>> InputOffload(measure=True).host_bytes
+        {}
+    """
+
+    def __init__(self, measure: bool = False):
+        self.measure = measure
+        self.host_bytes: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.host_bytes = {}
+
+    def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (metadata only with ``measure``), counted under ``name``."""
+        self.host_bytes[name] = self.host_bytes.get(name, 0) + t.numel() * t.element_size()
+        if self.measure or isinstance(t, FakeTensor):
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        if t.device.type == "cuda":
+            host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+            host.copy_(t.detach())
+            return host
+        return t.detach().clone()  # the CPU: the "host" is this device (the path runs, nothing is saved)
+
+    def to_device(self, host: torch.Tensor, like: tuple[torch.device, bool]) -> torch.Tensor:
+        """``host`` back on the device, requiring a gradient as the original did."""
+        device, requires_grad = like
+        if host.device.type == "meta":
+            back = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+        else:
+            back = host.to(device, copy=True)
+        return back.requires_grad_(requires_grad)
+
+
+def _offloadable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0 \
+        and not isinstance(value, torch.nn.Parameter)
+
+
+def checkpointed_with_host_input(offload: InputOffload, name: str, run: Callable[..., Any], args: tuple,
+                                 kwargs: dict, checkpoint_kwargs: dict) -> Any:
+    """``checkpoint(run, *args, **kwargs)`` (non-reentrant) whose kept input is a host copy of each
+    tensor positional argument (module docstring). ``checkpoint_kwargs``: the checkpoint's own
+    (``preserve_rng_state``, ``context_fn``)."""
+    positions = [i for i, a in enumerate(args) if _offloadable(a)]
+    like = {i: (args[i].device, args[i].requires_grad) for i in positions}
+    hosted = tuple(offload.to_host(name, a) if i in like else a for i, a in enumerate(args))
+    # The forward's own call gets the arguments as they came, once; the list is emptied then, so
+    # nothing but the caller holds them afterwards.
+    first = [args]
+
+    def forward(*held: Any, **kw: Any) -> Any:
+        if first:
+            return run(*first.pop(), **kw)
+        return run(*(offload.to_device(a, like[i]) if i in like else a for i, a in enumerate(held)), **kw)
+
+    options = dict(checkpoint_kwargs)
+    if any(h.device.type == "meta" for h in hosted if isinstance(h, torch.Tensor)):
+        # Fake tensors: no values, so no random state to replay (the meta copies name no device that has one).
+        options["preserve_rng_state"] = False
+    return checkpoint(forward, *hosted, use_reentrant=False, **options, **kwargs)

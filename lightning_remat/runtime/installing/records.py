@@ -1,0 +1,75 @@
+"""What the installer did to each module (one ``Record`` in the module's ``__dict__``), and reading
+it back: which modules are recomputed (with which policy), segmented, offloaded, or keep their
+checkpoint input on the host.
+
+Example:
+    >>> from torch import nn
+    >>> recomputed(nn.Linear(2, 2)), offloaded(nn.Linear(2, 2)), offloader_of(nn.Linear(2, 2))
+    ({}, [], None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from .compiled import uncompiled
+from .input_offload import InputOffload
+from .offloader import Offloader
+from .sequential import SEGMENTS
+
+RECORD = "_remat_installed"  # in a module's __dict__: its Record
+
+
+@dataclass
+class Record:
+    """What the installer did to one module: the forward it had, and the behaviours it now runs."""
+
+    original: Callable[..., Any]
+    had_instance_forward: bool
+    recompute: bool = False
+    policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
+    offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
+    release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
+    chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
+    route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
+    input_offload: tuple[InputOffload, str] | None = None  # with recompute: its checkpoint input on the host
+
+    def empty(self) -> bool:
+        return not self.recompute and self.offload is None and not self.chunks and self.route is None
+
+
+def recomputed(model: nn.Module) -> dict[str, str]:
+    """Per module of ``model`` recomputed alone (names of the uncompiled model), its policy ("" for none)."""
+    with uncompiled(model) as plain:
+        return {name: m.__dict__[RECORD].policy for name, m in plain.named_modules()
+                if RECORD in m.__dict__ and m.__dict__[RECORD].recompute}
+
+
+def installed_segments(model: nn.Module) -> list[list[str]]:
+    """The segments installed on ``model``, as lists of module names."""
+    return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
+
+
+def offloaded(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose saved tensors are offloaded."""
+    return [name for name, m in model.named_modules()
+            if RECORD in m.__dict__ and m.__dict__[RECORD].offload is not None]
+
+
+def input_offload_of(model: nn.Module) -> tuple[list[str], InputOffload | None]:
+    """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
+    found = [(name, m.__dict__[RECORD].input_offload) for name, m in model.named_modules()
+             if RECORD in m.__dict__ and m.__dict__[RECORD].input_offload is not None]
+    return [name for name, _ in found], (found[0][1][0] if found else None)
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
+    for m in model.modules():
+        record = m.__dict__.get(RECORD)
+        if record is not None and record.offload is not None:
+            return record.offload[0]
+    return None

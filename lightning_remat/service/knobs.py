@@ -1,0 +1,169 @@
+"""Which knob would make a budget fit: each setting that lowers the least peak, with the least peak
+it gives, predicted (re-solved on the profile, or on a re-profile under that setting), not guessed.
+
+When no plan meets the budget, ``Planner.decide`` adds these to the ``BudgetTooSmallError``
+(``errors.BudgetTooSmallError.with_knobs``): the message says which knob reaches the budget and
+what peak it gives, and ``error.knobs`` holds them as dicts. A knob is one entry of ``KNOBS``:
+
+- ``fused=True`` / ``foreach=False`` on the optimizer: its step measured under that setting with
+  the profile (``Profile.optimizer_step_alternatives``), the profile re-solved (no re-profile);
+- ``offload=True``: a re-profile with offloading offered (an accelerator target only);
+- more GPUs with FSDP2: a fake re-profile sharded over the least world size estimated to fit
+  (``core.sharding.smallest_world_size``), and twice that if it does not;
+- chunked loss (``chunk_loss=True``, a causal LM's head and loss planned over sequence chunks): a
+  re-profile with it on, where the model has such a head (``runtime.installing.chunked_loss``).
+
+Example:
+    >>> [k.name for k in KNOBS]
+    ['fused optimizer', 'optimizer without foreach', 'offload', 'more GPUs (FSDP2)', 'chunked loss']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..core.binding import with_optimizer_setting
+from ..core.errors import BudgetTooSmallError, RematError
+from ..core.sharding import smallest_world_size
+from ..core.solve import least_peak
+
+
+@dataclass(frozen=True)
+class KnobContext:
+    """What a knob may re-solve or re-profile: the planner, the step and the profile that did not fit."""
+
+    planner: Any
+    model: Any
+    step: Any
+    optimizer: Any
+    profile: Any
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob: its name, and ``evaluate(context)`` -> ``(how to ask for it, least peak)`` or None
+    where it does not apply (None as ``evaluate``: an extension point not built yet).
+
+    Example:
+        >>> Knob("x", None).name
+        'x'
+    """
+
+    name: str
+    evaluate: Callable[[KnobContext], tuple[str, int] | None] | None
+
+
+def _optimizer(setting: str) -> Callable[[KnobContext], tuple[str, int] | None]:
+    def evaluate(context: KnobContext) -> tuple[str, int] | None:
+        changed = with_optimizer_setting(context.profile, setting)
+        if changed is None or changed.optimizer_step_alternatives.get(setting, 0) >= 0:
+            return None
+        names = sorted({type(o).__name__ for o in _optimizers(context.optimizer)})
+        return f"{'/'.join(names) or 'the optimizer'}({setting})", least_peak(changed)
+    return evaluate
+
+
+def _optimizers(optimizer: Any) -> list:
+    from ..runtime.measuring.optimizers import optimizer_list
+
+    return optimizer_list(optimizer)
+
+
+def _model_optimizer(model: Any, optimizer: Any) -> Any:
+    """``optimizer``, or where a fake profile converted a meta model's parameters in place
+    (``runtime.targets.fake.fake_model``), one of its class and groups over the model's parameters
+    now, matched in the model's order."""
+    optimizers = _optimizers(optimizer)
+    current = list(model.parameters())
+    ids = {id(p) for p in current}
+    if all(id(p) in ids for o in optimizers for g in o.param_groups for p in g["params"]):
+        return optimizer
+    remaining = iter(current)
+    rebuilt = []
+    for o in optimizers:
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [next(p for p in remaining if p.shape == old.shape) for old in g["params"]]}
+                  for g in o.param_groups]
+        rebuilt.append(type(o)(groups))
+    return rebuilt[0] if len(rebuilt) == 1 else rebuilt
+
+
+def _reprofiled(context: KnobContext, **settings: Any) -> Any:
+    # The planner's own class (``service.planning.Planner``) with the setting changed: the same
+    # profile a plan with that setting would solve on.
+    config = replace(context.planner.config, profile=replace(context.planner.config.profile, **settings))
+    optimizer = _model_optimizer(context.model, context.optimizer) if context.optimizer is not None else None
+    return type(context.planner)(config).profile(context.model, context.step, optimizer)
+
+
+def _offload(context: KnobContext) -> tuple[str, int] | None:
+    from ..runtime.measuring.measure import model_device
+    from ..runtime.targets.offload_link import check_offload_target
+
+    options = context.planner.config.profile
+    if options.offload:
+        return None
+    try:
+        check_offload_target(replace(options, offload=True), model_device(context.model))
+    except RematError:  # no accelerator target: offloading is no knob here
+        return None
+    return "offload=True", least_peak(_reprofiled(context, offload=True))
+
+
+def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
+    profile, options = context.profile, context.planner.config.profile
+    world = int((profile.sharding or {}).get("world_size", options.world_size or 1))
+    # Parameters and optimizer state shrink with the world size (core.sharding.solve_sharded's estimate).
+    shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
+    estimate = smallest_world_size(least_peak(profile), shrinking, world, context.budget_bytes)
+    if estimate is None or estimate <= world:
+        return None
+    peak = 0
+    for size in (estimate, 2 * estimate):
+        peak = least_peak(_reprofiled(context, fake=True, world_size=size))
+        if peak <= context.budget_bytes:
+            break
+    return f"fake=True, world_size={size} (FSDP2, per GPU)", peak
+
+
+def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
+    from ..runtime.installing.chunked_loss import find_head_loss
+
+    if context.planner.config.profile.chunk_loss or find_head_loss(context.model) is None:
+        return None
+    return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("fused optimizer", _optimizer("fused=True")),
+    Knob("optimizer without foreach", _optimizer("foreach=False")),
+    Knob("offload", _offload),
+    Knob("more GPUs (FSDP2)", _more_gpus),
+    Knob("chunked loss", _chunked_loss),
+)
+
+
+def knob_figures(context: KnobContext) -> list[dict[str, Any]]:
+    """Per knob that applies, ``{"knob", "setting", "peak_bytes", "fits"}``, in ``KNOBS``'s order; a
+    knob whose re-profile failed has ``peak_bytes`` None and ``"error"``, the failure's first line."""
+    found = []
+    least = least_peak(context.profile)
+    for knob in KNOBS:
+        try:
+            result = knob.evaluate(context) if knob.evaluate is not None else None
+        except Exception as error:  # noqa: BLE001 - said in the message: the budget's own error is raised
+            found.append({"knob": knob.name, "setting": "", "peak_bytes": None, "fits": False,
+                          "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"})
+            continue
+        if result is not None and result[1] < least:  # a knob that lowers nothing is no knob
+            setting, peak = result
+            found.append({"knob": knob.name, "setting": setting, "peak_bytes": int(peak),
+                          "fits": int(peak) <= context.budget_bytes})
+    return found
+
+
+def advise(error: BudgetTooSmallError, context: KnobContext) -> BudgetTooSmallError:
+    """``error`` with the knobs' figures added (``BudgetTooSmallError.with_knobs``)."""
+    return error.with_knobs(knob_figures(context))

@@ -1,0 +1,80 @@
+"""What integrations report of a plan: ``plan_metrics``, the ``remat/...`` figures every one of them
+logs, and ``over_budget``, the one warning when a step they measured peaked above the budget.
+
+Example:
+    >>> from lightning_remat.core.plan import Plan
+    >>> plan_metrics(Plan(["h.0"], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
+    90.0
+"""
+
+from __future__ import annotations
+
+from ..core.budget import format_bytes
+from ..core.plan import Plan
+
+METRIC_PREFIX = "remat/"
+# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
+MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
+                      "or cost='roofline' give figures that do not move")
+
+
+def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
+    """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
+
+    Only what is known is reported: a figure the plan does not have (None: a plan made without a
+    profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
+
+    Example:
+        >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
+        >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
+        88.0
+        >>> from lightning_remat.core.solve import solve_recompute_everything
+        >>> sorted(plan_metrics(solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")))
+        ['remat/num_checkpointed']
+    """
+    metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
+    figures = {"budget_bytes": plan.budget_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
+               "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead}
+    metrics.update({name: value for name, value in figures.items() if value is not None})
+    if plan.offloaded:
+        metrics.update(offloaded_bytes=plan.host_bytes, host_bytes=plan.host_bytes)
+    if plan.binding:
+        # What binds, as loggers take it (numbers): a 1 under the term's name, and its bytes split.
+        binding = plan.binding
+        metrics[f"binds/{binding['term'].replace(' ', '_')}"] = 1
+        metrics.update({f"binds/{part}_bytes": binding[f"{part}_bytes"] for part in ("static", "stored", "own")})
+        metrics.update({f"binds/optimizer_{setting.replace('=', '_').lower()}_peak_bytes": peak
+                        for setting, peak in (binding.get("advice") or {}).items()})
+    if measured_peak_bytes is not None:
+        metrics["measured_peak_bytes"] = measured_peak_bytes
+    return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
+
+
+def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step") -> str | None:
+    """The warning every integration gives when a step it measured peaked above the plan's budget
+    (None when it did not, or the plan has no byte budget).
+
+    Example:
+        >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
+        ...             predicted_overhead=0.1)
+        >>> over_budget(990, plan) is None
+        True
+        >>> print(over_budget(1100, plan, "step 7 (4x128)"))
+        lightning-remat: step 7 (4x128) peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): memory the profile did not see. Lower the budget by the difference.
+    """
+    budget = plan.budget_bytes
+    if budget is None or measured_peak_bytes <= budget:
+        return None
+    over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
+            f"above the budget of {format_bytes(budget)} ({budget} bytes")
+    if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
+        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. Every candidate block is recomputed already: "
+                "reduce the batch size, raise the budget, or name more candidates.")
+    predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
+    return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
+
+
+# What a plan made without a profile is, in every message that reports on it.
+FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
+                 "ran out of memory)")

@@ -1,0 +1,28 @@
+"""Tiny Qwen2 and Qwen2-MoE causal language models (transformers configs, random weights, nothing
+downloaded) and a step on random tokens, for the tests of models the package's own ``models``
+does not build."""
+
+from __future__ import annotations
+
+import torch
+
+transformers = __import__("pytest").importorskip("transformers")
+
+
+def qwen2(moe: bool = False, layers: int = 2, hidden: int = 64, seq_len: int = 512, batch_size: int = 2,
+          vocab: int = 2048, seed: int = 0):
+    """(model in training mode, ``step(model) -> loss``): a Qwen2 (or, with ``moe``, a Qwen2-MoE of 4
+    experts, 2 per token, and a shared expert), ``use_cache`` off as for training."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    common = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=vocab, max_position_embeddings=seq_len, use_cache=False)
+    if moe:
+        config = transformers.Qwen2MoeConfig(intermediate_size=4 * hidden, moe_intermediate_size=hidden,
+                                             shared_expert_intermediate_size=2 * hidden, num_experts=4,
+                                             num_experts_per_tok=2, **common)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(intermediate_size=4 * hidden, **common))
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
+    return model.train(), (lambda m: m(input_ids=ids, labels=ids).loss)
