@@ -84,9 +84,11 @@ SLOW = {
                        "test_pareto_sweep_and_plot"),  # 5 s
     "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",  # 2-3 s each
-                           "test_trainer_follows_the_batch_shape_under_dynamic_padding"),  # 13-18 s (two runs)
+                           "test_trainer_follows_the_batch_shape_under_dynamic_padding",  # 13-18 s (two runs)
+                           "test_the_least_peak_holds_under_accumulation_with_what_the_trainer_carries_between_micro_batches"),  # 3 s
     "test_manual_optimization.py": ("test_autoremat_plans_manual_optimization_with_two_optimizers",  # 5 s
-                                    "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple"),  # 2.5 s
+                                    "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple",  # 2.5 s
+                                    "test_autoremat_plans_manual_optimization_on_fake_tensors"),  # 2-5 s
     # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
     "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",

@@ -138,7 +138,7 @@ def test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device():
     ids = torch.randint(0, 4096, (1, 512))
 
     def least_peak(chunk_loss):
-        with torch.device("meta"):  # a model of its own each time (planning on the meta device rebinds parameters)
+        with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config).train()
         return plan_remat(model, lambda m: m(input_ids=ids, labels=ids).loss, "min",
                           optimizer=torch.optim.AdamW(model.parameters()), cost="flops", fake=True, device="cuda",

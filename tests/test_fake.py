@@ -179,3 +179,28 @@ def test_a_gpu_target_runs_attention_dropout_in_the_fused_kernel_the_gpu_uses():
     assert keep_bytes(0.1, gpu="h100") == on_gpu
     assert keep_bytes(0.1) >= on_gpu + 2 * scores  # the CPU's math path: scores and probabilities
     assert torch.nn.functional.scaled_dot_product_attention is original  # put back after profiling
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_fake_planning_leaves_the_model_and_optimizer_as_they_were_and_plans_again(device):
+    """A fake plan works on a twin: the model keeps its parameter objects (a meta model's were
+    once replaced by fake ones, and the optimizer then held parameters the model no longer had)."""
+    with torch.device(device):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3)],
+                              nn.LayerNorm(32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(16, 32)
+    before = {name: (id(p), type(p), p.device.type) for name, p in model.named_parameters()}
+    buffers = {name: id(b) for name, b in model.named_buffers()}
+    held = [id(p) for group in optimizer.param_groups for p in group["params"]]
+
+    def plan():
+        return plan_remat(model, lambda m: m(x).square().mean(), "min", optimizer=optimizer, cost="flops",
+                          fake=True, verbose=False)
+
+    first = plan()
+    assert {name: (id(p), type(p), p.device.type) for name, p in model.named_parameters()} == before
+    assert {name: id(b) for name, b in model.named_buffers()} == buffers
+    assert [id(p) for group in optimizer.param_groups for p in group["params"]] == held and not optimizer.state
+    second = plan()
+    assert second.to_dict() == first.to_dict()

@@ -99,6 +99,21 @@ def test_autoremat_plans_manual_optimization_with_two_optimizers():
     assert losses == plain_losses
 
 
+def test_autoremat_plans_manual_optimization_on_fake_tensors():
+    """The fake twin's ``self.optimizers()`` reaches the trainer as the module's does (the twin once
+    lost it: "not attached to a Trainer"), and the fake plan holds its budget as the real one does."""
+    plain, plain_losses = _fit()
+    budget = plain.static + (max(plain.peaks) - plain.static) // 2
+    callback = AutoRemat(budget=budget, fake=True, cost="flops", verbose=False)
+    planned, losses = _fit(callback)
+    plan = callback.plan
+    assert plan is not None and plan.checkpointed
+    steady = max(planned.peaks)
+    assert steady <= budget, (steady, budget)
+    assert abs(plan.predicted_peak_bytes - steady) <= 0.05 * steady, (plan.predicted_peak_bytes, steady)
+    assert losses == plain_losses
+
+
 def test_plan_remat_counts_every_optimizer_in_a_list_or_tuple():
     model = build("gpt2", **SIZES).model
     blocks, rest = _split(model)

@@ -23,12 +23,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 
 from ...core.allowances import ACCELERATE_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.errors import StepError
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...runtime.measuring.measure import PeakWindow
+from ...runtime.measuring.meter import model_state_bytes
+from ...runtime.measuring.tracking import snapshot_by_category
 from ...core.shapes import Shape
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, resize_batch
 from ...runtime.profiling.profile_adjust import with_always_alive
@@ -211,20 +214,55 @@ class WindowTracker(PeakWindow):
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
 
+    def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
+        """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
+        gradients, the optimizer's state and ``excluded`` (the next call's own inputs, which a profile
+        of that call sees as it sees them, and what the session itself keeps of the last call: the
+        gradients its outputs received): read between two micro-batches, what the loop carries into
+        the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, which it fetched
+        with the whole accumulation window, its loss, the running loss), which a profile of one call
+        does not see.
 
-def with_loop_references(profile: Profile, held_bytes: int) -> Profile:
+        Example:
+            >>> net = nn.Linear(8, 8)
+            >>> window = WindowTracker(net, None)
+            >>> loss = net(torch.randn(4, 8)).sum()
+            >>> loss.backward()
+            >>> kept = loss.detach() * 2   # a running loss the loop keeps
+            >>> following = torch.randn(4, 8)   # the next micro-batch, made in the window
+            >>> window.carried_bytes([following]), window.close() > 0   # the loss and its copy
+            (8, True)
+        """
+        excluded = list(excluded)
+        if self.cuda:
+            now = int(torch.cuda.memory_allocated(self.device))
+            mine = sum({s.data_ptr(): s.nbytes() for t in excluded for s in get_untyped_storages(t)}.values())
+        else:
+            now = snapshot_by_category(self.tracker.get_tracker_snapshot("current"), self.device).get("Total", 0)
+            mine = self.tracker.counted_bytes(excluded)
+        return max(0, now - model_state_bytes(self.model, self.optimizer) - mine)
+
+
+def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:
     """Count what the user's loop keeps alive around the model in every term: the outputs it holds
     (``held_bytes``: the current step's through backward and the optimizer step, the previous step's
-    through the next forward) and ``LOOP_ALLOWANCE`` for the loss scalars.
+    through the next forward), what it carries from one micro-batch into the next (``carried_bytes``,
+    measured between them: ``WindowTracker.carried_bytes``, the outputs held among them) and
+    ``LOOP_ALLOWANCE`` for the loss scalars.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
         >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
         >>> with_loop_references(p, 4096).stages[0].options[0].local_peak_bytes == 100 + 4096 + LOOP_ALLOWANCE
         True
+        >>> with_loop_references(p, 4096, 6144).stages[0].options[0].local_peak_bytes == 100 + 6144 + LOOP_ALLOWANCE
+        True
     """
     note = f"the training loop holds the model's outputs ({format_bytes(held_bytes)}) " if held_bytes else ""
-    return with_always_alive(profile, held_bytes + LOOP_ALLOWANCE,
+    if carried_bytes > held_bytes:
+        note += (f"and carries {format_bytes(carried_bytes - held_bytes)} more from one micro-batch into the next "
+                 "(measured: its inputs, losses) ")
+    return with_always_alive(profile, max(held_bytes, carried_bytes) + LOOP_ALLOWANCE,
                              note + f"and the loss ({LOOP_ALLOWANCE} bytes allowed) through the step; counted in every term")
 
 

@@ -41,7 +41,7 @@ from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .plugin import ENV_BUDGET, RematPlugin
-from ...runtime.profiling.batch_shape import batch_shape
+from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
 from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
                             with_loop_references)
 
@@ -104,6 +104,7 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._carried = 0  # bytes the loop carried from the last observed micro-batch into the next
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
@@ -135,7 +136,7 @@ class RematSession:
         if not self._training_call(module):
             return
         self._hook_optimizer(self._known_optimizer())
-        self._step_boundary(optimizer_stepped=False)
+        self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
         if self.phase == "observe":
@@ -207,8 +208,9 @@ class RematSession:
                 return inner
         return None
 
-    def _step_boundary(self, optimizer_stepped: bool) -> None:
-        """Between two steps: count the step that ended, and plan or finish measuring when due."""
+    def _step_boundary(self, optimizer_stepped: bool, next_inputs: list[torch.Tensor] = ()) -> None:
+        """Between two steps: count the step that ended, and plan or finish measuring when due
+        (``next_inputs``: the tensors of the forward about to run, if one is)."""
         if self.phase == "observe":
             if self._current is not None and not self._current.backward_ran and self._window is not None:
                 # A forward the loop did not train on (it skipped the batch): not an observed step.
@@ -219,6 +221,9 @@ class RematSession:
                 self.observed_steps += 1
                 if self._window is not None:
                     window, self._window = self._window, None
+                    # Between two micro-batches (no optimizer step): what the loop carries into the next.
+                    self._carried = 0 if optimizer_stepped else window.carried_bytes(
+                        [*next_inputs, *self._completed.grads.values()])
                     peak = window.close()
                     # Without an optimizer pre-step hook in this step, the whole step's peak stands in
                     # for that of forward and backward (an over-estimate: the plan errs on the safe side).
@@ -251,10 +256,10 @@ class RematSession:
         channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
-        observed, held = self._observed, call.held_bytes()
+        observed, held, carried = self._observed, call.held_bytes(), self._carried
 
         def adjust(profile: Any) -> Any:
-            profile = with_loop_references(profile, held)
+            profile = with_loop_references(profile, held, carried)
             return calibrate(profile, *observed) if observed is not None else profile
 
         hint = f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"

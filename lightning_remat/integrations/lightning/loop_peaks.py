@@ -30,7 +30,7 @@ from torch import nn
 from ...core.budget import format_bytes
 from ...core.loop_fit import ForwardFit
 from ...runtime.measuring.measure import RandomState
-from ...runtime.measuring.meter import PeakWindow
+from ...runtime.measuring.meter import PeakWindow, model_state_bytes
 from ...runtime.measuring.runner import model_device
 
 
@@ -70,11 +70,7 @@ def alive_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> in
     device = model_device(model)
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
-    tensors += [v for o in optimizers for state in o.state.values() for v in state.values()]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
+    return model_state_bytes(model, optimizers)
 
 
 def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],

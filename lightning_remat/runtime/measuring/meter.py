@@ -25,7 +25,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 
+from .optimizers import optimizer_list
 from .runner import Tracking, model_device
 from .tracking import PeakOnlyTracker, snapshot_by_category
 
@@ -136,6 +138,24 @@ class PeakMeter(Tracking):
         if self.tracker is None:
             return {}
         return snapshot_by_category(self.tracker.get_tracker_snapshot("peak"), self.device)
+
+
+def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
+    """Bytes of the distinct storages of the model's parameters, buffers and gradients and of the
+    optimizers' state (one, several, or wrapped): what a step holds besides what it allocates.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> net(torch.randn(2, 8)).sum().backward()
+        >>> model_state_bytes(net)  # weight and bias, and their gradients
+        576
+    """
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    tensors += [v for o in optimizer_list(optimizers) for state in o.state.values() for v in state.values()]
+    # Through tensor subclasses (FSDP2's DTensor parameters) to the storages they hold, as MemTracker does.
+    storages = {storage.data_ptr(): storage.nbytes()
+                for t in tensors if isinstance(t, torch.Tensor) for storage in get_untyped_storages(t)}
+    return sum(storages.values())
 
 
 class PeakWindow(PeakMeter):

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._pytree import tree_leaves
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -163,6 +164,21 @@ class Tracker(MemTracker):
         finally:
             release_eager()
             PLANNING_LOCK.release()
+
+    def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
+        tensor made before it started only once an operation it sees has used it).
+
+        Example:
+            >>> before, tracker = torch.ones(4), Tracker()
+            >>> with tracker:
+            ...     made = torch.zeros(2)
+            ...     tracker.counted_bytes([before, made, made[:1]])
+            8
+        """
+        storages = {id(storage): storage.nbytes()
+                    for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
+        return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         # MemTracker runs this after every operator and, before updating the overall peak, scans

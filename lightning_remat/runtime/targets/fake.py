@@ -73,9 +73,10 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
     """A version of ``model`` whose parameters and buffers are fake CPU tensors.
 
-    A real model is copied (its real tensors are only read for metadata); a model on the meta
-    device, or already fake, is converted in place, since its tensors hold nothing to keep. Tied
-    parameters stay tied and names do not change. ``dtype`` casts floating-point tensors.
+    The model is copied (its tensors are only read for metadata), whether real, on the meta device
+    or already fake: planning leaves it, and an optimizer over its parameters, exactly as they were,
+    so the same model and optimizer can be planned again. Tied parameters stay tied and names do
+    not change. ``dtype`` casts floating-point tensors.
 
     Example:
         >>> real = torch.nn.Linear(2, 2)
@@ -83,10 +84,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
         >>> fake is not real, fake.weight.dtype, real.weight.dtype
         (True, torch.bfloat16, torch.float32)
     """
-    has_real = any(t.device.type != "meta" and not isinstance(t, FakeTensor)
-                   for t in [*model.parameters(), *model.buffers()])
-    if has_real:
-        model = _shallow_module_copy(model)
+    model = _shallow_module_copy(model)
     memo: dict[int, torch.Tensor] = {}
 
     def convert(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +189,10 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
     def copy_module(module: nn.Module) -> nn.Module:
         if id(module) not in copies:
             twin = copy.copy(module)
+            # copy.copy goes through __getstate__, which may drop what pickling must not carry
+            # (a LightningModule's trainer, which ``self.optimizers()`` reads): the twin refers to
+            # all its module does.
+            twin.__dict__.update(module.__dict__)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())
