@@ -86,12 +86,15 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
         return profile
     per_second = profile.baseline_step_seconds / (profile.baseline_step_flops or 1)
     roofline = figures.flops / flops_per_second if flops_per_second else 0.0
-    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, 0.0, 0)]
+    # What the gap's figure counts of an input earlier checkpoints hold (core.shared_held), as the
+    # stage's: with one such input its bytes are known; with several, nothing is taken off (safe).
+    held = ((gap.shared_labels[0], gap.shared_saving),) if len(gap.shared_labels) == 1 and gap.shared_saving else ()
+    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, 0.0, 0, held_before=held)]
     for chunks, figure in sorted(figures.chunked.items()):
         options.append(StageOption(
             option_name(OptionKind.CHUNKS, chunks), (), 0, gap.peak_bytes - figures.unchunked + figure,
             cost_seconds=figures.flops * per_second, cost_flops=figures.flops + chunks,
-            cost_roofline=roofline, chunks=chunks))
+            cost_roofline=roofline, chunks=chunks, held_before=held))
     stage = StageProfile(figures.head, tuple(options), forward_flops=figures.flops, module_type="head and loss")
     result = replace(profile, stages=(*profile.stages, stage), segments=tuple(s for s in profile.segments if s is not gap),
                      notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "
