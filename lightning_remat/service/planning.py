@@ -150,8 +150,8 @@ class Planner:
             failed = error
         from .knobs import KnobContext, advise
 
-        budget = self.config.budget_bytes(model_device(model))
-        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(budget)))
+        # The bytes the plan did not fit: the error's (a "min" budget refused for the target's memory has no other).
+        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(failed.budget_bytes)))
 
     def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
