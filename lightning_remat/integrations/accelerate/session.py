@@ -222,7 +222,9 @@ class RematSession:
                 if self._window is not None:
                     window, self._window = self._window, None
                     # Between two micro-batches (no optimizer step): what the loop carries into the next.
-                    self._carried = 0 if optimizer_stepped else window.carried_bytes(
+                    # Not on an FSDP2-sharded model: between its steps the tracker reads sharded state
+                    # (unsharded parameters, reduce-scatter buffers) the lockstep profile counts already.
+                    self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
                         [*next_inputs, *self._completed.grads.values()])
                     peak = window.close()
                     # Without an optimizer pre-step hook in this step, the whole step's peak stands in
