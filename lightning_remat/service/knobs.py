@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..core.binding import with_optimizer_setting
+from ..core.binding import HEAD, with_optimizer_setting
 from ..core.errors import BudgetTooSmallError, RematError
 from ..core.sharding import smallest_world_size
-from ..core.solve import least_peak
+from ..core.solve import least_peak, solve
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,19 @@ def _reprofiled(context: KnobContext, **settings: Any) -> Any:
     return type(context.planner)(config).profile(context.model, context.step, optimizer)
 
 
+def _below_static(context: KnobContext) -> bool:
+    """Whether the budget is below the static memory (parameters, gradients, optimizer state),
+    which a knob that moves only activations (offload, chunked loss) leaves as it is: such a knob
+    cannot reach it, and its re-profile (seconds to minutes) is not run."""
+    return context.budget_bytes < context.profile.static_bytes
+
+
 def _offload(context: KnobContext) -> tuple[str, int] | None:
     from ..runtime.measuring.measure import model_device
     from ..runtime.targets.offload_link import check_offload_target
 
     options = context.planner.config.profile
-    if options.offload:
+    if options.offload or _below_static(context):
         return None
     try:
         check_offload_target(replace(options, offload=True), model_device(context.model))
@@ -131,7 +138,11 @@ def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
 def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
     from ..runtime.installing.chunked_loss import find_head_loss
 
-    if context.planner.config.profile.chunk_loss or find_head_loss(context.model) is None:
+    if context.planner.config.profile.chunk_loss or _below_static(context) or find_head_loss(context.model) is None:
+        return None
+    # Chunking lowers the head and loss's term only: offered (and re-profiled for) where that term
+    # binds the least peak, as at long context.
+    if (solve(context.profile, "min", cost="flops").binding or {}).get("term") != HEAD:
         return None
     return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
 
