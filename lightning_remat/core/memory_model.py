@@ -101,6 +101,10 @@ class StageProfile:
     forward_seconds: float = 0.0
     forward_flops: int = 0
     module_type: str = ""
+    # Which run of the module's calls in one step this stage is: 0 for its first; k > 0 for a later
+    # one (a trunk under two heads runs each block twice), the same module tied to the option of its
+    # first stage, at its own place in the chain with its own figures (``core.calls``).
+    call: int = 0
 
     def option(self, name: str) -> StageOption:
         for option in self.options:

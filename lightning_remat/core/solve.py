@@ -21,6 +21,7 @@ import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
+from .calls import is_tied, tied_dp
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
@@ -191,6 +192,8 @@ def least_peak(profile: Profile) -> int:
         >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
         160
     """
+    if is_tied(profile):
+        return exact_peak(profile, tied_dp(profile, None, "flops"))
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
     return exact_peak(profile, choices, spans)
 
@@ -213,6 +216,8 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     arrays = _arrays(profile, cost)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
+    if is_tied(profile):
+        return _solve_tied(profile, budget, cost)
     spans = _span_transitions(profile, cost)
     least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
     if least is not None:
@@ -223,6 +228,21 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     if found is None:
         raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
     return Solution(*found)
+
+
+def _solve_tied(profile: Profile, budget: int | str, cost: str) -> Solution:
+    """``solve_segmentation`` where a module stands at several places (``core.calls``): no spans;
+    shared inputs as ``_counted_once`` takes them."""
+    least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
+    if budget == MIN_BUDGET:
+        budget = exact_peak(profile, least)
+    found = tied_dp(profile, int(budget), cost)
+    if found is None and slack(profile):
+        wider = tied_dp(profile, int(budget) + slack(profile), cost)
+        found = next((c for c in (wider, least) if c is not None and exact_peak(profile, c) <= int(budget)), None)
+    if found is None:
+        raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
+    return Solution(found, [])
 
 
 def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
@@ -281,9 +301,16 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
                                              stage.options[0].stored_bytes, stored, float(whole.cost(kind))))
             continue
         option = stage.options[c]
-        stage_choices.append(
-            StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(kind)))
-        )
+        choice = StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes,
+                             float(option.cost(kind)))
+        if stage.call:  # a later place of a module (core.calls): one choice for the module, its places summed
+            at = next(j for j in range(len(stage_choices) - 1, -1, -1) if stage_choices[j].stage == stage.name)
+            first = stage_choices[at]
+            choice = replace(first, baseline_stored_bytes=first.baseline_stored_bytes + choice.baseline_stored_bytes,
+                             stored_bytes=first.stored_bytes + choice.stored_bytes, cost=first.cost + choice.cost)
+            stage_choices[at] = choice
+            continue
+        stage_choices.append(choice)
     return Plan(
         actions=actions,
         budget_bytes=int(budget_bytes),

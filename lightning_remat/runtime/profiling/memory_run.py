@@ -57,7 +57,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
                 offload_inputs: bool = False) -> MemoryRun:
-    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
+    # ``order``: the chain's places (``ObservedStep.positions``: a module may stand at several),
+    # ``calls`` the calls at each. ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
     # nothing recomputed and ``dead`` empty fills it. ``chunked``: causal LM heads computing their
     # loss over that many chunks (loss_stage.py; nothing else wrapped then). ``offload_inputs``: the
     # recomputed modules' checkpoint inputs go to the host (input_offload.py).
@@ -70,7 +71,10 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     device = model_device(model)
-    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
+    places: dict[int, list[int]] = {}  # a module whose calls other stages separate has several
+    for i, n in enumerate(order):
+        places.setdefault(id(modules[n]), []).append(i)
+    tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
     plan = (Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else
@@ -78,7 +82,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     host: dict[str, int] | None = None
     with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
-            HeldInputs(model, order, dead or {}, wrapped) as held, \
+            HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
 
         def checked(model: nn.Module) -> torch.Tensor:
@@ -97,7 +101,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
-    if offloaded or offload_inputs:
+    if (offloaded or offload_inputs) and len(set(order)) == len(order):  # a module at several places: as measured
         stored = net_of_released(stored, tracker.forward_starts, calls)
     prefix = [0]
     for s in stored:

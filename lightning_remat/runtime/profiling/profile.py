@@ -311,8 +311,10 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                          optimizer is not None, device, peaks, per_op, limits, compiled)
-    assembled.span_groups = groups
-    assembled.blocks = found.blocks
+    # A module at several places (core.calls) is planned alone: no span or block over it.
+    several = {n for n in observed.positions if observed.positions.count(n) > 1}
+    assembled.span_groups = tuple(g for g in groups if not several & set(g))
+    assembled.blocks = tuple(b for b in found.blocks if not several & set(b[1]))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
     if compiled:
