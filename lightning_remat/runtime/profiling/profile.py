@@ -46,6 +46,7 @@ from ..measuring.observe import observe_step
 from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
 from ..measuring.stance import eager_stance
+from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
 from ..targets.fake_attention import cuda_attention
@@ -157,7 +158,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         # chunked step measured 2.5-8% above its eager figures (docs/long_context.md). Not offered.
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
-    with eager_stance(), uncompiled(model) as model:
+    # The user's hooks see training forwards only, not the profile's passes (user_hooks.py).
+    with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model:
         if not options.fake:
             profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
             profile.optimizer_step_alternatives = optimizer_step_alternatives(
