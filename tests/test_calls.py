@@ -5,6 +5,7 @@ option for all its places (``core.calls``)."""
 import copy
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_remat import BudgetTooSmallError, StageAction, apply_plan, measur
 from lightning_remat.core.calls import owners, tied_dp
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
 from lightning_remat.core.predict import predict
+from lightning_remat.core.solve import solve_choices
 from tests.torch_meter import TorchPeak
 
 
@@ -78,6 +80,10 @@ def test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute(trunk_twice):
     assert first.option("whole").cost_flops + second.option("whole").cost_flops == counter.get_total_flops()
     plan = solve(profile, "min", cost="flops")
     assert [a.stage for a in plan.actions] == BLOCKS and [c.stage for c in plan.choices] == BLOCKS
+    # On fake tensors: the same places, the same bytes.
+    fake = profile_step(model, step, optimizer=optimizer, fake=True)
+    assert [(s.name, s.call, [(o.name, o.stored_bytes, o.local_peak_bytes) for o in s.options]) for s in fake.stages] \
+        == [(s.name, s.call, [(o.name, o.stored_bytes, o.local_peak_bytes) for o in s.options]) for s in profile.stages]
 
 
 def test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget(trunk_twice):
@@ -114,7 +120,8 @@ def test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget(tru
 
 
 def _tied_profile(rng: random.Random) -> Profile:
-    """Random places of 2-3 modules over 1-3 rounds (each round the modules in order, some left out)."""
+    """Random places of 2-3 modules over 1-3 rounds (each round the modules in order, some left out);
+    in half of them one place is ``fresh`` (a backward pass ran before it)."""
     modules = [f"m{i}" for i in range(rng.randint(2, 3))]
     options = {m: rng.randint(1, 3) for m in modules}
     rounds = [modules] + [[m for m in modules if rng.random() < 0.7] or modules[:1] for _ in range(rng.randint(0, 2))]
@@ -128,6 +135,9 @@ def _tied_profile(rng: random.Random) -> Profile:
                 for j in range(options[m])), call=seen.get(m, 0)))
             seen[m] = seen.get(m, 0) + 1
     segments = tuple(Segment(f"s{k}", k, rng.randint(0, 150)) for k in rng.sample(range(len(stages) + 1), 2))
+    if rng.random() < 0.5:
+        k = rng.randrange(1, len(stages)) if len(stages) > 1 else 0
+        stages[k] = replace(stages[k], fresh=True)
     return Profile(tuple(stages), segments)
 
 
@@ -139,7 +149,7 @@ def _tied_plans(profile: Profile):
         yield [by_first[o] for o in owner]
 
 
-def test_tied_solver_equals_exhaustive_search_over_tied_plans():
+def test_tied_solver_equals_exhaustive_search_over_tied_plans_with_and_without_fresh_places():
     rng = random.Random(7)
     for _ in range(150):
         profile = _tied_profile(rng)
@@ -158,3 +168,5 @@ def test_tied_solver_equals_exhaustive_search_over_tied_plans():
         assert predict_peak(profile, found) <= budget
         assert plan_cost(profile, found, "flops") == min(fitting)
         assert solve(profile, budget, cost="flops").predicted_peak_bytes <= budget
+        # The same through the solver's entry, which takes the chain DP where no module is tied.
+        assert plan_cost(profile, solve_choices(profile, budget, "flops"), "flops") == min(fitting)

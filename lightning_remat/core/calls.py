@@ -18,7 +18,10 @@ the end, and every state's figures only grow, so a state over the budget is drop
 exact (a Pareto frontier over those figures and the cost) up to ``MAX_TIED_FRONTIER`` states per
 module, beyond which it keeps a spread of them: plans stay within the budget (every kept state's
 figures are exact), optimality is then not proven. Spans (several stages under one checkpoint) are
-not offered in such a profile.
+not offered in such a profile. A step that runs backward between the runs (Lightning's manual
+optimization, a GAN's two phases) frees the first run's tensors first: the place where the next run
+starts is ``fresh`` (``StageProfile.fresh``), and only the rounds since the last fresh place are
+alive under a place.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -38,7 +41,10 @@ from typing import Sequence
 
 import numpy as np
 
+from .budget import MIN_BUDGET
+from .errors import BudgetTooSmallError
 from .memory_model import Profile
+from .shared_held import exact_peak, slack
 
 # States kept per module by ``tied_dp`` (see the module's docstring).
 MAX_TIED_FRONTIER = 4_000
@@ -84,15 +90,21 @@ def check_tied(profile: Profile, choices: Sequence[int]) -> None:
                              f"share one option, got {choices[owner]} and {choices[i]}")
 
 
-def _rounds(owner: list[int]) -> list[int]:
-    """Per place, its round: a new round starts where a module does not come after the one before."""
-    found, current, previous = [], 0, -1
-    for module in owner:
-        if module <= previous:
+def _rounds(profile: Profile, owner: list[int]) -> tuple[list[int], np.ndarray]:
+    """Per place, its round: a new round starts where a module does not come after the one before, and
+    at a ``fresh`` place; and which rounds' places are alive under which (``[r', r]``: r' before r, in
+    the same episode, the places between two fresh ones)."""
+    found, episodes, current, previous = [], [0], 0, -1
+    for i, module in enumerate(owner):
+        fresh = profile.stages[i].fresh and i > 0
+        if module <= previous or fresh:
             current += 1
+            episodes.append(episodes[-1] + fresh)
         found.append(current)
         previous = module
-    return found
+    count = current + 1
+    under = np.array([[r < q and episodes[r] == episodes[q] for q in range(count)] for r in range(count)], dtype=float)
+    return found, under
 
 
 def _tables(profile: Profile, kind: str) -> tuple:
@@ -157,8 +169,8 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
     """Option index per place: the least-cost plan whose peak is within ``budget`` (``None``: the
     plan of least peak), each module's places sharing one option; None when nothing fits."""
     owner, rows = _tables(profile, kind)
-    rounds = _rounds(owner)
-    r_count = max(rounds, default=0) + 1
+    rounds, under = _rounds(profile, owner)
+    r_count = len(under)
     constant, after = _segment_terms(profile)
     if budget is not None and constant > budget:
         return None
@@ -172,7 +184,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
             delta = np.zeros(r_count)
             for i, (stored, _, _) in zip(at, option):
                 delta[rounds[i]] += stored
-            least = np.minimum(least, np.concatenate(([0.0], np.cumsum(delta)[:-1])))
+            least = np.minimum(least, delta @ under)
         falls[k] = falls[k + 1] + least
     stored = np.zeros((1, r_count))
     terms = np.full((1, r_count), float(_NONE))
@@ -191,8 +203,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
                 if i in after:
                     term[:, r] = np.maximum(term[:, r], stored[:, r] + s + after[i])
             grown = stored + delta
-            earlier = np.concatenate((np.zeros((len(stored), 1)), np.cumsum(grown, axis=1)[:, :-1]), axis=1)
-            shift = np.concatenate(([0.0], np.cumsum(delta)[:-1]))
+            earlier, shift = grown @ under, delta @ under
             new_terms.append(np.maximum(terms + shift, np.where(term > _NONE / 2, earlier + term, float(_NONE))))
             new_stored.append(grown)
             new_cost.append(cost + sum(c for _, _, c in option))
@@ -224,3 +235,22 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
         best = int(parent[best])
     first = {at[0]: by_module[k] for k, (at, _) in enumerate(rows)}
     return [first[o] for o in owner]
+
+
+def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
+    """``solve.solve_segmentation`` for a profile where a module stands at several places: option
+    indices per place (no spans); inputs several checkpoints hold as ``solve._counted_once`` takes them.
+
+    Raises BudgetTooSmallError when nothing fits.
+    """
+    least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
+    if budget == MIN_BUDGET:
+        budget = exact_peak(profile, least)
+    found = tied_dp(profile, int(budget), cost)
+    if found is None and slack(profile):
+        wider = tied_dp(profile, int(budget) + slack(profile), cost)
+        found = next((c for c in (wider, least) if c is not None and exact_peak(profile, c) <= int(budget)), None)
+    if found is None:
+        least = least or tied_dp(profile, None, cost)
+        raise BudgetTooSmallError(int(budget), exact_peak(profile, least), profile.static_bytes)
+    return found

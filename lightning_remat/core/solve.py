@@ -21,7 +21,7 @@ import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
-from .calls import is_tied, tied_dp
+from .calls import is_tied, solve_tied, tied_dp
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
@@ -47,6 +47,8 @@ class _Arrays:
     # [stage] how many options it has: the rows beyond are padding (not a -1 in ``stored``, which a
     # sharded stage's real figure can be).
     options: np.ndarray = None  # type: ignore[assignment]
+    # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
+    fresh: np.ndarray = None  # type: ignore[assignment]
 
 
 def _arrays(profile: Profile, kind: str) -> _Arrays:
@@ -68,7 +70,8 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
             raise ValueError(f"segment {segment.name!r} has stages_alive={segment.stages_alive} outside 0..{n}")
         segment_peak[segment.stages_alive] = max(segment_peak[segment.stages_alive], segment.peak_bytes)
     return _Arrays(stored, local, cost, segment_peak,
-                   np.array([len(s.options) for s in profile.stages], dtype=np.int64))
+                   np.array([len(s.options) for s in profile.stages], dtype=np.int64),
+                   np.array([s.fresh for s in profile.stages], dtype=bool))
 
 
 def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -93,7 +96,9 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
     (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
-    for first, last, stored, local, seconds, flops, roofline in span_rows(profile):
+    # No span in a step that runs backward more than once (``StageProfile.fresh``): its figures assume one.
+    for first, last, stored, local, seconds, flops, roofline in [] if any(s.fresh for s in profile.stages) \
+            else span_rows(profile):
         cost = cost_of(kind, seconds, flops, roofline)
         ends[last + 1].append((first, stored, local, cost))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
@@ -135,6 +140,8 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
             t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
         sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
         src_stored = np.concatenate([frontiers[o][0] for o in origin])
+        if arrays.fresh is not None and arrays.fresh[i]:
+            src_stored = np.zeros_like(src_stored)  # the stages before it were done with (backward ran)
         src_value = np.concatenate([frontiers[o][1] for o in origin])
         which = np.repeat(np.arange(len(origin)), sizes)
         src_index = np.arange(len(src_stored)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -217,7 +224,7 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
     if is_tied(profile):
-        return _solve_tied(profile, budget, cost)
+        return Solution(solve_tied(profile, budget, cost), [])
     spans = _span_transitions(profile, cost)
     least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
     if least is not None:
@@ -228,21 +235,6 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     if found is None:
         raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
     return Solution(*found)
-
-
-def _solve_tied(profile: Profile, budget: int | str, cost: str) -> Solution:
-    """``solve_segmentation`` where a module stands at several places (``core.calls``): no spans;
-    shared inputs as ``_counted_once`` takes them."""
-    least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
-    if budget == MIN_BUDGET:
-        budget = exact_peak(profile, least)
-    found = tied_dp(profile, int(budget), cost)
-    if found is None and slack(profile):
-        wider = tied_dp(profile, int(budget) + slack(profile), cost)
-        found = next((c for c in (wider, least) if c is not None and exact_peak(profile, c) <= int(budget)), None)
-    if found is None:
-        raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
-    return Solution(found, [])
 
 
 def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,

@@ -276,6 +276,12 @@ class SegmentTracker(Tracker):
         # The total when each stage's (first) forward began: what the gaps between stages released.
         self.forward_starts: dict[int, int] = {}
         self._running: dict[int, int] = {}  # module id -> the place its running forward fills
+        # Places whose forward began after every earlier place's backward (a step with several backward
+        # passes): nothing stored before them is alive (``StageProfile.fresh``). A backward counts from
+        # its start: a first block's end is not seen when its input needs no gradient, and a forward
+        # after it begins once the backward call has returned.
+        self.fresh: set[int] = set()
+        self._backwards_begun: dict[int, int] = {}
 
     def current_total(self) -> int:
         return current_total(self, self.device)
@@ -292,11 +298,17 @@ class SegmentTracker(Tracker):
         # The first place with calls left; a call beyond the profiled ones counts in the last.
         return next((i for i in places if self.forwards_done.get(i, 0) < self.calls.get(i, 1)), places[-1])
 
-    def _backward_place(self, module: torch.nn.Module) -> int | None:
+    def _backward_place(self, module: torch.nn.Module, begun: bool = False) -> int | None:
+        """The place of a module's backward about to begin (``begun``: just ended): the latest of
+        its forwards whose backward has not (autograd's order; a step may run backward between them)."""
         places = self.places.get(id(module))
         if places is None:
             return None
-        return next((i for i in reversed(places) if self.backwards_done.get(i, 0) < self.calls.get(i, 1)), places[0])
+        if begun:
+            return next((i for i in reversed(places) if self.backwards_done.get(i, 0) < self._backwards_begun.get(i, 0)),
+                        places[0])
+        return next((i for i in reversed(places) if self._backwards_begun.get(i, 0) < self.forwards_done.get(i, 0)),
+                    places[0])
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
@@ -307,6 +319,9 @@ class SegmentTracker(Tracker):
         index = self._forward_place(module)
         if index is not None and not self._mod_tracker.is_bw:
             self._running[id(module)] = index
+            if index not in self.forward_starts and index and all(
+                    self._backwards_begun.get(j, 0) >= self.calls.get(j, 1) for j in range(index)):
+                self.fresh.add(index)
             self.pre_fw[index] = self.current_total()
             self.forward_starts.setdefault(index, self.pre_fw[index])
             self.label = ("fw", index)
@@ -326,19 +341,20 @@ class SegmentTracker(Tracker):
         super()._pre_bw_hook(module, args)
         index = self._backward_place(module)
         if index is not None:
+            self._backwards_begun[index] = self._backwards_begun.get(index, 0) + 1
             self.label = ("bw", index)
             self._note()
 
     def _post_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
         super()._post_bw_hook(module, args)
-        index = self._backward_place(module)
+        index = self._backward_place(module, begun=True)
         if index is not None:
             self.backwards_done[index] = self.backwards_done.get(index, 0) + 1
             more = self.backwards_done[index] < self.calls.get(index, 1)
             if more:
                 self.label = ("bw", index)
             elif self.label == ("bw", index):
-                self.label = ("gap", index)
+                self.label = ("gap", 0 if index in self.fresh else index)  # before a fresh place: none alive
             # Otherwise the next stage's backward has begun already (FSDP2 puts a function of its own
             # on each block's inputs, so the stage's end is seen after the next stage's start): the
             # label stays with that stage, whose recompute would otherwise be counted in a gap.

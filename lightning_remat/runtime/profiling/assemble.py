@@ -54,7 +54,8 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
             name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),
             input_bytes=_part(sum(s.inputs.values()), counts),
             output_bytes=_part(sum(s.outputs.values()), counts), forward_seconds=s.seconds * share,
-            forward_flops=_part(s.flops, counts), module_type=type(modules[name]).__name__, call=call))
+            forward_flops=_part(s.flops, counts), module_type=type(modules[name]).__name__, call=call,
+            fresh=i in runs["keep"].fresh))
     segments = _segments(runs, future_state)
     keep = runs["keep"]
     if has_optimizer:

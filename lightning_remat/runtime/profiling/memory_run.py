@@ -49,6 +49,7 @@ class MemoryRun:
     shared: list[tuple[tuple[str, int], ...]] | None = None
     held_before: list[tuple[tuple[str, int], ...]] | None = None
     segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
+    fresh: frozenset[int] = frozenset()  # places after a backward pass of the step (StageProfile.fresh)
 
 
 def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
@@ -118,7 +119,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
-    local, segments = _local_peaks(tracker.segment_peaks, prefix, n)
+    local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
@@ -132,20 +133,25 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
-        segments_held={k: held.held_before(k) for k in segments},
+        segments_held={k: held.held_before(k) for k in segments}, fresh=frozenset(tracker.fresh),
     )
 
 
-def _local_peaks(segment_peaks: dict, prefix: list[int], n: int) -> tuple[list[int], dict[int, int]]:
+def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
+                 fresh: set[int] = frozenset()) -> tuple[list[int], dict[int, int]]:
     """Each stage's local peak (its forward's and backward's, over what the stages before it store)
-    and each gap's segment peak, from the tracker's peaks per (kind, index)."""
+    and each gap's segment peak, from the tracker's peaks per (kind, index). Stored bytes count from
+    the last ``fresh`` stage on (a step that ran backward before it: the earlier ones are gone)."""
+    starts = [max([0, *(f for f in fresh if f <= i)]) for i in range(n)]
     local: list[int | None] = [None] * n
     segments: dict[int, int] = {}
     for (kind, k), peak in segment_peaks.items():
         if kind in ("fw", "bw"):
-            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
+            own = peak - (prefix[k] - prefix[starts[k]])
+            local[k] = own if local[k] is None else max(local[k], own)
         else:
-            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+            own = peak - (prefix[k] - prefix[starts[k - 1]]) if k else peak
+            segments[k] = max(segments.get(k, own), own)
     return [0 if v is None else v for v in local], segments
 
 

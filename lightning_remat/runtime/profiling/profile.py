@@ -293,12 +293,14 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         wraps = option_wraps(observed.order, observed, modules, policies)
         limits: dict[str, int] = {}
         if options.offload:
-            wraps[OFFLOAD] = {n: () for n in observed.order}
+            # Not a module at several places (core.calls): the offloader prefetches by place, unchecked for it.
+            single = [n for n in observed.order if observed.positions.count(n) == 1]
+            wraps[OFFLOAD] = {n: () for n in single}
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
-                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
-            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -313,8 +315,10 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                          optimizer is not None, device, peaks, per_op, limits, compiled)
-    # A module at several places (core.calls) is planned alone: no span or block over it.
+    # A module at several places (core.calls) is planned alone: no span or block over it; none at all
+    # in a step that runs backward more than once (a fresh place).
     several = {n for n in observed.positions if observed.positions.count(n) > 1}
+    several = set(observed.positions) if runs["keep"].fresh else several
     assembled.span_groups = tuple(g for g in groups if not several & set(g))
     assembled.blocks = tuple(b for b in found.blocks if not several & set(b[1]))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
