@@ -163,6 +163,7 @@ def _record(module: nn.Module) -> Record:
     if RECORD not in module.__dict__:
         record = Record(module.forward, "forward" in module.__dict__)
         module.forward = functools.partial(_installed_forward, module)  # type: ignore[method-assign]
+        record.installed = module.__dict__["forward"]
         module.__dict__[RECORD] = record
     return module.__dict__[RECORD]
 

@@ -37,9 +37,30 @@ class Record:
     chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
     route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
     input_offload: tuple[InputOffload, str] | None = None  # with recompute: its checkpoint input on the host
+    installed: Callable[..., Any] | None = None  # the forward the installer set: the behaviours run while it is
 
     def empty(self) -> bool:
         return not self.recompute and self.offload is None and not self.chunks and self.route is None
+
+
+def running(module: nn.Module) -> Record | None:
+    """``module``'s record if its behaviours run: the module's ``forward`` is the one the installer
+    set, or a wrapper that calls it (``functools.wraps``' ``__wrapped__``, as Accelerate's autocast
+    wrapper of a model's forward), not one put in its place since, nor a copy's.
+
+    Example:
+        >>> running(nn.Linear(2, 2)) is None
+        True
+    """
+    record = module.__dict__.get(RECORD)
+    forward = module.__dict__.get("forward")
+    for _ in range(8):  # a few wrappers deep
+        if record is None or forward is None:
+            return None
+        if forward is record.installed:
+            return record
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def recomputed(model: nn.Module) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """Check that what is installed on a model is exactly what its plan says: the installer's records
-read back (``records.py``) against the plan's actions, kind by kind.
+read back (``records.py``; a record counts only while its forward is the module's, a segment only
+while its Sequential's class runs it) against the plan's actions, kind by kind.
 
 Cheap (one walk over the model's modules, no tensor touched), so it runs after every install and at
 every step that keeps a plan (``service.shape_plans.ShapePlans.use``, the integrations): a plan
@@ -27,7 +28,8 @@ from torch import nn
 from ...core.errors import InstallationMismatchError
 from ...core.plan import Plan
 from .compiled import uncompiled
-from .records import RECORD, input_offload_of, installed_segments, offloaded, recomputed
+from .records import RECORD, running
+from .sequential import SEGMENTS
 
 
 def planned_actions(plan: Plan) -> dict[str, Any]:
@@ -46,19 +48,31 @@ def planned_actions(plan: Plan) -> dict[str, Any]:
 
 
 def installed_actions(model: nn.Module) -> dict[str, Any]:
-    """What the installer's records say is on ``model`` (names of the uncompiled model), per kind.
+    """What runs on ``model`` (names of the uncompiled model), per kind: the installer's records whose
+    forward is still in place (``records.running``), and the segments of Sequentials whose class
+    still runs them.
 
     Example:
         >>> installed_actions(nn.Linear(2, 2))["recomputed"]
         {}
     """
+    records, segments = {}, []
     with uncompiled(model) as plain:
-        return {"recomputed": dict(sorted(recomputed(plain).items())),
-                "segments": sorted(installed_segments(plain)),
-                "offloaded": sorted(offloaded(plain)),
-                "offloaded_inputs": sorted(input_offload_of(plain)[0]),
-                "chunked_heads": dict(sorted((name, m.__dict__[RECORD].chunks) for name, m in plain.named_modules()
-                                             if RECORD in m.__dict__ and m.__dict__[RECORD].chunks))}
+        for name, m in plain.named_modules():  # one walk: this runs at every step
+            if RECORD in m.__dict__ and (record := running(m)) is not None:
+                records[name] = record
+            if SEGMENTS in m.__dict__ and getattr(type(m), "_remat_segmented", False):
+                segments += [list(names) for _, _, runner, names in m.__dict__[SEGMENTS] if _recomputes(runner)]
+    return {"recomputed": {n: r.policy for n, r in sorted(records.items()) if r.recompute},
+            "segments": sorted(segments),
+            "offloaded": sorted(n for n, r in records.items() if r.offload is not None),
+            "offloaded_inputs": sorted(n for n, r in records.items() if r.recompute and r.input_offload is not None),
+            "chunked_heads": {n: r.chunks for n, r in sorted(records.items()) if r.chunks}}
+
+
+def _recomputes(runner: nn.Module) -> bool:
+    record = running(runner)
+    return record is not None and record.recompute
 
 
 def installation_mismatch(model: nn.Module, plan: Plan) -> str | None:
