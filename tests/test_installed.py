@@ -146,7 +146,7 @@ def test_an_installation_undone_behind_the_plans_back_stops_the_next_step_naming
         plans.use(ids)
 
 
-def _lightning_run(callback, budget):
+def _lightning_run(callback):
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
@@ -188,7 +188,7 @@ def test_autoremat_runs_every_step_under_its_plan_as_planned(budget):
     from lightning_remat import AutoRemat
 
     callback = AutoRemat(budget=budget, cost="flops", fake=True, verbose=False)
-    watch = _lightning_run(callback, budget)
+    watch = _lightning_run(callback)
     assert watch.mismatches == [None] * len(LENGTHS) and callback.plan.checkpointed
     assert callback.shape_plans.counts.installs == 1 and len(callback.shape_plans.plans) == 2
     assert max(watch.peaks) <= budget, (watch.peaks, budget)
