@@ -83,6 +83,10 @@ SLOW = {
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
                        "test_pareto_sweep_and_plot"),  # 5 s
     "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s
+    # the budget fixture: 3 s (a fake profile); each run's own fake profiles
+    "test_installed.py": ("test_shape_plans_keeps_the_plan_installed_when_a_new_shape_gets_the_same_plan",  # 5 s
+                          "test_autoremat_runs_every_step_under_its_plan_as_planned",  # 12 s
+                          "test_the_accelerate_session_runs_every_planned_step_under_its_plan_as_planned"),  # 6 s
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",  # 2-3 s each
                            "test_trainer_follows_the_batch_shape_under_dynamic_padding",  # 13-18 s (two runs)
                            "test_the_least_peak_holds_under_accumulation_with_what_the_trainer_carries_between_micro_batches"),  # 3 s

@@ -54,6 +54,7 @@ from ..core.shapes import Shape, ShapeBuckets
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
+from ..runtime.installing.verify import check_installed
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, resize_batch
@@ -199,12 +200,22 @@ class ShapePlans:
     # ------------------------------------------------------------------------------ the interface
 
     def use(self, batch: Any) -> Plan:
-        """Install the plan for ``batch``'s shape (if it is not installed already) and return it."""
+        """Install the plan for ``batch``'s shape (if it is not installed already) and return it.
+
+        Either way what is installed is then read back and compared with the plan (cheap: the
+        installer's records against the plan's actions), so a step never runs under a plan that is
+        installed only in name.
+
+        Raises:
+            InstallationMismatchError: what is on the model is not the plan (something undid or
+                changed the installation between steps); it names both.
+        """
         plan = self.plan(batch)
         if self.installed is None or _signature(plan) != _signature(self.installed):
             self.install(self.model, plan)
             self.counts.installs += 1
         self.installed = plan
+        check_installed(self.model, plan, f"(ShapePlans.use, batch shape {self.shape_of(batch)}) {self.hint}".strip())
         return plan
 
     def plan(self, batch: Any) -> Plan:

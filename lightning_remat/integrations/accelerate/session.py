@@ -34,10 +34,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...runtime.installing.apply import apply_plan
+from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .plugin import ENV_BUDGET, RematPlugin
@@ -111,6 +113,7 @@ class RematSession:
         # After the first plan: the plan of each batch's shape (not under FSDP2), from the observed call.
         self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | None = None
+        self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -139,10 +142,14 @@ class RematSession:
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
+        elif self.plan is not None:  # a plan kept (FSDP2: no shapes followed) is checked, not assumed
+            self.check_plan()
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
+        if self.phase == "measure" and self._window is not None:
+            self._metered.append((self.plan, batch_shape((args, kwargs))))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
@@ -251,7 +258,7 @@ class RematSession:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
-            self._window = WindowTracker(self.model, self._known_optimizer())
+            self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
@@ -341,10 +348,20 @@ class RematSession:
         peak = int(self.metrics["remat/measured_peak_bytes"])
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)")
+            # What the package can see of a step over the budget: the plan not installed, a batch not planned.
+            causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
+                                                                    if p is not None)]
+            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)", causes)
             if warning is not None:
                 warnings.warn(warning, UserWarning, stacklevel=2)
         self._log(measured)
+
+    def check_plan(self, where: str = "") -> None:
+        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what is installed
+        on the model (``runtime.installing.verify``): at every training forward, and from the Trainer's
+        callback at every step."""
+        if self.plan is not None:
+            check_installed(self.model, self.plan, where or f"(lightning-remat, Accelerate step {self.observed_steps})")
 
     def _channel(self) -> Channel:
         """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""
