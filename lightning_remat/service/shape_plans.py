@@ -244,10 +244,13 @@ class ShapePlans:
 
     def predict(self, shape: Shape | tuple[int, int]) -> Profile:
         """The profile predicted at ``shape`` (no profiling: outside the nodes, by the shape law,
-        not a bound). Only once a shape other than the first batch's has been planned."""
+        not a bound; a ``(batch_size, seq_len)`` at the first batch's layout). Only once a shape
+        other than the first batch's has been planned."""
         if self.fit is None:
             raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
-        return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
+        if isinstance(shape, tuple):
+            shape = Shape(*shape, self.anchor[0].layout if self.anchor is not None else ())
+        return self.fit.at(shape)
 
     def profile_of(self, plan: Plan) -> Profile | None:
         """The profile ``plan`` (one of these plans) was solved on, without profiling anything: the
