@@ -56,7 +56,7 @@ def shapes_of(structure):
     return st.builds(Shape, SIZES, SIZES, st.tuples(*entries))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_buckets_cover_and_covers_is_a_partial_order_whose_union_is_the_least_cover(data):
     structure = data.draw(structures())
@@ -140,11 +140,16 @@ def test_an_image_batch_is_read_by_its_height_and_width_never_its_channels():
 # ------------------------------------------------------------------------------ a CNN whose images grow
 
 
+def sgd(model):
+    """SGD with momentum: state per parameter, as Adam's, and a step that profiles in a fraction of the time."""
+    return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
 def cnn():
-    """A conv stem and four conv blocks (BatchNorm), pooled to ten classes."""
+    """A conv stem and two conv blocks (BatchNorm), pooled to ten classes."""
     torch.manual_seed(0)
     conv = lambda cin: nn.Sequential(nn.Conv2d(cin, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())  # noqa: E731
-    return nn.Sequential(conv(3), *[conv(8) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(conv(3), *[conv(8) for _ in range(2)], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
 def image_loss(model, batch):
@@ -152,7 +157,7 @@ def image_loss(model, batch):
     return nn.functional.cross_entropy(model(images), labels)
 
 
-SIDES = [(16, 16), (24, 24), (16, 16), (32, 32), (24, 32)]  # the largest third
+SIDES = [(16, 16), (24, 24), (16, 16), (32, 24)]  # the largest last: height and width grow apart
 
 
 @pytest.fixture(scope="module")
@@ -162,15 +167,15 @@ def images():
     batches = [(torch.randn(4, 3, h, w, generator=generator), torch.randint(0, 10, (4,), generator=generator))
                for h, w in SIDES]
     model = cnn()
-    largest = profile_step(model, lambda m: image_loss(m, batches[3]), optimizer=torch.optim.Adam(model.parameters()))
+    largest = profile_step(model, lambda m: image_loss(m, batches[-1]), optimizer=sgd(model))
     least = solve(largest, "min", "flops").predicted_peak_bytes
-    return batches, least + (largest.baseline_peak_bytes - least) // 3
+    return batches, least + (largest.baseline_peak_bytes - least) // 4
 
 
 def _loop(batches, loss_fn, model, plans=None):
     """Per step of a hand-written loop: the peak (``TorchPeak`` over the whole step, ``plans.use``
     included) and the loss."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = sgd(model)
     if plans is not None:
         plans = plans(model, optimizer)
     peaks, losses = [], []
@@ -194,13 +199,13 @@ def test_shape_plans_plan_images_that_grow_in_height_and_width(images):
     plain, plain_losses, _ = _loop(batches, image_loss, cnn())
     peaks, losses, plans = _loop(batches, image_loss, cnn(),
                                  lambda model, optimizer: ShapePlans(model, image_loss, budget, optimizer=optimizer))
-    assert max(plain) > 1.3 * budget  # the largest images do not fit without recomputation
+    assert max(plain) > 1.2 * budget  # the largest images do not fit without recomputation
     assert all(peak <= budget for peak in peaks), [(side, p / budget) for side, p in zip(SIDES, peaks)]
     assert losses == plain_losses
     # One plan per size of image, each made for its own height and width (channels never rounded).
     assert sorted(str(key) for key in plans.plans) == [f"4x1 {{0: bx3x{h}x{w}, 1: b}}" for h, w in
-                                                       [(16, 16), (24, 24), (24, 32), (32, 32)]]
-    assert plans.counts.real_profiles == 1 and plans.counts.solves == 4
+                                                       [(16, 16), (24, 24), (32, 24)]]
+    assert plans.counts.real_profiles == 1 and plans.counts.solves == 3
 
 
 def _lightning_run(batches, callbacks):
@@ -216,7 +221,7 @@ def _lightning_run(batches, callbacks):
             return image_loss(self.net, batch)
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
+            return sgd(self)
 
     class Peaks(L.Callback):  # first among the callbacks: its window opens before planning
         def __init__(self):
@@ -245,7 +250,7 @@ def test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans(im
     peaks, _ = _lightning_run(batches, [callback])
     assert all(peak <= budget for peak in peaks), [(side, p / budget) for side, p in zip(SIDES, peaks)]
     planned = callback.shape_plans.plans
-    assert len(planned) == 4 and all(key.layout for key in planned)
+    assert len(planned) == 3 and all(key.layout for key in planned)
     # The checkpoint's plans keep their shapes, layouts included (through JSON too): a resumed run
     # profiles none of them again.
     state = json.loads(json.dumps(callback.state_dict()))
@@ -304,7 +309,7 @@ def keyed():
     x = lambda: torch.randn(64, 16, generator=generator)  # noqa: E731
     batches = [{"x": x()}, {"x": x()}, {"x": x(), "context": x()}, {"x": x()}, {"x": x(), "context": x()}]
     model = fusion()
-    full = profile_step(model, lambda m: fusion_loss(m, batches[2]), optimizer=torch.optim.Adam(model.parameters()))
+    full = profile_step(model, lambda m: fusion_loss(m, batches[2]), optimizer=sgd(model))
     least = solve(full, "min", "flops").predicted_peak_bytes
     return batches, least + (full.baseline_peak_bytes - least) // 3
 
@@ -330,7 +335,7 @@ def test_accelerate_plans_a_dict_batch_where_a_key_appears_again(keyed, monkeypa
     monkeypatch.setenv(ENV_COST, "flops")
     accelerator = RematAccelerator()
     model = fusion()
-    model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    model, optimizer = accelerator.prepare(model, sgd(model))
     peaks = []
     torch.manual_seed(1)
     for batch in batches:
