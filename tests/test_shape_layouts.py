@@ -118,8 +118,8 @@ def nested_batches(draw):
 @given(nested_batches(), st.data())
 def test_resize_batch_gives_the_shape_asked_for(batch, data):
     shape = batch_shape(batch)
-    target = Shape(data.draw(B), data.draw(S) if shape.seq_len > 1 else 1,
-                   tuple((path, tuple(n if n < 0 else data.draw(OTHER) for n in sizes)) for path, sizes in shape.layout))
+    layout = tuple((path, tuple(n if n < 0 else data.draw(OTHER) for n in sizes)) for path, sizes in shape.layout)
+    target = Shape(data.draw(B), data.draw(S) if shape.seq_len > 1 else 1, layout)
     assert batch_shape(resize_batch(batch, target)) == target
     plain = Shape(target.batch_size, target.seq_len)  # no layout: the batch size and sequence only
     assert batch_shape(resize_batch(batch, plain)) == Shape(plain.batch_size, plain.seq_len, shape.layout)
@@ -132,7 +132,8 @@ def test_an_image_batch_is_read_by_its_height_and_width_never_its_channels():
     taller = batch_shape((torch.zeros(8, 3, 40, 48), torch.zeros(8, dtype=torch.long)))
     assert taller.covers(shape) and not shape.covers(taller)
     with_key = batch_shape({"x": torch.zeros(8, 16), "context": torch.zeros(8, 16)})
-    assert not with_key.covers(batch_shape({"x": torch.zeros(8, 16)})) and str(with_key) == "8x1 {context: bx16, x: bx16}"
+    assert str(with_key) == "8x1 {context: bx16, x: bx16}"
+    assert not with_key.covers(batch_shape({"x": torch.zeros(8, 16)}))
     with pytest.raises(ValueError, match="another layout"):
         resize_batch({"x": torch.zeros(8, 16)}, with_key)
 

@@ -205,9 +205,10 @@ class Anchored:
 
     A difference is carried on the safe side, whether it is a constant or grows with the batch:
     an excess ``d > 0`` as ``d * max(1, r)``, a shortfall as ``d * min(1, r)``, with ``r`` the
-    target's elements over the anchor's (``Shape.elements``: its tokens without a layout). Seconds are carried as a ratio (the anchor's seconds per
-    FLOP of each option), static memory is the anchor's, and a term only the anchor has (a segment
-    its calibration added) grows like the tokens beyond static memory.
+    target's elements over the anchor's (``Shape.elements``: its tokens without a layout). Seconds
+    are carried as a ratio (the anchor's seconds per FLOP of each option), static memory is the
+    anchor's, and a term only the anchor has (a segment its calibration added) grows like the
+    elements beyond static memory.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment

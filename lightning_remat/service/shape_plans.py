@@ -9,10 +9,10 @@ the last short batch). ``ShapePlans`` gives each step the plan for its own shape
 2. Every batch: its shape (batch size, sequence length and layout: which tensors it holds, an
    image's height and width, ``core.shapes``) is rounded up to a bucket (``ShapeBuckets``: 16 steps
    per doubling of the batch size, of the sequence length and of each size of the layout that
-   varies), whose plan is cached. A bucket met for the first time is
-   predicted from *nodes*, fake-tensor profiles at a few shapes (``core.shape_fit``: between nodes,
-   by interpolation, at or above the truth; the nodes around it that are missing are profiled, on
-   fake tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
+   varies), whose plan is cached. A bucket met for the first time is predicted from *nodes*,
+   fake-tensor profiles at a few shapes of its layout (``core.shape_fit``: between nodes, by
+   interpolation, at or above the truth; the nodes around it that are missing are profiled, on fake
+   tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
    the budget. So no step runs without a plan after the first, and no step runs without
    recomputation to be profiled.
 3. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the

@@ -123,9 +123,9 @@ def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> t
     length alone), its own size with ``target``'s batch size and sequence length.
 
     Example:
-        >>> images = Shape(4, 1, (("0", (BATCH, 3, 32, 32)),))
-        >>> size_at("0", (4, 3, 32, 32), images, Shape(4, 1, (("0", (BATCH, 3, 48, 40)),))), size_at("0", (4, 3, 32, 32), images, Shape(8))
-        ((4, 3, 48, 40), (8, 3, 32, 32))
+        >>> images, taller = (Shape(4, 1, (("0", (BATCH, 3, side, 32)),)) for side in (32, 48))
+        >>> size_at("0", (4, 3, 32, 32), images, taller), size_at("0", (4, 3, 32, 32), images, Shape(8))
+        ((4, 3, 48, 32), (8, 3, 32, 32))
     """
     if target.layout:
         return target.sizes(path)
