@@ -138,6 +138,26 @@ def test_an_image_batch_is_read_by_its_height_and_width_never_its_channels():
         resize_batch({"x": torch.zeros(8, 16)}, with_key)
 
 
+def test_the_largest_shape_unites_only_shapes_of_one_structure_and_ranks_plan_the_largest():
+    from lightning_remat.service.channel import FunctionChannel
+    from lightning_remat.service.shape_keys import ShapeKeys
+
+    image = lambda h, w: Shape(4, 1, (("0", (BATCH, 3, h, w)), ("1", (BATCH,))))  # noqa: E731
+    keyed = Shape(4, 1, (("x", (BATCH, 16)),))
+    keys = ShapeKeys("largest", max_shape=Shape(6, 1), per_octave=0)
+    planned = [keys.planned(keys.meet(shape)) for shape in (image(16, 24), image(24, 16), keyed, image(8, 8))]
+    assert planned == [image(16, 24).union(Shape(6, 1, image(16, 24).layout)), Shape(6, 1, image(24, 24).layout),
+                       Shape(6, 1, keyed.layout), Shape(6, 1, image(24, 24).layout)]
+    # Another rank's taller images: every rank plans them; another rank's other key: rank 0's, with a warning.
+    def rank_with(layout):  # another rank with a batch of 4 and ``layout``
+        return FunctionChannel(broadcast=lambda v: v, gather=lambda v: [v, layout if isinstance(v, tuple) else v])
+
+    assert ShapeKeys().meet(image(16, 24), rank_with(image(32, 24).layout)) == image(32, 24)
+    other = rank_with(keyed.layout)
+    with pytest.warns(UserWarning, match="other layouts"):
+        assert ShapeKeys().meet(image(16, 24), other) == image(16, 24)
+
+
 # ------------------------------------------------------------------------------ a CNN whose images grow
 
 
