@@ -56,7 +56,7 @@ def shapes_of(structure):
     return st.builds(Shape, SIZES, SIZES, st.tuples(*entries))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_buckets_cover_and_covers_is_a_partial_order_whose_union_is_the_least_cover(data):
     structure = data.draw(structures())
