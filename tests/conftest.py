@@ -94,6 +94,11 @@ SLOW = {
                                     "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple",  # 2.5 s
                                     "test_autoremat_plans_manual_optimization_on_fake_tensors"),  # 2-5 s
     # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
+    # planning runs inside torch.profiler's windows (fake profiles of each new layout): 4.6-7.7 s each at a load of 12
+    "test_shape_layouts.py": ("test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans",
+                              "test_shape_plans_plan_images_that_grow_in_height_and_width",
+                              "test_a_dict_batch_where_a_key_appears_is_planned_again",
+                              "test_accelerate_plans_a_dict_batch_where_a_key_appears_again"),
     "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s

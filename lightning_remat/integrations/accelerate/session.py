@@ -307,7 +307,7 @@ class RematSession:
         known = len(self.shape_plans.plans)
         self._busy = True
         try:
-            plan = self.shape_plans.use(self._template.at(shape))
+            plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
         finally:
             self._busy = False
         if len(self.shape_plans.plans) > known:

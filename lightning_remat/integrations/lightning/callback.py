@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import SkippedStepError
-from ...core.plan import Plan, saved_plans
+from ...core.plan import Plan, saved_plans, saved_state_plans
 from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import apply_plan, remove_remat
@@ -269,11 +269,11 @@ class AutoRemat(Callback):
         plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
         return {"plan": self.plan.to_dict() if self.plan is not None else None,
                 "measured_peak_bytes": self.measured_peak_bytes,
-                "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
+                "plans": saved_state_plans(plans)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
-        self.plan, self._saved_plans = plan, {Shape(b, s): p for b, s, p in plans}
+        self.plan, self._saved_plans = plan, dict(plans)
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
@@ -364,7 +364,8 @@ class AutoRemat(Callback):
             self._measure_in = -(-self.profile_steps // window) * window
             return
         if self.verbose:
-            rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
+            shape = self.plan.fingerprint.get("shape")
+            rank_zero_info(f"AutoRemat: a plan for batch shape {Shape.from_list(shape) if shape else '?'}: "
                            f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
                            f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:
