@@ -43,6 +43,7 @@ _LAZY = {
     "apply_plan": "lightning_remat.runtime.installing.apply",
     "remove_remat": "lightning_remat.runtime.installing.apply",
     "head_loss": "lightning_remat.runtime.installing.chunked_loss",
+    "CausalLMLoss": "lightning_remat.runtime.installing.chunked_loss",
     "find_stages": "lightning_remat.runtime.profiling.candidates",
     "measure_step": "lightning_remat.runtime.measuring.measure",
     "plan_remat": "lightning_remat.service.planning",
