@@ -58,3 +58,53 @@ def test_a_gradient_penalty_on_a_leaf_input_is_refused_naming_the_cause():
     with pytest.raises(UnsupportedSetupError, match=r"autograd\.grad.*leaf.*\* 1"):
         plan_remat(model, _penalised(x, leaf=True), "min")
 
+
+@pytest.mark.parametrize("plan", [["0", "7"], Plan(actions=[StageAction.recompute("9")])])
+def test_a_plan_naming_a_module_the_model_lacks_is_a_plan_mismatch(plan):
+    """docs/plans.md promises ``PlanMismatchError`` (before: a plain ``ValueError``); still a ValueError."""
+    model = _chain()
+    with pytest.raises(PlanMismatchError, match="does not have"):
+        apply_plan(model, plan)
+    assert issubclass(PlanMismatchError, ValueError) and "forward" not in model[0].__dict__
+
+
+def test_a_plan_from_solve_records_the_profiled_model_and_is_refused_on_other_shapes():
+    """Before: ``solve(profile_step(...))`` made a plan that recorded nothing; applied to blocks 4x wider
+    it ran at 3.82x its budget, silently. Now the profile records the model's parameter shapes and
+    the plan carries them (the batch's shape is not the solver's to know)."""
+    model, x = _chain(width=16), torch.randn(32, 16)
+    plan = solve(profile_step(model, lambda m: m(x).square().mean(), warmup=0), "min", cost="flops")
+    assert plan.fingerprint["module_parameters"]["0"]["0.weight"] == [[32, 16], "float32"]
+    assert set(plan.fingerprint["module_parameters"]) == {"0", "1", "2", "3"}
+    assert Plan.from_dict(plan.to_dict()).fingerprint == plan.fingerprint
+    wide = nn.Sequential(*[nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 16)) for _ in range(4)])
+    with pytest.raises(PlanMismatchError, match=r"module '0' parameter '0.weight' has shape \(128, 16\)"):
+        apply_plan(wide, plan)
+    assert checkpointed_modules(apply_plan(_chain(width=16), plan)) == plan.checkpointed  # its own shapes: applied
+
+
+class _Counted(nn.Module):
+    """A block whose forward counts its calls in Python, guarded or not by ``recomputing()``."""
+
+    def __init__(self, guarded):
+        super().__init__()
+        self.linear, self.guarded, self.calls = nn.Linear(8, 8), guarded, 0
+
+    def forward(self, x):
+        from lightning_remat import recomputing
+
+        if not (self.guarded and recomputing()):
+            self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("guarded, counted", [(False, 2), (True, 1)])
+def test_a_python_counter_in_a_recomputed_forward_counts_the_recompute_unless_guarded(guarded, counted):
+    """The documented behaviour (docs/limitations.md) and its workaround, ``lightning_remat.recomputing()``."""
+    model = nn.Sequential(_Counted(guarded), nn.Linear(8, 1))
+    apply_plan(model, ["0"])
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert model[0].calls == counted
+    with torch.no_grad():  # nothing is recomputed without gradients
+        model(torch.randn(4, 8))
+    assert model[0].calls == counted + 1
