@@ -23,7 +23,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from ...core.config import renamed_arguments
-from ...core.errors import AlreadyCheckpointedError, UnsupportedSetupError, UnsupportedShardingError
+from ...core.errors import (AlreadyCheckpointedError, ConflictingArgumentsError, UnsupportedSetupError,
+                            UnsupportedShardingError)
 from ...core.plan import Plan
 from ...runtime.installing.apply import existing_checkpointing
 from ...runtime.profiling.candidates import find_stages
@@ -100,6 +101,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         NoCandidateError: the model has no module to recompute (set ``candidates``).
         UnsupportedSetupError: (a ``NotImplementedError``) DeepSpeed, Megatron-LM, XLA or torch.compile
             through Accelerate; ``UnsupportedShardingError`` (one of them) for FSDP1.
+        ConflictingArgumentsError: the model has a session with other settings already (two
+            ``RematTrainerCallback``s with different budgets), naming both.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
@@ -122,6 +125,7 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         _check_supported(accelerator)
     inner = _inner_model(model)
     if inner in _SESSIONS:
+        _check_same_settings(_SESSIONS[inner].plugin, plugin)
         return model
     existing = existing_checkpointing(inner)
     if existing:
@@ -134,6 +138,19 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         accelerator.remat_metrics = session.metrics
     _SESSIONS[inner] = session
     return model
+
+
+def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
+    """A model has one session: a second asking for other settings (two ``RematTrainerCallback``s,
+    ``prepare_remat`` beside ``RematAccelerator``) is refused, not ignored. The same settings again
+    (a second ``trainer.train()``) reuse it."""
+    if held != asked:
+        differ = [f"{name}={getattr(held, name)!r} and {name}={getattr(asked, name)!r}"
+                  for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
+                  if getattr(held, name) != getattr(asked, name)]
+        raise ConflictingArgumentsError(
+            f"lightning-remat: this model is planned already, with other settings: {'; '.join(differ)}. A second "
+            "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")
 
 
 def remat_session(model: nn.Module) -> RematSession | None:
