@@ -15,6 +15,7 @@ Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -120,6 +121,7 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
             accelerator.remat_metrics = {}
             accelerator.remat_plan = None
     if not plugin.enabled:
+        warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
         return model
     if accelerator is not None:
         _check_supported(accelerator)
@@ -153,6 +155,12 @@ def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
             "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")
 
 
+# Without a budget RematAccelerator and prepare_remat do nothing; they say so (issue 29: a script that went
+# on to read remat_plan.summary() crashed on None, with nothing said).
+NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {ENV_BUDGET} is not set: recomputing "
+             "nothing; remat_plan stays None and remat_metrics empty")
+
+
 def remat_session(model: nn.Module) -> RematSession | None:
     """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any.
 
@@ -183,7 +191,8 @@ class RematAccelerator(Accelerator):
 
     Attributes:
         remat_plugin: the settings in use.
-        remat_plan: the applied ``Plan`` (None before it is made, or when disabled).
+        remat_plan: the applied ``Plan`` (None before it is made, or without a budget: then
+            ``RematAccelerator()`` warns that it recomputes nothing).
         remat_metrics: ``remat/budget_bytes``, ``remat/baseline_peak_bytes``,
             ``remat/predicted_peak_bytes``, ``remat/predicted_overhead``, ``remat/num_checkpointed``
             once planned, and ``remat/measured_peak_bytes`` after the next step; the same figures
@@ -216,6 +225,8 @@ class RematAccelerator(Accelerator):
         self.remat_metrics: dict[str, float] = {}
         if plugin.enabled:
             _check_supported(self)
+        elif self.is_main_process:  # a no-op, said once: remat_plan stays None
+            warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
     def _prepare_fsdp2(self, *args: Any) -> Any:
         """Prepare as Accelerate does with FSDP2 (which shards in place and does not go through
