@@ -134,9 +134,9 @@ def refused(model: nn.Module) -> str | None:
         True
     """
     for module in model.modules():
-        if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and find_head_loss(module) is None:
+        if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and label_smoothing(module) is None:
             loss = getattr(module, "loss_function", None)
-            if loss is not None:
+            if loss is not None and isinstance(getattr(module, "lm_head", None), nn.Linear):
                 return (f"chunk_loss: {type(module).__name__}.loss_function is {_named(loss)}, not transformers' "
                         "ForCausalLMLoss or lightning_remat.CausalLMLoss, so a chunked loss would not be its loss: "
                         "its head and loss are kept whole (docs/long_context.md)")
