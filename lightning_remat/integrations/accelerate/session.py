@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.apply import apply_plan
 from ...runtime.measuring.measure import model_device
@@ -119,8 +119,11 @@ class RematSession:
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds the optimizer when it first steps, if no accelerator told us about it.
-            register_optimizer_step_post_hook(self._discover_optimizer),
+            # Finds the optimizer as it first steps, if no accelerator told us about it: before its step, so
+            # that this step's own hooks (run after the global ones) see it: the observed step's peak before
+            # the optimizer, and the step boundary after it (issue 29: prepare_remat before the Trainer,
+            # which makes its optimizer later, counted Adam's new state as memory the loop carries).
+            register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
     # -- hooks -----------------------------------------------------------------------------
@@ -170,6 +173,8 @@ class RematSession:
 
     def _discover_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.phase != "done" and not self._busy and self._holds_model_parameters(optimizer):
+            if self._window is not None and self._window.optimizer is None:
+                self._window.optimizer_had_state = bool(optimizer.state)  # as its forward and backward ran
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
