@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.apply import apply_plan
 from ...runtime.installing.verify import check_installed
@@ -73,8 +73,10 @@ class RematSession:
     (the first step with the plan), ``"done"``.
 
     Attributes:
-        plan: the applied ``Plan`` (None until it is made).
-        metrics: ``remat/...`` figures, as logged (``remat/measured_peak_bytes`` once measured).
+        plan: the applied ``Plan`` (None until it is made): the plan of the latest batch's shape.
+        plans: every plan the run made, in order (one per batch shape met).
+        metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
+            ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
         observed_steps: training steps (forward and backward) seen so far.
 
     Example:
@@ -97,6 +99,7 @@ class RematSession:
         self.plugin = plugin
         self.accelerator = accelerator
         self.plan: Plan | None = None
+        self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.phase = "observe"
         self.observed_steps = 0
@@ -119,8 +122,11 @@ class RematSession:
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds the optimizer when it first steps, if no accelerator told us about it.
-            register_optimizer_step_post_hook(self._discover_optimizer),
+            # Finds the optimizer as it first steps, if no accelerator told us about it: before its step, so
+            # that this step's own hooks (run after the global ones) see it: the observed step's peak before
+            # the optimizer, and the step boundary after it (issue 29: prepare_remat before the Trainer,
+            # which makes its optimizer later, counted Adam's new state as memory the loop carries).
+            register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
     # -- hooks -----------------------------------------------------------------------------
@@ -174,6 +180,8 @@ class RematSession:
 
     def _discover_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.phase != "done" and not self._busy and self._holds_model_parameters(optimizer):
+            if self._window is not None and self._window.optimizer is None:
+                self._window.optimizer_had_state = bool(optimizer.state)  # as its forward and backward ran
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -318,7 +326,13 @@ class RematSession:
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
-        self.metrics.update(plan_metrics(plan))
+        self.plans.append(plan)
+        # The run's figures are its plan of the largest predicted peak, not the latest shape's (a later,
+        # shorter batch's plan hid a longer one's), beside the number of plans (docs/accelerate.md).
+        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
+        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
+            del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
+        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
         if channel.is_main:
@@ -339,13 +353,16 @@ class RematSession:
         window, self._window = self._window, None
         channel = self._channel()
         # The largest peak of any rank: the budget holds on every one or it does not hold.
-        measured = {"remat/measured_peak_bytes": channel.max(window.close())}
+        peak = channel.max(window.close())
+        # Over the run: the largest of the measured steps (each new plan's first).
+        measured = {"remat/measured_peak_bytes": max(peak, self.metrics.get("remat/measured_peak_bytes", 0))}
         if window.reserved_bytes is not None:
             # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = channel.max(window.reserved_bytes)
+            measured["remat/measured_reserved_bytes"] = max(channel.max(window.reserved_bytes),
+                                                            self.metrics.get("remat/measured_reserved_bytes", 0))
         self.metrics.update(measured)
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        peak = int(self.metrics["remat/measured_peak_bytes"])
+        peak = int(peak)
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
             # What the package can see of a step over the budget: the plan not installed, a batch not planned.

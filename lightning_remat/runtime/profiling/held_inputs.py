@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..measuring.exclusive import planning_runs_here
+
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for the tensor arguments of a call, one level into tuples and lists (the
@@ -101,7 +103,7 @@ class DeadInputs:
         modules = dict(self.model.named_modules())
         for name in self.order:
             def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                if self._refs[name]:
+                if self._refs[name] or not planning_runs_here():  # not another thread's forward
                     return
                 for key, tensor in _tensors(args, kwargs):
                     ref = self._outputs.get(id(tensor))
@@ -115,6 +117,8 @@ class DeadInputs:
                         pass
 
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                if not planning_runs_here():
+                    return
                 for _, tensor in _tensors((output,), {}):
                     try:
                         self._outputs[id(tensor)] = weakref.ref(tensor)
@@ -227,7 +231,7 @@ class HeldInputs:
 
             def stage_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name,
                            outside: dict = outside, seen: list = seen, count: Callable = count) -> None:
-                if seen[0]:
+                if seen[0] or not planning_runs_here():
                     return  # as ``dead_inputs``: the first call of a stage (not the recompute)
                 seen[0] = True
                 dead = self.dead[name]
@@ -239,7 +243,8 @@ class HeldInputs:
 
             def child_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, outside: dict = outside,
                            count: Callable = count) -> None:
-                count(_tensors(args, kwargs), i, lambda key, ident: ident in outside)
+                if planning_runs_here():
+                    count(_tensors(args, kwargs), i, lambda key, ident: ident in outside)
 
             self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
             for child in children:
