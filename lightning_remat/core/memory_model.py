@@ -172,6 +172,10 @@ class Profile:
     # "foreach=False"): bytes its step peak would differ by. Measured on fake copies with the profile
     # (``runtime.profiling.optimizer_step``); empty when not measured (no optimizer, a sharded step).
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
+    # What the profiled model was (``runtime.installing.fingerprint.binding_of``): the parameter shapes of
+    # its stages and blocks, and its number of parameters. ``solve`` puts it in the plan's fingerprint,
+    # so that ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def static_bytes(self) -> int:

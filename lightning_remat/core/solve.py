@@ -319,6 +319,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         sharding=profile.sharding,
         host_bytes=predicted.host_bytes,
         binding=_binding(profile, predicted.binding),
+        fingerprint=profile.fingerprint,  # the profiled model's shapes: apply_plan refuses other ones
     )
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from .exclusive import planning_runs_here
 from .roofline import OpCost, OpRecorder
 from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchronize
 
@@ -124,6 +125,8 @@ class _Observer:
 
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
+            if not planning_runs_here():  # another thread's forward of the same model
+                return
             if name in self.stage_names:
                 self.sequence.append(name)
                 if name not in self.order:
@@ -138,6 +141,8 @@ class _Observer:
 
     def post_hook(self, name: str):
         def hook(module, args, kwargs, output):
+            if not planning_runs_here():
+                return
             synchronize(self.device)
             self.stats[name].seconds += time.perf_counter() - self.started.pop(name)
             self.stats[name].flops += self.counted() - self.flops_before.pop(name)

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..measuring.exclusive import planning_runs_here
+
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for the tensor arguments of a call, one level into tuples and lists (the
@@ -101,7 +103,7 @@ class DeadInputs:
         modules = dict(self.model.named_modules())
         for name in self.order:
             def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                if self._refs[name]:
+                if self._refs[name] or not planning_runs_here():  # not another thread's forward
                     return
                 for key, tensor in _tensors(args, kwargs):
                     ref = self._outputs.get(id(tensor))
@@ -115,6 +117,8 @@ class DeadInputs:
                         pass
 
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                if not planning_runs_here():
+                    return
                 for _, tensor in _tensors((output,), {}):
                     try:
                         self._outputs[id(tensor)] = weakref.ref(tensor)
@@ -241,6 +245,8 @@ class HeldInputs:
                     self._labels.setdefault(ident, f"{self.order[i]}:{outside.get(ident, (key,))[0]}")
 
         def stage_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not planning_runs_here():  # another thread's forward of the same model
+                return
             call = state["calls"]
             state["calls"] += 1
             if call not in opening or call >= total:
@@ -254,7 +260,8 @@ class HeldInputs:
                 count(_tensors(args, kwargs), lambda key, ident: key in dead)
 
         def child_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            count(_tensors(args, kwargs), lambda key, ident: ident in outside)
+            if planning_runs_here():
+                count(_tensors(args, kwargs), lambda key, ident: ident in outside)
 
         self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
         for child in children:

@@ -30,6 +30,7 @@ from torch import nn
 from ...core.memory_model import Profile, StageOption, StageProfile
 from ...core.vocabulary import OptionKind, option_name
 from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss, head_flops
+from ..measuring.exclusive import planning_runs_here
 from ..measuring.measure import Step
 from ..measuring.observe import ObservedStep
 from .memory_run import memory_run
@@ -57,7 +58,8 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
         return None
     head = model.get_submodule(found.head)
     tokens: list[int] = []
-    hook = head.register_forward_pre_hook(lambda _, args: tokens.append(args[0].numel() // args[0].shape[-1]))
+    hook = head.register_forward_pre_hook(
+        lambda _, args: tokens.append(args[0].numel() // args[0].shape[-1]) if planning_runs_here() else None)
     calls = dict(enumerate(observed.position_calls))
     figures = HeadFigures(found.head, n, 0, keep_gap[n])
     try:

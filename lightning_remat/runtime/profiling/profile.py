@@ -36,9 +36,10 @@ from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
-from ..installing import sac
+from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
+from ..installing.fingerprint import binding_of
 from ..measuring.exclusive import exclusive
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
@@ -168,6 +169,12 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
         profile.notes = (*profile.notes, CHUNKS_UNDER_COMPILE_NOTE)
+    # What the plans solved from it were made for: apply_plan refuses them on other shapes (issue 29).
+    profile.fingerprint = binding_of(model, [*(s.name for s in profile.stages), *(m for m, _ in profile.blocks)])
+    refusal = chunked_loss.refused(model) if options.chunk_loss else None
+    if refusal is not None:  # a causal LM with a loss of the user's own: said, not silently left whole
+        warnings.warn(f"lightning-remat: {refusal}", UserWarning, stacklevel=2)
+        profile.notes = (*profile.notes, refusal)
     return profile
 
 
