@@ -12,8 +12,9 @@ module returns is not called either: the passes see the module's own output.
 
 Which hooks are the user's: those whose function is defined outside the libraries in ``LIBRARIES``
 (torch, transformers, PEFT, Accelerate, Lightning, DeepSpeed, TRL, this package, ...), read from the
-function's ``__module__`` (through ``functools.partial`` and bound methods). Library hooks keep
-running, since the step does not compute what it trains without them: FSDP2's ``fully_shard``
+function's ``__module__`` (through ``functools.partial`` and bound methods), unless the user marked
+it ``part_of_model`` (a hook that changes what its module returns). Library hooks keep running,
+since the step does not compute what it trains without them: FSDP2's ``fully_shard``
 gathers parameters in its hooks, transformers' ``enable_input_require_grads`` makes the embedding's
 output require gradients. Forward pre- and post-hooks (with or without kwargs) and backward hooks
 are suspended; global hooks (``register_module_forward_hook``) are left alone. What still differs
@@ -50,6 +51,8 @@ LIBRARIES = frozenset({
     "accelerate", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_remat", "deepspeed", "trl",
     "bitsandbytes", "optimum", "diffusers", "liger_kernel", "xformers",
 })
+# The attribute ``part_of_model`` sets on a hook's function.
+PART_OF_MODEL = "_lightning_remat_part_of_model"
 # The hook dictionaries of an ``nn.Module`` that its ``__call__`` runs.
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -71,8 +74,25 @@ def hook_library(hook: Callable[..., Any]) -> str:
 
 
 def is_user_hook(hook: Callable[..., Any]) -> bool:
-    """Whether ``hook`` is the user's (defined outside ``LIBRARIES``)."""
-    return hook_library(hook) not in LIBRARIES
+    """Whether ``hook`` is the user's: defined outside ``LIBRARIES`` and not marked ``part_of_model``."""
+    function = getattr(hook, "__func__", hook)
+    return hook_library(hook) not in LIBRARIES and not getattr(function, PART_OF_MODEL, False)
+
+
+def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook`` (a function or a bound method) as part of what the model computes, so it runs in
+    the package's passes too, as libraries' hooks do: a hook that changes what its module returns, or
+    one that must see every forward (profiling's included). Returns ``hook``.
+
+    Example:
+        >>> def scale(module, args, output):
+        ...     return output * 2
+        >>> scale.__module__ = "my_training_script"
+        >>> is_user_hook(scale), is_user_hook(part_of_model(scale))
+        (True, False)
+    """
+    setattr(getattr(hook, "__func__", hook), PART_OF_MODEL, True)
+    return hook
 
 
 class _Silenced:
