@@ -107,6 +107,11 @@ SLOW = {
                             "test_lightning_autoremat_follows_the_batch_shape",  # 15 s
                             "test_accelerate_session_follows_the_batch_shape",  # 10 s
                             "test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows"),  # 2.5 s
+    # the trunk run twice: its profile (2 s set-up), real and fake (2.4 s), 5 plans measured and 2 trained (1.3 s)
+    "test_calls.py": ("test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute",
+                      "test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget"),
+    "test_user_hooks.py": ("test_hooks_fire_as_without_the_package_under_autoremat",  # 3.5 s
+                           "test_hooks_fire_as_without_the_package_under_shape_plans_and_one_that_reads_values_plans"),  # 4 s
 }
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..core.config import ProfileOptions, RematConfig
-from ..core.errors import BudgetTooSmallError
+from ..core.errors import BudgetTooSmallError, FakeProfileError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
@@ -397,7 +397,11 @@ class ShapePlans:
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1
         with self.planner.progress(self.model, fake=True):
-            profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
+            try:
+                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
+                                                 options=options)
+            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
+                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
         # No real timing: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         seconds_per_flop = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return _priced(profile, seconds_per_flop) if seconds_per_flop else profile

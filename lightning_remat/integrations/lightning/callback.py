@@ -113,8 +113,8 @@ class AutoRemat(Callback):
       and the optimizers' and schedulers' ``step()`` doing nothing (``step.manual_step_closure``);
       every optimizer's state and step is counted. The gradients are left as ``training_step``
       leaves them (zero them at its start, as Lightning's examples do, or they count against the
-      budget from the previous step on). Several ``manual_backward`` calls in one step are planned
-      as one backward of their sum (an over-estimate, with a warning).
+      budget from the previous step on). Several ``manual_backward`` calls in one step are profiled
+      as they run, each graph freed at its backward (``StageProfile.fresh``).
     - Validation and test batches are predicted before they run (``loop_peaks.py``: no activations
       saved for backward, but their own batch and the training's memory alive) and one predicted
       over the budget gets a warning naming the largest batch of that loop that fits. They are

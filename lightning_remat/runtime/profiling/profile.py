@@ -47,6 +47,7 @@ from ..measuring.observe import observe_step
 from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
 from ..measuring.stance import eager_stance
+from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
 from ..targets.fake_attention import cuda_attention
@@ -158,7 +159,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         # chunked step measured 2.5-8% above its eager figures (docs/long_context.md). Not offered.
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
-    with eager_stance(), uncompiled(model) as model:
+    # The user's hooks see training forwards only, not the profile's passes (user_hooks.py).
+    with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model:
         if not options.fake:
             profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
             profile.optimizer_step_alternatives = optimizer_step_alternatives(
@@ -298,12 +300,14 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         wraps = option_wraps(observed.order, observed, modules, policies)
         limits: dict[str, int] = {}
         if options.offload:
-            wraps[OFFLOAD] = {n: () for n in observed.order}
+            # Not a module at several places (core.calls): the offloader prefetches by place, unchecked for it.
+            single = [n for n in observed.order if observed.positions.count(n) == 1]
+            wraps[OFFLOAD] = {n: () for n in single}
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
-                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
-            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -318,8 +322,12 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                          optimizer is not None, device, peaks, per_op, limits, compiled)
-    assembled.span_groups = groups
-    assembled.blocks = found.blocks
+    # A module at several places (core.calls) is planned alone: no span or block over it; none at all
+    # in a step that runs backward more than once (a fresh place).
+    several = {n for n in observed.positions if observed.positions.count(n) > 1}
+    several = set(observed.positions) if runs["keep"].fresh else several
+    assembled.span_groups = tuple(g for g in groups if not several & set(g))
+    assembled.blocks = tuple(b for b in found.blocks if not several & set(b[1]))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
     if compiled:
