@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .exclusive import PLANNING_LOCK
+from .host_rng import counting_rng_states
 from .stance import hold_eager, release_eager
 
 
@@ -150,9 +151,13 @@ class Tracker(MemTracker):
     def __enter__(self) -> "Tracker":
         PLANNING_LOCK.acquire()
         hold_eager()
+        # The generator states checkpoints keep until backward are allocated where no mode sees them.
+        self._rng_states = counting_rng_states(lambda state: self._track(_MemRefType.ACT, state))
         try:
+            self._rng_states.__enter__()
             return super().__enter__()  # type: ignore[return-value]
         except BaseException:
+            self._rng_states.__exit__(None, None, None)
             release_eager()
             PLANNING_LOCK.release()
             raise
@@ -162,6 +167,7 @@ class Tracker(MemTracker):
         try:
             super().__exit__(*args)
         finally:
+            self._rng_states.__exit__(None, None, None)
             release_eager()
             PLANNING_LOCK.release()
 

@@ -41,6 +41,7 @@ from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
 from ..installing.fingerprint import binding_of
 from ..measuring.exclusive import exclusive
+from ..measuring.host_rng import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
@@ -160,7 +161,9 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
     # The user's hooks see training forwards only, not the profile's passes (user_hooks.py).
-    with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model:
+    # The device planned for: a fake profile without one plans for the CPU (as ``_fake_profile`` does).
+    target = options.device or ("cpu" if options.fake else model_device(model))
+    with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model, rng_states_count(target):
         if not options.fake:
             profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
             profile.optimizer_step_alternatives = optimizer_step_alternatives(
