@@ -89,7 +89,7 @@ class RematSession:
         ...     opt.step()
         ...     opt.zero_grad()
         >>> session.phase, session.plan.checkpointed, session.plan.segments
-        ('done', ['0', '3'], [['1', '2']])
+        ('done', ['2', '3'], [['0', '1']])
         >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
         True
     """
