@@ -90,7 +90,7 @@ SLOW = {
                                     "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple",  # 2.5 s
                                     "test_autoremat_plans_manual_optimization_on_fake_tensors"),  # 2-5 s
     # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
-    "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
+    "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_no_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s
                             "test_step_peak_agrees_with_memtracker_on_a_plain_step",  # 2 s

@@ -77,4 +77,4 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
 
 # What a plan made without a profile is, in every message that reports on it.
 FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
-                 "ran out of memory)")
+                 "ran out of memory or fake tensors cannot run the model)")
