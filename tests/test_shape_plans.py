@@ -363,7 +363,7 @@ def test_lightning_autoremat_follows_the_batch_shape(scenario):
     peaks, losses, grads = _lightning_run(batches, [callback])
     _assert_run(peaks, losses, grads, reference, budget, callback.shape_plans.counts, batches)
     assert max(reference[0]) > 1.5 * budget
-    assert callback.shape_plans.counts.real_profiles == 1 and len(callback.shape_plans.plans) > 3
+    assert callback.shape_plans.counts.real_profiles == 0 and len(callback.shape_plans.plans) > 3
     assert callback.measured_peak_bytes <= budget
 
 

@@ -112,30 +112,32 @@ class ShapeProfiles:
         the next ``use``: a peak above the plan's prediction is memory the profile did not see, added
         to every term of the anchor (carried to every shape) and every plan is solved again. With
         ``cost="time"`` and no real profile, the first ``seconds`` given (the step's wall time)
-        price every fake profile's FLOPs. Whether the plans were dropped to be solved again."""
+        price every fake profile's FLOPs. Whether the plans were dropped to be solved again.
+
+        A first step holds no optimizer state through its forward and backward: its excess is a
+        lower bound, and a later measured step adds the rest. Under several ranks, call it on every
+        rank with the same figures (the largest peak of any rank): every rank drops its plans."""
         plan = plan or self.installed
-        base = self.anchor or ((next(iter(self.fit.nodes)), self.fit.nodes[next(iter(self.fit.nodes))])
-                               if self.fit is not None else None)
-        if plan is None or base is None or self.fallback is not None:
-            return False  # nothing was profiled (a fallback plan, plans seeded from a checkpoint)
-        excess, rate = measured_excess(plan, measured_peak_bytes), None
-        if seconds is not None and self.config.cost == "time" and not self._timed:
-            made_on = self.profile_of(plan)
-            rate = seconds_per_flop(plan, made_on, seconds) if made_on is not None else None
-        if not excess and rate is None:
+        excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
+        reprice = seconds is not None and self.config.cost == "time" and not self._timed
+        if plan is None or self.fallback is not None or not (excess or reprice):
             return False
-        shape, anchor = base
-        if rate is not None:
-            self._seconds_per_flop, self._timed = rate, True
-            anchor = priced(anchor, rate)
-            if self.fit is not None:
-                self.fit = ShapeFit({s: priced(n, rate) for s, n in self.fit.nodes.items()}, self.fit.anchor)
-        if excess:
-            self.counts.calibrations += 1
-            anchor = with_measured_excess(anchor, excess)
-        self.anchor = (shape, anchor)
-        if self.fit is not None:
-            self.fit = ShapeFit(self.fit.nodes, anchor=self.anchor)
+        nodes = self.fit.nodes if self.fit is not None else {}
+        base = self.anchor or (next(iter(nodes.items())) if nodes else None)
+        if base is None and (self.channel is None or not self.channel.distributed):
+            return False  # nothing was profiled here (plans seeded from a checkpoint): nothing to correct
+        self._timed = self._timed or reprice
+        if base is not None:  # one process, or rank 0 (which profiles and solves for every rank)
+            shape, anchor = base
+            rate = seconds_per_flop(plan, self.profile_of(plan) or anchor, seconds) if reprice else None
+            if rate is not None:
+                self._seconds_per_flop = rate
+                anchor, nodes = priced(anchor, rate), {s: priced(n, rate) for s, n in nodes.items()}
+            if excess:
+                anchor = with_measured_excess(anchor, excess)
+            self.anchor = (shape, anchor)
+            self.fit = ShapeFit(nodes, anchor=self.anchor) if nodes else None
+        self.counts.calibrations += bool(excess)
         self.plans.clear()
         self.sources.clear()
         self._too_large.clear()

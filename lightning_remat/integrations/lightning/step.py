@@ -187,11 +187,12 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
 def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Callable[[Any], Any] | None = None, *,
                               config: Any, adjust: Any = None, install: Any = None, hint: str = "",
-                              saved: dict | None = None) -> Any:
+                              saved: dict | None = None, fake: bool | None = None) -> Any:
     """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module``'s ``training_step`` on a
     batch, over ``trainer``'s ranks and every optimizer it has (None: one process, no optimizer),
     with ``saved`` plans (shape -> plan) taken as they are. ``step_for(batch)`` gives the step
     (``step(module) -> loss``) on a batch; default ``training_step_closure`` at batch index 0.
+    ``fake`` as ``ShapePlans``' (None: the first batch on fake tensors; False: also for real where it fits).
 
     Example:
         >>> import torch, lightning.pytorch as L
@@ -206,7 +207,7 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Call
         >>> plans = training_step_shape_plans(Lit(), None, config=RematConfig("min", cost="flops"))
         >>> plan = plans.use(torch.randn(64, 8))
         >>> plans.counts.real_profiles, plan.predicted_peak_bytes <= plan.baseline_peak_bytes
-        (1, True)
+        (0, True)
     """
     from ...service.shape_plans import ShapePlans
     from .channel import lightning_channel
@@ -215,7 +216,8 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Call
     optimizers = list(trainer.optimizers) if trainer is not None else []
     plans = ShapePlans(pl_module, lambda module, batch: step_for(batch)(module), config=config,
                        optimizer=optimizers[0] if len(optimizers) == 1 else optimizers or None, adjust=adjust,
-                       install=install, channel=lightning_channel(trainer) if trainer is not None else None, hint=hint)
+                       install=install, channel=lightning_channel(trainer) if trainer is not None else None, hint=hint,
+                       fake=fake)
     for shape, plan in (saved or {}).items():
         plans.seed(shape, plan)
     return plans
