@@ -3,28 +3,30 @@ give every step the plan for its batch's shape.
 
 How it works, per model:
 
-1. The first ``profile_steps`` training steps run as written. Hooks on the model record the inputs
-   of each training forward and, during the user's backward, the gradient that reached each output
-   (``recorded_call``).
-2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
-   forward) the planning service profiles the recorded call, solves, and every rank applies the
-   main process's plan in place. The call is profiled on fake tensors (with ``cost="time"``, for
-   real: it needs timings): the observed step ran for real already, and its measured peak
-   calibrates the profile, so planning runs no real step without recomputation, and allocates
-   nothing while the step's gradients are still alive.
+1. In the first training forward's pre-hook, the call is profiled on fake tensors and planned
+   (``first_call``: the model's own loss, else a surrogate backward with an allowance for a loss
+   outside the model) and the plan installed: the first step runs under it (not under FSDP2,
+   which has no fake twin: its observed steps run as written).
+2. The first ``profile_steps`` training steps are observed under that plan. Hooks on the model
+   record the inputs of each training forward and, during the user's backward, the gradient that
+   reached each output (``recorded_call``). At the end of step ``profile_steps`` (the matching
+   optimizer's ``step``, or else the next training forward) the planning service profiles the
+   recorded call on fake tensors, calibrated by the observed step's measured peak (under the plan
+   it ran with), solves, and every rank applies the main process's plan in place.
 3. From then on every training forward's batch shape is read (under DDP, the largest of the
    ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
-   it (``service.shape_plans``), and its plan installed before the forward runs. Not under FSDP2,
-   which keeps the first plan.
+   it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
 4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
    CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
-   (a warning when above), and the figures go to ``accelerator.log`` under ``remat/...`` and to
-   ``accelerator.remat_metrics``.
+   (a warning when above; a peak above the prediction calibrates the plans, solved again before the
+   next forward; ``cost="time"``: its seconds price the FLOPs), and the figures go to
+   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +42,7 @@ from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
+from .first_call import FirstCall
 from .plugin import ENV_BUDGET, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
 from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
@@ -67,11 +70,11 @@ class RematSession:
     """Observe a model in the user's loop, then plan, apply and measure recomputation once.
 
     Made by ``prepare_remat`` (and so by ``RematAccelerator``); get it back with
-    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps), ``"measure"``
-    (the first step with the plan), ``"done"``.
+    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps, under the plan
+    made before the first), ``"measure"`` (the first steady step with the plan), ``"done"``.
 
     Attributes:
-        plan: the applied ``Plan`` (None until it is made).
+        plan: the applied ``Plan`` (None until the first training forward).
         metrics: ``remat/...`` figures, as logged (``remat/measured_peak_bytes`` once measured).
         observed_steps: training steps (forward and backward) seen so far.
 
@@ -85,7 +88,7 @@ class RematSession:
         ...     opt.step()
         ...     opt.zero_grad()
         >>> session.phase, session.plan.checkpointed, session.plan.segments
-        ('done', ['0', '3'], [['1', '2']])
+        ('done', ['2', '3'], [['0', '1']])
         >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
         True
     """
@@ -104,13 +107,15 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._observed_actions: tuple = ()  # the actions of the plan the last observed step ran under
         self._carried = 0  # bytes the loop carried from the last observed micro-batch into the next
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
-        # After the first plan: the plan of each batch's shape (not under FSDP2), from the observed call.
+        # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
         self.shape_plans: ShapePlans | None = None
-        self._template: CallTemplate | None = None
+        self._template: CallTemplate | FirstCall | None = None
+        self._window_plans, self._window_started = [], 0.0  # the plans a measured window ran under, its start
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -137,6 +142,8 @@ class RematSession:
             return
         self._hook_optimizer(self._known_optimizer())
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
+        if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
+            self._plan_first(args, kwargs)
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
         if self.phase == "observe":
@@ -231,6 +238,7 @@ class RematSession:
                     # for that of forward and backward (an over-estimate: the plan errs on the safe side).
                     before = window.peak_before_optimizer
                     self._observed = (peak if before is None else before, window.optimizer_had_state)
+                    self._observed_actions = tuple(self.plan.actions) if self.plan is not None else ()
             if self.observed_steps >= self.plugin.profile_steps and self._completed is not None:
                 self._make_plan()
                 self.phase = "measure"
@@ -252,42 +260,56 @@ class RematSession:
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
+            self._window_plans, self._window_started = [self.plan] if self.plan else [], time.perf_counter()
+
+    def _plan_first(self, args: tuple, kwargs: dict) -> None:
+        """Before the first training forward runs: plan it on fake tensors from its inputs
+        (``first_call``) and install the plan, so no real step runs without one."""
+        first = FirstCall.of(args, kwargs)
+        plan = self._plan_shapes(first, first, first.adjust)
+        self._new_plan(plan, self._channel(), "lightning-remat: planned before the first step, on fake tensors")
+
+    def _plan_shapes(self, template: Any, call: Any, adjust: Any) -> Plan:
+        """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
+        shape; ``adjust`` at its own), and the plan of ``call`` installed."""
+        self._template = template
+        self._busy = True
+        try:
+            self.shape_plans = ShapePlans(
+                self.model, lambda model, template: template.loss(model), config=self._config(),
+                optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
+                resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
+                hint=self._hint(), warmup=0)
+            return self.shape_plans.use(call)
+        finally:
+            self._busy = False
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
         channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
-        observed, held, carried = self._observed, call.held_bytes(), self._carried
+        observed, held, carried, actions = self._observed, call.held_bytes(), self._carried, self._observed_actions
 
         def adjust(profile: Any) -> Any:
             profile = with_loop_references(profile, held, carried)
-            return calibrate(profile, *observed) if observed is not None else profile
+            return calibrate(profile, *observed, actions=actions) if observed is not None else profile
 
-        hint = f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
-        self._busy = True
-        try:
-            if fsdp2_sharded(self.model):
-                # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
-                # once: a sharded model has no fake twin to follow shapes with.
+        if fsdp2_sharded(self.model):
+            # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
+            # once: a sharded model has no fake twin to follow shapes with.
+            self._busy = True
+            try:
                 plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
-                                                           channel=channel, hint=hint, warmup=0, adjust=adjust)
+                                                           channel=channel, hint=self._hint(), warmup=0, adjust=adjust)
                 apply_plan(self.model, plan)
-            else:
-                # The observed steps were the warm-up: lazy initialisation has happened. The observed step
-                # ran for real and calibrates the profile: with FLOP costs a fake one is enough.
-                config = self._config()
-                if config.cost != "time":
-                    config = replace(config, profile=replace(config.profile, fake=True))
-                self.shape_plans = ShapePlans(
-                    self.model, lambda model, template: template.loss(model), config=config,
-                    optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
-                    resize=lambda template, shape: template.at(shape), adjust=adjust, channel=channel, hint=hint,
-                    warmup=0)
-                self._template = CallTemplate.of(call)
-                plan = self.shape_plans.use(_Observed(call, self._template.shape))
-        finally:
-            self._busy = False
+            finally:
+                self._busy = False
+        else:
+            # The observed step ran for real under the first plan and calibrates a fake profile of
+            # the call it recorded (its real loss's gradients).
+            template = CallTemplate.of(call)
+            plan = self._plan_shapes(template, _Observed(call, template.shape), adjust)
         self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
@@ -305,9 +327,11 @@ class RematSession:
             self._busy = False
         if len(self.shape_plans.plans) > known:
             self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
-            if self._window is None:
+            if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
+        if self._window is not None and all(plan is not p for p in self._window_plans):
+            self._window_plans.append(plan)
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
@@ -339,12 +363,21 @@ class RematSession:
         self.metrics.update(measured)
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
         peak = int(self.metrics["remat/measured_peak_bytes"])
+        # The plan of the highest prediction the window ran under; a peak above it (the same on
+        # every rank) calibrates the plans, solved again before the next forward.
+        plan = max(self._window_plans or [self.plan], key=lambda p: p.predicted_peak_bytes or 0)
+        seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
+        calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)")
+            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)")
             if warning is not None:
-                warnings.warn(warning, UserWarning, stacklevel=2)
+                warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
+                                         if calibrated else ""), UserWarning, stacklevel=2)
         self._log(measured)
+
+    def _hint(self) -> str:
+        return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
 
     def _channel(self) -> Channel:
         """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""
