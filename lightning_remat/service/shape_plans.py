@@ -104,8 +104,8 @@ class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
     Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
-    installing), and ``calibrate(peak)`` with a step's measured peak after it (optional: a step
-    over its prediction re-solves the plans). The first call profiles that batch on fake tensors
+    installing; ``fresh`` then says whether it decided a plan), and ``calibrate(peak)`` with a
+    step's measured peak after it (optional: a step over its prediction re-solves the plans). The first call profiles that batch on fake tensors
     and plans it before it runs; a batch of another shape is planned on a prediction from
     fake-tensor profiles (``core.shape_fit``), so no step runs without a plan and none runs
     without recomputation to be profiled.
@@ -199,6 +199,8 @@ class ShapePlans(ShapeProfiles):
         self.installed: Plan | None = None
         self.largest: Shape | None = self.max_shape if plan_for == "largest" else None
         self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
+        self._stale: set[Shape] = set()  # buckets whose plan is solved again at their next batch (calibrated)
+        self.fresh = False  # whether the last plan() decided its plan (a new bucket, or one solved again)
 
     # ------------------------------------------------------------------------------ the interface
 
@@ -224,9 +226,12 @@ class ShapePlans(ShapeProfiles):
         if self.plan_for == "largest":
             self.largest = shape if self.largest is None else self.largest.union(shape)
         key = self.key(shape)
-        if key not in self.plans:
+        self.fresh = key not in self.plans or key in self._stale
+        if self.fresh:
             plan = self._shared(lambda: self._plan_at(batch, shape, key))
+            self._stale.discard(key)
             key = self._settle(key, shape, plan)
+            self._stale.discard(key)
         return self.plans[key]
 
     def key(self, shape: Shape) -> Shape:
@@ -302,7 +307,8 @@ class ShapePlans(ShapeProfiles):
             reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
         warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
                       UserWarning, stacklevel=5)
-        return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
+        known = shape in self.plans and shape not in self._stale
+        return (shape, self.plans[shape]) if known else self._plan_at(batch, shape, shape)
 
     def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
         """The profile at ``key``: the first batch's own where ``key`` is its shape, else predicted

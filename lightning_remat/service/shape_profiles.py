@@ -61,8 +61,7 @@ class ShapeProfiles:
     fallback: Plan | None
     installed: Plan | None
     plans: dict
-    sources: dict
-    _too_large: set
+    _stale: set
     _seconds_per_flop: float | None
     _timed: bool
 
@@ -110,9 +109,10 @@ class ShapeProfiles:
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
         """Take a real step measured under ``plan`` (default: the installed one) into account, before
         the next ``use``: a peak above the plan's prediction is memory the profile did not see, added
-        to every term of the anchor (carried to every shape) and every plan is solved again. With
+        to every term of the anchor (carried to every shape) and every plan is solved again at its
+        bucket's next batch (``fresh`` is then True). With
         ``cost="time"`` and no real profile, the first ``seconds`` given (the step's wall time)
-        price every fake profile's FLOPs. Whether the plans were dropped to be solved again.
+        price every fake profile's FLOPs. Whether the plans are to be solved again.
 
         A first step holds no optimizer state through its forward and backward: its excess is a
         lower bound, and a later measured step adds the rest. Under several ranks, call it on every
@@ -138,9 +138,7 @@ class ShapeProfiles:
             self.anchor = (shape, anchor)
             self.fit = ShapeFit(nodes, anchor=self.anchor) if nodes else None
         self.counts.calibrations += bool(excess)
-        self.plans.clear()
-        self.sources.clear()
-        self._too_large.clear()
+        self._stale.update(self.plans)  # each solved again at its next batch (``fresh`` then says so)
         return True
 
     def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:

@@ -319,13 +319,12 @@ class RematSession:
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
-        known = len(self.shape_plans.plans)
         self._busy = True
         try:
             plan = self.shape_plans.use(self._template.at(shape))
         finally:
             self._busy = False
-        if len(self.shape_plans.plans) > known:
+        if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
             self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
             if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False

@@ -361,10 +361,10 @@ class AutoRemat(Callback):
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
             self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
         plans, self._batch_idx = self.shape_plans, batch_idx
-        known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
+        profiles = plans.counts.real_profiles + plans.counts.fake_profiles
         self.plan = plans.use(batch)
         self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
-        return len(plans.plans) > known
+        return plans.fresh  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, trainer: Trainer, first: bool) -> None:
         """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
