@@ -25,6 +25,10 @@ torch.set_num_threads(1)
 SLOW = {
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
+    # fake profiles of the first step (each run against one without the package): 2-17 s each on a loaded 2-core machine
+    "test_first_step.py": "*",
+    # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
+    "test_first_step_integrations.py": "*",
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each

@@ -45,16 +45,17 @@ class RematPlugin:
             ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the device's total memory (on a CPU,
             of the host's memory), or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. Recomputation is
             enabled if and only if a budget is set.
-        profile_steps: training steps before the plan's real peak is measured, as in
-            ``AutoRemat``: they run as written and are observed, the plan is made and applied at
-            the end of the last, and the next is measured (at least 1: the recorded call needs one
-            real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
+        profile_steps: training steps before the plan's steady peak is measured, as in
+            ``AutoRemat``: they run under the plan made before the first (on fake tensors) and are
+            observed, the plan is made again at the end of the last, and the next is measured (at
+            least 1: the recorded call needs one real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``.
+            Default 1.
         candidates: which modules may be recomputed: None for automatic (repeated blocks), or module
             classes, class names or ``fnmatch`` patterns over module names; a string is split at
             commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
             ``"transformer.h.*"``).
         cost: what the plan minimises: ``"flops"`` (counted FLOPs, deterministic), ``"time"``
-            (measured seconds) or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
+            (counted FLOPs at the seconds per FLOP of the measured step) or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
         offload: let the plan also offload activations to host memory (a CUDA model only;
             ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
             ``0``/``false``/``no``). Default off.
