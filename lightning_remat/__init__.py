@@ -28,7 +28,8 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          ConflictingArgumentsError, FakeProfileError, InvalidPlanError, NoCandidateError,
+                          ConflictingArgumentsError, FakeProfileError, InstallationMismatchError, InvalidPlanError,
+                          NoCandidateError,
                           PlanFormatError, PlanMismatchError, PlanningFailedError, RematError, SkippedStepError,
                           StepError, UnsupportedSetupError,
                           UnsupportedShardingError)
@@ -65,6 +66,7 @@ __all__ = [
     "BudgetTooSmallError",
     "ConflictingArgumentsError",
     "FakeProfileError",
+    "InstallationMismatchError",
     "InvalidPlanError",
     "NoCandidateError",
     "Plan",

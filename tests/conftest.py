@@ -87,6 +87,10 @@ SLOW = {
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
                        "test_pareto_sweep_and_plot"),  # 5 s
     "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s
+    # the budget fixture: 3 s (a fake profile); each run's own fake profiles
+    "test_installed.py": ("test_shape_plans_keeps_the_plan_installed_when_a_new_shape_gets_the_same_plan",  # 5 s
+                          "test_autoremat_runs_every_step_under_its_plan_as_planned",  # 12 s
+                          "test_the_accelerate_session_runs_every_planned_step_under_its_plan_as_planned"),  # 6 s
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",  # 2-3 s each
                            "test_trainer_follows_the_batch_shape_under_dynamic_padding",  # 13-18 s (two runs)
                            "test_the_least_peak_holds_under_accumulation_with_what_the_trainer_carries_between_micro_batches"),  # 3 s
@@ -94,6 +98,11 @@ SLOW = {
                                     "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple",  # 2.5 s
                                     "test_autoremat_plans_manual_optimization_on_fake_tensors"),  # 2-5 s
     # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
+    # planning runs inside torch.profiler's windows (fake profiles of each new layout): 4.6-7.7 s each at a load of 12
+    "test_shape_layouts.py": ("test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans",
+                              "test_shape_plans_plan_images_that_grow_in_height_and_width",
+                              "test_a_dict_batch_where_a_key_appears_is_planned_again",
+                              "test_accelerate_plans_a_dict_batch_where_a_key_appears_again"),
     "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_no_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s

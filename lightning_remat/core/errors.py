@@ -143,6 +143,35 @@ class PlanMismatchError(RematError, ValueError):
     """
 
 
+class InstallationMismatchError(RematError, RuntimeError):
+    """What is installed on a model is not what its plan says (checked after every install and at
+    every step that keeps a plan: ``runtime.installing.verify``). ``planned`` and ``installed`` hold
+    both sides, per kind of action (``recomputed``: name -> policy, ``segments``, ``offloaded``,
+    ``offloaded_inputs``, ``chunked_heads``: name -> chunks); ``differences`` (and the message) names
+    each kind that differs, with both sides.
+    Something changed the model behind the plan's back (``remove_remat``, another library patching
+    ``forward``): the step would run without the memory the plan counted on, so it does not run.
+
+    Example:
+        >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
+        >>> print(err)
+        lightning-remat: what is installed on the model is not what the plan says: recomputed: the plan says {'h.0': ''}, installed is {}. The step would not run within the plan's budget; install the plan again (apply_plan) or find what changed the model's modules. (ShapePlans.use)
+        >>> isinstance(err, RuntimeError), err.installed
+        (True, {'recomputed': {}})
+    """
+
+    def __init__(self, planned: dict[str, Any], installed: dict[str, Any], where: str = ""):
+        self.planned = planned
+        self.installed = installed
+        # Each kind that differs, with both sides (the others are left out: a large model's lists are long).
+        self.differences = "; ".join(
+            f"{key}: the plan says {planned.get(key)!r}, installed is {installed.get(key)!r}"
+            for key in dict.fromkeys([*planned, *installed]) if planned.get(key) != installed.get(key))
+        super().__init__("lightning-remat: what is installed on the model is not what the plan says: "
+                         f"{self.differences}. The step would not run within the plan's budget; install the plan "
+                         "again (apply_plan) or find what changed the model's modules." + (f" {where}" if where else ""))
+
+
 class AlreadyCheckpointedError(RematError, ValueError):
     """The model already uses activation checkpointing that lightning-remat did not put there.
 

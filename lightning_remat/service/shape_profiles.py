@@ -144,10 +144,13 @@ class ShapeProfiles:
     def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
         """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
         first node at ``key``, then the ladder nodes around ``key`` that are missing."""
-        if self.fit is None and self.anchor is not None:
+        if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
             anchor_shape, anchor = self.anchor
             self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
-        elif self.fit is None:  # a plan was seeded (a resumed run), nothing was profiled: start at ``key``
+        elif self.fit is None:
+            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
+            # stretched to the first batch's layout (a key appeared), so no fake node can be
+            # compared with its anchor: start at ``key``, anchored on its own fake node.
             node = self._fake_profile(batch, key)
             self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
         for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):

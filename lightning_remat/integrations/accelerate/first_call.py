@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,6 +61,10 @@ class FirstCall:
         """The call stretched to ``shape`` (sharing ``seen``)."""
         return replace(self, template=self.template.at(shape))
 
+    def following(self, args: tuple, kwargs: dict, shape: Shape | None = None) -> "FirstCall":
+        """The call at the shape of another call (``CallTemplate.following``; sharing ``seen``)."""
+        return replace(self, template=self.template.following(args, kwargs, shape))
+
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model``: its own loss, else the surrogate over every output that
         requires a gradient."""
@@ -85,6 +90,22 @@ class FirstCall:
         profile = with_loop_references(profile, 0)
         own, output_bytes = self.seen.get(self.shape, (True, 0))
         return profile if own else with_user_loss_allowance(profile, USER_LOSS_OUTPUT_COPIES * output_bytes)
+
+
+@dataclass(frozen=True)
+class ObservedCall:
+    """The observed call itself, as ``ShapePlans`` sees a batch once a step ran: profiled with its
+    real inputs and the gradients its outputs received, stretched to other shapes through its
+    template (``CallTemplate``)."""
+
+    call: RecordedCall
+    shape: Any
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        return self.call.loss(model)
+
+    def at(self, shape: Any) -> Any:
+        return CallTemplate.of(self.call).at(shape)
 
 
 def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,34 +36,21 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...runtime.installing.apply import apply_plan
+from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
-from .first_call import FirstCall
+from .first_call import FirstCall, ObservedCall
 from .plugin import ENV_BUDGET, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
 from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
                             with_loop_references)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Observed:
-    """The observed call itself, as ``ShapePlans`` sees a batch: profiled for real as it ran (its
-    gradients and inputs real), stretched to other shapes through its template."""
-
-    call: RecordedCall
-    shape: Any
-
-    def loss(self, model: nn.Module) -> torch.Tensor:
-        return self.call.loss(model)
-
-    def at(self, shape: Any) -> Any:
-        return CallTemplate.of(self.call).at(shape)
 
 
 class RematSession:
@@ -115,7 +102,8 @@ class RematSession:
         # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
         self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | FirstCall | None = None
-        self._window_plans, self._window_started = [], 0.0  # the plans a measured window ran under, its start
+        self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
+        self._window_started = 0.0  # when the measured window opened (its seconds price cost="time")
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -146,10 +134,14 @@ class RematSession:
             self._plan_first(args, kwargs)
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
+        elif self.plan is not None:  # a plan kept (FSDP2: no shapes followed) is checked, not assumed
+            self.check_plan()
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
+        if self.phase == "measure" and self._window is not None:
+            self._metered.append((self.plan, batch_shape((args, kwargs))))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
@@ -259,8 +251,8 @@ class RematSession:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
-            self._window = WindowTracker(self.model, self._known_optimizer())
-            self._window_plans, self._window_started = [self.plan] if self.plan else [], time.perf_counter()
+            self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
+            self._window_started = time.perf_counter()
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Before the first training forward runs: plan it on fake tensors from its inputs
@@ -309,7 +301,7 @@ class RematSession:
             # The observed step ran for real under the first plan and calibrates a fake profile of
             # the call it recorded (its real loss's gradients).
             template = CallTemplate.of(call)
-            plan = self._plan_shapes(template, _Observed(call, template.shape), adjust)
+            plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
         self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
@@ -321,7 +313,7 @@ class RematSession:
             return
         self._busy = True
         try:
-            plan = self.shape_plans.use(self._template.at(shape))
+            plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
         finally:
             self._busy = False
         if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
@@ -329,8 +321,6 @@ class RematSession:
             if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
-        if self._window is not None and all(plan is not p for p in self._window_plans):
-            self._window_plans.append(plan)
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
@@ -364,12 +354,15 @@ class RematSession:
         peak = int(self.metrics["remat/measured_peak_bytes"])
         # The plan of the highest prediction the window ran under; a peak above it (the same on
         # every rank) calibrates the plans, solved again before the next forward.
-        plan = max(self._window_plans or [self.plan], key=lambda p: p.predicted_peak_bytes or 0)
+        plan = max([p for p, _ in self._metered if p is not None] or [self.plan], key=lambda p: p.predicted_peak_bytes or 0)
         seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
         calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)")
+            # What the package can see of a step over the budget: the plan not installed, a batch not planned.
+            causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
+                                                                    if p is not None)]
+            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)", causes)
             if warning is not None:
                 warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
                                          if calibrated else ""), UserWarning, stacklevel=2)
@@ -377,6 +370,13 @@ class RematSession:
 
     def _hint(self) -> str:
         return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
+
+    def check_plan(self, where: str = "") -> None:
+        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what is installed
+        on the model (``runtime.installing.verify``): at every training forward, and from the Trainer's
+        callback at every step."""
+        if self.plan is not None:
+            check_installed(self.model, self.plan, where or f"(lightning-remat, Accelerate step {self.observed_steps})")
 
     def _channel(self) -> Channel:
         """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""

@@ -134,6 +134,11 @@ class RematTrainerCallback(TrainerCallback):
         prepare_remat(model, self.remat_plugin, accelerator=_TrainerAccelerator(args, optimizer))
         self.session = remat_session(model)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Every optimizer step runs under the plan as planned: checked, never assumed.
+        if self.session is not None:
+            self.session.check_plan(f"(RematTrainerCallback, step {state.global_step})")
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._log_new_figures(state)
 

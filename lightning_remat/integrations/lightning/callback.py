@@ -19,11 +19,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import SkippedStepError
-from ...core.plan import Plan, saved_plans
+from ...core.plan import Plan, saved_plans, saved_state_plans
 from ...core.shapes import Shape
 from ...report.render import print_plan
-from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, remove_remat,
-                                         segmented_modules)
+from ...runtime.installing.apply import apply_plan, remove_remat
+from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
@@ -157,9 +157,7 @@ class AutoRemat(Callback):
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
         self.candidates = list(self.config.profile.candidates) if self.config.profile.candidates is not None else None
-        self.cost = cost
-        self.fake = fake
-        self.verbose = verbose
+        self.cost, self.fake, self.verbose = cost, fake, verbose
         self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
         self.profile_count = 0
@@ -203,9 +201,7 @@ class AutoRemat(Callback):
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
-        if (checkpointed_modules(pl_module) != list(self.plan.checkpointed)
-                or segmented_modules(pl_module) != [list(s) for s in self.plan.segments]
-                or checkpoint_policies(pl_module) != dict(self.plan.policies)):
+        if installation_mismatch(pl_module, self.plan) is not None:
             self._apply(trainer, pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")
@@ -233,7 +229,7 @@ class AutoRemat(Callback):
             pl_module.zero_grad(set_to_none=True)
         for measured in (self._first, self._meter):
             if measured is not None:
-                measured.ran(self.plan)
+                measured.ran(self.plan, batch_shape(batch))
         if planned and first and self.shape_plans is not None:
             # The first step under the plan, measured: a peak above its prediction calibrates the plans.
             self._first = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan)
@@ -243,11 +239,12 @@ class AutoRemat(Callback):
             elif batch_idx % window == 0:
                 # One meter over a whole accumulation window: every micro-batch and the optimizer step.
                 self._measure_in, self._window_left = None, window
-                self._meter = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan, window)
+                self._meter = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan, window,
+                                             batch_shape(batch))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._first is not None:
+        if self._first is not None:  # the largest peak of the ranks: every rank calibrates alike
             first, self._first = self._first, None
             first.calibrate(self.shape_plans, int(lightning_channel(trainer).max(first.meter.close())), timed=False)
         if self._meter is None:
@@ -257,7 +254,7 @@ class AutoRemat(Callback):
             return
         window, self._meter = self._meter, None
         self.measured_peak_bytes = report_measured_peak(
-            trainer, window.plan, window.meter, batch_idx, self.verbose, self._log_metrics,
+            trainer, window.plan, window.meter, batch_idx, self.verbose, self._log_metrics, window.causes(pl_module),
             calibrate=lambda peak: window.calibrate(self.shape_plans, peak, timed=True))
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
@@ -282,11 +279,11 @@ class AutoRemat(Callback):
         plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
         return {"plan": self.plan.to_dict() if self.plan is not None else None,
                 "measured_peak_bytes": self.measured_peak_bytes,
-                "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
+                "plans": saved_state_plans(plans)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
-        self.plan, self._saved_plans = plan, {Shape(b, s): p for b, s, p in plans}
+        self.plan, self._saved_plans = plan, dict(plans)
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
@@ -334,6 +331,7 @@ class AutoRemat(Callback):
         channel = lightning_channel(trainer)
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
+                check_installed(pl_module, self.plan, f"(AutoRemat, batch {batch_idx})")  # kept: checked, not assumed
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
@@ -377,7 +375,8 @@ class AutoRemat(Callback):
             self._measure_in = -(-self.profile_steps // window) * window
             return
         if self.verbose:
-            rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
+            shape = self.plan.fingerprint.get("shape")
+            rank_zero_info(f"AutoRemat: a plan for batch shape {Shape.from_list(shape) if shape else '?'}: "
                            f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
                            f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:

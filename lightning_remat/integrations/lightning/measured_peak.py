@@ -12,7 +12,7 @@ solves the plans again before the next batch when the peak was above its predict
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ...core.budget import format_bytes
 from ...core.plan import Plan
 from ...runtime.measuring.measure import PeakWindow
+from ...service.plan_figures import installation_cause, shape_cause
 from ...service.planning import FALLBACK_PLAN, over_budget
 from .channel import lightning_channel
 
@@ -38,20 +39,27 @@ class MeasuredWindow:
         (True, True)
     """
 
-    def __init__(self, model: Any, optimizers: Any, plan: Plan, batches: int = 1):
+    def __init__(self, model: Any, optimizers: Any, plan: Plan, batches: int = 1, shape: Any = None):
         self.meter = PeakWindow(model, optimizers)
-        self.plans, self.batches, self.left = [plan], batches, batches
+        self.metered = [(plan, shape)]  # the window's batches: (their plan, their shape)
+        self.batches = batches
         self.started = time.perf_counter()
 
-    def ran(self, plan: Plan) -> None:
-        """A batch of the window runs under ``plan`` (a new shape's)."""
-        if all(plan is not known for known in self.plans):
-            self.plans.append(plan)
+    def ran(self, plan: Plan, shape: Any = None) -> None:
+        """A batch of the window runs under ``plan``, at ``shape``."""
+        self.metered.append((plan, shape))
 
     @property
     def plan(self) -> Plan:
         """The plan of the highest predicted peak the window ran under: what its peak is held to."""
-        return max(self.plans, key=lambda p: p.predicted_peak_bytes if p.predicted_peak_bytes is not None else -1)
+        return max((p for p, _ in self.metered), key=lambda p: -1 if p.predicted_peak_bytes is None
+                   else p.predicted_peak_bytes)
+
+    def causes(self, model: Any) -> list[str | None]:
+        """What the package can see of a window over the budget: the plan not installed as planned,
+        a batch whose shape was not planned (``plan_figures``)."""
+        installed = self.metered[-1][0]
+        return [installation_cause(model, installed), *(shape_cause(p, shape) for p, shape in self.metered)]
 
     def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
         """``shape_plans.calibrate`` with the window's peak (the largest of the ranks': the same on
@@ -74,10 +82,10 @@ def figure(nbytes: int | None, other: int | None) -> str:
 
 def report_measured_peak(trainer: Trainer, plan: Plan, meter: PeakWindow, batch_idx: int, verbose: bool,
                          log_metrics: Callable[[Trainer, dict[str, float]], None],
-                         calibrate: Callable[[int], bool] | None = None) -> int:
+                         causes: Sequence[str | None] = (), calibrate: Callable[[int], bool] | None = None) -> int:
     """Close ``meter``, log the largest peak of any rank (and on CUDA the reserved peak beside it),
-    ``calibrate`` the plans with it, warn when it is over the budget (or say it when ``verbose``);
-    the measured peak."""
+    ``calibrate`` the plans with it, warn when it is over the budget, with the ``causes`` seen
+    (``over_budget``), or say it when ``verbose``; the measured peak."""
     channel = lightning_channel(trainer)
     # The largest peak of any rank: the budget holds on every one or it does not hold.
     measured_peak = int(channel.max(meter.close()))
@@ -95,7 +103,7 @@ def report_measured_peak(trainer: Trainer, plan: Plan, meter: PeakWindow, batch_
                f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
                f"{figure(measured_peak, plan.budget_bytes)} ({predicted}, budget {budget})")
     calibrated = calibrate(measured_peak) if calibrate is not None else False
-    warning = over_budget(measured_peak, plan, f"a steady training step (batch {batch_idx})")
+    warning = over_budget(measured_peak, plan, f"a steady training step (batch {batch_idx})", causes)
     if warning is not None:
         rank_zero_warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before the "
                                                    "next batch." if calibrated else ""))

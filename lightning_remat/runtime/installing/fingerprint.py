@@ -40,6 +40,8 @@ from torch.utils._pytree import tree_leaves
 from ...core.actions import nested_in
 from ...core.errors import PlanMismatchError
 from ...core.plan import Plan
+from ...core.shapes import Shape
+from ..profiling.batch_shape import batch_shape
 from .compiled import uncompiled
 
 
@@ -188,5 +190,18 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:
-    """Whether ``batch`` is larger than the one the plan was profiled on (False if none is recorded)."""
-    return "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]
+    """Whether ``batch`` is larger than the one the plan was profiled on (False if none is
+    recorded): more elements, or a shape the recorded one (``"shape"``, a ``Shape.to_list``) does
+    not cover: larger in one dimension (an image's height), or of another layout (another key).
+
+    Example:
+        >>> saved = {"batch_elements": 3072, "shape": [1, 1, [["", [-1, 3, 32, 32]]]]}
+        >>> outgrows(saved, torch.zeros(1, 3, 16, 64)), outgrows(saved, torch.zeros(1, 3, 32, 16))
+        (True, False)
+    """
+    if "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]:
+        return True
+    if not isinstance(saved.get("shape"), (list, tuple)):
+        return False
+    shape = batch_shape(batch)
+    return shape is not None and not Shape.from_list(saved["shape"]).covers(shape)
