@@ -256,19 +256,22 @@ class RematSession:
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Before the first training forward runs: plan it on fake tensors from its inputs
-        (``first_call``) and install the plan, so no real step runs without one."""
-        first = FirstCall.of(args, kwargs)
-        plan = self._plan_shapes(first, first, first.adjust)
-        self._new_plan(plan, self._channel(), "lightning-remat: planned before the first step, on fake tensors")
+        (``first_call``) and install the plan, so no real step runs without one. A chunked loss
+        patches the model's own forward, which this call has looked up already: the first step keeps
+        its head and loss whole (the observed step's plan may chunk them)."""
+        first, config = FirstCall.of(args, kwargs), self._config()
+        config = replace(config, profile=replace(config.profile, chunk_loss=False))
+        self._new_plan(self._plan_shapes(first, first, first.adjust, config), self._channel(),
+                       "lightning-remat: planned before the first step, on fake tensors")
 
-    def _plan_shapes(self, template: Any, call: Any, adjust: Any) -> Plan:
+    def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
-        shape; ``adjust`` at its own), and the plan of ``call`` installed."""
+        shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
         self._template = template
         self._busy = True
         try:
             self.shape_plans = ShapePlans(
-                self.model, lambda model, template: template.loss(model), config=self._config(),
+                self.model, lambda model, template: template.loss(model), config=config or self._config(),
                 optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
                 resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
                 hint=self._hint(), warmup=0)
@@ -297,17 +300,14 @@ class RematSession:
                 apply_plan(self.model, plan)
             finally:
                 self._busy = False
-        else:
-            # The observed step ran for real under the first plan and calibrates a fake profile of
-            # the call it recorded (its real loss's gradients).
+        else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
             template = CallTemplate.of(call)
             plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
         self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
-        """Before a training forward: install the plan for its batch's shape (a new shape is planned
-        on fake-tensor profiles of the observed call stretched to it); a new plan's first steady step
-        is measured."""
+        """Before a training forward: install the plan for its batch's shape (a new shape is planned on
+        fake-tensor profiles of the call stretched to it); a new plan's first steady step is measured."""
         shape = batch_shape((args, kwargs))
         if shape is None:
             return

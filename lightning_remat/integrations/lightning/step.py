@@ -87,11 +87,22 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
     context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
 
     def step(module: nn.Module) -> torch.Tensor:
-        with context(), logging_muted(module):
+        with context(), logging_muted(module), _attributes_replaced(_own_steps(module)):
             output = module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         return loss_of(output)
 
     return step
+
+
+def _own_steps(module: nn.Module) -> list[tuple[Any, str, Any]]:
+    """A LightningModule given to ``fit`` compiled (Lightning's ``from_compiled``) holds its compiled
+    ``forward`` and ``training_step`` in its instance dict, bound to the module it was: a fake twin
+    copies them and would run the real module. The class's own methods, bound to ``module``, instead
+    (profiles run eagerly anyway)."""
+    if not getattr(module, "_compiler_ctx", None):
+        return []
+    return [(module, name, getattr(type(module), name).__get__(module))
+            for name in ("forward", "training_step") if name in module.__dict__]
 
 
 def _no_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -171,7 +182,7 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
         losses: list[torch.Tensor] = []
         kept = [(module, "manual_backward", lambda loss, *args, **kwargs: losses.append(loss))]
         with context(), logging_muted(module), \
-                _attributes_replaced(kept + _held_still(trainer)):
+                _attributes_replaced(kept + _held_still(trainer) + _own_steps(module)):
             module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         if not losses:
             raise SkippedStepError("training_step made no self.manual_backward(loss) call (it skips this batch): "
