@@ -71,6 +71,7 @@ SLOW = {
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
+    "test_fabric.py": ("test_the_docs_recipe_for_varying_shapes_runs_as_written",),  # 55 s at load 9-11 (1 real, 4 fake profiles)
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess
@@ -110,6 +111,11 @@ SLOW = {
                             "test_lightning_autoremat_follows_the_batch_shape",  # 15 s
                             "test_accelerate_session_follows_the_batch_shape",  # 10 s
                             "test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows"),  # 2.5 s
+    # the trunk run twice: its profile (2 s set-up), real and fake (2.4 s), 5 plans measured and 2 trained (1.3 s)
+    "test_calls.py": ("test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute",
+                      "test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget"),
+    "test_user_hooks.py": ("test_hooks_fire_as_without_the_package_under_autoremat",  # 3.5 s
+                           "test_hooks_fire_as_without_the_package_under_shape_plans_and_one_that_reads_values_plans"),  # 4 s
 }
 
 

@@ -184,17 +184,28 @@ class AlreadyCheckpointedError(RematError, ValueError):
 class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
+    ``requested=False``: the fake pass is the package's own (a batch shape an integration or
+    ``ShapePlans`` plans, on fake tensors whatever ``fake`` says), so the advice is not ``fake=False``.
+
     Example:
         >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
         True
+        >>> error = FakeProfileError("aten.nonzero.default", requested=False)
+        >>> "planned on fake tensors whatever fake= says" in str(error)
+        True
     """
 
-    def __init__(self, op: str, detail: str = ""):
-        self.op = op
+    def __init__(self, op: str, detail: str = "", requested: bool = True):
+        self.op, self.detail, self.requested = op, detail, requested
+        advice = ("Profile it for real (fake=False) on a smaller configuration, or make that code path value-free."
+                  if requested else
+                  "Every batch shape is planned on fake tensors whatever fake= says (fake=False adds a real profile of "
+                  "the first batch only), so that no step runs before its plan exists. Make that code path "
+                  "value-free, or give every batch one shape (pad to a fixed length), so that no other shape is "
+                  "planned.")
         super().__init__(
             f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
-            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}Profile it for real "
-            f"(fake=False) on a smaller configuration, or make that code path value-free.")
+            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}{advice}")
 
 
 class PlanningFailedError(RematError, RuntimeError):

@@ -182,7 +182,11 @@ class ShapeProfiles:
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1
         with self.planner.progress(self.model, fake=True):
-            profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
+            try:
+                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
+                                                 options=options)
+            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
+                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
         # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return priced(profile, rate) if rate else profile

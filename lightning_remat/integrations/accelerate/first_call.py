@@ -37,7 +37,7 @@ from ...core.allowances import USER_LOSS_OUTPUT_COPIES
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment, predict_peak
 from ...core.shapes import Shape
-from .recorded_call import CallTemplate, RecordedCall, scalar_loss, tensor_leaves, with_loop_references
+from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, tensor_leaves, with_loop_references
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,17 @@ class ObservedCall:
 
     def at(self, shape: Any) -> Any:
         return CallTemplate.of(self.call).at(shape)
+
+
+def observed_adjust(held: int, carried: int, observed: tuple[int, bool] | None, actions: Any = ()) -> Any:
+    """``adjust(profile)`` for the observed call's profile: what the loop keeps around the model
+    (``with_loop_references``: outputs ``held``, bytes ``carried`` between micro-batches) and the
+    observed step's peak (``observed``: before the optimizer, with or without its state) under the
+    plan it ran with (``actions``), which calibrates it (``recorded_call.calibrate``)."""
+    def adjust(profile: Profile) -> Profile:
+        profile = with_loop_references(profile, held, carried)
+        return calibrate(profile, *observed, actions=actions) if observed is not None else profile
+    return adjust
 
 
 def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:

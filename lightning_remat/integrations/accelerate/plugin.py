@@ -7,7 +7,7 @@ Accelerate does not let third parties add keys to its config file or to ``kwargs
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...core.bounds import MAX_STEPS
@@ -31,6 +31,7 @@ METRIC_NAMES = (
     "remat/measured_peak_bytes",
     "remat/predicted_overhead",
     "remat/num_checkpointed",
+    "remat/num_plans",  # plans the run made (one per batch shape): the figures above are its largest's
 )
 
 @dataclass
@@ -55,7 +56,8 @@ class RematPlugin:
             commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
             ``"transformer.h.*"``).
         cost: what the plan minimises: ``"flops"`` (counted FLOPs, deterministic), ``"time"``
-            (counted FLOPs at the seconds per FLOP of the measured step) or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
+            (counted FLOPs at the seconds per FLOP of the measured step) or ``"roofline"``. Env:
+            ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
         offload: let the plan also offload activations to host memory (a CUDA model only;
             ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
             ``0``/``false``/``no``). Default off.
@@ -155,6 +157,16 @@ class RematPlugin:
         return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
+
+    def loop_config(self, accelerator: Any = None, sharded: bool = False) -> RematConfig:
+        """``config()`` with what an Accelerate loop adds to a step's memory: ``accelerator``'s gradient
+        accumulation and, with several processes, DDP's gradient buckets (not under FSDP2, ``sharded``,
+        which reduce-scatters each block's gradients)."""
+        config = self.config()
+        steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+        buckets = accelerator is not None and getattr(accelerator, "num_processes", 1) > 1 and not sharded
+        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
+                                               gradient_buckets=buckets))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""

@@ -3,16 +3,13 @@ give every step the plan for its batch's shape.
 
 How it works, per model:
 
-1. In the first training forward's pre-hook, the call is profiled on fake tensors and planned
-   (``first_call``: the model's own loss, else a surrogate backward with an allowance for a loss
-   outside the model) and the plan installed: the first step runs under it (not under FSDP2,
-   which has no fake twin: its observed steps run as written).
-2. The first ``profile_steps`` training steps are observed under that plan. Hooks on the model
-   record the inputs of each training forward and, during the user's backward, the gradient that
-   reached each output (``recorded_call``). At the end of step ``profile_steps`` (the matching
-   optimizer's ``step``, or else the next training forward) the planning service profiles the
-   recorded call on fake tensors, calibrated by the observed step's measured peak (under the plan
-   it ran with), solves, and every rank applies the main process's plan in place.
+1. In the first training forward's pre-hook the call is planned on fake tensors (``first_call``)
+   and the plan installed: the first step runs under it (not under FSDP2: no fake twin).
+2. The first ``profile_steps`` training steps are observed under that plan: hooks record the inputs
+   of each training forward and the gradient the user's backward sent each output (``recorded_call``).
+   At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next forward)
+   the recorded call is profiled on fake tensors, calibrated by the observed step's peak under the
+   plan it ran with, solved, and every rank applies the main process's plan in place.
 3. From then on every training forward's batch shape is read (under DDP, the largest of the
    ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
    it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
@@ -25,15 +22,16 @@ How it works, per model:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.apply import apply_plan
 from ...runtime.installing.verify import check_installed
@@ -44,11 +42,10 @@ from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
-from .first_call import FirstCall, ObservedCall
+from .first_call import FirstCall, ObservedCall, observed_adjust
 from .plugin import ENV_BUDGET, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
-from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
-                            with_loop_references)
+from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +58,10 @@ class RematSession:
     made before the first), ``"measure"`` (the first steady step with the plan), ``"done"``.
 
     Attributes:
-        plan: the applied ``Plan`` (None until the first training forward).
-        metrics: ``remat/...`` figures, as logged (``remat/measured_peak_bytes`` once measured).
+        plan: the applied ``Plan`` (None until the first training forward): the plan of the latest batch's shape.
+        plans: every plan the run made, in order (one per batch shape met).
+        metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
+            ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
         observed_steps: training steps (forward and backward) seen so far.
 
     Example:
@@ -85,6 +84,7 @@ class RematSession:
         self.plugin = plugin
         self.accelerator = accelerator
         self.plan: Plan | None = None
+        self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.phase = "observe"
         self.observed_steps = 0
@@ -109,8 +109,11 @@ class RematSession:
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds the optimizer when it first steps, if no accelerator told us about it.
-            register_optimizer_step_post_hook(self._discover_optimizer),
+            # Finds the optimizer as it first steps, if no accelerator told us about it: before its step, so
+            # that this step's own hooks (run after the global ones) see it: the observed step's peak before
+            # the optimizer, and the step boundary after it (issue 29: prepare_remat before the Trainer,
+            # which makes its optimizer later, counted Adam's new state as memory the loop carries).
+            register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
     # -- hooks -----------------------------------------------------------------------------
@@ -166,6 +169,8 @@ class RematSession:
 
     def _discover_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.phase != "done" and not self._busy and self._holds_model_parameters(optimizer):
+            if self._window is not None and self._window.optimizer is None:
+                self._window.optimizer_had_state = bool(optimizer.state)  # as its forward and backward ran
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -256,50 +261,37 @@ class RematSession:
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Before the first training forward runs: plan it on fake tensors from its inputs
-        (``first_call``) and install the plan, so no real step runs without one. A chunked loss
-        patches the model's own forward, which this call has looked up already: the first step keeps
-        its head and loss whole (the observed step's plan may chunk them)."""
-        first, config = FirstCall.of(args, kwargs), self._config()
-        config = replace(config, profile=replace(config.profile, chunk_loss=False))
-        self._new_plan(self._plan_shapes(first, first, first.adjust, config), self._channel(),
+        (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
+        loss patches the model's own forward, which this call has looked up already."""
+        first = FirstCall.of(args, kwargs)
+        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)), self._channel(),
                        "lightning-remat: planned before the first step, on fake tensors")
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
         shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
         self._template = template
-        self._busy = True
-        try:
+        with self._planning():
             self.shape_plans = ShapePlans(
                 self.model, lambda model, template: template.loss(model), config=config or self._config(),
                 optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
                 resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
                 hint=self._hint(), warmup=0)
             return self.shape_plans.use(call)
-        finally:
-            self._busy = False
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
         channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
-        observed, held, carried, actions = self._observed, call.held_bytes(), self._carried, self._observed_actions
-
-        def adjust(profile: Any) -> Any:
-            profile = with_loop_references(profile, held, carried)
-            return calibrate(profile, *observed, actions=actions) if observed is not None else profile
-
+        adjust = observed_adjust(call.held_bytes(), self._carried, self._observed, self._observed_actions)
         if fsdp2_sharded(self.model):
             # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
             # once: a sharded model has no fake twin to follow shapes with.
-            self._busy = True
-            try:
+            with self._planning():
                 plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
                                                            channel=channel, hint=self._hint(), warmup=0, adjust=adjust)
                 apply_plan(self.model, plan)
-            finally:
-                self._busy = False
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
             template = CallTemplate.of(call)
             plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
@@ -311,11 +303,8 @@ class RematSession:
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
-        self._busy = True
-        try:
+        with self._planning():
             plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
-        finally:
-            self._busy = False
         if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
             self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
             if self._window is None and self.phase != "observe":  # observed steps are measured anyway
@@ -324,37 +313,40 @@ class RematSession:
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
-        self.metrics.update(plan_metrics(plan))
+        self.plans.append(plan)
+        # The run's figures are its plan of the largest predicted peak, not the latest shape's (a later,
+        # shorter batch's plan hid a longer one's), beside the number of plans (docs/accelerate.md).
+        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
+        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
+            del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
+        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
         if channel.is_main:
             logger.info("%s:\n%s", title, plan.summary())
         self._log(dict(self.metrics))
 
-    def _config(self) -> Any:
-        """The plugin's settings, with what the loop adds to a step's memory: gradient accumulation
-        and, with several processes, DDP's gradient buckets."""
-        config = self.plugin.config()
-        steps = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
-        buckets = self.accelerator is not None and getattr(self.accelerator, "num_processes", 1) > 1 \
-            and not fsdp2_sharded(self.model)  # FSDP2 reduce-scatters each block's gradients: no DDP buckets
-        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
-                                               gradient_buckets=buckets))
+    def _config(self, **profile: Any) -> Any:
+        """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
+        config = self.plugin.loop_config(self.accelerator, fsdp2_sharded(self.model))
+        return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
     def _finish_measurement(self) -> None:
         window, self._window = self._window, None
         channel = self._channel()
         # The largest peak of any rank: the budget holds on every one or it does not hold.
-        measured = {"remat/measured_peak_bytes": channel.max(window.close())}
+        peak = channel.max(window.close())
+        # Over the run: the largest of the measured steps (each new plan's first).
+        measured = {"remat/measured_peak_bytes": max(peak, self.metrics.get("remat/measured_peak_bytes", 0))}
         if window.reserved_bytes is not None:
             # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = channel.max(window.reserved_bytes)
+            measured["remat/measured_reserved_bytes"] = max(channel.max(window.reserved_bytes),
+                                                            self.metrics.get("remat/measured_reserved_bytes", 0))
         self.metrics.update(measured)
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        peak = int(self.metrics["remat/measured_peak_bytes"])
-        # The plan of the highest prediction the window ran under; a peak above it (the same on
-        # every rank) calibrates the plans, solved again before the next forward.
-        plan = max([p for p, _ in self._metered if p is not None] or [self.plan], key=lambda p: p.predicted_peak_bytes or 0)
+        # The window's plan of the highest prediction: a peak above it (the same on every rank) calibrates.
+        peak, plan = int(peak), max([p for p, _ in self._metered if p] or [self.plan],
+                                    key=lambda p: p.predicted_peak_bytes or 0)
         seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
         calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
         if channel.is_main:
@@ -367,6 +359,15 @@ class RematSession:
                 warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
                                          if calibrated else ""), UserWarning, stacklevel=2)
         self._log(measured)
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """The session's own forwards (profiling, installing) are not the user's training calls."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
 
     def _hint(self) -> str:
         return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"

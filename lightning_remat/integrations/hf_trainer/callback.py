@@ -92,6 +92,8 @@ class RematTrainerCallback(TrainerCallback):
     - Gradient accumulation (``gradient_accumulation_steps``): the later micro-batches' gradients
       are counted, and the measured step is a whole accumulation window. Under DDP every rank wraps
       the main process's plan. The evaluation loop (no gradients) is not planned.
+    - One callback per model: a second with other settings (another budget) is refused at
+      ``on_train_begin`` with ``ConflictingArgumentsError`` naming both, not ignored.
     - Metrics go to ``trainer.state.log_history``; reporters (``report_to``) receive what
       ``Trainer.log`` sends them, which these figures are not part of.
 

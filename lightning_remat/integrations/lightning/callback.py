@@ -119,8 +119,8 @@ class AutoRemat(Callback):
       and the optimizers' and schedulers' ``step()`` doing nothing (``step.manual_step_closure``);
       every optimizer's state and step is counted. The gradients are left as ``training_step``
       leaves them (zero them at its start, as Lightning's examples do, or they count against the
-      budget from the previous step on). Several ``manual_backward`` calls in one step are planned
-      as one backward of their sum (an over-estimate, with a warning).
+      budget from the previous step on). Several ``manual_backward`` calls in one step are profiled
+      as they run, each graph freed at its backward (``StageProfile.fresh``).
     - Validation and test batches are predicted before they run (``loop_peaks.py``: no activations
       saved for backward, but their own batch and the training's memory alive) and one predicted
       over the budget gets a warning naming the largest batch of that loop that fits. They are
@@ -169,6 +169,7 @@ class AutoRemat(Callback):
         self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
+        self._skipped: list[str] = []  # why each batch was skipped while nothing was planned
         self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
         self._trainer: Trainer | None = None
 
@@ -217,7 +218,8 @@ class AutoRemat(Callback):
         try:
             planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module,
                                                                                              batch, batch_idx)
-        except SkippedStepError:
+        except SkippedStepError as skipped:
+            self._skipped.append(str(skipped).partition(":")[0])
             return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
@@ -259,6 +261,11 @@ class AutoRemat(Callback):
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
                              trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.plan is None and self._skipped:  # a fit that planned nothing says so, and why
+            rank_zero_warn(f"AutoRemat planned nothing: every one of the {len(self._skipped)} training batch(es) was "
+                           f"skipped ({self._skipped[-1]}), and a plan is made on a batch that returns a loss.")
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:

@@ -95,9 +95,23 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
         >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan(["0"]))
         {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
     """
+    return binding_of(model, _named(plan))
+
+
+def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
+    """The parameters of the named modules of ``model`` that lie in no other named one, and the model's
+    number of parameters: what a profile records of the model it measured (``Profile.fingerprint``),
+    which ``solve`` hands to its plan.
+
+    Example:
+        >>> binding_of(torch.nn.Sequential(torch.nn.Linear(2, 1)), ["0", "0", "absent"])
+        {'module_parameters': {'0': {'weight': [[1, 2], 'float32'], 'bias': [[1], 'float32']}}, 'parameter_count': 3}
+    """
+    names = list(dict.fromkeys(names))
+    outer = [n for n in names if not any(nested_in(n, other) for other in names if other != n)]
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
-        return {"module_parameters": {n: _parameters(modules[n]) for n in _named(plan) if n in modules},
+        return {"module_parameters": {n: _parameters(modules[n]) for n in outer if n in modules},
                 "parameter_count": sum(p.numel() for p in plain.parameters())}
 
 

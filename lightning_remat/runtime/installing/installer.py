@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ...core.actions import StageAction, check_actions, refuse_nested
-from ...core.errors import InvalidPlanError
+from ...core.errors import InvalidPlanError, PlanMismatchError
 from ...core.plan import Plan
 from ...core.vocabulary import Action
 from . import chunked_loss, sac
@@ -221,8 +221,8 @@ def uninstall_segments(model: nn.Module) -> None:
 
 def _check_names(model: nn.Module, modules: dict[str, nn.Module], names: Sequence[str], what: str = "plan") -> None:
     unknown = [n for n in names if n not in modules]
-    if unknown:
-        raise ValueError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
+    if unknown:  # a plan for another model (docs/plans.md): PlanMismatchError, a ValueError as before
+        raise PlanMismatchError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
 
 
 def install_offload(model: nn.Module, names: Sequence[str], order: Sequence[str] | None = None, measure: bool = False,
@@ -267,7 +267,8 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
     order, for offloading one stage ahead. ``measure``: offload only metadata (fake profiles).
 
     Raises:
-        ValueError: a name is not a module of ``model``, the actions cannot go together
+        PlanMismatchError: a name is not a module of ``model`` (a ``ValueError``).
+        ValueError: the actions cannot go together
             (``core.actions.check_actions``), or a segment is not a run of items of one Sequential.
         InstallationMismatchError: what is installed, read back from the records, is not the plan
             (the previous plan is put back first).

@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import (
 from ...core.errors import FakeProfileError
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
+from ..measuring.user_hooks import without_user_hooks
 from ...core import hardware
 
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs:
@@ -202,6 +203,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             twin.__dict__.update(state)
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
+            without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())
