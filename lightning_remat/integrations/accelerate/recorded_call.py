@@ -64,7 +64,7 @@ class RecordedCall:
     args: tuple
     kwargs: dict
     loss_index: int | None = None  # position of the model's own loss among the output tensors
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output position -> gradient it received
+    grads: dict[int, Any] = field(default_factory=dict)  # output position -> gradient it received (a TensorSpec)
     backward_ran: bool = False
     used_model_loss: bool = False
     outputs: list = field(default_factory=list)  # weak references to the output tensors
@@ -103,7 +103,8 @@ class RecordedCall:
             self.used_model_loss = True
             self.grads.clear()
         elif not self.used_model_loss:
-            self.grads[index] = grad.detach()
+            # By shape only: kept alive, the gradient would add to the very step it observes.
+            self.grads[index] = TensorSpec.of(grad)
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model`` and return the loss the profile backpropagates."""
@@ -116,8 +117,9 @@ class RecordedCall:
         leaves = tensor_leaves(output)
         # A call stretched to another shape (a template's) may give an output of a size its recorded
         # gradient lacks (an image's height): a gradient of the output's own size stands in for it.
+        grads = {i: grad.make() if isinstance(grad, TensorSpec) else grad for i, grad in self.grads.items()}
         grads = {i: grad if grad.shape == leaves[i].shape else grad.new_zeros(leaves[i].shape)
-                 for i, grad in self.grads.items()}
+                 for i, grad in grads.items()}
         terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in grads.items()]
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
@@ -208,7 +210,8 @@ class CallTemplate:
     def of(cls, call: RecordedCall) -> "CallTemplate":
         shape = batch_shape((call.args, call.kwargs)) or Shape(1)
         return cls(_specs(call.args, TensorSpec.of), _specs(call.kwargs, TensorSpec.of), shape, call.loss_index,
-                   {i: TensorSpec.of(g) for i, g in call.grads.items()}, call.used_model_loss)
+                   {i: g if isinstance(g, TensorSpec) else TensorSpec.of(g) for i, g in call.grads.items()},
+                   call.used_model_loss)
 
     def at(self, shape: Shape) -> "CallTemplate":
         """This call at ``shape`` (of its layout's structure, or without a layout: the batch size and
@@ -264,8 +267,7 @@ class WindowTracker(PeakWindow):
     def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
         """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
         gradients, the optimizer's state and ``excluded`` (the next call's own inputs, which a profile
-        of that call sees as it sees them, and what the session itself keeps of the last call: the
-        gradients its outputs received): read between two micro-batches, what the loop carries into
+        of that call sees as it sees them): read between two micro-batches, what the loop carries into
         the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, which it fetched
         with the whole accumulation window, its loss, the running loss), which a profile of one call
         does not see.

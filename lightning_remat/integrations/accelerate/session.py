@@ -59,7 +59,7 @@ class RematSession:
 
     Attributes:
         plan: the applied ``Plan`` (None until the first training forward): the plan of the latest batch's shape.
-        plans: every plan the run made, in order (one per batch shape met).
+        plans: the run's plans, in order (one per batch shape met: the latest made for it).
         metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
             ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
         observed_steps: training steps (forward and backward) seen so far.
@@ -229,7 +229,7 @@ class RematSession:
                     # Not on an FSDP2-sharded model: between its steps the tracker reads sharded state
                     # (unsharded parameters, reduce-scatter buffers) the lockstep profile counts already.
                     self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
-                        [*next_inputs, *self._completed.grads.values()])
+                        list(next_inputs))
                     peak = window.close()
                     # Without an optimizer pre-step hook in this step, the whole step's peak stands in
                     # for that of forward and backward (an over-estimate: the plan errs on the safe side).
@@ -312,10 +312,10 @@ class RematSession:
         self.plan = plan
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
-        self.plan = plan
-        self.plans.append(plan)
-        # The run's figures are its plan of the largest predicted peak, not the latest shape's (a later,
-        # shorter batch's plan hid a longer one's), beside the number of plans (docs/accelerate.md).
+        # One plan per shape: the observed step's replaces the first step's, a calibrated one its bucket's.
+        self.plan, shape = plan, plan.fingerprint.get("shape")
+        self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
+        # The run's figures: its plan of the largest predicted peak, and the number of plans (docs/accelerate.md).
         largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
         for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
             del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
