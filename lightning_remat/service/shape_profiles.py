@@ -110,9 +110,9 @@ class ShapeProfiles:
         """Take a real step measured under ``plan`` (default: the installed one) into account, before
         the next ``use``: a peak above the plan's prediction is memory the profile did not see, added
         to every term of the anchor (carried to every shape) and every plan is solved again at its
-        bucket's next batch (``fresh`` is then True). With
-        ``cost="time"`` and no real profile, the first ``seconds`` given (the step's wall time)
-        price every fake profile's FLOPs. Whether the plans are to be solved again.
+        bucket's next batch (``fresh`` is then True). With ``cost="time"`` and no real profile, the
+        first ``seconds`` given (the step's wall time) price every fake profile's FLOPs. Whether the
+        plans are to be solved again.
 
         A first step holds no optimizer state through its forward and backward: its excess is a
         lower bound, and a later measured step adds the rest. Under several ranks, call it on every
