@@ -25,6 +25,10 @@ torch.set_num_threads(1)
 SLOW = {
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
+    # fake profiles of the first step (each run against one without the package): 2-17 s each on a loaded 2-core machine
+    "test_first_step.py": "*",
+    # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
+    "test_first_step_integrations.py": "*",
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
@@ -100,7 +104,7 @@ SLOW = {
                               "test_shape_plans_plan_images_that_grow_in_height_and_width",
                               "test_a_dict_batch_where_a_key_appears_is_planned_again",
                               "test_accelerate_plans_a_dict_batch_where_a_key_appears_again"),
-    "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
+    "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_no_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s
                             "test_step_peak_agrees_with_memtracker_on_a_plain_step",  # 2 s

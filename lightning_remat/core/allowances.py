@@ -32,8 +32,20 @@ LIGHTNING_LOOP_ALLOWANCE = 1024
 # model alone does not see: a CUDA block (512 bytes) each, with room.
 ACCELERATE_LOOP_ALLOWANCE = 2048
 
+# A real profile (``fake=False``, only where the plain step is predicted to fit) holds a few tensors of
+# its own beside the plain step it runs (random-generator states, recorded outputs' bookkeeping): 8 KiB
+# above the plain first step of a 3-layer GPT-2 on the CPU; rounded up to 64 KiB.
+REAL_PROFILE_ALLOWANCE = 64 * 1024
+
+# The user's loss computed outside the model (``criterion(model(x), y)``), before any step showed what
+# it costs: this many copies of the model's outputs that require a gradient (a cross-entropy keeps its
+# log-softmax, one copy, and its backward a temporary of the same size; one more for a float32 upcast
+# of half-precision logits is within the second), counted where the loss runs, at the end of forward.
+USER_LOSS_OUTPUT_COPIES = 2
+
 ALLOWANCES: Mapping[str, int] = MappingProxyType({
     "ddp_reducer": DDP_REDUCER_ALLOWANCE,
     "lightning_loop": LIGHTNING_LOOP_ALLOWANCE,
     "accelerate_loop": ACCELERATE_LOOP_ALLOWANCE,
+    "real_profile": REAL_PROFILE_ALLOWANCE,
 })

@@ -184,13 +184,14 @@ class AlreadyCheckpointedError(RematError, ValueError):
 class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
-    ``requested=False``: the fake pass is the package's own (a batch shape after the first, planned on
-    fake tensors whatever ``fake`` says), so the advice is not ``fake=False``, which is the setting.
+    ``requested=False``: the fake pass is the package's own (a batch shape an integration or
+    ``ShapePlans`` plans, on fake tensors whatever ``fake`` says), so the advice is not ``fake=False``.
 
     Example:
         >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
         True
-        >>> "fake=False is the setting" in str(FakeProfileError("aten.nonzero.default", requested=False))
+        >>> error = FakeProfileError("aten.nonzero.default", requested=False)
+        >>> "planned on fake tensors whatever fake= says" in str(error)
         True
     """
 
@@ -198,9 +199,10 @@ class FakeProfileError(RematError, RuntimeError):
         self.op, self.detail, self.requested = op, detail, requested
         advice = ("Profile it for real (fake=False) on a smaller configuration, or make that code path value-free."
                   if requested else
-                  "fake=False is the setting already: every batch shape after the first is planned on fake tensors, "
-                  "so that no step runs before its plan exists. Make that code path value-free, or give every batch "
-                  "one shape (pad to a fixed length), so that no other shape is planned.")
+                  "Every batch shape is planned on fake tensors whatever fake= says (fake=False adds a real profile of "
+                  "the first batch only), so that no step runs before its plan exists. Make that code path "
+                  "value-free, or give every batch one shape (pad to a fixed length), so that no other shape is "
+                  "planned.")
         super().__init__(
             f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
             f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}{advice}")

@@ -128,4 +128,4 @@ def shape_cause(plan: Plan, shape: Any) -> str | None:
 
 # What a plan made without a profile is, in every message that reports on it.
 FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, made without a profile because profiling "
-                 "ran out of memory)")
+                 "ran out of memory or fake tensors cannot run the model)")

@@ -206,16 +206,17 @@ class Planner:
         # Outside the except block: the traceback no longer pins the failed step's tensors.
         return self.fallback_plan(model, reason)
 
-    def fallback_plan(self, model: nn.Module, reason: str) -> Plan:
-        """Every candidate block recomputed whole: the plan most likely to fit, when none could be profiled."""
+    def fallback_plan(self, model: nn.Module, reason: str, cause: str = "out of memory while profiling") -> Plan:
+        """Every candidate block recomputed whole: the plan most likely to fit, when none could be
+        profiled (``cause``: why not, ``reason``: the error)."""
         model.zero_grad(set_to_none=True)
         release_device_memory()
         stages = find_stages(model, self.config.profile.candidates)
-        note = f"fallback: out of memory while profiling ({reason}); every candidate block recomputed whole"
+        note = f"fallback: {cause} ({reason}); every candidate block recomputed whole"
         budget = self.config.budget_bytes(model_device(model))
         checked = (f"whether the budget of {budget} bytes holds is known only from the measured peak of a later step"
                    if isinstance(budget, int) else "budget 'min' (the least peak) needs a profile to be found")
-        warnings.warn(f"lightning-remat: out of memory while profiling ({reason}). Installed the fallback plan: every "
+        warnings.warn(f"lightning-remat: {cause} ({reason}). Installed the fallback plan: every "
                       f"candidate block recomputed whole ({len(stages)} module(s)). Without a profile no peak is "
                       f"predicted: {checked}.", UserWarning, stacklevel=3)
         return bound(solve_recompute_everything(stages, budget, self.config.cost, self.config.budget.text, note), model)

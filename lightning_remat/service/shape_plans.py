@@ -3,19 +3,26 @@
 A plan is made from a profile at one batch shape; a run changes shape every step (dynamic padding,
 the last short batch). ``ShapePlans`` gives each step the plan for its own shape:
 
-1. The first batch is profiled for real, as every integration profiled it before, and planned on
-   that profile: the *anchor* (real timings, the allocator's view, an integration's adjustment).
-   That is the only real profiling pass of a run, whatever the data (none with ``fake=True``).
-2. Every batch: its shape (batch size, sequence length and layout: which tensors it holds, an
+1. The first batch is profiled on fake tensors (exact to the byte on the CPU; nothing is allocated,
+   so planning fits wherever the step does) and planned before it runs: no real step runs without
+   a plan. That profile, with ``adjust`` (an integration's allowance for its loop), is the *anchor*.
+   A model fake tensors cannot run (``FakeProfileError``) gets the fallback plan (every candidate
+   recomputed whole: the plan that fits wherever anything does) for every step, with a warning.
+   ``fake=False`` asks for the old real profile of the first batch (measured timings): it runs only
+   where the fake profile predicts that its plain step fits the budget.
+2. ``calibrate(measured_peak)`` after a real step under the plan: a step that peaked above its
+   prediction shows memory the profile did not see (on a GPU the allocator's rounding and library
+   workspaces); it goes into the anchor, carried to every shape, and every plan is solved again
+   before the next ``use``. With ``cost="time"`` the step's seconds price the fake profiles' FLOPs.
+3. Every batch: its shape (batch size, sequence length and layout: which tensors it holds, an
    image's height and width, ``core.shapes``) is rounded up to a bucket (``ShapeBuckets``: 16 steps
    per doubling of the batch size, of the sequence length and of each size of the layout that
    varies), whose plan is cached. A bucket met for the first time is predicted from *nodes*,
    fake-tensor profiles at a few shapes of its layout (``core.shape_fit``: between nodes, by
    interpolation, at or above the truth; the nodes around it that are missing are profiled, on fake
    tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
-   the budget. So no step runs without a plan after the first, and no step runs without
-   recomputation to be profiled.
-3. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
+   the budget. So no step runs without a plan, and no step runs without recomputation to be profiled.
+4. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
    model without recomputation, whatever plan a step runs under.
 
 ``counts`` says how many real and fake profiling passes, solves and plan changes a run took.
@@ -35,7 +42,7 @@ Example:
     ...     plan = plans.use(ids)                       # before the forward pass
     ...     model(ids).square().mean().backward()
     >>> plans.counts.real_profiles, sorted(str(shape) for shape in plans.plans)  # buckets: 1/16 octave
-    (1, ['2x16', '2x24', '2x40'])
+    (0, ['2x16', '2x24', '2x40'])
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import torch
 from torch import nn
 
 from ..core.config import ProfileOptions, RematConfig
-from ..core.errors import BudgetTooSmallError, FakeProfileError
+from ..core.errors import BudgetTooSmallError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
@@ -57,16 +64,12 @@ from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.installing.verify import check_installed
-from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
-from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, resize_batch
 from .planning import Planner
 from .shape_keys import ShapeKeys
+from .shape_profiles import ShapeProfiles
 
 PLAN_FOR = ("shape", "largest")
-# Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
-# size and of the sequence length; plans are made at the (finer) buckets between them.
-NODE_STEPS = 4
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -75,11 +78,13 @@ class ShapePlanCounts:
     """What following the batch's shape has cost so far.
 
     Attributes:
-        real_profiles: profiles of a real step (each runs the step without recomputation): 0 or 1.
+        real_profiles: profiles of a real step (each runs the step without recomputation): 0, or 1
+            with ``fake=False`` where the plain step is predicted to fit.
         fake_profiles: profiles on fake tensors (nodes of the shape fit; no memory allocated).
         solves: plans solved (one per bucket met).
         installs: times a plan was installed on the model (the first, and each change of plan).
         steps: batches seen.
+        calibrations: measured steps that peaked above their plan's prediction (each re-solves the plans).
 
     Example:
         >>> ShapePlanCounts().real_profiles
@@ -91,16 +96,7 @@ class ShapePlanCounts:
     solves: int = 0
     installs: int = 0
     steps: int = 0
-
-
-def _priced(profile: Profile, seconds_per_flop: float) -> Profile:
-    """A fake profile's costs in seconds, at the anchor's seconds per FLOP (as ``profile_step``
-    prices a fake profile with a GPU's speed)."""
-    stages = tuple(replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
-                           options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop)
-                                         for o in stage.options))
-                   for stage in profile.stages)
-    return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * seconds_per_flop)
+    calibrations: int = 0
 
 
 def _signature(plan: Plan) -> tuple:
@@ -108,14 +104,15 @@ def _signature(plan: Plan) -> tuple:
     return tuple(plan.actions)
 
 
-class ShapePlans:
+class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
     Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
-    installing). The first call profiles that batch for real and plans it on that profile (the only
-    real profiling pass of the run, as an integration profiled its first batch before); a batch of
-    another shape is planned on a prediction from fake-tensor profiles (``core.shape_fit``), so no
-    step runs without recomputation to be profiled and no step after the first runs without a plan.
+    installing; ``fresh`` then says whether it decided a plan), and ``calibrate(peak)`` with a
+    step's measured peak after it (optional: a step over its prediction re-solves the plans). The first call profiles that batch on fake tensors
+    and plans it before it runs; a batch of another shape is planned on a prediction from
+    fake-tensor profiles (``core.shape_fit``), so no step runs without a plan and none runs
+    without recomputation to be profiled.
 
     Args:
         model: the model, in training mode.
@@ -123,11 +120,14 @@ class ShapePlans:
             (the profiles call it on fake copies of ``model`` and of ``batch`` at other shapes).
         budget: as ``parse_budget``: ``"10GB"``, bytes, ``"80%"``, ``"min"``. Or pass ``config``.
         optimizer: counted in the budget (its state and its step).
-        cost: ``"flops"`` (counted FLOPs: the same plans on every run), ``"time"`` or ``"roofline"``.
+        cost: ``"flops"`` (counted FLOPs: the same plans on every run), ``"time"`` (counted FLOPs
+            at the seconds per FLOP of the first step ``calibrate`` is given a time for) or ``"roofline"``.
         candidates: None for automatic stages, or module classes / name patterns.
-        fake: profile the first batch on fake tensors too: no real profiling pass at all (costs
-            are FLOPs).
-        config: a ``RematConfig`` instead of ``budget``, ``cost``, ``candidates`` and ``fake``.
+        fake: None or True: the first batch is profiled on fake tensors (no real profiling pass).
+            False: the first batch is also profiled for real (measured timings, carried to every
+            shape), only where the fake profile predicts that its plain step fits the budget;
+            elsewhere the fake profile stands, with a warning.
+        config: a ``RematConfig`` instead of ``budget``, ``cost`` and ``candidates``.
         plan_for: ``"shape"`` (each bucket its own plan: a short batch does not pay for a long
             one's recompute) or ``"largest"`` (every batch planned for the largest shape met so far
             and ``max_shape``: the plan changes only when that grows, for ``torch.compile``, which
@@ -149,9 +149,9 @@ class ShapePlans:
             largest planned, rank 0 profiles and solves, every rank gets its plan (or its error).
             None: one process.
         hint: added to the message of an error of ours (which integration, which setting).
-        warmup: unmeasured steps before the first batch's real profile (None: the config's).
-        verbose: a progress display while the real profile runs longer than a few seconds (rank 0,
-            on a terminal); False shows nothing.
+        warmup: unmeasured steps before the first batch's real profile (``fake=False``; None: the config's).
+        verbose: a progress display while a profile runs longer than a few seconds (rank 0, on a
+            terminal); False shows nothing.
 
     Example:
         >>> import torch
@@ -159,14 +159,13 @@ class ShapePlans:
         >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
         >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
         [True, True, True]
-        >>> # one real profile, a plan per shape; both name the same modules, so they are installed once
-        >>> plans.counts.real_profiles, plans.counts.solves, plans.counts.installs
-        (1, 2, 1)
+        >>> plans.counts.real_profiles, plans.counts.solves  # two shapes, both planned on fake tensors
+        (0, 2)
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,
                  optimizer: torch.optim.Optimizer | None = None, cost: str = "flops", candidates: Any = None,
-                 fake: bool = False, config: RematConfig | None = None, plan_for: str | None = None,
+                 fake: bool | None = None, config: RematConfig | None = None, plan_for: str | None = None,
                  max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 16,
                  shape_of: Callable[[Any], Shape | None] | None = None,
                  resize: Callable[[Any, Shape], Any] | None = None, adjust: Callable[[Profile], Profile] | None = None,
@@ -175,7 +174,9 @@ class ShapePlans:
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
-            config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, fake=fake))
+            # The first batch is profiled on fake tensors whatever ``fake`` says; the config's
+            # ``fake`` would refuse cost="time", which is priced from the first measured step here.
+            config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates))
         if plan_for is None:
             plan_for = "largest" if runs_compiled(model) else "shape"
         if plan_for not in PLAN_FOR:
@@ -192,14 +193,18 @@ class ShapePlans:
         self.planner = Planner(config, verbose=verbose)
         self.counts = ShapePlanCounts()
         self.channel, self.hint, self.warmup = channel, hint, warmup
+        self.real_first = fake is False  # the opt-in real profile of the first batch, where it fits
         self.anchor: tuple[Shape, Profile] | None = None  # the first batch's profile, and its shape
         self.fit: ShapeFit | None = None  # fake nodes, from the first shape other than the first batch's
         self.fallback: Plan | None = None  # profiling ran out of memory: every block recomputed, every shape
         self._seconds_per_flop: float | None = None
+        self._timed = False  # whether seconds are measured ones (a real anchor, or a calibrated step)
         self.plans: dict[Shape, Plan] = {}  # bucket -> its plan
         self.sources: dict[Shape, str] = {}  # bucket -> its profile: "profile", "node", "chord", "saved"
         self.installed: Plan | None = None
         self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
+        self._stale: set[Shape] = set()  # buckets whose plan is solved again at their next batch (calibrated)
+        self.fresh = False  # whether the last plan() decided its plan (a new bucket, or one solved again)
 
     # ------------------------------------------------------------------------------ the interface
 
@@ -231,9 +236,12 @@ class ShapePlans:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
         shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes
         key = self.key(shape)
-        if key not in self.plans:
+        self.fresh = key not in self.plans or key in self._stale
+        if self.fresh:
             plan = self._shared(lambda: self._plan_at(batch, shape, key))
+            self._stale.discard(key)
             key = self._settle(key, shape, plan)
+            self._stale.discard(key)
         return self.plans[key]
 
     def key(self, shape: Shape) -> Shape:
@@ -313,7 +321,8 @@ class ShapePlans:
             reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
         warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
                       UserWarning, stacklevel=5)
-        return self._plan_at(batch, shape, shape) if shape not in self.plans else (shape, self.plans[shape])
+        known = shape in self.plans and shape not in self._stale
+        return (shape, self.plans[shape]) if known else self._plan_at(batch, shape, shape)
 
     def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
         """The profile at ``key``: the first batch's own where ``key`` is its shape, else predicted
@@ -335,79 +344,3 @@ class ShapePlans:
         # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
         return replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.model, batch),
                                           "shape": key.to_list()})
-
-    def _first(self, batch: Any) -> None:
-        """The first batch: profiled for real (``fake``: on fake tensors), ``adjust`` applied: the
-        anchor every prediction is carried from. (A run that starts from saved plans has none: its
-        new shapes are profiled on fake tensors only.)"""
-        shape = self.shape_of(batch)
-        if not self.config.profile.fake:
-            real = self._real_profile(batch)
-            if real is not None:
-                self._seconds_per_flop = real.baseline_step_seconds / max(1, real.baseline_step_flops)
-                self.anchor = (shape, real)
-                return
-        try:
-            node = self._fake_profile(batch, shape)
-        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
-            if not is_out_of_memory(error):
-                raise
-            reason = f"{type(error).__name__}: {_first_line(error)}"
-            self.fallback = self.planner.fallback_plan(self.model, reason)
-            return
-        self.fit = ShapeFit({shape: node}, anchor=(shape, self.adjust(node)) if self.adjust else None)
-        self.anchor = self.fit.anchor
-
-    def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
-        """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
-        first node at ``key``, then the ladder nodes around ``key`` that are missing."""
-        if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
-            anchor_shape, anchor = self.anchor
-            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
-        elif self.fit is None:
-            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
-            # stretched to the first batch's layout (a key appeared), so no fake node can be
-            # compared with its real profile: start at ``key``, anchored on its own fake node.
-            node = self._fake_profile(batch, key)
-            self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
-        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
-            self.fit = self.fit.with_node(node, self._fake_profile(batch, node))
-        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
-            self.fit = self.fit.with_node(key, self._fake_profile(batch, key))
-
-    def _real_profile(self, batch: Any) -> Profile | None:
-        """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
-        self.counts.real_profiles += 1
-        try:
-            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust,
-                                        warmup=self.warmup)
-        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
-            if not is_out_of_memory(error):
-                raise
-            reason = f"{type(error).__name__}: {_first_line(error)}"
-        release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
-        warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
-                      "on fake-tensor profiles alone.", UserWarning, stacklevel=6)
-        return None
-
-    def _fake_profile(self, batch: Any, at: Shape) -> Profile:
-        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors (priced in
-        seconds at the real profile's seconds per FLOP, or FLOPs standing in for them)."""
-        stretched = batch if at == self.shape_of(batch) else self.resize(batch, at)
-        options = replace(self.config.profile, fake=True, warmup=0,
-                          device=self.config.profile.device or str(model_device(self.model)))
-        self.counts.fake_profiles += 1
-        with self.planner.progress(self.model, fake=True):
-            try:
-                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
-                                                 options=options)
-            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
-                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
-        # No real timing: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
-        seconds_per_flop = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
-        return _priced(profile, seconds_per_flop) if seconds_per_flop else profile
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -7,7 +7,7 @@ Accelerate does not let third parties add keys to its config file or to ``kwargs
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...core.bounds import MAX_STEPS
@@ -46,16 +46,18 @@ class RematPlugin:
             ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the device's total memory (on a CPU,
             of the host's memory), or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. Recomputation is
             enabled if and only if a budget is set.
-        profile_steps: training steps before the plan's real peak is measured, as in
-            ``AutoRemat``: they run as written and are observed, the plan is made and applied at
-            the end of the last, and the next is measured (at least 1: the recorded call needs one
-            real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
+        profile_steps: training steps before the plan's steady peak is measured, as in
+            ``AutoRemat``: they run under the plan made before the first (on fake tensors) and are
+            observed, the plan is made again at the end of the last, and the next is measured (at
+            least 1: the recorded call needs one real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``.
+            Default 1.
         candidates: which modules may be recomputed: None for automatic (repeated blocks), or module
             classes, class names or ``fnmatch`` patterns over module names; a string is split at
             commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
             ``"transformer.h.*"``).
         cost: what the plan minimises: ``"flops"`` (counted FLOPs, deterministic), ``"time"``
-            (measured seconds) or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
+            (counted FLOPs at the seconds per FLOP of the measured step) or ``"roofline"``. Env:
+            ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
         offload: let the plan also offload activations to host memory (a CUDA model only;
             ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
             ``0``/``false``/``no``). Default off.
@@ -155,6 +157,16 @@ class RematPlugin:
         return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
+
+    def loop_config(self, accelerator: Any = None, sharded: bool = False) -> RematConfig:
+        """``config()`` with what an Accelerate loop adds to a step's memory: ``accelerator``'s gradient
+        accumulation and, with several processes, DDP's gradient buckets (not under FSDP2, ``sharded``,
+        which reduce-scatters each block's gradients)."""
+        config = self.config()
+        steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+        buckets = accelerator is not None and getattr(accelerator, "num_processes", 1) > 1 and not sharded
+        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
+                                               gradient_buckets=buckets))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,10 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from ...core.allowances import ACCELERATE_LOOP_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.errors import StepError
+from ...core.actions import StageAction
 from ...core.memory_model import Profile, Segment, predict_peak
+from ...core.predict import predict, schedule
+from ...core.spans import peak_terms_spans
 from ...runtime.measuring.measure import PeakWindow
 from ...runtime.measuring.meter import model_state_bytes
 from ...runtime.measuring.tracking import snapshot_by_category
@@ -61,7 +64,7 @@ class RecordedCall:
     args: tuple
     kwargs: dict
     loss_index: int | None = None  # position of the model's own loss among the output tensors
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output position -> gradient it received
+    grads: dict[int, Any] = field(default_factory=dict)  # output position -> gradient it received (a TensorSpec)
     backward_ran: bool = False
     used_model_loss: bool = False
     outputs: list = field(default_factory=list)  # weak references to the output tensors
@@ -100,7 +103,8 @@ class RecordedCall:
             self.used_model_loss = True
             self.grads.clear()
         elif not self.used_model_loss:
-            self.grads[index] = grad.detach()
+            # By shape only: kept alive, the gradient would add to the very step it observes.
+            self.grads[index] = TensorSpec.of(grad)
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model`` and return the loss the profile backpropagates."""
@@ -113,8 +117,9 @@ class RecordedCall:
         leaves = tensor_leaves(output)
         # A call stretched to another shape (a template's) may give an output of a size its recorded
         # gradient lacks (an image's height): a gradient of the output's own size stands in for it.
+        grads = {i: grad.make() if isinstance(grad, TensorSpec) else grad for i, grad in self.grads.items()}
         grads = {i: grad if grad.shape == leaves[i].shape else grad.new_zeros(leaves[i].shape)
-                 for i, grad in self.grads.items()}
+                 for i, grad in grads.items()}
         terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in grads.items()]
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
@@ -205,7 +210,8 @@ class CallTemplate:
     def of(cls, call: RecordedCall) -> "CallTemplate":
         shape = batch_shape((call.args, call.kwargs)) or Shape(1)
         return cls(_specs(call.args, TensorSpec.of), _specs(call.kwargs, TensorSpec.of), shape, call.loss_index,
-                   {i: TensorSpec.of(g) for i, g in call.grads.items()}, call.used_model_loss)
+                   {i: g if isinstance(g, TensorSpec) else TensorSpec.of(g) for i, g in call.grads.items()},
+                   call.used_model_loss)
 
     def at(self, shape: Shape) -> "CallTemplate":
         """This call at ``shape`` (of its layout's structure, or without a layout: the batch size and
@@ -234,10 +240,15 @@ class CallTemplate:
             return self.at(shape)
         return replace(self, args=_specs(args, TensorSpec.of), kwargs=_specs(kwargs, TensorSpec.of), shape=shape)
 
+    def inputs(self) -> tuple[tuple, dict]:
+        """The call's arguments, made (zeros where kept by shape)."""
+        make = lambda spec: spec.make()  # noqa: E731
+        return _specs(self.args, make), _specs(self.kwargs, make)
+
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model`` (as ``RecordedCall.loss``)."""
-        make = lambda spec: spec.make()  # noqa: E731
-        call = RecordedCall(args=_specs(self.args, make), kwargs=_specs(self.kwargs, make), loss_index=self.loss_index,
+        args, kwargs = self.inputs()
+        call = RecordedCall(args=args, kwargs=kwargs, loss_index=self.loss_index,
                             grads={i: g.make() for i, g in self.grads.items()}, used_model_loss=self.used_model_loss)
         return call.loss(model)
 
@@ -256,8 +267,7 @@ class WindowTracker(PeakWindow):
     def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
         """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
         gradients, the optimizer's state and ``excluded`` (the next call's own inputs, which a profile
-        of that call sees as it sees them, and what the session itself keeps of the last call: the
-        gradients its outputs received): read between two micro-batches, what the loop carries into
+        of that call sees as it sees them): read between two micro-batches, what the loop carries into
         the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, which it fetched
         with the whole accumulation window, its loss, the running loss), which a profile of one call
         does not see.
@@ -305,16 +315,27 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
                              note + f"and the loss ({LOOP_ALLOWANCE} bytes allowed) through the step; counted in every term")
 
 
-def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True) -> Profile:
+def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True,
+              actions: Sequence[StageAction] = ()) -> Profile:
     """Account for what the profile cannot re-run: the user's code around the model (its loss).
 
-    The profile re-runs the model with a stand-in loss; the observed step ran the real one.
-    ``observed_peak`` is the peak of the observed step's forward and backward (before the optimizer
-    step); on a first step the optimizer state did not exist yet, and is added. When that is
-    higher than the profile predicts for forward and backward, the excess is charged to the point
-    where the user's loss runs: the end of forward / start of backward, with every stage's stored
-    bytes alive. The baseline then predicts the observed step, and a plan that frees stored bytes
-    is credited for it only where that really lowers the peak.
+    The profile re-runs the model with a stand-in loss; the observed step ran the real one, under
+    ``actions`` (the plan it ran under; none: nothing recomputed). ``observed_peak`` is the peak of
+    the observed step's forward and backward (before the optimizer step); on a first step the
+    optimizer state did not exist yet, and is added. When that is higher than the profile predicts
+    for forward and backward under the same actions, the excess is charged to the point where the
+    user's loss runs: the end of forward / start of backward, with every stage's stored bytes alive.
+    The profile then predicts the observed step, and a plan that frees stored bytes is credited for
+    it only where that really lowers the peak.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+        >>> p = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 50),))
+        >>> calibrate(p, 200).baseline_peak_bytes                               # observed without a plan
+        200
+        >>> calibrate(p, 200, actions=[StageAction.recompute("a")]).baseline_peak_bytes  # observed recomputing "a"
+        290
     """
     if not profile.stages:
         return profile
@@ -322,10 +343,11 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
         observed_peak += profile.optimizer_state_bytes
     # The profile's own forward/backward prediction: without the optimizer-step segment.
     model_only = replace(profile, segments=tuple(s for s in profile.segments if s.name != "optimizer step"))
-    predicted = predict_peak(model_only, [0] * len(profile.stages))
+    predicted = predict(model_only, actions, "flops").peak_bytes if actions else predict_peak(
+        model_only, [0] * len(profile.stages))
     if observed_peak <= predicted:
         return profile
-    stored = sum(stage.options[0].stored_bytes for stage in profile.stages)
+    stored = stored_at_end(model_only, actions)
     outside = Segment("outside the model (the loss)", len(profile.stages), observed_peak - stored)
     note = (f"the observed training step peaked {format_bytes(observed_peak - predicted)} above the profile of the "
             "model alone (code outside the model, such as the loss); counted at the end of forward")
@@ -333,3 +355,19 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
     calibrated = replace(profile, segments=(*profile.segments, outside), notes=notes)
     calibrated.baseline_peak_bytes = predict_peak(calibrated, [0] * len(profile.stages))
     return calibrated
+
+
+def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:
+    """Bytes every stage stores at the end of forward under ``actions`` (none: nothing recomputed).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+        >>> p = Profile((StageProfile("a", (keep, whole)),), ())
+        >>> stored_at_end(p), stored_at_end(p, [StageAction.recompute("a")])
+        (100, 10)
+    """
+    probe = replace(profile, segments=(*profile.segments, Segment("end of forward", len(profile.stages), 0)))
+    choices, spans = schedule(probe, actions) if actions else ([0] * len(profile.stages), [])
+    return next(t.stored_bytes for t in peak_terms_spans(probe, choices, spans)
+                if t.kind == "segment" and t.index == len(probe.segments) - 1)

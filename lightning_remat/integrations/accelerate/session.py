@@ -3,31 +3,31 @@ give every step the plan for its batch's shape.
 
 How it works, per model:
 
-1. The first ``profile_steps`` training steps run as written. Hooks on the model record the inputs
-   of each training forward and, during the user's backward, the gradient that reached each output
-   (``recorded_call``).
-2. At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next training
-   forward) the planning service profiles the recorded call, solves, and every rank applies the
-   main process's plan in place. The call is profiled on fake tensors (with ``cost="time"``, for
-   real: it needs timings): the observed step ran for real already, and its measured peak
-   calibrates the profile, so planning runs no real step without recomputation, and allocates
-   nothing while the step's gradients are still alive.
+1. In the first training forward's pre-hook the call is planned on fake tensors (``first_call``)
+   and the plan installed: the first step runs under it (not under FSDP2: no fake twin).
+2. The first ``profile_steps`` training steps are observed under that plan: hooks record the inputs
+   of each training forward and the gradient the user's backward sent each output (``recorded_call``).
+   At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next forward)
+   the recorded call is profiled on fake tensors, calibrated by the observed step's peak under the
+   plan it ran with, solved, and every rank applies the main process's plan in place.
 3. From then on every training forward's batch shape is read (under DDP, the largest of the
    ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
-   it (``service.shape_plans``), and its plan installed before the forward runs. Not under FSDP2,
-   which keeps the first plan.
+   it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
 4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
    CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
-   (a warning when above), and the figures go to ``accelerator.log`` under ``remat/...`` and to
-   ``accelerator.remat_metrics``.
+   (a warning when above; a peak above the prediction calibrates the plans, solved again before the
+   next forward; ``cost="time"``: its seconds price the FLOPs), and the figures go to
+   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 import warnings
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -42,39 +42,24 @@ from ...service.planning import Planner, over_budget, plan_metrics
 from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
+from .first_call import FirstCall, ObservedCall, observed_adjust
 from .plugin import ENV_BUDGET, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
-from .recorded_call import (CallTemplate, RecordedCall, WindowTracker, calibrate, scalar_loss, tensor_leaves,
-                            with_loop_references)
+from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Observed:
-    """The observed call itself, as ``ShapePlans`` sees a batch: profiled for real as it ran (its
-    gradients and inputs real), stretched to other shapes through its template."""
-
-    call: RecordedCall
-    shape: Any
-
-    def loss(self, model: nn.Module) -> torch.Tensor:
-        return self.call.loss(model)
-
-    def at(self, shape: Any) -> Any:
-        return CallTemplate.of(self.call).at(shape)
 
 
 class RematSession:
     """Observe a model in the user's loop, then plan, apply and measure recomputation once.
 
     Made by ``prepare_remat`` (and so by ``RematAccelerator``); get it back with
-    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps), ``"measure"``
-    (the first step with the plan), ``"done"``.
+    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps, under the plan
+    made before the first), ``"measure"`` (the first steady step with the plan), ``"done"``.
 
     Attributes:
-        plan: the applied ``Plan`` (None until it is made): the plan of the latest batch's shape.
-        plans: every plan the run made, in order (one per batch shape met).
+        plan: the applied ``Plan`` (None until the first training forward): the plan of the latest batch's shape.
+        plans: the run's plans, in order (one per batch shape met: the latest made for it).
         metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
             ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
         observed_steps: training steps (forward and backward) seen so far.
@@ -109,14 +94,16 @@ class RematSession:
         self._window: WindowTracker | None = None
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
+        self._observed_actions: tuple = ()  # the actions of the plan the last observed step ran under
         self._carried = 0  # bytes the loop carried from the last observed micro-batch into the next
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
-        # After the first plan: the plan of each batch's shape (not under FSDP2), from the observed call.
+        # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
         self.shape_plans: ShapePlans | None = None
-        self._template: CallTemplate | None = None
+        self._template: CallTemplate | FirstCall | None = None
         self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
+        self._window_started = 0.0  # when the measured window opened (its seconds price cost="time")
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -146,6 +133,8 @@ class RematSession:
             return
         self._hook_optimizer(self._known_optimizer())
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
+        if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
+            self._plan_first(args, kwargs)
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
         elif self.plan is not None:  # a plan kept (FSDP2: no shapes followed) is checked, not assumed
@@ -240,12 +229,13 @@ class RematSession:
                     # Not on an FSDP2-sharded model: between its steps the tracker reads sharded state
                     # (unsharded parameters, reduce-scatter buffers) the lockstep profile counts already.
                     self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
-                        [*next_inputs, *self._completed.grads.values()])
+                        list(next_inputs))
                     peak = window.close()
                     # Without an optimizer pre-step hook in this step, the whole step's peak stands in
                     # for that of forward and backward (an over-estimate: the plan errs on the safe side).
                     before = window.peak_before_optimizer
                     self._observed = (peak if before is None else before, window.optimizer_had_state)
+                    self._observed_actions = tuple(self.plan.actions) if self.plan is not None else ()
             if self.observed_steps >= self.plugin.profile_steps and self._completed is not None:
                 self._make_plan()
                 self.phase = "measure"
@@ -267,68 +257,65 @@ class RematSession:
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
             self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
+            self._window_started = time.perf_counter()
+
+    def _plan_first(self, args: tuple, kwargs: dict) -> None:
+        """Before the first training forward runs: plan it on fake tensors from its inputs
+        (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
+        loss patches the model's own forward, which this call has looked up already."""
+        first = FirstCall.of(args, kwargs)
+        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)), self._channel(),
+                       "lightning-remat: planned before the first step, on fake tensors")
+
+    def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
+        """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
+        shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
+        self._template = template
+        with self._planning():
+            self.shape_plans = ShapePlans(
+                self.model, lambda model, template: template.loss(model), config=config or self._config(),
+                optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
+                resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
+                hint=self._hint(), warmup=0)
+            return self.shape_plans.use(call)
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
         channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
-        observed, held, carried = self._observed, call.held_bytes(), self._carried
-
-        def adjust(profile: Any) -> Any:
-            profile = with_loop_references(profile, held, carried)
-            return calibrate(profile, *observed) if observed is not None else profile
-
-        hint = f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
-        self._busy = True
-        try:
-            if fsdp2_sharded(self.model):
-                # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
-                # once: a sharded model has no fake twin to follow shapes with.
+        adjust = observed_adjust(call.held_bytes(), self._carried, self._observed, self._observed_actions)
+        if fsdp2_sharded(self.model):
+            # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
+            # once: a sharded model has no fake twin to follow shapes with.
+            with self._planning():
                 plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
-                                                           channel=channel, hint=hint, warmup=0, adjust=adjust)
+                                                           channel=channel, hint=self._hint(), warmup=0, adjust=adjust)
                 apply_plan(self.model, plan)
-            else:
-                # The observed steps were the warm-up: lazy initialisation has happened. The observed step
-                # ran for real and calibrates the profile: with FLOP costs a fake one is enough.
-                config = self._config()
-                if config.cost != "time":
-                    config = replace(config, profile=replace(config.profile, fake=True))
-                self.shape_plans = ShapePlans(
-                    self.model, lambda model, template: template.loss(model), config=config,
-                    optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
-                    resize=lambda template, shape: template.at(shape), adjust=adjust, channel=channel, hint=hint,
-                    warmup=0)
-                self._template = CallTemplate.of(call)
-                plan = self.shape_plans.use(_Observed(call, self._template.shape))
-        finally:
-            self._busy = False
+        else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
+            template = CallTemplate.of(call)
+            plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
         self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
-        """Before a training forward: install the plan for its batch's shape (a new shape is planned
-        on fake-tensor profiles of the observed call stretched to it); a new plan's first steady step
-        is measured."""
+        """Before a training forward: install the plan for its batch's shape (a new shape is planned on
+        fake-tensor profiles of the call stretched to it); a new plan's first steady step is measured."""
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
-        known = len(self.shape_plans.plans)
-        self._busy = True
-        try:
+        with self._planning():
             plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
-        finally:
-            self._busy = False
-        if len(self.shape_plans.plans) > known:
+        if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
             self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
-            if self._window is None:
+            if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
-        self.plan = plan
-        self.plans.append(plan)
-        # The run's figures are its plan of the largest predicted peak, not the latest shape's (a later,
-        # shorter batch's plan hid a longer one's), beside the number of plans (docs/accelerate.md).
+        # One plan per shape: the observed step's replaces the first step's, a calibrated one its bucket's.
+        self.plan, shape = plan, plan.fingerprint.get("shape")
+        self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
+        # The run's figures: its plan of the largest predicted peak, and the number of plans (docs/accelerate.md).
         largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
         for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
             del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
@@ -339,15 +326,10 @@ class RematSession:
             logger.info("%s:\n%s", title, plan.summary())
         self._log(dict(self.metrics))
 
-    def _config(self) -> Any:
-        """The plugin's settings, with what the loop adds to a step's memory: gradient accumulation
-        and, with several processes, DDP's gradient buckets."""
-        config = self.plugin.config()
-        steps = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
-        buckets = self.accelerator is not None and getattr(self.accelerator, "num_processes", 1) > 1 \
-            and not fsdp2_sharded(self.model)  # FSDP2 reduce-scatters each block's gradients: no DDP buckets
-        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
-                                               gradient_buckets=buckets))
+    def _config(self, **profile: Any) -> Any:
+        """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
+        config = self.plugin.loop_config(self.accelerator, fsdp2_sharded(self.model))
+        return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
     def _finish_measurement(self) -> None:
         window, self._window = self._window, None
@@ -362,16 +344,33 @@ class RematSession:
                                                             self.metrics.get("remat/measured_reserved_bytes", 0))
         self.metrics.update(measured)
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        peak = int(peak)
+        # The window's plan of the highest prediction: a peak above it (the same on every rank) calibrates.
+        peak, plan = int(peak), max([p for p, _ in self._metered if p] or [self.plan],
+                                    key=lambda p: p.predicted_peak_bytes or 0)
+        seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
+        calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
             # What the package can see of a step over the budget: the plan not installed, a batch not planned.
             causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
                                                                     if p is not None)]
-            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)", causes)
+            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)", causes)
             if warning is not None:
-                warnings.warn(warning, UserWarning, stacklevel=2)
+                warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
+                                         if calibrated else ""), UserWarning, stacklevel=2)
         self._log(measured)
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """The session's own forwards (profiling, installing) are not the user's training calls."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    def _hint(self) -> str:
+        return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
 
     def check_plan(self, where: str = "") -> None:
         """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what is installed

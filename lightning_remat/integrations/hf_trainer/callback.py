@@ -6,9 +6,10 @@ The Trainer builds its own ``Accelerator``, which a callback cannot reach, so ``
 and ``ACCELERATE_REMAT_BUDGET`` alone do not reach it. The callback hands the Trainer's model to the
 Accelerate session (``prepare_remat``) at ``on_train_begin``, when the model is final (wrapped or
 not: the session watches the module inside) and before its first training forward; from there the
-session observes the Trainer's own loop as it observes any Accelerate loop: the first
-``profile_steps`` optimizer steps run as written, the plan is made and applied in place at the end
-of the last, and the next step is measured. Everything the session learns to do (per-step shape
+session runs on the Trainer's own loop as on any Accelerate loop: the first training forward is
+planned before it runs, on fake tensors (the model returns its loss given labels, which the profile
+runs), the first ``profile_steps`` optimizer steps run under that plan and are observed, the plan is
+made again and applied in place at the end of the last, and the next step is measured. Everything the session learns to do (per-step shape
 checks included) the Trainer gets with it.
 """
 
@@ -52,10 +53,11 @@ class RematTrainerCallback(TrainerCallback):
     ``Trainer`` stays within a memory budget.
 
     Every argument is a ``RematPlugin`` field, read from its ``ACCELERATE_REMAT_*`` environment
-    variable when not given (an explicit value wins). The first ``profile_steps`` optimizer steps
-    run as written and are observed (their forward inputs and the loss the model returned), the
-    plan is made from them and applied in place (parameter names and ``state_dict`` keys do not
-    change, so checkpoints load with or without it), and the next step is measured. The figures
+    variable when not given (an explicit value wins). The first training forward is planned before
+    it runs, on fake tensors, and the plan applied in place (parameter names and ``state_dict`` keys
+    do not change, so checkpoints load with or without it); the first ``profile_steps`` optimizer
+    steps run under it and are observed (their forward inputs and the loss the model returned), the
+    plan is made again from them, and the next step is measured. The figures
     (``remat/budget_bytes``, ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``,
     ``remat/predicted_overhead``, ``remat/num_checkpointed``, then ``remat/measured_peak_bytes``) are
     appended to ``trainer.state.log_history`` at the end of the step where they became known, as
@@ -79,7 +81,7 @@ class RematTrainerCallback(TrainerCallback):
     Behaviour worth knowing:
 
     - A malformed setting fails here, when the callback is made, naming its variable. A budget no
-      plan meets raises ``BudgetTooSmallError`` at the end of step ``profile_steps``, naming the
+      plan meets raises ``BudgetTooSmallError`` at the first training forward, naming the
       smallest reachable peak. DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at
       ``on_train_begin`` with an ``UnsupportedSetupError`` naming the workaround, as
       ``RematAccelerator`` refuses them; ``gradient_checkpointing=True`` with an

@@ -1,9 +1,11 @@
 """``AutoRemat``: a Lightning callback that keeps each training step under a memory budget.
 
-On the first training batch it profiles the step (``profile_step``), solves for the least-cost set
-of modules to recompute within the budget (``solve``), wraps them (``apply_plan``), measures the
-real peak of a step with the plan, and reports the figures to every logger; every later batch gets
-the plan for its own shape (``service.shape_plans``). See ``docs/lightning.md`` and ``docs/shapes.md``.
+On the first training batch, before it runs, it profiles the step on fake tensors (``profile_step``),
+solves for the least-cost set of modules to recompute within the budget (``solve``) and wraps them
+(``apply_plan``); it measures the real peak of the first step with the plan (a peak above the
+prediction calibrates the profile and the plan is solved again before the next batch) and of the
+first steady step, and reports the figures to every logger; every later batch gets the plan for its
+own shape (``service.shape_plans``). See ``docs/lightning.md`` and ``docs/shapes.md``.
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
-from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
-from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
-from .measured_peak import figure, report_measured_peak
+from .measured_peak import MeasuredWindow, figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
 from .trainer_terms import LOOP_ALLOWANCE, config_for, loop_allowance, trainer_optimizers  # noqa: F401 (LOOP_ALLOWANCE: its old path)
@@ -42,13 +42,16 @@ from .trainer_terms import LOOP_ALLOWANCE, config_for, loop_allowance, trainer_o
 class AutoRemat(Callback):
     """Keep every training step under a memory budget by recomputing the cheapest set of modules.
 
-    During the first training batch the callback profiles the step (the LightningModule's
-    ``training_step`` on that batch, then backward, with every optimizer's state and step counted), solves
-    for the least recompute cost whose predicted peak fits ``budget``, and wraps the chosen modules
-    with non-reentrant activation checkpointing before that batch trains. Profiling puts back
-    gradients, buffers, RNG states and optimizer state, so the first batch trains exactly as it
-    would have without the callback (dropout masks included). The real peak of a step with the plan
-    is then measured and everything is reported to each of ``trainer.loggers`` as ``remat/budget_bytes``,
+    Before the first training batch runs, the callback profiles its step on fake tensors (the
+    LightningModule's ``training_step`` on that batch, then backward, with every optimizer's state and
+    step counted: nothing is allocated), solves for the least recompute cost whose predicted peak fits
+    ``budget``, and wraps the chosen modules with non-reentrant activation checkpointing: the first
+    step already runs under the plan. Profiling puts back gradients, buffers, RNG states and
+    optimizer state, so the first batch trains exactly as it would have without the callback (dropout
+    masks included). The first step with the plan is measured: a peak above its prediction (memory
+    the fake profile cannot see: on a GPU the allocator's rounding, library workspaces) is added to
+    the profile and the plans solved again before the next batch; so is the first steady step's,
+    and everything is reported to each of ``trainer.loggers`` as ``remat/budget_bytes``,
     ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``, ``remat/measured_peak_bytes``,
     ``remat/predicted_overhead`` and ``remat/num_checkpointed`` (on CUDA also
     ``remat/measured_reserved_bytes``, the caching allocator's reserved peak beside the allocated one).
@@ -58,20 +61,22 @@ class AutoRemat(Callback):
             activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
             device's memory, or ``"min"`` for the plan of least peak. Checked here, so a malformed
             budget fails when the callback is built.
-        profile_steps: training steps before the plan's real peak is measured, as in
-            ``RematPlugin``: batch 0 is profiled (and already trains with the plan) and batch
-            ``profile_steps`` is measured (default 1: batch 1, the first step at which the
+        profile_steps: training steps before the plan's steady peak is measured, as in
+            ``RematPlugin``: batch 0 is planned (and trains with the plan, measured for calibration)
+            and batch ``profile_steps`` is measured (default 1: batch 1, the first step at which the
             optimizer state exists, as in every later step).
         candidates: None to find the repeated blocks automatically (transformer layers, ResNet
             blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
             relative to the LightningModule (``"model.transformer.h.*"``).
         cost: what recomputation costs: ``"flops"`` (counted FLOPs: the same plan on every run;
-            the default), ``"time"`` (measured seconds) or ``"roofline"``.
+            the default), ``"time"`` (counted FLOPs at the seconds per FLOP of the first steady
+            step measured) or ``"roofline"``.
         verbose: print the plan as a table on rank 0.
-        fake: profile the first batch on fake tensors (``profile_step(fake=True)``): planning
-            allocates nothing, so the first real step already runs under the plan and a model that
-            only fits with recomputation never tries without it. Costs are counted FLOPs, so
-            ``cost="flops"`` is required.
+        fake: None or True (the default behaviour): the first batch is profiled on fake tensors
+            (``profile_step(fake=True)``): planning allocates nothing, so the first real step
+            already runs under the plan and a model that only fits with recomputation never tries
+            without it. False: also profile the first batch for real (measured timings for
+            ``cost="time"``), only where the fake profile predicts its plain step fits the budget.
         offload: let the plan also offload activations to host memory (``docs/offload.md``): a
             CUDA model only (a CPU-only run raises ``RematError``).
         policies: op-level selective-checkpointing policies offered to every block, as
@@ -91,9 +96,9 @@ class AutoRemat(Callback):
       GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
       with an ``UnsupportedShardingError`` naming these workarounds.
     - Plans follow the batch's shape (``docs/shapes.md``): each batch (under DDP, the largest of the
-      ranks') gets the plan of its shape bucket, installed before it trains. Only the first batch is
-      profiled for real; a bucket met later is planned, once, on fake-tensor profiles (no step runs
-      without recomputation). Under FSDP2 a larger batch is profiled again, on every rank.
+      ranks') gets the plan of its shape bucket, installed before it trains. Every bucket is planned,
+      once, on fake-tensor profiles (no step runs without recomputation). Under FSDP2 (no fake twin)
+      the first batch, and a larger one, is profiled for real on every rank, in lockstep.
     - The plans are in the ``state_dict``: a resumed run applies the last in ``on_train_start`` and
       profiles none of their shapes again (unless the model's parameters differ: their bytes, or the
       shapes the plans record). Parameter names never change, so checkpoints load with and without it.
@@ -102,8 +107,9 @@ class AutoRemat(Callback):
       not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
       window) the callback sets them to ``None``, which changes no value: they are zeroed before
       backward anyway.
-    - An out-of-memory error while profiling is caught: every candidate block is recomputed whole
-      (the simple plan most likely to fit) with a warning, and training goes on.
+    - An out-of-memory error while profiling, or a model fake tensors cannot run (its code reads
+      values: ``FakeProfileError``), is caught: every candidate block is recomputed whole (the plan
+      that fits wherever anything does) with a warning, and training goes on.
     - Compiled models work: a module compiled in ``__init__`` or ``configure_model`` (or the
       LightningModule given to ``fit`` compiled) is profiled and wrapped as its original modules,
       and recompiles with the recompute at its next call. Plan names are those of the uncompiled
@@ -140,28 +146,26 @@ class AutoRemat(Callback):
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
-                 cost: str = DEFAULT_COST, verbose: bool = True, fake: bool = False, offload: bool = False,
+                 cost: str = DEFAULT_COST, verbose: bool = True, fake: bool | None = None, offload: bool = False,
                  policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
-        if fake and cost != "flops":
-            raise ValueError("AutoRemat(fake=True) profiles on fake tensors, which have no timings: pass cost='flops'")
+        # The first batch is profiled on fake tensors whatever ``fake`` says (``ShapePlans``); the
+        # config's own ``fake`` would refuse cost="time", priced here from a measured step.
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
-            candidates=candidates, fake=fake, offload=offload, policies=policies, chunk_loss=chunk_loss))
+            candidates=candidates, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
         self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
         self.candidates = list(self.config.profile.candidates) if self.config.profile.candidates is not None else None
-        self.cost = cost
-        self.fake = fake
-        self.verbose = verbose
+        self.cost, self.fake, self.verbose = cost, fake, verbose
         self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
         self.profile_count = 0
         self._disabled_reason: str | None = None
         self._measure_in: int | None = None  # batches until the measured window starts
         self._window_left = 0
-        self._meter: PeakWindow | None = None
-        self._metered: list[tuple[Plan, Any]] = []  # the measured window's batches: (their plan, their shape)
+        self._meter: MeasuredWindow | None = None  # the first steady window of a plan
+        self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
         self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
@@ -225,29 +229,35 @@ class AutoRemat(Callback):
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             # (Under manual optimization training_step decides when gradients go.)
             pl_module.zero_grad(set_to_none=True)
+        for measured in (self._first, self._meter):
+            if measured is not None:
+                measured.ran(self.plan, batch_shape(batch))
+        if planned and first and self.shape_plans is not None:
+            # The first step under the plan, measured: a peak above its prediction calibrates the plans.
+            self._first = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan)
         if self._measure_in is not None:
             if self._measure_in > 0:
                 self._measure_in -= 1
             elif batch_idx % window == 0:
                 # One meter over a whole accumulation window: every micro-batch and the optimizer step.
                 self._measure_in, self._window_left = None, window
-                self._meter, self._metered = PeakWindow(pl_module, trainer_optimizers(trainer) or None), []
-        if self._meter is not None:
-            self._metered.append((self.plan, batch_shape(batch)))
+                self._meter = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan, window,
+                                             batch_shape(batch))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._first is not None:  # the largest peak of the ranks: every rank calibrates alike
+            first, self._first = self._first, None
+            first.calibrate(self.shape_plans, int(lightning_channel(trainer).max(first.meter.close())), timed=False)
         if self._meter is None:
             return
         self._window_left -= 1
         if self._window_left > 0:
             return
-        meter, self._meter = self._meter, None
-        assert self.plan is not None
-        # What the package can see of a step over the budget: the plan not installed, a batch not planned.
-        causes = [installation_cause(pl_module, self.plan), *(shape_cause(p, shape) for p, shape in self._metered)]
-        self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
-                                                        self._log_metrics, causes)
+        window, self._meter = self._meter, None
+        self.measured_peak_bytes = report_measured_peak(
+            trainer, window.plan, window.meter, batch_idx, self.verbose, self._log_metrics, window.causes(pl_module),
+            calibrate=lambda peak: window.calibrate(self.shape_plans, peak, timed=True))
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
                              trainer.global_step)
@@ -289,9 +299,10 @@ class AutoRemat(Callback):
     # ------------------------------------------------------------------------------- internals
 
     def _close_meter(self) -> None:
-        if self._meter is not None:
-            self._meter.abandon()
-            self._meter = None
+        for measured in (self._meter, self._first):
+            if measured is not None:
+                measured.abandon()
+        self._meter = self._first = None
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
@@ -350,15 +361,15 @@ class AutoRemat(Callback):
                 saved = {batch_shape(batch): self.plan}
             self.shape_plans = training_step_shape_plans(
                 pl_module, trainer, lambda any_batch: self._step_for(any_batch, self._batch_idx),
-                config=config_for(self.config, trainer), adjust=loop_allowance,
+                config=config_for(self.config, trainer), fake=self.fake, adjust=loop_allowance,
                 install=lambda model, plan: self._apply(trainer, model, plan),
                 hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
             self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
         plans, self._batch_idx = self.shape_plans, batch_idx
-        known, profiles = len(plans.plans), plans.counts.real_profiles + plans.counts.fake_profiles
+        profiles = plans.counts.real_profiles + plans.counts.fake_profiles
         self.plan = plans.use(batch)
         self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
-        return len(plans.plans) > known
+        return plans.fresh  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, trainer: Trainer, first: bool) -> None:
         """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches

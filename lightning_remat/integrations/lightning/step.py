@@ -86,11 +86,22 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
     context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
 
     def step(module: nn.Module) -> torch.Tensor:
-        with context(), logging_muted(module):
+        with context(), logging_muted(module), _attributes_replaced(_own_steps(module)):
             output = module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         return loss_of(output)
 
     return step
+
+
+def _own_steps(module: nn.Module) -> list[tuple[Any, str, Any]]:
+    """A LightningModule given to ``fit`` compiled (Lightning's ``from_compiled``) holds its compiled
+    ``forward`` and ``training_step`` in its instance dict, bound to the module it was: a fake twin
+    copies them and would run the real module. The class's own methods, bound to ``module``, instead
+    (profiles run eagerly anyway)."""
+    if not getattr(module, "_compiler_ctx", None):
+        return []
+    return [(module, name, getattr(type(module), name).__get__(module))
+            for name in ("forward", "training_step") if name in module.__dict__]
 
 
 def _no_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -196,8 +207,8 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
             if loss.requires_grad:  # not under torch.no_grad() (a prediction's forward)
                 loss.backward(*args, **kwargs)
 
-        with context(), logging_muted(module), \
-                _attributes_replaced([(module, "manual_backward", backward)] + _held_still(trainer)):
+        replaced = [(module, "manual_backward", backward), *_held_still(trainer), *_own_steps(module)]
+        with context(), logging_muted(module), _attributes_replaced(replaced):
             module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         if not losses:
             raise SkippedStepError("training_step made no self.manual_backward(loss) call (it skips this batch): "
@@ -209,11 +220,12 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
 def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Callable[[Any], Any] | None = None, *,
                               config: Any, adjust: Any = None, install: Any = None, hint: str = "",
-                              saved: dict | None = None) -> Any:
+                              saved: dict | None = None, fake: bool | None = None) -> Any:
     """A ``ShapePlans`` (``service.shape_plans``) whose loss is ``pl_module``'s ``training_step`` on a
     batch, over ``trainer``'s ranks and every optimizer it has (None: one process, no optimizer),
     with ``saved`` plans (shape -> plan) taken as they are. ``step_for(batch)`` gives the step
     (``step(module) -> loss``) on a batch; default ``training_step_closure`` at batch index 0.
+    ``fake`` as ``ShapePlans``' (None: the first batch on fake tensors; False: also for real where it fits).
 
     Example:
         >>> import torch, lightning.pytorch as L
@@ -228,7 +240,7 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Call
         >>> plans = training_step_shape_plans(Lit(), None, config=RematConfig("min", cost="flops"))
         >>> plan = plans.use(torch.randn(64, 8))
         >>> plans.counts.real_profiles, plan.predicted_peak_bytes <= plan.baseline_peak_bytes
-        (1, True)
+        (0, True)
     """
     from ...service.shape_plans import ShapePlans
     from .channel import lightning_channel
@@ -237,7 +249,8 @@ def training_step_shape_plans(pl_module: nn.Module, trainer: Any, step_for: Call
     optimizers = list(trainer.optimizers) if trainer is not None else []
     plans = ShapePlans(pl_module, lambda module, batch: step_for(batch)(module), config=config,
                        optimizer=optimizers[0] if len(optimizers) == 1 else optimizers or None, adjust=adjust,
-                       install=install, channel=lightning_channel(trainer) if trainer is not None else None, hint=hint)
+                       install=install, channel=lightning_channel(trainer) if trainer is not None else None, hint=hint,
+                       fake=fake)
     for shape, plan in (saved or {}).items():
         plans.seed(shape, plan)
     return plans

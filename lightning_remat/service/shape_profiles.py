@@ -1,0 +1,197 @@
+"""The profiles ``ShapePlans`` plans on: the first batch's, before any real step; the nodes of the
+shape fit; and the calibration of both by a measured step.
+
+``ShapeProfiles`` is the profiling half of ``service.shape_plans.ShapePlans`` (it reads the
+attributes ``ShapePlans.__init__`` sets: the model, the step, the config, the counts, the anchor and
+the fit). The rules it keeps:
+
+- The first batch is planned before it runs, on a fake-tensor profile (``_first``): exact to the
+  byte on the CPU, and it allocates nothing, so planning fits wherever the step does. Where fake
+  tensors cannot run the model (``FakeProfileError``), or profiling runs out of memory, every step
+  gets the fallback plan (every candidate recomputed whole), with a warning: a real step without
+  recomputation might not fit. ``fake=False`` adds the real profile of the first batch (measured
+  timings) only where the fake profile predicts the plain step it runs fits the budget.
+- ``calibrate``: a measured step under a plan that peaked above its prediction shows memory no
+  profile saw; it goes into the anchor, carried to every shape (``core.shape_fit.Anchored``), and
+  the plans are solved again. With ``cost="time"``, the first timed step prices the fake profiles.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_remat.service.shape_plans import ShapePlans
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+    >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min")
+    >>> plan = plans.use(torch.randn(64, 16))               # planned on fake tensors before the step
+    >>> plans.calibrate(plan.predicted_peak_bytes + 4096)    # a step measured 4 KiB above: re-solved
+    True
+    >>> plans.use(torch.randn(64, 16)).predicted_peak_bytes - plan.predicted_peak_bytes, plans.counts.calibrations
+    (4096, 1)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Any
+
+from ..core.allowances import REAL_PROFILE_ALLOWANCE
+from ..core.budget import format_bytes
+from ..core.errors import FakeProfileError
+from ..core.memory_model import Profile
+from ..core.plan import Plan
+from ..core.shape_fit import ShapeFit
+from ..core.shapes import Shape
+from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
+from ..runtime.profiling import profile as profiling
+from .calibration import measured_excess, priced, seconds_per_flop, with_measured_excess
+
+# Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
+# size and of the sequence length; plans are made at the (finer) buckets between them.
+NODE_STEPS = 4
+# Why a first batch got the fallback plan when its fake profile failed.
+FAKE_FAILED = "fake tensors cannot run the model, and a real step without recomputation might not fit"
+
+
+class ShapeProfiles:
+    """The profiling half of ``ShapePlans``: the first batch's profile, the fit's nodes, calibration."""
+
+    # Set by ShapePlans.__init__.
+    anchor: tuple[Shape, Profile] | None
+    fit: ShapeFit | None
+    fallback: Plan | None
+    installed: Plan | None
+    plans: dict
+    _stale: set
+    _seconds_per_flop: float | None
+    _timed: bool
+
+    def _first(self, batch: Any) -> None:
+        """The first batch, before any real step: profiled on fake tensors, ``adjust`` applied: the
+        anchor every prediction is carried from (with ``fake=False``, a real profile instead where
+        the plain step is predicted to fit). A model fake tensors cannot run, or one out of memory
+        while profiled, gets the fallback plan. (A run that starts from saved plans has no first
+        batch: its new shapes are profiled on fake tensors.)"""
+        shape = self.shape_of(batch)
+        try:
+            node = self._fake_profile(batch, shape)
+        except Exception as error:  # noqa: BLE001 - re-raised unless the fallback plan is the answer
+            if not isinstance(error, FakeProfileError) and not is_out_of_memory(error):
+                raise
+            cause = (FAKE_FAILED if isinstance(error, FakeProfileError) else "out of memory while profiling")
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+        else:
+            anchor = self.adjust(node) if self.adjust else node
+            real = self._real_profile(batch) if self.real_first and self._plain_step_fits(anchor) else None
+            if real is not None:
+                self._seconds_per_flop = real.baseline_step_seconds / max(1, real.baseline_step_flops)
+                self._timed = True
+                node, anchor = priced(node, self._seconds_per_flop), real
+            self.fit = ShapeFit({shape: node}, anchor=(shape, anchor) if anchor is not node else None)
+            self.anchor = (shape, anchor)
+            return
+        # Outside the except block: the traceback no longer pins the failed pass's tensors.
+        self.fallback = self.planner.fallback_plan(self.model, reason, cause=cause)
+
+    def _plain_step_fits(self, anchor: Profile) -> bool:
+        """Whether the real profile ``fake=False`` asks for may run: the fake profile predicts that
+        the plain step (which the real profile runs) fits the budget with room for the profiler's
+        own tensors (``REAL_PROFILE_ALLOWANCE``). If not, a warning says why it did not run."""
+        budget = self.config.budget_bytes(model_device(self.model))
+        needed = anchor.baseline_peak_bytes + REAL_PROFILE_ALLOWANCE
+        if isinstance(budget, int) and needed <= budget:
+            return True
+        warnings.warn(f"lightning-remat: fake=False: the first batch is not profiled for real: its step without "
+                      f"recomputation is predicted to peak at {format_bytes(needed)} with the profiler's own "
+                      f"tensors, {'above the budget' if isinstance(budget, int) else 'and the budget is min'}"
+                      "; it is planned on its fake-tensor profile (costs: counted FLOPs).", UserWarning, stacklevel=7)
+        return False
+
+    def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
+        """Take a real step measured under ``plan`` (default: the installed one) into account, before
+        the next ``use``: a peak above the plan's prediction is memory the profile did not see, added
+        to every term of the anchor (carried to every shape) and every plan is solved again at its
+        bucket's next batch (``fresh`` is then True). With ``cost="time"`` and no real profile, the
+        first ``seconds`` given (the step's wall time) price every fake profile's FLOPs. Whether the
+        plans are to be solved again.
+
+        A first step holds no optimizer state through its forward and backward: its excess is a
+        lower bound, and a later measured step adds the rest. Under several ranks, call it on every
+        rank with the same figures (the largest peak of any rank): every rank drops its plans."""
+        plan = plan or self.installed
+        excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
+        reprice = seconds is not None and self.config.cost == "time" and not self._timed
+        if plan is None or self.fallback is not None or not (excess or reprice):
+            return False
+        nodes = self.fit.nodes if self.fit is not None else {}
+        base = self.anchor or (next(iter(nodes.items())) if nodes else None)
+        if base is None and (self.channel is None or not self.channel.distributed):
+            return False  # nothing was profiled here (plans seeded from a checkpoint): nothing to correct
+        self._timed = self._timed or reprice
+        if base is not None:  # one process, or rank 0 (which profiles and solves for every rank)
+            shape, anchor = base
+            rate = seconds_per_flop(plan, self.profile_of(plan) or anchor, seconds) if reprice else None
+            if rate is not None:
+                self._seconds_per_flop = rate
+                anchor, nodes = priced(anchor, rate), {s: priced(n, rate) for s, n in nodes.items()}
+            if excess:
+                anchor = with_measured_excess(anchor, excess)
+            self.anchor = (shape, anchor)
+            self.fit = ShapeFit(nodes, anchor=self.anchor) if nodes else None
+        self.counts.calibrations += bool(excess)
+        self._stale.update(self.plans)  # each solved again at its next batch (``fresh`` then says so)
+        return True
+
+    def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
+        """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
+        first node at ``key``, then the ladder nodes around ``key`` that are missing."""
+        if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
+            anchor_shape, anchor = self.anchor
+            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
+        elif self.fit is None:
+            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
+            # stretched to the first batch's layout (a key appeared), so no fake node can be
+            # compared with its anchor: start at ``key``, anchored on its own fake node.
+            node = self._fake_profile(batch, key)
+            self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
+        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
+            self.fit = self.fit.with_node(node, self._fake_profile(batch, node))
+        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
+            self.fit = self.fit.with_node(key, self._fake_profile(batch, key))
+
+    def _real_profile(self, batch: Any) -> Profile | None:
+        """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
+        self.counts.real_profiles += 1
+        try:
+            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust,
+                                        warmup=self.warmup)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(error):
+                raise
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+        release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
+        warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
+                      "on fake-tensor profiles alone.", UserWarning, stacklevel=7)
+        return None
+
+    def _fake_profile(self, batch: Any, at: Shape) -> Profile:
+        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors (priced in
+        seconds at the seconds per FLOP measured, by a real profile or a calibrated step, or FLOPs
+        standing in for them)."""
+        stretched = batch if at == self.shape_of(batch) else self.resize(batch, at)
+        options = replace(self.config.profile, fake=True, warmup=0,
+                          device=self.config.profile.device or str(model_device(self.model)))
+        self.counts.fake_profiles += 1
+        with self.planner.progress(self.model, fake=True):
+            try:
+                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
+                                                 options=options)
+            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
+                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
+        # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
+        rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
+        return priced(profile, rate) if rate else profile
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
