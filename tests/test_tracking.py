@@ -63,7 +63,7 @@ def _steady_peaks_of_a_sharded_step(rank: int, steps: int) -> dict:
 
     from lightning_remat.runtime.measuring import tracking
     from lightning_remat.runtime.measuring.measure import measure_step
-    from tests.gloo_ranks import shard_gpt2, small_gpt2
+    from tests.gloo_ranks import after_case, shard_gpt2, small_gpt2
 
     elsewhere, this_thread, update = [], threading.get_ident(), tracking.Tracker._update_snap
 
@@ -73,6 +73,7 @@ def _steady_peaks_of_a_sharded_step(rank: int, steps: int) -> dict:
         return update(self, kind, winfo, *args, **kwargs)
 
     tracking.Tracker._update_snap = noted
+    after_case(lambda: setattr(tracking.Tracker, "_update_snap", update))
     case = small_gpt2()
     shard_gpt2(case.model)
     optimizer = torch.optim.Adam(case.model.parameters(), lr=1e-3)
