@@ -11,6 +11,7 @@ from, the environment as the process started, and ``after_case``'s undo callback
 patched; a case that raises or kills a rank ends the processes (the next case starts new ones).
 """
 
+import atexit
 import json
 import os
 import queue
@@ -188,6 +189,7 @@ def spawn(fn, out, *args, world: int = 2) -> list:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@atexit.register  # before multiprocessing's own exit handler, which would wait for them
 def stop_ranks() -> None:
     """End the rank processes (the test session's end)."""
     while _RANKS:
