@@ -28,7 +28,8 @@ from typing import Any
 from .core.budget import Budget, format_bytes, parse_budget
 from .core.config import ProfileOptions, RematConfig
 from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError, BudgetTooSmallError,
-                          ConflictingArgumentsError, FakeProfileError, InvalidPlanError, NoCandidateError,
+                          ConflictingArgumentsError, FakeProfileError, InstallationMismatchError, InvalidPlanError,
+                          NoCandidateError,
                           PlanFormatError, PlanMismatchError, PlanningFailedError, RematError, SkippedStepError,
                           StepError, UnsupportedSetupError,
                           UnsupportedShardingError)
@@ -42,7 +43,9 @@ _LAZY = {
     "profile_step": "lightning_remat.runtime.profiling.profile",
     "apply_plan": "lightning_remat.runtime.installing.apply",
     "remove_remat": "lightning_remat.runtime.installing.apply",
+    "recomputing": "lightning_remat.runtime.installing.apply",
     "head_loss": "lightning_remat.runtime.installing.chunked_loss",
+    "CausalLMLoss": "lightning_remat.runtime.installing.chunked_loss",
     "find_stages": "lightning_remat.runtime.profiling.candidates",
     "measure_step": "lightning_remat.runtime.measuring.measure",
     "plan_remat": "lightning_remat.service.planning",
@@ -65,6 +68,7 @@ __all__ = [
     "BudgetTooSmallError",
     "ConflictingArgumentsError",
     "FakeProfileError",
+    "InstallationMismatchError",
     "InvalidPlanError",
     "NoCandidateError",
     "Plan",

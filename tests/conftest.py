@@ -67,6 +67,7 @@ SLOW = {
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
+    "test_fabric.py": ("test_the_docs_recipe_for_varying_shapes_runs_as_written",),  # 55 s at load 9-11 (1 real, 4 fake profiles)
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess
@@ -83,6 +84,10 @@ SLOW = {
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
                        "test_pareto_sweep_and_plot"),  # 5 s
     "test_arguments.py": ("test_the_command_line_plans_through_the_planning_service",),  # 3 s
+    # the budget fixture: 3 s (a fake profile); each run's own fake profiles
+    "test_installed.py": ("test_shape_plans_keeps_the_plan_installed_when_a_new_shape_gets_the_same_plan",  # 5 s
+                          "test_autoremat_runs_every_step_under_its_plan_as_planned",  # 12 s
+                          "test_the_accelerate_session_runs_every_planned_step_under_its_plan_as_planned"),  # 6 s
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",  # 2-3 s each
                            "test_trainer_follows_the_batch_shape_under_dynamic_padding",  # 13-18 s (two runs)
                            "test_the_least_peak_holds_under_accumulation_with_what_the_trainer_carries_between_micro_batches"),  # 3 s
@@ -90,6 +95,11 @@ SLOW = {
                                     "test_plan_remat_counts_every_optimizer_in_a_list_or_tuple",  # 2.5 s
                                     "test_autoremat_plans_manual_optimization_on_fake_tensors"),  # 2-5 s
     # the three on the module's runs with and without plans (15 s set-up: fake profiles of new shapes)
+    # planning runs inside torch.profiler's windows (fake profiles of each new layout): 4.6-7.7 s each at a load of 12
+    "test_shape_layouts.py": ("test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans",
+                              "test_shape_plans_plan_images_that_grow_in_height_and_width",
+                              "test_a_dict_batch_where_a_key_appears_is_planned_again",
+                              "test_accelerate_plans_a_dict_batch_where_a_key_appears_again"),
     "test_shape_plans.py": ("test_plain_loop_holds_the_budget_every_step_with_one_real_profile",
                             "test_plain_loop_trains_exactly_as_without_the_package",
                             "test_each_plan_is_the_optimal_plan_of_its_shape",  # 2 s
@@ -97,6 +107,11 @@ SLOW = {
                             "test_lightning_autoremat_follows_the_batch_shape",  # 15 s
                             "test_accelerate_session_follows_the_batch_shape",  # 10 s
                             "test_plan_for_largest_changes_the_plan_only_when_the_largest_shape_grows"),  # 2.5 s
+    # the trunk run twice: its profile (2 s set-up), real and fake (2.4 s), 5 plans measured and 2 trained (1.3 s)
+    "test_calls.py": ("test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute",
+                      "test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget"),
+    "test_user_hooks.py": ("test_hooks_fire_as_without_the_package_under_autoremat",  # 3.5 s
+                           "test_hooks_fire_as_without_the_package_under_shape_plans_and_one_that_reads_values_plans"),  # 4 s
 }
 
 

@@ -304,3 +304,109 @@ def test_under_torch_compile_the_head_is_not_planned_in_chunks_and_a_chunked_hea
     for n in expected:
         torch.testing.assert_close(grads[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
 
+
+
+# Issue 29: the chunked loss is the model's loss as called at run time, or refused; nothing of ours stays.
+SMALL = dict(batch_size=2, seq_len=32, layers=2, hidden=32, vocab=256)
+
+
+def _smoothed(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **_):
+    """A loss_function of the user's own (label smoothing): no chunked loss computes it."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab_size), shifted.reshape(-1),
+                                             ignore_index=ignore_index, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_label_smoothing_through_causal_lm_loss_is_chunked_exactly(num_items):
+    from lightning_remat import CausalLMLoss
+
+    model = build("gpt2", **SMALL).model
+    model.loss_function = CausalLMLoss(label_smoothing=0.1)
+    assert find_head_loss(model) is not None
+    ids = torch.randint(0, SMALL["vocab"], (2, SMALL["seq_len"]), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    plain, expected = _loss_and_grads(model, ids, labels, **kwargs)
+    model.loss_function = _smoothed  # CausalLMLoss is that loss: the same figures
+    own, _ = _loss_and_grads(model, ids, labels)
+    if num_items is None:
+        torch.testing.assert_close(own.loss, plain.loss)
+    model.loss_function = CausalLMLoss(label_smoothing=0.1)
+    apply_plan(model, _chunked("lm_head", 4))
+    out, grads = _loss_and_grads(model, ids, labels, **kwargs)
+    remove_remat(model)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    for n in expected:
+        torch.testing.assert_close(grads[n], expected[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_a_loss_function_set_after_planning_is_refused_at_its_first_chunked_step():
+    """Before: the chunked head computed the plain cross-entropy in place of the model's label-smoothed
+    loss (gradients off by up to 1e-1 here). Now the step raises, naming the loss; evaluation still runs."""
+    model = build("gpt2", **SMALL).model
+    ids = torch.randint(0, SMALL["vocab"], (2, SMALL["seq_len"]))
+    apply_plan(model, _chunked("lm_head", 4))
+    model.loss_function = _smoothed
+    with pytest.raises(UnsupportedSetupError, match="_smoothed.*CausalLMLoss"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # evaluation: the model's own loss over full logits
+        model.eval()
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, _smoothed(model(input_ids=ids).logits, ids, 256))
+    remove_remat(model)
+
+
+def test_a_model_with_a_loss_of_its_own_is_not_chunked_and_the_profile_says_why():
+    case = build("gpt2", **SMALL)
+    case.model.loss_function = _smoothed
+    assert find_head_loss(case.model) is None
+    with pytest.warns(UserWarning, match="_smoothed.*kept whole"):
+        profile = profile_step(case.model, case.step, chunk_loss=True, warmup=0)
+    assert not any(o.chunks for s in profile.stages for o in s.options)
+    assert any("_smoothed" in note for note in profile.notes)
+
+
+def test_head_loss_takes_label_smoothing_and_chunks_it_exactly():
+    torch.manual_seed(0)
+    model = _TinyLM(vocab=256)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    from lightning_remat import head_loss
+
+    step = lambda m: head_loss(m.head, m.embed(ids), ids, shift=False, label_smoothing=0.2)  # noqa: E731
+    expected_loss = step(model)
+    plain = torch.nn.functional.cross_entropy(model.head(model.embed(ids)).reshape(-1, 256), ids.reshape(-1),
+                                              label_smoothing=0.2)
+    torch.testing.assert_close(expected_loss, plain)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    apply_plan(model, _chunked("head", 4))
+    loss = step(model)
+    loss.backward()
+    remove_remat(model)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for n in expected:
+        torch.testing.assert_close(model.get_parameter(n).grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_remove_remat_leaves_every_module_exactly_as_it_was_after_planning_and_training():
+    """Before: the head kept ``_remat_pending_loss`` (None) in its ``__dict__`` after a chunked step."""
+    case = build("gpt2", **SMALL)
+    model, optimizer = case.model, torch.optim.SGD(case.model.parameters(), lr=0.01)
+    before = {n: sorted(m.__dict__) for n, m in model.named_modules()}
+    hooks = {n: [len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")]
+             for n, m in model.named_modules()}
+    plan = plan_remat(model, case.step, "min", optimizer=optimizer)
+    # The head and loss do not bind this small model: chunked by hand, beside the planned recompute.
+    apply_plan(model, Plan(actions=[*(a for a in plan.actions if a.stage != "lm_head"), StageAction.chunk("lm_head", 4)]))
+    assert plan.checkpointed and "forward" in model.lm_head.__dict__
+    for _ in range(2):
+        optimizer.zero_grad()
+        case.step(model).backward()
+        optimizer.step()
+    remove_remat(model)
+    assert {n: sorted(m.__dict__) for n, m in model.named_modules()} == before
+    assert {n: [len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")]
+            for n, m in model.named_modules()} == hooks

@@ -15,6 +15,7 @@ from lightning_remat import (Plan, ProfileOptions, RematError, apply_plan, measu
                              remove_remat)
 from lightning_remat.runtime.installing.apply import checkpoint_policies, checkpointed_modules
 from lightning_remat.runtime.installing.offload import offloaded_modules
+from lightning_remat.runtime.measuring.user_hooks import part_of_model
 from lightning_remat.core.vocabulary import OptionKind
 from lightning_remat.models import build
 from lightning_remat.integrations.accelerate import RematPlugin
@@ -176,8 +177,9 @@ def faults(call):
 
 
 def counted_calls(model, raise_at=None):
-    """A hook on the first layer of every block (so recomputes count too): the number of calls so
-    far; at call ``raise_at`` it raises ``faults(raise_at)``."""
+    """A hook on the first layer of every block (so recomputes count too), part of the model (it runs in
+    planning's passes, as the model's own code does): the number of calls so far; at call ``raise_at``
+    it raises ``faults(raise_at)``."""
     count, raised = [0], []
 
     def hook(module, args):
@@ -186,7 +188,7 @@ def counted_calls(model, raise_at=None):
             raised.append(faults(raise_at))
             raise raised[-1]
 
-    handles = [block[0].register_forward_pre_hook(hook) for block in model]
+    handles = [block[0].register_forward_pre_hook(part_of_model(hook)) for block in model]
     return count, raised, handles
 
 
@@ -244,7 +246,7 @@ class OutOfMemoryFirst(L.LightningModule):
     def __init__(self, calls=2):
         super().__init__()
         self.net, self.left = chain(blocks=3, width=32), calls
-        self.net[1].register_forward_pre_hook(self._out_of_memory)
+        self.net[1].register_forward_pre_hook(part_of_model(self._out_of_memory))  # as the model's own code
 
     def _out_of_memory(self, module, args):
         if self.left > 0:

@@ -11,7 +11,7 @@ import torch
 
 from lightning_remat import RematTrainerCallback
 from lightning_remat.accelerate import ENV_BUDGET
-from lightning_remat.core.errors import AlreadyCheckpointedError
+from lightning_remat.core.errors import AlreadyCheckpointedError, ConflictingArgumentsError
 
 from tests.torch_meter import TorchPeak, static_bytes
 
@@ -121,6 +121,22 @@ def test_without_a_budget_the_callback_warns_and_leaves_the_run_alone(tmp_path, 
     with pytest.warns(UserWarning, match="no budget given"):
         callback.on_train_begin(None, None, None, model=model)
     assert callback.plan is None and callback.session is None
+
+
+def test_two_callbacks_with_different_budgets_are_refused_naming_both(tmp_path, monkeypatch):
+    """Before: the second callback's budget was ignored silently (one session per model, the first's)."""
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    with pytest.raises(ConflictingArgumentsError, match="budget='1GB' and budget='min'"):
+        _train(tmp_path, RematTrainerCallback(budget="1GB"), RematTrainerCallback(budget="min"), steps=1)
+    from lightning_remat import RematPlugin, prepare_remat
+    from lightning_remat.integrations.accelerate import remat_session
+
+    model = _model()
+    prepare_remat(model, RematPlugin(budget="1GB"))
+    prepare_remat(model, RematPlugin(budget="1GB"))  # the same settings again share the one session
+    with pytest.raises(ConflictingArgumentsError, match="cost='flops' and cost='time'"):
+        prepare_remat(model, RematPlugin(budget="1GB", cost="time"))
+    remat_session(model).remove()
 
 
 def test_the_trainer_s_own_gradient_checkpointing_is_refused(tmp_path):

@@ -131,3 +131,20 @@ def test_op_level_policies_hold_the_budget_in_a_lightning_run(budget):
     assert plan is not None and plan.policies and set(plan.policies.values()) == {"save_matmuls"}
     assert max(peaks.peaks) <= budget
     assert abs(plan.predicted_peak_bytes - max(peaks.peaks)) <= 0.05 * max(peaks.peaks)
+
+
+class _SkipsEverything(LitGPT2):
+    def training_step(self, batch, batch_idx):
+        self.model(input_ids=batch[0])  # runs, but returns no loss: Lightning skips the batch
+        return None
+
+
+def test_a_fit_whose_training_step_skips_every_batch_says_nothing_was_planned_and_why():
+    """Before: no plan and no word. Now a warning at the end of training, naming the skip."""
+    callback = AutoRemat(budget="min", cost="flops", verbose=False)
+    with pytest.warns(UserWarning, match=r"planned nothing: every one of the 3 training batch\(es\) was skipped "
+                                         r"\(training_step returned None"):
+        L.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", devices=1, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[callback]).fit(_SkipsEverything())
+    assert callback.plan is None

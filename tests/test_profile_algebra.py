@@ -22,7 +22,7 @@ STATIC = {"parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_
 PEAKS = {"local_peak_bytes", "peak_bytes"}
 # Identity, not measures: the same in every input (the shared inputs' bytes a segment may leave out
 # are tensors of a fixed size, carried as they are: core.shared_held).
-STRUCTURAL_NUMBERS = {"stages_alive", "shared_saving"}
+STRUCTURAL_NUMBERS = {"stages_alive", "shared_saving", "call"}
 
 
 def _numeric(cls: type) -> list[tuple[str, str]]:

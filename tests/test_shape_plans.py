@@ -98,9 +98,10 @@ def test_missing_nodes_bracket_the_shape():
 def test_batch_shape_and_resize():
     batch = padded_batches(steps=1, longest_at=None)[0]
     shape = batch_shape(batch)
-    assert shape == Shape(4, batch["input_ids"].shape[1])
-    wider = resize_batch(batch, Shape(6, shape.seq_len + 5))
-    assert batch_shape(wider) == Shape(6, shape.seq_len + 5)
+    length = batch["input_ids"].shape[1]
+    assert str(shape) == f"4x{length} {{attention_mask: bxs, input_ids: bxs, labels: bxs}}"
+    wider = resize_batch(batch, Shape(6, shape.seq_len + 5))  # batch size and sequence only: the same layout
+    assert batch_shape(wider) == Shape(6, shape.seq_len + 5, shape.layout)
     assert torch.equal(wider["attention_mask"][:4, :shape.seq_len], batch["attention_mask"])
 
 
@@ -266,14 +267,15 @@ def test_each_plan_is_the_optimal_plan_of_its_shape(scenario, plain_runs):
     pays less recompute than the longest."""
     batches, budget = scenario
     plans = plain_runs[1][3]
-    longest = plans.plans[plans.key(Shape(4, 128))]
+    longest_shape = batch_shape(resize_batch(batches[0], Shape(4, 128)))  # the batches' layout, at 4x128
+    longest = plans.plans[plans.key(longest_shape)]
     assert all(plan.predicted_overhead < longest.predicted_overhead
                for key, plan in plans.plans.items() if key.seq_len <= 112)
     between = [k for k, how in plans.sources.items() if how == "chord" and plans.plans[k].checkpointed]
     torch.manual_seed(0)
     model = build("gpt2", **SIZES).model
     optimizer = torch.optim.Adam(model.parameters())
-    for key in (Shape(4, 128), between[0]):
+    for key in (longest_shape, between[0]):
         batch = resize_batch(batches[0], key)
         real = profile_step(model, lambda m: loss_fn(m, batch), optimizer=optimizer)
         ours = plans.plans[key]

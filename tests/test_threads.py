@@ -93,3 +93,35 @@ def test_a_thread_training_beside_planning_keeps_its_losses():
     _train(len(side), alone)
     assert side == alone  # every loss, bit for bit: MemTracker's global hooks skip the side thread's model
     assert plans[0] == plans[1] == plans[2] == _plan("narrow")
+
+
+def test_planning_a_model_another_thread_runs_inference_on():
+    """Before: planning's module hooks (the profile's observer, the chained-call probe) ran on the other
+    thread's forwards too: ``KeyError`` in the observer, a profile counting its calls. Now they act on
+    the planning's own forwards only: that thread's outputs are unchanged and the plan is the one made alone."""
+    width, blocks = SHAPES["narrow"]
+    model = _mlp(width, blocks)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    stop, outputs, died = threading.Event(), [], []
+
+    def infer():
+        try:
+            while not stop.is_set() or not outputs:
+                with torch.no_grad():
+                    outputs.append(torch.equal(model(x), expected))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            died.append(error)
+
+    thread = threading.Thread(target=infer)
+    thread.start()
+    try:
+        plans = [plan_remat(model, lambda m: m(x).square().mean(), "min", cost="flops") for _ in range(2)]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not died, died
+    assert outputs and all(outputs)
+    alone = _plan("narrow")
+    assert all((tuple(p.checkpointed), p.predicted_peak_bytes) == alone for p in plans)

@@ -90,6 +90,8 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     forward, backward = tuple(map(without_shared, forward)), tuple(map(without_shared, backward))
     for p, q, n in zip(forward, backward, DEPTHS):
         names = [s.name for s in p.stages]
+        if any(s.call or s.fresh for s in p.stages):  # layers run several times per step (core.calls): no line
+            return None
         if names != [f"{prefix}.{i}" for i in range(n)] + tails or not _same(_skeleton(p), _skeleton(q)):
             return None
         if p.baseline_peak_bytes != predict_peak(p, [0] * len(names)):

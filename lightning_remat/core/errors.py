@@ -143,6 +143,35 @@ class PlanMismatchError(RematError, ValueError):
     """
 
 
+class InstallationMismatchError(RematError, RuntimeError):
+    """What is installed on a model is not what its plan says (checked after every install and at
+    every step that keeps a plan: ``runtime.installing.verify``). ``planned`` and ``installed`` hold
+    both sides, per kind of action (``recomputed``: name -> policy, ``segments``, ``offloaded``,
+    ``offloaded_inputs``, ``chunked_heads``: name -> chunks); ``differences`` (and the message) names
+    each kind that differs, with both sides.
+    Something changed the model behind the plan's back (``remove_remat``, another library patching
+    ``forward``): the step would run without the memory the plan counted on, so it does not run.
+
+    Example:
+        >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
+        >>> print(err)
+        lightning-remat: what is installed on the model is not what the plan says: recomputed: the plan says {'h.0': ''}, installed is {}. The step would not run within the plan's budget; install the plan again (apply_plan) or find what changed the model's modules. (ShapePlans.use)
+        >>> isinstance(err, RuntimeError), err.installed
+        (True, {'recomputed': {}})
+    """
+
+    def __init__(self, planned: dict[str, Any], installed: dict[str, Any], where: str = ""):
+        self.planned = planned
+        self.installed = installed
+        # Each kind that differs, with both sides (the others are left out: a large model's lists are long).
+        self.differences = "; ".join(
+            f"{key}: the plan says {planned.get(key)!r}, installed is {installed.get(key)!r}"
+            for key in dict.fromkeys([*planned, *installed]) if planned.get(key) != installed.get(key))
+        super().__init__("lightning-remat: what is installed on the model is not what the plan says: "
+                         f"{self.differences}. The step would not run within the plan's budget; install the plan "
+                         "again (apply_plan) or find what changed the model's modules." + (f" {where}" if where else ""))
+
+
 class AlreadyCheckpointedError(RematError, ValueError):
     """The model already uses activation checkpointing that lightning-remat did not put there.
 
@@ -155,17 +184,26 @@ class AlreadyCheckpointedError(RematError, ValueError):
 class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
+    ``requested=False``: the fake pass is the package's own (a batch shape after the first, planned on
+    fake tensors whatever ``fake`` says), so the advice is not ``fake=False``, which is the setting.
+
     Example:
         >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
         True
+        >>> "fake=False is the setting" in str(FakeProfileError("aten.nonzero.default", requested=False))
+        True
     """
 
-    def __init__(self, op: str, detail: str = ""):
-        self.op = op
+    def __init__(self, op: str, detail: str = "", requested: bool = True):
+        self.op, self.detail, self.requested = op, detail, requested
+        advice = ("Profile it for real (fake=False) on a smaller configuration, or make that code path value-free."
+                  if requested else
+                  "fake=False is the setting already: every batch shape after the first is planned on fake tensors, "
+                  "so that no step runs before its plan exists. Make that code path value-free, or give every batch "
+                  "one shape (pad to a fixed length), so that no other shape is planned.")
         super().__init__(
             f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
-            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}Profile it for real "
-            f"(fake=False) on a smaller configuration, or make that code path value-free.")
+            f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}{advice}")
 
 
 class PlanningFailedError(RematError, RuntimeError):

@@ -101,6 +101,13 @@ class StageProfile:
     forward_seconds: float = 0.0
     forward_flops: int = 0
     module_type: str = ""
+    # Which run of the module's calls in one step this stage is: 0 for its first; k > 0 for a later
+    # one (a trunk under two heads runs each block twice), the same module tied to the option of its
+    # first stage, at its own place in the chain with its own figures (``core.calls``).
+    call: int = 0
+    # Its forward starts after the backward of every stage before it (a step that runs backward
+    # more than once: Lightning's manual optimization): nothing they stored is alive any more.
+    fresh: bool = False
 
     def option(self, name: str) -> StageOption:
         for option in self.options:
@@ -165,6 +172,10 @@ class Profile:
     # "foreach=False"): bytes its step peak would differ by. Measured on fake copies with the profile
     # (``runtime.profiling.optimizer_step``); empty when not measured (no optimizer, a sharded step).
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
+    # What the profiled model was (``runtime.installing.fingerprint.binding_of``): the parameter shapes of
+    # its stages and blocks, and its number of parameters. ``solve`` puts it in the plan's fingerprint,
+    # so that ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def static_bytes(self) -> int:
@@ -251,14 +262,32 @@ def peak_terms(profile: Profile, choices: Sequence[int]) -> list[PeakTerm]:
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     prefix = [0]
+    starts = episode_starts(profile)
     terms = []
     for i, (stage, choice) in enumerate(zip(profile.stages, choices)):
         option = stage.options[choice]
-        terms.append(PeakTerm("stage", i, stage.name, option.local_peak_bytes, prefix[-1]))
+        terms.append(PeakTerm("stage", i, stage.name, option.local_peak_bytes, prefix[-1] - prefix[starts[i]]))
         prefix.append(prefix[-1] + option.stored_bytes)
     for k, segment in enumerate(profile.segments):
-        terms.append(PeakTerm("segment", k, segment.name, segment.peak_bytes, prefix[segment.stages_alive]))
+        alive = prefix[segment.stages_alive] - prefix[starts[segment.stages_alive - 1]] if segment.stages_alive else 0
+        terms.append(PeakTerm("segment", k, segment.name, segment.peak_bytes, alive))
     return terms
+
+
+def episode_starts(profile: Profile) -> list[int]:
+    """Per stage, the first stage whose stored bytes are alive while it runs: 0, or the last
+    ``fresh`` stage at or before it (a step that runs backward more than once).
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> episode_starts(Profile((StageProfile("a", (keep,)), StageProfile("b", (keep,), fresh=True)), ()))
+        [0, 1]
+    """
+    starts, start = [], 0
+    for i, stage in enumerate(profile.stages):
+        start = i if stage.fresh else start
+        starts.append(start)
+    return starts
 
 
 def binding_term(terms: Sequence[PeakTerm]) -> PeakTerm | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from .calls import owners
 from .hardware import GPUS
 from .memory_model import Profile
 from .vocabulary import OPTION_NAMES, OptionKind
@@ -110,10 +111,13 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
-    """``profile`` with the offload options (the checkpoint input's too) removed from the given stage indices."""
+    """``profile`` with the offload options (the checkpoint input's too) removed from the given stage indices
+    (and from the other places of their modules: ``core.calls``)."""
+    owner = owners(profile)
+    modules = {owner[i] for i in stages}
     return replace(profile, stages=tuple(
-        replace(s, options=tuple(o for o in s.options if not o.offloaded and not o.input_offloaded)) if i in stages else s
-        for i, s in enumerate(profile.stages)))
+        replace(s, options=tuple(o for o in s.options if not o.offloaded and not o.input_offloaded))
+        if owner[i] in modules else s for i, s in enumerate(profile.stages)))
 
 
 def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile], Any]) -> Any:

@@ -25,9 +25,10 @@ from typing import Any, Iterable, Mapping, Sequence
 from .actions import StageAction, actions_from_names, check_actions, module_names, module_names_lists
 from .errors import PlanFormatError
 from .plan_checks import check_plan_dict, check_saved_state
+from .shapes import Shape
 from .vocabulary import Action, CostKind
 
-__all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", "saved_plans"]
+__all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", "saved_plans", "saved_state_plans"]
 
 
 @dataclass(frozen=True)
@@ -315,17 +316,34 @@ class Plan:
 
 
 
-def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[int, int, Plan]]]:
+def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, Plan]]]:
     """An integration's checkpoint state (``core.plan_checks.check_saved_state``): its ``plan`` and
-    its ``plans`` as (batch size, sequence length, plan), every one checked before any is returned.
+    its ``plans`` as (shape, plan), every one checked before any is returned. Each of ``plans`` is
+    ``[batch size, sequence length, plan]``, the shape's layout fourth where it has one (``saved_state_plans``
+    writes them; a checkpoint written before layouts holds the three).
 
     Example:
-        >>> saved_plans({"plan": None, "plans": [[4, 128, Plan(["h.0"]).to_dict()]]}, "AutoRemat's state")[1][0][:2]
-        (4, 128)
+        >>> saved = saved_state_plans({Shape(4, 128): Plan(["h.0"]), Shape(8, 1, [["0", [-1, 3, 32, 32]]]): Plan([])})
+        >>> saved[0][:2], saved[1][3]
+        ([4, 128], [['0', [-1, 3, 32, 32]]])
+        >>> [str(shape) for shape, _ in saved_plans({"plan": None, "plans": saved}, "AutoRemat's state")[1]]
+        ['4x128', '8x1 {0: bx3x32x32}']
     """
     check_saved_state(state, owner)
-    return saved_plan(state.get("plan"), owner), [(int(b), int(s), saved_plan(p, owner, f"plans[{i}]"))
-                                                   for i, (b, s, p) in enumerate(state.get("plans", []))]
+    return saved_plan(state.get("plan"), owner), [
+        (Shape(int(entry[0]), int(entry[1]), entry[3] if len(entry) == 4 else ()),
+         saved_plan(entry[2], owner, f"plans[{i}]")) for i, entry in enumerate(state.get("plans", []))]
+
+
+def saved_state_plans(plans: Mapping[Shape, Plan]) -> list[list]:
+    """Plans per shape as a checkpoint keeps them (``saved_plans`` reads them): ``[batch size,
+    sequence length, plan's dict]``, and the shape's layout fourth where it has one.
+
+    Example:
+        >>> saved_state_plans({Shape(2, 16): Plan(["h.0"])})[0][:2]
+        [2, 16]
+    """
+    return [[shape.batch_size, shape.seq_len, plan.to_dict(), *shape.to_list()[2:]] for shape, plan in plans.items()]
 
 
 def saved_plan(data: Any, owner: str, where: str = "plan") -> Plan | None:

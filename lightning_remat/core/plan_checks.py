@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from .actions import nested_in
 from .budget import MAX_BUDGET_BYTES as MAX_BYTES  # the largest byte count a plan holds
 from .errors import PlanFormatError
+from .shapes import Shape
 from .vocabulary import CostKind
 
 _BYTES = "a whole number of bytes from 0 to 2**63 - 1"
@@ -161,10 +162,20 @@ def check_plan_dict(data: Any) -> None:
     _check_choices(data.get("choices", []), stages)
 
 
+def _layout(layout: Any) -> bool:
+    """Whether ``layout`` is a shape's layout (``Shape.to_list``'s third item)."""
+    try:
+        Shape(1, 1, layout)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def check_saved_state(state: Any, owner: str) -> None:
     """The state an integration keeps in a checkpoint (``AutoRemat``'s, ``RematBatchSizeFinder``'s):
     a dict whose ``plan`` is a plan's dict or None, whose ``plans`` are ``[batch size, sequence
-    length, plan]`` triples, and whose figures are byte counts or batch sizes. ``owner`` names it in
+    length, plan]`` with the shape's layout fourth where it has one (``core.shapes.Shape.to_list``),
+    and whose figures are byte counts or batch sizes. ``owner`` names it in
     the error. (Each plan's own fields are checked by ``Plan.from_dict``.)
 
     Example:
@@ -179,9 +190,10 @@ def check_saved_state(state: Any, owner: str) -> None:
         raise PlanFormatError("plan", state["plan"], "a plan's dict (Plan.to_dict) or null", owner)
     plans = state.get("plans", [])
     if not isinstance(plans, (list, tuple)) or not all(
-            isinstance(p, (list, tuple)) and len(p) == 3 and _whole(p[0], 1) and _whole(p[1], 1)
-            and isinstance(p[2], Mapping) for p in plans):
-        raise PlanFormatError("plans", plans, "a list of [batch size, sequence length, plan's dict]", owner)
+            isinstance(p, (list, tuple)) and len(p) in (3, 4) and _whole(p[0], 1) and _whole(p[1], 1)
+            and isinstance(p[2], Mapping) and (len(p) == 3 or _layout(p[3])) for p in plans):
+        raise PlanFormatError("plans", plans, "a list of [batch size, sequence length, plan's dict] (and the "
+                              "shape's layout, [[path, [sizes]], ...], fourth)", owner)
     measured = state.get("measured_peak_bytes")
     if measured is not None and not _whole(measured):
         raise PlanFormatError("measured_peak_bytes", measured, _BYTES + " (or null)", owner)

@@ -28,6 +28,7 @@ from typing import Sequence
 
 from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
 from .actions import StageAction
+from .calls import check_tied, owners
 from .shared_held import exact_peak
 from .spans import block_ranges, peak_terms_spans, plan_cost_spans
 from .vocabulary import Action, CostKind
@@ -101,13 +102,15 @@ def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int
         if unknown:
             raise ValueError(f"the plan has actions for {unknown}, which are not stages of the profile")
         positions = [position[a.stage] for a in actions]
+    owner = owners(profile)  # a module at several places (core.calls): its action is every place's
     choices = [0] * len(names)
     starts: dict[tuple[str, ...], list[int]] = {}
     for i, action in zip(positions, actions):
         if action.action is Action.SEGMENT:
             starts.setdefault(action.segment, []).append(i)
         else:
-            choices[i] = option_index(profile.stages[i], action)
+            for k in (k for k in range(len(names)) if owner[k] == owner[i]):
+                choices[k] = option_index(profile.stages[k], action)
     spans = []
     for segment, indices in starts.items():
         indices = sorted(indices)
@@ -147,6 +150,7 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     """
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
+    check_tied(profile, choices)
     segment_of = {}
     blocks = {(first, last): module for first, last, module in block_ranges(profile)}
     block_at: dict[int, str] = {}
@@ -160,6 +164,8 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     actions = []
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         option = stage.options[c]
+        if stage.call and not (k in segment_of or k in block_at):
+            continue  # a later place of a module: its first place's action stands for it
         if k in block_at:
             if block_at[k]:
                 actions.append(StageAction.recompute(block_at[k]))

@@ -120,6 +120,8 @@ _DECLARED: dict[tuple[type, str], Quantity | None] = {
     # The bytes of the shared inputs it may leave out (``core.shared_held``): tensors of a fixed size
     # (``position_ids``), the same at any batch and depth, so carried as they are, never scaled.
     (Segment, "shared_saving"): None,
+    # Which run of its module's calls a stage is (``core.calls``): identity, not a measure.
+    (StageProfile, "call"): None,
 }
 
 

@@ -26,7 +26,10 @@ Two ways to weigh the nodes:
   (a warning); a plan is only made on a bracketed shape (``ShapeFit.bounded``), adding the nodes
   that are missing (``ShapeFit.missing_nodes``).
 
-Shapes, and the ladder nodes and plan buckets sit on, are ``core.shapes``.
+Shapes, and the ladder nodes and plan buckets sit on, are ``core.shapes``. A shape's layout (an
+image's height and width, which tensors a batch holds) is not interpolated over: nodes combine only
+with nodes of the same layout, a *family*, and a new layout starts a family of its own (a node at
+the shape planned is exact). Only the anchor's difference is carried across layouts.
 ``Anchored`` carries what a real profile (or an integration's adjustment) adds to the fake nodes,
 measured at one shape, to every other shape, on the safe side.
 
@@ -114,10 +117,15 @@ def _bracket(values: Sequence[int], x: int) -> list[tuple[int, float]] | None:
     return [(low, 1.0 - share), (high, share)]
 
 
+def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
+    """The nodes of ``target``'s layout: the only ones it is interpolated between."""
+    return [node for node in nodes if node.layout == target.layout]
+
+
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Interpolation weights of ``target`` between ``nodes``: linear in the sequence length between
-    the nearest nodes around it at each of two batch sizes around ``target``'s, then linear in the
-    batch size. None when no such nodes bracket it (then only the law predicts it).
+    """Interpolation weights of ``target`` between ``nodes`` of its layout: linear in the sequence
+    length between the nearest nodes around it at each of two batch sizes around ``target``'s, then
+    linear in the batch size. None when no such nodes bracket it (then only the law predicts it).
 
     Every weight is >= 0 and they sum to 1, so a term convex in ``s`` and in ``b`` is predicted at
     or above its value.
@@ -132,7 +140,7 @@ def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] |
         0.5
     """
     by_batch: dict[int, list[int]] = {}
-    for node in nodes:
+    for node in _family(nodes, target):
         by_batch.setdefault(node.batch_size, []).append(node.seq_len)
     usable = sorted(b for b, lengths in by_batch.items() if _bracket(sorted(lengths), target.seq_len) is not None)
     across = _bracket(usable, target.batch_size)
@@ -141,7 +149,8 @@ def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] |
     weights: dict[Shape, float] = {}
     for batch, batch_share in across:
         for seq, seq_share in _bracket(sorted(by_batch[batch]), target.seq_len) or ():
-            weights[Shape(batch, seq)] = weights.get(Shape(batch, seq), 0.0) + batch_share * seq_share
+            node = Shape(batch, seq, target.layout)
+            weights[node] = weights.get(node, 0.0) + batch_share * seq_share
     return {shape: w for shape, w in weights.items() if w > 0}
 
 
@@ -152,7 +161,8 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
     """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` through the
-    nodes, evaluated at ``target`` (they sum to 1). None with fewer than four independent nodes.
+    nodes of ``target``'s layout, evaluated at ``target`` (they sum to 1). None with fewer than four
+    independent nodes of that layout.
 
     Example:
         >>> nodes = [Shape(2, 32), Shape(2, 64), Shape(2, 128), Shape(4, 32)]
@@ -163,6 +173,7 @@ def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | N
         >>> law_weights(nodes[:3], Shape(8, 256)) is None
         True
     """
+    nodes = _family(nodes, target)
     if len(nodes) < 4:
         return None
     features = np.array([_law_features(n) for n in nodes])
@@ -175,10 +186,14 @@ def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | N
 
 
 def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]:
-    """One node, the nearest in tokens, scaled beyond static memory: by the batch, and by the
-    square of the sequence beyond the node's (the steepest growth a term has)."""
-    nearest = min(nodes, key=lambda n: (abs(math.log(target.tokens / n.tokens)), n))
-    ratio = target.batch_size / nearest.batch_size * max(1.0, (target.seq_len / nearest.seq_len) ** 2)
+    """One node, the nearest in tokens among those of ``target``'s layout (else in elements among
+    all), scaled beyond static memory: by the batch, and by the square of the sequence, and of the
+    elements of a sample, beyond the node's (the steepest growth a term has)."""
+    family = _family(nodes, target)
+    nearest = min(family or nodes, key=lambda n: (abs(math.log(target.elements / n.elements)), n))
+    per_sample = (target.elements / target.tokens) / (nearest.elements / nearest.tokens)
+    ratio = (target.batch_size / nearest.batch_size * max(1.0, (target.seq_len / nearest.seq_len) ** 2)
+             * max(1.0, per_sample ** 2))
     return {nearest: ratio}
 
 
@@ -188,11 +203,12 @@ class Anchored:
     shape and ``anchor`` the profile planning trusts there (a real profile, calibrated against the
     allocator, or any profile an integration adjusted: the scalars its loop keeps alive).
 
-    A difference is carried on the safe side, whether it is a constant or grows with the tokens:
+    A difference is carried on the safe side, whether it is a constant or grows with the batch:
     an excess ``d > 0`` as ``d * max(1, r)``, a shortfall as ``d * min(1, r)``, with ``r`` the
-    target's tokens over the anchor's. Seconds are carried as a ratio (the anchor's seconds per
-    FLOP of each option), static memory is the anchor's, and a term only the anchor has (a segment
-    its calibration added) grows like the tokens beyond static memory.
+    target's elements over the anchor's (``Shape.elements``: its tokens without a layout). Seconds
+    are carried as a ratio (the anchor's seconds per FLOP of each option), static memory is the
+    anchor's, and a term only the anchor has (a segment its calibration added) grows like the
+    elements beyond static memory.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
@@ -277,8 +293,9 @@ class ShapeFit:
     def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
         """The nodes to profile so that ``shape`` is bracketed: at the ladder's values (``ladder_up``,
         ``ladder_down``: ``per_octave`` per doubling) around its batch size, the ladder's values
-        around its sequence length on the sides no node has yet; never beyond ``limit`` (the
-        largest shape the data has) unless ``shape`` is. Empty when ``shape`` is bracketed.
+        around its sequence length on the sides no node has yet, all of ``shape``'s layout; never
+        beyond ``limit`` (the largest batch size and sequence length the data has) unless ``shape``
+        is. Empty when ``shape`` is bracketed.
 
         Nodes at a few fixed values, rather than at every shape met, bound the profiles a run
         takes (at most two per ladder step the data reaches) and keep each chord short.
@@ -302,11 +319,11 @@ class ShapeFit:
                                  up(shape.batch_size, limit.batch_size if limit else None)))
         missing: list[Shape] = []
         for batch in batches:
-            lengths = [n.seq_len for n in self.nodes if n.batch_size == batch]
+            lengths = [n.seq_len for n in _family(list(self.nodes), shape) if n.batch_size == batch]
             if not any(length >= shape.seq_len for length in lengths):
-                missing.append(Shape(batch, top))
+                missing.append(Shape(batch, top, shape.layout))
             if not any(length <= shape.seq_len for length in lengths) and bottom != top:
-                missing.append(Shape(batch, bottom))
+                missing.append(Shape(batch, bottom, shape.layout))
         return missing
 
     def weights(self, shape: Shape) -> tuple[dict[Shape, float], str]:
@@ -338,7 +355,7 @@ class ShapeFit:
         if self.anchor is not None:
             anchor_shape, anchor = self.anchor
             profile = combine([profile, self.nodes[anchor_shape], anchor],
-                              Anchored(shape.tokens / anchor_shape.tokens, anchor.static_bytes))
+                              Anchored(shape.elements / anchor_shape.elements, anchor.static_bytes))
             sources.append(anchor)
         made = ", ".join(f"{s}" for s in shapes)
         profile.notes = (*dict.fromkeys(note for p in sources for note in p.notes),

@@ -1,54 +1,159 @@
 """Batch shapes and the ladder they are rounded to: what a plan that follows the batch's shape is made for.
 
-A batch is read as a ``Shape`` (batch size, sequence length). ``ladder_up``/``ladder_down`` round
-a size to a ladder of a few steps per doubling; ``ShapeBuckets`` rounds a shape up on it, so a run
-sees few distinct shapes to plan and a plan is never made for a smaller shape than its batch's. No
-torch.
+A batch is read as a ``Shape``: its batch size and sequence length, the two dimensions profiles are
+fitted over (``core.shape_fit``), and its *layout*, everything else that can change from one batch
+to the next: which tensors the batch holds (by their path in its containers) and each one's size,
+with the batch dimension written ``b`` and the sequence dimension ``s``. An image batch whose height
+grows, or a dict batch where a key appears, is another shape: never planned as the one before.
+``ladder_up``/``ladder_down`` round a size to a ladder of a few steps per doubling; ``ShapeBuckets``
+rounds a shape up on it, so a run sees few distinct shapes to plan and a plan is never made for a
+smaller shape than its batch's. No torch.
 
 Example:
     >>> ShapeBuckets(per_octave=4).up(Shape(4, 100))
     Shape(batch_size=4, seq_len=112)
+    >>> images = Shape(8, 1, (("0", (BATCH, 3, 30, 30)), ("1", (BATCH,))))
+    >>> str(images), str(ShapeBuckets(per_octave=4).up(images))
+    ('8x1 {0: bx3x30x30, 1: b}', '8x1 {0: bx3x32x32, 1: b}')
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Collection, Iterable
+
+# Markers in a layout's sizes: the batch dimension and the sequence dimension, which the shape's
+# batch size and sequence length give (and the fit interpolates over).
+BATCH, SEQUENCE = -1, -2
+_MARKS = {BATCH: "b", SEQUENCE: "s"}
+
+Entry = tuple[str, tuple[int, ...]]  # a tensor's path in the batch, and its size (with markers)
 
 
-@dataclass(frozen=True, order=True)
+def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
+    """``layout`` as sorted ``(path, size)`` tuples (lists, as JSON holds them, accepted), checked."""
+    entries = []
+    for entry in layout:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str) \
+                or not isinstance(entry[1], (list, tuple)):
+            raise ValueError(f"a layout entry must be (path, sizes), got {entry!r}")
+        path, sizes = entry
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or (size < 0 and size not in _MARKS):
+                raise ValueError(f"a layout size must be an int >= 0, BATCH or SEQUENCE, got {size!r} at {path!r}")
+        entries.append((path, tuple(sizes)))
+    entries.sort()
+    if len({path for path, _ in entries}) != len(entries):
+        raise ValueError(f"a layout names a path twice: {[path for path, _ in entries]}")
+    # One tensor of batch (and sequence) only, the batch itself: the batch size and sequence say it all.
+    if len(entries) == 1 and entries[0] in (("", (BATCH,)), ("", (BATCH, SEQUENCE))):
+        return ()
+    return tuple(entries)
+
+
+@dataclass(frozen=True, order=True, repr=False)
 class Shape:
-    """A batch's shape as the fit sees it: the batch size and the sequence length (1 for a batch
-    without one, such as images).
+    """A batch's shape: its batch size and sequence length (1 for a batch without one, such as
+    images), the dimensions the fit interpolates over, and its ``layout``: every tensor of the batch
+    as ``(path, sizes)`` (``path``: keys and indices into its containers joined by ``.``; ``sizes``:
+    its size with ``BATCH`` and ``SEQUENCE`` where the batch size and sequence length go), sorted by
+    path. Empty (the default) for a batch that is one tensor of batch and sequence only, and for a
+    shape declared by its batch size and sequence length alone.
+
+    Two shapes are *comparable* when their layouts have the same structure (the same paths, the same
+    number of dimensions, the markers in the same places); ``covers`` and ``union`` hold only between
+    comparable shapes: a new tensor or key is never covered by a plan made without it.
 
     Example:
         >>> Shape(4, 128).tokens, Shape(4, 128).covers(Shape(2, 128)), str(Shape(4, 128))
         (512, True, '4x128')
+        >>> small = Shape(8, 1, (("image", (BATCH, 3, 32, 32)),))
+        >>> large = Shape(8, 1, (("image", (BATCH, 3, 64, 48)),))
+        >>> large.covers(small), small.covers(large), small.covers(Shape(8, 1)), large.elements
+        (True, False, False, 73728)
+        >>> Shape.from_list(large.to_list()) == large, Shape(4, 128).to_list()
+        (True, [4, 128])
     """
 
     batch_size: int
     seq_len: int = 1
+    layout: tuple[Entry, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"a shape's {name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.layout, (list, tuple)):
+            raise ValueError(f"a shape's layout must be a tuple of (path, sizes), got {self.layout!r}")
+        object.__setattr__(self, "layout", _entries(self.layout))
 
     @property
     def tokens(self) -> int:
         """Batch size times sequence length."""
         return self.batch_size * self.seq_len
 
+    @property
+    def elements(self) -> int:
+        """Elements of every tensor the shape describes (``tokens`` without a layout): the size the
+        carried parts of a profile grow with across layouts."""
+        if not self.layout:
+            return self.tokens
+        return sum(math.prod(self.sizes(path)) for path, _ in self.layout)
+
+    @property
+    def structure(self) -> tuple:
+        """The layout without its sizes: paths, numbers of dimensions, where the markers are."""
+        return tuple((path, tuple(size if size < 0 else None for size in sizes)) for path, sizes in self.layout)
+
+    def sizes(self, path: str) -> tuple[int, ...]:
+        """The size of the tensor at ``path`` at this shape (markers replaced)."""
+        marked = dict(self.layout)[path]
+        return tuple({BATCH: self.batch_size, SEQUENCE: self.seq_len}.get(size, size) for size in marked)
+
+    def comparable(self, other: "Shape") -> bool:
+        """Whether ``other``'s layout has this one's structure (``covers`` and ``union`` need it)."""
+        return self.structure == other.structure
+
     def covers(self, other: "Shape") -> bool:
-        """Whether this shape is at least ``other`` in both dimensions."""
-        return self.batch_size >= other.batch_size and self.seq_len >= other.seq_len
+        """Whether this shape is comparable with ``other`` and at least ``other`` in every dimension."""
+        return (self.batch_size >= other.batch_size and self.seq_len >= other.seq_len and self.comparable(other)
+                and all(a >= b for (_, mine), (_, theirs) in zip(self.layout, other.layout)
+                        for a, b in zip(mine, theirs)))
 
     def union(self, other: "Shape") -> "Shape":
-        """The smallest shape covering both."""
-        return Shape(max(self.batch_size, other.batch_size), max(self.seq_len, other.seq_len))
+        """The smallest shape covering both (comparable shapes only: ``ValueError`` otherwise)."""
+        if not self.comparable(other):
+            raise ValueError(f"shapes of other layouts have no union: {self} and {other}")
+        layout = tuple((path, tuple(max(a, b) for a, b in zip(mine, theirs)))
+                       for (path, mine), (_, theirs) in zip(self.layout, other.layout))
+        return Shape(max(self.batch_size, other.batch_size), max(self.seq_len, other.seq_len), layout)
+
+    def to_list(self) -> list:
+        """As JSON holds it: ``[batch_size, seq_len]``, and the layout as ``[[path, [sizes]], ...]``
+        third when there is one (``from_list`` reads both)."""
+        head = [self.batch_size, self.seq_len]
+        return [*head, [[path, list(sizes)] for path, sizes in self.layout]] if self.layout else head
+
+    @classmethod
+    def from_list(cls, data: Any) -> "Shape":
+        """The shape ``to_list`` wrote (``ValueError`` for anything else)."""
+        if not isinstance(data, (list, tuple)) or len(data) not in (2, 3):
+            raise ValueError(f"a shape must be [batch_size, seq_len] or [batch_size, seq_len, layout], got {data!r}")
+        return cls(*data)
 
     def __str__(self) -> str:
-        return f"{self.batch_size}x{self.seq_len}"
+        head = f"{self.batch_size}x{self.seq_len}"
+        if not self.layout:
+            return head
+        parts = ["x".join(_MARKS.get(size, str(size)) for size in sizes) or "scalar" for _, sizes in self.layout]
+        return head + " {" + ", ".join(f"{path}: {part}" if path else part
+                                       for (path, _), part in zip(self.layout, parts)) + "}"
+
+    def __repr__(self) -> str:
+        layout = f", layout={self.layout!r}" if self.layout else ""
+        return f"Shape(batch_size={self.batch_size}, seq_len={self.seq_len}{layout})"
 
 
 def ladder_up(n: int, per_octave: int = 4) -> int:
@@ -86,24 +191,45 @@ class ShapeBuckets:
     is declared (a batch beyond it is planned at its own shape).
 
     Rounding up bounds the number of distinct plans (about ``per_octave`` per doubling of each
-    dimension) and makes every plan one for a shape at least as large as its batch's.
+    dimension) and makes every plan one for a shape at least as large as its batch's. The batch
+    size and the sequence length are always rounded; a layout's sizes (an image's height and width)
+    are rounded where ``up`` is told they vary (all of them when it is not told): a size that never
+    changes (channels, features) is planned as it is, since a model refuses any other.
 
     Example:
         >>> ShapeBuckets().up(Shape(3, 100)), ShapeBuckets(max_shape=Shape(8, 100)).up(Shape(3, 97))
         (Shape(batch_size=3, seq_len=112), Shape(batch_size=3, seq_len=100))
         >>> ShapeBuckets(per_octave=0).up(Shape(3, 100))
         Shape(batch_size=3, seq_len=100)
+        >>> image = Shape(4, 1, (("x", (BATCH, 3, 100, 100)),))
+        >>> str(ShapeBuckets().up(image)), str(ShapeBuckets().up(image, varying={("x", 2)}))
+        ('4x1 {x: bx3x112x112}', '4x1 {x: bx3x112x100}')
     """
 
     per_octave: int = 4
     max_shape: Shape | None = None
 
-    def up(self, shape: Shape) -> Shape:
-        """The bucket of ``shape``: the shape its plan is made for (covers ``shape``)."""
+    def up(self, shape: Shape, varying: Collection[tuple[str, int]] | None = None) -> Shape:
+        """The bucket of ``shape``: the shape its plan is made for (covers ``shape``). ``varying``:
+        the ``(path, dimension)`` of the layout's sizes to round (None: every size)."""
         if self.per_octave <= 0:
             return shape
-        rounded = Shape(ladder_up(shape.batch_size, self.per_octave), ladder_up(shape.seq_len, self.per_octave))
+        layout = tuple((path, tuple(size if size < 0 or (varying is not None and (path, axis) not in varying)
+                                    else ladder_up(size, self.per_octave) for axis, size in enumerate(sizes)))
+                       for path, sizes in shape.layout)
+        rounded = Shape(ladder_up(shape.batch_size, self.per_octave), ladder_up(shape.seq_len, self.per_octave),
+                        layout)
         if self.max_shape is not None:
-            rounded = Shape(min(rounded.batch_size, max(self.max_shape.batch_size, shape.batch_size)),
-                            min(rounded.seq_len, max(self.max_shape.seq_len, shape.seq_len)))
+            rounded = self._within(rounded, shape)
         return rounded
+
+    def _within(self, rounded: Shape, shape: Shape) -> Shape:
+        """``rounded`` no larger than ``max_shape`` where it rounded beyond it (the layout's sizes:
+        where ``max_shape`` has this layout's structure)."""
+        cap = self.max_shape
+        layout = rounded.layout
+        if cap.layout and cap.comparable(shape):
+            layout = tuple((path, tuple(min(r, max(c, s)) for r, c, s in zip(sizes, limit, own)))
+                           for (path, sizes), (_, limit), (_, own) in zip(rounded.layout, cap.layout, shape.layout))
+        return Shape(min(rounded.batch_size, max(cap.batch_size, shape.batch_size)),
+                     min(rounded.seq_len, max(cap.seq_len, shape.seq_len)), layout)

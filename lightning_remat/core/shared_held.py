@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Sequence
 
-from .memory_model import Profile
+from .memory_model import Profile, episode_starts
 from .spans import predict_peak_spans
 
 
@@ -51,11 +51,13 @@ def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     held: set[str] = set()
     held_after = [frozenset()]  # the labels held by the stages before each point
     prefix = [0]
+    starts = episode_starts(profile)  # a fresh stage: nothing before it is alive (memory_model)
     peak = 0
-    for stage, choice in zip(profile.stages, choices):
+    for i, (stage, choice) in enumerate(zip(profile.stages, choices)):
         option = stage.options[choice]
+        held = set() if stage.fresh else held
         counted = sum(nbytes for label, nbytes in option.held_before if label in held)
-        peak = max(peak, option.local_peak_bytes - counted + prefix[-1])
+        peak = max(peak, option.local_peak_bytes - counted + prefix[-1] - prefix[starts[i]])
         again = sum(nbytes for label, nbytes in option.shared_held if label in held)
         prefix.append(prefix[-1] + option.stored_bytes - again)
         held.update(label for label, _ in option.shared_held)
@@ -63,7 +65,7 @@ def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     for segment in profile.segments:
         k = segment.stages_alive
         saving = segment.shared_saving if segment.shared_labels and set(segment.shared_labels) <= held_after[k] else 0
-        peak = max(peak, segment.peak_bytes - saving + prefix[k])
+        peak = max(peak, segment.peak_bytes - saving + (prefix[k] - prefix[starts[k - 1]] if k else 0))
     return min(peak, additive)
 
 

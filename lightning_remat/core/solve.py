@@ -21,6 +21,7 @@ import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
+from .calls import is_tied, solve_tied, tied_dp
 from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
@@ -46,6 +47,8 @@ class _Arrays:
     # [stage] how many options it has: the rows beyond are padding (not a -1 in ``stored``, which a
     # sharded stage's real figure can be).
     options: np.ndarray = None  # type: ignore[assignment]
+    # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
+    fresh: np.ndarray = None  # type: ignore[assignment]
 
 
 def _arrays(profile: Profile, kind: str) -> _Arrays:
@@ -67,7 +70,8 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
             raise ValueError(f"segment {segment.name!r} has stages_alive={segment.stages_alive} outside 0..{n}")
         segment_peak[segment.stages_alive] = max(segment_peak[segment.stages_alive], segment.peak_bytes)
     return _Arrays(stored, local, cost, segment_peak,
-                   np.array([len(s.options) for s in profile.stages], dtype=np.int64))
+                   np.array([len(s.options) for s in profile.stages], dtype=np.int64),
+                   np.array([s.fresh for s in profile.stages], dtype=bool))
 
 
 def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -92,7 +96,9 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
     (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
-    for first, last, stored, local, seconds, flops, roofline in span_rows(profile):
+    # No span in a step that runs backward more than once (``StageProfile.fresh``): its figures assume one.
+    for first, last, stored, local, seconds, flops, roofline in [] if any(s.fresh for s in profile.stages) \
+            else span_rows(profile):
         cost = cost_of(kind, seconds, flops, roofline)
         ends[last + 1].append((first, stored, local, cost))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
@@ -134,6 +140,8 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
             t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
         sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
         src_stored = np.concatenate([frontiers[o][0] for o in origin])
+        if arrays.fresh is not None and arrays.fresh[i]:
+            src_stored = np.zeros_like(src_stored)  # the stages before it were done with (backward ran)
         src_value = np.concatenate([frontiers[o][1] for o in origin])
         which = np.repeat(np.arange(len(origin)), sizes)
         src_index = np.arange(len(src_stored)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -191,6 +199,8 @@ def least_peak(profile: Profile) -> int:
         >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
         160
     """
+    if is_tied(profile):
+        return exact_peak(profile, tied_dp(profile, None, "flops"))
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
     return exact_peak(profile, choices, spans)
 
@@ -213,6 +223,8 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     arrays = _arrays(profile, cost)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
+    if is_tied(profile):
+        return Solution(solve_tied(profile, budget, cost), [])
     spans = _span_transitions(profile, cost)
     least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
     if least is not None:
@@ -281,9 +293,16 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
                                              stage.options[0].stored_bytes, stored, float(whole.cost(kind))))
             continue
         option = stage.options[c]
-        stage_choices.append(
-            StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes, float(option.cost(kind)))
-        )
+        choice = StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes,
+                             float(option.cost(kind)))
+        if stage.call:  # a later place of a module (core.calls): one choice for the module, its places summed
+            at = next(j for j in range(len(stage_choices) - 1, -1, -1) if stage_choices[j].stage == stage.name)
+            first = stage_choices[at]
+            choice = replace(first, baseline_stored_bytes=first.baseline_stored_bytes + choice.baseline_stored_bytes,
+                             stored_bytes=first.stored_bytes + choice.stored_bytes, cost=first.cost + choice.cost)
+            stage_choices[at] = choice
+            continue
+        stage_choices.append(choice)
     return Plan(
         actions=actions,
         budget_bytes=int(budget_bytes),
@@ -300,6 +319,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
         sharding=profile.sharding,
         host_bytes=predicted.host_bytes,
         binding=_binding(profile, predicted.binding),
+        fingerprint=profile.fingerprint,  # the profiled model's shapes: apply_plan refuses other ones
     )
 
 

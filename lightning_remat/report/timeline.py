@@ -19,6 +19,7 @@ from ..runtime.measuring.measure import model_device, preserved_training_state
 from ..runtime.measuring.runner import Tracking, run_step
 from ..runtime.profiling.optimizer_step import optimizer_step_cost
 from ..runtime.measuring.tracking import TimelineTracker
+from ..runtime.measuring.user_hooks import user_hooks_suspended
 
 Step = Callable[[nn.Module], torch.Tensor]
 
@@ -70,7 +71,8 @@ def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
     """
     device = model_device(model)
     tracker = TimelineTracker(device)
-    with preserved_training_state(model, optimizer), applied(model, names, segments, policies), warnings.catch_warnings():
+    with preserved_training_state(model, optimizer), applied(model, names, segments, policies), \
+            user_hooks_suspended(model), warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
         # The optimizer is tracked (its state is part of the step's memory), not stepped.

@@ -1,5 +1,6 @@
 """What integrations report of a plan: ``plan_metrics``, the ``remat/...`` figures every one of them
-logs, and ``over_budget``, the one warning when a step they measured peaked above the budget.
+logs, and ``over_budget``, the one warning when a step they measured peaked above the budget, with
+the causes the package can see (``installation_cause``, ``shape_cause``) rather than a guess.
 
 Example:
     >>> from lightning_remat.core.plan import Plan
@@ -9,8 +10,14 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+from torch import nn
+
 from ..core.budget import format_bytes
 from ..core.plan import Plan
+from ..core.shapes import Shape
+from ..runtime.installing.verify import installation_mismatch
 
 METRIC_PREFIX = "remat/"
 # Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
@@ -51,9 +58,14 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     return {METRIC_PREFIX + k: float(v) for k, v in metrics.items()}
 
 
-def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step") -> str | None:
+def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step",
+                causes: Sequence[str | None] = ()) -> str | None:
     """The warning every integration gives when a step it measured peaked above the plan's budget
     (None when it did not, or the plan has no byte budget).
+
+    ``causes``: what the integration saw that explains it (``installation_cause``, ``shape_cause``, and
+    any other check's sentence; None entries are skipped). Said in place of the last resort,
+    "memory the profile did not see", which is said only when no cause was seen.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
@@ -62,17 +74,56 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
         True
         >>> print(over_budget(1100, plan, "step 7 (4x128)"))
         lightning-remat: step 7 (4x128) peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): memory the profile did not see. Lower the budget by the difference.
+        >>> print(over_budget(1100, plan, "step 7", [None, "this batch shape was not planned (...)"]))
+        lightning-remat: step 7 peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): this batch shape was not planned (...).
     """
     budget = plan.budget_bytes
     if budget is None or measured_peak_bytes <= budget:
         return None
     over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
             f"above the budget of {format_bytes(budget)} ({budget} bytes")
+    seen = "; ".join(dict.fromkeys(c for c in causes if c))
     if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
-        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. Every candidate block is recomputed already: "
-                "reduce the batch size, raise the budget, or name more candidates.")
+        return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. " + (f"{seen}. " if seen else "")
+                + "Every candidate block is recomputed already: reduce the batch size, raise the budget, or name "
+                "more candidates.")
     predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
+    if seen:
+        return f"{over}{predicted}): {seen}."
     return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
+
+
+def installation_cause(model: nn.Module, plan: Plan) -> str | None:
+    """Why a step over the budget ran outside its plan: what is installed on ``model`` is not ``plan``
+    (``runtime.installing.verify``), both named; None when it is installed as planned.
+
+    Example:
+        >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan(["0"]))
+        "the plan is not installed as planned (recomputed: the plan says {'0': ''}, installed is {})"
+    """
+    mismatch = installation_mismatch(model, plan)
+    return None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
+
+
+def shape_cause(plan: Plan, shape: Any) -> str | None:
+    """Why a step over the budget ran outside its plan: its batch (``shape``, a ``Shape``) is larger
+    than the shape the plan was made for (its fingerprint's ``shape``); None when the plan covers it,
+    or either shape is unknown.
+
+    Example:
+        >>> plan = Plan(["0"], fingerprint={"shape": [8, 32]})
+        >>> shape_cause(plan, Shape(8, 40))
+        'this batch shape was not planned (plan made for shape 8x32, batch is 8x40)'
+        >>> shape_cause(plan, Shape(8, 16)) is None
+        True
+    """
+    made_for = plan.fingerprint.get("shape")
+    if made_for is None or not isinstance(shape, Shape):
+        return None
+    planned = Shape(*made_for)
+    if planned.covers(shape):
+        return None
+    return f"this batch shape was not planned (plan made for shape {planned}, batch is {shape})"
 
 
 # What a plan made without a profile is, in every message that reports on it.

@@ -6,11 +6,13 @@ the last short batch). ``ShapePlans`` gives each step the plan for its own shape
 1. The first batch is profiled for real, as every integration profiled it before, and planned on
    that profile: the *anchor* (real timings, the allocator's view, an integration's adjustment).
    That is the only real profiling pass of a run, whatever the data (none with ``fake=True``).
-2. Every batch: its shape is rounded up to a bucket (``ShapeBuckets``: 16 steps per doubling of the
-   batch size and of the sequence length), whose plan is cached. A bucket met for the first time is
-   predicted from *nodes*, fake-tensor profiles at a few shapes (``core.shape_fit``: between nodes,
-   by interpolation, at or above the truth; the nodes around it that are missing are profiled, on
-   fake tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
+2. Every batch: its shape (batch size, sequence length and layout: which tensors it holds, an
+   image's height and width, ``core.shapes``) is rounded up to a bucket (``ShapeBuckets``: 16 steps
+   per doubling of the batch size, of the sequence length and of each size of the layout that
+   varies), whose plan is cached. A bucket met for the first time is predicted from *nodes*,
+   fake-tensor profiles at a few shapes of its layout (``core.shape_fit``: between nodes, by
+   interpolation, at or above the truth; the nodes around it that are missing are profiled, on fake
+   tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
    the budget. So no step runs without a plan after the first, and no step runs without
    recomputation to be profiled.
 3. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
@@ -46,18 +48,20 @@ import torch
 from torch import nn
 
 from ..core.config import ProfileOptions, RematConfig
-from ..core.errors import BudgetTooSmallError
+from ..core.errors import BudgetTooSmallError, FakeProfileError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
-from ..core.shapes import Shape, ShapeBuckets
+from ..core.shapes import Shape
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
+from ..runtime.installing.verify import check_installed
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, resize_batch
 from .planning import Planner
+from .shape_keys import ShapeKeys
 
 PLAN_FOR = ("shape", "largest")
 # Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
@@ -131,7 +135,8 @@ class ShapePlans:
             (``runs_compiled``: a ``torch.compile`` wrapper, a module compiled in place, Lightning's
             compiled module), else ``"shape"``.
         max_shape: the largest ``Shape`` (or ``(batch_size, seq_len)``) the data has, when known:
-            buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start.
+            buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start
+            (a shape without a layout bounds the batch size and sequence length of every layout).
         per_octave: plan buckets per doubling of each dimension (16: a plan is for a shape at most
             1/16 above its batch's in each dimension, at most 16 plans per doubling; 0: every shape
             its own plan, optimal for each batch at one solve per distinct shape).
@@ -179,7 +184,7 @@ class ShapePlans:
         self.model, self.loss_fn, self.optimizer, self.config = model, loss_fn, optimizer, config
         self.plan_for = plan_for
         self.max_shape = Shape(*max_shape) if isinstance(max_shape, tuple) else max_shape
-        self.buckets = ShapeBuckets(per_octave, self.max_shape)
+        self.keys = ShapeKeys(plan_for, self.max_shape, per_octave)
         self.shape_of = shape_of or batch_shape
         self.resize = resize or (lambda batch, shape: resize_batch(batch, shape))
         self.adjust, self.install = adjust, install or apply_plan
@@ -193,18 +198,27 @@ class ShapePlans:
         self.plans: dict[Shape, Plan] = {}  # bucket -> its plan
         self.sources: dict[Shape, str] = {}  # bucket -> its profile: "profile", "node", "chord", "saved"
         self.installed: Plan | None = None
-        self.largest: Shape | None = self.max_shape if plan_for == "largest" else None
         self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
 
     # ------------------------------------------------------------------------------ the interface
 
     def use(self, batch: Any) -> Plan:
-        """Install the plan for ``batch``'s shape (if it is not installed already) and return it."""
+        """Install the plan for ``batch``'s shape (if it is not installed already) and return it.
+
+        Either way what is installed is then read back and compared with the plan (cheap: the
+        installer's records against the plan's actions), so a step never runs under a plan that is
+        installed only in name.
+
+        Raises:
+            InstallationMismatchError: what is on the model is not the plan (something undid or
+                changed the installation between steps); it names both.
+        """
         plan = self.plan(batch)
         if self.installed is None or _signature(plan) != _signature(self.installed):
             self.install(self.model, plan)
             self.counts.installs += 1
         self.installed = plan
+        check_installed(self.model, plan, f"(ShapePlans.use, batch shape {self.shape_of(batch)}) {self.hint}".strip())
         return plan
 
     def plan(self, batch: Any) -> Plan:
@@ -214,11 +228,7 @@ class ShapePlans:
         shape = self.shape_of(batch)
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
-        if self.channel is not None and self.channel.distributed:
-            # Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped modules.
-            shape = Shape(int(self.channel.max(shape.batch_size)), int(self.channel.max(shape.seq_len)))
-        if self.plan_for == "largest":
-            self.largest = shape if self.largest is None else self.largest.union(shape)
+        shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes
         key = self.key(shape)
         if key not in self.plans:
             plan = self._shared(lambda: self._plan_at(batch, shape, key))
@@ -228,12 +238,13 @@ class ShapePlans:
     def key(self, shape: Shape) -> Shape:
         """The shape ``shape``'s plan is made for: its own when a plan for it exists (the profiled
         first batch), else its bucket (at least ``shape``; with ``plan_for="largest"``, at least
-        every shape met before and ``max_shape``)."""
-        if self.plan_for == "largest" and self.largest is not None:
-            shape = self.largest.union(shape)
+        every shape of its layout's structure met before and ``max_shape``). The layout's sizes that
+        have varied (an image's height) are rounded up with the batch size and sequence length;
+        those that have not (its channels) stay as they are."""
+        shape = self.keys.planned(shape)
         if shape in self.plans or shape in self._too_large:
             return shape
-        key = self.buckets.up(shape)
+        key = self.keys.bucket(shape)
         return shape if key in self._too_large else key
 
     def seed(self, shape: Shape, plan: Plan) -> None:
@@ -244,10 +255,13 @@ class ShapePlans:
 
     def predict(self, shape: Shape | tuple[int, int]) -> Profile:
         """The profile predicted at ``shape`` (no profiling: outside the nodes, by the shape law,
-        not a bound). Only once a shape other than the first batch's has been planned."""
+        not a bound; a ``(batch_size, seq_len)`` at the first batch's layout). Only once a shape
+        other than the first batch's has been planned."""
         if self.fit is None:
             raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
-        return self.fit.at(Shape(*shape) if isinstance(shape, tuple) else shape)
+        if isinstance(shape, tuple):
+            shape = Shape(*shape, self.anchor[0].layout if self.anchor is not None else ())
+        return self.fit.at(shape)
 
     def profile_of(self, plan: Plan) -> Profile | None:
         """The profile ``plan`` (one of these plans) was solved on, without profiling anything: the
@@ -256,7 +270,7 @@ class ShapePlans:
         shape = plan.fingerprint.get("shape")
         if shape is None:
             return None
-        key = Shape(*shape)
+        key = Shape.from_list(shape)
         if self.anchor is not None and key == self.anchor[0]:
             return self.anchor[1]
         return self.fit.at(key) if self.fit is not None else None
@@ -319,7 +333,7 @@ class ShapePlans:
         plan = self.planner.solve_profile(self.model, profile)
         # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
         return replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.model, batch),
-                                          "shape": [key.batch_size, key.seq_len]})
+                                          "shape": key.to_list()})
 
     def _first(self, batch: Any) -> None:
         """The first batch: profiled for real (``fake``: on fake tensors), ``adjust`` applied: the
@@ -346,10 +360,13 @@ class ShapePlans:
     def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
         """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
         first node at ``key``, then the ladder nodes around ``key`` that are missing."""
-        if self.fit is None and self.anchor is not None:
+        if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
             anchor_shape, anchor = self.anchor
             self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
-        elif self.fit is None:  # a plan was seeded (a resumed run), nothing was profiled: start at ``key``
+        elif self.fit is None:
+            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
+            # stretched to the first batch's layout (a key appeared), so no fake node can be
+            # compared with its real profile: start at ``key``, anchored on its own fake node.
             node = self._fake_profile(batch, key)
             self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
         for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
@@ -380,7 +397,11 @@ class ShapePlans:
                           device=self.config.profile.device or str(model_device(self.model)))
         self.counts.fake_profiles += 1
         with self.planner.progress(self.model, fake=True):
-            profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer, options=options)
+            try:
+                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
+                                                 options=options)
+            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
+                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
         # No real timing: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         seconds_per_flop = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return _priced(profile, seconds_per_flop) if seconds_per_flop else profile

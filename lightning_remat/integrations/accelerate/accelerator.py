@@ -15,6 +15,7 @@ Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -23,7 +24,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from ...core.config import renamed_arguments
-from ...core.errors import AlreadyCheckpointedError, UnsupportedSetupError, UnsupportedShardingError
+from ...core.errors import (AlreadyCheckpointedError, ConflictingArgumentsError, UnsupportedSetupError,
+                            UnsupportedShardingError)
 from ...core.plan import Plan
 from ...runtime.installing.apply import existing_checkpointing
 from ...runtime.profiling.candidates import find_stages
@@ -100,6 +102,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         NoCandidateError: the model has no module to recompute (set ``candidates``).
         UnsupportedSetupError: (a ``NotImplementedError``) DeepSpeed, Megatron-LM, XLA or torch.compile
             through Accelerate; ``UnsupportedShardingError`` (one of them) for FSDP1.
+        ConflictingArgumentsError: the model has a session with other settings already (two
+            ``RematTrainerCallback``s with different budgets), naming both.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
@@ -117,11 +121,13 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
             accelerator.remat_metrics = {}
             accelerator.remat_plan = None
     if not plugin.enabled:
+        warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
         return model
     if accelerator is not None:
         _check_supported(accelerator)
     inner = _inner_model(model)
     if inner in _SESSIONS:
+        _check_same_settings(_SESSIONS[inner].plugin, plugin)
         return model
     existing = existing_checkpointing(inner)
     if existing:
@@ -134,6 +140,25 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         accelerator.remat_metrics = session.metrics
     _SESSIONS[inner] = session
     return model
+
+
+def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
+    """A model has one session: a second asking for other settings (two ``RematTrainerCallback``s,
+    ``prepare_remat`` beside ``RematAccelerator``) is refused, not ignored. The same settings again
+    (a second ``trainer.train()``) reuse it."""
+    if held != asked:
+        differ = [f"{name}={getattr(held, name)!r} and {name}={getattr(asked, name)!r}"
+                  for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
+                  if getattr(held, name) != getattr(asked, name)]
+        raise ConflictingArgumentsError(
+            f"lightning-remat: this model is planned already, with other settings: {'; '.join(differ)}. A second "
+            "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")
+
+
+# Without a budget RematAccelerator and prepare_remat do nothing; they say so (issue 29: a script that went
+# on to read remat_plan.summary() crashed on None, with nothing said).
+NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {ENV_BUDGET} is not set: recomputing "
+             "nothing; remat_plan stays None and remat_metrics empty")
 
 
 def remat_session(model: nn.Module) -> RematSession | None:
@@ -166,7 +191,8 @@ class RematAccelerator(Accelerator):
 
     Attributes:
         remat_plugin: the settings in use.
-        remat_plan: the applied ``Plan`` (None before it is made, or when disabled).
+        remat_plan: the applied ``Plan`` (None before it is made, or without a budget: then
+            ``RematAccelerator()`` warns that it recomputes nothing).
         remat_metrics: ``remat/budget_bytes``, ``remat/baseline_peak_bytes``,
             ``remat/predicted_peak_bytes``, ``remat/predicted_overhead``, ``remat/num_checkpointed``
             once planned, and ``remat/measured_peak_bytes`` after the next step; the same figures
@@ -199,6 +225,8 @@ class RematAccelerator(Accelerator):
         self.remat_metrics: dict[str, float] = {}
         if plugin.enabled:
             _check_supported(self)
+        elif self.is_main_process:  # a no-op, said once: remat_plan stays None
+            warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
     def _prepare_fsdp2(self, *args: Any) -> Any:
         """Prepare as Accelerate does with FSDP2 (which shards in place and does not go through

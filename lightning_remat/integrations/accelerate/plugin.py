@@ -31,6 +31,7 @@ METRIC_NAMES = (
     "remat/measured_peak_bytes",
     "remat/predicted_overhead",
     "remat/num_checkpointed",
+    "remat/num_plans",  # plans the run made (one per batch shape): the figures above are its largest's
 )
 
 @dataclass

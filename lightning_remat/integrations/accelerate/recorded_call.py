@@ -33,7 +33,7 @@ from ...runtime.measuring.measure import PeakWindow
 from ...runtime.measuring.meter import model_state_bytes
 from ...runtime.measuring.tracking import snapshot_by_category
 from ...core.shapes import Shape
-from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, resize_batch
+from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, cycled, path_in, size_at
 from ...runtime.profiling.profile_adjust import with_always_alive
 
 # The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
@@ -111,7 +111,11 @@ class RecordedCall:
                 raise StepError("the model returned a loss when it was observed, and none when re-run")
             return loss
         leaves = tensor_leaves(output)
-        terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in self.grads.items()]
+        # A call stretched to another shape (a template's) may give an output of a size its recorded
+        # gradient lacks (an image's height): a gradient of the output's own size stands in for it.
+        grads = {i: grad if grad.shape == leaves[i].shape else grad.new_zeros(leaves[i].shape)
+                 for i, grad in self.grads.items()}
+        terms = [(leaves[i] * grad.to(leaves[i].dtype)).sum().float() for i, grad in grads.items()]
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
@@ -137,13 +141,30 @@ class TensorSpec:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def resized(self, source: Shape, target: Shape) -> "TensorSpec":
-        """At ``target``, as ``resize_batch`` stretches a tensor of a batch at ``source``."""
+        """At ``target``'s batch size and sequence length, where it has ``source``'s (an output's
+        gradient: its other sizes are the model's to decide)."""
         shape = list(self.shape)
         if shape and shape[0] == source.batch_size:
             shape[0] = target.batch_size
             if len(shape) >= 2 and source.seq_len > 1 and shape[1] == source.seq_len:
                 shape[1] = target.seq_len
         return replace(self, shape=tuple(shape))
+
+
+def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
+    """``value`` (a call's inputs at ``source``, ``TensorSpec``s among them) at ``target``: each
+    tensor and spec at its size there (``size_at``), tensors cycled as ``resize_batch`` does."""
+    if isinstance(value, TensorSpec):
+        return replace(value, shape=size_at(path, value.shape, source, target))
+    if isinstance(value, torch.Tensor):
+        return cycled(value, size_at(path, tuple(value.shape), source, target))
+    if isinstance(value, Mapping):
+        return {k: _stretched(v, path_in(path, k), source, target) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_stretched(v, path_in(path, i), source, target) for i, v in enumerate(value)))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_stretched(v, path_in(path, i), source, target) for i, v in enumerate(value))
+    return value
 
 
 def _specs(value: Any, change: Any) -> Any:
@@ -187,13 +208,31 @@ class CallTemplate:
                    {i: TensorSpec.of(g) for i, g in call.grads.items()}, call.used_model_loss)
 
     def at(self, shape: Shape) -> "CallTemplate":
-        """This call at ``shape``: integer inputs cycled as ``resize_batch`` does, the rest by shape."""
+        """This call at ``shape`` (of its layout's structure, or without a layout: the batch size and
+        sequence length alone): integer inputs cycled as ``resize_batch`` does, the rest by shape."""
         if shape == self.shape:
             return self
-        args, kwargs = resize_batch((self.args, self.kwargs), shape, self.shape)
-        stretch = lambda spec: spec.resized(self.shape, shape)  # noqa: E731
-        return replace(self, args=_specs(args, stretch), kwargs=_specs(kwargs, stretch), shape=shape,
-                       grads={i: stretch(g) for i, g in self.grads.items()})
+        if shape.layout and not self.shape.comparable(shape):
+            raise ValueError(f"a call of shape {self.shape} cannot be stretched to {shape}: another layout")
+        args, kwargs = _stretched((self.args, self.kwargs), "", self.shape, shape)
+        return replace(self, args=args, kwargs=kwargs, shape=shape,
+                       grads={i: g.resized(self.shape, shape) for i, g in self.grads.items()})
+
+    def following(self, args: tuple, kwargs: dict, shape: Shape | None = None) -> "CallTemplate":
+        """This call at the shape of another call of the model (``shape``: its ``batch_shape``):
+        stretched where that has this call's layout, else (a key appeared) a template of that call's
+        own inputs, with what this one recorded of the outputs.
+
+        Example:
+            >>> call = RecordedCall(args=(), kwargs={"x": torch.ones(2, 5)})
+            >>> template = CallTemplate.of(call)
+            >>> [str(template.following((), {"x": x}).shape) for x in (torch.ones(2, 7), torch.ones(2, 7, 3))]
+            ['2x1 {1.x: bx7}', '2x1 {1.x: bx7x3}']
+        """
+        shape = shape or batch_shape((args, kwargs)) or Shape(1)
+        if self.shape.comparable(shape):
+            return self.at(shape)
+        return replace(self, args=_specs(args, TensorSpec.of), kwargs=_specs(kwargs, TensorSpec.of), shape=shape)
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model`` (as ``RecordedCall.loss``)."""

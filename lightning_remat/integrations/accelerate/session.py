@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.apply import apply_plan
+from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import Planner, over_budget, plan_metrics
+from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .plugin import ENV_BUDGET, RematPlugin
@@ -71,8 +73,10 @@ class RematSession:
     (the first step with the plan), ``"done"``.
 
     Attributes:
-        plan: the applied ``Plan`` (None until it is made).
-        metrics: ``remat/...`` figures, as logged (``remat/measured_peak_bytes`` once measured).
+        plan: the applied ``Plan`` (None until it is made): the plan of the latest batch's shape.
+        plans: every plan the run made, in order (one per batch shape met).
+        metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
+            ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
         observed_steps: training steps (forward and backward) seen so far.
 
     Example:
@@ -95,6 +99,7 @@ class RematSession:
         self.plugin = plugin
         self.accelerator = accelerator
         self.plan: Plan | None = None
+        self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.phase = "observe"
         self.observed_steps = 0
@@ -111,13 +116,17 @@ class RematSession:
         # After the first plan: the plan of each batch's shape (not under FSDP2), from the observed call.
         self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | None = None
+        self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds the optimizer when it first steps, if no accelerator told us about it.
-            register_optimizer_step_post_hook(self._discover_optimizer),
+            # Finds the optimizer as it first steps, if no accelerator told us about it: before its step, so
+            # that this step's own hooks (run after the global ones) see it: the observed step's peak before
+            # the optimizer, and the step boundary after it (issue 29: prepare_remat before the Trainer,
+            # which makes its optimizer later, counted Adam's new state as memory the loop carries).
+            register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
     # -- hooks -----------------------------------------------------------------------------
@@ -139,10 +148,14 @@ class RematSession:
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.shape_plans is not None:
             self._follow_shape(args, kwargs)
+        elif self.plan is not None:  # a plan kept (FSDP2: no shapes followed) is checked, not assumed
+            self.check_plan()
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
+        if self.phase == "measure" and self._window is not None:
+            self._metered.append((self.plan, batch_shape((args, kwargs))))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
@@ -167,6 +180,8 @@ class RematSession:
 
     def _discover_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.phase != "done" and not self._busy and self._holds_model_parameters(optimizer):
+            if self._window is not None and self._window.optimizer is None:
+                self._window.optimizer_had_state = bool(optimizer.state)  # as its forward and backward ran
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -251,7 +266,7 @@ class RematSession:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
-            self._window = WindowTracker(self.model, self._known_optimizer())
+            self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
@@ -300,7 +315,7 @@ class RematSession:
         known = len(self.shape_plans.plans)
         self._busy = True
         try:
-            plan = self.shape_plans.use(self._template.at(shape))
+            plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
         finally:
             self._busy = False
         if len(self.shape_plans.plans) > known:
@@ -311,7 +326,13 @@ class RematSession:
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
         self.plan = plan
-        self.metrics.update(plan_metrics(plan))
+        self.plans.append(plan)
+        # The run's figures are its plan of the largest predicted peak, not the latest shape's (a later,
+        # shorter batch's plan hid a longer one's), beside the number of plans (docs/accelerate.md).
+        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
+        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
+            del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
+        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
         if channel.is_main:
@@ -332,19 +353,32 @@ class RematSession:
         window, self._window = self._window, None
         channel = self._channel()
         # The largest peak of any rank: the budget holds on every one or it does not hold.
-        measured = {"remat/measured_peak_bytes": channel.max(window.close())}
+        peak = channel.max(window.close())
+        # Over the run: the largest of the measured steps (each new plan's first).
+        measured = {"remat/measured_peak_bytes": max(peak, self.metrics.get("remat/measured_peak_bytes", 0))}
         if window.reserved_bytes is not None:
             # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = channel.max(window.reserved_bytes)
+            measured["remat/measured_reserved_bytes"] = max(channel.max(window.reserved_bytes),
+                                                            self.metrics.get("remat/measured_reserved_bytes", 0))
         self.metrics.update(measured)
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        peak = int(self.metrics["remat/measured_peak_bytes"])
+        peak = int(peak)
         if channel.is_main:
             logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)")
+            # What the package can see of a step over the budget: the plan not installed, a batch not planned.
+            causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
+                                                                    if p is not None)]
+            warning = over_budget(peak, self.plan, f"training step {self.observed_steps} (with its plan)", causes)
             if warning is not None:
                 warnings.warn(warning, UserWarning, stacklevel=2)
         self._log(measured)
+
+    def check_plan(self, where: str = "") -> None:
+        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what is installed
+        on the model (``runtime.installing.verify``): at every training forward, and from the Trainer's
+        callback at every step."""
+        if self.plan is not None:
+            check_installed(self.model, self.plan, where or f"(lightning-remat, Accelerate step {self.observed_steps})")
 
     def _channel(self) -> Channel:
         """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""

@@ -90,6 +90,8 @@ class RematTrainerCallback(TrainerCallback):
     - Gradient accumulation (``gradient_accumulation_steps``): the later micro-batches' gradients
       are counted, and the measured step is a whole accumulation window. Under DDP every rank wraps
       the main process's plan. The evaluation loop (no gradients) is not planned.
+    - One callback per model: a second with other settings (another budget) is refused at
+      ``on_train_begin`` with ``ConflictingArgumentsError`` naming both, not ignored.
     - Metrics go to ``trainer.state.log_history``; reporters (``report_to``) receive what
       ``Trainer.log`` sends them, which these figures are not part of.
 
@@ -131,6 +133,11 @@ class RematTrainerCallback(TrainerCallback):
             return
         prepare_remat(model, self.remat_plugin, accelerator=_TrainerAccelerator(args, optimizer))
         self.session = remat_session(model)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Every optimizer step runs under the plan as planned: checked, never assumed.
+        if self.session is not None:
+            self.session.check_plan(f"(RematTrainerCallback, step {state.global_step})")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._log_new_figures(state)

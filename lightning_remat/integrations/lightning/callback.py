@@ -17,16 +17,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ...core.errors import SkippedStepError
-from ...core.plan import Plan, saved_plans
+from ...core.plan import Plan, saved_plans, saved_state_plans
 from ...core.shapes import Shape
 from ...report.render import print_plan
-from ...runtime.installing.apply import (apply_plan, checkpoint_policies, checkpointed_modules, remove_remat,
-                                         segmented_modules)
+from ...runtime.installing.apply import apply_plan, remove_remat
+from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
 from ...runtime.measuring.measure import PeakWindow
 from ...service.planning import Planner, plan_metrics
+from ...service.plan_figures import installation_cause, shape_cause
 from ...service.shape_plans import ShapePlans
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
@@ -112,8 +113,8 @@ class AutoRemat(Callback):
       and the optimizers' and schedulers' ``step()`` doing nothing (``step.manual_step_closure``);
       every optimizer's state and step is counted. The gradients are left as ``training_step``
       leaves them (zero them at its start, as Lightning's examples do, or they count against the
-      budget from the previous step on). Several ``manual_backward`` calls in one step are planned
-      as one backward of their sum (an over-estimate, with a warning).
+      budget from the previous step on). Several ``manual_backward`` calls in one step are profiled
+      as they run, each graph freed at its backward (``StageProfile.fresh``).
     - Validation and test batches are predicted before they run (``loop_peaks.py``: no activations
       saved for backward, but their own batch and the training's memory alive) and one predicted
       over the budget gets a warning naming the largest batch of that loop that fits. They are
@@ -160,9 +161,11 @@ class AutoRemat(Callback):
         self._measure_in: int | None = None  # batches until the measured window starts
         self._window_left = 0
         self._meter: PeakWindow | None = None
+        self._metered: list[tuple[Plan, Any]] = []  # the measured window's batches: (their plan, their shape)
         self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
+        self._skipped: list[str] = []  # why each batch was skipped while nothing was planned
         self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
         self._trainer: Trainer | None = None
 
@@ -195,9 +198,7 @@ class AutoRemat(Callback):
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
-        if (checkpointed_modules(pl_module) != list(self.plan.checkpointed)
-                or segmented_modules(pl_module) != [list(s) for s in self.plan.segments]
-                or checkpoint_policies(pl_module) != dict(self.plan.policies)):
+        if installation_mismatch(pl_module, self.plan) is not None:
             self._apply(trainer, pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")
@@ -213,7 +214,8 @@ class AutoRemat(Callback):
         try:
             planned = (self._sharded_plan if fsdp2_sharded(pl_module) else self._shape_plan)(trainer, pl_module,
                                                                                              batch, batch_idx)
-        except SkippedStepError:
+        except SkippedStepError as skipped:
+            self._skipped.append(str(skipped).partition(":")[0])
             return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
@@ -229,7 +231,9 @@ class AutoRemat(Callback):
             elif batch_idx % window == 0:
                 # One meter over a whole accumulation window: every micro-batch and the optimizer step.
                 self._measure_in, self._window_left = None, window
-                self._meter = PeakWindow(pl_module, trainer_optimizers(trainer) or None)
+                self._meter, self._metered = PeakWindow(pl_module, trainer_optimizers(trainer) or None), []
+        if self._meter is not None:
+            self._metered.append((self.plan, batch_shape(batch)))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -240,11 +244,18 @@ class AutoRemat(Callback):
             return
         meter, self._meter = self._meter, None
         assert self.plan is not None
+        # What the package can see of a step over the budget: the plan not installed, a batch not planned.
+        causes = [installation_cause(pl_module, self.plan), *(shape_cause(p, shape) for p, shape in self._metered)]
         self.measured_peak_bytes = report_measured_peak(trainer, self.plan, meter, batch_idx, self.verbose,
-                                                        self._log_metrics)
+                                                        self._log_metrics, causes)
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
                              trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.plan is None and self._skipped:  # a fit that planned nothing says so, and why
+            rank_zero_warn(f"AutoRemat planned nothing: every one of the {len(self._skipped)} training batch(es) was "
+                           f"skipped ({self._skipped[-1]}), and a plan is made on a batch that returns a loss.")
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -265,11 +276,11 @@ class AutoRemat(Callback):
         plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
         return {"plan": self.plan.to_dict() if self.plan is not None else None,
                 "measured_peak_bytes": self.measured_peak_bytes,
-                "plans": [[shape.batch_size, shape.seq_len, plan.to_dict()] for shape, plan in plans.items()]}
+                "plans": saved_state_plans(plans)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
-        self.plan, self._saved_plans = plan, {Shape(b, s): p for b, s, p in plans}
+        self.plan, self._saved_plans = plan, dict(plans)
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
@@ -316,6 +327,7 @@ class AutoRemat(Callback):
         channel = lightning_channel(trainer)
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
+                check_installed(pl_module, self.plan, f"(AutoRemat, batch {batch_idx})")  # kept: checked, not assumed
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
@@ -359,7 +371,8 @@ class AutoRemat(Callback):
             self._measure_in = -(-self.profile_steps // window) * window
             return
         if self.verbose:
-            rank_zero_info(f"AutoRemat: a plan for batch shape {self.plan.fingerprint.get('shape')}: "
+            shape = self.plan.fingerprint.get("shape")
+            rank_zero_info(f"AutoRemat: a plan for batch shape {Shape.from_list(shape) if shape else '?'}: "
                            f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
                            f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
         if self._meter is None and self._measure_in is None:

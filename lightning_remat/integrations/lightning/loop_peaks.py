@@ -32,6 +32,7 @@ from ...core.loop_fit import ForwardFit
 from ...runtime.measuring.measure import RandomState
 from ...runtime.measuring.meter import PeakWindow, model_state_bytes
 from ...runtime.measuring.runner import model_device
+from ...runtime.measuring.user_hooks import user_hooks_suspended
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -82,7 +83,7 @@ def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
     grads = {p: p.grad for p in model.parameters()}
     window = PeakWindow(model, optimizers)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), user_hooks_suspended(model):
             step(model)
     finally:
         peak = window.close()

@@ -7,7 +7,7 @@ warns when it is over the budget.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -29,9 +29,11 @@ def figure(nbytes: int | None, other: int | None) -> str:
 
 
 def report_measured_peak(trainer: Trainer, plan: Plan, meter: PeakWindow, batch_idx: int, verbose: bool,
-                         log_metrics: Callable[[Trainer, dict[str, float]], None]) -> int:
+                         log_metrics: Callable[[Trainer, dict[str, float]], None],
+                         causes: Sequence[str | None] = ()) -> int:
     """Close ``meter``, log the largest peak of any rank (and on CUDA the reserved peak beside it),
-    warn when it is over the budget (or say it when ``verbose``); the measured peak."""
+    warn when it is over the budget, with the ``causes`` seen (``over_budget``), or say it when
+    ``verbose``; the measured peak."""
     channel = lightning_channel(trainer)
     # The largest peak of any rank: the budget holds on every one or it does not hold.
     measured_peak = int(channel.max(meter.close()))
@@ -48,7 +50,7 @@ def report_measured_peak(trainer: Trainer, plan: Plan, meter: PeakWindow, batch_
                f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                f"{' (a whole accumulation window)' if trainer.accumulate_grad_batches > 1 else ''}: "
                f"{figure(measured_peak, plan.budget_bytes)} ({predicted}, budget {budget})")
-    warning = over_budget(measured_peak, plan, f"a steady training step (batch {batch_idx})")
+    warning = over_budget(measured_peak, plan, f"a steady training step (batch {batch_idx})", causes)
     if warning is not None:
         rank_zero_warn(message + ". " + warning)
     elif verbose:

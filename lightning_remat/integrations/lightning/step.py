@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -118,35 +117,57 @@ def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[N
 _MISSING = object()
 
 
-def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
-    # The profile sets the gradients itself before each pass and puts them back after; a
-    # prediction's forward must not drop the training's gradients either.
-    return None
+def _zero_grad_in_passes(optimizer: Any) -> Callable[..., None]:
+    """``optimizer.zero_grad`` that runs only with gradients enabled: in a profiling pass the gradients
+    are the pass's own (the profile puts the training's aside and back), dropped where training drops
+    them; a prediction's forward (``torch.no_grad()``) must not drop the training's."""
+    original = optimizer.zero_grad
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        if torch.is_grad_enabled():
+            original(*args, **kwargs)
+    return zero_grad
 
 
 def _held_still(trainer: Any) -> list[tuple[Any, str, Any]]:
     """What ``training_step`` may change under manual optimization, each made to do nothing: the
-    optimizers' and Lightning's wrappers' (``self.optimizers()``) ``step`` and ``zero_grad``, and the
-    learning-rate schedulers' (``self.lr_schedulers()``) ``step``."""
+    optimizers' and Lightning's wrappers' (``self.optimizers()``) ``step`` and the learning-rate
+    schedulers' (``self.lr_schedulers()``) ``step``; and their ``zero_grad``, outside passes with
+    gradients (``_zero_grad_in_passes``)."""
     if trainer is None:
         return []
     optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
     schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
     return ([(o, "step", _no_step) for o in optimizers + schedulers]
-            + [(o, "zero_grad", _no_zero_grad) for o in optimizers])
+            + [(o, "zero_grad", _zero_grad_in_passes(o)) for o in optimizers])
+
+
+class _BackwardDone(torch.autograd.Function):
+    """The loss a manual step returns once ``training_step`` ran every backward itself: its value is
+    the losses' sum, its backward does nothing (and allocates nothing: its anchor is empty)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
 
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
     """``step(module)`` for a LightningModule under manual optimization: ``training_step`` runs with
-    ``self.manual_backward(loss)`` keeping the loss instead of running backward, and the optimizers'
-    and schedulers' ``step()`` and the optimizers' ``zero_grad()`` doing nothing (given a closure, an
-    optimizer runs it), so the call changes no parameter, gradient, state or schedule; the profile runs backward on the returned loss and
-    counts every optimizer's state and step itself (``plan_remat(optimizer=[...])``).
+    ``self.manual_backward(loss)`` running backward where it is called, as in training, and the
+    optimizers' and schedulers' ``step()`` doing nothing (given a closure, an optimizer runs it), so
+    the call changes no parameter, state or schedule; it returns a
+    loss whose backward does nothing more, and the profile puts the gradients back and counts every
+    optimizer's state and step itself (``plan_remat(optimizer=[...])``).
 
-    One ``manual_backward`` per ``training_step`` is modelled exactly. Several (a GAN's generator
-    and discriminator steps) are planned as one backward of their sum, with every graph alive
-    until then: an over-estimate, said in a warning.
+    Several ``manual_backward`` calls (a GAN's generator and discriminator steps) are profiled as
+    they run: each graph freed at its backward, the gradients alive as the optimizers' ``zero_grad``
+    calls leave them (``StageProfile.fresh``). Under ``torch.no_grad()`` (a prediction's forward)
+    nothing runs backward and ``zero_grad`` does nothing.
 
     Example:
         >>> import lightning.pytorch as L
@@ -159,8 +180,8 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
         ...         self.manual_backward(self.net(batch).sum())   # kept, not run, while profiling
         >>> module = Manual()
         >>> loss = manual_step_closure(module, torch.ones(2, 4))(module)
-        >>> loss.requires_grad, module.net.weight.grad is None
-        (True, True)
+        >>> loss.requires_grad, module.net.weight.grad.shape   # backward ran where training_step called it
+        (True, torch.Size([1, 4]))
     """
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -169,18 +190,19 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
     def step(module: nn.Module) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        kept = [(module, "manual_backward", lambda loss, *args, **kwargs: losses.append(loss))]
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            losses.append(loss.detach())
+            if loss.requires_grad:  # not under torch.no_grad() (a prediction's forward)
+                loss.backward(*args, **kwargs)
+
         with context(), logging_muted(module), \
-                _attributes_replaced(kept + _held_still(trainer)):
+                _attributes_replaced([(module, "manual_backward", backward)] + _held_still(trainer)):
             module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
         if not losses:
             raise SkippedStepError("training_step made no self.manual_backward(loss) call (it skips this batch): "
                                    "lightning-remat profiles the first batch whose training_step runs one")
-        if len(losses) > 1:
-            warnings.warn(f"lightning-remat: training_step calls manual_backward {len(losses)} times; the plan models "
-                          "one backward of their sum, with every graph alive until then (an over-estimate)",
-                          UserWarning, stacklevel=2)
-        return losses[0] if len(losses) == 1 else torch.stack([loss.float() for loss in losses]).sum()
+        return _BackwardDone.apply(losses[-1].new_empty(0).requires_grad_(), sum(losses))
 
     return step
 

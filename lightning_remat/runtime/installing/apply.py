@@ -19,7 +19,8 @@ Semantics users should know:
   original modules (names of the uncompiled model, no ``_orig_mod.``), and the
   compiled module recompiles with the recompute at its next call.
 - Forward hooks of the *children* of a recomputed module run again during backward; the module's
-  own hooks run once, since they sit outside the recomputed forward.
+  own hooks run once, since they sit outside the recomputed forward. So does Python code in the
+  module's forward (a counter, a list of activations): ``recomputing()`` tells the recompute apart.
 - Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
 - A plan's ``policies`` run a module under op-level selective checkpointing (``runtime.sac``): the
   checkpoint's ``context_fn`` is the policy's pair of contexts and nothing else, so it is the same
@@ -164,9 +165,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         PlanMismatchError: the plan was made for other parameter shapes, or a model of another
-            size (``fingerprint.check_binding``; a ``ValueError``).
-        ValueError: a name is not a module of ``model``; ``InvalidPlanError`` (a ``ValueError``) naming
-            both when a name lies inside another named module (the root ``""`` holds every other).
+            size (``fingerprint.check_binding``), or names a module ``model`` lacks (a ``ValueError``).
+        ValueError: ``InvalidPlanError`` (a ``ValueError``) naming both when a name lies inside
+            another named module (the root ``""`` holds every other).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -185,6 +186,27 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
             "Not applying the recompute plan, to avoid checkpointing twice: " + "; ".join(existing)
         )
     return installer.install(model, plan)
+
+
+def recomputing() -> bool:
+    """Whether the forward running now is a recompute (in backward, while the autograd engine runs)
+    rather than the step's own forward: guard Python side effects of a module's forward with it (a
+    counter, activations collected in a list), which a recomputed module would otherwise repeat.
+    True for any forward inside backward, ``torch.utils.checkpoint``'s own recomputes too.
+
+    Example:
+        >>> calls = []
+        >>> class Counted(nn.Linear):
+        ...     def forward(self, x):
+        ...         if not recomputing():
+        ...             calls.append(1)
+        ...         return super().forward(x)
+        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
+        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
+        >>> len(calls)  # the recompute in backward did not count
+        1
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 def remove_remat(model: nn.Module) -> nn.Module:

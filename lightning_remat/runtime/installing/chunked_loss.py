@@ -63,7 +63,7 @@ class HeadLoss:
 def find_head_loss(model: nn.Module) -> HeadLoss | None:
     """The causal LM head and loss of ``model``, or None: the outermost Hugging Face ``*ForCausalLM``
     or ``*LMHeadModel`` (looked for inside wrappers such as PEFT's) whose ``lm_head`` is a linear
-    layer and whose loss is ``ForCausalLMLoss`` (a model with a loss of its own is not chunked);
+    layer and whose loss can be chunked exactly (``label_smoothing``: a model with a loss of its own is not);
     else a linear layer whose loss ``head_loss`` computed (``root`` None: nothing to route).
 
     Example:
@@ -74,15 +74,77 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         head = getattr(module, "lm_head", None)
-        if not isinstance(head, nn.Linear) or "_loss_function" in module.__dict__:
-            continue
-        try:
-            loss = module.loss_function
-        except AttributeError:
-            continue
-        if getattr(loss, "__name__", "") == "ForCausalLMLoss":
+        if isinstance(head, nn.Linear) and label_smoothing(module) is not None:
             return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
     return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
+
+
+@dataclass(frozen=True)
+class CausalLMLoss:
+    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, as a causal LM's ``loss_function``
+    that a chunked loss computes exactly: ``model.loss_function = CausalLMLoss(label_smoothing=0.1)``.
+    A ``loss_function`` of the user's own cannot be chunked (its code is not the chunks'); this one can.
+
+    Example:
+        >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
+        >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+        >>> plain = F.cross_entropy(logits.reshape(-1, 16), shifted, label_smoothing=0.1)
+        >>> torch.allclose(CausalLMLoss(0.1)(logits, labels, 16), plain)
+        True
+    """
+
+    label_smoothing: float = 0.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch: Any = None,
+                 ignore_index: int = IGNORE_INDEX, shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(logits.device)
+        total = _chunk_loss(lambda x: x, logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index,
+                            self.label_smoothing)
+        return _divided(total, shift_labels, ignore_index, num_items_in_batch)
+
+
+def label_smoothing(model: nn.Module) -> float | None:
+    """The label smoothing of ``model``'s ``loss_function`` as it is now, where a chunked loss computes
+    it exactly: transformers' ``ForCausalLMLoss`` (0.0) or a ``CausalLMLoss``; None for any other loss
+    (a ``loss_function`` of the user's own), which is not chunked.
+
+    Example:
+        >>> label_smoothing(nn.Linear(2, 2)) is None
+        True
+    """
+    try:
+        loss = model.loss_function
+    except AttributeError:
+        return None
+    if isinstance(loss, CausalLMLoss):
+        return loss.label_smoothing
+    own = getattr(loss, "__name__", "") == "ForCausalLMLoss" and getattr(loss, "__module__", "").startswith(
+        "transformers.")
+    return 0.0 if own else None
+
+
+def refused(model: nn.Module) -> str | None:
+    """Why ``chunk_loss`` leaves the head of ``model`` whole: a causal LM whose ``loss_function`` is its
+    user's own (a note for the profile), or None.
+
+    Example:
+        >>> refused(nn.Linear(2, 2)) is None
+        True
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and label_smoothing(module) is None:
+            loss = getattr(module, "loss_function", None)
+            if loss is not None and isinstance(getattr(module, "lm_head", None), nn.Linear):
+                return (f"chunk_loss: {type(module).__name__}.loss_function is {_named(loss)}, not transformers' "
+                        "ForCausalLMLoss or lightning_remat.CausalLMLoss, so a chunked loss would not be its loss: "
+                        "its head and loss are kept whole (docs/long_context.md)")
+    return None
+
+
+def _named(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
 
 
 def declared(head: nn.Module) -> bool:
@@ -106,16 +168,17 @@ def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
 
 
 def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
-                ignore_index: int) -> torch.Tensor:
+                ignore_index: int, smoothing: float = 0.0) -> torch.Tensor:
     # As ForCausalLMLoss: logits upcast to float before the cross-entropy; summed here, divided once.
+    # With label smoothing the sum over tokens divided by the valid ones is still torch's mean.
     logits = project(hidden).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
-                           reduction="sum")
+                           reduction="sum", label_smoothing=smoothing)
 
 
 def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, chunks: int, ignore_index: int = IGNORE_INDEX,
-                          num_items_in_batch: Any = None) -> torch.Tensor:
+                          num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
     """``ForCausalLMLoss(project(hidden), ...)`` computed over ``chunks`` chunks of the sequence (the
     second-last dimension of ``hidden``), each recomputed in backward: only one chunk's logits exist
     at a time. ``shift_labels`` are the labels already shifted (position ``t`` predicts ``t + 1``).
@@ -133,9 +196,10 @@ def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidde
     for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)):
         if torch.is_grad_enabled():
             # No random ops in a projection and a cross-entropy: no RNG state to keep.
-            part = checkpoint(_chunk_loss, project, h, y, ignore_index, use_reentrant=False, preserve_rng_state=False)
+            part = checkpoint(_chunk_loss, project, h, y, ignore_index, smoothing, use_reentrant=False,
+                              preserve_rng_state=False)
         else:
-            part = _chunk_loss(project, h, y, ignore_index)
+            part = _chunk_loss(project, h, y, ignore_index, smoothing)
         total = part if total is None else total + part
     return _divided(total, shift_labels, ignore_index, num_items_in_batch)
 
@@ -150,7 +214,8 @@ def _divided(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_i
 
 
 def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, shift: bool = True,
-              ignore_index: int = IGNORE_INDEX, num_items_in_batch: Any = None) -> torch.Tensor:
+              ignore_index: int = IGNORE_INDEX, num_items_in_batch: Any = None,
+              label_smoothing: float = 0.0) -> torch.Tensor:
     """The cross-entropy of a language model's ``head`` over ``hidden`` against ``labels``, for a model
     that is not a Hugging Face causal LM: call it in the model's forward in place of
     ``F.cross_entropy(head(hidden), labels)``, and ``chunk_loss=True`` plans this head and loss as a
@@ -164,6 +229,7 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
         shift: position ``t`` predicts the label at ``t + 1`` (as Hugging Face's causal LMs); False:
             the labels are already aligned with ``hidden``.
         num_items_in_batch: divide the summed loss by this instead of the number of valid labels.
+        label_smoothing: as ``F.cross_entropy``'s (chunked exactly too).
 
     Example:
         >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
@@ -173,7 +239,7 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
     """
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
-    pending = _Pending(shift_labels, ignore_index, num_items_in_batch)
+    pending = _Pending(shift_labels, ignore_index, num_items_in_batch, label_smoothing)
     token = _hand_to(head, pending)
     try:
         out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
@@ -181,7 +247,7 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
         _take_back(head, token)
     if pending.loss is not None and out is pending.loss:
         return out
-    total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index)
+    total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index, label_smoothing)
     return _divided(total, shift_labels, ignore_index, num_items_in_batch)
 
 
@@ -192,6 +258,7 @@ class _Pending:
     shift_labels: torch.Tensor
     ignore_index: int
     num_items_in_batch: Any
+    smoothing: float = 0.0
     loss: torch.Tensor | None = None
 
 
@@ -214,7 +281,10 @@ def _hand_to(head: nn.Module, pending: _Pending) -> Any:
 
 def _take_back(head: nn.Module, token: Any) -> None:
     previous, context = token
-    setattr(head, _HANDED, previous)
+    if previous is None:
+        head.__dict__.pop(_HANDED, None)  # nothing of ours left on the model (remove_remat: exactly as it was)
+    else:
+        setattr(head, _HANDED, previous)
     if context is not None:
         _PENDING.reset(context)
 
@@ -250,11 +320,18 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
         return original(*args, **kwargs)
     if not torch.is_grad_enabled():
         return _call_with(original, labels, args, kwargs)
+    smoothing = label_smoothing(root)  # its loss as called now: loss_function may change after planning
+    if smoothing is None:
+        raise UnsupportedSetupError(
+            f"chunk_loss: {type(root).__name__}.loss_function is now {_named(root.loss_function)}, not transformers' "
+            "ForCausalLMLoss or lightning_remat.CausalLMLoss, which the plan chunks: a chunked loss would not be its "
+            "loss, and its own over full logits would not fit the plan. Set loss_function before planning (its head "
+            "is then kept whole), or use CausalLMLoss(label_smoothing=...) (docs/long_context.md)")
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     shift = kwargs.get("shift_labels")
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"))
+    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing)
     token = _hand_to(head, pending)
     try:
         out = original(*args, **kwargs)
@@ -287,7 +364,7 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
         return original(hidden)
     labels = pending.shift_labels.to(hidden.device)
     pending.loss = chunked_cross_entropy(original, hidden, labels, chunks, pending.ignore_index,
-                                         pending.num_items_in_batch)
+                                         pending.num_items_in_batch, pending.smoothing)
     return pending.loss
 
 

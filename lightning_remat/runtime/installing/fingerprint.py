@@ -40,6 +40,8 @@ from torch.utils._pytree import tree_leaves
 from ...core.actions import nested_in
 from ...core.errors import PlanMismatchError
 from ...core.plan import Plan
+from ...core.shapes import Shape
+from ..profiling.batch_shape import batch_shape
 from .compiled import uncompiled
 
 
@@ -93,9 +95,23 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
         >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan(["0"]))
         {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
     """
+    return binding_of(model, _named(plan))
+
+
+def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
+    """The parameters of the named modules of ``model`` that lie in no other named one, and the model's
+    number of parameters: what a profile records of the model it measured (``Profile.fingerprint``),
+    which ``solve`` hands to its plan.
+
+    Example:
+        >>> binding_of(torch.nn.Sequential(torch.nn.Linear(2, 1)), ["0", "0", "absent"])
+        {'module_parameters': {'0': {'weight': [[1, 2], 'float32'], 'bias': [[1], 'float32']}}, 'parameter_count': 3}
+    """
+    names = list(dict.fromkeys(names))
+    outer = [n for n in names if not any(nested_in(n, other) for other in names if other != n)]
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
-        return {"module_parameters": {n: _parameters(modules[n]) for n in _named(plan) if n in modules},
+        return {"module_parameters": {n: _parameters(modules[n]) for n in outer if n in modules},
                 "parameter_count": sum(p.numel() for p in plain.parameters())}
 
 
@@ -188,5 +204,18 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:
-    """Whether ``batch`` is larger than the one the plan was profiled on (False if none is recorded)."""
-    return "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]
+    """Whether ``batch`` is larger than the one the plan was profiled on (False if none is
+    recorded): more elements, or a shape the recorded one (``"shape"``, a ``Shape.to_list``) does
+    not cover: larger in one dimension (an image's height), or of another layout (another key).
+
+    Example:
+        >>> saved = {"batch_elements": 3072, "shape": [1, 1, [["", [-1, 3, 32, 32]]]]}
+        >>> outgrows(saved, torch.zeros(1, 3, 16, 64)), outgrows(saved, torch.zeros(1, 3, 32, 16))
+        (True, False)
+    """
+    if "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]:
+        return True
+    if not isinstance(saved.get("shape"), (list, tuple)):
+        return False
+    shape = batch_shape(batch)
+    return shape is not None and not Shape.from_list(saved["shape"]).covers(shape)

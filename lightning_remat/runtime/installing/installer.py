@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ...core.actions import StageAction, check_actions, refuse_nested
-from ...core.errors import InvalidPlanError
+from ...core.errors import InvalidPlanError, PlanMismatchError
 from ...core.plan import Plan
 from ...core.vocabulary import Action
 from . import chunked_loss, sac
@@ -60,6 +60,7 @@ from .offloader import Offloader, offloaded_call, release_after_next
 from .records import (RECORD, Record, input_offload_of, installed_segments, offloaded, offloader_of,
                       recomputed)
 from .sequential import SEGMENTS, qualifies, segment_positions, segmented_class
+from .verify import check_installed
 
 __all__ = ["Installation", "install", "install_offload", "install_segments", "installed_segments", "offloaded",
            "offloader_of", "qualifies", "recomputed", "restore", "segment_positions", "snapshot", "uninstall",
@@ -162,6 +163,7 @@ def _record(module: nn.Module) -> Record:
     if RECORD not in module.__dict__:
         record = Record(module.forward, "forward" in module.__dict__)
         module.forward = functools.partial(_installed_forward, module)  # type: ignore[method-assign]
+        record.installed = module.__dict__["forward"]
         module.__dict__[RECORD] = record
     return module.__dict__[RECORD]
 
@@ -219,8 +221,8 @@ def uninstall_segments(model: nn.Module) -> None:
 
 def _check_names(model: nn.Module, modules: dict[str, nn.Module], names: Sequence[str], what: str = "plan") -> None:
     unknown = [n for n in names if n not in modules]
-    if unknown:
-        raise ValueError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
+    if unknown:  # a plan for another model (docs/plans.md): PlanMismatchError, a ValueError as before
+        raise PlanMismatchError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
 
 
 def install_offload(model: nn.Module, names: Sequence[str], order: Sequence[str] | None = None, measure: bool = False,
@@ -265,8 +267,11 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
     order, for offloading one stage ahead. ``measure``: offload only metadata (fake profiles).
 
     Raises:
-        ValueError: a name is not a module of ``model``, the actions cannot go together
+        PlanMismatchError: a name is not a module of ``model`` (a ``ValueError``).
+        ValueError: the actions cannot go together
             (``core.actions.check_actions``), or a segment is not a run of items of one Sequential.
+        InstallationMismatchError: what is installed, read back from the records, is not the plan
+            (the previous plan is put back first).
     """
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
@@ -282,6 +287,7 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
             _install(plain, modules, plan.policies, plan.checkpointed, plan.segments, plan.offloaded,
                      plan.offload_limits, plan.stage_order if order is None else order, measure, plan.offloaded_inputs)
             _install_chunks(modules, plan.chunked_loss)
+            check_installed(plain, plan, "(right after installing it)")  # read back, never assumed
         except BaseException:
             restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
             raise

@@ -1,6 +1,7 @@
 """What the installer did to each module (one ``Record`` in the module's ``__dict__``), and reading
 it back: which modules are recomputed (with which policy), segmented, offloaded, or keep their
-checkpoint input on the host.
+checkpoint input on the host; and what a copy of a module must leave out to carry none of it
+(``without_installation``).
 
 Example:
     >>> from torch import nn
@@ -11,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from torch import nn
 
@@ -36,9 +37,30 @@ class Record:
     chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
     route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
     input_offload: tuple[InputOffload, str] | None = None  # with recompute: its checkpoint input on the host
+    installed: Callable[..., Any] | None = None  # the forward the installer set: the behaviours run while it is
 
     def empty(self) -> bool:
         return not self.recompute and self.offload is None and not self.chunks and self.route is None
+
+
+def running(module: nn.Module) -> Record | None:
+    """``module``'s record if its behaviours run: the module's ``forward`` is the one the installer
+    set, or a wrapper that calls it (``functools.wraps``' ``__wrapped__``, as Accelerate's autocast
+    wrapper of a model's forward), not one put in its place since, nor a copy's.
+
+    Example:
+        >>> running(nn.Linear(2, 2)) is None
+        True
+    """
+    record = module.__dict__.get(RECORD)
+    forward = module.__dict__.get("forward")
+    for _ in range(8):  # a few wrappers deep
+        if record is None or forward is None:
+            return None
+        if forward is record.installed:
+            return record
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def recomputed(model: nn.Module) -> dict[str, str]:
@@ -73,3 +95,47 @@ def offloader_of(model: nn.Module) -> Offloader | None:
         if record is not None and record.offload is not None:
             return record.offload[0]
     return None
+
+
+def installed_hooks(model: nn.Module) -> set[int]:
+    """Ids of the hooks the installer registered on ``model``'s modules (an offloaded stage's
+    release hook, on the next stage): keys of the modules' hook dicts that are ours.
+
+    Example:
+        >>> installed_hooks(nn.Linear(2, 2))
+        set()
+    """
+    return {record.release_hook.id for m in model.modules()
+            if (record := m.__dict__.get(RECORD)) is not None and record.release_hook is not None}
+
+
+def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
+    """The class and ``__dict__`` of a copy of ``module`` that carries nothing the installer put on it,
+    and shares no mutable state with it; ``module`` itself is left as it is.
+
+    Left out: the ``Record`` (whose behaviours an uninstall on the copy would switch off on the
+    module itself), the ``forward`` the installer set (the copy gets the one it had: its class's,
+    or the one set on the instance before), the segments and the class swap that runs them, and the
+    hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook added to or
+    removed from the copy (profiling's, a plan installed on it) never reaches ``module``.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> net.__dict__[RECORD] = Record(net.forward, had_instance_forward=False, recompute=True)
+        >>> net.forward = lambda x: x  # what the installer sets
+        >>> cls, state = without_installation(net)
+        >>> cls is nn.Linear, RECORD in state, "forward" in state, state["_forward_hooks"] is net._forward_hooks
+        (True, False, False, False)
+    """
+    state = {key: value for key, value in module.__dict__.items() if key not in (RECORD, SEGMENTS)}
+    record = module.__dict__.get(RECORD)
+    if record is not None:
+        if record.had_instance_forward:
+            state["forward"] = record.original
+        else:
+            state.pop("forward", None)
+    for key, value in state.items():
+        if "hooks" in key and isinstance(value, dict):
+            state[key] = type(value)((k, v) for k, v in value.items() if k not in hooks)
+    cls = type(module).__mro__[1] if getattr(type(module), "_remat_segmented", False) else type(module)
+    return cls, state

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ...core.actions import StageAction, check_actions
+from ..measuring.exclusive import planning_runs_here
 from . import installer
 from .sequential import qualifies
 
@@ -89,11 +90,15 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
 
     def pre_hook(name: str):
         def record(module: nn.Module, args: tuple) -> None:
+            if not planning_runs_here():  # another thread's forward of the same model
+                return
             began[name].append(tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
         return record
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not planning_runs_here():
+                return
             ended = output._version if isinstance(output, torch.Tensor) else None
             calls[name].append((args, kwargs, output, (began[name].pop(), ended)))
         return record
@@ -101,12 +106,27 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
     handles = [h for n in calls for h in (modules[n].register_forward_pre_hook(pre_hook(n)),
                                           modules[n].register_forward_hook(hook(n), with_kwargs=True))]
     try:
-        with torch.no_grad():
-            step(model)
+        _run_without_graph(model, step, calls, began)
     finally:
         for h in handles:
             h.remove()
     return calls
+
+
+def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], began: dict[str, list]) -> None:
+    # Under no_grad: no graph, no activations held. A step that differentiates inside itself
+    # (torch.autograd.grad, a gradient penalty) cannot run so; it runs once more with its graph, as
+    # the profile's own measured steps do (the caller restores generators and buffers).
+    try:
+        with torch.no_grad():
+            step(model)
+        return
+    except RuntimeError as error:
+        if "does not require grad" not in str(error):
+            raise
+    for seen in (*calls.values(), *began.values()):
+        seen.clear()
+    step(model)
 
 
 def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],

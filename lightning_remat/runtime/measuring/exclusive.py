@@ -61,6 +61,25 @@ class ProcessSettings:
             torch.set_grad_enabled(self.grad_enabled)
 
 
+def planning_runs_here() -> bool:
+    """Whether code running now may belong to the planning in progress: its own thread (the one
+    holding the lock), autograd's worker running a backward (a recompute of the planning's step on
+    an accelerator), or no planning runs at all. The module hooks planning puts on a model act only
+    then: another thread running the same model meanwhile (inference under ``torch.no_grad``) is
+    neither counted in the profile nor disturbed by it (docs/process.md).
+
+    Example:
+        >>> planning_runs_here()  # nothing plans
+        True
+    """
+    if PLANNING_LOCK._is_owned() or torch._C._current_graph_task_id() != -1:  # type: ignore[attr-defined]
+        return True
+    if PLANNING_LOCK.acquire(blocking=False):  # nobody plans: hooks used on their own (tests, examples)
+        PLANNING_LOCK.release()
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def exclusive() -> Iterator[None]:
     """Hold the process's planning lock for the block (or the decorated call) and put back the

@@ -23,6 +23,7 @@ from .meter import PeakMeter, PeakWindow
 from .runner import Step, StepWatch, model_device, run_step, synchronize
 from .stance import eager_stance
 from .tracking import Tracker
+from .user_hooks import user_hooks_suspended
 from ..installing.sac import register_attention_flops
 
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
@@ -154,7 +155,8 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
         1024
     """
     watch = _FlopCount()
-    run_step(model, step, watch=watch, zero_grad="after")
+    with user_hooks_suspended(model):
+        run_step(model, step, watch=watch, zero_grad="after")
     return int(watch.counter.get_total_flops())
 
 

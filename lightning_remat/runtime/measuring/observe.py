@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from .exclusive import planning_runs_here
 from .roofline import OpCost, OpRecorder
 from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchronize
 
@@ -71,6 +72,30 @@ class ObservedStep:
     step_seconds: float
     step_flops: int
     step_ops: list[OpCost] = field(default_factory=list)
+    # The chain's places (``core.calls``): the stages in the order their forwards ran, a run of
+    # consecutive calls of one stage (a looped block) one place, with the number of calls in each.
+    # A stage whose calls other stages' separate (a trunk run twice) has several places.
+    positions: list[str] = field(default_factory=list)
+    position_calls: list[int] = field(default_factory=list)
+
+
+def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The places of a chain whose stages' forwards ran in ``sequence`` (one name per call), and the
+    calls in each: consecutive calls of one stage are one place.
+
+    Example:
+        >>> positions_of(["a", "b", "b", "b", "c", "a", "b"])
+        (['a', 'b', 'c', 'a', 'b'], [1, 3, 1, 1, 1])
+    """
+    names: list[str] = []
+    calls: list[int] = []
+    for name in sequence:
+        if names and names[-1] == name:
+            calls[-1] += 1
+        else:
+            names.append(name)
+            calls.append(1)
+    return names, calls
 
 
 class _Observer:
@@ -87,6 +112,7 @@ class _Observer:
         self.excluded = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
         self.device = model_device(model)
         self.order: list[str] = []
+        self.sequence: list[str] = []  # every stage call, in order
         self.active: list[str] = []
         self.started: dict[str, float] = {}
         self.flops_before: dict[str, int] = {}
@@ -99,8 +125,12 @@ class _Observer:
 
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
-            if name in self.stage_names and name not in self.order:
-                self.order.append(name)
+            if not planning_runs_here():  # another thread's forward of the same model
+                return
+            if name in self.stage_names:
+                self.sequence.append(name)
+                if name not in self.order:
+                    self.order.append(name)
             self.stats[name].inputs.update(storages((args, kwargs)))
             self.stats[name].calls += 1
             self.active.append(name)
@@ -111,6 +141,8 @@ class _Observer:
 
     def post_hook(self, name: str):
         def hook(module, args, kwargs, output):
+            if not planning_runs_here():
+                return
             synchronize(self.device)
             self.stats[name].seconds += time.perf_counter() - self.started.pop(name)
             self.stats[name].flops += self.counted() - self.flops_before.pop(name)
@@ -147,6 +179,7 @@ class _Observer:
             s.calls = 0
             s.ops.clear()
         self.order.clear()
+        self.sequence.clear()
 
 
 class _Counting(StepWatch):
@@ -201,4 +234,4 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(counting.forward_counter.get_total_flops() + counting.backward_counter.get_total_flops())
     return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
-                        counting.forward_ops.ops + counting.backward_ops.ops)
+                        counting.forward_ops.ops + counting.backward_ops.ops, *positions_of(observer.sequence))

@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch import nn
 
+from ...core.errors import UnsupportedSetupError
 from .optimizers import optimizer_list
 
 Step = Callable[[nn.Module], torch.Tensor]
@@ -94,7 +95,7 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         model.zero_grad(set_to_none=True)
     value = None
     with watch.watching():
-        with watch.forward():
+        with watch.forward(), _explained():
             loss = step(model)
         if check or not isinstance(loss, torch.Tensor):
             check_loss(loss)  # a number (loss.item()) has no graph: say so rather than fail on .backward
@@ -109,6 +110,24 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     if zero_grad == "after":
         model.zero_grad(set_to_none=True)
     return value
+
+
+@contextlib.contextmanager
+def _explained() -> Iterator[None]:
+    """torch's module trackers (``FlopCounterMode``, ``MemTracker``: the profile's counting and memory
+    passes) fail in a step that calls ``torch.autograd.grad`` where a module's input is a leaf tensor
+    (a gradient penalty on ``x.requires_grad_()``): say so, with what makes the step run."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "_will_engine_execute_node" not in str(error):
+            raise
+        raise UnsupportedSetupError(
+            "lightning-remat: the step calls torch.autograd.grad (a gradient penalty, double backward) while a "
+            "module's input is a leaf tensor that requires grad, which torch's module trackers used to profile "
+            "the step (FlopCounterMode, MemTracker) do not support (torch: 'A leaf node was passed to "
+            "_will_engine_execute_node ...'). Differentiate with respect to a tensor made inside the step, e.g. "
+            "x = batch.requires_grad_() * 1 (docs/limitations.md)") from error
 
 
 def model_device(model: nn.Module) -> torch.device:

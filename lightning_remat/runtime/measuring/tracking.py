@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch._C._distributed_c10d import FakeWork, Work
@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .exclusive import PLANNING_LOCK
+from .host_rng import counting_rng_states
 from .stance import hold_eager, release_eager
 
 
@@ -155,9 +156,13 @@ class Tracker(MemTracker):
     def __enter__(self) -> "Tracker":
         PLANNING_LOCK.acquire()
         hold_eager()
+        # The generator states checkpoints keep until backward are allocated where no mode sees them.
+        self._rng_states = counting_rng_states(lambda state: self._track(_MemRefType.ACT, state))
         try:
+            self._rng_states.__enter__()
             return super().__enter__()  # type: ignore[return-value]
         except BaseException:
+            self._rng_states.__exit__(None, None, None)
             release_eager()
             PLANNING_LOCK.release()
             raise
@@ -167,6 +172,7 @@ class Tracker(MemTracker):
         try:
             super().__exit__(*args)
         finally:
+            self._rng_states.__exit__(None, None, None)
             release_eager()
             PLANNING_LOCK.release()
 
@@ -262,15 +268,19 @@ class SegmentTracker(Tracker):
     Segments are labelled ("fw", i) / ("bw", i) while stage i runs forward / backward, and
     ("gap", k) between stages, where k stages have run forward and not yet backward.
 
-    A stage called several times in one forward (a shared or looped block, ``calls[i]`` times)
-    stores what all its calls leave allocated: ``stored[i]`` sums the calls, and the stage sits in
-    the chain at its first call. Until its last call's forward (or backward) is over, the memory
-    between its calls belongs to its own forward (backward) segment, where its stored bytes count.
+    A stage called several times in a row (a looped block, ``calls[i]`` times) stores what all its
+    calls leave allocated: ``stored[i]`` sums the calls. Until its last call's forward (or backward)
+    is over, the memory between its calls belongs to its own forward (backward) segment, where its
+    stored bytes count. A module whose calls other stages separate (a trunk run twice) has a place
+    in the chain per run of calls (``stage_ids`` maps it to their indices, in order): its calls
+    fill them in order, and its backwards in the reverse order (autograd's, for graphs that stay
+    alive until one backward).
     """
 
-    def __init__(self, stage_ids: dict[int, int], device: torch.device, calls: dict[int, int] | None = None):
+    def __init__(self, stage_ids: dict[int, int | Sequence[int]], device: torch.device,
+                 calls: dict[int, int] | None = None):
         super().__init__()
-        self.stage_ids = stage_ids
+        self.places = {m: (i,) if isinstance(i, int) else tuple(i) for m, i in stage_ids.items()}
         self.calls = calls or {}
         self.forwards_done: dict[int, int] = {}
         self.backwards_done: dict[int, int] = {}
@@ -281,6 +291,13 @@ class SegmentTracker(Tracker):
         self.stored: dict[int, int] = {}
         # The total when each stage's (first) forward began: what the gaps between stages released.
         self.forward_starts: dict[int, int] = {}
+        self._running: dict[int, int] = {}  # module id -> the place its running forward fills
+        # Places whose forward began after every earlier place's backward (a step with several backward
+        # passes): nothing stored before them is alive (``StageProfile.fresh``). A backward counts from
+        # its start: a first block's end is not seen when its input needs no gradient, and a forward
+        # after it begins once the backward call has returned.
+        self.fresh: set[int] = set()
+        self._backwards_begun: dict[int, int] = {}
 
     def current_total(self) -> int:
         return current_total(self, self.device)
@@ -290,14 +307,37 @@ class SegmentTracker(Tracker):
         if total > self.segment_peaks.get(self.label, -1):
             self.segment_peaks[self.label] = total
 
+    def _forward_place(self, module: torch.nn.Module) -> int | None:
+        places = self.places.get(id(module))
+        if places is None:
+            return None
+        # The first place with calls left; a call beyond the profiled ones counts in the last.
+        return next((i for i in places if self.forwards_done.get(i, 0) < self.calls.get(i, 1)), places[-1])
+
+    def _backward_place(self, module: torch.nn.Module, begun: bool = False) -> int | None:
+        """The place of a module's backward about to begin (``begun``: just ended): the latest of
+        its forwards whose backward has not (autograd's order; a step may run backward between them)."""
+        places = self.places.get(id(module))
+        if places is None:
+            return None
+        if begun:
+            return next((i for i in reversed(places) if self.backwards_done.get(i, 0) < self._backwards_begun.get(i, 0)),
+                        places[0])
+        return next((i for i in reversed(places) if self._backwards_begun.get(i, 0) < self.forwards_done.get(i, 0)),
+                    places[0])
+
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
         self._note()
 
     def _pre_fw_hook(self, module, inputs):  # type: ignore[no-untyped-def]
         super()._pre_fw_hook(module, inputs)
-        index = self.stage_ids.get(id(module))
+        index = self._forward_place(module)
         if index is not None and not self._mod_tracker.is_bw:
+            self._running[id(module)] = index
+            if index not in self.forward_starts and index and all(
+                    self._backwards_begun.get(j, 0) >= self.calls.get(j, 1) for j in range(index)):
+                self.fresh.add(index)
             self.pre_fw[index] = self.current_total()
             self.forward_starts.setdefault(index, self.pre_fw[index])
             self.label = ("fw", index)
@@ -305,8 +345,8 @@ class SegmentTracker(Tracker):
 
     def _post_fw_hook(self, module, inputs, outputs):  # type: ignore[no-untyped-def]
         super()._post_fw_hook(module, inputs, outputs)
-        index = self.stage_ids.get(id(module))
-        if index is not None and not self._mod_tracker.is_bw:
+        index = self._running.pop(id(module), None) if not self._mod_tracker.is_bw else None
+        if index is not None:
             self.stored[index] = self.stored.get(index, 0) + self.current_total() - self.pre_fw.pop(index)
             self.forwards_done[index] = self.forwards_done.get(index, 0) + 1
             more = self.forwards_done[index] < self.calls.get(index, 1)
@@ -315,21 +355,22 @@ class SegmentTracker(Tracker):
 
     def _pre_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
         super()._pre_bw_hook(module, args)
-        index = self.stage_ids.get(id(module))
+        index = self._backward_place(module)
         if index is not None:
+            self._backwards_begun[index] = self._backwards_begun.get(index, 0) + 1
             self.label = ("bw", index)
             self._note()
 
     def _post_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
         super()._post_bw_hook(module, args)
-        index = self.stage_ids.get(id(module))
+        index = self._backward_place(module, begun=True)
         if index is not None:
             self.backwards_done[index] = self.backwards_done.get(index, 0) + 1
             more = self.backwards_done[index] < self.calls.get(index, 1)
             if more:
                 self.label = ("bw", index)
             elif self.label == ("bw", index):
-                self.label = ("gap", index)
+                self.label = ("gap", 0 if index in self.fresh else index)  # before a fresh place: none alive
             # Otherwise the next stage's backward has begun already (FSDP2 puts a function of its own
             # on each block's inputs, so the stage's end is seen after the next stage's start): the
             # label stays with that stage, whose recompute would otherwise be counted in a gap.

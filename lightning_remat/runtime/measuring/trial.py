@@ -26,6 +26,7 @@ from torch import nn
 from ..installing.apply import applied
 from .exclusive import exclusive
 from .measure import Step, is_out_of_memory, measure_step, preserved_training_state, release_device_memory
+from .user_hooks import user_hooks_suspended
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _RestoreAfterTrial(model, optimizer), applied(model, names, segments, policies, plan=plan):
+        with _RestoreAfterTrial(model, optimizer), applied(model, names, segments, policies, plan=plan), \
+                user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
                 # The budget is for steady-state steps, which hold the optimizer's state: create it
                 # with an optimizer step on zero gradients (everything is put back afterwards).

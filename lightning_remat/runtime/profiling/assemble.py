@@ -24,7 +24,15 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     stats = observed.stats
     offload_limits = offload_limits or {}
     stages = []
-    for i, name in enumerate(observed.order):
+    total_calls: dict[str, int] = {}
+    for name, calls in zip(observed.positions, observed.position_calls):
+        total_calls[name] = total_calls.get(name, 0) + calls
+    for i, name in enumerate(observed.positions):
+        # A module at several places (a trunk run twice): each place its own memory figures, and its
+        # share by calls of the module's costs (observed over all its calls), so its places sum to them.
+        before = sum(c for n, c in zip(observed.positions[:i], observed.position_calls) if n == name)
+        counts = (before, observed.position_calls[i], total_calls[name])
+        share, call = counts[1] / counts[2], observed.positions[:i].count(name)
         options = []
         for option, wrap in wraps.items():
             if name not in wrap:
@@ -32,10 +40,10 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
             seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
-                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds, cost_flops=flops,
-                policy=sac.policy_of(option), cost_roofline=roofline,
+                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds * share,
+                cost_flops=_part(flops, counts), policy=sac.policy_of(option), cost_roofline=roofline * share,
                 offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int((runs[option].host_bytes or {}).get(name, 0))
+                host_bytes=int((runs[option].host_bytes or {}).get(name, 0) * share)
                 if is_offload(option) or option == OFFLOAD_INPUT else 0,
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
                 input_offloaded=option == OFFLOAD_INPUT,
@@ -43,9 +51,11 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 held_before=(runs[option].held_before or [()] * (i + 1))[i]))
         s = stats[name]
         stages.append(StageProfile(
-            name=name, options=tuple(options), saved_bytes=sum(s.saved.values()),
-            input_bytes=sum(s.inputs.values()), output_bytes=sum(s.outputs.values()),
-            forward_seconds=s.seconds, forward_flops=s.flops, module_type=type(modules[name]).__name__))
+            name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),
+            input_bytes=_part(sum(s.inputs.values()), counts),
+            output_bytes=_part(sum(s.outputs.values()), counts), forward_seconds=s.seconds * share,
+            forward_flops=_part(s.flops, counts), module_type=type(modules[name]).__name__, call=call,
+            fresh=i in runs["keep"].fresh))
     segments = _segments(runs, future_state)
     keep = runs["keep"]
     if has_optimizer:
@@ -64,6 +74,13 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     # plus the optimizer (its state, and its step when that is the higher point).
     profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
     return profile
+
+
+def _part(value: int, calls: tuple[int, int, int]) -> int:
+    """A module's integer figure shared among its places by calls (``calls``: the module's calls
+    before this place, at it, in all): the places' parts sum to the figure."""
+    before, here, total = calls
+    return int(value) * (before + here) // total - int(value) * before // total
 
 
 def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:

@@ -1,23 +1,28 @@
-"""A batch's shape (batch size, sequence length), and the same batch at another shape.
+"""A batch's shape (``core.shapes.Shape``), and the same batch at another shape.
 
-Plans follow the batch's shape (``service.shape_plans``): each step's batch is read as a
-``core.shape_fit.Shape``, and a profile at a shape no batch has had yet runs on the batch at hand
-stretched to that shape (on fake tensors: only its shape matters, and values the model reads to
-choose a code path, such as a padding mask, keep the batch's pattern).
+Plans follow the batch's shape (``service.shape_plans``): each step's batch is read as a ``Shape``,
+and a profile at a shape no batch has had yet runs on the batch at hand stretched to that shape (on
+fake tensors: only its shape matters, and values the model reads to choose a code path, such as a
+padding mask, keep the batch's pattern).
 
-- ``batch_shape``: the batch size is the leading size most tensors share; the sequence length is
-  the largest second size among the tensors with that leading size, integer tensors (token ids,
-  masks) first, else floating ones (embeddings); 1 when no tensor has two dimensions.
-- ``resize_batch``: every tensor whose leading size is the batch size is repeated or cut to the new
-  batch size along it, and along its second dimension when that is the sequence length: rows and
-  positions cycle, so a padded batch stays padded alike.
+- ``batch_shape``: the batch size is the leading size most tensors share. The sequence length is the
+  largest second size of the *integer* tensors of two dimensions with that leading size (token ids,
+  masks, labels); 1 when there is none. A floating-point tensor never gives it (an image's second
+  size is its channels; an embedding's is a sequence only where token ids say so). The layout is
+  every tensor of the batch by its path (``"pixel_values"``, ``"0"``, ``"1.mask"``): its size, the
+  batch dimension marked where the leading size is the batch size, and the second marked as the
+  sequence where it equals the sequence length. So an image's channels, height and width, a tensor
+  of features, a new key or a new element of a tuple are all part of the shape.
+- ``resize_batch``: every tensor cycled (or cut) along each dimension to its size at the new shape:
+  rows, positions and pixels cycle, so a padded batch stays padded alike.
 
 Example:
     >>> import torch
     >>> batch = {"input_ids": torch.arange(12).view(2, 6), "labels": torch.arange(12).view(2, 6), "scale": 0.5}
-    >>> batch_shape(batch)
-    Shape(batch_size=2, seq_len=6)
-    >>> wider = resize_batch(batch, Shape(3, 8))
+    >>> shape = batch_shape(batch)
+    >>> shape.batch_size, shape.seq_len, str(shape)
+    (2, 6, '2x6 {input_ids: bxs, labels: bxs}')
+    >>> wider = resize_batch(batch, Shape(3, 8))  # batch size and sequence only: the layout as it is
     >>> wider["input_ids"].tolist(), wider["scale"]
     ([[0, 1, 2, 3, 4, 5, 0, 1], [6, 7, 8, 9, 10, 11, 6, 7], [0, 1, 2, 3, 4, 5, 0, 1]], 0.5)
 """
@@ -30,7 +35,34 @@ from typing import Any, Callable
 
 import torch
 
-from ...core.shapes import Shape
+from ...core.shapes import BATCH, SEQUENCE, Shape
+
+
+def path_in(prefix: str, key: Any) -> str:
+    """The path of ``key`` (a key or an index) in the container at ``prefix``.
+
+    Example:
+        >>> path_in("", "input_ids"), path_in("1", "mask"), path_in("0", 2)
+        ('input_ids', '1.mask', '0.2')
+    """
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a batch (a tensor, or mappings, lists and tuples of them) with their paths
+    (keys and indices joined by ``.``), in a fixed order.
+
+    Example:
+        >>> [(path, tuple(t.shape)) for path, t in named_tensors(([torch.zeros(2)], {"y": torch.zeros(3)}, "text"))]
+        [('0.0', (2,)), ('1.y', (3,))]
+    """
+    if isinstance(batch, torch.Tensor):
+        return [(prefix, batch)]
+    if isinstance(batch, Mapping):
+        return [named for key, value in batch.items() for named in named_tensors(value, path_in(prefix, key))]
+    if isinstance(batch, (list, tuple)):
+        return [named for i, value in enumerate(batch) for named in named_tensors(value, path_in(prefix, i))]
+    return []
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -40,80 +72,125 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
         >>> [t.shape[0] for t in batch_tensors(([torch.zeros(2)], {"y": torch.zeros(3)}, "text"))]
         [2, 3]
     """
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in batch_tensors(value)]
-    if isinstance(batch, (list, tuple)):
-        return [t for value in batch for t in batch_tensors(value)]
-    return []
+    return [tensor for _, tensor in named_tensors(batch)]
+
+
+def marked_size(size: tuple[int, ...], batch_size: int, seq_len: int) -> tuple[int, ...]:
+    """A tensor's size in a batch of ``batch_size`` and ``seq_len``, as its layout entry writes it:
+    a leading ``batch_size`` is ``BATCH``, then a second ``seq_len`` (above 1) is ``SEQUENCE``.
+
+    Example:
+        >>> marked_size((4, 128, 16), 4, 128), marked_size((4, 3, 32, 32), 4, 1), marked_size((7,), 4, 1)
+        ((-1, -2, 16), (-1, 3, 32, 32), (7,))
+    """
+    marked = [int(n) for n in size]
+    if marked and marked[0] == batch_size:
+        marked[0] = BATCH
+        if len(marked) >= 2 and seq_len > 1 and marked[1] == seq_len:
+            marked[1] = SEQUENCE
+    return tuple(marked)
 
 
 def batch_shape(batch: Any) -> Shape | None:
-    """The batch size and sequence length of a batch; None when it holds no tensor with a dimension.
+    """The shape of a batch (its batch size, sequence length and layout); None when it holds no
+    tensor with a dimension.
 
     Example:
-        >>> batch_shape((torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))  # images: no sequence
-        Shape(batch_size=4, seq_len=3)
-        >>> batch_shape({"ids": torch.zeros(2, 9, dtype=torch.long), "mask": torch.ones(2, 9)}), batch_shape(3) is None
+        >>> images = batch_shape((torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))
+        >>> images.batch_size, images.seq_len, str(images)  # images: no sequence, channels are not one
+        (4, 1, '4x1 {0: bx3x32x32, 1: b}')
+        >>> batch_shape(torch.zeros(2, 9, dtype=torch.long)), batch_shape(3) is None
         (Shape(batch_size=2, seq_len=9), True)
     """
-    tensors = [t for t in batch_tensors(batch) if t.dim() >= 1 and t.shape[0] > 0]
-    if not tensors:
+    named = named_tensors(batch)
+    sized = [t for _, t in named if t.dim() >= 1 and t.shape[0] > 0]
+    if not sized:
         return None
-    counts = Counter(int(t.shape[0]) for t in tensors)
+    counts = Counter(int(t.shape[0]) for t in sized)
     batch_size = max(counts, key=lambda size: (counts[size], size))
-    wide = [t for t in tensors if t.dim() >= 2 and t.shape[0] == batch_size and t.shape[1] > 0]
-    discrete = [t for t in wide if not t.is_floating_point() and not t.is_complex()]
-    chosen = discrete or wide
-    return Shape(batch_size, max((int(t.shape[1]) for t in chosen), default=1))
+    # Token ids, masks, labels: integer tensors of (batch, sequence). A floating-point tensor's second
+    # size may be anything (an image's channels), so its sizes go to the layout, never the sequence.
+    tokens = [t for t in sized if t.dim() == 2 and t.shape[0] == batch_size and not t.is_floating_point()
+              and not t.is_complex()]
+    seq_len = max([1, *(int(t.shape[1]) for t in tokens)])
+    return Shape(batch_size, seq_len, tuple((path, marked_size(tuple(t.shape), batch_size, seq_len))
+                                            for path, t in named))
 
 
-def _cycled(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if tensor.shape[dim] == size:
-        return tensor
-    index = torch.arange(size, device=tensor.device) % tensor.shape[dim]
-    return tensor.index_select(dim, index)
+def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> tuple[int, ...]:
+    """The size at ``target`` of the tensor at ``path`` of size ``size`` in a batch at ``source``:
+    its entry in ``target``'s layout, or, for a ``target`` without one (a batch size and sequence
+    length alone), its own size with ``target``'s batch size and sequence length.
+
+    Example:
+        >>> images, taller = (Shape(4, 1, (("0", (BATCH, 3, side, 32)),)) for side in (32, 48))
+        >>> size_at("0", (4, 3, 32, 32), images, taller), size_at("0", (4, 3, 32, 32), images, Shape(8))
+        ((4, 3, 48, 32), (8, 3, 32, 32))
+    """
+    if target.layout:
+        return target.sizes(path)
+    marked = marked_size(size, source.batch_size, source.seq_len)
+    return tuple({BATCH: target.batch_size, SEQUENCE: target.seq_len}.get(n, n) for n in marked)
 
 
-def _rebuilt(batch: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` with ``change`` applied to every tensor, containers rebuilt as their own type."""
+def cycled(tensor: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` at ``size`` (as many dimensions), each dimension's entries cycled or cut to it.
+
+    Example:
+        >>> cycled(torch.tensor([[1, 2], [3, 4]]), (3, 3)).tolist()
+        [[1, 2, 1], [3, 4, 3], [1, 2, 1]]
+    """
+    for dim, wanted in enumerate(size):
+        if tensor.shape[dim] != wanted:
+            index = torch.arange(wanted, device=tensor.device) % tensor.shape[dim]
+            tensor = tensor.index_select(dim, index)
+    return tensor
+
+
+def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str = "") -> Any:
+    """``batch`` with ``change(path, tensor)`` applied to every tensor, containers rebuilt as their
+    own type (the paths of ``named_tensors``).
+
+    Example:
+        >>> rebuilt({"a": [torch.zeros(1), 2]}, lambda path, t: path)
+        {'a': ['a.0', 2]}
+    """
     if isinstance(batch, torch.Tensor):
-        return change(batch)
+        return change(prefix, batch)
     if isinstance(batch, Mapping):
-        items = {key: _rebuilt(value, change) for key, value in batch.items()}
+        items = {key: rebuilt(value, change, path_in(prefix, key)) for key, value in batch.items()}
         try:
             return type(batch)(items)
         except TypeError:
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_rebuilt(value, change) for value in batch))
+        return type(batch)(*(rebuilt(value, change, path_in(prefix, i)) for i, value in enumerate(batch)))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_rebuilt(value, change) for value in batch)
+        return type(batch)(rebuilt(value, change, path_in(prefix, i)) for i, value in enumerate(batch))
     return batch
 
 
 def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
-    """``batch`` at ``shape``: the tensors whose leading size is the batch size, cycled (or cut)
-    along it to ``shape.batch_size``, and along their second dimension to ``shape.seq_len`` where
-    that is the sequence length. Other values pass unchanged. ``source`` is the batch's own shape
-    (default: ``batch_shape(batch)``).
+    """``batch`` at ``shape``: every tensor cycled (or cut) along each dimension to its size there
+    (``size_at``); other values pass unchanged. ``source`` is the batch's own shape (default:
+    ``batch_shape(batch)``). A ``shape`` without a layout changes the batch size and the sequence
+    length only; one with a layout must have the batch's structure (``Shape.comparable``: the same
+    tensors, as many dimensions): a batch cannot be stretched to hold a tensor it lacks.
 
     Example:
         >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
         >>> resize_batch((ids,), Shape(1, 5))[0].tolist()
         [[5, 6, 0, 5, 6]]
+        >>> images = (torch.zeros(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))
+        >>> larger = Shape(2, 1, (("0", (BATCH, 3, 12, 10)), ("1", (BATCH,))))
+        >>> [tuple(t.shape) for t in resize_batch(images, larger)]
+        [(2, 3, 12, 10), (2,)]
     """
     source = source or batch_shape(batch)
     if source is None or source == shape:
         return batch
-
-    def change(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() == 0 or tensor.shape[0] != source.batch_size:
-            return tensor
-        tensor = _cycled(tensor, 0, shape.batch_size)
-        if tensor.dim() >= 2 and source.seq_len > 1 and tensor.shape[1] == source.seq_len:
-            tensor = _cycled(tensor, 1, shape.seq_len)
-        return tensor
-
-    return _rebuilt(batch, change)
+    if shape.layout:
+        own = batch_shape(batch)
+        if own is None or not own.comparable(shape):
+            raise ValueError(f"a batch of shape {own} cannot be stretched to {shape}: another layout")
+    return rebuilt(batch, lambda path, tensor: cycled(tensor, size_at(path, tuple(tensor.shape), source, shape)))

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..measuring.exclusive import planning_runs_here
+
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for the tensor arguments of a call, one level into tuples and lists (the
@@ -91,7 +93,7 @@ class DeadInputs:
     """
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
-        self.model, self.order = model, list(order)
+        self.model, self.order = model, list(dict.fromkeys(order))
         self.dead = {} if dead is None else dead
         self._refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in self.order}
         self._outputs: dict[int, Any] = {}  # id -> weak reference (a tensor's == is elementwise)
@@ -101,7 +103,7 @@ class DeadInputs:
         modules = dict(self.model.named_modules())
         for name in self.order:
             def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                if self._refs[name]:
+                if self._refs[name] or not planning_runs_here():  # not another thread's forward
                     return
                 for key, tensor in _tensors(args, kwargs):
                     ref = self._outputs.get(id(tensor))
@@ -115,6 +117,8 @@ class DeadInputs:
                         pass
 
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                if not planning_runs_here():
+                    return
                 for _, tensor in _tensors((output,), {}):
                     try:
                         self._outputs[id(tensor)] = weakref.ref(tensor)
@@ -151,8 +155,10 @@ class HeldInputs:
         ([128, 0], [128, 0])
     """
 
-    def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str]):
-        self.model, self.order, self.dead = model, list(order), dead
+    def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str],
+                 calls: Sequence[int] | None = None):
+        # ``order``: the chain's places (a module may stand at several); ``calls``: the calls at each.
+        self.model, self.order, self.dead, self.calls = model, list(order), dead, list(calls or [])
         self.recomputed = set(recomputed)
         self.bytes = [0] * len(self.order)
         self._holders: dict[int, list[tuple[int, int]]] = {}  # storage -> [(stage, bytes)]
@@ -201,7 +207,10 @@ class HeldInputs:
 
     def __enter__(self) -> "HeldInputs":
         modules = dict(self.model.named_modules())
+        places: dict[str, list[int]] = {}  # a module whose calls other stages separate stands at several
         for i, name in enumerate(self.order):
+            places.setdefault(name, []).append(i)
+        for name, at in places.items():
             if not self.dead.get(name):
                 continue
             # Recomputed children of the stage (an "attn" or "mlp" option) hold what the stage
@@ -209,42 +218,54 @@ class HeldInputs:
             children = [c for c in self.recomputed if c.startswith(name + ".")]
             if name not in self.recomputed and not children:
                 continue
-            outside: dict[int, tuple[str, int]] = {}  # storage -> (argument, bytes): the stage's dead arguments
-            counted: set[int] = set()
-            seen = [False]
-
-            def count(tensors: Iterator[tuple[str, torch.Tensor]], i: int, keep: Callable[[str, int], bool],
-                      counted: set = counted, outside: dict = outside) -> None:
-                for key, tensor in tensors:
-                    ident = _ident(tensor)
-                    if keep(key, ident) and ident not in counted:  # a tensor passed twice, or two views
-                        counted.add(ident)
-                        nbytes = _storage_bytes(tensor)
-                        self.bytes[i] += nbytes
-                        self._holders.setdefault(ident, []).append((i, nbytes))
-                        # Named by the stage's own argument (a child's is the same tensor under its name).
-                        self._labels.setdefault(ident, f"{self.order[i]}:{outside.get(ident, (key,))[0]}")
-
-            def stage_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, name: str = name,
-                           outside: dict = outside, seen: list = seen, count: Callable = count) -> None:
-                if seen[0]:
-                    return  # as ``dead_inputs``: the first call of a stage (not the recompute)
-                seen[0] = True
-                dead = self.dead[name]
-                for key, tensor in _tensors(args, kwargs):
-                    if key in dead:
-                        outside[_ident(tensor)] = (key, _storage_bytes(tensor))
-                if name in self.recomputed:
-                    count(_tensors(args, kwargs), i, lambda key, ident: key in dead)
-
-            def child_hook(module: nn.Module, args: tuple, kwargs: dict, i: int = i, outside: dict = outside,
-                           count: Callable = count) -> None:
-                count(_tensors(args, kwargs), i, lambda key, ident: ident in outside)
-
-            self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
-            for child in children:
-                self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
+            self._watch(modules, name, at, children)
         return self
+
+    def _watch(self, modules: dict[str, nn.Module], name: str, at: list[int], children: list[str]) -> None:
+        """Hooks that count what the stage ``name`` (at places ``at``) and its recomputed ``children`` hold."""
+        calls = self.calls or [1] * len(self.order)
+        # The forward call that opens each place (the calls between belong to the place before);
+        # calls after the last are recomputes.
+        opening = {sum(calls[j] for j in at[:k]): i for k, i in enumerate(at)}
+        total = sum(calls[j] for j in at)
+        outside: dict[int, tuple[str, int]] = {}  # storage -> (argument, bytes): the stage's dead arguments
+        counted: set[int] = set()
+        state = {"calls": 0, "place": at[0]}
+
+        def count(tensors: Iterator[tuple[str, torch.Tensor]], keep: Callable[[str, int], bool]) -> None:
+            i = state["place"]
+            for key, tensor in tensors:
+                ident = _ident(tensor)
+                if keep(key, ident) and (i, ident) not in counted:  # a tensor passed twice, or two views
+                    counted.add((i, ident))
+                    nbytes = _storage_bytes(tensor)
+                    self.bytes[i] += nbytes
+                    self._holders.setdefault(ident, []).append((i, nbytes))
+                    # Named by the stage's own argument (a child's is the same tensor under its name).
+                    self._labels.setdefault(ident, f"{self.order[i]}:{outside.get(ident, (key,))[0]}")
+
+        def stage_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not planning_runs_here():  # another thread's forward of the same model
+                return
+            call = state["calls"]
+            state["calls"] += 1
+            if call not in opening or call >= total:
+                return  # as ``dead_inputs``: the first call of each place (not the others, nor the recompute)
+            state["place"] = opening[call]
+            dead = self.dead[name]
+            for key, tensor in _tensors(args, kwargs):
+                if key in dead:
+                    outside[_ident(tensor)] = (key, _storage_bytes(tensor))
+            if name in self.recomputed:
+                count(_tensors(args, kwargs), lambda key, ident: key in dead)
+
+        def child_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if planning_runs_here():
+                count(_tensors(args, kwargs), lambda key, ident: ident in outside)
+
+        self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
+        for child in children:
+            self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:

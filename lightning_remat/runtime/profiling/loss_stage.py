@@ -30,6 +30,7 @@ from torch import nn
 from ...core.memory_model import Profile, StageOption, StageProfile
 from ...core.vocabulary import OptionKind, option_name
 from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss, head_flops
+from ..measuring.exclusive import planning_runs_here
 from ..measuring.measure import Step
 from ..measuring.observe import ObservedStep
 from .memory_run import memory_run
@@ -52,17 +53,18 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
     """The step measured once per chunk count with the head and loss chunked (the layers kept), or
     None where the model has no causal LM head (``chunked_loss.find_head_loss``) or it did not run."""
     found = find_head_loss(model)
-    n = len(observed.order)
+    n = len(observed.positions)
     if found is None or n not in keep_gap or found.head in observed.order:  # a head that is a stage already
         return None
     head = model.get_submodule(found.head)
     tokens: list[int] = []
-    hook = head.register_forward_pre_hook(lambda _, args: tokens.append(args[0].numel() // args[0].shape[-1]))
-    calls = {i: observed.stats[name].calls for i, name in enumerate(observed.order)}
+    hook = head.register_forward_pre_hook(
+        lambda _, args: tokens.append(args[0].numel() // args[0].shape[-1]) if planning_runs_here() else None)
+    calls = dict(enumerate(observed.position_calls))
     figures = HeadFigures(found.head, n, 0, keep_gap[n])
     try:
         for chunks in CHUNK_COUNTS:
-            run = memory_run(model, step, observed.order, calls, [], optimizer, replay,
+            run = memory_run(model, step, observed.positions, calls, [], optimizer, replay,
                              gradients_alive=accumulation_steps > 1, chunked={found.head: chunks})
             figures.chunked[chunks] = run.segments.get(n, keep_gap[n])
     finally:

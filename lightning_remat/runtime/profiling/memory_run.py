@@ -49,6 +49,7 @@ class MemoryRun:
     shared: list[tuple[tuple[str, int], ...]] | None = None
     held_before: list[tuple[tuple[str, int], ...]] | None = None
     segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
+    fresh: frozenset[int] = frozenset()  # places after a backward pass of the step (StageProfile.fresh)
 
 
 def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
@@ -57,7 +58,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
                 offload_inputs: bool = False) -> MemoryRun:
-    # ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
+    # ``order``: the chain's places (``ObservedStep.positions``: a module may stand at several),
+    # ``calls`` the calls at each. ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
     # nothing recomputed and ``dead`` empty fills it. ``chunked``: causal LM heads computing their
     # loss over that many chunks (loss_stage.py; nothing else wrapped then). ``offload_inputs``: the
     # recomputed modules' checkpoint inputs go to the host (input_offload.py).
@@ -70,7 +72,10 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     device = model_device(model)
-    tracker = SegmentTracker({id(modules[n]): i for i, n in enumerate(order)}, device, calls)
+    places: dict[int, list[int]] = {}  # a module whose calls other stages separate has several
+    for i, n in enumerate(order):
+        places.setdefault(id(modules[n]), []).append(i)
+    tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
     plan = (Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else
@@ -78,7 +83,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     host: dict[str, int] | None = None
     with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
-            HeldInputs(model, order, dead or {}, wrapped) as held, \
+            HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
 
         def checked(model: nn.Module) -> torch.Tensor:
@@ -97,7 +102,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                          "control flow depends on something other than torch's random generators (which the profile "
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
-    if offloaded or offload_inputs:
+    if (offloaded or offload_inputs) and len(set(order)) == len(order):  # a module at several places: as measured
         stored = net_of_released(stored, tracker.forward_starts, calls)
     prefix = [0]
     for s in stored:
@@ -114,7 +119,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # Not clamped at zero: a figure below what the stages before it store is real where they free
     # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
     # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
-    local, segments = _local_peaks(tracker.segment_peaks, prefix, n)
+    local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
@@ -128,20 +133,25 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
-        segments_held={k: held.held_before(k) for k in segments},
+        segments_held={k: held.held_before(k) for k in segments}, fresh=frozenset(tracker.fresh),
     )
 
 
-def _local_peaks(segment_peaks: dict, prefix: list[int], n: int) -> tuple[list[int], dict[int, int]]:
+def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
+                 fresh: set[int] = frozenset()) -> tuple[list[int], dict[int, int]]:
     """Each stage's local peak (its forward's and backward's, over what the stages before it store)
-    and each gap's segment peak, from the tracker's peaks per (kind, index)."""
+    and each gap's segment peak, from the tracker's peaks per (kind, index). Stored bytes count from
+    the last ``fresh`` stage on (a step that ran backward before it: the earlier ones are gone)."""
+    starts = [max([0, *(f for f in fresh if f <= i)]) for i in range(n)]
     local: list[int | None] = [None] * n
     segments: dict[int, int] = {}
     for (kind, k), peak in segment_peaks.items():
         if kind in ("fw", "bw"):
-            local[k] = peak - prefix[k] if local[k] is None else max(local[k], peak - prefix[k])
+            own = peak - (prefix[k] - prefix[starts[k]])
+            local[k] = own if local[k] is None else max(local[k], own)
         else:
-            segments[k] = max(segments.get(k, peak - prefix[k]), peak - prefix[k])
+            own = peak - (prefix[k] - prefix[starts[k - 1]]) if k else peak
+            segments[k] = max(segments.get(k, own), own)
     return [0 if v is None else v for v in local], segments
 
 

@@ -23,14 +23,14 @@ from torch import nn
 
 from ...core.binding import OPTIMIZER_SETTINGS
 from ..targets.fake import clone_optimizer, fake_like, new_fake_mode
-from ..measuring.optimizers import optimizer_list
+from ..measuring.optimizers import optimizer_list, torch_optimizer
 from ..measuring.tracking import Tracker
 
 
 @dataclass(frozen=True)
 class OptimizerStepCost:
     """State bytes the optimizers hold after a step; peak bytes of their steps beyond parameters and
-    gradients; of the state, the bytes that do not exist yet (optimizers that have not stepped)."""
+    gradients; of the state, the bytes that do not exist yet (parameters no step has reached)."""
 
     state_bytes: int = 0
     step_peak_bytes: int = 0
@@ -123,8 +123,26 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
         step_peak += sum(v for k, v in snapshot.items() if getattr(k, "value", k) == "Optstate")
     state = sum(_state_bytes(clone) for clone in clones)
     # State that does not exist yet will exist during every later step.
-    created = sum(_state_bytes(clone) for clone, o in zip(clones, optimizers) if not o.state)
+    created = sum(_created_bytes(o, clone) for clone, o in zip(clones, optimizers))
     return OptimizerStepCost(state, max(step_peak, state), created)
+
+
+def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> int:
+    """Bytes of ``clone``'s state (after its step) for the parameters ``optimizer`` holds no state
+    for yet: all of them before its first step, and later those no step has reached (parameters
+    only a new key of the batch uses, or a branch that ran for the first time)."""
+    real = torch_optimizer(optimizer)
+    seen: set[int] = set()
+    total = 0
+    for group, twin in zip(real.param_groups, clone.param_groups):
+        for p, fake in zip(group["params"], twin["params"]):
+            if real.state.get(p):
+                continue
+            for v in clone.state.get(fake, {}).values():
+                if isinstance(v, torch.Tensor) and id(v) not in seen:
+                    seen.add(id(v))
+                    total += v.untyped_storage().nbytes()
+    return total
 
 
 def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,

@@ -36,16 +36,19 @@ from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
-from ..installing import sac
+from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
+from ..installing.fingerprint import binding_of
 from ..measuring.exclusive import exclusive
+from ..measuring.host_rng import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
 from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
 from ..measuring.stance import eager_stance
+from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
 from ..targets.fake_attention import cuda_attention
@@ -157,7 +160,10 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         # chunked step measured 2.5-8% above its eager figures (docs/long_context.md). Not offered.
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
-    with eager_stance(), uncompiled(model) as model:
+    # The user's hooks see training forwards only, not the profile's passes (user_hooks.py).
+    # The device planned for: a fake profile without one plans for the CPU (as ``_fake_profile`` does).
+    target = options.device or ("cpu" if options.fake else model_device(model))
+    with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model, rng_states_count(target):
         if not options.fake:
             profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
             profile.optimizer_step_alternatives = optimizer_step_alternatives(
@@ -166,6 +172,12 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
         profile.notes = (*profile.notes, CHUNKS_UNDER_COMPILE_NOTE)
+    # What the plans solved from it were made for: apply_plan refuses them on other shapes (issue 29).
+    profile.fingerprint = binding_of(model, [*(s.name for s in profile.stages), *(m for m, _ in profile.blocks)])
+    refusal = chunked_loss.refused(model) if options.chunk_loss else None
+    if refusal is not None:  # a causal LM with a loss of the user's own: said, not silently left whole
+        warnings.warn(f"lightning-remat: {refusal}", UserWarning, stacklevel=2)
+        profile.notes = (*profile.notes, refusal)
     return profile
 
 
@@ -291,12 +303,14 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         wraps = option_wraps(observed.order, observed, modules, policies)
         limits: dict[str, int] = {}
         if options.offload:
-            wraps[OFFLOAD] = {n: () for n in observed.order}
+            # Not a module at several places (core.calls): the offloader prefetches by place, unchecked for it.
+            single = [n for n in observed.order if observed.positions.count(n) == 1]
+            wraps[OFFLOAD] = {n: () for n in single}
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
-                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits}
+                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
-            wraps[OFFLOAD_INPUT] = {n: (n,) for n in observed.order}
+            wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -311,8 +325,12 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
     assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
                          optimizer is not None, device, peaks, per_op, limits, compiled)
-    assembled.span_groups = groups
-    assembled.blocks = found.blocks
+    # A module at several places (core.calls) is planned alone: no span or block over it; none at all
+    # in a step that runs backward more than once (a fresh place).
+    several = {n for n in observed.positions if observed.positions.count(n) > 1}
+    several = set(observed.positions) if runs["keep"].fresh else several
+    assembled.span_groups = tuple(g for g in groups if not several & set(g))
+    assembled.blocks = tuple(b for b in found.blocks if not several & set(b[1]))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
     if compiled:

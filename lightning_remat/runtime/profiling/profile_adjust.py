@@ -61,6 +61,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
     if not missing:
         return profile
     stages = list(profile.stages)
+    origin = list(range(len(stages)))  # each place's index in ``profile`` (-1: a stage put in)
     positions = {s.name: i for i, s in enumerate(stages)}
     for name in missing:
         twin = next((s for s in profile.stages if s.module_type == type(modules[name]).__name__),
@@ -70,9 +71,10 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
                         for o in twin.options if same_class or o.name in ("keep", "whole"))
         before = [n for n in stage_names[:stage_names.index(name)] if n in positions]
         at = positions[before[-1]] + 1 if before else 0
-        stages.insert(at, replace(twin, name=name, options=options, module_type=type(modules[name]).__name__))
+        stages.insert(at, replace(twin, name=name, options=options, module_type=type(modules[name]).__name__, call=0))
+        origin.insert(at, -1)
         positions = {s.name: i for i, s in enumerate(stages)}
-    first_observed = [positions[s.name] for s in profile.stages]
+    first_observed = [origin.index(k) for k in range(len(profile.stages))]
 
     def alive(k: int) -> int:
         return 0 if k == 0 else (first_observed[k] if k < len(first_observed) else len(stages))

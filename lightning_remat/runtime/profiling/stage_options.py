@@ -86,11 +86,11 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
     with warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
-        calls = {i: observed.stats[n].calls for i, n in enumerate(observed.order)}
+        calls = dict(enumerate(observed.position_calls))
         runs, dropped = {}, []
         for name, wrap in list(wraps.items()):
             try:
-                runs[name] = memory_run(model, step, observed.order, calls, [m for ms in wrap.values() for m in ms],
+                runs[name] = memory_run(model, step, observed.positions, calls, [m for ms in wrap.values() for m in ms],
                                         optimizer, replay, gradients_alive=accumulation_steps > 1,
                                         policy=sac.policy_of(name),
                                         offloaded=list(wrap) if is_offload(name) else (),

@@ -32,7 +32,9 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ...core.errors import FakeProfileError
+from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
+from ..measuring.user_hooks import without_user_hooks
 from ...core import hardware
 
 # Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs:
@@ -182,17 +184,26 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
 
 def _shallow_module_copy(model: nn.Module) -> nn.Module:
     """Copy the module tree, not what its modules refer to (tensors, a Lightning trainer, data):
-    every module is a shallow copy with its own parameter, buffer and child dicts, which
-    ``fake_model`` then fills with fake tensors."""
+    every module is a shallow copy with its own parameter, buffer, child and hook dicts, which
+    ``fake_model`` then fills with fake tensors. The copy carries no plan of ours
+    (``records.without_installation``): a plan installed on it, or lifted from it, is its own."""
     copies: dict[int, nn.Module] = {}
+    ours = installed_hooks(model)
 
     def copy_module(module: nn.Module) -> nn.Module:
         if id(module) not in copies:
             twin = copy.copy(module)
             # copy.copy goes through __getstate__, which may drop what pickling must not carry
             # (a LightningModule's trainer, which ``self.optimizers()`` reads): the twin refers to
-            # all its module does.
-            twin.__dict__.update(module.__dict__)
+            # all its module does, except the installation (whose Record, forward and segments
+            # belong to the module: a twin sharing them would uninstall the model's plan).
+            cls, state = without_installation(module, ours)
+            for key in [k for k in module.__dict__ if k not in state]:
+                twin.__dict__.pop(key, None)
+            twin.__dict__.update(state)
+            if type(twin) is not cls:
+                object.__setattr__(twin, "__class__", cls)
+            without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())

@@ -194,15 +194,11 @@ def sharding_info(model: nn.Module, world_size: int, candidates: object, param_d
 
 
 def _own_module_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree (tensors shared) whose modules have their own hook dicts."""
+    """A copy of the module tree (tensors shared) whose modules have their own hook dicts and carry
+    no plan of ours (``fake._shallow_module_copy``)."""
     from .fake import _shallow_module_copy
 
-    twin = _shallow_module_copy(model)
-    for module in twin.modules():
-        for attr, value in list(vars(module).items()):
-            if "hooks" in attr and isinstance(value, dict):
-                object.__setattr__(module, attr, type(value)(value))
-    return twin
+    return _shallow_module_copy(model)
 
 
 def sharding_note(info: dict) -> str:

@@ -1,0 +1,256 @@
+"""A module that runs several times in one step: one place in the chain per run, one option for all.
+
+A trunk under two heads, or two views through one encoder, runs each block twice per step, and the
+first run's saved tensors are alive through the second: the chain of the memory model is the
+places in the order the forwards ran (blocks 0..3, then 0..3 again), each with its own stored bytes
+and local peak (``StageProfile.call`` numbers a module's places), and backward runs them in reverse.
+The memory model's formula is unchanged, so the predictor is exact for these chains as for any
+other. What changes is the choice: a module is recomputed on every call or on none, so its places
+share one option (and its cost is the sum of its places': k calls, k recomputes).
+
+The solver's chain DP cannot tie two places; ``tied_dp`` runs over the modules instead. The places
+split into *rounds*, maximal runs of places whose modules come in order (the second run of the trunk
+is a second round), and a place of round ``r`` is preceded by every place of the earlier rounds
+(whose totals are known only at the end) and by the places of its own round before it. So the DP
+carries per round the bytes stored so far and, per round, the largest term seen so far plus what the
+earlier rounds stored so far (which grows as later modules add to them): every term is then exact at
+the end, and every state's figures only grow, so a state over the budget is dropped at once. It is
+exact (a Pareto frontier over those figures and the cost) up to ``MAX_TIED_FRONTIER`` states per
+module, beyond which it keeps a spread of them: plans stay within the budget (every kept state's
+figures are exact), optimality is then not proven. Spans (several stages under one checkpoint) are
+not offered in such a profile. A step that runs backward between the runs (Lightning's manual
+optimization, a GAN's two phases) frees the first run's tensors first: the place where the next run
+starts is ``fresh`` (``StageProfile.fresh``), and only the rounds since the last fresh place are
+alive under a place.
+
+Example:
+    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+    >>> def place(name, call):
+    ...     keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    ...     return StageProfile(name, (keep, StageOption("whole", (name,), 10, 160, 1.0, 5)), call=call)
+    >>> trunk_twice = Profile((place("a", 0), place("b", 0), place("a", 1), place("b", 1)), (Segment("head", 4, 50),))
+    >>> predict_peak(trunk_twice, [1, 0, 1, 0])   # "a" recomputed on both calls: b's second call binds
+    270
+    >>> tied_dp(trunk_twice, None, "flops"), tied_dp(trunk_twice, 300, "flops")   # least peak (190); within 300
+    ([1, 1, 1, 1], [1, 0, 1, 0])
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .budget import MIN_BUDGET
+from .errors import BudgetTooSmallError
+from .memory_model import Profile
+from .shared_held import exact_peak, slack
+
+# States kept per module by ``tied_dp`` (see the module's docstring).
+MAX_TIED_FRONTIER = 4_000
+_NONE = -(2**62)  # "no term yet": far below any figure, far from int64's least
+
+
+def is_tied(profile: Profile) -> bool:
+    """Whether some module of ``profile`` stands at several places (``StageProfile.call`` above 0)."""
+    return any(s.call for s in profile.stages)
+
+
+def owners(profile: Profile) -> list[int]:
+    """Per place, the index of its module's first place (the place itself for a first place).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
+        >>> owners(Profile(tuple(StageProfile(n, (keep,), call=c) for n, c in [("a", 0), ("b", 0), ("a", 1)]), ()))
+        [0, 1, 0]
+    """
+    first: dict[str, int] = {}
+    found = []
+    for i, stage in enumerate(profile.stages):
+        if not stage.call or stage.name not in first:
+            first[stage.name] = i
+        found.append(first[stage.name])
+    return found
+
+
+def tied_places(profile: Profile) -> dict[str, list[int]]:
+    """The places of each module that stands at several (by name)."""
+    places: dict[str, list[int]] = {}
+    for i, owner in enumerate(owners(profile)):
+        places.setdefault(profile.stages[owner].name, []).append(i)
+    return {name: at for name, at in places.items() if len(at) > 1 and profile.stages[at[-1]].call}
+
+
+def check_tied(profile: Profile, choices: Sequence[int]) -> None:
+    """Raise ValueError where two places of one module have different options."""
+    for i, owner in enumerate(owners(profile)):
+        if choices[i] != choices[owner]:
+            raise ValueError(f"stage {profile.stages[i].name!r} runs several times per step: its places must "
+                             f"share one option, got {choices[owner]} and {choices[i]}")
+
+
+def _rounds(profile: Profile, owner: list[int]) -> tuple[list[int], np.ndarray]:
+    """Per place, its round: a new round starts where a module does not come after the one before, and
+    at a ``fresh`` place; and which rounds' places are alive under which (``[r', r]``: r' before r, in
+    the same episode, the places between two fresh ones)."""
+    found, episodes, current, previous = [], [0], 0, -1
+    for i, module in enumerate(owner):
+        fresh = profile.stages[i].fresh and i > 0
+        if module <= previous or fresh:
+            current += 1
+            episodes.append(episodes[-1] + fresh)
+        found.append(current)
+        previous = module
+    count = current + 1
+    under = np.array([[r < q and episodes[r] == episodes[q] for q in range(count)] for r in range(count)], dtype=float)
+    return found, under
+
+
+def _tables(profile: Profile, kind: str) -> tuple:
+    """Per module (first places in order): its places, and per option (stored, local, cost) of each place."""
+    owner = owners(profile)
+    modules = sorted(set(owner))
+    rows = []
+    for m in modules:
+        at = [i for i, o in enumerate(owner) if o == m]
+        names = [tuple(o.name for o in profile.stages[i].options) for i in at]
+        if any(n != names[0] for n in names):
+            raise ValueError(f"stage {profile.stages[m].name!r}: its places offer different options {names}")
+        options = [[(profile.stages[i].options[j].stored_bytes, profile.stages[i].options[j].local_peak_bytes,
+                     profile.stages[i].options[j].cost(kind)) for i in at] for j in range(len(names[0]))]
+        rows.append((at, options))
+    return owner, rows
+
+
+def _pareto_nd(points: np.ndarray) -> np.ndarray:
+    """Indices of the rows of ``points`` no other row is at or below in every column (one of equal rows)."""
+    order = np.lexsort(points.T[::-1])
+    ranked = points[order]
+    kept_rows = np.empty((0, points.shape[1]))
+    kept: list[np.ndarray] = []
+    chunk = 256
+    for start in range(0, len(ranked), chunk):
+        block = ranked[start:start + chunk]
+        # Sorted: only an earlier row can be at or below a row everywhere.
+        below = np.tril((block[None, :, :] <= block[:, None, :]).all(-1), -1).any(-1)
+        if len(kept_rows):
+            below |= (kept_rows[None, :, :] <= block[:, None, :]).all(-1).any(-1)
+        kept.append(order[start:start + chunk][~below])
+        kept_rows = np.concatenate((kept_rows, block[~below]))
+    return np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+
+
+def _thinned(points: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """At most ``MAX_TIED_FRONTIER`` of the rows: the best by ``value`` and by each column, and a spread."""
+    if len(points) <= MAX_TIED_FRONTIER:
+        return np.arange(len(points))
+    picks = {int(np.argmin(value))} | {int(np.argmin(points[:, d])) for d in range(points.shape[1])}
+    by_value = np.argsort(value, kind="stable")
+    picks.update(int(i) for i in by_value[:MAX_TIED_FRONTIER // 2])
+    spread = np.linspace(0, len(points) - 1, MAX_TIED_FRONTIER - len(picks)).astype(np.int64)
+    picks.update(int(i) for i in np.argsort(points.sum(axis=1), kind="stable")[spread])
+    return np.array(sorted(picks), dtype=np.int64)
+
+
+def _segment_terms(profile: Profile) -> tuple[int, dict[int, int]]:
+    """The segments' peaks: with no place alive (a constant term), and after each place."""
+    constant, after = _NONE, {}
+    for segment in profile.segments:
+        k = segment.stages_alive
+        if k == 0:
+            constant = max(constant, segment.peak_bytes)
+        else:
+            after[k - 1] = max(after.get(k - 1, _NONE), segment.peak_bytes)
+    return constant, after
+
+
+def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None:
+    """Option index per place: the least-cost plan whose peak is within ``budget`` (``None``: the
+    plan of least peak), each module's places sharing one option; None when nothing fits."""
+    owner, rows = _tables(profile, kind)
+    rounds, under = _rounds(profile, owner)
+    r_count = len(under)
+    constant, after = _segment_terms(profile)
+    if budget is not None and constant > budget:
+        return None
+    # The most the earlier rounds' stored bytes can still fall (a sharded stage's figure can be below
+    # zero): a state is dropped only when no later module can bring it back within the budget.
+    falls = np.zeros((len(rows) + 1, r_count))
+    for k in range(len(rows) - 1, -1, -1):
+        at, options = rows[k]
+        least = np.zeros(r_count)
+        for option in options:
+            delta = np.zeros(r_count)
+            for i, (stored, _, _) in zip(at, option):
+                delta[rounds[i]] += stored
+            least = np.minimum(least, delta @ under)
+        falls[k] = falls[k + 1] + least
+    stored = np.zeros((1, r_count))
+    terms = np.full((1, r_count), float(_NONE))
+    terms[0, 0] = constant
+    cost = np.zeros(1)
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for k, (at, options) in enumerate(rows):
+        new_stored, new_terms, new_cost, parent, chosen = [], [], [], [], []
+        for j, option in enumerate(options):
+            delta = np.zeros(r_count)
+            term = np.full((len(stored), r_count), float(_NONE))
+            for i, (s, local, _) in zip(at, option):
+                r = rounds[i]
+                delta[r] += s
+                term[:, r] = stored[:, r] + local
+                if i in after:
+                    term[:, r] = np.maximum(term[:, r], stored[:, r] + s + after[i])
+            grown = stored + delta
+            earlier, shift = grown @ under, delta @ under
+            new_terms.append(np.maximum(terms + shift, np.where(term > _NONE / 2, earlier + term, float(_NONE))))
+            new_stored.append(grown)
+            new_cost.append(cost + sum(c for _, _, c in option))
+            parent.append(np.arange(len(stored)))
+            chosen.append(np.full(len(stored), j))
+        stored, terms, cost = np.concatenate(new_stored), np.concatenate(new_terms), np.concatenate(new_cost)
+        parent, chosen = np.concatenate(parent), np.concatenate(chosen)
+        if budget is not None:
+            fits = (terms + falls[k + 1] <= budget).all(axis=1)
+            stored, terms, cost, parent, chosen = stored[fits], terms[fits], cost[fits], parent[fits], chosen[fits]
+            if not len(cost):
+                return None
+            # Round 0's terms are final once within the budget; the others grow with the earlier rounds.
+            points = np.concatenate((stored, terms[:, 1:], cost[:, None]), axis=1)
+            value = cost
+        else:
+            points = np.concatenate((stored, terms), axis=1)
+            value = terms.max(axis=1)
+        keep = _pareto_nd(points)
+        keep = keep[_thinned(points[keep], value[keep])]
+        stored, terms, cost = stored[keep], terms[keep], cost[keep]
+        back.append((parent[keep], chosen[keep]))
+    peak = terms.max(axis=1)
+    best = int(np.lexsort((peak, cost))[0]) if budget is not None else int(np.lexsort((cost, peak))[0])
+    by_module = [0] * len(rows)
+    for k in range(len(rows) - 1, -1, -1):
+        parent, chosen = back[k]
+        by_module[k] = int(chosen[best])
+        best = int(parent[best])
+    first = {at[0]: by_module[k] for k, (at, _) in enumerate(rows)}
+    return [first[o] for o in owner]
+
+
+def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
+    """``solve.solve_segmentation`` for a profile where a module stands at several places: option
+    indices per place (no spans); inputs several checkpoints hold as ``solve._counted_once`` takes them.
+
+    Raises BudgetTooSmallError when nothing fits.
+    """
+    least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
+    if budget == MIN_BUDGET:
+        budget = exact_peak(profile, least)
+    found = tied_dp(profile, int(budget), cost)
+    if found is None and slack(profile):
+        wider = tied_dp(profile, int(budget) + slack(profile), cost)
+        found = next((c for c in (wider, least) if c is not None and exact_peak(profile, c) <= int(budget)), None)
+    if found is None:
+        least = least or tied_dp(profile, None, cost)
+        raise BudgetTooSmallError(int(budget), exact_peak(profile, least), profile.static_bytes)
+    return found

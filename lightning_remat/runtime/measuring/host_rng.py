@@ -1,0 +1,67 @@
+"""The random-generator states a checkpoint keeps, counted where they take the planned device's memory.
+
+``torch.utils.checkpoint`` (``preserve_rng_state=True``, so that dropout replays) keeps
+``torch.get_rng_state()`` from a recomputed call's forward until its backward: 5,056 bytes per call
+for the CPU's generator. That tensor is made in C++, outside the dispatch modes MemTracker watches,
+so the tracker missed it while the allocator (``torch.profiler``'s events) counted it: a CPU plan
+recomputing k calls measured k * 5,056 bytes above its prediction. On a GPU it is host memory (so is
+the GPU generator's state, ``torch.cuda.get_rng_state()``), which the budget does not count.
+
+``Tracker`` calls ``counting_rng_states`` while it is active; the profiler says, with
+``rng_states_count(device)``, whether the device it plans for is the CPU (a fake profile for a GPU
+runs on fake CPU tensors, where these states are not the GPU's memory).
+
+Example:
+    >>> import torch
+    >>> seen = []
+    >>> with counting_rng_states(seen.append):
+    ...     state = torch.get_rng_state()
+    >>> len(seen), seen[0] is state, torch.get_rng_state is _ORIGINAL
+    (1, True, True)
+    >>> with rng_states_count("cuda"), counting_rng_states(seen.append):
+    ...     _ = torch.get_rng_state()
+    >>> len(seen)
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Iterator
+
+import torch
+
+_ORIGINAL = torch.get_rng_state
+# Whether the states count: the CPU is the planned device (the default: a real step on the CPU).
+_COUNT = contextvars.ContextVar("lightning_remat_rng_states_count", default=True)
+
+
+@contextlib.contextmanager
+def rng_states_count(device: str | torch.device | None) -> Iterator[None]:
+    """Within the block, trackers count the CPU generator's states only if ``device`` is the CPU."""
+    token = _COUNT.set(device is None or torch.device(device).type == "cpu")
+    try:
+        yield
+    finally:
+        _COUNT.reset(token)
+
+
+@contextlib.contextmanager
+def counting_rng_states(track: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """``track(state)`` for every ``torch.get_rng_state()`` made within the block (one tracker at a
+    time holds the planning lock, so the process-wide patch is the tracker's alone)."""
+    if not _COUNT.get() or torch.get_rng_state is not _ORIGINAL:
+        yield
+        return
+
+    def get_rng_state() -> torch.Tensor:
+        state = _ORIGINAL()
+        track(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = _ORIGINAL

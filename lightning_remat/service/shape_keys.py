@@ -1,0 +1,97 @@
+"""Which shape each batch's plan is made for: the keying of ``service.shape_plans``.
+
+A batch's shape (``core.shapes.Shape``: batch size, sequence length, layout) is rounded up to a
+bucket, so a run meets few shapes to plan and no plan is made for a smaller shape than its batch's.
+The batch size and sequence length are always rounded; a size of the layout only once it has varied
+in the run (an image's height and width, not its channels: a model refuses any other channel
+count, and a bucket beyond it could not be profiled). With ``plan_for="largest"`` every batch is
+planned for the largest shape met so far of its layout's structure (shapes of other structures, a
+batch with another key, are never united: neither covers the other). Under several ranks, every
+rank plans the largest of the ranks' shapes.
+
+Example:
+    >>> from lightning_remat.core.shapes import BATCH
+    >>> keys = ShapeKeys(per_octave=4)
+    >>> image = lambda side: Shape(8, 1, (("0", (BATCH, 3, side, side)),))
+    >>> [str(keys.bucket(keys.meet(image(side)))) for side in (30, 30, 36)]
+    ['8x1 {0: bx3x30x30}', '8x1 {0: bx3x30x30}', '8x1 {0: bx3x40x40}']
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..core.shapes import Shape, ShapeBuckets
+
+
+class ShapeKeys:
+    """The buckets and the shapes met so far of one run.
+
+    Args:
+        plan_for: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest shape met of its
+            structure, and ``max_shape``).
+        max_shape: the largest shape the data has, when declared: buckets never round beyond it; a
+            shape without a layout bounds the batch size and sequence length of every layout.
+        per_octave: buckets per doubling of each dimension (0: every shape its own).
+
+    Example:
+        >>> keys = ShapeKeys("largest", max_shape=Shape(2, 100))
+        >>> keys.bucket(keys.planned(keys.meet(Shape(4, 40))))
+        Shape(batch_size=4, seq_len=100)
+    """
+
+    def __init__(self, plan_for: str = "shape", max_shape: Shape | None = None, per_octave: int = 16):
+        self.plan_for, self.max_shape = plan_for, max_shape
+        self.buckets = ShapeBuckets(per_octave, max_shape)
+        self.largest: dict[tuple, Shape] = {}  # plan_for="largest": the largest shape met of each structure
+        self._first_of: dict[tuple, Shape] = {}  # each structure's first shape: the sizes that vary from it
+        self._varying: dict[tuple, set[tuple[str, int]]] = {}  # are rounded to buckets, the others not
+
+    def meet(self, shape: Shape, channel: Any = None) -> Shape:
+        """A batch of ``shape`` is planned: the shape every rank plans (the largest of the ranks'
+        under ``channel``), remembered (its sizes that vary, the largest met)."""
+        if channel is not None and channel.distributed:
+            shape = self._largest_of_ranks(shape, channel)
+        first = self._first_of.setdefault(shape.structure, shape)
+        varying = self._varying.setdefault(shape.structure, set())
+        for (path, sizes), (_, before) in zip(shape.layout, first.layout):
+            varying.update((path, axis) for axis, (now, then) in enumerate(zip(sizes, before)) if now != then)
+        if self.plan_for == "largest":
+            self.largest[shape.structure] = self.planned(shape)
+        return shape
+
+    def planned(self, shape: Shape) -> Shape:
+        """The shape a batch of ``shape`` is planned at before rounding: itself, or with
+        ``plan_for="largest"`` united with the largest of its structure met and ``max_shape``."""
+        if self.plan_for != "largest":
+            return shape
+        largest = self.largest.get(shape.structure)
+        shape = shape if largest is None else largest.union(shape)
+        cap = self.max_shape
+        if cap is not None and cap.comparable(shape):
+            return cap.union(shape)
+        if cap is not None and not cap.layout:  # declared as (batch size, sequence length): every layout's bound
+            return Shape(max(cap.batch_size, shape.batch_size), max(cap.seq_len, shape.seq_len), shape.layout)
+        return shape
+
+    def bucket(self, shape: Shape) -> Shape:
+        """``shape`` rounded up: its batch size, sequence length and the sizes of its layout that
+        have varied."""
+        return self.buckets.up(shape, self._varying.get(shape.structure, ()))
+
+    @staticmethod
+    def _largest_of_ranks(shape: Shape, channel: Any) -> Shape:
+        """Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped
+        modules. A layout another rank has that rank 0's cannot cover (another key) is warned
+        about: rank 0's is planned."""
+        b, s = int(channel.max(shape.batch_size)), int(channel.max(shape.seq_len))
+        layouts = [Shape(b, s, layout) for layout in channel.gather(shape.layout)]
+        ours = layouts[0]
+        for other in layouts[1:]:
+            if ours.comparable(other):
+                ours = ours.union(other)
+            else:
+                warnings.warn(f"lightning-remat: the ranks' batches have other layouts ({ours} and {other}); every "
+                              "rank runs the plan for rank 0's.", UserWarning, stacklevel=5)
+        return ours
