@@ -143,6 +143,14 @@ def pytest_collection_modifyitems(items):
                                         f"has: {gone}")
 
 
+def pytest_sessionfinish(session):
+    import sys
+
+    ranks = sys.modules.get("tests.gloo_ranks")
+    if ranks is not None:  # the two-rank processes the session started (tests/gloo_ranks.py)
+        ranks.stop_ranks()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,15 +16,13 @@ within 5% of the prediction; the losses are those of one unsharded process withi
 """
 
 import copy
-import json
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.gloo_ranks import count_profile_calls
+from tests.gloo_ranks import after_case, count_profile_calls, spawn
 
 pytestmark = [pytest.mark.xdist_group("fsdp-multiprocess"), pytest.mark.distributed]
 
@@ -38,6 +36,7 @@ def _fsdp2_on_cpu() -> None:
     from accelerate.utils import DistributedType
 
     real = AcceleratorState.__init__
+    after_case(lambda: setattr(AcceleratorState, "__init__", real))
 
     def init(self, *args, fsdp_plugin=None, **kwargs):
         real(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
@@ -62,11 +61,10 @@ def _model():
     return case
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)  # Accelerate reuses it
+def _rank(rank: int) -> dict:
+    world = dist.get_world_size()  # the group spawn made: Accelerate reuses it
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
     _fsdp2_on_cpu()
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -126,16 +124,12 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
         result["with_ac"] = None
     except AlreadyCheckpointedError as error:
         result["with_ac"] = str(error)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accelerate_fsdp2")
-    mp.spawn(_rank, args=(2, f"file://{out / 'rendezvous'}", str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return spawn(_rank, tmp_path_factory.mktemp("accelerate_fsdp2"))
 
 
 def test_accelerate_shards_the_model_itself(ranks):

@@ -136,12 +136,24 @@ def test_kwargs_tuples_dicts_and_non_tensor_outputs_pass_through_and_hooks_rerun
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
 
 
-def test_no_recompute_without_autograd():
-    net = make_net().eval()
+def test_no_recompute_without_autograd(monkeypatch):
+    from lightning_remat.runtime.installing import installer
+
+    checkpoints, checkpoint = [], installer.checkpoint
+    monkeypatch.setattr(installer, "checkpoint", lambda *a, **k: checkpoints.append(1) or checkpoint(*a, **k))
+    net, reference = make_net().eval(), make_net().eval()
     apply_plan(net, ["0"])
+    x = torch.randn(2, 8, 16)
     with torch.no_grad():
-        out = net(torch.randn(2, 8, 16))
-    assert out.shape == (2, 1)
+        out = net(x)
+    with torch.inference_mode():
+        inferred = net(x)
+    # The plain forward ran (nothing saved for a recompute that can never come), with its outputs.
+    assert checkpoints == []
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(inferred, out, rtol=0, atol=0)
+    net(x).sum().backward()  # with autograd, the same block is checkpointed
+    assert checkpoints == [1]
 
 
 def test_errors_leave_the_model_untouched():

@@ -391,7 +391,20 @@ def test_already_checkpointed_model_is_left_alone(count_profiles, tmp_path):
 
 
 def test_autoremat_is_exported_lazily():
-    assert lightning_remat.AutoRemat is AutoRemat
+    import importlib
+
+    # Not bound by `import lightning_remat` (test_layout: that import loads neither torch nor
+    # Lightning); each lazy name is the object its module (or package) defines, and is in __all__.
+    lazy = lightning_remat._LAZY
+    assert lazy["AutoRemat"] == "lightning_remat.integrations.lightning.callback"
+    for name, module in lazy.items():
+        assert name not in vars(lightning_remat) and name in lightning_remat.__all__, name
+        found = getattr(lightning_remat, name)
+        assert found is getattr(importlib.import_module(module), name), name
+        assert (found.__module__ + ".").startswith(module + "."), f"{name} is defined in {found.__module__}, not {module}"
+    assert AutoRemat.__module__ == lazy["AutoRemat"]
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        lightning_remat.NotAName
 
 
 # ------------------------------------------------------------------------------------ the example

@@ -1,29 +1,20 @@
 """plan_remat under torch.distributed (plain PyTorch, e.g. before FSDP2 or DDP): rank 0 decides,
 every rank gets the same plan whatever the cost kind, or the same error."""
 
-import json
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.gloo_ranks import count_profile_calls, spawn
 
 # Every test here runs 2 gloo ranks.
 pytestmark = pytest.mark.distributed
 
 
-def _rank(rank: int, world: int, init: str, out: str, budget) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    import lightning_remat.runtime.profiling.profile as profiling
+def _rank(rank: int, budget) -> dict:
     from lightning_remat import BudgetTooSmallError, plan_remat
     from lightning_remat.models import build
 
-    calls = []
-    real = profiling.profile_step
-    profiling.profile_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    calls = count_profile_calls()
     case = build("mlp", batch_size=256 + 64 * rank, depth=6, width=64)  # ranks see different batches
     result = {"profiles": 0}
     try:
@@ -32,15 +23,11 @@ def _rank(rank: int, world: int, init: str, out: str, budget) -> None:
     except BudgetTooSmallError as err:
         result.update(error=str(err), smallest=err.smallest_peak_bytes)
     result["profiles"] = len(calls)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 def _run(tmp_path, budget):
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank, args=(2, init, str(tmp_path), budget), nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return spawn(_rank, tmp_path, budget)
 
 
 def test_every_rank_gets_rank_zeros_plan(tmp_path):
@@ -56,10 +43,7 @@ def test_every_rank_raises_rank_zeros_error_with_its_figures(tmp_path):
     assert ranks[0]["smallest"] == ranks[1]["smallest"] > 1000
 
 
-def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _ddp_rank(rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_remat import ProfileOptions, apply_plan, plan_remat, profile_step
@@ -86,15 +70,11 @@ def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
                   baseline=plan.baseline_peak_bytes, first_profile_baseline=plain.baseline_peak_bytes,
                   predicted=plan.predicted_peak_bytes, peaks=steps,
                   bucket_note=any("DDP" in n for n in plan.notes), grad_sum=float(sum(g.sum() for g in grad)))
-    with open(os.path.join(out, f"ddp{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 def test_plan_remat_on_a_ddp_model_profiles_the_module_inside_and_counts_buckets(tmp_path):
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_ddp_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True)
-    ranks = [json.loads((tmp_path / f"ddp{r}.json").read_text()) for r in (0, 1)]
+    ranks = spawn(_ddp_rank, tmp_path)
     assert ranks[0]["checkpointed"] and ranks[0]["checkpointed"] == ranks[1]["checkpointed"], ranks
     # Profiled through the wrapper or not, the module inside is what is measured: the same baseline.
     assert ranks[0]["baseline"] == ranks[0]["first_profile_baseline"], ranks

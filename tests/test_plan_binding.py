@@ -95,7 +95,8 @@ def test_the_binding_survives_json_other_dtypes_apply_and_plans_that_record_noth
     with pytest.raises(PlanMismatchError):
         apply_plan(chain(hidden=2 * WIDTH), again)
     # Dtypes are recorded, not compared: a precision conversion after planning is legitimate.
-    assert apply_plan(chain().to(torch.bfloat16), again) is not None
+    assert plan.checkpointed
+    assert checkpointed_modules(apply_plan(chain().to(torch.bfloat16), again)) == plan.checkpointed
     # Plans saved by earlier versions (no shapes recorded) and plans given as names apply unchecked.
     old = {k: v for k, v in plan.to_dict().items() if k != "fingerprint"}
     assert checkpointed_modules(apply_plan(chain(hidden=2 * WIDTH), Plan.from_dict(old))) == plan.checkpointed

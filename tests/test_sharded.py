@@ -1,13 +1,9 @@
 """Sharded (FSDP2) planning for N GPUs in one process: the fake profile's per-GPU terms, its
 prediction against a real 2-process gloo ``fully_shard`` run, and the errors."""
 
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_remat import plan_remat
 from lightning_remat.core.config import ProfileOptions
@@ -49,10 +45,7 @@ def test_sharded_static_terms_are_the_unsharded_ones_over_the_world_size():
     assert any("FSDP2 fully_shard over 4 GPUs" in note for note in four.notes)
 
 
-def _rank(rank, world, init, out, plans):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _rank(rank, plans):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -60,7 +53,7 @@ def _rank(rank, world, init, out, plans):
     from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
 
     model, step, optimizer = _llama()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -82,9 +75,7 @@ def _rank(rank, world, init, out, plans):
                 steady.append(snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"])
         peaks.append(max(steady))
         remove_remat(model)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(peaks, f)
-    dist.destroy_process_group()
+    return peaks
 
 
 @pytest.mark.distributed
@@ -92,9 +83,9 @@ def test_prediction_matches_a_real_two_process_fully_shard_run(tmp_path):
     model, step, optimizer = _llama()
     plan = plan_remat(model, step, "min", optimizer=optimizer, cost="flops", fake=True, world_size=2)
     assert plan.checkpointed and plan.sharding["world_size"] == 2
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank, args=(2, init, str(tmp_path), [[], plan.checkpointed]), nprocs=2, join=True)
-    measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    from tests.gloo_ranks import spawn
+
+    measured = spawn(_rank, tmp_path, [[], plan.checkpointed])
     for keep, planned in measured:
         assert keep == pytest.approx(plan.baseline_peak_bytes, rel=0.05)
         assert planned == pytest.approx(plan.predicted_peak_bytes, rel=0.05)

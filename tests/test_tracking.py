@@ -63,7 +63,7 @@ def _steady_peaks_of_a_sharded_step(rank: int, steps: int) -> dict:
 
     from lightning_remat.runtime.measuring import tracking
     from lightning_remat.runtime.measuring.measure import measure_step
-    from tests.gloo_ranks import shard_gpt2, small_gpt2
+    from tests.gloo_ranks import after_case, shard_gpt2, small_gpt2
 
     elsewhere, this_thread, update = [], threading.get_ident(), tracking.Tracker._update_snap
 
@@ -73,6 +73,7 @@ def _steady_peaks_of_a_sharded_step(rank: int, steps: int) -> dict:
         return update(self, kind, winfo, *args, **kwargs)
 
     tracking.Tracker._update_snap = noted
+    after_case(lambda: setattr(tracking.Tracker, "_update_snap", update))
     case = small_gpt2()
     shard_gpt2(case.model)
     optimizer = torch.optim.Adam(case.model.parameters(), lr=1e-3)
@@ -93,3 +94,31 @@ def test_a_sharded_steps_peak_does_not_depend_on_when_the_gloo_worker_lets_go(tm
     for rank in spawn(_steady_peaks_of_a_sharded_step, tmp_path, 12):
         assert rank["elsewhere"] == []
         assert len(set(rank["peaks"])) == 1, rank["peaks"]
+
+
+def test_a_fake_sharded_steps_collectives_are_not_held_for_a_worker_that_does_not_exist(monkeypatch):
+    # A fake process group's collectives hold no tensor and have no worker thread: waiting for one to
+    # let go of them waited the whole _WORKER_WAIT_S (0.5 s) for every collective of a fake profile.
+    from torch import nn
+
+    from lightning_remat.runtime.measuring import tracking
+    from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
+    from lightning_remat.runtime.targets.sharded import fake_process_group, shard_model
+
+    def sleep(seconds):
+        raise AssertionError("the tracker waited for a fake collective's worker")
+
+    works, is_fake = [], tracking._is_fake
+    monkeypatch.setattr(tracking.time, "sleep", sleep)
+    monkeypatch.setattr(tracking, "_is_fake", lambda w: works.append(is_fake(w)) or works[-1])
+    mode = new_fake_mode()
+    net = fake_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mode)
+    with fake_process_group(4) as mesh:
+        shard_model(net, ["0", "1"], mesh, mode)
+        with mode:
+            x = torch.randn(4, 8)
+        tracker = Tracker()
+        tracker.track_external(net)
+        with tracker:
+            net(x).sum().backward()
+    assert len(works) >= 6 and all(works)  # all-gathers in forward and backward, reduce-scatters

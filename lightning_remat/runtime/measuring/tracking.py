@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 import torch
+from torch._C._distributed_c10d import FakeWork, Work
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._pytree import tree_leaves
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
@@ -100,13 +101,17 @@ class Tracker(MemTracker):
     # in that thread whenever it gets there, and a busy machine's peaks vary by the buffer's size.
     # So the tracker holds them itself until the caller has dropped the work and the worker is done
     # with it: then they die here, in the caller's order of operations, at the next operator.
+    # A fake process group's work (a fake sharded profile) is not held: nothing runs it and it
+    # holds no tensor, so a wait for it to let go would last the whole ``_WORKER_WAIT_S``.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._collectives:
             self._settle_collectives()
         result = super().__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "c10d":
-            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            self._collectives.append([[w for w in tree_leaves(result) if isinstance(w, torch.ScriptObject)], tensors])
+            works = [w for w in tree_leaves(result) if isinstance(w, torch.ScriptObject)]
+            if not any(_is_fake(w) for w in works):
+                tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                self._collectives.append([works, tensors])
         return result
 
     def _settle_collectives(self, finished: bool = False) -> None:
@@ -196,6 +201,11 @@ class Tracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+
+
+def _is_fake(work: torch.ScriptObject) -> bool:
+    """Whether ``work`` is a fake process group's (it returns at once and holds no tensor)."""
+    return work._type().qualified_name().endswith("c10d.Work") and isinstance(Work.unbox(work), FakeWork)
 
 
 def _device_totals(snapshot: dict, device: torch.device) -> dict:
