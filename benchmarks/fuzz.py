@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""The long run of the invariants harness (issue 29; docs/invariants.md): generated cases through every
+integration, a table of the invariants each (model, integration) broke, and each failure shrunk.
+
+Pass 1 draws ``--examples`` cases per (model, integration) with Hypothesis (``tests/invariants``:
+model x integration x 6-12 batch shapes x a budget between the least and the plain peak) and checks
+every step of each: peak within the budget (or a ``RematError`` before the step), installed equal to
+the plan in effect, losses equal to the run without the package, user hooks unaware of profiling,
+no unjustified refusal, no crash. Pass 2 shrinks, per (model, integration) and per invariant broken
+in pass 1, to a smallest case that still breaks it (Hypothesis ``find``, at most ``--shrink-seconds``
+each; 1-12 steps, 1-4 shapes).
+
+    python benchmarks/fuzz.py                                  # 4 cases per pair, every pair, shrunk
+    python benchmarks/fuzz.py --examples 20 --model token cnn --integration lightning accelerate
+    python benchmarks/fuzz.py --examples 2 --no-shrink         # a quick look
+
+Writes ``benchmarks/results/fuzz.json`` and ``fuzz.md`` (``--out``); torch.profiler's C++ log lines
+(one per measured step) go to ``fuzz.stderr.log`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from hypothesis import find, given, settings  # noqa: E402
+from hypothesis import seed as hypothesis_seed  # noqa: E402
+from hypothesis.errors import NoSuchExample  # noqa: E402
+from results_io import RESULTS, log, write_results  # noqa: E402
+
+from tests.invariants.harness import INVARIANTS, Case, Outcome, integrations_for, run_case  # noqa: E402
+from tests.invariants.loops import RUNNERS  # noqa: E402
+from tests.invariants.strategies import cases, long  # noqa: E402
+from tests.invariants.zoo import ZOO  # noqa: E402
+
+_DONE: dict[Case, Outcome] = {}
+
+
+def outcome_of(case: Case) -> Outcome:
+    """``run_case``, once per case (Hypothesis replays the examples it reports)."""
+    if case not in _DONE:
+        try:
+            _DONE[case] = run_case(case)
+        except Exception as error:  # noqa: BLE001 - the harness's own failure: recorded, the run goes on
+            log(f"harness error on {case.describe()}: {error!r}")
+            _DONE[case] = Outcome(case, harness_error=repr(error)[:300])
+    return _DONE[case]
+
+
+def generate(model: str, integration: str, examples: int, seed: int) -> list[Outcome]:
+    """Pass 1: ``examples`` cases of one pair, each run and checked."""
+    seen: list[Outcome] = []
+
+    @hypothesis_seed(seed)
+    @settings(long(examples, shrink=False))
+    @given(cases(model, integration))
+    def draw(case: Case) -> None:
+        outcome = outcome_of(case)
+        seen.append(outcome)
+        broken = ", ".join(outcome.broken) or "ok"
+        log(f"  {case.describe()}: {broken} ({outcome.seconds:.0f} s, worst {outcome.worst_ratio():.3f}x)")
+
+    draw()
+    return seen
+
+
+def shrink(model: str, integration: str, invariant: str, seconds: float, seed: int) -> Outcome | None:
+    """Pass 2: a smallest case of the pair that breaks ``invariant`` (None when none was found)."""
+    deadline = time.monotonic() + seconds
+
+    def breaks(case: Case) -> bool:
+        # Past the deadline every candidate "passes": the shrinker stops at the smallest found so far.
+        return time.monotonic() < deadline and invariant in outcome_of(case).broken
+
+    strategy = cases(model, integration, min_steps=1, max_steps=12, max_pool=4, min_pool=1)
+    try:
+        found = find(strategy, breaks, settings=settings(long(40), database=None), random=random.Random(seed))
+    except NoSuchExample:
+        return None
+    return _DONE.get(found)
+
+
+def table(rows: list[dict], shrunk: list[dict]) -> str:
+    head = "| model | integration | cases | failing | " + " | ".join(INVARIANTS) + " | worst peak / budget | s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        counts = " | ".join(str(r["broken"].get(name, 0)) for name in INVARIANTS)
+        lines.append(f"| {r['model']} | {r['integration']} | {r['cases']} | {r['failing']} | {counts} | "
+                     f"{r['worst']:.3f} | {r['seconds']:.0f} |")
+    total, errors = sum(r["cases"] for r in rows), sum(len(r["harness_errors"]) for r in rows)
+    lines.append(f"\n{total} cases, {sum(r['failing'] for r in rows)} failing"
+                 + (f"; {errors} where the run without the package failed (the harness's)." if errors else "."))
+    if shrunk:
+        lines.append("\nShrunk failures (smallest case found per model x integration x invariant):\n")
+        for s in shrunk:
+            lines.append(f"- **{s['invariant']}**, {s['model']} x {s['integration']}: `{s['case']}`")
+            lines += [f"  - {text}" for text in s["violations"][:4]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=4, help="cases per (model, integration) (default 4)")
+    parser.add_argument("--model", nargs="+", default=sorted(ZOO), choices=sorted(ZOO))
+    parser.add_argument("--integration", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument("--seed", type=int, default=0, help="Hypothesis's seed (the same cases for the same seed)")
+    parser.add_argument("--shrink-seconds", type=float, default=240.0, help="time to shrink each failure (default 240)")
+    parser.add_argument("--no-shrink", action="store_true", help="pass 1 only")
+    parser.add_argument("--out", default=str(RESULTS), help="where fuzz.json and fuzz.md go")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # torch.profiler's C++ layer logs every start and stop on stderr: into a file.
+    stderr = open(out / "fuzz.stderr.log", "w")  # noqa: SIM115 - open for the whole run
+    os.dup2(stderr.fileno(), 2)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    pairs = [(m, i) for m in args.model for i in args.integration if i in integrations_for(m)]
+    start, rows, shrunk = time.perf_counter(), [], []
+    for model, integration in pairs:
+        log(f"{model} x {integration}: {args.examples} case(s)")
+        begun = time.perf_counter()
+        seen = generate(model, integration, args.examples, args.seed)
+        broken = {name: sum(name in o.broken for o in seen) for name in INVARIANTS}
+        rows.append(dict(model=model, integration=integration, cases=len(seen), failing=sum(bool(o.broken) for o in seen),
+                         broken={k: v for k, v in broken.items() if v}, seconds=time.perf_counter() - begun,
+                         harness_errors=[o.harness_error for o in seen if o.harness_error],
+                         worst=max((o.worst_ratio() for o in seen), default=0.0),
+                         examples=[dict(case=o.case.describe(), violations=[str(v) for v in o.violations[:8]])
+                                   for o in seen if o.broken]))
+        for invariant in ([] if args.no_shrink else [k for k, v in broken.items() if v]):
+            log(f"  shrinking {invariant} ...")
+            small = shrink(model, integration, invariant, args.shrink_seconds, args.seed)
+            if small is not None:
+                shrunk.append(dict(model=model, integration=integration, invariant=invariant, case=small.case.describe(),
+                                   violations=[str(v) for v in small.violations if v.invariant == invariant][:6]))
+                log(f"    {small.case.describe()}")
+    results = dict(rows=rows, shrunk=shrunk, seconds=time.perf_counter() - start, examples=args.examples,
+                   seed=args.seed, torch=torch.__version__)
+    write_results(out, "fuzz", results, table(rows, shrunk) + f"\n\nRun time {results['seconds']:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
