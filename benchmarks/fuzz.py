@@ -41,7 +41,7 @@ from hypothesis.errors import NoSuchExample  # noqa: E402
 from results_io import RESULTS, log, write_results  # noqa: E402
 
 from tests.invariants.harness import INVARIANTS, Case, Outcome, integrations_for, run_case  # noqa: E402
-from tests.invariants.loops import RUNNERS  # noqa: E402
+from tests.invariants.runners import RUNNERS  # noqa: E402
 from tests.invariants.strategies import cases, long  # noqa: E402
 from tests.invariants.zoo import ZOO  # noqa: E402
 

@@ -17,7 +17,8 @@ from hypothesis import given
 
 from lightning_remat import ShapePlans
 from tests.invariants.harness import PAIRS, Case, batches_of, check, run_case
-from tests.invariants.loops import RUNNERS, _hand_loop
+from tests.invariants.loops import hand_loop
+from tests.invariants.runners import RUNNERS
 from tests.invariants.recorder import Recorder
 from tests.invariants.strategies import CI, cases
 from tests.invariants.zoo import ZOO
@@ -60,7 +61,7 @@ def test_the_harness_sees_a_plan_that_is_not_installed_and_the_budget_it_breaks(
                        install=lambda module, plan: None)
     rec = Recorder(model, model, lambda: plans.installed)
     torch.manual_seed(case.seed + 1)
-    error = _hand_loop(rec, model, optimizer, batches, lambda batch: spec.loss(model, batch),
+    error = hand_loop(rec, model, optimizer, batches, lambda batch: spec.loss(model, batch),
                        lambda loss: loss.backward(), plans.use)
     found = check(case, budget, reference, rec.finish(error), batches)
     kinds = {v.invariant for v in found}

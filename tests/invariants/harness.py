@@ -34,7 +34,7 @@ import torch
 from lightning_remat import RematError, plan_remat
 from lightning_remat.core.budget import format_bytes
 
-from .loops import LR, RUNNERS, VARIANTS
+from .runners import RUNNERS, trained
 from .recorder import RunRecord
 from .zoo import ZOO, ModelSpec
 
@@ -115,10 +115,12 @@ class Outcome:
         return "\n".join(lines)
 
 
-def least_peak(spec: ModelSpec, batch: Any, seed: int) -> int:
-    """The least peak the package's own planner predicts for one step on ``batch`` (``budget="min"``)."""
-    model = spec.build(seed)
-    plan = plan_remat(model, lambda m: spec.loss(m, batch), "min", optimizer=torch.optim.Adam(model.parameters(), lr=LR),
+def least_peak(case: Case, batch: Any) -> int:
+    """The least peak the package's own planner predicts for one step on ``batch`` (``budget="min"``),
+    on the model and optimizer(s) the case's integration trains."""
+    spec = ZOO[case.model]
+    model, optimizer = trained(case.integration, case.variant, spec, case.seed)
+    plan = plan_remat(model, lambda m: spec.loss(m, batch), "min", optimizer=optimizer,
                       candidates=spec.candidates_under(""), cost="flops", verbose=False)
     return int(plan.predicted_peak_bytes)
 
@@ -133,21 +135,21 @@ def run_case(case: Case) -> Outcome:
     start = time.perf_counter()
     spec, runner, batches = ZOO[case.model], RUNNERS[case.integration], batches_of(case)
     outcome = Outcome(case)
-    outcome.reference = reference = runner(spec, batches, None, case.seed, case.variant or VARIANTS[case.integration][0])
+    outcome.reference = reference = runner(spec, batches, None, case.seed, case.variant)
     if reference.error is not None:  # the harness's own failure, not the package's
         raise RuntimeError(f"the run without the package failed: {case.describe()}") from reference.error
     peaks = [step.peak for step in reference.steps]
     hardest = max(range(len(peaks)), key=peaks.__getitem__)
     outcome.plain = peaks[hardest]
     try:
-        outcome.least = least_peak(spec, batches[hardest], case.seed)
+        outcome.least = least_peak(case, batches[hardest])
     except Exception as error:  # noqa: BLE001 - the planner failing is a finding
         outcome.violations.append(Violation("crash", None, f"plan_remat(budget='min') failed: {error!r}"[:300]))
         outcome.seconds = time.perf_counter() - start
         return outcome
     low, high = sorted((outcome.least, outcome.plain))
     outcome.budget = int(low + case.fraction * (high - low))
-    outcome.run = runner(spec, batches, outcome.budget, case.seed, case.variant or VARIANTS[case.integration][0])
+    outcome.run = runner(spec, batches, outcome.budget, case.seed, case.variant)
     outcome.violations = check(case, outcome.budget, reference, outcome.run, batches)
     outcome.seconds = time.perf_counter() - start
     return outcome
@@ -169,19 +171,21 @@ def check(case: Case, budget: int, reference: RunRecord, run: RunRecord, batches
         if step.hook_calls != expected.hook_calls:
             found.append(Violation("hooks", i, f"a user hook on the model ran {step.hook_calls} time(s), "
                                    f"without the package {expected.hook_calls}"))
-    found += _error_findings(case, budget, run, batches)
+    found += _error_findings(case, budget, run, reference, batches)
     return found
 
 
-def _error_findings(case: Case, budget: int, run: RunRecord, batches: list[Any]) -> list[Violation]:
+def _error_findings(case: Case, budget: int, run: RunRecord, reference: RunRecord,
+                    batches: list[Any]) -> list[Violation]:
     error, step = run.error, run.error_step
     if error is None:
-        done = len([s for s in run.steps if s.completed])
-        return [] if done == len(batches) else [Violation("crash", done, f"the run stopped after {done} steps")]
+        done, expected = len([s for s in run.steps if s.completed]), len(reference.steps)
+        return [] if done == expected else [Violation("crash", done, f"the run stopped after {done} of {expected} steps")]
     text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
     if not isinstance(error, RematError):
         return [Violation("crash", step, text)]
-    least = least_peak(ZOO[case.model], batches[min(step, len(batches) - 1)], case.seed)
+    per_step = max(1, len(batches) // max(1, len(reference.steps)))  # micro-batches per optimizer step
+    least = least_peak(case, batches[min(step * per_step, len(batches) - 1)])
     if budget >= least * (1 + REFUSAL_MARGIN):
         return [Violation("refusal", step, f"{text} (the least peak at this batch is {format_bytes(least)}, "
                           f"the budget {budget / least:.3f}x that)")]

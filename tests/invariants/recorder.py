@@ -116,17 +116,25 @@ class Recorder:
     # -- a step
     def begin(self, model: nn.Module, optimizers: Any) -> None:
         self.steps.append(StepRecord())
-        self._rerun = set()
         self._meter = TorchPeak(model, optimizers).start()
+
+    def enter_backward(self) -> None:
+        """The step's own backward starts: the forwards that run in it are recomputes."""
+        self._in_backward, self._rerun = True, set()
+
+    def exit_backward(self) -> None:
+        """The step's own backward ended: what ran again in it is compared with the plan in effect."""
+        self._in_backward = False
+        self.check("after backward", behaviour=True)
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
-        """Around the step's own backward: the forwards that run in it are recomputes."""
-        self._in_backward = True
+        """Around the step's own backward (``enter_backward`` ... ``exit_backward``)."""
+        self.enter_backward()
         try:
             yield
         finally:
-            self._in_backward = False
+            self.exit_backward()
 
     def check(self, where: str, behaviour: bool = False) -> None:
         """Compare what is installed with the plan in effect (``behaviour``: also what ran again in

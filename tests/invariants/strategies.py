@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from .harness import Case, integrations_for
-from .loops import VARIANTS
+from .runners import VARIANTS
 from .zoo import ZOO
 
 SIZES = [4, 2, 3, 1]

@@ -261,6 +261,7 @@ class ModelSpec:
         loss: ``loss(model, batch)``: the forward pass on ``batch`` and the loss.
         candidates: a name pattern relative to the model (``candidates=``), or None for automatic.
         fields: what each entry of a shape is (``describe``).
+        lora: the modules PEFT LoRA adapters go on (the Hugging Face Trainer's ``lora`` variant).
     """
 
     name: str
@@ -269,6 +270,7 @@ class ModelSpec:
     loss: Callable[[nn.Module, Any], torch.Tensor]
     candidates: str | None
     fields: tuple[str, ...]
+    lora: tuple[str, ...] = ()
 
     def build(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -287,8 +289,8 @@ class ModelSpec:
 
 
 ZOO: dict[str, ModelSpec] = {
-    "token": ModelSpec("token", TinyGPT, _token_batch, _lm_loss, None, ("batch", "sequence")),
-    "gpt2": ModelSpec("gpt2", _gpt2, _token_batch, _lm_loss, None, ("batch", "sequence")),
+    "token": ModelSpec("token", TinyGPT, _token_batch, _lm_loss, None, ("batch", "sequence"), ("qkv",)),
+    "gpt2": ModelSpec("gpt2", _gpt2, _token_batch, _lm_loss, None, ("batch", "sequence"), ("c_attn",)),
     "cnn": ModelSpec("cnn", SmallCNN, _image_batch, _classification_loss, None, ("batch", "height", "width")),
     "trunk": ModelSpec("trunk", TwoViews, lambda shape, g: _ids_batch(shape, g), _returned_loss, None,
                        ("batch", "sequence")),
