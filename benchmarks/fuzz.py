@@ -14,8 +14,8 @@ each; 1-12 steps, 1-4 shapes).
     python benchmarks/fuzz.py --examples 20 --model token cnn --integration lightning accelerate
     python benchmarks/fuzz.py --examples 2 --no-shrink         # a quick look
 
-Writes ``benchmarks/results/fuzz.json`` and ``fuzz.md`` (``--out``); torch.profiler's C++ log lines
-(one per measured step) go to ``fuzz.stderr.log`` there.
+Writes ``benchmarks/results/fuzz.json`` and ``fuzz.md`` (``--out``, ``--name``); torch.profiler's C++
+log lines (one per measured step) go to ``fuzz.stderr.log`` there.
 """
 
 from __future__ import annotations
@@ -78,16 +78,22 @@ def generate(model: str, integration: str, examples: int, seed: int) -> list[Out
 
 def shrink(model: str, integration: str, invariant: str, seconds: float, seed: int) -> Outcome | None:
     """Pass 2: a smallest case of the pair that breaks ``invariant`` (None when none was found)."""
-    deadline = time.monotonic() + seconds
+    deadline, decided = time.monotonic() + seconds, {}
 
     def breaks(case: Case) -> bool:
-        # Past the deadline every candidate "passes": the shrinker stops at the smallest found so far.
-        return time.monotonic() < deadline and invariant in outcome_of(case).broken
+        # Past the deadline every new candidate "passes": the shrinker stops at the smallest found so far
+        # (a case decided before keeps its answer: Hypothesis replays the one it returns).
+        if case not in decided:
+            decided[case] = time.monotonic() < deadline and invariant in outcome_of(case).broken
+        return decided[case]
 
     strategy = cases(model, integration, min_steps=1, max_steps=12, max_pool=4, min_pool=1)
     try:
         found = find(strategy, breaks, settings=settings(long(40), database=None), random=random.Random(seed))
     except NoSuchExample:
+        return None
+    except Exception as error:  # noqa: BLE001 - Hypothesis's own complaint: logged, the run goes on
+        log(f"    shrinking failed: {type(error).__name__}: {str(error)[:300]}")
         return None
     return _DONE.get(found)
 
@@ -118,17 +124,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis's seed (the same cases for the same seed)")
     parser.add_argument("--shrink-seconds", type=float, default=240.0, help="time to shrink each failure (default 240)")
     parser.add_argument("--no-shrink", action="store_true", help="pass 1 only")
-    parser.add_argument("--out", default=str(RESULTS), help="where fuzz.json and fuzz.md go")
+    parser.add_argument("--shrink-per", choices=("pair", "model", "invariant"), default="pair",
+                        help="shrink each invariant once per (model, integration) (default), per model (at its first "
+                             "failing integration) or once in all")
+    parser.add_argument("--out", default=str(RESULTS), help="where the results go")
+    parser.add_argument("--name", default="fuzz", help="the results' file stem (default fuzz: fuzz.json, fuzz.md)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # torch.profiler's C++ layer logs every start and stop on stderr: into a file.
-    stderr = open(out / "fuzz.stderr.log", "w")  # noqa: SIM115 - open for the whole run
+    stderr = open(out / f"{args.name}.stderr.log", "w")  # noqa: SIM115 - open for the whole run
     os.dup2(stderr.fileno(), 2)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     pairs = [(m, i) for m in args.model for i in args.integration if i in integrations_for(m)]
-    start, rows, shrunk = time.perf_counter(), [], []
+    start, rows, shrunk, shrunk_for = time.perf_counter(), [], [], set()
     for model, integration in pairs:
         log(f"{model} x {integration}: {args.examples} case(s)")
         begun = time.perf_counter()
@@ -141,6 +151,10 @@ def main() -> None:
                          examples=[dict(case=o.case.describe(), violations=[str(v) for v in o.violations[:8]])
                                    for o in seen if o.broken]))
         for invariant in ([] if args.no_shrink else [k for k, v in broken.items() if v]):
+            scope = {"pair": (model, integration), "model": (model,), "invariant": ()}[args.shrink_per]
+            if (invariant, *scope) in shrunk_for:
+                continue
+            shrunk_for.add((invariant, *scope))
             log(f"  shrinking {invariant} ...")
             small = shrink(model, integration, invariant, args.shrink_seconds, args.seed)
             if small is not None:
@@ -149,7 +163,7 @@ def main() -> None:
                 log(f"    {small.case.describe()}")
     results = dict(rows=rows, shrunk=shrunk, seconds=time.perf_counter() - start, examples=args.examples,
                    seed=args.seed, torch=torch.__version__)
-    write_results(out, "fuzz", results, table(rows, shrunk) + f"\n\nRun time {results['seconds']:.0f} s.")
+    write_results(out, args.name, results, table(rows, shrunk) + f"\n\nRun time {results['seconds']:.0f} s.")
 
 
 if __name__ == "__main__":

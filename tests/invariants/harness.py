@@ -119,9 +119,9 @@ def least_peak(case: Case, batch: Any) -> int:
     """The least peak the package's own planner predicts for one step on ``batch`` (``budget="min"``),
     on the model and optimizer(s) the case's integration trains."""
     spec = ZOO[case.model]
-    model, optimizer = trained(case.integration, case.variant, spec, case.seed)
+    model, optimizer, options = trained(case.integration, case.variant, spec, case.seed)
     plan = plan_remat(model, lambda m: spec.loss(m, batch), "min", optimizer=optimizer,
-                      candidates=spec.candidates_under(""), cost="flops", verbose=False)
+                      candidates=spec.candidates_under(""), cost="flops", verbose=False, **options)
     return int(plan.predicted_peak_bytes)
 
 
@@ -184,8 +184,10 @@ def _error_findings(case: Case, budget: int, run: RunRecord, reference: RunRecor
     text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
     if not isinstance(error, RematError):
         return [Violation("crash", step, text)]
-    per_step = max(1, len(batches) // max(1, len(reference.steps)))  # micro-batches per optimizer step
-    least = least_peak(case, batches[min(step * per_step, len(batches) - 1)])
+    # The micro-batches of the optimizer step it stopped at: the largest of their least peaks.
+    per_step = max(1, len(batches) // max(1, len(reference.steps)))
+    window = batches[step * per_step:(step + 1) * per_step] or batches[-1:]
+    least = max(least_peak(case, batch) for batch in window)
     if budget >= least * (1 + REFUSAL_MARGIN):
         return [Violation("refusal", step, f"{text} (the least peak at this batch is {format_bytes(least)}, "
                           f"the budget {budget / least:.3f}x that)")]

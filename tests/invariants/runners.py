@@ -17,7 +17,7 @@ import torch
 
 from .loops import HAND_WRITTEN, LR
 from .recorder import RunRecord
-from .trainers import hf_model, run_hf_trainer, run_lightning
+from .trainers import ACCUMULATION, hf_model, run_hf_trainer, run_lightning
 from .zoo import ModelSpec
 
 RUNNERS: dict[str, Callable[..., RunRecord]] = {**HAND_WRITTEN, "lightning": run_lightning,
@@ -28,14 +28,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "lightning": ("", "accumulate", "manual"), "hf_trainer": ("", "accumulate", "lora")}
 
 
-def trained(integration: str, variant: str, spec: ModelSpec, seed: int) -> tuple[torch.nn.Module, Any]:
-    """A fresh copy of the model and optimizer(s) the integration trains (to plan ``budget="min"`` on)."""
+def trained(integration: str, variant: str, spec: ModelSpec, seed: int) -> tuple[torch.nn.Module, Any, dict]:
+    """A fresh copy of the model and optimizer(s) the integration trains, and what else ``plan_remat``
+    needs to plan its step (gradient accumulation): to plan ``budget="min"`` on."""
+    options = {"accumulation_steps": ACCUMULATION} if variant == "accumulate" else {}
     if integration == "hf_trainer":
         model = hf_model(spec, seed, variant)
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR), options
     model = spec.build(seed)
     parameters = list(model.parameters())
     if integration == "lightning" and variant == "manual":
         half = len(parameters) // 2
-        return model, [torch.optim.Adam(parameters[:half], lr=LR), torch.optim.Adam(parameters[half:], lr=LR)]
-    return model, torch.optim.Adam(parameters, lr=LR)
+        return model, [torch.optim.Adam(parameters[:half], lr=LR), torch.optim.Adam(parameters[half:], lr=LR)], options
+    return model, torch.optim.Adam(parameters, lr=LR), options
