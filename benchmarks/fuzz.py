@@ -7,8 +7,8 @@ model x integration x 6-12 batch shapes x a budget between the least and the pla
 every step of each: peak within the budget (or a ``RematError`` before the step), installed equal to
 the plan in effect, losses equal to the run without the package, user hooks unaware of profiling,
 no unjustified refusal, no crash. Pass 2 shrinks, per (model, integration) and per invariant broken
-in pass 1, to a smallest case that still breaks it (Hypothesis ``find``, at most ``--shrink-seconds``
-each; 1-12 steps, 1-4 shapes).
+in pass 1, the smallest failing case to one that still breaks it (``tests/invariants/shrink.py``:
+steps cut and dropped, the budget half-way, seed 0; at most ``--shrink-seconds`` each).
 
     python benchmarks/fuzz.py                                  # 4 cases per pair, every pair, shrunk
     python benchmarks/fuzz.py --examples 20 --model token cnn --integration lightning accelerate
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 import warnings
@@ -35,13 +34,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from hypothesis import find, given, settings  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
-from hypothesis.errors import NoSuchExample  # noqa: E402
 from results_io import RESULTS, log, write_results  # noqa: E402
 
 from tests.invariants.harness import INVARIANTS, Case, Outcome, integrations_for, run_case  # noqa: E402
 from tests.invariants.runners import RUNNERS  # noqa: E402
+from tests.invariants.shrink import shrink_case  # noqa: E402
 from tests.invariants.strategies import cases, long  # noqa: E402
 from tests.invariants.zoo import ZOO  # noqa: E402
 
@@ -64,7 +63,7 @@ def generate(model: str, integration: str, examples: int, seed: int) -> list[Out
     seen: list[Outcome] = []
 
     @hypothesis_seed(seed)
-    @settings(long(examples, shrink=False))
+    @settings(long(examples))
     @given(cases(model, integration))
     def draw(case: Case) -> None:
         outcome = outcome_of(case)
@@ -76,26 +75,10 @@ def generate(model: str, integration: str, examples: int, seed: int) -> list[Out
     return seen
 
 
-def shrink(model: str, integration: str, invariant: str, seconds: float, seed: int) -> Outcome | None:
-    """Pass 2: a smallest case of the pair that breaks ``invariant`` (None when none was found)."""
-    deadline, decided = time.monotonic() + seconds, {}
-
-    def breaks(case: Case) -> bool:
-        # Past the deadline every new candidate "passes": the shrinker stops at the smallest found so far
-        # (a case decided before keeps its answer: Hypothesis replays the one it returns).
-        if case not in decided:
-            decided[case] = time.monotonic() < deadline and invariant in outcome_of(case).broken
-        return decided[case]
-
-    strategy = cases(model, integration, min_steps=1, max_steps=12, max_pool=4, min_pool=1)
-    try:
-        found = find(strategy, breaks, settings=settings(long(40), database=None), random=random.Random(seed))
-    except NoSuchExample:
-        return None
-    except Exception as error:  # noqa: BLE001 - Hypothesis's own complaint: logged, the run goes on
-        log(f"    shrinking failed: {type(error).__name__}: {str(error)[:300]}")
-        return None
-    return _DONE.get(found)
+def shrink(seen: list[Outcome], invariant: str, seconds: float) -> Outcome:
+    """Pass 2: the smallest failing case of pass 1 for ``invariant``, shrunk (``tests/invariants/shrink.py``)."""
+    start = min((o for o in seen if invariant in o.broken), key=lambda o: (len(o.case.shapes), o.case.fraction))
+    return outcome_of(shrink_case(start.case, invariant, outcome_of, seconds))
 
 
 def table(rows: list[dict], shrunk: list[dict]) -> str:
@@ -156,7 +139,7 @@ def main() -> None:
                 continue
             shrunk_for.add((invariant, *scope))
             log(f"  shrinking {invariant} ...")
-            small = shrink(model, integration, invariant, args.shrink_seconds, args.seed)
+            small = shrink(seen, invariant, args.shrink_seconds)
             if small is not None:
                 shrunk.append(dict(model=model, integration=integration, invariant=invariant, case=small.case.describe(),
                                    violations=[str(v) for v in small.violations if v.invariant == invariant][:6]))
