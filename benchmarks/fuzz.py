@@ -40,7 +40,7 @@ from results_io import RESULTS, log, write_results  # noqa: E402
 
 from tests.invariants.harness import INVARIANTS, Case, Outcome, integrations_for, run_case  # noqa: E402
 from tests.invariants.runners import RUNNERS  # noqa: E402
-from tests.invariants.shrink import shrink_case  # noqa: E402
+from tests.invariants.shrink import breaks_later, shrink_case  # noqa: E402
 from tests.invariants.strategies import cases, long  # noqa: E402
 from tests.invariants.zoo import ZOO  # noqa: E402
 
@@ -75,18 +75,34 @@ def generate(model: str, integration: str, examples: int, seed: int) -> list[Out
     return seen
 
 
-def shrink(seen: list[Outcome], invariant: str, seconds: float) -> Outcome:
-    """Pass 2: the smallest failing case of pass 1 for ``invariant``, shrunk (``tests/invariants/shrink.py``)."""
-    start = min((o for o in seen if invariant in o.broken), key=lambda o: (len(o.case.shapes), o.case.fraction))
-    return outcome_of(shrink_case(start.case, invariant, outcome_of, seconds))
+def shrink(seen: list[Outcome], invariant: str, seconds: float, later: bool) -> Outcome:
+    """Pass 2: the smallest failing case of pass 1 for ``invariant`` (``later``: broken after the first
+    step), shrunk (``tests/invariants/shrink.py``)."""
+    failing = [o for o in seen if invariant in o.broken and (not later or breaks_later(o, invariant))]
+    start = min(failing, key=lambda o: (len(o.case.shapes), o.case.fraction))
+    return outcome_of(shrink_case(start.case, invariant, outcome_of, seconds, later))
+
+
+def kinds(seen: list[Outcome]) -> list[tuple[str, bool]]:
+    """The failures to shrink: each invariant broken, at the first step or only later (``later``)."""
+    found = []
+    for name in INVARIANTS:
+        broken = [o for o in seen if name in o.broken]
+        if any(any(v.invariant == name and not v.step for v in o.violations) for o in broken):
+            found.append((name, False))
+        if any(breaks_later(o, name) for o in broken):
+            found.append((name, True))
+    return found
 
 
 def table(rows: list[dict], shrunk: list[dict]) -> str:
-    head = "| model | integration | cases | failing | " + " | ".join(INVARIANTS) + " | worst peak / budget | s |"
+    head = ("| model | integration | cases | failing | " + " | ".join(INVARIANTS)
+            + " | of which step 0 over budget | worst peak / budget | s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         counts = " | ".join(str(r["broken"].get(name, 0)) for name in INVARIANTS)
         lines.append(f"| {r['model']} | {r['integration']} | {r['cases']} | {r['failing']} | {counts} | "
+                     f"{r['first_step_over']} | "
                      f"{r['worst']:.3f} | {r['seconds']:.0f} |")
     total, errors = sum(r["cases"] for r in rows), sum(len(r["harness_errors"]) for r in rows)
     lines.append(f"\n{total} cases, {sum(r['failing'] for r in rows)} failing"
@@ -127,23 +143,25 @@ def main() -> None:
         begun = time.perf_counter()
         seen = generate(model, integration, args.examples, args.seed)
         broken = {name: sum(name in o.broken for o in seen) for name in INVARIANTS}
+        first_over = sum(any(v.invariant == "budget" and v.step == 0 for v in o.violations) for o in seen)
         rows.append(dict(model=model, integration=integration, cases=len(seen), failing=sum(bool(o.broken) for o in seen),
+                         first_step_over=first_over,
                          broken={k: v for k, v in broken.items() if v}, seconds=time.perf_counter() - begun,
                          harness_errors=[o.harness_error for o in seen if o.harness_error],
                          worst=max((o.worst_ratio() for o in seen), default=0.0),
                          examples=[dict(case=o.case.describe(), violations=[str(v) for v in o.violations[:8]])
                                    for o in seen if o.broken]))
-        for invariant in ([] if args.no_shrink else [k for k, v in broken.items() if v]):
+        for invariant, later in ([] if args.no_shrink else kinds(seen)):
             scope = {"pair": (model, integration), "model": (model,), "invariant": ()}[args.shrink_per]
-            if (invariant, *scope) in shrunk_for:
+            if (invariant, later, *scope) in shrunk_for:
                 continue
-            shrunk_for.add((invariant, *scope))
-            log(f"  shrinking {invariant} ...")
-            small = shrink(seen, invariant, args.shrink_seconds)
-            if small is not None:
-                shrunk.append(dict(model=model, integration=integration, invariant=invariant, case=small.case.describe(),
-                                   violations=[str(v) for v in small.violations if v.invariant == invariant][:6]))
-                log(f"    {small.case.describe()}")
+            shrunk_for.add((invariant, later, *scope))
+            label = f"{invariant} ({'a later step' if later else 'the first step or any'})"
+            log(f"  shrinking {label} ...")
+            small = shrink(seen, invariant, args.shrink_seconds, later)
+            shrunk.append(dict(model=model, integration=integration, invariant=label, case=small.case.describe(),
+                               violations=[str(v) for v in small.violations if v.invariant == invariant][:6]))
+            log(f"    {small.case.describe()}")
     results = dict(rows=rows, shrunk=shrunk, seconds=time.perf_counter() - start, examples=args.examples,
                    seed=args.seed, torch=torch.__version__)
     write_results(out, args.name, results, table(rows, shrunk) + f"\n\nRun time {results['seconds']:.0f} s.")
