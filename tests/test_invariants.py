@@ -23,9 +23,27 @@ from tests.invariants.recorder import Recorder
 from tests.invariants.strategies import CI, cases
 from tests.invariants.zoo import ZOO
 
-# Known failures on the main this harness was written against (issue 29), per (model, integration):
-# the merge of the fixes removes them. strict=False: a pair that passes is not an error.
-KNOWN: dict[tuple[str, str], str] = {}
+# Known failures on the main this harness was written against (ca3c2d3, issue 29), per (model,
+# integration), as this test's case broke them there: the merge of the fixes removes them (all of this
+# block). strict=False: a pair that passes is not an error.
+_HOOKS = "hooks: a user hook on the model sees the profiling and fake passes (4-11 calls a step instead of 1)"
+_FIRST = "budget: the first step's real profiling pass runs over the budget (1.136x token, 1.07x trunk)"
+_IMAGE = "budget: a taller, wider image is read as the same B x C shape and not planned (1.283x)"
+_KEY = "budget: a dict key that appears is not a new shape and not planned (1.202x)"
+_REINSTALL = ("installed: a new shape whose plan equals the installed one leaves nothing recomputed "
+              "(records []), and every later step runs over the budget (1.146-1.325x)")
+_OBSERVED = "budget: the observed first step runs without recomputation (1.07x)"
+_CAUSES = {
+    "token": {"shape_plans": (_FIRST,), "fabric": (_FIRST,), "lightning": (_FIRST,), "accelerate": (),
+              "hf_trainer": ()},
+    "cnn": dict.fromkeys(("shape_plans", "fabric", "lightning", "accelerate"), (_IMAGE,)),
+    "trunk": {"shape_plans": (_FIRST, _REINSTALL), "fabric": (_FIRST, _REINSTALL), "lightning": (_FIRST, _REINSTALL),
+              "accelerate": (_OBSERVED, _REINSTALL)},
+    "dict": dict.fromkeys(("shape_plans", "fabric", "lightning", "accelerate"), (_KEY,)),
+    "moduledict": {"shape_plans": (), "fabric": (), "lightning": (), "accelerate": (_REINSTALL,)},
+}
+KNOWN: dict[tuple[str, str], str] = {(model, integration): "issue 29 on main: " + "; ".join((_HOOKS, *causes))
+                                     for model, by in _CAUSES.items() for integration, causes in by.items()}
 
 
 def _pair(model: str, integration: str) -> object:
