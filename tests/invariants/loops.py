@@ -74,21 +74,33 @@ def run_shape_plans(spec: ModelSpec, batches: list, budget: int | None, seed: in
 
 
 def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
-    """Fabric with ``ShapePlans`` made on the ``_FabricModule`` and ``_FabricOptimizer`` (docs/shapes.md)."""
+    """Fabric with ``ShapePlans`` made on the ``_FabricModule`` and ``_FabricOptimizer`` (docs/shapes.md);
+    ``variant="recipe"``: docs/fabric.md's recipe, ``plan_remat`` on the first batch and ``apply_plan``
+    (in the first step's window: its profiling pass is part of the run's memory too)."""
     import lightning as L
 
-    from lightning_remat import ShapePlans
+    from lightning_remat import ShapePlans, apply_plan, plan_remat
 
     quiet()
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = spec.build(seed)
     wrapped, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
-    plans = None if budget is None else ShapePlans(wrapped, spec.loss, budget, optimizer=optimizer, cost="flops",
-                                                   candidates=spec.candidates_under(""), verbose=False)
-    rec = Recorder(model, model, None if plans is None else (lambda: plans.installed))
+    plans, made, before = None, [], None
+    if budget is not None and variant == "recipe":
+        def before(batch: Any) -> None:
+            if not made:
+                made.append(plan_remat(wrapped, lambda m: spec.loss(m, batch), budget, optimizer=optimizer,
+                                       candidates=spec.candidates_under(""), cost="flops", verbose=False))
+                apply_plan(wrapped, made[0])
+    elif budget is not None:
+        plans = ShapePlans(wrapped, spec.loss, budget, optimizer=optimizer, cost="flops",
+                           candidates=spec.candidates_under(""), verbose=False)
+        before = plans.use
+    plan_of = (lambda: plans.installed) if plans is not None else (lambda: made[0] if made else None)
+    rec = Recorder(model, model, None if budget is None else plan_of)
     torch.manual_seed(seed + 1)
     error = hand_loop(rec, wrapped, optimizer, batches, lambda batch: spec.loss(wrapped, batch), fabric.backward,
-                       None if plans is None else plans.use)
+                      before)
     return rec.finish(error)
 
 

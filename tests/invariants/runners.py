@@ -1,7 +1,8 @@
 """Every integration the harness runs, by name, and the variants each draws among.
 
 - ``shape_plans``: a hand-written loop with ``ShapePlans.use(batch)`` before each forward.
-- ``fabric``: Lightning Fabric with ``ShapePlans`` on the ``_FabricModule`` (docs/shapes.md).
+- ``fabric``: Lightning Fabric with ``ShapePlans`` on the ``_FabricModule`` (docs/shapes.md), or
+  ``recipe``: docs/fabric.md's ``plan_remat`` on the first batch and ``apply_plan``.
 - ``accelerate``: ``RematAccelerator`` (``accelerator``), or the stock ``Accelerator`` with
   ``prepare_remat`` before (``prepare_before``) or after (``prepare_after``) ``accelerator.prepare``.
 - ``lightning``: ``AutoRemat``; plain, ``accumulate`` (2 micro-batches per optimizer step) or
@@ -24,7 +25,7 @@ RUNNERS: dict[str, Callable[..., RunRecord]] = {**HAND_WRITTEN, "lightning": run
                                                 "hf_trainer": run_hf_trainer}
 # The first of each is what a case draws first (and shrinks to).
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "shape_plans": ("",), "fabric": ("",), "accelerate": ("accelerator", "prepare_before", "prepare_after"),
+    "shape_plans": ("",), "fabric": ("", "recipe"), "accelerate": ("accelerator", "prepare_before", "prepare_after"),
     "lightning": ("", "accumulate", "manual"), "hf_trainer": ("", "accumulate", "lora")}
 
 
