@@ -66,11 +66,19 @@ def run_shape_plans(spec: ModelSpec, batches: list, budget: int | None, seed: in
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     plans = None if budget is None else ShapePlans(model, spec.loss, budget, optimizer=optimizer, cost="flops",
                                                    candidates=spec.candidates_under(""), verbose=False)
-    rec = Recorder(model, model, None if plans is None else (lambda: plans.installed))
+    used: list[Any] = [None]  # the plan ``use`` returned for the step: the plan in effect
+    rec = Recorder(model, model, None if plans is None else (lambda: used[0]))
     torch.manual_seed(seed + 1)
     error = hand_loop(rec, model, optimizer, batches, lambda batch: spec.loss(model, batch),
-                       lambda loss: loss.backward(), None if plans is None else plans.use)
+                      lambda loss: loss.backward(), None if plans is None else using_plans(plans, used))
     return rec.finish(error)
+
+
+def using_plans(plans: Any, used: list[Any]) -> Callable[[Any], None]:
+    """``plans.use(batch)`` before a step, keeping the plan it returns in ``used[0]``."""
+    def before(batch: Any) -> None:
+        used[0] = plans.use(batch)
+    return before
 
 
 def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
@@ -85,7 +93,8 @@ def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, va
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = spec.build(seed)
     wrapped, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
-    plans, made, before = None, [], None
+    made: list[Any] = []  # the plan in effect
+    before = None
     if budget is not None and variant == "recipe":
         def before(batch: Any) -> None:
             if not made:
@@ -95,8 +104,9 @@ def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, va
     elif budget is not None:
         plans = ShapePlans(wrapped, spec.loss, budget, optimizer=optimizer, cost="flops",
                            candidates=spec.candidates_under(""), verbose=False)
-        before = plans.use
-    plan_of = (lambda: plans.installed) if plans is not None else (lambda: made[0] if made else None)
+        made.append(None)
+        before = using_plans(plans, made)
+    plan_of = lambda: made[0] if made else None  # noqa: E731
     rec = Recorder(model, model, None if budget is None else plan_of)
     torch.manual_seed(seed + 1)
     error = hand_loop(rec, wrapped, optimizer, batches, lambda batch: spec.loss(wrapped, batch), fabric.backward,
