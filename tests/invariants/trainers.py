@@ -34,16 +34,10 @@ def _windows(batches: list, variant: str) -> tuple[list, int]:
     return batches[: len(batches) // steps * steps], steps
 
 
-def run_lightning(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
-    """A ``LightningModule`` holding the model at ``model``; ``AutoRemat(budget, cost="flops")``."""
+def _lightning_module(spec: ModelSpec, seed: int, manual: bool) -> Any:
+    """A ``LightningModule`` holding ``spec``'s model at ``model`` (Adam; ``manual``: manual
+    optimization with two Adams over the two halves of the parameters)."""
     import lightning.pytorch as L
-    from torch.utils.data import DataLoader
-
-    from lightning_remat import AutoRemat
-
-    quiet()
-    batches, steps = _windows(batches, variant)
-    manual = variant == "manual"
 
     class Zoo(L.LightningModule):
         def __init__(self) -> None:
@@ -70,9 +64,22 @@ def run_lightning(spec: ModelSpec, batches: list, budget: int | None, seed: int,
             half = len(parameters) // 2
             return [torch.optim.Adam(parameters[:half], lr=LR), torch.optim.Adam(parameters[half:], lr=LR)]
 
+    return Zoo()
+
+
+def run_lightning(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
+    """A ``LightningModule`` holding the model at ``model``; ``AutoRemat(budget, cost="flops")``."""
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_remat import AutoRemat
+
+    quiet()
+    batches, steps = _windows(batches, variant)
+    manual = variant == "manual"
+    module = _lightning_module(spec, seed, manual)
     callback = None if budget is None else AutoRemat(budget=budget, cost="flops", verbose=False,
                                                      candidates=spec.candidates_under("model."))
-    module = Zoo()
     rec = Recorder(module, module.model, None if callback is None else (lambda: callback.plan))
     window_loss = []
 
