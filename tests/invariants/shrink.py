@@ -9,7 +9,8 @@ first would otherwise stand in for every other once the steps before are dropped
 
 1. cut the steps after the first that breaks it (what follows cannot matter);
 2. drop each earlier step, first to last (the shapes that do not matter);
-3. the budget half-way between the least and the plain peak, seed 0, the integration's first variant.
+3. the budget not snapped, half-way between the least and the plain peak, seed 0, the integration's
+   first variant.
 """
 
 from __future__ import annotations
@@ -64,6 +65,6 @@ def shrink_case(case: Case, invariant: str, evaluate: Callable[[Case], Outcome],
     while i < len(best.shapes) - 1 and time.monotonic() < deadline:
         if not keep(replace(best, shapes=best.shapes[:i] + best.shapes[i + 1:])):
             i += 1
-    for change in (dict(fraction=0.5), dict(seed=0), dict(variant=VARIANTS[case.integration][0])):
+    for change in (dict(snap=False), dict(fraction=0.5), dict(seed=0), dict(variant=VARIANTS[case.integration][0])):
         keep(replace(best, **change))
     return best

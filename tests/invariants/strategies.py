@@ -3,7 +3,9 @@
 A case draws a small pool of distinct batch shapes (2-4), each a *move* from the one before (a
 longer sequence, a taller image, a dict key that appears, a smaller batch, ...), a sequence of 6-12
 steps that uses every shape of the pool (in the pool's order first: so a new shape always comes
-after a planned one), a budget fraction, a seed and the integration's variant. Every choice is
+after a planned one), a budget fraction (0 is the least peak, 1 the plain peak), whether the budget
+is snapped down to the predicted peak of the plan made for it (no slack: a plan predicted low breaks
+it), a seed and the integration's variant. Every choice is
 ``sampled_from`` a list whose first value is an ordinary one: Hypothesis's first example (the CI's)
 and the shrinks of a failure are the issue's first row (a shape, one a little larger, back: 8x32 ->
 8x34 -> 8x32) at a budget half-way between the least and the plain peak, not degenerate ones
@@ -32,7 +34,7 @@ from .zoo import ZOO
 SIZES = [4, 2, 3, 1]
 LENGTHS = [32, 24, 40, 16, 48, 12, 20, 8]
 IMAGE_SIDES = [16, 12, 24, 8, 32, 20]
-FRACTIONS = [0.5, 0.3, 0.7, 0.15, 0.85, 0.05, 0.95, 0.4, 0.6, 0.2, 0.8]
+FRACTIONS = [0.5, 0.3, 0.7, 0.15, 0.85, 0.05, 0.95, 0.0, 1.0, 0.4, 0.6, 0.2, 0.8]
 # How a shape of the pool follows the one before it. The first move is the first row: a shape a
 # little larger in the dimension that matters (8x32 -> 8x34; an image 8 pixels taller and wider; a
 # dict batch whose ``extra`` key appears).
@@ -114,4 +116,5 @@ def cases(draw: Any, model: str | None = None, integration: str | None = None, m
     fraction = draw(st.sampled_from(FRACTIONS))
     seed = draw(st.sampled_from([0, 1, 2]))
     variant = draw(st.sampled_from(VARIANTS[integration]))
-    return Case(model, integration, shapes, fraction, seed, variant)
+    snap = draw(st.sampled_from([False, True]))
+    return Case(model, integration, shapes, fraction, seed, variant, snap)
