@@ -97,12 +97,12 @@ def kinds(seen: list[Outcome]) -> list[tuple[str, bool]]:
 
 def table(rows: list[dict], shrunk: list[dict]) -> str:
     head = ("| model | integration | cases | failing | " + " | ".join(INVARIANTS)
-            + " | of which step 0 over budget | worst peak / budget | s |")
+            + " | step 0 over budget | over budget, no warning | worst peak / budget | s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         counts = " | ".join(str(r["broken"].get(name, 0)) for name in INVARIANTS)
         lines.append(f"| {r['model']} | {r['integration']} | {r['cases']} | {r['failing']} | {counts} | "
-                     f"{r['first_step_over']} | "
+                     f"{r['first_step_over']} | {r['silent']} | "
                      f"{r['worst']:.3f} | {r['seconds']:.0f} |")
     total, errors = sum(r["cases"] for r in rows), sum(len(r["harness_errors"]) for r in rows)
     lines.append(f"\n{total} cases, {sum(r['failing'] for r in rows)} failing"
@@ -112,6 +112,8 @@ def table(rows: list[dict], shrunk: list[dict]) -> str:
         for s in shrunk:
             lines.append(f"- **{s['invariant']}**, {s['model']} x {s['integration']}: `{s['case']}`")
             lines += [f"  - {text}" for text in s["violations"][:4]]
+            if s["invariant"].startswith("budget"):
+                lines.append(f"  - the package warned: {s['warned'] or 'nothing'}")
     return "\n".join(lines)
 
 
@@ -145,12 +147,12 @@ def main() -> None:
         broken = {name: sum(name in o.broken for o in seen) for name in INVARIANTS}
         first_over = sum(any(v.invariant == "budget" and v.step == 0 for v in o.violations) for o in seen)
         rows.append(dict(model=model, integration=integration, cases=len(seen), failing=sum(bool(o.broken) for o in seen),
-                         first_step_over=first_over,
+                         first_step_over=first_over, silent=sum(o.silent for o in seen),
                          broken={k: v for k, v in broken.items() if v}, seconds=time.perf_counter() - begun,
                          harness_errors=[o.harness_error for o in seen if o.harness_error],
                          worst=max((o.worst_ratio() for o in seen), default=0.0),
-                         examples=[dict(case=o.case.describe(), violations=[str(v) for v in o.violations[:8]])
-                                   for o in seen if o.broken]))
+                         examples=[dict(case=o.case.describe(), violations=[str(v) for v in o.violations[:8]],
+                                        warnings=o.warnings[:3]) for o in seen if o.broken]))
         for invariant, later in ([] if args.no_shrink else kinds(seen)):
             scope = {"pair": (model, integration), "model": (model,), "invariant": ()}[args.shrink_per]
             if (invariant, later, *scope) in shrunk_for:
@@ -160,7 +162,8 @@ def main() -> None:
             log(f"  shrinking {label} ...")
             small = shrink(seen, invariant, args.shrink_seconds, later)
             shrunk.append(dict(model=model, integration=integration, invariant=label, case=small.case.describe(),
-                               violations=[str(v) for v in small.violations if v.invariant == invariant][:6]))
+                               violations=[str(v) for v in small.violations if v.invariant == invariant][:6],
+                               warned=small.warnings[0][:200] if small.warnings else None))
             log(f"    {small.case.describe()}")
     results = dict(rows=rows, shrunk=shrunk, seconds=time.perf_counter() - start, examples=args.examples,
                    seed=args.seed, torch=torch.__version__)

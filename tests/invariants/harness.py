@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,12 @@ class Outcome:
     violations: list[Violation] = field(default_factory=list)
     seconds: float = 0.0
     harness_error: str = ""  # the run without the package failed: the case says nothing of the package
+    warnings: list[str] = field(default_factory=list)  # the package's warnings during the run with it
+
+    @property
+    def silent(self) -> bool:
+        """The budget broke and the package warned of nothing."""
+        return "budget" in self.broken and not self.warnings
 
     @property
     def broken(self) -> list[str]:
@@ -111,6 +118,8 @@ class Outcome:
         lines = [self.case.describe(),
                  f"  budget {format_bytes(self.budget)} (least {format_bytes(self.least)}, plain "
                  f"{format_bytes(self.plain)}), worst step {self.worst_ratio():.3f}x the budget, {self.seconds:.1f} s"]
+        if "budget" in self.broken:
+            lines.append("  the package warned: " + (self.warnings[0][:200] if self.warnings else "nothing"))
         lines += [f"  {v}" for v in self.violations[:12]]
         if len(self.violations) > 12:
             lines.append(f"  ... {len(self.violations) - 12} more")
@@ -154,7 +163,12 @@ def run_case(case: Case) -> Outcome:
     outcome.budget = int(low + case.fraction * (high - low))
     if case.snap:  # no slack: a plan predicted a byte low breaks the budget at its own shape
         outcome.budget = least_peak(case, batches[hardest], outcome.budget)
-    outcome.run = runner(spec, batches, outcome.budget, case.seed, case.variant)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome.run = runner(spec, batches, outcome.budget, case.seed, case.variant)
+    # What the package said (a step over the budget should be named, with its cause, not pass silently).
+    outcome.warnings = [str(w.message) for w in caught if "lightning_remat" in str(w.filename)
+                        or str(w.message).startswith(("lightning-remat", "AutoRemat", "RematTrainerCallback"))]
     outcome.violations = check(case, outcome.budget, reference, outcome.run, batches)
     outcome.seconds = time.perf_counter() - start
     return outcome
