@@ -148,7 +148,7 @@ def run_accelerate(spec: ModelSpec, batches: list, budget: int | None, seed: int
     error = hand_loop(rec, prepared, optimizer, batches, lambda batch: spec.loss(prepared, batch),
                        accelerator.backward)
     session = remat_session(prepared)
-    if session is not None:
+    if session is not None and error is None:  # after an error the session is left as the error left it
         session.remove()
     AcceleratorState._reset_state(True)
     return rec.finish(error)
