@@ -17,8 +17,9 @@
 - ``loss``: the step's loss equals the reference's (relative 1e-5);
 - ``hooks``: a user's forward hook on the model saw as many calls as in the reference (profiling and
   fake passes are invisible to user code);
-- ``refusal``: an error of the package's (``RematError``) is justified: the budget is below the least
-  peak ``plan_remat(..., "min")`` predicts at the batch it stopped on (1% margin);
+- ``refusal``: an error of the package's (``RematError``) is justified: the same step without the
+  package did not fit the budget, and the budget is below the least peak ``plan_remat(..., "min")``
+  predicts at the batch it stopped on (1% margin);
 - ``crash``: any other exception, or a run that stopped early without one.
 """
 
@@ -151,6 +152,9 @@ def run_case(case: Case) -> Outcome:
     if reference.error is not None:  # the harness's own failure, not the package's
         raise RuntimeError(f"the run without the package failed: {case.describe()}") from reference.error
     peaks = [step.peak for step in reference.steps]
+    if not peaks:  # fewer batches than one accumulation window
+        outcome.harness_error = "no optimizer step in the run without the package"
+        return outcome
     hardest = max(range(len(peaks)), key=peaks.__getitem__)
     outcome.plain = peaks[hardest]
     try:
@@ -161,7 +165,7 @@ def run_case(case: Case) -> Outcome:
         return outcome
     low, high = sorted((outcome.least, outcome.plain))
     outcome.budget = int(low + case.fraction * (high - low))
-    if case.snap:  # no slack: a plan predicted a byte low breaks the budget at its own shape
+    if case.snap and outcome.budget >= outcome.least:  # no slack: a plan predicted low breaks the budget
         outcome.budget = least_peak(case, batches[hardest], outcome.budget)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -194,6 +198,21 @@ def check(case: Case, budget: int, reference: RunRecord, run: RunRecord, batches
     return found
 
 
+def _refused_wrongly(case: Case, budget: int, step: int, reference: RunRecord, batches: list[Any]) -> str:
+    """Why a ``RematError`` at optimizer step ``step`` was not justified ("" when it was): the step
+    without the package fit the budget, or the budget is above the least peak the package's own
+    planner predicts for its batches."""
+    if step < len(reference.steps) and reference.steps[step].peak <= budget:
+        return f"the same step without the package peaked at {format_bytes(reference.steps[step].peak)}"
+    # The micro-batches of the optimizer step it stopped at: the largest of their least peaks.
+    per_step = max(1, len(batches) // max(1, len(reference.steps)))
+    window = batches[step * per_step:(step + 1) * per_step] or batches[-1:]
+    least = max(least_peak(case, batch) for batch in window)
+    if budget >= least * (1 + REFUSAL_MARGIN):
+        return f"the least peak at this batch is {format_bytes(least)}, the budget {budget / least:.3f}x that"
+    return ""
+
+
 def _error_findings(case: Case, budget: int, run: RunRecord, reference: RunRecord,
                     batches: list[Any]) -> list[Violation]:
     error, step = run.error, run.error_step
@@ -203,11 +222,5 @@ def _error_findings(case: Case, budget: int, run: RunRecord, reference: RunRecor
     text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
     if not isinstance(error, RematError):
         return [Violation("crash", step, text)]
-    # The micro-batches of the optimizer step it stopped at: the largest of their least peaks.
-    per_step = max(1, len(batches) // max(1, len(reference.steps)))
-    window = batches[step * per_step:(step + 1) * per_step] or batches[-1:]
-    least = max(least_peak(case, batch) for batch in window)
-    if budget >= least * (1 + REFUSAL_MARGIN):
-        return [Violation("refusal", step, f"{text} (the least peak at this batch is {format_bytes(least)}, "
-                          f"the budget {budget / least:.3f}x that)")]
-    return []
+    why = _refused_wrongly(case, budget, step, reference, batches)
+    return [Violation("refusal", step, f"{text} ({why})")] if why else []
