@@ -69,6 +69,8 @@ SLOW = {
     "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
                             "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
+    # a generated case per (model, integration): two training runs and a plan, 3-25 s each (CPU 2-9 s)
+    "test_invariants.py": "*",
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     "test_fabric.py": ("test_the_docs_recipe_for_varying_shapes_runs_as_written",),  # 55 s at load 9-11 (1 real, 4 fake profiles)

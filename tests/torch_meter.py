@@ -34,7 +34,12 @@ def inner_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
 
 
 def _allocation_peak(prof: profile) -> int:
-    """The largest running sum of the CPU allocation events a stopped profiler recorded (>= 0)."""
+    """The largest running sum of the CPU allocation events a stopped profiler recorded (>= 0).
+
+    Only frees of blocks allocated inside the window count: the profiler remembers the sizes of
+    blocks allocated while an earlier profiler ran, and reports their frees too (garbage of an
+    earlier window, collected by Python's cycle collector inside this one), which would pull the
+    running sum below what this window's own allocations reached."""
     from torch._C._profiler import _EventType
 
     found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -44,8 +49,13 @@ def _allocation_peak(prof: profile) -> int:
             found.append(node)
         stack.extend(node.children)
     running = peak = 0
+    inside: set[int] = set()  # addresses of the blocks allocated in the window and not freed yet
     for node in sorted(found, key=lambda n: n.start_time_ns):
-        running += node.extra_fields.alloc_size
+        size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
+        if size < 0 and address not in inside:
+            continue
+        (inside.add if size > 0 else inside.discard)(address)
+        running += size
         peak = max(peak, running)
     return peak
 
