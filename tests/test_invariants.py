@@ -23,32 +23,18 @@ from tests.invariants.recorder import Recorder
 from tests.invariants.strategies import CI, cases
 from tests.invariants.zoo import ZOO
 
-# Known failures on the main this harness was written against (ca3c2d3, issue 29), per (model,
-# integration), as this test's case broke them there: the merge of the fixes removes them (all of this
-# block). strict=False: a pair that passes is not an error.
-_HOOKS = "hooks: a user hook on the model sees the profiling and fake passes (4-11 calls a step instead of 1)"
-_FIRST = "budget: the first step's real profiling pass runs over the budget (1.136x token, 1.07x trunk)"
-_IMAGE = "budget: a taller, wider image is read as the same B x C shape and not planned (1.283x)"
-_KEY = "budget: a dict key that appears is not a new shape and not planned (1.202x)"
-_REINSTALL = ("installed: a new shape whose plan equals the installed one leaves nothing recomputed "
-              "(records []), and every later step runs over the budget (1.146-1.325x)")
-_OBSERVED = "budget: the observed first step runs without recomputation (1.07x)"
-_CAUSES = {
-    "token": {"shape_plans": (_FIRST,), "fabric": (_FIRST,), "lightning": (_FIRST,), "accelerate": (),
-              "hf_trainer": ()},
-    "cnn": dict.fromkeys(("shape_plans", "fabric", "lightning", "accelerate"), (_IMAGE,)),
-    "trunk": {"shape_plans": (_FIRST, _REINSTALL), "fabric": (_FIRST, _REINSTALL), "lightning": (_FIRST, _REINSTALL),
-              "accelerate": (_OBSERVED, _REINSTALL)},
-    "dict": dict.fromkeys(("shape_plans", "fabric", "lightning", "accelerate"), (_KEY,)),
-    "moduledict": {"shape_plans": (), "fabric": (), "lightning": (), "accelerate": (_REINSTALL,)},
-}
-KNOWN: dict[tuple[str, str], str] = {(model, integration): "issue 29 on main: " + "; ".join((_HOOKS, *causes))
-                                     for model, by in _CAUSES.items() for integration, causes in by.items()}
+# Found by this harness and not fixed yet: the CPU's oneDNN convolutions reorder their input (or
+# output) and weights into blocked layouts inside the kernel, buffers as large as an activation that
+# neither MemTracker nor fake tensors see (a 16-channel 24x24 batch of 4: 156,672 B missed, the same
+# under every plan), so a CNN's prediction is short by that and its steps run 1.07x over the budget.
+_CONV = ("oneDNN convolution workspaces (input and weight reorders, ~1 activation) are invisible to "
+         "MemTracker and fake tensors: predicted 2,100,156 B, measured 2,256,828 B (1.071x)")
+KNOWN = {("cnn", integration): _CONV for integration in ("shape_plans", "fabric", "lightning", "accelerate")}
 
 
 def _pair(model: str, integration: str) -> object:
     reason = KNOWN.get((model, integration))
-    marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
     return pytest.param(model, integration, marks=marks, id=f"{model}-{integration}")
 
 
@@ -65,9 +51,13 @@ def test_every_step_keeps_the_invariants(model, integration):
     every_step()
 
 
-def test_the_harness_sees_a_plan_that_is_not_installed_and_the_budget_it_breaks():
+def test_the_harness_sees_a_plan_that_is_not_installed_and_the_budget_it_breaks(monkeypatch):
     """The harness's own check: ``ShapePlans`` whose installer does nothing. The plan names modules
-    that the records and the backward do not recompute, and the steps break the budget."""
+    that the records and the backward do not recompute, and the steps break the budget. The package's
+    own check (``InstallationMismatchError``) is switched off: the harness must see it independently."""
+    import lightning_remat.service.shape_plans as shape_plans
+
+    monkeypatch.setattr(shape_plans, "check_installed", lambda *args, **kwargs: None)
     case = Case("trunk", "shape_plans", ((4, 32),) * 6, 0.3)
     spec, batches = ZOO["trunk"], batches_of(case)
     reference = RUNNERS["shape_plans"](spec, batches, None, case.seed)
