@@ -33,10 +33,12 @@ def inner_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
     return found
 
 
-def _allocation_peak(prof: profile) -> int:
+def _allocation_peak(prof: profile, alive: set[int] = frozenset()) -> int:
     """The largest running sum of the CPU allocation events a stopped profiler recorded (>= 0).
 
-    Only frees of blocks allocated inside the window count: the profiler remembers the sizes of
+    Only frees of blocks allocated inside the window, or counted alive at its start (``alive``: the
+    addresses of the model's and optimizers' storages then, such as last step's gradients that
+    Lightning's ``zero_grad`` frees inside the step), count: the profiler remembers the sizes of
     blocks allocated while an earlier profiler ran, and reports their frees too (garbage of an
     earlier window, collected by Python's cycle collector inside this one), which would pull the
     running sum below what this window's own allocations reached."""
@@ -50,19 +52,25 @@ def _allocation_peak(prof: profile) -> int:
         stack.extend(node.children)
     running = peak = 0
     inside: set[int] = set()  # addresses of the blocks allocated in the window and not freed yet
+    counted = set(alive)  # blocks counted alive at the start, not freed yet
     for node in sorted(found, key=lambda n: n.start_time_ns):
         size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
-        if size < 0 and address not in inside:
+        if size < 0 and address not in inside and address not in counted:
             continue
-        (inside.add if size > 0 else inside.discard)(address)
+        if size > 0:
+            inside.add(address)
+        elif address in inside:
+            inside.discard(address)
+        else:
+            counted.discard(address)
         running += size
         peak = max(peak, running)
     return peak
 
 
-def alive_bytes(model: torch.nn.Module, optimizers: Any = None) -> int:
-    """Bytes of the distinct storages of the model's parameters, buffers and gradients and of the
-    optimizers' state."""
+def alive_storages(model: torch.nn.Module, optimizers: Any = None) -> dict[int, int]:
+    """Address -> bytes of the distinct storages of the model's parameters, buffers and gradients and
+    of the optimizers' state."""
     storages: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     for optimizer in inner_optimizers(optimizers):
@@ -70,7 +78,13 @@ def alive_bytes(model: torch.nn.Module, optimizers: Any = None) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+    return storages
+
+
+def alive_bytes(model: torch.nn.Module, optimizers: Any = None) -> int:
+    """Bytes of the distinct storages of the model's parameters, buffers and gradients and of the
+    optimizers' state."""
+    return sum(alive_storages(model, optimizers).values())
 
 
 class TorchPeak:
@@ -79,10 +93,11 @@ class TorchPeak:
     def __init__(self, model: torch.nn.Module, optimizers: Any = None):
         self.model, self.optimizers = model, optimizers
         self.prof: profile | None = None
-        self.alive = 0
+        self.alive, self.addresses = 0, set()
 
     def start(self) -> "TorchPeak":
-        self.alive = alive_bytes(self.model, self.optimizers)
+        storages = alive_storages(self.model, self.optimizers)
+        self.alive, self.addresses = sum(storages.values()), set(storages)
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.prof.start()
         return self
@@ -90,7 +105,7 @@ class TorchPeak:
     def stop(self) -> int:
         prof, self.prof = self.prof, None
         prof.stop()
-        return self.alive + _allocation_peak(prof)
+        return self.alive + _allocation_peak(prof, self.addresses)
 
 
 def static_bytes(model: torch.nn.Module, optimizers: Sequence[Any] | Any = None) -> int:
