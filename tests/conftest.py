@@ -18,17 +18,24 @@ torch.set_num_threads(1)
 
 
 # The `slow` tests: over about 2 s each on a busy 2-core CPU (one torch thread; with the set-up of
-# the model they share), from pytest --durations, seconds in the comments. `pytest -m "not
-# distributed and not slow"` deselects them and the tests that start processes (marked where they
-# are written): about 45 s instead of about 20 min; CI runs everything. "*": every test of the
-# module. A name is a test function (all its parameters) or one parametrized test ("name[param]").
+# the model they share), from pytest --durations, seconds in the comments; and every test that starts
+# processes (marked `distributed` where it is written) but the two of CI_DISTRIBUTED. CI, and the
+# README's test command, run `-m "not slow"`: about 5 minutes on 2 cores, with the invariants
+# harness (issue 29), the first-step tests, one DDP and one FSDP2 run; `pytest -m slow` runs the
+# rest (about 15 minutes), and a plain `pytest` everything. "*": every test of the module. A name is
+# a test function (all its parameters) or one parametrized test ("name[param]").
+CI_DISTRIBUTED = {
+    "test_callback.py": "test_ddp_ranks_apply_the_plan_of_rank_zero",  # DDP, 2 gloo ranks, as a script: 19 s
+    "test_sharded.py": "test_prediction_matches_a_real_two_process_fully_shard_run",  # FSDP2, 2 ranks: 24 s
+}
 SLOW = {
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
-    # fake profiles of the first step (each run against one without the package): 2-17 s each on a loaded 2-core machine
-    "test_first_step.py": "*",
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
-    "test_first_step_integrations.py": "*",
+    "test_first_step_integrations.py": ("test_the_trainer_with_lora_accumulation_and_padding_holds_the_budget_from_the_first_step",),
+    "test_fake_moe.py": ("test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-mixed]",  # 10 s
+                         "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
+    "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
@@ -69,8 +76,6 @@ SLOW = {
     "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
                             "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
-    # a generated case per (model, integration): two training runs and a plan, 3-25 s each (CPU 2-9 s)
-    "test_invariants.py": "*",
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     "test_fabric.py": ("test_the_docs_recipe_for_varying_shapes_runs_as_written",),  # 55 s at load 9-11 (1 real, 4 fake profiles)
@@ -122,6 +127,8 @@ SLOW = {
 
 
 def _is_slow(item) -> bool:
+    if item.get_closest_marker("distributed") is not None:
+        return CI_DISTRIBUTED.get(item.path.name) != getattr(item, "originalname", item.name)
     names = SLOW.get(item.path.name)
     return names == "*" or (names is not None and (item.name in names or getattr(item, "originalname", None) in names))
 
