@@ -231,13 +231,6 @@ class Plan:
         """Whether nothing is predicted (a plan made without a profile)."""
         return self.predicted_peak_bytes is None
 
-    @property
-    def predicted_saving_bytes(self) -> int | None:
-        """Bytes of peak memory the plan is predicted to save against no recomputation (None: not predicted)."""
-        if self.baseline_peak_bytes is None or self.predicted_peak_bytes is None:
-            return None
-        return self.baseline_peak_bytes - self.predicted_peak_bytes
-
     @classmethod
     def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
                              note: str) -> "Plan":
