@@ -288,16 +288,6 @@ class RematConfig:
                              'a number of bytes or a percentage such as "80%"')
 
 
-def field_help(cls: type) -> dict[str, str]:
-    """Each field's ``help`` (its one description), by name.
-
-    Example:
-        >>> field_help(RematConfig)["cost"].split(":")[0]
-        'what recomputation costs, which the plan minimises'
-    """
-    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
-
-
 def _with_attributes(cls: type) -> str:
     """``cls``'s docstring with an ``Attributes:`` section made from its fields' help, before its example."""
     lines = ["    Attributes:"]
