@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from .vocabulary import cost_of
@@ -213,20 +213,6 @@ class Profile:
 
 def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
     return tuple((str(label), int(nbytes)) for label, nbytes in items)
-
-
-def without_chunked_loss(profile: Profile) -> Profile:
-    """``profile`` with a chunked head's options left out (its ``"keep"`` stays): what a plan without
-    ``chunk_loss`` can reach, from a profile made with it, so that both least peaks come from one profile.
-
-    Example:
-        >>> keep, chunked = StageOption("keep", (), 0, 900, 0.0, 0), StageOption("chunks:8", (), 0, 300, 0.0, 9, chunks=8)
-        >>> [o.name for o in without_chunked_loss(Profile((StageProfile("lm_head", (keep, chunked)),), ())).stages[0].options]
-        ['keep']
-    """
-    stages = tuple(replace(s, options=tuple(o for o in s.options if not o.chunks)) for s in profile.stages)
-    result = replace(profile, stages=stages)
-    return result
 
 
 @dataclass(frozen=True)
