@@ -127,16 +127,6 @@ class BatchSizeResult:
         """Recompute cost of the plan as a share of a step without recomputation."""
         return self.plan.predicted_overhead
 
-    @property
-    def trial_samples(self) -> int:
-        """Samples processed by the real trial steps."""
-        return sum(t.batch_size * t.steps for t in self.trials)
-
-    @property
-    def binsearch_samples(self) -> int:
-        """Samples Lightning's binsearch would process for the same range."""
-        return sum(self.binsearch_sizes) * self.steps_per_trial
-
     def metrics(self) -> dict[str, float]:
         """The figures loggers receive, under ``remat/...``.
 
