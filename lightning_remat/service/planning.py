@@ -285,7 +285,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
             GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
         policies: op-level selective-checkpointing policies to offer as options of every stage
-            (``("save_matmuls",)``, or None for all of ``runtime.sac.POLICIES``); none by default.
+            (``("save_matmuls",)``, or None for all of ``runtime.installing.sac.POLICIES``); none by default.
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
