@@ -245,12 +245,3 @@ def test_a_deep_copy_of_an_installed_model_trains_as_the_original():
     apply_plan(model, ["0", "2"], segments=[["3", "4"]])
     twin = copy.deepcopy(model)
     _assert_bit_equal(model, twin)
-
-
-def test_the_old_fallback_spellings_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="solve_recompute_everything"):
-        old = Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")
-    assert old == solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")
-    with pytest.warns(DeprecationWarning, match="fallback"):
-        flagged = Plan(["h.0"], 0, 0, 0, float("nan"), "flops", "min", fallback=True, notes=["oom"])
-    assert flagged == old and flagged.fallback
