@@ -36,7 +36,7 @@ from .loop_peaks import LoopPeaks
 from .measured_peak import MeasuredWindow, figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
-from .trainer_terms import LOOP_ALLOWANCE, config_for, loop_allowance, trainer_optimizers  # noqa: F401 (LOOP_ALLOWANCE: its old path)
+from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 
 
 class AutoRemat(Callback):
