@@ -1,6 +1,5 @@
 """One argument vocabulary: every entry point takes a setting under the same name, with the same
-default, described once (the fields of ``RematConfig`` and ``ProfileOptions``); renamed arguments
-keep their old names for a release with a ``DeprecationWarning``; refusals are ``RematError``s."""
+default, described once (the fields of ``RematConfig`` and ``ProfileOptions``); refusals are ``RematError``s."""
 
 import inspect
 import json
@@ -16,7 +15,7 @@ from lightning_remat import (AutoRemat, ConflictingArgumentsError, ProfileOption
                              RematError, StepError, UnsupportedSetupError, UnsupportedShardingError,
                              find_remat_batch_size, plan_remat, profile_step)
 from lightning_remat.accelerate import RematPlugin, prepare_remat, remat_session
-from lightning_remat.core.config import DEFAULT_COST, field_help
+from lightning_remat.core.config import DEFAULT_COST
 from lightning_remat.integrations.cli import _parser as build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +88,7 @@ def test_every_entry_point_takes_the_planning_settings():
 def test_the_command_line_has_a_flag_per_setting_with_the_fields_help():
     flags = _plan_flags()
     for cls in (RematConfig, ProfileOptions):
-        for name, text in field_help(cls).items():
+        for name, text in ((f.name, f.metadata["help"]) for f in fields(cls) if "help" in f.metadata):
             if name == "profile":
                 continue
             assert name in flags, name
@@ -128,35 +127,11 @@ def test_profile_step_refuses_keywords_next_to_options():
         profile_step(net, _make_step(4), options=ProfileOptions(), policies=None)
 
 
-# ------------------------------------------------------------------------- deprecated names
-
-
-def test_find_remat_batch_size_takes_the_model_first_and_the_old_order_with_a_warning():
-    new = find_remat_batch_size(_mlp(), _make_step, 200_000, init_val=4, max_val=64, confirm=False, apply=False)
-    with pytest.warns(DeprecationWarning, match="model comes first"):
-        with pytest.warns(DeprecationWarning, match="start= is deprecated.*init_val="):
-            with pytest.warns(DeprecationWarning, match="max_batch_size= is deprecated.*max_val="):
-                old = find_remat_batch_size(_make_step, _mlp(), 200_000, start=4, max_batch_size=64, confirm=False,
-                                            apply=False)
-    assert (old.batch_size, old.plan.checkpointed) == (new.batch_size, new.plan.checkpointed)
-    with pytest.raises(ConflictingArgumentsError, match="init_val= and its deprecated name start="):
-        find_remat_batch_size(_mlp(), _make_step, 200_000, init_val=4, start=8)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'begin'"):
-        find_remat_batch_size(_mlp(), _make_step, 200_000, begin=4)
-
-
 def test_prepare_remat_takes_remat_plugin_as_remat_accelerator_does():
-    net = _mlp()
-    with pytest.warns(DeprecationWarning, match="plugin= is deprecated.*remat_plugin="):
-        assert prepare_remat(net, plugin=RematPlugin(budget="1GB")) is net
-    assert remat_session(net).plugin.budget == "1GB"
-    remat_session(net).remove()
     other = _mlp()
     prepare_remat(other, remat_plugin=RematPlugin(budget="2GB"))
     assert remat_session(other).plugin.budget == "2GB"
     remat_session(other).remove()
-    with pytest.raises(ConflictingArgumentsError):
-        prepare_remat(_mlp(), remat_plugin=RematPlugin(budget="1GB"), plugin=RematPlugin(budget="2GB"))
 
 
 # --------------------------------------------------------------------- refusals are RematError

@@ -114,7 +114,8 @@ def test_costs_no_more_real_steps_than_lightning_binsearch(gpt2_search):
     assert result.binsearch_sizes == binsearch
     assert result.trial_steps <= len(binsearch) * result.steps_per_trial
     # Profiling passes run at small batches; with them the search still processes fewer samples.
-    assert result.profile_samples + result.trial_samples <= result.binsearch_samples
+    trial_samples = sum(t.batch_size * t.steps for t in result.trials)
+    assert result.profile_samples + trial_samples <= sum(binsearch) * result.steps_per_trial
     assert result.profile_batch_sizes == (2, 4)
 
 

@@ -327,7 +327,7 @@ def test_lightning_cli_builds_the_callback_from_the_command_line(tmp_path):
         "--trainer.callbacks.cost=flops", "--trainer.callbacks.candidates=[GPT2Block]",
     ])
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, AutoRemat)]
-    assert callback.budget_bytes == 10**9 and callback.cost == "flops" and callback.candidates == ["GPT2Block"]
+    assert callback.config.budget.resolve() == 10**9 and callback.cost == "flops" and callback.candidates == ["GPT2Block"]
     assert callback.profile_steps == 1 and callback.verbose is True
 
 

@@ -16,7 +16,7 @@ from lightning_remat import BudgetTooSmallError, StageAction, apply_plan, measur
 from lightning_remat.core.calls import owners, tied_dp
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
 from lightning_remat.core.predict import predict
-from lightning_remat.core.solve import solve_choices
+from lightning_remat.core.solve import solve_segmentation
 from tests.torch_meter import TorchPeak
 
 
@@ -169,4 +169,4 @@ def test_tied_solver_equals_exhaustive_search_over_tied_plans_with_and_without_f
         assert plan_cost(profile, found, "flops") == min(fitting)
         assert solve(profile, budget, cost="flops").predicted_peak_bytes <= budget
         # The same through the solver's entry, which takes the chain DP where no module is tied.
-        assert plan_cost(profile, solve_choices(profile, budget, "flops"), "flops") == min(fitting)
+        assert plan_cost(profile, solve_segmentation(profile, budget, "flops").choices, "flops") == min(fitting)

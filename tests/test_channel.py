@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_remat.core.errors import BudgetTooSmallError, PlanningFailedError
-from lightning_remat.service.channel import Channel, FunctionChannel, torch_distributed_channel, travelling
+from lightning_remat.service.channel import Channel, torch_distributed_channel, travelling
+from tests.function_channel import FunctionChannel
 
 
 def test_a_single_process_talks_to_itself_and_raises_errors_as_they_are():

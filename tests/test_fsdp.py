@@ -168,10 +168,12 @@ def test_fake_profiling_of_a_sharded_model_is_refused_before_any_collective():
     from lightning_remat import ProfileOptions, RematConfig
     from lightning_remat.core.errors import UnsupportedShardingError
     from lightning_remat.service.planning import Planner
+    from tests.function_channel import FunctionChannel
 
     def never(*args):
         raise AssertionError("no collective may start")
 
     planner = Planner(RematConfig("min", cost="flops", profile=ProfileOptions(fake=True)))
     with pytest.raises(UnsupportedShardingError, match="world_size"):
-        planner.shared_plan(nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), broadcast=never, gather=never)
+        planner.shared_plan(nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(),
+                            channel=FunctionChannel(broadcast=never, gather=never), lockstep=True)

@@ -111,6 +111,7 @@ def _mlp_search(other_rank):
     from lightning_remat.core.config import RematConfig
     from lightning_remat.runtime.measuring.trial import Trial
     from lightning_remat.service.sharded_batch import ShardedBatchSearch
+    from tests.function_channel import FunctionChannel
 
     def gather(value):
         if isinstance(value, tuple) and value and isinstance(value[0], Trial):
@@ -126,7 +127,7 @@ def _mlp_search(other_rank):
 
     budget = 1_100_000
     search = ShardedBatchSearch(mlp_step, net, None, RematConfig(budget, cost="flops"), budget, 0.35, 1, "binsearch",
-                                4, gather=gather)
+                                4, channel=FunctionChannel(gather=gather))
     search.fit_profiles(512)
     return search, budget
 
@@ -157,12 +158,13 @@ def test_an_error_on_another_rank_is_raised_on_every_rank():
     from lightning_remat.core.config import RematConfig
     from lightning_remat.core.errors import PlanningFailedError
     from lightning_remat.service.sharded_batch import ShardedBatchSearch
+    from tests.function_channel import FunctionChannel
 
     def gather(value):  # the other rank failed while profiling
         return [value, (None, PlanningFailedError("profiling failed on rank 1: RuntimeError: boom"))]
 
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     search = ShardedBatchSearch(lambda b: (lambda m: m(torch.ones(b, 4)).sum()), net, None, RematConfig(10**6), 10**6,
-                                0.35, 1, "binsearch", 2, gather=gather)
+                                0.35, 1, "binsearch", 2, channel=FunctionChannel(gather=gather))
     with pytest.raises(PlanningFailedError, match="rank 1: RuntimeError: boom"):
         search.fit_profiles(64)

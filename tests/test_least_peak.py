@@ -107,7 +107,7 @@ def test_a_shared_input_counted_once_never_costs_more_and_the_plan_fits(raw, nby
 
     from lightning_remat.core.memory_model import plan_cost, predict_peak
     from lightning_remat.core.shared_held import exact_peak, slack
-    from lightning_remat.core.solve import solve_choices
+    from lightning_remat.core.solve import solve_segmentation
     from lightning_remat import BudgetTooSmallError
 
     profile = _with_shared_input(raw, nbytes)
@@ -118,7 +118,7 @@ def test_a_shared_input_counted_once_never_costs_more_and_the_plan_fits(raw, nby
     budget = int(peaks[0] + fraction * (peaks[-1] - peaks[0]))
     additive = [plan_cost(profile, c, "flops") for c in plans if predict_peak(profile, c) <= budget]
     try:
-        choices = solve_choices(profile, budget, "flops")
+        choices = solve_segmentation(profile, budget, "flops").choices
     except BudgetTooSmallError as err:
         # (the search is widened from the additive plans: a budget only some other mix of holders
         # reaches, within the shared bytes of it, may still be refused, naming a reachable peak)

@@ -278,11 +278,12 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
     with offloading was set by that over-count)."""
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
-    from lightning_remat.runtime.profiling.profile import _net_of_released, profile_step
+    from lightning_remat.runtime.profiling.memory_run import net_of_released
+    from lightning_remat.runtime.profiling.profile import profile_step
 
     # The rule on numbers: stage 1 released 30 bytes after returning, stage 0 released nothing.
-    assert _net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {}) == [100, 20, 40]
-    assert _net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {1: 2}) == [100, 50, 40]  # a shared block
+    assert net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {}) == [100, 20, 40]
+    assert net_of_released([100, 50, 40], {0: 0, 1: 100, 2: 120}, {1: 2}) == [100, 50, 40]  # a shared block
 
     from transformers import LlamaConfig, LlamaForCausalLM
 

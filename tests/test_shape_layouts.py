@@ -139,7 +139,7 @@ def test_an_image_batch_is_read_by_its_height_and_width_never_its_channels():
 
 
 def test_the_largest_shape_unites_only_shapes_of_one_structure_and_ranks_plan_the_largest():
-    from lightning_remat.service.channel import FunctionChannel
+    from tests.function_channel import FunctionChannel
     from lightning_remat.service.shape_keys import ShapeKeys
 
     image = lambda h, w: Shape(4, 1, (("0", (BATCH, 3, h, w)), ("1", (BATCH,))))  # noqa: E731

@@ -151,7 +151,7 @@ def test_plan_for_is_largest_for_a_model_compiled_in_place():
 
 
 def test_ranks_run_the_plan_of_the_largest_batch_of_any_rank():
-    from lightning_remat.service.channel import FunctionChannel
+    from tests.function_channel import FunctionChannel
 
     # Another rank whose batch is always twice as long: every rank plans for the longer one.
     twice = FunctionChannel(broadcast=lambda value: value, gather=lambda value: [value, 2 * value if value else value])

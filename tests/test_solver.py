@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
 from lightning_remat.core.memory_model import plan_cost, predict_peak
-from lightning_remat.core.solve import least_peak, plan_from_choices, solve_choices
+from lightning_remat.core.solve import least_peak, plan_from_choices, solve_segmentation
 from tests.profile_strategies import random_profiles
 
 
@@ -46,10 +46,10 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
     expected = brute_force(profile, budget, kind)
     if expected is None:
         with pytest.raises(BudgetTooSmallError) as err:
-            solve_choices(profile, budget, kind)
+            solve_segmentation(profile, budget, kind).choices
         assert err.value.smallest_peak_bytes == lowest
         return
-    choices = solve_choices(profile, budget, kind)
+    choices = solve_segmentation(profile, budget, kind).choices
     assert predict_peak(profile, choices) <= budget
     assert plan_cost(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
     # (plan_from_choices, as solve builds it: a zero-byte budget of a degenerate profile is not a
@@ -65,7 +65,7 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
 def test_min_is_the_least_peak_then_the_least_cost(profile):
     lowest = brute_least_peak(profile)
     assert least_peak(profile) == lowest
-    choices = solve_choices(profile, "min", "flops")
+    choices = solve_segmentation(profile, "min", "flops").choices
     assert predict_peak(profile, choices) == lowest
     cheapest_at_lowest = brute_force(profile, lowest, "flops")[0]
     assert plan_cost(profile, choices, "flops") == cheapest_at_lowest

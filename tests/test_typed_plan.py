@@ -119,7 +119,6 @@ def test_the_recompute_everything_solver_predicts_nothing_and_nothing_prints_nan
     assert isinstance(plan, Plan) and plan.fallback and plan.checkpointed == ["h.0", "h.1", "h.2"]
     assert [a.action for a in plan.actions] == [Action.RECOMPUTE] * 3
     assert (plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.predicted_overhead) == (None, None, None)
-    assert plan.predicted_saving_bytes is None
     metrics = plan_metrics(plan, measured_peak_bytes=123)
     assert metrics == {"remat/num_checkpointed": 3.0, "remat/budget_bytes": 1e9, "remat/measured_peak_bytes": 123.0}
     assert not any(math.isnan(v) for v in metrics.values())
@@ -246,12 +245,3 @@ def test_a_deep_copy_of_an_installed_model_trains_as_the_original():
     apply_plan(model, ["0", "2"], segments=[["3", "4"]])
     twin = copy.deepcopy(model)
     _assert_bit_equal(model, twin)
-
-
-def test_the_old_fallback_spellings_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="solve_recompute_everything"):
-        old = Plan.recompute_everything(["h.0"], "min", "flops", "min", "oom")
-    assert old == solve_recompute_everything(["h.0"], "min", "flops", "min", "oom")
-    with pytest.warns(DeprecationWarning, match="fallback"):
-        flagged = Plan(["h.0"], 0, 0, 0, float("nan"), "flops", "min", fallback=True, notes=["oom"])
-    assert flagged == old and flagged.fallback

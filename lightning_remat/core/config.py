@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import textwrap
-import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -288,16 +287,6 @@ class RematConfig:
                              'a number of bytes or a percentage such as "80%"')
 
 
-def field_help(cls: type) -> dict[str, str]:
-    """Each field's ``help`` (its one description), by name.
-
-    Example:
-        >>> field_help(RematConfig)["cost"].split(":")[0]
-        'what recomputation costs, which the plan minimises'
-    """
-    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
-
-
 def _with_attributes(cls: type) -> str:
     """``cls``'s docstring with an ``Attributes:`` section made from its fields' help, before its example."""
     lines = ["    Attributes:"]
@@ -343,43 +332,3 @@ def profile_options(options: ProfileOptions | None = None, **keywords: Any) -> P
             f"profile settings given both as keywords ({given}) and as options=ProfileOptions(...): put them in one "
             f"place, e.g. options=dataclasses.replace(options, {given})")
     return options
-
-
-def renamed_arguments(where: str, deprecated: dict[str, Any], renames: dict[str, tuple[str, Any, Any]],
-                      stacklevel: int = 3) -> dict[str, Any]:
-    """Resolve arguments given under deprecated names.
-
-    ``deprecated`` holds the keywords a function received under names it no longer documents (its
-    ``**deprecated``); ``renames`` maps each old name to ``(new name, the value received under the new
-    name, the new name's default)``. Returns ``{new name: value}`` for every rename: the old name's
-    value (with a ``DeprecationWarning`` naming the new name) or the new one's. Both given is a
-    ``ConflictingArgumentsError``; an unknown keyword a ``TypeError``, as Python's own.
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     renamed_arguments("find_remat_batch_size", {"start": 4}, {"start": ("init_val", 2, 2)})
-        {'init_val': 4}
-        >>> str(caught[0].message)
-        'find_remat_batch_size: start= is deprecated (it goes in the next release): use init_val='
-        >>> renamed_arguments("f", {"colour": 1}, {})
-        Traceback (most recent call last):
-        ...
-        TypeError: f() got an unexpected keyword argument 'colour'
-    """
-    for name in deprecated:
-        if name not in renames:
-            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
-    resolved = {}
-    for old, (new, value, default) in renames.items():
-        resolved[new] = value
-        if old not in deprecated:
-            continue
-        warnings.warn(f"{where}: {old}= is deprecated (it goes in the next release): use {new}=", DeprecationWarning,
-                      stacklevel=stacklevel)
-        if not _same(value, default):
-            raise ConflictingArgumentsError(f"{where}: {new}= and its deprecated name {old}= were both given; "
-                                            f"give only {new}=")
-        resolved[new] = deprecated[old]
-    return resolved

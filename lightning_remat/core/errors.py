@@ -304,8 +304,8 @@ class SkippedStepError(StepError):
 
 
 class ConflictingArgumentsError(RematError, TypeError):
-    """The same setting was given twice: as a keyword and inside ``options=``, or under its new
-    name and its deprecated one. A ``TypeError``, as Python's own "got multiple values for argument".
+    """The same setting was given twice: as a keyword and inside ``options=``, or with different
+    values for one model (two sessions). A ``TypeError``, as Python's own "got multiple values for argument".
 
     Example:
         >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))

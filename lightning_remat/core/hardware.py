@@ -3,8 +3,7 @@
 Per GPU model, the vendors' data-sheet figures the planner prices with: dense peak FLOP/s per
 training dtype (tensor cores, without sparsity), the device memory's bandwidth (roofline pricing of
 recompute, ``runtime.measuring.roofline``) and the effective host-link bandwidth (offloading,
-``core.offload_model``). ``fake.GPU_PEAK_FLOPS``, ``roofline.GPU_MEMORY_BANDWIDTH`` and
-``offload_model.HOST_LINK_BANDWIDTH`` are views of this table.
+``core.offload_model``).
 
 Example:
     >>> gpu("H100").memory_bandwidth / 1e12, gpu("h100").flops() / 1e12

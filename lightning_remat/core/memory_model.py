@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from .vocabulary import cost_of
@@ -50,12 +50,12 @@ class StageOption:
     local_peak_bytes: int
     cost_seconds: float
     cost_flops: int
-    # The selective-checkpointing policy (``runtime.sac.POLICIES``) the checkpointed modules run
+    # The selective-checkpointing policy (``runtime.installing.sac.POLICIES``) the checkpointed modules run
     # under: "" recomputes their whole forward.
     policy: str = ""
     # Roofline seconds of the recomputed ops: per op max(FLOPs / peak FLOP/s, bytes / bandwidth).
     cost_roofline: float = 0.0
-    # Modules whose saved tensors go to host memory (``runtime.offload``), and the bytes they put
+    # Modules whose saved tensors go to host memory (``runtime.installing.offload``), and the bytes they put
     # there: the "offload" option. Its cost is the transfer time not hidden behind compute.
     offloaded: tuple[str, ...] = ()
     host_bytes: int = 0
@@ -159,7 +159,7 @@ class Profile:
     baseline_step_roofline: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     # A sharded (FSDP2) step: world_size, unsharded_parameter_bytes in flight at most, dtypes
-    # (``runtime.sharded``); empty for one device. Every byte figure above is then per GPU.
+    # (``runtime.targets.sharded``); empty for one device. Every byte figure above is then per GPU.
     sharding: dict[str, Any] = field(default_factory=dict)
     # Stage names that may be recomputed together as one checkpoint segment (``core.spans``): each
     # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
@@ -213,20 +213,6 @@ class Profile:
 
 def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
     return tuple((str(label), int(nbytes)) for label, nbytes in items)
-
-
-def without_chunked_loss(profile: Profile) -> Profile:
-    """``profile`` with a chunked head's options left out (its ``"keep"`` stays): what a plan without
-    ``chunk_loss`` can reach, from a profile made with it, so that both least peaks come from one profile.
-
-    Example:
-        >>> keep, chunked = StageOption("keep", (), 0, 900, 0.0, 0), StageOption("chunks:8", (), 0, 300, 0.0, 9, chunks=8)
-        >>> [o.name for o in without_chunked_loss(Profile((StageProfile("lm_head", (keep, chunked)),), ())).stages[0].options]
-        ['keep']
-    """
-    stages = tuple(replace(s, options=tuple(o for o in s.options if not o.chunks)) for s in profile.stages)
-    result = replace(profile, stages=stages)
-    return result
 
 
 @dataclass(frozen=True)

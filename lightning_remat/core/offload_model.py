@@ -54,10 +54,6 @@ def is_offload(option_name: str) -> bool:
     """
     return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
 
-# Effective host-link bandwidth (bytes/s, one direction) of a named GPU: PCIe 3 ~12 GB/s, PCIe 4
-# ~25 GB/s, PCIe 5 ~50 GB/s effective, NVLink-C2C (Grace Hopper) ~400 GB/s. A view of ``core.hardware.GPUS``.
-HOST_LINK_BANDWIDTH = {name: spec.host_link_bandwidth for name, spec in GPUS.items()}
-
 
 def host_link_bandwidth(gpu: str) -> float:
     """Effective host-link bandwidth of a named GPU in bytes/s.

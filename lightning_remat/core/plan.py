@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -139,7 +138,7 @@ class Plan:
                  predicted_overhead: float | None = None, cost_kind: CostKind | str = CostKind.TIME,
                  requested_budget: str = "", choices: Iterable[StageChoice] = (), parameter_bytes: int = 0,
                  gradient_bytes: int = 0, optimizer_state_bytes: int = 0, notes: Iterable[str] = (),
-                 fallback: bool | None = None, fingerprint: Mapping[str, Any] | None = None,
+                 fingerprint: Mapping[str, Any] | None = None,
                  sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
                  policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
                  host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
@@ -157,12 +156,6 @@ class Plan:
             actions = actions_from_names(checkpointed if checkpointed is not None else (), segments or (),
                                       policies if policies is not None else {}, offloaded or (), offload_limits or {},
                                       [c.stage for c in choices])
-        if fallback is not None:
-            warnings.warn("Plan(fallback=...) is deprecated: a plan made without a profile has None predictions "
-                          "(core.solve.solve_recompute_everything)", DeprecationWarning, stacklevel=2)
-            if fallback:
-                baseline_peak_bytes = predicted_peak_bytes = predicted_overhead = None
-                budget_bytes = budget_bytes or None
         values = dict(
             actions=actions, budget_bytes=_figure(budget_bytes, int), baseline_peak_bytes=_figure(baseline_peak_bytes, int),
             predicted_peak_bytes=_figure(predicted_peak_bytes, int), predicted_overhead=_figure(predicted_overhead, float),
@@ -230,23 +223,6 @@ class Plan:
     def fallback(self) -> bool:
         """Whether nothing is predicted (a plan made without a profile)."""
         return self.predicted_peak_bytes is None
-
-    @property
-    def predicted_saving_bytes(self) -> int | None:
-        """Bytes of peak memory the plan is predicted to save against no recomputation (None: not predicted)."""
-        if self.baseline_peak_bytes is None or self.predicted_peak_bytes is None:
-            return None
-        return self.baseline_peak_bytes - self.predicted_peak_bytes
-
-    @classmethod
-    def recompute_everything(cls, stages: Sequence[str], budget: int | str, cost_kind: str, requested_budget: str,
-                             note: str) -> "Plan":
-        """Deprecated: ``core.solve.solve_recompute_everything``, which returns the same plan."""
-        warnings.warn("Plan.recompute_everything is deprecated: use lightning_remat.core.solve."
-                      "solve_recompute_everything", DeprecationWarning, stacklevel=2)
-        return cls(actions=[StageAction.recompute(s) for s in stages],
-                   budget_bytes=budget if isinstance(budget, int) else None, cost_kind=cost_kind,
-                   requested_budget=requested_budget, notes=[note] if note else [])
 
     # ------------------------------------------------------------------------- dicts and text
 

@@ -253,15 +253,6 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
     return least if least is not None and exact_peak(profile, *least) <= budget else None
 
 
-def solve_choices(profile: Profile, budget: int | str, cost: str = "time") -> list[int]:
-    """Option index per stage for the least-cost plan within ``budget`` (bytes or ``"min"``), for a
-    profile without span groups (with them, ``solve_segmentation`` also says the spans).
-
-    Raises BudgetTooSmallError when nothing fits.
-    """
-    return solve_segmentation(profile, budget, cost).choices
-
-
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
     """Build the Plan for given option indices and spans (used by ``solve`` and by tests and

@@ -187,16 +187,6 @@ def check_chunks(chunks: Any) -> int:
     return chunks
 
 
-def chunks_of(name: str) -> int:
-    """The number of chunks of a chunked head's option name, or 0 for every other option.
-
-    Example:
-        >>> chunks_of("chunks:16"), chunks_of("whole")
-        (16, 0)
-    """
-    return int(name[len(CHUNKS_PREFIX):]) if name.startswith(CHUNKS_PREFIX) else 0
-
-
 class Action(_Words):
     """What a plan does with a stage (``core.plan.StageAction``).
 

@@ -43,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +52,7 @@ from torch import nn
 from ..core.batch_fit import (DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, ProfileFit, lightning_binsearch_sizes,
                               validate_search)
 from ..core.budget import format_bytes
-from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig, renamed_arguments
+from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
@@ -126,16 +125,6 @@ class BatchSizeResult:
     def predicted_overhead(self) -> float:
         """Recompute cost of the plan as a share of a step without recomputation."""
         return self.plan.predicted_overhead
-
-    @property
-    def trial_samples(self) -> int:
-        """Samples processed by the real trial steps."""
-        return sum(t.batch_size * t.steps for t in self.trials)
-
-    @property
-    def binsearch_samples(self) -> int:
-        """Samples Lightning's binsearch would process for the same range."""
-        return sum(self.binsearch_sizes) * self.steps_per_trial
 
     def metrics(self) -> dict[str, float]:
         """The figures loggers receive, under ``remat/...``.
@@ -215,7 +204,6 @@ def find_remat_batch_size(
     apply: bool = True,
     offload: bool = False,
     verbose: bool = True,
-    **deprecated: Any,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
@@ -259,9 +247,6 @@ def find_remat_batch_size(
             offloading applied.
         verbose: a progress display on stderr while a profile runs longer than a few seconds (rank 0,
             on a terminal); False shows nothing.
-        **deprecated: ``start`` (now ``init_val``) and ``max_batch_size`` (now ``max_val``), accepted
-            with a ``DeprecationWarning`` until the next release. The old order
-            ``find_remat_batch_size(make_step, model, ...)`` is accepted the same way.
 
     On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
     same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
@@ -286,14 +271,6 @@ def find_remat_batch_size(
         ...
         ValueError: margin must be in [0, 1) (the share the found batch size is reduced by), got 1.5
     """
-    if not isinstance(model, nn.Module) and isinstance(make_step, nn.Module):
-        warnings.warn("find_remat_batch_size(make_step, model, ...) is deprecated (it goes in the next release): "
-                      "the model comes first, as everywhere in lightning-remat: "
-                      "find_remat_batch_size(model, make_step, budget, ...)", DeprecationWarning, stacklevel=2)
-        model, make_step = make_step, model
-    renamed = renamed_arguments("find_remat_batch_size", deprecated, {
-        "start": ("init_val", init_val, 2), "max_batch_size": ("max_val", max_val, DEFAULT_MAX_BATCH_SIZE)})
-    init_val, max_val = renamed["init_val"], renamed["max_val"]
     validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,
                                                                    policies=policies))

@@ -42,7 +42,7 @@ from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
-from .channel import Channel, FunctionChannel, torch_distributed_channel, travelling
+from .channel import Channel, torch_distributed_channel, travelling
 from .plan_figures import FALLBACK_PLAN, MEASURED_TIME_NOTE, METRIC_PREFIX, over_budget, plan_metrics
 from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
@@ -224,23 +224,17 @@ class Planner:
     @exclusive()
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
-                    lockstep: bool | None = None, is_main: bool = True, broadcast: Callable[[Any], Any] | None = None,
-                    gather: Callable[[Any], list] | None = None, **kwargs: Any) -> Plan:
+                    lockstep: bool | None = None, **kwargs: Any) -> Plan:
         """Rank 0 of ``channel`` decides (with ``fallback``, ``decide_or_fall_back``); every rank gets
         its plan or its error.
 
         ``hint`` is added to the message of an error of ours (which integration, which setting).
         With ``lockstep`` every rank profiles in lockstep and rank 0 solves on the largest of every
         term over the ranks (``sharded_planning.lockstep_plan``); by default so for a model sharded
-        with FSDP2 (whose passes run collectives) when there are several ranks. ``is_main``,
-        ``broadcast`` and ``gather`` are the functions this took before there was a channel (a
-        ``FunctionChannel``; lockstep when both functions are given).
+        with FSDP2 (whose passes run collectives) when there are several ranks.
         """
         if channel is None:
-            functions = broadcast is not None or gather is not None
-            channel = FunctionChannel(broadcast, gather, is_main) if functions else Channel()
-            if lockstep is None and functions:
-                lockstep = broadcast is not None and gather is not None
+            channel = Channel()
         if lockstep is None:
             lockstep = channel.distributed and fsdp2_sharded(model)
         if lockstep:
@@ -285,7 +279,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
             (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
             GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
         policies: op-level selective-checkpointing policies to offer as options of every stage
-            (``("save_matmuls",)``, or None for all of ``runtime.sac.POLICIES``); none by default.
+            (``("save_matmuls",)``, or None for all of ``runtime.installing.sac.POLICIES``); none by default.
         offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
             for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
             Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never

@@ -82,7 +82,7 @@ class RankBoard:
 def section_board(channel: Any) -> RankBoard | None:
     """The next lockstep section's board for ``channel``: on the store of the initialised
     ``torch.distributed`` group its ranks share; None where there is none (one process, a
-    ``FunctionChannel`` standing in for other ranks, a group without a store).
+    channel standing in for other ranks, a group without a store).
 
     Example:
         >>> from lightning_remat.service.channel import Channel

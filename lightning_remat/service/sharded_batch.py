@@ -34,10 +34,8 @@ from ..core.plan import Plan
 from ..runtime.measuring.measure import Step
 from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch
-from .channel import Channel, FunctionChannel
+from .channel import Channel
 from .sharded import merge_profiles
-
-Gather = Callable[[Any], list]
 
 
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
@@ -61,13 +59,12 @@ def combine_trials(trials: list[Trial], budget: int) -> Trial:
 class ShardedBatchSearch(BatchSearch):
     """``BatchSearch`` run by every rank of a model sharded with FSDP2, in lockstep (see the module).
 
-    ``channel``: how the ranks talk; ``gather`` (an all-gather function) stands for one, as before
-    there were channels.
+    ``channel``: how the ranks talk.
     """
 
-    def __init__(self, *args: Any, channel: Channel | None = None, gather: Gather | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, channel: Channel, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.channel = channel if channel is not None else FunctionChannel(gather=gather)
+        self.channel = channel
         self.notes.append(f"searched on each of {self.channel.world_size} ranks in lockstep (the model is sharded "
                           "with FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
 
@@ -109,7 +106,9 @@ def shared_budget(budget_bytes: int, channel: Channel) -> int:
     """The smallest of the ranks' budgets (a relative budget resolves per device).
 
     Example:
-        >>> shared_budget(100, FunctionChannel(gather=lambda v: [v, 80]))
+        >>> class TwoRanks(Channel):  # the other rank's device has less memory
+        ...     def gather(self, value): return [value, 80]
+        >>> shared_budget(100, TwoRanks())
         80
     """
     return min(channel.gather(budget_bytes))

@@ -3,11 +3,11 @@
 ranks (``channel.Channel``).
 
 Example:
-    >>> from lightning_remat.service.channel import FunctionChannel
+    >>> from lightning_remat.service.channel import Channel
     >>> from lightning_remat.service.planning import Planner, RematConfig
     >>> from lightning_remat.core.config import ProfileOptions
     >>> planner = Planner(RematConfig("min", cost="flops", profile=ProfileOptions(fake=True)))
-    >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=FunctionChannel())
+    >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
     Traceback (most recent call last):
     ...
     lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...

@@ -23,7 +23,6 @@ import torch  # noqa: F401 - the doctests use it
 from accelerate import Accelerator
 from torch import nn
 
-from ...core.config import renamed_arguments
 from ...core.errors import (AlreadyCheckpointedError, ConflictingArgumentsError, UnsupportedSetupError,
                             UnsupportedShardingError)
 from ...core.plan import Plan
@@ -74,7 +73,7 @@ def _inner_model(model: nn.Module) -> nn.Module:
 
 
 def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
-                  accelerator: Accelerator | None = None, **deprecated: Any) -> nn.Module:
+                  accelerator: Accelerator | None = None) -> nn.Module:
     """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
 
     Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it for you in ``prepare``).
@@ -86,8 +85,7 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         model: the model (already wrapped by DDP is fine: the inner module is watched).
         remat_plugin: the settings; None reads them from the environment (``ACCELERATE_REMAT_BUDGET``,
             ...). Without a budget nothing happens. The name ``RematAccelerator`` takes it under, as
-            ``Accelerator`` takes ``fsdp_plugin=`` and ``deepspeed_plugin=``; ``plugin=`` is its
-            deprecated name (a ``DeprecationWarning``, until the next release).
+            ``Accelerator`` takes ``fsdp_plugin=`` and ``deepspeed_plugin=``.
         accelerator: to find the prepared optimizer (its state counts in the budget), to log
             ``remat/...`` metrics to its trackers, and to receive ``accelerator.remat_metrics`` and
             ``accelerator.remat_plan``. Without it the optimizer is found when it first steps.
@@ -113,8 +111,6 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         'observe'
         >>> remat_session(net).remove()
     """
-    remat_plugin = renamed_arguments("prepare_remat", deprecated, {"plugin": ("remat_plugin", remat_plugin, None)})[
-        "remat_plugin"]
     plugin = RematPlugin() if remat_plugin is None else remat_plugin
     if accelerator is not None:
         if not hasattr(accelerator, "remat_metrics"):

@@ -36,7 +36,7 @@ from .loop_peaks import LoopPeaks
 from .measured_peak import MeasuredWindow, figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
-from .trainer_terms import LOOP_ALLOWANCE, config_for, loop_allowance, trainer_optimizers  # noqa: F401 (LOOP_ALLOWANCE: its old path)
+from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 
 
 class AutoRemat(Callback):
@@ -136,7 +136,7 @@ class AutoRemat(Callback):
 
     Example:
         >>> callback = AutoRemat(budget="2GB")
-        >>> callback.budget_bytes
+        >>> callback.config.budget.resolve()
         2000000000
         >>> AutoRemat(budget="ten")
         Traceback (most recent call last):
@@ -154,7 +154,6 @@ class AutoRemat(Callback):
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
             candidates=candidates, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
-        self.budget_bytes = self.config.budget.resolve()
         self.profile_steps = profile_steps
         self.candidates = list(self.config.profile.candidates) if self.config.profile.candidates is not None else None
         self.cost, self.fake, self.verbose = cost, fake, verbose

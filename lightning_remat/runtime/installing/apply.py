@@ -22,7 +22,7 @@ Semantics users should know:
   own hooks run once, since they sit outside the recomputed forward. So does Python code in the
   module's forward (a counter, a list of activations): ``recomputing()`` tells the recompute apart.
 - Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
-- A plan's ``policies`` run a module under op-level selective checkpointing (``runtime.sac``): the
+- A plan's ``policies`` run a module under op-level selective checkpointing (``runtime.installing.sac``): the
   checkpoint's ``context_fn`` is the policy's pair of contexts and nothing else, so it is the same
   eagerly and under ``torch.compile``.
 """
@@ -148,10 +148,10 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         plan: a ``Plan`` or an iterable of module names.
         segments: runs of consecutive items of one ``nn.Sequential``, each recomputed as one
             checkpoint; default: the plan's ``segments`` (none for names).
-        policies: per module name, the selective-checkpointing policy (``runtime.sac.POLICIES``)
+        policies: per module name, the selective-checkpointing policy (``runtime.installing.sac.POLICIES``)
             it recomputes under; default the plan's ``policies`` (a module without one recomputes
             its whole forward).
-        offloaded: names of modules whose saved tensors go to host memory (``runtime.offload``);
+        offloaded: names of modules whose saved tensors go to host memory (``runtime.installing.offload``);
             default the plan's ``offloaded`` (none for names). A module is recomputed or
             offloaded, never both.
 

@@ -36,9 +36,6 @@ from ...core import hardware
 # Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
 register_attention_flops()
 
-# Memory bandwidth of the known GPUs, bytes/s: a view of ``core.hardware.GPUS`` (data sheets; SXM where both).
-GPU_MEMORY_BANDWIDTH = {name: spec.memory_bandwidth for name, spec in hardware.GPUS.items()}
-
 
 @dataclass(frozen=True)
 class Peaks:
@@ -111,10 +108,6 @@ def measured_cpu_peaks() -> Peaks:
     flops = 2 * 384**3 / best(lambda: torch.mm(a, b))
     bandwidth = 2 * src.nbytes / best(lambda: dst.copy_(src))
     return Peaks(flops, bandwidth)
-
-
-# The lookup of a device's name in the table (kept under its old name here).
-_matching_gpu = hardware.match_gpu
 
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:

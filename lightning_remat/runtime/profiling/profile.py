@@ -59,7 +59,6 @@ from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
-from .memory_run import net_of_released as _net_of_released  # noqa: F401  (its old path)
 from .optimizer_step import optimizer_step_alternatives, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
@@ -72,7 +71,6 @@ COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothin
 CHUNKS_UNDER_COMPILE_NOTE = ("chunk_loss: the step runs under torch.compile, whose inductor fuses the head's chunks "
                              "back together, so their eager figures do not hold; the head and loss are kept whole "
                              "(docs/long_context.md)")
-DDP_ALLOWANCE = DDP_REDUCER_ALLOWANCE  # the old name (core.allowances names every allowance)
 
 
 @exclusive()
@@ -103,7 +101,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         dtype: with ``fake``, the dtype floating-point parameters, gradients and optimizer state are
             kept in (``torch.bfloat16``: pure bf16; for mixed precision use ``options.precision``).
         device: the device the profile plans for (``"cuda"``); the default is the model's.
-        gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``fake.GPU_PEAK_FLOPS``) whose
+        gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``core.hardware.GPUS``) whose
             throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
         device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
             policies, offload, chunk_loss, host_memory: as ``ProfileOptions`` (the one description of each).

@@ -37,9 +37,6 @@ from ..measuring.optimizers import torch_optimizer
 from ..measuring.user_hooks import without_user_hooks
 from ...core import hardware
 
-# Dense peak throughput in FLOP/s for the training dtype (bf16/fp16 tensor cores) of common GPUs:
-# a view of ``core.hardware.GPUS``, the one table of GPU figures.
-GPU_PEAK_FLOPS = {name: spec.flops() for name, spec in hardware.GPUS.items()}
 # Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
 GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
 

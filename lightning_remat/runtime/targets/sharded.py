@@ -30,7 +30,7 @@ Example:
     >>> net = fake_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mode)
     >>> with fake_process_group(4) as mesh:
     ...     shard_model(net, ["0", "1"], mesh, mode)
-    ...     local = [local_tensor(p).shape for p in net.parameters()]
+    ...     local = [p._local_tensor.shape for p in net.parameters()]
     >>> local[0], torch.distributed.is_initialized()  # the fake group is gone
     (torch.Size([2, 8]), False)
 """
@@ -44,16 +44,6 @@ import torch
 from torch import nn
 
 from ...core.errors import ShardingError
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (what this rank allocates); any other tensor as it is.
-
-    Example:
-        >>> local_tensor(torch.zeros(3)).shape
-        torch.Size([3])
-    """
-    return getattr(t, "_local_tensor", t)
 
 
 @contextlib.contextmanager
