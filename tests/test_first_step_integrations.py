@@ -17,7 +17,7 @@ import torch
 from lightning_remat import profile_step
 from lightning_remat.core.solve import solve
 from tests.test_first_step import budget_between, fresh, token_batches, token_loss
-from tests.torch_meter import TorchPeak, static_bytes
+from tests.torch_meter import TorchPeak, lightning_peaks, static_bytes
 
 
 # ------------------------------------------------------------------------------ Lightning
@@ -40,18 +40,7 @@ def _lightning_run(callbacks, steps: int = 3):
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-    class Peaks(L.Callback):
-        def __init__(self):
-            self.peaks, self.losses, self.meter = [], [], None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.meter = TorchPeak(pl_module, trainer.optimizers).start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.peaks.append(self.meter.stop())
-            self.losses.append(float(outputs["loss"]))
-
-    meter = Peaks()
+    meter = lightning_peaks()  # first among the callbacks: its window opens before planning
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[meter, *callbacks], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(Lit(), DataLoader(token_batches(steps), batch_size=None))

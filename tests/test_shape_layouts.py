@@ -24,7 +24,7 @@ from lightning_remat.core.shapes import BATCH, SEQUENCE, Shape, ShapeBuckets
 from lightning_remat.core.solve import solve
 from lightning_remat.runtime.profiling.batch_shape import batch_shape, resize_batch
 from lightning_remat.service.shape_plans import ShapePlans
-from tests.torch_meter import TorchPeak
+from tests.torch_meter import TorchPeak, lightning_peaks
 
 pytestmark = pytest.mark.xdist_group("shape-layouts")  # the module's fixtures: one worker
 
@@ -244,18 +244,7 @@ def _lightning_run(batches, callbacks):
         def configure_optimizers(self):
             return sgd(self)
 
-    class Peaks(L.Callback):  # first among the callbacks: its window opens before planning
-        def __init__(self):
-            self.peaks, self.losses, self.meter = [], [], None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.meter = TorchPeak(pl_module, trainer.optimizers).start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.peaks.append(self.meter.stop())
-            self.losses.append(float(outputs["loss"]))
-
-    meter = Peaks()
+    meter = lightning_peaks()  # first among the callbacks: its window opens before planning
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), callbacks=[meter, *callbacks],
                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     torch.manual_seed(1)

@@ -118,3 +118,25 @@ def static_bytes(model: torch.nn.Module, optimizers: Sequence[Any] | Any = None)
     for t in tensors:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values()) + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def lightning_peaks() -> Any:
+    """A Lightning callback that measures every training batch's peak (``.peaks``) and keeps its loss
+    (``.losses``). Put it first among the callbacks: its window opens before the package plans in
+    ``on_train_batch_start``, so planning counts too."""
+    import lightning.pytorch as L
+
+    class Peaks(L.Callback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+            self.losses: list[float] = []
+            self.meter: TorchPeak | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.meter = TorchPeak(pl_module, trainer.optimizers).start()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.peaks.append(self.meter.stop())
+            self.losses.append(float(outputs["loss"]))
+
+    return Peaks()
