@@ -234,3 +234,10 @@ def test_the_core_imports_no_torch_at_module_level():
         imported = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and not n.level]
         assert not [m for m in imported if m.split(".")[0] in ("torch", "lightning", "accelerate", "rich")], path
+
+
+def test_every_module_is_at_most_400_lines():
+    """Small modules with one job each: a module past 400 lines is two jobs (split it along its seam)."""
+    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"

@@ -1,13 +1,6 @@
-"""``AutoRemat``: a Lightning callback that keeps each training step under a memory budget.
-
-On the first training batch, before it runs, it profiles the step on fake tensors (``profile_step``),
-solves for the least-cost set of modules to recompute within the budget (``solve``) and wraps them
-(``apply_plan``); it measures the real peak of the first step with the plan (a peak above the
-prediction calibrates the profile and the plan is solved again before the next batch) and of the
-first steady step, and reports the figures to every logger; every later batch gets the plan for its
-own shape (``service.shape_plans``). See ``docs/lightning.md`` and ``docs/shapes.md``.
+"""``AutoRemat``: a Lightning callback that keeps each training step under a memory budget (the class
+says how; ``docs/lightning.md`` and ``docs/shapes.md`` show it in use).
 """
-
 from __future__ import annotations
 
 from dataclasses import replace
