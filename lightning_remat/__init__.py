@@ -1,6 +1,6 @@
 """lightning-remat: keep a training step under a memory budget with the least recomputation.
 
-The package is layered, and imports point down only (see README.md, "Architecture"):
+The package is layered, and imports point down only (see docs/architecture.md):
 
 - ``core``: the memory model, the exact solver, plans, budgets, the batch-size fit. No torch.
 - ``runtime``: what touches torch: candidates, memory tracking, profiling, fake tensors,

@@ -5,7 +5,7 @@
   (core <- runtime <- report <- service <- integrations) or stays in its own; an upward one inside a
   function is allowed only when ``ALLOWED_UPWARD`` names it, with the reason.
 - No two modules import each other, directly or around a longer loop (``test_no_import_cycles``).
-- README.md's "Architecture" names every module file and names no file that does not exist.
+- docs/architecture.md names every module file and names no file that does not exist.
 """
 
 import ast
@@ -171,12 +171,12 @@ def test_no_import_cycles():
         " <-> ".join(c) for c in cycles)
 
 
-# ---------------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------------ docs/architecture.md
 
 
 def _is_package_marker(path: Path) -> bool:
     """An ``__init__.py`` that only documents and re-exports (docstring, imports, ``__all__``): no
-    job of its own, so README need not name it."""
+    job of its own, so docs/architecture.md need not name it."""
     if path.name != "__init__.py":
         return False
     for node in ast.parse(path.read_text()).body:
@@ -190,19 +190,18 @@ def _is_package_marker(path: Path) -> bool:
     return True
 
 
-def readme_architecture_files(text: str) -> list[str]:
-    """The files README's Architecture tree names, as paths under ``lightning_remat/``.
+def architecture_files(text: str) -> list[str]:
+    """The files the tree of docs/architecture.md names, as paths under ``lightning_remat/``.
 
-    The tree is the first fenced block under "## Architecture": a line whose first word ends in
-    ``/`` is a folder, one whose first word ends in ``.py`` a file; indentation nests them.
+    The tree is the page's first fenced block: a line whose first word ends in ``/`` is a folder, one
+    whose first word ends in ``.py`` a file; indentation nests them.
 
     Example:
-        >>> readme_architecture_files("## Architecture\\n```\\nlightning_remat/\\n  core/  x\\n    a.py  job\\n"
-        ...                           "  b.py  job\\n```\\n")
+        >>> architecture_files("# Architecture\\n```\\nlightning_remat/\\n  core/  x\\n    a.py  job\\n"
+        ...                    "  b.py  job\\n```\\n")
         ['core/a.py', 'b.py']
     """
-    section = re.split(r"(?m)^## Architecture", text, maxsplit=1)[1].split("\n## ", 1)[0]
-    block = section.split("```", 2)[1]
+    block = text.split("```", 2)[1]
     files, folders = [], []  # folders: (indent, name) of the folders open above the current line
     for line in block.splitlines():
         match = re.match(r"( *)(\S+)", line)
@@ -217,15 +216,15 @@ def readme_architecture_files(text: str) -> list[str]:
     return files
 
 
-def test_readme_architecture_names_every_module_and_only_real_ones():
-    named = readme_architecture_files((ROOT / "README.md").read_text())
+def test_architecture_page_names_every_module_and_only_real_ones():
+    named = architecture_files((ROOT / "docs" / "architecture.md").read_text())
     assert len(named) == len(set(named)), f"named twice: {sorted({f for f in named if named.count(f) > 1})}"
     real = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
     missing = sorted(f for f in real - set(named) if not _is_package_marker(PACKAGE / f))
-    assert not missing, ("README.md's Architecture does not name these module files (add one line each, with its "
+    assert not missing, ("docs/architecture.md does not name these module files (add one line each, with its "
                          f"job): {missing}")
     gone = sorted(set(named) - real)
-    assert not gone, f"README.md's Architecture names files that do not exist: {gone}"
+    assert not gone, f"docs/architecture.md names files that do not exist: {gone}"
 
 
 def test_the_core_imports_no_torch_at_module_level():
