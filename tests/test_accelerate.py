@@ -27,6 +27,7 @@ from lightning_remat.accelerate import (
     remat_session,
 )
 from lightning_remat.runtime.installing.apply import checkpointed_modules
+from tests.doc_blocks import doc_block
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).parent / "accelerate"
@@ -302,12 +303,6 @@ def test_the_metrics_of_a_run_with_several_shapes_are_its_largest_plan_s(monkeyp
     assert metrics["remat/budget_bytes"] == largest.budget_bytes
 
 
-def _doc_block(path, containing):
-    """The ```python block of a docs page that contains ``containing``, as written."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / path).read_text(), flags=re.S)
-    return next(b for b in blocks if containing in b)
-
-
 @pytest.mark.parametrize("budget", [None, "min"])
 def test_the_docs_script_runs_as_written_with_and_without_a_budget(monkeypatch, capsys, budget):
     """Before: without ``ACCELERATE_REMAT_BUDGET`` the example died on ``remat_plan.summary()``
@@ -317,7 +312,7 @@ def test_the_docs_script_runs_as_written_with_and_without_a_budget(monkeypatch, 
     if budget is not None:
         monkeypatch.setenv(ENV_BUDGET, budget)
         monkeypatch.setenv(ENV_COST, "flops")
-    code = _doc_block("docs/accelerate.md", "accelerator = RematAccelerator()")
+    code = doc_block("docs/accelerate.md", "accelerator = RematAccelerator()")
     model = _blocks(width=16, depth=2)
     g = torch.Generator().manual_seed(0)
     batches = [{"x": torch.randn(8, 16, generator=g), "y": torch.randn(8, 16, generator=g)} for _ in range(3)]
