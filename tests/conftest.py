@@ -78,7 +78,10 @@ SLOW = {
     "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
-    "test_fabric.py": ("test_the_docs_recipe_for_varying_shapes_runs_as_written",),  # 55 s at load 9-11 (1 real, 4 fake profiles)
+    # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
+    "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)
+                           "test_block_runs[fabric.md-0]",  # 13 s (4 fake profiles); 55 s at load 9-11
+                           "test_block_runs[README.md-0]"),  # 7.5 s, transformers' import included
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess
