@@ -38,6 +38,13 @@ def row(name: str) -> dict:
     import transformers
 
     from lightning_remat import plan_remat
+    from lightning_remat.runtime.profiling import optimizer_step
+
+    # Counts the optimizer-step measurements made for the settings' advice (optimizer_step_alternatives
+    # calls the module's optimizer_step_cost; the profile's own step measurement holds another reference).
+    measured = []
+    counted = optimizer_step.optimizer_step_cost
+    optimizer_step.optimizer_step_cost = lambda *a, **k: measured.append(1) or counted(*a, **k)
 
     transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -52,7 +59,7 @@ def row(name: str) -> dict:
     seconds = time.process_time() - start
     text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
     return {"budget": name, "cpu_seconds": round(seconds, 3), "binds": plan.binding["term"],
-            "advice": plan.binding["advice"], "plan_sha": hashlib.sha256(text.encode()).hexdigest()[:12],
+            "advice": plan.binding["advice"], "advice_step_measurements": len(measured), "plan_sha": hashlib.sha256(text.encode()).hexdigest()[:12],
             "package": str(Path(sys.modules["lightning_remat"].__file__).parent.parent)}
 
 
@@ -79,15 +86,16 @@ def main(argv=None) -> None:
             for label, checkout in (("A", args.a), ("B", args.b)):
                 runs.append({"checkout": label, "run": i, **_run(checkout, name)})
                 print(json.dumps(runs[-1]), flush=True)
-    lines = ["| budget | binds | A cpu s (runs) | B cpu s (runs) | A median | B median | B/A | same plans |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| budget | binds | A cpu s (runs) | B cpu s (runs) | A median | B median | B/A | advice step measurements A/B | same plans |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in BUDGETS:
         got = {label: [r for r in runs if r["budget"] == name and r["checkout"] == label] for label in "AB"}
         a, b = ([r["cpu_seconds"] for r in got[label]] for label in "AB")
         same = len({r["plan_sha"] for r in got["A"] + got["B"]}) == 1
         lines.append(f"| {name} ({BUDGETS[name]}) | {got['A'][0]['binds']} | {', '.join(f'{x:.2f}' for x in a)} | "
                      f"{', '.join(f'{x:.2f}' for x in b)} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | "
-                     f"{statistics.median(b) / statistics.median(a):.2f} | {'yes' if same else 'NO'} |")
+                     f"{statistics.median(b) / statistics.median(a):.2f} | {got['A'][0]['advice_step_measurements']}/"
+                     f"{got['B'][0]['advice_step_measurements']} | {'yes' if same else 'NO'} |")
     results = {"a": str(Path(args.a).resolve()), "b": str(Path(args.b).resolve()), "cpus": os.cpu_count(),
                "note": "shared machine, runs interleaved A/B", "runs": runs}
     write_results(args.out, "plan_cpu", results, "\n".join(lines))
