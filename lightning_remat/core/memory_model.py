@@ -171,6 +171,7 @@ class Profile:
     # The optimizer step under another setting (``core.binding.OPTIMIZER_SETTINGS``: "fused=True",
     # "foreach=False"): bytes its step peak would differ by. Measured on fake copies with the profile
     # (``runtime.profiling.optimizer_step``); empty when not measured (no optimizer, a sharded step).
+    # A fake profile's is measured when first read (``optimizer_step.MeasuredOnRead``, a Mapping).
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
     # What the profiled model was (``runtime.installing.fingerprint.binding_of``): the parameter shapes of
     # its stages and blocks, and its number of parameters. ``solve`` puts it in the plan's fingerprint,

@@ -15,8 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -175,3 +176,70 @@ def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torc
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # the setting has no kernel for these tensors: it is no knob here
     return found
+
+
+class MeasuredOnRead(Mapping[str, int]):
+    """A mapping measured the first time it is read (``optimizer_step_alternatives_on_read``).
+
+    The optimizer settings' step peaks feed only the optimizer-step advice (``core.binding``), read
+    where the optimizer step binds a plan's peak or no plan fits (``service.knobs``): a plan that fits
+    with another term binding never pays for their measurement. Copied (``copy.deepcopy``,
+    ``dataclasses.asdict``) or pickled, it is measured and becomes a plain ``dict``.
+
+    Example:
+        >>> calls = []
+        >>> later = MeasuredOnRead(lambda: calls.append(1) or {"fused=True": -5})
+        >>> len(calls), later.get("fused=True"), dict(later), len(calls)
+        (0, -5, {'fused=True': -5}, 1)
+    """
+
+    def __init__(self, measure: Callable[[], Mapping[str, int]]):
+        self._measure: Callable[[], Mapping[str, int]] | None = measure
+        self._found: dict[str, int] | None = None
+
+    def _resolved(self) -> dict[str, int]:
+        if self._found is None:
+            self._found = dict(self._measure())  # type: ignore[misc]
+            self._measure = None  # lets go of the fake optimizer it measured
+        return self._found
+
+    def __getitem__(self, key: str) -> int:
+        return self._resolved()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def __repr__(self) -> str:
+        return repr(self._resolved())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (self._resolved(),)
+
+    def __copy__(self) -> dict[str, int]:
+        return dict(self._resolved())
+
+    def __deepcopy__(self, memo: dict) -> dict[str, int]:
+        return dict(self._resolved())
+
+
+def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+                                        device: str | torch.device | None = None,
+                                        mode: Any = None) -> MeasuredOnRead:
+    """``optimizer_step_alternatives(optimizer, device)``, under ``mode`` (the fake mode the
+    optimizer's tensors belong to) when given, measured the first time the result is read.
+    ``optimizer`` must not step in between: its state is what is measured (a fake profile's private
+    clone, which nothing steps after the profile).
+
+    Example:
+        >>> net = torch.nn.Linear(64, 64)
+        >>> later = optimizer_step_alternatives_on_read(torch.optim.AdamW(net.parameters()), "cuda")
+        >>> later == optimizer_step_alternatives(torch.optim.AdamW(net.parameters()), "cuda")
+        True
+    """
+    def measure() -> dict[str, int]:
+        with mode if mode is not None else contextlib.nullcontext():
+            return optimizer_step_alternatives(optimizer, device)
+    return MeasuredOnRead(measure)

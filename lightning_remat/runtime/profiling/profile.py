@@ -59,7 +59,7 @@ from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
-from .optimizer_step import optimizer_step_alternatives, optimizer_step_cost
+from .optimizer_step import optimizer_step_alternatives, optimizer_step_alternatives_on_read, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
@@ -246,9 +246,10 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
         profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
         precision_note = sharding_note(profile.sharding)
     else:
-        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies').
-        with mode:
-            profile.optimizer_step_alternatives = optimizer_step_alternatives(optimizer, options.device or "cpu")
+        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies'), measured
+        # when first read: only the optimizer-step advice reads it (its clone here steps no more).
+        profile.optimizer_step_alternatives = optimizer_step_alternatives_on_read(
+            optimizer, options.device or "cpu", mode)
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
