@@ -1,5 +1,6 @@
 """Shared test settings: deterministic, quiet, and sized for a 2-core CPU machine."""
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -136,6 +137,11 @@ def _is_slow(item) -> bool:
     return names == "*" or (names is not None and (item.name in names or getattr(item, "originalname", None) in names))
 
 
+# Tests of the CI tier that took 0.5 s or more (tests/record_durations.py writes the file): not in the
+# `quick` selection, `pytest -m quick`, under a minute on 2 cores while working.
+_NOT_QUICK = set(json.loads((Path(__file__).parent / "durations.json").read_text()))
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         # Tests that share a profiled model (a module-scoped fixture per model) run on one worker, so
@@ -145,6 +151,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{callspec.params['profiled']}"))
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("distributed") is None and item.nodeid not in _NOT_QUICK:
+            item.add_marker(pytest.mark.quick)
     # A renamed test must not drop out of the list unnoticed.
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:
         names = SLOW.get(Path(module.__file__).name)

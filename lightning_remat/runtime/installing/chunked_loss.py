@@ -372,7 +372,7 @@ def head_flops(head: nn.Linear, tokens: int) -> int:
     """FLOPs of the head's projection over ``tokens`` tokens: what a chunked loss recomputes.
 
     Example:
-        >>> head_flops(nn.Linear(4096, 128256, bias=False), 1)
+        >>> head_flops(nn.Linear(4096, 128256, bias=False, device="meta"), 1)
         1050673152
     """
     return 2 * tokens * head.in_features * head.out_features
