@@ -227,7 +227,9 @@ class MeasuredOnRead(Mapping[str, int]):
 
 def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                         device: str | torch.device | None = None,
-                                        mode: Any = None) -> MeasuredOnRead:
+                                        mode: Any = None,
+                                        in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
+                                        ) -> MeasuredOnRead:
     """``optimizer_step_alternatives(optimizer, device)``, under ``mode`` (the fake mode the
     optimizer's tensors belong to) when given, measured the first time the result is read.
     ``optimizer`` must not step in between: its state is what is measured (a fake profile's private
@@ -241,5 +243,7 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
     """
     def measure() -> dict[str, int]:
         with mode if mode is not None else contextlib.nullcontext():
-            return optimizer_step_alternatives(optimizer, device)
+            # A stack of identical layers: its 4- and 5-layer copies' optimizers, on a line in depth.
+            deep = in_depth(lambda o: optimizer_step_alternatives(o, device)) if in_depth else None
+            return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
     return MeasuredOnRead(measure)
