@@ -137,7 +137,7 @@ def _storage(t: torch.Tensor) -> StorageWeakRef | None:
 
 
 def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
-    """Whether ``func`` only allocates or re-labels memory (a view, metadata, ``empty``, an alias such as ``_unsafe_view``)."""
+    """Whether ``func`` only allocates or re-labels memory (a view, metadata, ``empty``, ``_unsafe_view``)."""
     if func.is_view or func.namespace == "prim" or func.overloadpacket.__name__ in _ALLOCATING:
         return True
     if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
