@@ -1,10 +1,8 @@
-"""Measure a real training step: its peak memory with the one peak meter, FLOPs with FlopCounterMode.
+"""Measure a real training step: its peak memory with the one peak meter, its FLOPs with FlopCounterMode.
 
-This is how tests, benchmarks, trials and the callback check a plan against reality, in the
-convention the budget is stated in (``meter.PeakMeter``): on CUDA ``torch.cuda.max_memory_allocated``;
-on a CPU torch's MemTracker, counting the tensors the step creates plus the model's parameters,
-buffers, gradients and the optimizer's state (inputs created outside ``step`` are not counted).
-The step itself runs through the one step runner (``runner.run_step``).
+Tests, benchmarks, trials and the callback check plans against reality here, in the budget's convention
+(``meter.PeakMeter``): ``max_memory_allocated`` on CUDA; on a CPU, the tensors the step creates plus the
+model's parameters, buffers, gradients and optimizer state (inputs made outside ``step`` are not counted).
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_f
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """Peak bytes of one training step and its split at the moment of the peak.
+    """Peak bytes of one training step and its split by category at the moment of the peak.
 
-    ``peak_bytes`` is the peak meter's (``meter.PeakMeter``): ``max_memory_allocated`` on CUDA, where
-    ``reserved_bytes`` is ``max_memory_reserved`` beside it (None elsewhere). The split by category
-    is MemTracker's, on every device.
+    ``reserved_bytes`` is ``max_memory_reserved`` on CUDA, None elsewhere.
 
     Example:
         >>> net = nn.Linear(8, 8)
@@ -64,14 +60,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
 
-    Args:
-        model: the model, wrapped or not.
-        step: ``step(model)`` runs the forward pass and returns the loss.
-        optimizer: stepped after backward when given (its state counts in the peak).
-        zero_grad: set gradients to None first, as Lightning and ``optimizer.zero_grad()`` do.
-
-    On CUDA the device's peak statistics are reset when the step starts
-    (``torch.cuda.reset_peak_memory_stats``), as every measurement of a peak there does.
+    ``step(model)`` runs the forward pass and returns the loss; ``zero_grad`` sets gradients to None first.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -97,11 +86,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 
 def is_out_of_memory(exception: BaseException) -> bool:
-    """Whether ``exception`` is a real out-of-memory error of some backend.
-
-    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (CUDA/ROCm/XPU " out of memory.",
-    MPS, CPU "DefaultCPUAllocator: can't allocate memory", HPU, cuDNN's not-supported error) and
-    also accepts ``torch.OutOfMemoryError`` and Python's ``MemoryError``.
+    """Whether ``exception`` is a real out-of-memory error of some backend (as Accelerate recognises them).
 
     Example:
         >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
@@ -124,10 +109,9 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
 
 def release_device_memory() -> None:
-    """Collect garbage and return cached device memory (Accelerate's ``clear_device_cache``).
+    """Collect garbage and return cached device memory.
 
-    Call it after the frames of a failed step are gone (``except`` blocks keep the traceback, and
-    with it the step's tensors, alive until they end).
+    Call it after the failed step's frames are gone: an ``except`` block keeps the step's tensors alive.
 
     Example:
         >>> release_device_memory()
@@ -138,8 +122,7 @@ def release_device_memory() -> None:
 
 
 class _FlopCount(StepWatch):
-    """FlopCounterMode around the whole step, eagerly: dynamo would never compile code it first met
-    under FlopCounterMode (see stance.py)."""
+    """FlopCounterMode around the whole step, eagerly: dynamo never compiles code first met under it."""
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -164,8 +147,7 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
 class RandomState:
     """The random generators a step may draw from: torch's CPU one, the model's device's, Python's.
 
-    Restored before each pass of a profile, so every pass takes the same random decisions (the
-    same dropout masks, the same layers dropped by a layer-drop model) as the first.
+    Restored before each pass of a profile, so every pass draws the same dropout masks as the first.
 
     Example:
         >>> state = RandomState.capture(torch.device("cpu"))
