@@ -176,7 +176,7 @@ class HeldInputs:
         return [tuple(sorted(pairs)) for pairs in out]
 
     def held_before(self, k: int) -> tuple[tuple[str, int], ...]:
-        """The shared tensors a stage before ``k`` holds: alive all through stage ``k``, so every figure there counts them."""
+        """The shared tensors a stage before ``k`` holds: alive all through stage ``k``, so its figures count them."""
         return tuple(sorted((label, nbytes) for label, nbytes, stages in self._shared() if stages[0] < k))
 
     def __enter__(self) -> "HeldInputs":
