@@ -70,7 +70,7 @@ def pyplot() -> Any:
 
 def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
                          budget_bytes: int | None = None) -> Path:
-    r"""Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed.
+    """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed.
 
     Example:
         >>> import tempfile, os
