@@ -91,7 +91,7 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a real step measured under ``plan`` (default: the installed one) into account; whether plans are re-solved.
+        """Take a real step measured under ``plan`` (default: the installed one) into account; True if re-solved.
 
         A peak above the prediction is added to the anchor, carried to every shape. With ``cost="time"`` and
         no real profile, the first ``seconds`` given price the fake profiles' FLOPs. A first step holds no
