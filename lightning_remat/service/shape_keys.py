@@ -1,13 +1,8 @@
 """Which shape each batch's plan is made for: the keying of ``service.shape_plans``.
 
-A batch's shape (``core.shapes.Shape``: batch size, sequence length, layout) is rounded up to a
-bucket, so a run meets few shapes to plan and no plan is made for a smaller shape than its batch's.
-The batch size and sequence length are always rounded; a size of the layout only once it has varied
-in the run (an image's height and width, not its channels: a model refuses any other channel
-count, and a bucket beyond it could not be profiled). With ``plan_for="largest"`` every batch is
-planned for the largest shape met so far of its layout's structure (shapes of other structures, a
-batch with another key, are never united: neither covers the other). Under several ranks, every
-rank plans the largest of the ranks' shapes.
+A batch's shape is rounded up to a bucket, so a run meets few shapes to plan and no plan is made for a
+smaller shape than its batch's. Layout sizes are rounded only once they have varied (a model refuses
+other channel counts, so a bucket beyond them could not be profiled).
 
 Example:
     >>> from lightning_remat.core.shapes import BATCH
@@ -29,10 +24,10 @@ class ShapeKeys:
     """The buckets and the shapes met so far of one run.
 
     Args:
-        plan_for: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest shape met of its
+        plan_for: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest shape met of the same
             structure, and ``max_shape``).
-        max_shape: the largest shape the data has, when declared: buckets never round beyond it; a
-            shape without a layout bounds the batch size and sequence length of every layout.
+        max_shape: the largest shape the data has: buckets never round beyond it; one without a layout
+            bounds every layout's batch size and sequence length.
         per_octave: buckets per doubling of each dimension (0: every shape its own).
 
     Example:
@@ -49,8 +44,7 @@ class ShapeKeys:
         self._varying: dict[tuple, set[tuple[str, int]]] = {}  # are rounded to buckets, the others not
 
     def meet(self, shape: Shape, channel: Any = None) -> Shape:
-        """A batch of ``shape`` is planned: the shape every rank plans (the largest of the ranks'
-        under ``channel``), remembered (its sizes that vary, the largest met)."""
+        """Remember a batch of ``shape``; return the shape every rank plans (the largest of the ranks')."""
         if channel is not None and channel.distributed:
             shape = self._largest_of_ranks(shape, channel)
         first = self._first_of.setdefault(shape.structure, shape)
@@ -62,8 +56,7 @@ class ShapeKeys:
         return shape
 
     def planned(self, shape: Shape) -> Shape:
-        """The shape a batch of ``shape`` is planned at before rounding: itself, or with
-        ``plan_for="largest"`` united with the largest of its structure met and ``max_shape``."""
+        """The shape a batch is planned at before rounding: itself, or united with the largest met (``"largest"``)."""
         if self.plan_for != "largest":
             return shape
         largest = self.largest.get(shape.structure)
@@ -76,15 +69,12 @@ class ShapeKeys:
         return shape
 
     def bucket(self, shape: Shape) -> Shape:
-        """``shape`` rounded up: its batch size, sequence length and the sizes of its layout that
-        have varied."""
+        """``shape`` rounded up: batch size, sequence length and the layout sizes that have varied."""
         return self.buckets.up(shape, self._varying.get(shape.structure, ()))
 
     @staticmethod
     def _largest_of_ranks(shape: Shape, channel: Any) -> Shape:
-        """Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped
-        modules. A layout another rank has that rank 0's cannot cover (another key) is warned
-        about: rank 0's is planned."""
+        """The largest batch of any rank, so all run one plan; a layout rank 0's cannot cover is warned about."""
         b, s = int(channel.max(shape.batch_size)), int(channel.max(shape.seq_len))
         layouts = [Shape(b, s, layout) for layout in channel.gather(shape.layout)]
         ours = layouts[0]
