@@ -1,8 +1,7 @@
 """Real trial steps at a batch size, with a plan applied: the check a batch-size search ends with.
 
-A trial runs ``steps_per_trial`` real training steps (forward, backward, optimizer step) under
-``measure_step`` and puts everything back afterwards: parameters, optimizer state, gradients,
-buffers and RNG. A real out-of-memory error is a failed trial, not a crash.
+Everything is put back afterwards (parameters, optimizer state, gradients, buffers, RNG), and a real
+out-of-memory error is a failed trial, not a crash.
 
 Example:
     >>> import torch
@@ -53,10 +52,7 @@ def _snapshot_to_cpu(value: Any) -> Any:
 
 
 class _RestoreAfterTrial:
-    """Put back parameters, optimizer state, gradients, buffers and RNG after real trial steps.
-
-    Copies are kept on the CPU so a trial on an accelerator does not hold a second copy there.
-    """
+    """Put back everything after real trial steps; copies on the CPU so an accelerator holds no second copy."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model = model
@@ -104,11 +100,8 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
                plan: Any = None) -> Trial:
     """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed; everything put back after.
 
-    With ``plan`` (a ``Plan`` that offloads), the plan is applied as it is instead (its offloaded
-    modules, their order and limits included).
-
-    An optimizer without state first creates it (the budget is for steady-state steps). The trial
-    fits when no step ran out of memory and the largest measured peak is within ``budget``.
+    With ``plan`` (one that offloads) the plan is applied as it is. It fits when no step ran out of memory
+    and the largest measured peak is within ``budget``.
     """
     steps = 0
     peaks: list[int] = []
