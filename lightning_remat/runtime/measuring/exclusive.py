@@ -1,9 +1,7 @@
 """One planning at a time in a process, and the process-wide settings it found put back after it.
 
-MemTracker and FlopCounterMode register global hooks, profiling replays the global random generators
-and the ``force_eager`` stance is global: two plannings in two threads would see each other's modules.
-So every entry point that measures a step holds ``exclusive()``, a process-wide re-entrant lock, and
-puts back the default dtype, deterministic algorithms and grad mode on the way out (docs/process.md).
+Planning uses global hooks, generators and the ``force_eager`` stance, so two plannings in two threads
+would see each other's modules (docs/process.md).
 
 Example:
     >>> import torch
@@ -57,10 +55,7 @@ class ProcessSettings:
 
 
 def planning_runs_here() -> bool:
-    """Whether code running now may belong to the planning in progress (or none runs).
-
-    Its own thread or autograd's worker running its backward: planning's hooks act only then, so another
-    thread running the same model is neither counted nor disturbed.
+    """Whether code running now may belong to the planning in progress: its thread, autograd's worker, or none runs.
 
     Example:
         >>> planning_runs_here()  # nothing plans

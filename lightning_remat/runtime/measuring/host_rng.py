@@ -1,8 +1,6 @@
-"""The random-generator states a checkpoint keeps, counted where they take the planned device's memory.
+"""The RNG states a checkpoint keeps until backward (made in C++, unseen by MemTracker), counted on the CPU.
 
-``torch.utils.checkpoint`` keeps ``torch.get_rng_state()`` until backward so dropout replays; made in
-C++, MemTracker would miss it. It counts only where the CPU is the planned device: on a GPU it is host
-memory, which the budget does not count.
+On a GPU they are host memory, which the budget does not count.
 
 Example:
     >>> import torch

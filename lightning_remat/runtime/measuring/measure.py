@@ -1,9 +1,4 @@
-"""Measure a real training step: its peak memory with the one peak meter, its FLOPs with FlopCounterMode.
-
-Tests, benchmarks, trials and the callback check plans against reality here, in the budget's convention
-(``meter.PeakMeter``): ``max_memory_allocated`` on CUDA; on a CPU, the tensors the step creates plus the
-model's parameters, buffers, gradients and optimizer state (inputs made outside ``step`` are not counted).
-"""
+"""Measure a real training step: its peak with the one peak meter (``meter.PeakMeter``), FLOPs counted."""
 
 from __future__ import annotations
 
@@ -33,9 +28,7 @@ __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_f
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """Peak bytes of one training step and its split by category at the moment of the peak.
-
-    ``reserved_bytes`` is ``max_memory_reserved`` on CUDA, None elsewhere.
+    """Peak bytes of one training step and its split by category at the peak (``reserved_bytes`` on CUDA).
 
     Example:
         >>> net = nn.Linear(8, 8)
@@ -59,8 +52,6 @@ class StepMeasurement:
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
-
-    ``step(model)`` runs the forward pass and returns the loss; ``zero_grad`` sets gradients to None first.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -109,9 +100,7 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
 
 def release_device_memory() -> None:
-    """Collect garbage and return cached device memory.
-
-    Call it after the failed step's frames are gone: an ``except`` block keeps the step's tensors alive.
+    """Collect garbage and return cached device memory (after a failed step's ``except`` block has ended).
 
     Example:
         >>> release_device_memory()
@@ -145,9 +134,7 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
 
 @dataclass
 class RandomState:
-    """The random generators a step may draw from: torch's CPU one, the model's device's, Python's.
-
-    Restored before each pass of a profile, so every pass draws the same dropout masks as the first.
+    """The random generators a step may draw from, restored before each profile pass so dropout replays.
 
     Example:
         >>> state = RandomState.capture(torch.device("cpu"))

@@ -1,8 +1,6 @@
-"""The one peak meter: what a measured peak means, on each device, wherever a peak is measured.
+"""The one peak meter: every measured peak goes through ``PeakMeter``, so a step is measured alike everywhere.
 
-The budget is a step's peak as ``torch.cuda.max_memory_allocated`` reports it on a GPU, and torch's
-``MemTracker`` peak on the CPU. Every measured peak (``measure_step``, trials, benchmarks, the
-integrations' windows) goes through ``PeakMeter``, so the same step is measured the same way everywhere.
+A peak is ``torch.cuda.max_memory_allocated`` on a GPU and torch's ``MemTracker`` peak on the CPU.
 
 Example:
     >>> import torch
@@ -32,14 +30,8 @@ from .tracking import PeakOnlyTracker, snapshot_by_category
 class PeakMeter(Tracking):
     """The peak memory of a window (one step, an accumulation window), as the budget means it.
 
-    On CUDA, ``max_memory_allocated`` since the start (everything on the device), with ``reserved_bytes``
-    beside it; elsewhere, the ``MemTracker`` peak of the model's state plus every tensor allocated in the
-    window (earlier inputs not counted). Use it as a ``StepWatch`` (``run_step(..., watch=meter)``) or
-    ``start()`` it in one hook and ``close()`` it in another.
-
-    Args:
-        tracker: a ``MemTracker`` to run as well, for its split by category; off CUDA the peak is read
-            from it. None: a ``PeakOnlyTracker`` off CUDA, none on CUDA.
+    Off CUDA, inputs made before the window are not counted. Use it as a ``StepWatch`` or ``start()`` it in
+    one hook and ``close()`` it in another. ``tracker``: a ``MemTracker`` to run as well (its split by category).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, tracker: Any = None):

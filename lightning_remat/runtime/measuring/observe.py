@@ -1,8 +1,4 @@
-"""Observe one plain training step: the order stages run in, and per module its time, FLOPs and bytes.
-
-The profiler's first look at a step: per stage and per child, forward seconds, FLOPs, the storages it
-saves for backward, takes and returns, and its ops (which price recomputation op by op); and the whole
-step's seconds, FLOPs and ops.
+"""Observe one plain training step: stage order, and per stage and child its time, FLOPs, bytes and ops.
 
 Example:
     >>> import torch
@@ -194,10 +190,7 @@ class _Counting(StepWatch):
 
 def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True,
                  before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
-    """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes.
-
-    ``before_pass`` runs before each pass (the profile replays the random generators there).
-    """
+    """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes."""
     observer = _Observer(model, stage_names)
     handles = observer.register()
     try:

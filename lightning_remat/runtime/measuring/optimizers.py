@@ -1,7 +1,4 @@
-"""The optimizers of a step: none, one or several, each the torch optimizer inside whatever wraps it.
-
-Lightning's, Fabric's and Accelerate's wrappers hold the user's optimizer, whose state and class a step
-uses, and only they are looked through: an optimizer keeping state of its own (Lookahead) counts as it is.
+"""The optimizers of a step: none, one or several, each looked through Lightning's, Fabric's, Accelerate's wrapper.
 
 Example:
     >>> import torch

@@ -1,7 +1,4 @@
-"""Roofline costs: what an op takes at best on a device, from its FLOPs and the bytes it moves.
-
-Per op, ``max(FLOPs / peak FLOP/s, bytes / memory bandwidth)``: a matmul is priced by its FLOPs, an
-elementwise op or a norm by its memory traffic, which counting FLOPs alone calls free.
+"""Roofline costs: per op, ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``, so memory-bound ops are not free.
 
 Example:
     >>> import torch
@@ -151,10 +148,7 @@ def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records every op under it as an ``OpCost`` in ``ops``; ``on_op`` is called with each.
-
-    Bytes are those of the distinct input and output tensors; an op that moves no data counts none.
-    """
+    """Records every op under it as an ``OpCost`` in ``ops`` (bytes of distinct inputs and outputs); calls ``on_op``."""
 
     def __init__(self, on_op: Callable[[OpCost], None] | None = None):
         super().__init__()
@@ -240,8 +234,7 @@ def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, A
                  peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> tuple[float, int, float]:
     """(seconds, FLOPs, roofline seconds) of recomputing ``wrap`` (modules of stage ``name``) under ``option``.
 
-    A whole module costs all its ops; a policy only those it recomputes, plus ``seconds_per_op`` per op
-    eagerly. ``compiled``: pointwise recomputes cost nothing, so a pointwise-only policy costs ``TIE_SECONDS``.
+    ``compiled``: pointwise recomputes are fused away and cost nothing (a policy of them only: ``TIE_SECONDS``).
     """
     policy = policy_of(option)
     if not policy:

@@ -1,8 +1,6 @@
-"""The one step runner: every real training step the package runs itself goes through ``run_step``.
+"""The one step runner: every real training step the package runs goes through ``run_step``.
 
-A step is ``step(model)`` (forward, returning the scalar loss), ``loss.backward()`` and the optimizers'
-``step()``. What varies is what watches it (a stopwatch, a FLOP counter, the peak meter, the profile's
-segment tracker): a ``StepWatch``.
+What varies is what watches the step (a stopwatch, a FLOP counter, the peak meter): a ``StepWatch``.
 
 Example:
     >>> import torch
@@ -32,8 +30,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 class StepWatch:
     """What watches a step that ``run_step`` runs; this one watches nothing.
 
-    Override ``watching()`` (around the whole step), ``forward()`` / ``backward()`` (around each pass) and
-    ``backward_done()`` (after backward, before the optimizer step, with the loss alive).
+    ``backward_done()`` is called after backward, before the optimizer step, with the loss alive.
     """
 
     def watching(self) -> ContextManager[Any]:
@@ -63,11 +60,8 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
              read_loss: bool = False) -> float | None:
     """Run one training step of ``model`` under ``watch``; the loss as a float with ``read_loss``, else None.
 
-    Args:
-        zero_grad: ``"before"`` sets gradients to None first (as Lightning does), ``"after"`` drops them
-            after (a pass that must leave no trace), None leaves them.
-        check: raise ``TypeError`` if ``step`` returns anything but a scalar tensor.
-        read_loss: read the loss inside the watch (fake tensors have no value).
+    ``zero_grad``: ``"before"`` sets gradients to None first, ``"after"`` drops them after (no trace), None
+    leaves them. ``check``: raise ``TypeError`` unless ``step`` returns a scalar tensor.
     """
     if zero_grad not in (None, "before", "after"):
         raise ValueError(f"zero_grad must be None, 'before' or 'after', got {zero_grad!r}")

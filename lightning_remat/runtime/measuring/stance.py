@@ -1,8 +1,7 @@
 """Keep ``torch.compile`` from compiling while we measure: a counted ``force_eager`` stance.
 
-Dynamo marks a frame first met under a dispatch mode (MemTracker) as skipped for good, so a compiled
-model first called under a tracker would never compile. Under ``force_eager`` dynamo looks at no frame;
-the real compile happens after profiling. Counted, not nested: trackers may open and close in any order.
+Dynamo marks a frame first met under a dispatch mode as skipped for good; under ``force_eager`` it looks
+at none. Counted, not nested: trackers may open and close in any order.
 
 Example:
     >>> import torch

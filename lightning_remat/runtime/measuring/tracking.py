@@ -1,9 +1,5 @@
 """Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place.
 
-``MemTracker`` counts every tensor a step allocates by category on every device, fake tensors included.
-The profile needs each segment's peak (``SegmentTracker``), the report the total after each operator
-(``TimelineTracker``), the integrations a window opened in one hook and closed in another (``PeakOnlyTracker``).
-
 Example:
     >>> import torch
     >>> net = torch.nn.Linear(8, 8)
@@ -46,10 +42,7 @@ class _NoHook:
 
 
 class Tracker(MemTracker):
-    """``MemTracker`` that accepts frozen parameters (LoRA, partial fine-tuning) and counts this thread only.
-
-    torch refuses a gradient hook on a tensor that needs no gradient, so frozen parameters are marked as
-    hooked already; they still count as parameters.
+    """``MemTracker`` that accepts frozen parameters (marked hooked, still counted) and counts this thread only.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -235,10 +228,7 @@ class _NoModules:
 
 
 class PeakOnlyTracker(Tracker):
-    """MemTracker's byte counting without its per-module bookkeeping, for a window opened in a hook.
-
-    That bookkeeping needs one forward per ``with`` block and the root's forward beginning; the total is the same.
-    """
+    """MemTracker's byte counting without its per-module bookkeeping, for a window opened in a hook."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -253,10 +243,8 @@ class PeakOnlyTracker(Tracker):
 class SegmentTracker(Tracker):
     """MemTracker that also records the peak of every segment of the step.
 
-    Segments are ("fw", i) / ("bw", i) while stage i runs forward / backward, and ("gap", k) between stages
-    with k stages run forward and not yet backward. A stage called ``calls[i]`` times in a row owns the memory
-    between its calls; a module whose calls other stages separate has one place per run of calls
-    (``stage_ids``), filled in order forward and in reverse order backward.
+    Segments are ("fw", i) / ("bw", i) while stage i runs forward / backward, and ("gap", k) between, with k
+    stages run forward and not yet backward. A module at several places (``stage_ids``) fills them in order.
     """
 
     def __init__(self, stage_ids: dict[int, int | Sequence[int]], device: torch.device,

@@ -1,7 +1,4 @@
-"""Real trial steps at a batch size, with a plan applied: the check a batch-size search ends with.
-
-Everything is put back afterwards (parameters, optimizer state, gradients, buffers, RNG), and a real
-out-of-memory error is a failed trial, not a crash.
+"""Real trial steps at a batch size with a plan applied; everything is put back, and an OOM fails the trial.
 
 Example:
     >>> import torch
@@ -98,10 +95,9 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
                names: Sequence[str], steps_per_trial: int, budget: int, predicted: int,
                segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None,
                plan: Any = None) -> Trial:
-    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed; everything put back after.
+    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed (or ``plan`` applied as it is).
 
-    With ``plan`` (one that offloads) the plan is applied as it is. It fits when no step ran out of memory
-    and the largest measured peak is within ``budget``.
+    It fits when no step ran out of memory and the largest measured peak is within ``budget``.
     """
     steps = 0
     peaks: list[int] = []

@@ -1,10 +1,7 @@
 """The user's module hooks do not see the package's own passes (profiling, fake twins, trials, predictions).
 
-A hook a user puts on a block must see the training forwards only. During the package's passes each user
-hook stands silenced at its place and is put back afterwards: silenced, not taken out, so torch still
-builds what a hook of its kind needs (a backward hook's autograd nodes hold memory) and the passes measure
-the step as training runs it. A hook is the user's unless its function comes from one of ``LIBRARIES``
-(FSDP2 gathers parameters in its hooks) or is marked ``part_of_model``. Global hooks are left alone.
+They stand silenced in place, so torch still builds what they need (backward hooks' nodes hold memory).
+A hook is the user's unless it comes from one of ``LIBRARIES`` (FSDP2's) or is marked ``part_of_model``.
 
 Example:
     >>> import torch
@@ -65,9 +62,7 @@ def is_user_hook(hook: Callable[..., Any]) -> bool:
 
 
 def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``hook`` as part of what the model computes, so it runs in the package's passes too; returns it.
-
-    For a hook that changes what its module returns, or must see every forward.
+    """Mark ``hook`` as part of the model (it changes the output, or must see every forward); returns it.
 
     Example:
         >>> def scale(module, args, output):
