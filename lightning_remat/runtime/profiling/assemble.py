@@ -98,11 +98,7 @@ def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:
 
 def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],
                 future_state: int) -> dict[str, dict[str, int]] | None:
-    """Each gap's figure in each memory run, plus what later adjustments added to the segment.
-
-    The 4/5-layer extrapolation fits each run's figures alone (the largest of two lines is no line). None
-    when the adjustments moved the segments.
-    """
+    """Each gap's figure in each memory run, for the depth extrapolation; None when adjustments moved the segments."""
     pairs = [(a, b) for a, b in zip(assembled.segments, final.segments) if a.name != "optimizer step"]
     if len(assembled.segments) != len(final.segments) or any(
             (a.name, a.stages_alive) != (b.name, b.stages_alive) for a, b in pairs):

@@ -1,7 +1,4 @@
-"""A batch's shape (``core.shapes.Shape``), and the same batch stretched to another shape.
-
-Plans follow the batch's shape; a profile at a shape no batch has had yet runs on the batch at hand
-resized to it (rows, positions and pixels cycle, so a padded batch stays padded alike).
+"""A batch's shape (``core.shapes.Shape``), and the same batch stretched to another shape (values cycled).
 
 Example:
     >>> import torch
@@ -80,8 +77,7 @@ def batch_shape(batch: Any) -> Shape | None:
     """The shape of a batch; None when it holds no tensor with a dimension.
 
     The batch size is the leading size most tensors share; the sequence length the largest second size of
-    the two-dimensional *integer* tensors with that leading size (token ids, masks, labels), else 1. The
-    layout lists every tensor's size by path, so channels, image sides and new keys are part of the shape.
+    its two-dimensional *integer* tensors (token ids, masks), else 1; the layout every tensor's size by path.
 
     Example:
         >>> images = batch_shape((torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))
@@ -158,8 +154,7 @@ def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str 
 def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
     """``batch`` at ``shape``: every tensor cycled or cut along each dimension; other values pass unchanged.
 
-    ``source`` is the batch's own shape (default ``batch_shape(batch)``). A ``shape`` with a layout must
-    hold the same tensors with as many dimensions, else ``ValueError``.
+    A ``shape`` with a layout must hold the batch's tensors with as many dimensions, else ``ValueError``.
 
     Example:
         >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])

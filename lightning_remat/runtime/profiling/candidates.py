@@ -1,9 +1,4 @@
-"""Find the candidate blocks of a model: the stages the solver chooses among.
-
-Found automatically: the outermost blocks (two or more children) repeated in a ``ModuleList`` or
-``Sequential``, plus a CNN's stem, whose outputs are its largest activations. Users may instead name
-classes or name patterns.
-"""
+"""Find the candidate blocks of a model: the repeated blocks (and a CNN's stem) the solver chooses among."""
 
 from __future__ import annotations
 
@@ -62,11 +57,7 @@ def _automatic(model: nn.Module) -> list[str]:
 
 
 def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
-    """A CNN's loose stem and head layers on the root (torchvision's ``conv1``, ``bn1``, ..., ``fc``), each a stage.
-
-    No block stands for them, so without this the stem's large outputs would never be recomputed. In-place
-    layers are left out: recomputed alone, they would change the input their checkpoint holds.
-    """
+    """A CNN's loose stem and head layers on the root (torchvision's ``conv1``, ..., ``fc``), in-place ones left out."""
     first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     if first is None or not stages or any(first == s or first.startswith(s + ".") for s in stages):
         return []
@@ -112,11 +103,8 @@ def _matches(name: str, module: nn.Module, spec: Iterable[Union[str, type]]) -> 
 def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]:
     """Names of the candidate stages of ``model``, outermost first, in registration order.
 
-    ``candidates``: None for automatic; or module classes, class names (``"GPT2Block"``) or ``fnmatch``
-    patterns over module names. A compiled model has the uncompiled model's names.
-
-    Raises:
-        NoCandidateError: nothing qualifies, or a given class or pattern matches nothing.
+    ``candidates``: None for automatic; or module classes, class names or ``fnmatch`` name patterns.
+    Raises ``NoCandidateError`` when nothing qualifies or a given class or pattern matches nothing.
 
     Example:
         >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])

@@ -1,11 +1,8 @@
 """Inputs a recomputed stage keeps alive that would otherwise be freed: a term of its stored bytes.
 
-A checkpointed module holds its forward's arguments until its backward. Most are alive anyway, but some
-are not (a frozen embedding's output under LoRA, ``cache_position``). Measured where they show, in the
-*later* stages' terms, a plan recomputing an early stage and keeping a later one would be under-predicted;
-counted in the recomputed stage's own stored bytes, the model stays additive. ``DeadInputs`` finds them on
-the pass with nothing recomputed; ``HeldInputs`` counts them during a memory run. A tensor several stages
-hold is counted in each one's stored bytes, so the model may over-count it but never misses it.
+A checkpoint holds its forward's arguments to its backward; some would be freed otherwise (a frozen
+embedding's output under LoRA). Counted in the recomputed stage's own stored bytes, the model stays
+additive; a tensor several stages hold may be over-counted but is never missed.
 
 Example:
     >>> import torch
@@ -59,8 +56,7 @@ def _ident(tensor: torch.Tensor) -> int:
 class DeadInputs:
     """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward.
 
-    Earlier stages' outputs are left out (their own stored bytes hold them). Enter it around the forward and
-    call ``check()`` before backward; a stage called several times is judged by its first call.
+    Enter it around the forward and call ``check()`` before backward.
 
     Example:
         >>> import torch
@@ -147,11 +143,7 @@ class HeldInputs:
 
     @property
     def exclusive(self) -> list[int]:
-        """Per stage, the held bytes no other stage of this run holds too.
-
-        The run's later terms are taken relative to these, so a tensor several stages hold is counted at least
-        once wherever it is alive, never less.
-        """
+        """Per stage, the held bytes no other stage of this run holds (later terms are taken relative to these)."""
         out = list(self.bytes)
         for holders in self._holders.values():
             if len({i for i, _ in holders}) > 1:

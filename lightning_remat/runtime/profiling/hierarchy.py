@@ -1,10 +1,7 @@
 """Blocks planned whole or through their children: the stages below the automatic candidates.
 
-An automatic candidate whose forward only chains modules of its own (a CNN stage: downsampling, then
-blocks) may be planned as one stage or through those modules, down to ``MAX_DEPTH`` levels and
-``MAX_STAGES`` stages; the DP then chooses, block by block. A block that does more than chain (a residual
-add, a transformer layer) stays one stage, and only children that are blocks themselves are worth a
-checkpoint of their own. It costs one forward without gradients, none for multi-argument layers.
+A candidate whose forward only chains modules of its own (a CNN stage) may be planned through them, to
+``MAX_DEPTH`` levels; the DP chooses block by block. A block that does more (a residual add) stays whole.
 
 Example:
     >>> import torch
@@ -135,9 +132,7 @@ def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
 
 def expand(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
            replay: Callable[[], None] = lambda: None) -> Hierarchy:
-    """``stages`` planned through their children where their forward chains them.
-
-    ``replay`` runs before the one forward without gradients (to restore the random state).
+    """``stages`` planned through their children where their forward chains them (``replay`` runs first).
 
     Example:
         >>> stack = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(2)])

@@ -1,8 +1,7 @@
 """A causal LM's head and its loss as the last stage of the profile (``chunk_loss=True``).
 
-Without it the head and loss run in a gap no option changes. With it the step is also measured once per
-chunk count, and that gap becomes a stage with options ``"keep"`` and ``"chunks:k"``, so the DP chooses
-the number of chunks as any option; one FLOP per chunk makes fewer chunks win at an equal peak.
+The gap they run in becomes a stage with options ``"keep"`` and ``"chunks:k"``, measured once per chunk
+count, so the DP chooses the chunks; one FLOP per chunk makes fewer chunks win at an equal peak.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment
@@ -67,10 +66,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
 
 
 def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_second: float = 0.0) -> Profile:
-    """``profile`` with the head's gap made a stage after the layers; unchanged without figures.
-
-    The stage's figures are the gap segment's peak moved by what chunking changed, so every adjustment stays.
-    """
+    """``profile`` with the head's gap made a stage after the layers; unchanged without figures."""
     # The last gap: all stages alive (stages that did not run are in the chain by now).
     gap = next((s for s in profile.segments if figures is not None and s.stages_alive == len(profile.stages)
                 and s.name != "optimizer step"), None)

@@ -1,8 +1,4 @@
-"""One memory run: a training step measured with some modules recomputed (or offloaded), in model terms.
-
-It reads per stage the bytes its forward leaves (stored) and its peak over what earlier stages store
-(local), the gaps' peaks (segments) and static memory; ``profile.py`` makes one run per option.
-"""
+"""One memory run: a step measured with some modules recomputed (or offloaded), read in the model's terms."""
 
 from __future__ import annotations
 
@@ -150,12 +146,7 @@ def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
-    """Stored bytes net of what the gap after each stage's forward released (offload runs).
-
-    An offloaded stage does not hold its input, which is released after it returns, so counting every
-    output and never the release would over-count one hidden state per kept stage. The last stage and
-    stages called more than once are left as measured; nothing goes below zero.
-    """
+    """Stored bytes net of what the gap after each stage's forward released (offload runs: inputs not held)."""
     if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
         return stored
     net = list(stored)

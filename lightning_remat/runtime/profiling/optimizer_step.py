@@ -1,7 +1,4 @@
-"""The optimizer's step, measured without running it: the state it creates and the temporaries it needs.
-
-The step runs under ``FakeTensorMode`` on fake copies of parameters, gradients and state, so nothing real
-changes and whatever the implementation (for-loop, foreach, fused) allocates is counted.
+"""The optimizer's step measured on fake copies under ``FakeTensorMode``: its state and its temporaries.
 
 Example:
     >>> import torch
@@ -47,10 +44,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | None) -> None:
-    """Make the clone take the implementation the real optimizer takes on ``device`` (foreach on CUDA).
-
-    The fake copies are CPU tensors, where ``foreach=None`` would pick the per-tensor loop.
-    """
+    """Make the clone take the real optimizer's implementation on ``device`` (the fake copies are CPU tensors)."""
     if device is None:
         return
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices
@@ -68,9 +62,8 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
                         setting: Mapping[str, bool] | None = None) -> OptimizerStepCost:
     """Run ``optimizer``'s step on fake copies and count what it allocates.
 
-    Several optimizers step one after the other, each counted with every one's state. ``device``: where the
-    real step runs (its default implementation is measured). ``setting``: param-group keys set first
-    (``{"fused": True}``).
+    ``device``: where the real step runs (its default implementation is measured); ``setting``: param-group
+    keys set first (``{"fused": True}``). Several optimizers step one after the other.
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
@@ -139,9 +132,7 @@ def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimize
 
 def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                 device: str | torch.device | None = None) -> dict[str, int]:
-    """Per optimizer setting not used yet (``fused=True``, ``foreach=False``), the change in the step's peak.
-
-    A setting an optimizer lacks or cannot run here is left out.
+    """Per optimizer setting not used yet (``fused=True``, ``foreach=False``) and runnable, the step's peak change.
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
@@ -168,9 +159,7 @@ def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torc
 
 
 class MeasuredOnRead(Mapping[str, int]):
-    """A mapping measured the first time it is read; copied or pickled, it becomes a plain ``dict``.
-
-    The optimizer settings feed only advice, so a plan that never reads them never pays for measuring them.
+    """A mapping measured when first read (the settings feed only advice); copied or pickled, a plain ``dict``.
 
     Example:
         >>> calls = []
@@ -214,9 +203,7 @@ class MeasuredOnRead(Mapping[str, int]):
 def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                         device: str | torch.device | None = None,
                                         mode: Any = None) -> MeasuredOnRead:
-    """``optimizer_step_alternatives`` under ``mode`` (the optimizer's fake mode), measured when first read.
-
-    ``optimizer`` must not step in between: its state is what is measured.
+    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before).
 
     Example:
         >>> net = torch.nn.Linear(64, 64)

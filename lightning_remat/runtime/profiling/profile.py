@@ -1,9 +1,7 @@
 """Profile one training step in the terms of the memory model (``core.memory_model``).
 
-A plain step is observed first (order, time, FLOPs, saved bytes); then memory is measured once per option
-(keep, whole, each heavy child, each policy, offload) so each term is measured under the option it
-describes and the model reproduces every measured run exactly; the optimizer step is measured on fake
-copies. Gradients, buffers, RNG and optimizer state are put back, so profiling does not change training.
+Each term is measured under the option it describes, so the model reproduces every measured run
+exactly. Gradients, buffers, RNG and optimizer state are put back afterwards.
 """
 
 from __future__ import annotations
@@ -71,16 +69,11 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     """Profile one training step of ``model`` for the solver.
 
     Args:
-        model: the model, in the mode it trains in; a compiled model is profiled as its original modules.
         step: ``step(model)`` runs a forward pass and returns the scalar loss; called several times on one batch.
-        optimizer: its state (or the state its first step will create) and its step's temporaries count;
-            a list for manual optimization; framework wrappers are looked through.
-        warmup: steps run first and not measured.
-        fake: profile on fake tensors (nothing allocated): the model may be real, on meta or already fake.
-        dtype: with ``fake``, the dtype of parameters, gradients and state (for mixed precision use ``precision``).
-        gpu: with ``fake``, a GPU name whose throughput turns FLOPs into seconds; without it, FLOP costs only.
-        options: all of the settings as one ``ProfileOptions`` (the one description of each); a keyword
-            set next to it is a ``ConflictingArgumentsError``.
+        optimizer: its state (or what its first step will create) and its step's temporaries count.
+        fake: profile on fake tensors (nothing allocated); the model may be real, on meta or fake.
+        gpu: with ``fake``, a GPU name whose throughput turns FLOPs into seconds.
+        options: every setting as one ``ProfileOptions`` (the one description of each); not beside keywords.
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.

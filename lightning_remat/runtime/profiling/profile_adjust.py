@@ -1,7 +1,4 @@
-"""Adjustments to a measured profile: memory alive through the whole step, and stages that did not run.
-
-Each adds what the integration or the allocator knows beyond what the profile could see, and says so in
-the profile's notes.
+"""Adjustments to a measured profile for what the profile could not see; each says so in the profile's notes.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
@@ -43,11 +40,7 @@ def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
 
 
 def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
-    """Stages that did not run on the profiled batch (layer drop) put into the chain with a similar stage's figures.
-
-    The figures are those of a stage of the same class, else the one that stores most; placed after the
-    observed stage registered before them.
-    """
+    """Stages that did not run on the profiled batch (layer drop) put into the chain with a similar stage's figures."""
     observed = {s.name: s for s in profile.stages}
     missing = [n for n in stage_names if n not in observed]
     if not missing:
@@ -80,9 +73,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
 
 
 def with_pooled_timings(profile: Profile) -> Profile:
-    """Identical stages (one class, the same FLOPs and roofline per option) share the median of their seconds.
-
-    So timing noise does not choose between identical layers; memory figures are left as measured.
+    """Identical stages (one class, the same FLOPs and roofline) share the median of their seconds, against noise.
 
     Example:
         >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile

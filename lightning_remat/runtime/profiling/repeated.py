@@ -1,9 +1,7 @@
-"""Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N.
+"""Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N (fake profiles only).
 
-Every term of a transformer's profile is linear in where a stage sits, so a deep model is profiled from
-two shallow copies. This module does what touches torch (find the stack, cut copies, profile each with
-ballast held through forward and through backward); the fit is ``core.depth_fit.extrapolate``. Only
-fake profiles use it: the copies share the fake model's tensors and the user's model is never changed.
+Every term is linear in where a stage sits; this module cuts the shallow copies and profiles them with
+ballast; the fit is ``core.depth_fit.extrapolate``.
 
 Example:
     >>> import transformers, torch
@@ -60,9 +58,8 @@ class RepeatedStack:
 def repeated_stack(model: nn.Module, candidates: Any) -> RepeatedStack | None:
     """The model's stack of interchangeable layers, or None when its stages are not one.
 
-    The stages must be every child of one ``nn.ModuleList``, at least ``MIN_LAYERS``, of one class, with the
-    same tensors, submodules and plain attributes (a layer's own index excepted); a config with per-layer
-    settings that differ (mixed sliding and full attention) is refused.
+    Every child of one ``nn.ModuleList``, at least ``MIN_LAYERS``, alike but for a layer's own index; a
+    config with per-layer settings that differ is refused.
     """
     try:
         names = find_stages(model, candidates)
@@ -127,9 +124,7 @@ def _config_items(config: Any) -> dict[str, Any]:
 
 
 def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
-    """A shallow copy of ``model`` with only the first ``layers`` layers of ``stack``, sharing its tensors.
-
-    A transformers config is copied with ``num_hidden_layers`` (and per-layer lists) cut, for forwards that read it.
+    """A shallow copy of ``model`` with the first ``layers`` layers of ``stack`` (and its config cut to match).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU())] * 12))
@@ -177,11 +172,9 @@ def _sub_optimizer_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> tor
 
 def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
                      run: ProfileRun) -> Profile | None:
-    """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None.
+    """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None to profile it whole.
 
-    None when ``options.repeated_blocks`` is off, the stages are no stack, or the profiles do not fit; the
-    caller then profiles the whole model. ``run(model, optimizer, wrap)`` profiles a model with its step
-    replaced by ``wrap(step)``.
+    ``run(model, optimizer, wrap)`` profiles a model with its step replaced by ``wrap(step)``.
     """
     if not getattr(options, "repeated_blocks", True):
         return None
@@ -222,9 +215,7 @@ class _Ballast(torch.autograd.Function):
 
 
 def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
-    """``step`` whose forward (``phase="forward"``) or backward pass holds ``nbytes`` more throughout.
-
-    With ballast above any figure, every peak of the profile shows its forward or backward figure only.
+    """``step`` whose forward or backward pass (``phase``) holds ``nbytes`` more, to tell a peak's two figures apart.
 
     Example:
         >>> net = nn.Linear(4, 4)

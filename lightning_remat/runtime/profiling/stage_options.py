@@ -67,10 +67,7 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
 def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],
                     optimizer: torch.optim.Optimizer | None, replay: Callable[[], None], accumulation_steps: int,
                     limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
-    """The memory run of every option in ``wraps``, and the options dropped (names and why).
-
-    A policy whose recompute did not replay the forward is dropped from ``wraps``; any other failure is raised.
-    """
+    """The memory run of every option in ``wraps``, and the policies dropped (their recompute did not replay)."""
     dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
     with warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
