@@ -1,9 +1,4 @@
-"""Where the memory of a training step goes: parameters, gradients, optimizer state, activations, temporaries.
-
-``memory_breakdown`` answers "what uses my memory?", with the modules that save the most activation
-bytes; before the optimizer's first step, the state it *will* create is counted, since every later step
-holds it.
-"""
+"""Where the memory of a training step goes, with the modules that save the most activation bytes."""
 
 from __future__ import annotations
 
@@ -41,12 +36,8 @@ class MemoryBreakdown:
     """Where the memory of one training step goes.
 
     Attributes:
-        optimizer_state_bytes: the optimizer's state, or the state its first step will create
-            (``optimizer_state_counted_ahead`` is then True).
-        activation_bytes, temporary_bytes: at the highest point of forward and backward, tensors created
-            in forward and in backward.
-        at_peak: the split of that highest point by MemTracker's categories; it sums to
-            ``forward_backward_peak_bytes``.
+        optimizer_state_bytes: before the first step, the state it will create (``optimizer_state_counted_ahead``).
+        at_peak: the split of the forward/backward peak by category; it sums to ``forward_backward_peak_bytes``.
         peak_bytes: the predicted peak of a whole steady-state step: what a budget is compared with.
 
     Example:
@@ -129,8 +120,7 @@ def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimi
                      console: Any = None) -> MemoryBreakdown:
     """Where the memory of one training step of ``model`` goes; printed with rich and returned.
 
-    ``profile``: a ``profile_step`` result for this model, step and optimizer, to avoid profiling again.
-    ``top``: how many modules to list. The model, its gradients, buffers, RNG and optimizer are left as they were.
+    ``profile``: a ``profile_step`` result to avoid profiling again. The model is left as it was.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])

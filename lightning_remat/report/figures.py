@@ -1,9 +1,7 @@
 """Figures README and docs quote, recorded by the scripts that print them, and checked against the text.
 
-A script run with ``--figures PATH`` records what it printed in ``docs/figures.json``; the same file
-lists each sentence quoting a figure, with ``{name}`` where it stands. ``check_quotes`` compares the
-number written with the recorded one, within the quote's stated tolerance (default 0.5%) plus half a unit
-of the last digit written, so a quoted figure cannot drift unnoticed.
+Each quote is a sentence with ``{name}`` where the figure stands; ``check_quotes`` compares the number
+written with the recorded one, within the quote's tolerance (default 0.5%) plus half a last digit.
 
 Example:
     >>> import json, tempfile, pathlib

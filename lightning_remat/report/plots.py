@@ -1,7 +1,4 @@
-"""Budget sweeps and plots: peak memory against recompute overhead, memory over a step.
-
-matplotlib (``lightning-remat[plots]``) is imported only when plotting, with the Agg backend.
-"""
+"""Budget sweeps and plots; matplotlib (``lightning-remat[plots]``) is imported only when plotting."""
 
 from __future__ import annotations
 
@@ -123,10 +120,8 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
                 overhead_label: str = "FLOP overhead (%)") -> Path:
     """Plot peak memory against recompute overhead to a PNG.
 
-    Args:
-        curve: (peak bytes, overhead) of our plans over a sweep of budgets, drawn as a line.
-        points: (label, peak bytes, overhead) of peers, one marker each.
-        measured: our plans as measured (dots); ``planned``: as predicted, not run (hollow dots).
+    ``curve``: our plans over a sweep of budgets; ``points``: peers, (label, peak bytes, overhead) each;
+    ``measured`` and ``planned``: our plans as measured and as predicted.
 
     Example:
         >>> import tempfile, os

@@ -1,7 +1,4 @@
-"""One progress display for long work: planning in every integration and the command line's phases.
-
-A transient rich bar on stderr that appears only after ``delay`` seconds (a small model stays silent)
-and only on a terminal (a log gets no redraws).
+"""One progress display for long work: a transient rich bar on stderr, after ``delay`` seconds, on a terminal.
 
 Example:
     >>> with PhaseProgress(2, enabled=False) as advance:
@@ -29,10 +26,7 @@ def default_console() -> Any:
 class PhaseProgress:
     """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next.
 
-    Args:
-        total: how many phases there are (None: a spinner without a bar).
-        enabled: False shows nothing (``verbose=False``, ranks other than 0, ``--json``).
-        delay: seconds before the bar appears (0: at once; None: ``DELAY_SECONDS``).
+    ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
 
     Example:
         >>> import io

@@ -1,8 +1,5 @@
 """Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
 
-The data classes hold numbers; this module turns them into ``rich`` tables and plain text. A plan's
-text is ``core.plan_text``'s, shown here with a rich table.
-
 Example:
     >>> from lightning_remat.core.plan import Plan
     >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,

@@ -1,8 +1,4 @@
-"""How the memory of a training step moves: the total after every operator of one forward and backward.
-
-``memory_timeline`` records it (forward rising as activations are saved, backward falling as they
-are freed) with or without a plan; ``plots.plot_memory_timeline`` draws it.
-"""
+"""How the memory of a training step moves: the total after every operator of one forward and backward."""
 
 from __future__ import annotations
 
@@ -26,10 +22,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 
 @dataclass
 class MemoryTimeline:
-    """Total memory after each operator of one forward and backward pass.
-
-    ``bytes_after_op`` includes the optimizer's state (counted ahead before its first step);
-    ``backward_start`` is the first backward operator's index (None if none ran).
+    """Total memory after each operator of one forward and backward pass (optimizer state included).
 
     Example:
         >>> t = MemoryTimeline("demo", [10, 30, 20], backward_start=2)
@@ -78,9 +71,7 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
                     optimizer: torch.optim.Optimizer | None = None, label: str | None = None) -> MemoryTimeline:
     """Record the total memory after every operator of one forward and backward pass.
 
-    ``plan``: a ``Plan`` or module names to recompute (None: nothing; an applied plan is lifted for the
-    pass). Before the optimizer's first step, the state it will create is added to every point. The model
-    is left as it was.
+    ``plan``: a ``Plan`` or module names to recompute (None: nothing). The model is left as it was.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(4)])

@@ -102,7 +102,7 @@ def batch_shape(batch: Any) -> Shape | None:
 
 
 def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> tuple[int, ...]:
-    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with target's batch and sequence.
+    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with the new batch and sequence.
 
     Example:
         >>> images, taller = (Shape(4, 1, (("0", (BATCH, 3, side, 32)),)) for side in (32, 48))

@@ -1,8 +1,4 @@
-"""Plan without the hardware: run the profiled step on fake tensors.
-
-``FakeTensorMode`` tensors have shapes, dtypes and devices but no storage, and MemTracker and
-FlopCounterMode work under it: a model larger than this machine, or for a GPU that is not here, is
-profiled by byte counts (device-independent) and counted FLOPs priced at a named GPU's throughput.
+"""Plan without the hardware: run the profiled step on fake tensors (shapes, dtypes, devices, no storage).
 
 Example:
     >>> import torch
@@ -70,8 +66,7 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``model`` (real, meta or fake) whose parameters and buffers are fake CPU tensors.
 
-    The model and its optimizer are left as they were, so they can be planned again; tied parameters stay
-    tied and names do not change. ``dtype`` casts floating-point tensors.
+    The model is left as it was; tied parameters stay tied. ``dtype`` casts floating-point tensors.
 
     Example:
         >>> real = torch.nn.Linear(2, 2)
@@ -142,10 +137,7 @@ def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
                     mode: FakeTensorMode) -> torch.optim.Optimizer:
-    """An optimizer of the same class and settings over fake parameters, with fake copies of its state.
-
-    ``params`` maps ``id(p)`` of each parameter to the fake one replacing it; a parameter missing there is a
-    ``ValueError``.
+    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state.
 
     Example:
         >>> mode = new_fake_mode()
@@ -206,9 +198,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
 def real_code_paths() -> Iterator[None]:
     """Let transformers take, on fake tensors, the attention path it takes on real ones.
 
-    transformers reads a fake tensor as graph tracing and would then materialise the causal mask: another
-    kernel saving other tensors. For that one decision fake tensors are not tracing (unless it needs real
-    values); sequences are assumed unpacked.
+    It reads a fake tensor as tracing and would materialise the causal mask; sequences are assumed unpacked.
     """
     import sys
 

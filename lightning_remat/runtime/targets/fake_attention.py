@@ -1,8 +1,7 @@
 """Attention as a CUDA GPU runs it, on the fake CPU tensors of a profile planned for one.
 
-With attention dropout the CPU falls back to SDPA's math path, saving the quadratic score and probability
-matrices, while a GPU's fused kernels save only output, log-sum-exp and seed: planned on the CPU path, far
-too much would be recomputed. ``cuda_attention()`` routes such calls to the fused kernel CUDA would pick.
+With dropout the CPU saves SDPA's quadratic matrices, a GPU's fused kernel only output, log-sum-exp and
+seed: ``cuda_attention()`` routes such calls to the kernel CUDA would pick.
 
 Example:
     >>> import torch
@@ -49,10 +48,7 @@ def _cuda_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
 
 @contextlib.contextmanager
 def cuda_attention(enabled: bool = True) -> Iterator[None]:
-    """Within it, SDPA calls with dropout run CUDA's fused kernel; a no-op unless ``enabled``.
-
-    The function itself is replaced, since a checkpoint's recompute runs where no ``TorchFunctionMode`` applies.
-    """
+    """Within it, SDPA calls with dropout run CUDA's fused kernel (the function is replaced, for recomputes too)."""
     if not enabled:
         yield
         return

@@ -1,9 +1,4 @@
-"""Mixture-of-Experts layers on the fake tensors of a profile planned without the hardware.
-
-``aten._grouped_mm``'s meta kernel accepts bfloat16 only, though the real kernels take every float
-dtype: ``grouped_mm_in_every_dtype`` gives fake tensors their result. transformers' ``"eager"`` experts
-loop has data-dependent shapes fake tensors cannot follow: ``fixed_shape_experts`` runs the same experts
-with the ``"grouped_mm"`` implementation while profiling.
+"""Mixture-of-Experts layers on fake tensors: grouped matmuls in every dtype, experts in fixed shapes.
 
 Example:
     >>> import torch

@@ -1,7 +1,4 @@
-"""Where offloading is offered, and what the host link costs: the profiler's side of ``core.offload_model``.
-
-Without an accelerator the host *is* the device and offloading gains nothing, so it is offered only for
-an accelerator target. The bandwidth is the named GPU's, or measured on a real CUDA device.
+"""Where offloading is offered (accelerator targets only: elsewhere the host is the device) and the link's cost.
 
 Example:
     >>> from lightning_remat.core.config import ProfileOptions

@@ -1,9 +1,7 @@
 """Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
 
-The fake twin of the model is really sharded with ``fully_shard`` (each candidate block, then the root)
-over a fake process group of N ranks, so FSDP2's own code allocates what rank 0 of a real run holds:
-padded shards, unsharded parameters in flight, reduce-scatter buffers, one rank's activations.
-Precision follows FSDP2's ``MixedPrecisionPolicy``, not autocast (``docs/sharded.md``).
+The fake twin is sharded with ``fully_shard`` over a fake process group of N ranks, so FSDP2's own code
+allocates what rank 0 of a real run holds (``docs/sharded.md``).
 
 Example:
     >>> import torch
@@ -31,10 +29,9 @@ from ...core.errors import ShardingError
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[object]:
-    """A default process group of ``world_size`` fake ranks (this one rank 0) and a CPU mesh; destroyed on exit.
+    """A default process group of ``world_size`` fake ranks and a CPU mesh; destroyed on exit.
 
-    Raises:
-        ShardingError: a process group exists already (it would replace the user's).
+    Raises ``ShardingError`` when a process group exists already (it would replace the user's).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -116,10 +113,7 @@ def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
 @contextlib.contextmanager
 def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
                  param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
-    """With ``world_size`` > 1, a copy of the fake ``model`` sharded for the duration and its ``sharding`` record.
-
-    With 1, ``model`` itself and an empty dict.
-    """
+    """With ``world_size`` > 1, a sharded copy of the fake ``model`` and its ``sharding`` record; else ``model``, {}."""
     if world_size <= 1:
         yield model, {}
         return
