@@ -192,8 +192,7 @@ class BatchSearch:
     def confirm(self, max_batch_size: int, max_trials: int) -> tuple[int, int | None]:
         """(largest batch a real trial passed, its measured peak).
 
-        A trial over the budget corrects the prediction by the measured error; a real out-of-memory error turns
-        the rest into a bisection between the largest size that passed and the smallest that failed.
+        A trial over budget corrects the prediction by the measured error; an OOM turns the rest into a bisection.
         """
         assert self.fit is not None
         measured: int | None = None

@@ -1,11 +1,8 @@
 """The largest batch that fits a memory budget with optimal recomputation.
 
-``find_remat_batch_size`` is Accelerate's ``find_executable_batch_size`` / Lightning's ``BatchSizeFinder``
-with recomputation in the loop. Instead of running batches until one runs out of memory, it profiles two
-small batches, fits every memory term as ``a + b * batch`` (``core.batch_fit.ProfileFit``), searches the
-predictions for the largest batch whose optimal plan fits within ``max_overhead``, confirms it with real
-steps (stepping down, corrected by the measured error, on an out-of-memory error or a peak over budget),
-then applies ``margin`` and the plan.
+Lightning's ``BatchSizeFinder`` with recomputation in the loop: two small batches are profiled, every
+memory term fitted as ``a + b * batch``, the largest batch whose plan fits is searched on predictions and
+confirmed with real steps (stepping down on an out-of-memory error or a peak over budget).
 
 Example:
     >>> import torch
@@ -57,11 +54,8 @@ __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH
 class BatchSizeResult:
     """What ``find_remat_batch_size`` found and what the search cost.
 
-    Attributes:
-        batch_size_without_remat: the largest batch that fits with nothing recomputed (0 when none does).
-        largest_fitting: the largest batch that fits with recomputation, before ``margin``.
-        measured_peak_bytes: the peak of the last successful trial, None when none ran.
-        binsearch_sizes: the sizes Lightning's binsearch would try for the same range, for comparison.
+    ``batch_size_without_remat`` is 0 when nothing fits without recomputation; ``largest_fitting`` is before
+    ``margin``; ``binsearch_sizes`` are what Lightning's binsearch would try, for comparison.
 
     Example:
         >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -182,27 +176,19 @@ def find_remat_batch_size(
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
-    Arguments have Lightning's names (``init_val``, ``max_val``, ``mode``, ``steps_per_trial``, ``max_trials``,
-    ``margin``) and ``plan_remat``'s (``cost``, ``candidates``, ``policies``, ``offload``).
+    Arguments have Lightning's names and ``plan_remat``'s.
 
     Args:
-        model: in training mode; left with the final plan applied when ``apply``.
         make_step: ``make_step(batch_size)`` returns ``step(model) -> loss`` on a batch of that size.
         budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
-        optimizer: counted in the budget; trials step it for real and everything is put back afterwards.
+        optimizer: counted in the budget; trials step it for real and everything is put back.
         init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
         max_overhead: the largest recompute cost accepted, as a share of a step (0 = no recomputation).
-        steps_per_trial: real steps per trial; an optimizer without state first gets one step on zero gradients.
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
         mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
-        max_trials: the most confirmation trials before settling on the last size that passed.
-        policies: op-level policies offered to every stage; None is read as none here.
         confirm: run real trial steps (without it the result is a prediction only).
-        offload: plans may offload saved tensors to host memory; a CUDA model only.
 
-    On an FSDP2 model across processes, call it on every rank with the same ``make_step``: ranks run in
-    lockstep, a failure on any rank fails on all, and every rank returns rank 0's result (budget and batch
-    size per rank).
+    On an FSDP2 model, call it on every rank with the same ``make_step``; every rank returns rank 0's result.
 
     Raises:
         ValueError: a bad argument (max_overhead < 0, margin outside [0, 1), a budget of "min", ...).

@@ -1,8 +1,4 @@
-"""What a measured step under a plan adds to the fake-tensor profile the first step was planned on.
-
-A step that peaked above its prediction shows memory the profile did not see (allocator rounding,
-library workspaces): it is added to every term and the plans are solved again. With ``cost="time"``, a
-fake profile's FLOPs are priced at the seconds per FLOP a real step took.
+"""What a measured step under a plan adds to the fake-tensor profile: memory it did not see, seconds per FLOP.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile

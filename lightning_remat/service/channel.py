@@ -1,10 +1,7 @@
 """The one channel between ranks: who is rank 0, how many ranks there are, how values and errors travel.
 
-Every exchange between ranks (planning, lockstep profiles, the sharded batch search, the integrations'
-shared peaks) goes through a ``Channel``. Errors travel so that every rank enters the same collectives
-whatever failed, and no rank waits for one that gave up: ``from_main`` (rank 0 computes) and
-``on_every_rank`` (every rank computes; the first failure is raised everywhere). An error of ours travels
-as itself; any other, which may not pickle, as a ``PlanningFailedError`` naming rank, type and message.
+Errors travel so every rank enters the same collectives whatever failed: ``from_main`` (rank 0 computes)
+and ``on_every_rank`` (all compute). Ours travel as themselves, others as a ``PlanningFailedError``.
 
 Example:
     >>> single = Channel()
@@ -49,10 +46,7 @@ def failed_out_of_memory(error: BaseException | None) -> bool:
 
 
 class Channel:
-    """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels.
-
-    Implementations override ``rank``, ``world_size``, ``broadcast``, ``gather`` and, if cheaper, ``max`` and ``any``.
-    """
+    """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels."""
 
     @property
     def rank(self) -> int:
@@ -90,10 +84,7 @@ class Channel:
 
     # -- errors that travel ----------------------------------------------------------------------
     def from_main(self, compute: Callable[[], T], *, action: str = "planning", hint: str = "") -> T:
-        """``compute()`` on rank 0; its value on every rank, or its error raised on every rank.
-
-        ``hint`` is added to the message of an error of ours (which integration, which setting).
-        """
+        """``compute()`` on rank 0; its value, or its error (with ``hint`` added), on every rank."""
         if not self.distributed:
             return _hinted(compute, hint)
         attempt = _Attempt()
@@ -110,8 +101,7 @@ class Channel:
                  ended_early: Callable[[T], bool] | None = None) -> list[tuple[T | None, BaseException | None]]:
         """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank.
 
-        Nothing is raised unless a rank ended early while another waited in a collective (the group is then
-        aborted). ``ended_early(value)`` says a value means this rank stopped early, as an error does.
+        ``ended_early(value)``: whether a value means this rank stopped early (a caught OOM), as an error does.
         """
         return self._attempt_on_every_rank(compute, action, ended_early)[1]
 
@@ -199,10 +189,7 @@ def _hinted(compute: Callable[[], T], hint: str) -> T:
 
 
 class TorchDistributedChannel(Channel):
-    """An initialised ``torch.distributed`` process group (gloo, nccl) of several processes.
-
-    ``max`` reduces on ``device`` (default: this process's CUDA device under nccl, else the CPU).
-    """
+    """An initialised ``torch.distributed`` group of several processes; ``max`` reduces on ``device``."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else None

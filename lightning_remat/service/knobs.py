@@ -1,8 +1,6 @@
 """Which knob would make a budget fit: each setting that lowers the least peak, with the peak it gives.
 
-When no plan meets the budget, ``Planner.decide`` adds these to the ``BudgetTooSmallError``: each knob's
-least peak is predicted (re-solved on the profile, or on a re-profile under that setting), not guessed,
-and ``error.knobs`` holds them as dicts.
+``Planner.decide`` adds them to the ``BudgetTooSmallError`` (``error.knobs``), each predicted, not guessed.
 
 Example:
     >>> [k.name for k in KNOBS]

@@ -1,6 +1,4 @@
-"""What integrations report of a plan: the ``remat/...`` figures, and the one over-budget warning.
-
-The warning names the causes the package can see (``installation_cause``, ``shape_cause``) rather than a guess.
+"""What integrations report of a plan: the ``remat/...`` figures, and the over-budget warning with its causes.
 
 Example:
     >>> from lightning_remat.core.plan import Plan
@@ -59,8 +57,7 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
                 causes: Sequence[str | None] = ()) -> str | None:
     """The warning when a measured step peaked above the plan's budget; None when it did not.
 
-    ``causes``: sentences explaining it (None entries skipped); without any, it blames memory the profile
-    did not see.
+    ``causes``: sentences explaining it (None skipped); without any, memory the profile did not see.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,

@@ -1,7 +1,4 @@
-"""The planning service: where a plan is decided, falls back, travels between ranks and becomes metrics.
-
-``plan_remat``, ``AutoRemat``, the Accelerate session, the batch-size search and the command line all go
-through ``Planner``, so a plan is decided the same way everywhere.
+"""The planning service: every entry point decides, falls back and shares a plan through ``Planner``.
 
 Example:
     >>> import torch
@@ -42,9 +39,7 @@ from .sharded_planning import lockstep_plan
 
 @dataclass
 class PlanOutcome:
-    """Rank 0's decision as a value: a plan (as a dict) or an error.
-
-    Errors that may not pickle travel as a ``PlanningFailedError`` naming their type and message.
+    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel.
 
     Example:
         >>> from lightning_remat.core.errors import BudgetTooSmallError
@@ -208,10 +203,9 @@ class Planner:
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
                     lockstep: bool | None = None, **kwargs: Any) -> Plan:
-        """Rank 0 of ``channel`` decides; every rank gets its plan or its error.
+        """Rank 0 of ``channel`` decides; every rank gets its plan or its error (``hint`` added to ours).
 
-        ``hint`` is added to the message of an error of ours. With ``lockstep`` (by default for an FSDP2 model
-        on several ranks) every rank profiles and rank 0 solves on the largest of every term over the ranks.
+        ``lockstep`` (by default for an FSDP2 model on several ranks): every rank profiles, rank 0 solves on the maxima.
         """
         if channel is None:
             channel = Channel()
@@ -240,24 +234,17 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     Args:
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
         budget: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
-        optimizer: counted in the budget (state and step); a list for manual optimization. Lightning's,
-            Fabric's and Accelerate's wrappers are looked through.
+        optimizer: counted in the budget (state and step); a list for manual optimization.
         cost: ``"flops"`` (deterministic, the default), ``"time"`` (measured) or ``"roofline"``.
         fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
         device_memory: the target device's total memory ("80GB") when it is not this machine's.
         precision: with ``fake``, how the step trains (``"bf16-mixed"``, ``"bf16-true"``).
-        accumulation_steps: micro-batches per optimizer step; gradients alive through later forwards are counted.
         world_size: with ``fake``, plan one GPU of an FSDP2 step over this many GPUs (figures per GPU).
-        policies: op-level policies offered to every stage (None for all); none by default.
-        offload: the solver may offload saved tensors to host memory, within ``host_memory``; accelerator targets only.
-        repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact).
-        chunk_loss: a causal LM's head and loss become a stage, possibly chunked over the sequence
-            (the model then returns ``logits=None`` with the same loss).
+        offload: the solver may offload saved tensors to host memory (accelerator targets only).
+        chunk_loss: a causal LM's head and loss may be chunked over the sequence (``logits=None`` then).
 
-    ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper: the module inside is profiled and
-    named. Under ``torch.distributed`` rank 0 decides and every rank returns the same plan or error; an FSDP2
-    model is profiled on every rank in lockstep (call it on every rank; the budget is per rank). Arguments are
-    checked before any profiling.
+    ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every
+    rank returns rank 0's plan or error; an FSDP2 model is profiled on every rank (call it on each).
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])

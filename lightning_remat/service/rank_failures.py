@@ -1,10 +1,8 @@
 """One rank that fails inside a lockstep section: its error on every rank, within seconds.
 
-In a lockstep section every rank's passes may run collectives (FSDP2 all-gathers in every forward). A rank
-that fails there would meet the others in a mismatched collective: gloo aborts both processes, nccl hangs.
-So a rank whose work ended early posts that on the process group's store and waits ``PEER_WAIT_S`` for
-every rank's word: if all posted, the gather goes on; if some rank is silent (waiting in a collective),
-this rank posts its error as the verdict and aborts the group, and every rank raises that verdict.
+A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
+the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent (waiting in a
+collective), it posts its error as the verdict and aborts the group, and every rank raises the verdict.
 
 Example:
     >>> from torch.distributed import HashStore
@@ -84,8 +82,7 @@ def section_board(channel: Any) -> RankBoard | None:
 def settle(board: RankBoard | None, early: BaseException | None) -> None:
     """Post this rank's word; ``early`` is why its work ended early (None: it finished).
 
-    When it ended early and a rank stays silent, the group is aborted and ``early`` raised as the verdict;
-    a rank failing because another aborted the group raises that verdict.
+    Ended early with a rank silent: the group is aborted and ``early`` raised as the verdict.
     """
     if board is None:
         return

@@ -1,8 +1,6 @@
-"""Which shape each batch's plan is made for: the keying of ``service.shape_plans``.
+"""Which shape each batch's plan is made for: shapes rounded up to buckets, so a run plans few of them.
 
-A batch's shape is rounded up to a bucket, so a run meets few shapes to plan and no plan is made for a
-smaller shape than its batch's. Layout sizes are rounded only once they have varied (a model refuses
-other channel counts, so a bucket beyond them could not be profiled).
+Layout sizes are rounded only once they have varied (a bucket beyond a model's channel count could not run).
 
 Example:
     >>> from lightning_remat.core.shapes import BATCH
@@ -23,12 +21,8 @@ from ..core.shapes import Shape, ShapeBuckets
 class ShapeKeys:
     """The buckets and the shapes met so far of one run.
 
-    Args:
-        plan_for: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest shape met of the same
-            structure, and ``max_shape``).
-        max_shape: the largest shape the data has: buckets never round beyond it; one without a layout
-            bounds every layout's batch size and sequence length.
-        per_octave: buckets per doubling of each dimension (0: every shape its own).
+    ``plan_for``: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest met of its structure).
+    ``max_shape``: buckets never round beyond it. ``per_octave``: buckets per doubling (0: every shape its own).
 
     Example:
         >>> keys = ShapeKeys("largest", max_shape=Shape(2, 100))

@@ -1,9 +1,7 @@
 """The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration.
 
-The first batch is planned before it runs, on a fake-tensor profile (exact on the CPU, allocating nothing);
-where fake tensors cannot run the model or profiling runs out of memory, every step gets the fallback
-plan. A measured step that peaked above its prediction shows memory no profile saw: it goes into the
-anchor, carried to every shape, and the plans are solved again.
+The first batch is planned before it runs on fake tensors (exact on the CPU, allocating nothing), or gets
+the fallback plan where that fails.
 
 Example:
     >>> import torch
@@ -93,10 +91,8 @@ class ShapeProfiles:
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
         """Take a real step measured under ``plan`` (default: the installed one) into account; True if re-solved.
 
-        A peak above the prediction is added to the anchor, carried to every shape. With ``cost="time"`` and
-        no real profile, the first ``seconds`` given price the fake profiles' FLOPs. A first step holds no
-        optimizer state, so its excess is a lower bound. Under several ranks, call it on every rank with the
-        same figures (the largest peak of any rank).
+        A peak above the prediction goes into the anchor, carried to every shape; with ``cost="time"`` the first
+        ``seconds`` price the fake profiles. Under several ranks, call it on every rank with the same figures.
         """
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0

@@ -1,8 +1,4 @@
-"""Planning a model sharded with FSDP2 (``fully_shard``): every rank profiles, in lockstep.
-
-FSDP2's passes run collectives, so every rank profiles its own shard; rank 0 solves on the largest of
-every term over the ranks, so the budget holds on each, and broadcasts the plan. FSDP1 cannot be
-profiled this way (``refuse_fsdp1``).
+"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each.
 
 Example:
     >>> from torch import nn
@@ -45,9 +41,7 @@ def refuse_fsdp1(model: nn.Module, where: str) -> None:
 
 
 def merge_profiles(profiles: list[Profile]) -> Profile:
-    """One profile whose every numeric term is the largest of the ranks': a plan within budget on it is on every rank.
-
-    Names, policies and the sharding are rank 0's; a segment some rank lacks comes from the ranks that have it.
+    """One profile whose every numeric term is the largest of the ranks', so a plan within budget fits every rank.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile

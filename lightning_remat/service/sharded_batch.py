@@ -1,9 +1,7 @@
 """The batch-size search on a model sharded with FSDP2: every rank searches in lockstep.
 
-A sharded model runs collectives in every pass, so every rank runs the same passes and trials in the
-same order. Profiles are merged term by term (the largest over the ranks), a trial fails if it failed
-on any rank, the ranks check they chose the same trial, and the result is rank 0's. The budget is per
-rank; a relative one resolves on each rank and the smallest is used.
+Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
+is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
 
 Example:
     >>> combine_trials([Trial(8, ("h.0",), 1, 100, False, True, 90), Trial(8, ("h.0",), 1, 130, False, True, 90)],

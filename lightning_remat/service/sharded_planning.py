@@ -40,10 +40,9 @@ class _Planner(Protocol):
 
 def lockstep_plan(planner: _Planner, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
                   channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
-    """Profile on every rank, solve on rank 0 over the termwise maximum, and return rank 0's plan (or error) on all.
+    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all.
 
-    An error while profiling reaches every rank once all have finished; with ``fallback``, an out-of-memory
-    error on some rank gives every rank the recompute-everything plan.
+    With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
     """
     if planner.config.profile.fake:
         # Decided alike on every rank, before any collective.
