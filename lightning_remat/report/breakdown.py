@@ -1,11 +1,4 @@
-"""Where the memory of a training step goes.
-
-``memory_breakdown`` answers the common question "what uses my memory?": parameters, gradients,
-optimizer state (Adam keeps two tensors per parameter; before the optimizer's first step, the
-state it *will* create is counted, because every later step holds it), activations saved for
-backward and temporaries, and the modules that save the most activation bytes. The tables are
-drawn by ``report.render``.
-"""
+"""Where the memory of a training step goes, with the modules that save the most activation bytes."""
 
 from __future__ import annotations
 
@@ -43,21 +36,9 @@ class MemoryBreakdown:
     """Where the memory of one training step goes.
 
     Attributes:
-        parameter_bytes, buffer_bytes, gradient_bytes: the model's tensors (all gradients, as
-            after backward).
-        optimizer_state_bytes: the optimizer's state; when the optimizer has not stepped yet, the
-            state its first step will create (``optimizer_state_counted_ahead`` is then True).
-        activation_bytes, temporary_bytes: measured at the highest point of forward and backward:
-            tensors created in forward (mostly saved for backward) and tensors created in backward.
-        at_peak: the split of that highest point by MemTracker's categories ("Parameter",
-            "Gradient", "Optstate", "Activation", "Temp", ...; gradients there are only those
-            computed so far); its values add up to ``forward_backward_peak_bytes``.
-        forward_backward_peak_bytes: that highest point, optimizer state included: the sum of
-            ``at_peak``.
-        peak_bytes: the peak of a whole steady-state training step (forward, backward and the
-            optimizer step), as the profile predicts it; this is what a budget is compared with.
-        saved_activation_bytes: bytes saved for backward by all candidate blocks together.
-        top_modules: the candidate blocks that save the most, largest first.
+        optimizer_state_bytes: before the first step, the state it will create (``optimizer_state_counted_ahead``).
+        at_peak: the split of the forward/backward peak by category; it sums to ``forward_backward_peak_bytes``.
+        peak_bytes: the predicted peak of a whole steady-state step: what a budget is compared with.
 
     Example:
         >>> b = MemoryBreakdown(parameter_bytes=4, gradient_bytes=4, optimizer_state_bytes=8,
@@ -139,17 +120,7 @@ def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimi
                      console: Any = None) -> MemoryBreakdown:
     """Where the memory of one training step of ``model`` goes; printed with rich and returned.
 
-    Args:
-        model: the model, in training mode.
-        step: ``step(model)`` returns the loss of a forward pass on a representative batch.
-        optimizer: its state counts: the state it holds or, before its first step, the state
-            that step will create (Adam: two tensors the size of each parameter).
-        profile: a ``profile_step`` result for this model, step and optimizer, to avoid profiling
-            again (None: profile here).
-        top: how many modules to list by saved activation bytes.
-        show: print the tables (with rich) to ``console`` (default stdout).
-
-    The model, its gradients, buffers, RNG state and the optimizer are left as they were.
+    ``profile``: a ``profile_step`` result to avoid profiling again. The model is left as it was.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])

@@ -1,16 +1,7 @@
 """Figures README and docs quote, recorded by the scripts that print them, and checked against the text.
 
-A figure quoted in prose drifts as soon as the code changes; here it cannot drift unnoticed. A
-script that prints a quoted figure records what it printed in one JSON file (``docs/figures.json``)
-when it runs with ``--figures PATH`` (``record_figures``), under the command that printed it. The
-same file lists where each figure is quoted: a sentence of README or docs with ``{name}`` where the
-figure stands. ``check_quotes`` finds each sentence (line breaks and runs of spaces count as one
-space) and compares the number written there with the recorded one; it fails beyond the relative
-tolerance the quote states for that figure (``"tolerance": {"seconds": 1.0}``: wall-clock varies
-from machine to machine; default ``DEFAULT_TOLERANCE``, 0.5%) plus half a unit of the last digit
-written (340.17 quotes 340.1712 exactly). ``tests/test_docs_figures.py`` runs the check on
-every test run without re-running anything; ``benchmarks/figures.py`` re-runs the commands and
-rewrites the recorded values.
+Each quote is a sentence with ``{name}`` where the figure stands; ``check_quotes`` compares the number
+written with the recorded one, within the quote's tolerance (default 0.5%) plus half a last digit.
 
 Example:
     >>> import json, tempfile, pathlib
@@ -40,8 +31,7 @@ _NUMBER = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
 
 
 def figures_key(script: str, argv: list[str]) -> str:
-    """The key a script's figures are recorded under: its path from the repository root and its
-    arguments without ``--figures PATH`` (the command ``benchmarks/figures.py`` runs again).
+    """The key a script's figures are recorded under: its path and arguments without ``--figures PATH``.
 
     Example:
         >>> figures_key("examples/plan_llama7b.py", ["--batch", "4", "--figures", "docs/figures.json"])
@@ -60,8 +50,7 @@ def figures_key(script: str, argv: list[str]) -> str:
 
 
 def record_figures(path: str | Path, command: str, values: dict[str, float]) -> None:
-    """Record ``values`` (name -> number, as printed, before rounding) under ``command`` in the JSON
-    file ``path``, keeping every other command's figures and the quotes.
+    """Record ``values`` (as printed, before rounding) under ``command`` in the JSON file ``path``.
 
     Example:
         >>> import tempfile, pathlib
@@ -101,8 +90,7 @@ def _within(written: str, recorded: float, tolerance: float) -> bool:
 
 
 def check_quotes(root: str | Path, data: dict[str, Any]) -> list[str]:
-    """Every quote of ``data`` checked in the files under ``root``: a list of problems, empty when
-    each sentence is found and each number in it agrees with the recorded figure (example above)."""
+    """Every quote of ``data`` checked in the files under ``root``: the problems found (example above)."""
     problems: list[str] = []
     for quote in data.get("quotes", []):
         file, command = quote["file"], quote["command"]

@@ -1,8 +1,4 @@
-"""Budget sweeps and plots: peak memory against recompute overhead, memory over a step.
-
-Plots need matplotlib (``pip install lightning-remat[plots]``); it is imported only when plotting,
-with the non-interactive Agg backend.
-"""
+"""Budget sweeps and plots; matplotlib (``lightning-remat[plots]``) is imported only when plotting."""
 
 from __future__ import annotations
 
@@ -36,9 +32,7 @@ class ParetoPoint:
 
 
 def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> list[ParetoPoint]:
-    """Solve for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak.
-
-    Uses the profile only (predicted figures); each budget is one ``solve``.
+    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
@@ -73,11 +67,7 @@ def pyplot() -> Any:
 
 def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
                          budget_bytes: int | None = None) -> Path:
-    """Plot total memory over one training step for each timeline (e.g. before and after a plan) to a PNG.
-
-    Each timeline was measured (MemTracker, operator by operator): its peak is marked and labelled
-    as the measured peak, and ``budget_bytes`` is drawn as a dashed line, so the picture says at a
-    glance whether the plan held its budget.
+    """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed.
 
     Example:
         >>> import tempfile, os
@@ -130,13 +120,8 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
                 overhead_label: str = "FLOP overhead (%)") -> Path:
     """Plot peak memory against recompute overhead to a PNG.
 
-    Args:
-        curve: (peak bytes, overhead) of our plans for a sweep of budgets (predicted), drawn as a line.
-        points: (label, peak bytes, overhead) of peers, one marker each.
-        measured: (label, peak bytes, overhead) of our plans as measured, drawn as dots.
-        planned: (label, peak bytes, overhead) of our plans as predicted (not run), drawn as hollow dots.
-        baseline_peak_bytes: draws a vertical line at the peak without recomputation.
-        budget_bytes: draws the budget as a dashed vertical line.
+    ``curve``: our plans over a sweep of budgets; ``points``: peers, (label, peak bytes, overhead) each;
+    ``measured`` and ``planned``: our plans as measured and as predicted.
 
     Example:
         >>> import tempfile, os
@@ -168,9 +153,7 @@ OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time over
 
 def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
                        title: str = "") -> Any:
-    """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): the budget sweep of
-    ``profile``, the plan as predicted, the plan as measured (``measured_peak_bytes``, at its
-    predicted overhead) and the budget.
+    """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): sweep, plan predicted and measured, budget.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
@@ -220,8 +203,7 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
 
 
 def _annotate(ax: Any, measured: Sequence[tuple[str, int, float]]) -> None:
-    """One label per measured point: plans that land on the same point share a label ("min, @ HF peak"),
-    and labels of neighbouring points alternate above and below, so that none is drawn over another."""
+    """One label per measured point (plans on the same point share it), alternating above and below."""
     merged: dict[tuple[float, float], list[str]] = {}
     for label, p, o in measured:
         # Points closer than the text's resolution (0.1 MiB, 0.1%) are the same point on the plot.

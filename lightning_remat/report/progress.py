@@ -1,10 +1,4 @@
-"""One progress display for long work: planning in every integration and the command line's phases.
-
-A rich progress bar on stderr (spinner, the phase, phases done, time elapsed) that appears only
-once the work has run ``delay`` seconds (planning a small model stays silent, planning a 7B model
-shows what it is doing), only on a terminal (a log or a pipe gets no bar's redraws), and that
-leaves nothing behind when it ends (transient). The planning service shows it on rank 0 unless
-``verbose=False``; the command line shows it at once, unless ``--json``.
+"""One progress display for long work: a transient rich bar on stderr, after ``delay`` seconds, on a terminal.
 
 Example:
     >>> with PhaseProgress(2, enabled=False) as advance:
@@ -32,12 +26,7 @@ def default_console() -> Any:
 class PhaseProgress:
     """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next.
 
-    Args:
-        total: how many phases there are (None: a spinner without a bar).
-        enabled: False shows nothing (``verbose=False``, ranks other than 0, ``--json``).
-        delay: seconds before the bar appears (0: at once; None: ``DELAY_SECONDS``); work shorter
-            than that shows nothing.
-        console: a ``rich.console.Console`` (default: stderr); nothing is shown unless it is a terminal.
+    ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
 
     Example:
         >>> import io

@@ -1,11 +1,5 @@
 """Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
 
-The data classes (``Plan``, ``BatchSizeResult``, ``MemoryBreakdown``, pareto points) hold numbers;
-this module turns them into ``rich`` tables for a terminal and into plain text for logs. A plan is
-rendered one way everywhere: a headline, one row per stage, the static memory at the peak, and the
-plan's notes; its text (``Plan.summary()``) is ``core.plan_text``, which this module shows with a
-rich table.
-
 Example:
     >>> from lightning_remat.core.plan import Plan
     >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
@@ -63,8 +57,7 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
 
 
 def plan_table(plan: Any) -> Any:
-    """The plan's stages as a ``rich.table.Table``: option, stored bytes with and without it, cost
-    (the rows of ``core.plan_text.plan_rows``)."""
+    """The plan's stages as a ``rich.table.Table`` (the rows of ``core.plan_text.plan_rows``)."""
     from rich.table import Table
 
     table = Table(show_edge=False, pad_edge=False)
@@ -76,8 +69,7 @@ def plan_table(plan: Any) -> Any:
 
 
 def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
-    """Headline, stage table, static memory at the peak, notes: the plan as ``Plan.summary()``
-    writes it (``core.plan_text``), with a rich table."""
+    """Headline, stage table, static memory at the peak and notes, as ``Plan.summary()`` writes them."""
     lines: list[Any] = [plan_headline(plan, title)]
     if plan_rows(plan):
         lines.append(plan_table(plan))
@@ -86,7 +78,7 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
 
 
 def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    """The plan as plain text (``Plan.summary()``: ``core.plan_text.plan_text``)."""
+    """The plan as plain text (``Plan.summary()``)."""
     return plan_text(plan, title)
 
 
@@ -144,10 +136,7 @@ def percent_shares(parts: Sequence[int]) -> list[str]:
 
 
 def breakdown_table(breakdown: Any) -> Any:
-    """A ``MemoryBreakdown`` as a ``rich.table.Table``: each kind of memory, its size over the step,
-    its part of the forward/backward peak and its share of that peak (the shares add up to 100%).
-    The peak of the whole step (the optimizer step included, what a budget is compared with) is the
-    last row."""
+    """A ``MemoryBreakdown`` as a ``rich.table.Table``; shares of the forward/backward peak add up to 100%."""
     from rich.table import Table
 
     table = Table(title=f"Memory of one training step ({breakdown.device})", title_justify="left")

@@ -1,8 +1,4 @@
-"""How the memory of a training step moves: the total after every operator of one forward and backward.
-
-``memory_timeline`` records it (forward rising as activations are saved, backward falling as they
-are freed) with or without a plan; ``plots.plot_memory_timeline`` draws it.
-"""
+"""How the memory of a training step moves: the total after every operator of one forward and backward."""
 
 from __future__ import annotations
 
@@ -26,13 +22,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 
 @dataclass
 class MemoryTimeline:
-    """Total memory after each operator of one forward and backward pass.
-
-    Attributes:
-        label: what was run ("no recomputation", "plan: 3 modules", ...).
-        bytes_after_op: tracked bytes after each operator, in execution order; they include the
-            optimizer's state (counted ahead when the optimizer has not stepped yet).
-        backward_start: index of the first operator of the backward pass (None if none ran).
+    """Total memory after each operator of one forward and backward pass (optimizer state included).
 
     Example:
         >>> t = MemoryTimeline("demo", [10, 30, 20], backward_start=2)
@@ -65,10 +55,7 @@ def future_optimizer_state(optimizer: torch.optim.Optimizer | None) -> int:
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   names: Sequence[str], segments: Sequence[Sequence[str]] = (),
                   policies: dict[str, str] | None = None) -> TimelineTracker:
-    """One forward and backward pass under the timeline tracker, with ``names`` recomputed.
-
-    Gradients, buffers, RNG state and the previous plan are put back afterwards.
-    """
+    """One forward and backward pass under the timeline tracker with ``names`` recomputed; the model left as it was."""
     device = model_device(model)
     tracker = TimelineTracker(device)
     with preserved_training_state(model, optimizer), applied(model, names, segments, policies), \
@@ -84,16 +71,7 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
                     optimizer: torch.optim.Optimizer | None = None, label: str | None = None) -> MemoryTimeline:
     """Record the total memory after every operator of one forward and backward pass.
 
-    Args:
-        model: the model, in training mode.
-        step: ``step(model)`` returns the loss; backward is run here.
-        plan: a ``Plan`` or module names to recompute during this pass (None: nothing recomputed,
-            whatever plan the model has applied is lifted for the pass and put back after).
-        optimizer: its state is part of the memory of a steady-state step; if it has not stepped
-            yet, the state its first step creates is added to every point.
-        label: the legend entry (default: describes the plan).
-
-    The model is left as it was: gradients, buffers, RNG state and the applied plan.
+    ``plan``: a ``Plan`` or module names to recompute (None: nothing). The model is left as it was.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(4)])

@@ -1,8 +1,4 @@
-"""The search behind ``find_remat_batch_size``: fit profiles, predict plans per batch size, confirm with trials.
-
-``_BatchSearch`` holds one search's state (the fitted profile, the corrections that failed trials
-taught, the plans predicted so far); ``batch_size.find_remat_batch_size`` runs its steps in order.
-"""
+"""The search behind ``find_remat_batch_size``: fit profiles, predict plans per batch size, confirm with trials."""
 
 from __future__ import annotations
 
@@ -75,8 +71,7 @@ class BatchSearch:
         options = replace(self.config.profile, warmup=warmup)
         if options.policies is None:
             # Selective-checkpointing options are not offered by default here: the fit across batch
-            # sizes under-predicted them (a trial over the budget at 256 for an MLP); ask for them
-            # with ProfileOptions(policies=...).
+            # sizes under-predicts them; ask for them with ProfileOptions(policies=...).
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
@@ -131,7 +126,7 @@ class BatchSearch:
         return extra
 
     def plan_for(self, batch_size: int, recompute: bool) -> Plan | None:
-        """The plan at ``batch_size`` (least cost within budget and ``max_overhead``; or keep-all), None if none fits."""
+        """The plan at ``batch_size`` within budget and ``max_overhead`` (or keep-all); None if none fits."""
         key = (batch_size, recompute)
         if key not in self.plans:
             assert self.fit is not None
@@ -197,9 +192,7 @@ class BatchSearch:
     def confirm(self, max_batch_size: int, max_trials: int) -> tuple[int, int | None]:
         """(largest batch a real trial passed, its measured peak).
 
-        A trial over the budget corrects the prediction by the measured error; a real
-        out-of-memory error (the device holds less than the budget) turns the rest of the search
-        into a bisection between the largest size that passed and the smallest that failed.
+        A trial over budget corrects the prediction by the measured error; an OOM turns the rest into a bisection.
         """
         assert self.fit is not None
         measured: int | None = None

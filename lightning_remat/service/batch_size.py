@@ -1,26 +1,8 @@
-"""Automatic batch-size scaling: the largest batch that fits a memory budget with optimal recomputation.
+"""The largest batch that fits a memory budget with optimal recomputation.
 
-``find_remat_batch_size`` is the counterpart of Accelerate's ``find_executable_batch_size`` and of
-Lightning's ``BatchSizeFinder``, with recomputation in the loop. Instead of trying batch after batch
-until one runs out of memory, it
-
-1. profiles a training step at two small batch sizes (``init_val`` and ``2 * init_val``) and fits every
-   term of the memory model as ``a + b * batch`` (``core.batch_fit.ProfileFit``), a ``Profile`` for
-   any batch size without running it;
-2. searches, on these predictions only, the largest batch whose optimal plan (``solve``) fits the
-   budget with ``predicted_overhead <= max_overhead``, and the largest batch that fits with nothing
-   recomputed (the keep-only plan), for the comparison;
-3. confirms the choice with ``steps_per_trial`` real steps with the plan applied (``measure_step``;
-   the budget is for steady-state steps, so an optimizer that has no state yet first creates it with
-   an optimizer step on zero gradients, which runs no forward or backward). A trial fails on a real out-of-memory error (recognised as Accelerate's
-   ``should_reduce_batch_size`` does: CUDA, ROCm, XPU, MPS, CPU and HPU messages) or when the
-   measured peak exceeds the budget; the search then steps down, with the prediction corrected by
-   the measured error, and confirms again;
-4. applies ``margin`` (``floor(batch * (1 - margin))``) and, by default, the plan for the final batch.
-
-Trial steps are counted, and so is the cost of the search Lightning's ``BatchSizeFinder`` would
-run in ``"binsearch"`` mode for the same range (``lightning_binsearch_sizes``): it doubles from
-``init_val`` until a failure, then bisects, and every trial is ``steps_per_trial`` real steps.
+Lightning's ``BatchSizeFinder`` with recomputation in the loop: two small batches are profiled, every
+memory term fitted as ``a + b * batch``, the largest batch whose plan fits is searched on predictions and
+confirmed with real steps (stepping down on an out-of-memory error or a peak over budget).
 
 Example:
     >>> import torch
@@ -72,21 +54,8 @@ __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH
 class BatchSizeResult:
     """What ``find_remat_batch_size`` found and what the search cost.
 
-    Attributes:
-        batch_size: the batch to train with (after ``margin``).
-        batch_size_without_remat: the largest batch that fits the budget with nothing recomputed
-            (0 when none does); predicted, and confirmed by real steps when asked.
-        largest_fitting: the largest batch that fits with recomputation, before ``margin``.
-        plan: the least-cost recompute plan for ``batch_size`` under the budget.
-        budget_bytes: the budget searched against.
-        measured_peak_bytes: the peak of the last successful confirmation trial (at ``largest_fitting``),
-            None when no trial was run.
-        trials: every real trial, in order.
-        trial_steps: real training steps run at candidate batch sizes (all trials).
-        profile_batch_sizes: the batch sizes profiled; ``profile_passes`` forward/backward passes
-            the profiler ran at them, ``profile_samples`` the samples those passes processed.
-        binsearch_sizes: the sizes Lightning's binsearch would try for the same range (from
-            ``init_val`` up to ``largest_fitting``), ``binsearch_trial_steps`` its real steps.
+    ``batch_size_without_remat`` is 0 when nothing fits without recomputation; ``largest_fitting`` is before
+    ``margin``; ``binsearch_sizes`` are what Lightning's binsearch would try, for comparison.
 
     Example:
         >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -142,7 +111,7 @@ class BatchSizeResult:
         }
 
     def table(self) -> Any:
-        """A ``rich.table.Table`` of the result and what the search cost (``report.render``).
+        """A ``rich.table.Table`` of the result and what the search cost.
 
         Example:
             >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -207,60 +176,23 @@ def find_remat_batch_size(
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
-    The arguments have Lightning's names (``Tuner.scale_batch_size``, ``BatchSizeFinder``:
-    ``init_val``, ``max_val``, ``mode``, ``steps_per_trial``, ``max_trials``, ``margin``) and the
-    planning ones ``plan_remat``'s (``cost``, ``candidates``, ``policies``, ``offload``).
+    Arguments have Lightning's names and ``plan_remat``'s.
 
     Args:
-        model: the model, in training mode. Left with the plan for the result applied (``apply``).
-        make_step: ``make_step(batch_size)`` returns a step closure ``step(model) -> loss`` on a batch
-            of ``batch_size`` samples (as ``profile_step`` and ``measure_step`` take it). It is
-            called once per batch size profiled or tried.
+        make_step: ``make_step(batch_size)`` returns ``step(model) -> loss`` on a batch of that size.
         budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
-        optimizer: counted in the budget (its state and its step). Trial steps step it for real;
-            parameters, optimizer state, gradients, buffers and RNG are put back afterwards.
+        optimizer: counted in the budget; trials step it for real and everything is put back.
         init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
-        max_val: the largest batch size considered.
-        max_overhead: the largest recompute cost accepted, as a share of the cost of a step
-            without recomputation (0.35 = 35%); 0 means no recomputation.
-        steps_per_trial: real steps per confirmation trial. An optimizer without state creates it
-            first with one optimizer step on zero gradients (no forward or backward), since the
-            budget is for steady-state steps.
+        max_overhead: the largest recompute cost accepted, as a share of a step (0 = no recomputation).
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
-        cost: ``"flops"`` (counted, deterministic; the default), ``"time"`` (measured) or
-            ``"roofline"`` prices recomputation.
         mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
-        max_trials: the most confirmation trials run before giving up with the last size that passed
-            (or the largest predicted one, noted, when none did).
-        candidates: as ``find_stages``: None for automatic stages, or module classes / name patterns.
-        policies: op-level selective-checkpointing policies offered to every stage, as
-            ``plan_remat(policies=)``; none by default (None, "every one", is read as none here: the
-            fit across batch sizes under-predicted them).
-        confirm: run real trial steps at the chosen batch (recommended; without it the result is a
-            prediction only).
-        confirm_without_remat: confirm the batch without recomputation by real steps too.
-        apply: apply the plan for the final batch to ``model``.
-        offload: the plans may also offload stages' saved tensors to host memory (``docs/offload.md``),
-            as ``plan_remat(offload=True)``: a CUDA model only (on a CPU model the host is the
-            device, and a ``RematError`` says so before anything runs). Every batch size's plan
-            stays within the host memory free when the search starts; trials run with the plan's
-            offloading applied.
-        verbose: a progress display on stderr while a profile runs longer than a few seconds (rank 0,
-            on a terminal); False shows nothing.
+        confirm: run real trial steps (without it the result is a prediction only).
 
-    On a model sharded with FSDP2 (``fully_shard``) across processes, call it on every rank with the
-    same ``make_step``: every rank profiles and runs the trials in lockstep, a trial over the budget
-    or out of memory on any rank fails on all, and every rank returns rank 0's result; the budget
-    and the batch size are per rank (``service.sharded_batch``, docs/batch_size.md).
-
-    Returns:
-        A ``BatchSizeResult``: the batch size, the plan, the largest batch without recomputation,
-        the measured peak and what the search cost in real steps next to Lightning's binsearch.
+    On an FSDP2 model, call it on every rank with the same ``make_step``; every rank returns rank 0's result.
 
     Raises:
-        ValueError: for a bad argument (max_overhead < 0, margin outside [0, 1), a budget of "min", ...).
-        BatchSizeTooSmallBudgetError: (a ``BudgetTooSmallError``) even a batch of one does not fit the
-            budget, or not within ``max_overhead``; it names the least peak at batch size 1.
+        ValueError: a bad argument (max_overhead < 0, margin outside [0, 1), a budget of "min", ...).
+        BatchSizeTooSmallBudgetError: even a batch of one does not fit within ``max_overhead``.
 
     Example:
         >>> import torch

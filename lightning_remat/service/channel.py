@@ -1,30 +1,7 @@
 """The one channel between ranks: who is rank 0, how many ranks there are, how values and errors travel.
 
-Every place where ranks exchange something goes through a ``Channel``: the planner (rank 0 decides,
-every rank gets its plan or its error), the lockstep planning of a sharded model and the sharded
-batch-size search (every rank profiles; the figures are gathered), the Lightning callback and the
-Accelerate session (the largest measured peak over the ranks, a decision taken together).
-
-- ``Channel``: one process, rank 0 of 1: ``broadcast`` and ``gather`` return what they are given.
-- ``TorchDistributedChannel``: an initialised ``torch.distributed`` group (gloo, nccl) of several
-  processes; ``torch_distributed_channel()`` gives it, or the single-process one.
-- ``integrations.lightning.channel.LightningChannel``: a Lightning trainer's strategy.
-
-Errors travel with two patterns, both of which make every rank enter the same collectives whatever
-failed, so that no rank waits for one that gave up:
-
-- ``from_main(compute)``: rank 0 computes; every rank gets its value, or raises its error;
-- ``on_every_rank(compute)``: every rank computes; every rank gets all the values in rank order,
-  or raises the error of the first rank that failed (``outcomes`` gives the values and errors).
-  A rank whose work ended early says so on the process group's store before any collective, and
-  when another rank is left waiting in a collective of the work, the group is aborted and every
-  rank raises its error within seconds (``rank_failures``).
-
-An error of ours (``RematError``) travels as itself, message, hint and fields intact; any other
-error (arbitrary exceptions may not pickle) as a ``PlanningFailedError`` naming the rank, the
-error's type and its message, raised on the rank where it happened too, from the original (whose
-type and traceback stay in the chain). In a single process nothing travels: the error is raised as
-it is.
+Errors travel so every rank enters the same collectives whatever failed: ``from_main`` (rank 0 computes)
+and ``on_every_rank`` (all compute). Ours travel as themselves, others as a ``PlanningFailedError``.
 
 Example:
     >>> single = Channel()
@@ -48,9 +25,7 @@ T = TypeVar("T")
 
 
 def travelling(error: BaseException, rank: int, action: str = "planning") -> BaseException:
-    """``error`` as it can travel to the other ranks: ours as itself, any other as a
-    ``PlanningFailedError`` naming ``rank``, the ``action`` that failed, the error's type and message
-    (``out_of_memory`` set on it for a real out-of-memory error).
+    """``error`` as it can travel to other ranks: ours as itself, any other as a ``PlanningFailedError``.
 
     Example:
         >>> travelling(MemoryError("host"), rank=0).out_of_memory
@@ -71,12 +46,7 @@ def failed_out_of_memory(error: BaseException | None) -> bool:
 
 
 class Channel:
-    """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels.
-
-    Implementations override ``rank``, ``world_size``, ``broadcast``, ``gather`` and, when they have
-    a cheaper reduction, ``max`` and ``any``; the error patterns are built on ``broadcast`` and
-    ``gather``.
-    """
+    """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels."""
 
     @property
     def rank(self) -> int:
@@ -114,10 +84,7 @@ class Channel:
 
     # -- errors that travel ----------------------------------------------------------------------
     def from_main(self, compute: Callable[[], T], *, action: str = "planning", hint: str = "") -> T:
-        """``compute()`` on rank 0; its value on every rank, or its error raised on every rank.
-
-        ``hint`` is added to the message of an error of ours (which integration, which setting).
-        """
+        """``compute()`` on rank 0; its value, or its error (with ``hint`` added), on every rank."""
         if not self.distributed:
             return _hinted(compute, hint)
         attempt = _Attempt()
@@ -132,18 +99,15 @@ class Channel:
 
     def outcomes(self, compute: Callable[[], T], *, action: str = "profiling",
                  ended_early: Callable[[T], bool] | None = None) -> list[tuple[T | None, BaseException | None]]:
-        """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank
-        (errors as ``travelling`` makes them). Nothing is raised, except when a rank's work ended
-        early while another waited in a collective for it (``rank_failures``: the group is aborted).
+        """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank.
 
-        ``ended_early(value)``: whether a value means this rank stopped before the others could
-        finish (an out-of-memory error caught inside, as a trial does), as an error does."""
+        ``ended_early(value)``: whether a value means this rank stopped early (a caught OOM), as an error does.
+        """
         return self._attempt_on_every_rank(compute, action, ended_early)[1]
 
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
                       ended_early: Callable[[T], bool] | None = None) -> list[T]:
-        """``compute()`` on every rank; every rank's value in rank order, or the error of the first
-        rank that failed raised on every rank (``ended_early`` as in ``outcomes``)."""
+        """``compute()`` on every rank; the values in rank order, or the first rank's error raised on every rank."""
         if not self.distributed:
             return [compute()]
         attempt, results = self._attempt_on_every_rank(compute, action, ended_early)
@@ -190,8 +154,7 @@ class _Attempt:
             self.original, self.error = caught, travelling(caught, rank, action)
 
     def early(self, ended_early: Callable[[Any], bool] | None, rank: int, action: str) -> BaseException | None:
-        """Why this rank's work ended before the others could finish theirs: its error, or an
-        out-of-memory error for a value ``ended_early`` flags; None when it finished."""
+        """Why this rank's work ended before the others finished: its error, or an out-of-memory for a flagged value."""
         if self.error is not None or ended_early is None or not ended_early(self.value):
             return self.error
         stopped = PlanningFailedError(f"out of memory on rank {rank} while {action}")
@@ -226,12 +189,7 @@ def _hinted(compute: Callable[[], T], hint: str) -> T:
 
 
 class TorchDistributedChannel(Channel):
-    """An initialised ``torch.distributed`` process group (gloo, nccl) of several processes.
-
-    Objects travel by ``broadcast_object_list`` / ``all_gather_object``; ``max`` is an
-    ``all_reduce`` of one float64 on ``device`` (default: this process's CUDA device under nccl,
-    else the CPU).
-    """
+    """An initialised ``torch.distributed`` group of several processes; ``max`` reduces on ``device``."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else None
@@ -265,8 +223,7 @@ class TorchDistributedChannel(Channel):
 
 
 def torch_distributed_channel(device: torch.device | str | None = None) -> Channel:
-    """The channel of the initialised ``torch.distributed`` group if it has several processes, else
-    the single-process one.
+    """The channel of the initialised ``torch.distributed`` group if it has several processes, else a single one.
 
     Example:
         >>> torch_distributed_channel().world_size

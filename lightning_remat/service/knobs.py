@@ -1,17 +1,6 @@
-"""Which knob would make a budget fit: each setting that lowers the least peak, with the least peak
-it gives, predicted (re-solved on the profile, or on a re-profile under that setting), not guessed.
+"""Which knob would make a budget fit: each setting that lowers the least peak, with the peak it gives.
 
-When no plan meets the budget, ``Planner.decide`` adds these to the ``BudgetTooSmallError``
-(``errors.BudgetTooSmallError.with_knobs``): the message says which knob reaches the budget and
-what peak it gives, and ``error.knobs`` holds them as dicts. A knob is one entry of ``KNOBS``:
-
-- ``fused=True`` / ``foreach=False`` on the optimizer: its step measured under that setting with
-  the profile (``Profile.optimizer_step_alternatives``), the profile re-solved (no re-profile);
-- ``offload=True``: a re-profile with offloading offered (an accelerator target only);
-- more GPUs with FSDP2: a fake re-profile sharded over the least world size estimated to fit
-  (``core.sharding.smallest_world_size``), and twice that if it does not;
-- chunked loss (``chunk_loss=True``, a causal LM's head and loss planned over sequence chunks): a
-  re-profile with it on, where the model has such a head (``runtime.installing.chunked_loss``).
+``Planner.decide`` adds them to the ``BudgetTooSmallError`` (``error.knobs``), each predicted, not guessed.
 
 Example:
     >>> [k.name for k in KNOBS]
@@ -43,8 +32,7 @@ class KnobContext:
 
 @dataclass(frozen=True)
 class Knob:
-    """One knob: its name, and ``evaluate(context)`` -> ``(how to ask for it, least peak)`` or None
-    where it does not apply (None as ``evaluate``: an extension point not built yet).
+    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
 
     Example:
         >>> Knob("x", None).name
@@ -72,9 +60,7 @@ def _optimizers(optimizer: Any) -> list:
 
 
 def _model_optimizer(model: Any, optimizer: Any) -> Any:
-    """``optimizer``, or where a fake profile converted a meta model's parameters in place
-    (``runtime.targets.fake.fake_model``), one of its class and groups over the model's parameters
-    now, matched in the model's order."""
+    """``optimizer``, or one over the model's parameters now where a fake profile converted a meta model in place."""
     optimizers = _optimizers(optimizer)
     current = list(model.parameters())
     ids = {id(p) for p in current}
@@ -99,9 +85,7 @@ def _reprofiled(context: KnobContext, **settings: Any) -> Any:
 
 
 def _below_static(context: KnobContext) -> bool:
-    """Whether the budget is below the static memory (parameters, gradients, optimizer state),
-    which a knob that moves only activations (offload, chunked loss) leaves as it is: such a knob
-    cannot reach it, and its re-profile (seconds to minutes) is not run."""
+    """Whether the budget is below static memory, which activation-only knobs cannot reach: no re-profile."""
     return context.budget_bytes < context.profile.static_bytes
 
 
@@ -157,8 +141,7 @@ KNOBS: tuple[Knob, ...] = (
 
 
 def knob_figures(context: KnobContext) -> list[dict[str, Any]]:
-    """Per knob that applies, ``{"knob", "setting", "peak_bytes", "fits"}``, in ``KNOBS``'s order; a
-    knob whose re-profile failed has ``peak_bytes`` None and ``"error"``, the failure's first line."""
+    """Per applicable knob, ``{"knob", "setting", "peak_bytes", "fits"}``; a failed re-profile adds ``"error"``."""
     found = []
     least = least_peak(context.profile)
     for knob in KNOBS:

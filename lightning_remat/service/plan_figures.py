@@ -1,6 +1,4 @@
-"""What integrations report of a plan: ``plan_metrics``, the ``remat/...`` figures every one of them
-logs, and ``over_budget``, the one warning when a step they measured peaked above the budget, with
-the causes the package can see (``installation_cause``, ``shape_cause``) rather than a guess.
+"""What integrations report of a plan: the ``remat/...`` figures, and the over-budget warning with its causes.
 
 Example:
     >>> from lightning_remat.core.plan import Plan
@@ -27,10 +25,7 @@ MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this 
 
 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
-    """The ``remat/...`` figures of a plan (and of its measured step), as every integration logs them.
-
-    Only what is known is reported: a figure the plan does not have (None: a plan made without a
-    profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
+    """The ``remat/...`` figures of a plan (and of its measured step); a figure the plan lacks is left out.
 
     Example:
         >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
@@ -60,12 +55,9 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
 
 def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step",
                 causes: Sequence[str | None] = ()) -> str | None:
-    """The warning every integration gives when a step it measured peaked above the plan's budget
-    (None when it did not, or the plan has no byte budget).
+    """The warning when a measured step peaked above the plan's budget; None when it did not.
 
-    ``causes``: what the integration saw that explains it (``installation_cause``, ``shape_cause``, and
-    any other check's sentence; None entries are skipped). Said in place of the last resort,
-    "memory the profile did not see", which is said only when no cause was seen.
+    ``causes``: sentences explaining it (None skipped); without any, memory the profile did not see.
 
     Example:
         >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
@@ -94,8 +86,7 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
 
 
 def installation_cause(model: nn.Module, plan: Plan) -> str | None:
-    """Why a step over the budget ran outside its plan: what is installed on ``model`` is not ``plan``
-    (``runtime.installing.verify``), both named; None when it is installed as planned.
+    """Why a step ran outside its plan: what is installed on ``model`` is not ``plan``; None when it is.
 
     Example:
         >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan(["0"]))
@@ -106,9 +97,7 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
 
 
 def shape_cause(plan: Plan, shape: Any) -> str | None:
-    """Why a step over the budget ran outside its plan: its batch (``shape``, a ``Shape``) is larger
-    than the shape the plan was made for (its fingerprint's ``shape``); None when the plan covers it,
-    or either shape is unknown.
+    """Why a step ran outside its plan: its batch ``shape`` is larger than the plan's; None when covered or unknown.
 
     Example:
         >>> plan = Plan(["0"], fingerprint={"shape": [8, 32]})

@@ -1,14 +1,4 @@
-"""The planning service: one place where a plan is decided, falls back, travels between ranks and
-becomes metrics. ``plan_remat`` (plain PyTorch), ``AutoRemat`` (Lightning), the Accelerate session,
-the batch-size search and the command line all go through it.
-
-- ``Planner.decide``: profile the step and solve for the least-cost plan within the budget.
-- ``Planner.decide_or_fall_back``: the same, but an out-of-memory error while profiling gives the
-  plan most likely to fit (every candidate block recomputed whole) instead of a crash.
-- ``Planner.shared_plan``: rank 0 decides, every rank gets the same plan or the same error, through
-  the channel between ranks the integration has (``channel.Channel``); for a model sharded with
-  FSDP2 every rank profiles in lockstep (``sharded_planning.lockstep_plan``).
-- ``plan_metrics`` (``plan_figures``): the ``remat/...`` figures every integration logs.
+"""The planning service: every entry point decides, falls back and shares a plan through ``Planner``.
 
 Example:
     >>> import torch
@@ -49,11 +39,7 @@ from .sharded_planning import lockstep_plan
 
 @dataclass
 class PlanOutcome:
-    """Rank 0's decision as a value: a plan (as a dict) or an error.
-
-    An error of ours is kept as itself (message, hint and fields intact); any other error as a
-    ``PlanningFailedError`` naming its type and message, since arbitrary exceptions may not pickle
-    (``channel.travelling``, the one way errors travel between ranks).
+    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel.
 
     Example:
         >>> from lightning_remat.core.errors import BudgetTooSmallError
@@ -90,8 +76,7 @@ def is_main_process() -> bool:
 
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
-    """On CUDA, a budget above what this process can still get (free memory plus what its caching
-    allocator holds) cannot bind before the device runs out: say so ("100%" of the card is one)."""
+    """Warn when a CUDA budget is above what this process can still get, so it cannot bind."""
     if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():
         return
     free, _ = torch.cuda.mem_get_info(device)
@@ -103,8 +88,7 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
 
 
 def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -> None:
-    """A plan whose peak is above the target device's whole memory (``device_memory``; only
-    ``budget="min"`` gets one: a size is checked against it) cannot run there: say so, with the least peak."""
+    """Raise when the plan's peak is above the target device's whole memory."""
     total = Budget.parse(device_memory).nbytes if device_memory is not None else None
     peak = plan.predicted_peak_bytes
     if total is None or peak is None or peak <= total:
@@ -130,20 +114,17 @@ class Planner:
 
     def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config
-        # A progress display while deciding takes longer than a few seconds (rank 0, on a terminal).
         self.verbose = verbose
 
     @exclusive()
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Plan:
-        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first);
-        a ``BudgetTooSmallError`` names the knobs that would reach it (``solve_or_advise``)."""
+        """Profile ``step`` and solve within the budget (``adjust`` may correct the profile first)."""
         return self.solve_or_advise(model, step, optimizer, self.profile(model, step, optimizer, adjust=adjust,
                                                                          warmup=warmup))
 
     def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
-        """``solve_profile``; when no plan fits, its ``BudgetTooSmallError`` with each knob that
-        lowers the least peak and the peak it gives, predicted (``service.knobs``)."""
+        """``solve_profile``; when no plan fits, a ``BudgetTooSmallError`` naming the knobs that would fit."""
         try:
             return self.solve_profile(model, profile)
         except BudgetTooSmallError as error:
@@ -166,9 +147,7 @@ class Planner:
         return adjust(profile) if adjust is not None else profile
 
     def progress(self, model: nn.Module, fake: bool) -> Any:
-        """The progress display of one profile: profiling is the long part of planning (15-100 s for
-        a 7B model on fake tensors), so once it runs past a few seconds rank 0 shows what it is
-        doing, unless ``verbose=False`` (``report.progress.PhaseProgress``, a context manager)."""
+        """The progress display of one profile (rank 0, on a terminal, unless ``verbose=False``)."""
         from ..report.progress import PhaseProgress
 
         display = PhaseProgress(enabled=self.verbose and is_main_process())
@@ -207,8 +186,7 @@ class Planner:
         return self.fallback_plan(model, reason)
 
     def fallback_plan(self, model: nn.Module, reason: str, cause: str = "out of memory while profiling") -> Plan:
-        """Every candidate block recomputed whole: the plan most likely to fit, when none could be
-        profiled (``cause``: why not, ``reason``: the error)."""
+        """Every candidate block recomputed whole: the plan most likely to fit when none could be profiled."""
         model.zero_grad(set_to_none=True)
         release_device_memory()
         stages = find_stages(model, self.config.profile.candidates)
@@ -225,13 +203,9 @@ class Planner:
     def shared_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                     channel: Channel | None = None, hint: str = "", fallback: bool = True,
                     lockstep: bool | None = None, **kwargs: Any) -> Plan:
-        """Rank 0 of ``channel`` decides (with ``fallback``, ``decide_or_fall_back``); every rank gets
-        its plan or its error.
+        """Rank 0 of ``channel`` decides; every rank gets its plan or its error (``hint`` added to ours).
 
-        ``hint`` is added to the message of an error of ours (which integration, which setting).
-        With ``lockstep`` every rank profiles in lockstep and rank 0 solves on the largest of every
-        term over the ranks (``sharded_planning.lockstep_plan``); by default so for a model sharded
-        with FSDP2 (whose passes run collectives) when there are several ranks.
+        ``lockstep`` (by default for an FSDP2 model on several ranks): every rank profiles, rank 0 solves on the maxima.
         """
         if channel is None:
             channel = Channel()
@@ -255,59 +229,22 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
+    Every argument is described once, in ``ProfileOptions``/``RematConfig``; the ones a caller needs most:
+
     Args:
-        model: the model, in training mode.
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
-        budget: as ``parse_budget``: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
-        optimizer: counted in the budget (its state and its step); a list or tuple of optimizers
-            (manual optimization, one per parameter group): every one's state, and their steps one
-            after the other. Lightning's, Fabric's and Accelerate's wrappers are looked through.
-        cost: ``"flops"`` (counted FLOPs: the same plan on every run; the default), ``"time"``
-            (measured seconds) or ``"roofline"`` (per op, max(FLOPs / peak, bytes / bandwidth)).
-        candidates: None for automatic stages, or module classes / name patterns.
-        warmup: unmeasured steps first.
-        fake, dtype, device, gpu: plan without the hardware, as ``profile_step``: profile on fake
-            tensors in ``dtype`` for ``device`` (e.g. ``"cuda"``), pricing FLOPs with ``gpu``'s speed.
-        device_memory: the target device's total memory ("80GB") when it is not this machine's;
-            percentages refer to it and a budget above it is an error.
-        precision: with ``fake``, how the step trains (``"bf16-mixed"``: float32 parameters,
-            gradients and optimizer state, the step under bfloat16 autocast; ``"bf16-true"``: all in
-            bfloat16); see ``ProfileOptions``. The plan's notes state the precision modelled.
-        accumulation_steps: micro-batches per optimizer step (gradient accumulation): from the second
-            on, every gradient is alive through the forward pass, and the plan counts it.
-        world_size: with ``fake``, plan one GPU of an FSDP2 step sharded over this many GPUs
-            (``docs/sharded.md``): the budget and every figure are per GPU, ``step``'s batch is one
-            GPU's, and ``plan.sharding`` holds the world size and the unsharded parameters in flight.
-        policies: op-level selective-checkpointing policies to offer as options of every stage
-            (``("save_matmuls",)``, or None for all of ``runtime.installing.sac.POLICIES``); none by default.
-        offload: the solver may also offload a stage's saved tensors to host memory (prefetched back
-            for backward; ``docs/offload.md``), priced by the transfer time compute does not hide.
-            Only for an accelerator target (``fake=True`` with ``gpu=``, or a CUDA model); never
-            more host memory than ``host_memory``. ``plan.offloaded`` names those stages.
-        host_memory: the host memory offloading may use ("256GB"); by default a fake profile for a
-            named GPU takes that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), any
-            other profile this machine's free memory.
-        repeated_blocks: with ``fake``, profile N identical layers at 4 and 5 and extrapolate (exact);
-            False profiles all N.
-        chunk_loss: a causal LM's head and loss are a stage too, whole or over 2-32 sequence chunks
-            (the planner chooses; ``plan.chunked_loss``); a plan that chunks makes the model return
-            ``logits=None`` with the same loss (``docs/long_context.md``). Every argument is
-            described once, in ``ProfileOptions``/``RematConfig``.
-        verbose: a progress display on stderr (rank 0, on a terminal) when planning runs longer than
-            a few seconds (a 7B model planned on fake tensors); False shows nothing.
+        budget: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
+        optimizer: counted in the budget (state and step); a list for manual optimization.
+        cost: ``"flops"`` (deterministic, the default), ``"time"`` (measured) or ``"roofline"``.
+        fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
+        device_memory: the target device's total memory ("80GB") when it is not this machine's.
+        precision: with ``fake``, how the step trains (``"bf16-mixed"``, ``"bf16-true"``).
+        world_size: with ``fake``, plan one GPU of an FSDP2 step over this many GPUs (figures per GPU).
+        offload: the solver may offload saved tensors to host memory (accelerator targets only).
+        chunk_loss: a causal LM's head and loss may be chunked over the sequence (``logits=None`` then).
 
-    ``model`` may be wrapped in ``DistributedDataParallel`` (or ``torch.compile``): the module inside
-    is profiled (so no gradient all-reduce starts on rank 0 alone), its names are the plan's, and
-    DDP's gradient buckets (one copy of the trainable gradients) are counted in the budget. So may
-    it be in Lightning Fabric's wrapper (``fabric.setup``), whose precision context the step then
-    runs in: a plan made before ``setup`` applies after it and the reverse (``docs/fabric.md``).
-
-    The arguments are checked before any profiling, so a malformed budget fails at once. Under
-    an initialised ``torch.distributed`` group of several processes, rank 0 profiles and decides
-    and every rank returns the same plan (or raises the same error). A model already sharded with
-    FSDP2 (``fully_shard``) is profiled on every rank in lockstep (call ``plan_remat`` on every
-    rank); the budget is per rank and holds on each. A model not yet sharded is planned as it is,
-    and may be sharded after ``apply_plan``: then plan with the budget of the unsharded model.
+    ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every
+    rank returns rank 0's plan or error; an FSDP2 model is profiled on every rank (call it on each).
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])

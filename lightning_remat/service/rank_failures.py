@@ -1,25 +1,8 @@
 """One rank that fails inside a lockstep section: its error on every rank, within seconds.
 
-In a lockstep section (``Channel.on_every_rank`` / ``outcomes``) every rank runs work whose passes
-may run collectives: a model sharded with FSDP2 all-gathers its parameters in every forward. A rank
-that fails in there (the user's step raises, a trial runs out of memory) stops joining them; the
-others wait inside one, and when the failed rank then enters the gather of outcomes it meets a
-collective of another size: gloo aborts both processes (SIGABRT, no Python error), nccl hangs until
-the group's timeout. So a rank whose work ended early posts that on the process group's store (a
-key-value store beside the collectives, which no blocked collective holds up) and waits a few
-seconds (``PEER_WAIT_S``) for every other rank's word on the same section:
-
-- every rank posted (each finished its work, or ended early at the same point, as an out-of-memory
-  error does on every rank alike): nobody is inside a collective; the gather goes on, and every rank
-  raises the first rank's error or takes the outcomes (an out-of-memory trial counts as not fitting);
-- some rank did not: it waits inside a collective for this one. This rank posts its error as the
-  section's verdict and aborts the process group, which ends the others' collectives at once
-  (gloo: "Connection closed by peer"); each of them, failing so, finds the verdict, aborts its own
-  end of the group and raises the verdict. The group is gone on every rank (the ranks no longer
-  agree on which collective comes next, so it could not be used again anyway); the error says so.
-
-Ranks that finish post that too and go straight on to the gather. Sections are numbered in the
-order every rank enters them (lockstep), so a section's keys are the same on every rank.
+A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
+the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent (waiting in a
+collective), it posts its error as the verdict and aborts the group, and every rank raises the verdict.
 
 Example:
     >>> from torch.distributed import HashStore
@@ -46,8 +29,7 @@ _sections = itertools.count()  # this process's lockstep sections, in the order 
 
 
 class RankBoard:
-    """One lockstep section's statuses on ``store`` (a ``torch.distributed.Store``): who finished,
-    who ended early and with what error, and the verdict of a rank that aborted the group."""
+    """One lockstep section's statuses on a ``torch.distributed.Store``: who posted, and any verdict."""
 
     def __init__(self, store: Any, rank: int, world_size: int, section: int):
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -80,9 +62,7 @@ class RankBoard:
 
 
 def section_board(channel: Any) -> RankBoard | None:
-    """The next lockstep section's board for ``channel``: on the store of the initialised
-    ``torch.distributed`` group its ranks share; None where there is none (one process, a
-    channel standing in for other ranks, a group without a store).
+    """The next lockstep section's board on the group's store; None without one (one process, no store).
 
     Example:
         >>> from lightning_remat.service.channel import Channel
@@ -100,10 +80,10 @@ def section_board(channel: Any) -> RankBoard | None:
 
 
 def settle(board: RankBoard | None, early: BaseException | None) -> None:
-    """This rank's word on ``board``; ``early`` is why its work ended early (None: it finished).
-    When it ended early and some rank stays silent (it waits in a collective for this one), the
-    process group is aborted and ``early`` raised as the verdict (see the module). A rank whose work
-    failed because another rank aborted the group raises that rank's verdict."""
+    """Post this rank's word; ``early`` is why its work ended early (None: it finished).
+
+    Ended early with a rank silent: the group is aborted and ``early`` raised as the verdict.
+    """
     if board is None:
         return
     if early is not None:
@@ -117,8 +97,7 @@ def settle(board: RankBoard | None, early: BaseException | None) -> None:
 
 
 def verdict_or(board: RankBoard | None, error: BaseException) -> BaseException:
-    """A collective that failed after the section: the verdict of the rank that aborted the group,
-    if one did (this rank's end aborted too), else ``error``."""
+    """For a collective that failed after the section: the aborting rank's verdict if any, else ``error``."""
     verdict = board.verdict() if board is not None else None
     if verdict is None:
         return error
@@ -127,8 +106,7 @@ def verdict_or(board: RankBoard | None, error: BaseException) -> BaseException:
 
 
 def abort_process_group() -> None:
-    """Abort this process's end of the default group (all its groups): any collective waiting on it
-    ends at once, here and on the other ranks. Nothing when it is gone already."""
+    """Abort this process's end of the default group, ending any collective waiting on it on every rank."""
     dist = torch.distributed
     if not dist.is_initialized():
         return
@@ -140,8 +118,7 @@ def abort_process_group() -> None:
 
 
 def _aborted(error: BaseException, rank: int) -> BaseException:
-    """The section's verdict: ``error`` as it travels (``channel.travelling``), with what happened to
-    the group added to its message; one error every rank raises."""
+    """The section's verdict: ``error`` as it travels, with what happened to the group added."""
     what = (f"(rank {rank} stopped in a lockstep section while another rank waited in a collective for it, so "
             f"the process group was aborted on every rank after {PEER_WAIT_S:g} s: initialise torch.distributed "
             "again to go on)")

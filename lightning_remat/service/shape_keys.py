@@ -1,13 +1,6 @@
-"""Which shape each batch's plan is made for: the keying of ``service.shape_plans``.
+"""Which shape each batch's plan is made for: shapes rounded up to buckets, so a run plans few of them.
 
-A batch's shape (``core.shapes.Shape``: batch size, sequence length, layout) is rounded up to a
-bucket, so a run meets few shapes to plan and no plan is made for a smaller shape than its batch's.
-The batch size and sequence length are always rounded; a size of the layout only once it has varied
-in the run (an image's height and width, not its channels: a model refuses any other channel
-count, and a bucket beyond it could not be profiled). With ``plan_for="largest"`` every batch is
-planned for the largest shape met so far of its layout's structure (shapes of other structures, a
-batch with another key, are never united: neither covers the other). Under several ranks, every
-rank plans the largest of the ranks' shapes.
+Layout sizes are rounded only once they have varied (a bucket beyond a model's channel count could not run).
 
 Example:
     >>> from lightning_remat.core.shapes import BATCH
@@ -28,12 +21,8 @@ from ..core.shapes import Shape, ShapeBuckets
 class ShapeKeys:
     """The buckets and the shapes met so far of one run.
 
-    Args:
-        plan_for: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest shape met of its
-            structure, and ``max_shape``).
-        max_shape: the largest shape the data has, when declared: buckets never round beyond it; a
-            shape without a layout bounds the batch size and sequence length of every layout.
-        per_octave: buckets per doubling of each dimension (0: every shape its own).
+    ``plan_for``: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest met of its structure).
+    ``max_shape``: buckets never round beyond it. ``per_octave``: buckets per doubling (0: every shape its own).
 
     Example:
         >>> keys = ShapeKeys("largest", max_shape=Shape(2, 100))
@@ -49,8 +38,7 @@ class ShapeKeys:
         self._varying: dict[tuple, set[tuple[str, int]]] = {}  # are rounded to buckets, the others not
 
     def meet(self, shape: Shape, channel: Any = None) -> Shape:
-        """A batch of ``shape`` is planned: the shape every rank plans (the largest of the ranks'
-        under ``channel``), remembered (its sizes that vary, the largest met)."""
+        """Remember a batch of ``shape``; return the shape every rank plans (the largest of the ranks')."""
         if channel is not None and channel.distributed:
             shape = self._largest_of_ranks(shape, channel)
         first = self._first_of.setdefault(shape.structure, shape)
@@ -62,8 +50,7 @@ class ShapeKeys:
         return shape
 
     def planned(self, shape: Shape) -> Shape:
-        """The shape a batch of ``shape`` is planned at before rounding: itself, or with
-        ``plan_for="largest"`` united with the largest of its structure met and ``max_shape``."""
+        """The shape a batch is planned at before rounding: itself, or united with the largest met (``"largest"``)."""
         if self.plan_for != "largest":
             return shape
         largest = self.largest.get(shape.structure)
@@ -76,15 +63,12 @@ class ShapeKeys:
         return shape
 
     def bucket(self, shape: Shape) -> Shape:
-        """``shape`` rounded up: its batch size, sequence length and the sizes of its layout that
-        have varied."""
+        """``shape`` rounded up: batch size, sequence length and the layout sizes that have varied."""
         return self.buckets.up(shape, self._varying.get(shape.structure, ()))
 
     @staticmethod
     def _largest_of_ranks(shape: Shape, channel: Any) -> Shape:
-        """Every rank runs the plan for the largest batch of any rank: one plan, one set of wrapped
-        modules. A layout another rank has that rank 0's cannot cover (another key) is warned
-        about: rank 0's is planned."""
+        """The largest batch of any rank, so all run one plan; a layout rank 0's cannot cover is warned about."""
         b, s = int(channel.max(shape.batch_size)), int(channel.max(shape.seq_len))
         layouts = [Shape(b, s, layout) for layout in channel.gather(shape.layout)]
         ours = layouts[0]

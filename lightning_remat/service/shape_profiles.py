@@ -1,19 +1,7 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, before any real step; the nodes of the
-shape fit; and the calibration of both by a measured step.
+"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration.
 
-``ShapeProfiles`` is the profiling half of ``service.shape_plans.ShapePlans`` (it reads the
-attributes ``ShapePlans.__init__`` sets: the model, the step, the config, the counts, the anchor and
-the fit). The rules it keeps:
-
-- The first batch is planned before it runs, on a fake-tensor profile (``_first``): exact to the
-  byte on the CPU, and it allocates nothing, so planning fits wherever the step does. Where fake
-  tensors cannot run the model (``FakeProfileError``), or profiling runs out of memory, every step
-  gets the fallback plan (every candidate recomputed whole), with a warning: a real step without
-  recomputation might not fit. ``fake=False`` adds the real profile of the first batch (measured
-  timings) only where the fake profile predicts the plain step it runs fits the budget.
-- ``calibrate``: a measured step under a plan that peaked above its prediction shows memory no
-  profile saw; it goes into the anchor, carried to every shape (``core.shape_fit.Anchored``), and
-  the plans are solved again. With ``cost="time"``, the first timed step prices the fake profiles.
+The first batch is planned before it runs on fake tensors (exact on the CPU, allocating nothing), or gets
+the fallback plan where that fails.
 
 Example:
     >>> import torch
@@ -66,11 +54,7 @@ class ShapeProfiles:
     _timed: bool
 
     def _first(self, batch: Any) -> None:
-        """The first batch, before any real step: profiled on fake tensors, ``adjust`` applied: the
-        anchor every prediction is carried from (with ``fake=False``, a real profile instead where
-        the plain step is predicted to fit). A model fake tensors cannot run, or one out of memory
-        while profiled, gets the fallback plan. (A run that starts from saved plans has no first
-        batch: its new shapes are profiled on fake tensors.)"""
+        """Profile the first batch on fake tensors as the anchor (a real profile with ``fake=False`` where it fits)."""
         shape = self.shape_of(batch)
         try:
             node = self._fake_profile(batch, shape)
@@ -93,9 +77,7 @@ class ShapeProfiles:
         self.fallback = self.planner.fallback_plan(self.model, reason, cause=cause)
 
     def _plain_step_fits(self, anchor: Profile) -> bool:
-        """Whether the real profile ``fake=False`` asks for may run: the fake profile predicts that
-        the plain step (which the real profile runs) fits the budget with room for the profiler's
-        own tensors (``REAL_PROFILE_ALLOWANCE``). If not, a warning says why it did not run."""
+        """Whether the plain step the real profile runs is predicted to fit the budget; warns when not."""
         budget = self.config.budget_bytes(model_device(self.model))
         needed = anchor.baseline_peak_bytes + REAL_PROFILE_ALLOWANCE
         if isinstance(budget, int) and needed <= budget:
@@ -107,16 +89,11 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a real step measured under ``plan`` (default: the installed one) into account, before
-        the next ``use``: a peak above the plan's prediction is memory the profile did not see, added
-        to every term of the anchor (carried to every shape) and every plan is solved again at its
-        bucket's next batch (``fresh`` is then True). With ``cost="time"`` and no real profile, the
-        first ``seconds`` given (the step's wall time) price every fake profile's FLOPs. Whether the
-        plans are to be solved again.
+        """Take a real step measured under ``plan`` (default: the installed one) into account; True if re-solved.
 
-        A first step holds no optimizer state through its forward and backward: its excess is a
-        lower bound, and a later measured step adds the rest. Under several ranks, call it on every
-        rank with the same figures (the largest peak of any rank): every rank drops its plans."""
+        A peak above the prediction goes into the anchor, carried to every shape; with ``cost="time"`` the first
+        ``seconds`` price the fake profiles. Under several ranks, call it on every rank with the same figures.
+        """
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
         reprice = seconds is not None and self.config.cost == "time" and not self._timed
@@ -142,8 +119,7 @@ class ShapeProfiles:
         return True
 
     def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
-        """Make the fit bracket ``key``: the fake node at the anchor's shape (its calibration), or a
-        first node at ``key``, then the ladder nodes around ``key`` that are missing."""
+        """Make the fit bracket ``key``: a node at the anchor's shape or at ``key``, then the missing ladder nodes."""
         if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
             anchor_shape, anchor = self.anchor
             self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
@@ -174,9 +150,7 @@ class ShapeProfiles:
         return None
 
     def _fake_profile(self, batch: Any, at: Shape) -> Profile:
-        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors (priced in
-        seconds at the seconds per FLOP measured, by a real profile or a calibrated step, or FLOPs
-        standing in for them)."""
+        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors and priced."""
         stretched = batch if at == self.shape_of(batch) else self.resize(batch, at)
         options = replace(self.config.profile, fake=True, warmup=0,
                           device=self.config.profile.device or str(model_device(self.model)))

@@ -1,14 +1,4 @@
-"""Planning a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): every rank profiles.
-
-Under DDP rank 0 can profile the model alone; under FSDP2 a forward or backward all-gathers
-parameters and reduce-scatters gradients, so every rank must run the same profiling passes in
-lockstep. Each rank's profile is per rank (its shard of the parameters, gradients and optimizer
-state, the parameters all-gathered while a block runs, its own batch); rank 0 solves on the
-largest of every term over the ranks (``merge_profiles``), so the budget holds on every rank, and
-broadcasts the plan: every rank wraps the same modules.
-
-FSDP1 (``FullyShardedDataParallel``: flat parameters, its own forward) cannot be profiled this way;
-``refuse_fsdp1`` raises an ``UnsupportedShardingError`` naming the workarounds.
+"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each.
 
 Example:
     >>> from torch import nn
@@ -51,11 +41,7 @@ def refuse_fsdp1(model: nn.Module, where: str) -> None:
 
 
 def merge_profiles(profiles: list[Profile]) -> Profile:
-    """One profile whose every term is the largest of the ranks' (stored bytes, local and segment
-    peaks, static bytes, costs in seconds, FLOPs and roofline seconds, offloaded bytes, the baseline
-    step's costs): a plan within the budget on it is within the budget on every rank. Every numeric
-    field of the profile is a term (``core.profile_algebra``); names, policies and the sharding are
-    rank 0's, and a segment some rank lacks is taken from the ranks that have it.
+    """One profile whose every numeric term is the largest of the ranks', so a plan within budget fits every rank.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile

@@ -1,22 +1,7 @@
-"""The batch-size search on a model sharded with FSDP2 (``fully_shard``): every rank searches in lockstep.
+"""The batch-size search on a model sharded with FSDP2: every rank searches in lockstep.
 
-A sharded model runs collectives (all-gathers of parameters, reduce-scatters of gradients) in every
-forward and backward, so every rank must run the same profiling passes and the same trial steps,
-at the same batch sizes, in the same order. ``ShardedBatchSearch`` is ``BatchSearch`` with the
-figures it decides on made the same on every rank:
-
-- a profile at a batch size is taken on every rank and merged term by term (the largest over the
-  ranks, ``sharded.merge_profiles``), so a plan within the budget on the merge is within it on every
-  rank; an out-of-memory error on any rank is an out-of-memory error on all;
-- a trial runs on every rank and counts as failed when it went over the budget or out of memory on
-  any rank; its measured peak is the largest over the ranks;
-- every decision is then computed from the same figures on every rank; before each trial the ranks
-  check that they chose the same batch size and plan, and the final result is rank 0's, broadcast.
-
-The ranks talk through the one channel between ranks (``channel.Channel``).
-
-The budget is per rank (per GPU); a relative budget ("80%") is resolved on each rank and the
-smallest is used.
+Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
+is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
 
 Example:
     >>> combine_trials([Trial(8, ("h.0",), 1, 100, False, True, 90), Trial(8, ("h.0",), 1, 130, False, True, 90)],
@@ -39,8 +24,7 @@ from .sharded import merge_profiles
 
 
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
-    """One trial from every rank's: out of memory if any rank was, the largest measured peak, and
-    fitting only when no rank ran out of memory and that peak is within ``budget``.
+    """One trial from every rank's: out of memory if any was, the largest peak, fitting only within ``budget``.
 
     Example:
         >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
@@ -57,10 +41,7 @@ def combine_trials(trials: list[Trial], budget: int) -> Trial:
 
 
 class ShardedBatchSearch(BatchSearch):
-    """``BatchSearch`` run by every rank of a model sharded with FSDP2, in lockstep (see the module).
-
-    ``channel``: how the ranks talk.
-    """
+    """``BatchSearch`` run by every rank of an FSDP2 model in lockstep, talking through ``channel``."""
 
     def __init__(self, *args: Any, channel: Channel, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -69,9 +50,7 @@ class ShardedBatchSearch(BatchSearch):
                           "with FSDP2): the budget is per rank, profiles and trial peaks the largest over the ranks")
 
     def _all(self, compute: Callable[[], Any], action: str) -> list:
-        """``compute()`` on this rank, gathered from every rank; an error on any rank raised on all.
-        A value that says this rank ran out of memory part-way (no profile; a trial out of memory)
-        ended its passes early, as an error does (``channel.outcomes``)."""
+        """``compute()`` on every rank, gathered; an error (or an out-of-memory value) on any rank raised on all."""
         return self.channel.on_every_rank(compute, action=action, ended_early=_out_of_memory)
 
     def step_at(self, batch_size: int) -> Step:

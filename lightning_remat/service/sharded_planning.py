@@ -1,6 +1,4 @@
-"""Every rank profiles, rank 0 solves on the largest term over the ranks, every rank gets its plan:
-``Planner.shared_plan`` for a model sharded with FSDP2 (see ``sharded``), over the channel between
-ranks (``channel.Channel``).
+"""``Planner.shared_plan`` for an FSDP2 model: every rank profiles, rank 0 solves on the largest terms.
 
 Example:
     >>> from lightning_remat.service.channel import Channel
@@ -42,13 +40,9 @@ class _Planner(Protocol):
 
 def lockstep_plan(planner: _Planner, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
                   channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
-    """Profile on this rank (every rank calls it, in the same order), gather the profiles, solve
-    on rank 0 over their termwise maximum, and return rank 0's plan (or raise its error) on every rank.
+    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all.
 
-    An error on one rank while profiling reaches every rank once all have finished profiling (a
-    rank that fails inside a collective leaves the others waiting in it: torch.distributed's timeout
-    ends them). With ``fallback``, an out-of-memory error on some rank gives every rank the
-    recompute-everything plan.
+    With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
     """
     if planner.config.profile.fake:
         # Decided alike on every rank, before any collective.

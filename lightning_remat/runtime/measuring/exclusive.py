@@ -1,14 +1,7 @@
 """One planning at a time in a process, and the process-wide settings it found put back after it.
 
-Planning measures a step with machinery that is process-wide, not per thread: MemTracker and
-FlopCounterMode register *global* module and optimizer hooks and MemTracker patches
-``torch.UntypedStorage.resize_``; profiling replays the *global* random generators before each
-pass; the ``force_eager`` dynamo stance is global. Two plannings at once in two threads would see
-each other's modules and storages (a ``KeyError`` in MemTracker, or a wrong plan), so every entry
-point that runs a measured step holds ``exclusive()``: a process-wide re-entrant lock (one thread
-plans, the others wait; nesting in one thread is free), and on the way out the settings a step may
-change for the whole process (default dtype, deterministic algorithms) or for its thread (grad
-mode) are put back as they were found. What stays shared is in docs/process.md.
+Planning uses global hooks, generators and the ``force_eager`` stance, so two plannings in two threads
+would see each other's modules (docs/process.md).
 
 Example:
     >>> import torch
@@ -62,11 +55,7 @@ class ProcessSettings:
 
 
 def planning_runs_here() -> bool:
-    """Whether code running now may belong to the planning in progress: its own thread (the one
-    holding the lock), autograd's worker running a backward (a recompute of the planning's step on
-    an accelerator), or no planning runs at all. The module hooks planning puts on a model act only
-    then: another thread running the same model meanwhile (inference under ``torch.no_grad``) is
-    neither counted in the profile nor disturbed by it (docs/process.md).
+    """Whether code running now may belong to the planning in progress: its thread, autograd's worker, or none runs.
 
     Example:
         >>> planning_runs_here()  # nothing plans
@@ -82,8 +71,7 @@ def planning_runs_here() -> bool:
 
 @contextlib.contextmanager
 def exclusive() -> Iterator[None]:
-    """Hold the process's planning lock for the block (or the decorated call) and put back the
-    ``ProcessSettings`` found on entry when it ends, however it ends."""
+    """Hold the planning lock for the block (or decorated call) and put back the ``ProcessSettings`` found."""
     with PLANNING_LOCK:
         settings = ProcessSettings.capture()
         try:

@@ -1,15 +1,6 @@
-"""The random-generator states a checkpoint keeps, counted where they take the planned device's memory.
+"""The RNG states a checkpoint keeps until backward (made in C++, unseen by MemTracker), counted on the CPU.
 
-``torch.utils.checkpoint`` (``preserve_rng_state=True``, so that dropout replays) keeps
-``torch.get_rng_state()`` from a recomputed call's forward until its backward: 5,056 bytes per call
-for the CPU's generator. That tensor is made in C++, outside the dispatch modes MemTracker watches,
-so the tracker missed it while the allocator (``torch.profiler``'s events) counted it: a CPU plan
-recomputing k calls measured k * 5,056 bytes above its prediction. On a GPU it is host memory (so is
-the GPU generator's state, ``torch.cuda.get_rng_state()``), which the budget does not count.
-
-``Tracker`` calls ``counting_rng_states`` while it is active; the profiler says, with
-``rng_states_count(device)``, whether the device it plans for is the CPU (a fake profile for a GPU
-runs on fake CPU tensors, where these states are not the GPU's memory).
+On a GPU they are host memory, which the budget does not count.
 
 Example:
     >>> import torch
@@ -49,8 +40,7 @@ def rng_states_count(device: str | torch.device | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def counting_rng_states(track: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """``track(state)`` for every ``torch.get_rng_state()`` made within the block (one tracker at a
-    time holds the planning lock, so the process-wide patch is the tracker's alone)."""
+    """``track(state)`` for every ``torch.get_rng_state()`` made within the block (under the planning lock)."""
     if not _COUNT.get() or torch.get_rng_state is not _ORIGINAL:
         yield
         return

@@ -1,11 +1,4 @@
-"""Measure a real training step: its peak memory with the one peak meter, FLOPs with FlopCounterMode.
-
-This is how tests, benchmarks, trials and the callback check a plan against reality, in the
-convention the budget is stated in (``meter.PeakMeter``): on CUDA ``torch.cuda.max_memory_allocated``;
-on a CPU torch's MemTracker, counting the tensors the step creates plus the model's parameters,
-buffers, gradients and the optimizer's state (inputs created outside ``step`` are not counted).
-The step itself runs through the one step runner (``runner.run_step``).
-"""
+"""Measure a real training step: its peak with the one peak meter (``meter.PeakMeter``), FLOPs counted."""
 
 from __future__ import annotations
 
@@ -35,11 +28,7 @@ __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_f
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """Peak bytes of one training step and its split at the moment of the peak.
-
-    ``peak_bytes`` is the peak meter's (``meter.PeakMeter``): ``max_memory_allocated`` on CUDA, where
-    ``reserved_bytes`` is ``max_memory_reserved`` beside it (None elsewhere). The split by category
-    is MemTracker's, on every device.
+    """Peak bytes of one training step and its split by category at the peak (``reserved_bytes`` on CUDA).
 
     Example:
         >>> net = nn.Linear(8, 8)
@@ -63,15 +52,6 @@ class StepMeasurement:
 def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
-
-    Args:
-        model: the model, wrapped or not.
-        step: ``step(model)`` runs the forward pass and returns the loss.
-        optimizer: stepped after backward when given (its state counts in the peak).
-        zero_grad: set gradients to None first, as Lightning and ``optimizer.zero_grad()`` do.
-
-    On CUDA the device's peak statistics are reset when the step starts
-    (``torch.cuda.reset_peak_memory_stats``), as every measurement of a peak there does.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -97,11 +77,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 
 def is_out_of_memory(exception: BaseException) -> bool:
-    """Whether ``exception`` is a real out-of-memory error of some backend.
-
-    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (CUDA/ROCm/XPU " out of memory.",
-    MPS, CPU "DefaultCPUAllocator: can't allocate memory", HPU, cuDNN's not-supported error) and
-    also accepts ``torch.OutOfMemoryError`` and Python's ``MemoryError``.
+    """Whether ``exception`` is a real out-of-memory error of some backend (as Accelerate recognises them).
 
     Example:
         >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
@@ -124,10 +100,7 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
 
 def release_device_memory() -> None:
-    """Collect garbage and return cached device memory (Accelerate's ``clear_device_cache``).
-
-    Call it after the frames of a failed step are gone (``except`` blocks keep the traceback, and
-    with it the step's tensors, alive until they end).
+    """Collect garbage and return cached device memory (after a failed step's ``except`` block has ended).
 
     Example:
         >>> release_device_memory()
@@ -138,8 +111,7 @@ def release_device_memory() -> None:
 
 
 class _FlopCount(StepWatch):
-    """FlopCounterMode around the whole step, eagerly: dynamo would never compile code it first met
-    under FlopCounterMode (see stance.py)."""
+    """FlopCounterMode around the whole step, eagerly: dynamo never compiles code first met under it."""
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -162,10 +134,7 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
 
 @dataclass
 class RandomState:
-    """The random generators a step may draw from: torch's CPU one, the model's device's, Python's.
-
-    Restored before each pass of a profile, so every pass takes the same random decisions (the
-    same dropout masks, the same layers dropped by a layer-drop model) as the first.
+    """The random generators a step may draw from, restored before each profile pass so dropout replays.
 
     Example:
         >>> state = RandomState.capture(torch.device("cpu"))

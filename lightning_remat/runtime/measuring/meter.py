@@ -1,11 +1,6 @@
-"""The one peak meter: what a measured peak means, on each device, wherever a peak is measured.
+"""The one peak meter: every measured peak goes through ``PeakMeter``, so a step is measured alike everywhere.
 
-The budget is the peak memory of a training step as ``torch.cuda.max_memory_allocated`` reports it
-on a GPU; on the CPU (and in every test) it is torch's ``MemTracker`` peak. ``PeakMeter`` measures
-exactly that, and every measured peak goes through it: ``measure_step`` (so every trial of the
-batch-size search and every benchmark), the window the Lightning callback and the Accelerate
-session open around a steady step (``PeakWindow``), and the profile's calibration against the
-allocator. The same step is so measured the same way everywhere.
+A peak is ``torch.cuda.max_memory_allocated`` on a GPU and torch's ``MemTracker`` peak on the CPU.
 
 Example:
     >>> import torch
@@ -35,24 +30,8 @@ from .tracking import PeakOnlyTracker, snapshot_by_category
 class PeakMeter(Tracking):
     """The peak memory of a window (one step, an accumulation window), as the budget means it.
 
-    - On CUDA: ``torch.cuda.max_memory_allocated`` of the model's device since the meter started:
-      everything allocated on the device (the model, its optimizer, inputs made before the window,
-      library workspaces). ``reserved_bytes`` is ``torch.cuda.max_memory_reserved`` beside it: what
-      the caching allocator held, fragmentation included, which is what runs out.
-    - Elsewhere: the peak total of torch's ``MemTracker``: the model's parameters, buffers and
-      gradients, the optimizer's state, and every tensor allocated in the window (inputs made before
-      it are not counted). ``reserved_bytes`` is None.
-
-    A ``StepWatch``: ``run_step(..., watch=meter)`` measures the step. Or ``start()`` it in one hook
-    and ``close()`` it in a later one (``PeakWindow``).
-
-    Args:
-        model: the model whose device is measured (and whose parameters, buffers and gradients are
-            counted off CUDA).
-        optimizer: its state is counted off CUDA (on CUDA the allocator sees it anyway).
-        tracker: a ``MemTracker`` (``tracking.py``) to run as well, for what else it reports (the
-            split by category, per-segment peaks); off CUDA the peak is read from it. None: a
-            ``PeakOnlyTracker`` off CUDA, no tracker on CUDA.
+    Off CUDA, inputs made before the window are not counted. Use it as a ``StepWatch`` or ``start()`` it in
+    one hook and ``close()`` it in another. ``tracker``: a ``MemTracker`` to run as well (its split by category).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, tracker: Any = None):
@@ -133,16 +112,14 @@ class PeakMeter(Tracking):
         return self.reserved()
 
     def by_category(self) -> dict[str, int]:
-        """The tracker's split of its peak by category ("Parameter", "Gradient", ..., "Total");
-        empty without a tracker."""
+        """The tracker's split of its peak by category ("Parameter", ..., "Total"); empty without a tracker."""
         if self.tracker is None:
             return {}
         return snapshot_by_category(self.tracker.get_tracker_snapshot("peak"), self.device)
 
 
 def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
-    """Bytes of the distinct storages of the model's parameters, buffers and gradients and of the
-    optimizers' state (one, several, or wrapped): what a step holds besides what it allocates.
+    """Bytes of the distinct storages of the model's parameters, buffers, gradients and the optimizers' state.
 
     Example:
         >>> net = nn.Linear(8, 8)
@@ -159,10 +136,7 @@ def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
 
 
 class PeakWindow(PeakMeter):
-    """A ``PeakMeter`` started at once: peak memory over a window opened in one hook and closed in
-    a later one (a training step measured from inside Lightning or Accelerate), possibly across
-    several forwards. Off CUDA its tracker is a ``PeakOnlyTracker``, which needs no forward to begin
-    inside the window.
+    """A ``PeakMeter`` started at once, for a window opened in one hook and closed in a later one.
 
     Example:
         >>> net = nn.Linear(8, 8)

@@ -1,15 +1,4 @@
-"""Observe one plain training step: the order stages run in, and per module its time, FLOPs and bytes.
-
-The profiler's first look at a step (``profile.py`` then measures memory under each option):
-
-- the execution order of the candidate stages (a stage that did not run is not in it);
-- per stage and per child of a stage: forward seconds (forward hooks, synchronised), forward
-  FLOPs (``FlopCounterMode``'s growth across the module's forward, whatever calls it), and the
-  unique storages it saves for backward (saved-tensor hooks; parameters and buffers excluded),
-  takes as input and returns as output;
-- per stage and per child, the ops of its forward in call order with their FLOPs and bytes
-  (``roofline.OpRecorder``), which price recomputation op by op (roofline, selective policies);
-- the whole step's seconds and FLOPs (forward and backward), and its ops.
+"""Observe one plain training step: stage order, and per stage and child its time, FLOPs, bytes and ops.
 
 Example:
     >>> import torch
@@ -37,11 +26,7 @@ from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchron
 
 
 def storages(value: Any) -> dict[int, int]:
-    """Unique storages of the tensors in ``value`` with their sizes in bytes.
-
-    Keyed by the storage's C++ object, which real and fake tensors both have (fake tensors have
-    no data pointer).
-    """
+    """Unique storages of the tensors in ``value`` with their bytes, keyed by storage object (fake ones too)."""
     found = {}
     for t in tree_leaves(value):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -80,8 +65,7 @@ class ObservedStep:
 
 
 def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
-    """The places of a chain whose stages' forwards ran in ``sequence`` (one name per call), and the
-    calls in each: consecutive calls of one stage are one place.
+    """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place).
 
     Example:
         >>> positions_of(["a", "b", "b", "b", "c", "a", "b"])
@@ -183,8 +167,7 @@ class _Observer:
 
 
 class _Counting(StepWatch):
-    """The counting pass: saved-tensor hooks over the step; FLOPs and ops of forward and backward
-    counted apart (the forward's counter is the one the observer reads per module)."""
+    """The counting pass: saved-tensor hooks, and FLOPs and ops of forward and backward counted apart."""
 
     def __init__(self, observer: _Observer):
         self.observer = observer
@@ -207,12 +190,7 @@ class _Counting(StepWatch):
 
 def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed: bool = True,
                  before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
-    """One plain step (two passes: timing, then counting FLOPs and saved bytes).
-
-    Timing runs first, without modes that would slow it; on fake tensors (``timed=False``)
-    nothing real runs, so nothing is timed. ``before_pass`` runs before each pass (the profile
-    replays the random generators there).
-    """
+    """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes."""
     observer = _Observer(model, stage_names)
     handles = observer.register()
     try:

@@ -1,13 +1,4 @@
-"""The optimizers of a step, as the engine counts them: none, one or several, each the torch optimizer
-inside whatever wraps it.
-
-A step may have several optimizers (manual optimization: a generator's and a discriminator's, or
-one per parameter group), and each one's state and step count in the budget. Trainers wrap the
-optimizer the user made: Lightning's ``LightningOptimizer``, Fabric's ``_FabricOptimizer`` (a
-subclass of the optimizer's own class whose constructor needs Fabric's strategy, so it cannot be
-re-made from its class) and Accelerate's ``AcceleratedOptimizer``; each holds the user's optimizer,
-whose parameters, state and class are what a step uses. Only these wrappers are looked through: an
-optimizer that wraps another and keeps state of its own (Lookahead) is counted as it is.
+"""The optimizers of a step: none, one or several, each looked through Lightning's, Fabric's, Accelerate's wrapper.
 
 Example:
     >>> import torch
@@ -53,8 +44,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def as_optimizers(optimizer: Any) -> Optimizers:
-    """None, the one torch optimizer, or a tuple of two or more (a list or tuple given; the same one
-    given twice counts once), every one looked through its wrapper."""
+    """None, one torch optimizer, or a tuple of several (duplicates once), each looked through its wrapper."""
     if optimizer is None:
         return None
     if not isinstance(optimizer, (list, tuple)):

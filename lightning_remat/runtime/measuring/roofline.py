@@ -1,11 +1,4 @@
-"""Roofline costs: what an op takes at best on a device, from its FLOPs and the bytes it moves.
-
-Per op, ``max(FLOPs / peak FLOP/s, bytes read and written / memory bandwidth)``: a matmul is
-priced by its FLOPs, an elementwise op or a norm by its memory traffic, which counting FLOPs alone
-calls free. ``OpRecorder`` (a ``TorchDispatchMode``) records each op's FLOPs (torch's
-``flop_counter`` formulas) and bytes; ``device_peaks`` gives the device's two ceilings: the data
-sheet of a named GPU, or on the CPU fixed figures (``core.hardware.CPU_FLOPS``), so that a profile
-prices the same in every process; ``measured_cpu_peaks`` measures this CPU's, for comparison.
+"""Roofline costs: per op, ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``, so memory-bound ops are not free.
 
 Example:
     >>> import torch
@@ -75,9 +68,7 @@ def gpu_peaks(name: str) -> Peaks:
 
 
 def cpu_peaks() -> Peaks:
-    """The CPU's ceilings the roofline cost prices with: fixed (``core.hardware.CPU_FLOPS``,
-    ``CPU_MEMORY_BANDWIDTH``). A calibration measured in each process chose different plans for
-    the same profile in two runs of one check; only the ratio of the two matters to a plan.
+    """The CPU's ceilings, fixed (``core.hardware``) so a profile prices the same in every process.
 
     Example:
         >>> cpu_peaks().flops_per_second / cpu_peaks().bytes_per_second   # FLOP per byte: the ridge point
@@ -87,9 +78,7 @@ def cpu_peaks() -> Peaks:
 
 
 def measured_cpu_peaks() -> Peaks:
-    """This CPU's measured ceilings: a float32 matmul's FLOP/s and a large copy's bytes/s (read
-    plus written), the best of a few repeats (what ``cpu_peaks``' fixed figures were read from;
-    ``benchmarks/roofline_cpu.py`` prints them)."""
+    """This CPU's measured ceilings (a float32 matmul's FLOP/s, a large copy's bytes/s), for comparison."""
     # A generator of its own: calibrating must not move the global random state training uses.
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
@@ -111,8 +100,7 @@ def measured_cpu_peaks() -> Peaks:
 
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
-    """The ceilings to price a profile for ``device``: a named ``gpu``; a CUDA device here, by its
-    name; the CPU, fixed figures (``cpu_peaks``). A CUDA device of unknown name is priced as an H100.
+    """The ceilings to price a profile for ``device``; a CUDA device of unknown name is priced as an H100.
 
     Example:
         >>> device_peaks("cuda", "a100").flops_per_second / 1e12
@@ -146,10 +134,7 @@ def _storage(t: torch.Tensor) -> StorageWeakRef | None:
 
 
 def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
-    """Whether ``func`` only allocates or re-labels memory: a view, a metadata query, an ``empty``
-    allocation, or an op whose every output shares an input's storage without writing to it
-    (``aten._unsafe_view``, which ``torch.matmul`` on a 3-d input and ``reshape`` of a non-contiguous
-    tensor end with)."""
+    """Whether ``func`` only allocates or re-labels memory (a view, metadata, ``empty``, ``_unsafe_view``)."""
     if func.is_view or func.namespace == "prim" or func.overloadpacket.__name__ in _ALLOCATING:
         return True
     if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
@@ -163,12 +148,7 @@ def _moves_no_data(func: Any, args: Any, out: Any) -> bool:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records every op under it: ``ops`` (``OpCost`` in call order); ``on_op`` is called with each.
-
-    Bytes are those of the distinct input and output tensors; an op that moves no data counts no
-    bytes: a view, a metadata query (``prim.device``), an ``empty`` allocation, an alias that is not
-    a view (``aten._unsafe_view``); an in-place op's output (its input again) is not counted twice.
-    """
+    """Records every op under it as an ``OpCost`` in ``ops`` (bytes of distinct inputs and outputs); calls ``on_op``."""
 
     def __init__(self, on_op: Callable[[OpCost], None] | None = None):
         super().__init__()
@@ -181,8 +161,8 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         moved = 0
-        # prim ops (prim.device, prim.layout) read metadata, not data; torch issues some of them
-        # only on a first call, which made the first profile in a process price higher than the next.
+        # prim ops read metadata, not data; torch issues some only on a first call, so counting them
+        # would price the first profile in a process higher than the next.
         if not _moves_no_data(func, (args, kwargs), out):
             seen: set[int] = set()
             for t in tree_leaves((args, kwargs, out)):
@@ -198,9 +178,7 @@ class OpRecorder(TorchDispatchMode):
 
 @functools.lru_cache(maxsize=None)
 def sac_seconds_per_op() -> float:
-    """What selective checkpointing adds per op of an eager step on this machine, measured once per
-    process: its dispatch modes see every op of the module (cached in forward, replayed or looked
-    up in backward). Tens of microseconds on a CPU: more than a small elementwise op costs.
+    """What selective checkpointing's dispatch modes add per op of an eager step here, measured once per process.
 
     Example:
         >>> sac_seconds_per_op() >= 0.0
@@ -237,11 +215,7 @@ TIE_SECONDS = 1e-9
 
 
 def fused_under_compile(func: Any) -> bool:
-    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op (``torch.Tag.pointwise``:
-    add, mul, gelu, silu, dropout's mask product, a dtype cast). Inductor fuses a recomputed pointwise
-    chain into the backward kernel that consumes it, which reads the chain's inputs anyway: no kernel
-    of its own, no traffic of its own, and its FLOPs are few. Matmuls, reductions (norms, softmax) and
-    attention keep their price.
+    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op, fused into the backward kernel.
 
     Example:
         >>> aten = torch.ops.aten
@@ -252,23 +226,15 @@ def fused_under_compile(func: Any) -> bool:
 
 
 def _recompute_priced(ops: Sequence[OpCost], compiled: bool) -> list[OpCost]:
-    """The recomputed ``ops`` that cost something: all of them eagerly; under torch.compile those
-    not fused away (``fused_under_compile``)."""
+    """The recomputed ``ops`` that cost something (under compile, those not fused away)."""
     return [op for op in ops if not (compiled and fused_under_compile(op.func))]
 
 
 def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
                  peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> tuple[float, int, float]:
-    """(seconds, FLOPs, roofline seconds) that recomputing ``wrap`` (modules of stage ``name``)
-    under ``option`` costs, from the observed ``stats`` (``observe.ModuleStats`` by module name):
-    a whole module costs all its ops; a policy only the ops it recomputes, and in seconds also
-    ``seconds_per_op`` for every op of the module (``sac_seconds_per_op``: eager SAC's own cost).
+    """(seconds, FLOPs, roofline seconds) of recomputing ``wrap`` (modules of stage ``name``) under ``option``.
 
-    ``compiled`` (the model runs under torch.compile): recomputed pointwise ops cost nothing, fused
-    into the backward's kernels (``fused_under_compile``), and SAC's per-op cost is traced away. The
-    roofline drops their seconds and the measured time its share of them; FLOPs are unchanged (the
-    FLOP counter gives pointwise ops none). So a policy that recomputes only pointwise ops costs
-    ``TIE_SECONDS`` under compile, and the solver takes it wherever it lowers the peak.
+    ``compiled``: pointwise recomputes are fused away and cost nothing (a policy of them only: ``TIE_SECONDS``).
     """
     policy = policy_of(option)
     if not policy:

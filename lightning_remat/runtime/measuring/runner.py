@@ -1,17 +1,6 @@
-"""The one step runner: every real training step the package runs itself goes through ``run_step``.
+"""The one step runner: every real training step the package runs goes through ``run_step``.
 
-A step is ``step(model)`` (the forward pass, returning the scalar loss), ``loss.backward()`` and,
-when an optimizer is given, its ``step()``. What differs between the places that run one is what
-watches it: nothing (a warm-up), a stopwatch, a FLOP counter, a memory tracker, the peak meter
-(``meter.PeakMeter``), the profile's per-segment tracker. That is the runner's variation point, a
-``StepWatch``: ``run_step`` enters its ``watching()`` around the whole step, its ``forward()`` and
-``backward()`` around the two passes, and calls ``backward_done()`` after backward while the loss is
-still alive. Everything else (gradients set to None before or after, the loss checked or read) is
-said by the caller, the same way everywhere.
-
-Who runs steps through it: ``measure.measure_step`` (the measured step, and so every trial of the
-batch-size search), ``measure.count_step_flops``, ``observe.observe_step`` (warm-up, timing and
-counting passes), the profile's memory runs (``profiling.profile``) and the report's timeline.
+What varies is what watches the step (a stopwatch, a FLOP counter, the peak meter): a ``StepWatch``.
 
 Example:
     >>> import torch
@@ -41,9 +30,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 class StepWatch:
     """What watches a step that ``run_step`` runs; this one watches nothing.
 
-    Subclasses override what they need: ``watching()`` (a context around the whole step: forward,
-    backward and the optimizer step), ``forward()`` / ``backward()`` (contexts around each pass) and
-    ``backward_done()`` (called after backward, before the optimizer step, with the loss alive).
+    ``backward_done()`` is called after backward, before the optimizer step, with the loss alive.
     """
 
     def watching(self) -> ContextManager[Any]:
@@ -71,22 +58,10 @@ def check_loss(loss: Any) -> None:
 def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
              watch: StepWatch | None = None, zero_grad: str | None = None, check: bool = False,
              read_loss: bool = False) -> float | None:
-    """Run one training step of ``model`` under ``watch``.
+    """Run one training step of ``model`` under ``watch``; the loss as a float with ``read_loss``, else None.
 
-    Args:
-        model: the model, wrapped or not.
-        step: ``step(model)`` runs the forward pass and returns the loss.
-        optimizer: stepped after backward when given (inside ``watch.watching()``); several (a list
-            or tuple) step one after the other.
-        watch: what watches the step (None: nothing).
-        zero_grad: ``"before"`` sets the gradients to None before the step (as ``optimizer.zero_grad()``
-            and Lightning do), ``"after"`` drops them after it (a pass that must leave no trace),
-            None leaves them.
-        check: raise ``TypeError`` if ``step`` returns anything but a scalar tensor.
-        read_loss: return the loss as a float (read inside the watch; fake tensors have no value).
-
-    Returns:
-        The loss as a float with ``read_loss``, else None.
+    ``zero_grad``: ``"before"`` sets gradients to None first, ``"after"`` drops them after (no trace), None
+    leaves them. ``check``: raise ``TypeError`` unless ``step`` returns a scalar tensor.
     """
     if zero_grad not in (None, "before", "after"):
         raise ValueError(f"zero_grad must be None, 'before' or 'after', got {zero_grad!r}")
@@ -114,9 +89,7 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
 
 @contextlib.contextmanager
 def _explained() -> Iterator[None]:
-    """torch's module trackers (``FlopCounterMode``, ``MemTracker``: the profile's counting and memory
-    passes) fail in a step that calls ``torch.autograd.grad`` where a module's input is a leaf tensor
-    (a gradient penalty on ``x.requires_grad_()``): say so, with what makes the step run."""
+    """Explain torch's module trackers failing on ``torch.autograd.grad`` of a leaf module input."""
     try:
         yield
     except RuntimeError as error:
@@ -163,11 +136,7 @@ class Stopwatch(StepWatch):
 
 
 class Tracking(StepWatch):
-    """A torch ``MemTracker`` (one of ``tracking.py``'s) around the whole step, counting the model's
-    parameters, buffers and gradients and the optimizer's state besides what the step allocates.
-
-    ``optimizer`` (one, several, or wrapped) is only tracked here; ``run_step`` steps the one it is given.
-    """
+    """A ``MemTracker`` around the whole step, counting the model's state and the optimizer's besides the step's."""
 
     def __init__(self, tracker: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.tracker = tracker

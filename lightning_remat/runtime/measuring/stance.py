@@ -1,14 +1,7 @@
 """Keep ``torch.compile`` from compiling while we measure: a counted ``force_eager`` stance.
 
-Dynamo refuses to trace a frame while a torch dispatch mode is active (MemTracker is one) and
-marks that frame's code as skipped for good: a compiled model whose *first* call happens under a
-tracker never compiles afterwards and silently runs eagerly. Under the ``force_eager`` stance
-dynamo does not look at frames at all, so nothing is marked, and the real compile happens at the
-first step after profiling. A compiled model already runs eagerly under a tracker, so measurements
-do not change.
-
-The stance is counted, not nested: trackers may open in one hook and close in another, in any
-order; the stance in force before the first one opened comes back when the last one closes.
+Dynamo marks a frame first met under a dispatch mode as skipped for good; under ``force_eager`` it looks
+at none. Counted, not nested: trackers may open and close in any order.
 
 Example:
     >>> import torch

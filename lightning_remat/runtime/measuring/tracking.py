@@ -1,10 +1,4 @@
-"""Memory tracking on top of torch's ``MemTracker``: one place for every subclass the package needs.
-
-``MemTracker`` (``torch.distributed._tools.mem_tracker``) counts every tensor a step allocates by
-category (parameters, buffers, gradients, optimizer state, activations, temporaries) on every
-device, and works under fake tensors. The profile needs the peak of each segment of the step
-(``SegmentTracker``), the report the total after each operator (``TimelineTracker``), and the
-integrations a window opened in one hook and closed in another (``PeakOnlyTracker``).
+"""Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place.
 
 Example:
     >>> import torch
@@ -48,11 +42,7 @@ class _NoHook:
 
 
 class Tracker(MemTracker):
-    """``MemTracker`` that accepts frozen parameters (``requires_grad=False``: LoRA, partial fine-tuning).
-
-    MemTracker puts a gradient hook on every parameter of a module it sees run, and torch refuses a
-    hook on a tensor that needs no gradient. A frozen parameter is still counted as a parameter;
-    it is only marked as hooked already, so no hook is asked for: it never has a gradient to count.
+    """``MemTracker`` that accepts frozen parameters (marked hooked, still counted) and counts this thread only.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -68,10 +58,9 @@ class Tracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        # MemTracker's module hooks are global: every thread's modules would run them, and a module
-        # of another thread's model would be tracked (its parameters counted here) or break the
-        # module bookkeeping (KeyError). Only the calls under this tracker's dispatch mode count:
-        # this thread's, and autograd's worker threads' for its backward (they inherit the mode).
+        # MemTracker's module hooks are global: another thread's model would be counted here or
+        # break the bookkeeping. Only calls under this tracker's dispatch mode count (this thread's
+        # and autograd's workers' for its backward, which inherit the mode).
         modules = self._mod_tracker
         pre, post = modules._fw_pre_hook, modules._fw_post_hook
         modules._fw_pre_hook = lambda *args: pre(*args) if self._watching() else None
@@ -115,9 +104,7 @@ class Tracker(MemTracker):
         return result
 
     def _settle_collectives(self, finished: bool = False) -> None:
-        """Let go of the works of the collectives nobody else holds any more (``finished``: of all),
-        wait for their worker thread to let go too (their tensors' use counts drop when the work
-        dies), and only then of their tensors: a tensor nobody else holds dies here."""
+        """Drop the works nobody else holds (``finished``: all), wait for the worker thread, then their tensors."""
         waiting = []
         for entry in self._collectives:
             if not finished and any(sys.getrefcount(w) > 3 for w in entry[0]):  # the list, w, the call
@@ -139,10 +126,9 @@ class Tracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a top-level module's second forward in one ``with`` block (it takes it
-        # for the next iteration). A step may run several (manual optimization with two backward
-        # passes; a discriminator on real and generated batches): count each like a submodule's
-        # repeated call. Only its per-module statistics start again, which nothing here reads.
+        # MemTracker refuses a top-level module's second forward in one ``with`` block; a step may
+        # run several (manual optimization, a GAN's discriminator): count each like a submodule's
+        # repeated call (only per-module statistics, which nothing reads, start again).
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
@@ -177,8 +163,7 @@ class Tracker(MemTracker):
             PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct storages of ``tensors`` that this tracker counts now (it counts a
-        tensor made before it started only once an operation it sees has used it).
+        """Bytes of the distinct storages of ``tensors`` this tracker counts now (older tensors once an op used them).
 
         Example:
             >>> before, tracker = torch.ones(4), Tracker()
@@ -192,11 +177,9 @@ class Tracker(MemTracker):
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
-        # MemTracker runs this after every operator and, before updating the overall peak, scans
-        # every module seen so far for a per-module peak: time that grows with the square of the
-        # model's depth (most of a deep fake profile's time). Nothing here reads per-module peaks
-        # (the profile, the report and the integrations use the per-device totals and the
-        # per-category split of the overall peak), so only the overall peak is kept.
+        # MemTracker's version scans every module seen for a per-module peak after every operator:
+        # time quadratic in the model's depth. Nothing here reads per-module peaks, so only the
+        # overall peak is kept.
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
@@ -245,12 +228,7 @@ class _NoModules:
 
 
 class PeakOnlyTracker(Tracker):
-    """MemTracker's byte counting without its per-module bookkeeping.
-
-    That bookkeeping supports one forward per ``with`` block and must see the root module's forward
-    begin; a window opened in a hook sees neither. The total is the same; only its split by module
-    is lost.
-    """
+    """MemTracker's byte counting without its per-module bookkeeping, for a window opened in a hook."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -265,16 +243,8 @@ class PeakOnlyTracker(Tracker):
 class SegmentTracker(Tracker):
     """MemTracker that also records the peak of every segment of the step.
 
-    Segments are labelled ("fw", i) / ("bw", i) while stage i runs forward / backward, and
-    ("gap", k) between stages, where k stages have run forward and not yet backward.
-
-    A stage called several times in a row (a looped block, ``calls[i]`` times) stores what all its
-    calls leave allocated: ``stored[i]`` sums the calls. Until its last call's forward (or backward)
-    is over, the memory between its calls belongs to its own forward (backward) segment, where its
-    stored bytes count. A module whose calls other stages separate (a trunk run twice) has a place
-    in the chain per run of calls (``stage_ids`` maps it to their indices, in order): its calls
-    fill them in order, and its backwards in the reverse order (autograd's, for graphs that stay
-    alive until one backward).
+    Segments are ("fw", i) / ("bw", i) while stage i runs forward / backward, and ("gap", k) between, with k
+    stages run forward and not yet backward. A module at several places (``stage_ids``) fills them in order.
     """
 
     def __init__(self, stage_ids: dict[int, int | Sequence[int]], device: torch.device,
@@ -315,8 +285,7 @@ class SegmentTracker(Tracker):
         return next((i for i in places if self.forwards_done.get(i, 0) < self.calls.get(i, 1)), places[-1])
 
     def _backward_place(self, module: torch.nn.Module, begun: bool = False) -> int | None:
-        """The place of a module's backward about to begin (``begun``: just ended): the latest of
-        its forwards whose backward has not (autograd's order; a step may run backward between them)."""
+        """The place of a module's backward about to begin (``begun``: just ended), in autograd's order."""
         places = self.places.get(id(module))
         if places is None:
             return None
@@ -378,13 +347,7 @@ class SegmentTracker(Tracker):
 
 
 class TimelineTracker(Tracker):
-    """MemTracker that also records the total tracked memory after every operator.
-
-    ``_update_peak_stats`` runs once after each dispatched operator (see
-    ``torch.distributed._tools.mem_tracker``), when the operator's outputs are already tracked
-    and the tensors freed before it are already gone, so the recorded value is the memory the
-    step holds at that point.
-    """
+    """MemTracker that also records the total tracked memory after every operator (outputs in, freed tensors out)."""
 
     def __init__(self, device: torch.device):
         super().__init__()

@@ -1,8 +1,4 @@
-"""Real trial steps at a batch size, with a plan applied: the check a batch-size search ends with.
-
-A trial runs ``steps_per_trial`` real training steps (forward, backward, optimizer step) under
-``measure_step`` and puts everything back afterwards: parameters, optimizer state, gradients,
-buffers and RNG. A real out-of-memory error is a failed trial, not a crash.
+"""Real trial steps at a batch size with a plan applied; everything is put back, and an OOM fails the trial.
 
 Example:
     >>> import torch
@@ -53,10 +49,7 @@ def _snapshot_to_cpu(value: Any) -> Any:
 
 
 class _RestoreAfterTrial:
-    """Put back parameters, optimizer state, gradients, buffers and RNG after real trial steps.
-
-    Copies are kept on the CPU so a trial on an accelerator does not hold a second copy there.
-    """
+    """Put back everything after real trial steps; copies on the CPU so an accelerator holds no second copy."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model = model
@@ -102,13 +95,9 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
                names: Sequence[str], steps_per_trial: int, budget: int, predicted: int,
                segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None,
                plan: Any = None) -> Trial:
-    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed; everything put back after.
+    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed (or ``plan`` applied as it is).
 
-    With ``plan`` (a ``Plan`` that offloads), the plan is applied as it is instead (its offloaded
-    modules, their order and limits included).
-
-    An optimizer without state first creates it (the budget is for steady-state steps). The trial
-    fits when no step ran out of memory and the largest measured peak is within ``budget``.
+    It fits when no step ran out of memory and the largest measured peak is within ``budget``.
     """
     steps = 0
     peaks: list[int] = []

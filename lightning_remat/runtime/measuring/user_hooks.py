@@ -1,25 +1,7 @@
 """The user's module hooks do not see the package's own passes (profiling, fake twins, trials, predictions).
 
-A forward hook a user puts on a block (to collect activations, log statistics, count calls) must see
-the training forwards, and only them: the profile runs the step several times on the same batch, the
-fake twin runs it on fake tensors (a hook that reads a value would stop it), and the trials and
-loop predictions run it again. During those passes each of the user's hooks stands silenced at its
-place in its module's hook dictionary and is put back afterwards (``user_hooks_suspended``); a fake
-twin gets hook dictionaries of its own with them silenced (``without_user_hooks``). Silenced, not
-taken out: torch still builds what a hook of its kind needs (a backward hook's autograd nodes hold
-memory), so the passes measure the step's memory as training runs it. A hook that changes what its
-module returns is not called either: the passes see the module's own output.
-
-Which hooks are the user's: those whose function is defined outside the libraries in ``LIBRARIES``
-(torch, transformers, PEFT, Accelerate, Lightning, DeepSpeed, TRL, this package, ...), read from the
-function's ``__module__`` (through ``functools.partial`` and bound methods), unless the user marked
-it ``part_of_model`` (a hook that changes what its module returns). Library hooks keep running,
-since the step does not compute what it trains without them: FSDP2's ``fully_shard``
-gathers parameters in its hooks, transformers' ``enable_input_require_grads`` makes the embedding's
-output require gradients. Forward pre- and post-hooks (with or without kwargs) and backward hooks
-are suspended; global hooks (``register_module_forward_hook``) are left alone. What still differs
-from a run without the package is listed in docs/limitations.md (a recomputed block's forward, and
-its children's hooks, run again in backward).
+They stand silenced in place, so torch still builds what they need (backward hooks' nodes hold memory).
+A hook is the user's unless it comes from one of ``LIBRARIES`` (FSDP2's) or is marked ``part_of_model``.
 
 Example:
     >>> import torch
@@ -80,9 +62,7 @@ def is_user_hook(hook: Callable[..., Any]) -> bool:
 
 
 def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``hook`` (a function or a bound method) as part of what the model computes, so it runs in
-    the package's passes too, as libraries' hooks do: a hook that changes what its module returns, or
-    one that must see every forward (profiling's included). Returns ``hook``.
+    """Mark ``hook`` as part of the model (it changes the output, or must see every forward); returns it.
 
     Example:
         >>> def scale(module, args, output):
@@ -96,9 +76,7 @@ def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Silenced:
-    """Stands in a module's hook dictionary for a user's hook during a package pass: torch still sets up
-    what a hook of its kind needs (a backward hook's autograd nodes, which hold memory), so the pass
-    measures the step as training runs it, but the user's function is not called."""
+    """Stands in a hook dictionary for a user's hook: torch still sets up what the hook needs, nothing is called."""
 
     def __init__(self, hook: Callable[..., Any]):
         self.hook = hook
@@ -109,9 +87,7 @@ class _Silenced:
 
 @contextlib.contextmanager
 def user_hooks_suspended(model: nn.Module) -> Iterator[None]:
-    """Within it, the user's module hooks on ``model`` and its submodules are not called (each stands
-    silenced at its place); afterwards they are back. Re-entrant; a hook added or removed meanwhile
-    stays added or removed."""
+    """Within it, the user's hooks on ``model`` and its submodules are not called. Re-entrant."""
     taken: list[tuple[dict, Any, _Silenced]] = []
     for module in model.modules():
         for attribute in HOOK_DICTS:
@@ -129,8 +105,7 @@ def user_hooks_suspended(model: nn.Module) -> Iterator[None]:
 
 
 def without_user_hooks(module: nn.Module) -> None:
-    """Give ``module`` (a shallow copy: a fake twin) hook dictionaries of its own with the user's hooks
-    silenced; the module it was copied from keeps its own untouched."""
+    """Give ``module`` (a shallow copy) hook dictionaries of its own with the user's hooks silenced."""
     for attribute in HOOK_DICTS:
         hooks = module.__dict__.get(attribute)
         if isinstance(hooks, dict):

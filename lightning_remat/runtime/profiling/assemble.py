@@ -1,6 +1,4 @@
-"""The Profile from a step's memory runs: per stage its options (stored bytes, local peak, cost),
-the segments between stages, static memory and the baseline peak; each gap's figure per run.
-"""
+"""The Profile from a step's memory runs: options per stage, segments, static memory, baseline peak."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
              state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
              device: str, peaks: Peaks, seconds_per_op: float = 0.0,
              offload_limits: dict[str, int] | None = None, compiled: bool = False) -> Profile:
-    """The Profile from the measured runs: options per stage, segments, static memory, baseline;
-    with ``compiled``, recompute priced as torch.compile runs it (``roofline.option_costs``)."""
+    """The Profile from the measured runs; with ``compiled``, recompute priced as torch.compile runs it."""
     modules = dict(model.named_modules())
     stats = observed.stats
     offload_limits = offload_limits or {}
@@ -77,15 +74,13 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
 
 
 def _part(value: int, calls: tuple[int, int, int]) -> int:
-    """A module's integer figure shared among its places by calls (``calls``: the module's calls
-    before this place, at it, in all): the places' parts sum to the figure."""
+    """A module's integer figure shared among its places by calls, so the places' parts sum to it."""
     before, here, total = calls
     return int(value) * (before + here) // total - int(value) * before // total
 
 
 def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:
-    """Each gap's segment: its largest figure over the runs, and how much lower the largest is with
-    the shared inputs an earlier stage held in a run left out of that run's figure (``core.shared_held``)."""
+    """Each gap's segment: its largest figure over the runs, and how much less without shared held inputs."""
     peaks: dict[int, int] = {}
     held_out: dict[int, int] = {}  # the largest figure with the held shared inputs left out
     labels: dict[int, set[str]] = {}
@@ -103,14 +98,7 @@ def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:
 
 def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],
                 future_state: int) -> dict[str, dict[str, int]] | None:
-    """Each gap's figure in each memory run (its segment's peak is the largest of them), with what
-    the adjustments after ``assemble`` added to the segment (the same bytes to every run's figure).
-
-    Not a field of ``Profile`` (nothing plans with it; an attribute of the profile as made, lost by
-    ``replace``): the 4/5-layer extrapolation (``core.depth_fit``) fits each run's figures alone, since
-    the largest of two lines of different slopes is no line. None when the adjustments moved the
-    segments (stages that did not run, put into the chain).
-    """
+    """Each gap's figure in each memory run, for the depth extrapolation; None when adjustments moved the segments."""
     pairs = [(a, b) for a, b in zip(assembled.segments, final.segments) if a.name != "optimizer step"]
     if len(assembled.segments) != len(final.segments) or any(
             (a.name, a.stages_alive) != (b.name, b.stages_alive) for a, b in pairs):

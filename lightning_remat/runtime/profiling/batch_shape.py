@@ -1,20 +1,4 @@
-"""A batch's shape (``core.shapes.Shape``), and the same batch at another shape.
-
-Plans follow the batch's shape (``service.shape_plans``): each step's batch is read as a ``Shape``,
-and a profile at a shape no batch has had yet runs on the batch at hand stretched to that shape (on
-fake tensors: only its shape matters, and values the model reads to choose a code path, such as a
-padding mask, keep the batch's pattern).
-
-- ``batch_shape``: the batch size is the leading size most tensors share. The sequence length is the
-  largest second size of the *integer* tensors of two dimensions with that leading size (token ids,
-  masks, labels); 1 when there is none. A floating-point tensor never gives it (an image's second
-  size is its channels; an embedding's is a sequence only where token ids say so). The layout is
-  every tensor of the batch by its path (``"pixel_values"``, ``"0"``, ``"1.mask"``): its size, the
-  batch dimension marked where the leading size is the batch size, and the second marked as the
-  sequence where it equals the sequence length. So an image's channels, height and width, a tensor
-  of features, a new key or a new element of a tuple are all part of the shape.
-- ``resize_batch``: every tensor cycled (or cut) along each dimension to its size at the new shape:
-  rows, positions and pixels cycle, so a padded batch stays padded alike.
+"""A batch's shape (``core.shapes.Shape``), and the same batch stretched to another shape (values cycled).
 
 Example:
     >>> import torch
@@ -49,8 +33,7 @@ def path_in(prefix: str, key: Any) -> str:
 
 
 def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The tensors in a batch (a tensor, or mappings, lists and tuples of them) with their paths
-    (keys and indices joined by ``.``), in a fixed order.
+    """The tensors in a batch (nested mappings, lists, tuples) with their ``.``-joined paths, in a fixed order.
 
     Example:
         >>> [(path, tuple(t.shape)) for path, t in named_tensors(([torch.zeros(2)], {"y": torch.zeros(3)}, "text"))]
@@ -76,8 +59,7 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def marked_size(size: tuple[int, ...], batch_size: int, seq_len: int) -> tuple[int, ...]:
-    """A tensor's size in a batch of ``batch_size`` and ``seq_len``, as its layout entry writes it:
-    a leading ``batch_size`` is ``BATCH``, then a second ``seq_len`` (above 1) is ``SEQUENCE``.
+    """A tensor's size as its layout entry writes it: a leading batch size is ``BATCH``, then a sequence ``SEQUENCE``.
 
     Example:
         >>> marked_size((4, 128, 16), 4, 128), marked_size((4, 3, 32, 32), 4, 1), marked_size((7,), 4, 1)
@@ -92,8 +74,10 @@ def marked_size(size: tuple[int, ...], batch_size: int, seq_len: int) -> tuple[i
 
 
 def batch_shape(batch: Any) -> Shape | None:
-    """The shape of a batch (its batch size, sequence length and layout); None when it holds no
-    tensor with a dimension.
+    """The shape of a batch; None when it holds no tensor with a dimension.
+
+    The batch size is the leading size most tensors share; the sequence length the largest second size of
+    its two-dimensional *integer* tensors (token ids, masks), else 1; the layout every tensor's size by path.
 
     Example:
         >>> images = batch_shape((torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))
@@ -118,9 +102,7 @@ def batch_shape(batch: Any) -> Shape | None:
 
 
 def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> tuple[int, ...]:
-    """The size at ``target`` of the tensor at ``path`` of size ``size`` in a batch at ``source``:
-    its entry in ``target``'s layout, or, for a ``target`` without one (a batch size and sequence
-    length alone), its own size with ``target``'s batch size and sequence length.
+    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with the new batch and sequence.
 
     Example:
         >>> images, taller = (Shape(4, 1, (("0", (BATCH, 3, side, 32)),)) for side in (32, 48))
@@ -148,8 +130,7 @@ def cycled(tensor: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
 
 
 def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str = "") -> Any:
-    """``batch`` with ``change(path, tensor)`` applied to every tensor, containers rebuilt as their
-    own type (the paths of ``named_tensors``).
+    """``batch`` with ``change(path, tensor)`` applied to every tensor, containers rebuilt as their own type.
 
     Example:
         >>> rebuilt({"a": [torch.zeros(1), 2]}, lambda path, t: path)
@@ -171,11 +152,9 @@ def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str 
 
 
 def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
-    """``batch`` at ``shape``: every tensor cycled (or cut) along each dimension to its size there
-    (``size_at``); other values pass unchanged. ``source`` is the batch's own shape (default:
-    ``batch_shape(batch)``). A ``shape`` without a layout changes the batch size and the sequence
-    length only; one with a layout must have the batch's structure (``Shape.comparable``: the same
-    tensors, as many dimensions): a batch cannot be stretched to hold a tensor it lacks.
+    """``batch`` at ``shape``: every tensor cycled or cut along each dimension; other values pass unchanged.
+
+    A ``shape`` with a layout must hold the batch's tensors with as many dimensions, else ``ValueError``.
 
     Example:
         >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])

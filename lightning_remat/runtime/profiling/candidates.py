@@ -1,14 +1,4 @@
-"""Find the candidate blocks of a model: the stages the solver chooses among.
-
-A *stage* is a repeated block: a transformer layer, a ResNet bottleneck, an item of an
-``nn.Sequential``. Found automatically as the outermost modules that stand in a ``ModuleList``
-(or, two or more of the same class, in a ``Sequential``) and that have two or more children of
-their own (so a block, not a single ``Linear`` nor a mere container of blocks), and a CNN's stem
-(the block around its first convolution, before those; or, where that convolution stands loose on
-the root, the single layers beside it: torchvision's ``conv1``, ``bn1``, ``maxpool`` and its
-head). Below them, ``hierarchy.py`` plans a block through its children where its forward chains
-them. Users can instead name classes or name patterns.
-"""
+"""Find the candidate blocks of a model: the repeated blocks (and a CNN's stem) the solver chooses among."""
 
 from __future__ import annotations
 
@@ -67,12 +57,7 @@ def _automatic(model: nn.Module) -> list[str]:
 
 
 def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
-    """A CNN's loose stem and head: when its first convolution is a single layer on the root or on a
-    container (torchvision's ResNet: ``conv1``, ``bn1``, ``relu``, ``maxpool`` on the root), the
-    single layers beside it that no stage holds (with the head's ``avgpool`` and ``fc``), each a
-    stage. No block stands for them, so without this they would never be recomputed, and the stem's
-    outputs are a CNN's largest activations. An in-place layer is left out: recomputed alone, it
-    would change the input its checkpoint holds."""
+    """A CNN's loose stem and head layers on the root (torchvision's ``conv1``, ..., ``fc``), in-place ones left out."""
     first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     if first is None or not stages or any(first == s or first.startswith(s + ".") for s in stages):
         return []
@@ -89,15 +74,7 @@ def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
 
 
 def _convolutional_stem(model: nn.Module, stages: list[str]) -> str | None:
-    """The block around a CNN's first convolution, when it runs before the repeated blocks: a
-    ResNet's ``embedder`` (conv, norm, activation, max-pool), a ViT's patch embeddings.
-
-    Its outputs are the largest activations of a CNN at full resolution (64 channels at half the
-    image size), and every later stage's recompute happens with them alive: a plan that can
-    recompute it cuts more of a CNN's activation memory (docs/segments.md). The stem
-    is the outermost block holding the first convolution and no stage; none if that convolution
-    lies inside a stage or after the first one.
-    """
+    """The outermost block holding a CNN's first convolution and no stage, when it runs before the stages."""
     names = [name for name, _ in model.named_modules()]
     first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     if first is None or not stages or names.index(first) > names.index(stages[0]):
@@ -126,17 +103,8 @@ def _matches(name: str, module: nn.Module, spec: Iterable[Union[str, type]]) -> 
 def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]:
     """Names of the candidate stages of ``model``, outermost first, in registration order.
 
-    Args:
-        model: the model.
-        candidates: None for automatic; or module classes, class names (``"GPT2Block"``) or
-            ``fnmatch`` patterns over module names (``"transformer.h.*"``).
-
-    A model compiled with ``torch.compile`` (or holding compiled submodules) has the stage names of
-    the uncompiled model (no ``_orig_mod.``), as ``profile_step`` and ``apply_plan`` use them.
-
-    Raises:
-        NoCandidateError: when nothing qualifies, or a given class or pattern matches nothing
-            (the message lists the model's module classes).
+    ``candidates``: None for automatic; or module classes, class names or ``fnmatch`` name patterns.
+    Raises ``NoCandidateError`` when nothing qualifies or a given class or pattern matches nothing.
 
     Example:
         >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
@@ -148,8 +116,7 @@ def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]
         >>> find_stages(torch.compile(blocks))  # names of the uncompiled model
         ['0', '1', '2']
     """
-    # Names are those of the uncompiled model, as profile_step and apply_plan use them: look
-    # through torch.compile wrappers (the model itself, or any submodule).
+    # Names are the uncompiled model's, as profile_step and apply_plan use them.
     with uncompiled(model) as plain:
         return _find_stages(plain, candidates)
 

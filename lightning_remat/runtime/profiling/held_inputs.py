@@ -1,24 +1,8 @@
 """Inputs a recomputed stage keeps alive that would otherwise be freed: a term of its stored bytes.
 
-A recomputed module (``torch.utils.checkpoint``, with or without a selective-checkpointing policy)
-holds its forward's arguments until its backward, to run the forward again. Most of them are alive
-anyway (the previous stage's output, which the previous stage stores). Some are not: with a frozen
-embedding (LoRA), the first layer's input needs no gradient, so a kept first layer saves nothing of
-it and it is freed after that layer's forward; small tensors every layer receives
-(``cache_position``) are freed after the forward too. Recomputing the stage keeps them to its
-backward, so every later stage's peak sees them.
-
-Measured in the run where the stage is recomputed, they would land inside the *later* stages'
-terms, and a plan that recomputes an early stage and keeps a later one would be under-predicted
-(by the embedding's output, under LoRA). Counting them in the recomputed stage's own stored bytes
-(alive from its forward to its backward, exactly what stored bytes mean) keeps the model additive.
-
-Two steps: ``DeadInputs`` finds, on the pass with nothing recomputed, which arguments of each stage
-are freed by the end of the forward; ``HeldInputs`` counts, during a memory run, the bytes of those
-arguments each recomputed stage receives. A tensor several recomputed stages receive is counted
-in each one's stored bytes but not subtracted from the later terms of the run (``exclusive``): the
-model then over-counts it (by a few hundred bytes for ``position_ids``) but never misses it,
-whichever of them a plan recomputes.
+A checkpoint holds its forward's arguments to its backward; some would be freed otherwise (a frozen
+embedding's output under LoRA). Counted in the recomputed stage's own stored bytes, the model stays
+additive; a tensor several stages hold may be over-counted but is never missed.
 
 Example:
     >>> import torch
@@ -44,8 +28,7 @@ from ..measuring.exclusive import planning_runs_here
 
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) for the tensor arguments of a call, one level into tuples and lists (the
-    ``position_embeddings=(cos, sin)`` of transformers' layers)."""
+    """(key, tensor) for a call's tensor arguments, one level into tuples and lists (``position_embeddings``)."""
     items = [(str(i), a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
     for key, value in items:
         if isinstance(value, torch.Tensor):
@@ -71,14 +54,9 @@ def _ident(tensor: torch.Tensor) -> int:
 
 
 class DeadInputs:
-    """Finds, on a pass with nothing recomputed, the keys of each stage's tensor arguments that are
-    freed by the end of the forward (nothing saves them for backward, nothing else refers to them),
-    other than outputs of earlier stages (those count in the earlier stage's stored bytes already).
+    """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward.
 
-    Enter it around the forward, call ``check()`` once the forward returned (before backward): the
-    result goes into ``dead`` (given, or a new dict). The profile does this inside its memory run
-    with nothing recomputed, so finding them costs no pass of its own. A stage called several
-    times: its first call stands for the others.
+    Enter it around the forward and call ``check()`` before backward.
 
     Example:
         >>> import torch
@@ -141,9 +119,7 @@ class DeadInputs:
 
 
 class HeldInputs:
-    """During a memory run, the bytes of the dead arguments (``DeadInputs``) each recomputed stage
-    (or recomputed child of a stage) receives: what its checkpoint keeps alive beyond what the
-    stages' own forwards leave.
+    """During a memory run, the bytes of the dead arguments each recomputed stage (or recomputed child) receives.
 
     Example:
         >>> import torch
@@ -167,14 +143,7 @@ class HeldInputs:
 
     @property
     def exclusive(self) -> list[int]:
-        """Per stage, the held bytes no other stage of this run holds too.
-
-        A tensor several recomputed stages hold (``position_ids``) is alive once, until the backward
-        of the first of them. Every holder counts it in its stored bytes (a plan may recompute any
-        of them), but the run's later terms are taken relative to the exclusive bytes only, so they
-        keep it too: a plan then counts it at least once wherever it is alive (a few hundred bytes
-        more than once where several holders are recomputed), never less.
-        """
+        """Per stage, the held bytes no other stage of this run holds (later terms are taken relative to these)."""
         out = list(self.bytes)
         for holders in self._holders.values():
             if len({i for i, _ in holders}) > 1:
@@ -191,9 +160,7 @@ class HeldInputs:
 
     @property
     def shared(self) -> list[tuple[tuple[str, int], ...]]:
-        """Per stage, the (label, bytes) of what it holds that other stages hold too: one tensor, named
-        after the first stage that receives it and its argument there, whichever option holds it, since
-        which tensor a stage receives does not depend on what is recomputed (``core.shared_held``)."""
+        """Per stage, the (label, bytes) of what other stages hold too, named after the first stage receiving it."""
         out: list[list[tuple[str, int]]] = [[] for _ in self.order]
         for label, nbytes, stages in self._shared():
             for i in stages:
@@ -201,8 +168,7 @@ class HeldInputs:
         return [tuple(sorted(pairs)) for pairs in out]
 
     def held_before(self, k: int) -> tuple[tuple[str, int], ...]:
-        """The shared tensors a stage before ``k`` holds in this run: alive all through stage ``k``
-        (its forward and backward) and the gap before it, so every figure there counts them."""
+        """The shared tensors a stage before ``k`` holds: alive all through stage ``k``, so its figures count them."""
         return tuple(sorted((label, nbytes) for label, nbytes, stages in self._shared() if stages[0] < k))
 
     def __enter__(self) -> "HeldInputs":
@@ -250,7 +216,7 @@ class HeldInputs:
             call = state["calls"]
             state["calls"] += 1
             if call not in opening or call >= total:
-                return  # as ``dead_inputs``: the first call of each place (not the others, nor the recompute)
+                return  # as DeadInputs: the first call of each place (not the others, nor the recompute)
             state["place"] = opening[call]
             dead = self.dead[name]
             for key, tensor in _tensors(args, kwargs):

@@ -1,24 +1,7 @@
 """Blocks planned whole or through their children: the stages below the automatic candidates.
 
-An automatic candidate (``candidates.py``) whose forward does nothing but chain modules of its own,
-each one's output the next one's input (a CNN stage: its downsampling, then its blocks), can be
-planned as one stage or through those modules, each then a stage with its own options (keep, whole,
-heavy children, policies, offload) and runs of them in one ``nn.Sequential`` as segments; and so on
-down, to ``MAX_DEPTH`` levels below the candidate and ``MAX_STAGES`` stages in all. The profile's
-stages are the modules at the deepest level reached; ``Profile.blocks`` names each expanded block
-with its stages, and recomputing a block whole is one checkpoint over that run of stages, priced
-exactly from their figures as a segment is (``core.spans``). The exact DP (``core.solve``) then
-chooses, block by block, recomputed whole or planned through its children.
-
-A block whose forward does more than chain its children (a residual add, a transformer layer's
-attention and MLP) stays one stage: recomputed whole it is not a run of its children. A block is
-expanded only where one of its children is a block itself (two or more children): single layers
-(a convolution, a norm) alone gain nothing from their own checkpoint.
-
-Cost: one forward without gradients (whose calls also tell ``stage_options.span_groups`` which
-Sequential items chain), and none where no candidate's forward takes a single argument (transformer
-layers take masks and positions); no memory run is added, since each option's run measures every
-stage at the deepest level at once.
+A candidate whose forward only chains modules of its own (a CNN stage) may be planned through them, to
+``MAX_DEPTH`` levels; the DP chooses block by block. A block that does more (a residual add) stays whole.
 
 Example:
     >>> import torch
@@ -51,8 +34,7 @@ MAX_STAGES = 256
 
 @dataclass
 class Hierarchy:
-    """The stages at the deepest level reached, the blocks expanded (each with its stages, in order),
-    and the calls recorded (for ``span_groups``).
+    """The stages at the deepest level reached, the blocks expanded (each with its stages), the calls recorded.
 
     Example:
         >>> Hierarchy(["a", "b"]).blocks   # what candidates given by hand get: nothing expanded
@@ -65,9 +47,7 @@ class Hierarchy:
 
 
 def sub_modules(model: nn.Module, name: str) -> list[str]:
-    """The modules a block's forward may chain: its children in registration order, with the items of
-    an ``nn.ModuleList`` child, or of a plain ``nn.Sequential`` child holding blocks, in its place,
-    and ``nn.Identity`` left out.
+    """The modules a block's forward may chain: its children, lists and Sequentials of blocks flattened, no Identity.
 
     Example:
         >>> net = nn.Sequential(nn.Sequential(nn.Identity(), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])))
@@ -97,9 +77,7 @@ def _is_block(module: nn.Module) -> bool:
 
 
 def _one_argument(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes exactly one argument (nothing optional, no ``*args`` or
-    ``**kwargs``): only such a block can be a chain, so a transformer layer (masks, positions, caches)
-    costs no forward to rule out."""
+    """Whether ``module.forward`` takes exactly one required argument: only such a block can be a chain."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -122,8 +100,7 @@ def _subtree(model: nn.Module, stages: Sequence[str]) -> dict[str, list[str]]:
 
 
 def _single_tensor_call(calls: list) -> tuple[torch.Tensor, int, torch.Tensor, int] | None:
-    """(input, its version as the call began, output, its version as the call ended) of a module
-    called once with one tensor and returning one."""
+    """(input, its version at the call, output, its version after) of a module called once on one tensor."""
     if len(calls) != 1:
         return None
     args, kwargs, output, (began, ended) = calls[0]
@@ -133,9 +110,7 @@ def _single_tensor_call(calls: list) -> tuple[torch.Tensor, int, torch.Tensor, i
 
 
 def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
-    """Whether one forward ran ``block`` as a chain of ``subs``: each called once with one tensor, the
-    first on the block's input, each next on the output of the one before, unchanged in between (an
-    in-place residual add is a step of the block's own), the block returning the last one's output.
+    """Whether one forward ran ``block`` as a chain of ``subs``, each on the previous one's unchanged output.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
@@ -157,8 +132,7 @@ def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
 
 def expand(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
            replay: Callable[[], None] = lambda: None) -> Hierarchy:
-    """The stages of ``stages`` planned through their children where their forward chains them (see
-    the module docstring); ``replay`` runs before the one forward without gradients.
+    """``stages`` planned through their children where their forward chains them (``replay`` runs first).
 
     Example:
         >>> stack = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(2)])

@@ -1,15 +1,7 @@
 """A causal LM's head and its loss as the last stage of the profile (``chunk_loss=True``).
 
-Without it the head's projection, the cross-entropy and their backward run in the gap between the
-last layer's forward and its backward: a segment of the memory model whose peak no option changes.
-With ``chunk_loss`` the step is also measured once per chunk count (``chunked_loss.CHUNK_COUNTS``,
-the head and loss over that many sequence chunks, each recomputed in backward; the layers kept), and
-that gap becomes a stage of its own after the layers, whose options are ``"keep"`` (the gap as
-measured: the model's own head and loss) and ``"chunks:k"`` (the gap as measured with ``k`` chunks,
-beside the same adjustments). It stores nothing past its own backward, so the solver's DP chooses the
-number of chunks as it chooses any stage's option; its cost is the projection computed again (each
-chunk's logits are recomputed in backward), plus one FLOP per chunk so that, at an equal peak, fewer
-chunks (larger matmuls) win.
+The gap they run in becomes a stage with options ``"keep"`` and ``"chunks:k"``, measured once per chunk
+count, so the DP chooses the chunks; one FLOP per chunk makes fewer chunks win at an equal peak.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment
@@ -38,8 +30,7 @@ from .memory_run import memory_run
 
 @dataclass
 class HeadFigures:
-    """What the chunked runs measured: the head's name, the gap it runs in (stages alive), the FLOPs
-    of its projection, and the gap's figure in the run with nothing chunked and in each chunked run."""
+    """What the chunked runs measured: the head, the gap it runs in, its FLOPs, and the gap's figure per chunk count."""
 
     head: str
     gap: int
@@ -50,8 +41,7 @@ class HeadFigures:
 
 def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer: torch.optim.Optimizer | None,
                  replay: Callable[[], None], accumulation_steps: int, keep_gap: dict[int, int]) -> HeadFigures | None:
-    """The step measured once per chunk count with the head and loss chunked (the layers kept), or
-    None where the model has no causal LM head (``chunked_loss.find_head_loss``) or it did not run."""
+    """The step measured once per chunk count with head and loss chunked; None without a causal LM head."""
     found = find_head_loss(model)
     n = len(observed.positions)
     if found is None or n not in keep_gap or found.head in observed.order:  # a head that is a stage already
@@ -76,11 +66,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
 
 
 def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_second: float = 0.0) -> Profile:
-    """``profile`` with the gap the head runs in made a stage after the layers (see the module's
-    docstring); unchanged without figures. The stage's figures are the gap segment's peak moved by
-    what chunking changed in the measured gap, so every adjustment made to the segment stays. The
-    recompute's seconds are the step's per FLOP (a fake profile prices them again), its roofline
-    seconds the projection's FLOPs at the device's peak (a large matmul is bound by compute)."""
+    """``profile`` with the head's gap made a stage after the layers; unchanged without figures."""
     # The last gap: all stages alive (stages that did not run are in the chain by now).
     gap = next((s for s in profile.segments if figures is not None and s.stages_alive == len(profile.stages)
                 and s.name != "optimizer step"), None)

@@ -1,11 +1,4 @@
-"""One memory run: a training step measured with some modules recomputed (or offloaded), in the
-terms of the memory model (``core.memory_model``).
-
-``memory_run`` runs the step once under MemTracker (``SegmentTracker``) with the given modules
-wrapped, and reads per stage the bytes its forward leaves allocated (stored) and its peak during its
-own forward or backward less what the stages before it store (local), the peaks of the gaps between
-stages (segments), and the static memory after backward. ``profile.py`` makes one run per option.
-"""
+"""One memory run: a step measured with some modules recomputed (or offloaded), read in the model's terms."""
 
 from __future__ import annotations
 
@@ -58,11 +51,10 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
                 offload_inputs: bool = False) -> MemoryRun:
-    # ``order``: the chain's places (``ObservedStep.positions``: a module may stand at several),
-    # ``calls`` the calls at each. ``dead``: the arguments of each stage a kept stage frees early (held_inputs.py); a run with
-    # nothing recomputed and ``dead`` empty fills it. ``chunked``: causal LM heads computing their
-    # loss over that many chunks (loss_stage.py; nothing else wrapped then). ``offload_inputs``: the
-    # recomputed modules' checkpoint inputs go to the host (input_offload.py).
+    # ``order``: the chain's places (a module may stand at several), ``calls`` the calls at each.
+    # ``dead``: the arguments a kept stage frees early (held_inputs.py; filled by a run with nothing
+    # recomputed). ``chunked``: heads computing their loss over that many chunks (loss_stage.py).
+    # ``offload_inputs``: the recomputed modules' checkpoint inputs go to the host (input_offload.py).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -139,9 +131,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
 
 def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
                  fresh: set[int] = frozenset()) -> tuple[list[int], dict[int, int]]:
-    """Each stage's local peak (its forward's and backward's, over what the stages before it store)
-    and each gap's segment peak, from the tracker's peaks per (kind, index). Stored bytes count from
-    the last ``fresh`` stage on (a step that ran backward before it: the earlier ones are gone)."""
+    """Each stage's local peak and each gap's segment peak; stored bytes count from the last ``fresh`` stage on."""
     starts = [max([0, *(f for f in fresh if f <= i)]) for i in range(n)]
     local: list[int | None] = [None] * n
     segments: dict[int, int] = {}
@@ -156,16 +146,7 @@ def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
-    """Stored bytes net of what the gap after each stage's forward released (offload runs).
-
-    A stage's forward leaves its output allocated, and its input is released only after it returns
-    (the caller drops it), in the gap before the next stage. Under "offload" the stage does not
-    hold its input, so counting the output of every stage and never the release over-counts one
-    hidden state per stage whenever the stage is not recomputed (a recomputed stage's checkpoint
-    does hold its input: those runs are left as they are, unless its input is offloaded too). The release belongs to the stage whose
-    forward just ran, so the term stays additive. The last stage (no next forward) and stages
-    called more than once are left as measured; nothing goes below zero.
-    """
+    """Stored bytes net of what the gap after each stage's forward released (offload runs: inputs not held)."""
     if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
         return stored
     net = list(stored)
@@ -178,9 +159,7 @@ def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, 
 
 @contextlib.contextmanager
 def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] | None) -> Iterator[Offloader | None]:
-    """Offload ``names`` for one memory run: on fake tensors only metadata goes to the "host"
-    (the meta device, which MemTracker does not count); tensors come back on demand (the
-    prefetch is modelled in ``core.offload_model``)."""
+    """Offload ``names`` for one memory run; on fake tensors only metadata goes to the meta "host"."""
     if not names:
         yield None
         return
@@ -192,8 +171,7 @@ def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] |
 
 
 class _SegmentMeter(PeakMeter):
-    """The peak meter of a memory run, over its ``SegmentTracker``; it also reads what the step
-    holds right after backward (the loss and what it keeps, besides static memory)."""
+    """The run's peak meter over its ``SegmentTracker``, also reading what the step holds right after backward."""
 
     after_backward = 0
 

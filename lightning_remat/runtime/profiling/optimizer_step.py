@@ -1,9 +1,4 @@
-"""The optimizer's step, measured without running it: the state it creates and the temporaries it needs.
-
-The step runs under ``FakeTensorMode`` on fake copies of the parameters, gradients and state, so
-nothing real is allocated or changed, and whatever the optimizer's implementation (for-loop,
-foreach, fused) allocates is counted. Several optimizers (manual optimization) step one after the
-other, as a training step runs them: every one's state is alive while each steps.
+"""The optimizer's step measured on fake copies under ``FakeTensorMode``: its state and its temporaries.
 
 Example:
     >>> import torch
@@ -30,8 +25,7 @@ from ..measuring.tracking import Tracker
 
 @dataclass(frozen=True)
 class OptimizerStepCost:
-    """State bytes the optimizers hold after a step; peak bytes of their steps beyond parameters and
-    gradients; of the state, the bytes that do not exist yet (parameters no step has reached)."""
+    """State bytes after a step, the step's peak beyond parameters and gradients, and the state not created yet."""
 
     state_bytes: int = 0
     step_peak_bytes: int = 0
@@ -50,13 +44,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | None) -> None:
-    """Make the clone take the implementation the real optimizer takes on ``device``.
-
-    With ``foreach=None`` torch picks the batched ("foreach") step for parameters on CUDA and the
-    per-tensor loop elsewhere, and the fake copies here are CPU tensors: so on a foreach device we
-    ask for foreach explicitly. Its temporaries are a copy of all parameters at once where the
-    loop's are a copy or two of the largest one.
-    """
+    """Make the clone take the real optimizer's implementation on ``device`` (the fake copies are CPU tensors)."""
     if device is None:
         return
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices
@@ -72,12 +60,10 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
 def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                         device: str | torch.device | None = None,
                         setting: Mapping[str, bool] | None = None) -> OptimizerStepCost:
-    """Run ``optimizer``'s step on fake copies and count what it allocates; several optimizers (a
-    list or tuple) step one after the other, each counted with every one's state.
+    """Run ``optimizer``'s step on fake copies and count what it allocates.
 
-    ``device``: the device the real step runs on; its default implementation (foreach on CUDA)
-    is the one measured. ``setting``: param-group keys set on every group first
-    (``{"fused": True}``: the step as ``fused=True`` would run it).
+    ``device``: where the real step runs (its default implementation is measured); ``setting``: param-group
+    keys set first (``{"fused": True}``). Several optimizers step one after the other.
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
@@ -129,9 +115,7 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
 
 
 def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> int:
-    """Bytes of ``clone``'s state (after its step) for the parameters ``optimizer`` holds no state
-    for yet: all of them before its first step, and later those no step has reached (parameters
-    only a new key of the batch uses, or a branch that ran for the first time)."""
+    """Bytes of ``clone``'s state for the parameters ``optimizer`` holds no state for yet."""
     real = torch_optimizer(optimizer)
     seen: set[int] = set()
     total = 0
@@ -148,11 +132,7 @@ def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimize
 
 def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                 device: str | torch.device | None = None) -> dict[str, int]:
-    """Per optimizer setting (``core.binding.OPTIMIZER_SETTINGS``: ``fused=True``, ``foreach=False``)
-    that the optimizers take and do not run already, the bytes by which their step's peak would
-    differ under it (negative: lower), measured on fake copies as ``optimizer_step_cost``. A setting
-    an optimizer lacks (no such param-group key) or cannot run here (fused kernels for this dtype)
-    is left out.
+    """Per optimizer setting not used yet (``fused=True``, ``foreach=False``) and runnable, the step's peak change.
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
@@ -179,12 +159,7 @@ def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torc
 
 
 class MeasuredOnRead(Mapping[str, int]):
-    """A mapping measured the first time it is read (``optimizer_step_alternatives_on_read``).
-
-    The optimizer settings' step peaks feed only the optimizer-step advice (``core.binding``), read
-    where the optimizer step binds a plan's peak or no plan fits (``service.knobs``): a plan that fits
-    with another term binding never pays for their measurement. Copied (``copy.deepcopy``,
-    ``dataclasses.asdict``) or pickled, it is measured and becomes a plain ``dict``.
+    """A mapping measured when first read (the settings feed only advice); copied or pickled, a plain ``dict``.
 
     Example:
         >>> calls = []
@@ -230,10 +205,8 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
                                         mode: Any = None,
                                         in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
                                         ) -> MeasuredOnRead:
-    """``optimizer_step_alternatives(optimizer, device)``, under ``mode`` (the fake mode the
-    optimizer's tensors belong to) when given, measured the first time the result is read.
-    ``optimizer`` must not step in between: its state is what is measured (a fake profile's private
-    clone, which nothing steps after the profile).
+    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before);
+    ``in_depth(measure)``, where given and not None, measures it on a stack's shallow copies instead.
 
     Example:
         >>> net = torch.nn.Linear(64, 64)

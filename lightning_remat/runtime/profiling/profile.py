@@ -1,23 +1,7 @@
 """Profile one training step in the terms of the memory model (``core.memory_model``).
 
-What is measured, and how:
-
-- A plain step is observed first (``observe.observe_step``): the stages' execution order, per
-  module time, FLOPs and bytes saved for backward.
-- Memory, with torch's ``MemTracker`` around forward and backward, once per option: nothing
-  recomputed (``"keep"``), every stage recomputed (``"whole"``), and each heavy child recomputed in
-  every stage (``"attn"``, ``"mlp"``, ...), and each selective-checkpointing policy on every
-  stage where it differs from the other options (``"sac:save_matmuls"``, ...: ``sac.py``). A
-  stage's stored bytes are what its forward leaves allocated; its local peak is the peak during
-  its forward or backward less what the stages before it store. The gaps between stages
-  (embeddings, head, loss) are segments. Because each term is measured under the option it
-  describes, the model reproduces every measured run exactly. The options are
-  ``stage_options.py``'s, a run is ``memory_run.py``, the Profile from the runs ``assemble.py``.
-- The optimizer step, under ``FakeTensorMode`` on fake copies (``optimizer_step``): its
-  temporaries and the state it creates are counted without allocating them.
-
-Gradients, buffers (BatchNorm statistics), RNG states and optimizer state are put back afterwards,
-so profiling does not change training.
+Each term is measured under the option it describes, so the model reproduces every measured run
+exactly. Gradients, buffers, RNG and optimizer state are put back afterwards.
 """
 
 from __future__ import annotations
@@ -85,43 +69,16 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     """Profile one training step of ``model`` for the solver.
 
     Args:
-        model: the model, in the mode it trains in (``model.train()``).
-        step: ``step(model)`` runs a forward pass on a batch and returns the scalar loss; the
-            profiler runs backward itself. It is called several times on the same batch.
-        optimizer: its state counts in the budget: the state it holds, or, before its first step,
-            the state it will create (Adam: two tensors per parameter), and its step's temporaries.
-            A list or tuple of optimizers (manual optimization): each one's state and step, stepped
-            one after the other. Lightning's, Fabric's and Accelerate's wrappers are looked through.
-        warmup: steps run first and not measured (lazy initialisation, allocator warm-up).
-        candidates: as ``find_stages``: None for automatic, or module classes / name patterns.
-        fake: profile on fake tensors (no memory is allocated, nothing real runs): for models
-            larger than this machine and for devices that are not here. The model may be real (it
-            is not changed), on the meta device, or built under a ``FakeTensorMode``; ``step``
-            may make its inputs as real tensors. Byte counts are exact; costs are counted FLOPs.
-        dtype: with ``fake``, the dtype floating-point parameters, gradients and optimizer state are
-            kept in (``torch.bfloat16``: pure bf16; for mixed precision use ``options.precision``).
-        device: the device the profile plans for (``"cuda"``); the default is the model's.
-        gpu: with ``fake``, a GPU name (``"h100"``, ``"a100"``, ...: ``core.hardware.GPUS``) whose
-            throughput turns FLOPs into seconds; without it, a fake profile has FLOP costs only.
-        device_memory, precision, accumulation_steps, gradient_buckets, world_size, repeated_blocks,
-            policies, offload, chunk_loss, host_memory: as ``ProfileOptions`` (the one description of each).
-        options: all of the above but ``optimizer`` as one ``ProfileOptions``. Give the settings
-            either as keywords or as ``options``: a keyword set to anything but its default next to
-            ``options`` is a ``ConflictingArgumentsError`` (a ``TypeError``), not ignored.
-
-    Returns:
-        A ``Profile``: per stage in execution order its options (stored bytes, local peak, recompute
-        cost in seconds and FLOPs), its saved/input/output bytes and forward cost; the segments
-        between stages; static bytes and the baseline peak of the step.
-
-    A model compiled with ``torch.compile`` (or holding compiled submodules) is profiled as its
-    original modules, and stage names are those of the uncompiled model (no ``_orig_mod.``).
+        step: ``step(model)`` runs a forward pass and returns the scalar loss; called several times on one batch.
+        optimizer: its state (or what its first step will create) and its step's temporaries count.
+        fake: profile on fake tensors (nothing allocated); the model may be real, on meta or fake.
+        gpu: with ``fake``, a GPU name whose throughput turns FLOPs into seconds.
+        options: every setting as one ``ProfileOptions`` (the one description of each); not beside keywords.
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
         NoCandidateError: the model has no candidate block.
         FakeProfileError: with ``fake``, the model's code needs real values; it names the op.
-        ConflictingArgumentsError: keywords and ``options`` both given.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
@@ -130,7 +87,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         >>> [s.name for s in profile.stages], [o.name for o in profile.stages[0].options]
         (['0', '1', '2', '3'], ['keep', 'whole'])
         >>> fake = profile_step(net, lambda m: m(x).square().mean(), fake=True, device="cuda", gpu="h100")
-        >>> # on the CPU a checkpoint also keeps the host's RNG state (5,056 B), which a GPU's memory never holds
+        >>> # on the CPU a checkpoint also keeps the host's RNG state, which a GPU's memory never holds
         >>> fake.device, profile.stages[0].options[1].stored_bytes - fake.stages[0].options[1].stored_bytes
         ('cuda', 5056)
     """
@@ -150,17 +107,14 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         check_offload_target(options, model_device(model))
     optimizer = as_optimizers(optimizer)
     step = _in_forward_context(step, fabric_forward_context(model))
-    # A compiled model (or compiled submodules) is profiled as its original modules: hooks must fire;
-    # and eagerly, since dynamo would never compile code it first met under our dispatch modes.
-    # Recompute is priced as the compiled step runs it when the step runs compiled.
+    # A compiled model is profiled as its original modules (hooks must fire), eagerly (dynamo would
+    # never compile code first met under our dispatch modes); recompute is priced as compiled.
     compiled, chunk_loss_asked = runs_compiled(model), options.chunk_loss
     if compiled and options.chunk_loss:
-        # The head's chunks are measured eagerly, and inductor fuses them back together: a compiled
-        # chunked step measured 2.5-8% above its eager figures (docs/long_context.md). Not offered.
+        # The head's chunks are measured eagerly and inductor fuses them back together: not offered.
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
-    # The user's hooks see training forwards only, not the profile's passes (user_hooks.py).
-    # The device planned for: a fake profile without one plans for the CPU (as ``_fake_profile`` does).
+    # The user's hooks see training forwards only; a fake profile without a device plans for the CPU.
     target = options.device or ("cpu" if options.fake else model_device(model))
     with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model, rng_states_count(target):
         if not options.fake:
@@ -171,7 +125,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
         profile.notes = (*profile.notes, CHUNKS_UNDER_COMPILE_NOTE)
-    # What the plans solved from it were made for: apply_plan refuses them on other shapes (issue 29).
+    # What the plans solved from it were made for: apply_plan refuses them on other shapes.
     profile.fingerprint = binding_of(model, [*(s.name for s in profile.stages), *(m for m, _ in profile.blocks)])
     refusal = chunked_loss.refused(model) if options.chunk_loss else None
     if refusal is not None:  # a causal LM with a loss of the user's own: said, not silently left whole
@@ -238,8 +192,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
                                 compiled=compiled)
 
-    # N identical layers: profiled at 4 and 5 layers (runtime/profiling/repeated.py) and extrapolated
-    # (core/depth_fit.py), sharded or not (each truncated copy gets a sharded twin of its own).
+    # N identical layers: profiled at 4 and 5 layers and extrapolated (repeated.py), sharded or not.
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
     if sharded:
@@ -310,7 +263,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
-            # Recomputed whole, with the input the checkpoint keeps on the host (issue 23).
+            # Recomputed whole, with the input the checkpoint keeps on the host.
             wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
@@ -341,8 +294,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
 
 def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],
               stage_names: Sequence[str], modules: dict[str, nn.Module], device: str, timed: bool) -> Profile:
-    """The assembled profile with what the measured runs do not hold: pooled timings, the allocator's
-    untracked bytes, DDP's buckets, stages that did not run, offload prices; and the notes that say so."""
+    """The assembled profile plus what the measured runs do not hold (timings, untracked bytes, DDP, offload)."""
     if timed:
         profile = with_pooled_timings(profile)
     profile = with_untracked(profile, runs["keep"].untracked_bytes)

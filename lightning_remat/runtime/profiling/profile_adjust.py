@@ -1,14 +1,4 @@
-"""Adjustments to a measured profile: memory alive through the whole step, and stages that did not run.
-
-The profile measures what it can see; these add what the integration or the allocator knows beyond
-it, each stated in the profile's notes:
-
-- ``with_always_alive``: bytes alive through the whole step (what CUDA's allocator held beyond the
-  tracked tensors, ``with_untracked``; DDP's gradient buckets) go into every term of the model;
-- ``with_unobserved``: a candidate stage that did not run on the profiled batch (layer drop) is
-  planned as if it had, with the figures of one that did;
-- ``with_pooled_timings``: identical stages (the same module class running the same ops) share the
-  median of their measured seconds, so timing noise does not choose between them.
+"""Adjustments to a measured profile for what the profile could not see; each says so in the profile's notes.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
@@ -31,8 +21,7 @@ from ...core.memory_model import Profile, predict_peak
 
 
 def with_untracked(profile: Profile, untracked: int) -> Profile:
-    """Calibrate against the allocator: bytes it held above MemTracker's count at the peak (on CUDA)
-    are alive through the whole step, so every term carries them."""
+    """Bytes CUDA's allocator held above MemTracker's count at the peak, carried by every term."""
     return with_always_alive(profile, untracked, (
         f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
         "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
@@ -51,11 +40,7 @@ def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
 
 
 def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
-    """Put the stages that did not run on the profiled batch (layer drop, conditional blocks) into the
-    chain as if they had run, with the figures of a stage that did: of the same class where there is
-    one, else the one that stores most. Placed after the observed stage registered before them, so
-    every later stage's peak counts what they would store; the optimizer step's segment is not moved.
-    """
+    """Stages that did not run on the profiled batch (layer drop) put into the chain with a similar stage's figures."""
     observed = {s.name: s for s in profile.stages}
     missing = [n for n in stage_names if n not in observed]
     if not missing:
@@ -88,13 +73,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
 
 
 def with_pooled_timings(profile: Profile) -> Profile:
-    """Identical stages cost the same: each gets, per option, the median of their measured seconds.
-
-    Stages are identical when they are of one module class and every option counts the same FLOPs
-    and roofline (the same ops on the same shapes). Timed once each, identical layers differ by
-    noise enough to make a plan treat one of them apart; pooled, the choice between them is the
-    solver's, not the noise's, and a second profile picks the same plan more often. Memory figures
-    are left as measured (a first layer may hold what the others do not).
+    """Identical stages (one class, the same FLOPs and roofline) share the median of their seconds, against noise.
 
     Example:
         >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile

@@ -1,16 +1,7 @@
-"""Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N.
+"""Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N (fake profiles only).
 
-A transformer is N interchangeable layers between an embedding and a head, and every term of its
-profile is linear in where a stage sits, so a deep model is profiled from two shallow copies. This
-module does what touches torch: it finds the stack (``repeated_stack``), cuts the model to 4 and 5
-layers (``truncated``), and profiles each copy twice, with ballast (a pebibyte of fake memory) held
-through forward and through backward (``with_ballast``), so every peak shows its forward figure in
-one run and its backward figure in the other. The fit itself is numbers only:
-``core.depth_fit.extrapolate``, which returns None where the profiles do not fit (the caller then
-profiles the whole model).
-
-Only the fake (``FakeTensorMode``) path uses it: the shallow copies share the fake model's
-tensors, so nothing is allocated and the user's model is never changed.
+Every term is linear in where a stage sits; this module cuts the shallow copies and profiles them with
+ballast; the fit is ``core.depth_fit.extrapolate``.
 
 Example:
     >>> import transformers, torch
@@ -67,11 +58,8 @@ class RepeatedStack:
 def repeated_stack(model: nn.Module, candidates: Any) -> RepeatedStack | None:
     """The model's stack of interchangeable layers, or None when its stages are not one.
 
-    The stages must be every child of one ``nn.ModuleList``, at least ``MIN_LAYERS`` of them, of one
-    class, with the same parameters and buffers (names, shapes, dtypes, ``requires_grad``), the same
-    submodule tree and the same plain attributes (strings, numbers, flags; a layer's own index
-    excepted). A config with per-layer settings that differ (``layer_types`` mixing sliding and full
-    attention, any other list with one entry per layer) is refused.
+    Every child of one ``nn.ModuleList``, at least ``MIN_LAYERS``, alike but for a layer's own index; a
+    config with per-layer settings that differ is refused.
     """
     try:
         names = find_stages(model, candidates)
@@ -136,11 +124,7 @@ def _config_items(config: Any) -> dict[str, Any]:
 
 
 def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
-    """A shallow copy of ``model`` with only the first ``layers`` layers of ``stack``.
-
-    The copy shares the model's tensors and layer objects' tensors (nothing is allocated); a
-    transformers config is copied with ``num_hidden_layers`` (and any per-layer list) cut to match,
-    for forwards that read it (``self.layers[: config.num_hidden_layers]``).
+    """A shallow copy of ``model`` with the first ``layers`` layers of ``stack`` (and its config cut to match).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU())] * 12))
@@ -164,8 +148,7 @@ def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
 
 
 def _sub_optimizer(optimizer: Any, model: nn.Module) -> Any:
-    """Optimizers of the same classes and settings over the parameters ``model`` still has (None,
-    one, or a tuple, as given)."""
+    """Optimizers of the same classes and settings over the parameters ``model`` still has."""
     subs = [s for s in (_sub_optimizer_of(o, model) for o in optimizer_list(optimizer)) if s is not None]
     return as_optimizers(subs)
 
@@ -189,20 +172,9 @@ def _sub_optimizer_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> tor
 
 def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
                      run: ProfileRun) -> Profile | None:
-    """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None.
+    """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None to profile it whole.
 
-    None when ``options.repeated_blocks`` is off, when the model's stages are not a stack of
-    interchangeable layers (``repeated_stack``), or when the profiles do not fit (``extrapolate``);
-    the caller then profiles the whole model. Each copy is profiled twice, with ballast held in
-    forward and with ballast held in backward, so every peak shows its forward figure in one run
-    and its backward figure in the other.
-
-    Args:
-        model: the (fake) model; not changed.
-        optimizer: its optimizer, over ``model``'s parameters.
-        options: the profile options (``candidates``, ``repeated_blocks``).
-        run: ``run(model, optimizer, wrap)`` profiles a model: the same call the whole model would
-            get, with its step replaced by ``wrap(step)``.
+    ``run(model, optimizer, wrap)`` profiles a model with its step replaced by ``wrap(step)``.
     """
     if not getattr(options, "repeated_blocks", True):
         return None
@@ -247,15 +219,12 @@ BALLAST = 2**50
 
 
 def _ballast_tensor(nbytes: int, device: torch.device | None) -> torch.Tensor:
-    """Two bytes ``nbytes - 1`` apart: a storage of ``nbytes`` (what the memory tracker counts) in a
-    tensor of two elements (what the roofline's op recorder counts as moved: an ``empty`` of
-    ``nbytes`` would price the step hundreds of seconds higher)."""
+    """A storage of ``nbytes`` in a tensor of two elements, so the roofline does not price it as moved."""
     return torch.empty_strided((2,), (nbytes - 1,), dtype=torch.uint8, device=device)
 
 
 class _Ballast(torch.autograd.Function):
-    """Identity on the loss. Forward phase: releases ``held`` (allocated before the forward) when the
-    backward pass starts. Backward phase: allocates ``nbytes`` when it starts, held until it ends."""
+    """Identity on the loss that holds ballast through forward (``held``) or allocates ``nbytes`` through backward."""
 
     @staticmethod
     def forward(ctx, loss, held, nbytes):  # type: ignore[no-untyped-def, override]
@@ -272,10 +241,7 @@ class _Ballast(torch.autograd.Function):
 
 
 def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
-    """``step`` whose forward (``phase="forward"``) or backward pass holds ``nbytes`` more throughout.
-
-    Every peak of a profile is the higher of a forward and a backward figure; with ballast larger
-    than any figure, the profile shows one of the two (plus ``nbytes``).
+    """``step`` whose forward or backward pass (``phase``) holds ``nbytes`` more, to tell a peak's two figures apart.
 
     Example:
         >>> net = nn.Linear(4, 4)

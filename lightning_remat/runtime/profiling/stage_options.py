@@ -1,11 +1,4 @@
-"""The options each stage is measured under, and one memory run per option.
-
-An option is a set of modules recomputed in each stage that offers it: nothing (``"keep"``), the
-whole stage (``"whole"``), a heavy child of the stage (``"attn"``, ``"mlp"``, ...), a
-selective-checkpointing policy where it differs from the other options (``"sac:save_matmuls"``,
-...: ``sac.py``), and offloading when asked for. ``measure_options`` makes the memory run
-(``memory_run.py``) of each; ``span_groups`` finds the stages that may be recomputed together.
-"""
+"""The options each stage is measured under (keep, whole, heavy children, policies, offload), one run each."""
 
 from __future__ import annotations
 
@@ -61,9 +54,7 @@ def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str,
 
 def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None],
                 calls: dict[str, list] | None = None) -> tuple:
-    """Stages that may be recomputed together (``core.spans``): consecutive items of one Sequential
-    that one forward really chains (checked on a forward without gradients, or on ``calls`` where
-    ``hierarchy.expand`` recorded every stage's already)."""
+    """Stages that may be recomputed together: consecutive items of one Sequential that a forward really chains."""
     groups = sequential_groups(model, order)
     if not groups:
         return ()
@@ -76,12 +67,7 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
 def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],
                     optimizer: torch.optim.Optimizer | None, replay: Callable[[], None], accumulation_steps: int,
                     limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
-    """The memory run of every option in ``wraps``, and the options dropped (their names and why).
-
-    A selective-checkpointing option whose recompute torch reports did not replay the forward
-    (``sac.recompute_not_replayed``) is dropped (removed from ``wraps``); any other failure, of any
-    option, is raised as itself.
-    """
+    """The memory run of every option in ``wraps``, and the policies dropped (their recompute did not replay)."""
     dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
     with warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.

@@ -1,10 +1,4 @@
-"""Plan without the hardware: run the profiled step on fake tensors.
-
-``FakeTensorMode`` gives tensors shapes, dtypes and devices but no storage. torch's MemTracker
-and FlopCounterMode work under it, so a step can be profiled for a model larger than this machine,
-or for a GPU that is not here: byte counts do not depend on the device (fake CPU tensors in the
-target dtype plan a CUDA device), and costs come from counted FLOPs, turned into seconds with a
-named GPU's peak throughput.
+"""Plan without the hardware: run the profiled step on fake tensors (shapes, dtypes, devices, no storage).
 
 Example:
     >>> import torch
@@ -70,12 +64,9 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
-    """A version of ``model`` whose parameters and buffers are fake CPU tensors.
+    """A copy of ``model`` (real, meta or fake) whose parameters and buffers are fake CPU tensors.
 
-    The model is copied (its tensors are only read for metadata), whether real, on the meta device
-    or already fake: planning leaves it, and an optimizer over its parameters, exactly as they were,
-    so the same model and optimizer can be planned again. Tied parameters stay tied and names do
-    not change. ``dtype`` casts floating-point tensors.
+    The model is left as it was; tied parameters stay tied. ``dtype`` casts floating-point tensors.
 
     Example:
         >>> real = torch.nn.Linear(2, 2)
@@ -123,8 +114,7 @@ def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None =
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor`` (FSDP2's parameters, gradients and optimizer state): what
-    the rank holds, and what its optimizer allocates state for. Any other tensor as it is.
+    """This rank's shard of a ``DTensor`` (what its optimizer allocates state for); any other tensor as it is.
 
     Example:
         >>> local_shard(torch.zeros(2)).shape
@@ -147,12 +137,7 @@ def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
                     mode: FakeTensorMode) -> torch.optim.Optimizer:
-    """An optimizer of the same class and settings over fake parameters, with fake copies of its state.
-
-    Args:
-        optimizer: the optimizer to imitate (the one inside Lightning's, Fabric's or Accelerate's wrapper).
-        params: maps ``id(p)`` of each of its parameters to the fake parameter that replaces it.
-        mode: the fake mode.
+    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state.
 
     Example:
         >>> mode = new_fake_mode()
@@ -180,20 +165,16 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
 
 
 def _shallow_module_copy(model: nn.Module) -> nn.Module:
-    """Copy the module tree, not what its modules refer to (tensors, a Lightning trainer, data):
-    every module is a shallow copy with its own parameter, buffer, child and hook dicts, which
-    ``fake_model`` then fills with fake tensors. The copy carries no plan of ours
-    (``records.without_installation``): a plan installed on it, or lifted from it, is its own."""
+    """Copy the module tree but not what modules refer to; the copy carries no plan of ours."""
     copies: dict[int, nn.Module] = {}
     ours = installed_hooks(model)
 
     def copy_module(module: nn.Module) -> nn.Module:
         if id(module) not in copies:
             twin = copy.copy(module)
-            # copy.copy goes through __getstate__, which may drop what pickling must not carry
-            # (a LightningModule's trainer, which ``self.optimizers()`` reads): the twin refers to
-            # all its module does, except the installation (whose Record, forward and segments
-            # belong to the module: a twin sharing them would uninstall the model's plan).
+            # copy.copy goes through __getstate__, which may drop a LightningModule's trainer: the
+            # twin refers to all its module does except the installation, which a twin sharing it
+            # would uninstall.
             cls, state = without_installation(module, ours)
             for key in [k for k in module.__dict__ if k not in state]:
                 twin.__dict__.pop(key, None)
@@ -217,12 +198,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
 def real_code_paths() -> Iterator[None]:
     """Let transformers take, on fake tensors, the attention path it takes on real ones.
 
-    transformers treats a fake tensor as a sign of graph tracing, and its decision whether SDPA
-    can use ``is_causal`` instead of a materialised mask then says no: a different attention
-    kernel, saving different tensors for backward. We profile to predict real execution, so for
-    the duration of that one decision we tell it fake tensors are not tracing; if the decision then
-    needs real values (a padding mask to inspect), it is taken as transformers would under tracing.
-    Sequences are assumed not to be packed (that test needs the position ids' values).
+    It reads a fake tensor as tracing and would materialise the causal mask; sequences are assumed unpacked.
     """
     import sys
 
@@ -250,9 +226,7 @@ def real_code_paths() -> Iterator[None]:
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
 
     def no_packing_on_fake(position_ids, *args, **kwargs):
-        # Telling packed sequences apart needs the position ids' values, which fake tensors do not
-        # have: a fake profile assumes unpacked sequences (the usual case, and transformers' own
-        # answer for the default position ids).
+        # Packed sequences are told apart by the position ids' values, which fake tensors lack.
         if isinstance(position_ids, FakeTensor):
             return None
         return find_packed(position_ids, *args, **kwargs)

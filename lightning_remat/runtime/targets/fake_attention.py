@@ -1,18 +1,7 @@
 """Attention as a CUDA GPU runs it, on the fake CPU tensors of a profile planned for one.
 
-A fake profile runs the step on fake *CPU* tensors, so ``scaled_dot_product_attention`` picks the
-CPU's kernel. That saves for backward what a GPU's kernel saves (the output and its log-sum-exp)
-except with attention dropout: the CPU's fused kernel has none, so SDPA falls back to its math
-path and saves the score and probability matrices, quadratic in the sequence. A GPU runs dropout
-inside its fused kernels (flash attention for half precision without a mask, memory-efficient
-attention otherwise) and saves the output, the log-sum-exp and the dropout's random seed. Planned
-on the CPU path, a model with attention dropout is predicted to hold far more activations than a
-GPU holds, and plans recompute far more than needed.
-
-``cuda_attention()`` routes SDPA calls with dropout to the fused kernel CUDA would choose, as
-torch's own dispatch does (flash first, then memory-efficient). Those ops have meta kernels and
-autograd formulas, so they run on fake tensors, save what they save on a GPU, and count their
-FLOPs. Calls without dropout keep the CPU's fused kernel, which saves the same tensors.
+With dropout the CPU saves SDPA's quadratic matrices, a GPU's fused kernel only output, log-sum-exp and
+seed: ``cuda_attention()`` routes such calls to the kernel CUDA would pick.
 
 Example:
     >>> import torch
@@ -59,13 +48,7 @@ def _cuda_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
 
 @contextlib.contextmanager
 def cuda_attention(enabled: bool = True) -> Iterator[None]:
-    """Within it, SDPA calls with dropout run CUDA's fused kernel (on fake tensors); a no-op when
-    not ``enabled``.
-
-    ``torch.nn.functional.scaled_dot_product_attention`` itself is replaced for the duration: a
-    checkpoint's recompute runs inside the autograd engine, where a ``TorchFunctionMode`` entered
-    around the step no longer applies, and the recompute must take the forward's kernel.
-    """
+    """Within it, SDPA calls with dropout run CUDA's fused kernel (the function is replaced, for recomputes too)."""
     if not enabled:
         yield
         return

@@ -1,18 +1,4 @@
-"""Mixture-of-Experts layers on the fake tensors of a profile planned without the hardware.
-
-Two things stopped a transformers MoE model (Qwen2-MoE, Mixtral, ...) on fake tensors:
-
-- Grouped matmuls in float32 (and float16): transformers runs its experts through
-  ``torch.nn.functional.grouped_mm`` (``aten._grouped_mm``), whose meta kernel, which fake tensors
-  run, accepts bfloat16 only (the CUDA fast path's dtype). The kernels themselves take the other
-  dtypes (CUDA through its fallback, one matmul per group; the CPU's likewise) and return the
-  input's dtype: ``grouped_mm_in_every_dtype`` gives fake tensors that result, shaped by torch's
-  own meta code. Autograd's formula for the op (grouped matmuls again) is unchanged.
-- Routing with data-dependent shapes: transformers' ``"eager"`` experts loop picks each expert's
-  tokens with ``nonzero`` and ``where``, whose sizes are the router's values, which fake tensors do
-  not have. ``fixed_shape_experts`` runs such a model's experts with transformers' ``"grouped_mm"``
-  implementation while it is profiled (transformers' default wherever grouped matmuls run, a GPU's
-  included): the same experts on the same routed tokens, in shapes the routing does not change.
+"""Mixture-of-Experts layers on fake tensors: grouped matmuls in every dtype, experts in fixed shapes.
 
 Example:
     >>> import torch
@@ -36,8 +22,7 @@ aten = torch.ops.aten
 
 
 def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    """FLOPs of ``aten._grouped_mm`` (FlopCounterMode has no formula for it, so an MoE layer's experts,
-    forward and backward, counted none): every row of the jagged operand meets one group's matrix.
+    """FLOPs of ``aten._grouped_mm``, which FlopCounterMode has no formula for.
 
     Example:
         >>> grouped_mm_flops((10, 8), (4, 8, 16)) == 2 * 10 * 8 * 16   # tokens x experts' weights
@@ -66,8 +51,7 @@ register_grouped_mm_flops()
 
 def _grouped_mm_any_dtype(mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any = None,
                           bias: Any = None, out_dtype: Any = None) -> Any:
-    """Fake-tensor rule for ``aten._grouped_mm`` outside bfloat16: torch's meta code on bfloat16
-    stand-ins (every check but the dtype's), the result in the dtype the kernels give."""
+    """Fake-tensor rule for ``aten._grouped_mm`` outside bfloat16: torch's meta code on bfloat16 stand-ins."""
     if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
         return NotImplemented  # torch's own meta kernel
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
@@ -87,7 +71,7 @@ def _is_grouped_mm(func: Any) -> bool:
 
 @contextlib.contextmanager
 def grouped_mm_in_every_dtype() -> Iterator[None]:
-    """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype (see the module)."""
+    """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype."""
     from torch._subclasses import fake_impls
 
     entry = (_is_grouped_mm, _grouped_mm_any_dtype)
@@ -100,9 +84,7 @@ def grouped_mm_in_every_dtype() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fixed_shape_experts(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
-    """Within it, a transformers model whose experts run the ``"eager"`` loop (shapes set by the
-    routing) runs them with ``"grouped_mm"``; its setting is put back after. A note for the plan
-    goes into ``notes`` when it changed."""
+    """Within it, transformers experts set to ``"eager"`` run with ``"grouped_mm"``; a note goes into ``notes``."""
     get = getattr(model, "get_experts_implementation", None)
     setter = getattr(model, "set_experts_implementation", None)
     previous = get() if callable(get) and callable(setter) else None

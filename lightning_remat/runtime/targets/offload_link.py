@@ -1,11 +1,4 @@
-"""Where offloading is offered, and what the host link costs: the bridge between the profiler and
-``core.offload_model``.
-
-Offloading trades device memory for host-link transfers hidden behind compute; with no accelerator
-the "host" *is* the device and there is nothing to gain, so the option is offered only for an
-accelerator target: a fake profile for a named GPU or ``device="cuda"``, or a real CUDA model.
-The bandwidth is the named GPU's (``core.hardware.GPUS``), or measured here
-on a real CUDA device.
+"""Where offloading is offered (accelerator targets only: elsewhere the host is the device) and the link's cost.
 
 Example:
     >>> from lightning_remat.core.config import ProfileOptions
@@ -75,8 +68,7 @@ def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
 
 
 def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:
-    """Per stage (but the last), the bytes the host link moves while the next stage's forward runs:
-    the ``offload:hidden`` option offloads that much, whose transfer compute hides entirely."""
+    """Per stage but the last, the bytes the host link moves during the next stage's forward (``offload:hidden``)."""
     bandwidth, _ = link_bandwidth(options, device)
     if timed:
         seconds = {n: observed.stats[n].seconds for n in observed.order}
@@ -99,9 +91,7 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
 
 
 def host_limit_bytes(options: ProfileOptions) -> int:
-    """The host memory offloading may use: ``options.host_memory`` when given; for a fake profile
-    for a named GPU, that GPU's share of a typical node (``core.hardware.HOST_MEMORY``), not this
-    machine's; otherwise this machine's free memory (``host_free_bytes``).
+    """The host memory offloading may use: ``host_memory``, a named GPU's share of a node, or this machine's free.
 
     Example:
         >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100")) // 2**30

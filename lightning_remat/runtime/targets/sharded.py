@@ -1,26 +1,7 @@
 """Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
 
-The fake profile (``profile._fake_profile``) runs on a fake twin of the model; with
-``ProfileOptions.world_size = N > 1`` that twin is really sharded with torch's ``fully_shard``
-(one unit per candidate block, plus the root) over a *fake* process group of N ranks (torch's
-``"fake"`` backend: collectives return at once and move nothing). The profile then measures what
-rank 0 of a real N-GPU run holds, with FSDP2's own code doing the allocating:
-
-- parameters, gradients and optimizer state as DTensor shards (FSDP2 pads each parameter's
-  first dimension to a multiple of N; the padding is allocated and counted);
-- the unsharded parameters of the unit running and of the one FSDP2 prefetches in backward
-  (``reshard_after_forward=True``; the root's stay unsharded from forward to backward); the
-  recompute of a checkpointed block runs after FSDP2 has all-gathered the block for its backward,
-  so it needs no more;
-- the unsharded gradient of the unit in backward and the reduce-scatter buffers;
-- the activations of the local batch (the batch ``step`` makes is one rank's batch).
-
-Precision follows FSDP2's ``MixedPrecisionPolicy``, not autocast: ``"bf16-mixed"`` keeps float32
-sharded parameters (the master weights), gradients (``reduce_dtype``) and Adam moments, and
-all-gathers and computes in bfloat16 (``param_dtype``).
-
-Only one process group can be the default one: planning refuses to run inside a process that
-already has one (use the real sharded run there), and destroys the fake group afterwards.
+The fake twin is sharded with ``fully_shard`` over a fake process group of N ranks, so FSDP2's own code
+allocates what rank 0 of a real run holds (``docs/sharded.md``).
 
 Example:
     >>> import torch
@@ -48,12 +29,9 @@ from ...core.errors import ShardingError
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[object]:
-    """A default process group of ``world_size`` fake ranks (this process is rank 0) and a 1-D CPU
-    device mesh over it; destroyed on exit.
+    """A default process group of ``world_size`` fake ranks and a CPU mesh; destroyed on exit.
 
-    Raises:
-        ShardingError: a process group exists already (a real distributed run): planning for
-            other world sizes there would replace the user's group.
+    Raises ``ShardingError`` when a process group exists already (it would replace the user's).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,8 +54,7 @@ def fake_process_group(world_size: int) -> Iterator[object]:
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> object | None:
-    """FSDP2's policy for a step that computes in ``param_dtype`` (None: as stored), reducing
-    gradients in the stored dtype (float32 for mixed precision)."""
+    """FSDP2's policy computing in ``param_dtype`` (None: as stored), reducing gradients in float32."""
     if param_dtype is None:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -87,8 +64,7 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> object | None:
 
 def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: object,
                 param_dtype: torch.dtype | None = None) -> None:
-    """``fully_shard`` each of ``units`` (module names) and then ``model`` itself, in ``mode``
-    (a ``FakeTensorMode``: the shards are fake tensors)."""
+    """``fully_shard`` each of ``units`` and then ``model`` itself, in the fake ``mode``."""
     from torch.distributed.fsdp import fully_shard
 
     modules = dict(model.named_modules())
@@ -101,9 +77,7 @@ def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: obje
 
 
 def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtype: torch.dtype | None) -> int:
-    """Bytes of unsharded parameters alive together at most: the root's own (not resharded
-    between forward and backward) and the two largest units (the one in backward and the one
-    FSDP2 prefetches), all-gathered in ``param_dtype`` (None: their own dtype).
+    """Bytes of unsharded parameters alive together at most: the root's and the two largest units'.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
@@ -139,18 +113,14 @@ def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
 @contextlib.contextmanager
 def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
                  param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
-    """With ``world_size`` > 1, yield a copy of the fake twin ``model`` sharded over a fake process
-    group for the duration (see the module's docstring) and what the profile records of it (its
-    ``sharding``); with 1, yield ``model`` and an empty dict."""
+    """With ``world_size`` > 1, a sharded copy of the fake ``model`` and its ``sharding`` record; else ``model``, {}."""
     if world_size <= 1:
         yield model, {}
         return
     from ..profiling.candidates import find_stages
 
     info = sharding_info(model, world_size, candidates, param_dtype)
-    # fully_shard changes the classes of the modules it shards, their parameters and their hooks:
-    # it gets a twin of its own, so that the model given (which may be a meta model converted in
-    # place, or share hook dicts with the fake copy) is left as it was.
+    # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
     model = _own_module_copy(model)
 
     units = find_stages(model, candidates)
@@ -160,9 +130,7 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
 
 
 def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:
-    """What a profile records of the sharding of ``model`` (unsharded) over ``world_size`` GPUs: the
-    world size, FSDP units (one per candidate block, and the root), the unsharded parameters in
-    flight at most, the dtypes, and how many parameters FSDP2 pads.
+    """What a profile records of the sharding of ``model`` over ``world_size`` GPUs.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
@@ -184,8 +152,7 @@ def sharding_info(model: nn.Module, world_size: int, candidates: object, param_d
 
 
 def _own_module_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree (tensors shared) whose modules have their own hook dicts and carry
-    no plan of ours (``fake._shallow_module_copy``)."""
+    """A copy of the module tree (tensors shared) with its own hook dicts and no plan of ours."""
     from .fake import _shallow_module_copy
 
     return _shallow_module_copy(model)
