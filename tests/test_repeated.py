@@ -52,6 +52,8 @@ def test_extrapolated_profile_equals_full_profile(monkeypatch, name, options):
     fast, full = _profiles(case, **options)
     assert any(n.startswith("extrapolated from profiles of 4 and 5") for n in fast.notes)
     assert len(fast.stages) == 7
+    # The optimizer settings' advice: measured on the 4- and 5-layer copies' optimizers, on a line.
+    assert dict(fast.optimizer_step_alternatives) == dict(full.optimizer_step_alternatives) != {}
     _assert_equal_profiles(fast, full)
     assert least_peak(full) < full.baseline_peak_bytes
     budget = (least_peak(full) + full.baseline_peak_bytes) // 2

@@ -202,8 +202,11 @@ class MeasuredOnRead(Mapping[str, int]):
 
 def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                         device: str | torch.device | None = None,
-                                        mode: Any = None) -> MeasuredOnRead:
-    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before).
+                                        mode: Any = None,
+                                        in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
+                                        ) -> MeasuredOnRead:
+    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before);
+    ``in_depth(measure)``, where given and not None, measures it on a stack's shallow copies instead.
 
     Example:
         >>> net = torch.nn.Linear(64, 64)
@@ -213,5 +216,7 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
     """
     def measure() -> dict[str, int]:
         with mode if mode is not None else contextlib.nullcontext():
-            return optimizer_step_alternatives(optimizer, device)
+            # A stack of identical layers: its 4- and 5-layer copies' optimizers, on a line in depth.
+            deep = in_depth(lambda o: optimizer_step_alternatives(o, device)) if in_depth else None
+            return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
     return MeasuredOnRead(measure)

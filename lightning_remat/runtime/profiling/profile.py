@@ -45,7 +45,7 @@ from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
 from .optimizer_step import optimizer_step_alternatives, optimizer_step_alternatives_on_read, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
-from .repeated import repeated_profile
+from .repeated import alternatives_in_depth, repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
 
 # What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
@@ -202,7 +202,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
         # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies'), measured
         # when first read: only the optimizer-step advice reads it (its clone here steps no more).
         profile.optimizer_step_alternatives = optimizer_step_alternatives_on_read(
-            optimizer, options.device or "cpu", mode)
+            optimizer, options.device or "cpu", mode,
+            in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None)
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile.stages = tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
