@@ -1,4 +1,4 @@
-"""Every ```python block of the integration pages and README runs as written, or says why it cannot.
+"""Every ```python block of README and the docs runs as written, or says why it cannot.
 
 A block whose first line is ``# fragment: why`` cannot run alone (it needs the reader's model, a GPU, a
 launcher); every other block runs here on the CPU, in a fresh namespace (after the blocks above it
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.doc_blocks import Block, python_blocks
+from tests.doc_blocks import ROOT, Block, python_blocks
 
-PAGES = ("README.md", "docs/tutorial.md", "docs/lightning.md", "docs/accelerate.md", "docs/fabric.md", "docs/shapes.md",
-         "docs/batch_size.md")
+# README and every page under docs/: a new page's blocks are run without being listed here.
+PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
 BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 
 
