@@ -86,7 +86,7 @@ SLOW = {
                            # the tutorial's chain: breakdown 2.5 s, + plan 4.4 s, + train and measure 4.9 s
                            "test_block_runs[tutorial.md-1]", "test_block_runs[tutorial.md-2]",
                            "test_block_runs[tutorial.md-3]",
-                           "test_block_runs[selective_checkpointing.md-0]"),  # 66 s: GPT-2 under every policy
+                           "test_block_runs[selective_checkpointing.md-0]"),  # 12 s (66 s at load 3): GPT-2 under every policy
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess
