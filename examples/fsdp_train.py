@@ -6,7 +6,7 @@ On a CPU with 2 processes (gloo):
 
     torchrun --nproc_per_node 2 examples/fsdp_train.py --budget 2.6MB
 
-On GPUs use ``--backend nccl``; the budget is per GPU. docs/sharded_runs.md explains the figures.
+On GPUs use ``--backend nccl``; the budget is per GPU. docs/sharded.md explains the figures.
 """
 
 from __future__ import annotations

@@ -82,7 +82,11 @@ SLOW = {
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)
                            "test_block_runs[fabric.md-0]",  # 13 s (4 fake profiles); 55 s at load 9-11
-                           "test_block_runs[README.md-0]"),  # 7.5 s, transformers' import included
+                           "test_block_runs[README.md-0]",  # 7.5 s, transformers' import included
+                           # the tutorial's chain: breakdown 2.5 s, + plan 4.4 s, + train and measure 4.9 s
+                           "test_block_runs[tutorial.md-1]", "test_block_runs[tutorial.md-2]",
+                           "test_block_runs[tutorial.md-3]",
+                           "test_block_runs[selective_checkpointing.md-0]"),  # 12 s (66 s at load 3): GPT-2 under every policy
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess

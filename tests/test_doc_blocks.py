@@ -1,4 +1,4 @@
-"""Every ```python block of the integration pages and README runs as written, or says why it cannot.
+"""Every ```python block of README and the docs runs as written, or says why it cannot.
 
 A block whose first line is ``# fragment: why`` cannot run alone (it needs the reader's model, a GPU, a
 launcher); every other block runs here on the CPU, in a fresh namespace (after the blocks above it
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.doc_blocks import Block, python_blocks
+from tests.doc_blocks import ROOT, Block, python_blocks
 
-PAGES = ("README.md", "docs/lightning.md", "docs/accelerate.md", "docs/fabric.md", "docs/shapes.md",
-         "docs/batch_size.md")
+# README and every page under docs/: a new page's blocks are run without being listed here.
+PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
 BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 
 
@@ -46,8 +46,15 @@ def _shape_loop(scope, code):
     assert scope["plans"].counts.steps == 12 and len(scope["plans"].plans) > 1
 
 
+def _tutorial(scope, code):
+    # The page says the measured peak is the predicted one, under the budget.
+    plan, measured = scope["plan"], scope["measured"]
+    assert plan.checkpointed and measured.peak_bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+
+
 # What a block's names must hold after it ran, beyond running and printing what it says.
-CHECKS = {"fabric.md-0": _fabric_recipe, "README.md-0": _ten_lines, "shapes.md-1": _shape_loop}
+CHECKS = {"fabric.md-0": _fabric_recipe, "README.md-0": _ten_lines, "shapes.md-1": _shape_loop,
+          "tutorial.md-3": _tutorial}
 
 
 def expected_output(code: str) -> list[str]:
