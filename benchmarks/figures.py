@@ -3,7 +3,7 @@
 ``docs/figures.json`` holds, per command (``examples/train_gpt.py``, ``examples/plan_llama7b.py
 --batch 4``, ...), the figures it printed when last run, and the sentences of README and docs that
 quote them. This script runs each command again with ``--figures docs/figures.json`` (which rewrites
-its figures), then checks every quote (``lightning_remat.report.figures.check_quotes``) and exits 1
+its figures), then checks every quote (``benchmarks/doc_figures.py``'s ``check_quotes``) and exits 1
 when a quoted number is off beyond its tolerance: then edit the sentence to what the code prints
 now. ``tests/test_docs_figures.py`` runs the same check on every test run, without re-running.
 
@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_remat.report.figures import check_quotes, load_figures  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from doc_figures import check_quotes, load_figures  # noqa: E402
 
 FIGURES = ROOT / "docs" / "figures.json"
 

@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     parser.add_argument("--figures", default=None, help="record the printed figures in this JSON file (docs/figures.json)")
     args = parser.parse_args(argv)
     import sys
+    from pathlib import Path
     import time
 
     started = time.perf_counter()
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
           f"{result.batch_size} with it ({result.ratio:.2f}x) at {result.predicted_overhead:.1%} recompute FLOPs; "
           f"measured peak {result.measured_peak_bytes / 2**20:.2f} MiB")
     if args.figures:
-        from lightning_remat.report.figures import figures_key, record_figures
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # docs tooling: not in the wheel
+        from doc_figures import figures_key, record_figures
 
         record_figures(args.figures, figures_key("examples/batch_size.py", list(argv if argv is not None else sys.argv[1:])), {
             "budget_mib": budget / 2**20, "batch_without": result.batch_size_without_remat, "batch": result.batch_size,

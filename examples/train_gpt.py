@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from pathlib import Path
 import time
 
 import torch
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"final loss {float(trainer.callback_metrics['train/loss']):.3f}; logs: {logger.log_dir}/metrics.csv; "
           f"{seconds:.0f} s")
     if args.figures:
-        from lightning_remat.report.figures import figures_key, record_figures
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # docs tooling: not in the wheel
+        from doc_figures import figures_key, record_figures
 
         mib = 2.0**20
         record_figures(args.figures, figures_key("examples/train_gpt.py", list(argv if argv is not None else sys.argv[1:])), {
