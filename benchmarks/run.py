@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -421,9 +422,7 @@ def synthetic_profile(stages: int = 1000, seed: int = 0, jitter: float = 0.0) ->
     profile = Profile(tuple(stage_profiles), segments, parameter_bytes=static // 4, gradient_bytes=static // 4,
                       optimizer_state_bytes=static // 2, baseline_step_flops=total_flops,
                       baseline_step_seconds=total_flops * 1e-12)
-    from lightning_remat.core.memory_model import predict_peak
-
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * stages)
+    profile = profile.with_baseline()
     return profile
 
 
@@ -462,7 +461,8 @@ def solver_benchmark(stages: int = 1000) -> dict[str, Any]:
     run(f"{stages} stages x 4 options (every stage +-10%)", synthetic_profile(stages, jitter=0.1),
         {"static + 50% activations": 0.5})
     two = synthetic_profile(stages)
-    two.stages = tuple(StageProfile(s.name, s.options[:2], saved_bytes=s.saved_bytes) for s in two.stages)
+    two = dataclasses.replace(two, stages=tuple(StageProfile(s.name, s.options[:2], saved_bytes=s.saved_bytes)
+                                                for s in two.stages))
     run(f"{stages} stages x 2 options (keep/whole)", two, {"static + 50% activations": 0.5})
     quarter = max(1, stages // 4)
     run(f"{quarter} stages x 4 options (4 block widths)", synthetic_profile(quarter), {"static + 50% activations": 0.5})

@@ -66,7 +66,7 @@ def _profile(batch: int, static_seed: int = 0) -> Profile:
                      for name, alive in (("outside stages", 0), ("between stages (1 stored)", 1), ("head", 3)))
     profile = Profile(stages=tuple(stages), segments=segments, notes=("n",),
                       **{**_values(Profile, 60, batch, static), **static_fields})
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    profile = profile.with_baseline()
     return profile
 
 
@@ -102,8 +102,7 @@ def test_batch_fit_scales_roofline_costs():
                    StageOption("whole", ("a",), 10 * batch, 150 * batch, 1e-3 * batch, 5 * batch,
                                cost_roofline=1.1e-05 * batch / 16))
         p = Profile((StageProfile("a", options),), (), baseline_step_roofline=4e-05 * batch / 16)
-        p.baseline_peak_bytes = predict_peak(p, [0])
-        return p
+        return p.with_baseline()
 
     fit = ProfileFit([(16, profile(16)), (64, profile(64))])
     at_64 = fit.at(64)
@@ -135,7 +134,7 @@ def _rank(rank: int, ranks: int) -> Profile:
     stages = tuple(replace(renumber(s), options=tuple(renumber(o) for o in s.options)) for s in base.stages)
     profile = replace(renumber(base), stages=stages, segments=tuple(renumber(g) for g in base.segments),
                       notes=(f"rank {rank}",))
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    profile = profile.with_baseline()
     return profile
 
 
@@ -236,7 +235,7 @@ def test_depth_fit_extrapolates_every_numeric_field():
                       for j in range(1, n + 1)),
                     Segment("optimizer step", 0, 7 * n))
         profile = Profile(tuple(stages), segments, notes=("n",), **_values(Profile, 60, n, 0))
-        profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
+        profile = profile.with_baseline()
         return profile
 
     x = 10**6

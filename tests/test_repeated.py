@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_remat.core.config import ProfileOptions
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
 from lightning_remat.core.shared_held import without_shared
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.models import build
@@ -96,7 +96,7 @@ def _chain(n: int, forward: int, lift_forward: int = 0, lift_backward: int = 0) 
                   for j in range(1, n + 1)),
                 Segment("optimizer step", 0, 7 * n))
     profile = Profile(stages, segments, parameter_bytes=n)
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
+    profile = profile.with_baseline()
     return profile
 
 
@@ -114,7 +114,7 @@ def test_forward_and_backward_figures_are_extrapolated_apart():
     stages = list(forward[1].stages)
     stages[1] = replace(stages[1], options=(replace(stages[1].options[0], local_peak_bytes=stages[1].options[0].local_peak_bytes + 1),))
     bent = replace(forward[1], stages=tuple(stages))
-    bent.baseline_peak_bytes = predict_peak(bent, [0] * 5)
+    bent = bent.with_baseline()
     assert repeated.extrapolate((forward[0], bent), backward, x, "l", 20) is None
 
 
@@ -132,7 +132,7 @@ def test_a_region_one_pass_never_visits_is_extrapolated_from_the_other():
                     *(Segment(f"between stages ({j} stored)", j, gap[j - 1] + lift_forward) for j in range(1, n + 1)),
                     Segment("optimizer step", 0, 7 * n))
         profile = Profile(stages, segments, parameter_bytes=n)
-        profile.baseline_peak_bytes = predict_peak(profile, [0] * n)
+        profile = profile.with_baseline()
         return profile
 
     deep = repeated.extrapolate((chain(4, lift_forward=x), chain(5, lift_forward=x)),

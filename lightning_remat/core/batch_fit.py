@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from .bounds import check_int
@@ -130,8 +131,7 @@ class ProfileFit:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         low = self.profiles[0]
         profile = combine(self.profiles, BatchLine(self.batch_sizes, batch_size, low.static_bytes))
-        profile.notes = tuple(dict.fromkeys(note for p in self.profiles for note in p.notes))
-        return profile
+        return replace(profile, notes=tuple(dict.fromkeys(note for p in self.profiles for note in p.notes)))
 
 
 def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: int = 25,

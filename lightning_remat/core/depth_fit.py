@@ -30,8 +30,7 @@ Example:
     ...     gaps = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
     ...                  for j in range(1, n + 1))
     ...     p = Profile(tuple(StageProfile(f"l.{i}", (keep(i),)) for i in range(n)), gaps, parameter_bytes=n)
-    ...     p.baseline_peak_bytes = predict_peak(p, [0] * n)
-    ...     return p
+    ...     return p.with_baseline()
     >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 30)
     >>> [s.options[0].local_peak_bytes for s in deep.stages[:3]], deep.stages[-1].options[0].local_peak_bytes
     ([137, 134, 131], 55)
@@ -76,8 +75,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
         ...     segs = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
         ...                  for j in range(1, n + 1))
         ...     p = Profile(stages, segs, parameter_bytes=n, baseline_step_flops=10 * n + 1)
-        ...     p.baseline_peak_bytes = predict_peak(p, [0] * n)
-        ...     return p
+        ...     return p.with_baseline()
         >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 12)
         >>> deep.stages == chain(12).stages, deep.segments == chain(12).segments, deep.baseline_step_flops
         (True, True, 121)
@@ -111,7 +109,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
             "forward and backward figure is linear in the depth, checked on the measured layers); "
             "ProfileOptions(repeated_blocks=False) profiles every layer")
     profile = replace(small, **{**top, "stages": stages, "segments": segments, "notes": (*large.notes, note)})
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    profile = profile.with_baseline()
     return profile
 
 

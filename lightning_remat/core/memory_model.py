@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from .vocabulary import cost_of
@@ -135,7 +135,7 @@ class Segment:
     shared_labels: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
     """What the profiler measured of one training step, in the terms of the memory model.
 
@@ -177,6 +177,10 @@ class Profile:
     # its stages and blocks, and its number of parameters. ``solve`` puts it in the plan's fingerprint,
     # so that ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # Each gap's figures per memory run (``runtime.profiling.assemble.gap_figures``), read by the
+    # depth extrapolation only: not part of what a profile is (not compared, saved, nor carried by
+    # ``dataclasses.replace``: a changed profile's runs are not those figures' runs).
+    gap_figures: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
     def static_bytes(self) -> int:
@@ -192,9 +196,41 @@ class Profile:
         """Cost of one training step without recomputation, in the unit of ``kind``."""
         return cost_of(kind, self.baseline_step_seconds, self.baseline_step_flops, self.baseline_step_roofline)
 
+    def with_baseline(self) -> "Profile":
+        """This profile with its baseline peak predicted from its terms (nothing recomputed).
+
+        Example:
+            >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+            >>> Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 30),)).with_baseline().baseline_peak_bytes
+            150
+        """
+        return replace(self, baseline_peak_bytes=predict_peak(self, [0] * len(self.stages)))
+
+    def with_gap_figures(self, figures: dict[str, Any] | None) -> "Profile":
+        """This profile with each gap's figures per memory run (``gap_figures``).
+
+        Example:
+            >>> Profile((), ()).with_gap_figures({"head": {}}).gap_figures
+            {'head': {}}
+        """
+        profile = replace(self)
+        object.__setattr__(profile, "gap_figures", figures)  # not an __init__ argument: see the field
+        return profile
+
+    def noted(self, *notes: str) -> "Profile":
+        """This profile with ``notes`` added after its own.
+
+        Example:
+            >>> Profile((), (), notes=("a",)).noted("b").notes
+            ('a', 'b')
+        """
+        return replace(self, notes=(*self.notes, *notes))
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict; ``Profile.from_dict`` rebuilds an equal profile."""
-        return asdict(self)
+        data = asdict(replace(self))  # ``replace`` leaves ``gap_figures`` behind
+        del data["gap_figures"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":

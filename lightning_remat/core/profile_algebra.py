@@ -200,7 +200,7 @@ def quantity(owner: type, name: str) -> Quantity | None:
 def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
     """Every field of ``owner``: its name, its term (None: structure) and the child type it holds."""
     layout = []
-    for f in fields(owner):
+    for f in (f for f in fields(owner) if f.init):  # not what a node carries for one reader (gap_figures)
         annotation = _type_name(f.type)
         child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
         kind = None if child is not None else quantity(owner, f.name)

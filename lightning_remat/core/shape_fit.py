@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -358,6 +359,5 @@ class ShapeFit:
                               Anchored(shape.elements / anchor_shape.elements, anchor.static_bytes))
             sources.append(anchor)
         made = ", ".join(f"{s}" for s in shapes)
-        profile.notes = (*dict.fromkeys(note for p in sources for note in p.notes),
-                         f"predicted for batch shape {shape} ({how}, from the profile(s) at {made})")
-        return profile
+        return replace(profile, notes=(*dict.fromkeys(note for p in sources for note in p.notes),
+                                       f"predicted for batch shape {shape} ({how}, from the profile(s) at {made})"))

@@ -8,6 +8,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from ..core.errors import UnsupportedShardingError
@@ -58,6 +60,6 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
                 "shapes): give every rank a batch of the same shape while planning, or pass candidates=")
     merged = combine(profiles, largest)
     if len(profiles) > 1:
-        merged.notes = (*first.notes, f"profiled on each of {len(profiles)} ranks in lockstep (the model is sharded); "
-                        "every term is the largest over the ranks, so the budget is per rank")
+        merged = replace(merged, notes=(*first.notes, f"profiled on each of {len(profiles)} ranks in lockstep (the model is sharded); "
+                        "every term is the largest over the ranks, so the budget is per rank"))
     return merged

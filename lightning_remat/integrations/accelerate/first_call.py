@@ -35,7 +35,7 @@ from torch import nn
 
 from ...core.allowances import USER_LOSS_OUTPUT_COPIES
 from ...core.budget import format_bytes
-from ...core.memory_model import Profile, Segment, predict_peak
+from ...core.memory_model import Profile, Segment
 from ...core.shapes import Shape
 from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, tensor_leaves, with_loop_references
 
@@ -139,5 +139,5 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     note = (f"planned before the first step, whose loss is computed outside the model: it is allowed "
             f"{format_bytes(nbytes)} ({USER_LOSS_OUTPUT_COPIES} copies of the model's outputs) at the end of forward")
     result = replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note))
-    result.baseline_peak_bytes = predict_peak(result, [0] * n)
+    result = result.with_baseline()
     return result

@@ -353,7 +353,7 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
             "model alone (code outside the model, such as the loss); counted at the end of forward")
     notes = (*profile.notes, note) if observed_peak - predicted > predicted // 200 else profile.notes
     calibrated = replace(profile, segments=(*profile.segments, outside), notes=notes)
-    calibrated.baseline_peak_bytes = predict_peak(calibrated, [0] * len(profile.stages))
+    calibrated = calibrated.with_baseline()
     return calibrated
 
 

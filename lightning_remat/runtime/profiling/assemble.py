@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from ...core.memory_model import Profile, Segment, StageOption, StageProfile
 from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
@@ -69,7 +69,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     )
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).
-    profile.baseline_peak_bytes = predict_peak(profile, [0] * len(stages))
+    profile = profile.with_baseline()
     return profile
 
 

@@ -88,5 +88,5 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
                      notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "
                             f"over {', '.join(map(str, sorted(figures.chunked)))} sequence chunks"))
     gaps = getattr(profile, "gap_figures", None)
-    result.gap_figures = None if gaps is None else {k: v for k, v in gaps.items() if k != gap.name}
+    result = result.with_gap_figures(None if gaps is None else {k: v for k, v in gaps.items() if k != gap.name})
     return result

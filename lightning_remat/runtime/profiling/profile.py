@@ -119,18 +119,19 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     with user_hooks_suspended(model), eager_stance(), uncompiled(model) as model, rng_states_count(target):
         if not options.fake:
             profile = _profile(model, step, optimizer, options, timed=True, compiled=compiled)
-            profile.optimizer_step_alternatives = optimizer_step_alternatives(
-                optimizer, options.device or model_device(model))
+            profile = replace(profile, optimizer_step_alternatives=optimizer_step_alternatives(
+                optimizer, options.device or model_device(model)))
         else:
             profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
-        profile.notes = (*profile.notes, CHUNKS_UNDER_COMPILE_NOTE)
+        profile = profile.noted(CHUNKS_UNDER_COMPILE_NOTE)
     # What the plans solved from it were made for: apply_plan refuses them on other shapes.
-    profile.fingerprint = binding_of(model, [*(s.name for s in profile.stages), *(m for m, _ in profile.blocks)])
+    profile = replace(profile, fingerprint=binding_of(model, [*(s.name for s in profile.stages),
+                                                               *(m for m, _ in profile.blocks)]))
     refusal = chunked_loss.refused(model) if options.chunk_loss else None
     if refusal is not None:  # a causal LM with a loss of the user's own: said, not silently left whole
         warnings.warn(f"lightning-remat: {refusal}", UserWarning, stacklevel=2)
-        profile.notes = (*profile.notes, refusal)
+        profile = profile.noted(refusal)
     return profile
 
 
@@ -196,25 +197,24 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
     if sharded:
-        profile.sharding = sharding_info(model, options.world_size, options.candidates, autocast)
+        profile = replace(profile, sharding=sharding_info(model, options.world_size, options.candidates, autocast))
         precision_note = sharding_note(profile.sharding)
     else:
         # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies'), measured
         # when first read: only the optimizer-step advice reads it (its clone here steps no more).
-        profile.optimizer_step_alternatives = optimizer_step_alternatives_on_read(
+        profile = replace(profile, optimizer_step_alternatives=optimizer_step_alternatives_on_read(
             optimizer, options.device or "cpu", mode,
-            in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None)
+            in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None))
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
-    profile.stages = tuple(
+    profile = replace(profile, baseline_step_seconds=profile.baseline_step_flops * seconds_per_flop, stages=tuple(
         replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
                 options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
-        for stage in profile.stages)
-    profile.baseline_step_seconds = profile.baseline_step_flops * seconds_per_flop
+        for stage in profile.stages))
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
-    profile.notes = (*profile.notes, precision_note, *dict.fromkeys(moe_notes))
+    profile = profile.noted(precision_note, *dict.fromkeys(moe_notes))
     if options.gpu is None:
-        profile.notes = (*profile.notes, "fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
+        profile = profile.noted("fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
 
 
@@ -283,12 +283,11 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     # in a step that runs backward more than once (a fresh place).
     several = {n for n in observed.positions if observed.positions.count(n) > 1}
     several = set(observed.positions) if runs["keep"].fresh else several
-    assembled.span_groups = tuple(g for g in groups if not several & set(g))
-    assembled.blocks = tuple(b for b in found.blocks if not several & set(b[1]))
+    assembled = replace(assembled, span_groups=tuple(g for g in groups if not several & set(g)),
+                        blocks=tuple(b for b in found.blocks if not several & set(b[1])))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
-    profile.gap_figures = gap_figures(assembled, profile, runs, future_state)
-    if compiled:
-        profile.notes = (*profile.notes, COMPILED_NOTE)
+    profile = profile.noted(COMPILED_NOTE) if compiled else profile
+    profile = profile.with_gap_figures(gap_figures(assembled, profile, runs, future_state))
     return with_head_stage(profile, head, peaks.flops_per_second)
 
 
@@ -299,11 +298,11 @@ def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs:
         profile = with_pooled_timings(profile)
     profile = with_untracked(profile, runs["keep"].untracked_bytes)
     if dropped:
-        profile.notes = (*profile.notes, "selective-checkpointing option(s) dropped, their recompute did not replay "
-                         "the forward: " + "; ".join(dropped))
+        profile = profile.noted("selective-checkpointing option(s) dropped, their recompute did not replay "
+                                "the forward: " + "; ".join(dropped))
     if options.accumulation_steps > 1:
-        profile.notes = (*profile.notes, f"gradient accumulation over {options.accumulation_steps} micro-batches: "
-                         "profiled as a later micro-batch, with every gradient alive from its start")
+        profile = profile.noted(f"gradient accumulation over {options.accumulation_steps} micro-batches: "
+                                "profiled as a later micro-batch, with every gradient alive from its start")
     if options.gradient_buckets:
         # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
         # tensors (core.allowances).

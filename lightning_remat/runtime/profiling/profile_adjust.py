@@ -17,7 +17,7 @@ from typing import Sequence
 from torch import nn
 
 from ...core.budget import format_bytes
-from ...core.memory_model import Profile, predict_peak
+from ...core.memory_model import Profile
 
 
 def with_untracked(profile: Profile, untracked: int) -> Profile:
@@ -35,7 +35,7 @@ def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
                                             for o in s.options)) for s in profile.stages)
     segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes) for seg in profile.segments)
     result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
-    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    result = result.with_baseline()
     return result
 
 
@@ -68,7 +68,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
     note = (f"{len(missing)} stage(s) did not run on the profiled batch ({', '.join(missing[:4])}"
             f"{', ...' if len(missing) > 4 else ''}): each is planned as if it ran, with the figures of a stage that did")
     result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
-    result.baseline_peak_bytes = predict_peak(result, [0] * len(stages))
+    result = result.with_baseline()
     return result
 
 

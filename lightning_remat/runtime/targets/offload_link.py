@@ -85,7 +85,7 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
     bandwidth, source = link_bandwidth(options, device)
     flops = device_peaks(device, options.gpu).flops_per_second * GPU_EFFICIENCY
     priced = with_offload_costs(profile, bandwidth, flops)
-    priced.notes = (*priced.notes, f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
+    priced = priced.noted(f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
                     "transfer is hidden behind the next stage's compute where it is shorter")
     return priced
 
