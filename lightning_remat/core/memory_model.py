@@ -248,6 +248,23 @@ class Profile:
                       "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
 
 
+def priced(profile: Profile, rate: float) -> Profile:
+    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP: the one place
+    FLOPs become seconds (a fake profile for a named GPU, and one calibrated by a measured step).
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> whole = StageOption("whole", ("a",), 10, 160, 0.0, 5)
+        >>> p = priced(Profile((StageProfile("a", (keep, whole), forward_flops=5),), (), baseline_step_flops=20), 0.5)
+        >>> p.baseline_step_seconds, p.stages[0].forward_seconds, p.stages[0].options[1].cost_seconds
+        (10.0, 2.5, 2.5)
+    """
+    stages = tuple(replace(stage, forward_seconds=stage.forward_flops * rate,
+                           options=tuple(replace(o, cost_seconds=o.cost_flops * rate) for o in stage.options))
+                   for stage in profile.stages)
+    return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * rate)
+
+
 def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
     return tuple((str(label), int(nbytes)) for label, nbytes in items)
 

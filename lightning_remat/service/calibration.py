@@ -17,10 +17,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from ..core.budget import format_bytes
-from ..core.memory_model import Profile
+from ..core.memory_model import Profile, priced
 from ..core.plan import Plan
 from ..runtime.profiling.profile_adjust import with_always_alive
 
@@ -44,10 +43,3 @@ def seconds_per_flop(plan: Plan, profile: Profile, seconds: float) -> float | No
     flops = profile.baseline_step_flops * (1.0 + (plan.predicted_overhead or 0.0))
     return seconds / flops if flops > 0 and seconds > 0 else None
 
-
-def priced(profile: Profile, rate: float) -> Profile:
-    """A fake profile's costs in seconds: its counted FLOPs at ``rate`` seconds per FLOP."""
-    stages = tuple(replace(stage, forward_seconds=stage.forward_flops * rate,
-                           options=tuple(replace(o, cost_seconds=o.cost_flops * rate) for o in stage.options))
-                   for stage in profile.stages)
-    return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * rate)

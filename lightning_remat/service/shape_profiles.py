@@ -25,13 +25,13 @@ from typing import Any
 from ..core.allowances import REAL_PROFILE_ALLOWANCE
 from ..core.budget import format_bytes
 from ..core.errors import FakeProfileError
-from ..core.memory_model import Profile
+from ..core.memory_model import Profile, priced
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
-from .calibration import measured_excess, priced, seconds_per_flop, with_measured_excess
+from .calibration import measured_excess, seconds_per_flop, with_measured_excess
 
 # Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
 # size and of the sequence length; plans are made at the (finer) buckets between them.

@@ -18,7 +18,7 @@ from ...core.allowances import DDP_REDUCER_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
-from ...core.memory_model import Profile
+from ...core.memory_model import Profile, priced
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
@@ -206,10 +206,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             optimizer, options.device or "cpu", mode,
             in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None))
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
-    profile = replace(profile, baseline_step_seconds=profile.baseline_step_flops * seconds_per_flop, stages=tuple(
-        replace(stage, forward_seconds=stage.forward_flops * seconds_per_flop,
-                options=tuple(replace(o, cost_seconds=o.cost_flops * seconds_per_flop) for o in stage.options))
-        for stage in profile.stages))
+    profile = priced(profile, seconds_per_flop)
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
     profile = profile.noted(precision_note, *dict.fromkeys(moe_notes))
