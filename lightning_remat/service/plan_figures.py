@@ -3,8 +3,8 @@ logs, and ``over_budget``, the one warning when a step they measured peaked abov
 the causes the package can see (``installation_cause``, ``shape_cause``) rather than a guess.
 
 Example:
-    >>> from lightning_remat.core.plan import Plan
-    >>> plan_metrics(Plan(["h.0"], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
+    >>> from lightning_remat.core.plan import Plan, StageAction
+    >>> plan_metrics(Plan([StageAction.recompute("h.0")], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
     90.0
 """
 
@@ -33,7 +33,8 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
 
     Example:
-        >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
+        >>> from lightning_remat.core.plan import StageAction
+        >>> plan = Plan([StageAction.recompute("h.0")], 100, 200, 90, 0.25)
         >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
         88.0
         >>> from lightning_remat.core.solve import solve_recompute_everything
@@ -68,8 +69,9 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     "memory the profile did not see", which is said only when no cause was seen.
 
     Example:
-        >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
-        ...             predicted_overhead=0.1)
+        >>> from lightning_remat.core.plan import StageAction
+        >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=1000, baseline_peak_bytes=2000,
+        ...             predicted_peak_bytes=990, predicted_overhead=0.1)
         >>> over_budget(990, plan) is None
         True
         >>> print(over_budget(1100, plan, "step 7 (4x128)"))
@@ -98,7 +100,8 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
     (``runtime.installing.verify``), both named; None when it is installed as planned.
 
     Example:
-        >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan(["0"]))
+        >>> from lightning_remat.core.plan import StageAction
+        >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan([StageAction.recompute("0")]))
         "the plan is not installed as planned (recomputed: the plan says {'0': ''}, installed is {})"
     """
     mismatch = installation_mismatch(model, plan)
@@ -111,7 +114,7 @@ def shape_cause(plan: Plan, shape: Any) -> str | None:
     or either shape is unknown.
 
     Example:
-        >>> plan = Plan(["0"], fingerprint={"shape": [8, 32]})
+        >>> plan = Plan(fingerprint={"shape": [8, 32]})
         >>> shape_cause(plan, Shape(8, 40))
         'this batch shape was not planned (plan made for shape 8x32, batch is 8x40)'
         >>> shape_cause(plan, Shape(8, 16)) is None

@@ -30,13 +30,15 @@ Semantics users should know:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from dataclasses import replace
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ...core.errors import AlreadyCheckpointedError
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction
+from ...core.vocabulary import Action
 from . import installer
 from .compiled import uncompiled
 from .fingerprint import check_binding
@@ -127,16 +129,33 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
     """
     if isinstance(plan, Plan) and segments is None and policies is None and offloaded is None:
         return plan
-    names = plan.checkpointed if hasattr(plan, "checkpointed") else plan
+    base = plan if isinstance(plan, Plan) else Plan()
+    names = base.checkpointed if isinstance(plan, Plan) else plan
     if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"a plan is a Plan or a list of module names, got {plan!r}")
-    offloaded = list(getattr(plan, "offloaded", []) if offloaded is None else offloaded)
+    offloaded = list(base.offloaded if offloaded is None else offloaded)
     if isinstance(offloaded, (str, bytes)) or not all(isinstance(n, str) for n in offloaded):
         raise TypeError(f"offloaded is a list of module names, got {offloaded!r}")
-    return Plan(list(names), segments=[list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)],
-                policies=dict(getattr(plan, "policies", {}) if policies is None else policies), offloaded=offloaded,
-                offload_limits={k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded},
-                choices=getattr(plan, "choices", ()), fingerprint=getattr(plan, "fingerprint", None))
+    policies = dict(base.policies if policies is None else policies)
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    limits = base.offload_limits
+    actions = [*(StageAction.recompute(n, policy=policies.get(n)) for n in names),
+               *(StageAction.in_segment(s, group) for group in (base.segments if segments is None else segments)
+                 for s in group),
+               *(StageAction.offload(n, limits.get(n)) for n in offloaded)]
+    return Plan(actions, choices=base.choices, fingerprint=base.fingerprint)
+
+
+def recomputation_of(plan: Plan) -> Plan:
+    """``plan``'s recomputation alone: its recomputed modules (with their policies) and segments.
+
+    Example:
+        >>> recomputation_of(Plan([StageAction.recompute("0", offload_input=True), StageAction.offload("1")])).actions
+        (StageAction(stage='0', action=<Action.RECOMPUTE: 'recompute'>, modules=('0',), policy=None, segment=(), offload_limit=None, chunks=None, offload_input=False, extra=()),)
+    """
+    return Plan([replace(a, offload_input=False) for a in plan.actions if a.action in (Action.RECOMPUTE, Action.SEGMENT)])
 
 
 def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
@@ -221,16 +240,11 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = (),
-            policies: dict[str, str] | None = None, plan: Any = None) -> Iterator[nn.Module]:
-    """Apply a set of names (with their segments and policies) for the duration of a ``with`` block,
-    then restore exactly what the model had (offloading, its order and limits included). With
-    ``plan`` (a ``Plan``), that plan is applied as it is instead (its offloaded modules included)."""
+def applied(model: nn.Module, plan: Plan) -> Iterator[nn.Module]:
+    """Apply ``plan`` for the duration of a ``with`` block, then restore exactly what the model had
+    (offloading, its order and limits included)."""
     previous = installer.snapshot(model)
-    if plan is not None:
-        apply_plan(model, plan)
-    else:
-        apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {}, offloaded=[])
+    apply_plan(model, plan)
     try:
         yield model
     finally:

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,7 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...core.actions import StageAction
 from ...core.errors import UnsupportedSetupError
+from ...core.vocabulary import Action
+from .records import Behaviour, Target, record_of
 
 # The chunk counts a profile offers (1 is the head and loss as the model computes them).
 CHUNK_COUNTS = (2, 4, 8, 16, 32)
@@ -150,21 +154,6 @@ def _named(function: Any) -> str:
 def declared(head: nn.Module) -> bool:
     """Whether ``head``'s loss is computed by ``head_loss`` (it ran at least once)."""
     return isinstance(head, nn.Linear) and head.__dict__.get(_DECLARED, False)
-
-
-def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
-    """Raise ValueError unless every name in ``chunks`` is the ``lm_head`` of the module that holds it.
-
-    Example:
-        >>> check_heads({"": nn.Linear(2, 2), "0": nn.Linear(2, 2)}, {"0": 8})
-        Traceback (most recent call last):
-        ...
-        ValueError: a chunked loss names a causal LM's head, its lm_head; '0' is not one
-    """
-    for head in chunks:
-        root = head.rpartition(".")[0]
-        if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
-            raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
 
 
 def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
@@ -366,6 +355,36 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
     pending.loss = chunked_cross_entropy(original, hidden, labels, chunks, pending.ignore_index,
                                          pending.num_items_in_batch, pending.smoothing)
     return pending.loss
+
+
+class ChunkedLoss(Behaviour):
+    """A ``CHUNK`` action: the head's forward returns its loss over sequence chunks, and the causal LM
+    holding it (unless ``head_loss`` computes the loss) hands it its labels (state: the head)."""
+
+    name = "chunked_loss"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {action.stage: action.chunks} if action.action is Action.CHUNK else {}
+
+    def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
+        for head in settings:
+            root = head.rpartition(".")[0]
+            if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
+                raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        for head, count in settings.items():
+            record_of(target.modules[head]).behaviours[self.name] = (count, None)
+            if not declared(target.modules[head]):  # a head of head_loss gets its labels from the model itself
+                record_of(target.modules[head.rpartition(".")[0]]).behaviours[self.name] = (None, target.modules[head])
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        if state is not None:
+            return functools.partial(routed_call, call, module, state)
+        return functools.partial(chunked_head_call, call, module, setting)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.CHUNK, "chunks": setting}
 
 
 def head_flops(head: nn.Linear, tokens: int) -> int:

@@ -22,7 +22,7 @@ Example:
     >>> lin = nn.Linear(4, 4)
     >>> offload = InputOffload()
     >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> out = checkpointed_with_host_input(offload, "lin", lin.forward, (x,), {}, {})
+    >>> out = host_input_checkpoint(offload, "lin", lin.forward, x)
     >>> out.sum().backward()
     >>> offload.host_bytes, x.grad.shape
     ({'lin': 32}, torch.Size([2, 4]))
@@ -35,6 +35,8 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
+
+from .records import RECORD
 
 
 class InputOffload:
@@ -82,11 +84,11 @@ def _offloadable(value: Any) -> bool:
         and not isinstance(value, torch.nn.Parameter)
 
 
-def checkpointed_with_host_input(offload: InputOffload, name: str, run: Callable[..., Any], args: tuple,
-                                 kwargs: dict, checkpoint_kwargs: dict) -> Any:
-    """``checkpoint(run, *args, **kwargs)`` (non-reentrant) whose kept input is a host copy of each
-    tensor positional argument (module docstring). ``checkpoint_kwargs``: the checkpoint's own
-    (``preserve_rng_state``, ``context_fn``)."""
+def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+    """``checkpoint(function, *args, **kwargs)`` (non-reentrant; ``kwargs`` as torch's checkpoint takes
+    them) whose kept input is a host copy of each tensor positional argument (module docstring)."""
+    kwargs.pop("use_reentrant", None)
     positions = [i for i, a in enumerate(args) if _offloadable(a)]
     like = {i: (args[i].device, args[i].requires_grad) for i in positions}
     hosted = tuple(offload.to_host(name, a) if i in like else a for i, a in enumerate(args))
@@ -96,11 +98,17 @@ def checkpointed_with_host_input(offload: InputOffload, name: str, run: Callable
 
     def forward(*held: Any, **kw: Any) -> Any:
         if first:
-            return run(*first.pop(), **kw)
-        return run(*(offload.to_device(a, like[i]) if i in like else a for i, a in enumerate(held)), **kw)
+            return function(*first.pop(), **kw)
+        return function(*(offload.to_device(a, like[i]) if i in like else a for i, a in enumerate(held)), **kw)
 
-    options = dict(checkpoint_kwargs)
     if any(h.device.type == "meta" for h in hosted if isinstance(h, torch.Tensor)):
         # Fake tensors: no values, so no random state to replay (the meta copies name no device that has one).
-        options["preserve_rng_state"] = False
-    return checkpoint(forward, *hosted, use_reentrant=False, **options, **kwargs)
+        kwargs["preserve_rng_state"] = False
+    return checkpoint(forward, *hosted, use_reentrant=False, **kwargs)
+
+
+def input_offload_of(model: torch.nn.Module) -> tuple[list[str], InputOffload | None]:
+    """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
+    found = [(name, state) for name, m in model.named_modules() if (record := m.__dict__.get(RECORD)) is not None
+             and (state := record.behaviours.get("recompute", (None, None))[1]) is not None]
+    return [name for name, _ in found], (found[0][1][0] if found else None)

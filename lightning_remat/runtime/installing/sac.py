@@ -46,9 +46,11 @@ from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, SAC_IGNOR
                                    create_selective_checkpoint_contexts)
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from ...core.vocabulary import OptionKind, Policy
+from ...core.actions import StageAction
+from ...core.vocabulary import Action, OptionKind, Policy
 from ...core.vocabulary import option_name as _option_name
 from ...core.vocabulary import policy_of as _policy_of
+from .records import Behaviour
 
 aten = torch.ops.aten
 
@@ -169,6 +171,24 @@ def context_fn(policy: str) -> Callable[[], tuple[Any, Any]]:
     policy's two contexts, as a ``functools.partial`` of a module function (the form
     torch.compile accepts)."""
     return functools.partial(_contexts, check_policy(policy))
+
+
+class OpPolicy(Behaviour):
+    """A ``RECOMPUTE`` action's policy: its recompute's ``context_fn`` is the policy's pair of contexts,
+    and nothing else, so it is the same eagerly and under ``torch.compile``."""
+
+    name = "policy"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        if action.action is not Action.RECOMPUTE or action.policy is None:
+            return {}
+        return {m: action.policy.value for m in action.modules}
+
+    def checkpoint_options(self, setting: Any, state: Any, options: dict[str, Any]) -> None:
+        options["context_fn"] = context_fn(setting)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"policy": setting}
 
 
 def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:

@@ -1,0 +1,128 @@
+"""Recompute: a module's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG
+state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute.
+
+The behaviours on the same record may change the checkpoint (``Behaviour.checkpoint_options``): an
+op-level policy gives its ``context_fn`` (``sac.py``), a checkpoint input to the host its own
+checkpoint function (``input_offload.py``). Under ``torch.no_grad()`` the plain forward runs.
+
+Example:
+    >>> from lightning_remat.core.plan import StageAction
+    >>> RECOMPUTE.settings(StageAction.recompute("h.0", ["h.0.attn", "h.0.mlp"]))
+    {'h.0.attn': True, 'h.0.mlp': True}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+from ...core.actions import StageAction
+from ...core.vocabulary import Action
+from .input_offload import InputOffload, host_input_checkpoint
+from .records import BEHAVIOURS, RECORD, Behaviour, Target, record_of
+
+
+@contextlib.contextmanager
+def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """Run a recompute without updating running statistics a second time."""
+    norms = [m for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, saved):
+                for k, value in buffers.items():
+                    getattr(m, k).copy_(value)
+
+
+def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def _has_running_statistics(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+               for m in module.modules())
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs as a recompute: inside backward, while the autograd engine runs.
+
+    Checkpoint recomputes from the unpack hook of a saved tensor, that is inside the engine; an
+    ordinary forward runs outside it (graph task -1). Unlike a ``context_fn`` this also holds for a
+    recompute that runs eagerly because ``torch.compile`` broke the graph inside the block, and it
+    leaves ``context_fn`` free for an op-level recompute policy.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def _run(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
+    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
+    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
+    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    if torch.compiler.is_compiling() or not _recomputing() or not _has_running_statistics(module):
+        return call(*args, **kwargs)
+    # The copies are made outside the dispatch modes: selective checkpointing's cache replays the
+    # forward's ops by count during the recompute, and these ops are not the forward's.
+    restore = _restore_norm_statistics(module)
+    with _disable_current_modes():
+        restore.__enter__()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        with _disable_current_modes():
+            restore.__exit__(None, None, None)
+
+
+def _recomputed_call(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not _needs_graph(args, kwargs, module):
+        return call(*args, **kwargs)
+    record = module.__dict__[RECORD]
+    options: dict[str, Any] = {"checkpoint": checkpoint, "preserve_rng_state": True}
+    host = record.behaviours["recompute"][1]
+    if host is not None:  # its checkpoint input on the host (input_offload.py)
+        options["checkpoint"] = functools.partial(host_input_checkpoint, *host)
+    for b in BEHAVIOURS:
+        if b.name in record.behaviours:
+            b.checkpoint_options(*record.behaviours[b.name], options)
+    run = options.pop("checkpoint")
+    return run(functools.partial(_run, module, call), *args, use_reentrant=False, **options, **kwargs)
+
+
+class Recompute(Behaviour):
+    """A ``RECOMPUTE`` action's modules (the stage, or some of its children) run again in backward."""
+
+    name = "recompute"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        if action.action is not Action.RECOMPUTE:
+            return {}
+        return {m: "host-input" if action.offload_input else True for m in action.modules}
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        inputs = InputOffload(measure=target.measure)  # one per model: its host_bytes say what went, per module
+        for name, setting in settings.items():
+            host = (inputs, name) if setting == "host-input" else None
+            record_of(target.modules[name]).behaviours[self.name] = (setting, host)
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(_recomputed_call, module, call)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.RECOMPUTE, "offload_input": setting == "host-input"}
+
+
+RECOMPUTE = Recompute()
