@@ -30,13 +30,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
-from .records import RECORD
+from ...core.actions import StageAction
+from ...core.vocabulary import Action
+from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
@@ -107,8 +110,32 @@ def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[.
     return checkpoint(forward, *hosted, use_reentrant=False, **kwargs)
 
 
+class CheckpointInputOffload(Behaviour):
+    """A ``RECOMPUTE`` action's ``offload_input``: each recomputed module's checkpoint is
+    ``host_input_checkpoint``, with one ``InputOffload`` per install (its ``host_bytes`` per module)."""
+
+    name = "input_offload"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {m: True for m in action.modules} if action.action is Action.RECOMPUTE and action.offload_input else {}
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        offload = InputOffload(measure=target.measure)
+        for name, setting in settings.items():
+            record_of(target.modules[name]).behaviours[self.name] = (setting, (offload, name))
+
+    def checkpoint_options(self, setting: Any, state: Any, options: dict[str, Any]) -> None:
+        options["checkpoint"] = functools.partial(host_input_checkpoint, *state)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"offload_input": True}
+
+
+INPUT_OFFLOAD = CheckpointInputOffload()
+
+
 def input_offload_of(model: torch.nn.Module) -> tuple[list[str], InputOffload | None]:
     """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
     found = [(name, state) for name, m in model.named_modules() if (record := m.__dict__.get(RECORD)) is not None
-             and (state := record.behaviours.get("recompute", (None, None))[1]) is not None]
+             and (state := record.behaviours.get(INPUT_OFFLOAD.name, (None, None))[1]) is not None]
     return [name for name, _ in found], (found[0][1][0] if found else None)

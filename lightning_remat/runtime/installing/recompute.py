@@ -24,8 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...core.actions import StageAction
 from ...core.vocabulary import Action
-from .input_offload import InputOffload, host_input_checkpoint
-from .records import BEHAVIOURS, RECORD, Behaviour, Target, record_of
+from .records import BEHAVIOURS, RECORD, Behaviour
 
 
 @contextlib.contextmanager
@@ -92,9 +91,6 @@ def _recomputed_call(module: nn.Module, call: Callable[..., Any], *args: Any, **
         return call(*args, **kwargs)
     record = module.__dict__[RECORD]
     options: dict[str, Any] = {"checkpoint": checkpoint, "preserve_rng_state": True}
-    host = record.behaviours["recompute"][1]
-    if host is not None:  # its checkpoint input on the host (input_offload.py)
-        options["checkpoint"] = functools.partial(host_input_checkpoint, *host)
     for b in BEHAVIOURS:
         if b.name in record.behaviours:
             b.checkpoint_options(*record.behaviours[b.name], options)
@@ -108,21 +104,13 @@ class Recompute(Behaviour):
     name = "recompute"
 
     def settings(self, action: StageAction) -> dict[str, Any]:
-        if action.action is not Action.RECOMPUTE:
-            return {}
-        return {m: "host-input" if action.offload_input else True for m in action.modules}
-
-    def install(self, target: Target, settings: dict[str, Any]) -> None:
-        inputs = InputOffload(measure=target.measure)  # one per model: its host_bytes say what went, per module
-        for name, setting in settings.items():
-            host = (inputs, name) if setting == "host-input" else None
-            record_of(target.modules[name]).behaviours[self.name] = (setting, host)
+        return {m: True for m in action.modules} if action.action is Action.RECOMPUTE else {}
 
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(_recomputed_call, module, call)
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
-        return {"action": Action.RECOMPUTE, "offload_input": setting == "host-input"}
+        return {"action": Action.RECOMPUTE}
 
 
 RECOMPUTE = Recompute()
