@@ -94,14 +94,11 @@ class StageAction:
         extra = dict(self.extra)
         if not all(isinstance(k, str) for k in extra):
             raise ValueError(f"stage {self.stage!r}: extra settings are named by behaviour names, got {extra!r}")
-        object.__setattr__(self, "extra", tuple(sorted(extra.items())))
-        object.__setattr__(self, "offload_input", bool(self.offload_input))
-        object.__setattr__(self, "action", action)
-        object.__setattr__(self, "modules", modules)
-        object.__setattr__(self, "segment", segment)
-        object.__setattr__(self, "policy", None if self.policy is None else Policy.check(self.policy))
-        # 0 bytes meant "no limit" where limits were a dict of ints.
-        object.__setattr__(self, "offload_limit", limit or None)
+        # An offload limit of 0 bytes is no limit.
+        for name, value in dict(extra=tuple(sorted(extra.items())), offload_input=bool(self.offload_input),
+                                action=action, modules=modules, segment=segment, offload_limit=limit or None,
+                                policy=None if self.policy is None else Policy.check(self.policy)).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def keep(cls, stage: str) -> "StageAction":
@@ -176,11 +173,6 @@ def nested_in(inner: str, outer: str) -> bool:
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
-def _nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
-    """Each (inner, outer) pair of ``names`` where ``inner`` lies inside ``outer``."""
-    return [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
-
-
 def refuse_nested(names: Sequence[str], what: str) -> None:
     """Raise ``InvalidPlanError`` naming each pair of ``names`` where one lies inside the other
     (``what`` the plan does with them: "recomputes", "offloads").
@@ -191,7 +183,7 @@ def refuse_nested(names: Sequence[str], what: str) -> None:
         ...
         lightning_remat.core.errors.InvalidPlanError: plan recomputes a module and another one inside it, which would nest one inside the other: '0' inside '' (the model itself). Name one of each pair
     """
-    pairs = _nested_pairs(names)
+    pairs = [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
     if pairs:
         shown = "; ".join(f"{inner!r} inside {outer!r}" + (" (the model itself)" if outer == "" else "")
                           for inner, outer in pairs)
@@ -223,12 +215,9 @@ def add_rule(rule: Rule) -> Rule:
 
 def check_actions(actions: Sequence[StageAction]) -> None:
     """Raise ``InvalidPlanError`` (a ValueError) unless the actions can be installed together: every
-    rule of ``RULES`` passes (one action per stage; no module recomputed twice or inside another
-    recomputed one; segments disjoint and complete; nothing offloaded twice, or recomputed too; a
-    chunked head nothing else).
-
-    (Whether the names are modules of a model, and segments items of one ``nn.Sequential``, the
-    installer checks against the model.)
+    rule of ``RULES`` passes (no module recomputed twice or inside another recomputed one; segments
+    disjoint and complete; nothing offloaded twice, or recomputed too; a chunked head nothing else;
+    one action per stage). The installer checks the names against the model.
 
     Example:
         >>> check_actions([StageAction.recompute("h.0"), StageAction.offload("h.0.mlp")])

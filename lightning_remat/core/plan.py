@@ -7,9 +7,9 @@ memory (everything, or up to a byte limit). Every solver returns it (``core.solv
 ``core.solve.solve_recompute_everything``), one predictor prices it (``core.predict``) and one
 installer puts it on a model (``runtime.installing.installer``).
 
-A plan holds actions only; the names it shows (``checkpointed``, ``policies``, ``segments``,
-``offloaded``, ``offload_limits``) are read from them. A plan is immutable: ``dataclasses.replace(plan, requested_budget="10GB")`` makes a
-changed copy. A plan made without a profile predicts nothing: its predicted figures are None.
+A plan holds actions only; the names it shows (``checkpointed``, ``policies``, ``segments``, ...) are
+read from them. It is immutable (``dataclasses.replace`` makes a changed copy); one made without a
+profile predicts nothing: its predicted figures are None.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _read(name: str, value: Any) -> Any:
     return {str(k): v if name == "policies" else int(v) for k, v in value.items()}
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Plan:
     """A plan for one model under one budget: an action per stage, and its predicted figures.
 
@@ -95,14 +95,9 @@ class Plan:
             bytes split into static memory, stored activations and its own; the optimizer settings
             that would lower it when the optimizer step binds); None when not predicted.
 
-    Read from the actions: ``checkpointed`` (modules recomputed
-    alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
-    checkpointed), ``offloaded`` and ``offload_limits``; ``fallback`` (nothing predicted).
-
     Each action is checked when it is made (``StageAction``); whether the actions can be installed
-    together (no module recomputed twice, or recomputed and offloaded) is checked against the model
-    by the installer (``core.actions.check_actions``), as a plan solved on a synthetic profile may
-    name a stage twice.
+    together is checked by the installer (``core.actions.check_actions``), as a plan solved on a
+    synthetic profile may name a stage twice.
 
     Example:
         >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
@@ -125,48 +120,40 @@ class Plan:
         dataclasses.FrozenInstanceError: cannot assign to field 'requested_budget'
     """
 
-    actions: tuple[StageAction, ...]
-    budget_bytes: int | None
-    baseline_peak_bytes: int | None
-    predicted_peak_bytes: int | None
-    predicted_overhead: float | None
-    cost_kind: CostKind
-    requested_budget: str
-    choices: tuple[StageChoice, ...]
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    notes: tuple[str, ...]
-    fingerprint: dict[str, Any]
-    sharding: dict[str, Any]
-    host_bytes: int
+    actions: tuple[StageAction, ...] = ()
+    budget_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
+    cost_kind: CostKind = CostKind.TIME
+    requested_budget: str = ""
+    choices: tuple[StageChoice, ...] = ()
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    notes: tuple[str, ...] = ()
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    sharding: dict[str, Any] = field(default_factory=dict)
+    host_bytes: int = 0
     # Derived from the profile, as the predicted figures are, but a description of them: a plan
     # saved before it existed (or sent without it) is the same plan.
-    binding: dict[str, Any] | None = field(compare=False)
+    binding: dict[str, Any] | None = field(default=None, compare=False)
 
-    def __init__(self, actions: Iterable[StageAction] = (), budget_bytes: int | None = None,
-                 baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
-                 predicted_overhead: float | None = None, cost_kind: CostKind | str = CostKind.TIME,
-                 requested_budget: str = "", choices: Iterable[StageChoice] = (), parameter_bytes: int = 0,
-                 gradient_bytes: int = 0, optimizer_state_bytes: int = 0, notes: Iterable[str] = (),
-                 fingerprint: Mapping[str, Any] | None = None, sharding: Mapping[str, Any] | None = None,
-                 host_bytes: int = 0, binding: Mapping[str, Any] | None = None) -> None:
-        choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
-        actions = tuple(actions)
+    def __post_init__(self) -> None:
+        actions = tuple(self.actions)
         if not all(isinstance(a, StageAction) for a in actions):
             raise TypeError(f"a plan's actions are StageActions, got {actions!r}")
         values = dict(
-            actions=actions, budget_bytes=_figure(budget_bytes, int), baseline_peak_bytes=_figure(baseline_peak_bytes, int),
-            predicted_peak_bytes=_figure(predicted_peak_bytes, int), predicted_overhead=_figure(predicted_overhead, float),
-            cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
-            parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
-            optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
-            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes),
-            binding=copy.deepcopy(dict(binding)) if binding is not None else None)
+            {n: _figure(getattr(self, n), int) for n in ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes")},
+            **{n: int(getattr(self, n)) for n in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "host_bytes")},
+            actions=actions, predicted_overhead=_figure(self.predicted_overhead, float),
+            cost_kind=CostKind.check(self.cost_kind), requested_budget=str(self.requested_budget),
+            choices=tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in self.choices),
+            notes=tuple(str(n) for n in self.notes), fingerprint=dict(self.fingerprint or {}),
+            sharding=dict(self.sharding or {}),
+            binding=copy.deepcopy(dict(self.binding)) if self.binding is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
-
-    # ------------------------------------------------------------------ read from the actions
 
     @property
     def checkpointed(self) -> list[str]:
@@ -223,27 +210,14 @@ class Plan:
         """Whether nothing is predicted (a plan made without a profile)."""
         return self.predicted_peak_bytes is None
 
-    # ------------------------------------------------------------------------- dicts and text
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of plain values; ``Plan.from_dict`` rebuilds an equal plan. Besides the
         fields it holds what the actions say as names (``checkpointed``, ``segments``, ``policies``,
         ``offloaded``, ``offload_limits``, ``fallback``), for readers of the dict."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "actions":
-                value = [a.to_dict() for a in value]
-            elif f.name == "choices":
-                value = [asdict(c) for c in value]
-            elif f.name in ("notes",):
-                value = list(value)
-            elif f.name in ("fingerprint", "sharding", "binding"):
-                value = copy.deepcopy(value)
-            elif f.name == "cost_kind":
-                value = value.value
-            data[f.name] = value
-        data.update({name: getattr(self, name) for name in _DERIVED}, fallback=self.fallback)
+        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        data.update(actions=[a.to_dict() for a in self.actions], choices=[asdict(c) for c in self.choices],
+                    notes=list(self.notes), cost_kind=self.cost_kind.value, fallback=self.fallback,
+                    **{name: getattr(self, name) for name in _DERIVED})
         return data
 
     @classmethod
@@ -267,7 +241,6 @@ class Plan:
         from .plan_text import plan_text
 
         return plan_text(self, title)
-
 
 
 def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, Plan]]]:

@@ -89,8 +89,7 @@ class BatchSizeResult:
             ``init_val`` up to ``largest_fitting``), ``binsearch_trial_steps`` its real steps.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
-        >>> plan = Plan([StageAction.recompute("h.0")], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+        >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
         >>> r = BatchSizeResult(batch_size=32, batch_size_without_remat=8, largest_fitting=32, plan=plan,
         ...                     budget_bytes=10**6)
         >>> r.ratio, r.predicted_overhead
@@ -146,8 +145,7 @@ class BatchSizeResult:
         """A ``rich.table.Table`` of the result and what the search cost (``report.render``).
 
         Example:
-            >>> from lightning_remat.core.plan import StageAction
-            >>> plan = Plan([StageAction.recompute("h.0")], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+            >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
             >>> BatchSizeResult(32, 8, 32, plan, 10**6).table().row_count
             9
         """

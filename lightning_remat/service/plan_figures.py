@@ -3,8 +3,8 @@ logs, and ``over_budget``, the one warning when a step they measured peaked abov
 the causes the package can see (``installation_cause``, ``shape_cause``) rather than a guess.
 
 Example:
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> plan_metrics(Plan([StageAction.recompute("h.0")], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
+    >>> from lightning_remat.core.plan import Plan
+    >>> plan_metrics(Plan([], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
     90.0
 """
 
@@ -33,8 +33,7 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     profile predicts nothing, and a ``"min"`` budget it never resolved has no byte figure) is left out.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
-        >>> plan = Plan([StageAction.recompute("h.0")], 100, 200, 90, 0.25)
+        >>> plan = Plan([], 100, 200, 90, 0.25)
         >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
         88.0
         >>> from lightning_remat.core.solve import solve_recompute_everything
@@ -69,9 +68,8 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     "memory the profile did not see", which is said only when no cause was seen.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
-        >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=1000, baseline_peak_bytes=2000,
-        ...             predicted_peak_bytes=990, predicted_overhead=0.1)
+        >>> plan = Plan([], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
+        ...             predicted_overhead=0.1)
         >>> over_budget(990, plan) is None
         True
         >>> print(over_budget(1100, plan, "step 7 (4x128)"))
@@ -102,7 +100,7 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
     Example:
         >>> from lightning_remat.core.plan import StageAction
         >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan([StageAction.recompute("0")]))
-        "the plan is not installed as planned (recomputed: the plan says {'0': ''}, installed is {})"
+        "the plan is not installed as planned (recompute: the plan says {'0': True}, installed is {})"
     """
     mismatch = installation_mismatch(model, plan)
     return None if mismatch is None else f"the plan is not installed as planned ({mismatch})"

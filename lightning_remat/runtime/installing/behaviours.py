@@ -10,7 +10,7 @@
 5. ``input_offload`` (``input_offload.py``): the checkpoint keeps a host copy of its input.
 6. ``segment`` (``segments.py``): runs of items of an ``nn.Sequential`` recomputed as one checkpoint.
 
-Another behaviour is one ``register`` (``records.py``): innermost, or before the one it names.
+Another behaviour is one ``records.register``: innermost, or before the one it names.
 
 Example:
     >>> [b.name for b in BEHAVIOURS][:6]

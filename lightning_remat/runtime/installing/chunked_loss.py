@@ -1,20 +1,14 @@
 """A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
 
-At long context the final projection and the cross-entropy over full logits bind a training step's
-peak: the logits are ``tokens x vocabulary`` (4 GiB in bf16 for a 128K vocabulary at 32K tokens) and
-the cross-entropy's backward holds about three fp32 copies at once, which no recomputation of the
-layers touches. Here the projection and the cross-entropy run over ``k`` chunks of the sequence,
-each under a non-reentrant checkpoint, so only one chunk's logits exist at a time (in forward and
-again in backward, where the chunk is recomputed); the chunks' summed losses are divided as Hugging
-Face's ``ForCausalLMLoss`` divides them (labels shifted, ``ignore_index`` -100 left out, the mean over
-valid tokens or the sum over ``num_items_in_batch``), so the loss and the gradients are the same
-within float rounding.
+At long context the logits (``tokens x vocabulary``) and the cross-entropy's fp32 copies bind the
+peak, which no recomputation of the layers touches. Here the projection and the cross-entropy run
+over ``k`` chunks of the sequence, each under a non-reentrant checkpoint, so one chunk's logits exist
+at a time; the summed losses are divided as Hugging Face's ``ForCausalLMLoss`` divides them, so the
+loss and gradients are the same within float rounding (docs/long_context.md).
 
-It is installed by the one installer (``installer.py``) on two modules of a Hugging Face causal LM
-(``HeadLoss``): the ``*ForCausalLM`` (or ``*LMHeadModel``) itself, whose forward takes the labels
-out of the call and hands them to its head, and its ``lm_head``, whose forward then returns the
-loss. The model's output then has ``loss`` and ``logits=None``. Without labels, or with gradients
-off (evaluation, generation), both run exactly as before and the logits are returned.
+The ``ChunkedLoss`` behaviour goes on two modules of a causal LM (``HeadLoss``): the model, whose
+forward hands the labels to its head, and its ``lm_head``, whose forward then returns the loss (the
+output has ``loss`` and ``logits=None``). Without labels, or with gradients off, both run as before.
 
 Another model names its head and loss by computing its loss with ``head_loss(self.head, hidden,
 labels)``: the same cross-entropy, over full logits until a plan chunks that head.

@@ -20,7 +20,6 @@ Example:
     (80, 40, '(8, 4) (8,)')
     >>> outgrows(fp, {"x": torch.zeros(32, 4), "y": [torch.zeros(32)]})
     True
-    >>> from lightning_remat.core.plan import Plan, StageAction
     >>> plan = bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
     >>> plan.fingerprint["module_parameters"]["0"]["weight"], plan.fingerprint["parameter_count"]
     ([[4, 4], 'float32'], 20)
@@ -39,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from ...core.actions import nested_in
 from ...core.errors import PlanMismatchError
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction  # StageAction: for the examples
 from ...core.shapes import Shape
 from ..profiling.batch_shape import batch_shape
 from .compiled import uncompiled
@@ -92,7 +91,6 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
     parameters and the model's number of parameters.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
         >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan([StageAction.recompute("0")]))
         {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
     """
@@ -120,7 +118,6 @@ def bound(plan: Plan, model: nn.Module) -> Plan:
     """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
         >>> sorted(bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
         ['module_parameters', 'parameter_count']
     """
@@ -149,7 +146,6 @@ def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
     nothing recorded differs): a named module's parameter shapes, or the model's size.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
         >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
         >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
         >>> mismatch(chain(2), saved) is None
@@ -182,7 +178,6 @@ def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool =
     ``bytes_too``, also other parameter bytes: ``same_model``), or None.
 
     Example:
-        >>> from lightning_remat.core.plan import StageAction
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
         >>> made_for_other(net, [None, bound(Plan([StageAction.recompute("0")]), net)]) is None
         True

@@ -1,20 +1,15 @@
-"""A recomputed module's checkpoint input in host memory: the tensor non-reentrant checkpoint keeps
-from a recomputed block's forward to its backward, to run the forward again, is its input; here the
-checkpoint keeps a host copy of it instead, and the recompute brings it back.
+"""A recomputed module's checkpoint input in host memory: what non-reentrant checkpoint keeps from a
+recomputed block's forward to its backward is its input; here it keeps a host copy instead, and the
+recompute brings it back (the ``input_offload`` behaviour gives the recompute this checkpoint).
 
-- forward: each tensor positional argument (the hidden states; keyword arguments, such as masks and
-  position embeddings every layer shares, stay) is copied to host memory, and the checkpoint is
-  given the copy. The forward itself runs on the argument as it came (so the autograd graph, the
-  gradients and everything the forward computes are exactly those of plain recomputation), and
-  nothing keeps the device tensor once the caller drops it.
-- backward: the recompute copies the input back to the device (``requires_grad`` as it was, so it
-  saves what the forward saved), runs the forward again, and the backward proceeds as under
-  checkpointing.
+- forward: each tensor positional argument (the hidden states; keyword arguments such as masks
+  stay) is copied to the host and the checkpoint given the copy; the forward runs on the argument
+  as it came (graph and gradients those of plain recomputation), and nothing keeps it afterwards.
+- backward: the recompute copies it back (``requires_grad`` as it was) and runs the forward again.
 
 The copies are synchronous (priced as transfers not hidden, ``core.offload_model``). On the CPU the
-"host" copy is a plain copy (the path runs; that is how it is tested); a fake tensor (fake
-profiles), or ``measure=True``, keeps only a meta tensor, which MemTracker does not count, so a
-memory run measures what stays on the device, and ``host_bytes`` what went out.
+"host" copy is a plain copy (the path runs); a fake tensor, or ``measure=True``, keeps only a meta
+tensor, which MemTracker does not count, and ``host_bytes`` says what went out.
 
 Example:
     >>> import torch

@@ -1,14 +1,10 @@
 """The one installer: puts a plan's actions on a model and takes them off exactly.
 
-It loops over the registered behaviours (``behaviours.py``: chunked loss, offload, recompute, op
-policy, segment; ``records.register`` adds one): each says which modules an action puts it on,
-checks them against the model, installs itself on the modules' records and composes its wrapper
-into their forward (``records.py``). The installed ``Plan`` is the snapshot: ``snapshot`` reads the
-records back into one, and ``restore`` installs it.
-
-Nothing else about a module changes: parameter names, ``state_dict`` keys and parameter objects
-stay, and removing the plan restores each forward (and class) as it was. Names are those of the
-uncompiled model (``compiled.uncompiled``).
+It loops over the registered behaviours (``behaviours.py``; ``records.register`` adds one): each
+says which modules an action puts it on, checks them, installs itself on their records and composes
+its wrapper into their forward. The installed ``Plan`` is the snapshot (``snapshot``, ``restore``).
+Parameter names, ``state_dict`` keys and parameter objects stay; removing the plan restores each
+forward (and class) as it was. Names are those of the uncompiled model (``compiled.uncompiled``).
 
 Example:
     >>> import torch
@@ -38,38 +34,37 @@ from .behaviours import BEHAVIOURS
 from .compiled import uncompiled
 from .input_offload import input_offload_of
 from .records import Target, check_names, installed_segments, recomputed, state_of
-from .verify import check_installed, planned_settings
+from .verify import check_installed, planned_actions
 
 __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "restore", "snapshot", "uninstall"]
 
 
-def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, measure: bool = False) -> nn.Module:
+def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
     """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
 
     Every name and segment is checked before anything changes, and a failure while installing (a
     module that refuses a new ``forward``) takes off what was installed and puts the previous plan
-    back before it is raised: the model is as it was. ``order`` (default the plan's ``stage_order``): every stage in execution
-    order, for offloading one stage ahead. ``measure``: offload only metadata (fake profiles).
+    back before it is raised: the model is as it was. ``order`` (default the plan's ``stage_order``):
+    every stage in execution order, for offloading one stage ahead.
 
     Raises:
         PlanMismatchError: a name is not a module of ``model`` (a ``ValueError``).
-        ValueError: the actions cannot go together
-            (``core.actions.check_actions``), or a segment is not a run of items of one Sequential.
-        InstallationMismatchError: what is installed, read back from the records, is not the plan
-            (the previous plan is put back first).
+        ValueError: the actions cannot go together (``core.actions.check_actions``), or a behaviour
+            refuses the model (a segment not a run of items of one Sequential).
+        InstallationMismatchError: the records read back are not the plan (the previous plan is back).
     """
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         check_names(model, modules, list(dict.fromkeys(
             m for a in plan.actions if a.action is not Action.KEEP for m in (a.stage, *a.modules, *a.segment))))
         check_actions(plan.actions)
-        wanted = planned_settings(plan)
+        wanted = planned_actions(plan)
         for b in BEHAVIOURS:
             b.check(modules, wanted[b.name])
         previous = snapshot(plain)
         uninstall(plain)
         try:
-            _install(Target(modules, plan.stage_order if order is None else tuple(order), measure), wanted)
+            _install(plain, wanted, plan.stage_order if order is None else tuple(order))
             check_installed(plain, plan, "(right after installing it)")  # read back, never assumed
         except BaseException:
             restore(plain, previous)  # all or nothing: the model as it was, then the error as it was
@@ -77,7 +72,9 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None, me
     return model
 
 
-def _install(target: Target, wanted: dict[str, dict[str, Any]]) -> None:
+def _install(plain: nn.Module, wanted: dict[str, dict[str, Any]], order: tuple[str, ...] | None) -> None:
+    # A fake model's offloading keeps metadata only (its memory runs measure what stays on the device).
+    target = Target(dict(plain.named_modules()), order, any(isinstance(p, FakeTensor) for p in plain.parameters()))
     for b in BEHAVIOURS:
         if wanted[b.name]:
             b.install(target, wanted[b.name])
@@ -111,10 +108,7 @@ def snapshot(model: nn.Module) -> Plan:
 
 
 def restore(model: nn.Module, plan: Plan) -> nn.Module:
-    """Install exactly ``plan`` (from ``snapshot``) on ``model`` in place of what it has, unchecked;
-    offloading keeps metadata only on a fake model."""
+    """Install exactly ``plan`` (from ``snapshot``) on ``model`` in place of what it has, unchecked."""
     with uncompiled(model) as plain:
-        uninstall(plain)
-        fake = any(isinstance(p, FakeTensor) for p in plain.parameters())
-        _install(Target(dict(plain.named_modules()), plan.stage_order, fake), planned_settings(plan))
+        _install(uninstall(plain), planned_actions(plan), plan.stage_order)
     return model

@@ -1,14 +1,9 @@
 """Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
 
-The ``Offload`` behaviour (``records.py``) runs each offloaded module's forward under
-``torch.autograd.graph.saved_tensors_hooks`` (its ``forward`` an instance attribute: names,
-``state_dict`` and parameters unchanged), with the pack/unpack pair of ``offloader.py``;
-``apply_offload(model, names)`` installs it alone.
-
-How the saved tensors travel (held until the forward ends, copied once per storage to pinned host
-memory on a side stream, prefetched one stage ahead in backward) is ``offloader.py``'s docstring.
-Values are copied bit for bit, and nothing touches RNG state or buffers, so gradients, dropout masks
-and BatchNorm statistics are those of the plain model.
+The ``Offload`` behaviour runs an offloaded module's forward under ``saved_tensors_hooks`` with the
+pack/unpack pair of ``offloader.py`` (how the tensors travel); ``apply_offload`` installs it alone.
+Values are copied bit for bit and nothing touches RNG state or buffers: gradients, dropout masks and
+BatchNorm statistics are those of the plain model.
 
 Example:
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -39,10 +34,6 @@ __all__ = ["OFFLOAD", "Offloader", "apply_offload", "model_offloader", "offloade
 Offloading = NamedTuple("Offloading", [("offloader", Offloader), ("name", str), ("hook", Any)])
 
 
-def _offloaded(state: Offloading, module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return offloaded_call(state.offloader, state.name, module, state.hook is not None, call, args, kwargs)
-
-
 class Offload(Behaviour):
     """An ``OFFLOAD`` action: the call runs under ``saved_tensors_hooks`` that send what it saves to host
     memory (``offloader.py``), around everything else on the module (a recompute's checkpoint too).
@@ -67,7 +58,7 @@ class Offload(Behaviour):
             records[name].behaviours[self.name] = (limit, Offloading(offloader, name, hook))
 
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
-        return functools.partial(_offloaded, state, module, call)
+        return functools.partial(offloaded_call, state.offloader, state.name, module, state.hook is not None, call)
 
     def remove(self, setting: Any, state: Any) -> None:
         if state.hook is not None:

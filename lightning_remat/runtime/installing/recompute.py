@@ -1,9 +1,7 @@
 """Recompute: a module's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG
-state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute.
-
-The behaviours on the same record may change the checkpoint (``Behaviour.checkpoint_options``): an
-op-level policy gives its ``context_fn`` (``sac.py``), a checkpoint input to the host its own
-checkpoint function (``input_offload.py``). Under ``torch.no_grad()`` the plain forward runs.
+state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute; the
+behaviours on its record give the checkpoint's options (``Behaviour.checkpoint_options``: a policy's
+``context_fn``, a checkpoint that keeps its input on the host). Under ``no_grad`` the forward runs plain.
 
 Example:
     >>> from lightning_remat.core.plan import StageAction
@@ -27,11 +25,16 @@ from ...core.vocabulary import Action
 from .records import BEHAVIOURS, RECORD, Behaviour
 
 
+def _norms(module: nn.Module) -> list[nn.Module]:
+    """The norms in ``module`` that update running statistics in this forward."""
+    return [m for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+
+
 @contextlib.contextmanager
 def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
     """Run a recompute without updating running statistics a second time."""
-    norms = [m for m in module.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    norms = _norms(module)
     saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
     try:
         yield
@@ -51,28 +54,36 @@ def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 
-def _has_running_statistics(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-               for m in module.modules())
+def recomputing() -> bool:
+    """Whether the forward running now is a recompute (in backward, while the autograd engine runs)
+    rather than the step's own forward: guard Python side effects of a module's forward with it (a
+    counter, activations collected in a list), which a recomputed module would otherwise repeat.
+    True for any forward inside backward (checkpoint recomputes from a saved tensor's unpack hook, in
+    the autograd engine; a forward runs outside it). Unlike a ``context_fn`` it holds for an eager
+    recompute where ``torch.compile`` broke the graph, and leaves ``context_fn`` to an op policy.
 
-
-def _recomputing() -> bool:
-    """Whether this forward runs as a recompute: inside backward, while the autograd engine runs.
-
-    Checkpoint recomputes from the unpack hook of a saved tensor, that is inside the engine; an
-    ordinary forward runs outside it (graph task -1). Unlike a ``context_fn`` this also holds for a
-    recompute that runs eagerly because ``torch.compile`` broke the graph inside the block, and it
-    leaves ``context_fn`` free for an op-level recompute policy.
+    Example:
+        >>> calls = []
+        >>> class Counted(nn.Linear):
+        ...     def forward(self, x):
+        ...         if not recomputing():
+        ...             calls.append(1)
+        ...         return super().forward(x)
+        >>> from lightning_remat import apply_plan
+        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
+        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
+        >>> len(calls)  # the recompute in backward did not count
+        1
     """
     return torch._C._current_graph_task_id() != -1
 
 
-def _run(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
     # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
     # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
     # and runs this frame eagerly in backward) updates them again, and is undone here.
-    if torch.compiler.is_compiling() or not _recomputing() or not _has_running_statistics(module):
+    if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
         return call(*args, **kwargs)
     # The copies are made outside the dispatch modes: selective checkpointing's cache replays the
     # forward's ops by count during the recompute, and these ops are not the forward's.
@@ -86,7 +97,7 @@ def _run(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any)
             restore.__exit__(None, None, None)
 
 
-def _recomputed_call(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _recomputed_call(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     if not _needs_graph(args, kwargs, module):
         return call(*args, **kwargs)
     record = module.__dict__[RECORD]

@@ -1,15 +1,11 @@
 """The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
 
-A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones). It says
-which modules an action puts it on (``settings``), checks them against the model, installs itself on
-their records, wraps their forward, comes off, and reads back for a snapshot (``fields`` of an
-action). Its pure rules live in ``core.actions`` (``add_rule``).
-
-A module a plan touches gets ONE ``Record`` (in its ``__dict__``): the forward it had, and per
-behaviour its setting and its state. Its ``forward`` becomes an instance attribute that composes the
-behaviours on the record around the original in the order of ``BEHAVIOURS`` (outermost first), as
-torch composes a checkpoint's ``context_fn``: a ``wrap`` gets the call of the behaviours after it;
-a recompute asks them for its checkpoint's options (``checkpoint_options``).
+A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones; its pure
+rules go to ``core.actions.add_rule``). A module a plan touches gets ONE ``Record`` (in its
+``__dict__``): the forward it had, and per behaviour its setting and state. Its ``forward`` becomes
+an instance attribute composing the record's behaviours around the original in ``BEHAVIOURS``'
+order (outermost first), as torch composes a checkpoint's ``context_fn``: a ``wrap`` gets the call
+of the behaviours after it; a recompute asks them for its checkpoint's options.
 
 Example:
     >>> from torch import nn
@@ -36,8 +32,7 @@ SEGMENTS = "_remat_segments"  # in a Sequential's __dict__: [(start, end, runner
 @dataclass
 class Record:
     """What the installer did to one module: the forward it had, and per behaviour name its
-    ``(setting, state)``: the setting read back for a snapshot (None: nothing to read back, as the
-    causal LM a chunked head takes its labels from), the state the behaviour runs with."""
+    ``(setting, state)``: the setting read back (None: nothing to read back), the state it runs with."""
 
     original: Callable[..., Any]
     had_instance_forward: bool
@@ -126,7 +121,7 @@ def unregister(name: str) -> None:
     BEHAVIOURS[:] = [b for b in BEHAVIOURS if b.name != name]
 
 
-def installed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def installed_forward(module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module with a record: its behaviours around its original forward."""
     record = module.__dict__[RECORD]
     call = record.original
@@ -220,11 +215,10 @@ def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tupl
     """The class and ``__dict__`` of a copy of ``module`` that carries nothing the installer put on it,
     and shares no mutable state with it; ``module`` itself is left as it is.
 
-    Left out: the ``Record`` (whose behaviours an uninstall on the copy would switch off on the
-    module itself), the ``forward`` the installer set (the copy gets the one it had: its class's,
-    or the one set on the instance before), the segments and the class swap that runs them, and the
-    hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook added to or
-    removed from the copy (profiling's, a plan installed on it) never reaches ``module``.
+    Left out: the ``Record`` (an uninstall on the copy would switch its behaviours off on the module),
+    the ``forward`` the installer set (the copy gets the one it had), the segments and their class
+    swap, and the hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook
+    added to or removed from the copy never reaches ``module``.
 
     Example:
         >>> net = nn.Linear(2, 2)

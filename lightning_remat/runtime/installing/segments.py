@@ -1,18 +1,13 @@
 """Recompute runs of consecutive items of an ``nn.Sequential`` as ONE checkpoint segment each.
 
-A plan's ``segments`` (``core.spans``) name consecutive children of one ``nn.Sequential``. Their
-Sequential yields, while the plan is applied, one *runner* per segment in place of the segment's
-items when iterated: ``nn.Sequential.forward`` (``for module in self``) and code that loops over a
-Sequential itself (transformers' ``ResNetStage``: ``for layer in self.layers``) then call the
-runner, which runs the items in order under a single non-reentrant checkpoint. The runner is a
-plain ``nn.Sequential`` of the same items with the ``recompute`` behaviour, as any recomputed
-module (so dropout masks are replayed and BatchNorm statistics updated once).
+A segment (``core.spans``) names consecutive children of one ``nn.Sequential``, which yields, while
+the plan is installed, one *runner* in place of the segment's items when iterated (by its forward,
+or code looping over it, as transformers' ``ResNetStage``). The runner, a plain ``nn.Sequential`` of
+the items with the ``recompute`` behaviour, runs them under one non-reentrant checkpoint.
 
-How: the Sequential's class is swapped for a subclass of the same name that overrides only
-``__iter__`` (Python looks dunder methods up on the type, so an instance attribute cannot do
-it). Nothing else changes: the runner is kept in the instance ``__dict__``, not registered as a
-child, so ``named_modules``, parameter names and ``state_dict`` keys are those of the model, and
-removing the plan puts the original class back. Indexing and ``len`` are unchanged.
+Python looks ``__iter__`` up on the type, so the Sequential's class is swapped for a subclass of the
+same name that overrides only it. The runner is kept in the instance ``__dict__``, not registered,
+so names and ``state_dict`` keys stay; removing the plan puts the class back.
 
 This module also finds the groups of stages that may form segments (``sequential_groups``,
 ``chained_groups``).

@@ -1,12 +1,11 @@
-"""Check that what is installed on a model is exactly what its plan says: the installer's records
-read back (``records.py``; a record counts only while its forward is the module's, a segment only
-while its Sequential's class runs it) against the plan's actions, behaviour by behaviour.
+"""Check that what is installed on a model is exactly what its plan says: the records read back (one
+counts only while its forward is the module's, a segment while its Sequential's class runs it)
+against the plan's actions, behaviour by behaviour.
 
-Cheap (one walk over the model's modules, no tensor touched), so it runs after every install and at
-every step that keeps a plan (``service.shape_plans.ShapePlans.use``, the integrations): a plan
-that is "already installed" is checked, not assumed, since the installation can be undone behind
-the plan's back (a copy of the model sharing its records, a ``remove_remat``, a library patching
-``forward``), and a step under a plan that is not installed runs over its budget silently.
+Cheap (one walk over the modules, no tensor touched), so it runs after every install and at every
+step that keeps a plan: an installation can be undone behind the plan's back (a copy sharing its
+records, a ``remove_remat``, a library patching ``forward``), and a step under a plan that is not
+installed runs over its budget silently.
 
 Example:
     >>> from torch import nn
@@ -31,20 +30,16 @@ from .behaviours import BEHAVIOURS
 from .compiled import uncompiled
 
 
-def planned_settings(plan: Plan) -> dict[str, dict[str, Any]]:
-    """Per registered behaviour, the modules ``plan`` puts it on and their settings.
+def planned_actions(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Per registered behaviour, the modules ``plan`` puts it on and their settings (what
+    ``installed_actions`` reads back).
 
     Example:
         >>> from lightning_remat.core.plan import StageAction
-        >>> planned_settings(Plan([StageAction.recompute("h.1", policy="save_matmuls")]))["policy"]
+        >>> planned_actions(Plan([StageAction.recompute("h.1", policy="save_matmuls")]))["policy"]
         {'h.1': 'save_matmuls'}
     """
     return {b.name: {n: v for a in plan.actions for n, v in b.settings(a).items()} for b in BEHAVIOURS}
-
-
-def planned_actions(plan: Plan) -> dict[str, Any]:
-    """What ``plan`` puts on a model, per behaviour, in the form ``installed_actions`` reads it back."""
-    return {name: dict(sorted(settings.items())) for name, settings in planned_settings(plan).items()}
 
 
 def installed_actions(model: nn.Module) -> dict[str, Any]:
@@ -58,7 +53,7 @@ def installed_actions(model: nn.Module) -> dict[str, Any]:
     """
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())  # one walk: this runs at every step
-        return {b.name: dict(sorted(b.read(modules, only_running=True).items())) for b in BEHAVIOURS}
+        return {b.name: b.read(modules, only_running=True) for b in BEHAVIOURS}
 
 
 def installation_mismatch(model: nn.Module, plan: Plan) -> str | None:
