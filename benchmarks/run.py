@@ -66,7 +66,7 @@ from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto,
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
 from lightning_remat.core.solve import least_peak, solve  # noqa: E402
 from lightning_remat.core.config import ProfileOptions  # noqa: E402
-from lightning_remat.core.plan import Plan  # noqa: E402
+from lightning_remat.core.plan import Plan, StageAction  # noqa: E402
 from lightning_remat.runtime.measuring.roofline import OpRecorder, device_peaks, roofline_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
@@ -249,7 +249,7 @@ def run_model(name: str, quick: bool, repeats: int, curve_points: int, log: Call
     if stage_names:
         # torchtitan's op-level SAC on every layer: matmul and attention outputs saved.
         model = copy.deepcopy(base)
-        apply_plan(model, Plan(stage_names, 0, 0, 0, 0.0, policies={n: "save_matmuls" for n in stage_names}))
+        apply_plan(model, Plan([StageAction.recompute(n, policy="save_matmuls") for n in stage_names], 0, 0, 0, 0.0))
         opsac = Config("op-SAC every layer (save_matmuls)", "opsac", model, case.step)
         opsac.optimizer = _adam(model)
         configs.append(opsac)

@@ -43,7 +43,7 @@ _LAZY = {
     "profile_step": "lightning_remat.runtime.profiling.profile",
     "apply_plan": "lightning_remat.runtime.installing.apply",
     "remove_remat": "lightning_remat.runtime.installing.apply",
-    "recomputing": "lightning_remat.runtime.installing.apply",
+    "recomputing": "lightning_remat.runtime.installing.recompute",
     "head_loss": "lightning_remat.runtime.installing.chunked_loss",
     "CausalLMLoss": "lightning_remat.runtime.installing.chunked_loss",
     "find_stages": "lightning_remat.runtime.profiling.candidates",

@@ -137,10 +137,10 @@ def test_kwargs_tuples_dicts_and_non_tensor_outputs_pass_through_and_hooks_rerun
 
 
 def test_no_recompute_without_autograd(monkeypatch):
-    from lightning_remat.runtime.installing import installer
+    from lightning_remat.runtime.installing import recompute
 
-    checkpoints, checkpoint = [], installer.checkpoint
-    monkeypatch.setattr(installer, "checkpoint", lambda *a, **k: checkpoints.append(1) or checkpoint(*a, **k))
+    checkpoints, checkpoint = [], recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda *a, **k: checkpoints.append(1) or checkpoint(*a, **k))
     net, reference = make_net().eval(), make_net().eval()
     apply_plan(net, ["0"])
     x = torch.randn(2, 8, 16)

@@ -466,14 +466,15 @@ def test_offload_batch_fit_scales_host_bytes_and_the_search_stays_within_host_me
 
 
 def test_offload_trial_runs_with_the_plans_offloading_and_puts_it_back():
-    from lightning_remat.core.plan import Plan
+    from lightning_remat.core.plan import Plan, StageAction
     from lightning_remat.runtime.installing.apply import apply_plan
     from lightning_remat.runtime.installing.offload import offloaded_modules
     from lightning_remat.runtime.measuring.trial import run_trial
 
     net = mlp(depth=4)
     apply_plan(net, ["3"])  # the model's own plan, back after the trial
-    plan = Plan(["1"], 10**9, 10**9, 10**9, 0.0, offloaded=["0", "2"], host_bytes=1)
+    plan = Plan([StageAction.offload("0"), StageAction.recompute("1"), StageAction.offload("2")], 10**9, 10**9, 10**9, 0.0,
+                host_bytes=1)
     seen = []
     step = mlp_make_step(8)
 
@@ -481,7 +482,7 @@ def test_offload_trial_runs_with_the_plans_offloading_and_puts_it_back():
         seen.append((sorted(offloaded_modules(model)), checkpointed_modules(model)))
         return step(model)
 
-    trial = run_trial(net, watched, None, 8, plan.checkpointed, 1, 10**9, plan.predicted_peak_bytes, plan=plan)
+    trial = run_trial(net, watched, None, 8, plan, 1, 10**9, plan.predicted_peak_bytes)
     assert trial.fits and seen and all(s == (["0", "2"], ["1"]) for s in seen), seen
     assert offloaded_modules(net) == [] and checkpointed_modules(net) == ["3"]
     remove_remat(net)

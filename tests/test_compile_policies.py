@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
-from lightning_remat import Plan, ProfileOptions, apply_plan, profile_step
+from lightning_remat import Plan, ProfileOptions, StageAction, apply_plan, profile_step
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.runtime.installing.compiled import runs_compiled
 from lightning_remat.runtime.measuring.roofline import TIE_SECONDS
@@ -52,7 +52,7 @@ def make_net(blocks=2, width=32, block=Block):
 
 def save_matmuls_everywhere(net):
     names = [str(i) for i in range(len(net))]
-    return apply_plan(net, Plan(names, 0, 0, 0, 0.0, policies={n: "save_matmuls" for n in names}))
+    return apply_plan(net, Plan([StageAction.recompute(n, policy="save_matmuls") for n in names], 0, 0, 0, 0.0))
 
 
 def recording_backend(record):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat import (Plan, ProfileOptions, RematError, apply_plan, measure_step, plan_remat, profile_step,
+from lightning_remat import (Plan, ProfileOptions, StageAction, RematError, apply_plan, measure_step, plan_remat, profile_step,
                              remove_remat)
 from lightning_remat.runtime.installing.apply import checkpoint_policies, checkpointed_modules
 from lightning_remat.runtime.installing.offload import offloaded_modules
@@ -297,7 +297,7 @@ def test_a_plan_naming_a_module_and_one_of_its_ancestors_is_refused_naming_both(
         assert isinstance(caught.value, ValueError) and f"{inner} inside {outer}" in str(caught.value)
         assert_unchanged(model, before)
     with pytest.raises(RematError, match="'2' inside '' \\(the model itself\\)"):
-        apply_plan(model, Plan([], offloaded=["", "2"]))
+        apply_plan(model, Plan([StageAction.offload(""), StageAction.offload("2")]))
     assert_unchanged(model, before)
 
 
@@ -317,7 +317,8 @@ def test_a_module_that_refuses_its_new_forward_leaves_the_model_exactly_as_it_wa
     apply_plan(model, previous) if previous else None
     before, x = snapshot(model), torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
     expected = model(x)
-    plan = Plan(["0", "1", "2"], policies={"1": "save_matmuls"}, offloaded=["3"])
+    plan = Plan([StageAction.recompute("0"), StageAction.recompute("1", policy="save_matmuls"),
+                 StageAction.recompute("2"), StageAction.offload("3")])
     with pytest.raises(AttributeError, match="Stubborn keeps its own forward"):
         apply_plan(model, plan)
     assert_unchanged(model, before)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Plan, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Plan, Profile, Segment, StageAction, StageOption, StageProfile, solve
 from lightning_remat.core.predict import predict
 from lightning_remat.core.solve import least_peak, solve_segmentation
 from lightning_remat.core.spans import plan_cost_spans, predict_peak_spans
@@ -275,7 +275,7 @@ def test_a_block_recomputed_whole_is_predicted_as_measured():
         warnings.simplefilter("ignore")
         deep = profile_step(copy.deepcopy(case.model), case.step)
     block = deep.blocks[-2][0]  # the deepest stage of blocks
-    plan = Plan([block], 0, 0, 0, 0.0)
+    plan = Plan([StageAction.recompute(block)], 0, 0, 0, 0.0)
     predicted = predict(deep, plan.actions, "flops").peak_bytes
     planned = copy.deepcopy(case.model)
     apply_plan(planned, plan)

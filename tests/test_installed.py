@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from lightning_remat import InstallationMismatchError, apply_plan
-from lightning_remat.core.plan import Plan
+from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.runtime.installing.installer import install, uninstall
-from lightning_remat.runtime.installing.records import RECORD, installed_hooks
-from lightning_remat.runtime.installing.sequential import SEGMENTS
+from lightning_remat.runtime.installing.records import RECORD, SEGMENTS, installed_hooks
 from lightning_remat.runtime.installing.verify import check_installed, installed_actions, planned_actions
 from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
 from lightning_remat.service.shape_plans import ShapePlans
@@ -68,7 +67,7 @@ def budget():
 
 def _installed_as_planned(model, plan):
     """Whether what runs on ``model`` is ``plan``, and recomputes something (the scenario's plans do)."""
-    return installed_actions(model) == planned_actions(plan) and bool(installed_actions(model)["recomputed"])
+    return installed_actions(model) == planned_actions(plan) and bool(installed_actions(model)["recompute"])
 
 
 # ------------------------------------------------------------------------------ the fake twin
@@ -76,7 +75,8 @@ def _installed_as_planned(model, plan):
 
 def test_a_fake_twin_carries_no_plan_and_leaves_the_models_records_forwards_and_hooks_untouched():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)])
-    plan = Plan(["0"], segments=[["1", "2"]], offloaded=["3"], policies={"0": "save_matmuls"})
+    plan = Plan([StageAction.recompute("0", policy="save_matmuls"), StageAction.in_segment("1", ["1", "2"]),
+                 StageAction.in_segment("2", ["1", "2"]), StageAction.offload("3")])
     install(model, plan, order=["0", "1", "2", "3", "4"])  # "3" is released by a forward hook on "4"
     calls = []
     model[4].register_forward_hook(lambda *_: calls.append(1))  # a user's hook
@@ -95,7 +95,7 @@ def test_a_fake_twin_carries_no_plan_and_leaves_the_models_records_forwards_and_
                 assert value is not seen[name][2][key][0] and not set(value) & ours, (name, key)
     assert len(twin[4]._forward_hooks) == 1  # the user's hook, in a dict of the twin's own
     # A plan put on the twin and lifted from it (what a fake profile does) is the twin's alone.
-    apply_plan(twin, Plan(["4"], offloaded=["1"]))
+    apply_plan(twin, Plan([StageAction.offload("1"), StageAction.recompute("4")]))
     uninstall(twin)
     for name, m in model.named_modules():
         cls, state, hooks = seen[name]
@@ -138,7 +138,7 @@ def test_an_installation_undone_behind_the_plans_back_stops_the_next_step_naming
     del module.__dict__[RECORD], module.forward  # stripped by someone else
     with pytest.raises(InstallationMismatchError, match=r"the plan says .*installed is") as caught:
         plans.use(ids)  # the same shape: its plan is "installed already", and is checked all the same
-    assert victim in caught.value.planned["recomputed"] and victim not in caught.value.installed["recomputed"]
+    assert victim in caught.value.planned["recompute"] and victim not in caught.value.installed["recompute"]
     # A forward put in place of ours (the record left behind) does not run the plan either.
     apply_plan(model, plan)
     module.forward = module.__dict__[RECORD].original

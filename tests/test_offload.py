@@ -203,11 +203,11 @@ def test_offload_without_an_accelerator_target_is_an_error():
 
 
 def test_plan_round_trip_summary_and_metrics():
-    from lightning_remat.core.plan import Plan
+    from lightning_remat.core.plan import Plan, StageAction
     from lightning_remat.service.planning import plan_metrics
 
-    plan = Plan(["h.1"], 2**30, 2**31, 2**30, 0.05, offloaded=["h.0"], host_bytes=3 * 2**20,
-                offload_limits={"h.0": 2**20})
+    plan = Plan([StageAction.recompute("h.1"), StageAction.offload("h.0", 2**20)], 2**30, 2**31, 2**30, 0.05,
+                host_bytes=3 * 2**20)
     assert Plan.from_dict(plan.to_dict()) == plan
     summary = " ".join(plan.summary().split())
     assert "offloaded to host memory" in summary and "1 module(s), 3.00 MiB on the host" in summary, summary
@@ -350,7 +350,7 @@ def test_a_recomputed_block_with_its_checkpoint_input_on_the_host_has_bit_equal_
     """Recomputed whole, its checkpoint input copied to the "host" (on the CPU a plain copy: the
     path runs) and back for the recompute: losses, gradients, BatchNorm statistics and dropout equal
     those of the plain model, bit for bit; remove_remat puts every forward back."""
-    from lightning_remat.core.plan import Plan
+    from lightning_remat.core.plan import Plan, StageAction
     from lightning_remat.runtime.installing.installer import input_offload_of
 
     x = torch.randn(5, 4, 8, 8)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_remat import AutoRemat, apply_plan, plan_remat
 from lightning_remat.core.errors import PlanFormatError, PlanMismatchError, RematError
-from lightning_remat.core.plan import Plan
+from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.integrations.lightning.batch_size_finder import RematBatchSizeFinder
 from lightning_remat.runtime.installing.apply import checkpointed_modules
 from tests.torch_meter import TorchPeak
@@ -156,7 +156,7 @@ def test_autoremat_resumed_into_a_model_with_other_shapes_plans_again(tmp_path):
 
 # ---------------------------------------------------------------------------------- item 8
 
-GOOD = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31, predicted_peak_bytes=2**30 - 1,
+GOOD = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31, predicted_peak_bytes=2**30 - 1,
             predicted_overhead=0.1, notes=["ok"]).to_dict()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat import BudgetTooSmallError, Plan, RematConfig, plan_remat
+from lightning_remat import BudgetTooSmallError, Plan, RematConfig, StageAction, plan_remat
 from lightning_remat.service.planning import Planner, PlanOutcome, plan_metrics
 
 
@@ -42,7 +42,7 @@ def test_an_error_reaches_other_ranks_with_its_message_hint_and_fields():
 
 
 def test_metrics_of_a_plan_and_its_measured_step():
-    plan = Plan(["h.0"], 1000, 2000, 900, 0.25)
+    plan = Plan([StageAction.recompute("h.0")], 1000, 2000, 900, 0.25)
     assert plan_metrics(plan, 950) == {
         "remat/num_checkpointed": 1.0, "remat/budget_bytes": 1000.0, "remat/baseline_peak_bytes": 2000.0,
         "remat/predicted_peak_bytes": 900.0, "remat/predicted_overhead": 0.25, "remat/measured_peak_bytes": 950.0}

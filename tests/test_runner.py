@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_remat.runtime.measuring.measure import PeakWindow, measure_step
+from lightning_remat.core.plan import Plan
 from lightning_remat.runtime.measuring.meter import PeakMeter
 from lightning_remat.runtime.measuring.runner import StepWatch, run_step
 from lightning_remat.runtime.measuring.trial import run_trial
@@ -21,7 +22,7 @@ def test_a_trial_a_measured_step_and_a_hook_window_give_the_same_peak():
     step = lambda m: m(x.clone()).square().mean()  # the batch made inside the step: every meter counts it
     measure_step(net, step, optimizer)  # Adam's state exists, as in every later step
     measured = measure_step(net, step, optimizer).peak_bytes
-    trial = run_trial(net, step, optimizer, 16, [], 2, measured, 0)
+    trial = run_trial(net, step, optimizer, 16, Plan(), 2, measured, 0)
     net.zero_grad(set_to_none=True)
     window = PeakWindow(net, optimizer)  # as the Lightning callback and the Accelerate session open it
     loss = step(net)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_remat import Plan, ProfileOptions, apply_plan, measure_step, profile_step, remove_remat
+from lightning_remat import Plan, ProfileOptions, StageAction, apply_plan, measure_step, profile_step, remove_remat
 from lightning_remat.core.solve import plan_from_choices, solve
 from lightning_remat.models import build
 from lightning_remat.runtime.installing import sac
@@ -67,7 +67,7 @@ def run_steps(model, steps=2):
 @pytest.mark.parametrize("policy", sac.POLICIES)
 def test_gradients_and_batchnorm_statistics_bit_equal_under_every_policy(policy):
     reference, wrapped = make_net(), make_net()
-    apply_plan(wrapped, Plan(["0", "2"], 0, 0, 0, 0.0, policies={"0": policy, "2": policy}))
+    apply_plan(wrapped, Plan([StageAction.recompute(n, policy=policy) for n in ("0", "2")], 0, 0, 0, 0.0))
     assert checkpoint_policies(wrapped) == {"0": policy, "2": policy}
     (ref_losses, ref_grads), (losses, grads) = run_steps(reference), run_steps(wrapped)
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
@@ -81,9 +81,10 @@ def test_gradients_and_batchnorm_statistics_bit_equal_under_every_policy(policy)
 def test_gradients_bit_equal_on_gpt2_with_dropout_under_a_mixed_plan():
     case = build("gpt2", layers=4, hidden=64, seq_len=32, batch_size=2)
     reference, wrapped = case.model, copy.deepcopy(case.model)
-    plan = Plan(["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3.mlp"], 0, 0, 0, 0.0,
-                policies={"transformer.h.0": "save_matmuls", "transformer.h.1": "save_alternate_matmuls",
-                          "transformer.h.2": "save_projections"})
+    plan = Plan([StageAction.recompute("transformer.h.0", policy="save_matmuls"),
+                 StageAction.recompute("transformer.h.1", policy="save_alternate_matmuls"),
+                 StageAction.recompute("transformer.h.2", policy="save_projections"),
+                 StageAction.recompute("transformer.h.3.mlp")], 0, 0, 0, 0.0)
     apply_plan(wrapped, plan)
     assert reference.config.attn_pdrop > 0
     losses = []
@@ -123,7 +124,8 @@ def test_save_projections_is_offered_where_attention_runs_as_batched_matmuls():
 
 def test_a_policy_runs_under_torch_compile():
     reference, model = make_net(2), make_net(2)
-    apply_plan(model, Plan(["0", "1"], 0, 0, 0, 0.0, policies={"0": "save_matmuls", "1": "save_attention"}))
+    apply_plan(model, Plan([StageAction.recompute("0", policy="save_matmuls"),
+                                StageAction.recompute("1", policy="save_attention")], 0, 0, 0, 0.0))
     for net in (model, reference):
         net.eval()  # no dropout: the compiled graph draws its random numbers differently
         for block in net:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat import profile_step, solve
+from lightning_remat import Plan, StageAction, profile_step, solve
 from lightning_remat.core.solve import plan_from_choices
 from lightning_remat.models import build
-from lightning_remat.runtime.installing.apply import apply_plan, applied, checkpointed_modules, remove_remat
-from lightning_remat.runtime.installing.segments import segmented_modules
+from lightning_remat.runtime.installing.apply import (apply_plan, applied, checkpointed_modules, remove_remat,
+                                                      segmented_modules)
 from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
 
 
@@ -53,7 +53,7 @@ def test_apply_and_remove_restore_the_model_exactly():
     apply_plan(net, [], segments=[["1", "2", "3"]])
     assert type(net).__name__ == "Sequential" and len(net) == 6 and len(list(net)) == 4
     assert list(net.state_dict()) == keys and [n for n, _ in net.named_modules()] == names
-    with applied(net, ["0"]):  # the profiler lifts a plan and puts it back
+    with applied(net, Plan([StageAction.recompute("0")])):  # the profiler lifts a plan and puts it back
         assert segmented_modules(net) == [] and checkpointed_modules(net) == ["0"]
     assert segmented_modules(net) == [["1", "2", "3"]]
     remove_remat(net)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_remat import profile_step
-from lightning_remat.core.plan import Plan
+from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.core.shapes import BATCH, SEQUENCE, Shape, ShapeBuckets
 from lightning_remat.core.solve import solve
 from lightning_remat.runtime.profiling.batch_shape import batch_shape, resize_batch
@@ -277,7 +277,7 @@ def test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans(im
 def test_a_checkpoint_written_before_layouts_still_loads():
     from lightning_remat import AutoRemat
 
-    plan = Plan(["net.1"])
+    plan = Plan([StageAction.recompute("net.1")])
     callback = AutoRemat(budget="min", verbose=False)
     callback.load_state_dict({"plan": plan.to_dict(), "plans": [[4, 128, plan.to_dict()]]})
     assert list(callback._saved_plans) == [Shape(4, 128)]

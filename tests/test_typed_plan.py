@@ -17,35 +17,22 @@ from lightning_remat.core.solve import plan_from_choices, solve, solve_recompute
 from lightning_remat.core.vocabulary import Action, CostKind, Policy
 from lightning_remat.report.render import plan_renderables, to_text
 from lightning_remat.runtime.installing import installer
-from lightning_remat.runtime.installing.apply import applied, apply_plan, checkpoint_policies, remove_remat
+from lightning_remat.runtime.installing.apply import (applied, apply_plan, checkpoint_policies, remove_remat,
+                                                      segmented_modules)
 from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules
-from lightning_remat.runtime.installing.segments import segmented_modules
+from lightning_remat.runtime.installing.records import RECORD, installed_forward
 from lightning_remat.service.planning import plan_metrics
 
-# Plan.to_dict() of the version before actions (0.1.0), for a solved plan with a policy, a child, an
-# offload within a limit and a segment, and for the fallback plan ("min", nothing predicted).
-OLD_SOLVED = {
-    "checkpointed": ["h.0", "h.1.mlp", "h.5"], "budget_bytes": 650, "baseline_peak_bytes": 700,
-    "predicted_peak_bytes": 390, "predicted_overhead": 0.19, "cost_kind": "flops", "requested_budget": "650",
-    "choices": [{"stage": "h.0", "option": "sac:save_matmuls", "baseline_stored_bytes": 100, "stored_bytes": 50, "cost": 2.0},
-                {"stage": "h.1", "option": "mlp", "baseline_stored_bytes": 100, "stored_bytes": 60, "cost": 2.0},
-                {"stage": "h.2", "option": "offload:hidden", "baseline_stored_bytes": 100, "stored_bytes": 20, "cost": 0.0},
-                {"stage": "h.3", "option": "segment h.3..h.4", "baseline_stored_bytes": 100, "stored_bytes": 0, "cost": 5.0},
-                {"stage": "h.4", "option": "segment h.3..h.4", "baseline_stored_bytes": 100, "stored_bytes": 10, "cost": 5.0},
-                {"stage": "h.5", "option": "whole", "baseline_stored_bytes": 100, "stored_bytes": 10, "cost": 5.0}],
-    "parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "notes": [], "fallback": False,
-    "fingerprint": {}, "sharding": {}, "segments": [["h.3", "h.4"]], "policies": {"h.0": "save_matmuls"},
-    "offloaded": ["h.2"], "host_bytes": 80, "offload_limits": {"h.2": 64}}
-OLD_FALLBACK = {
-    "checkpointed": ["h.0", "h.1"], "budget_bytes": 0, "baseline_peak_bytes": 0, "predicted_peak_bytes": 0,
-    "predicted_overhead": float("nan"), "cost_kind": "flops", "requested_budget": "min", "choices": [],
-    "parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "notes": ["oom"], "fallback": True,
-    "fingerprint": {}, "sharding": {}, "segments": [], "policies": {}, "offloaded": [], "host_bytes": 0,
-    "offload_limits": {}}
+# What a solved plan with a policy, a child, an offload within a limit and a segment says under the
+# names its dict holds for readers (and the figures it predicts).
+SOLVED = {
+    "checkpointed": ["h.0", "h.1.mlp", "h.5"], "budget_bytes": 650, "predicted_peak_bytes": 390,
+    "predicted_overhead": 0.19, "requested_budget": "650", "segments": [["h.3", "h.4"]],
+    "policies": {"h.0": "save_matmuls"}, "offloaded": ["h.2"], "host_bytes": 80, "offload_limits": {"h.2": 64}}
 
 
 def _profile():
-    """The synthetic profile OLD_SOLVED was made from: six stages with keep, whole, a policy, a child
+    """The synthetic profile SOLVED is made from: six stages with keep, whole, a policy, a child
     and a hidden offload, all in one span group."""
     keep = StageOption("keep", (), 100, 150, 0.0, 0)
 
@@ -63,36 +50,32 @@ def _profile():
 # ------------------------------------------------------------------------------------ the plan
 
 
-def test_a_plan_saved_before_actions_loads_with_one_action_per_stage_and_the_same_fields():
-    plan = Plan.from_dict(OLD_SOLVED)
+def test_a_solved_plan_has_one_action_per_stage_and_its_dict_says_the_same_names():
+    plan = plan_from_choices(_profile(), [2, 3, 4, 0, 0, 1], 650, "flops", spans=[(3, 4)])
     assert [(a.stage, a.action) for a in plan.actions] == [
         ("h.0", Action.RECOMPUTE), ("h.1", Action.RECOMPUTE), ("h.2", Action.OFFLOAD), ("h.3", Action.SEGMENT),
         ("h.4", Action.SEGMENT), ("h.5", Action.RECOMPUTE)]
     assert plan.actions[0].policy is Policy.SAVE_MATMULS and plan.actions[1].modules == ("h.1.mlp",)
     assert plan.actions[2].offload_limit == 64 and plan.actions[3].segment == ("h.3", "h.4")
-    for name in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "predicted_peak_bytes",
-                 "predicted_overhead", "budget_bytes", "host_bytes", "requested_budget"):
-        assert getattr(plan, name) == OLD_SOLVED[name], name
+    for name, value in SOLVED.items():
+        assert getattr(plan, name) == value, name
     assert plan.stage_order == ("h.0", "h.1", "h.2", "h.3", "h.4", "h.5") and plan.fallback is False
-    # The same plan solved now: equal, and the one predictor gives the figures the old code stored.
-    now = plan_from_choices(_profile(), [2, 3, 4, 0, 0, 1], 650, "flops", spans=[(3, 4)])
-    assert now == plan
-    assert predict(_profile(), plan.actions, "flops") == predict(_profile(), now.actions, CostKind.FLOPS)
-    # The new dict round-trips, is plain JSON, and still says what the old names said.
+    # The dict round-trips, is plain JSON, and says what the actions say under the names.
     data = json.loads(json.dumps(plan.to_dict()))
     assert Plan.from_dict(data) == plan
-    assert {k: data[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "fallback")} == \
-        {k: OLD_SOLVED[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits", "fallback")}
+    assert {k: data[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits")} == \
+        {k: SOLVED[k] for k in ("checkpointed", "segments", "policies", "offloaded", "offload_limits")}
     with pytest.raises(ValueError, match="disagree"):
         Plan.from_dict({**data, "checkpointed": ["h.0"]})
+    with pytest.raises(ValueError, match="'actions' must be a list of actions"):
+        Plan.from_dict({k: v for k, v in data.items() if k != "actions"})
 
 
-def test_a_fallback_plan_saved_with_zero_and_nan_loads_as_nothing_predicted():
-    plan = Plan.from_dict(OLD_FALLBACK)
+def test_the_fallback_plan_predicts_nothing_and_round_trips():
+    plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "oom")
     assert plan.fallback and plan.checkpointed == ["h.0", "h.1"]
     assert (plan.budget_bytes, plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.predicted_overhead) == \
         (None, None, None, None)
-    assert plan == solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "oom")
     assert plan_metrics(plan) == {"remat/num_checkpointed": 2.0}
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
@@ -110,7 +93,7 @@ def test_a_plan_is_immutable_and_changed_by_replace():
     # A derived list is a copy: changing it changes nothing.
     plan.checkpointed.append("h.9")
     assert "h.9" not in plan.checkpointed
-    with pytest.raises(TypeError, match="not both"):
+    with pytest.raises(TypeError, match="'checkpointed'"):  # a plan holds actions only
         dataclasses.replace(plan, checkpointed=["h.0"])
 
 
@@ -128,29 +111,15 @@ def test_the_recompute_everything_solver_predicts_nothing_and_nothing_prints_nan
 
 
 def test_vocabularies_take_strings_and_keep_their_messages():
-    plan = Plan(["h.0"], 1, 2, 1, 0.5, cost_kind="roofline", policies={"h.0": "save_attention"})
+    plan = Plan([StageAction.recompute("h.0", policy="save_attention")], 1, 2, 1, 0.5, cost_kind="roofline")
     assert plan.cost_kind is CostKind.ROOFLINE and plan.cost_kind == "roofline" and f"{plan.cost_kind}" == "roofline"
     assert plan.to_dict()["cost_kind"] == "roofline" and type(plan.to_dict()["cost_kind"]) is str
     with pytest.raises(ValueError, match=r"cost must be one of \('time', 'flops', 'roofline'\), got 'seconds'"):
-        Plan(["h.0"], cost_kind="seconds")
+        Plan(cost_kind="seconds")
     with pytest.raises(ValueError, match="unknown selective-checkpointing policy 'save_all'"):
-        Plan(["h.0"], policies={"h.0": "save_all"})
-    with pytest.raises(ValueError, match="does not recompute"):
-        Plan(["h.0"], policies={"h.1": "save_matmuls"})
+        StageAction.recompute("h.0", policy="save_all")
     with pytest.raises(ValueError, match="only a recomputed stage has a policy"):
         StageAction("h.0", Action.OFFLOAD, policy="save_matmuls")
-
-
-def test_a_typed_plan_and_the_same_plan_by_names_are_equal():
-    # By names (no stage order known): the recomputed modules, the segments' stages, the offloaded modules.
-    typed = Plan(actions=[StageAction.recompute("0", policy="save_matmuls"), StageAction.in_segment("2", ["2", "3"]),
-                          StageAction.in_segment("3", ["2", "3"]), StageAction.offload("1", limit=10)],
-                 budget_bytes=5)
-    named = Plan(["0"], 5, policies={"0": "save_matmuls"}, offloaded=["1"], offload_limits={"1": 10},
-                 segments=[["2", "3"]])
-    assert typed == named and typed.stage_order is None
-    with_choices = Plan(["0"], 5, choices=[StageChoice(s, "keep", 0, 0, 0.0) for s in "0123"], segments=[["2", "3"]])
-    assert with_choices.stage_order == ("0", "1", "2", "3") and with_choices.actions[1] == StageAction.keep("1")
 
 
 # ------------------------------------------------------------------------------- the installer
@@ -217,14 +186,14 @@ def test_recompute_and_offload_on_one_module_compose_in_one_forward():
     plain, model = _net(), _net()
     apply_plan(model, ["1", "2"], policies={"2": "save_matmuls"})
     apply_offload(model, ["1", "3"], order=[str(i) for i in range(6)])  # around the checkpoint of "1"
-    record = model[1].__dict__[installer.RECORD]
-    assert record.recompute and record.offload is not None  # one record, one patched forward
-    assert model[1].forward.func is installer._installed_forward
+    record = model[1].__dict__[RECORD]
+    assert set(record.behaviours) == {"recompute", "offload"}  # one record, one patched forward
+    assert model[1].forward.func is installed_forward
     _assert_bit_equal(plain, model)
     apply_plan(model, ["2"])  # replaces the plan: no double wrapping, nothing left behind
     assert installer.recomputed(model) == {"2": ""} and offloaded_modules(model) == []
     remove_remat(model)
-    assert all("forward" not in m.__dict__ and installer.RECORD not in m.__dict__ for m in model.modules())
+    assert all("forward" not in m.__dict__ and RECORD not in m.__dict__ for m in model.modules())
 
 
 def test_applied_puts_back_offloading_with_its_order_and_limits():
@@ -232,7 +201,7 @@ def test_applied_puts_back_offloading_with_its_order_and_limits():
     order = [str(i) for i in range(6)]
     apply_plan(model, ["0"])
     apply_offload(model, ["2"], order=order, limits={"2": 64})
-    with applied(model, ["4"]):
+    with applied(model, Plan([StageAction.recompute("4")])):
         assert installer.recomputed(model) == {"4": ""} and offloaded_modules(model) == []
     offloader = model_offloader(model)
     assert installer.recomputed(model) == {"0": ""} and offloaded_modules(model) == ["2"]

@@ -1,5 +1,6 @@
 """What a plan does with one stage: a typed action (``StageAction``), and the rules that make a
-set of actions installable together (``check_actions``).
+set of actions installable together (``check_actions``): each behaviour contributes its own
+(``add_rule``), as each contributes its wrapper to the installer (``runtime.installing.records``).
 
 Example:
     >>> StageAction.in_segment("1", ["0", "1", "2"]).segment
@@ -9,7 +10,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .errors import InvalidPlanError
 from .vocabulary import Action, Policy, check_chunks
@@ -34,12 +35,14 @@ class StageAction:
             (``runtime.installing.chunked_loss``).
         offload_input: with ``RECOMPUTE``, the input each recomputed module's checkpoint keeps goes
             to host memory, and comes back for its recompute (``runtime.installing.input_offload``).
+        extra: settings of behaviours registered outside the package, by behaviour name (a
+            ``Mapping``, kept as sorted pairs; ``runtime.installing.records.register``).
 
     Example:
         >>> StageAction.recompute("h.0", policy="save_matmuls").modules
         ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
-        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None, offload_input=False)
+        StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None, offload_input=False, extra=())
         >>> StageAction.chunk("lm_head", 8).chunks
         8
         >>> StageAction("h.0", "keep", policy="save_matmuls")
@@ -56,6 +59,7 @@ class StageAction:
     offload_limit: int | None = None
     chunks: int | None = None
     offload_input: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str):
@@ -87,13 +91,14 @@ class StageAction:
         if self.offload_input not in (True, False) or (self.offload_input and action is not Action.RECOMPUTE):
             raise ValueError(f"stage {self.stage!r}: only a recomputed stage offloads its checkpoint input, got "
                              f"offload_input={self.offload_input!r} with action {action.value!r}")
-        object.__setattr__(self, "offload_input", bool(self.offload_input))
-        object.__setattr__(self, "action", action)
-        object.__setattr__(self, "modules", modules)
-        object.__setattr__(self, "segment", segment)
-        object.__setattr__(self, "policy", None if self.policy is None else Policy.check(self.policy))
-        # 0 bytes meant "no limit" where limits were a dict of ints.
-        object.__setattr__(self, "offload_limit", limit or None)
+        extra = dict(self.extra)
+        if not all(isinstance(k, str) for k in extra):
+            raise ValueError(f"stage {self.stage!r}: extra settings are named by behaviour names, got {extra!r}")
+        # An offload limit of 0 bytes is no limit.
+        for name, value in dict(extra=tuple(sorted(extra.items())), offload_input=bool(self.offload_input),
+                                action=action, modules=modules, segment=segment, offload_limit=limit or None,
+                                policy=None if self.policy is None else Policy.check(self.policy)).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def keep(cls, stage: str) -> "StageAction":
@@ -126,6 +131,8 @@ class StageAction:
             data["chunks"] = self.chunks
         if self.offload_input:
             data["offload_input"] = True
+        if self.extra:
+            data["extra"] = dict(self.extra)
         return data
 
     @classmethod
@@ -135,7 +142,7 @@ class StageAction:
         return cls(data["stage"], data.get("action", Action.KEEP), modules=data.get("modules") or (),
                    policy=data.get("policy"), segment=data.get("segment") or (),
                    offload_limit=data.get("offload_limit"), chunks=data.get("chunks"),
-                   offload_input=data.get("offload_input", False))
+                   offload_input=data.get("offload_input", False), extra=data.get("extra") or ())
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:
@@ -166,11 +173,6 @@ def nested_in(inner: str, outer: str) -> bool:
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
-def _nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
-    """Each (inner, outer) pair of ``names`` where ``inner`` lies inside ``outer``."""
-    return [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
-
-
 def refuse_nested(names: Sequence[str], what: str) -> None:
     """Raise ``InvalidPlanError`` naming each pair of ``names`` where one lies inside the other
     (``what`` the plan does with them: "recomputes", "offloads").
@@ -181,7 +183,7 @@ def refuse_nested(names: Sequence[str], what: str) -> None:
         ...
         lightning_remat.core.errors.InvalidPlanError: plan recomputes a module and another one inside it, which would nest one inside the other: '0' inside '' (the model itself). Name one of each pair
     """
-    pairs = _nested_pairs(names)
+    pairs = [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
     if pairs:
         shown = "; ".join(f"{inner!r} inside {outer!r}" + (" (the model itself)" if outer == "" else "")
                           for inner, outer in pairs)
@@ -189,14 +191,33 @@ def refuse_nested(names: Sequence[str], what: str) -> None:
                                f"other: {shown}. Name one of each pair")
 
 
-def check_actions(actions: Sequence[StageAction]) -> None:
-    """Raise ``InvalidPlanError`` (a ValueError) unless the actions can be installed together: no
-    module recomputed twice or inside another recomputed one, segments disjoint and complete (each of their stages has the
-    segment's action), no module recomputed alone and in a segment, no module recomputed and
-    offloaded, nothing offloaded twice or inside another offloaded module, one action per stage.
+def overlaps(name: str, names: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``names``, lies inside one, or holds one.
 
-    (Whether the names are modules of a model, and segments items of one ``nn.Sequential``, the
-    installer checks against the model.)
+    Example:
+        >>> overlaps("h.0.mlp", ["h.0"]), overlaps("h.1", ["h.0"])
+        (True, False)
+    """
+    return any(name == t or nested_in(name, t) or nested_in(t, name) for t in names)
+
+
+Rule = Callable[[Sequence[StageAction]], None]
+# The cross-action rules, in the order they run: each behaviour contributes its own (``add_rule``).
+RULES: list[Rule] = []
+
+
+def add_rule(rule: Rule) -> Rule:
+    """Make ``check_actions`` run ``rule`` (once, after the rules added before it); returns it."""
+    if rule not in RULES:
+        RULES.append(rule)
+    return rule
+
+
+def check_actions(actions: Sequence[StageAction]) -> None:
+    """Raise ``InvalidPlanError`` (a ValueError) unless the actions can be installed together: every
+    rule of ``RULES`` passes (no module recomputed twice or inside another recomputed one; segments
+    disjoint and complete; nothing offloaded twice, or recomputed too; a chunked head nothing else;
+    one action per stage). The installer checks the names against the model.
 
     Example:
         >>> check_actions([StageAction.recompute("h.0"), StageAction.offload("h.0.mlp")])
@@ -204,10 +225,28 @@ def check_actions(actions: Sequence[StageAction]) -> None:
         ...
         lightning_remat.core.errors.InvalidPlanError: module(s) ['h.0.mlp'] are both recomputed and offloaded: a module is one or the other
     """
-    recomputed = [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
+    for rule in RULES:
+        rule(actions)
+
+
+def _recomputed(actions: Sequence[StageAction]) -> list[str]:
+    return [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
+
+
+def _segmented(actions: Sequence[StageAction]) -> list[str]:
+    return [s for a in actions if a.action is Action.SEGMENT for s in a.segment]
+
+
+@add_rule
+def _recompute_rule(actions: Sequence[StageAction]) -> None:
+    recomputed = _recomputed(actions)
     if len(set(recomputed)) != len(recomputed):
         raise InvalidPlanError(f"plan names a module twice: {recomputed}")
     refuse_nested(recomputed, "recomputes")
+
+
+@add_rule
+def _segment_rule(actions: Sequence[StageAction]) -> None:
     segments = list(dict.fromkeys(a.segment for a in actions if a.action is Action.SEGMENT))
     taken: set[str] = set()
     for segment in segments:
@@ -220,91 +259,34 @@ def check_actions(actions: Sequence[StageAction]) -> None:
         missing = [s for s in segment if members.get(s) != segment]
         if missing:
             raise InvalidPlanError(f"segment {list(segment)}: stage(s) {missing} do not have that segment's action")
-    for name in recomputed:
-        if any(name == t or nested_in(name, t) or nested_in(t, name) for t in taken):
+    for name in _recomputed(actions):
+        if overlaps(name, taken):
             raise InvalidPlanError(f"plan recomputes {name!r} alone and as part of a segment")
+
+
+@add_rule
+def _offload_rule(actions: Sequence[StageAction]) -> None:
     offloaded = [a.stage for a in actions if a.action is Action.OFFLOAD]
     if len(set(offloaded)) != len(offloaded):
         raise InvalidPlanError(f"offload names a module twice: {offloaded}")
     refuse_nested(offloaded, "offloads")
-    chunked = [a.stage for a in actions if a.action is Action.CHUNK]
-    touched = [*recomputed, *taken, *offloaded]
-    clash = [n for n in chunked if any(n == t or nested_in(n, t) or nested_in(t, n) for t in touched)]
-    if clash or len(set(chunked)) != len(chunked):
-        raise InvalidPlanError(f"a chunked head is neither recomputed, offloaded nor chunked twice: {clash or chunked}")
-    both = [n for n in offloaded
-            if any(n == r or nested_in(n, r) or nested_in(r, n) for r in [*recomputed, *taken])]
+    both = [n for n in offloaded if overlaps(n, [*_recomputed(actions), *_segmented(actions)])]
     if both:
         raise InvalidPlanError(f"module(s) {both} are both recomputed and offloaded: a module is one or the other")
+
+
+@add_rule
+def _chunk_rule(actions: Sequence[StageAction]) -> None:
+    chunked = [a.stage for a in actions if a.action is Action.CHUNK]
+    touched = [*_recomputed(actions), *_segmented(actions), *(a.stage for a in actions if a.action is Action.OFFLOAD)]
+    clash = [n for n in chunked if overlaps(n, touched)]
+    if clash or len(set(chunked)) != len(chunked):
+        raise InvalidPlanError(f"a chunked head is neither recomputed, offloaded nor chunked twice: {clash or chunked}")
+
+
+@add_rule
+def _one_action_per_stage(actions: Sequence[StageAction]) -> None:
     stages = [a.stage for a in actions]
     twice = sorted({s for s in stages if stages.count(s) > 1})
     if twice:
         raise InvalidPlanError(f"a plan has one action per stage; stage(s) {twice} have several")
-
-
-def actions_from_names(checkpointed: Any, segments: Any, policies: Any, offloaded: Any, offload_limits: Any,
-                    stages: Sequence[str]) -> tuple[StageAction, ...]:
-    """The actions of a plan given as names side by side (as plans were before their actions).
-
-    With ``stages`` (a solved plan's stages in execution order, from its choices), every stage
-    gets an action, in that order: the modules recomputed inside it (itself or its children), its
-    segment, its offload, or keep. Without, the recomputed modules, then the segments' stages, then
-    the offloaded modules, each its own stage.
-
-    Example:
-        >>> [(a.stage, a.action.value) for a in actions_from_names(["h.0"], [], {}, [], {}, ["h.0", "h.1"])]
-        [('h.0', 'recompute'), ('h.1', 'keep')]
-    """
-    names = module_names("checkpointed", checkpointed)
-    groups = [module_names("segments", s) for s in module_names_lists(segments)]
-    moved = module_names("offloaded", offloaded)
-    if not isinstance(policies, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                    for k, v in policies.items()):
-        raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
-    stray = [n for n in policies if n not in names]
-    if stray:
-        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
-    chosen = {n: Policy.check(p) for n, p in policies.items()}
-    limits = {str(k): int(v) for k, v in dict(offload_limits).items()}
-    if not stages:
-        return (*(StageAction.recompute(n, policy=chosen.get(n)) for n in names),
-                *(StageAction.in_segment(s, group) for group in groups for s in group),
-                *(StageAction.offload(n, limits.get(n)) for n in moved))
-    known = set(stages)
-
-    def stage_of(name: str) -> str:
-        owners = [s for s in known if name == s or nested_in(name, s)]
-        return max(owners, key=len) if owners else name
-
-    recomputing: dict[str, list[str]] = {}
-    for name in names:
-        recomputing.setdefault(stage_of(name), []).append(name)
-    actions: list[StageAction] = []
-    # Every stage gets what the names say of it (several actions where they say several things:
-    # ``check_actions`` then says what is wrong), or keep.
-    for stage in dict.fromkeys([*stages, *recomputing, *(s for group in groups for s in group), *moved]):
-        said = len(actions)
-        # One policy per action: modules of a stage under different policies are actions of their own.
-        by_policy: dict[Any, list[str]] = {}
-        for m in recomputing.get(stage, ()):
-            by_policy.setdefault(chosen.get(m), []).append(m)
-        for k, (policy, group) in enumerate(by_policy.items()):
-            actions.append(StageAction.recompute(stage if k == 0 else group[0], group, policy))
-        actions.extend(StageAction.in_segment(stage, group) for group in groups if stage in group)
-        actions.extend(StageAction.offload(stage, limits.get(stage)) for n in moved if n == stage)
-        if len(actions) == said:
-            actions.append(StageAction.keep(stage))
-    return tuple(actions)
-
-
-def module_names_lists(segments: Any) -> list[Any]:
-    """``segments`` as a list (of lists of module names, checked one by one by the caller), refused
-    where it is text or not a collection at all.
-
-    Example:
-        >>> module_names_lists([["0", "1"]])
-        [['0', '1']]
-    """
-    if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
-        raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {segments!r}")
-    return list(segments)

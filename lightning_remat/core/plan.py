@@ -7,11 +7,9 @@ memory (everything, or up to a byte limit). Every solver returns it (``core.solv
 ``core.solve.solve_recompute_everything``), one predictor prices it (``core.predict``) and one
 installer puts it on a model (``runtime.installing.installer``).
 
-The names a plan used to hold side by side (``checkpointed``, ``policies``, ``segments``,
-``offloaded``, ``offload_limits``) are read from the actions, and the constructor still takes them,
-so plans written before the actions existed, and the dicts saved from them (Lightning checkpoints),
-still load. A plan is immutable: ``dataclasses.replace(plan, requested_budget="10GB")`` makes a
-changed copy. A plan made without a profile predicts nothing: its predicted figures are None.
+A plan holds actions only; the names it shows (``checkpointed``, ``policies``, ``segments``, ...) are
+read from them. It is immutable (``dataclasses.replace`` makes a changed copy); one made without a
+profile predicts nothing: its predicted figures are None.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
-from .actions import StageAction, actions_from_names, check_actions, module_names, module_names_lists
+from .actions import StageAction, check_actions, module_names
 from .errors import PlanFormatError
 from .plan_checks import check_plan_dict, check_saved_state
 from .shapes import Shape
@@ -56,7 +54,20 @@ def _figure(value: Any, kind: type) -> Any:
 _DERIVED = ("checkpointed", "segments", "policies", "offloaded", "offload_limits")
 
 
-@dataclass(frozen=True, init=False)
+def _read(name: str, value: Any) -> Any:
+    """A name ``to_dict`` writes for readers (``_DERIVED``), as the plan's property returns it."""
+    if name in ("checkpointed", "offloaded"):
+        return list(module_names(name, value))
+    if name == "segments":
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {value!r}")
+        return [list(module_names("segments", s)) for s in value]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"a plan's {name!r} must map module names to values, got {value!r}")
+    return {str(k): v if name == "policies" else int(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
 class Plan:
     """A plan for one model under one budget: an action per stage, and its predicted figures.
 
@@ -84,21 +95,16 @@ class Plan:
             bytes split into static memory, stored activations and its own; the optimizer settings
             that would lower it when the optimizer step binds); None when not predicted.
 
-    Read from the actions (the names plans held before): ``checkpointed`` (modules recomputed
-    alone), ``policies`` (their op-level policies), ``segments`` (runs of stages recomputed as one
-    checkpointed), ``offloaded`` and ``offload_limits``; ``fallback`` (nothing predicted).
-
     Each action is checked when it is made (``StageAction``); whether the actions can be installed
-    together (no module recomputed twice, or recomputed and offloaded) is checked against the model
-    by the installer (``core.actions.check_actions``), as a plan solved on a synthetic profile may
-    name a stage twice.
+    together is checked by the installer (``core.actions.check_actions``), as a plan solved on a
+    synthetic profile may name a stage twice.
 
     Example:
-        >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
+        >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
-        >>> Plan.from_dict(plan.to_dict()) == plan, plan.actions
-        (True, (StageAction(stage='h.0', action=<Action.RECOMPUTE: 'recompute'>, modules=('h.0',), policy=None, segment=(), offload_limit=None, chunks=None, offload_input=False),))
-        >>> sac = Plan(["h.0"], 2**30, 2**31, 2**30, 0.01, policies={"h.0": "save_matmuls"})
+        >>> Plan.from_dict(plan.to_dict()) == plan, plan.checkpointed
+        (True, ['h.0'])
+        >>> sac = Plan([StageAction.recompute("h.0", policy="save_matmuls")], 2**30, 2**31, 2**30, 0.01)
         >>> Plan.from_dict(sac.to_dict()).policies
         {'h.0': 'save_matmuls'}
         >>> Plan.from_dict({**plan.to_dict(), "checkpointed": "h.0"})
@@ -114,60 +120,40 @@ class Plan:
         dataclasses.FrozenInstanceError: cannot assign to field 'requested_budget'
     """
 
-    actions: tuple[StageAction, ...]
-    budget_bytes: int | None
-    baseline_peak_bytes: int | None
-    predicted_peak_bytes: int | None
-    predicted_overhead: float | None
-    cost_kind: CostKind
-    requested_budget: str
-    choices: tuple[StageChoice, ...]
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    notes: tuple[str, ...]
-    fingerprint: dict[str, Any]
-    sharding: dict[str, Any]
-    host_bytes: int
+    actions: tuple[StageAction, ...] = ()
+    budget_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
+    cost_kind: CostKind = CostKind.TIME
+    requested_budget: str = ""
+    choices: tuple[StageChoice, ...] = ()
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    notes: tuple[str, ...] = ()
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    sharding: dict[str, Any] = field(default_factory=dict)
+    host_bytes: int = 0
     # Derived from the profile, as the predicted figures are, but a description of them: a plan
     # saved before it existed (or sent without it) is the same plan.
-    binding: dict[str, Any] | None = field(compare=False)
+    binding: dict[str, Any] | None = field(default=None, compare=False)
 
-    def __init__(self, checkpointed: Sequence[str] | None = None, budget_bytes: int | None = None,
-                 baseline_peak_bytes: int | None = None, predicted_peak_bytes: int | None = None,
-                 predicted_overhead: float | None = None, cost_kind: CostKind | str = CostKind.TIME,
-                 requested_budget: str = "", choices: Iterable[StageChoice] = (), parameter_bytes: int = 0,
-                 gradient_bytes: int = 0, optimizer_state_bytes: int = 0, notes: Iterable[str] = (),
-                 fingerprint: Mapping[str, Any] | None = None,
-                 sharding: Mapping[str, Any] | None = None, segments: Sequence[Sequence[str]] | None = None,
-                 policies: Mapping[str, str] | None = None, offloaded: Sequence[str] | None = None,
-                 host_bytes: int = 0, offload_limits: Mapping[str, int] | None = None, *,
-                 actions: Iterable[StageAction] | None = None, binding: Mapping[str, Any] | None = None) -> None:
-        choices = tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in choices)
-        named = {k: v for k, v in (("checkpointed", checkpointed), ("segments", segments), ("policies", policies),
-                                   ("offloaded", offloaded), ("offload_limits", offload_limits)) if v is not None}
-        if actions is not None:
-            if named:
-                raise TypeError(f"give a plan its actions or its names ({', '.join(named)}), not both")
-            actions = tuple(actions)
-            if not all(isinstance(a, StageAction) for a in actions):
-                raise TypeError(f"a plan's actions are StageActions, got {actions!r}")
-        else:
-            actions = actions_from_names(checkpointed if checkpointed is not None else (), segments or (),
-                                      policies if policies is not None else {}, offloaded or (), offload_limits or {},
-                                      [c.stage for c in choices])
+    def __post_init__(self) -> None:
+        actions = tuple(self.actions)
+        if not all(isinstance(a, StageAction) for a in actions):
+            raise TypeError(f"a plan's actions are StageActions, got {actions!r}")
         values = dict(
-            actions=actions, budget_bytes=_figure(budget_bytes, int), baseline_peak_bytes=_figure(baseline_peak_bytes, int),
-            predicted_peak_bytes=_figure(predicted_peak_bytes, int), predicted_overhead=_figure(predicted_overhead, float),
-            cost_kind=CostKind.check(cost_kind), requested_budget=str(requested_budget), choices=choices,
-            parameter_bytes=int(parameter_bytes), gradient_bytes=int(gradient_bytes),
-            optimizer_state_bytes=int(optimizer_state_bytes), notes=tuple(str(n) for n in notes),
-            fingerprint=dict(fingerprint or {}), sharding=dict(sharding or {}), host_bytes=int(host_bytes),
-            binding=copy.deepcopy(dict(binding)) if binding is not None else None)
+            {n: _figure(getattr(self, n), int) for n in ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes")},
+            **{n: int(getattr(self, n)) for n in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "host_bytes")},
+            actions=actions, predicted_overhead=_figure(self.predicted_overhead, float),
+            cost_kind=CostKind.check(self.cost_kind), requested_budget=str(self.requested_budget),
+            choices=tuple(c if isinstance(c, StageChoice) else StageChoice(**c) for c in self.choices),
+            notes=tuple(str(n) for n in self.notes), fingerprint=dict(self.fingerprint or {}),
+            sharding=dict(self.sharding or {}),
+            binding=copy.deepcopy(dict(self.binding)) if self.binding is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
-
-    # ------------------------------------------------------------------ read from the actions
 
     @property
     def checkpointed(self) -> list[str]:
@@ -224,61 +210,27 @@ class Plan:
         """Whether nothing is predicted (a plan made without a profile)."""
         return self.predicted_peak_bytes is None
 
-    # ------------------------------------------------------------------------- dicts and text
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of plain values; ``Plan.from_dict`` rebuilds an equal plan. Besides the
-        fields it holds what the actions say under the names plans held before (``checkpointed``,
-        ``segments``, ``policies``, ``offloaded``, ``offload_limits``, ``fallback``), for readers of
-        the dict."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "actions":
-                value = [a.to_dict() for a in value]
-            elif f.name == "choices":
-                value = [asdict(c) for c in value]
-            elif f.name in ("notes",):
-                value = list(value)
-            elif f.name in ("fingerprint", "sharding", "binding"):
-                value = copy.deepcopy(value)
-            elif f.name == "cost_kind":
-                value = value.value
-            data[f.name] = value
-        data.update({name: getattr(self, name) for name in _DERIVED}, fallback=self.fallback)
+        fields it holds what the actions say as names (``checkpointed``, ``segments``, ``policies``,
+        ``offloaded``, ``offload_limits``, ``fallback``), for readers of the dict."""
+        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        data.update(actions=[a.to_dict() for a in self.actions], choices=[asdict(c) for c in self.choices],
+                    notes=list(self.notes), cost_kind=self.cost_kind.value, fallback=self.fallback,
+                    **{name: getattr(self, name) for name in _DERIVED})
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        """The plan of a dict from ``to_dict``, of this version or of one before plans had actions.
-        Every field is checked first (``core.plan_checks``): a ``PlanFormatError`` names the one
-        that no plan can hold."""
+        """The plan of a dict from ``to_dict``. Every field is checked first (``core.plan_checks``):
+        a ``PlanFormatError`` names the one that no plan can hold; the names written for readers
+        (``checkpointed``, ...) must agree with the actions."""
         check_plan_dict(data)
-        legacy = {name: data[name] for name in _DERIVED if name in data}
-        if "checkpointed" not in data and "actions" not in data:
-            legacy["checkpointed"] = None
-        if "checkpointed" in legacy:
-            legacy["checkpointed"] = list(module_names("checkpointed", legacy["checkpointed"]))
-        if "offloaded" in legacy:
-            legacy["offloaded"] = list(module_names("offloaded", legacy["offloaded"]))
-        if "segments" in legacy:
-            legacy["segments"] = [list(module_names("segments", s)) for s in module_names_lists(legacy["segments"])]
-        policies = legacy.get("policies", {})
-        if not isinstance(policies, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in policies.items()):
-            raise ValueError(f"a plan's 'policies' must map module names to policy names, got {policies!r}")
-        if "offload_limits" in legacy:
-            legacy["offload_limits"] = {str(k): int(v) for k, v in legacy["offload_limits"].items()}
+        if not isinstance(data.get("actions"), (list, tuple)):
+            raise ValueError(f"a plan's 'actions' must be a list of actions, got {data.get('actions')!r}")
         common = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "actions"}
-        if "actions" not in data:
-            if data.get("fallback"):
-                # Saved before predictions could be None: 0 and NaN stood for "not predicted".
-                common.update(baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,
-                              budget_bytes=common.get("budget_bytes") or None)
-            return cls(**legacy, **common)
-        if not isinstance(data["actions"], (list, tuple)):
-            raise ValueError(f"a plan's 'actions' must be a list of actions, got {data['actions']!r}")
-        plan = cls(actions=[StageAction.from_dict(a) for a in data["actions"]], **common)
-        disagree = [name for name, value in legacy.items() if value != getattr(plan, name)]
+        plan = cls([StageAction.from_dict(a) for a in data["actions"]], **common)
+        disagree = [name for name in _DERIVED if name in data and _read(name, data[name]) != getattr(plan, name)]
         if disagree:
             raise ValueError(f"a plan's {', '.join(repr(n) for n in disagree)} disagree(s) with its 'actions'")
         return plan
@@ -291,7 +243,6 @@ class Plan:
         return plan_text(self, title)
 
 
-
 def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, Plan]]]:
     """An integration's checkpoint state (``core.plan_checks.check_saved_state``): its ``plan`` and
     its ``plans`` as (shape, plan), every one checked before any is returned. Each of ``plans`` is
@@ -299,7 +250,7 @@ def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, 
     writes them; a checkpoint written before layouts holds the three).
 
     Example:
-        >>> saved = saved_state_plans({Shape(4, 128): Plan(["h.0"]), Shape(8, 1, [["0", [-1, 3, 32, 32]]]): Plan([])})
+        >>> saved = saved_state_plans({Shape(4, 128): Plan(), Shape(8, 1, [["0", [-1, 3, 32, 32]]]): Plan()})
         >>> saved[0][:2], saved[1][3]
         ([4, 128], [['0', [-1, 3, 32, 32]]])
         >>> [str(shape) for shape, _ in saved_plans({"plan": None, "plans": saved}, "AutoRemat's state")[1]]
@@ -316,7 +267,7 @@ def saved_state_plans(plans: Mapping[Shape, Plan]) -> list[list]:
     sequence length, plan's dict]``, and the shape's layout fourth where it has one.
 
     Example:
-        >>> saved_state_plans({Shape(2, 16): Plan(["h.0"])})[0][:2]
+        >>> saved_state_plans({Shape(2, 16): Plan()})[0][:2]
         [2, 16]
     """
     return [[shape.batch_size, shape.seq_len, plan.to_dict(), *shape.to_list()[2:]] for shape, plan in plans.items()]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..core.memory_model import Profile
+from ..core.plan import Plan
 from ..runtime.measuring.measure import model_device
 from ..runtime.measuring.tracking import snapshot_by_category
 from .timeline import tracked_step
@@ -134,7 +135,7 @@ def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimi
 
         profile = profile_step(model, step, optimizer=optimizer)
     counted_ahead = optimizer is not None and not optimizer.state
-    tracker = tracked_step(model, step, optimizer, [])
+    tracker = tracked_step(model, step, optimizer, Plan())
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), model_device(model))
     peak["Temp"] = peak.get("Temp", 0) + peak.pop("Other", 0)
     result = breakdown_from_profile(profile, peak, counted_ahead, top)

@@ -1,8 +1,8 @@
 """Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
 
 Example:
-    >>> from lightning_remat.core.plan import Plan
-    >>> plan = Plan(["h.0"], budget_bytes=2**30, baseline_peak_bytes=2**31,
+    >>> from lightning_remat.core.plan import Plan, StageAction
+    >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
     ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
     >>> print(plan_summary(plan).splitlines()[0])
     Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from ..core.plan import Plan
-from ..runtime.installing.apply import applied
+from ..core.plan import Plan, StageAction
+from ..runtime.installing.apply import applied, recomputation_of
 from ..runtime.measuring.measure import model_device, preserved_training_state
 from ..runtime.measuring.runner import Tracking, run_step
 from ..runtime.profiling.optimizer_step import optimizer_step_cost
@@ -53,12 +53,11 @@ def future_optimizer_state(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
-                  names: Sequence[str], segments: Sequence[Sequence[str]] = (),
-                  policies: dict[str, str] | None = None) -> TimelineTracker:
-    """One forward and backward pass under the timeline tracker with ``names`` recomputed; the model left as it was."""
+                  plan: Plan) -> TimelineTracker:
+    """One forward and backward pass under the timeline tracker with ``plan`` applied; the model left as it was."""
     device = model_device(model)
     tracker = TimelineTracker(device)
-    with preserved_training_state(model, optimizer), applied(model, names, segments, policies), \
+    with preserved_training_state(model, optimizer), applied(model, plan), \
             user_hooks_suspended(model), warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
@@ -81,9 +80,9 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
         >>> after.peak_bytes < before.peak_bytes
         True
     """
-    names = list(plan.checkpointed if isinstance(plan, Plan) else (plan or []))
-    tracker = tracked_step(model, step, optimizer, names, plan.segments if isinstance(plan, Plan) else (),
-                           plan.policies if isinstance(plan, Plan) else None)
+    plan = recomputation_of(plan) if isinstance(plan, Plan) else Plan([StageAction.recompute(n) for n in plan or []])
+    names = plan.checkpointed
+    tracker = tracked_step(model, step, optimizer, plan)
     offset = future_optimizer_state(optimizer)
     backward_start = next((i for i, bw in enumerate(tracker.in_backward) if bw), None)
     if label is None:

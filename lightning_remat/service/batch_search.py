@@ -15,6 +15,7 @@ from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError, Rem
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.solve import least_peak, plan_from_choices, solve
+from ..runtime.installing.apply import recomputation_of
 from ..runtime.measuring.measure import Step, is_out_of_memory, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.measuring.trial import Trial, run_trial
@@ -173,10 +174,9 @@ class BatchSearch:
 
     def run_trial(self, batch_size: int, plan: Plan) -> Trial:
         """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""
-        return run_trial(self.model, self.step_at(batch_size), self.optimizer, batch_size, plan.checkpointed,
-                         self.steps_per_trial, self.budget_bytes, plan.predicted_peak_bytes,
-                         segments=plan.segments, policies=getattr(plan, "policies", None),
-                         plan=plan if plan.offloaded else None)
+        return run_trial(self.model, self.step_at(batch_size), self.optimizer, batch_size,
+                         plan if plan.offloaded else recomputation_of(plan), self.steps_per_trial, self.budget_bytes,
+                         plan.predicted_peak_bytes)
 
     def _trial(self, batch_size: int, recompute: bool) -> Trial:
         plan = self.plan_for(batch_size, recompute)

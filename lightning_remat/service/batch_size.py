@@ -58,7 +58,7 @@ class BatchSizeResult:
     ``margin``; ``binsearch_sizes`` are what Lightning's binsearch would try, for comparison.
 
     Example:
-        >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+        >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
         >>> r = BatchSizeResult(batch_size=32, batch_size_without_remat=8, largest_fitting=32, plan=plan,
         ...                     budget_bytes=10**6)
         >>> r.ratio, r.predicted_overhead
@@ -114,7 +114,7 @@ class BatchSizeResult:
         """A ``rich.table.Table`` of the result and what the search cost.
 
         Example:
-            >>> plan = Plan(["h.0"], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+            >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
             >>> BatchSizeResult(32, 8, 32, plan, 10**6).table().row_count
             9
         """

@@ -2,7 +2,7 @@
 
 Example:
     >>> from lightning_remat.core.plan import Plan
-    >>> plan_metrics(Plan(["h.0"], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
+    >>> plan_metrics(Plan([], 100, 200, 90, 0.25))["remat/predicted_peak_bytes"]
     90.0
 """
 
@@ -28,7 +28,7 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
     """The ``remat/...`` figures of a plan (and of its measured step); a figure the plan lacks is left out.
 
     Example:
-        >>> plan = Plan(["h.0"], 100, 200, 90, 0.25)
+        >>> plan = Plan([], 100, 200, 90, 0.25)
         >>> plan_metrics(plan, measured_peak_bytes=88)["remat/measured_peak_bytes"]
         88.0
         >>> from lightning_remat.core.solve import solve_recompute_everything
@@ -60,7 +60,7 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     ``causes``: sentences explaining it (None skipped); without any, memory the profile did not see.
 
     Example:
-        >>> plan = Plan(["h.0"], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
+        >>> plan = Plan([], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990,
         ...             predicted_overhead=0.1)
         >>> over_budget(990, plan) is None
         True
@@ -89,8 +89,9 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
     """Why a step ran outside its plan: what is installed on ``model`` is not ``plan``; None when it is.
 
     Example:
-        >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan(["0"]))
-        "the plan is not installed as planned (recomputed: the plan says {'0': ''}, installed is {})"
+        >>> from lightning_remat.core.plan import StageAction
+        >>> installation_cause(nn.Sequential(nn.Linear(2, 2)), Plan([StageAction.recompute("0")]))
+        "the plan is not installed as planned (recompute: the plan says {'0': True}, installed is {})"
     """
     mismatch = installation_mismatch(model, plan)
     return None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
@@ -100,7 +101,7 @@ def shape_cause(plan: Plan, shape: Any) -> str | None:
     """Why a step ran outside its plan: its batch ``shape`` is larger than the plan's; None when covered or unknown.
 
     Example:
-        >>> plan = Plan(["0"], fingerprint={"shape": [8, 32]})
+        >>> plan = Plan(fingerprint={"shape": [8, 32]})
         >>> shape_cause(plan, Shape(8, 40))
         'this batch shape was not planned (plan made for shape 8x32, batch is 8x40)'
         >>> shape_cause(plan, Shape(8, 16)) is None

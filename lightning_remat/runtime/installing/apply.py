@@ -1,42 +1,30 @@
 """Apply a plan: recompute the chosen modules' forward during backward, and undo it exactly.
 
-``apply_plan`` hands the plan's actions to the one installer (``installer.py``), which replaces each
-touched module's ``forward`` by an instance attribute that runs the original forward under
-``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`` (and, where the
-plan says so, under an op-level policy, with its saved tensors offloaded, or with its neighbours
-as one segment). Nothing else about the module changes: no wrapper module is inserted, so
-parameter names, ``state_dict`` keys and the parameter objects themselves (which optimizers and
-DDP hold) stay as they were, and a checkpoint saved with recomputation loads without it and the reverse.
+``apply_plan`` hands the plan's actions to the one installer (``installer.py``): each touched
+module's ``forward`` becomes an instance attribute running its behaviours (a non-reentrant
+checkpoint, maybe under an op-level policy, offloaded, or with its neighbours as one segment). No
+wrapper module is inserted: parameter names, ``state_dict`` keys and parameter objects stay, so a
+checkpoint saved with recomputation loads without it and the reverse.
 
-Semantics users should know:
-- Dropout masks are reproduced on recompute (the RNG state is saved and restored).
-- BatchNorm (and any ``_NormBase``) running statistics are updated once per step, not twice: a
-  forward that runs inside backward (the autograd engine running: a recompute) puts the buffers
-  back after itself, eager or under ``torch.compile`` with graph breaks in the block; a compiled
-  backward does not update them again.
-- Plans survive ``torch.compile`` in either order: compile after ``apply_plan``, or plan a model
-  that is compiled (or holds compiled submodules): profiling runs it eagerly, the plan wraps the
-  original modules (names of the uncompiled model, no ``_orig_mod.``), and the
-  compiled module recompiles with the recompute at its next call.
-- Forward hooks of the *children* of a recomputed module run again during backward; the module's
-  own hooks run once, since they sit outside the recomputed forward. So does Python code in the
-  module's forward (a counter, a list of activations): ``recomputing()`` tells the recompute apart.
-- Under ``torch.no_grad()`` or ``inference_mode`` nothing is recomputed: the plain forward runs.
-- A plan's ``policies`` run a module under op-level selective checkpointing (``runtime.installing.sac``): the
-  checkpoint's ``context_fn`` is the policy's pair of contexts and nothing else, so it is the same
-  eagerly and under ``torch.compile``.
+Semantics (``docs/limitations.md``): dropout masks replay on recompute; BatchNorm running statistics
+are updated once per step, eager or compiled; plans survive ``torch.compile`` in either order (names
+of the uncompiled model); forward hooks of a recomputed module's children run again in backward (its
+own once), as does Python code in its forward (``recompute.recomputing()`` tells it apart); under
+``no_grad`` or ``inference_mode`` the plain forward runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from dataclasses import replace
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ...core.errors import AlreadyCheckpointedError
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction
+from ...core.vocabulary import Action
 from . import installer
 from .compiled import uncompiled
 from .fingerprint import check_binding
@@ -119,7 +107,7 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
 
 def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = None, offloaded: Any = None) -> Plan:
     """``plan`` (a ``Plan`` or module names) as a ``Plan``, with ``segments``, ``policies`` and
-    ``offloaded`` in place of its own where given (a ``Plan``'s stage order is kept).
+    ``offloaded`` in place of its own where given (its stage order kept).
 
     Example:
         >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
@@ -127,16 +115,34 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
     """
     if isinstance(plan, Plan) and segments is None and policies is None and offloaded is None:
         return plan
-    names = plan.checkpointed if hasattr(plan, "checkpointed") else plan
+    base = plan if isinstance(plan, Plan) else Plan()
+    names = base.checkpointed if isinstance(plan, Plan) else plan
     if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"a plan is a Plan or a list of module names, got {plan!r}")
-    offloaded = list(getattr(plan, "offloaded", []) if offloaded is None else offloaded)
+    offloaded = base.offloaded if offloaded is None else offloaded
     if isinstance(offloaded, (str, bytes)) or not all(isinstance(n, str) for n in offloaded):
         raise TypeError(f"offloaded is a list of module names, got {offloaded!r}")
-    return Plan(list(names), segments=[list(s) for s in (getattr(plan, "segments", []) if segments is None else segments)],
-                policies=dict(getattr(plan, "policies", {}) if policies is None else policies), offloaded=offloaded,
-                offload_limits={k: v for k, v in getattr(plan, "offload_limits", {}).items() if k in offloaded},
-                choices=getattr(plan, "choices", ()), fingerprint=getattr(plan, "fingerprint", None))
+    policies = dict(base.policies if policies is None else policies)
+    stray = [n for n in policies if n not in names]
+    if stray:
+        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
+    limits = base.offload_limits
+    actions = [*(StageAction.recompute(n, policy=policies.get(n)) for n in names),
+               *(StageAction.in_segment(s, group) for group in (base.segments if segments is None else segments)
+                 for s in group),
+               *(StageAction.offload(n, limits.get(n)) for n in offloaded)]
+    return Plan(actions, choices=base.choices, fingerprint=base.fingerprint)
+
+
+def recomputation_of(plan: Plan) -> Plan:
+    """``plan``'s recomputation alone: its recomputed modules (with their policies) and segments.
+
+    Example:
+        >>> alone = recomputation_of(Plan([StageAction.recompute("0", offload_input=True), StageAction.offload("1")]))
+        >>> alone.checkpointed, alone.offloaded_inputs, alone.offloaded
+        (['0'], [], [])
+    """
+    return Plan([replace(a, offload_input=False) for a in plan.actions if a.action in (Action.RECOMPUTE, Action.SEGMENT)])
 
 
 def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
@@ -148,19 +154,14 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
         plan: a ``Plan`` or an iterable of module names.
         segments: runs of consecutive items of one ``nn.Sequential``, each recomputed as one
             checkpoint; default: the plan's ``segments`` (none for names).
-        policies: per module name, the selective-checkpointing policy (``runtime.installing.sac.POLICIES``)
-            it recomputes under; default the plan's ``policies`` (a module without one recomputes
-            its whole forward).
-        offloaded: names of modules whose saved tensors go to host memory (``runtime.installing.offload``);
-            default the plan's ``offloaded`` (none for names). A module is recomputed or
-            offloaded, never both.
+        policies: per module name, the op-level policy (``runtime.installing.sac``) it recomputes
+            under; default the plan's ``policies`` (without one, the whole forward).
+        offloaded: modules whose saved tensors go to host memory; default the plan's ``offloaded``
+            (none for names). A module is recomputed or offloaded, never both.
 
-    A previous plan of ours is replaced. Every name is checked before anything is wrapped, and a
-    module that refuses its new ``forward`` makes the call undo what it wrapped and put the previous
-    plan back before its error is raised, so an error never leaves a half-wrapped model.
-
-    Names are those of the uncompiled model: a plan made for a model applies to its
-    ``torch.compile`` twin and the reverse.
+    A previous plan of ours is replaced; an error (a name checked, a module that refuses its new
+    ``forward``) leaves the model as it was. Names are those of the uncompiled model: a plan made
+    for a model applies to its ``torch.compile`` twin and the reverse.
 
     Raises:
         AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
@@ -188,27 +189,6 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
     return installer.install(model, plan)
 
 
-def recomputing() -> bool:
-    """Whether the forward running now is a recompute (in backward, while the autograd engine runs)
-    rather than the step's own forward: guard Python side effects of a module's forward with it (a
-    counter, activations collected in a list), which a recomputed module would otherwise repeat.
-    True for any forward inside backward, ``torch.utils.checkpoint``'s own recomputes too.
-
-    Example:
-        >>> calls = []
-        >>> class Counted(nn.Linear):
-        ...     def forward(self, x):
-        ...         if not recomputing():
-        ...             calls.append(1)
-        ...         return super().forward(x)
-        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
-        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
-        >>> len(calls)  # the recompute in backward did not count
-        1
-    """
-    return torch._C._current_graph_task_id() != -1
-
-
 def remove_remat(model: nn.Module) -> nn.Module:
     """Undo ``apply_plan``: every module gets back exactly the forward it had. Returns ``model``.
 
@@ -221,16 +201,11 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, names: Iterable[str], segments: Iterable[Iterable[str]] = (),
-            policies: dict[str, str] | None = None, plan: Any = None) -> Iterator[nn.Module]:
-    """Apply a set of names (with their segments and policies) for the duration of a ``with`` block,
-    then restore exactly what the model had (offloading, its order and limits included). With
-    ``plan`` (a ``Plan``), that plan is applied as it is instead (its offloaded modules included)."""
+def applied(model: nn.Module, plan: Plan) -> Iterator[nn.Module]:
+    """Apply ``plan`` for the duration of a ``with`` block, then restore exactly what the model had
+    (offloading, its order and limits included)."""
     previous = installer.snapshot(model)
-    if plan is not None:
-        apply_plan(model, plan)
-    else:
-        apply_plan(model, list(names), segments=[list(s) for s in segments or ()], policies=policies or {}, offloaded=[])
+    apply_plan(model, plan)
     try:
         yield model
     finally:

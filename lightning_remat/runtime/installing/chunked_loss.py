@@ -1,20 +1,14 @@
 """A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
 
-At long context the final projection and the cross-entropy over full logits bind a training step's
-peak: the logits are ``tokens x vocabulary`` (4 GiB in bf16 for a 128K vocabulary at 32K tokens) and
-the cross-entropy's backward holds about three fp32 copies at once, which no recomputation of the
-layers touches. Here the projection and the cross-entropy run over ``k`` chunks of the sequence,
-each under a non-reentrant checkpoint, so only one chunk's logits exist at a time (in forward and
-again in backward, where the chunk is recomputed); the chunks' summed losses are divided as Hugging
-Face's ``ForCausalLMLoss`` divides them (labels shifted, ``ignore_index`` -100 left out, the mean over
-valid tokens or the sum over ``num_items_in_batch``), so the loss and the gradients are the same
-within float rounding.
+At long context the logits (``tokens x vocabulary``) and the cross-entropy's fp32 copies bind the
+peak, which no recomputation of the layers touches. Here the projection and the cross-entropy run
+over ``k`` chunks of the sequence, each under a non-reentrant checkpoint, so one chunk's logits exist
+at a time; the summed losses are divided as Hugging Face's ``ForCausalLMLoss`` divides them, so the
+loss and gradients are the same within float rounding (docs/long_context.md).
 
-It is installed by the one installer (``installer.py``) on two modules of a Hugging Face causal LM
-(``HeadLoss``): the ``*ForCausalLM`` (or ``*LMHeadModel``) itself, whose forward takes the labels
-out of the call and hands them to its head, and its ``lm_head``, whose forward then returns the
-loss. The model's output then has ``loss`` and ``logits=None``. Without labels, or with gradients
-off (evaluation, generation), both run exactly as before and the logits are returned.
+The ``ChunkedLoss`` behaviour goes on two modules of a causal LM (``HeadLoss``): the model, whose
+forward hands the labels to its head, and its ``lm_head``, whose forward then returns the loss (the
+output has ``loss`` and ``logits=None``). Without labels, or with gradients off, both run as before.
 
 Another model names its head and loss by computing its loss with ``head_loss(self.head, hidden,
 labels)``: the same cross-entropy, over full logits until a plan chunks that head.
@@ -29,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,7 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...core.actions import StageAction
 from ...core.errors import UnsupportedSetupError
+from ...core.vocabulary import Action
+from .records import Behaviour, Target, record_of
 
 # The chunk counts a profile offers (1 is the head and loss as the model computes them).
 CHUNK_COUNTS = (2, 4, 8, 16, 32)
@@ -150,21 +148,6 @@ def _named(function: Any) -> str:
 def declared(head: nn.Module) -> bool:
     """Whether ``head``'s loss is computed by ``head_loss`` (it ran at least once)."""
     return isinstance(head, nn.Linear) and head.__dict__.get(_DECLARED, False)
-
-
-def check_heads(modules: dict[str, nn.Module], chunks: dict[str, int]) -> None:
-    """Raise ValueError unless every name in ``chunks`` is the ``lm_head`` of the module that holds it.
-
-    Example:
-        >>> check_heads({"": nn.Linear(2, 2), "0": nn.Linear(2, 2)}, {"0": 8})
-        Traceback (most recent call last):
-        ...
-        ValueError: a chunked loss names a causal LM's head, its lm_head; '0' is not one
-    """
-    for head in chunks:
-        root = head.rpartition(".")[0]
-        if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
-            raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
 
 
 def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
@@ -366,6 +349,36 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
     pending.loss = chunked_cross_entropy(original, hidden, labels, chunks, pending.ignore_index,
                                          pending.num_items_in_batch, pending.smoothing)
     return pending.loss
+
+
+class ChunkedLoss(Behaviour):
+    """A ``CHUNK`` action: the head's forward returns its loss over sequence chunks, and the causal LM
+    holding it (unless ``head_loss`` computes the loss) hands it its labels (state: the head)."""
+
+    name = "chunked_loss"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {action.stage: action.chunks} if action.action is Action.CHUNK else {}
+
+    def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
+        for head in settings:
+            root = head.rpartition(".")[0]
+            if getattr(modules.get(root), "lm_head", None) is not modules.get(head) and not declared(modules.get(head)):
+                raise ValueError(f"a chunked loss names a causal LM's head, its lm_head; {head!r} is not one")
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        for head, count in settings.items():
+            record_of(target.modules[head]).behaviours[self.name] = (count, None)
+            if not declared(target.modules[head]):  # a head of head_loss gets its labels from the model itself
+                record_of(target.modules[head.rpartition(".")[0]]).behaviours[self.name] = (None, target.modules[head])
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        if state is not None:
+            return functools.partial(routed_call, call, module, state)
+        return functools.partial(chunked_head_call, call, module, setting)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.CHUNK, "chunks": setting}
 
 
 def head_flops(head: nn.Linear, tokens: int) -> int:

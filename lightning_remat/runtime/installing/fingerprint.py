@@ -20,8 +20,7 @@ Example:
     (80, 40, '(8, 4) (8,)')
     >>> outgrows(fp, {"x": torch.zeros(32, 4), "y": [torch.zeros(32)]})
     True
-    >>> from lightning_remat.core.plan import Plan
-    >>> plan = bound(Plan(["0"]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    >>> plan = bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
     >>> plan.fingerprint["module_parameters"]["0"]["weight"], plan.fingerprint["parameter_count"]
     ([[4, 4], 'float32'], 20)
     >>> print(mismatch(torch.nn.Sequential(torch.nn.Linear(4, 8)), plan.fingerprint))
@@ -39,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from ...core.actions import nested_in
 from ...core.errors import PlanMismatchError
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction  # StageAction: for the examples
 from ...core.shapes import Shape
 from ..profiling.batch_shape import batch_shape
 from .compiled import uncompiled
@@ -92,7 +91,7 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
     parameters and the model's number of parameters.
 
     Example:
-        >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan(["0"]))
+        >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan([StageAction.recompute("0")]))
         {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
     """
     return binding_of(model, _named(plan))
@@ -119,7 +118,7 @@ def bound(plan: Plan, model: nn.Module) -> Plan:
     """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint.
 
     Example:
-        >>> sorted(bound(Plan(["0"]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
+        >>> sorted(bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
         ['module_parameters', 'parameter_count']
     """
     return replace(plan, fingerprint={**plan.fingerprint, **binding(model, plan)})
@@ -148,7 +147,7 @@ def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
 
     Example:
         >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
-        >>> saved = bound(Plan(["0", "1"]), chain(2)).fingerprint
+        >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
         >>> mismatch(chain(2), saved) is None
         True
         >>> mismatch(chain(3), saved)
@@ -180,7 +179,7 @@ def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool =
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-        >>> made_for_other(net, [None, bound(Plan(["0"]), net)]) is None
+        >>> made_for_other(net, [None, bound(Plan([StageAction.recompute("0")]), net)]) is None
         True
     """
     plans = [p for p in plans if p is not None]
@@ -195,7 +194,7 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
     (``mismatch``); nothing where it records nothing.
 
     Example:
-        >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(["0"]))  # records nothing: no check
+        >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan())  # records nothing: no check
     """
     found = mismatch(model, plan.fingerprint)
     if found is not None:

@@ -1,20 +1,15 @@
-"""A recomputed module's checkpoint input in host memory: the tensor non-reentrant checkpoint keeps
-from a recomputed block's forward to its backward, to run the forward again, is its input; here the
-checkpoint keeps a host copy of it instead, and the recompute brings it back.
+"""A recomputed module's checkpoint input in host memory: what non-reentrant checkpoint keeps from a
+recomputed block's forward to its backward is its input; here it keeps a host copy instead, and the
+recompute brings it back (the ``input_offload`` behaviour gives the recompute this checkpoint).
 
-- forward: each tensor positional argument (the hidden states; keyword arguments, such as masks and
-  position embeddings every layer shares, stay) is copied to host memory, and the checkpoint is
-  given the copy. The forward itself runs on the argument as it came (so the autograd graph, the
-  gradients and everything the forward computes are exactly those of plain recomputation), and
-  nothing keeps the device tensor once the caller drops it.
-- backward: the recompute copies the input back to the device (``requires_grad`` as it was, so it
-  saves what the forward saved), runs the forward again, and the backward proceeds as under
-  checkpointing.
+- forward: each tensor positional argument (the hidden states; keyword arguments such as masks
+  stay) is copied to the host and the checkpoint given the copy; the forward runs on the argument
+  as it came (graph and gradients those of plain recomputation), and nothing keeps it afterwards.
+- backward: the recompute copies it back (``requires_grad`` as it was) and runs the forward again.
 
 The copies are synchronous (priced as transfers not hidden, ``core.offload_model``). On the CPU the
-"host" copy is a plain copy (the path runs; that is how it is tested); a fake tensor (fake
-profiles), or ``measure=True``, keeps only a meta tensor, which MemTracker does not count, so a
-memory run measures what stays on the device, and ``host_bytes`` what went out.
+"host" copy is a plain copy (the path runs); a fake tensor, or ``measure=True``, keeps only a meta
+tensor, which MemTracker does not count, and ``host_bytes`` says what went out.
 
 Example:
     >>> import torch
@@ -22,7 +17,7 @@ Example:
     >>> lin = nn.Linear(4, 4)
     >>> offload = InputOffload()
     >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> out = checkpointed_with_host_input(offload, "lin", lin.forward, (x,), {}, {})
+    >>> out = host_input_checkpoint(offload, "lin", lin.forward, x)
     >>> out.sum().backward()
     >>> offload.host_bytes, x.grad.shape
     ({'lin': 32}, torch.Size([2, 4]))
@@ -30,11 +25,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
+
+from ...core.actions import StageAction
+from ...core.vocabulary import Action
+from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
@@ -82,11 +82,11 @@ def _offloadable(value: Any) -> bool:
         and not isinstance(value, torch.nn.Parameter)
 
 
-def checkpointed_with_host_input(offload: InputOffload, name: str, run: Callable[..., Any], args: tuple,
-                                 kwargs: dict, checkpoint_kwargs: dict) -> Any:
-    """``checkpoint(run, *args, **kwargs)`` (non-reentrant) whose kept input is a host copy of each
-    tensor positional argument (module docstring). ``checkpoint_kwargs``: the checkpoint's own
-    (``preserve_rng_state``, ``context_fn``)."""
+def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+    """``checkpoint(function, *args, **kwargs)`` (non-reentrant; ``kwargs`` as torch's checkpoint takes
+    them) whose kept input is a host copy of each tensor positional argument (module docstring)."""
+    kwargs.pop("use_reentrant", None)
     positions = [i for i, a in enumerate(args) if _offloadable(a)]
     like = {i: (args[i].device, args[i].requires_grad) for i in positions}
     hosted = tuple(offload.to_host(name, a) if i in like else a for i, a in enumerate(args))
@@ -96,11 +96,41 @@ def checkpointed_with_host_input(offload: InputOffload, name: str, run: Callable
 
     def forward(*held: Any, **kw: Any) -> Any:
         if first:
-            return run(*first.pop(), **kw)
-        return run(*(offload.to_device(a, like[i]) if i in like else a for i, a in enumerate(held)), **kw)
+            return function(*first.pop(), **kw)
+        return function(*(offload.to_device(a, like[i]) if i in like else a for i, a in enumerate(held)), **kw)
 
-    options = dict(checkpoint_kwargs)
     if any(h.device.type == "meta" for h in hosted if isinstance(h, torch.Tensor)):
         # Fake tensors: no values, so no random state to replay (the meta copies name no device that has one).
-        options["preserve_rng_state"] = False
-    return checkpoint(forward, *hosted, use_reentrant=False, **options, **kwargs)
+        kwargs["preserve_rng_state"] = False
+    return checkpoint(forward, *hosted, use_reentrant=False, **kwargs)
+
+
+class CheckpointInputOffload(Behaviour):
+    """A ``RECOMPUTE`` action's ``offload_input``: each recomputed module's checkpoint is
+    ``host_input_checkpoint``, with one ``InputOffload`` per install (its ``host_bytes`` per module)."""
+
+    name = "input_offload"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {m: True for m in action.modules} if action.action is Action.RECOMPUTE and action.offload_input else {}
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        offload = InputOffload(measure=target.measure)
+        for name, setting in settings.items():
+            record_of(target.modules[name]).behaviours[self.name] = (setting, (offload, name))
+
+    def checkpoint_options(self, setting: Any, state: Any, options: dict[str, Any]) -> None:
+        options["checkpoint"] = functools.partial(host_input_checkpoint, *state)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"offload_input": True}
+
+
+INPUT_OFFLOAD = CheckpointInputOffload()
+
+
+def input_offload_of(model: torch.nn.Module) -> tuple[list[str], InputOffload | None]:
+    """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
+    found = [(name, state) for name, m in model.named_modules() if (record := m.__dict__.get(RECORD)) is not None
+             and (state := record.behaviours.get(INPUT_OFFLOAD.name, (None, None))[1]) is not None]
+    return [name for name, _ in found], (found[0][1][0] if found else None)

@@ -1,13 +1,9 @@
 """Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
 
-``apply_offload(model, names)`` has the one installer (``installer.py``) run each named module's
-forward under ``torch.autograd.graph.saved_tensors_hooks`` (its ``forward`` an instance attribute:
-names, ``state_dict`` and parameters unchanged), with the pack/unpack pair of ``offloader.py``.
-
-How the saved tensors travel (held until the forward ends, copied once per storage to pinned host
-memory on a side stream, prefetched one stage ahead in backward) is ``offloader.py``'s docstring.
-Values are copied bit for bit, and nothing touches RNG state or buffers, so gradients, dropout masks
-and BatchNorm statistics are those of the plain model.
+The ``Offload`` behaviour runs an offloaded module's forward under ``saved_tensors_hooks`` with the
+pack/unpack pair of ``offloader.py`` (how the tensors travel); ``apply_offload`` installs it alone.
+Values are copied bit for bit and nothing touches RNG state or buffers: gradients, dropout masks and
+BatchNorm statistics are those of the plain model.
 
 Example:
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -19,15 +15,60 @@ Example:
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import functools
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
-from . import installer
-from .offloader import Offloader
+from ...core.actions import StageAction, check_actions
+from ...core.vocabulary import Action
+from .offloader import Offloader, offloaded_call, release_after_next
+from .records import Behaviour, Target, check_names, record_of, state_of
 
-__all__ = ["Offloader", "apply_offload", "model_offloader", "offloaded_modules", "remove_offload"]
+__all__ = ["OFFLOAD", "Offloader", "apply_offload", "model_offloader", "offloaded_modules", "remove_offload"]
+
+
+# An offloaded module's state: the model's offloader, the module's name in it, and the forward hook
+# on the next stage that releases its device tensors (None without an order).
+Offloading = NamedTuple("Offloading", [("offloader", Offloader), ("name", str), ("hook", Any)])
+
+
+class Offload(Behaviour):
+    """An ``OFFLOAD`` action: the call runs under ``saved_tensors_hooks`` that send what it saves to host
+    memory (``offloader.py``), around everything else on the module (a recompute's checkpoint too).
+    Its setting is its limit (0: none)."""
+
+    name = "offload"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {action.stage: action.offload_limit or 0} if action.action is Action.OFFLOAD else {}
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        offloader = Offloader(measure=target.measure, limits={n: v for n, v in settings.items() if v},
+                              order=target.order)
+        records = {name: record_of(target.modules[name]) for name in settings}
+        position = {n: i for i, n in enumerate(target.order or ())}
+        for name, limit in settings.items():
+            i, hook = position.get(name), None
+            if i is not None and i + 1 < len(position):
+                # The next stage's forward ran: this stage's copies are done, its device tensors may go.
+                nxt = target.modules[target.order[i + 1]]  # type: ignore[index]
+                hook = nxt.register_forward_hook(release_after_next(offloader, name))
+            records[name].behaviours[self.name] = (limit, Offloading(offloader, name, hook))
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(offloaded_call, state.offloader, state.name, module, state.hook is not None, call)
+
+    def remove(self, setting: Any, state: Any) -> None:
+        if state.hook is not None:
+            state.hook.remove()
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.OFFLOAD, "offload_limit": setting or None}
+
+
+OFFLOAD = Offload()
 
 
 def offloaded_modules(model: nn.Module) -> list[str]:
@@ -37,12 +78,13 @@ def offloaded_modules(model: nn.Module) -> list[str]:
         >>> offloaded_modules(nn.Linear(2, 2))
         []
     """
-    return installer.offloaded(model)
+    return list(OFFLOAD.read(dict(model.named_modules())))
 
 
 def model_offloader(model: nn.Module) -> Offloader | None:
     """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
-    return installer.offloader_of(model)
+    state = state_of(model, OFFLOAD.name)
+    return state.offloader if state is not None else None
 
 
 def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] | None = None,
@@ -67,7 +109,13 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
         >>> offloaded_modules(apply_offload(net, ["0"]))
         ['0']
     """
-    installer.install_offload(model, list(names), order=order, measure=measure, limits=limits)
+    names, limits = list(names), dict(limits or {})
+    modules = dict(model.named_modules())
+    check_names(model, modules, names, "offload")
+    check_actions([StageAction.offload(n, limits.get(n)) for n in names])
+    OFFLOAD.uninstall(model)
+    OFFLOAD.install(Target(modules, tuple(order) if order is not None else None, measure),
+                    {n: limits.get(n) or 0 for n in names})
     return model
 
 
@@ -79,5 +127,5 @@ def remove_offload(model: nn.Module) -> nn.Module:
         >>> "forward" in remove_offload(apply_offload(net, ["0"]))[0].__dict__
         False
     """
-    installer.uninstall_offload(model)
+    OFFLOAD.uninstall(model)
     return model

@@ -1,8 +1,8 @@
 """The saved-tensor machinery of offloading: what a module's forward saves goes to host memory and
 comes back (``Offloader``: a pack/unpack pair for ``torch.autograd.graph.saved_tensors_hooks``).
 
-Nothing here patches a module: the installer (``installer.py``) runs an offloaded module's forward
-under ``offloaded_call``, and registers ``release_after_next`` on the next stage.
+Nothing here patches a module: the ``Offload`` behaviour (``offload.py``) runs an offloaded module's
+forward under ``offloaded_call``, and registers ``release_after_next`` on the next stage.
 
 - pack: a tensor the forward saves for backward is held until the forward ends; then each storage
   the saved tensors use is copied to host memory once (pinned, on a side stream, on CUDA), and the
@@ -23,7 +23,7 @@ the memory run measures what stays on the device exactly, and ``host_bytes`` wha
 Example:
     >>> lin = nn.Linear(4, 4)
     >>> off = Offloader()
-    >>> out = offloaded_call(off, "lin", lin, False, lin.forward, (torch.randn(2, 4, requires_grad=True),), {})
+    >>> out = offloaded_call(off, "lin", lin, False, lin.forward, torch.randn(2, 4, requires_grad=True))
     >>> out.sum().backward()
     >>> off.host_bytes
     {'lin': 32}
@@ -283,7 +283,7 @@ def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -
 
 
 def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_hook: bool, run: Callable[..., Any],
-                   args: tuple, kwargs: dict) -> Any:
+                   /, *args: Any, **kwargs: Any) -> Any:
     """``run(*args, **kwargs)`` (the module's forward, or its checkpointed forward) with what it saves
     for backward sent to the host as module ``name``; under ``torch.no_grad()`` it just runs.
     ``release_hook``: the next stage's forward releases this call's device tensors."""

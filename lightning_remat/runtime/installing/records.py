@@ -1,46 +1,164 @@
-"""What the installer did to each module (one ``Record`` in the module's ``__dict__``), and reading
-it back: which modules are recomputed (with which policy), segmented, offloaded, or keep their
-checkpoint input on the host; and what a copy of a module must leave out to carry none of it
-(``without_installation``).
+"""The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
+
+A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones; its pure
+rules go to ``core.actions.add_rule``). A module a plan touches gets ONE ``Record`` (in its
+``__dict__``): the forward it had, and per behaviour its setting and state. Its ``forward`` becomes
+an instance attribute composing the record's behaviours around the original in ``BEHAVIOURS``'
+order (outermost first), as torch composes a checkpoint's ``context_fn``: a ``wrap`` gets the call
+of the behaviours after it; a recompute asks them for its checkpoint's options.
 
 Example:
     >>> from torch import nn
-    >>> recomputed(nn.Linear(2, 2)), offloaded(nn.Linear(2, 2)), offloader_of(nn.Linear(2, 2))
-    ({}, [], None)
+    >>> recomputed(nn.Linear(2, 2)), installed_segments(nn.Linear(2, 2))
+    ({}, [])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Collection
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping
 
 from torch import nn
 
+from ...core.actions import StageAction
+from ...core.errors import PlanMismatchError
 from .compiled import uncompiled
-from .input_offload import InputOffload
-from .offloader import Offloader
-from .sequential import SEGMENTS
 
 RECORD = "_remat_installed"  # in a module's __dict__: its Record
+SEGMENTS = "_remat_segments"  # in a Sequential's __dict__: [(start, end, runner, names)] (segments.py)
 
 
 @dataclass
 class Record:
-    """What the installer did to one module: the forward it had, and the behaviours it now runs."""
+    """What the installer did to one module: the forward it had, and per behaviour name its
+    ``(setting, state)``: the setting read back (None: nothing to read back), the state it runs with."""
 
     original: Callable[..., Any]
     had_instance_forward: bool
-    recompute: bool = False
-    policy: str = ""  # with recompute: the op-level policy ("" recomputes the whole forward)
-    offload: tuple[Offloader, str] | None = None  # the offloader and the module's name in it
-    release_hook: Any = None  # the handle of the next stage's forward hook (offload with an order)
-    chunks: int = 0  # a causal LM's head: its loss over this many sequence chunks
-    route: nn.Module | None = None  # a causal LM: the chunked head its labels go to
-    input_offload: tuple[InputOffload, str] | None = None  # with recompute: its checkpoint input on the host
+    behaviours: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     installed: Callable[..., Any] | None = None  # the forward the installer set: the behaviours run while it is
 
-    def empty(self) -> bool:
-        return not self.recompute and self.offload is None and not self.chunks and self.route is None
+
+@dataclass
+class Target:
+    """What a behaviour installs on: the (uncompiled) model's modules by name; ``order``: every stage
+    in execution order (offloading one stage ahead); ``measure``: metadata only (fake tensors)."""
+
+    modules: dict[str, nn.Module]
+    order: tuple[str, ...] | None = None
+    measure: bool = False
+
+
+class Behaviour:
+    """One way to treat a module. Subclass it, override what differs, and ``register`` an instance;
+    by default its setting is the one an action's ``extra`` holds under its name.
+
+    Example:
+        >>> class Counted(Behaviour):
+        ...     name = "counted"
+        >>> Counted().settings(StageAction("h.0", extra={"counted": True}))
+        {'h.0': True}
+    """
+
+    name = ""
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        """Per module ``action`` puts this behaviour on, its setting (empty: not handled)."""
+        extra = dict(action.extra)
+        return {action.stage: extra[self.name]} if self.name in extra else {}
+
+    def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
+        """Raise ValueError where the model cannot take ``settings`` (before anything changes)."""
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        """Put ``settings`` on the modules' records."""
+        for name, setting in settings.items():
+            record_of(target.modules[name]).behaviours[self.name] = (setting, None)
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        """The call that runs this behaviour around ``call`` (the behaviours after it)."""
+        return call
+
+    def checkpoint_options(self, setting: Any, state: Any, options: dict[str, Any]) -> None:
+        """Change the options a recompute of the module checkpoints with (``checkpoint``: the function)."""
+
+    def remove(self, setting: Any, state: Any) -> None:
+        """Let go of what ``install`` made besides the record (hooks)."""
+
+    def uninstall(self, model: nn.Module) -> None:
+        """Take this behaviour off every module of ``model``."""
+        for module in list(model.modules()):
+            record = module.__dict__.get(RECORD)
+            if record is not None and self.name in record.behaviours:
+                self.remove(*record.behaviours.pop(self.name))
+                settle(module)
+
+    def read(self, modules: Mapping[str, nn.Module], only_running: bool = False) -> dict[str, Any]:
+        """Per module of ``modules`` (by name) with this behaviour, its setting (``only_running``: whose record runs)."""
+        return {name: record.behaviours[self.name][0] for name, m in modules.items()
+                if (record := (running(m) if only_running else m.__dict__.get(RECORD))) is not None
+                and record.behaviours.get(self.name, (None,))[0] is not None}
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        """The fields of module ``name``'s action that ``setting`` says (a snapshot merges them)."""
+        return {"extra": {self.name: setting}}
+
+
+BEHAVIOURS: list[Behaviour] = []  # the composition order, outermost first
+
+
+def register(behaviour: Behaviour, before: str | None = None) -> Behaviour:
+    """Add ``behaviour`` to the installer (innermost, or just outside the one named ``before``); returns it."""
+    unregister(behaviour.name)
+    at = next((i for i, b in enumerate(BEHAVIOURS) if b.name == before), len(BEHAVIOURS))
+    BEHAVIOURS.insert(at, behaviour)
+    return behaviour
+
+
+def unregister(name: str) -> None:
+    """Take the behaviour ``name`` out of the installer (uninstall it from models first)."""
+    BEHAVIOURS[:] = [b for b in BEHAVIOURS if b.name != name]
+
+
+def installed_forward(module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module with a record: its behaviours around its original forward."""
+    record = module.__dict__[RECORD]
+    call = record.original
+    for b in reversed(BEHAVIOURS):
+        if b.name in record.behaviours:
+            call = b.wrap(module, *record.behaviours[b.name], call)
+    return call(*args, **kwargs)
+
+
+def check_names(model: nn.Module, modules: dict[str, nn.Module], names: Collection[str], what: str = "plan") -> None:
+    """Raise ``PlanMismatchError`` (a plan for another model, docs/plans.md) for names ``model`` lacks."""
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise PlanMismatchError(f"{what} names module(s) {unknown} that {type(model).__name__} does not have")
+
+
+def record_of(module: nn.Module) -> Record:
+    """The module's record, made (and its forward patched, once) on first use. The forward is
+    patched first: a module that refuses it (its ``__setattr__`` raises) is left without a record."""
+    if RECORD not in module.__dict__:
+        record = Record(module.forward, "forward" in module.__dict__)
+        module.forward = functools.partial(installed_forward, module)  # type: ignore[method-assign]
+        record.installed = module.__dict__["forward"]
+        module.__dict__[RECORD] = record
+    return module.__dict__[RECORD]
+
+
+def settle(module: nn.Module) -> None:
+    """Give a module without behaviours its own forward back exactly."""
+    record = module.__dict__.get(RECORD)
+    if record is None or record.behaviours:
+        return
+    del module.__dict__[RECORD]
+    if record.had_instance_forward:
+        module.forward = record.original  # type: ignore[method-assign]
+    else:
+        del module.forward
 
 
 def running(module: nn.Module) -> Record | None:
@@ -63,11 +181,17 @@ def running(module: nn.Module) -> Record | None:
     return None
 
 
+def state_of(model: nn.Module, name: str) -> Any:
+    """The state of behaviour ``name`` on the first module of ``model`` that has it (None without)."""
+    return next((r.behaviours[name][1] for m in model.modules()
+                 if (r := m.__dict__.get(RECORD)) is not None and name in r.behaviours), None)
+
+
 def recomputed(model: nn.Module) -> dict[str, str]:
     """Per module of ``model`` recomputed alone (names of the uncompiled model), its policy ("" for none)."""
     with uncompiled(model) as plain:
-        return {name: m.__dict__[RECORD].policy for name, m in plain.named_modules()
-                if RECORD in m.__dict__ and m.__dict__[RECORD].recompute}
+        return {name: record.behaviours.get("policy", ("",))[0] for name, m in plain.named_modules()
+                if (record := m.__dict__.get(RECORD)) is not None and "recompute" in record.behaviours}
 
 
 def installed_segments(model: nn.Module) -> list[list[str]]:
@@ -75,53 +199,30 @@ def installed_segments(model: nn.Module) -> list[list[str]]:
     return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
 
 
-def offloaded(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose saved tensors are offloaded."""
-    return [name for name, m in model.named_modules()
-            if RECORD in m.__dict__ and m.__dict__[RECORD].offload is not None]
-
-
-def input_offload_of(model: nn.Module) -> tuple[list[str], InputOffload | None]:
-    """The recomputed modules of ``model`` whose checkpoint input is on the host, and their ``InputOffload``."""
-    found = [(name, m.__dict__[RECORD].input_offload) for name, m in model.named_modules()
-             if RECORD in m.__dict__ and m.__dict__[RECORD].input_offload is not None]
-    return [name for name, _ in found], (found[0][1][0] if found else None)
-
-
-def offloader_of(model: nn.Module) -> Offloader | None:
-    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
-    for m in model.modules():
-        record = m.__dict__.get(RECORD)
-        if record is not None and record.offload is not None:
-            return record.offload[0]
-    return None
-
-
 def installed_hooks(model: nn.Module) -> set[int]:
     """Ids of the hooks the installer registered on ``model``'s modules (an offloaded stage's
-    release hook, on the next stage): keys of the modules' hook dicts that are ours.
+    release hook, on the next stage; a behaviour's state ``hook``): keys of hook dicts that are ours.
 
     Example:
         >>> installed_hooks(nn.Linear(2, 2))
         set()
     """
-    return {record.release_hook.id for m in model.modules()
-            if (record := m.__dict__.get(RECORD)) is not None and record.release_hook is not None}
+    return {hook.id for m in model.modules() if (record := m.__dict__.get(RECORD)) is not None
+            for _, state in record.behaviours.values() if (hook := getattr(state, "hook", None)) is not None}
 
 
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
     """The class and ``__dict__`` of a copy of ``module`` that carries nothing the installer put on it,
     and shares no mutable state with it; ``module`` itself is left as it is.
 
-    Left out: the ``Record`` (whose behaviours an uninstall on the copy would switch off on the
-    module itself), the ``forward`` the installer set (the copy gets the one it had: its class's,
-    or the one set on the instance before), the segments and the class swap that runs them, and the
-    hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook added to or
-    removed from the copy (profiling's, a plan installed on it) never reaches ``module``.
+    Left out: the ``Record`` (an uninstall on the copy would switch its behaviours off on the module),
+    the ``forward`` the installer set (the copy gets the one it had), the segments and their class
+    swap, and the hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook
+    added to or removed from the copy never reaches ``module``.
 
     Example:
         >>> net = nn.Linear(2, 2)
-        >>> net.__dict__[RECORD] = Record(net.forward, had_instance_forward=False, recompute=True)
+        >>> net.__dict__[RECORD] = Record(net.forward, had_instance_forward=False, behaviours={"recompute": (True, None)})
         >>> net.forward = lambda x: x  # what the installer sets
         >>> cls, state = without_installation(net)
         >>> cls is nn.Linear, RECORD in state, "forward" in state, state["_forward_hooks"] is net._forward_hooks

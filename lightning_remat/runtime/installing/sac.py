@@ -2,23 +2,11 @@
 
 A policy decides, op by op, what a checkpointed module's forward saves for backward (the output of
 that op is kept) and what it recomputes (everything else), through
-``torch.utils.checkpoint.create_selective_checkpoint_contexts``. Between ``"keep"`` (save
-everything) and ``"whole"`` (save only the inputs) they give the solver cheaper middle options:
-
-- ``"save_matmuls"``: save the outputs of matmuls (mm, addmm, bmm, baddbmm, scaled mm),
-  convolutions and attention (every SDPA backend); recompute the cheap elementwise ops, norms,
-  activations, dropout. Little FLOP cost, memory of the matmul outputs kept.
-- ``"save_alternate_matmuls"``: as torchtitan's op-SAC: attention saved, every other matmul (in
-  call order within the module) saved, the rest recomputed.
-- ``"save_projections"``: as ``"save_matmuls"``, but the batched matmuls (bmm, baddbmm) are
-  recomputed too. In a transformer block those are the attention core of SDPA's math path (the
-  path taken with attention dropout on the CPU, or an explicit mask it cannot fuse): its score
-  matrix is quadratic in the sequence and costs few FLOPs per byte (its inner dimension is the
-  head size), the trade Megatron-LM's selective recomputation makes. Where attention is a fused
-  kernel (saved) and no bmm runs, it equals ``"save_matmuls"`` and is not offered.
-- ``"save_attention"``: save only attention outputs (the op whose recompute is quadratic in the
-  sequence: a fused SDPA kernel, or the batched matmuls of SDPA's math path); recompute the
-  projections' matmuls and everything else.
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``: cheaper options between ``"keep"``
+(save everything) and ``"whole"`` (save only the inputs). ``"save_matmuls"`` saves matmuls,
+convolutions and attention; ``"save_projections"`` the same but not the batched matmuls (SDPA's
+math-path attention core, Megatron-LM's trade); ``"save_alternate_matmuls"`` attention and every
+other matmul (torchtitan's op-SAC); ``"save_attention"`` only attention (docs/selective_checkpointing.md).
 
 The same decision function replays a policy on the ops the observed forward recorded
 (``recomputed_ops``), so a policy's recompute cost is exactly the ops it recomputes.
@@ -46,9 +34,11 @@ from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, SAC_IGNOR
                                    create_selective_checkpoint_contexts)
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from ...core.vocabulary import OptionKind, Policy
+from ...core.actions import StageAction
+from ...core.vocabulary import Action, OptionKind, Policy
 from ...core.vocabulary import option_name as _option_name
-from ...core.vocabulary import policy_of as _policy_of
+from ...core.vocabulary import policy_of  # noqa: F401 - the policy of an option name ("" for none)
+from .records import Behaviour
 
 aten = torch.ops.aten
 
@@ -171,6 +161,24 @@ def context_fn(policy: str) -> Callable[[], tuple[Any, Any]]:
     return functools.partial(_contexts, check_policy(policy))
 
 
+class OpPolicy(Behaviour):
+    """A ``RECOMPUTE`` action's policy: its recompute's ``context_fn`` is the policy's pair of contexts,
+    and nothing else, so it is the same eagerly and under ``torch.compile``."""
+
+    name = "policy"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        if action.action is not Action.RECOMPUTE or action.policy is None:
+            return {}
+        return {m: action.policy.value for m in action.modules}
+
+    def checkpoint_options(self, setting: Any, state: Any, options: dict[str, Any]) -> None:
+        options["context_fn"] = context_fn(setting)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"policy": setting}
+
+
 def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
     """For ops in forward order, whether ``policy`` recomputes each (``True``) or saves it.
 
@@ -190,11 +198,6 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
 def option_name(policy: str) -> str:
     """The stage option name of a policy: ``"sac:save_matmuls"``."""
     return _option_name(OptionKind.POLICY, policy)
-
-
-def policy_of(option: str) -> str:
-    """The policy of an option name, or "" for keep, whole and child options."""
-    return _policy_of(option)
 
 
 def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:

@@ -1,74 +1,153 @@
 """Recompute runs of consecutive items of an ``nn.Sequential`` as ONE checkpoint segment each.
 
-A plan's ``segments`` (``core.spans``) name consecutive children of one ``nn.Sequential``. Their
-Sequential yields, while the plan is applied, one *runner* per segment in place of the segment's
-items when iterated: ``nn.Sequential.forward`` (``for module in self``) and code that loops over a
-Sequential itself (transformers' ``ResNetStage``: ``for layer in self.layers``) then call the
-runner, which runs the items in order under a single non-reentrant checkpoint. The runner is a
-plain ``nn.Sequential`` of the same items, recomputed by the one installer (``installer.py``) as
-any recomputed module is (so dropout masks are replayed and BatchNorm statistics updated once).
+A segment (``core.spans``) names consecutive children of one ``nn.Sequential``, which yields, while
+the plan is installed, one *runner* in place of the segment's items when iterated (by its forward,
+or code looping over it, as transformers' ``ResNetStage``). The runner, a plain ``nn.Sequential`` of
+the items with the ``recompute`` behaviour, runs them under one non-reentrant checkpoint.
 
-How: the Sequential's class is swapped for a subclass of the same name that overrides only
-``__iter__`` (Python looks dunder methods up on the type, so an instance attribute cannot do
-it). Nothing else changes: the runner is kept in the instance ``__dict__``, not registered as a
-child, so ``named_modules``, parameter names and ``state_dict`` keys are those of the model, and
-``remove_segments`` puts the original class back. Indexing and ``len`` are unchanged.
+Python looks ``__iter__`` up on the type, so the Sequential's class is swapped for a subclass of the
+same name that overrides only it. The runner is kept in the instance ``__dict__``, not registered,
+so names and ``state_dict`` keys stay; removing the plan puts the class back.
 
-Installing lives in ``installer.py`` (re-exported here); this module also finds the groups of
-stages that may form segments (``sequential_groups``, ``chained_groups``).
+This module also finds the groups of stages that may form segments (``sequential_groups``,
+``chained_groups``).
 
 Example:
     >>> import torch
-    >>> from torch import nn
+    >>> from lightning_remat.runtime.installing.installer import install, uninstall
+    >>> from lightning_remat.core.plan import Plan, StageAction
     >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)])
-    >>> apply_segments(net, [["0", "1", "2"]])
-    >>> segmented_modules(net), len(list(net)), type(net).__name__
+    >>> _ = install(net, Plan([StageAction.in_segment(s, ["0", "1", "2"]) for s in ["0", "1", "2"]]))
+    >>> installed_segments(net), len(list(net)), type(net).__name__
     ([['0', '1', '2']], 2, 'Sequential')
     >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    >>> remove_segments(net); type(net) is nn.Sequential and len(list(net)) == 4
+    >>> type(uninstall(net)) is nn.Sequential and len(list(net)) == 4
     True
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ...core.actions import StageAction, check_actions
+from ...core.actions import StageAction
+from ...core.vocabulary import Action
 from ..measuring.exclusive import planning_runs_here
-from . import installer
-from .sequential import qualifies
+from .records import SEGMENTS, Behaviour, Target, installed_segments, record_of, running
 
-__all__ = ["apply_segments", "chained_groups", "check_segments", "qualifies", "recorded_calls", "remove_segments",
-           "segmented_modules", "sequential_groups"]
-
-
-def check_segments(modules: dict[str, nn.Module], segments: Sequence[Sequence[str]], checkpointed: Sequence[str]) -> None:
-    """Raise ValueError unless every segment is a run of consecutive items of one qualifying Sequential,
-    segments do not overlap, and no module recomputed alone lies inside, around or in a segment."""
-    for names in segments:
-        installer.segment_positions(modules, names)
-    check_actions([*(StageAction.in_segment(s, names) for names in segments for s in names),
-                   *(StageAction.recompute(n) for n in checkpointed)])
+__all__ = ["SEGMENT", "chained_groups", "qualifies", "recorded_calls", "segment_positions", "sequential_groups"]
+_CLASSES: dict[type, type] = {}  # a Sequential class -> its segmented subclass
 
 
-def apply_segments(model: nn.Module, segments: Sequence[Sequence[str]]) -> None:
-    """Recompute each run of names as one checkpoint (names as ``model.named_modules()`` gives them).
-    Call ``remove_segments`` first to replace a previous set."""
-    installer.install_segments(model, segments)
+def _segmented_iter(self: nn.Sequential) -> Iterator[nn.Module]:
+    items = list(self._modules.values())
+    position = 0
+    for start, end, runner, _ in self.__dict__.get(SEGMENTS, ()):
+        yield from items[position:start]
+        yield runner
+        position = end
+    yield from items[position:]
 
 
-def remove_segments(model: nn.Module) -> None:
-    """Undo ``apply_segments``: every Sequential gets back its class and iterates its items again."""
-    installer.uninstall_segments(model)
+def segmented_class(cls: type) -> type:
+    """The subclass of ``cls`` (same name) whose instances yield their segments' runners when iterated."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (cls,), {"__iter__": _segmented_iter, "__module__": cls.__module__,
+                                                     "__qualname__": cls.__qualname__, "_remat_segmented": True})
+    return _CLASSES[cls]
 
 
-def segmented_modules(model: nn.Module) -> list[list[str]]:
-    """The segments currently applied to ``model``, as lists of module names (a sibling of
-    ``checkpointed_modules``)."""
-    return installer.installed_segments(model)
+def qualifies(container: nn.Module) -> bool:
+    """Whether ``container``'s items can form segments: an ``nn.Sequential`` iterated as Sequential
+    iterates (its own ``__iter__``), with no forward of its own set on the instance.
+
+    Example:
+        >>> qualifies(nn.Sequential(nn.Linear(2, 2))), qualifies(nn.ModuleList([nn.Linear(2, 2)]))
+        (True, False)
+    """
+    base = type(container).__mro__[1] if getattr(type(container), "_remat_segmented", False) else type(container)
+    return (isinstance(container, nn.Sequential) and base.__iter__ is nn.Sequential.__iter__
+            and "forward" not in container.__dict__)
+
+
+def segment_positions(modules: dict[str, nn.Module], names: Sequence[str]) -> tuple[str, list[int]]:
+    """The Sequential holding a segment and the positions of its items, or a ValueError saying why
+    the names are not a run of consecutive items of one qualifying Sequential."""
+    if len(names) < 2:
+        raise ValueError(f"a segment names two or more consecutive modules, got {list(names)}")
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(parents) != 1:
+        raise ValueError(f"a segment's modules must be items of one nn.Sequential, got {list(names)}")
+    parent = parents.pop()
+    container = modules.get(parent)
+    if container is None or not qualifies(container):
+        raise ValueError(f"segment {list(names)}: {parent or 'the model'!r} is not an nn.Sequential that iterates its items")
+    keys = list(container._modules)
+    missing = [n for n in names if n.rpartition(".")[2] not in keys]
+    if missing:
+        raise ValueError(f"plan names module(s) {missing} that the model does not have")
+    positions = [keys.index(n.rpartition(".")[2]) for n in names]
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+        raise ValueError(f"segment {list(names)} is not a run of consecutive items of {parent!r}")
+    return parent, positions
+
+
+class Segment(Behaviour):
+    """A ``SEGMENT`` action: its segment's items run as one checkpoint, by a runner the Sequential
+    yields in their place (module docstring); the runner has the ``recompute`` behaviour. Every
+    stage of a segment has the segment as its setting."""
+
+    name = "segment"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {action.stage: action.segment} if action.action is Action.SEGMENT else {}
+
+    def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
+        for names in dict.fromkeys(settings.values()):
+            segment_positions(modules, names)
+
+    def install(self, target: Target, settings: dict[str, Any]) -> None:
+        by_parent: dict[str, list] = {}
+        for names in dict.fromkeys(settings.values()):
+            parent, positions = segment_positions(target.modules, names)
+            runner = nn.Sequential(*[target.modules[n] for n in names])
+            record_of(runner).behaviours["recompute"] = (True, None)
+            by_parent.setdefault(parent, []).append((positions[0], positions[-1] + 1, runner, list(names)))
+        for parent, entries in by_parent.items():
+            container = target.modules[parent]
+            container.__dict__[SEGMENTS] = sorted(entries, key=lambda e: e[0])
+            if not getattr(type(container), "_remat_segmented", False):
+                container.__class__ = segmented_class(type(container))
+
+    def uninstall(self, model: nn.Module) -> None:
+        """Every Sequential gets back its class and iterates its items again."""
+        for module in model.modules():
+            if SEGMENTS in module.__dict__:
+                del module.__dict__[SEGMENTS]
+                if getattr(type(module), "_remat_segmented", False):
+                    module.__class__ = type(module).__mro__[1]
+
+    def read(self, modules: Mapping[str, nn.Module], only_running: bool = False) -> dict[str, Any]:
+        """``only_running``: the segments of Sequentials whose class still runs them, by runners that recompute."""
+        found = {}
+        for m in modules.values():
+            if SEGMENTS in m.__dict__ and (not only_running or getattr(type(m), "_remat_segmented", False)):
+                found.update({n: tuple(names) for _, _, runner, names in m.__dict__[SEGMENTS]
+                              if not only_running or _recomputes(runner) for n in names})
+        return found
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.SEGMENT, "segment": setting}
+
+
+def _recomputes(runner: nn.Module) -> bool:
+    record = running(runner)
+    return record is not None and "recompute" in record.behaviours
+
+
+SEGMENT = Segment()
 
 
 def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[str, list]:

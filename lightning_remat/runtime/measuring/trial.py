@@ -5,7 +5,8 @@ Example:
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
     >>> before = net[0][0].weight.detach().clone()
     >>> opt = torch.optim.SGD(net.parameters(), lr=1.0)
-    >>> trial = run_trial(net, lambda m: m(torch.randn(4, 8)).sum(), opt, 4, ["0"], 2, 10**6, 0)
+    >>> from lightning_remat.core.plan import Plan, StageAction
+    >>> trial = run_trial(net, lambda m: m(torch.randn(4, 8)).sum(), opt, 4, Plan([StageAction.recompute("0")]), 2, 10**6, 0)
     >>> trial.fits, trial.steps, torch.equal(net[0][0].weight, before)
     (True, 2, True)
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ...core.plan import Plan
 from ..installing.apply import applied
 from .exclusive import exclusive
 from .measure import Step, is_out_of_memory, measure_step, preserved_training_state, release_device_memory
@@ -92,10 +94,8 @@ def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim
 
 @exclusive()
 def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
-               names: Sequence[str], steps_per_trial: int, budget: int, predicted: int,
-               segments: Sequence[Sequence[str]] = (), policies: dict[str, str] | None = None,
-               plan: Any = None) -> Trial:
-    """``steps_per_trial`` real steps at ``batch_size`` with ``names`` recomputed (or ``plan`` applied as it is).
+               plan: Plan, steps_per_trial: int, budget: int, predicted: int) -> Trial:
+    """``steps_per_trial`` real steps at ``batch_size`` with ``plan`` applied; everything put back after.
 
     It fits when no step ran out of memory and the largest measured peak is within ``budget``.
     """
@@ -103,7 +103,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _RestoreAfterTrial(model, optimizer), applied(model, names, segments, policies, plan=plan), \
+        with _RestoreAfterTrial(model, optimizer), applied(model, plan), \
                 user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
                 # The budget is for steady-state steps, which hold the optimizer's state: create it
@@ -120,4 +120,4 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     release_device_memory()
     peak = max(peaks) if peaks else None
     fits = not oom and peak is not None and peak <= budget
-    return Trial(batch_size, tuple(names), steps, peak, oom, fits, predicted)
+    return Trial(batch_size, tuple(plan.checkpointed), steps, peak, oom, fits, predicted)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..installing.segments import recorded_calls
-from ..installing.sequential import qualifies
+from ..installing.segments import qualifies
 
 # Levels below an automatic candidate, and stages in all: the DP's time grows with the stages (and
 # the spans they allow), the memory runs' not at all.

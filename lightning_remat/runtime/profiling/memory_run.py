@@ -70,10 +70,11 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
-    plan = (Plan(actions=[StageAction.chunk(h, k) for h, k in chunked.items()]) if chunked else
-            Plan(actions=[StageAction.recompute(m, offload_input=True) for m in wrapped]) if offload_inputs else None)
+    plan = Plan([StageAction.chunk(h, k) for h, k in chunked.items()] if chunked else
+                [StageAction.recompute(m, policy=None if offload_inputs else policy or None, offload_input=offload_inputs)
+                 for m in wrapped])
     host: dict[str, int] | None = None
-    with applied(model, wrapped, policies={m: policy for m in wrapped} if policy else None, plan=plan), \
+    with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:

@@ -19,6 +19,7 @@ from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile, priced
+from ...core.plan import Plan
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
@@ -234,8 +235,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
              timed: bool, compiled: bool = False) -> Profile:
     stage_names = find_stages(model, options.candidates)
     modules = dict(model.named_modules())
-    # applied(model, []) lifts any plan the model has for the profile and puts it back after.
-    with preserved_training_state(model, optimizer), applied(model, []):
+    # applied(model, Plan()) lifts any plan the model has for the profile and puts it back after.
+    with preserved_training_state(model, optimizer), applied(model, Plan()):
         model.zero_grad(set_to_none=True)
         for _ in range(options.warmup):
             run_step(model, step, zero_grad="after", check=True)

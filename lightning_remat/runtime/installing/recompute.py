@@ -1,0 +1,127 @@
+"""Recompute: a module's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG
+state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute; the
+behaviours on its record give the checkpoint's options (``Behaviour.checkpoint_options``: a policy's
+``context_fn``, a checkpoint that keeps its input on the host). Under ``no_grad`` the forward runs plain.
+
+Example:
+    >>> from lightning_remat.core.plan import StageAction
+    >>> RECOMPUTE.settings(StageAction.recompute("h.0", ["h.0.attn", "h.0.mlp"]))
+    {'h.0.attn': True, 'h.0.mlp': True}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+from ...core.actions import StageAction
+from ...core.vocabulary import Action
+from .records import BEHAVIOURS, RECORD, Behaviour
+
+
+def _norms(module: nn.Module) -> list[nn.Module]:
+    """The norms in ``module`` that update running statistics in this forward."""
+    return [m for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """Run a recompute without updating running statistics a second time."""
+    norms = _norms(module)
+    saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, saved):
+                for k, value in buffers.items():
+                    getattr(m, k).copy_(value)
+
+
+def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def recomputing() -> bool:
+    """Whether the forward running now is a recompute (in backward, while the autograd engine runs)
+    rather than the step's own forward: guard Python side effects of a module's forward with it (a
+    counter, activations collected in a list), which a recomputed module would otherwise repeat.
+    True for any forward inside backward (checkpoint recomputes from a saved tensor's unpack hook, in
+    the autograd engine; a forward runs outside it). Unlike a ``context_fn`` it holds for an eager
+    recompute where ``torch.compile`` broke the graph, and leaves ``context_fn`` to an op policy.
+
+    Example:
+        >>> calls = []
+        >>> class Counted(nn.Linear):
+        ...     def forward(self, x):
+        ...         if not recomputing():
+        ...             calls.append(1)
+        ...         return super().forward(x)
+        >>> from lightning_remat import apply_plan
+        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
+        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
+        >>> len(calls)  # the recompute in backward did not count
+        1
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
+    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
+    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
+    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
+        return call(*args, **kwargs)
+    # The copies are made outside the dispatch modes: selective checkpointing's cache replays the
+    # forward's ops by count during the recompute, and these ops are not the forward's.
+    restore = _restore_norm_statistics(module)
+    with _disable_current_modes():
+        restore.__enter__()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        with _disable_current_modes():
+            restore.__exit__(None, None, None)
+
+
+def _recomputed_call(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    if not _needs_graph(args, kwargs, module):
+        return call(*args, **kwargs)
+    record = module.__dict__[RECORD]
+    options: dict[str, Any] = {"checkpoint": checkpoint, "preserve_rng_state": True}
+    for b in BEHAVIOURS:
+        if b.name in record.behaviours:
+            b.checkpoint_options(*record.behaviours[b.name], options)
+    run = options.pop("checkpoint")
+    return run(functools.partial(_run, module, call), *args, use_reentrant=False, **options, **kwargs)
+
+
+class Recompute(Behaviour):
+    """A ``RECOMPUTE`` action's modules (the stage, or some of its children) run again in backward."""
+
+    name = "recompute"
+
+    def settings(self, action: StageAction) -> dict[str, Any]:
+        return {m: True for m in action.modules} if action.action is Action.RECOMPUTE else {}
+
+    def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(_recomputed_call, module, call)
+
+    def fields(self, name: str, setting: Any) -> dict[str, Any]:
+        return {"action": Action.RECOMPUTE}
+
+
+RECOMPUTE = Recompute()
