@@ -240,3 +240,32 @@ def test_every_module_is_at_most_400_lines():
     long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
             if (n := len(path.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines: {long}"
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of code of a function's body: its docstring, blank lines and comment lines not counted."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    if not body:
+        return 0
+    text = lines[body[0].lineno - 1:function.end_lineno]
+    return sum(1 for line in text if line.strip() and not line.strip().startswith("#"))
+
+
+def test_code_line_counter_counts_only_code():
+    source = 'def f(x):\n    """Doc.\n\n    More."""\n    # why\n\n    y = x\n    return y\n'
+    function = ast.parse(source).body[0]
+    assert _code_lines(function, source.splitlines()) == 2
+
+
+def test_every_function_is_at_most_60_lines_of_code():
+    """One job per function: past 60 lines of code it is several (name the parts)."""
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node, lines) > 60:
+                long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = _code_lines(node, lines)
+    assert not long, f"functions over 60 lines of code: {long}"

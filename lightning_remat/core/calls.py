@@ -165,17 +165,11 @@ def _segment_terms(profile: Profile) -> tuple[int, dict[int, int]]:
     return constant, after
 
 
-def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None:
-    """Option index per place: the least-cost plan whose peak is within ``budget`` (``None``: the
-    plan of least peak), each module's places sharing one option; None when nothing fits."""
-    owner, rows = _tables(profile, kind)
-    rounds, under = _rounds(profile, owner)
+def _falls(rows: list, rounds: list[int], under: np.ndarray) -> np.ndarray:
+    """Per module row, the most the earlier rounds' stored bytes can still fall from there on (a
+    sharded stage's figure can be below zero): a state is dropped only when no later module can
+    bring it back within the budget."""
     r_count = len(under)
-    constant, after = _segment_terms(profile)
-    if budget is not None and constant > budget:
-        return None
-    # The most the earlier rounds' stored bytes can still fall (a sharded stage's figure can be below
-    # zero): a state is dropped only when no later module can bring it back within the budget.
     falls = np.zeros((len(rows) + 1, r_count))
     for k in range(len(rows) - 1, -1, -1):
         at, options = rows[k]
@@ -186,6 +180,30 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
                 delta[rounds[i]] += stored
             least = np.minimum(least, delta @ under)
         falls[k] = falls[k + 1] + least
+    return falls
+
+
+def _backtrack(back: list[tuple[np.ndarray, np.ndarray]], best: int, rows: list, owner: list[int]) -> list[int]:
+    """The option per place of the state ``best`` of the last row, followed back through ``back``."""
+    by_module = [0] * len(rows)
+    for k in range(len(rows) - 1, -1, -1):
+        parent, chosen = back[k]
+        by_module[k] = int(chosen[best])
+        best = int(parent[best])
+    first = {at[0]: by_module[k] for k, (at, _) in enumerate(rows)}
+    return [first[o] for o in owner]
+
+
+def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None:
+    """Option index per place: the least-cost plan whose peak is within ``budget`` (``None``: the
+    plan of least peak), each module's places sharing one option; None when nothing fits."""
+    owner, rows = _tables(profile, kind)
+    rounds, under = _rounds(profile, owner)
+    r_count = len(under)
+    constant, after = _segment_terms(profile)
+    if budget is not None and constant > budget:
+        return None
+    falls = _falls(rows, rounds, under)
     stored = np.zeros((1, r_count))
     terms = np.full((1, r_count), float(_NONE))
     terms[0, 0] = constant
@@ -228,13 +246,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
         back.append((parent[keep], chosen[keep]))
     peak = terms.max(axis=1)
     best = int(np.lexsort((peak, cost))[0]) if budget is not None else int(np.lexsort((cost, peak))[0])
-    by_module = [0] * len(rows)
-    for k in range(len(rows) - 1, -1, -1):
-        parent, chosen = back[k]
-        by_module[k] = int(chosen[best])
-        best = int(parent[best])
-    first = {at[0]: by_module[k] for k, (at, _) in enumerate(rows)}
-    return [first[o] for o in owner]
+    return _backtrack(back, best, rows, owner)
 
 
 def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
