@@ -1,18 +1,10 @@
 """lightning-remat: keep a training step under a memory budget with the least recomputation.
 
-The package is layered, and imports point down only (see docs/architecture.md):
-
-- ``core``: the memory model, the exact solver, plans, budgets, the batch-size fit. No torch.
-- ``runtime``: what touches torch: candidates, memory tracking, profiling, fake tensors,
-  applying a plan, measuring a step.
-- ``report``: tables, summaries, plots.
-- ``service``: the planning service every integration shares (decide, fall back, broadcast,
-  metrics), ``plan_remat`` and the batch-size search.
-- ``integrations``: Lightning (``AutoRemat``, ``RematBatchSizeFinder``), Accelerate, the Hugging Face
-  ``Trainer`` (``RematTrainerCallback``), the command line.
-
-Names that need torch (or an integration) are imported on first use, so ``import lightning_remat``
-stays cheap and the solver stays usable on its own.
+Layers, imports pointing down only (docs/architecture.md): ``core`` (the memory model, solver and
+plans; no torch) <- ``runtime`` (profiling, installing) <- ``report`` <- ``service`` (planning,
+``plan_remat``, the batch-size search) <- ``integrations`` (Lightning, Accelerate, the HF
+``Trainer``, the command line). Names that need torch are imported on first use, so
+``import lightning_remat`` stays cheap.
 
 Example:
     >>> import lightning_remat

@@ -106,8 +106,7 @@ def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> Model
 
 
 def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] = (2, 2, 4, 2), width: int = 2) -> ModelCase:
-    """A ConvNeXt image classifier (transformers' ConvNextForImageClassification; depths 2-2-4-2 by
-    default) on random images. ``width`` divides the channel counts (96-192-384-768 at 1)."""
+    """A ConvNeXt image classifier on random images; ``width`` divides the channel counts (96-192-384-768 at 1)."""
     import transformers
 
     _quiet_transformers()
@@ -121,8 +120,7 @@ def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] 
 
 
 class Bottleneck(nn.Module):
-    """torchvision's bottleneck block (1x1, 3x3, 1x1 convolutions with BatchNorm, a residual, ReLU in
-    place), written out here: torchvision is not a dependency.
+    """torchvision's bottleneck block, written out here: torchvision is not a dependency.
 
     Example:
         >>> Bottleneck(16, 4)(torch.randn(1, 16, 8, 8)).shape

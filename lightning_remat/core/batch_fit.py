@@ -1,11 +1,9 @@
-"""The batch-size fit: the memory model at any batch size, and searches over batch sizes, on numbers only.
+"""The batch-size fit: the memory model at any batch size, and searches over batch sizes.
 
-Every term of the memory model (stored bytes, local peaks, segment peaks, recompute FLOPs) is an
-affine function ``a + b * batch`` of the batch size: activations grow with the batch, static
-memory (parameters, gradients, optimizer state) does not. ``ProfileFit`` fits the line through
-profiles at two batch sizes and gives a ``Profile`` for any batch size without running it;
-``largest_batch`` searches it; ``lightning_binsearch_sizes`` says what Lightning's search would
-have cost. No torch: the real trials live in ``service.batch_size``.
+Every term of the memory model is affine in the batch size, ``a + b * batch``: activations grow
+with the batch, static memory does not. ``ProfileFit`` fits the line through profiles at two batch
+sizes and gives a ``Profile`` at any batch size without running it; ``largest_batch`` searches it.
+The real trials live in ``service.batch_size``.
 
 Example:
     >>> largest_batch(lambda b: b * 3 <= 100, start=2, high_limit=1000, mode="binsearch")
@@ -37,17 +35,10 @@ def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -
 
 
 class BatchLine:
-    """The combiner of the batch fit (``profile_algebra.combine``): every term at ``batch_size``.
+    """The batch fit's combiner: every term at ``batch_size``.
 
-    A term two profiles have is the line through them; a term one profile has (there is one, or the
-    other lacks the segment) is in proportion to the batch beyond its static part (static memory for
-    a peak, nothing for the rest). Static memory is the first profile's. Values are stored as their
-    quantity says: bytes rounded up, FLOPs rounded, never below zero but for the model's terms.
-
-    Args:
-        batch_sizes: the batch sizes of the profiles combined, in their order.
-        batch_size: the batch size predicted.
-        static_bytes: the static memory under every peak.
+    A term both profiles have is the line through them; a term only one has grows in proportion to
+    the batch beyond its static part (static memory for a peak, nothing otherwise).
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption
@@ -72,7 +63,7 @@ class BatchLine:
         if len(values) == 2 and None not in values:
             return kind.coerce(_line(values[0], values[1], *self.batch_sizes, self.batch_size))
         (bs, value), = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]
-        # Proportional beyond the part that does not grow (a float zero: the sum as it always was).
+        # Proportional beyond the part that does not grow.
         offset = self.static_bytes if kind.growth is Growth.PEAK else 0.0
         return kind.coerce(offset + (value - offset) * self.batch_size / bs)
 
@@ -80,13 +71,8 @@ class BatchLine:
 class ProfileFit:
     """Profiles measured at one or two batch sizes, extended to any batch size.
 
-    Every term of the memory model is fitted as ``a + b * batch`` through the two profiles: stored
-    bytes, local and segment peaks (whose static part, the same in both, stays as it is), recompute
-    and step costs (seconds, FLOPs and roofline seconds). Static memory is taken as measured. Options
-    or segments that only one profile has are dropped (options) or scaled in proportion to the batch
-    beyond static memory (segments). With a single profile every term beyond static memory is taken
-    as proportional to the batch. The terms are those of ``core.profile_algebra``: every numeric
-    field of the profile, combined by ``BatchLine``.
+    Options only one profile has are dropped; with a single profile every term beyond static memory
+    is taken as proportional to the batch.
 
     Example:
         >>> from lightning_remat import Segment, StageOption, StageProfile
@@ -138,16 +124,12 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
                               max_val: int = DEFAULT_MAX_BATCH_SIZE) -> list[int]:
     """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries, in order.
 
-    A transcription of ``lightning.pytorch.tuner.batch_size_scaling._run_binsearch_scaling`` (Lightning
-    2.6) where exactly the sizes up to ``largest_fitting`` succeed: it doubles from ``init_val`` until
-    a size fails, then bisects between the last success and the failure. Every size tried is one
-    trial of ``steps_per_trial`` real steps. (The dataset-length cap is left out.)
+    A transcription of Lightning 2.6's ``_run_binsearch_scaling`` where exactly the sizes up to
+    ``largest_fitting`` succeed (the dataset-length cap left out); each size is one trial.
 
     Example:
         >>> lightning_binsearch_sizes(2, 40)
         [2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41]
-        >>> len(lightning_binsearch_sizes(2, 40)) * 3  # steps with the default steps_per_trial=3
-        33
     """
     if init_val < 1:
         raise ValueError(f"init_val must be >= 1, got {init_val}")
@@ -185,8 +167,7 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
 def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode: str) -> int:
     """Largest batch in [1, high_limit] with ``fits`` (assumed monotone), 0 when even 1 does not fit.
 
-    Searched on predictions only (no real step): doubling from ``start``, then bisection
-    (``"binsearch"``), or the largest ``start * 2**k`` (``"power"``).
+    ``mode``: ``"binsearch"`` doubles from ``start`` then bisects; ``"power"`` keeps ``start * 2**k``.
     """
     if high_limit < 1:
         return 0

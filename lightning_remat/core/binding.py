@@ -1,19 +1,10 @@
 """What binds: the term of the memory model that attains a plan's peak, named, and what it is made of.
 
-The predictor (``core.predict``) finds the term of the peak formula (``memory_model.peak_terms``)
-that attains the peak; this module says what that term is in a training step and splits its bytes
-into static memory (parameters, buffers, optimizer state; gradients too at the optimizer step),
-the activations earlier stages stored, and the term's own activations and temporaries:
-
-- ``stage``: a layer (a candidate block), in its forward or its backward (recompute included);
-- ``head and loss``: after the last stage: the head, the loss, and their backward;
-- ``embeddings``: before the first stage (the embeddings, and the end of backward);
-- ``between stages``: code between two stages;
-- ``optimizer step``: its state and its step's temporaries (a foreach step holds one more copy of
-  the parameters); ``optimizer_advice`` says what ``fused=True`` or ``foreach=False`` would reach.
-
-A plan holds ``Binding.to_dict()`` as ``plan.binding``; the summary, the metrics and the CLI's
-``--json`` read it there.
+Its bytes split into static memory, the activations earlier stages stored, and the term's own
+activations and temporaries. Terms are a ``stage`` (forward or backward), the ``head and loss``
+(after the last stage), the ``embeddings`` (before the first), code ``between stages``, and the
+``optimizer step``, for which ``optimizer_advice`` says what ``fused=True`` or ``foreach=False``
+would reach. A plan holds ``Binding.to_dict()`` as ``plan.binding``.
 
 Example:
     >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
@@ -51,14 +42,10 @@ class Binding:
     """The term that attains a plan's peak and its bytes, split.
 
     Attributes:
-        term: ``stage``, ``head and loss``, ``embeddings``, ``between stages`` or ``optimizer step``.
-        name: the stage (or span ``first..last``) or segment's name.
-        peak_bytes: the term's bytes: the plan's predicted peak.
         static_bytes: parameters, buffers and optimizer state alive there (and gradients at the optimizer step).
-        stored_bytes: activations stored by earlier stages, alive there.
-        own_bytes: the rest: the term's own activations, temporaries and gradients alive.
+        own_bytes: the term's own activations, temporaries and gradients alive.
         advice: per optimizer setting (``OPTIMIZER_SETTINGS``), the least peak it would reach.
-        host_limit_bytes: host memory that limited offloading (``offload_model.solve_within_host``), or None.
+        host_limit_bytes: host memory that limited offloading, or None.
 
     Example:
         >>> Binding("stage", "h.3", 10, 4, 2, 4).largest
@@ -126,8 +113,7 @@ def describe(profile: Profile, term: PeakTerm) -> Binding:
 
 
 def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
-    """``profile`` with its optimizer step as it runs under ``setting`` (an ``OPTIMIZER_SETTINGS``
-    key), from the measured alternative; None when that was not measured.
+    """``profile`` with its optimizer step as measured under ``setting``; None when not measured.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
@@ -143,8 +129,7 @@ def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
 
 
 def optimizer_advice(profile: Profile, least_peak: Callable[[Profile], int]) -> dict[str, int]:
-    """Per optimizer setting that lowers the step's peak, the least peak the profile reaches with it
-    (``least_peak``: ``core.solve.least_peak``)."""
+    """Per optimizer setting that lowers the step's peak, the least peak the profile reaches with it."""
     advice = {}
     for setting, delta in profile.optimizer_step_alternatives.items():
         if delta < 0:

@@ -1,9 +1,8 @@
 """The memory budget a user gives, parsed once, and byte counts formatted for people.
 
 The budget is the peak memory of a whole training step on the model's device (parameters,
-gradients, optimizer state, activations and temporaries), as ``torch.cuda.max_memory_allocated``
-would report it. Nothing here imports torch at module level: only a percentage of a device that
-is here asks torch for the device's total memory, when it is resolved.
+gradients, optimizer state, activations, temporaries), as ``torch.cuda.max_memory_allocated``
+reports it. Only a percentage of a device that is here imports torch, when it is resolved.
 
 Example:
     >>> Budget.parse("80%").resolve(total_memory=10**9)
@@ -81,9 +80,8 @@ def _is_here(device: Any) -> bool:
 class Budget:
     """A budget as the user gave it: bytes, a share of the device's memory, or ``"min"``.
 
-    ``parse`` checks the form at once (so a typo fails where it was made); ``resolve`` turns it
-    into bytes on a device, which a percentage needs. ``text`` is what the user wrote, for
-    messages and for the plan's ``requested_budget``.
+    ``parse`` checks the form at once, so a typo fails where it was made; ``resolve`` turns it into
+    bytes on a device. ``text`` is what the user wrote.
 
     Example:
         >>> b = Budget.parse("10GB")
@@ -147,9 +145,8 @@ class Budget:
     def resolve(self, device: Any = None, total_memory: Any = None) -> int | str:
         """Bytes on ``device`` (or on a device of ``total_memory``), or ``"min"``.
 
-        A percentage refers to the device's total memory (``total_memory`` when the device is not
-        here; the host's memory for the CPU). A budget above the total, given or of a ``device``
-        that is here, is an error.
+        A percentage refers to the device's total memory (the host's for the CPU). A budget above the
+        known total is a ValueError.
 
         Example:
             >>> Budget.parse("10TB").resolve(total_memory="80GB")
@@ -185,17 +182,14 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
     """Turn a user's budget into a number of bytes, or the string ``"min"``.
 
     Args:
-        value: ``"10GB"``, ``"10 GiB"``, ``"512mb"`` (case-insensitive; kB/MB/GB/TB are decimal,
-            KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of bytes, ``"80%"`` of ``device``'s total
+        value: ``"10GB"``, ``"10 GiB"``, ``"512mb"`` (case-insensitive; kB/MB/GB/TB decimal,
+            KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of bytes, ``"80%"`` of the device's total
             memory, or ``"min"`` for the memory-minimal plan.
-        device: the device the percentage refers to (default: the CPU, that is the host's memory).
-        total_memory: the device's total memory (bytes or a size string) when it is not this
-            machine's: planning for a GPU that is not here. Percentages refer to it, and a budget
-            larger than it is an error.
+        device: the device a percentage refers to (default: the host).
+        total_memory: the device's total memory when it is not this machine's.
 
     Raises:
-        ValueError: for anything else (zero, negative, NaN, bool, None, "ten", "10XB", ...), naming
-            the value and the accepted forms.
+        ValueError: for anything else, naming the value and the accepted forms.
 
     Example:
         >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")

@@ -1,27 +1,17 @@
 """A module that runs several times in one step: one place in the chain per run, one option for all.
 
-A trunk under two heads, or two views through one encoder, runs each block twice per step, and the
-first run's saved tensors are alive through the second: the chain of the memory model is the
-places in the order the forwards ran (blocks 0..3, then 0..3 again), each with its own stored bytes
-and local peak (``StageProfile.call`` numbers a module's places), and backward runs them in reverse.
-The memory model's formula is unchanged, so the predictor is exact for these chains as for any
-other. What changes is the choice: a module is recomputed on every call or on none, so its places
-share one option (and its cost is the sum of its places': k calls, k recomputes).
+A trunk under two heads runs each block twice per step, and the first run's saved tensors are
+alive through the second: the chain is the places in the order the forwards ran, each with its own
+figures (``StageProfile.call`` numbers a module's places). The peak formula is unchanged; what
+changes is the choice: a module is recomputed on every call or on none, so its places share one
+option and its cost is the sum of its places'.
 
-The solver's chain DP cannot tie two places; ``tied_dp`` runs over the modules instead. The places
-split into *rounds*, maximal runs of places whose modules come in order (the second run of the trunk
-is a second round), and a place of round ``r`` is preceded by every place of the earlier rounds
-(whose totals are known only at the end) and by the places of its own round before it. So the DP
-carries per round the bytes stored so far and, per round, the largest term seen so far plus what the
-earlier rounds stored so far (which grows as later modules add to them): every term is then exact at
-the end, and every state's figures only grow, so a state over the budget is dropped at once. It is
-exact (a Pareto frontier over those figures and the cost) up to ``MAX_TIED_FRONTIER`` states per
-module, beyond which it keeps a spread of them: plans stay within the budget (every kept state's
-figures are exact), optimality is then not proven. Spans (several stages under one checkpoint) are
-not offered in such a profile. A step that runs backward between the runs (Lightning's manual
-optimization, a GAN's two phases) frees the first run's tensors first: the place where the next run
-starts is ``fresh`` (``StageProfile.fresh``), and only the rounds since the last fresh place are
-alive under a place.
+The chain DP cannot tie two places, so ``tied_dp`` runs over the modules. Places split into
+*rounds* (maximal runs whose modules come in order); the DP carries per round the bytes stored so
+far and the largest term seen plus what earlier rounds stored, so every term is exact at the end
+and only grows, and a state over the budget is dropped at once. It is exact up to
+``MAX_TIED_FRONTIER`` states per module; beyond, plans stay within the budget but optimality is
+not proven. A place after a backward (manual optimization) is ``fresh``: earlier rounds are freed.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -91,9 +81,7 @@ def check_tied(profile: Profile, choices: Sequence[int]) -> None:
 
 
 def _rounds(profile: Profile, owner: list[int]) -> tuple[list[int], np.ndarray]:
-    """Per place, its round: a new round starts where a module does not come after the one before, and
-    at a ``fresh`` place; and which rounds' places are alive under which (``[r', r]``: r' before r, in
-    the same episode, the places between two fresh ones)."""
+    """Per place, its round, and which rounds' places are alive under which (``[r', r]``, same episode)."""
     found, episodes, current, previous = [], [0], 0, -1
     for i, module in enumerate(owner):
         fresh = profile.stages[i].fresh and i > 0
@@ -166,9 +154,10 @@ def _segment_terms(profile: Profile) -> tuple[int, dict[int, int]]:
 
 
 def _falls(rows: list, rounds: list[int], under: np.ndarray) -> np.ndarray:
-    """Per module row, the most the earlier rounds' stored bytes can still fall from there on (a
-    sharded stage's figure can be below zero): a state is dropped only when no later module can
-    bring it back within the budget."""
+    """Per module row, the most the earlier rounds' stored bytes can still fall (sharded figures go below zero).
+
+    A state is dropped only when no later module can bring it back within the budget.
+    """
     r_count = len(under)
     falls = np.zeros((len(rows) + 1, r_count))
     for k in range(len(rows) - 1, -1, -1):
@@ -195,8 +184,7 @@ def _backtrack(back: list[tuple[np.ndarray, np.ndarray]], best: int, rows: list,
 
 
 def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None:
-    """Option index per place: the least-cost plan whose peak is within ``budget`` (``None``: the
-    plan of least peak), each module's places sharing one option; None when nothing fits."""
+    """Option index per place of the least-cost plan within ``budget`` (None: least peak); None when nothing fits."""
     owner, rows = _tables(profile, kind)
     rounds, under = _rounds(profile, owner)
     r_count = len(under)
@@ -250,8 +238,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
 
 
 def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
-    """``solve.solve_segmentation`` for a profile where a module stands at several places: option
-    indices per place (no spans); inputs several checkpoints hold as ``solve._counted_once`` takes them.
+    """``solve.solve_segmentation`` for a profile with tied places: option indices per place, no spans.
 
     Raises BudgetTooSmallError when nothing fits.
     """

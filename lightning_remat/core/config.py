@@ -1,11 +1,8 @@
 """What a user asks for, checked once and passed whole: the budget, the cost kind, how to profile.
 
-Every entry point (``plan_remat``, ``AutoRemat``, the Accelerate plugin, the batch-size search,
-the command line) builds one ``RematConfig`` from its arguments; the checks below run there,
-once, and the planning service reads the typed fields instead of a row of keyword arguments.
-Each field's ``help`` (its ``metadata``) is the one description of that setting: the classes'
-docstrings and the command line's ``--help`` are made from it, and every entry point takes the
-setting under the field's name, with the field's default.
+Every entry point builds one ``RematConfig`` from its arguments and the checks run there, once.
+Each field's ``help`` metadata is the one description of that setting: the classes' docstrings
+and the command line's ``--help`` are made from it.
 
 Example:
     >>> config = RematConfig("10GB", cost="flops", profile=ProfileOptions(candidates=("GPT2Block",)))
@@ -47,16 +44,11 @@ def check_cost_kind(kind: Any) -> CostKind:
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
-    """None, or a non-empty tuple of module classes, class names or name patterns.
-
-    A string is one name or pattern, or several separated by commas (as an environment variable
-    gives them).
+    """None, or a non-empty tuple of module classes, class names or name patterns (text: comma-separated).
 
     Example:
         >>> normalize_candidates("GPT2Block, transformer.h.*")
         ('GPT2Block', 'transformer.h.*')
-        >>> normalize_candidates(None) is None
-        True
     """
     if candidates is None:
         return None
@@ -76,9 +68,9 @@ def normalize_candidates(candidates: Any) -> tuple | None:
 
 
 def parse_policies(text: Any) -> tuple | None:
-    """Policies as text gives them (a flag, an environment variable): names separated by commas;
-    ``"all"`` for every policy (None), ``""`` or ``"none"`` for none (``()``). Anything else
-    passes through unchanged.
+    """Policies as text gives them: comma-separated names; ``"all"`` is None, ``""``/``"none"`` is ``()``.
+
+    Anything not text passes through unchanged.
 
     Example:
         >>> parse_policies("save_matmuls, save_attention"), parse_policies("all"), parse_policies("none")
@@ -95,10 +87,8 @@ def parse_policies(text: Any) -> tuple | None:
 def check_policies(policies: Any) -> tuple | None:
     """Validate the policies a user offers: None (every policy), or a tuple of plain policy names.
 
-    Accepted: None; a list, tuple or set of names, each plain or as its option name
-    (``"save_matmuls"`` or ``"sac:save_matmuls"``, as the docs and a plan's summary spell it); text
-    as ``parse_policies`` reads it. Anything else (``True``, a number) is a ValueError naming what
-    is accepted, whichever entry point it came through.
+    Names may carry their option prefix (``"sac:save_matmuls"``); text is read by ``parse_policies``.
+    Anything else is a ValueError naming what is accepted.
 
     Example:
         >>> check_policies(["sac:save_matmuls", "save_attention"]), check_policies("all")
@@ -213,11 +203,9 @@ class ProfileOptions:
 
 
 def check_world_size(world_size: Any, fake: bool) -> int:
-    """Validate a world size (GPUs an FSDP2 step is sharded over).
+    """Validate a world size (GPUs an FSDP2 step is sharded over); above 1 it needs ``fake``.
 
-    FSDP2 pads a parameter whose first dimension the world size does not divide, so any world
-    size from 1 to ``MAX_WORLD_SIZE`` (65536) is valid; above 1 a single process can only plan it
-    on fake tensors.
+    Raises ``ShardingError``.
 
     Example:
         >>> check_world_size(8, fake=True)
@@ -308,8 +296,7 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def profile_options(options: ProfileOptions | None = None, **keywords: Any) -> ProfileOptions:
-    """``options``, or one made from ``keywords`` (``ProfileOptions``' field names); both at once is a
-    ``ConflictingArgumentsError`` (a ``TypeError``) naming the keywords, never a silent choice.
+    """``options``, or one made from ``keywords``; both at once is a ``ConflictingArgumentsError``.
 
     A keyword left at its default counts as not given.
 

@@ -1,27 +1,18 @@
-"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
+"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers.
 
-A transformer is N interchangeable layers between an embedding and a head, and every term of its
-profile is linear in where a stage sits, which lets a deep model be profiled from two shallow copies
-(``runtime.profiling.repeated`` runs them):
+Every term of a transformer's profile is linear in where a stage sits, so a deep model can be
+profiled from two shallow copies (``runtime.profiling.repeated`` runs them):
 
 - a stage's stored bytes, saved bytes and FLOPs do not depend on the depth;
-- a peak is the higher of a forward figure and a backward figure. Each counts the static memory
-  (parameters, buffers, the optimizer state counted ahead), which grows by the same bytes per
-  layer, and the backward one also the gradients of the layers after the stage:
-  ``figure = a + s * N + g * d``, ``d`` the number of layers after it.
+- a peak is the higher of a forward and a backward figure, each ``a + s * N + g * d`` (static
+  memory grows per layer; backward also holds the gradients of the ``d`` layers after the stage).
 
-The higher of two lines is not a line, so the two figures are measured apart: each copy is profiled
-with ballast (a pebibyte of fake memory) held through forward, which makes every peak its forward
-figure, and again with it held through backward. Each figure is extrapolated alone and the peak is
-the higher. The first and last layers (and the gaps beside them) may differ from the middle ones (the
-first layer's input is the embedding's output, the last one feeds the head); they are fitted in
-``N`` alone. The middle layers give five points for three unknowns, so the linear form is checked,
-not assumed; whatever does not fit makes ``extrapolate`` return None and the caller profiles the
-whole model.
-
-Every number goes through the profile algebra (``core.profile_algebra.combine``): the fits here
-are combiners, so a numeric field added to the profile is extrapolated with no change here; which
-figures are peaks (lifted by the ballast) is the algebra's ``Growth.PEAK``.
+The higher of two lines is not a line, so the figures are measured apart: each copy is profiled
+with ballast held through forward (every peak is its forward figure), and again through backward.
+First and last layers are fitted in ``N`` alone. The middle layers give five points for three
+unknowns, so the form is checked, not assumed; what does not fit returns None and the caller
+profiles the whole model. The fits are combiners of ``core.profile_algebra``, so a numeric field
+added to the profile is extrapolated with no change here.
 
 Example:
     >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -55,17 +46,9 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
 
     Args:
-        forward: the profiles of the model cut to ``DEPTHS[0]`` and ``DEPTHS[1]`` layers, measured
-            with ``ballast`` held in forward (``runtime.profiling.repeated.with_ballast``): every
-            peak is its forward figure.
-        backward: the same, with the ballast held in backward.
-        ballast: its size.
+        forward: the profiles at ``DEPTHS[0]`` and ``DEPTHS[1]`` layers measured with ``ballast`` bytes
+            held in forward; ``backward``: the same, held in backward.
         prefix: the name of the layers' ``ModuleList`` (stages are ``prefix.i``).
-        layers: the depth to extrapolate to.
-
-    Every number is linear: in ``N`` and ``d`` (layers after it) for the middle layers, checked on
-    five points for three unknowns; in ``N`` for the first and last layers, the gaps beside them and
-    the rest. A peak is the higher of its forward and backward figures, each extrapolated alone.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -114,15 +97,13 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
 
 
 def _skeleton(profile: Profile) -> dict:
-    """Everything but the peaks (which the ballast lifts: every figure that counts the memory alive),
-    the baseline's included."""
+    """Everything but the peaks, which the ballast lifts."""
     return combine([profile], lambda term, values: None if term.quantity.growth is Growth.PEAK else values[0],
                    derive=False).to_dict()
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal, floats to a relative 1e-9: roofline seconds are float sums over thousands of ops, whose
-    last bits differ between the forward- and backward-ballast runs. Everything else exactly.
+    """Equal, floats to a relative 1e-9 (roofline sums differ in the last bits between runs).
 
     Example:
         >>> _same({"s": [0.1 + 0.2, 3]}, {"s": [0.3, 3]}), _same({"s": [1]}, {"s": [2]})
@@ -143,8 +124,7 @@ _RENAMED = {(StageProfile, "name"), (StageOption, "checkpointed"), (StageOption,
 
 
 def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
-    """The structure policy of the boundary fits: a field renamed per layer is the larger copy's (the
-    caller renames it), anything else (a policy, a module type, the sharding) the same at both depths."""
+    """The boundary fits' structure policy: a per-layer name is the larger copy's, anything else must agree."""
     if (owner, name) in _RENAMED:
         return values[-1]
     if any(v != values[0] for v in values[1:]):

@@ -1,10 +1,4 @@
-"""The line fits of the depth fit (``core.depth_fit``): a number at ``N`` layers from its values at
-``DEPTHS``, on numbers only.
-
-A middle layer's number is a line in ``N`` and ``d`` (the layers after it), checked on the five
-measured points; a number of the first or last layer, a gap beside them or the whole profile is a
-line in ``N``. A peak is a ``Pair`` of its forward and backward figures, each fitted alone, and
-the higher of the two is the peak. Whatever does not fit raises ``NoFit``.
+"""The line fits of the depth fit (``core.depth_fit``): a number at ``N`` layers from its values at ``DEPTHS``.
 
 Example:
     >>> fit = Fit(12)
@@ -95,8 +89,7 @@ class Fit:
         return lambda term, values: self.middle(dict(zip(points, values)))
 
     def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
-        """One phase's figure of a middle peak: None where that pass visits none of the measured
-        regions (FSDP2 leaves no moment between two late layers in backward), a line where it visits all."""
+        """One phase's figure of a middle peak: None where that pass visits no measured region."""
         missing = [k for k, v in points.items() if v is None]
         if len(missing) == len(points):
             return None
@@ -106,9 +99,11 @@ class Fit:
 
 
 def pair_figures(up: int, down: int, ballast: int) -> Pair:
-    """A peak's figures from its forward-ballast and backward-ballast values, less the ballast. A
-    figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
-    neither run (the optimizer step's, outside forward and backward) keeps both values."""
+    """A peak's figures from its forward- and backward-ballast values, less the ballast.
+
+    A figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
+    neither run (the optimizer step's) keeps both values.
+    """
 
     def lifted(value: int) -> int | None:
         # Half the ballast: a lifted figure sits below it where the region's own figure is negative

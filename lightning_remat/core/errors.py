@@ -1,11 +1,9 @@
 """Every error lightning-remat raises on purpose, under one base class.
 
-``RematError`` is the base; each subclass is also the builtin it has always been (a
-``ValueError`` for bad input and budgets that cannot be met, a ``RuntimeError`` for a step that
-cannot run under fake tensors), so ``except ValueError`` in user code keeps working.
-
-Errors are picklable with every field and their full message: under torch.distributed rank 0
-decides and the other ranks raise the very same error (``service.planning.PlanOutcome``).
+Each subclass is also a builtin (``ValueError`` for bad input and budgets that cannot be met,
+``RuntimeError`` for a step that cannot run), so ``except ValueError`` in user code works. Errors
+pickle with every field and their full message: rank 0 decides and the other ranks raise the
+very same error.
 
 Example:
     >>> import pickle
@@ -76,8 +74,7 @@ class BudgetTooSmallError(RematError, ValueError):
             f"Raise the budget to at least that, or reduce the batch size."))
 
     def with_knobs(self, knobs: list[dict[str, Any]]) -> "BudgetTooSmallError":
-        """This error with ``knobs`` (each predicted: its setting and the least peak it gives) held
-        and said in the message, those that reach the budget first.
+        """This error with ``knobs`` (each a predicted setting and its least peak) held and said in the message.
 
         Example:
             >>> err = BudgetTooSmallError(100, 150).with_knobs(
@@ -97,8 +94,6 @@ class BudgetTooSmallError(RematError, ValueError):
 class BatchSizeTooSmallBudgetError(BudgetTooSmallError):
     """Even a batch of one does not fit the budget (or not within ``max_overhead``).
 
-    ``smallest_peak_bytes`` is the least peak any plan reaches at batch size 1.
-
     Example:
         >>> err = BatchSizeTooSmallBudgetError(100, 150, 80, "the least peak at batch size 1 is too high")
         >>> isinstance(err, BudgetTooSmallError), err.smallest_peak_bytes
@@ -116,8 +111,7 @@ class NoCandidateError(RematError, ValueError):
 
 
 class PlanFormatError(RematError, ValueError):
-    """A saved plan (a dict from ``Plan.to_dict``, a checkpoint's state) holds a value a plan cannot
-    have; ``field`` names where it is (``owner`` whose field it is) and ``value`` is what was found.
+    """A saved plan holds a value a plan cannot have; ``field`` names where, ``value`` is what was found.
 
     Example:
         >>> err = PlanFormatError("budget_bytes", "10GB", "a whole number of bytes")
@@ -134,8 +128,7 @@ class PlanFormatError(RematError, ValueError):
 
 
 class PlanMismatchError(RematError, ValueError):
-    """A plan was made for a model with other parameter shapes or other stages than the one it is
-    applied to; the message names the module and both shapes. Nothing was applied.
+    """A plan was made for a model with other parameter shapes or stages; nothing was applied.
 
     Example:
         >>> issubclass(PlanMismatchError, ValueError)
@@ -144,13 +137,10 @@ class PlanMismatchError(RematError, ValueError):
 
 
 class InstallationMismatchError(RematError, RuntimeError):
-    """What is installed on a model is not what its plan says (checked after every install and at
-    every step that keeps a plan: ``runtime.installing.verify``). ``planned`` and ``installed`` hold
-    both sides, per kind of action (``recomputed``: name -> policy, ``segments``, ``offloaded``,
-    ``offloaded_inputs``, ``chunked_heads``: name -> chunks); ``differences`` (and the message) names
-    each kind that differs, with both sides.
-    Something changed the model behind the plan's back (``remove_remat``, another library patching
-    ``forward``): the step would run without the memory the plan counted on, so it does not run.
+    """What is installed on a model is not what its plan says, so the step does not run.
+
+    ``planned`` and ``installed`` hold both sides per kind of action; ``differences`` names each kind
+    that differs.
 
     Example:
         >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
@@ -184,8 +174,7 @@ class AlreadyCheckpointedError(RematError, ValueError):
 class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
-    ``requested=False``: the fake pass is the package's own (a batch shape an integration or
-    ``ShapePlans`` plans, on fake tensors whatever ``fake`` says), so the advice is not ``fake=False``.
+    ``requested=False``: the fake pass is the package's own, so the advice is not ``fake=False``.
 
     Example:
         >>> str(FakeProfileError("aten._local_scalar_dense.default")).startswith("The model")
@@ -218,12 +207,10 @@ class PlanningFailedError(RematError, RuntimeError):
 
 
 class ShardingError(RematError, ValueError):
-    """A sharded (FSDP2, ``world_size`` > 1) plan was asked for in a way that cannot work; the
-    message says what to do instead.
+    """A sharded plan was asked for in a way that cannot work; the message says what to do instead.
 
     Example:
-        >>> err = ShardingError("world_size must be an int >= 1, got 0", "Pass world_size=8 for 8 GPUs.")
-        >>> str(err)
+        >>> str(ShardingError("world_size must be an int >= 1, got 0", "Pass world_size=8 for 8 GPUs."))
         'world_size must be an int >= 1, got 0. Pass world_size=8 for 8 GPUs.'
     """
 
@@ -233,10 +220,9 @@ class ShardingError(RematError, ValueError):
 
 
 class ShardedBudgetTooSmallError(BudgetTooSmallError):
-    """No plan fits the budget per GPU at this world size. ``smallest_peak_bytes`` is the least peak
-    per GPU at ``world_size``; ``smallest_world_size`` the least world size at which that least peak
-    is estimated to fit (None when no number of GPUs would: what is not sharded, the activations and
-    the unsharded parameters in flight, is already over the budget).
+    """No plan fits the budget per GPU at this world size.
+
+    ``smallest_world_size`` is the least world size estimated to fit (None when none would).
 
     Example:
         >>> err = ShardedBudgetTooSmallError(100, 150, 80, world_size=2, smallest_world_size=8)
@@ -262,9 +248,7 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
 
 
 class UnsupportedSetupError(RematError, NotImplementedError):
-    """The training setup is one planning does not support (Accelerate's DeepSpeed, Megatron-LM or
-    XLA modes, ``torch.compile`` through Accelerate's ``dynamo_backend``); the message names the
-    workaround. Also a ``NotImplementedError``, as these refusals were before.
+    """A training setup planning does not support (DeepSpeed, Megatron-LM, XLA, ``dynamo_backend``).
 
     Example:
         >>> issubclass(UnsupportedSetupError, NotImplementedError)
@@ -273,8 +257,7 @@ class UnsupportedSetupError(RematError, NotImplementedError):
 
 
 class StepError(RematError, RuntimeError):
-    """The training step does something planning cannot use (no candidate block ran in it, or it
-    returned a loss once and not when re-run). Also a ``RuntimeError``, as it was before.
+    """The training step does something planning cannot use (no candidate block ran in it, say).
 
     Example:
         >>> issubclass(StepError, RuntimeError)
@@ -283,8 +266,7 @@ class StepError(RematError, RuntimeError):
 
 
 class InvalidPlanError(RematError, ValueError):
-    """A plan's actions cannot be installed together (a module named twice, or inside another named
-    module: nested checkpoints). Also a ``ValueError``, as it was before.
+    """A plan's actions cannot be installed together (a module named twice, or nested checkpoints).
 
     Example:
         >>> issubclass(InvalidPlanError, ValueError)
@@ -293,9 +275,7 @@ class InvalidPlanError(RematError, ValueError):
 
 
 class SkippedStepError(StepError):
-    """``training_step`` skipped the batch it was profiled on (returned None, or under manual
-    optimization called no ``manual_backward``), which Lightning allows: there is no loss to plan
-    on. ``AutoRemat`` catches it and plans on the next batch that returns a loss.
+    """``training_step`` skipped the batch it was profiled on: no loss to plan on; ``AutoRemat`` tries the next.
 
     Example:
         >>> issubclass(SkippedStepError, StepError)
@@ -304,8 +284,7 @@ class SkippedStepError(StepError):
 
 
 class ConflictingArgumentsError(RematError, TypeError):
-    """The same setting was given twice: as a keyword and inside ``options=``, or with different
-    values for one model (two sessions). A ``TypeError``, as Python's own "got multiple values for argument".
+    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model).
 
     Example:
         >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))
@@ -315,8 +294,6 @@ class ConflictingArgumentsError(RematError, TypeError):
 
 class UnsupportedShardingError(UnsupportedSetupError):
     """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
-    The message names the workaround: FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``),
-    or ``plan_remat`` and ``apply_plan`` on the model before it is wrapped.
 
     Example:
         >>> issubclass(UnsupportedShardingError, NotImplementedError)

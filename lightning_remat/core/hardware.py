@@ -1,9 +1,8 @@
-"""One table of the GPUs the package knows, and one lookup by device name. Plain numbers, no torch.
+"""One table of the GPUs the package knows, and one lookup by device name.
 
-Per GPU model, the vendors' data-sheet figures the planner prices with: dense peak FLOP/s per
-training dtype (tensor cores, without sparsity), the device memory's bandwidth (roofline pricing of
-recompute, ``runtime.measuring.roofline``) and the effective host-link bandwidth (offloading,
-``core.offload_model``).
+Per GPU model, the data-sheet figures the planner prices with: dense peak FLOP/s per training
+dtype, the device memory's bandwidth (roofline pricing of recompute) and the effective host-link
+bandwidth (offloading, ``core.offload_model``).
 
 Example:
     >>> gpu("H100").memory_bandwidth / 1e12, gpu("h100").flops() / 1e12
@@ -23,12 +22,9 @@ TRAINING_EFFICIENCY = 0.4
 
 # The CPU's ceilings for the roofline cost (``cost="roofline"`` profiled on a CPU): fixed figures,
 # not measured, so the same profile gives the same plan in every process and on every machine.
-# Only their ratio, the ridge point (FLOPs per byte moved above which an op is priced by its FLOPs),
-# changes a plan or its overhead: scaling both scales every cost alike. One core of this project's
-# CI machine (an Intel Xeon), rounded: a float32 384 x 384 matmul ran at 168-205 GFLOP/s and an 8 MiB
-# copy at 28-29 GB/s (read plus written) over fresh processes, a ridge of 5.8-7.4 FLOP/byte; with two
-# threads on its two busy cores both fell about 25-fold and the ridge stayed at 6.3-7.0.
-# docs/selective_checkpointing.md says how much it moves between machines.
+# Only their ratio, the ridge point (FLOPs per byte above which an op is priced by its FLOPs),
+# changes a plan: scaling both scales every cost alike. docs/roofline.md says where they come from
+# and how much the ridge moves between machines.
 CPU_FLOPS = 200e9
 CPU_MEMORY_BANDWIDTH = 30e9
 
@@ -38,12 +34,9 @@ class GpuSpec:
     """The data-sheet figures of one GPU model (SXM where there are SXM and PCIe forms).
 
     Attributes:
-        name: the table's key ("h100", "h100-pcie", ...), lower case.
-        peak_flops: dense FLOP/s per dtype name ("bf16", "fp16") on tensor cores, without sparsity.
-            GPUs without bfloat16 hardware (V100, T4) have the "fp16" figure only.
-        memory_bandwidth: the device memory's bandwidth (HBM or GDDR), bytes/s.
-        host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction: PCIe 3
-            ~12 GB/s, PCIe 4 ~25 GB/s, PCIe 5 ~50 GB/s, NVLink-C2C (Grace Hopper) ~400 GB/s.
+        peak_flops: dense FLOP/s per dtype name ("bf16", "fp16") on tensor cores, without sparsity;
+            GPUs without bfloat16 hardware (V100, T4) have "fp16" only.
+        host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
 
     Example:
         >>> gpu("v100").flops(), gpu("v100").flops("fp16")
@@ -56,8 +49,7 @@ class GpuSpec:
     host_link_bandwidth: float
 
     def flops(self, dtype: str | None = None) -> float:
-        """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the training dtype's (the 16-bit
-        tensor-core figure, whichever of bf16/fp16 the GPU has)."""
+        """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the 16-bit tensor-core figure."""
         if dtype is None:
             return max(self.peak_flops.values())
         if dtype not in self.peak_flops:
@@ -91,9 +83,8 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 
 
 # Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
-# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
-# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
-# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
+# (an 8-GPU DGX H100 has 2 TiB). The default of fake planning's ``host_memory``: the target's, not
+# this machine's.
 HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
     ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
     ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
@@ -126,11 +117,7 @@ def gpu(name: str) -> GpuSpec:
 
 
 def match_gpu(device_name: str) -> str | None:
-    """The table key a device's name contains (``torch.cuda.get_device_name``), or None.
-
-    Spaces and case are ignored, and the longest key wins: "h100-pcie" before "h100", "a10g"
-    before "a10".
-    """
+    """The table key a device's name contains (``torch.cuda.get_device_name``), or None; the longest key wins."""
     lowered = device_name.lower().replace(" ", "")
     for key in sorted(GPUS, key=len, reverse=True):
         if key.replace("-", "") in lowered:

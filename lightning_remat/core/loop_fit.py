@@ -1,10 +1,8 @@
-"""The peak of a loop that does not train (validation, test) as a line in its batch size, on numbers only.
+"""The peak of a loop that does not train (validation, test) as a line in its batch size.
 
-An evaluation batch runs a forward without gradients: nothing is saved for backward, so its
-working memory (the activations in flight, the loss's temporaries) grows with the batch as
-``base + per_sample * batch``, above what is alive when the loop starts (parameters, buffers, the
-training's gradients and optimizer state). ``ForwardFit`` is that line through forwards measured at
-two batch sizes; it predicts the peak of any batch and the largest batch within a budget.
+A forward without gradients saves nothing for backward, so its working memory grows with the batch
+as ``base + per_sample * batch`` above what is alive when the loop starts. ``ForwardFit`` is that
+line through forwards measured at two batch sizes.
 
 Example:
     >>> fit = ForwardFit.through([(1, 1_300), (2, 2_300)])
@@ -35,9 +33,10 @@ class ForwardFit:
 
     @classmethod
     def through(cls, points: Sequence[tuple[int, int]]) -> "ForwardFit":
-        """The line through one or two ``(batch size, working bytes)`` measurements (one: through zero).
-        Neither coefficient goes below zero: a line that would shrink with the batch is taken as flat
-        at its larger point, which over-estimates the smaller batches rather than the larger ones.
+        """The line through one or two ``(batch size, working bytes)`` points (one: through zero).
+
+        Neither coefficient goes below zero: a line that would shrink with the batch is taken as flat at
+        its larger point, over-estimating the smaller batches rather than the larger ones.
 
         Example:
             >>> ForwardFit.through([(2, 500), (4, 400)])

@@ -15,9 +15,8 @@ bytes stored by the first ``k`` stages,
 
     peak = max( max_i local_peak_i(o_i) + S_i ,  max_segments peak_bytes + S_stages_alive )
 
-Static memory (parameters, gradients as they accumulate, optimizer state) is part of the local and
-segment peaks, because it is measured, not modelled. The profiler measures every term under every
-option, so the model is exact for plans that use one option everywhere and additive in between.
+Static memory is part of the local and segment peaks (measured, not modelled). The model is
+exact for plans that use one option everywhere and additive in between.
 
 Example:
     >>> keep = StageOption("keep", (), stored_bytes=100, local_peak_bytes=150, cost_seconds=0, cost_flops=0)
@@ -67,16 +66,13 @@ class StageOption:
     # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
     # ``host_bytes`` is that input.
     input_offloaded: bool = False
-    # Inputs other recomputed stages' checkpoints may hold too (a tensor every layer receives, as
-    # ``position_ids``), as (label, bytes): part of ``stored_bytes``, alive once however many hold
-    # it (``core.shared_held``). And those an earlier stage held in this option's run, which its
-    # ``local_peak_bytes`` counts: a plan holding them before this stage already counts them.
+    # Inputs other recomputed stages may hold too (``position_ids``), as (label, bytes), counted once
+    # (``core.shared_held``); and those an earlier stage held in this option's run.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
-        """Recompute cost of this option in seconds (``"time"``), FLOPs (``"flops"``) or roofline
-        seconds (``"roofline"``): a ``vocabulary.CostKind``."""
+        """Recompute cost in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
@@ -84,8 +80,8 @@ class StageOption:
 class StageProfile:
     """A candidate block and its options; ``options[0]`` is always ``"keep"``.
 
-    The descriptive figures (saved, input and output bytes, forward cost) are what the profiler
-    saw with nothing recomputed; the solver only reads the options.
+    The descriptive figures are what the profiler saw with nothing recomputed; the solver reads only
+    the options.
 
     Example:
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -102,8 +98,7 @@ class StageProfile:
     forward_flops: int = 0
     module_type: str = ""
     # Which run of the module's calls in one step this stage is: 0 for its first; k > 0 for a later
-    # one (a trunk under two heads runs each block twice), the same module tied to the option of its
-    # first stage, at its own place in the chain with its own figures (``core.calls``).
+    # one, tied to the option of its first stage (``core.calls``).
     call: int = 0
     # Its forward starts after the backward of every stage before it (a step that runs backward
     # more than once: Lightning's manual optimization): nothing they stored is alive any more.
@@ -165,21 +160,16 @@ class Profile:
     # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
     span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
     # Blocks planned through their children (``runtime.profiling.hierarchy``): each a module name and
-    # the stages its forward chains, in order. Recomputing the block whole is one checkpoint over
-    # those stages (``core.spans``), the other choice to planning each of them. Empty: none.
+    # the stages its forward chains; recomputing the block whole is one checkpoint over them.
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
-    # The optimizer step under another setting (``core.binding.OPTIMIZER_SETTINGS``: "fused=True",
-    # "foreach=False"): bytes its step peak would differ by. Measured on fake copies with the profile
-    # (``runtime.profiling.optimizer_step``); empty when not measured (no optimizer, a sharded step).
-    # A fake profile's is measured when first read (``optimizer_step.MeasuredOnRead``, a Mapping).
+    # The optimizer step under another setting (``core.binding.OPTIMIZER_SETTINGS``): bytes its step
+    # peak would differ by; empty when not measured. A fake profile's is measured when first read.
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
-    # What the profiled model was (``runtime.installing.fingerprint.binding_of``): the parameter shapes of
-    # its stages and blocks, and its number of parameters. ``solve`` puts it in the plan's fingerprint,
-    # so that ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
+    # What the profiled model was (parameter shapes of its stages and blocks, parameter count): the
+    # plan's fingerprint, so that ``apply_plan`` refuses the plan on a model of other shapes.
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    # Each gap's figures per memory run (``runtime.profiling.assemble.gap_figures``), read by the
-    # depth extrapolation only: not part of what a profile is (not compared, saved, nor carried by
-    # ``dataclasses.replace``: a changed profile's runs are not those figures' runs).
+    # Each gap's figures per memory run, read by the depth fit only: not compared, saved, nor carried
+    # by ``dataclasses.replace`` (a changed profile's runs are not those figures' runs).
     gap_figures: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -249,8 +239,7 @@ class Profile:
 
 
 def priced(profile: Profile, rate: float) -> Profile:
-    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP: the one place
-    FLOPs become seconds (a fake profile for a named GPU, and one calibrated by a measured step).
+    """``profile``'s costs in seconds from its FLOPs at ``rate`` seconds per FLOP: the one place FLOPs become seconds.
 
     Example:
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -271,8 +260,7 @@ def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True)
 class PeakTerm:
-    """One term of the peak formula: a stage's local peak (``kind="stage"``, or ``"span"`` for stages
-    recomputed as one segment) or a segment's (``"segment"``), over the bytes stored before it.
+    """One term of the peak formula: a stage's, a span's or a segment's own peak over the bytes stored before it.
 
     Example:
         >>> PeakTerm("segment", 0, "head", own_bytes=50, stored_bytes=20).bytes
@@ -315,8 +303,7 @@ def peak_terms(profile: Profile, choices: Sequence[int]) -> list[PeakTerm]:
 
 
 def episode_starts(profile: Profile) -> list[int]:
-    """Per stage, the first stage whose stored bytes are alive while it runs: 0, or the last
-    ``fresh`` stage at or before it (a step that runs backward more than once).
+    """Per stage, the first stage whose stored bytes are alive while it runs (the last ``fresh`` one).
 
     Example:
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -336,8 +323,7 @@ def binding_term(terms: Sequence[PeakTerm]) -> PeakTerm | None:
 
 
 def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
-    """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``: the largest
-    of ``peak_terms``."""
+    """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``."""
     term = binding_term(peak_terms(profile, choices))
     return 0 if term is None else term.bytes
 

@@ -1,22 +1,15 @@
 """The "offload" option of a stage in the memory model: its transfer cost and its in-flight bytes.
 
-Plain numbers, no torch. The memory run of the "offload" option (every stage offloaded, tensors
-brought back on demand) measures what stays on the device and the bytes sent to the host. Two
-things it does not see are added here, both while the *next* stage runs:
+The offload memory run measures what stays on the device and the bytes sent to the host. Two
+things it does not see happen while the *next* stage runs: in forward the saved tensors stay on
+the device until the copy finishes, and in backward they come back (prefetch). Both are at most
+``host_bytes`` on top of the next stage's peak, so the stage's own option (the model is additive)
+gets the local peak ``stored + host_bytes + the next stage's largest local peak``, an upper bound.
+A prefetched stage has all its tensors back when its backward starts: its local peak is at least
+keep's.
 
-- in forward, the stage's saved tensors stay on the device until the next stage's forward has run
-  (the copy to the host overlaps that compute), and
-- in backward, they come back (prefetch) while the next stage's backward runs.
-
-Both are at most the stage's ``host_bytes`` on top of the next stage's peak, whatever option the
-next stage runs under. And a prefetched stage has all its tensors back when its backward starts,
-so its own local peak is at least keep's. That is a term of the *stage's own* option (the memory model is additive):
-its local peak is raised to ``stored + host_bytes + the largest local peak of the next stage`` (or
-of the segment that follows the last stage), which bounds the real peak from above.
-
-The cost is the transfer time not hidden behind the next stage's compute: forward
-``max(0, host / bandwidth - forward seconds of the next stage)``, backward the same against the
-next stage's backward (twice its forward). The last stage has nothing after it to hide behind.
+The cost is the transfer time not hidden behind the next stage's compute, forward and backward
+(twice the forward); the last stage has nothing to hide behind.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
@@ -69,13 +62,11 @@ def host_link_bandwidth(gpu: str) -> float:
 
 
 def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:
-    """``profile`` with its offload options priced (seconds, FLOP-equivalents at
-    ``flops_per_second``, roofline seconds) and their in-flight bytes bounded (module docstring)."""
+    """``profile`` with its offload options priced and their in-flight bytes bounded (module docstring)."""
     stages = list(profile.stages)
     n = len(stages)
-    # First: a stage prefetched (every stage but the last) has all its tensors back when its
-    # backward starts, as if kept: its local peak is at least keep's (plus what the host copies
-    # add beyond keep's stored bytes, for storages sent more than once).
+    # A prefetched stage has all its tensors back when its backward starts: its local peak is at
+    # least keep's (plus what storages sent more than once add).
     for i, stage in enumerate(stages[:-1]):
         keep = stage.options[0]
         stages[i] = replace(stage, options=tuple(
@@ -107,8 +98,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
-    """``profile`` with the offload options (the checkpoint input's too) removed from the given stage indices
-    (and from the other places of their modules: ``core.calls``)."""
+    """``profile`` without offload options at the given stage indices (and their modules' other places)."""
     owner = owners(profile)
     modules = {owner[i] for i in stages}
     return replace(profile, stages=tuple(
@@ -119,10 +109,9 @@ def without_offload(profile: Profile, stages: set[int]) -> Profile:
 def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile], Any]) -> Any:
     """``solve(profile)``, with no more than ``host_free`` bytes offloaded to the host.
 
-    The solver has no host-memory constraint, so while a plan offloads too much, the offload
-    option of the largest offloaded stages (enough of them to get under the limit) is withdrawn
-    and the profile solved again: the plans stay within the host's memory, though not always the
-    cheapest such plan. If no plan fits the budget without more host memory, a ``RematError`` says so.
+    The solver has no host-memory constraint, so while a plan offloads too much, the offload options
+    of the largest offloaded stages are withdrawn and the profile solved again: within the host's
+    memory, though not always the cheapest such plan. Raises ``RematError`` when nothing fits.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile

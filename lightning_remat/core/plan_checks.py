@@ -1,9 +1,8 @@
 """What a saved plan may hold: every field of a ``Plan.to_dict`` checked before a plan is built.
 
-A plan comes back from JSON files people edit, from checkpoints written by other versions, and
-from other ranks; a wrong value there ("10GB" for a number of bytes, ``10**400``, a string where a
-list of notes belongs) must fail on load, naming the field and the value (``PlanFormatError``),
-not later in ``summary()`` or while a model is being wrapped.
+Plans come back from edited JSON files, old checkpoints and other ranks; a wrong value there must
+fail on load, naming the field and the value (``PlanFormatError``), not later while a model is
+being wrapped.
 
 Example:
     >>> check_plan_dict({"checkpointed": ["h.0"], "budget_bytes": 2**30, "notes": ["ok"]})
@@ -128,9 +127,9 @@ def _check_mappings(data: Mapping[str, Any]) -> None:
 
 
 def check_plan_dict(data: Any) -> None:
-    """Raise ``PlanFormatError`` (a ``ValueError``) naming the first field of ``data`` that no plan
-    can hold: types, finite numbers, byte counts within 0..2**63 - 1, lists of strings, the choices'
-    stages among the actions' stages. (Module names and actions are checked as plans are built.)
+    """Raise ``PlanFormatError`` naming the first field of ``data`` that no plan can hold.
+
+    Module names and actions are checked as plans are built.
 
     Example:
         >>> check_plan_dict({"checkpointed": ["h.0"], "notes": "abc"})
@@ -172,11 +171,10 @@ def _layout(layout: Any) -> bool:
 
 
 def check_saved_state(state: Any, owner: str) -> None:
-    """The state an integration keeps in a checkpoint (``AutoRemat``'s, ``RematBatchSizeFinder``'s):
-    a dict whose ``plan`` is a plan's dict or None, whose ``plans`` are ``[batch size, sequence
-    length, plan]`` with the shape's layout fourth where it has one (``core.shapes.Shape.to_list``),
-    and whose figures are byte counts or batch sizes. ``owner`` names it in
-    the error. (Each plan's own fields are checked by ``Plan.from_dict``.)
+    """Check the state an integration keeps in a checkpoint; ``owner`` names it in the error.
+
+    ``plan`` is a plan's dict or None; ``plans`` are ``[batch size, sequence length, plan]`` with the
+    shape's layout fourth where it has one. Each plan's own fields are checked by ``Plan.from_dict``.
 
     Example:
         >>> check_saved_state({"plan": "h.0"}, "AutoRemat's checkpoint state")

@@ -1,8 +1,6 @@
-"""A plan as plain text, the one way it is written everywhere (no rich, no torch).
+"""A plan as plain text, the one way it is written everywhere (``Plan.summary()``).
 
-``Plan.summary()`` is this text; the report layer (``report.render``) shows the same headline and
-lines in a terminal with a rich table. A plan that predicts nothing (made without a profile) is
-read one way: its predicted figures are None, and the text says they are not predicted.
+A plan made without a profile predicts nothing: the text says its figures are not predicted.
 
 Example:
     >>> from lightning_remat.core.plan import Plan, StageAction
@@ -53,8 +51,7 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
 
 
 def plan_rows(plan: Any) -> list[tuple[str, str, str, str, str]]:
-    """One row per stage (``TABLE_HEADER``): option, stored bytes with and without it, recompute
-    cost; without a profile's choices, one row per recomputed module."""
+    """One row per stage (``TABLE_HEADER``); without a profile's choices, one per recomputed module."""
     unit = "FLOP" if plan.cost_kind == "flops" else "s"
     rows = [(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
              f"{c.cost:.3g} {unit}" if c.cost else "-") for c in plan.choices]
@@ -138,12 +135,9 @@ def plan_text(plan: Any, title: str = "Recompute plan") -> str:
 
 
 def per_gpu_breakdown(plan: Any) -> dict[str, int]:
-    """The per-GPU peak of a sharded plan, split: sharded parameters (the master weights under mixed
-    precision), gradients and optimizer state, the unsharded parameters in flight at most, and the
-    rest of the predicted peak (activations of the local batch, temporaries, reduce-scatter
-    buffers). Empty for an unsharded plan, and for a plan that predicts nothing.
+    """The per-GPU peak of a sharded plan, split into its static parts and the rest.
 
-    (Also ``core.sharding.per_gpu_breakdown``; it lives here so that the text needs nothing above it.)
+    Empty for an unsharded plan and for one that predicts nothing.
 
     Example:
         >>> from lightning_remat.core.plan import Plan

@@ -1,12 +1,8 @@
-"""The one predictor: a plan's peak, recompute cost and host bytes from a profile, read from its
-typed actions (``core.plan.StageAction``), as rotor's simulator reads the one operation sequence
-its solvers return.
+"""The one predictor: a plan's peak, recompute cost and host bytes, read from its typed actions.
 
-Each action names what happens to a stage; the predictor finds the profile's option that does
-that (keep; recompute these modules under this policy; offload up to this limit) and the spans of
-the segments, and prices them with the memory model (``core.shared_held.exact_peak``,
-``plan_cost_spans``). ``actions_of`` is the other direction: the actions of option indices and
-spans, which is what the exact solver finds.
+As rotor's simulator reads the one operation sequence its solvers return, ``predict`` finds the
+profile's option each action names and prices them with the memory model; ``actions_of`` is the
+other direction, from the option indices and spans the solver finds.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
@@ -39,11 +35,9 @@ class Prediction:
     """What the memory model says of a plan.
 
     Attributes:
-        peak_bytes: the predicted peak of a training step.
         cost: recompute (and unhidden transfer) cost, in the unit of the cost kind.
-        overhead: ``cost`` over the cost of a step without recomputation (0.0 when that is unknown).
-        host_bytes: host memory the offloaded stages take.
-        binding: the term of the peak formula that attains the peak (``core.binding.describe`` names it).
+        overhead: ``cost`` over a step without recomputation (0.0 when that is unknown).
+        binding: the term of the peak formula that attains the peak.
     """
 
     peak_bytes: int
@@ -82,11 +76,10 @@ def option_index(stage: StageProfile, action: StageAction) -> int:
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The option index of each stage of ``profile`` and the spans ``(first, last)`` of the segments,
-    for ``actions`` (stages without an action are kept). Actions for every stage in the profile's
-    order are read by position (a synthetic profile may repeat a name), others by stage name.
+    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (others kept).
 
-    Raises ValueError for an action on a stage the profile does not have, or an option it does not offer.
+    Actions for every stage in order are read by position (a synthetic profile may repeat a name),
+    others by name. Raises ValueError for a stage or an option the profile does not have.
     """
     names = [s.name for s in profile.stages]
     # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
@@ -137,9 +130,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
 
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
-    """One action per stage of ``profile`` for option indices ``choices`` and ``spans`` (the stages
-    inside a span are its segment's; their choices are not read), except that a span over a block's
-    stages (``Profile.blocks``) is one action, the block recomputed.
+    """One action per stage for option indices ``choices`` and ``spans``; a span over a block is one action.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile

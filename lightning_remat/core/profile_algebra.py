@@ -1,20 +1,11 @@
 """One algebra for profiles: combine aligned profiles number by number, whatever the job.
 
-A ``Profile`` is a tree of dataclasses (the profile, its stages, their options, its segments) whose
-leaves are either measures (bytes, seconds, FLOPs) or structure (names, module tuples, policies,
-notes). Three jobs build a profile from others, number by number: the batch fit (a profile at any
-batch size from two, ``core.batch_fit``), the depth fit (N layers from 4 and 5, ``core.depth_fit``)
-and the rank merge (the largest of every term over the ranks, ``service.sharded.merge_profiles``).
-Each is a *combiner*, ``combiner(term, values) -> value``: given one numeric field (``Term``) and
-its values in the aligned inputs, it returns the combined value. ``combine`` walks every field of
-every node for all of them, so a numeric field added to the dataclasses is scaled, merged and
-extrapolated with no list to keep in sync; a fit in a second shape variable (the sequence length)
-is one more combiner.
-
-What each number is (``Quantity``) is declared here, once: its unit (bytes round up, counts round,
-seconds stay floats) from its type and name, and how it grows with the batch: static memory does not,
-a peak counts static memory under a part that grows, everything else grows in proportion. Only the
-exceptions to "a per-sample figure, never below zero" are listed (``_DECLARED``).
+A ``Profile`` is a tree of dataclasses whose leaves are measures (bytes, seconds, FLOPs) or
+structure (names, policies, notes). The batch fit, the depth fit and the rank merge each build a
+profile from others as a *combiner*, ``combiner(term, values) -> value``; ``combine`` walks every
+numeric field, so a field added to the dataclasses is scaled, merged and extrapolated with no list
+to keep in sync. What each number is (``Quantity``: unit, growth with the batch) is declared here
+once; only the exceptions to "a per-sample figure, never below zero" are listed (``_DECLARED``).
 
 Example:
     >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
@@ -71,13 +62,10 @@ class Quantity:
     """What one numeric field of a profile is.
 
     Args:
-        unit: bytes, a count or seconds.
-        growth: how it changes with the batch size.
-        signed: whether it may be below zero. Terms of the memory model that the predictor adds up
-            are measured differences (FSDP2 frees unsharded parameters that the stored bytes count,
-            so deep figures fall below zero): never clamped. Other figures are sizes and costs.
-        derive: for a figure computed from the rest of the node (the baseline peak, predicted from
-            the combined stages): how. ``combine`` recomputes it after the other fields.
+        signed: whether it may be below zero: terms the predictor adds up are measured differences
+            (FSDP2 frees unsharded parameters the stored bytes count), never clamped.
+        derive: how to compute a figure from the rest of its node (the baseline peak); ``combine``
+            recomputes it after the other fields.
 
     Example:
         >>> Quantity(Unit.BYTES).coerce(2.1), Quantity(Unit.COUNT).coerce(-3.4), Quantity(Unit.SECONDS).coerce(-1.0)
@@ -97,8 +85,7 @@ class Quantity:
         return self.derive is not None
 
     def coerce(self, value: float) -> int | float:
-        """``value`` as this quantity is stored: bytes rounded up, counts rounded, seconds as they are,
-        and never below zero unless ``signed``."""
+        """``value`` as stored: bytes rounded up, counts rounded, never below zero unless ``signed``."""
         if self.unit is Unit.SECONDS:
             return value if self.signed else max(0.0, value)
         number = int(math.ceil(value)) if self.unit is Unit.BYTES else round(value)
@@ -219,8 +206,7 @@ def terms(owner: type) -> tuple[Term, ...]:
 
 
 def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
-    """The structure policy of the batch fit and the rank merge: a structural field (a name, a
-    policy, the notes) is the first input's.
+    """The default structure policy: a structural field (a name, a policy, the notes) is the first input's.
 
     Example:
         >>> first_present(StageOption, "policy", ["", "save_matmuls"])
@@ -240,11 +226,10 @@ def largest(term: Term, values: Sequence[Any]) -> Any:
 
 
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
-    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: an input that
-    lacks the node): numbers by ``combiner(term, values)`` with ``values`` aligned with ``nodes``,
-    structure by ``structure(owner, name, values)`` over the nodes present (left out under
-    ``first_present``: a node built on the first present one has it). Derived figures are combined
-    like the rest; ``combine`` then recomputes them.
+    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: an input lacks it).
+
+    Numbers go through ``combiner(term, values)``, structure through ``structure(owner, name, values)``
+    over the nodes present.
 
     Example:
         >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
@@ -272,11 +257,9 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
             derive: bool = True) -> Any:
     """One node (a profile, stage, option or segment) combined from aligned ``nodes``, children and all.
 
-    Every numeric field goes through ``combiner`` and every structural one through ``structure``
-    (``combine_fields``); children line up as ``_CHILDREN`` says (stages by position, options by name,
-    segments by name and stages alive) and are combined the same way. Derived figures (the baseline
-    peak) are then recomputed from the result, unless ``derive`` is False (a combiner whose values are
-    not numbers yet).
+    Children line up as ``_CHILDREN`` says (stages by position, options by name, segments by name and
+    stages alive). Derived figures are recomputed from the result unless ``derive`` is False (a
+    combiner whose values are not numbers yet).
 
     Example:
         >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)
@@ -305,8 +288,7 @@ def _derived(owner: type) -> tuple[Term, ...]:
 
 
 def _align(collections: Sequence[Sequence[Any]], child: type) -> list[list[Any]]:
-    """The children of every input, lined up: one list per child, aligned with the inputs (None where
-    an input lacks it), in the order the inputs first have them."""
+    """The children of every input lined up: one list per child, None where an input lacks it."""
     keys, missing = _CHILDREN[child]
     if keys is None:
         if len({len(items) for items in collections}) > 1:

@@ -1,39 +1,20 @@
 """The shape fit: a profile at any batch size and sequence length, from profiles at a few shapes.
 
-A profile is measured at one batch shape; runs change shape every step (dynamic padding, the last
-short batch). Every term of a profile is a function of the batch size ``b`` and the sequence length
-``s``: static memory does not change; activations grow with the tokens ``b * s``; attention's score
-matrices, where the kernel stores them (SDPA's math path: attention dropout on the CPU, eager
-attention), with ``b * s**2``. A *node* is a profile measured at one shape (on fake tensors: it
-costs no memory); the fit predicts every other shape from the nodes, through the profile algebra
-(``core.profile_algebra``): each prediction is one combiner, ``NodeWeights``, a weighted sum of the
-nodes' values with the same weights for every term.
+Runs change shape every step (dynamic padding, the last short batch). Static memory does not
+change with the shape; activations grow with ``b * s``, stored attention scores with ``b * s**2``.
+A *node* is a profile measured (on fake tensors) at one shape; a prediction combines the nodes'
+values with one set of weights for every term (``NodeWeights``, via ``core.profile_algebra``):
 
-Two ways to weigh the nodes:
-
-- ``chord_weights``: piecewise-linear interpolation in ``s`` between the two nearest nodes around
-  it, then in ``b``. The memory alive at each moment of a step is a polynomial in ``b``, ``b * s``
-  and ``b * s**2`` with non-negative coefficients, and a peak is the largest over the moments:
-  convex in ``s`` and in ``b`` separately. A chord lies above a convex function, so every peak
-  predicted at a shape bracketed by nodes is at or above what that shape measures (a plan made on
-  it holds its budget), and exact where the terms are linear, or at a node. The closer the nodes,
-  the tighter the bound: plans use nodes a quarter octave apart (the figures against real profiles
-  are in ``docs/shapes.md``, from ``benchmarks/dynamic_shapes.py``).
+- ``chord_weights``: piecewise-linear in ``s`` between the nearest nodes, then in ``b``. A peak is
+  a maximum of polynomials with non-negative coefficients, convex in ``s`` and in ``b``, and a
+  chord lies above a convex function: a bracketed shape is predicted at or above what it measures,
+  so a plan made on it holds its budget.
 - ``law_weights``: the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` through every
-  node, for a shape outside them. Not a bound (a maximum of polynomials is not a polynomial): close
-  on the baseline peak, but single terms off either way and a plan can go over its budget
-  (``docs/shapes.md``). So it is what a shape outside the nodes is *predicted* with
-  (a warning); a plan is only made on a bracketed shape (``ShapeFit.bounded``), adding the nodes
-  that are missing (``ShapeFit.missing_nodes``).
+  node. Not a bound, so a shape outside the nodes is only *predicted* with it; a plan is made on a
+  bracketed shape (``ShapeFit.bounded``), adding missing nodes (``ShapeFit.missing_nodes``).
 
-Shapes, and the ladder nodes and plan buckets sit on, are ``core.shapes``. A shape's layout (an
-image's height and width, which tensors a batch holds) is not interpolated over: nodes combine only
-with nodes of the same layout, a *family*, and a new layout starts a family of its own (a node at
-the shape planned is exact). Only the anchor's difference is carried across layouts.
-``Anchored`` carries what a real profile (or an integration's adjustment) adds to the fake nodes,
-measured at one shape, to every other shape, on the safe side.
-
-No torch: the nodes are profiled in ``service.shape_plans``.
+Nodes combine only with nodes of the same layout (``core.shapes``). ``Anchored`` carries what a
+real profile adds to the fake nodes at one shape to every other shape, on the safe side.
 
 Example:
     >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
@@ -70,15 +51,10 @@ __all__ = ["Anchored", "NodeWeights", "Shape", "ShapeFit", "chord_weights", "law
 
 
 class NodeWeights:
-    """The combiner of the shape fit (``profile_algebra.combine``): every term as a weighted sum of
-    the nodes' values, ``offset + sum(w * (value - offset))``, with ``offset`` the static memory for
-    a peak and 0 otherwise (it cancels when the weights sum to 1, as interpolation's and the law's
-    do). Static memory is the first node's. A node that lacks the term (a segment only some nodes
-    have) is left out and the others' weights scaled to the same sum.
+    """The shape fit's combiner: every term as ``offset + sum(w * (value - offset))`` over the nodes.
 
-    Args:
-        weights: one per node combined, in their order.
-        static_bytes: the static memory under every peak.
+    ``offset`` is the static memory for a peak, 0 otherwise. A node that lacks the term is left out
+    and the others' weights scaled to the same sum.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption
@@ -106,8 +82,7 @@ class NodeWeights:
 
 
 def _bracket(values: Sequence[int], x: int) -> list[tuple[int, float]] | None:
-    """``x`` as a convex combination of its two neighbours in sorted ``values`` (one when it is
-    one of them); None outside them."""
+    """``x`` as a convex combination of its two neighbours in sorted ``values``; None outside them."""
     i = bisect.bisect_left(values, x)
     if i < len(values) and values[i] == x:
         return [(x, 1.0)]
@@ -124,9 +99,7 @@ def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
 
 
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Interpolation weights of ``target`` between ``nodes`` of its layout: linear in the sequence
-    length between the nearest nodes around it at each of two batch sizes around ``target``'s, then
-    linear in the batch size. None when no such nodes bracket it (then only the law predicts it).
+    """Interpolation weights of ``target`` between ``nodes`` of its layout, or None when none bracket it.
 
     Every weight is >= 0 and they sum to 1, so a term convex in ``s`` and in ``b`` is predicted at
     or above its value.
@@ -161,9 +134,9 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` through the
-    nodes of ``target``'s layout, evaluated at ``target`` (they sum to 1). None with fewer than four
-    independent nodes of that layout.
+    """Weights of the least-squares law through the nodes of ``target``'s layout, evaluated at ``target``.
+
+    None with fewer than four independent nodes of that layout.
 
     Example:
         >>> nodes = [Shape(2, 32), Shape(2, 64), Shape(2, 128), Shape(4, 32)]
@@ -187,9 +160,7 @@ def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | N
 
 
 def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]:
-    """One node, the nearest in tokens among those of ``target``'s layout (else in elements among
-    all), scaled beyond static memory: by the batch, and by the square of the sequence, and of the
-    elements of a sample, beyond the node's (the steepest growth a term has)."""
+    """The nearest node, scaled beyond static memory by the steepest growth a term has."""
     family = _family(nodes, target)
     nearest = min(family or nodes, key=lambda n: (abs(math.log(target.elements / n.elements)), n))
     per_sample = (target.elements / target.tokens) / (nearest.elements / nearest.tokens)
@@ -199,17 +170,11 @@ def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]
 
 
 class Anchored:
-    """The combiner that carries an anchor's difference from the nodes to another shape:
-    ``combine([predicted, node, anchor], Anchored(...))`` with ``node`` the fake node at the anchor's
-    shape and ``anchor`` the profile planning trusts there (a real profile, calibrated against the
-    allocator, or any profile an integration adjusted: the scalars its loop keeps alive).
+    """The combiner that carries an anchor's difference from its fake node to another shape.
 
-    A difference is carried on the safe side, whether it is a constant or grows with the batch:
-    an excess ``d > 0`` as ``d * max(1, r)``, a shortfall as ``d * min(1, r)``, with ``r`` the
-    target's elements over the anchor's (``Shape.elements``: its tokens without a layout). Seconds
-    are carried as a ratio (the anchor's seconds per FLOP of each option), static memory is the
-    anchor's, and a term only the anchor has (a segment its calibration added) grows like the
-    elements beyond static memory.
+    Values are ``[predicted, node, anchor]``. An excess ``d > 0`` is carried as ``d * max(1, r)``, a
+    shortfall as ``d * min(1, r)`` (``r``: the target's elements over the anchor's); seconds as a
+    ratio; a term only the anchor has grows like the elements beyond static memory.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
@@ -244,18 +209,10 @@ class Anchored:
 class ShapeFit:
     """Profiles at a few shapes (the *nodes*), extended to any shape.
 
-    ``at(shape)`` interpolates between the nodes that bracket ``shape`` (``chord_weights``: at or
-    above the truth for the memory terms, exact at a node), or, outside them, follows the law
-    through all nodes (``law_weights``: a prediction, not a bound), or scales the nearest node when
-    there are fewer than four. ``bounded(shape)`` says which; a planner adds a node (a fake profile
-    at that shape, ``with_node``) before it plans an unbounded shape.
-
     Args:
-        nodes: profiles of one model and optimizer at several shapes, measured alike (all on fake
-            tensors, say): the same stages, static memory and kind of costs.
-        anchor: ``(shape, profile)``: the profile planning trusts at one node's shape (a real
-            profile there, or the node adjusted by an integration); its difference from that node
-            is carried to every shape (``Anchored``). None: the nodes as they are.
+        nodes: profiles of one model and optimizer at several shapes, measured alike.
+        anchor: ``(shape, profile)``: the profile planning trusts at one node's shape, whose
+            difference from that node is carried to every shape (``Anchored``).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -292,14 +249,11 @@ class ShapeFit:
         return chord_weights(list(self.nodes), shape) is not None
 
     def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
-        """The nodes to profile so that ``shape`` is bracketed: at the ladder's values (``ladder_up``,
-        ``ladder_down``: ``per_octave`` per doubling) around its batch size, the ladder's values
-        around its sequence length on the sides no node has yet, all of ``shape``'s layout; never
-        beyond ``limit`` (the largest batch size and sequence length the data has) unless ``shape``
-        is. Empty when ``shape`` is bracketed.
+        """The nodes to profile so that ``shape`` is bracketed (empty when it is).
 
-        Nodes at a few fixed values, rather than at every shape met, bound the profiles a run
-        takes (at most two per ladder step the data reaches) and keep each chord short.
+        Nodes sit on the ladder (``per_octave`` values per doubling) around ``shape``, never beyond
+        ``limit`` (the data's largest shape) unless ``shape`` is: a few fixed values, not every shape met,
+        bound the profiles a run takes and keep each chord short.
 
         Example:
             >>> fit = ShapeFit({Shape(4, 76): Profile((), ())})
@@ -337,8 +291,7 @@ class ShapeFit:
         return _scaled_weights(nodes, shape), "scaled"
 
     def at(self, shape: Shape, method: str | None = None) -> Profile:
-        """The profile predicted for ``shape``: by ``method`` (``"chord"`` or ``"law"``; None: the
-        chord where nodes bracket ``shape``, else the law, else the nearest node scaled)."""
+        """The profile predicted for ``shape`` by ``method`` (``"chord"``, ``"law"``; None: the best there is)."""
         if method is None:
             weights, how = self.weights(shape)
         else:

@@ -1,13 +1,10 @@
 """Batch shapes and the ladder they are rounded to: what a plan that follows the batch's shape is made for.
 
-A batch is read as a ``Shape``: its batch size and sequence length, the two dimensions profiles are
-fitted over (``core.shape_fit``), and its *layout*, everything else that can change from one batch
-to the next: which tensors the batch holds (by their path in its containers) and each one's size,
-with the batch dimension written ``b`` and the sequence dimension ``s``. An image batch whose height
-grows, or a dict batch where a key appears, is another shape: never planned as the one before.
-``ladder_up``/``ladder_down`` round a size to a ladder of a few steps per doubling; ``ShapeBuckets``
-rounds a shape up on it, so a run sees few distinct shapes to plan and a plan is never made for a
-smaller shape than its batch's. No torch.
+A ``Shape`` is a batch's size and sequence length (the dimensions profiles are fitted over) and its
+*layout*: everything else that can change between batches (which tensors it holds, their sizes).
+An image batch whose height grows, or a dict batch where a key appears, is another shape, never
+planned as the one before. ``ShapeBuckets`` rounds a shape up a ladder of a few steps per
+doubling, so a run sees few distinct shapes and no plan is made for a smaller shape than its batch.
 
 Example:
     >>> ShapeBuckets(per_octave=4).up(Shape(4, 100))
@@ -32,7 +29,7 @@ Entry = tuple[str, tuple[int, ...]]  # a tensor's path in the batch, and its siz
 
 
 def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
-    """``layout`` as sorted ``(path, size)`` tuples (lists, as JSON holds them, accepted), checked."""
+    """``layout`` as sorted, checked ``(path, size)`` tuples (JSON lists accepted)."""
     entries = []
     for entry in layout:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str) \
@@ -54,16 +51,13 @@ def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
 
 @dataclass(frozen=True, order=True, repr=False)
 class Shape:
-    """A batch's shape: its batch size and sequence length (1 for a batch without one, such as
-    images), the dimensions the fit interpolates over, and its ``layout``: every tensor of the batch
-    as ``(path, sizes)`` (``path``: keys and indices into its containers joined by ``.``; ``sizes``:
-    its size with ``BATCH`` and ``SEQUENCE`` where the batch size and sequence length go), sorted by
-    path. Empty (the default) for a batch that is one tensor of batch and sequence only, and for a
-    shape declared by its batch size and sequence length alone.
+    """A batch's shape: batch size, sequence length (1 for images) and ``layout``.
 
-    Two shapes are *comparable* when their layouts have the same structure (the same paths, the same
-    number of dimensions, the markers in the same places); ``covers`` and ``union`` hold only between
-    comparable shapes: a new tensor or key is never covered by a plan made without it.
+    ``layout`` holds every tensor of the batch as ``(path, sizes)``, ``path`` the keys and indices into
+    its containers joined by ``.``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a
+    batch that is one tensor of batch and sequence only. ``covers`` and ``union`` hold only between
+    *comparable* shapes (same paths, dimensions and markers): a new tensor or key is never covered by
+    a plan made without it.
 
     Example:
         >>> Shape(4, 128).tokens, Shape(4, 128).covers(Shape(2, 128)), str(Shape(4, 128))
@@ -96,8 +90,7 @@ class Shape:
 
     @property
     def elements(self) -> int:
-        """Elements of every tensor the shape describes (``tokens`` without a layout): the size the
-        carried parts of a profile grow with across layouts."""
+        """Elements of every tensor the shape describes (``tokens`` without a layout)."""
         if not self.layout:
             return self.tokens
         return sum(math.prod(self.sizes(path)) for path, _ in self.layout)
@@ -131,8 +124,7 @@ class Shape:
         return Shape(max(self.batch_size, other.batch_size), max(self.seq_len, other.seq_len), layout)
 
     def to_list(self) -> list:
-        """As JSON holds it: ``[batch_size, seq_len]``, and the layout as ``[[path, [sizes]], ...]``
-        third when there is one (``from_list`` reads both)."""
+        """As JSON holds it: ``[batch_size, seq_len]``, plus the layout third when there is one."""
         head = [self.batch_size, self.seq_len]
         return [*head, [[path, list(sizes)] for path, sizes in self.layout]] if self.layout else head
 
@@ -157,9 +149,7 @@ class Shape:
 
 
 def ladder_up(n: int, per_octave: int = 4) -> int:
-    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n``: every
-    integer up to ``2 * per_octave``, then ``per_octave`` steps per doubling (at most ``1 /
-    per_octave`` above ``n``).
+    """The smallest ladder value at or above ``n``: every integer up to ``2 * per_octave``, then ``per_octave`` per doubling.
 
     Example:
         >>> [ladder_up(n) for n in (1, 7, 9, 33, 100, 128, 129)]
@@ -186,15 +176,11 @@ def ladder_down(n: int, per_octave: int = 4) -> int:
 
 @dataclass(frozen=True)
 class ShapeBuckets:
-    """How shapes are rounded up before they are planned: each dimension up the ``ladder_up``
-    ladder (``per_octave`` steps per doubling; 0: not rounded), never beyond ``max_shape`` when one
-    is declared (a batch beyond it is planned at its own shape).
+    """How shapes are rounded up before they are planned: each dimension up the ``ladder_up`` ladder.
 
-    Rounding up bounds the number of distinct plans (about ``per_octave`` per doubling of each
-    dimension) and makes every plan one for a shape at least as large as its batch's. The batch
-    size and the sequence length are always rounded; a layout's sizes (an image's height and width)
-    are rounded where ``up`` is told they vary (all of them when it is not told): a size that never
-    changes (channels, features) is planned as it is, since a model refuses any other.
+    ``per_octave`` 0: not rounded. Never beyond ``max_shape`` when one is declared. A layout's sizes
+    are rounded only where ``up`` is told they vary: a size that never changes (channels) is planned
+    as it is, since a model refuses any other.
 
     Example:
         >>> ShapeBuckets().up(Shape(3, 100)), ShapeBuckets(max_shape=Shape(8, 100)).up(Shape(3, 97))
@@ -210,8 +196,7 @@ class ShapeBuckets:
     max_shape: Shape | None = None
 
     def up(self, shape: Shape, varying: Collection[tuple[str, int]] | None = None) -> Shape:
-        """The bucket of ``shape``: the shape its plan is made for (covers ``shape``). ``varying``:
-        the ``(path, dimension)`` of the layout's sizes to round (None: every size)."""
+        """The shape ``shape``'s plan is made for; ``varying``: the ``(path, dimension)`` sizes to round (None: all)."""
         if self.per_octave <= 0:
             return shape
         layout = tuple((path, tuple(size if size < 0 or (varying is not None and (path, axis) not in varying)
@@ -224,8 +209,7 @@ class ShapeBuckets:
         return rounded
 
     def _within(self, rounded: Shape, shape: Shape) -> Shape:
-        """``rounded`` no larger than ``max_shape`` where it rounded beyond it (the layout's sizes:
-        where ``max_shape`` has this layout's structure)."""
+        """``rounded`` capped at ``max_shape`` where it rounded beyond it."""
         cap = self.max_shape
         layout = rounded.layout
         if cap.layout and cap.comparable(shape):

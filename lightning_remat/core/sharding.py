@@ -1,10 +1,7 @@
-"""Per-GPU figures of a sharded (FSDP2) plan, in plain numbers (no torch).
+"""Per-GPU figures of a sharded (FSDP2) plan: how the peak splits and how many GPUs a budget needs.
 
-A sharded profile (``ProfileOptions.world_size`` > 1) is measured per GPU: parameters, gradients
-and optimizer state are that rank's shards, and ``Profile.sharding`` records the world size and
-the unsharded parameters in flight. This module answers the two questions built on that: how the
-per-GPU peak splits (``per_gpu_breakdown``), and how many GPUs a budget would need
-(``smallest_world_size``).
+A sharded profile is measured per GPU: parameters, gradients and optimizer state are that rank's
+shards, and ``Profile.sharding`` records the world size.
 
 Example:
     >>> smallest_world_size(least_peak=100, sharded_static=80, world_size=2, budget=60)
@@ -25,14 +22,10 @@ __all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
     """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None.
 
-    Estimate: the sharded part (parameters, gradients, optimizer state: ``sharded_static`` at
-    ``world_size``) divides by the world size; the rest of the least peak (activations of the local
-    batch, unsharded parameters in flight) does not change. None when that rest alone is over the
-    budget.
+    The sharded part (``sharded_static`` at ``world_size``) divides by the world size; the rest of
+    the least peak does not change. None when that rest alone is over the budget.
 
     Example:
-        >>> smallest_world_size(100, 80, 2, 30) is None   # 20 bytes that do not shard, 80 that do: 10 more at most
-        False
         >>> smallest_world_size(100, 80, 2, 20) is None
         True
     """

@@ -1,19 +1,13 @@
 """Inputs several recomputed stages hold (``position_ids``, which every layer receives): counted once.
 
-A recomputed stage keeps its forward's arguments to its backward, and those a kept stage would
-have freed count in its stored bytes (``runtime.profiling.held_inputs``). A tensor every layer
-receives is one tensor however many checkpoints hold it: alive from the forward to the backward of
-the first of them. The additive model the exact solver needs counts it in every holder's stored
-bytes, which over-predicts a plan that recomputes n holders by n times its size (4 KiB on a
-2-layer Qwen2 at 256 tokens), enough to refuse a budget equal to a peak the plan reaches.
+A recomputed stage keeps its forward's arguments to its backward. A tensor every layer receives is
+one tensor however many checkpoints hold it, but the additive model the exact solver needs counts
+it in every holder's stored bytes, over-predicting a plan that recomputes n holders by n times its
+size, enough to refuse a budget the plan meets.
 
-``exact_peak`` prices a plan with each such tensor counted once, where it is alive: in the stored
-bytes of the first holder the plan recomputes, and in the local figures and segments after it,
-which were measured in runs where an earlier stage held it (``StageOption.held_before``,
-``Segment.shared_saving``) and count it already. Every figure it lowers is lowered by bytes that
-are alive once in its term, so it stays at or above the truth. ``slack`` bounds how far the
-additive model can be above it: the solver searches within the budget plus the slack, and keeps
-the plan found if its exact peak is within the budget (``core.solve``).
+``exact_peak`` counts each such tensor once, in the first holder the plan recomputes; it stays at
+or above the truth. ``slack`` bounds how far the additive model can be above it: the solver
+searches within the budget plus the slack and keeps a plan whose exact peak is within the budget.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -42,9 +36,10 @@ def has_shared(profile: Profile) -> bool:
 
 
 def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """The predicted peak of ``choices`` (and ``spans``) with each shared input counted once: never
-    above ``predict_peak_spans``; equal to it where nothing is shared, or with spans (whose
-    checkpoints hold their first stage's arguments only, and are left as the additive model says)."""
+    """The predicted peak of ``choices`` (and ``spans``) with each shared input counted once.
+
+    Never above ``predict_peak_spans``; equal to it where nothing is shared, or with spans.
+    """
     additive = predict_peak_spans(profile, choices, spans)
     if spans or not has_shared(profile):
         return additive
@@ -70,8 +65,7 @@ def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
 
 
 def slack(profile: Profile) -> int:
-    """An upper bound on how far ``predict_peak`` can be above ``exact_peak`` for any plan: every
-    stage's largest shared bytes, plus the largest any one term leaves out."""
+    """An upper bound on how far ``predict_peak`` can be above ``exact_peak`` for any plan."""
     stored = sum(max((sum(b for _, b in o.shared_held) for o in s.options), default=0) for s in profile.stages)
     local = max((sum(b for _, b in o.held_before) for s in profile.stages for o in s.options), default=0)
     segment = max((seg.shared_saving for seg in profile.segments), default=0)
@@ -80,8 +74,7 @@ def slack(profile: Profile) -> int:
 
 
 def without_shared(profile: Profile) -> Profile:
-    """``profile`` with every shared input counted in each holder, as the additive model counts it
-    (the fits that build a profile from others, whose figures these are not, start from it).
+    """``profile`` with every shared input counted in each holder, as the additive model counts it.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment

@@ -34,7 +34,7 @@ from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 # Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
 # stored bytes, plus the point that stores least. Plans stay feasible (every constraint is checked
 # on exact byte counts); optimality is then within one band (1/MAX_FRONTIER of the frontier's
-# range of stored bytes). Chains of a few dozen stages, and every test of exactness, stay below it.
+# range of stored bytes).
 MAX_FRONTIER = 1_000
 
 
@@ -106,12 +106,10 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
 
 def _frontier_dp(arrays: _Arrays, budget: int | None,
                  spans: list[np.ndarray] | None = None) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """Least-cost choices whose peak is within ``budget``; with ``budget=None`` least peak instead.
+    """Least-cost choices whose peak is within ``budget`` (None: least peak); None when nothing fits.
 
-    The frontier after ``p`` stages is reached from the one after ``p - 1`` by an option of stage
-    ``p - 1``, or from the one after ``first`` by a span ``first..p-1`` (``spans[p]``). All
-    transitions into ``p`` are evaluated as one vector. Returns the option index per stage (0 inside
-    spans) and the spans taken, or None when nothing fits.
+    Position ``p`` is reached from ``p - 1`` by an option of stage ``p - 1`` or from ``first`` by a span
+    ``first..p-1``, all transitions as one vector. Returns the option per stage and the spans taken.
     """
     n = arrays.stored.shape[0]
     minimise_peak = budget is None
@@ -177,8 +175,7 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
 
 @dataclass
 class Solution:
-    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each (the
-    choices of the stages inside a span are 0 and not used).
+    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each.
 
     Example:
         >>> Solution([0, 1], []).spans
@@ -206,8 +203,7 @@ def least_peak(profile: Profile) -> int:
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans: stages in
-    ``profile.span_groups`` may be recomputed several at a time as one segment.
+    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans.
 
     Raises BudgetTooSmallError when nothing fits.
 
@@ -239,12 +235,10 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
 
 def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
                   least: tuple | None) -> tuple | None:
-    """A plan within ``budget`` once each input several checkpoints hold is counted once
-    (``core.shared_held``), where the DP's additive model, which counts it per holder, finds none.
+    """A plan within ``budget`` with shared inputs counted once, where the additive DP finds none.
 
-    The search is widened by the most the additive model can count too much; the cheapest plan of
-    the wider search is kept if its exact peak is within the budget (every plan that truly fits is
-    in the wider search, so it is then the cheapest that fits), else the plan of least peak if that fits.
+    The search is widened by ``slack``: every plan that truly fits is in it, so its cheapest is kept
+    if its exact peak fits; else the plan of least peak if that fits.
     """
     wider = _frontier_dp(arrays, budget + slack(profile), spans)
     if wider is not None and exact_peak(profile, *wider) <= budget:
@@ -255,8 +249,7 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """Build the Plan for given option indices and spans (used by ``solve`` and by tests and
-    benchmarks): its actions (``predict.actions_of``), priced by the one predictor (``predict.predict``).
+    """The ``Plan`` for given option indices and spans, priced by the one predictor (``predict.predict``).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -315,8 +308,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
 
 
 def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
-    """What binds the plan's peak (``core.binding``), with the optimizer settings that would lower
-    it when the optimizer step binds."""
+    """What binds the plan's peak, with optimizer advice when the optimizer step binds."""
     if term is None:
         return None
     found = describe(profile, term)
@@ -327,9 +319,9 @@ def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
                                requested_budget: str = "", note: str = "") -> Plan:
-    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole,
-    the plan most likely to fit. Another solver: it returns the same typed plan as ``solve``, with
-    nothing predicted (its predicted figures are None); ``budget_bytes`` is None for ``"min"``.
+    """The plan made without a profile: every stage recomputed whole, the plan most likely to fit.
+
+    Its predicted figures are None; ``budget_bytes`` is None for ``"min"``.
 
     Example:
         >>> plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
@@ -347,11 +339,9 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     """The least-cost recompute plan whose predicted peak is within ``budget``.
 
     Args:
-        profile: from ``profile_step`` (or built by hand: the solver needs only numbers).
         budget: anything ``parse_budget`` accepts; ``"min"`` gives the plan of least peak and,
             among those, the least cost.
-        cost: ``"time"`` prices recomputation by measured forward seconds, ``"flops"`` by counted
-            FLOPs (deterministic).
+        cost: a ``CostKind``: ``"time"``, ``"flops"`` or ``"roofline"``.
 
     Raises:
         BudgetTooSmallError: (a ValueError) when no plan fits; it names the smallest reachable peak.

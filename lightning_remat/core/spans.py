@@ -1,29 +1,17 @@
-"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint (no torch).
+"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint.
 
 A *span* ``(first, last)`` runs stages ``first..last`` under a single checkpoint: their inner
-boundaries (the outputs of ``first..last-1``) are not kept, so a chain gets the sqrt(n)-like plans
-of Chen et al. that per-stage checkpointing cannot express. Which stages may share a span is told by
-``Profile.span_groups`` (stage names that are consecutive items of one ``nn.Sequential``) and by
-``Profile.blocks``: a block planned through its children (``runtime.profiling.hierarchy``) whose
-forward chains its stages is, recomputed whole, one checkpoint over them, the same span (one range,
-installed as the block recomputed).
+outputs are not kept, so a chain gets the sqrt(n)-like plans of Chen et al. that per-stage
+checkpointing cannot express. ``Profile.span_groups`` (items of one ``nn.Sequential``) and
+``Profile.blocks`` (a block planned through its children, recomputed whole) say which stages may
+share a span. Its figures follow exactly from the per-stage terms:
 
-A span's figures are derived exactly from the per-stage terms the profiler measured:
-
-- stored bytes: what its forward leaves allocated, which is what the last stage leaves under
-  ``"whole"`` (its output; the span's input was counted by the stage before it, the inner outputs
-  are freed);
-- local peak: its backward recomputes the stages' forward with everything saved, as the ``"keep"``
-  run did, so while stage ``k < last`` runs forward or backward the stages ``first..k-1`` hold
-  their ``"keep"`` stored bytes: ``max_k (keep stored of first..k-1 + keep local peak of k)``, and
-  the same for the gaps between them (a segment with ``k`` stages alive, ``first < k <= last``).
-  The last stage runs exactly as it runs recomputed alone (its forward recomputed while the
-  gradient of its output is alive, then its backward), so its term is its ``"whole"`` local peak
-  plus the keep bytes of the others; the end of the recompute, measured by a "whole" run for the
-  last stage alone in the gap after it, likewise. The span's own forward, which saves nothing,
-  stays below that. The output gradient is not added to the last stage's keep term: the keep
-  run's backward of that stage holds it already.
-- cost: the forward of every stage in it, as ``"whole"`` prices each (seconds, FLOPs, roofline).
+- stored bytes: what the last stage leaves under ``"whole"`` (its output);
+- local peak: the backward recomputes the forward with everything saved, so while stage
+  ``k < last`` runs the stages ``first..k-1`` hold their ``"keep"`` stored bytes:
+  ``max_k (keep stored of first..k-1 + keep local peak of k)``, gaps between them alike. The last
+  stage runs as it runs recomputed alone: its ``"whole"`` local peak plus the others' keep bytes;
+- cost: the forward of every stage in it, as ``"whole"`` prices each.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
@@ -65,7 +53,7 @@ class SpanOption:
     cost_roofline: float = 0.0
 
     def cost(self, kind: str) -> float:
-        """Recompute cost in seconds (``"time"``), FLOPs (``"flops"``) or roofline seconds (``"roofline"``)."""
+        """Recompute cost in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
@@ -73,7 +61,7 @@ def max_span_length(n_stages: int) -> int:
     """The longest span the solver considers: ``2 * ceil(sqrt(n))`` stages (at least 2).
 
     Memory-optimal chain plans use segments of about sqrt(n) stages; twice that leaves room for
-    uneven stages while keeping the solver's transitions per stage at O(sqrt(n)).
+    uneven stages while keeping the transitions per stage at O(sqrt(n)).
 
     Example:
         >>> max_span_length(24), max_span_length(1000)
@@ -83,8 +71,7 @@ def max_span_length(n_stages: int) -> int:
 
 
 def span_ranges(profile: Profile) -> list[tuple[int, int]]:
-    """Index ranges ``(start, end)`` (end exclusive) of the span groups, each contiguous in the profile's
-    stage order; a group whose stages do not stand next to each other there is split where they do not.
+    """Index ranges ``(start, end)`` (end exclusive) of the span groups, split where stages are not adjacent.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -107,8 +94,7 @@ def span_ranges(profile: Profile) -> list[tuple[int, int]]:
 
 
 def block_ranges(profile: Profile) -> list[tuple[int, int, str]]:
-    """``(first, last, module)`` of each of ``Profile.blocks`` whose two or more stages stand next to
-    each other, in order, in the profile's stage order (others are left out: nothing can stand for them).
+    """``(first, last, module)`` of each block whose two or more stages stand next to each other, in order.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -138,11 +124,9 @@ def _last_term(profile: Profile, k: int, held: int) -> int:
 
 
 def _recompute_end(gap_peak: int, held: int, output: int) -> int:
-    # The moment the span has recomputed its last stage, before that stage's backward: its output
-    # gradient and its recomputed tensors are alive, and so is its original output (the stage after
-    # it still holds it). A "whole" run reaches the same moment for its last stage alone in the gap
-    # after it (the segment with ``last + 1`` stages alive, whose prefix holds that output); the
-    # span adds the "keep" bytes of its other stages (``held``).
+    # The moment the span has recomputed its last stage, before its backward: its output gradient,
+    # recomputed tensors and original output are alive. A "whole" run reaches that moment in the gap
+    # after the last stage; the span adds the "keep" bytes of its other stages (``held``).
     return gap_peak + held + output
 
 
@@ -175,9 +159,7 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
 
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
-    """Every span the solver considers: within one group, 2 to ``max_length`` stages (default
-    ``max_span_length``), all stages with a ``"whole"`` option; and each block's range. Same figures
-    as ``span_option``, built incrementally (one pass per first stage).
+    """Every span the solver considers: 2 to ``max_length`` stages within one group, and each block's range.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -192,8 +174,7 @@ def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOptio
 
 
 def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
-    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops, roofline): what the
-    solver reads; then each block's range (``block_ranges``, any length) not among them."""
+    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops, roofline), as the solver reads them."""
     seen = set()
     for row in _group_rows(profile, max_length):
         seen.add(row[:2])
@@ -252,9 +233,9 @@ def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, in
 
 
 def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment; the choices of
-    the stages inside a span are ignored. Segments with their stages alive inside a span are part of
-    the span's local peak.
+    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment.
+
+    The choices of the stages inside a span are ignored.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
@@ -268,8 +249,7 @@ def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence
 
 
 def peak_terms_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> list[PeakTerm]:
-    """Every term of ``predict_peak_spans``: stages and spans in order (a span's term is named
-    ``first..last``), then the segments not inside a span."""
+    """Every term of ``predict_peak_spans``: stages and spans in order, then segments not inside a span."""
     spans = _check_spans(len(profile.stages), spans)
     if not spans:
         return peak_terms(profile, choices)
