@@ -1,5 +1,4 @@
-"""The pure core: memory model, exact solver, plans, budgets, the profile algebra (batch and depth
-fits), errors. No torch.
+"""The pure core (no torch): memory model, exact solver, plans, budgets, profile fits, errors.
 
 Example:
     >>> from lightning_remat.core import parse_budget

@@ -1,9 +1,8 @@
-"""The batch-size fit: the memory model at any batch size, and searches over batch sizes.
+"""The batch-size fit: the memory model at any batch size, and searches over batch sizes, on numbers only.
 
-Every term of the memory model is affine in the batch size, ``a + b * batch``: activations grow
-with the batch, static memory does not. ``ProfileFit`` fits the line through profiles at two batch
-sizes and gives a ``Profile`` at any batch size without running it; ``largest_batch`` searches it.
-The real trials live in ``service.batch_size``.
+Every term of the memory model is ``a + b * batch``: activations grow with the batch, static memory
+does not. ``ProfileFit`` fits that line through profiles at two batch sizes; ``largest_batch``
+searches it.
 
 Example:
     >>> largest_batch(lambda b: b * 3 <= 100, start=2, high_limit=1000, mode="binsearch")
@@ -21,8 +20,7 @@ from .profile_algebra import Growth, Term, combine
 
 SEARCH_MODES = ("binsearch", "power")
 DEFAULT_MAX_BATCH_SIZE = 8192  # Lightning's BatchSizeFinder max_val
-# Bounds of the search's settings (``core.bounds``): a batch of 2**24 samples, 1000 steps a trial,
-# 10000 trials are far beyond any real search; a typo above them fails at once.
+# Far beyond any real search, so that a typo fails at once.
 MAX_BATCH_SIZE = 2**24
 MAX_TRIAL_STEPS = 1_000
 MAX_TRIALS = 10_000
@@ -37,16 +35,13 @@ def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -
 class BatchLine:
     """The batch fit's combiner: every term at ``batch_size``.
 
-    A term both profiles have is the line through them; a term only one has grows in proportion to
-    the batch beyond its static part (static memory for a peak, nothing otherwise).
+    A term two profiles have is the line through them; a term one has is in proportion to the batch
+    beyond its static part (``static_bytes`` for a peak, else nothing).
 
     Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption
+        >>> from lightning_remat.core.memory_model import Segment
         >>> from lightning_remat.core.profile_algebra import quantity, Term
         >>> line = BatchLine((16, 64), 40, static_bytes=1000)
-        >>> roofline = Term(StageOption, "cost_roofline", quantity(StageOption, "cost_roofline"))
-        >>> line(roofline, [1.0, 4.0]), line(roofline, [None, 4.0])
-        (2.5, 2.5)
         >>> line(Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes")), [1100, None])
         1250
     """
@@ -71,8 +66,8 @@ class BatchLine:
 class ProfileFit:
     """Profiles measured at one or two batch sizes, extended to any batch size.
 
-    Options only one profile has are dropped; with a single profile every term beyond static memory
-    is taken as proportional to the batch.
+    Every numeric field is combined by ``BatchLine``; options only one profile has are dropped. With a
+    single profile every term beyond static memory is proportional to the batch.
 
     Example:
         >>> from lightning_remat import Segment, StageOption, StageProfile
@@ -85,8 +80,6 @@ class ProfileFit:
         >>> fit = ProfileFit([(2, profile(2)), (4, profile(4))])
         >>> fit.at(10).stages[0].options[1] == profile(10).stages[0].options[1]
         True
-        >>> fit.at(10).baseline_peak_bytes, fit.at(10).static_bytes
-        (2500, 1000)
     """
 
     def __init__(self, profiles: Sequence[tuple[int, Profile]]):
@@ -124,8 +117,8 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
                               max_val: int = DEFAULT_MAX_BATCH_SIZE) -> list[int]:
     """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries, in order.
 
-    A transcription of Lightning 2.6's ``_run_binsearch_scaling`` where exactly the sizes up to
-    ``largest_fitting`` succeed (the dataset-length cap left out); each size is one trial.
+    Transcribed from Lightning 2.6's ``_run_binsearch_scaling`` where exactly the sizes up to
+    ``largest_fitting`` succeed (the dataset-length cap left out).
 
     Example:
         >>> lightning_binsearch_sizes(2, 40)
@@ -167,7 +160,7 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
 def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode: str) -> int:
     """Largest batch in [1, high_limit] with ``fits`` (assumed monotone), 0 when even 1 does not fit.
 
-    ``mode``: ``"binsearch"`` doubles from ``start`` then bisects; ``"power"`` keeps ``start * 2**k``.
+    Doubling from ``start``, then bisection (``"binsearch"``), or the largest ``start * 2**k`` (``"power"``).
     """
     if high_limit < 1:
         return 0

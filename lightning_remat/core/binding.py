@@ -1,10 +1,7 @@
 """What binds: the term of the memory model that attains a plan's peak, named, and what it is made of.
 
-Its bytes split into static memory, the activations earlier stages stored, and the term's own
-activations and temporaries. Terms are a ``stage`` (forward or backward), the ``head and loss``
-(after the last stage), the ``embeddings`` (before the first), code ``between stages``, and the
-``optimizer step``, for which ``optimizer_advice`` says what ``fused=True`` or ``foreach=False``
-would reach. A plan holds ``Binding.to_dict()`` as ``plan.binding``.
+Its bytes split into static memory, activations earlier stages stored, and the term's own. A plan
+holds ``Binding.to_dict()`` as ``plan.binding``.
 
 Example:
     >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
@@ -41,11 +38,9 @@ _PARTS = {"static": "static memory", "stored": "stored activations", "own": "its
 class Binding:
     """The term that attains a plan's peak and its bytes, split.
 
-    Attributes:
-        static_bytes: parameters, buffers and optimizer state alive there (and gradients at the optimizer step).
-        own_bytes: the term's own activations, temporaries and gradients alive.
-        advice: per optimizer setting (``OPTIMIZER_SETTINGS``), the least peak it would reach.
-        host_limit_bytes: host memory that limited offloading, or None.
+    ``term``: ``stage``, ``head and loss``, ``embeddings``, ``between stages`` or ``optimizer step``;
+    ``advice``: per optimizer setting, the least peak it would reach; ``host_limit_bytes``: host
+    memory that limited offloading, or None.
 
     Example:
         >>> Binding("stage", "h.3", 10, 4, 2, 4).largest
@@ -113,7 +108,7 @@ def describe(profile: Profile, term: PeakTerm) -> Binding:
 
 
 def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
-    """``profile`` with its optimizer step as measured under ``setting``; None when not measured.
+    """``profile`` with its optimizer step under ``setting`` (an ``OPTIMIZER_SETTINGS`` key); None if unmeasured.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment

@@ -1,17 +1,10 @@
 """A module that runs several times in one step: one place in the chain per run, one option for all.
 
-A trunk under two heads runs each block twice per step, and the first run's saved tensors are
-alive through the second: the chain is the places in the order the forwards ran, each with its own
-figures (``StageProfile.call`` numbers a module's places). The peak formula is unchanged; what
-changes is the choice: a module is recomputed on every call or on none, so its places share one
-option and its cost is the sum of its places'.
-
-The chain DP cannot tie two places, so ``tied_dp`` runs over the modules. Places split into
-*rounds* (maximal runs whose modules come in order); the DP carries per round the bytes stored so
-far and the largest term seen plus what earlier rounds stored, so every term is exact at the end
-and only grows, and a state over the budget is dropped at once. It is exact up to
-``MAX_TIED_FRONTIER`` states per module; beyond, plans stay within the budget but optimality is
-not proven. A place after a backward (manual optimization) is ``fresh``: earlier rounds are freed.
+A trunk under two heads runs each block twice per step: the chain is the places in forward order
+(``StageProfile.call``), the formula unchanged, but a module's places share one option, which the
+chain DP cannot express. ``tied_dp`` runs over modules, carrying per *round* (a run of places in
+module order) the bytes stored and the largest term so far, figures that only grow, so a state over
+the budget is dropped at once. Exact up to ``MAX_TIED_FRONTIER`` states per module.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -81,7 +74,7 @@ def check_tied(profile: Profile, choices: Sequence[int]) -> None:
 
 
 def _rounds(profile: Profile, owner: list[int]) -> tuple[list[int], np.ndarray]:
-    """Per place, its round, and which rounds' places are alive under which (``[r', r]``, same episode)."""
+    """Per place, its round; and which rounds are alive under which (``[r', r]``: same episode, r' first)."""
     found, episodes, current, previous = [], [0], 0, -1
     for i, module in enumerate(owner):
         fresh = profile.stages[i].fresh and i > 0
@@ -154,10 +147,7 @@ def _segment_terms(profile: Profile) -> tuple[int, dict[int, int]]:
 
 
 def _falls(rows: list, rounds: list[int], under: np.ndarray) -> np.ndarray:
-    """Per module row, the most the earlier rounds' stored bytes can still fall (sharded figures go below zero).
-
-    A state is dropped only when no later module can bring it back within the budget.
-    """
+    """Per module row, the most earlier rounds' stored bytes can still fall (sharded figures go below zero)."""
     r_count = len(under)
     falls = np.zeros((len(rows) + 1, r_count))
     for k in range(len(rows) - 1, -1, -1):
@@ -184,7 +174,7 @@ def _backtrack(back: list[tuple[np.ndarray, np.ndarray]], best: int, rows: list,
 
 
 def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None:
-    """Option index per place of the least-cost plan within ``budget`` (None: least peak); None when nothing fits."""
+    """Option index per place of the least-cost plan within ``budget`` (None: least peak); None if none fits."""
     owner, rows = _tables(profile, kind)
     rounds, under = _rounds(profile, owner)
     r_count = len(under)
@@ -238,7 +228,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
 
 
 def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
-    """``solve.solve_segmentation`` for a profile with tied places: option indices per place, no spans.
+    """``solve.solve_segmentation`` for a profile where a module stands at several places (no spans).
 
     Raises BudgetTooSmallError when nothing fits.
     """

@@ -1,30 +1,9 @@
-"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers.
+"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
 
-Every term of a transformer's profile is linear in where a stage sits, so a deep model can be
-profiled from two shallow copies (``runtime.profiling.repeated`` runs them):
-
-- a stage's stored bytes, saved bytes and FLOPs do not depend on the depth;
-- a peak is the higher of a forward and a backward figure, each ``a + s * N + g * d`` (static
-  memory grows per layer; backward also holds the gradients of the ``d`` layers after the stage).
-
-The higher of two lines is not a line, so the figures are measured apart: each copy is profiled
-with ballast held through forward (every peak is its forward figure), and again through backward.
-First and last layers are fitted in ``N`` alone. The middle layers give five points for three
-unknowns, so the form is checked, not assumed; what does not fit returns None and the caller
-profiles the whole model. The fits are combiners of ``core.profile_algebra``, so a numeric field
-added to the profile is extrapolated with no change here.
-
-Example:
-    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-    >>> def chain(n, fw=0, bw=0):  # static n bytes; forward peak 25; backward 20 + 3 per later layer
-    ...     keep = lambda i: StageOption("keep", (), 10, n + max(25 + fw, 20 + 3 * (n - 1 - i) + bw), 0.0, 5)
-    ...     gaps = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
-    ...                  for j in range(1, n + 1))
-    ...     p = Profile(tuple(StageProfile(f"l.{i}", (keep(i),)) for i in range(n)), gaps, parameter_bytes=n)
-    ...     return p.with_baseline()
-    >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 30)
-    >>> [s.options[0].local_peak_bytes for s in deep.stages[:3]], deep.stages[-1].options[0].local_peak_bytes
-    ([137, 134, 131], 55)
+A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``);
+the higher of two lines is not a line, so each copy is profiled with ballast held through forward,
+then through backward, and each figure is extrapolated alone. The form is checked on the measured
+layers: a misfit makes ``extrapolate`` return None, and the caller profiles every layer.
 """
 
 from __future__ import annotations
@@ -46,8 +25,9 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
 
     Args:
-        forward: the profiles at ``DEPTHS[0]`` and ``DEPTHS[1]`` layers measured with ``ballast`` bytes
-            held in forward; ``backward``: the same, held in backward.
+        forward: the profiles at ``DEPTHS[0]`` and ``DEPTHS[1]`` layers with ``ballast`` bytes held in
+            forward (every peak is its forward figure).
+        backward: the same, with the ballast held in backward.
         prefix: the name of the layers' ``ModuleList`` (stages are ``prefix.i``).
 
     Example:
@@ -97,18 +77,13 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
 
 
 def _skeleton(profile: Profile) -> dict:
-    """Everything but the peaks, which the ballast lifts."""
+    """Everything but the peaks (which the ballast lifts)."""
     return combine([profile], lambda term, values: None if term.quantity.growth is Growth.PEAK else values[0],
                    derive=False).to_dict()
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal, floats to a relative 1e-9 (roofline sums differ in the last bits between runs).
-
-    Example:
-        >>> _same({"s": [0.1 + 0.2, 3]}, {"s": [0.3, 3]}), _same({"s": [1]}, {"s": [2]})
-        (True, False)
-    """
+    """Equal, floats to a relative 1e-9 (roofline sums' last bits differ between the ballast runs)."""
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -124,7 +99,7 @@ _RENAMED = {(StageProfile, "name"), (StageOption, "checkpointed"), (StageOption,
 
 
 def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
-    """The boundary fits' structure policy: a per-layer name is the larger copy's, anything else must agree."""
+    """Structure of the boundary fits: a renamed field is the larger copy's, anything else must agree."""
     if (owner, name) in _RENAMED:
         return values[-1]
     if any(v != values[0] for v in values[1:]):
@@ -133,8 +108,7 @@ def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
 
 
 def _paired(forward: Profile, backward: Profile, ballast: int) -> Profile:
-    """``forward`` with every peak a ``Pair`` of its figures (``pair_figures``); the baseline is left as it is
-    (``extrapolate`` predicts it again)."""
+    """``forward`` with every peak a ``Pair`` of its forward and backward figures."""
 
     def pair(term: Term, values: Sequence[Any]) -> Any:
         up, down = values
@@ -207,8 +181,7 @@ def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: Fit) -> Sta
 
 
 def _roles(profile: Profile, n: int) -> dict[tuple[str, str], list[Segment]]:
-    """Segments by role: stages_alive 0 (by name), 1 (after the first layer), the middle ones
-    (``d`` = layers after), and all stages alive (the head)."""
+    """Segments by role: none, the first, the middle or all stages alive."""
     roles: dict = {}
     for seg in profile.segments:
         k = seg.stages_alive
@@ -241,8 +214,7 @@ def _segments(small: Profile, large: Profile, layers: int, fit: Fit, gap_runs: t
 
 def _middle_segments(mine: list[Segment], segs: list[Segment], layers: int, fit: Fit,
                      runs_at: dict[int, Any]) -> list[Segment]:
-    """The gaps between middle layers (``j`` stored, ``d = layers - j`` after): the peak as
-    ``_gap_line`` says, any other number a line in ``N`` and ``d``; the rest the larger copy's first."""
+    """The gaps between middle layers at ``layers``: the peak by ``_gap_line``, the rest lines in ``N`` and ``d``."""
     a, b = DEPTHS
     points = {**{(a, a - s.stages_alive): s for s in mine}, **{(b, b - s.stages_alive): s for s in segs}}
     if len(points) != (a - 2) + (b - 2) or len(mine) + len(segs) != len(points):
@@ -277,8 +249,7 @@ def _boundary_segment(s: Segment, t: Segment, last: bool, layers: int, fit: Fit,
 
 
 def _run_points(points: dict[tuple[int, int], Segment], gap_runs: dict[int, Any]) -> dict[str, dict] | None:
-    """``points`` (``(N, d)`` -> segment) as each memory run's figures, or None where a profile has
-    none (the optimizer step's segment, a profile without ``gap_figures``) or the runs differ."""
+    """``points`` (``(N, d)`` -> segment) as each memory run's figures, or None where missing or unlike."""
     per_point = {}
     for key, seg in points.items():
         runs = gap_runs.get(key[0])
@@ -292,9 +263,7 @@ def _run_points(points: dict[tuple[int, int], Segment], gap_runs: dict[int, Any]
 
 
 def _gap_line(fit: Fit, peaks: dict, runs: dict[str, dict] | None) -> Callable[[int], int]:
-    """A middle gap's peak: the largest of each memory run's figure extrapolated alone (the largest
-    of a keep run's figure, falling with the depth, and a recompute run's, flat, bends where they
-    cross: no line fits it), else of the peaks themselves."""
+    """A middle gap's peak: the largest of each memory run's own line (their maximum is no line)."""
     if runs is not None:
         try:
             lines = [fit.middle(points) for points in runs.values()]

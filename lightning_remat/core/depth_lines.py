@@ -1,5 +1,8 @@
 """The line fits of the depth fit (``core.depth_fit``): a number at ``N`` layers from its values at ``DEPTHS``.
 
+A middle layer's number is a line in ``N`` and ``d`` (layers after it), checked on five points; the
+rest are lines in ``N``. A peak is a ``Pair`` of figures, each fitted alone. Misfits raise ``NoFit``.
+
 Example:
     >>> fit = Fit(12)
     >>> fit.line(10, 13), fit.line(Pair(10, 5), Pair(13, 5)), pair_figures(99 + 7, 3, 99)
@@ -34,11 +37,8 @@ class Pair:
 class Fit:
     """Fits every number of the profile on the two depths.
 
-    A middle layer's number is ``v(N, d) = α + β N + γ d`` (``d`` layers after it): stored bytes and
-    FLOPs are constant; a peak's figures count the static memory (``β`` per layer) and, in backward,
-    the later layers' gradients (``γ`` each). Other numbers are linear in ``N``. A peak (a ``Pair``)
-    is the higher of its two figures, each extrapolated alone. Figures are not clamped (the profile
-    keeps a figure below zero, as FSDP2 makes them deep in the forward), so every line is exact.
+    A middle layer's number is ``α + β N + γ d``: ``β`` static memory per layer, ``γ`` a later layer's
+    gradients. Figures are not clamped (FSDP2 makes some negative), so every line is exact.
     """
 
     def __init__(self, layers: int):
@@ -89,7 +89,7 @@ class Fit:
         return lambda term, values: self.middle(dict(zip(points, values)))
 
     def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
-        """One phase's figure of a middle peak: None where that pass visits no measured region."""
+        """One phase's figure of a middle peak: None where that pass visits no measured region, else a line."""
         missing = [k for k, v in points.items() if v is None]
         if len(missing) == len(points):
             return None
@@ -101,8 +101,8 @@ class Fit:
 def pair_figures(up: int, down: int, ballast: int) -> Pair:
     """A peak's figures from its forward- and backward-ballast values, less the ballast.
 
-    A figure the ballast did not lift is None (that pass never visited the region); a peak lifted in
-    neither run (the optimizer step's) keeps both values.
+    A figure not lifted is None (that pass never visited the region); lifted in neither run (the
+    optimizer step), both values are kept.
     """
 
     def lifted(value: int) -> int | None:
@@ -113,6 +113,5 @@ def pair_figures(up: int, down: int, ballast: int) -> Pair:
     forward, backward = lifted(up), lifted(down)
     if forward is None and backward is None:
         return Pair(up, down)
-    # A run the ballast did not lift never visited the region in that pass (FSDP2 leaves no moment
-    # between two late layers in backward): that figure does not exist.
+    # FSDP2 leaves no moment between two late layers in backward: that figure does not exist.
     return Pair(forward, backward)

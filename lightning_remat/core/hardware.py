@@ -1,12 +1,6 @@
-"""One table of the GPUs the package knows, and one lookup by device name.
-
-Per GPU model, the data-sheet figures the planner prices with: dense peak FLOP/s per training
-dtype, the device memory's bandwidth (roofline pricing of recompute) and the effective host-link
-bandwidth (offloading, ``core.offload_model``).
+"""The GPUs the package knows (data-sheet FLOP/s, memory and host-link bandwidth), and a lookup by name.
 
 Example:
-    >>> gpu("H100").memory_bandwidth / 1e12, gpu("h100").flops() / 1e12
-    (3.35, 989.0)
     >>> match_gpu("NVIDIA H100 80GB HBM3"), match_gpu("NVIDIA H100 PCIe"), match_gpu("NVIDIA A10G"), match_gpu("Quadro")
     ('h100', 'h100-pcie', 'a10g', None)
 """
@@ -20,11 +14,9 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
-# The CPU's ceilings for the roofline cost (``cost="roofline"`` profiled on a CPU): fixed figures,
-# not measured, so the same profile gives the same plan in every process and on every machine.
-# Only their ratio, the ridge point (FLOPs per byte above which an op is priced by its FLOPs),
-# changes a plan: scaling both scales every cost alike. docs/roofline.md says where they come from
-# and how much the ridge moves between machines.
+# The CPU's ceilings for the roofline cost: fixed, not measured, so the same profile gives the same
+# plan on every machine. Only their ratio (the ridge point) changes a plan; the figures are one CI
+# core's, rounded (docs/roofline.md).
 CPU_FLOPS = 200e9
 CPU_MEMORY_BANDWIDTH = 30e9
 
@@ -34,8 +26,7 @@ class GpuSpec:
     """The data-sheet figures of one GPU model (SXM where there are SXM and PCIe forms).
 
     Attributes:
-        peak_flops: dense FLOP/s per dtype name ("bf16", "fp16") on tensor cores, without sparsity;
-            GPUs without bfloat16 hardware (V100, T4) have "fp16" only.
+        peak_flops: dense tensor-core FLOP/s per dtype name ("bf16", "fp16"; "fp16" only without bfloat16).
         host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
 
     Example:
@@ -49,7 +40,7 @@ class GpuSpec:
     host_link_bandwidth: float
 
     def flops(self, dtype: str | None = None) -> float:
-        """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the 16-bit tensor-core figure."""
+        """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the 16-bit figure the GPU has."""
         if dtype is None:
             return max(self.peak_flops.values())
         if dtype not in self.peak_flops:
@@ -83,8 +74,9 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 
 
 # Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
-# (an 8-GPU DGX H100 has 2 TiB). The default of fake planning's ``host_memory``: the target's, not
-# this machine's.
+# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
+# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
+# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
 HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
     ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
     ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
@@ -117,7 +109,7 @@ def gpu(name: str) -> GpuSpec:
 
 
 def match_gpu(device_name: str) -> str | None:
-    """The table key a device's name contains (``torch.cuda.get_device_name``), or None; the longest key wins."""
+    """The table key a device's name contains (spaces and case ignored, the longest key first), or None."""
     lowered = device_name.lower().replace(" ", "")
     for key in sorted(GPUS, key=len, reverse=True):
         if key.replace("-", "") in lowered:

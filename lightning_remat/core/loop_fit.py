@@ -1,8 +1,6 @@
 """The peak of a loop that does not train (validation, test) as a line in its batch size.
 
-A forward without gradients saves nothing for backward, so its working memory grows with the batch
-as ``base + per_sample * batch`` above what is alive when the loop starts. ``ForwardFit`` is that
-line through forwards measured at two batch sizes.
+Its working memory above what is alive at the start grows as ``base + per_sample * batch``.
 
 Example:
     >>> fit = ForwardFit.through([(1, 1_300), (2, 2_300)])
@@ -24,7 +22,7 @@ class ForwardFit:
     """Working memory of a forward without gradients: ``base_bytes + per_sample_bytes * batch``.
 
     Example:
-        >>> ForwardFit.through([(4, 4_000)]).per_sample_bytes   # one point: in proportion to the batch
+        >>> ForwardFit.through([(4, 4_000)]).per_sample_bytes   # one point: through zero
         1000.0
     """
 
@@ -35,8 +33,7 @@ class ForwardFit:
     def through(cls, points: Sequence[tuple[int, int]]) -> "ForwardFit":
         """The line through one or two ``(batch size, working bytes)`` points (one: through zero).
 
-        Neither coefficient goes below zero: a line that would shrink with the batch is taken as flat at
-        its larger point, over-estimating the smaller batches rather than the larger ones.
+        Neither coefficient goes below zero: a falling line is taken as flat at its larger point.
 
         Example:
             >>> ForwardFit.through([(2, 500), (4, 400)])

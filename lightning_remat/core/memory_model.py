@@ -1,22 +1,15 @@
 """The memory model the solver optimises: plain numbers, no torch.
 
-A training step is a chain of *stages* (the candidate blocks, in execution order) with fixed parts
-around them (embeddings, the head and the loss, the optimizer step). Every stage can run under one
-of several *options*: keep everything (``"keep"``), recompute the whole stage (``"whole"``), or
-recompute some of its children (``"attn"``, ``"mlp"``, ...). Under option ``o`` stage ``i``
-
-- stores ``stored_bytes`` from the end of its forward until its backward, and
-- reaches ``local_peak_bytes`` during its own forward or backward (recompute included), counted
-  without the stored bytes of the stages before it.
-
-A fixed *segment* of the step (the head's backward, the optimizer step, ...) reaches
-``peak_bytes`` plus the stored bytes of the first ``stages_alive`` stages. So, with ``S_k`` the
-bytes stored by the first ``k`` stages,
+A training step is a chain of *stages* (candidate blocks, in execution order) between fixed
+*segments* (embeddings, head and loss, optimizer step). Under its option (``"keep"``, ``"whole"``,
+``"attn"``, ...) stage ``i`` stores ``stored_bytes`` until its backward and reaches
+``local_peak_bytes`` in its own forward or backward; a segment reaches ``peak_bytes`` above the first
+``stages_alive`` stages' stored bytes. With ``S_k`` the bytes stored by the first ``k`` stages,
 
     peak = max( max_i local_peak_i(o_i) + S_i ,  max_segments peak_bytes + S_stages_alive )
 
-Static memory is part of the local and segment peaks (measured, not modelled). The model is
-exact for plans that use one option everywhere and additive in between.
+Static memory is part of the local and segment peaks (measured, not modelled). Every term is
+measured under every option: exact for one option everywhere, additive in between.
 
 Example:
     >>> keep = StageOption("keep", (), stored_bytes=100, local_peak_bytes=150, cost_seconds=0, cost_flops=0)
@@ -66,22 +59,20 @@ class StageOption:
     # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
     # ``host_bytes`` is that input.
     input_offloaded: bool = False
-    # Inputs other recomputed stages may hold too (``position_ids``), as (label, bytes), counted once
-    # (``core.shared_held``); and those an earlier stage held in this option's run.
+    # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes): part of
+    # ``stored_bytes``, alive once however many hold them (``core.shared_held``); ``held_before``:
+    # those an earlier stage held in this option's run, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
-        """Recompute cost in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
+        """Recompute cost of this option in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
 @dataclass(frozen=True)
 class StageProfile:
-    """A candidate block and its options; ``options[0]`` is always ``"keep"``.
-
-    The descriptive figures are what the profiler saw with nothing recomputed; the solver reads only
-    the options.
+    """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these.
 
     Example:
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -97,8 +88,8 @@ class StageProfile:
     forward_seconds: float = 0.0
     forward_flops: int = 0
     module_type: str = ""
-    # Which run of the module's calls in one step this stage is: 0 for its first; k > 0 for a later
-    # one, tied to the option of its first stage (``core.calls``).
+    # Which run of the module's calls in one step this stage is (a trunk under two heads runs each
+    # block twice); a later call is tied to the option of its first (``core.calls``).
     call: int = 0
     # Its forward starts after the backward of every stage before it (a step that runs backward
     # more than once: Lightning's manual optimization): nothing they stored is alive any more.
@@ -113,8 +104,7 @@ class StageProfile:
 
 @dataclass(frozen=True)
 class Segment:
-    """A part of the step outside the stages: its peak, beyond the stored bytes of the first
-    ``stages_alive`` stages (which are alive while it runs).
+    """A part of the step outside the stages: its peak beyond the stored bytes of the first ``stages_alive`` stages.
 
     Example:
         >>> Segment("optimizer step", 0, 3 * 2**20).stages_alive
@@ -160,16 +150,17 @@ class Profile:
     # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
     span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
     # Blocks planned through their children (``runtime.profiling.hierarchy``): each a module name and
-    # the stages its forward chains; recomputing the block whole is one checkpoint over them.
+    # the stages its forward chains, in order. Recomputing the block whole is one checkpoint over
+    # those stages (``core.spans``), the other choice to planning each of them. Empty: none.
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
-    # The optimizer step under another setting (``core.binding.OPTIMIZER_SETTINGS``): bytes its step
-    # peak would differ by; empty when not measured. A fake profile's is measured when first read.
+    # Per optimizer setting (``core.binding.OPTIMIZER_SETTINGS``), bytes its step peak would differ
+    # by; empty when not measured. A fake profile's is measured when first read (a Mapping).
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
-    # What the profiled model was (parameter shapes of its stages and blocks, parameter count): the
-    # plan's fingerprint, so that ``apply_plan`` refuses the plan on a model of other shapes.
+    # The profiled model's parameter shapes and count, put in the plan's fingerprint so that
+    # ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    # Each gap's figures per memory run, read by the depth fit only: not compared, saved, nor carried
-    # by ``dataclasses.replace`` (a changed profile's runs are not those figures' runs).
+    # Each gap's figures per memory run, for the depth extrapolation only: not compared, saved, nor
+    # carried by ``dataclasses.replace`` (a changed profile's runs are not those figures' runs).
     gap_figures: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -239,7 +230,9 @@ class Profile:
 
 
 def priced(profile: Profile, rate: float) -> Profile:
-    """``profile``'s costs in seconds from its FLOPs at ``rate`` seconds per FLOP: the one place FLOPs become seconds.
+    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP.
+
+    The one place FLOPs become seconds.
 
     Example:
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -260,7 +253,7 @@ def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True)
 class PeakTerm:
-    """One term of the peak formula: a stage's, a span's or a segment's own peak over the bytes stored before it.
+    """One term of the peak formula (``kind``: ``"stage"``, ``"span"`` or ``"segment"``) over the bytes stored before it.
 
     Example:
         >>> PeakTerm("segment", 0, "head", own_bytes=50, stored_bytes=20).bytes

@@ -1,15 +1,8 @@
 """The "offload" option of a stage in the memory model: its transfer cost and its in-flight bytes.
 
-The offload memory run measures what stays on the device and the bytes sent to the host. Two
-things it does not see happen while the *next* stage runs: in forward the saved tensors stay on
-the device until the copy finishes, and in backward they come back (prefetch). Both are at most
-``host_bytes`` on top of the next stage's peak, so the stage's own option (the model is additive)
-gets the local peak ``stored + host_bytes + the next stage's largest local peak``, an upper bound.
-A prefetched stage has all its tensors back when its backward starts: its local peak is at least
-keep's.
-
-The cost is the transfer time not hidden behind the next stage's compute, forward and backward
-(twice the forward); the last stage has nothing to hide behind.
+The memory run does not see tensors in flight while the *next* stage runs, so the stage's local
+peak is raised to ``stored + host_bytes + the next stage's largest local peak`` (an upper bound).
+The cost is the transfer time not hidden behind the next stage's forward and backward.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
@@ -62,11 +55,11 @@ def host_link_bandwidth(gpu: str) -> float:
 
 
 def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:
-    """``profile`` with its offload options priced and their in-flight bytes bounded (module docstring)."""
+    """``profile`` with its offload options priced at ``bandwidth`` and their in-flight bytes bounded."""
     stages = list(profile.stages)
     n = len(stages)
-    # A prefetched stage has all its tensors back when its backward starts: its local peak is at
-    # least keep's (plus what storages sent more than once add).
+    # A prefetched stage (all but the last) has all its tensors back when its backward starts: its
+    # local peak is at least keep's, plus what host copies add (storages sent more than once).
     for i, stage in enumerate(stages[:-1]):
         keep = stage.options[0]
         stages[i] = replace(stage, options=tuple(
@@ -98,7 +91,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:
-    """``profile`` without offload options at the given stage indices (and their modules' other places)."""
+    """``profile`` without the offload options of the given stages (and their modules' other calls)."""
     owner = owners(profile)
     modules = {owner[i] for i in stages}
     return replace(profile, stages=tuple(
@@ -109,9 +102,9 @@ def without_offload(profile: Profile, stages: set[int]) -> Profile:
 def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile], Any]) -> Any:
     """``solve(profile)``, with no more than ``host_free`` bytes offloaded to the host.
 
-    The solver has no host-memory constraint, so while a plan offloads too much, the offload options
-    of the largest offloaded stages are withdrawn and the profile solved again: within the host's
-    memory, though not always the cheapest such plan. Raises ``RematError`` when nothing fits.
+    The solver has no host-memory constraint, so while a plan offloads too much, the largest
+    offloaded stages lose their offload options and the profile is solved again (within the host's
+    memory, not always the cheapest such plan). Raises ``RematError`` if then nothing fits.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
@@ -120,8 +113,6 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
         >>> whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
         >>> p = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
         >>> from lightning_remat.core.solve import solve
-        >>> solve_within_host(p, 10**9, lambda q: solve(q, 130)).offloaded
-        ['a']
         >>> solve_within_host(p, 50, lambda q: solve(q, 130)).checkpointed
         ['a']
     """

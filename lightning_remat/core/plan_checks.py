@@ -1,15 +1,7 @@
 """What a saved plan may hold: every field of a ``Plan.to_dict`` checked before a plan is built.
 
-Plans come back from edited JSON files, old checkpoints and other ranks; a wrong value there must
-fail on load, naming the field and the value (``PlanFormatError``), not later while a model is
-being wrapped.
-
-Example:
-    >>> check_plan_dict({"checkpointed": ["h.0"], "budget_bytes": 2**30, "notes": ["ok"]})
-    >>> check_plan_dict({"checkpointed": ["h.0"], "budget_bytes": "10GB"})
-    Traceback (most recent call last):
-    ...
-    lightning_remat.core.errors.PlanFormatError: a plan's 'budget_bytes' must be a whole number of bytes from 0 to 2**63 - 1 (or null), got '10GB'
+A plan comes back from edited JSON, old checkpoints and other ranks; a wrong value must fail on load
+with a ``PlanFormatError`` naming the field, not later while a model is being wrapped.
 """
 
 from __future__ import annotations
@@ -173,8 +165,8 @@ def _layout(layout: Any) -> bool:
 def check_saved_state(state: Any, owner: str) -> None:
     """Check the state an integration keeps in a checkpoint; ``owner`` names it in the error.
 
-    ``plan`` is a plan's dict or None; ``plans`` are ``[batch size, sequence length, plan]`` with the
-    shape's layout fourth where it has one. Each plan's own fields are checked by ``Plan.from_dict``.
+    ``plan``: a plan's dict or None; ``plans``: ``[batch size, sequence length, plan]`` (and the layout).
+    Each plan's own fields are checked by ``Plan.from_dict``.
 
     Example:
         >>> check_saved_state({"plan": "h.0"}, "AutoRemat's checkpoint state")

@@ -1,6 +1,6 @@
-"""A plan as plain text, the one way it is written everywhere (``Plan.summary()``).
+"""A plan as plain text, the one way it is written everywhere (no rich, no torch).
 
-A plan made without a profile predicts nothing: the text says its figures are not predicted.
+``Plan.summary()`` is this text; ``report.render`` shows the same lines in a rich table.
 
 Example:
     >>> from lightning_remat.core.plan import Plan, StageAction
@@ -81,8 +81,7 @@ def table_text(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str
 
 
 def plan_lines(plan: Any) -> list[str]:
-    """What follows the table: segments, policies, offloading, the memory at the peak (when it is
-    predicted), notes."""
+    """What follows the table: segments, policies, offloading, the memory at the peak, notes."""
     lines: list[str] = []
     segments = plan.segments
     if segments:
@@ -135,9 +134,7 @@ def plan_text(plan: Any, title: str = "Recompute plan") -> str:
 
 
 def per_gpu_breakdown(plan: Any) -> dict[str, int]:
-    """The per-GPU peak of a sharded plan, split into its static parts and the rest.
-
-    Empty for an unsharded plan and for one that predicts nothing.
+    """The per-GPU peak of a sharded plan split into its parts; empty when unsharded or not predicted.
 
     Example:
         >>> from lightning_remat.core.plan import Plan

@@ -1,8 +1,7 @@
-"""The one predictor: a plan's peak, recompute cost and host bytes, read from its typed actions.
+"""The one predictor: a plan's peak, recompute cost and host bytes, read from its actions.
 
-As rotor's simulator reads the one operation sequence its solvers return, ``predict`` finds the
-profile's option each action names and prices them with the memory model; ``actions_of`` is the
-other direction, from the option indices and spans the solver finds.
+Each action is matched to the profile's option that does it, and priced with the memory model.
+``actions_of`` goes the other way: the actions of the option indices and spans the solver finds.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
@@ -13,8 +12,6 @@ Example:
     >>> p = Profile((stage("a"), stage("b")), (Segment("head", 2, 50),), baseline_step_flops=20)
     >>> predict(p, [StageAction.recompute("a"), StageAction.keep("b")], "flops")
     Prediction(peak_bytes=160, cost=5.0, overhead=0.25, host_bytes=0)
-    >>> actions_of(p, [1, 0]) == (StageAction.recompute("a"), StageAction.keep("b"))
-    True
 """
 
 from __future__ import annotations
@@ -34,10 +31,7 @@ from .vocabulary import Action, CostKind
 class Prediction:
     """What the memory model says of a plan.
 
-    Attributes:
-        cost: recompute (and unhidden transfer) cost, in the unit of the cost kind.
-        overhead: ``cost`` over a step without recomputation (0.0 when that is unknown).
-        binding: the term of the peak formula that attains the peak.
+    ``cost`` includes unhidden transfers; ``overhead`` is it over a plain step's (0.0 if unknown).
     """
 
     peak_bytes: int
@@ -76,10 +70,10 @@ def option_index(stage: StageProfile, action: StageAction) -> int:
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (others kept).
+    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept).
 
-    Actions for every stage in order are read by position (a synthetic profile may repeat a name),
-    others by name. Raises ValueError for a stage or an option the profile does not have.
+    Actions for every stage in order are read by position (a synthetic profile may repeat a name).
+    Raises ValueError for an action on a stage the profile lacks, or an option it does not offer.
     """
     names = [s.name for s in profile.stages]
     # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
@@ -130,7 +124,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
 
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
-    """One action per stage for option indices ``choices`` and ``spans``; a span over a block is one action.
+    """One action per stage for option indices ``choices`` and ``spans``; a block's span is one action.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile

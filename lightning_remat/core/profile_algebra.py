@@ -1,19 +1,11 @@
 """One algebra for profiles: combine aligned profiles number by number, whatever the job.
 
 A ``Profile`` is a tree of dataclasses whose leaves are measures (bytes, seconds, FLOPs) or
-structure (names, policies, notes). The batch fit, the depth fit and the rank merge each build a
-profile from others as a *combiner*, ``combiner(term, values) -> value``; ``combine`` walks every
-numeric field, so a field added to the dataclasses is scaled, merged and extrapolated with no list
-to keep in sync. What each number is (``Quantity``: unit, growth with the batch) is declared here
-once; only the exceptions to "a per-sample figure, never below zero" are listed (``_DECLARED``).
-
-Example:
-    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-    >>> def p(stored, flops): return Profile((StageProfile("a", (StageOption("keep", (), stored, 150, 0.0, flops),)),),
-    ...                                      (Segment("head", 1, 50),))
-    >>> merged = combine([p(100, 7), p(120, 5)], largest)
-    >>> merged.stages[0].options[0].stored_bytes, merged.stages[0].options[0].cost_flops, merged.baseline_peak_bytes
-    (120, 7, 170)
+structure (names, policies). The batch fit, the depth fit, the shape fit and the rank merge each
+build a profile from others as a *combiner*, ``combiner(term, values) -> value``; ``combine`` walks
+every field for all of them, so a numeric field added to the dataclasses needs no list kept in sync.
+What each number is (``Quantity``: unit, growth with the batch) is declared once; ``_DECLARED``
+lists only the exceptions to "a per-sample figure, never below zero".
 """
 
 from __future__ import annotations
@@ -62,16 +54,14 @@ class Quantity:
     """What one numeric field of a profile is.
 
     Args:
-        signed: whether it may be below zero: terms the predictor adds up are measured differences
+        signed: whether it may be below zero: the memory model's terms are measured differences
             (FSDP2 frees unsharded parameters the stored bytes count), never clamped.
-        derive: how to compute a figure from the rest of its node (the baseline peak); ``combine``
-            recomputes it after the other fields.
+        derive: how to compute a figure from the rest of the node (the baseline peak);
+            ``combine`` recomputes it after the other fields.
 
     Example:
         >>> Quantity(Unit.BYTES).coerce(2.1), Quantity(Unit.COUNT).coerce(-3.4), Quantity(Unit.SECONDS).coerce(-1.0)
         (3, 0, 0.0)
-        >>> Quantity(Unit.BYTES, Growth.PEAK, signed=True).coerce(-2.5)
-        -2
     """
 
     unit: Unit
@@ -164,10 +154,8 @@ def quantity(owner: type, name: str) -> Quantity | None:
     """What the field ``name`` of ``owner`` (a profile dataclass, or a subclass) is; None for structure.
 
     Example:
-        >>> quantity(Profile, "gradient_bytes").growth, quantity(StageProfile, "forward_flops").unit
-        (<Growth.STATIC: 'static'>, <Unit.COUNT: 'count'>)
-        >>> quantity(StageOption, "policy") is None, quantity(Segment, "stages_alive") is None
-        (True, True)
+        >>> quantity(Profile, "gradient_bytes").growth, quantity(StageOption, "policy") is None
+        (<Growth.STATIC: 'static'>, True)
     """
     for cls in owner.__mro__:
         if (cls, name) in _DECLARED:
@@ -206,7 +194,7 @@ def terms(owner: type) -> tuple[Term, ...]:
 
 
 def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
-    """The default structure policy: a structural field (a name, a policy, the notes) is the first input's.
+    """The default structure policy: a structural field (a name, a policy) is the first input's.
 
     Example:
         >>> first_present(StageOption, "policy", ["", "save_matmuls"])
@@ -226,16 +214,14 @@ def largest(term: Term, values: Sequence[Any]) -> Any:
 
 
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
-    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: an input lacks it).
+    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: lacking it).
 
     Numbers go through ``combiner(term, values)``, structure through ``structure(owner, name, values)``
-    over the nodes present.
+    (left out under ``first_present``: the node is built on the first present one).
 
     Example:
         >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
         {'peak_bytes': 70}
-        >>> combine_fields([Segment("head", 1, 50), Segment("head", 1, 70)], largest, lambda o, n, v: v[-1])["stages_alive"]
-        1
     """
     present = [n for n in nodes if n is not None]
     owner = type(present[0])
@@ -257,9 +243,9 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
             derive: bool = True) -> Any:
     """One node (a profile, stage, option or segment) combined from aligned ``nodes``, children and all.
 
-    Children line up as ``_CHILDREN`` says (stages by position, options by name, segments by name and
-    stages alive). Derived figures are recomputed from the result unless ``derive`` is False (a
-    combiner whose values are not numbers yet).
+    Children line up as ``_CHILDREN`` says. Derived figures are recomputed from the result unless
+    ``derive`` is False (a combiner whose values are not numbers yet). Raises ValueError for inputs
+    that cannot be aligned.
 
     Example:
         >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)
@@ -288,7 +274,7 @@ def _derived(owner: type) -> tuple[Term, ...]:
 
 
 def _align(collections: Sequence[Sequence[Any]], child: type) -> list[list[Any]]:
-    """The children of every input lined up: one list per child, None where an input lacks it."""
+    """One list per child, aligned with the inputs (None where an input lacks it)."""
     keys, missing = _CHILDREN[child]
     if keys is None:
         if len({len(items) for items in collections}) > 1:

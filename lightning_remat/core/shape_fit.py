@@ -1,37 +1,11 @@
 """The shape fit: a profile at any batch size and sequence length, from profiles at a few shapes.
 
-Runs change shape every step (dynamic padding, the last short batch). Static memory does not
-change with the shape; activations grow with ``b * s``, stored attention scores with ``b * s**2``.
-A *node* is a profile measured (on fake tensors) at one shape; a prediction combines the nodes'
-values with one set of weights for every term (``NodeWeights``, via ``core.profile_algebra``):
-
-- ``chord_weights``: piecewise-linear in ``s`` between the nearest nodes, then in ``b``. A peak is
-  a maximum of polynomials with non-negative coefficients, convex in ``s`` and in ``b``, and a
-  chord lies above a convex function: a bracketed shape is predicted at or above what it measures,
-  so a plan made on it holds its budget.
-- ``law_weights``: the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` through every
-  node. Not a bound, so a shape outside the nodes is only *predicted* with it; a plan is made on a
-  bracketed shape (``ShapeFit.bounded``), adding missing nodes (``ShapeFit.missing_nodes``).
-
-Nodes combine only with nodes of the same layout (``core.shapes``). ``Anchored`` carries what a
-real profile adds to the fake nodes at one shape to every other shape, on the safe side.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-    >>> def node(b, s):  # stored bytes b*s*(8 + s), a local peak 1000 + 3*b*s*s, FLOPs b*s
-    ...     keep = StageOption("keep", (), b * s * (8 + s), 1000 + 3 * b * s * s, 0.0, 0)
-    ...     whole = StageOption("whole", ("a",), 4 * b * s, 1000 + 3 * b * s * s, 0.0, b * s)
-    ...     return Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 1000 + 2 * b * s),),
-    ...                    parameter_bytes=1000)
-    >>> fit = ShapeFit({Shape(2, 32): node(2, 32), Shape(2, 128): node(2, 128), Shape(8, 32): node(8, 32),
-    ...                 Shape(8, 128): node(8, 128)})
-    >>> fit.bounded(Shape(4, 64)), fit.bounded(Shape(4, 256))
-    (True, False)
-    >>> predicted, measured = fit.at(Shape(4, 64)), node(4, 64)
-    >>> predicted.baseline_peak_bytes >= measured.baseline_peak_bytes  # the chord: never below
-    True
-    >>> fit.at(Shape(8, 128)).stages == node(8, 128).stages  # a node: exact
-    True
+A *node* is a profile at one shape; other shapes are weighted sums of the nodes' terms. Memory alive
+at any moment is a polynomial in ``b``, ``b * s`` and ``b * s**2`` with non-negative coefficients, so
+a peak is convex in each and a chord between nodes (``chord_weights``) lies above it: a plan made on
+a bracketed shape holds its budget. Outside the nodes the least-squares law (``law_weights``) only
+predicts. Nodes combine only within a layout (``core.shapes``); the reasoning and figures are in
+docs/shapes.md.
 """
 
 from __future__ import annotations
@@ -51,19 +25,17 @@ __all__ = ["Anchored", "NodeWeights", "Shape", "ShapeFit", "chord_weights", "law
 
 
 class NodeWeights:
-    """The shape fit's combiner: every term as ``offset + sum(w * (value - offset))`` over the nodes.
+    """The shape fit's combiner: each term as ``offset + sum(w * (value - offset))`` over the nodes.
 
-    ``offset`` is the static memory for a peak, 0 otherwise. A node that lacks the term is left out
-    and the others' weights scaled to the same sum.
+    ``offset`` is ``static_bytes`` for a peak, else 0. A node that lacks the term is left out and the
+    others' weights scaled to the same sum.
 
     Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption
+        >>> from lightning_remat.core.memory_model import Segment
         >>> from lightning_remat.core.profile_algebra import quantity
         >>> peak = Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes"))
         >>> NodeWeights([0.25, 0.75], static_bytes=1000)(peak, [1100, 1500])
         1400
-        >>> NodeWeights([2.0], static_bytes=1000)(peak, [1100])  # a scaled single node
-        1200
     """
 
     def __init__(self, weights: Sequence[float], static_bytes: int):
@@ -82,7 +54,7 @@ class NodeWeights:
 
 
 def _bracket(values: Sequence[int], x: int) -> list[tuple[int, float]] | None:
-    """``x`` as a convex combination of its two neighbours in sorted ``values``; None outside them."""
+    """``x`` as a convex combination of its neighbours in sorted ``values``; None outside them."""
     i = bisect.bisect_left(values, x)
     if i < len(values) and values[i] == x:
         return [(x, 1.0)]
@@ -99,19 +71,14 @@ def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
 
 
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Interpolation weights of ``target`` between ``nodes`` of its layout, or None when none bracket it.
+    """Interpolation weights of ``target`` between ``nodes`` of its layout (linear in ``s``, then in ``b``).
 
-    Every weight is >= 0 and they sum to 1, so a term convex in ``s`` and in ``b`` is predicted at
-    or above its value.
+    The weights are >= 0 and sum to 1. None when no nodes bracket ``target``.
 
     Example:
         >>> nodes = [Shape(2, 32), Shape(2, 128), Shape(8, 64)]
         >>> chord_weights(nodes, Shape(2, 64))
         {Shape(batch_size=2, seq_len=32): 0.6666666666666667, Shape(batch_size=2, seq_len=128): 0.3333333333333333}
-        >>> chord_weights(nodes, Shape(4, 48)) is None  # no node at b=8 below s=48
-        True
-        >>> chord_weights(nodes + [Shape(8, 32)], Shape(8, 48))[Shape(8, 64)]
-        0.5
     """
     by_batch: dict[int, list[int]] = {}
     for node in _family(nodes, target):
@@ -134,9 +101,9 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights of the least-squares law through the nodes of ``target``'s layout, evaluated at ``target``.
+    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target``.
 
-    None with fewer than four independent nodes of that layout.
+    Fit through the nodes of ``target``'s layout; None with fewer than four independent ones.
 
     Example:
         >>> nodes = [Shape(2, 32), Shape(2, 64), Shape(2, 128), Shape(4, 32)]
@@ -144,8 +111,6 @@ def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | N
         >>> term = lambda n: 7 + n.batch_size * (3 + 2 * n.seq_len + n.seq_len ** 2)
         >>> round(sum(w * term(n) for n, w in weights.items())), term(Shape(8, 256))
         (528415, 528415)
-        >>> law_weights(nodes[:3], Shape(8, 256)) is None
-        True
     """
     nodes = _family(nodes, target)
     if len(nodes) < 4:
@@ -160,7 +125,7 @@ def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | N
 
 
 def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]:
-    """The nearest node, scaled beyond static memory by the steepest growth a term has."""
+    """The nearest node, scaled by the steepest growth a term has (batch, squared sequence)."""
     family = _family(nodes, target)
     nearest = min(family or nodes, key=lambda n: (abs(math.log(target.elements / n.elements)), n))
     per_sample = (target.elements / target.tokens) / (nearest.elements / nearest.tokens)
@@ -170,11 +135,11 @@ def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]
 
 
 class Anchored:
-    """The combiner that carries an anchor's difference from its fake node to another shape.
+    """The combiner that carries an anchor's difference from its node to another shape.
 
-    Values are ``[predicted, node, anchor]``. An excess ``d > 0`` is carried as ``d * max(1, r)``, a
-    shortfall as ``d * min(1, r)`` (``r``: the target's elements over the anchor's); seconds as a
-    ratio; a term only the anchor has grows like the elements beyond static memory.
+    Used as ``combine([predicted, node, anchor], Anchored(...))``. An excess ``d > 0`` is carried as
+    ``d * max(1, r)``, a shortfall as ``d * min(1, r)`` (``r``: ``token_ratio``, the target's elements
+    over the anchor's), so either errs high; seconds are carried as a ratio.
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
@@ -207,12 +172,10 @@ class Anchored:
 
 
 class ShapeFit:
-    """Profiles at a few shapes (the *nodes*), extended to any shape.
+    """Profiles at a few shapes (the *nodes*, same stages), extended to any shape.
 
-    Args:
-        nodes: profiles of one model and optimizer at several shapes, measured alike.
-        anchor: ``(shape, profile)``: the profile planning trusts at one node's shape, whose
-            difference from that node is carried to every shape (``Anchored``).
+    ``anchor``: ``(shape, profile)`` trusted at one node's shape; its difference from that node is
+    carried to every shape (``Anchored``). Raises ValueError for unlike nodes or an anchor off them.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -251,14 +214,12 @@ class ShapeFit:
     def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
         """The nodes to profile so that ``shape`` is bracketed (empty when it is).
 
-        Nodes sit on the ladder (``per_octave`` values per doubling) around ``shape``, never beyond
-        ``limit`` (the data's largest shape) unless ``shape`` is: a few fixed values, not every shape met,
-        bound the profiles a run takes and keep each chord short.
+        Nodes sit on the ladder (``core.shapes``, ``per_octave`` per doubling) around ``shape``, never
+        beyond ``limit`` (the largest shape the data has) unless ``shape`` is: fixed values bound the
+        profiles a run takes and keep each chord short.
 
         Example:
             >>> fit = ShapeFit({Shape(4, 76): Profile((), ())})
-            >>> fit.missing_nodes(Shape(4, 85)), fit.missing_nodes(Shape(4, 50))
-            ([Shape(batch_size=4, seq_len=96)], [Shape(batch_size=4, seq_len=48)])
             >>> fit.missing_nodes(Shape(9, 76))  # 9 is between the ladder's 8 and 10
             [Shape(batch_size=8, seq_len=80), Shape(batch_size=8, seq_len=64), Shape(batch_size=10, seq_len=80), Shape(batch_size=10, seq_len=64)]
         """
@@ -291,7 +252,7 @@ class ShapeFit:
         return _scaled_weights(nodes, shape), "scaled"
 
     def at(self, shape: Shape, method: str | None = None) -> Profile:
-        """The profile predicted for ``shape`` by ``method`` (``"chord"``, ``"law"``; None: the best there is)."""
+        """The profile predicted for ``shape`` by ``method`` (``"chord"``, ``"law"``; None: the first that applies)."""
         if method is None:
             weights, how = self.weights(shape)
         else:

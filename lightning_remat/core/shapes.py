@@ -1,17 +1,9 @@
 """Batch shapes and the ladder they are rounded to: what a plan that follows the batch's shape is made for.
 
 A ``Shape`` is a batch's size and sequence length (the dimensions profiles are fitted over) and its
-*layout*: everything else that can change between batches (which tensors it holds, their sizes).
-An image batch whose height grows, or a dict batch where a key appears, is another shape, never
-planned as the one before. ``ShapeBuckets`` rounds a shape up a ladder of a few steps per
-doubling, so a run sees few distinct shapes and no plan is made for a smaller shape than its batch.
-
-Example:
-    >>> ShapeBuckets(per_octave=4).up(Shape(4, 100))
-    Shape(batch_size=4, seq_len=112)
-    >>> images = Shape(8, 1, (("0", (BATCH, 3, 30, 30)), ("1", (BATCH,))))
-    >>> str(images), str(ShapeBuckets(per_octave=4).up(images))
-    ('8x1 {0: bx3x30x30, 1: b}', '8x1 {0: bx3x32x32, 1: b}')
+*layout*: which tensors it holds and their sizes, so that a new key or a taller image is another
+shape. ``ShapeBuckets`` rounds shapes up a ladder of a few steps per doubling (``ladder_up``), so a
+run plans few distinct shapes and never one smaller than its batch's.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ Entry = tuple[str, tuple[int, ...]]  # a tensor's path in the batch, and its siz
 
 
 def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
-    """``layout`` as sorted, checked ``(path, size)`` tuples (JSON lists accepted)."""
+    """``layout`` as sorted ``(path, size)`` tuples (lists, as JSON holds them, accepted), checked."""
     entries = []
     for entry in layout:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str) \
@@ -51,23 +43,18 @@ def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
 
 @dataclass(frozen=True, order=True, repr=False)
 class Shape:
-    """A batch's shape: batch size, sequence length (1 for images) and ``layout``.
+    """A batch's shape: batch size, sequence length (1 without one) and ``layout``.
 
-    ``layout`` holds every tensor of the batch as ``(path, sizes)``, ``path`` the keys and indices into
-    its containers joined by ``.``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a
-    batch that is one tensor of batch and sequence only. ``covers`` and ``union`` hold only between
-    *comparable* shapes (same paths, dimensions and markers): a new tensor or key is never covered by
-    a plan made without it.
+    ``layout``: every tensor as ``(path, sizes)``, ``path`` the keys into the batch's containers joined
+    by ``.``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a plain ``(b, s)`` tensor.
+    ``covers`` and ``union`` hold only between *comparable* shapes (same paths, dimensions and markers):
+    a new tensor is never covered by a plan made without it.
 
     Example:
-        >>> Shape(4, 128).tokens, Shape(4, 128).covers(Shape(2, 128)), str(Shape(4, 128))
-        (512, True, '4x128')
         >>> small = Shape(8, 1, (("image", (BATCH, 3, 32, 32)),))
         >>> large = Shape(8, 1, (("image", (BATCH, 3, 64, 48)),))
         >>> large.covers(small), small.covers(large), small.covers(Shape(8, 1)), large.elements
         (True, False, False, 73728)
-        >>> Shape.from_list(large.to_list()) == large, Shape(4, 128).to_list()
-        (True, [4, 128])
     """
 
     batch_size: int
@@ -124,7 +111,7 @@ class Shape:
         return Shape(max(self.batch_size, other.batch_size), max(self.seq_len, other.seq_len), layout)
 
     def to_list(self) -> list:
-        """As JSON holds it: ``[batch_size, seq_len]``, plus the layout third when there is one."""
+        """As JSON: ``[batch_size, seq_len]``, plus ``[[path, [sizes]], ...]`` when there is a layout."""
         head = [self.batch_size, self.seq_len]
         return [*head, [[path, list(sizes)] for path, sizes in self.layout]] if self.layout else head
 
@@ -149,7 +136,9 @@ class Shape:
 
 
 def ladder_up(n: int, per_octave: int = 4) -> int:
-    """The smallest ladder value at or above ``n``: every integer up to ``2 * per_octave``, then ``per_octave`` per doubling.
+    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n``.
+
+    Every integer up to ``2 * per_octave``, then ``per_octave`` steps per doubling.
 
     Example:
         >>> [ladder_up(n) for n in (1, 7, 9, 33, 100, 128, 129)]
@@ -176,17 +165,12 @@ def ladder_down(n: int, per_octave: int = 4) -> int:
 
 @dataclass(frozen=True)
 class ShapeBuckets:
-    """How shapes are rounded up before they are planned: each dimension up the ``ladder_up`` ladder.
+    """How shapes are rounded up before they are planned: up the ``ladder_up`` ladder.
 
-    ``per_octave`` 0: not rounded. Never beyond ``max_shape`` when one is declared. A layout's sizes
-    are rounded only where ``up`` is told they vary: a size that never changes (channels) is planned
-    as it is, since a model refuses any other.
+    ``per_octave``: 0 rounds nothing. Never beyond ``max_shape`` (a batch beyond it is planned at its
+    own shape). A layout's sizes are rounded only where they vary: a model refuses another channel count.
 
     Example:
-        >>> ShapeBuckets().up(Shape(3, 100)), ShapeBuckets(max_shape=Shape(8, 100)).up(Shape(3, 97))
-        (Shape(batch_size=3, seq_len=112), Shape(batch_size=3, seq_len=100))
-        >>> ShapeBuckets(per_octave=0).up(Shape(3, 100))
-        Shape(batch_size=3, seq_len=100)
         >>> image = Shape(4, 1, (("x", (BATCH, 3, 100, 100)),))
         >>> str(ShapeBuckets().up(image)), str(ShapeBuckets().up(image, varying={("x", 2)}))
         ('4x1 {x: bx3x112x112}', '4x1 {x: bx3x112x100}')
@@ -196,7 +180,7 @@ class ShapeBuckets:
     max_shape: Shape | None = None
 
     def up(self, shape: Shape, varying: Collection[tuple[str, int]] | None = None) -> Shape:
-        """The shape ``shape``'s plan is made for; ``varying``: the ``(path, dimension)`` sizes to round (None: all)."""
+        """The shape ``shape``'s plan is made for; ``varying``: the ``(path, dimension)`` to round (None: all)."""
         if self.per_octave <= 0:
             return shape
         layout = tuple((path, tuple(size if size < 0 or (varying is not None and (path, axis) not in varying)
@@ -209,7 +193,7 @@ class ShapeBuckets:
         return rounded
 
     def _within(self, rounded: Shape, shape: Shape) -> Shape:
-        """``rounded`` capped at ``max_shape`` where it rounded beyond it."""
+        """``rounded`` no larger than ``max_shape`` where it rounded beyond it."""
         cap = self.max_shape
         layout = rounded.layout
         if cap.layout and cap.comparable(shape):

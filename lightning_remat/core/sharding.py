@@ -1,11 +1,6 @@
-"""Per-GPU figures of a sharded (FSDP2) plan: how the peak splits and how many GPUs a budget needs.
+"""Per-GPU figures of a sharded (FSDP2) plan: how the peak splits, how many GPUs a budget needs.
 
-A sharded profile is measured per GPU: parameters, gradients and optimizer state are that rank's
-shards, and ``Profile.sharding`` records the world size.
-
-Example:
-    >>> smallest_world_size(least_peak=100, sharded_static=80, world_size=2, budget=60)
-    4
+A sharded profile is measured per GPU: parameters, gradients and optimizer state are that rank's shards.
 """
 
 from __future__ import annotations
@@ -22,8 +17,8 @@ __all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
     """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None.
 
-    The sharded part (``sharded_static`` at ``world_size``) divides by the world size; the rest of
-    the least peak does not change. None when that rest alone is over the budget.
+    ``sharded_static`` (at ``world_size``) divides by the world size; the rest of the least peak does
+    not change. None when that rest alone is over the budget.
 
     Example:
         >>> smallest_world_size(100, 80, 2, 20) is None
@@ -37,8 +32,8 @@ def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, b
 
 
 def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
-    """``solve``, whose ``BudgetTooSmallError`` on a sharded profile becomes a
-    ``ShardedBudgetTooSmallError`` naming the least world size estimated to fit.
+    """``solve``; on a sharded profile a ``BudgetTooSmallError`` becomes a ``ShardedBudgetTooSmallError``
+    naming the least world size estimated to fit.
 
     Example:
         >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile

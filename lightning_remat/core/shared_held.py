@@ -1,13 +1,8 @@
 """Inputs several recomputed stages hold (``position_ids``, which every layer receives): counted once.
 
-A recomputed stage keeps its forward's arguments to its backward. A tensor every layer receives is
-one tensor however many checkpoints hold it, but the additive model the exact solver needs counts
-it in every holder's stored bytes, over-predicting a plan that recomputes n holders by n times its
-size, enough to refuse a budget the plan meets.
-
-``exact_peak`` counts each such tensor once, in the first holder the plan recomputes; it stays at
-or above the truth. ``slack`` bounds how far the additive model can be above it: the solver
-searches within the budget plus the slack and keeps a plan whose exact peak is within the budget.
+The solver's additive model counts such a tensor in every checkpoint that holds it, enough to refuse
+a budget the plan reaches; ``exact_peak`` counts it once (still at or above the truth), and ``slack``
+bounds the over-count so the solver can search within budget plus slack.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
@@ -36,9 +31,9 @@ def has_shared(profile: Profile) -> bool:
 
 
 def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """The predicted peak of ``choices`` (and ``spans``) with each shared input counted once.
+    """The predicted peak of ``choices`` with each shared input counted once (never above the additive one).
 
-    Never above ``predict_peak_spans``; equal to it where nothing is shared, or with spans.
+    With spans, the additive figure (a span's checkpoint holds only its first stage's arguments).
     """
     additive = predict_peak_spans(profile, choices, spans)
     if spans or not has_shared(profile):
@@ -74,7 +69,7 @@ def slack(profile: Profile) -> int:
 
 
 def without_shared(profile: Profile) -> Profile:
-    """``profile`` with every shared input counted in each holder, as the additive model counts it.
+    """``profile`` with every shared input counted in each holder (what the fits start from).
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment

@@ -1,12 +1,9 @@
 """The exact solver: least recompute cost subject to a predicted peak within the budget.
 
-Pure numbers in, plan out (numpy, no torch). The memory model (``memory_model``) has a prefix
-structure: every constraint reads the bytes stored by the stages *before* some point. So a dynamic
-programme over stages in execution order, whose state is "bytes stored so far" and whose value is
-"least cost so far", is exact; we keep the whole Pareto frontier of (stored bytes, cost) pairs
-instead of discretising the state, which keeps it exact without a byte grid. A smaller stored
-total never hurts a later constraint, so a pair is dropped only when another has both less (or
-equal) stored bytes and less (or equal) cost.
+Every constraint of the memory model reads the bytes stored by the stages before some point, so a
+dynamic programme over stages with state "bytes stored so far" and value "least cost so far" is
+exact. It keeps the Pareto frontier of (stored bytes, cost) pairs rather than a byte grid: fewer
+stored bytes never hurt a later constraint, so only dominated pairs are dropped.
 
 ``budget="min"`` solves the memory-only objective of Hong et al. / Feng & Huang with the same
 frontier over (stored bytes, peak so far), then the least-cost plan at that peak.
@@ -31,10 +28,9 @@ from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
-# Beyond this many Pareto points the frontier is thinned to one point (the cheapest) per band of
-# stored bytes, plus the point that stores least. Plans stay feasible (every constraint is checked
-# on exact byte counts); optimality is then within one band (1/MAX_FRONTIER of the frontier's
-# range of stored bytes).
+# Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes and
+# the point that stores least: plans stay feasible (constraints use exact bytes), optimal within one
+# band (1/MAX_FRONTIER of the range). Chains of a few dozen stages stay below it.
 MAX_FRONTIER = 1_000
 
 
@@ -93,8 +89,7 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 
 
 def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
-    """Per end position ``p`` (after stage ``p - 1``), the spans ending there as rows
-    (first, stored, local, cost), float64 (byte counts stay exact below 2**53)."""
+    """Per end position ``p``, the spans ending there as float64 rows (first, stored, local, cost)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
     # No span in a step that runs backward more than once (``StageProfile.fresh``): its figures assume one.
     for first, last, stored, local, seconds, flops, roofline in [] if any(s.fresh for s in profile.stages) \
@@ -106,11 +101,7 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
 
 def _frontier_dp(arrays: _Arrays, budget: int | None,
                  spans: list[np.ndarray] | None = None) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """Least-cost choices whose peak is within ``budget`` (None: least peak); None when nothing fits.
-
-    Position ``p`` is reached from ``p - 1`` by an option of stage ``p - 1`` or from ``first`` by a span
-    ``first..p-1``, all transitions as one vector. Returns the option per stage and the spans taken.
-    """
+    """Option per stage and spans of the least-cost plan within ``budget`` (None: least peak), or None."""
     n = arrays.stored.shape[0]
     minimise_peak = budget is None
     # The second coordinate: cost so far (budget mode) or peak so far (min mode).
@@ -235,11 +226,7 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
 
 def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
                   least: tuple | None) -> tuple | None:
-    """A plan within ``budget`` with shared inputs counted once, where the additive DP finds none.
-
-    The search is widened by ``slack``: every plan that truly fits is in it, so its cheapest is kept
-    if its exact peak fits; else the plan of least peak if that fits.
-    """
+    """A plan within ``budget`` with shared inputs counted once (searched within budget plus ``slack``)."""
     wider = _frontier_dp(arrays, budget + slack(profile), spans)
     if wider is not None and exact_peak(profile, *wider) <= budget:
         return wider
@@ -249,7 +236,7 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """The ``Plan`` for given option indices and spans, priced by the one predictor (``predict.predict``).
+    """The Plan for given option indices and spans, priced by ``predict.predict``.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -319,9 +306,9 @@ def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
                                requested_budget: str = "", note: str = "") -> Plan:
-    """The plan made without a profile: every stage recomputed whole, the plan most likely to fit.
+    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole.
 
-    Its predicted figures are None; ``budget_bytes`` is None for ``"min"``.
+    Nothing is predicted (the predicted figures are None); ``budget_bytes`` is None for ``"min"``.
 
     Example:
         >>> plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
@@ -339,12 +326,11 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     """The least-cost recompute plan whose predicted peak is within ``budget``.
 
     Args:
-        budget: anything ``parse_budget`` accepts; ``"min"`` gives the plan of least peak and,
-            among those, the least cost.
+        budget: anything ``parse_budget`` accepts; ``"min"``: the least peak, then the least cost.
         cost: a ``CostKind``: ``"time"``, ``"flops"`` or ``"roofline"``.
 
     Raises:
-        BudgetTooSmallError: (a ValueError) when no plan fits; it names the smallest reachable peak.
+        BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
@@ -355,11 +341,9 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         ...                   baseline_peak_bytes=250, baseline_step_seconds=10.0)
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
-        >>> solve(profile, "min").predicted_peak_bytes
-        160
     """
-    # A percentage needs the device's memory; a size is taken as given (the integrations check it
-    # against the device: the solver also serves synthetic profiles and devices that are not here).
+    # A size is taken as given (the integrations check it against the device): the solver also serves
+    # synthetic profiles and devices that are not here.
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     found = solve_segmentation(profile, parsed, cost)

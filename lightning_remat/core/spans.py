@@ -1,17 +1,9 @@
-"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint.
+"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint (no torch).
 
-A *span* ``(first, last)`` runs stages ``first..last`` under a single checkpoint: their inner
-outputs are not kept, so a chain gets the sqrt(n)-like plans of Chen et al. that per-stage
-checkpointing cannot express. ``Profile.span_groups`` (items of one ``nn.Sequential``) and
-``Profile.blocks`` (a block planned through its children, recomputed whole) say which stages may
-share a span. Its figures follow exactly from the per-stage terms:
-
-- stored bytes: what the last stage leaves under ``"whole"`` (its output);
-- local peak: the backward recomputes the forward with everything saved, so while stage
-  ``k < last`` runs the stages ``first..k-1`` hold their ``"keep"`` stored bytes:
-  ``max_k (keep stored of first..k-1 + keep local peak of k)``, gaps between them alike. The last
-  stage runs as it runs recomputed alone: its ``"whole"`` local peak plus the others' keep bytes;
-- cost: the forward of every stage in it, as ``"whole"`` prices each.
+A *span* ``(first, last)`` runs stages ``first..last`` under one checkpoint, so their inner outputs
+are not kept (Chen et al.'s sqrt(n) plans). Its figures derive exactly from the per-stage terms
+(docs/segments.md): the last stage's ``"whole"`` stored bytes, a local peak of ``max_k (keep stored
+of first..k-1 + keep local peak of k)``, the sum of the ``"whole"`` costs.
 
 Example:
     >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
@@ -20,8 +12,6 @@ Example:
     >>> p = Profile(tuple(stage(f"s.{i}") for i in range(3)), (), span_groups=(("s.0", "s.1", "s.2"),))
     >>> span_option(p, 0, 2).stored_bytes, span_option(p, 0, 2).local_peak_bytes, span_option(p, 0, 2).cost_flops
     (10, 360, 15)
-    >>> predict_peak_spans(p, [0, 0, 0], [(0, 2)])
-    360
 """
 
 from __future__ import annotations
@@ -60,8 +50,8 @@ class SpanOption:
 def max_span_length(n_stages: int) -> int:
     """The longest span the solver considers: ``2 * ceil(sqrt(n))`` stages (at least 2).
 
-    Memory-optimal chain plans use segments of about sqrt(n) stages; twice that leaves room for
-    uneven stages while keeping the transitions per stage at O(sqrt(n)).
+    Memory-optimal chain plans use segments of about sqrt(n) stages; twice that allows uneven stages
+    while the solver's transitions per stage stay O(sqrt(n)).
 
     Example:
         >>> max_span_length(24), max_span_length(1000)
@@ -71,7 +61,7 @@ def max_span_length(n_stages: int) -> int:
 
 
 def span_ranges(profile: Profile) -> list[tuple[int, int]]:
-    """Index ranges ``(start, end)`` (end exclusive) of the span groups, split where stages are not adjacent.
+    """Index ranges ``(start, end)`` (end exclusive) of the span groups, split where they are not contiguous.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -94,7 +84,7 @@ def span_ranges(profile: Profile) -> list[tuple[int, int]]:
 
 
 def block_ranges(profile: Profile) -> list[tuple[int, int, str]]:
-    """``(first, last, module)`` of each block whose two or more stages stand next to each other, in order.
+    """``(first, last, module)`` of each of ``Profile.blocks`` whose two or more stages are contiguous, in order.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -117,16 +107,14 @@ def _whole(profile: Profile, i: int):
 
 
 def _last_term(profile: Profile, k: int, held: int) -> int:
-    # The span's last stage: its recompute and backward are those of the stage recomputed alone
-    # (same output gradient alive, same saved tensors, same parameter gradients of the stages
-    # after it), measured by its "whole" local peak; the span's other stages hold their keep bytes.
+    # The span's last stage runs as it does recomputed alone (its "whole" local peak); the others hold
+    # their keep bytes.
     return _whole(profile, k).local_peak_bytes + held
 
 
 def _recompute_end(gap_peak: int, held: int, output: int) -> int:
-    # The moment the span has recomputed its last stage, before its backward: its output gradient,
-    # recomputed tensors and original output are alive. A "whole" run reaches that moment in the gap
-    # after the last stage; the span adds the "keep" bytes of its other stages (``held``).
+    # After recomputing its last stage, before that stage's backward: a "whole" run reaches the same
+    # moment in the gap after it (whose prefix holds the original output); the span adds ``held``.
     return gap_peak + held + output
 
 
@@ -159,7 +147,7 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
 
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
-    """Every span the solver considers: 2 to ``max_length`` stages within one group, and each block's range.
+    """Every span the solver considers: 2 to ``max_length`` stages of one group, and each block's range.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
@@ -174,7 +162,7 @@ def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOptio
 
 
 def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
-    """``all_spans`` as plain tuples (first, last, stored, local, seconds, flops, roofline), as the solver reads them."""
+    """``all_spans`` as tuples (first, last, stored, local, seconds, flops, roofline), built incrementally."""
     seen = set()
     for row in _group_rows(profile, max_length):
         seen.add(row[:2])
@@ -233,9 +221,7 @@ def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, in
 
 
 def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment.
-
-    The choices of the stages inside a span are ignored.
+    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment (choices inside it ignored).
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
@@ -249,7 +235,7 @@ def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence
 
 
 def peak_terms_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> list[PeakTerm]:
-    """Every term of ``predict_peak_spans``: stages and spans in order, then segments not inside a span."""
+    """Every term of ``predict_peak_spans``: stages and spans in order, then the segments not inside a span."""
     spans = _check_spans(len(profile.stages), spans)
     if not spans:
         return peak_terms(profile, choices)
