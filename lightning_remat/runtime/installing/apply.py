@@ -1,16 +1,9 @@
 """Apply a plan: recompute the chosen modules' forward during backward, and undo it exactly.
 
-``apply_plan`` hands the plan's actions to the one installer (``installer.py``): each touched
-module's ``forward`` becomes an instance attribute running its behaviours (a non-reentrant
-checkpoint, maybe under an op-level policy, offloaded, or with its neighbours as one segment). No
-wrapper module is inserted: parameter names, ``state_dict`` keys and parameter objects stay, so a
-checkpoint saved with recomputation loads without it and the reverse.
-
-Semantics (``docs/limitations.md``): dropout masks replay on recompute; BatchNorm running statistics
-are updated once per step, eager or compiled; plans survive ``torch.compile`` in either order (names
-of the uncompiled model); forward hooks of a recomputed module's children run again in backward (its
-own once), as does Python code in its forward (``recompute.recomputing()`` tells it apart); under
-``no_grad`` or ``inference_mode`` the plain forward runs.
+Each touched module's ``forward`` becomes an instance attribute running its behaviours
+(``installer.py``); no wrapper module is inserted, so parameter names and ``state_dict`` keys stay
+and a checkpoint saved with recomputation loads without it. What recomputation replays (dropout
+masks, hooks, Python code in a forward) is in ``docs/limitations.md``.
 """
 
 from __future__ import annotations
@@ -31,10 +24,7 @@ from .fingerprint import check_binding
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
-    """Describe activation checkpointing already present in ``model`` that is not ours.
-
-    Detects Hugging Face ``gradient_checkpointing_enable()`` and torch's ``checkpoint_wrapper``
-    (which Lightning's FSDP ``activation_checkpointing_policy`` uses).
+    """Describe activation checkpointing in ``model`` that is not ours (Hugging Face's, torch's ``checkpoint_wrapper``).
 
     Example:
         >>> existing_checkpointing(nn.Linear(2, 2))
@@ -70,8 +60,7 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` that lightning-remat currently recomputes alone (the
-    segments recomputed as one checkpoint are listed by ``segmented_modules``).
+    """Names of the modules of ``model`` that lightning-remat currently recomputes alone.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -82,8 +71,7 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
 
 
 def segmented_modules(model: nn.Module) -> list[list[str]]:
-    """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each (names as
-    in the uncompiled model); the sibling of ``checkpointed_modules``.
+    """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
@@ -106,8 +94,7 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
 
 
 def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = None, offloaded: Any = None) -> Plan:
-    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with ``segments``, ``policies`` and
-    ``offloaded`` in place of its own where given (its stage order kept).
+    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with ``segments``, ``policies`` and ``offloaded`` where given.
 
     Example:
         >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
@@ -149,26 +136,11 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
                policies: dict[str, str] | None = None, offloaded: Any = None) -> nn.Module:
     """Put, in place, the plan's actions on the modules it names; returns ``model``.
 
-    Args:
-        model: the model (the same module tree the plan was made for).
-        plan: a ``Plan`` or an iterable of module names.
-        segments: runs of consecutive items of one ``nn.Sequential``, each recomputed as one
-            checkpoint; default: the plan's ``segments`` (none for names).
-        policies: per module name, the op-level policy (``runtime.installing.sac``) it recomputes
-            under; default the plan's ``policies`` (without one, the whole forward).
-        offloaded: modules whose saved tensors go to host memory; default the plan's ``offloaded``
-            (none for names). A module is recomputed or offloaded, never both.
-
-    A previous plan of ours is replaced; an error (a name checked, a module that refuses its new
-    ``forward``) leaves the model as it was. Names are those of the uncompiled model: a plan made
-    for a model applies to its ``torch.compile`` twin and the reverse.
-
-    Raises:
-        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already.
-        PlanMismatchError: the plan was made for other parameter shapes, or a model of another
-            size (``fingerprint.check_binding``), or names a module ``model`` lacks (a ``ValueError``).
-        ValueError: ``InvalidPlanError`` (a ``ValueError``) naming both when a name lies inside
-            another named module (the root ``""`` holds every other).
+    ``plan``: a ``Plan`` or module names; ``segments``, ``policies`` and ``offloaded`` replace the
+    plan's own. A previous plan of ours is replaced; an error leaves the model as it was. Names are
+    those of the uncompiled model, so a plan applies to its ``torch.compile`` twin too. Raises
+    ``AlreadyCheckpointedError`` (the model checkpoints already), ``PlanMismatchError`` (other
+    shapes, or a missing module) and ``InvalidPlanError`` (a name inside another named module).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -202,8 +174,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def applied(model: nn.Module, plan: Plan) -> Iterator[nn.Module]:
-    """Apply ``plan`` for the duration of a ``with`` block, then restore exactly what the model had
-    (offloading, its order and limits included)."""
+    """Apply ``plan`` for the duration of a ``with`` block, then restore exactly what the model had."""
     previous = installer.snapshot(model)
     apply_plan(model, plan)
     try:

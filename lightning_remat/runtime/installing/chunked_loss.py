@@ -1,17 +1,11 @@
 """A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
 
-At long context the logits (``tokens x vocabulary``) and the cross-entropy's fp32 copies bind the
-peak, which no recomputation of the layers touches. Here the projection and the cross-entropy run
-over ``k`` chunks of the sequence, each under a non-reentrant checkpoint, so one chunk's logits exist
-at a time; the summed losses are divided as Hugging Face's ``ForCausalLMLoss`` divides them, so the
-loss and gradients are the same within float rounding (docs/long_context.md).
-
-The ``ChunkedLoss`` behaviour goes on two modules of a causal LM (``HeadLoss``): the model, whose
-forward hands the labels to its head, and its ``lm_head``, whose forward then returns the loss (the
-output has ``loss`` and ``logits=None``). Without labels, or with gradients off, both run as before.
-
-Another model names its head and loss by computing its loss with ``head_loss(self.head, hidden,
-labels)``: the same cross-entropy, over full logits until a plan chunks that head.
+At long context the logits and the cross-entropy's fp32 copies bind the peak, which no
+recomputation of the layers touches. Here the projection and the cross-entropy run over ``k``
+sequence chunks, each under a checkpoint, so one chunk's logits exist at a time; the loss and
+gradients are Hugging Face's ``ForCausalLMLoss``'s (docs/long_context.md). The behaviour goes on a
+causal LM, which hands its labels to its ``lm_head``, and on that head, which returns the loss (the
+output has ``logits=None``). Another model computes its loss with ``head_loss``.
 
 Example:
     >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -46,8 +40,7 @@ _DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by 
 
 @dataclass(frozen=True)
 class HeadLoss:
-    """The two modules a chunked loss is installed on: the causal LM (``root``, "" for the model
-    itself) and its head (``head``), by name in ``model.named_modules()``.
+    """The two modules a chunked loss is installed on, by name: the causal LM (``root``) and its head.
 
     Example:
         >>> HeadLoss("base_model.model", "base_model.model.lm_head").head
@@ -59,10 +52,10 @@ class HeadLoss:
 
 
 def find_head_loss(model: nn.Module) -> HeadLoss | None:
-    """The causal LM head and loss of ``model``, or None: the outermost Hugging Face ``*ForCausalLM``
-    or ``*LMHeadModel`` (looked for inside wrappers such as PEFT's) whose ``lm_head`` is a linear
-    layer and whose loss can be chunked exactly (``label_smoothing``: a model with a loss of its own is not);
-    else a linear layer whose loss ``head_loss`` computed (``root`` None: nothing to route).
+    """The causal LM head and loss of ``model``, or None.
+
+    The outermost Hugging Face ``*ForCausalLM``/``*LMHeadModel`` with a linear ``lm_head`` and a loss
+    chunked exactly (``label_smoothing``), else a head whose loss ``head_loss`` computed (``root`` None).
 
     Example:
         >>> find_head_loss(nn.Linear(2, 2)) is None
@@ -79,9 +72,9 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
 
 @dataclass(frozen=True)
 class CausalLMLoss:
-    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, as a causal LM's ``loss_function``
-    that a chunked loss computes exactly: ``model.loss_function = CausalLMLoss(label_smoothing=0.1)``.
-    A ``loss_function`` of the user's own cannot be chunked (its code is not the chunks'); this one can.
+    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, which a chunked loss computes exactly.
+
+    Use ``model.loss_function = CausalLMLoss(label_smoothing=0.1)``: a loss of the user's own is not chunked.
 
     Example:
         >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
@@ -104,9 +97,7 @@ class CausalLMLoss:
 
 
 def label_smoothing(model: nn.Module) -> float | None:
-    """The label smoothing of ``model``'s ``loss_function`` as it is now, where a chunked loss computes
-    it exactly: transformers' ``ForCausalLMLoss`` (0.0) or a ``CausalLMLoss``; None for any other loss
-    (a ``loss_function`` of the user's own), which is not chunked.
+    """The label smoothing of ``model``'s ``loss_function`` where a chunked loss computes it exactly; None otherwise.
 
     Example:
         >>> label_smoothing(nn.Linear(2, 2)) is None
@@ -124,8 +115,7 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 
 def refused(model: nn.Module) -> str | None:
-    """Why ``chunk_loss`` leaves the head of ``model`` whole: a causal LM whose ``loss_function`` is its
-    user's own (a note for the profile), or None.
+    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own), or None.
 
     Example:
         >>> refused(nn.Linear(2, 2)) is None
@@ -162,9 +152,9 @@ def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
 def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, chunks: int, ignore_index: int = IGNORE_INDEX,
                           num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
-    """``ForCausalLMLoss(project(hidden), ...)`` computed over ``chunks`` chunks of the sequence (the
-    second-last dimension of ``hidden``), each recomputed in backward: only one chunk's logits exist
-    at a time. ``shift_labels`` are the labels already shifted (position ``t`` predicts ``t + 1``).
+    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks of ``hidden``'s second-last dimension.
+
+    Each chunk is recomputed in backward; ``shift_labels`` are already shifted (``t`` predicts ``t + 1``).
 
     Example:
         >>> head = nn.Linear(8, 16)
@@ -199,20 +189,12 @@ def _divided(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_i
 def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, shift: bool = True,
               ignore_index: int = IGNORE_INDEX, num_items_in_batch: Any = None,
               label_smoothing: float = 0.0) -> torch.Tensor:
-    """The cross-entropy of a language model's ``head`` over ``hidden`` against ``labels``, for a model
-    that is not a Hugging Face causal LM: call it in the model's forward in place of
-    ``F.cross_entropy(head(hidden), labels)``, and ``chunk_loss=True`` plans this head and loss as a
-    stage (``docs/long_context.md``). Until a plan chunks the head it is that cross-entropy over full
-    logits; then over sequence chunks, each recomputed in backward (the same loss and gradients).
+    """``F.cross_entropy(head(hidden), labels)`` for a model that is not a Hugging Face causal LM.
 
-    Args:
-        head: the final projection (an ``nn.Linear``, a module of the model).
-        hidden: its input, ``(..., sequence, features)``.
-        labels: ``(..., sequence)`` class indices; ``ignore_index`` where no loss counts.
-        shift: position ``t`` predicts the label at ``t + 1`` (as Hugging Face's causal LMs); False:
-            the labels are already aligned with ``hidden``.
-        num_items_in_batch: divide the summed loss by this instead of the number of valid labels.
-        label_smoothing: as ``F.cross_entropy``'s (chunked exactly too).
+    Call it in the model's forward: ``chunk_loss=True`` then plans this head and loss as a stage,
+    over sequence chunks once a plan chunks it (docs/long_context.md). ``shift``: position ``t``
+    predicts the label at ``t + 1``; ``num_items_in_batch`` divides the summed loss instead of the
+    number of valid labels.
 
     Example:
         >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
@@ -251,10 +233,10 @@ _HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute hol
 
 
 def _hand_to(head: nn.Module, pending: _Pending) -> Any:
-    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` with the token undoes it. Eager: a
-    context variable (each thread its own). Under torch.compile an attribute of the head, since dynamo
-    cannot trace a ContextVar (a graph break at each get and set: a Qwen2 step split into 8 graphs);
-    eager sets the attribute too, for a head compiled on its own, but reads only its own thread's."""
+    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` with the token undoes it.
+
+    Eager: a context variable (each thread its own). Under torch.compile an attribute of the head,
+    since dynamo breaks the graph at each ContextVar get and set."""
     previous = getattr(head, _HANDED, None)
     setattr(head, _HANDED, pending)
     if torch.compiler.is_compiling():
@@ -290,13 +272,9 @@ def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tup
 
 
 def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The causal LM's forward with its labels handed to its chunked head: the output has the loss and
-    ``logits=None`` (a tuple output: the loss in place of the logits). Without labels, or with
-    gradients off, the forward as it was.
+    """The causal LM's forward with its labels handed to its chunked head: the output has the loss, ``logits=None``.
 
-    Raises:
-        UnsupportedSetupError: the model changes the logits after its head (soft-capping, scaling),
-            or never called its head: the chunked loss would not be the model's.
+    ``UnsupportedSetupError`` where the model changes the logits after its head or never calls it.
     """
     labels, args, kwargs = _take_labels(original, args, kwargs)
     if labels is None:
@@ -340,8 +318,7 @@ def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: d
 
 
 def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
-    """The head's forward: with labels handed to it by ``routed_call``, the chunked loss (returned in
-    place of the logits); otherwise the projection as it was."""
+    """The head's forward: the chunked loss where ``routed_call`` handed it labels, else the projection."""
     pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
@@ -352,8 +329,7 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
 
 
 class ChunkedLoss(Behaviour):
-    """A ``CHUNK`` action: the head's forward returns its loss over sequence chunks, and the causal LM
-    holding it (unless ``head_loss`` computes the loss) hands it its labels (state: the head)."""
+    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels."""
 
     name = "chunked_loss"
 
