@@ -1,19 +1,11 @@
 """Models compiled with ``torch.compile``: plan and wrap their original modules.
 
-A compiled module (``OptimizedModule``) runs a captured graph in which the hooks of the modules
-inside do not fire, and torch's MemTracker does not see them either; the profile needs both. So
-while a model is profiled or a plan is applied, ``uncompiled`` puts every compiled wrapper's
-original module (``_orig_mod``) in its place. Names are therefore those of the uncompiled model
-(no ``_orig_mod.``, as in the original's ``state_dict``), and a plan moves between a model and
-its compiled twin. The wrappers come back afterwards; they guard on their modules, so they
-recompile with the recompute at their next call.
-
-A ``DistributedDataParallel`` wrapper around the whole model is looked through the same way (its
-``module``): profiling the wrapper would start gradient all-reduces on one rank while the others
-wait for the plan, and its names carry a ``module.`` prefix that the plan's names do not. So is
-Lightning Fabric's ``_FabricModule`` (what ``fabric.setup`` returns; its ``_forward_module``): a plan
-made before ``setup`` applies after it and the reverse, and ``fabric_forward_context`` gives its
-precision's context (autocast under mixed precision) for the steps run on the module inside.
+Inside a compiled module the hooks of the modules do not fire and torch's MemTracker does not see
+them, so while a model is profiled or a plan applied, ``uncompiled`` puts every wrapper's original
+module in its place. Names are the uncompiled model's, and a plan moves between a model and its
+compiled twin (the wrappers guard on their modules and recompile with the recompute). An outer
+``DistributedDataParallel`` (whose all-reduces would wait on other ranks) and Lightning Fabric's
+wrapper are looked through the same way.
 
 Example:
     >>> import torch
@@ -23,8 +15,6 @@ Example:
     >>> with uncompiled(net) as plain:
     ...     is_compiled(plain), [n for n, _ in plain.named_modules()]
     (False, ['', '0', '1', '1.0'])
-    >>> is_compiled(net)
-    True
 """
 
 from __future__ import annotations
@@ -55,15 +45,10 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 def runs_compiled(model: nn.Module) -> bool:
-    """Whether ``model``'s step runs under torch.compile: it holds a compile wrapper (``is_compiled``),
-    a module of it was compiled in place (``module.compile()``), or it is a LightningModule given to
-    ``Trainer.fit`` compiled (Lightning unwraps it and compiles its steps: ``_compiler_ctx``). What
-    recompute is priced as (``roofline.option_costs``).
+    """Whether ``model``'s step runs under torch.compile (a wrapper, ``module.compile()`` or Lightning's compiled steps).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> runs_compiled(net)
-        False
         >>> net[0].compile()
         >>> runs_compiled(net)
         True
@@ -86,9 +71,7 @@ def _is_fabric_module(model: nn.Module) -> bool:
 
 
 def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManager:
-    """The forward context of the precision of Fabric's wrapper around ``model`` (autocast under mixed
-    precision), which the wrapper's forward enters and a step run on the module inside must enter too;
-    a context that does nothing for any other model.
+    """The forward context (autocast) of Fabric's wrapper around ``model``, for a step run on the module inside.
 
     Example:
         >>> fabric_forward_context(nn.Linear(2, 2))  # doctest: +ELLIPSIS
@@ -103,8 +86,7 @@ def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManage
 
 
 def without_outer_wrappers(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers
-    around ``model``.
+    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers.
 
     Example:
         >>> import torch
@@ -125,8 +107,7 @@ def without_outer_wrappers(model: nn.Module) -> nn.Module:
 
 
 def is_data_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is (a compiled, or Fabric's wrapper of a) ``DistributedDataParallel``, whose
-    reducer keeps gradient buckets.
+    """Whether ``model`` is (wrapped) ``DistributedDataParallel``, whose reducer keeps gradient buckets.
 
     Example:
         >>> is_data_parallel(nn.Linear(2, 2))
@@ -140,8 +121,7 @@ def is_data_parallel(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` with each compiled wrapper replaced by its original module for the block (and an
-    outer ``DistributedDataParallel`` looked through)."""
+    """``model`` with each compiled wrapper replaced by its original module for the block."""
     compiled = _optimized_module()
     model = without_outer_wrappers(model)
     swapped: list[tuple[nn.Module, str, nn.Module]] = []

@@ -1,25 +1,13 @@
 """What a plan was made for: the model's parameters, the shapes of the modules it names, the batch's size.
 
-A plan holds for the model and batch it was profiled on. A run resumed with another model, or a
-batch larger than the profiled one (a longer sequence, a bigger batch), needs a new plan; these
-figures, stored in ``Plan.fingerprint``, let an integration notice.
-
-Every plan the planning service makes is *bound* to its model (``bound``): it records the shape and
-dtype of every parameter of each module it names (its stages, kept ones included) and the model's
-number of parameters. ``apply_plan`` refuses a plan bound to other shapes (``check_binding``: wider
-blocks would exceed the budget the plan was solved for) or to a model of another size (more stages
-than the plan knows of), with a ``PlanMismatchError`` naming the module and both shapes. Dtypes
-are recorded, not compared: a plan made before a precision conversion (Fabric's ``setup``,
-``model.to(torch.bfloat16)``) still applies after it. A plan that records nothing (made from names,
-saved by an older version) applies unchecked.
+A plan holds for the model and batch it was profiled on; ``Plan.fingerprint`` lets an integration
+notice another model or a larger batch. A plan is *bound* to its model (``bound``): the shapes of
+each named module's parameters and the model's parameter count, so ``apply_plan`` refuses it on
+wider blocks or more stages, whose budget it was not solved for. Dtypes are recorded, not compared:
+a plan made before a precision conversion (``model.to(torch.bfloat16)``) still applies after it.
 
 Example:
     >>> import torch
-    >>> fp = fingerprint(torch.nn.Linear(4, 4), {"x": torch.zeros(8, 4), "y": [torch.zeros(8)]})
-    >>> fp["parameter_bytes"], fp["batch_elements"], fp["batch_shapes"]
-    (80, 40, '(8, 4) (8,)')
-    >>> outgrows(fp, {"x": torch.zeros(32, 4), "y": [torch.zeros(32)]})
-    True
     >>> plan = bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
     >>> plan.fingerprint["module_parameters"]["0"]["weight"], plan.fingerprint["parameter_count"]
     ([[4, 4], 'float32'], 20)
@@ -64,8 +52,7 @@ def fingerprint(model: nn.Module, batch: Any) -> dict[str, Any]:
 
 
 def same_model(saved: dict[str, Any], model: nn.Module) -> bool:
-    """Whether ``model`` has the parameters a plan's fingerprint records: their bytes (all,
-    trainable) and the shapes of the modules the plan names (True where none is recorded)."""
+    """Whether ``model`` has the parameter bytes and named modules' shapes a plan's fingerprint records."""
     if mismatch(model, saved) is not None:
         return False
     if "parameter_bytes" not in saved:
@@ -80,15 +67,13 @@ def _parameters(module: nn.Module) -> dict[str, list]:
 
 
 def _named(plan: Plan) -> list[str]:
-    """The modules a plan names whose parameters it records: its stages, and modules it recomputes
-    that lie in none of them (a plan made from names), not those inside another."""
+    """The outermost modules a plan names (its stages and what it recomputes): whose parameters it records."""
     names = list(dict.fromkeys([*plan.stages, *(m for a in plan.actions for m in (*a.modules, *a.segment))]))
     return [n for n in names if not any(nested_in(n, other) for other in names)]
 
 
 def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
-    """What ``plan`` records of ``model`` (names of the uncompiled model): each named module's
-    parameters and the model's number of parameters.
+    """What ``plan`` records of ``model``: each named module's parameters and the model's parameter count.
 
     Example:
         >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan([StageAction.recompute("0")]))
@@ -98,9 +83,7 @@ def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
 
 
 def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
-    """The parameters of the named modules of ``model`` that lie in no other named one, and the model's
-    number of parameters: what a profile records of the model it measured (``Profile.fingerprint``),
-    which ``solve`` hands to its plan.
+    """The parameters of the outermost named modules of ``model`` and its parameter count (``Profile.fingerprint``).
 
     Example:
         >>> binding_of(torch.nn.Sequential(torch.nn.Linear(2, 1)), ["0", "0", "absent"])
@@ -142,14 +125,11 @@ def _module_mismatch(name: str, module: nn.Module | None, recorded: dict[str, li
 
 
 def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
-    """What differs between ``model`` and the model a plan's fingerprint ``saved`` records (None:
-    nothing recorded differs): a named module's parameter shapes, or the model's size.
+    """What differs between ``model`` and the model a plan's fingerprint ``saved`` records, or None.
 
     Example:
         >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
         >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
-        >>> mismatch(chain(2), saved) is None
-        True
         >>> mismatch(chain(3), saved)
         "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
     """
@@ -174,8 +154,7 @@ def _siblings(a: str, b: str) -> bool:
 
 
 def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
-    """Why one of ``plans`` was made for a model other than ``model`` (``mismatch``; with
-    ``bytes_too``, also other parameter bytes: ``same_model``), or None.
+    """Why one of ``plans`` was made for a model other than ``model`` (``bytes_too``: parameter bytes count), or None.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -190,8 +169,7 @@ def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool =
 
 
 def check_binding(model: nn.Module, plan: Plan) -> None:
-    """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``
-    (``mismatch``); nothing where it records nothing.
+    """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``.
 
     Example:
         >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan())  # records nothing: no check
@@ -203,9 +181,7 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:
-    """Whether ``batch`` is larger than the one the plan was profiled on (False if none is
-    recorded): more elements, or a shape the recorded one (``"shape"``, a ``Shape.to_list``) does
-    not cover: larger in one dimension (an image's height), or of another layout (another key).
+    """Whether ``batch`` is larger than the one the plan was profiled on: more elements, or a shape it does not cover.
 
     Example:
         >>> saved = {"batch_elements": 3072, "shape": [1, 1, [["", [-1, 3, 32, 32]]]]}

@@ -1,11 +1,9 @@
 """The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
 
-A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones; its pure
-rules go to ``core.actions.add_rule``). A module a plan touches gets ONE ``Record`` (in its
-``__dict__``): the forward it had, and per behaviour its setting and state. Its ``forward`` becomes
-an instance attribute composing the record's behaviours around the original in ``BEHAVIOURS``'
-order (outermost first), as torch composes a checkpoint's ``context_fn``: a ``wrap`` gets the call
-of the behaviours after it; a recompute asks them for its checkpoint's options.
+A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones). A
+module a plan touches gets ONE ``Record``: the forward it had, and per behaviour its setting and
+state. Its ``forward`` composes the record's behaviours around the original in ``BEHAVIOURS``' order
+(outermost first), as torch composes a checkpoint's ``context_fn``.
 
 Example:
     >>> from torch import nn
@@ -31,8 +29,7 @@ SEGMENTS = "_remat_segments"  # in a Sequential's __dict__: [(start, end, runner
 
 @dataclass
 class Record:
-    """What the installer did to one module: the forward it had, and per behaviour name its
-    ``(setting, state)``: the setting read back (None: nothing to read back), the state it runs with."""
+    """What the installer did to one module: the forward it had, and per behaviour name its ``(setting, state)``."""
 
     original: Callable[..., Any]
     had_instance_forward: bool
@@ -42,8 +39,7 @@ class Record:
 
 @dataclass
 class Target:
-    """What a behaviour installs on: the (uncompiled) model's modules by name; ``order``: every stage
-    in execution order (offloading one stage ahead); ``measure``: metadata only (fake tensors)."""
+    """What a behaviour installs on: the uncompiled model's modules by name, the stages' order, fake or not."""
 
     modules: dict[str, nn.Module]
     order: tuple[str, ...] | None = None
@@ -51,8 +47,7 @@ class Target:
 
 
 class Behaviour:
-    """One way to treat a module. Subclass it, override what differs, and ``register`` an instance;
-    by default its setting is the one an action's ``extra`` holds under its name.
+    """One way to treat a module: subclass, override what differs, ``register`` an instance.
 
     Example:
         >>> class Counted(Behaviour):
@@ -139,8 +134,7 @@ def check_names(model: nn.Module, modules: dict[str, nn.Module], names: Collecti
 
 
 def record_of(module: nn.Module) -> Record:
-    """The module's record, made (and its forward patched, once) on first use. The forward is
-    patched first: a module that refuses it (its ``__setattr__`` raises) is left without a record."""
+    """The module's record, made on first use; a module that refuses the new forward is left without one."""
     if RECORD not in module.__dict__:
         record = Record(module.forward, "forward" in module.__dict__)
         module.forward = functools.partial(installed_forward, module)  # type: ignore[method-assign]
@@ -162,9 +156,7 @@ def settle(module: nn.Module) -> None:
 
 
 def running(module: nn.Module) -> Record | None:
-    """``module``'s record if its behaviours run: the module's ``forward`` is the one the installer
-    set, or a wrapper that calls it (``functools.wraps``' ``__wrapped__``, as Accelerate's autocast
-    wrapper of a model's forward), not one put in its place since, nor a copy's.
+    """``module``'s record if its behaviours run: its ``forward`` is the installer's, or wraps it (``__wrapped__``).
 
     Example:
         >>> running(nn.Linear(2, 2)) is None
@@ -200,8 +192,7 @@ def installed_segments(model: nn.Module) -> list[list[str]]:
 
 
 def installed_hooks(model: nn.Module) -> set[int]:
-    """Ids of the hooks the installer registered on ``model``'s modules (an offloaded stage's
-    release hook, on the next stage; a behaviour's state ``hook``): keys of hook dicts that are ours.
+    """Ids of the hooks the installer registered on ``model``'s modules (a behaviour's state ``hook``).
 
     Example:
         >>> installed_hooks(nn.Linear(2, 2))
@@ -212,13 +203,10 @@ def installed_hooks(model: nn.Module) -> set[int]:
 
 
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
-    """The class and ``__dict__`` of a copy of ``module`` that carries nothing the installer put on it,
-    and shares no mutable state with it; ``module`` itself is left as it is.
+    """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it.
 
-    Left out: the ``Record`` (an uninstall on the copy would switch its behaviours off on the module),
-    the ``forward`` the installer set (the copy gets the one it had), the segments and their class
-    swap, and the hooks ``hooks`` (``installed_hooks``). Every hook dict is a new dict, so a hook
-    added to or removed from the copy never reaches ``module``.
+    The record, the installed forward, the segments and ``hooks`` are left out, and every hook dict
+    is new: an uninstall or a hook on the copy never reaches ``module``.
 
     Example:
         >>> net = nn.Linear(2, 2)
