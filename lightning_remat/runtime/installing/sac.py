@@ -1,15 +1,9 @@
 """Op-level selective checkpointing: named policies over torch's public SAC API.
 
-A policy decides, op by op, what a checkpointed module's forward saves for backward (the output of
-that op is kept) and what it recomputes (everything else), through
-``torch.utils.checkpoint.create_selective_checkpoint_contexts``: cheaper options between ``"keep"``
-(save everything) and ``"whole"`` (save only the inputs). ``"save_matmuls"`` saves matmuls,
-convolutions and attention; ``"save_projections"`` the same but not the batched matmuls (SDPA's
-math-path attention core, Megatron-LM's trade); ``"save_alternate_matmuls"`` attention and every
-other matmul (torchtitan's op-SAC); ``"save_attention"`` only attention (docs/selective_checkpointing.md).
-
-The same decision function replays a policy on the ops the observed forward recorded
-(``recomputed_ops``), so a policy's recompute cost is exactly the ops it recomputes.
+A policy decides, op by op, what a checkpointed forward saves for backward and what it recomputes:
+options between ``"keep"`` and ``"whole"`` (the policies: docs/selective_checkpointing.md). The
+same decision function replays a policy on the ops a profile recorded (``recomputed_ops``), so a
+policy's recompute cost is exactly the ops it recomputes.
 
 Example:
     >>> import torch
@@ -18,8 +12,6 @@ Example:
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> y = checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False, context_fn=context_fn("save_matmuls"))
     >>> y.sum().backward()
-    >>> x.grad.shape
-    torch.Size([2, 4])
 """
 
 from __future__ import annotations
@@ -97,8 +89,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
 
 
 def check_policy(policy: str) -> str:
-    """Validate a policy name (through ``core.vocabulary.Policy``); the plain name, as torch.compile
-    sees it in a ``context_fn``'s arguments.
+    """Validate a policy name; the plain name, as torch.compile sees it in a ``context_fn``'s arguments.
 
     Example:
         >>> check_policy("save_matmuls")
@@ -114,17 +105,13 @@ _NOT_REPLAYED = re.compile(r"encountered during backward,? but not found in stor
 
 
 def recompute_not_replayed(error: BaseException) -> bool:
-    """Whether ``error`` is torch's own report that a checkpoint's recompute did not replay its
-    forward: a ``CheckpointError`` (other tensors saved than in the forward), or selective
-    checkpointing's plain ``RuntimeError`` for an op missing from its storage. Nothing else is (a
-    user's error, an out-of-memory error, an empty ``RuntimeError()``), so only these may drop a
-    policy's option.
+    """Whether ``error`` is torch's own report that a checkpoint's recompute did not replay its forward.
+
+    Only these may drop a policy's option: a user's error or an out-of-memory error is not one.
 
     Example:
         >>> recompute_not_replayed(RuntimeError("aten.slice.Tensor encountered during backward but not found in storage."))
         True
-        >>> recompute_not_replayed(RuntimeError()), recompute_not_replayed(torch.OutOfMemoryError("not found in storage"))
-        (False, False)
     """
     if isinstance(error, CheckpointError):
         return True
@@ -132,11 +119,10 @@ def recompute_not_replayed(error: BaseException) -> bool:
 
 
 def decision(save: bool) -> CheckpointPolicy:
-    """The ``CheckpointPolicy`` a policy's decision for one op is handed over as: ``MUST_SAVE`` or
-    ``MUST_RECOMPUTE``, never a ``PREFER_*``. Eagerly the two kinds act alike; under torch.compile the
-    decisions become ``recompute`` tags on the traced graph's nodes, and a ``PREFER_*`` tag is a hint
-    the partitioner may override (torch's documented contract), where ours are the plan the solver
-    priced and the profile measured: the compiled graph must keep them.
+    """A policy's decision for one op as ``MUST_SAVE`` or ``MUST_RECOMPUTE``, never a ``PREFER_*``.
+
+    Under torch.compile a ``PREFER_*`` tag is a hint the partitioner may override; ours are the plan
+    the solver priced, which the compiled graph must keep.
 
     Example:
         >>> decision(True), decision(False)
@@ -155,15 +141,12 @@ def _contexts(policy: str) -> tuple[Any, Any]:
 
 
 def context_fn(policy: str) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` that runs ``policy``: only the
-    policy's two contexts, as a ``functools.partial`` of a module function (the form
-    torch.compile accepts)."""
+    """The ``context_fn`` for ``checkpoint`` that runs ``policy`` (a ``functools.partial``: torch.compile accepts it)."""
     return functools.partial(_contexts, check_policy(policy))
 
 
 class OpPolicy(Behaviour):
-    """A ``RECOMPUTE`` action's policy: its recompute's ``context_fn`` is the policy's pair of contexts,
-    and nothing else, so it is the same eagerly and under ``torch.compile``."""
+    """A ``RECOMPUTE`` action's policy: its recompute's ``context_fn`` is the policy's (eager and compiled alike)."""
 
     name = "policy"
 
@@ -185,10 +168,6 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
     Example:
         >>> recomputed_ops("save_matmuls", [aten.addmm.default, aten.relu.default])
         [False, True]
-        >>> recomputed_ops("save_alternate_matmuls", [aten.mm.default, aten.mm.default, aten.mm.default])
-        [False, True, False]
-        >>> recomputed_ops("save_projections", [aten.addmm.default, aten.bmm.default, aten._softmax.default])
-        [False, True, True]
     """
     decide = _decider(policy)
     # Ops SAC never caches (detach) run again on recompute whatever the policy says.
@@ -201,8 +180,7 @@ def option_name(policy: str) -> str:
 
 
 def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:
-    """The policies worth an option for a module running ``funcs``: those that save some op and
-    recompute some other (else they are "keep" or "whole"), one per distinct set of saved ops."""
+    """The policies worth an option for ``funcs``: neither "keep" nor "whole", one per distinct set of saved ops."""
     chosen, seen = [], set()
     for policy in policies:
         recomputed = tuple(recomputed_ops(policy, funcs))

@@ -1,16 +1,10 @@
 """Recompute runs of consecutive items of an ``nn.Sequential`` as ONE checkpoint segment each.
 
-A segment (``core.spans``) names consecutive children of one ``nn.Sequential``, which yields, while
-the plan is installed, one *runner* in place of the segment's items when iterated (by its forward,
-or code looping over it, as transformers' ``ResNetStage``). The runner, a plain ``nn.Sequential`` of
-the items with the ``recompute`` behaviour, runs them under one non-reentrant checkpoint.
-
-Python looks ``__iter__`` up on the type, so the Sequential's class is swapped for a subclass of the
-same name that overrides only it. The runner is kept in the instance ``__dict__``, not registered,
-so names and ``state_dict`` keys stay; removing the plan puts the class back.
-
-This module also finds the groups of stages that may form segments (``sequential_groups``,
-``chained_groups``).
+While installed, the ``nn.Sequential`` yields one *runner* in place of the segment's items when
+iterated (by its forward, or code looping over it): a plain ``nn.Sequential`` of the items with
+the ``recompute`` behaviour. Python looks ``__iter__`` up on the type, so the Sequential's class is
+swapped for a same-named subclass; the runner is not registered, so names and ``state_dict`` keys
+stay. Also finds the groups of stages that may form segments.
 
 Example:
     >>> import torch
@@ -20,7 +14,6 @@ Example:
     >>> _ = install(net, Plan([StageAction.in_segment(s, ["0", "1", "2"]) for s in ["0", "1", "2"]]))
     >>> installed_segments(net), len(list(net)), type(net).__name__
     ([['0', '1', '2']], 2, 'Sequential')
-    >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
     >>> type(uninstall(net)) is nn.Sequential and len(list(net)) == 4
     True
 """
@@ -60,8 +53,7 @@ def segmented_class(cls: type) -> type:
 
 
 def qualifies(container: nn.Module) -> bool:
-    """Whether ``container``'s items can form segments: an ``nn.Sequential`` iterated as Sequential
-    iterates (its own ``__iter__``), with no forward of its own set on the instance.
+    """Whether ``container``'s items can form segments: an ``nn.Sequential`` with Sequential's own ``__iter__`` and forward.
 
     Example:
         >>> qualifies(nn.Sequential(nn.Linear(2, 2))), qualifies(nn.ModuleList([nn.Linear(2, 2)]))
@@ -73,8 +65,7 @@ def qualifies(container: nn.Module) -> bool:
 
 
 def segment_positions(modules: dict[str, nn.Module], names: Sequence[str]) -> tuple[str, list[int]]:
-    """The Sequential holding a segment and the positions of its items, or a ValueError saying why
-    the names are not a run of consecutive items of one qualifying Sequential."""
+    """The Sequential holding a segment and its items' positions, or a ValueError saying why the names are not one."""
     if len(names) < 2:
         raise ValueError(f"a segment names two or more consecutive modules, got {list(names)}")
     parents = {n.rpartition(".")[0] for n in names}
@@ -95,9 +86,7 @@ def segment_positions(modules: dict[str, nn.Module], names: Sequence[str]) -> tu
 
 
 class Segment(Behaviour):
-    """A ``SEGMENT`` action: its segment's items run as one checkpoint, by a runner the Sequential
-    yields in their place (module docstring); the runner has the ``recompute`` behaviour. Every
-    stage of a segment has the segment as its setting."""
+    """A ``SEGMENT`` action: its items run as one checkpoint, by a runner the Sequential yields in their place."""
 
     name = "segment"
 
@@ -151,10 +140,10 @@ SEGMENT = Segment()
 
 
 def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[str, list]:
-    """Each named module's calls in one forward of ``step(model)`` under ``torch.no_grad()``, as
-    ``(args, kwargs, output, versions)`` (the caller replays random generators and restores buffers):
-    ``versions`` are the version counters of the tensor arguments as the call began and of the output
-    as it ended, which tell an in-place change between two calls.
+    """Each named module's calls in one forward of ``step(model)`` under ``torch.no_grad()``.
+
+    Each is ``(args, kwargs, output, versions)``; ``versions`` (of the tensor arguments as the call
+    began, of the output as it ended) tell an in-place change between two calls.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
@@ -210,10 +199,7 @@ def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], bega
 
 def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],
                    calls: dict[str, list] | None = None) -> list[list[str]]:
-    """Split ``groups`` (runs of consecutive items of one Sequential) into the runs that one forward of
-    ``step(model)`` really chains: each item called once with a single tensor, the output of the
-    item before it, and nothing else. Runs ``step`` once (``recorded_calls``), unless ``calls``
-    recorded already holds every item's."""
+    """Split ``groups`` into the runs one forward of ``step(model)`` really chains (each item fed only the one before)."""
     names = [n for g in groups for n in g]
     if calls is None or any(n not in calls for n in names):
         calls = recorded_calls(model, step, names)
