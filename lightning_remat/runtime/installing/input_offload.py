@@ -1,15 +1,9 @@
-"""A recomputed module's checkpoint input in host memory: what non-reentrant checkpoint keeps from a
-recomputed block's forward to its backward is its input; here it keeps a host copy instead, and the
-recompute brings it back (the ``input_offload`` behaviour gives the recompute this checkpoint).
+"""A recomputed module's checkpoint input in host memory.
 
-- forward: each tensor positional argument (the hidden states; keyword arguments such as masks
-  stay) is copied to the host and the checkpoint given the copy; the forward runs on the argument
-  as it came (graph and gradients those of plain recomputation), and nothing keeps it afterwards.
-- backward: the recompute copies it back (``requires_grad`` as it was) and runs the forward again.
-
-The copies are synchronous (priced as transfers not hidden, ``core.offload_model``). On the CPU the
-"host" copy is a plain copy (the path runs); a fake tensor, or ``measure=True``, keeps only a meta
-tensor, which MemTracker does not count, and ``host_bytes`` says what went out.
+What a non-reentrant checkpoint keeps from a block's forward to its backward is its input; here it
+keeps a host copy of each tensor positional argument instead (masks passed by keyword stay), and
+the recompute copies it back. The copies are synchronous (priced as transfers not hidden,
+``core.offload_model``); with ``measure=True`` or fake tensors only metadata goes to the "host".
 
 Example:
     >>> import torch
@@ -19,8 +13,8 @@ Example:
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> out = host_input_checkpoint(offload, "lin", lin.forward, x)
     >>> out.sum().backward()
-    >>> offload.host_bytes, x.grad.shape
-    ({'lin': 32}, torch.Size([2, 4]))
+    >>> offload.host_bytes
+    {'lin': 32}
 """
 
 from __future__ import annotations
@@ -38,11 +32,7 @@ from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
-    """Where the checkpoint inputs of a model's recomputed modules go, and how many bytes went.
-
-    Attributes:
-        measure: keep metadata only (fake profiles).
-        host_bytes: bytes sent to the host per module name, per forward call added up since ``reset``.
+    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module since ``reset``.
 
     Example:
         >>> InputOffload(measure=True).host_bytes
@@ -84,8 +74,7 @@ def _offloadable(value: Any) -> bool:
 
 def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
-    """``checkpoint(function, *args, **kwargs)`` (non-reentrant; ``kwargs`` as torch's checkpoint takes
-    them) whose kept input is a host copy of each tensor positional argument (module docstring)."""
+    """``checkpoint(function, *args, **kwargs)`` whose kept input is a host copy of each tensor positional argument."""
     kwargs.pop("use_reentrant", None)
     positions = [i for i, a in enumerate(args) if _offloadable(a)]
     like = {i: (args[i].device, args[i].requires_grad) for i in positions}
@@ -106,8 +95,7 @@ def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[.
 
 
 class CheckpointInputOffload(Behaviour):
-    """A ``RECOMPUTE`` action's ``offload_input``: each recomputed module's checkpoint is
-    ``host_input_checkpoint``, with one ``InputOffload`` per install (its ``host_bytes`` per module)."""
+    """A ``RECOMPUTE`` action's ``offload_input``: the module's checkpoint is ``host_input_checkpoint``."""
 
     name = "input_offload"
 

@@ -1,10 +1,8 @@
 """The one installer: puts a plan's actions on a model and takes them off exactly.
 
-It loops over the registered behaviours (``behaviours.py``; ``records.register`` adds one): each
-says which modules an action puts it on, checks them, installs itself on their records and composes
-its wrapper into their forward. The installed ``Plan`` is the snapshot (``snapshot``, ``restore``).
-Parameter names, ``state_dict`` keys and parameter objects stay; removing the plan restores each
-forward (and class) as it was. Names are those of the uncompiled model (``compiled.uncompiled``).
+It loops over the registered behaviours (``behaviours.py``): each says which modules an action
+puts it on, checks them and installs itself on their records. The installed ``Plan`` is the
+snapshot (``snapshot``, ``restore``); removing it restores each forward (and class) as it was.
 
 Example:
     >>> import torch
@@ -15,7 +13,6 @@ Example:
     >>> _ = install(net, plan)
     >>> recomputed(net), installed_segments(net), snapshot(net) == plan
     ({'3': 'save_matmuls'}, [['0', '1']], True)
-    >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
     >>> uninstall(net) is net and recomputed(net) == {} and "forward" not in net[3].__dict__
     True
 """
@@ -42,16 +39,9 @@ __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "r
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
     """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
 
-    Every name and segment is checked before anything changes, and a failure while installing (a
-    module that refuses a new ``forward``) takes off what was installed and puts the previous plan
-    back before it is raised: the model is as it was. ``order`` (default the plan's ``stage_order``):
-    every stage in execution order, for offloading one stage ahead.
-
-    Raises:
-        PlanMismatchError: a name is not a module of ``model`` (a ``ValueError``).
-        ValueError: the actions cannot go together (``core.actions.check_actions``), or a behaviour
-            refuses the model (a segment not a run of items of one Sequential).
-        InstallationMismatchError: the records read back are not the plan (the previous plan is back).
+    All or nothing: everything is checked before anything changes, and a failure while installing
+    puts the previous plan back before it is raised. ``order``: every stage in execution order
+    (default the plan's), for offloading one stage ahead.
     """
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
@@ -81,8 +71,7 @@ def _install(plain: nn.Module, wanted: dict[str, dict[str, Any]], order: tuple[s
 
 
 def uninstall(model: nn.Module) -> nn.Module:
-    """Take every behaviour of ours off ``model``: each module gets back exactly the forward (and
-    class) it had. Returns ``model``."""
+    """Take every behaviour of ours off ``model``: each module gets back exactly the forward (and class) it had."""
     with uncompiled(model) as plain:
         for b in reversed(BEHAVIOURS):
             b.uninstall(plain)
@@ -90,9 +79,7 @@ def uninstall(model: nn.Module) -> nn.Module:
 
 
 def snapshot(model: nn.Module) -> Plan:
-    """What is installed on ``model`` now (names of the uncompiled model), as a plan: one action per
-    module a behaviour is on (the fields each behaviour reads back, merged), in the model's order,
-    and the offloader's stage order as its choices."""
+    """What is installed on ``model`` now, as a plan: one action per module, the offloader's order as its choices."""
     with uncompiled(model) as plain:
         fields: dict[str, dict[str, Any]] = {}
         modules = dict(plain.named_modules())

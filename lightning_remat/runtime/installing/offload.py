@@ -1,8 +1,7 @@
 """Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
 
-The ``Offload`` behaviour runs an offloaded module's forward under ``saved_tensors_hooks`` with the
-pack/unpack pair of ``offloader.py`` (how the tensors travel); ``apply_offload`` installs it alone.
-Values are copied bit for bit and nothing touches RNG state or buffers: gradients, dropout masks and
+The ``Offload`` behaviour runs a module's forward under the pack/unpack pair of ``offloader.py``;
+``apply_offload`` installs it alone. Values are copied bit for bit, so gradients, dropout masks and
 BatchNorm statistics are those of the plain model.
 
 Example:
@@ -35,9 +34,7 @@ Offloading = NamedTuple("Offloading", [("offloader", Offloader), ("name", str), 
 
 
 class Offload(Behaviour):
-    """An ``OFFLOAD`` action: the call runs under ``saved_tensors_hooks`` that send what it saves to host
-    memory (``offloader.py``), around everything else on the module (a recompute's checkpoint too).
-    Its setting is its limit (0: none)."""
+    """An ``OFFLOAD`` action, outermost on its module (around a recompute's checkpoint too); its setting: its limit."""
 
     name = "offload"
 
@@ -91,18 +88,10 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
                   measure: bool = False, limits: dict[str, int] | None = None) -> nn.Module:
     """Offload, in place, what the named modules save for backward; returns ``model``.
 
-    Args:
-        names: module names (as in ``model.named_modules()``); none inside another.
-        order: every stage in execution order (a plan's stages): with it, a stage's tensors leave
-            the device once the next stage's forward ran, and start coming back (prefetch) when
-            the next stage's backward starts (the gradient of its output is computed). Without
-            it they leave when the next offloaded stage's forward ends and come back on demand.
-        measure: keep only metadata on the "host" (fake profiles).
-        limits: per module, the bytes offloaded at most per forward call (tensors saved in order
-            until the next would pass it; the rest stays on the device); default everything.
-
-    A previous offload is replaced (what else is installed stays). ``remove_offload`` (and
-    ``apply.remove_remat``) undo it exactly.
+    ``order`` (every stage in execution order): a stage's tensors leave once the next stage's forward
+    ran and are prefetched when its backward starts; without it they come back on demand.
+    ``measure``: metadata only on the "host" (fake profiles). ``limits``: per module, the bytes
+    offloaded at most per forward call. A previous offload is replaced.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())

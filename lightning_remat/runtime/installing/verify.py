@@ -1,11 +1,8 @@
-"""Check that what is installed on a model is exactly what its plan says: the records read back (one
-counts only while its forward is the module's, a segment while its Sequential's class runs it)
-against the plan's actions, behaviour by behaviour.
+"""Check that what is installed on a model is exactly what its plan says, behaviour by behaviour.
 
-Cheap (one walk over the modules, no tensor touched), so it runs after every install and at every
-step that keeps a plan: an installation can be undone behind the plan's back (a copy sharing its
-records, a ``remove_remat``, a library patching ``forward``), and a step under a plan that is not
-installed runs over its budget silently.
+Cheap (one walk over the modules), so it runs after every install and at every step that keeps a
+plan: an installation can be undone behind the plan's back (a library patching ``forward``), and a
+step under a plan that is not installed runs over its budget silently.
 
 Example:
     >>> from torch import nn
@@ -31,8 +28,7 @@ from .compiled import uncompiled
 
 
 def planned_actions(plan: Plan) -> dict[str, dict[str, Any]]:
-    """Per registered behaviour, the modules ``plan`` puts it on and their settings (what
-    ``installed_actions`` reads back).
+    """Per registered behaviour, the modules ``plan`` puts it on and their settings.
 
     Example:
         >>> from lightning_remat.core.plan import StageAction
@@ -43,9 +39,7 @@ def planned_actions(plan: Plan) -> dict[str, dict[str, Any]]:
 
 
 def installed_actions(model: nn.Module) -> dict[str, Any]:
-    """What runs on ``model`` (names of the uncompiled model), per behaviour: the settings on the
-    records whose forward is still in place (``records.running``), and the segments of Sequentials
-    whose class still runs them.
+    """What runs on ``model`` per behaviour: records whose forward is still in place, segments still run.
 
     Example:
         >>> installed_actions(nn.Linear(2, 2))["recompute"]
@@ -57,15 +51,13 @@ def installed_actions(model: nn.Module) -> dict[str, Any]:
 
 
 def installation_mismatch(model: nn.Module, plan: Plan) -> str | None:
-    """What differs between ``plan`` and what is installed on ``model``, each behaviour with both sides;
-    None when they are the same."""
+    """What differs between ``plan`` and what is installed on ``model``, each behaviour with both sides, or None."""
     planned, installed = planned_actions(plan), installed_actions(model)
     return None if planned == installed else InstallationMismatchError(planned, installed).differences
 
 
 def check_installed(model: nn.Module, plan: Plan, where: str = "") -> None:
-    """Raise ``InstallationMismatchError`` (naming what the plan says and what is installed) unless
-    what is installed on ``model`` is exactly ``plan``'s actions; ``where`` says who checked."""
+    """Raise ``InstallationMismatchError`` unless ``model`` has exactly ``plan``'s actions; ``where`` says who checked."""
     planned, installed = planned_actions(plan), installed_actions(model)
     if planned != installed:
         raise InstallationMismatchError(planned, installed, where)
