@@ -1,24 +1,13 @@
-"""The saved-tensor machinery of offloading: what a module's forward saves goes to host memory and
-comes back (``Offloader``: a pack/unpack pair for ``torch.autograd.graph.saved_tensors_hooks``).
+"""The saved-tensor machinery of offloading: ``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``.
 
-Nothing here patches a module: the ``Offload`` behaviour (``offload.py``) runs an offloaded module's
-forward under ``offloaded_call``, and registers ``release_after_next`` on the next stage.
+- pack: when the forward ends, each storage the saved tensors use goes to host memory once (pinned,
+  on a side stream on CUDA), and they come back as views of it; parameters and buffers stay. The
+  device tensor is held until the next stage's forward ran or backward starts, so the copy
+  overlaps the next stage's compute.
+- unpack: the next stage's backward prefetches the tensors one stage ahead; others come back when needed.
 
-- pack: a tensor the forward saves for backward is held until the forward ends; then each storage
-  the saved tensors use is copied to host memory once (pinned, on a side stream, on CUDA), and the
-  saved tensors come back as views of it (with ``limits``: the largest storages up to the limit,
-  not the module's inputs). Parameters, buffers (any tensor sharing their storage) and tensors not
-  on the module's device (already on the host) are returned unchanged. The device tensor is held until the next
-  stage's forward has run (``order`` given) or backward starts: the copy is then surely done, and
-  the copy overlaps the next stage's compute.
-- unpack: the tensor comes back. When the backward of the next stage starts (the gradient of its
-  output is computed), the offloaded stage's tensors start coming back on the side stream
-  (prefetch, one stage ahead); a tensor not prefetched comes back when it is needed.
-
-Values are copied bit for bit, and nothing touches RNG state or buffers. On the CPU the "host" copy
-is a plain copy (the hooks still run: that is how they are tested). ``measure=True`` (fake
-profiles) keeps only a meta tensor on the "host": ``MemTracker`` counts the target device only, so
-the memory run measures what stays on the device exactly, and ``host_bytes`` what went out.
+On the CPU the "host" copy is a plain copy (the hooks still run). ``measure=True`` (fake profiles)
+keeps only a meta tensor on the "host", so a memory run measures what stays on the device.
 
 Example:
     >>> lin = nn.Linear(4, 4)
@@ -75,10 +64,7 @@ class _Group:
 
 
 class Offloader:
-    """The pack/unpack pair shared by the offloaded modules of one model.
-
-    Attributes:
-        host_bytes: bytes sent to the host since the last ``reset``, per module name.
+    """The pack/unpack pair shared by the offloaded modules of one model; ``host_bytes`` per module since ``reset``.
 
     Example:
         >>> off = Offloader(measure=False)
@@ -180,9 +166,8 @@ class Offloader:
         return group
 
     def end(self, group: _Group, has_release_hook: bool) -> None:
-        """The forward of ``group`` ended: with a limit, send its largest tensors (not its inputs)
-        up to the limit; release earlier groups still in flight (those whose next stage has no hook
-        of its own), keep this one in flight until its next stage ran."""
+        """The forward of ``group`` ended: send its storages (with a limit, the largest up to it, not its
+        inputs); release earlier groups still in flight; keep this one until its next stage ran."""
         if group.pending:
             # Whole storages go, largest first: a tensor whose storage another saved tensor (a view)
             # still holds frees nothing.
@@ -284,8 +269,8 @@ def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -
 
 def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_hook: bool, run: Callable[..., Any],
                    /, *args: Any, **kwargs: Any) -> Any:
-    """``run(*args, **kwargs)`` (the module's forward, or its checkpointed forward) with what it saves
-    for backward sent to the host as module ``name``; under ``torch.no_grad()`` it just runs.
+    """``run(*args, **kwargs)`` with what it saves for backward sent to the host as module ``name``.
+
     ``release_hook``: the next stage's forward releases this call's device tensors."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
@@ -297,9 +282,7 @@ def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_h
 
 
 def release_after_next(offloader: Offloader, name: str) -> Callable[..., None]:
-    """A forward hook for the stage after ``name``: once it ran, ``name``'s copies to the host are done
-    and its device tensors may go; the gradient of its output (its backward's start) prefetches
-    ``name``'s tensors."""
+    """A forward hook for the stage after ``name``: releases ``name``'s device tensors, and prefetches them in backward."""
 
     def after_next(_m: nn.Module, _args: Any, out: Any) -> None:
         ref = offloader.latest.get(name)

@@ -55,12 +55,10 @@ def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
 
 
 def recomputing() -> bool:
-    """Whether the forward running now is a recompute (in backward, while the autograd engine runs)
-    rather than the step's own forward: guard Python side effects of a module's forward with it (a
-    counter, activations collected in a list), which a recomputed module would otherwise repeat.
-    True for any forward inside backward (checkpoint recomputes from a saved tensor's unpack hook, in
-    the autograd engine; a forward runs outside it). Unlike a ``context_fn`` it holds for an eager
-    recompute where ``torch.compile`` broke the graph, and leaves ``context_fn`` to an op policy.
+    """Whether the forward running now is a recompute in backward rather than the step's own forward.
+
+    Guard Python side effects of a module's forward with it (a counter, activations collected in a
+    list), which a recomputed module would otherwise repeat. True for any forward inside backward.
 
     Example:
         >>> calls = []
