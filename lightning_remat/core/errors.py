@@ -1,11 +1,17 @@
-"""Every error lightning-remat raises on purpose, under ``RematError``.
+"""Every error lightning-remat raises on purpose, under one base class, ``RematError``.
 
-Each is also a builtin (``ValueError``, ``RuntimeError``, ...). Errors pickle with every field and
-their full message, so that other ranks raise the error rank 0 decided.
+Each is also a builtin, so ``except ValueError`` in user code works: ``ValueError`` for bad input and
+budgets that cannot be met (``NoCandidateError``, ``PlanMismatchError``, ``AlreadyCheckpointedError``,
+``InvalidPlanError``), ``RuntimeError`` for a step that cannot run (``StepError`` and its
+``SkippedStepError``), ``NotImplementedError`` for ``UnsupportedSetupError`` and its
+``UnsupportedShardingError``. Errors pickle with every field and their full message, so rank 0
+decides and the other ranks raise the very same error.
 
 Example:
     >>> import pickle
     >>> err = BudgetTooSmallError(100, 150, 80)
+    >>> isinstance(err, RematError) and isinstance(err, ValueError)
+    True
     >>> err.add_hint("(AutoRemat, budget='100B')")
     >>> again = pickle.loads(pickle.dumps(err))
     >>> str(again) == str(err), again.smallest_peak_bytes, again.static_bytes
@@ -31,12 +37,7 @@ def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
 
 
 class RematError(Exception):
-    """The base of lightning-remat's errors.
-
-    Example:
-        >>> str(RematError("no plan"))
-        'no plan'
-    """
+    """The base of lightning-remat's errors (the module's example shows one pickled)."""
 
     def add_hint(self, hint: str) -> None:
         """Append context (which integration, which setting) to the message."""
@@ -49,13 +50,7 @@ class RematError(Exception):
 
 
 class BudgetTooSmallError(RematError, ValueError):
-    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached.
-
-    Example:
-        >>> err = BudgetTooSmallError(100, 150)
-        >>> err.smallest_peak_bytes
-        150
-    """
+    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached (example: the module's)."""
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int = 0, message: str | None = None):
         self.budget_bytes = budget_bytes
@@ -70,8 +65,7 @@ class BudgetTooSmallError(RematError, ValueError):
             f"Raise the budget to at least that, or reduce the batch size."))
 
     def with_knobs(self, knobs: list[dict[str, Any]]) -> "BudgetTooSmallError":
-        """This error with ``knobs`` (each a setting and the least peak it predicts) in the message,
-        those that reach the budget first.
+        """This error with ``knobs`` (each a predicted setting and its least peak) held and said in the message.
 
         Example:
             >>> err = BudgetTooSmallError(100, 150).with_knobs(
@@ -89,26 +83,15 @@ class BudgetTooSmallError(RematError, ValueError):
 
 
 class BatchSizeTooSmallBudgetError(BudgetTooSmallError):
-    """Even a batch of one does not fit the budget (or not within ``max_overhead``).
-
-    Example:
-        >>> err = BatchSizeTooSmallBudgetError(100, 150, 80, "the least peak at batch size 1 is too high")
-        >>> isinstance(err, BudgetTooSmallError), err.smallest_peak_bytes
-        (True, 150)
-    """
+    """Even a batch of one does not fit the budget (or not within ``max_overhead``); a ``BudgetTooSmallError``."""
 
 
 class NoCandidateError(RematError, ValueError):
-    """The model has no module that recomputation could wrap.
-
-    Example:
-        >>> issubclass(NoCandidateError, ValueError)
-        True
-    """
+    """The model has no module that recomputation could wrap."""
 
 
 class PlanFormatError(RematError, ValueError):
-    """A saved plan holds a value a plan cannot have; ``field`` names where, ``value`` what was found.
+    """A saved plan holds a value a plan cannot have; ``field`` names where, ``value`` is what was found.
 
     Example:
         >>> err = PlanFormatError("budget_bytes", "10GB", "a whole number of bytes")
@@ -125,19 +108,14 @@ class PlanFormatError(RematError, ValueError):
 
 
 class PlanMismatchError(RematError, ValueError):
-    """A plan was made for a model with other parameter shapes or stages; nothing was applied.
-
-    Example:
-        >>> issubclass(PlanMismatchError, ValueError)
-        True
-    """
+    """A plan was made for a model with other parameter shapes or stages; nothing was applied."""
 
 
 class InstallationMismatchError(RematError, RuntimeError):
     """What is installed on a model is not what its plan says, so the step does not run.
 
     ``planned`` and ``installed`` hold both sides per kind of action; ``differences`` names each kind
-    that differs. Something changed the model behind the plan's back (``remove_remat``, a patched ``forward``).
+    that differs.
 
     Example:
         >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
@@ -158,18 +136,13 @@ class InstallationMismatchError(RematError, RuntimeError):
 
 
 class AlreadyCheckpointedError(RematError, ValueError):
-    """The model already uses activation checkpointing that lightning-remat did not put there.
-
-    Example:
-        >>> issubclass(AlreadyCheckpointedError, ValueError)
-        True
-    """
+    """The model already uses activation checkpointing that lightning-remat did not put there."""
 
 
 class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
-    ``requested=False``: the fake pass was the package's own, so the advice is not ``fake=False``.
+    ``requested=False``: the fake pass is the package's own, so the advice is not ``fake=False``.
 
     Example:
         >>> error = FakeProfileError("aten.nonzero.default", requested=False)
@@ -200,11 +173,10 @@ class PlanningFailedError(RematError, RuntimeError):
 
 
 class ShardingError(RematError, ValueError):
-    """A sharded (FSDP2) plan was asked for in a way that cannot work; the message says what to do.
+    """A sharded plan was asked for in a way that cannot work; the message says what to do instead.
 
     Example:
-        >>> err = ShardingError("world_size must be an int >= 1, got 0", "Pass world_size=8 for 8 GPUs.")
-        >>> str(err)
+        >>> str(ShardingError("world_size must be an int >= 1, got 0", "Pass world_size=8 for 8 GPUs."))
         'world_size must be an int >= 1, got 0. Pass world_size=8 for 8 GPUs.'
     """
 
@@ -214,10 +186,7 @@ class ShardingError(RematError, ValueError):
 
 
 class ShardedBudgetTooSmallError(BudgetTooSmallError):
-    """No plan fits the budget per GPU at this world size.
-
-    ``smallest_world_size``: the least world size estimated to fit (None: what does not shard is
-    already over the budget).
+    """No plan fits the budget per GPU at this world size; ``smallest_world_size`` would (None: none would).
 
     Example:
         >>> err = ShardedBudgetTooSmallError(100, 150, 80, world_size=2, smallest_world_size=8)
@@ -243,46 +212,23 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
 
 
 class UnsupportedSetupError(RematError, NotImplementedError):
-    """The training setup is one planning does not support (Accelerate's DeepSpeed, Megatron-LM,
-    XLA, ``dynamo_backend``); the message names the workaround.
-
-    Example:
-        >>> issubclass(UnsupportedSetupError, NotImplementedError)
-        True
-    """
+    """A training setup planning does not support (DeepSpeed, Megatron-LM, XLA, ``dynamo_backend``)."""
 
 
 class StepError(RematError, RuntimeError):
-    """The training step does something planning cannot use (no candidate block ran, no loss when re-run).
-
-    Example:
-        >>> issubclass(StepError, RuntimeError)
-        True
-    """
+    """The training step does something planning cannot use (no candidate block ran in it, say)."""
 
 
 class InvalidPlanError(RematError, ValueError):
-    """A plan's actions cannot be installed together (a module named twice, or nested in another).
-
-    Example:
-        >>> issubclass(InvalidPlanError, ValueError)
-        True
-    """
+    """A plan's actions cannot be installed together (a module named twice, or nested checkpoints)."""
 
 
 class SkippedStepError(StepError):
-    """``training_step`` skipped the profiled batch (returned None or ran no ``manual_backward``).
-
-    ``AutoRemat`` catches it and plans on the next batch that returns a loss.
-
-    Example:
-        >>> issubclass(SkippedStepError, StepError)
-        True
-    """
+    """``training_step`` skipped the batch it was profiled on: no loss to plan on; ``AutoRemat`` tries the next."""
 
 
 class ConflictingArgumentsError(RematError, TypeError):
-    """The same setting was given twice (a keyword and in ``options=``, or two values for one model).
+    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model).
 
     Example:
         >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))
@@ -291,9 +237,4 @@ class ConflictingArgumentsError(RematError, TypeError):
 
 
 class UnsupportedShardingError(UnsupportedSetupError):
-    """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example).
-
-    Example:
-        >>> issubclass(UnsupportedShardingError, NotImplementedError)
-        True
-    """
+    """The model is sharded in a way planning cannot profile (FSDP1's flat parameters, for example)."""
