@@ -83,6 +83,15 @@ def gpt2_search():
                 unchanged=unchanged)
 
 
+def test_the_table_shows_a_decimal_budget_in_decimal_next_to_its_bytes():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.service.batch_size import BatchSizeResult
+
+    plan = Plan([], budget_bytes=60 * 10**6, baseline_peak_bytes=10**8, predicted_peak_bytes=5 * 10**7,
+                predicted_overhead=0.1, requested_budget="60MB")
+    assert "60.00 MB = 60000000 bytes" in BatchSizeResult(4, 2, 4, plan, plan.budget_bytes).summary()  # was 57.22 MiB
+
+
 def test_chosen_batch_fits_the_budget_when_measured(gpt2_search):
     model, optimizer, budget, result = gpt2_search["model"], gpt2_search["optimizer"], gpt2_search["budget"], gpt2_search["result"]
     assert checkpointed_modules(model) == result.plan.checkpointed != []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from ..core.budget import format_bytes
+from ..core.budget import format_budget, format_bytes
 from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
 
 __all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
@@ -107,7 +107,7 @@ def batch_size_table(result: Any) -> Any:
     table.add_row("modules recomputed", str(len(plan.checkpointed)))
     if getattr(plan, "offloaded", None):
         table.add_row("modules offloaded (host memory)", f"{len(plan.offloaded)} ({format_bytes(plan.host_bytes)})")
-    table.add_row("budget", format_bytes(result.budget_bytes))
+    table.add_row("budget", format_budget(plan.requested_budget, result.budget_bytes))
     table.add_row("predicted peak / measured peak", f"{format_bytes(plan.predicted_peak_bytes)} / {measured}")
     table.add_row("real trial steps (Lightning binsearch)",
                   f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
