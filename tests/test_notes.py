@@ -1,4 +1,5 @@
-"""What a plan's notes say: whole sentences, advice only where it changes something, never cut when shown."""
+"""What a user reads of a plan: notes as whole sentences with advice only where it changes something, never cut
+when shown, and tables written to a file (not a terminal) with every row on one line."""
 
 from __future__ import annotations
 
@@ -52,3 +53,39 @@ def test_the_rich_summary_shows_a_long_note_whole():
     print_plan(plan, console=Console(file=out, color_system=None))
     for text in (out.getvalue(), to_text(plan_renderables(plan)), plan.summary()):
         assert f"note: {note}" in re.sub(r"\s+", " ", text)
+
+
+def _file_console():
+    from rich.console import Console
+
+    out = io.StringIO()  # not a terminal: a file or a pipe, as `python train.py > log.txt` gives
+    return out, Console(file=out, color_system=None)
+
+
+def test_a_plan_printed_to_a_file_keeps_every_line_and_row_whole():
+    from lightning_remat.core.plan_text import plan_headline
+    from lightning_remat.report.render import print_plan
+
+    long_name = "model.decoder.layers.11.self_attention.query_key_value_projection_with_a_long_name"
+    plan = Plan([StageAction.recompute(long_name)], budget_bytes=60 * 10**6, baseline_peak_bytes=2**31,
+                predicted_peak_bytes=2**25, predicted_overhead=0.174, requested_budget="60MB")
+    out, console = _file_console()
+    print_plan(plan, title="AutoRemat plan: the step of a model with a long name", console=console)
+    lines = out.getvalue().splitlines()
+    headline = plan_headline(plan, "AutoRemat plan: the step of a model with a long name")
+    assert len(headline) > 120 and headline in [line.rstrip() for line in lines]  # it wrapped at 120: "overhead\n17.4%"
+    assert any(long_name in line and "whole" in line for line in lines)
+
+
+def test_a_table_title_is_one_line_whatever_the_table_is_narrow():
+    from types import SimpleNamespace
+
+    from lightning_remat.report.render import pareto_table, print_renderables, to_text
+
+    point = SimpleNamespace(budget_bytes=2**20, predicted_peak_bytes=2**20, predicted_overhead=0.0, modules=0,
+                            feasible=True)
+    title = "Budgets from the least reachable peak to no recomputation (predicted, cost: flops)"
+    out, console = _file_console()
+    print_renderables([pareto_table([point], None, "flops")], console)
+    for text in (out.getvalue(), to_text([pareto_table([point], None, "flops")], width=60)):
+        assert title in text.splitlines()[0], text  # it wrapped at the table's width, after "recomputation"
