@@ -83,6 +83,34 @@ def gpt2_search():
                 unchanged=unchanged)
 
 
+def test_the_table_shows_a_decimal_budget_in_decimal_next_to_its_bytes():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.service.batch_size import BatchSizeResult
+
+    plan = Plan([], budget_bytes=60 * 10**6, baseline_peak_bytes=10**8, predicted_peak_bytes=5 * 10**7,
+                predicted_overhead=0.1, requested_budget="60MB")
+    assert "60.00 MB = 60000000 bytes" in BatchSizeResult(4, 2, 4, plan, plan.budget_bytes).summary()  # was 57.22 MiB
+
+
+def test_a_result_reads_in_one_short_line_and_its_summary_is_the_table():
+    from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+    from lightning_remat.core.solve import solve
+    from lightning_remat.service.batch_size import BatchSizeResult, Trial
+
+    stages = tuple(StageProfile(f"h.{k}", (StageOption("keep", (), 10**6, 2 * 10**6, 0.0, 0),
+                                          StageOption("whole", (f"h.{k}",), 0, 2 * 10**6, 1.0, 5))) for k in range(12))
+    plan = solve(Profile(stages, (), baseline_peak_bytes=13 * 10**6), "8MB", cost="flops")
+    trials = [Trial(b, tuple(plan.checkpointed), 2, 7 * 10**6, False, True) for b in (8, 16, 32)]
+    result = BatchSizeResult(32, 8, 32, plan, 8 * 10**6, measured_peak_bytes=7 * 10**6, trials=trials,
+                             binsearch_sizes=[2, 4, 8, 16, 32, 64], notes=["a note"] * 3)
+    text = repr(result)
+    assert len(text) < 300 and "\n" not in text, text  # the dataclass's repr was 4.6 KB for a real search
+    for figure in ("batch_size=32", "batch_size_without_remat=8", "ratio=4.00x", "measured_peak=6.68 MiB",
+                   "budget=8.00 MB = 8000000 bytes", "predicted_overhead="):
+        assert figure in text
+    assert "ratio" in result.summary() and "predicted peak / measured peak" in result.summary()
+
+
 def test_chosen_batch_fits_the_budget_when_measured(gpt2_search):
     model, optimizer, budget, result = gpt2_search["model"], gpt2_search["optimizer"], gpt2_search["budget"], gpt2_search["result"]
     assert checkpointed_modules(model) == result.plan.checkpointed != []

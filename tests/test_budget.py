@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_remat import parse_budget
-from lightning_remat.core.budget import device_total_memory, format_bytes
+from lightning_remat.core.budget import Budget, device_total_memory, format_budget, format_bytes
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,31 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(2**20) == "1.00 MiB"
     assert format_bytes(-3 * 2**30) == "-3.00 GiB"
+
+
+def test_a_budget_is_shown_in_the_units_it_was_given_and_decimal_next_to_its_bytes():
+    # "60MB" was shown as 57.22 MiB and "10GB" as 9.31 GiB.
+    assert format_bytes(60 * 10**6, decimal=True) == "60.00 MB" and format_bytes(999, decimal=True) == "999 B"
+    assert Budget.parse("60MB").format(60 * 10**6) == "60.00 MB = 60000000 bytes"
+    assert Budget.parse("10 gb").format(10**10) == "10.00 GB = 10000000000 bytes"
+    assert Budget.parse("10GiB").format(10 * 2**30) == "10.00 GiB"  # binary in, binary out
+    assert [Budget.parse(b).format(2**20) for b in ("80%", "min", 4096, "4096")] == ["1.00 MiB"] * 4
+    assert format_budget("not a budget", 2**20) == "1.00 MiB"
+
+
+def test_the_plan_summary_shows_a_decimal_budget_in_decimal_and_logs_bytes():
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.solve import solve
+    from lightning_remat.report.render import plan_renderables, to_text
+    from lightning_remat.service.plan_figures import plan_metrics
+
+    keep, whole = StageOption("keep", (), 10**6, 2 * 10**6, 0.0, 0), StageOption("whole", ("a",), 0, 2 * 10**6, 1.0, 5)
+    profile = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 3 * 10**6),), baseline_peak_bytes=4 * 10**6)
+    for budget, shown in (("60MB", "budget 60.00 MB = 60000000 bytes,"), ("10GiB", "budget 10.00 GiB,")):
+        plan = solve(profile, budget, cost="flops")
+        assert shown in plan.summary().splitlines()[0] and shown in to_text(plan_renderables(plan), width=400)
+    assert plan_metrics(plan)["remat/budget_bytes"] == 10 * 2**30  # the figures logged stay bytes
+
 
 
 @pytest.mark.parametrize("value", ["١٠GB", "1.9", "9" * 400, "9" * 400 + "GB", "1e3GB"])

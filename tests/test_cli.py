@@ -172,6 +172,13 @@ def test_a_step_that_fails_while_profiling_is_exit_1_in_one_line(capsys, tmp_pat
     assert err == f"lightning-remat: error: profiling {path}:failing failed: RuntimeError: the step broke on its second line\n"
 
 
+def test_tables_show_a_decimal_budget_in_decimal_next_to_its_bytes(capsys, factories):
+    code = main(["plan", f"{factories}:tiny", "--budget", "5MB", "--no-plots", "--cost", "flops", "--points", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "(budget 5.00 MB = 5000000 bytes, baseline" in " ".join(captured.out.split())  # was 4.77 MiB
+
+
 def test_budget_too_small_in_tables_is_one_error_line_on_stderr(capsys, factories):
     code = main(["plan", f"{factories}:tiny", "--budget", "100kB", "--no-plots", "--cost", "flops"])
     captured = capsys.readouterr()

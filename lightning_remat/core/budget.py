@@ -21,6 +21,7 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_DECIMAL = ("kb", "mb", "gb", "tb")
 # re.ASCII: "١٠GB" (Arabic-Indic digits) is not a budget, whatever float() makes of it.
 _SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE | re.ASCII)
 _PERCENT = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*%\s*$", re.ASCII)
@@ -132,6 +133,28 @@ class Budget:
             raise _reject(value, "a budget must be positive")
         return cls(text, nbytes=nbytes)
 
+    @property
+    def decimal(self) -> bool:
+        """Whether the budget was given in decimal units (kB, MB, GB, TB).
+
+        Example:
+            >>> Budget.parse("60MB").decimal, Budget.parse("10GiB").decimal, Budget.parse("80%").decimal
+            (True, False, False)
+        """
+        size = _SIZE.match(self.text)
+        return bool(size) and size.group("unit").lower() in _DECIMAL
+
+    def format(self, nbytes: int) -> str:
+        """``nbytes`` in the units the budget was given in: decimal next to the exact bytes, else binary.
+
+        Example:
+            >>> Budget.parse("60MB").format(60_000_000), Budget.parse("10GiB").format(10 * 2**30)
+            ('60.00 MB = 60000000 bytes', '10.00 GiB')
+        """
+        if self.decimal:
+            return f"{format_bytes(nbytes, decimal=True)} = {int(nbytes)} bytes"
+        return format_bytes(nbytes)
+
     def resolve(self, device: Any = None, total_memory: Any = None) -> int | str:
         """Bytes on ``device`` (or on a device of ``total_memory``), or ``"min"``.
 
@@ -186,17 +209,32 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
     return Budget.parse(value).resolve(device=device, total_memory=total_memory)
 
 
-def format_bytes(nbytes: float) -> str:
-    """Bytes as a short human-readable string in binary units.
+def format_budget(text: str, nbytes: int) -> str:
+    """``nbytes`` of a budget the user gave as ``text``, in its units (``Budget.format``); binary when
+    ``text`` is not a budget (a plan that does not say what was asked).
 
     Example:
-        >>> format_bytes(1536), format_bytes(3 * 2**30)
-        ('1.50 KiB', '3.00 GiB')
+        >>> format_budget("10GB", 10**10), format_budget("", 2**30)
+        ('10.00 GB = 10000000000 bytes', '1.00 GiB')
+    """
+    try:
+        return Budget.parse(text).format(nbytes)
+    except ValueError:
+        return format_bytes(nbytes)
+
+
+def format_bytes(nbytes: float, decimal: bool = False) -> str:
+    """Bytes as a short human-readable string in binary units (decimal kB/MB/GB/TB with ``decimal``).
+
+    Example:
+        >>> format_bytes(1536), format_bytes(3 * 2**30), format_bytes(60 * 10**6, decimal=True)
+        ('1.50 KiB', '3.00 GiB', '60.00 MB')
     """
     sign = "-" if nbytes < 0 else ""
     nbytes = abs(float(nbytes))
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
+    step, units = (1000, ("B", "kB", "MB", "GB", "TB")) if decimal else (1024, ("B", "KiB", "MiB", "GiB"))
+    for unit in units:
+        if nbytes < step or unit == units[-1]:
             return f"{sign}{nbytes:.0f} B" if unit == "B" else f"{sign}{nbytes:.2f} {unit}"
-        nbytes /= 1024
+        nbytes /= step
     raise AssertionError("unreachable")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .budget import format_bytes
+from .budget import format_budget, format_bytes
 
 TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute cost")
 
@@ -45,7 +45,7 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
                 f"not predicted; budget {_budget(plan)})")
     overhead = "unknown" if plan.predicted_overhead is None else f"{plan.predicted_overhead:.1%}"
     baseline = "not profiled" if plan.baseline_peak_bytes is None else format_bytes(plan.baseline_peak_bytes)
-    budget = "not given" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
+    budget = "not given" if plan.budget_bytes is None else format_budget(plan.requested_budget, plan.budget_bytes)
     return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {format_bytes(plan.predicted_peak_bytes)} "
             f"(budget {budget}, baseline {baseline}), overhead {overhead} ({plan.cost_kind})")
 

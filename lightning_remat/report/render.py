@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from ..core.budget import format_bytes
+from ..core.budget import format_budget, format_bytes
 from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
 
 __all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
@@ -38,17 +38,29 @@ def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
     """
     import io
 
+    items = list(renderables)
     console = _console(width=width, file=io.StringIO(), color_system=None, record=True)
-    for renderable in renderables:
+    console.width = _widest(console, items, width)
+    for renderable in items:
         console.print(renderable, highlight=False)
     return console.export_text().rstrip()
 
 
+def _widest(console: Any, items: Sequence[Any], width: int) -> int:
+    """``width``, or wider where a line or a table row of ``items`` needs it: text meant for a file
+    (not a terminal, whose width is what it is) keeps each row on one line instead of wrapping mid-phrase."""
+    unbounded = console.options.update_width(2**20)
+    return max([width, *(console.measure(item, options=unbounded).maximum for item in items)])
+
+
 def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
-    """Print rich renderables to ``console`` (default: stdout, never cutting module names)."""
+    """Print rich renderables to ``console`` (default: stdout, never cutting module names; to a file or a
+    pipe, every line and table row whole on one line)."""
     items = list(renderables)
     console = console or _console()
     console.width = max(console.width, TEXT_WIDTH)
+    if not console.is_terminal:
+        console.width = _widest(console, items, console.width)
     for renderable in items:
         console.print(renderable, highlight=False)
 
@@ -107,7 +119,7 @@ def batch_size_table(result: Any) -> Any:
     table.add_row("modules recomputed", str(len(plan.checkpointed)))
     if getattr(plan, "offloaded", None):
         table.add_row("modules offloaded (host memory)", f"{len(plan.offloaded)} ({format_bytes(plan.host_bytes)})")
-    table.add_row("budget", format_bytes(result.budget_bytes))
+    table.add_row("budget", format_budget(plan.requested_budget, result.budget_bytes))
     table.add_row("predicted peak / measured peak", f"{format_bytes(plan.predicted_peak_bytes)} / {measured}")
     table.add_row("real trial steps (Lightning binsearch)",
                   f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
@@ -173,7 +185,8 @@ def breakdown_modules_table(breakdown: Any) -> Any:
     """The blocks that save the most activations, as a ``rich.table.Table``."""
     from rich.table import Table
 
-    table = Table(title="Blocks that save the most activations for backward", title_justify="left")
+    title = "Blocks that save the most activations for backward"
+    table = Table(title=title, title_justify="left", min_width=len(title))  # a title wraps at the table's width
     table.add_column("module")
     table.add_column("type")
     table.add_column("saved for backward", justify="right")
@@ -199,8 +212,8 @@ def pareto_table(points: Sequence[Any], chosen: Any, cost: str) -> Any:
     """Budgets from the least reachable peak to no recomputation, with the chosen plan in bold."""
     from rich.table import Table
 
-    table = Table(title=f"Budgets from the least reachable peak to no recomputation (predicted, cost: {cost})",
-                  title_justify="left")
+    title = f"Budgets from the least reachable peak to no recomputation (predicted, cost: {cost})"
+    table = Table(title=title, title_justify="left", min_width=len(title))  # a title wraps at the table's width
     for column in ("budget", "predicted peak", "overhead", "modules recomputed"):
         table.add_column(column, justify="right")
     for p in points:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..core.batch_fit import (DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, ProfileFit, lightning_binsearch_sizes,
                               validate_search)
-from ..core.budget import format_bytes
+from ..core.budget import format_budget, format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
@@ -94,6 +94,22 @@ class BatchSizeResult:
     def predicted_overhead(self) -> float:
         """Recompute cost of the plan as a share of a step without recomputation."""
         return self.plan.predicted_overhead
+
+    def __repr__(self) -> str:
+        """The figures that answer the search, not every field (the plan and trials made it kilobytes).
+
+        Example:
+            >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+            >>> BatchSizeResult(32, 8, 32, plan, 10**6, measured_peak_bytes=950_000)
+            BatchSizeResult(batch_size=32, batch_size_without_remat=8, ratio=4.00x, predicted_peak=878.91 KiB, measured_peak=927.73 KiB, budget=976.56 KiB, predicted_overhead=20.0%)
+        """
+        ratio = "inf" if math.isinf(self.ratio) else f"{self.ratio:.2f}x"
+        peaks = {"predicted_peak": self.plan.predicted_peak_bytes, "measured_peak": self.measured_peak_bytes}
+        shown = ", ".join(f"{k}={'-' if v is None else format_bytes(v)}" for k, v in peaks.items())
+        shown += f", budget={format_budget(self.plan.requested_budget, self.budget_bytes)}"
+        overhead = "-" if self.predicted_overhead is None else f"{self.predicted_overhead:.1%}"
+        return (f"BatchSizeResult(batch_size={self.batch_size}, batch_size_without_remat={self.batch_size_without_remat}, "
+                f"ratio={ratio}, {shown}, predicted_overhead={overhead})")
 
     def metrics(self) -> dict[str, float]:
         """The figures loggers receive, under ``remat/...``.

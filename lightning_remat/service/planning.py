@@ -170,6 +170,12 @@ class Planner:
         notes = plan.notes
         if self.config.cost == "time" and not self.config.profile.fake:
             notes += (MEASURED_TIME_NOTE,)
+        options = self.config.profile
+        if self.config.cost == "roofline" and options.fake and options.gpu is None:
+            # Only here does naming the GPU change the plan: 'flops' is priced the same for every GPU.
+            notes += (f"cost 'roofline' on fake tensors without a GPU named prices every op with the nominal "
+                      f"ceilings of device '{options.device or 'cpu'}' (for 'cuda': this machine's GPU, else an "
+                      "H100); pass gpu= (h100, a100, ...) to price it for the GPU that will train",)
         _refuse_beyond_device_memory(plan, self.config.profile.device_memory, profile)
         return bound(replace(plan, requested_budget=self.config.budget.text, notes=notes), model)
 

@@ -307,12 +307,13 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
         >>> with_loop_references(p, 4096, 6144).stages[0].options[0].local_peak_bytes == 100 + 6144 + LOOP_ALLOWANCE
         True
     """
-    note = f"the training loop holds the model's outputs ({format_bytes(held_bytes)}) " if held_bytes else ""
+    # One whole sentence whichever parts there are (no outputs held: it began "and the loss ...").
+    held = f"the model's outputs ({format_bytes(held_bytes)}) and " if held_bytes else ""
+    note = f"the training loop holds {held}the loss ({LOOP_ALLOWANCE} bytes allowed) through the step"
     if carried_bytes > held_bytes:
-        note += (f"and carries {format_bytes(carried_bytes - held_bytes)} more from one micro-batch into the next "
-                 "(measured: its inputs, losses) ")
-    return with_always_alive(profile, max(held_bytes, carried_bytes) + LOOP_ALLOWANCE,
-                             note + f"and the loss ({LOOP_ALLOWANCE} bytes allowed) through the step; counted in every term")
+        note += (f" and carries {format_bytes(carried_bytes - held_bytes)} more from one micro-batch into the next "
+                 "(measured: its inputs, losses)")
+    return with_always_alive(profile, max(held_bytes, carried_bytes) + LOOP_ALLOWANCE, note + "; counted in every term")
 
 
 def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True,

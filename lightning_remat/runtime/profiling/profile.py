@@ -211,8 +211,6 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
     profile = profile.noted(precision_note, *dict.fromkeys(moe_notes))
-    if options.gpu is None:
-        profile = profile.noted("fake profile without a GPU named: costs are FLOPs only (use cost='flops')")
     return profile
 
 
