@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import warnings
 from dataclasses import replace
 from typing import Any, Iterator
@@ -38,8 +37,8 @@ from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
-from ...service.planning import Planner, over_budget, plan_metrics
-from ...service.plan_figures import installation_cause, shape_cause
+from ...service.planning import Planner
+from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
@@ -84,8 +83,15 @@ class RematSession:
         self.plugin = plugin
         self.accelerator = accelerator
         self.plan: Plan | None = None
-        self.plans: list[Plan] = []
-        self.metrics: dict[str, float] = {}
+        # The run's lifecycle: its plans, figures (``metrics``: the run's summary), measured windows.
+        self.run = RunLifecycle(RunHost(
+            model, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
+            accumulation=lambda: self._config().profile.accumulation_steps,
+            info=lambda message: logger.info(message) if self._channel().is_main else None,
+            warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None,
+            table=lambda plan, title: logger.info("%s:\n%s", title, plan.summary()) if self._channel().is_main else None))
+        self.plans: list[Plan] = self.run.plans
+        self.metrics: dict[str, float] = self.run.metrics
         self.phase = "observe"
         self.observed_steps = 0
         self._optimizer: torch.optim.Optimizer | None = None
@@ -102,8 +108,7 @@ class RematSession:
         # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
         self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | FirstCall | None = None
-        self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
-        self._window_started = 0.0  # when the measured window opened (its seconds price cost="time")
+        self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -144,7 +149,7 @@ class RematSession:
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
         if self.phase == "measure" and self._window is not None:
-            self._metered.append((self.plan, batch_shape((args, kwargs))))
+            self._measured.ran(self.plan, batch_shape((args, kwargs)))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
@@ -256,8 +261,8 @@ class RematSession:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
-            self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
-            self._window_started = time.perf_counter()
+            self._window = WindowTracker(self.model, self._known_optimizer())
+            self._measured = self.run.window(meter=self._window, batches=self._config().profile.accumulation_steps)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Before the first training forward runs: plan it on fake tensors from its inputs
@@ -312,19 +317,12 @@ class RematSession:
         self.plan = plan
 
     def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
-        # One plan per shape: the observed step's replaces the first step's, a calibrated one its bucket's.
-        self.plan, shape = plan, plan.fingerprint.get("shape")
-        self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
-        # The run's figures: its plan of the largest predicted peak, and the number of plans (docs/accelerate.md).
-        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
-        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
-            del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
-        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
+        # One plan per shape; the run's figures: its plan of the largest predicted peak, the number of plans.
+        self.plan = plan
+        self.run.shape_plans = self.shape_plans
+        self.run.announce(plan, title)
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
-        if channel.is_main:
-            logger.info("%s:\n%s", title, plan.summary())
-        self._log(dict(self.metrics))
 
     def _config(self, **profile: Any) -> Any:
         """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
@@ -332,33 +330,12 @@ class RematSession:
         return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
     def _finish_measurement(self) -> None:
-        window, self._window = self._window, None
-        channel = self._channel()
-        # The largest peak of any rank: the budget holds on every one or it does not hold.
-        peak = channel.max(window.close())
-        # Over the run: the largest of the measured steps (each new plan's first).
-        measured = {"remat/measured_peak_bytes": max(peak, self.metrics.get("remat/measured_peak_bytes", 0))}
-        if window.reserved_bytes is not None:
-            # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = max(channel.max(window.reserved_bytes),
-                                                            self.metrics.get("remat/measured_reserved_bytes", 0))
-        self.metrics.update(measured)
+        measured, self._window, self._measured = self._measured, None, None
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        # The window's plan of the highest prediction: a peak above it (the same on every rank) calibrates.
-        peak, plan = int(peak), max([p for p, _ in self._metered if p] or [self.plan],
-                                    key=lambda p: p.predicted_peak_bytes or 0)
-        seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
-        calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
-        if channel.is_main:
-            logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            # What the package can see of a step over the budget: the plan not installed, a batch not planned.
-            causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
-                                                                    if p is not None)]
-            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)", causes)
-            if warning is not None:
-                warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
-                                         if calibrated else ""), UserWarning, stacklevel=2)
-        self._log(measured)
+        measured.installed = self.plan  # what the package can see of a step over the budget: installed, planned
+        measured.metered = measured.metered or [(self.plan, None)]
+        self.run.shape_plans = self.shape_plans
+        self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
@@ -397,4 +374,4 @@ class RematSession:
         self._handles = []
         if self._window is not None:
             self._window.abandon()
-            self._window = None
+            self._window = self._measured = None

@@ -20,13 +20,13 @@ from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
-from ...service.planning import Planner, plan_metrics
+from ...service.planning import Planner
 from ...service.shape_plans import ShapePlans
+from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
-from .measured_peak import MeasuredWindow, figure, report_measured_peak
 from .step import manual_step_closure, training_step_closure, training_step_shape_plans
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
 from .trainer_terms import config_for, loop_allowance, trainer_optimizers
@@ -154,10 +154,13 @@ class AutoRemat(Callback):
         self.measured_peak_bytes: int | None = None
         self.profile_count = 0
         self._disabled_reason: str | None = None
-        self._measure_in: int | None = None  # batches until the measured window starts
-        self._window_left = 0
-        self._meter: MeasuredWindow | None = None  # the first steady window of a plan
-        self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
+        # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
+        self.run = RunLifecycle(RunHost(
+            None, channel=lambda: lightning_channel(self._trainer), name="AutoRemat",
+            optimizers=lambda: trainer_optimizers(self._trainer), log=lambda figures: self._log_metrics(
+                self._trainer, figures), accumulation=lambda: max(1, self._trainer.accumulate_grad_batches),
+            info=lambda message: rank_zero_info(message) if self.verbose else None, warn=rank_zero_warn,
+            table=lambda plan, title: self._print_plan(plan) if self.verbose else None))
         self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
@@ -173,7 +176,7 @@ class AutoRemat(Callback):
     # ----------------------------------------------------------------------------------- hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._trainer = trainer
+        self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
             return
         refuse_fsdp1(trainer)
@@ -198,9 +201,9 @@ class AutoRemat(Callback):
             self._apply(trainer, pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")
-        if self.measured_peak_bytes is None and self._measure_in is None:
-            self._measure_in = 0
-            self._log_plan(trainer, self.plan)
+        if self.measured_peak_bytes is None and self.run.measure_in is None:
+            self.run.measure_after(0)
+            self.run.announce(self.plan)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._disabled_reason:
@@ -215,41 +218,22 @@ class AutoRemat(Callback):
             return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
+        self.run.plan, self.run.shape_plans = self.plan, self.shape_plans
         if planned:
-            self._announce(trainer, first)
+            self._announce(first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             # (Under manual optimization training_step decides when gradients go.)
             pl_module.zero_grad(set_to_none=True)
-        for measured in (self._first, self._meter):
-            if measured is not None:
-                measured.ran(self.plan, batch_shape(batch))
-        if planned and first and self.shape_plans is not None:
-            # The first step under the plan, measured: a peak above its prediction calibrates the plans.
-            self._first = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan)
-        if self._measure_in is not None:
-            if self._measure_in > 0:
-                self._measure_in -= 1
-            elif batch_idx % window == 0:
-                # One meter over a whole accumulation window: every micro-batch and the optimizer step.
-                self._measure_in, self._window_left = None, window
-                self._meter = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan, window,
-                                             batch_shape(batch))
+        # The first step under the plan, measured: a peak above its prediction calibrates the plans.
+        self.run.before_batch(batch_idx, batch_shape(batch), calibrate=planned and first and self.shape_plans is not None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._first is not None:  # the largest peak of the ranks: every rank calibrates alike
-            first, self._first = self._first, None
-            first.calibrate(self.shape_plans, int(lightning_channel(trainer).max(first.meter.close())), timed=False)
-        if self._meter is None:
+        measured = self.run.after_batch(f"a steady training step (batch {batch_idx})")
+        if measured is None:
             return
-        self._window_left -= 1
-        if self._window_left > 0:
-            return
-        window, self._meter = self._meter, None
-        self.measured_peak_bytes = report_measured_peak(
-            trainer, window.plan, window.meter, batch_idx, self.verbose, self._log_metrics, window.causes(pl_module),
-            calibrate=lambda peak: window.calibrate(self.shape_plans, peak, timed=True))
+        self.measured_peak_bytes = measured
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
                              trainer.global_step)
@@ -268,10 +252,10 @@ class AutoRemat(Callback):
         self._check_loop("test", trainer, pl_module, batch)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close_meter()
+        self.run.abandon()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._close_meter()
+        self.run.abandon()
 
     def state_dict(self) -> dict[str, Any]:
         # Every shape's plan, so that a resumed run profiles none of them again.
@@ -286,15 +270,9 @@ class AutoRemat(Callback):
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
-        self._measure_in = None
+        self.run.measure_in = None
 
     # ------------------------------------------------------------------------------- internals
-
-    def _close_meter(self) -> None:
-        for measured in (self._meter, self._first):
-            if measured is not None:
-                measured.abandon()
-        self._meter = self._first = None
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
@@ -363,23 +341,13 @@ class AutoRemat(Callback):
         self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
         return plans.fresh  # a new bucket's plan, or one solved again after a calibration
 
-    def _announce(self, trainer: Trainer, first: bool) -> None:
+    def _announce(self, first: bool) -> None:
         """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
         on, whole accumulation windows) and the first window of every later one."""
-        self._log_plan(trainer, self.plan)
-        if first:
-            if self.verbose:
-                self._print_plan(self.plan)
-            window = max(1, trainer.accumulate_grad_batches)
-            self._measure_in = -(-self.profile_steps // window) * window
-            return
-        if self.verbose:
-            shape = self.plan.fingerprint.get("shape")
-            rank_zero_info(f"AutoRemat: a plan for batch shape {Shape.from_list(shape) if shape else '?'}: "
-                           f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
-                           f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
-        if self._meter is None and self._measure_in is None:
-            self._measure_in = 0
+        shape = self.plan.fingerprint.get("shape")
+        self.run.announce(self.plan, "AutoRemat plan" if first else
+                          f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
+        self.run.measure_after(self.profile_steps if first else 0)
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
         # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so
@@ -389,9 +357,6 @@ class AutoRemat(Callback):
     def _log_metrics(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _log_plan(self, trainer: Trainer, plan: Plan) -> None:
-        self._log_metrics(trainer, plan_metrics(plan))
 
     @rank_zero_only
     def _print_plan(self, plan: Plan) -> None:
