@@ -24,16 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from torch import nn
 
 from ..core.budget import format_bytes
 from ..core.plan import Plan
+from ..runtime.installing.apply import apply_plan
+from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.measuring.measure import PeakWindow
 from .channel import Channel
 from .plan_figures import FALLBACK_PLAN, installation_cause, over_budget, plan_metrics, shape_cause
+from .planning import Planner
+from .shape_plans import ShapePlans
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ class RunHost:
 
     Attributes:
         model: the model the plans are installed on.
+        step_for: ``step_for(batch)`` -> ``step(module) -> loss``: the loop's training step on a batch.
         channel: ``channel()`` -> the ranks (``service.channel.Channel``); default one process.
         optimizers: ``optimizers()`` -> what a meter counts as optimizer state (None: none).
         accumulation: ``accumulation()`` -> micro-batches per optimizer step.
@@ -61,6 +66,7 @@ class RunHost:
     """
 
     model: nn.Module
+    step_for: Callable[[Any], Callable[[nn.Module], Any]] | None = None
     channel: Callable[[], Channel] = Channel
     optimizers: Callable[[], Any] = _nothing
     accumulation: Callable[[], int] = lambda: 1
@@ -119,14 +125,8 @@ class MeasuredWindow:
         self.meter.abandon()
 
 
-def figure(nbytes: int | None, other: int | None) -> str:
-    """Bytes for a message; exact when rounding would make two different figures look equal (a
-    figure a plan does not have, made without a profile, is "not predicted").
-
-    Example:
-        >>> figure(1000000, 1000001), figure(None, 5)
-        ('976.56 KiB (1000000 bytes)', 'not predicted')
-    """
+def _figure(nbytes: int | None, other: int | None) -> str:
+    # Exact bytes when rounding would make two different figures look equal.
     if nbytes is None:
         return "not predicted"
     text = format_bytes(nbytes)
@@ -151,10 +151,48 @@ class RunLifecycle:
         self.metrics: dict[str, float] = {}
         self.shape_plans: Any = None
         self.measured_peak_bytes: int | None = None
+        self.profiles = 0  # profiling passes run for the run's plans (real and fake)
         self.measure_in: int | None = None  # batches until the measured window starts (batch-driven hosts)
         self._window_left = 0
         self._meter: MeasuredWindow | None = None  # the first steady window of a plan
         self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
+
+    def _optimizers(self) -> Any:
+        found = self.host.optimizers()
+        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
+            return found[0] if len(found) == 1 else list(found) or None
+        return found
+
+    def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
+        """The run's plans per batch shape (``ShapePlans`` with ``options``) on the host's step for a
+        batch, its ranks and optimizers; ``saved`` plans (shape -> plan, from a checkpoint) taken as they are."""
+        self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
+                                      config=config, optimizer=self._optimizers(), channel=self.host.channel(),
+                                      **options)
+        for shape, plan in (saved or {}).items():
+            self.shape_plans.seed(shape, plan)
+        return self.shape_plans
+
+    def follow(self, batch: Any) -> bool:
+        """Install the plan for ``batch``'s shape (a new shape planned on fake-tensor profiles: ``ShapePlans.use``);
+        whether it was decided now (a new bucket's plan, or one solved again after a calibration)."""
+        counts = self.shape_plans.counts
+        before = counts.real_profiles + counts.fake_profiles
+        self.plan = self.shape_plans.use(batch)
+        self.profiles += counts.real_profiles + counts.fake_profiles - before
+        return self.shape_plans.fresh
+
+    def plan_shared(self, config: Any, step: Any, batch: Any = None, verbose: bool = True, **options: Any) -> Plan:
+        """One plan from a real profile of ``step`` on every rank in lockstep (FSDP2: a sharded model has no
+        fake twin), solved on rank 0, installed on every rank; ``batch``: recorded in its fingerprint."""
+        plan = Planner(config, verbose=verbose).shared_plan(self.host.model, step, self.host.optimizers() or None,
+                                                             channel=self.host.channel(), **options)
+        if batch is not None:
+            plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.host.model, batch)})
+        self.profiles += 1
+        apply_plan(self.host.model, plan)
+        self.plan = plan
+        return plan
 
     def announce(self, plan: Plan, title: str | None = None, full: bool = True) -> None:
         """Take ``plan`` as the run's latest, log its figures and show it: in full (``table``) or,
@@ -173,7 +211,7 @@ class RunLifecycle:
             (self.host.table or (lambda p, t: self.host.info(f"{t}:\n{p.summary()}")))(plan, title)
         else:
             self.host.info(f"{self.host.name}: {title}: {len(plan.checkpointed)} module(s) recomputed, "
-                           f"predicted peak {figure(plan.predicted_peak_bytes, plan.budget_bytes)}")
+                           f"predicted peak {_figure(plan.predicted_peak_bytes, plan.budget_bytes)}")
 
     def window(self, plan: Plan | None = None, batches: int = 1, shape: Any = None,
                meter: PeakWindow | None = None) -> MeasuredWindow:
@@ -181,11 +219,6 @@ class RunLifecycle:
         model and optimizers) over ``batches`` batches, the first under ``plan`` at ``shape``."""
         meter = meter if meter is not None else PeakWindow(self.host.model, self.host.optimizers() or None)
         return MeasuredWindow(meter, plan, batches, shape)
-
-    def calibrate(self, window: MeasuredWindow) -> bool:
-        """Close a window kept for calibration only (the first step under the first plan): the
-        largest peak of the ranks, above its prediction, calibrates the plans."""
-        return window.calibrate(self.shape_plans, int(self.host.channel().max(window.meter.close())), timed=False)
 
     def finish(self, window: MeasuredWindow, what: str) -> int:
         """Close a measured window: log the largest peak of the ranks (on CUDA the reserved peak
@@ -205,12 +238,12 @@ class RunLifecycle:
         plan = window.plan
         calibrated = window.calibrate(self.shape_plans, peak, timed=True)
         # A fallback plan (no profile) predicted nothing, and a "min" budget never became bytes.
-        predicted = "no prediction" if plan.fallback else f"predicted {figure(plan.predicted_peak_bytes, plan.budget_bytes)}"
-        budget = figure(plan.budget_bytes, peak) if plan.budget_bytes is not None else repr(plan.requested_budget)
+        predicted = "no prediction" if plan.fallback else f"predicted {_figure(plan.predicted_peak_bytes, plan.budget_bytes)}"
+        budget = _figure(plan.budget_bytes, peak) if plan.budget_bytes is not None else repr(plan.requested_budget)
         message = (f"{self.host.name}: measured peak of a steady training step with "
                    f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                    f"{' (a whole accumulation window)' if self.host.accumulation() > 1 else ''}: "
-                   f"{figure(peak, plan.budget_bytes)} ({predicted}, budget {budget})")
+                   f"{_figure(peak, plan.budget_bytes)} ({predicted}, budget {budget})")
         warning = over_budget(peak, plan, what, window.causes(self.host.model))
         if warning is not None:
             self.host.warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before "
@@ -246,9 +279,9 @@ class RunLifecycle:
 
     def after_batch(self, what: str) -> int | None:
         """A batch ended: a calibration window closes; the measured peak when a measured window closed."""
-        if self._first is not None:
+        if self._first is not None:  # the largest peak of the ranks, above its prediction, calibrates the plans
             first, self._first = self._first, None
-            self.calibrate(first)
+            first.calibrate(self.shape_plans, int(self.host.channel().max(first.meter.close())), timed=False)
         if self._meter is None:
             return None
         self._window_left -= 1

@@ -32,17 +32,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ...runtime.installing.apply import apply_plan
 from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
-from ...service.planning import Planner
 from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
-from .plugin import ENV_BUDGET, RematPlugin
+from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
 
@@ -78,14 +76,15 @@ class RematSession:
         True
     """
 
-    def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None):
+    def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None, loop: LoopFacts | None = None):
         self.model = model
         self.plugin = plugin
         self.accelerator = accelerator
+        self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
         # The run's lifecycle: its plans, figures (``metrics``: the run's summary), measured windows.
         self.run = RunLifecycle(RunHost(
-            model, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
+            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
             accumulation=lambda: self._config().profile.accumulation_steps,
             info=lambda message: logger.info(message) if self._channel().is_main else None,
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None,
@@ -105,8 +104,6 @@ class RematSession:
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
-        # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
-        self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | FirstCall | None = None
         self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
@@ -120,6 +117,11 @@ class RematSession:
             # which makes its optimizer later, counted Adam's new state as memory the loop carries).
             register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
+
+    @property
+    def shape_plans(self) -> ShapePlans | None:
+        """The plan of each batch's shape (not under FSDP2): from the first call, then the observed one."""
+        return self.run.shape_plans
 
     # -- hooks -----------------------------------------------------------------------------
     # torch iterates an optimizer's own step hooks, then the global ones, and forbids changing
@@ -211,7 +213,7 @@ class RematSession:
     def _known_optimizer(self) -> torch.optim.Optimizer | None:
         if self._optimizer is not None:
             return self._optimizer
-        for optimizer in getattr(self.accelerator, "_optimizers", []) or []:
+        for optimizer in self.loop.optimizers():
             inner = getattr(optimizer, "optimizer", optimizer)
             if isinstance(inner, torch.optim.Optimizer) and self._holds_model_parameters(inner):
                 return inner
@@ -269,7 +271,7 @@ class RematSession:
         (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
         loss patches the model's own forward, which this call has looked up already."""
         first = FirstCall.of(args, kwargs)
-        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)), self._channel(),
+        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)),
                        "lightning-remat: planned before the first step, on fake tensors")
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
@@ -277,16 +279,13 @@ class RematSession:
         shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
         self._template = template
         with self._planning():
-            self.shape_plans = ShapePlans(
-                self.model, lambda model, template: template.loss(model), config=config or self._config(),
-                optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
-                resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
-                hint=self._hint(), warmup=0)
-            return self.shape_plans.use(call)
+            self.run.shapes(config or self._config(), shape_of=lambda template: template.shape, warmup=0,
+                            resize=lambda template, shape: template.at(shape), adjust=adjust, hint=self._hint())
+            self.run.follow(call)
+        return self.run.plan
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
-        channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
         adjust = observed_adjust(call.held_bytes(), self._carried, self._observed, self._observed_actions)
@@ -294,13 +293,11 @@ class RematSession:
             # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
             # once: a sharded model has no fake twin to follow shapes with.
             with self._planning():
-                plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
-                                                           channel=channel, hint=self._hint(), warmup=0, adjust=adjust)
-                apply_plan(self.model, plan)
+                plan = self.run.plan_shared(self._config(), call.loss, hint=self._hint(), warmup=0, adjust=adjust)
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
             template = CallTemplate.of(call)
             plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
-        self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
+        self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
         """Before a training forward: install the plan for its batch's shape (a new shape is planned on
@@ -309,24 +306,24 @@ class RematSession:
         if shape is None:
             return
         with self._planning():
-            plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
-        if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
-            self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
+            fresh = self.run.follow(self._template.following(args, kwargs, shape))
+        plan = self.run.plan
+        if fresh:  # a new bucket's plan, or one solved again after a calibration
+            self._new_plan(plan, f"lightning-remat: a plan for batch shape {shape}")
             if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
 
-    def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
+    def _new_plan(self, plan: Plan, title: str) -> None:
         # One plan per shape; the run's figures: its plan of the largest predicted peak, the number of plans.
         self.plan = plan
-        self.run.shape_plans = self.shape_plans
         self.run.announce(plan, title)
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
         """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
-        config = self.plugin.loop_config(self.accelerator, fsdp2_sharded(self.model))
+        config = self.plugin.loop_config(self.loop.accumulation(), self.loop.processes(), fsdp2_sharded(self.model))
         return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
     def _finish_measurement(self) -> None:
@@ -334,7 +331,6 @@ class RematSession:
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
         measured.installed = self.plan  # what the package can see of a step over the budget: installed, planned
         measured.metered = measured.metered or [(self.plan, None)]
-        self.run.shape_plans = self.shape_plans
         self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
 
     @contextlib.contextmanager
@@ -361,8 +357,7 @@ class RematSession:
         return torch_distributed_channel(model_device(self.model))
 
     def _log(self, values: dict[str, float]) -> None:
-        if self.accelerator is not None and getattr(self.accelerator, "trackers", None):
-            self.accelerator.log(values, step=self.observed_steps)
+        self.loop.log(values, self.observed_steps)
 
     def remove(self) -> None:
         """Stop observing (the plan, if applied, stays: ``remove_remat(model)`` undoes it).
