@@ -13,10 +13,8 @@ How it works, per model:
 3. From then on every training forward's batch shape is read (under DDP, the largest of the
    ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
    it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
-4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
-   CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
-   (a warning when above; a peak above the prediction calibrates the plans, solved again before the
-   next forward; ``cost="time"``: its seconds price the FLOPs), and the figures go to
+4. The first steady step of each new plan is measured and reported by the run's lifecycle
+   (``service.run``: a peak above the prediction calibrates the plans), and the figures go to
    ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
 """
 
