@@ -54,24 +54,10 @@ class RematTrainerCallback(TrainerCallback):
         chunk_loss: let the plan compute a causal LM's head and loss over sequence chunks (the model
             then returns ``logits=None``; ``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``.
 
-    Behaviour worth knowing:
-
-    - A malformed setting fails here, when the callback is made, naming its variable. A budget no
-      plan meets raises ``BudgetTooSmallError`` at the first training forward, naming the
-      smallest reachable peak. DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at
-      ``on_train_begin`` with an ``UnsupportedSetupError`` naming the workaround, as
-      ``RematAccelerator`` refuses them; ``gradient_checkpointing=True`` with an
-      ``AlreadyCheckpointedError`` (it recomputes every layer already).
-    - The Trainer sets ``model.config.use_cache`` from ``TrainingArguments.use_cache`` (False by
-      default), so causal LMs do not keep a key/value cache through the step; if it is left on, the
-      plan's notes say so and the cache is counted.
-    - Gradient accumulation (``gradient_accumulation_steps``): the later micro-batches' gradients
-      are counted, and the measured step is a whole accumulation window. Under DDP every rank wraps
-      the main process's plan. The evaluation loop (no gradients) is not planned.
-    - One callback per model: a second with other settings (another budget) is refused at
-      ``on_train_begin`` with ``ConflictingArgumentsError`` naming both, not ignored.
-    - Metrics go to ``trainer.state.log_history``; reporters (``report_to``) receive what
-      ``Trainer.log`` sends them, which these figures are not part of.
+    Behaviour worth knowing (``docs/accelerate.md``, "The Hugging Face Trainer", says each): a
+    malformed setting fails here; a budget no plan meets fails at the first training forward;
+    DeepSpeed, FSDP1, ``torch_compile=True`` and ``gradient_checkpointing=True`` are refused at
+    ``on_train_begin``, as is a second callback for the same model with other settings.
 
     Example:
         >>> import os
