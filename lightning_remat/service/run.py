@@ -42,10 +42,6 @@ from .shape_plans import ShapePlans
 logger = logging.getLogger(__name__)
 
 
-def _nothing(*args: Any) -> None:
-    return None
-
-
 @dataclass
 class RunHost:
     """What a training loop gives the run lifecycle: callables, so the lifecycle imports no library.
@@ -57,9 +53,8 @@ class RunHost:
         optimizers: ``optimizers()`` -> what a meter counts as optimizer state (None: none).
         accumulation: ``accumulation()`` -> micro-batches per optimizer step.
         log: ``log(figures)``: ``remat/...`` figures to the loop's loggers.
-        info: ``info(message)``: a console line (the main rank; the host decides whether it is shown).
-        warn: ``warn(message)``: a warning (the main rank).
-        table: ``table(plan, title)``: a plan shown in full (default: ``info`` of its summary).
+        info, warn, table: ``info(message)`` a console line, ``warn(message)`` a warning (the main rank; the
+            host decides what is shown), ``table(plan, title)`` a plan in full (default: ``info`` of its summary).
         name: the integration, as messages begin.
         summary: figures summarise the run (the plan of the largest predicted peak, ``remat/num_plans``, the
             largest measured peak: Accelerate's ``remat_metrics``) rather than each plan and window as it comes.
@@ -68,9 +63,9 @@ class RunHost:
     model: nn.Module
     step_for: Callable[[Any], Callable[[nn.Module], Any]] | None = None
     channel: Callable[[], Channel] = Channel
-    optimizers: Callable[[], Any] = _nothing
+    optimizers: Callable[[], Any] = lambda: None
     accumulation: Callable[[], int] = lambda: 1
-    log: Callable[[dict[str, float]], None] = _nothing
+    log: Callable[[dict[str, float]], None] = lambda figures: None
     info: Callable[[str], None] = logger.info
     warn: Callable[[str], None] = logger.warning
     table: Callable[[Plan, str], None] | None = None
@@ -136,12 +131,8 @@ def _figure(nbytes: int | None, other: int | None) -> str:
 class RunLifecycle:
     """A run's plans, their figures, their measured windows and the report of each (see the module).
 
-    Attributes:
-        plan: the latest plan announced. plans: one per batch shape, the latest made for it.
-        metrics: the run's figures (the plan of the largest predicted peak, ``remat/num_plans``, the
-            largest measured peaks), kept up to date in place.
-        shape_plans: the ``ShapePlans`` a measured peak calibrates (None: nothing to calibrate).
-        measured_peak_bytes: the latest window's measured peak.
+    Attributes: ``plan`` (the latest announced), ``plans`` (one per batch shape), ``metrics`` (the run's
+    figures, updated in place), ``shape_plans`` (None until ``shapes``), ``measured_peak_bytes`` (the latest).
     """
 
     def __init__(self, host: RunHost):

@@ -110,11 +110,10 @@ class AutoRemat(Callback):
         self._disabled_reason: str | None = None
         # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
         self.run = RunLifecycle(RunHost(
-            None, lambda batch: self._step_for(batch, self._batch_idx), channel=lambda: lightning_channel(self._trainer), name="AutoRemat",
-            optimizers=lambda: trainer_optimizers(self._trainer), log=lambda figures: self._log_metrics(
-                self._trainer, figures), accumulation=lambda: max(1, self._trainer.accumulate_grad_batches),
-            info=lambda message: rank_zero_info(message) if self.verbose else None, warn=rank_zero_warn,
-            table=lambda plan, title: self._print_plan(plan) if self.verbose else None))
+            None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
+            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: trainer_optimizers(self._trainer),
+            accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
+            info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
         self._skipped: list[str] = []  # why each batch was skipped while nothing was planned
@@ -307,10 +306,11 @@ class AutoRemat(Callback):
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
 
-    def _log_metrics(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
+        for logger in self._trainer.loggers:
+            logger.log_metrics(metrics, step=self._trainer.global_step)
 
     @rank_zero_only
-    def _print_plan(self, plan: Plan) -> None:
-        print_plan(plan, title="AutoRemat plan")
+    def _print_plan(self, plan: Plan, title: str) -> None:
+        if self.verbose:
+            print_plan(plan, title=title)
