@@ -1,36 +1,15 @@
 """Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles.
 
 A plan is made from a profile at one batch shape; a run changes shape every step (dynamic padding,
-the last short batch). ``ShapePlans`` gives each step the plan for its own shape:
-
-1. The first batch is profiled on fake tensors (exact to the byte on the CPU; nothing is allocated,
-   so planning fits wherever the step does) and planned before it runs: no real step runs without
-   a plan. That profile, with ``adjust`` (an integration's allowance for its loop), is the *anchor*.
-   A model fake tensors cannot run (``FakeProfileError``) gets the fallback plan (every candidate
-   recomputed whole: the plan that fits wherever anything does) for every step, with a warning.
-   ``fake=False`` asks for the old real profile of the first batch (measured timings): it runs only
-   where the fake profile predicts that its plain step fits the budget.
-2. ``calibrate(measured_peak)`` after a real step under the plan: a step that peaked above its
-   prediction shows memory the profile did not see (on a GPU the allocator's rounding and library
-   workspaces); it goes into the anchor, carried to every shape, and every plan is solved again
-   before the next ``use``. With ``cost="time"`` the step's seconds price the fake profiles' FLOPs.
-3. Every batch: its shape (batch size, sequence length and layout: which tensors it holds, an
-   image's height and width, ``core.shapes``) is rounded up to a bucket (``ShapeBuckets``: 16 steps
-   per doubling of the batch size, of the sequence length and of each size of the layout that
-   varies), whose plan is cached. A bucket met for the first time is predicted from *nodes*,
-   fake-tensor profiles at a few shapes of its layout (``core.shape_fit``: between nodes, by
-   interpolation, at or above the truth; the nodes around it that are missing are profiled, on fake
-   tensors: nothing is allocated, nothing real runs), carried from the anchor, and solved within
-   the budget. So no step runs without a plan, and no step runs without recomputation to be profiled.
-4. The plan is installed between steps when it changes (``apply_plan``); gradients are those of the
-   model without recomputation, whatever plan a step runs under.
-
-``counts`` says how many real and fake profiling passes, solves and plan changes a run took.
-
-Under ``torch.compile`` each plan change (and each new shape) recompiles the graphs it touches:
-``plan_for="largest"`` plans every batch for the largest shape met so far (or ``max_shape``, when
-declared: then the first plan is the only one), so the plan changes at most as often as the largest
-shape grows. See ``docs/shapes.md``.
+the last short batch). ``ShapePlans`` gives each step the plan for its own shape (``docs/shapes.md``
+says how): the first batch is profiled on fake tensors and planned before it runs (the *anchor*;
+a model fake tensors cannot run gets the fallback plan); each batch's shape is rounded up to a
+bucket (``ShapeBuckets``: 16 per doubling of each size that varies) whose plan is predicted from
+fake-tensor profiles at a few shapes (``core.shape_fit``), solved once and installed between steps
+when it changes; ``calibrate(measured_peak)`` adds a measured step's excess over its prediction to
+the anchor and solves every plan again. No step runs without a plan, and none runs without
+recomputation to be profiled. ``counts`` says what it cost; ``plan_for="largest"`` (for
+``torch.compile``, which recompiles at every change of plan) plans every batch for the largest shape met.
 
 Example:
     >>> import torch
@@ -109,10 +88,7 @@ class ShapePlans(ShapeProfiles):
 
     Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
     installing; ``fresh`` then says whether it decided a plan), and ``calibrate(peak)`` with a
-    step's measured peak after it (optional: a step over its prediction re-solves the plans). The first call profiles that batch on fake tensors
-    and plans it before it runs; a batch of another shape is planned on a prediction from
-    fake-tensor profiles (``core.shape_fit``), so no step runs without a plan and none runs
-    without recomputation to be profiled.
+    step's measured peak after it (optional: a step over its prediction re-solves the plans).
 
     Args:
         model: the model, in training mode.
@@ -237,8 +213,12 @@ class ShapePlans(ShapeProfiles):
         shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes
         key = self.key(shape)
         self.fresh = key not in self.plans or key in self._stale
-        if self.fresh:
-            plan = self._shared(lambda: self._plan_at(batch, shape, key))
+        if self.fresh:  # decided on rank 0, its outcome (or its error) on every rank
+            if self.channel is None or not self.channel.distributed:
+                plan = self._plan_at(batch, shape, key)
+            else:
+                plan = self.channel.from_main(lambda: self._plan_at(batch, shape, key),
+                                              action="planning for a batch shape", hint=self.hint)
             self._stale.discard(key)
             key = self._settle(key, shape, plan)
             self._stale.discard(key)
@@ -286,12 +266,6 @@ class ShapePlans(ShapeProfiles):
 
     # ------------------------------------------------------------------------------- internals
 
-    def _shared(self, compute: Callable[[], tuple[Shape, Plan]]) -> tuple[Shape, Plan]:
-        """``compute()`` on rank 0, its outcome (or its error) on every rank."""
-        if self.channel is None or not self.channel.distributed:
-            return compute()
-        return self.channel.from_main(compute, action="planning for a batch shape", hint=self.hint)
-
     def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
         """Store a plan decided for ``key`` (under the shape it was made for)."""
         made_for, plan = outcome
@@ -306,9 +280,27 @@ class ShapePlans(ShapeProfiles):
 
     def _plan_at(self, batch: Any, shape: Shape, key: Shape) -> tuple[Shape, Plan]:
         """The plan for ``key`` (and the shape it is made for): at the batch's own shape when no
-        plan fits the bucket, or the bucket cannot be profiled."""
+        plan fits the bucket, or the bucket cannot be profiled. The profile at ``key``: the first
+        batch's own where ``key`` is its shape, else predicted (adding the nodes around ``key`` that
+        are missing); solved within the budget."""
         try:
-            return key, self._solve_at(batch, shape, key)
+            if self.fallback is not None:
+                return key, self.fallback
+            if self.anchor is None and self.fit is None and not self.plans:
+                self._first(batch)
+                if self.fallback is not None:
+                    return key, self.fallback
+            if self.anchor is not None and key == self.anchor[0]:
+                profile, self.sources[key] = self.anchor[1], "profile"
+            else:
+                self._grow(batch, shape, key)
+                profile = self.fit.at(key)
+                self.sources[key] = "node" if key in self.fit.nodes else "chord"
+            self.counts.solves += 1
+            plan = self.planner.solve_profile(self.model, profile)
+            # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
+            return key, replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.model, batch),
+                                                   "shape": key.to_list()})
         except BudgetTooSmallError as error:
             if key == shape:
                 if self.hint:
@@ -320,27 +312,6 @@ class ShapePlans(ShapeProfiles):
                 raise
             reason = f"profiling at {key} failed ({type(error).__name__}: {str(error)[:200]})"
         warnings.warn(f"lightning-remat: {reason}; batches of this bucket are planned at their own shape.",
-                      UserWarning, stacklevel=5)
+                      UserWarning, stacklevel=3)
         known = shape in self.plans and shape not in self._stale
         return (shape, self.plans[shape]) if known else self._plan_at(batch, shape, shape)
-
-    def _solve_at(self, batch: Any, shape: Shape, key: Shape) -> Plan:
-        """The profile at ``key``: the first batch's own where ``key`` is its shape, else predicted
-        (adding the nodes around ``key`` that are missing); solved within the budget."""
-        if self.fallback is not None:
-            return self.fallback
-        if self.anchor is None and self.fit is None and not self.plans:
-            self._first(batch)
-            if self.fallback is not None:
-                return self.fallback
-        if self.anchor is not None and key == self.anchor[0]:
-            profile, self.sources[key] = self.anchor[1], "profile"
-        else:
-            self._grow(batch, shape, key)
-            profile = self.fit.at(key)
-            self.sources[key] = "node" if key in self.fit.nodes else "chord"
-        self.counts.solves += 1
-        plan = self.planner.solve_profile(self.model, profile)
-        # What it was made for: the model's parameters, the batch that asked for it, the shape planned.
-        return replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.model, batch),
-                                          "shape": key.to_list()})

@@ -28,7 +28,7 @@ from ...core.errors import (AlreadyCheckpointedError, ConflictingArgumentsError,
 from ...core.plan import Plan
 from ...runtime.installing.apply import existing_checkpointing
 from ...runtime.profiling.candidates import find_stages
-from .plugin import ENV_BUDGET, RematPlugin
+from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from .session import RematSession
 
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
@@ -36,12 +36,14 @@ _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKeyDictionary()
 
 
-def _check_supported(accelerator: Accelerator) -> None:
+def _check_supported(accelerator: Any) -> None:
+    """Refuse what the session cannot plan under: ``accelerator`` an ``Accelerator`` or its ``AcceleratorState``."""
+    state = getattr(accelerator, "state", accelerator)
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
         # activation checkpointing wraps every block before sharding: refuse it now, not after.
-        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+        plugin = getattr(state, "fsdp_plugin", None)
         if getattr(plugin, "activation_checkpointing", False):
             raise AlreadyCheckpointedError(
                 f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): Accelerate's FSDP plugin recomputes "
@@ -60,7 +62,7 @@ def _check_supported(accelerator: Accelerator) -> None:
             "unsharded model on one device. Use one process or DDP, or make a plan with lightning_remat.plan_remat "
             f"on one device, apply it with apply_plan before accelerator.prepare, and unset {ENV_BUDGET}."
         )
-    dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    dynamo = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
         raise UnsupportedSetupError("lightning-remat does not support torch.compile through Accelerate (dynamo_backend); "
                                   f"unset {ENV_BUDGET} or the dynamo backend")
@@ -73,7 +75,7 @@ def _inner_model(model: nn.Module) -> nn.Module:
 
 
 def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
-                  accelerator: Accelerator | None = None) -> nn.Module:
+                  accelerator: Accelerator | None = None, loop: LoopFacts | None = None) -> nn.Module:
     """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
 
     Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it for you in ``prepare``).
@@ -89,6 +91,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         accelerator: to find the prepared optimizer (its state counts in the budget), to log
             ``remat/...`` metrics to its trackers, and to receive ``accelerator.remat_metrics`` and
             ``accelerator.remat_plan``. Without it the optimizer is found when it first steps.
+        loop: what the session reads of the loop (optimizers, accumulation, processes, logging), for
+            a loop without an ``Accelerator`` of its own to give (the Hugging Face Trainer's callback).
 
     Returns:
         ``model`` itself; ``remat_session(model)`` gives the plan and metrics.
@@ -130,7 +134,7 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         raise AlreadyCheckpointedError(f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): "
                                        + "; ".join(existing))
     find_stages(inner, plugin.candidates)  # fail at start, not after the first step
-    session = RematSession(inner, plugin, accelerator)
+    session = RematSession(inner, plugin, accelerator, loop)
     if accelerator is not None:
         # The same dict: it fills in as the plan is made and measured.
         accelerator.remat_metrics = session.metrics

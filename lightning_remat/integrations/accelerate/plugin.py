@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from ...core.bounds import MAX_STEPS
 from ...core.budget import Budget
@@ -158,16 +158,43 @@ class RematPlugin:
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
 
-    def loop_config(self, accelerator: Any = None, sharded: bool = False) -> RematConfig:
-        """``config()`` with what an Accelerate loop adds to a step's memory: ``accelerator``'s gradient
-        accumulation and, with several processes, DDP's gradient buckets (not under FSDP2, ``sharded``,
-        which reduce-scatters each block's gradients)."""
+    def loop_config(self, accumulation: int = 1, processes: int = 1, sharded: bool = False) -> RematConfig:
+        """``config()`` with what an Accelerate loop adds to a step's memory: its gradient ``accumulation``
+        and, with several ``processes``, DDP's gradient buckets (not under FSDP2, ``sharded``, which
+        reduce-scatters each block's gradients)."""
         config = self.config()
-        steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
-        buckets = accelerator is not None and getattr(accelerator, "num_processes", 1) > 1 and not sharded
+        steps = int(accumulation or 1)
+        buckets = processes > 1 and not sharded
         return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
                                                gradient_buckets=buckets))
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""
         return Budget.parse(self.budget).resolve(device=device)
+
+
+@dataclass
+class LoopFacts:
+    """What the session reads of the loop around the model, each time it needs it: the optimizers,
+    the gradient accumulation, the number of processes and where figures go (``log(figures, step)``).
+    ``of(accelerator)`` reads them from an ``Accelerator``; an integration without one (the Hugging
+    Face Trainer's callback) gives its own.
+
+    Example:
+        >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()
+        (1, 1)
+    """
+
+    optimizers: Callable[[], Any] = list
+    accumulation: Callable[[], int] = lambda: 1
+    processes: Callable[[], int] = lambda: 1
+    log: Callable[[dict, int], None] = lambda figures, step: None
+
+    @classmethod
+    def of(cls, accelerator: Any) -> "LoopFacts":
+        def log(figures: dict, step: int) -> None:
+            if getattr(accelerator, "trackers", None):  # initialised by init_trackers, maybe after prepare
+                accelerator.log(figures, step=step)
+        return cls(optimizers=lambda: getattr(accelerator, "_optimizers", []) or [],
+                   accumulation=lambda: int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1),
+                   processes=lambda: getattr(accelerator, "num_processes", 1), log=log)

@@ -13,10 +13,8 @@ How it works, per model:
 3. From then on every training forward's batch shape is read (under DDP, the largest of the
    ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
    it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
-4. The first steady step of each new plan is measured by the peak meter (``max_memory_allocated`` on
-   CUDA, with ``max_memory_reserved`` beside it; ``MemTracker`` on a CPU), compared with the budget
-   (a warning when above; a peak above the prediction calibrates the plans, solved again before the
-   next forward; ``cost="time"``: its seconds price the FLOPs), and the figures go to
+4. The first steady step of each new plan is measured and reported by the run's lifecycle
+   (``service.run``: a peak above the prediction calibrates the plans), and the figures go to
    ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
 """
 
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import warnings
 from dataclasses import replace
 from typing import Any, Iterator
@@ -33,17 +30,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ...runtime.installing.apply import apply_plan
 from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
-from ...service.planning import Planner, over_budget, plan_metrics
-from ...service.plan_figures import installation_cause, shape_cause
+from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
-from .plugin import ENV_BUDGET, RematPlugin
+from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
 
@@ -79,13 +74,21 @@ class RematSession:
         True
     """
 
-    def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None):
+    def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None, loop: LoopFacts | None = None):
         self.model = model
         self.plugin = plugin
         self.accelerator = accelerator
+        self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
-        self.plans: list[Plan] = []
-        self.metrics: dict[str, float] = {}
+        # The run's lifecycle: its plans, figures (``metrics``: the run's summary), measured windows.
+        self.run = RunLifecycle(RunHost(
+            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
+            accumulation=lambda: self._config().profile.accumulation_steps,
+            info=lambda message: logger.info(message) if self._channel().is_main else None,
+            warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None,
+            table=lambda plan, title: logger.info("%s:\n%s", title, plan.summary()) if self._channel().is_main else None))
+        self.plans: list[Plan] = self.run.plans
+        self.metrics: dict[str, float] = self.run.metrics
         self.phase = "observe"
         self.observed_steps = 0
         self._optimizer: torch.optim.Optimizer | None = None
@@ -99,11 +102,8 @@ class RematSession:
         self._busy = False
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
-        # The plan of each batch's shape (not under FSDP2): from the first call, then the observed one.
-        self.shape_plans: ShapePlans | None = None
         self._template: CallTemplate | FirstCall | None = None
-        self._metered: list[tuple[Plan | None, Any]] = []  # the measured window's forwards: (their plan, their shape)
-        self._window_started = 0.0  # when the measured window opened (its seconds price cost="time")
+        self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
             # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
@@ -115,6 +115,11 @@ class RematSession:
             # which makes its optimizer later, counted Adam's new state as memory the loop carries).
             register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
+
+    @property
+    def shape_plans(self) -> ShapePlans | None:
+        """The plan of each batch's shape (not under FSDP2): from the first call, then the observed one."""
+        return self.run.shape_plans
 
     # -- hooks -----------------------------------------------------------------------------
     # torch iterates an optimizer's own step hooks, then the global ones, and forbids changing
@@ -144,7 +149,7 @@ class RematSession:
         if self.phase == "observe" or (self.phase == "measure" and self._steady()):
             self._open_window()
         if self.phase == "measure" and self._window is not None:
-            self._metered.append((self.plan, batch_shape((args, kwargs))))
+            self._measured.ran(self.plan, batch_shape((args, kwargs)))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
@@ -206,7 +211,7 @@ class RematSession:
     def _known_optimizer(self) -> torch.optim.Optimizer | None:
         if self._optimizer is not None:
             return self._optimizer
-        for optimizer in getattr(self.accelerator, "_optimizers", []) or []:
+        for optimizer in self.loop.optimizers():
             inner = getattr(optimizer, "optimizer", optimizer)
             if isinstance(inner, torch.optim.Optimizer) and self._holds_model_parameters(inner):
                 return inner
@@ -256,15 +261,15 @@ class RematSession:
         """Measure the step that starts now: the observed ones calibrate the plan (on the main
         process, which plans), the first steady one checks it (on every rank)."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
-            self._window, self._metered = WindowTracker(self.model, self._known_optimizer()), []
-            self._window_started = time.perf_counter()
+            self._window = WindowTracker(self.model, self._known_optimizer())
+            self._measured = self.run.window(meter=self._window, batches=self._config().profile.accumulation_steps)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Before the first training forward runs: plan it on fake tensors from its inputs
         (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
         loss patches the model's own forward, which this call has looked up already."""
         first = FirstCall.of(args, kwargs)
-        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)), self._channel(),
+        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)),
                        "lightning-remat: planned before the first step, on fake tensors")
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
@@ -272,16 +277,13 @@ class RematSession:
         shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
         self._template = template
         with self._planning():
-            self.shape_plans = ShapePlans(
-                self.model, lambda model, template: template.loss(model), config=config or self._config(),
-                optimizer=self._known_optimizer(), shape_of=lambda template: template.shape,
-                resize=lambda template, shape: template.at(shape), adjust=adjust, channel=self._channel(),
-                hint=self._hint(), warmup=0)
-            return self.shape_plans.use(call)
+            self.run.shapes(config or self._config(), shape_of=lambda template: template.shape, warmup=0,
+                            resize=lambda template, shape: template.at(shape), adjust=adjust, hint=self._hint())
+            self.run.follow(call)
+        return self.run.plan
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
-        channel = self._channel()
         # Planned at a step boundary, after the backward (and the optimizer step, or before the next
         # forward binds them again): the outputs still alive are the ones the loop holds.
         adjust = observed_adjust(call.held_bytes(), self._carried, self._observed, self._observed_actions)
@@ -289,13 +291,11 @@ class RematSession:
             # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
             # once: a sharded model has no fake twin to follow shapes with.
             with self._planning():
-                plan = Planner(self._config()).shared_plan(self.model, call.loss, self._known_optimizer(),
-                                                           channel=channel, hint=self._hint(), warmup=0, adjust=adjust)
-                apply_plan(self.model, plan)
+                plan = self.run.plan_shared(self._config(), call.loss, hint=self._hint(), warmup=0, adjust=adjust)
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
             template = CallTemplate.of(call)
             plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
-        self._new_plan(plan, channel, f"lightning-remat applied after {self.observed_steps} step(s)")
+        self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
         """Before a training forward: install the plan for its batch's shape (a new shape is planned on
@@ -304,61 +304,32 @@ class RematSession:
         if shape is None:
             return
         with self._planning():
-            plan = self.shape_plans.use(self._template.following(args, kwargs, shape))
-        if self.shape_plans.fresh:  # a new bucket's plan, or one solved again after a calibration
-            self._new_plan(plan, self._channel(), f"lightning-remat: a plan for batch shape {shape}")
+            fresh = self.run.follow(self._template.following(args, kwargs, shape))
+        plan = self.run.plan
+        if fresh:  # a new bucket's plan, or one solved again after a calibration
+            self._new_plan(plan, f"lightning-remat: a plan for batch shape {shape}")
             if self._window is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
 
-    def _new_plan(self, plan: Plan, channel: Channel, title: str) -> None:
-        # One plan per shape: the observed step's replaces the first step's, a calibrated one its bucket's.
-        self.plan, shape = plan, plan.fingerprint.get("shape")
-        self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
-        # The run's figures: its plan of the largest predicted peak, and the number of plans (docs/accelerate.md).
-        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
-        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
-            del self.metrics[key]  # in place: accelerator.remat_metrics is this dict
-        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
+    def _new_plan(self, plan: Plan, title: str) -> None:
+        # One plan per shape; the run's figures: its plan of the largest predicted peak, the number of plans.
+        self.plan = plan
+        self.run.announce(plan, title)
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
-        if channel.is_main:
-            logger.info("%s:\n%s", title, plan.summary())
-        self._log(dict(self.metrics))
 
     def _config(self, **profile: Any) -> Any:
         """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
-        config = self.plugin.loop_config(self.accelerator, fsdp2_sharded(self.model))
+        config = self.plugin.loop_config(self.loop.accumulation(), self.loop.processes(), fsdp2_sharded(self.model))
         return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
     def _finish_measurement(self) -> None:
-        window, self._window = self._window, None
-        channel = self._channel()
-        # The largest peak of any rank: the budget holds on every one or it does not hold.
-        peak = channel.max(window.close())
-        # Over the run: the largest of the measured steps (each new plan's first).
-        measured = {"remat/measured_peak_bytes": max(peak, self.metrics.get("remat/measured_peak_bytes", 0))}
-        if window.reserved_bytes is not None:
-            # On CUDA: what the caching allocator held beside it (fragmentation included).
-            measured["remat/measured_reserved_bytes"] = max(channel.max(window.reserved_bytes),
-                                                            self.metrics.get("remat/measured_reserved_bytes", 0))
-        self.metrics.update(measured)
+        measured, self._window, self._measured = self._measured, None, None
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        # The window's plan of the highest prediction: a peak above it (the same on every rank) calibrates.
-        peak, plan = int(peak), max([p for p, _ in self._metered if p] or [self.plan],
-                                    key=lambda p: p.predicted_peak_bytes or 0)
-        seconds = (time.perf_counter() - self._window_started) / self._config().profile.accumulation_steps
-        calibrated = self.shape_plans is not None and self.shape_plans.calibrate(peak, plan, seconds=seconds)
-        if channel.is_main:
-            logger.info("lightning-remat: measured peak of the first step with the plan: %d bytes", peak)
-            # What the package can see of a step over the budget: the plan not installed, a batch not planned.
-            causes = [installation_cause(self.model, self.plan), *(shape_cause(p, shape) for p, shape in self._metered
-                                                                    if p is not None)]
-            warning = over_budget(peak, plan, f"training step {self.observed_steps} (with its plan)", causes)
-            if warning is not None:
-                warnings.warn(warning + (" The plans are solved again with it (calibrated) before the next step."
-                                         if calibrated else ""), UserWarning, stacklevel=2)
-        self._log(measured)
+        measured.installed = self.plan  # what the package can see of a step over the budget: installed, planned
+        measured.metered = measured.metered or [(self.plan, None)]
+        self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
@@ -384,8 +355,7 @@ class RematSession:
         return torch_distributed_channel(model_device(self.model))
 
     def _log(self, values: dict[str, float]) -> None:
-        if self.accelerator is not None and getattr(self.accelerator, "trackers", None):
-            self.accelerator.log(values, step=self.observed_steps)
+        self.loop.log(values, self.observed_steps)
 
     def remove(self) -> None:
         """Stop observing (the plan, if applied, stays: ``remove_remat(model)`` undoes it).
@@ -397,4 +367,4 @@ class RematSession:
         self._handles = []
         if self._window is not None:
             self._window.abandon()
-            self._window = None
+            self._window = self._measured = None

@@ -2,15 +2,11 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])
 
-The Trainer builds its own ``Accelerator``, which a callback cannot reach, so ``RematAccelerator``
-and ``ACCELERATE_REMAT_BUDGET`` alone do not reach it. The callback hands the Trainer's model to the
-Accelerate session (``prepare_remat``) at ``on_train_begin``, when the model is final (wrapped or
-not: the session watches the module inside) and before its first training forward; from there the
-session runs on the Trainer's own loop as on any Accelerate loop: the first training forward is
-planned before it runs, on fake tensors (the model returns its loss given labels, which the profile
-runs), the first ``profile_steps`` optimizer steps run under that plan and are observed, the plan is
-made again and applied in place at the end of the last, and the next step is measured. Everything the session learns to do (per-step shape
-checks included) the Trainer gets with it.
+The Trainer builds its own ``Accelerator``, which a callback is never given, so ``RematAccelerator``
+and ``ACCELERATE_REMAT_BUDGET`` alone do not reach it. The callback hands the Trainer's model, with
+what it knows of the loop (``LoopFacts``: the optimizer, the accumulation, the processes), to the
+Accelerate session (``prepare_remat``) at ``on_train_begin``, before the first training forward;
+the session then runs on the Trainer's loop as on any Accelerate loop (the class says what it does).
 """
 
 from __future__ import annotations
@@ -21,31 +17,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..accelerate.accelerator import prepare_remat, remat_session
-from ..accelerate.plugin import ENV_BUDGET, RematPlugin
+from ..accelerate.accelerator import _check_supported, prepare_remat, remat_session
+from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ..accelerate.session import RematSession
 
 logger = logging.getLogger(__name__)
-
-
-class _TrainerAccelerator:
-    """What ``prepare_remat`` and ``RematSession`` read of an ``Accelerator``, for the Trainer's own
-    (which a callback is never given): the process state (Accelerate's singleton, which the
-    Trainer's accelerator set up), the Trainer's gradient accumulation, and its optimizer. Nothing
-    is logged through it: the callback writes the session's figures into the Trainer's log."""
-
-    trackers: tuple = ()
-
-    def __init__(self, args: Any, optimizer: Any):
-        from accelerate.state import AcceleratorState
-
-        self.state = AcceleratorState()
-        self.distributed_type = self.state.distributed_type
-        self.is_fsdp2 = self.state.is_fsdp2
-        self.num_processes = self.state.num_processes
-        self.gradient_accumulation_steps = max(1, int(args.gradient_accumulation_steps))
-        # None when the Trainer creates it later (FSDP): the session then finds it at its first step.
-        self._optimizers = [optimizer] if optimizer is not None else []
 
 
 class RematTrainerCallback(TrainerCallback):
@@ -78,24 +54,10 @@ class RematTrainerCallback(TrainerCallback):
         chunk_loss: let the plan compute a causal LM's head and loss over sequence chunks (the model
             then returns ``logits=None``; ``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``.
 
-    Behaviour worth knowing:
-
-    - A malformed setting fails here, when the callback is made, naming its variable. A budget no
-      plan meets raises ``BudgetTooSmallError`` at the first training forward, naming the
-      smallest reachable peak. DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at
-      ``on_train_begin`` with an ``UnsupportedSetupError`` naming the workaround, as
-      ``RematAccelerator`` refuses them; ``gradient_checkpointing=True`` with an
-      ``AlreadyCheckpointedError`` (it recomputes every layer already).
-    - The Trainer sets ``model.config.use_cache`` from ``TrainingArguments.use_cache`` (False by
-      default), so causal LMs do not keep a key/value cache through the step; if it is left on, the
-      plan's notes say so and the cache is counted.
-    - Gradient accumulation (``gradient_accumulation_steps``): the later micro-batches' gradients
-      are counted, and the measured step is a whole accumulation window. Under DDP every rank wraps
-      the main process's plan. The evaluation loop (no gradients) is not planned.
-    - One callback per model: a second with other settings (another budget) is refused at
-      ``on_train_begin`` with ``ConflictingArgumentsError`` naming both, not ignored.
-    - Metrics go to ``trainer.state.log_history``; reporters (``report_to``) receive what
-      ``Trainer.log`` sends them, which these figures are not part of.
+    Behaviour worth knowing (``docs/accelerate.md``, "The Hugging Face Trainer", says each): a
+    malformed setting fails here; a budget no plan meets fails at the first training forward;
+    DeepSpeed, FSDP1, ``torch_compile=True`` and ``gradient_checkpointing=True`` are refused at
+    ``on_train_begin``, as is a second callback for the same model with other settings.
 
     Example:
         >>> import os
@@ -133,7 +95,15 @@ class RematTrainerCallback(TrainerCallback):
             return
         if model is None:
             return
-        prepare_remat(model, self.remat_plugin, accelerator=_TrainerAccelerator(args, optimizer))
+        from accelerate.state import AcceleratorState
+
+        # The Trainer's own Accelerator is never given to a callback: its process state (a singleton), its
+        # accumulation and its optimizer (None when made later, under FSDP: found at its first step) are.
+        state = AcceleratorState()
+        _check_supported(state)
+        prepare_remat(model, self.remat_plugin, loop=LoopFacts(
+            optimizers=lambda: [optimizer] if optimizer is not None else [], processes=lambda: state.num_processes,
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps))))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

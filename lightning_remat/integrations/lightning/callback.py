@@ -3,7 +3,6 @@ says how; ``docs/lightning.md`` and ``docs/shapes.md`` show it in use).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -19,15 +18,13 @@ from ...runtime.installing.apply import apply_plan, remove_remat
 from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
-from ...runtime.installing.fingerprint import fingerprint, made_for_other, outgrows
-from ...service.planning import Planner, plan_metrics
-from ...service.shape_plans import ShapePlans
+from ...runtime.installing.fingerprint import made_for_other, outgrows
+from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
-from .measured_peak import MeasuredWindow, figure, report_measured_peak
-from .step import manual_step_closure, training_step_closure, training_step_shape_plans
+from .step import manual_step_closure, training_step_closure
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
 from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 
@@ -76,56 +73,14 @@ class AutoRemat(Callback):
             ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
         chunk_loss: a causal LM's head and loss may be chunked over the sequence, as ``plan_remat(chunk_loss=)``.
 
-    Behaviour worth knowing:
-
-    - A budget that no plan meets stops ``fit`` before the first batch trains with a
-      ``BudgetTooSmallError`` (a ``ValueError``) naming the smallest reachable peak. Unknown
-      ``candidates`` fail in ``setup`` with the module classes the model has.
-    - Under DDP rank 0 profiles and decides; the plan is broadcast so every rank wraps the same
-      modules (by name, relative to the LightningModule).
-    - Under ``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in ``configure_model``) every rank
-      profiles in lockstep (the passes all-gather parameters), rank 0 solves on the largest of every
-      term over the ranks, and every rank wraps the same modules: the budget is per rank (per
-      GPU). The recompute runs inside each FSDP unit. ``FSDPStrategy`` (FSDP1) fails in ``setup``
-      with an ``UnsupportedShardingError`` naming these workarounds.
-    - Plans follow the batch's shape (``docs/shapes.md``): each batch (under DDP, the largest of the
-      ranks') gets the plan of its shape bucket, installed before it trains. Every bucket is planned,
-      once, on fake-tensor profiles (no step runs without recomputation). Under FSDP2 (no fake twin)
-      the first batch, and a larger one, is profiled for real on every rank, in lockstep.
-    - The plans are in the ``state_dict``: a resumed run applies the last in ``on_train_start`` and
-      profiles none of their shapes again (unless the model's parameters differ: their bytes, or the
-      shapes the plans record). Parameter names never change, so checkpoints load with and without it.
-    - Lightning zeroes gradients after the forward pass (just before backward), so the previous
-      step's gradients would otherwise stay alive through the forward pass, which the budget does
-      not allow for. At the first batch of each optimizer step (with gradient accumulation, of each
-      window) the callback sets them to ``None``, which changes no value: they are zeroed before
-      backward anyway.
-    - An out-of-memory error while profiling, or a model fake tensors cannot run (its code reads
-      values: ``FakeProfileError``), is caught: every candidate block is recomputed whole (the plan
-      that fits wherever anything does) with a warning, and training goes on.
-    - Compiled models work: a module compiled in ``__init__`` or ``configure_model`` (or the
-      LightningModule given to ``fit`` compiled) is profiled and wrapped as its original modules,
-      and recompiles with the recompute at its next call. Plan names are those of the uncompiled
-      model.
-    - Manual optimization (``self.automatic_optimization = False``), one optimizer or several:
-      ``training_step`` is profiled with ``self.manual_backward`` handing its loss to the profile
-      and the optimizers' and schedulers' ``step()`` doing nothing (``step.manual_step_closure``);
-      every optimizer's state and step is counted. The gradients are left as ``training_step``
-      leaves them (zero them at its start, as Lightning's examples do, or they count against the
-      budget from the previous step on). Several ``manual_backward`` calls in one step are profiled
-      as they run, each graph freed at its backward (``StageProfile.fresh``).
-    - Validation and test batches are predicted before they run (``loop_peaks.py``: no activations
-      saved for backward, but their own batch and the training's memory alive) and one predicted
-      over the budget gets a warning naming the largest batch of that loop that fits. They are
-      not planned: the plan is the training step's.
-    - ``DeepSpeedStrategy`` fails in ``setup`` with an ``UnsupportedSetupError`` naming the
-      workarounds. Models that already use activation checkpointing (Hugging Face
-      ``gradient_checkpointing_enable``, torch ``checkpoint_wrapper``, FSDP
-      ``activation_checkpointing_policy``) and strategies other than single-device, DDP and
-      ModelParallelStrategy are left alone with a warning.
-    - ``training_step`` is called several times on the first batch while profiling; ``self.log``
-      is muted during those calls. A batch it skips (returns None, as Lightning allows) is left
-      alone and trains as it would; the first batch that returns a loss is profiled.
+    Behaviour worth knowing (``docs/lightning.md`` says each): a budget no plan meets stops ``fit``
+    before the first batch (``BudgetTooSmallError``); under DDP rank 0 plans and every rank wraps the
+    same modules; under FSDP2 every rank profiles in lockstep (FSDP1 and DeepSpeed are refused in
+    ``setup``); plans follow the batch's shape (``docs/shapes.md``) and are in the ``state_dict``; the
+    previous step's gradients are set to None at the first batch of each optimizer step; an
+    out-of-memory error or a model fake tensors cannot run gets the fallback plan; compiled models,
+    manual optimization and skipped batches work; validation and test batches are predicted and
+    warned about; ``self.log`` is muted while ``training_step`` is profiled.
 
     Example:
         >>> callback = AutoRemat(budget="2GB")
@@ -152,18 +107,32 @@ class AutoRemat(Callback):
         self.cost, self.fake, self.verbose = cost, fake, verbose
         self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
-        self.profile_count = 0
         self._disabled_reason: str | None = None
-        self._measure_in: int | None = None  # batches until the measured window starts
-        self._window_left = 0
-        self._meter: MeasuredWindow | None = None  # the first steady window of a plan
-        self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
-        self.shape_plans: ShapePlans | None = None  # plans that follow the batch's shape, from a fit's first batch
+        # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
+        self.run = RunLifecycle(RunHost(
+            None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
+            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: trainer_optimizers(self._trainer),
+            accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
+            info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
         self._saved_plans: dict[Shape, Plan] = {}
         self._batch_idx = 0
         self._skipped: list[str] = []  # why each batch was skipped while nothing was planned
         self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
         self._trainer: Trainer | None = None
+
+    @property
+    def shape_plans(self) -> Any:
+        """The fit's ``ShapePlans`` (plans that follow the batch's shape, from its first batch), or None."""
+        return self.run.shape_plans
+
+    @shape_plans.setter
+    def shape_plans(self, plans: Any) -> None:
+        self.run.shape_plans = plans
+
+    @property
+    def profile_count(self) -> int:
+        """Profiling passes run for the plans (real and fake)."""
+        return self.run.profiles
 
     @property
     def state_key(self) -> str:
@@ -173,7 +142,7 @@ class AutoRemat(Callback):
     # ----------------------------------------------------------------------------------- hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._trainer = trainer
+        self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
             return
         refuse_fsdp1(trainer)
@@ -188,19 +157,19 @@ class AutoRemat(Callback):
         find_stages(pl_module, self.config.profile.candidates)
         # Shapes only: bytes and dtypes may still change here (a precision plugin converts the model later).
         if self.plan is not None and self._keeps_plans(pl_module, bytes_too=False):
-            self._apply(trainer, pl_module, self.plan)
+            apply_plan(pl_module, self.plan)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
         if installation_mismatch(pl_module, self.plan) is not None:
-            self._apply(trainer, pl_module, self.plan)
+            apply_plan(pl_module, self.plan)
             rank_zero_info(f"AutoRemat: applied the saved plan ({len(self.plan.checkpointed)} module(s) recomputed) "
                            "without profiling again.")
-        if self.measured_peak_bytes is None and self._measure_in is None:
-            self._measure_in = 0
-            self._log_plan(trainer, self.plan)
+        if self.measured_peak_bytes is None and self.run.measure_in is None:
+            self.run.measure_after(0)
+            self.run.announce(self.plan)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._disabled_reason:
@@ -215,41 +184,22 @@ class AutoRemat(Callback):
             return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
+        self.run.plan = self.plan
         if planned:
-            self._announce(trainer, first)
+            self._announce(first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
             # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
             # (Under manual optimization training_step decides when gradients go.)
             pl_module.zero_grad(set_to_none=True)
-        for measured in (self._first, self._meter):
-            if measured is not None:
-                measured.ran(self.plan, batch_shape(batch))
-        if planned and first and self.shape_plans is not None:
-            # The first step under the plan, measured: a peak above its prediction calibrates the plans.
-            self._first = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan)
-        if self._measure_in is not None:
-            if self._measure_in > 0:
-                self._measure_in -= 1
-            elif batch_idx % window == 0:
-                # One meter over a whole accumulation window: every micro-batch and the optimizer step.
-                self._measure_in, self._window_left = None, window
-                self._meter = MeasuredWindow(pl_module, trainer_optimizers(trainer) or None, self.plan, window,
-                                             batch_shape(batch))
+        # The first step under the plan, measured: a peak above its prediction calibrates the plans.
+        self.run.before_batch(batch_idx, batch_shape(batch), calibrate=planned and first and self.shape_plans is not None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._first is not None:  # the largest peak of the ranks: every rank calibrates alike
-            first, self._first = self._first, None
-            first.calibrate(self.shape_plans, int(lightning_channel(trainer).max(first.meter.close())), timed=False)
-        if self._meter is None:
+        measured = self.run.after_batch(f"a steady training step (batch {batch_idx})")
+        if measured is None:
             return
-        self._window_left -= 1
-        if self._window_left > 0:
-            return
-        window, self._meter = self._meter, None
-        self.measured_peak_bytes = report_measured_peak(
-            trainer, window.plan, window.meter, batch_idx, self.verbose, self._log_metrics, window.causes(pl_module),
-            calibrate=lambda peak: window.calibrate(self.shape_plans, peak, timed=True))
+        self.measured_peak_bytes = measured
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
             log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
                              trainer.global_step)
@@ -268,10 +218,10 @@ class AutoRemat(Callback):
         self._check_loop("test", trainer, pl_module, batch)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close_meter()
+        self.run.abandon()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._close_meter()
+        self.run.abandon()
 
     def state_dict(self) -> dict[str, Any]:
         # Every shape's plan, so that a resumed run profiles none of them again.
@@ -286,15 +236,9 @@ class AutoRemat(Callback):
         self.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
-        self._measure_in = None
+        self.run.measure_in = None
 
     # ------------------------------------------------------------------------------- internals
-
-    def _close_meter(self) -> None:
-        for measured in (self._meter, self._first):
-            if measured is not None:
-                measured.abandon()
-        self._meter = self._first = None
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
@@ -334,12 +278,8 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        plan = Planner(config_for(self.config, trainer), verbose=self.verbose).shared_plan(
-            pl_module, self._step_for(batch, batch_idx), trainer_optimizers(trainer) or None, channel=channel,
-            hint=f"(AutoRemat, budget={self.budget!r})", adjust=loop_allowance)
-        self.profile_count += 1
-        self.plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(pl_module, batch)})
-        self._apply(trainer, pl_module, self.plan)
+        self.plan = self.run.plan_shared(config_for(self.config, trainer), self._step_for(batch, batch_idx), batch,
+                                         self.verbose, hint=f"(AutoRemat, budget={self.budget!r})", adjust=loop_allowance)
         return True
 
     def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
@@ -351,48 +291,26 @@ class AutoRemat(Callback):
             saved = dict(self._saved_plans)
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
                 saved = {batch_shape(batch): self.plan}
-            self.shape_plans = training_step_shape_plans(
-                pl_module, trainer, lambda any_batch: self._step_for(any_batch, self._batch_idx),
-                config=config_for(self.config, trainer), fake=self.fake, adjust=loop_allowance,
-                install=lambda model, plan: self._apply(trainer, model, plan),
-                hint=f"(AutoRemat, budget={self.budget!r})", saved=saved)
-            self.shape_plans.planner.verbose = self.verbose  # the progress display of long planning
-        plans, self._batch_idx = self.shape_plans, batch_idx
-        profiles = plans.counts.real_profiles + plans.counts.fake_profiles
-        self.plan = plans.use(batch)
-        self.profile_count += plans.counts.real_profiles + plans.counts.fake_profiles - profiles
-        return plans.fresh  # a new bucket's plan, or one solved again after a calibration
+            self.run.shapes(config_for(self.config, trainer), saved, fake=self.fake, adjust=loop_allowance,
+                            hint=f"(AutoRemat, budget={self.budget!r})", verbose=self.verbose)
+        self._batch_idx = batch_idx
+        fresh = self.run.follow(batch)
+        self.plan = self.run.plan
+        return fresh  # a new bucket's plan, or one solved again after a calibration
 
-    def _announce(self, trainer: Trainer, first: bool) -> None:
+    def _announce(self, first: bool) -> None:
         """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
         on, whole accumulation windows) and the first window of every later one."""
-        self._log_plan(trainer, self.plan)
-        if first:
-            if self.verbose:
-                self._print_plan(self.plan)
-            window = max(1, trainer.accumulate_grad_batches)
-            self._measure_in = -(-self.profile_steps // window) * window
-            return
-        if self.verbose:
-            shape = self.plan.fingerprint.get("shape")
-            rank_zero_info(f"AutoRemat: a plan for batch shape {Shape.from_list(shape) if shape else '?'}: "
-                           f"{len(self.plan.checkpointed)} module(s) recomputed, predicted peak "
-                           f"{figure(self.plan.predicted_peak_bytes, self.plan.budget_bytes)}")
-        if self._meter is None and self._measure_in is None:
-            self._measure_in = 0
+        shape = self.plan.fingerprint.get("shape")
+        self.run.announce(self.plan, "AutoRemat plan" if first else
+                          f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
+        self.run.measure_after(self.profile_steps if first else 0)
 
-    def _apply(self, trainer: Trainer, pl_module: LightningModule, plan: Plan) -> None:
-        # Names are relative to the LightningModule; under DDP it is the module inside the wrapper, so
-        # wrapping it in place is what the wrapper runs.
-        apply_plan(pl_module, plan)
-
-    def _log_metrics(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _log_plan(self, trainer: Trainer, plan: Plan) -> None:
-        self._log_metrics(trainer, plan_metrics(plan))
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
+        for logger in self._trainer.loggers:
+            logger.log_metrics(metrics, step=self._trainer.global_step)
 
     @rank_zero_only
-    def _print_plan(self, plan: Plan) -> None:
-        print_plan(plan, title="AutoRemat plan")
+    def _print_plan(self, plan: Plan, title: str) -> None:
+        if self.verbose:
+            print_plan(plan, title=title)

@@ -1,0 +1,289 @@
+"""One run lifecycle for every integration: observe, plan, install, measure, report.
+
+``AutoRemat`` (Lightning), the Accelerate session (and through it the Hugging Face Trainer's callback)
+drive the same ``RunLifecycle`` through a ``RunHost``: what their loop gives it (the model, the ranks,
+the optimizers, the accumulation window, where figures and messages go). The lifecycle imports no
+training library. It keeps the run's plans (one per batch shape), logs each new plan's figures,
+meters a window of real steps under a plan (``MeasuredWindow``), calibrates the plans with a peak
+above their prediction, and reports the measured peak next to the prediction and the budget.
+
+Example:
+    >>> import torch
+    >>> net = nn.Sequential(nn.Linear(8, 8))
+    >>> logged = []
+    >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
+    >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
+    >>> run.announce(plan, "a plan")
+    >>> window = run.window(plan)
+    >>> net(torch.randn(4, 8)).sum().backward()
+    >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
+    (True, ['remat/measured_peak_bytes'])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from torch import nn
+
+from ..core.budget import format_bytes
+from ..core.plan import Plan
+from ..runtime.installing.apply import apply_plan
+from ..runtime.installing.fingerprint import fingerprint
+from ..runtime.measuring.measure import PeakWindow
+from .channel import Channel
+from .plan_figures import FALLBACK_PLAN, installation_cause, over_budget, plan_metrics, shape_cause
+from .planning import Planner
+from .shape_plans import ShapePlans
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunHost:
+    """What a training loop gives the run lifecycle: callables, so the lifecycle imports no library.
+
+    Attributes:
+        model: the model the plans are installed on.
+        step_for: ``step_for(batch)`` -> ``step(module) -> loss``: the loop's training step on a batch.
+        channel: ``channel()`` -> the ranks (``service.channel.Channel``); default one process.
+        optimizers: ``optimizers()`` -> what a meter counts as optimizer state (None: none).
+        accumulation: ``accumulation()`` -> micro-batches per optimizer step.
+        log: ``log(figures)``: ``remat/...`` figures to the loop's loggers.
+        info, warn, table: ``info(message)`` a console line, ``warn(message)`` a warning (the main rank; the
+            host decides what is shown), ``table(plan, title)`` a plan in full (default: ``info`` of its summary).
+        name: the integration, as messages begin.
+        summary: figures summarise the run (the plan of the largest predicted peak, ``remat/num_plans``, the
+            largest measured peak: Accelerate's ``remat_metrics``) rather than each plan and window as it comes.
+    """
+
+    model: nn.Module
+    step_for: Callable[[Any], Callable[[nn.Module], Any]] | None = None
+    channel: Callable[[], Channel] = Channel
+    optimizers: Callable[[], Any] = lambda: None
+    accumulation: Callable[[], int] = lambda: 1
+    log: Callable[[dict[str, float]], None] = lambda figures: None
+    info: Callable[[str], None] = logger.info
+    warn: Callable[[str], None] = logger.warning
+    table: Callable[[Plan, str], None] | None = None
+    name: str = "lightning-remat"
+    summary: bool = False
+
+
+class MeasuredWindow:
+    """The package's peak meter over one or more batches, the plans they ran under and its wall time.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Linear(8, 8)
+        >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
+        >>> window = MeasuredWindow(PeakWindow(net, None), plan)
+        >>> net(torch.randn(4, 8)).sum().backward()
+        >>> window.meter.close() > 0, window.plan is plan
+        (True, True)
+    """
+
+    def __init__(self, meter: PeakWindow, plan: Plan | None = None, batches: int = 1, shape: Any = None):
+        self.meter = meter
+        self.metered = [(plan, shape)] if plan is not None else []  # the window's batches: (plan, shape)
+        self.batches = batches
+        self.started = time.perf_counter()
+        self.installed = plan  # the plan installed when the window closes
+
+    def ran(self, plan: Plan | None, shape: Any = None) -> None:
+        """A batch of the window runs under ``plan``, at ``shape``."""
+        if plan is not None:
+            self.metered.append((plan, shape))
+            self.installed = plan
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the highest predicted peak the window ran under: what its peak is held to."""
+        return max((p for p, _ in self.metered), key=lambda p: -1 if p.predicted_peak_bytes is None
+                   else p.predicted_peak_bytes)
+
+    def causes(self, model: Any) -> list[str | None]:
+        """What the package can see of a window over the budget: the plan not installed as planned,
+        a batch whose shape was not planned (``plan_figures``)."""
+        return [installation_cause(model, self.installed), *(shape_cause(p, shape) for p, shape in self.metered)]
+
+    def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
+        """``shape_plans.calibrate`` with the window's peak (the largest of the ranks': the same on
+        every rank) and, when ``timed``, its seconds per batch. Whether the plans are solved again."""
+        seconds = (time.perf_counter() - self.started) / self.batches if timed else None
+        return shape_plans is not None and shape_plans.calibrate(measured_peak, self.plan, seconds=seconds)
+
+    def abandon(self) -> None:
+        self.meter.abandon()
+
+
+def _figure(nbytes: int | None, other: int | None) -> str:
+    # Exact bytes when rounding would make two different figures look equal.
+    if nbytes is None:
+        return "not predicted"
+    text = format_bytes(nbytes)
+    return f"{text} ({nbytes} bytes)" if other is not None and nbytes != other and text == format_bytes(other) else text
+
+
+class RunLifecycle:
+    """A run's plans, their figures, their measured windows and the report of each (see the module).
+
+    Attributes: ``plan`` (the latest announced), ``plans`` (one per batch shape), ``metrics`` (the run's
+    figures, updated in place), ``shape_plans`` (None until ``shapes``), ``measured_peak_bytes`` (the latest).
+    """
+
+    def __init__(self, host: RunHost):
+        self.host = host
+        self.plan: Plan | None = None
+        self.plans: list[Plan] = []
+        self.metrics: dict[str, float] = {}
+        self.shape_plans: Any = None
+        self.measured_peak_bytes: int | None = None
+        self.profiles = 0  # profiling passes run for the run's plans (real and fake)
+        self.measure_in: int | None = None  # batches until the measured window starts (batch-driven hosts)
+        self._window_left = 0
+        self._meter: MeasuredWindow | None = None  # the first steady window of a plan
+        self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
+
+    def _optimizers(self) -> Any:
+        found = self.host.optimizers()
+        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
+            return found[0] if len(found) == 1 else list(found) or None
+        return found
+
+    def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
+        """The run's plans per batch shape (``ShapePlans`` with ``options``) on the host's step for a
+        batch, its ranks and optimizers; ``saved`` plans (shape -> plan, from a checkpoint) taken as they are."""
+        self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
+                                      config=config, optimizer=self._optimizers(), channel=self.host.channel(),
+                                      **options)
+        for shape, plan in (saved or {}).items():
+            self.shape_plans.seed(shape, plan)
+        return self.shape_plans
+
+    def follow(self, batch: Any) -> bool:
+        """Install the plan for ``batch``'s shape (a new shape planned on fake-tensor profiles: ``ShapePlans.use``);
+        whether it was decided now (a new bucket's plan, or one solved again after a calibration)."""
+        counts = self.shape_plans.counts
+        before = counts.real_profiles + counts.fake_profiles
+        self.plan = self.shape_plans.use(batch)
+        self.profiles += counts.real_profiles + counts.fake_profiles - before
+        return self.shape_plans.fresh
+
+    def plan_shared(self, config: Any, step: Any, batch: Any = None, verbose: bool = True, **options: Any) -> Plan:
+        """One plan from a real profile of ``step`` on every rank in lockstep (FSDP2: a sharded model has no
+        fake twin), solved on rank 0, installed on every rank; ``batch``: recorded in its fingerprint."""
+        plan = Planner(config, verbose=verbose).shared_plan(self.host.model, step, self.host.optimizers() or None,
+                                                             channel=self.host.channel(), **options)
+        if batch is not None:
+            plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.host.model, batch)})
+        self.profiles += 1
+        apply_plan(self.host.model, plan)
+        self.plan = plan
+        return plan
+
+    def announce(self, plan: Plan, title: str | None = None, full: bool = True) -> None:
+        """Take ``plan`` as the run's latest, log its figures and show it: in full (``table``) or,
+        with ``full=False``, as one line; nothing is shown without a ``title``."""
+        # One plan per shape: a plan made again for a shape (observed, calibrated) replaces its first.
+        self.plan, shape = plan, plan.fingerprint.get("shape")
+        self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
+        largest = max(self.plans, key=lambda p: p.predicted_peak_bytes or 0)
+        for key in [k for k in self.metrics if not k.startswith("remat/measured_")]:
+            del self.metrics[key]  # in place: a host may hand this dict out (accelerator.remat_metrics)
+        self.metrics.update({**plan_metrics(largest), "remat/num_plans": len(self.plans)})
+        self.host.log(dict(self.metrics) if self.host.summary else plan_metrics(plan))
+        if title is None:
+            return
+        if full:
+            (self.host.table or (lambda p, t: self.host.info(f"{t}:\n{p.summary()}")))(plan, title)
+        else:
+            self.host.info(f"{self.host.name}: {title}: {len(plan.checkpointed)} module(s) recomputed, "
+                           f"predicted peak {_figure(plan.predicted_peak_bytes, plan.budget_bytes)}")
+
+    def window(self, plan: Plan | None = None, batches: int = 1, shape: Any = None,
+               meter: PeakWindow | None = None) -> MeasuredWindow:
+        """A measured window from now (``meter``: default the package's ``PeakWindow`` over the host's
+        model and optimizers) over ``batches`` batches, the first under ``plan`` at ``shape``."""
+        meter = meter if meter is not None else PeakWindow(self.host.model, self.host.optimizers() or None)
+        return MeasuredWindow(meter, plan, batches, shape)
+
+    def finish(self, window: MeasuredWindow, what: str) -> int:
+        """Close a measured window: log the largest peak of the ranks (on CUDA the reserved peak
+        beside it), calibrate the plans with it, warn when it is over the budget (``what``: the step,
+        in the warning) with the causes seen, or say it; the measured peak."""
+        channel = self.host.channel()
+        # The largest peak of any rank: the budget holds on every one or it does not hold.
+        peak = int(channel.max(window.meter.close()))
+        measured = {"remat/measured_peak_bytes": float(peak)}
+        if window.meter.reserved_bytes is not None:
+            # On CUDA: what the caching allocator held beside it (fragmentation included).
+            measured["remat/measured_reserved_bytes"] = float(channel.max(window.meter.reserved_bytes))
+        run = {k: max(v, self.metrics.get(k, 0)) for k, v in measured.items()}  # the run's largest
+        self.metrics.update(run)
+        self.measured_peak_bytes = peak
+        self.host.log(run if self.host.summary else measured)
+        plan = window.plan
+        calibrated = window.calibrate(self.shape_plans, peak, timed=True)
+        # A fallback plan (no profile) predicted nothing, and a "min" budget never became bytes.
+        predicted = "no prediction" if plan.fallback else f"predicted {_figure(plan.predicted_peak_bytes, plan.budget_bytes)}"
+        budget = _figure(plan.budget_bytes, peak) if plan.budget_bytes is not None else repr(plan.requested_budget)
+        message = (f"{self.host.name}: measured peak of a steady training step with "
+                   f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
+                   f"{' (a whole accumulation window)' if self.host.accumulation() > 1 else ''}: "
+                   f"{_figure(peak, plan.budget_bytes)} ({predicted}, budget {budget})")
+        warning = over_budget(peak, plan, what, window.causes(self.host.model))
+        if warning is not None:
+            self.host.warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before "
+                                                       "the next batch." if calibrated else ""))
+        else:
+            self.host.info(message)
+        return peak
+
+    # -- batch-driven hosts (a hook before and after each batch) ------------------------------------
+
+    def measure_after(self, batches: int) -> None:
+        """Measure the first whole accumulation window at least ``batches`` batches on, unless one is due."""
+        if self._meter is None and self.measure_in is None:
+            window = max(1, self.host.accumulation())
+            self.measure_in = -(-batches // window) * window
+
+    def before_batch(self, batch_idx: int, shape: Any, calibrate: bool = False) -> None:
+        """A batch starts under ``self.plan``: the open windows count it; ``calibrate``: meter it alone
+        (the first step under the first plan); a window due now opens over a whole accumulation window."""
+        for measured in (self._first, self._meter):
+            if measured is not None:
+                measured.ran(self.plan, shape)
+        if calibrate:
+            self._first = self.window(self.plan)
+        window = max(1, self.host.accumulation())
+        if self.measure_in is not None:
+            if self.measure_in > 0:
+                self.measure_in -= 1
+            elif batch_idx % window == 0:
+                # One meter over a whole accumulation window: every micro-batch and the optimizer step.
+                self.measure_in, self._window_left = None, window
+                self._meter = self.window(self.plan, window, shape)
+
+    def after_batch(self, what: str) -> int | None:
+        """A batch ended: a calibration window closes; the measured peak when a measured window closed."""
+        if self._first is not None:  # the largest peak of the ranks, above its prediction, calibrates the plans
+            first, self._first = self._first, None
+            first.calibrate(self.shape_plans, int(self.host.channel().max(first.meter.close())), timed=False)
+        if self._meter is None:
+            return None
+        self._window_left -= 1
+        if self._window_left > 0:
+            return None
+        window, self._meter = self._meter, None
+        return self.finish(window, what)
+
+    def abandon(self) -> None:
+        """Close the open windows without a report (an exception, the end of the fit)."""
+        for measured in (self._meter, self._first):
+            if measured is not None:
+                measured.abandon()
+        self._meter = self._first = None
