@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Sequence
 
 from .memory_model import Profile, episode_starts
@@ -73,17 +73,14 @@ def without_shared(profile: Profile) -> Profile:
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
-        >>> without_shared(Profile((), (Segment("head", 0, 50, 8, ("a:position_ids",)),))).segments[0].shared_saving
-        0
+        >>> p = Profile((), (Segment("head", 0, 50, 8, ("a:position_ids",)),)).with_gap_figures({"head": {"keep": 9}})
+        >>> without_shared(p).segments[0].shared_saving, without_shared(p).gap_figures
+        (0, {'head': {'keep': 9}})
     """
     if not has_shared(profile) and not any(seg.shared_saving for seg in profile.segments):
         return profile
     stages = tuple(replace(s, options=tuple(replace(o, shared_held=(), held_before=()) for o in s.options))
                    for s in profile.stages)
     segments = tuple(replace(seg, shared_saving=0, shared_labels=()) for seg in profile.segments)
-    result = replace(profile, stages=stages, segments=segments)
-    # What the profile carries beside its fields (each gap's figure per run, which the depth fit
-    # reads: runtime.profiling.assemble.gap_figures) is the additive model's: kept.
-    names = {f.name for f in fields(Profile)}
-    result.__dict__.update({k: v for k, v in vars(profile).items() if k not in names})
-    return result
+    # Each gap's figure per run (which the depth fit reads) is the additive model's: kept.
+    return replace(profile, stages=stages, segments=segments).with_gap_figures(profile.gap_figures)
