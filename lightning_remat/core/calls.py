@@ -57,14 +57,6 @@ def owners(profile: Profile) -> list[int]:
     return found
 
 
-def tied_places(profile: Profile) -> dict[str, list[int]]:
-    """The places of each module that stands at several (by name)."""
-    places: dict[str, list[int]] = {}
-    for i, owner in enumerate(owners(profile)):
-        places.setdefault(profile.stages[owner].name, []).append(i)
-    return {name: at for name, at in places.items() if len(at) > 1 and profile.stages[at[-1]].call}
-
-
 def check_tied(profile: Profile, choices: Sequence[int]) -> None:
     """Raise ValueError where two places of one module have different options."""
     for i, owner in enumerate(owners(profile)):
