@@ -124,6 +124,16 @@ def test_timeline_counts_the_optimizer_state_ahead():
     assert not optimizer.state
 
 
+def test_a_peak_no_plan_lowers_is_one_budget_row_not_ten_equal_ones():
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+
+    keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+    bound_by_optimizer = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("optimizer step", 0, 900),),
+                                 baseline_peak_bytes=900, baseline_step_flops=100)
+    assert [(p.budget_bytes, p.predicted_peak_bytes, p.modules) for p in pareto_sweep(bound_by_optimizer, 10)] == [
+        (900, 900, 0)]
+
+
 def test_pareto_sweep_and_plot(tmp_path):
     model, step = _chain()
     profile = profile_step(model, step)

@@ -34,6 +34,8 @@ class ParetoPoint:
 def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> list[ParetoPoint]:
     """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak.
 
+    Budgets that round to the same byte are one point.
+
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
@@ -44,7 +46,8 @@ def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> lis
         [(160, 0.05), (160, 0.05), (250, 0.0)]
     """
     low, high = least_peak(profile), max(profile.baseline_peak_bytes, least_peak(profile))
-    budgets = [low] if points <= 1 else [int(round(low + (high - low) * k / (points - 1))) for k in range(points)]
+    # One row per distinct budget: where recomputation cannot lower the peak (low == high) that is one row.
+    budgets = sorted({low} if points <= 1 else {int(round(low + (high - low) * k / (points - 1))) for k in range(points)})
     sweep = []
     for budget in budgets:
         try:
