@@ -1,6 +1,7 @@
 """The one channel between ranks: a single process, plain functions standing in for other ranks, a
 Lightning strategy, and two real gloo processes (values and an error that reaches every rank)."""
 
+import sys
 import time
 
 import pytest
@@ -100,6 +101,7 @@ def _two_ranks(rank):
 
     def fails_on_rank_1():
         if rank == 1:
+            result["raised_at"] = sys._getframe().f_lineno + 1
             raise ValueError("bad batch on rank 1")
         return "profiled"
 
@@ -132,8 +134,11 @@ def test_two_gloo_ranks_share_values_and_every_rank_raises_one_ranks_error(tmp_p
         assert result["max"] == 101.0 and result["any"] is True and result["on_every_rank"] == [1, 2]
         assert result["seconds"] < 10
         assert result["decided"][1] == 150 and result["decided"][0].endswith("(test)")
+    # Rank 0 reads rank 1's error and the line of the user's code that raised it.
+    line = _two_ranks.__code__.co_firstlineno
     assert ranks[0]["error"][:2] == ranks[1]["error"][:2] == [
-        "PlanningFailedError", "profiling failed on rank 1: ValueError: bad batch on rank 1"]
+        "PlanningFailedError", "profiling failed on rank 1: ValueError: bad batch on rank 1 "
+        f"(at {__file__}:{ranks[1]['raised_at']} in fails_on_rank_1)"] and ranks[1]["raised_at"] > line
     # Where it happened, the user's error is the cause; elsewhere it travelled as its type and message.
     assert (ranks[1]["error"][2], ranks[0]["error"][2]) == ("ValueError", "NoneType")
     assert ranks[0]["decided"] == ranks[1]["decided"]

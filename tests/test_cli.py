@@ -169,7 +169,8 @@ def test_a_step_that_fails_while_profiling_is_exit_1_in_one_line(capsys, tmp_pat
     path.write_text(PROFILING_FAILS)
     code, err = _error(capsys, ["plan", f"{path}:failing", "--no-plots"])
     assert code == 1
-    assert err == f"lightning-remat: error: profiling {path}:failing failed: RuntimeError: the step broke on its second line\n"
+    assert err == (f"lightning-remat: error: profiling {path}:failing failed: RuntimeError: the step broke on its "
+                   f"second line (at {path}:8 in step)\n")  # the line of the user's step that raised
 
 
 def test_tables_show_a_decimal_budget_in_decimal_next_to_its_bytes(capsys, factories):

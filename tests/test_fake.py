@@ -103,8 +103,11 @@ class ReadsValues(nn.Module):
 def test_code_that_needs_real_values_is_named():
     model = ReadsValues()
     x = torch.randn(4, 8)
-    with pytest.raises(FakeProfileError, match="_local_scalar_dense"):
+    with pytest.raises(FakeProfileError, match="_local_scalar_dense") as raised:
         profile_step(model, lambda m: m(x).sum(), fake=True)
+    # ...and so is the line that needs them (the model's forward here), as a user looks for it.
+    line = ReadsValues.forward.__code__.co_firstlineno + 1
+    assert f"test_fake.py:{line} in forward" in str(raised.value)
 
 
 def test_the_command_line_plans_on_fake_tensors(capsys):

@@ -23,6 +23,30 @@ from __future__ import annotations
 from typing import Any
 
 
+# Frames of these packages are the machinery around a step, not the code that failed in it.
+_MACHINERY = ("/torch/", "/lightning_remat/", "/lightning/", "/lightning_fabric/", "/accelerate/", "contextlib.py", "<frozen")
+
+
+def where_it_failed(error: BaseException) -> str:
+    """The innermost frame of ``error``'s traceback in the user's or the model's code: ``file:line in function``.
+
+    Example:
+        >>> def step():
+        ...     return 1 / 0
+        >>> try:
+        ...     step()
+        ... except ZeroDivisionError as err:
+        ...     where_it_failed(err).endswith("in step")
+        True
+    """
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not any(part in frame.filename for part in _MACHINERY):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return ""
+
+
 def _format_bytes(nbytes: float) -> str:
     from .budget import format_bytes
 
@@ -150,8 +174,8 @@ class FakeProfileError(RematError, RuntimeError):
         True
     """
 
-    def __init__(self, op: str, detail: str = "", requested: bool = True):
-        self.op, self.detail, self.requested = op, detail, requested
+    def __init__(self, op: str, detail: str = "", requested: bool = True, where: str = ""):
+        self.op, self.detail, self.requested, self.where = op, detail, requested, where
         advice = ("Profile it for real (fake=False) on a smaller configuration, or make that code path value-free."
                   if requested else
                   "Every batch shape is planned on fake tensors whatever fake= says (fake=False adds a real profile of "
@@ -159,7 +183,8 @@ class FakeProfileError(RematError, RuntimeError):
                   "value-free, or give every batch one shape (pad to a fixed length), so that no other shape is "
                   "planned.")
         super().__init__(
-            f"The model cannot be profiled under fake tensors: its code calls {op}, which needs real tensor "
+            f"The model cannot be profiled under fake tensors: its code{f' ({where})' if where else ''} calls {op}, "
+            "which needs real tensor "
             f"values (a .item(), .tolist(), a data-dependent branch or shape). {detail}{advice}")
 
 

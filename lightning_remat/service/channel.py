@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ..core.errors import PlanningFailedError, RematError
+from ..core.errors import PlanningFailedError, RematError, where_it_failed
 from ..runtime.measuring.measure import is_out_of_memory
 from .rank_failures import section_board, settle, verdict_or
 
@@ -37,7 +37,9 @@ def travelling(error: BaseException, rank: int, action: str = "planning") -> Bas
         travelled = PlanningFailedError(f"out of memory on rank {rank}: {error}")
         travelled.out_of_memory = True  # type: ignore[attr-defined]
         return travelled
-    return PlanningFailedError(f"{action} failed on rank {rank}: {type(error).__name__}: {error}")
+    where = where_it_failed(error)  # the other ranks see the message only, so it carries the user's line
+    return PlanningFailedError(f"{action} failed on rank {rank}: {type(error).__name__}: {error}"
+                               + (f" (at {where})" if where else ""))
 
 
 def failed_out_of_memory(error: BaseException | None) -> bool:

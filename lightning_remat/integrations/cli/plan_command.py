@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Any, Callable
 
 from ...core.config import ProfileOptions, RematConfig
-from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError
+from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError, where_it_failed
 from ...core.plan import Plan
 from ...core.sharding import per_gpu_breakdown
 from ...report.progress import PhaseProgress
@@ -202,7 +202,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 # Ours, and about what was asked (a candidate that matches nothing, a setting the
                 # model refuses): bad input, as a malformed flag is.
                 raise UsageError(f"{type(err).__name__}: {err}") from err
-            raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}") from err
+            where = getattr(err, "where", None) or where_it_failed(err)
+            raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}"
+                                  + (f" (at {where})" if where and where not in str(err) else "")) from err
         result["profile_seconds"] = time.perf_counter() - start
         result["warnings"] = _profile_warnings(profile, args.cost)
         advance("measuring where memory goes")

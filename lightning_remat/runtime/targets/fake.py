@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
 )
 
-from ...core.errors import FakeProfileError
+from ...core.errors import FakeProfileError, where_it_failed
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
 from ..measuring.user_hooks import without_user_hooks
@@ -248,6 +248,6 @@ def explain_fake_failures() -> Iterator[None]:
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
-        raise FakeProfileError(str(getattr(err, "func", err))) from err
+        raise FakeProfileError(str(getattr(err, "func", err)), where=where_it_failed(err)) from err
     except UnsupportedFakeTensorException as err:
-        raise FakeProfileError("an operation fake tensors do not support", f"({err}) ") from err
+        raise FakeProfileError("an operation fake tensors do not support", f"({err}) ", where=where_it_failed(err)) from err
