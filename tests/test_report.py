@@ -134,6 +134,25 @@ def test_a_peak_no_plan_lowers_is_one_budget_row_not_ten_equal_ones():
         (900, 900, 0)]
 
 
+def test_the_pareto_picture_draws_the_predicted_plans_where_they_are_and_no_line_above_them():
+    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.solve import solve
+    from lightning_remat.report.plots import plan_pareto_figure
+
+    keep = StageOption("keep", (), 100 * 2**20, 150 * 2**20, 0.0, 0)
+    whole = StageOption("whole", ("a",), 10 * 2**20, 160 * 2**20, 1.0, 5)
+    profile = Profile((StageProfile("a", (keep, whole)),) * 3, (Segment("head", 3, 50 * 2**20),),
+                      baseline_peak_bytes=350 * 2**20, baseline_step_flops=100)
+    figure = plan_pareto_figure(profile, solve(profile, 300 * 2**20, cost="flops"), measured_peak_bytes=290 * 2**20)
+    ax = figure.axes[0]
+    sweep = {(round(p.predicted_peak_bytes / 2**20, 6), round(100 * p.predicted_overhead, 6))
+             for p in pareto_sweep(profile, 10) if p.feasible}
+    swept = next(c for c in ax.collections if "budget sweep" in c.get_label())
+    assert {(round(x, 6), round(y, 6)) for x, y in swept.get_offsets()} == sweep
+    # The only lines are the budget, the baseline and the measured plans joined: none spans the sweep.
+    assert all(len(set(line.get_xdata())) <= 1 or line.get_label().startswith("_") for line in ax.lines)
+
+
 def test_pareto_sweep_and_plot(tmp_path):
     model, step = _chain()
     profile = profile_step(model, step)

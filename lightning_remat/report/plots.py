@@ -184,11 +184,15 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
                  budget_bytes: int | None = None) -> None:
     valid = sorted((p, o) for p, o in curve if o == o)  # drop NaN (infeasible)
     if valid:
-        ax.step([p / _MIB for p, _ in valid], [100 * o for _, o in valid], where="post", color="tab:blue",
-                label="AutoRemat (predicted, budget sweep)")
+        # Markers where the sweep's plans are, no line: between two budgets of a sweep a plan may lie below
+        # any line drawn through them, as measured plans did under the staircase this replaced.
+        ax.scatter([p / _MIB for p, _ in valid], [100 * o for _, o in valid], s=12, color="tab:blue", alpha=0.6,
+                   label="AutoRemat plans of a budget sweep (predicted)")
     if measured:
+        front = sorted((p, o) for _, p, o in measured)
+        ax.plot([p / _MIB for p, _ in front], [100 * o for _, o in front], color="tab:blue", linewidth=1, zorder=2)
         ax.scatter([p / _MIB for _, p, _ in measured], [100 * o for _, _, o in measured], color="tab:blue",
-                   edgecolor="black", zorder=3, label="AutoRemat (measured)")
+                   edgecolor="black", zorder=3, label="AutoRemat (measured, joined)")
         _annotate(ax, measured)
     if planned:
         ax.scatter([p / _MIB for _, p, _ in planned], [100 * o for _, _, o in planned], facecolor="none",
