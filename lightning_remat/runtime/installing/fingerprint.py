@@ -127,7 +127,7 @@ def _siblings(a: str, b: str) -> bool:
 
 
 def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
-    """Why one of ``plans`` was made for a model other than ``model`` (``bytes_too``: parameter bytes count), or None."""
+    """Why one of ``plans`` was made for another model than ``model`` (``bytes_too``: parameter bytes too), or None."""
     plans = [p for p in plans if p is not None]
     found = next((m for m in (mismatch(model, p.fingerprint) for p in plans) if m), None)
     if found is None and bytes_too and not all(same_model(p.fingerprint, model) for p in plans):
@@ -144,7 +144,7 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:
-    """Whether ``batch`` is larger than the one the plan was profiled on: more elements, or a shape it does not cover."""
+    """Whether ``batch`` is larger than the plan's profiled one: more elements, or a shape it does not cover."""
     if "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]:
         return True
     if not isinstance(saved.get("shape"), (list, tuple)):

@@ -146,7 +146,7 @@ class Offloader:
         return group
 
     def end(self, group: _Group, has_release_hook: bool) -> None:
-        """The forward of ``group`` ended: send its storages, release earlier groups, keep this one until its next stage ran."""
+        """The forward of ``group`` ended: send its storages, release earlier ones, keep it until its next stage ran."""
         if group.pending:
             # Whole storages go, largest first: a tensor whose storage another saved tensor (a view)
             # still holds frees nothing.
@@ -261,7 +261,7 @@ def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_h
 
 
 def release_after_next(offloader: Offloader, name: str) -> Callable[..., None]:
-    """A forward hook for the stage after ``name``: releases ``name``'s device tensors, and prefetches them in backward."""
+    """A forward hook for the stage after ``name``: releases ``name``'s device tensors, prefetches them in backward."""
 
     def after_next(_m: nn.Module, _args: Any, out: Any) -> None:
         ref = offloader.latest.get(name)

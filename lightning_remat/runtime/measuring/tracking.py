@@ -133,7 +133,7 @@ class Tracker(MemTracker):
             PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct storages of ``tensors`` this tracker counts now (older tensors once an op used them)."""
+        """Bytes of the distinct storages of ``tensors`` this tracker counts now (older ones once an op used them)."""
         storages = {id(storage): storage.nbytes()
                     for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
         return sum(storages.values())

@@ -69,7 +69,7 @@ def batch_shape(batch: Any) -> Shape | None:
 
 
 def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> tuple[int, ...]:
-    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with the new batch and sequence."""
+    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with new batch and sequence."""
     if target.layout:
         return target.sizes(path)
     marked = marked_size(size, source.batch_size, source.seq_len)
