@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..installing.segments import recorded_calls
-from ..installing.segments import qualifies
+from ..installing.segments import qualifies, recorded_calls
+from .candidates import _is_block
 
 # Levels below an automatic candidate, and stages in all: the DP's time grows with the stages (and
 # the spans they allow), the memory runs' not at all.
@@ -48,10 +48,6 @@ def sub_modules(model: nn.Module, name: str) -> list[str]:
 
     visit(name, model.get_submodule(name))
     return found
-
-
-def _is_block(module: nn.Module) -> bool:
-    return len(list(module.children())) >= 2
 
 
 def _one_argument(module: nn.Module) -> bool:

@@ -103,9 +103,11 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
         return
     from ..profiling.candidates import find_stages
 
+    from .fake import _shallow_module_copy
+
     info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
-    model = _own_module_copy(model)
+    model = _shallow_module_copy(model)
 
     units = find_stages(model, candidates)
     with fake_process_group(world_size) as mesh:
@@ -133,13 +135,6 @@ def sharding_info(model: nn.Module, world_size: int, candidates: object, param_d
         "param_dtype": str(param_dtype or stored).replace("torch.", ""),
         "padded_parameters": len(uneven_parameters(model, world_size)),
     }
-
-
-def _own_module_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree (tensors shared) with its own hook dicts and no plan of ours."""
-    from .fake import _shallow_module_copy
-
-    return _shallow_module_copy(model)
 
 
 def sharding_note(info: dict) -> str:
