@@ -20,7 +20,6 @@ def _optimized_module() -> type | tuple:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or a module in it is a ``torch.compile`` wrapper."""
     compiled = _optimized_module()
     return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
 

@@ -59,12 +59,10 @@ OFFLOAD = Offload()
 
 
 def offloaded_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose saved tensors are offloaded."""
     return list(OFFLOAD.read(dict(model.named_modules())))
 
 
 def model_offloader(model: nn.Module) -> Offloader | None:
-    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
     state = state_of(model, OFFLOAD.name)
     return state.offloader if state is not None else None
 

@@ -71,9 +71,8 @@ def recomputing() -> bool:
 
 def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
-    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
-    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
-    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    # A compiled backward does not apply buffer updates a second time; only an eager recompute (no compile,
+    # or a graph break) updates them again, and is undone here.
     if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
         return call(*args, **kwargs)
     # The copies are made outside the dispatch modes: selective checkpointing's cache replays the

@@ -174,7 +174,6 @@ def recomputed(model: nn.Module) -> dict[str, str]:
 
 
 def installed_segments(model: nn.Module) -> list[list[str]]:
-    """The segments installed on ``model``, as lists of module names."""
     return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
 
 

@@ -82,9 +82,7 @@ def check_policy(policy: str) -> str:
     return Policy.check(policy).value
 
 
-# What torch raises when a selective-checkpointing recompute asks for an op the forward did not
-# save ("aten.mm encountered during backward but not found in storage"; torch < 2.10 has a comma
-# after "backward"): the recompute did not run the forward's ops again.
+# torch's report that a recompute did not run the forward's ops again (torch < 2.10: a comma after "backward").
 _NOT_REPLAYED = re.compile(r"encountered during backward,? but not found in storage")
 
 
@@ -157,9 +155,7 @@ def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str
     return chosen
 
 
-# --------------------------------------------------------------------------- attention FLOPs
-# FlopCounterMode has formulas for the CUDA SDPA backends but not for the CPU flash kernel (the
-# one SDPA takes on the CPU), so attention counted 0 there; register the same formulas for it.
+# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's.
 
 def _register(name: str, formula: Callable[..., int]) -> None:
     packet = getattr(aten, name, None)

@@ -155,9 +155,8 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
 
 
 def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], began: dict[str, list]) -> None:
-    # Under no_grad: no graph, no activations held. A step that differentiates inside itself
-    # (torch.autograd.grad, a gradient penalty) cannot run so; it runs once more with its graph, as
-    # the profile's own measured steps do (the caller restores generators and buffers).
+    # Under no_grad: no graph, no activations held. A step that differentiates inside itself (a gradient
+    # penalty) cannot: it runs once more with its graph (the caller restores generators and buffers).
     try:
         with torch.no_grad():
             step(model)

@@ -82,7 +82,6 @@ class PeakMeter(Tracking):
         return final[0]
 
     def close(self) -> int:
-        """``stop()``: the peak of the window."""
         return self.stop()
 
     def abandon(self) -> None:
@@ -93,7 +92,6 @@ class PeakMeter(Tracking):
 
     @property
     def peak_bytes(self) -> int:
-        """The peak of the window (once stopped) or so far."""
         return self.peak()
 
     @property

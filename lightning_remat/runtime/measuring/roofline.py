@@ -37,12 +37,10 @@ class OpCost:
     bytes: int
 
     def seconds(self, peaks: Peaks) -> float:
-        """Roofline seconds of this op on ``peaks``."""
         return max(self.flops / peaks.flops_per_second, self.bytes / peaks.bytes_per_second)
 
 
 def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
-    """Sum of the ops' roofline seconds."""
     return float(sum(op.seconds(peaks) for op in ops))
 
 

@@ -34,9 +34,8 @@ class Tracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        # MemTracker's module hooks are global: another thread's model would be counted here or
-        # break the bookkeeping. Only calls under this tracker's dispatch mode count (this thread's
-        # and autograd's workers' for its backward, which inherit the mode).
+        # MemTracker's module hooks are global: only calls under this tracker's dispatch mode count (this
+        # thread's, and autograd's workers' for its backward, which inherit the mode).
         modules = self._mod_tracker
         pre, post = modules._fw_pre_hook, modules._fw_post_hook
         modules._fw_pre_hook = lambda *args: pre(*args) if self._watching() else None
@@ -98,9 +97,8 @@ class Tracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a top-level module's second forward in one ``with`` block; a step may
-        # run several (manual optimization, a GAN's discriminator): count each like a submodule's
-        # repeated call (only per-module statistics, which nothing reads, start again).
+        # MemTracker refuses a top-level module's second forward in one ``with`` block (a GAN's step runs
+        # several): count each like a submodule's repeated call (per-module statistics start again).
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
@@ -165,7 +163,6 @@ def snapshot_by_category(snapshot: dict, device: torch.device) -> dict[str, int]
 
 
 def current_total(tracker: MemTracker, device: torch.device) -> int:
-    """Bytes the tracker counts on ``device`` right now."""
     return int(_device_totals(tracker._curr_mem_snap, device).get("Total", 0))
 
 

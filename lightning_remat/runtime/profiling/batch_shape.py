@@ -12,7 +12,6 @@ from ...core.shapes import BATCH, SEQUENCE, Shape
 
 
 def path_in(prefix: str, key: Any) -> str:
-    """The path of ``key`` (a key or an index) in the container at ``prefix``."""
     return f"{prefix}.{key}" if prefix else str(key)
 
 

@@ -35,7 +35,6 @@ class RepeatedStack:
     layers: int
 
     def stage(self, index: int) -> str:
-        """The name of layer ``index``."""
         return f"{self.prefix}.{index}"
 
 

@@ -37,12 +37,10 @@ def new_fake_mode() -> FakeTensorMode:
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (no storage)."""
     return isinstance(tensor, FakeTensor)
 
 
 def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
-    """The fake mode the model's tensors belong to, if it was built under one."""
     for tensor in [*model.parameters(), *model.buffers()]:
         if isinstance(tensor, FakeTensor):
             return tensor.fake_mode
