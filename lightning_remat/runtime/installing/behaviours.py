@@ -1,7 +1,4 @@
-"""The behaviours a plan installs, registered in the order they compose (outermost first):
-
-``chunked_loss``, ``offload`` (around everything inside), ``recompute`` (whose checkpoint the next
-two configure: ``policy``, ``input_offload``), ``segment``. Another behaviour is one ``records.register``.
+"""The built-in behaviours, registered in the order they compose (outermost first).
 
 Example:
     >>> [b.name for b in BEHAVIOURS][:6]

@@ -1,18 +1,7 @@
 """A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
 
-At long context the logits and the cross-entropy's fp32 copies bind the peak, which no
-recomputation of the layers touches. Here the projection and the cross-entropy run over ``k``
-sequence chunks, each under a checkpoint, so one chunk's logits exist at a time; the loss and
-gradients are Hugging Face's ``ForCausalLMLoss``'s (docs/long_context.md). The behaviour goes on a
-causal LM, which hands its labels to its ``lm_head``, and on that head, which returns the loss (the
-output has ``logits=None``). Another model computes its loss with ``head_loss``.
-
-Example:
-    >>> from transformers import GPT2Config, GPT2LMHeadModel
-    >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    >>> find_head_loss(model)
-    HeadLoss(root='', head='lm_head')
-"""
+At long context the logits and the loss's fp32 copies bind the peak; here one chunk's logits exist at a
+time, with the loss and gradients of Hugging Face's ``ForCausalLMLoss`` (docs/long_context.md)."""
 
 from __future__ import annotations
 
@@ -40,12 +29,7 @@ _DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by 
 
 @dataclass(frozen=True)
 class HeadLoss:
-    """The two modules a chunked loss is installed on, by name: the causal LM (``root``) and its head.
-
-    Example:
-        >>> HeadLoss("base_model.model", "base_model.model.lm_head").head
-        'base_model.model.lm_head'
-    """
+    """The two modules a chunked loss is installed on, by name: the causal LM (``root``) and its head."""
 
     root: str | None
     head: str
@@ -55,12 +39,7 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
     """The causal LM head and loss of ``model``, or None.
 
     The outermost Hugging Face ``*ForCausalLM``/``*LMHeadModel`` with a linear ``lm_head`` and a loss
-    chunked exactly (``label_smoothing``), else a head whose loss ``head_loss`` computed (``root`` None).
-
-    Example:
-        >>> find_head_loss(nn.Linear(2, 2)) is None
-        True
-    """
+    chunked exactly, else a head whose loss ``head_loss`` computed (``root`` None)."""
     for name, module in model.named_modules():
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
@@ -97,12 +76,7 @@ class CausalLMLoss:
 
 
 def label_smoothing(model: nn.Module) -> float | None:
-    """The label smoothing of ``model``'s ``loss_function`` where a chunked loss computes it exactly; None otherwise.
-
-    Example:
-        >>> label_smoothing(nn.Linear(2, 2)) is None
-        True
-    """
+    """The label smoothing of ``model``'s ``loss_function`` where a chunked loss computes it exactly; None otherwise."""
     try:
         loss = model.loss_function
     except AttributeError:
@@ -115,12 +89,7 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 
 def refused(model: nn.Module) -> str | None:
-    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own), or None.
-
-    Example:
-        >>> refused(nn.Linear(2, 2)) is None
-        True
-    """
+    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own), or None."""
     for module in model.modules():
         if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and label_smoothing(module) is None:
             loss = getattr(module, "loss_function", None)
@@ -154,16 +123,7 @@ def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidde
                           num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
     """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks of ``hidden``'s second-last dimension.
 
-    Each chunk is recomputed in backward; ``shift_labels`` are already shifted (``t`` predicts ``t + 1``).
-
-    Example:
-        >>> head = nn.Linear(8, 16)
-        >>> hidden, labels = torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
-        >>> labels[0, :2] = IGNORE_INDEX
-        >>> full = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
-        >>> torch.allclose(chunked_cross_entropy(head, hidden, labels, 4), full)
-        True
-    """
+    Each chunk is recomputed in backward; ``shift_labels`` are already shifted (``t`` predicts ``t + 1``)."""
     size = -(-hidden.shape[-2] // chunks)
     total = None
     for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)):
@@ -191,10 +151,8 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
               label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy(head(hidden), labels)`` for a model that is not a Hugging Face causal LM.
 
-    Call it in the model's forward: ``chunk_loss=True`` then plans this head and loss as a stage,
-    over sequence chunks once a plan chunks it (docs/long_context.md). ``shift``: position ``t``
-    predicts the label at ``t + 1``; ``num_items_in_batch`` divides the summed loss instead of the
-    number of valid labels.
+    Call it in the model's forward: ``chunk_loss=True`` then plans this head and loss as a stage
+    (docs/long_context.md). ``shift``: position ``t`` predicts the label at ``t + 1``.
 
     Example:
         >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
@@ -235,8 +193,7 @@ _HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute hol
 def _hand_to(head: nn.Module, pending: _Pending) -> Any:
     """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` with the token undoes it.
 
-    Eager: a context variable (each thread its own). Under torch.compile an attribute of the head,
-    since dynamo breaks the graph at each ContextVar get and set."""
+    A context variable (per thread), or under torch.compile an attribute (dynamo breaks at ContextVar)."""
     previous = getattr(head, _HANDED, None)
     setattr(head, _HANDED, pending)
     if torch.compiler.is_compiling():
@@ -358,10 +315,5 @@ class ChunkedLoss(Behaviour):
 
 
 def head_flops(head: nn.Linear, tokens: int) -> int:
-    """FLOPs of the head's projection over ``tokens`` tokens: what a chunked loss recomputes.
-
-    Example:
-        >>> head_flops(nn.Linear(4096, 128256, bias=False, device="meta"), 1)
-        1050673152
-    """
+    """FLOPs of the head's projection over ``tokens`` tokens: what a chunked loss recomputes."""
     return 2 * tokens * head.in_features * head.out_features

@@ -1,21 +1,7 @@
 """Models compiled with ``torch.compile``: plan and wrap their original modules.
 
-Inside a compiled module the hooks of the modules do not fire and torch's MemTracker does not see
-them, so while a model is profiled or a plan applied, ``uncompiled`` puts every wrapper's original
-module in its place. Names are the uncompiled model's, and a plan moves between a model and its
-compiled twin (the wrappers guard on their modules and recompile with the recompute). An outer
-``DistributedDataParallel`` (whose all-reduces would wait on other ranks) and Lightning Fabric's
-wrapper are looked through the same way.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.compile(torch.nn.Sequential(torch.nn.Tanh())))
-    >>> is_compiled(net)
-    True
-    >>> with uncompiled(net) as plain:
-    ...     is_compiled(plain), [n for n, _ in plain.named_modules()]
-    (False, ['', '0', '1', '1.0'])
-"""
+Hooks do not fire inside a compiled module, so ``uncompiled`` puts every wrapper's original module in its
+place while a model is profiled or a plan applied; outer DDP and Fabric wrappers are looked through."""
 
 from __future__ import annotations
 
@@ -34,25 +20,12 @@ def _optimized_module() -> type | tuple:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or a module in it is a ``torch.compile`` wrapper.
-
-    Example:
-        >>> is_compiled(nn.Linear(2, 2))
-        False
-    """
     compiled = _optimized_module()
     return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
 
 
 def runs_compiled(model: nn.Module) -> bool:
-    """Whether ``model``'s step runs under torch.compile (a wrapper, ``module.compile()`` or Lightning's compiled steps).
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> net[0].compile()
-        >>> runs_compiled(net)
-        True
-    """
+    """Whether ``model``'s step runs under torch.compile (a wrapper, ``module.compile()`` or Lightning's compiled steps)."""
     return is_compiled(model) or any(getattr(m, "_compiled_call_impl", None) is not None
                                      or getattr(m, "_compiler_ctx", None) for m in model.modules())
 
@@ -66,17 +39,12 @@ def _ddp() -> type | tuple:
 
 
 def _is_fabric_module(model: nn.Module) -> bool:
-    """Whether ``model`` is Lightning Fabric's wrapper (``fabric.setup``), without importing Lightning."""
+    """Whether ``model`` is Lightning Fabric's wrapper, without importing Lightning."""
     return hasattr(model, "_forward_module") and any(c.__name__ == "_FabricModule" for c in type(model).__mro__)
 
 
 def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManager:
-    """The forward context (autocast) of Fabric's wrapper around ``model``, for a step run on the module inside.
-
-    Example:
-        >>> fabric_forward_context(nn.Linear(2, 2))  # doctest: +ELLIPSIS
-        <contextlib.nullcontext object at ...>
-    """
+    """The forward context (autocast) of Fabric's wrapper around ``model``, for a step run on the module inside."""
     compiled = _optimized_module()
     while compiled and isinstance(model, compiled):
         model = model._orig_mod
@@ -86,14 +54,7 @@ def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManage
 
 
 def without_outer_wrappers(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers.
-
-    Example:
-        >>> import torch
-        >>> net = nn.Linear(2, 2)
-        >>> without_outer_wrappers(torch.compile(net)) is net
-        True
-    """
+    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers."""
     compiled, ddp = _optimized_module(), _ddp()
     while True:
         if compiled and isinstance(model, compiled):
@@ -107,12 +68,7 @@ def without_outer_wrappers(model: nn.Module) -> nn.Module:
 
 
 def is_data_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is (wrapped) ``DistributedDataParallel``, whose reducer keeps gradient buckets.
-
-    Example:
-        >>> is_data_parallel(nn.Linear(2, 2))
-        False
-    """
+    """Whether ``model`` is (wrapped) ``DistributedDataParallel``, whose reducer keeps gradient buckets."""
     compiled, ddp = _optimized_module(), _ddp()
     while (compiled and isinstance(model, compiled)) or _is_fabric_module(model):
         model = model._orig_mod if compiled and isinstance(model, compiled) else model._forward_module

@@ -1,19 +1,7 @@
 """What a plan was made for: the model's parameters, the shapes of the modules it names, the batch's size.
 
-A plan holds for the model and batch it was profiled on; ``Plan.fingerprint`` lets an integration
-notice another model or a larger batch. A plan is *bound* to its model (``bound``): the shapes of
-each named module's parameters and the model's parameter count, so ``apply_plan`` refuses it on
-wider blocks or more stages, whose budget it was not solved for. Dtypes are recorded, not compared:
-a plan made before a precision conversion (``model.to(torch.bfloat16)``) still applies after it.
-
-Example:
-    >>> import torch
-    >>> plan = bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(4, 4)))
-    >>> plan.fingerprint["module_parameters"]["0"]["weight"], plan.fingerprint["parameter_count"]
-    ([[4, 4], 'float32'], 20)
-    >>> print(mismatch(torch.nn.Sequential(torch.nn.Linear(4, 8)), plan.fingerprint))
-    module '0' parameter 'weight' has shape (8, 4) float32 in this model; the plan was made for (4, 4) float32
-"""
+A plan *bound* to its model (``bound``) records each named module's parameter shapes and the parameter
+count, so ``apply_plan`` refuses it on wider blocks or more stages. Dtypes are recorded, not compared."""
 
 from __future__ import annotations
 
@@ -73,22 +61,12 @@ def _named(plan: Plan) -> list[str]:
 
 
 def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
-    """What ``plan`` records of ``model``: each named module's parameters and the model's parameter count.
-
-    Example:
-        >>> binding(torch.nn.Sequential(torch.nn.Linear(2, 3)), Plan([StageAction.recompute("0")]))
-        {'module_parameters': {'0': {'weight': [[3, 2], 'float32'], 'bias': [[3], 'float32']}}, 'parameter_count': 9}
-    """
+    """What ``plan`` records of ``model``: each named module's parameters and the model's parameter count."""
     return binding_of(model, _named(plan))
 
 
 def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
-    """The parameters of the outermost named modules of ``model`` and its parameter count (``Profile.fingerprint``).
-
-    Example:
-        >>> binding_of(torch.nn.Sequential(torch.nn.Linear(2, 1)), ["0", "0", "absent"])
-        {'module_parameters': {'0': {'weight': [[1, 2], 'float32'], 'bias': [[1], 'float32']}}, 'parameter_count': 3}
-    """
+    """The parameters of the outermost named modules of ``model`` and its parameter count (``Profile.fingerprint``)."""
     names = list(dict.fromkeys(names))
     outer = [n for n in names if not any(nested_in(n, other) for other in names if other != n)]
     with uncompiled(model) as plain:
@@ -98,12 +76,7 @@ def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
 
 
 def bound(plan: Plan, model: nn.Module) -> Plan:
-    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint.
-
-    Example:
-        >>> sorted(bound(Plan([StageAction.recompute("0")]), torch.nn.Sequential(torch.nn.Linear(2, 3))).fingerprint)
-        ['module_parameters', 'parameter_count']
-    """
+    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint."""
     return replace(plan, fingerprint={**plan.fingerprint, **binding(model, plan)})
 
 
@@ -154,13 +127,7 @@ def _siblings(a: str, b: str) -> bool:
 
 
 def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
-    """Why one of ``plans`` was made for a model other than ``model`` (``bytes_too``: parameter bytes count), or None.
-
-    Example:
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-        >>> made_for_other(net, [None, bound(Plan([StageAction.recompute("0")]), net)]) is None
-        True
-    """
+    """Why one of ``plans`` was made for another model than ``model`` (``bytes_too``: parameter bytes too), or None."""
     plans = [p for p in plans if p is not None]
     found = next((m for m in (mismatch(model, p.fingerprint) for p in plans) if m), None)
     if found is None and bytes_too and not all(same_model(p.fingerprint, model) for p in plans):
@@ -169,11 +136,7 @@ def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool =
 
 
 def check_binding(model: nn.Module, plan: Plan) -> None:
-    """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``.
-
-    Example:
-        >>> check_binding(torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan())  # records nothing: no check
-    """
+    """Raise ``PlanMismatchError`` where ``plan`` was made for a model other than ``model``."""
     found = mismatch(model, plan.fingerprint)
     if found is not None:
         raise PlanMismatchError(f"lightning-remat: the plan was made for another model: {found}. Nothing was applied; "
@@ -181,13 +144,7 @@ def check_binding(model: nn.Module, plan: Plan) -> None:
 
 
 def outgrows(saved: dict[str, Any], batch: Any) -> bool:
-    """Whether ``batch`` is larger than the one the plan was profiled on: more elements, or a shape it does not cover.
-
-    Example:
-        >>> saved = {"batch_elements": 3072, "shape": [1, 1, [["", [-1, 3, 32, 32]]]]}
-        >>> outgrows(saved, torch.zeros(1, 3, 16, 64)), outgrows(saved, torch.zeros(1, 3, 32, 16))
-        (True, False)
-    """
+    """Whether ``batch`` is larger than the plan's profiled one: more elements, or a shape it does not cover."""
     if "batch_elements" in saved and batch_elements(batch) > saved["batch_elements"]:
         return True
     if not isinstance(saved.get("shape"), (list, tuple)):

@@ -1,21 +1,7 @@
 """A recomputed module's checkpoint input in host memory.
 
-What a non-reentrant checkpoint keeps from a block's forward to its backward is its input; here it
-keeps a host copy of each tensor positional argument instead (masks passed by keyword stay), and
-the recompute copies it back. The copies are synchronous (priced as transfers not hidden,
-``core.offload_model``); with ``measure=True`` or fake tensors only metadata goes to the "host".
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> lin = nn.Linear(4, 4)
-    >>> offload = InputOffload()
-    >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> out = host_input_checkpoint(offload, "lin", lin.forward, x)
-    >>> out.sum().backward()
-    >>> offload.host_bytes
-    {'lin': 32}
-"""
+The checkpoint keeps a host copy of each tensor positional argument (keyword masks stay) and the
+recompute copies it back, synchronously; with ``measure=True`` or fake tensors only metadata goes."""
 
 from __future__ import annotations
 
@@ -32,12 +18,7 @@ from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
-    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module since ``reset``.
-
-    Example:
-        >>> InputOffload(measure=True).host_bytes
-        {}
-    """
+    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module since ``reset``."""
 
     def __init__(self, measure: bool = False):
         self.measure = measure

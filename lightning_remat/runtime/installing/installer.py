@@ -1,21 +1,6 @@
 """The one installer: puts a plan's actions on a model and takes them off exactly.
 
-It loops over the registered behaviours (``behaviours.py``): each says which modules an action
-puts it on, checks them and installs itself on their records. The installed ``Plan`` is the
-snapshot (``snapshot``, ``restore``); removing it restores each forward (and class) as it was.
-
-Example:
-    >>> import torch
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)])
-    >>> plan = Plan([StageAction.in_segment("0", ["0", "1"]), StageAction.in_segment("1", ["0", "1"]),
-    ...              StageAction.offload("2"), StageAction.recompute("3", policy="save_matmuls")])
-    >>> _ = install(net, plan)
-    >>> recomputed(net), installed_segments(net), snapshot(net) == plan
-    ({'3': 'save_matmuls'}, [['0', '1']], True)
-    >>> uninstall(net) is net and recomputed(net) == {} and "forward" not in net[3].__dict__
-    True
-"""
+It loops over the registered behaviours (``behaviours.py``); the installed ``Plan`` is the snapshot."""
 
 from __future__ import annotations
 
@@ -39,10 +24,7 @@ __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "r
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
     """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
 
-    All or nothing: everything is checked before anything changes, and a failure while installing
-    puts the previous plan back before it is raised. ``order``: every stage in execution order
-    (default the plan's), for offloading one stage ahead.
-    """
+    All or nothing: a failure puts the previous plan back. ``order``: every stage in execution order."""
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         check_names(model, modules, list(dict.fromkeys(

@@ -1,16 +1,6 @@
 """Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
 
-The ``Offload`` behaviour runs a module's forward under the pack/unpack pair of ``offloader.py``;
-``apply_offload`` installs it alone. Values are copied bit for bit, so gradients, dropout masks and
-BatchNorm statistics are those of the plain model.
-
-Example:
-    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    >>> _ = apply_offload(net, ["1"])
-    >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    >>> offloaded_modules(net), remove_offload(net) is net, offloaded_modules(net)
-    (['1'], True, [])
-"""
+Values are copied bit for bit, so gradients, dropout masks and BatchNorm statistics are the plain model's."""
 
 from __future__ import annotations
 
@@ -69,29 +59,20 @@ OFFLOAD = Offload()
 
 
 def offloaded_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose saved tensors are offloaded.
-
-    Example:
-        >>> offloaded_modules(nn.Linear(2, 2))
-        []
-    """
     return list(OFFLOAD.read(dict(model.named_modules())))
 
 
 def model_offloader(model: nn.Module) -> Offloader | None:
-    """The ``Offloader`` shared by ``model``'s offloaded modules (None without any)."""
     state = state_of(model, OFFLOAD.name)
     return state.offloader if state is not None else None
 
 
 def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] | None = None,
                   measure: bool = False, limits: dict[str, int] | None = None) -> nn.Module:
-    """Offload, in place, what the named modules save for backward; returns ``model``.
+    """Offload, in place, what the named modules save for backward; returns ``model``. See docs/offload.md.
 
     ``order`` (every stage in execution order): a stage's tensors leave once the next stage's forward
-    ran and are prefetched when its backward starts; without it they come back on demand.
-    ``measure``: metadata only on the "host" (fake profiles). ``limits``: per module, the bytes
-    offloaded at most per forward call. A previous offload is replaced.
+    ran and are prefetched in backward. ``limits``: per module, the bytes offloaded at most per call.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -109,12 +90,6 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
 
 
 def remove_offload(model: nn.Module) -> nn.Module:
-    """Undo ``apply_offload``: every module gets back exactly the forward it had.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> "forward" in remove_offload(apply_offload(net, ["0"]))[0].__dict__
-        False
-    """
+    """Undo ``apply_offload``: every module gets back exactly the forward it had."""
     OFFLOAD.uninstall(model)
     return model

@@ -1,22 +1,8 @@
 """The saved-tensor machinery of offloading: ``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``.
 
-- pack: when the forward ends, each storage the saved tensors use goes to host memory once (pinned,
-  on a side stream on CUDA), and they come back as views of it; parameters and buffers stay. The
-  device tensor is held until the next stage's forward ran or backward starts, so the copy
-  overlaps the next stage's compute.
-- unpack: the next stage's backward prefetches the tensors one stage ahead; others come back when needed.
-
-On the CPU the "host" copy is a plain copy (the hooks still run). ``measure=True`` (fake profiles)
-keeps only a meta tensor on the "host", so a memory run measures what stays on the device.
-
-Example:
-    >>> lin = nn.Linear(4, 4)
-    >>> off = Offloader()
-    >>> out = offloaded_call(off, "lin", lin, False, lin.forward, torch.randn(2, 4, requires_grad=True))
-    >>> out.sum().backward()
-    >>> off.host_bytes
-    {'lin': 32}
-"""
+When a stage's forward ends, each storage its saved tensors use goes to the host once (pinned, on a side
+stream on CUDA), held on the device until the next stage ran so the copy overlaps compute; backward
+prefetches one stage ahead. ``measure=True`` (fake profiles) keeps only a meta tensor on the "host"."""
 
 from __future__ import annotations
 
@@ -64,13 +50,7 @@ class _Group:
 
 
 class Offloader:
-    """The pack/unpack pair shared by the offloaded modules of one model; ``host_bytes`` per module since ``reset``.
-
-    Example:
-        >>> off = Offloader(measure=False)
-        >>> off.host_bytes
-        {}
-    """
+    """The pack/unpack pair shared by the offloaded modules of one model; ``host_bytes`` per module since ``reset``."""
 
     def __init__(self, measure: bool = False, limits: dict[str, int] | None = None,
                  order: Sequence[str] | None = None):
@@ -166,8 +146,7 @@ class Offloader:
         return group
 
     def end(self, group: _Group, has_release_hook: bool) -> None:
-        """The forward of ``group`` ended: send its storages (with a limit, the largest up to it, not its
-        inputs); release earlier groups still in flight; keep this one until its next stage ran."""
+        """The forward of ``group`` ended: send its storages, release earlier ones, keep it until its next stage ran."""
         if group.pending:
             # Whole storages go, largest first: a tensor whose storage another saved tensor (a view)
             # still holds frees nothing.
@@ -282,7 +261,7 @@ def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_h
 
 
 def release_after_next(offloader: Offloader, name: str) -> Callable[..., None]:
-    """A forward hook for the stage after ``name``: releases ``name``'s device tensors, and prefetches them in backward."""
+    """A forward hook for the stage after ``name``: releases ``name``'s device tensors, prefetches them in backward."""
 
     def after_next(_m: nn.Module, _args: Any, out: Any) -> None:
         ref = offloader.latest.get(name)

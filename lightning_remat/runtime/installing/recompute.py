@@ -1,13 +1,7 @@
-"""Recompute: a module's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG
-state preserved: dropout masks replay), BatchNorm running statistics put back after a recompute; the
-behaviours on its record give the checkpoint's options (``Behaviour.checkpoint_options``: a policy's
-``context_fn``, a checkpoint that keeps its input on the host). Under ``no_grad`` the forward runs plain.
+"""Recompute: a module's forward runs under a non-reentrant ``checkpoint`` (RNG state preserved).
 
-Example:
-    >>> from lightning_remat.core.plan import StageAction
-    >>> RECOMPUTE.settings(StageAction.recompute("h.0", ["h.0.attn", "h.0.mlp"]))
-    {'h.0.attn': True, 'h.0.mlp': True}
-"""
+BatchNorm running statistics are put back after a recompute; the record's other behaviours give the
+checkpoint's options (``Behaviour.checkpoint_options``). Under ``no_grad`` the forward runs plain."""
 
 from __future__ import annotations
 
@@ -57,8 +51,7 @@ def _needs_graph(args: tuple, kwargs: dict, module: nn.Module) -> bool:
 def recomputing() -> bool:
     """Whether the forward running now is a recompute in backward rather than the step's own forward.
 
-    Guard Python side effects of a module's forward with it (a counter, activations collected in a
-    list), which a recomputed module would otherwise repeat. True for any forward inside backward.
+    Guard Python side effects of a module's forward with it (a counter, activations collected in a list).
 
     Example:
         >>> calls = []
@@ -78,9 +71,8 @@ def recomputing() -> bool:
 
 def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
-    # While dynamo traces, the recompute becomes part of the compiled backward, which does not apply
-    # buffer updates a second time; only an eager recompute (no compile, or dynamo broke the graph
-    # and runs this frame eagerly in backward) updates them again, and is undone here.
+    # A compiled backward does not apply buffer updates a second time; only an eager recompute (no compile,
+    # or a graph break) updates them again, and is undone here.
     if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
         return call(*args, **kwargs)
     # The copies are made outside the dispatch modes: selective checkpointing's cache replays the

@@ -1,15 +1,7 @@
 """The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
 
-A ``Behaviour`` is one way to treat a module (``behaviours.py`` registers the built-in ones). A
-module a plan touches gets ONE ``Record``: the forward it had, and per behaviour its setting and
-state. Its ``forward`` composes the record's behaviours around the original in ``BEHAVIOURS``' order
-(outermost first), as torch composes a checkpoint's ``context_fn``.
-
-Example:
-    >>> from torch import nn
-    >>> recomputed(nn.Linear(2, 2)), installed_segments(nn.Linear(2, 2))
-    ({}, [])
-"""
+A module a plan touches gets ONE ``Record``: the forward it had, and per behaviour its setting and state;
+its ``forward`` composes the behaviours around the original in ``BEHAVIOURS``' order (outermost first)."""
 
 from __future__ import annotations
 
@@ -156,12 +148,7 @@ def settle(module: nn.Module) -> None:
 
 
 def running(module: nn.Module) -> Record | None:
-    """``module``'s record if its behaviours run: its ``forward`` is the installer's, or wraps it (``__wrapped__``).
-
-    Example:
-        >>> running(nn.Linear(2, 2)) is None
-        True
-    """
+    """``module``'s record if its behaviours run: its ``forward`` is the installer's, or wraps it (``__wrapped__``)."""
     record = module.__dict__.get(RECORD)
     forward = module.__dict__.get("forward")
     for _ in range(8):  # a few wrappers deep
@@ -187,17 +174,11 @@ def recomputed(model: nn.Module) -> dict[str, str]:
 
 
 def installed_segments(model: nn.Module) -> list[list[str]]:
-    """The segments installed on ``model``, as lists of module names."""
     return [list(names) for _, module in model.named_modules() for _, _, _, names in module.__dict__.get(SEGMENTS, ())]
 
 
 def installed_hooks(model: nn.Module) -> set[int]:
-    """Ids of the hooks the installer registered on ``model``'s modules (a behaviour's state ``hook``).
-
-    Example:
-        >>> installed_hooks(nn.Linear(2, 2))
-        set()
-    """
+    """Ids of the hooks the installer registered on ``model``'s modules (a behaviour's state ``hook``)."""
     return {hook.id for m in model.modules() if (record := m.__dict__.get(RECORD)) is not None
             for _, state in record.behaviours.values() if (hook := getattr(state, "hook", None)) is not None}
 
@@ -205,17 +186,7 @@ def installed_hooks(model: nn.Module) -> set[int]:
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
     """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it.
 
-    The record, the installed forward, the segments and ``hooks`` are left out, and every hook dict
-    is new: an uninstall or a hook on the copy never reaches ``module``.
-
-    Example:
-        >>> net = nn.Linear(2, 2)
-        >>> net.__dict__[RECORD] = Record(net.forward, had_instance_forward=False, behaviours={"recompute": (True, None)})
-        >>> net.forward = lambda x: x  # what the installer sets
-        >>> cls, state = without_installation(net)
-        >>> cls is nn.Linear, RECORD in state, "forward" in state, state["_forward_hooks"] is net._forward_hooks
-        (True, False, False, False)
-    """
+    The record, the installed forward, the segments and ``hooks`` are left out, and every hook dict is new."""
     state = {key: value for key, value in module.__dict__.items() if key not in (RECORD, SEGMENTS)}
     record = module.__dict__.get(RECORD)
     if record is not None:

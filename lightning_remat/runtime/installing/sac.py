@@ -1,18 +1,7 @@
 """Op-level selective checkpointing: named policies over torch's public SAC API.
 
-A policy decides, op by op, what a checkpointed forward saves for backward and what it recomputes:
-options between ``"keep"`` and ``"whole"`` (the policies: docs/selective_checkpointing.md). The
-same decision function replays a policy on the ops a profile recorded (``recomputed_ops``), so a
-policy's recompute cost is exactly the ops it recomputes.
-
-Example:
-    >>> import torch
-    >>> from torch.utils.checkpoint import checkpoint
-    >>> lin = torch.nn.Linear(4, 4)
-    >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> y = checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False, context_fn=context_fn("save_matmuls"))
-    >>> y.sum().backward()
-"""
+The same decision function replays a policy on the ops a profile recorded (``recomputed_ops``), so a
+policy's recompute cost is exactly the ops it recomputes (docs/selective_checkpointing.md)."""
 
 from __future__ import annotations
 
@@ -89,45 +78,25 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
 
 
 def check_policy(policy: str) -> str:
-    """Validate a policy name; the plain name, as torch.compile sees it in a ``context_fn``'s arguments.
-
-    Example:
-        >>> check_policy("save_matmuls")
-        'save_matmuls'
-    """
+    """Validate a policy name; the plain name, as torch.compile sees it in a ``context_fn``'s arguments."""
     return Policy.check(policy).value
 
 
-# What torch raises when a selective-checkpointing recompute asks for an op the forward did not
-# save ("aten.mm encountered during backward but not found in storage"; torch < 2.10 has a comma
-# after "backward"): the recompute did not run the forward's ops again.
+# torch's report that a recompute did not run the forward's ops again (torch < 2.10: a comma after "backward").
 _NOT_REPLAYED = re.compile(r"encountered during backward,? but not found in storage")
 
 
 def recompute_not_replayed(error: BaseException) -> bool:
     """Whether ``error`` is torch's own report that a checkpoint's recompute did not replay its forward.
 
-    Only these may drop a policy's option: a user's error or an out-of-memory error is not one.
-
-    Example:
-        >>> recompute_not_replayed(RuntimeError("aten.slice.Tensor encountered during backward but not found in storage."))
-        True
-    """
+    Only these may drop a policy's option: a user's error or an out-of-memory error is not one."""
     if isinstance(error, CheckpointError):
         return True
     return type(error) is RuntimeError and bool(_NOT_REPLAYED.search(str(error)))
 
 
 def decision(save: bool) -> CheckpointPolicy:
-    """A policy's decision for one op as ``MUST_SAVE`` or ``MUST_RECOMPUTE``, never a ``PREFER_*``.
-
-    Under torch.compile a ``PREFER_*`` tag is a hint the partitioner may override; ours are the plan
-    the solver priced, which the compiled graph must keep.
-
-    Example:
-        >>> decision(True), decision(False)
-        (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.MUST_RECOMPUTE: 2>)
-    """
+    """``MUST_SAVE`` or ``MUST_RECOMPUTE``, never a ``PREFER_*`` hint that torch.compile's partitioner may override."""
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
 
 
@@ -163,12 +132,7 @@ class OpPolicy(Behaviour):
 
 
 def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
-    """For ops in forward order, whether ``policy`` recomputes each (``True``) or saves it.
-
-    Example:
-        >>> recomputed_ops("save_matmuls", [aten.addmm.default, aten.relu.default])
-        [False, True]
-    """
+    """For ops in forward order, whether ``policy`` recomputes each (``True``) or saves it."""
     decide = _decider(policy)
     # Ops SAC never caches (detach) run again on recompute whatever the policy says.
     return [True if f in SAC_IGNORED_OPS else not decide(f, "forward") for f in funcs]
@@ -191,9 +155,7 @@ def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str
     return chosen
 
 
-# --------------------------------------------------------------------------- attention FLOPs
-# FlopCounterMode has formulas for the CUDA SDPA backends but not for the CPU flash kernel (the
-# one SDPA takes on the CPU), so attention counted 0 there; register the same formulas for it.
+# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's.
 
 def _register(name: str, formula: Callable[..., int]) -> None:
     packet = getattr(aten, name, None)

@@ -1,22 +1,7 @@
 """Recompute runs of consecutive items of an ``nn.Sequential`` as ONE checkpoint segment each.
 
-While installed, the ``nn.Sequential`` yields one *runner* in place of the segment's items when
-iterated (by its forward, or code looping over it): a plain ``nn.Sequential`` of the items with
-the ``recompute`` behaviour. Python looks ``__iter__`` up on the type, so the Sequential's class is
-swapped for a same-named subclass; the runner is not registered, so names and ``state_dict`` keys
-stay. Also finds the groups of stages that may form segments.
-
-Example:
-    >>> import torch
-    >>> from lightning_remat.runtime.installing.installer import install, uninstall
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)])
-    >>> _ = install(net, Plan([StageAction.in_segment(s, ["0", "1", "2"]) for s in ["0", "1", "2"]]))
-    >>> installed_segments(net), len(list(net)), type(net).__name__
-    ([['0', '1', '2']], 2, 'Sequential')
-    >>> type(uninstall(net)) is nn.Sequential and len(list(net)) == 4
-    True
-"""
+While installed, the Sequential yields one unregistered runner (a recomputing ``nn.Sequential`` of the
+items) in their place when iterated; ``__iter__`` is looked up on the type, hence the swapped class."""
 
 from __future__ import annotations
 
@@ -53,12 +38,7 @@ def segmented_class(cls: type) -> type:
 
 
 def qualifies(container: nn.Module) -> bool:
-    """Whether ``container``'s items can form segments: an ``nn.Sequential`` with Sequential's own ``__iter__`` and forward.
-
-    Example:
-        >>> qualifies(nn.Sequential(nn.Linear(2, 2))), qualifies(nn.ModuleList([nn.Linear(2, 2)]))
-        (True, False)
-    """
+    """Whether ``container``'s items can form segments: an ``nn.Sequential`` with Sequential's own ``__iter__`` and forward."""
     base = type(container).__mro__[1] if getattr(type(container), "_remat_segmented", False) else type(container)
     return (isinstance(container, nn.Sequential) and base.__iter__ is nn.Sequential.__iter__
             and "forward" not in container.__dict__)
@@ -140,16 +120,9 @@ SEGMENT = Segment()
 
 
 def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[str, list]:
-    """Each named module's calls in one forward of ``step(model)`` under ``torch.no_grad()``.
+    """Each named module's calls ``(args, kwargs, output, versions)`` in one forward of ``step(model)``, under no_grad.
 
-    Each is ``(args, kwargs, output, versions)``; ``versions`` (of the tensor arguments as the call
-    began, of the output as it ended) tell an in-place change between two calls.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-        >>> calls = recorded_calls(net, lambda m: m(torch.ones(1, 2)).sum(), ["0", "1"])
-        >>> calls["1"][0][0][0] is calls["0"][0][2]
-        True
+    ``versions`` (of the tensor arguments as the call began, of the output as it ended) tell an in-place change.
     """
     modules = dict(model.named_modules())
     calls: dict[str, list] = {n: [] for n in names}
@@ -182,9 +155,8 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
 
 
 def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], began: dict[str, list]) -> None:
-    # Under no_grad: no graph, no activations held. A step that differentiates inside itself
-    # (torch.autograd.grad, a gradient penalty) cannot run so; it runs once more with its graph, as
-    # the profile's own measured steps do (the caller restores generators and buffers).
+    # Under no_grad: no graph, no activations held. A step that differentiates inside itself (a gradient
+    # penalty) cannot: it runs once more with its graph (the caller restores generators and buffers).
     try:
         with torch.no_grad():
             step(model)
@@ -222,13 +194,7 @@ def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],
 
 
 def sequential_groups(model: nn.Module, stages: Sequence[str]) -> list[list[str]]:
-    """Runs of stages that are consecutive items of one qualifying ``nn.Sequential``.
-
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(3)])
-        >>> sequential_groups(net, ["0", "1", "2"])
-        [['0', '1', '2']]
-    """
+    """Runs of stages that are consecutive items of one qualifying ``nn.Sequential``."""
     modules = dict(model.named_modules())
     stage_set = set(stages)
     groups = []

@@ -1,18 +1,6 @@
 """One planning at a time in a process, and the process-wide settings it found put back after it.
 
-Planning uses global hooks, generators and the ``force_eager`` stance, so two plannings in two threads
-would see each other's modules (docs/process.md).
-
-Example:
-    >>> import torch
-    >>> @exclusive()
-    ... def careless_step():
-    ...     torch.set_default_dtype(torch.float64)
-    ...     torch.set_grad_enabled(False)
-    >>> careless_step()
-    >>> torch.get_default_dtype(), torch.is_grad_enabled()
-    (torch.float32, True)
-"""
+Planning uses global hooks, generators and the ``force_eager`` stance (docs/process.md)."""
 
 from __future__ import annotations
 
@@ -30,12 +18,7 @@ PLANNING_LOCK = threading.RLock()
 
 @dataclass(frozen=True)
 class ProcessSettings:
-    """The settings a measured step may leave changed: process-wide ones and the thread's grad mode.
-
-    Example:
-        >>> ProcessSettings.capture() == ProcessSettings.capture()
-        True
-    """
+    """The settings a measured step may leave changed: process-wide ones and the thread's grad mode."""
 
     default_dtype: torch.dtype
     deterministic: bool
@@ -55,12 +38,7 @@ class ProcessSettings:
 
 
 def planning_runs_here() -> bool:
-    """Whether code running now may belong to the planning in progress: its thread, autograd's worker, or none runs.
-
-    Example:
-        >>> planning_runs_here()  # nothing plans
-        True
-    """
+    """Whether code running now may belong to the planning in progress: its thread, autograd's worker, or none runs."""
     if PLANNING_LOCK._is_owned() or torch._C._current_graph_task_id() != -1:  # type: ignore[attr-defined]
         return True
     if PLANNING_LOCK.acquire(blocking=False):  # nobody plans: hooks used on their own (tests, examples)

@@ -1,19 +1,6 @@
 """The RNG states a checkpoint keeps until backward (made in C++, unseen by MemTracker), counted on the CPU.
 
-On a GPU they are host memory, which the budget does not count.
-
-Example:
-    >>> import torch
-    >>> seen = []
-    >>> with counting_rng_states(seen.append):
-    ...     state = torch.get_rng_state()
-    >>> len(seen), seen[0] is state, torch.get_rng_state is _ORIGINAL
-    (1, True, True)
-    >>> with rng_states_count("cuda"), counting_rng_states(seen.append):
-    ...     _ = torch.get_rng_state()
-    >>> len(seen)
-    1
-"""
+On a GPU they are host memory, which the budget does not count."""
 
 from __future__ import annotations
 

@@ -28,14 +28,7 @@ __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_f
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """Peak bytes of one training step and its split by category at the peak (``reserved_bytes`` on CUDA).
-
-    Example:
-        >>> net = nn.Linear(8, 8)
-        >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum())
-        >>> m.peak_bytes >= m.parameter_bytes > 0, m.reserved_bytes
-        (True, None)
-    """
+    """Peak bytes of one training step and its split by category at the peak (``reserved_bytes`` on CUDA)."""
 
     peak_bytes: int
     parameter_bytes: int
@@ -77,14 +70,7 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 
 def is_out_of_memory(exception: BaseException) -> bool:
-    """Whether ``exception`` is a real out-of-memory error of some backend (as Accelerate recognises them).
-
-    Example:
-        >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
-        True
-        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), is_out_of_memory(ValueError("x"))
-        (True, False)
-    """
+    """Whether ``exception`` is a real out-of-memory error of some backend (as Accelerate recognises them)."""
     if isinstance(exception, MemoryError):
         return True
     oom_type = getattr(torch, "OutOfMemoryError", None)
@@ -100,11 +86,7 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
 
 def release_device_memory() -> None:
-    """Collect garbage and return cached device memory (after a failed step's ``except`` block has ended).
-
-    Example:
-        >>> release_device_memory()
-    """
+    """Collect garbage and return cached device memory (after a failed step's ``except`` block has ended)."""
     from accelerate.utils.memory import clear_device_cache
 
     clear_device_cache(garbage_collection=True)
@@ -120,12 +102,7 @@ class _FlopCount(StepWatch):
 
 
 def count_step_flops(model: nn.Module, step: Step) -> int:
-    """FLOPs of one forward and backward pass (recomputation included), counted exactly.
-
-    Example:
-        >>> count_step_flops(nn.Linear(8, 8, bias=False), lambda m: m(torch.randn(4, 8)).sum())
-        1024
-    """
+    """FLOPs of one forward and backward pass (recomputation included), counted exactly."""
     watch = _FlopCount()
     with user_hooks_suspended(model):
         run_step(model, step, watch=watch, zero_grad="after")
@@ -134,15 +111,7 @@ def count_step_flops(model: nn.Module, step: Step) -> int:
 
 @dataclass
 class RandomState:
-    """The random generators a step may draw from, restored before each profile pass so dropout replays.
-
-    Example:
-        >>> state = RandomState.capture(torch.device("cpu"))
-        >>> first = torch.rand(1)
-        >>> state.restore()
-        >>> torch.equal(torch.rand(1), first)
-        True
-    """
+    """The random generators a step may draw from, restored before each profile pass so dropout replays."""
 
     device: torch.device
     cpu: torch.Tensor
@@ -174,15 +143,7 @@ class RandomState:
 
 @contextlib.contextmanager
 def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-    """Put back gradients, buffers and RNG states after trial steps (profiling, measurement).
-
-    Example:
-        >>> bn = nn.BatchNorm1d(3)
-        >>> with preserved_training_state(bn):
-        ...     _ = bn(torch.randn(4, 3))
-        >>> int(bn.num_batches_tracked)
-        0
-    """
+    """Put back gradients, buffers and RNG states after trial steps (profiling, measurement)."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     random_state = RandomState.capture(model_device(model))

@@ -1,16 +1,6 @@
 """The one peak meter: every measured peak goes through ``PeakMeter``, so a step is measured alike everywhere.
 
-A peak is ``torch.cuda.max_memory_allocated`` on a GPU and torch's ``MemTracker`` peak on the CPU.
-
-Example:
-    >>> import torch
-    >>> from lightning_remat.runtime.measuring.runner import run_step
-    >>> net = torch.nn.Linear(8, 8)
-    >>> meter = PeakMeter(net)
-    >>> _ = run_step(net, lambda m: m(torch.randn(4, 8)).sum(), watch=meter)
-    >>> meter.peak_bytes >= 2 * (8 * 8 + 8) * 4, meter.reserved_bytes  # parameters and gradients at least
-    (True, None)
-"""
+A peak is ``torch.cuda.max_memory_allocated`` on a GPU and torch's ``MemTracker`` peak on the CPU."""
 
 from __future__ import annotations
 
@@ -92,7 +82,6 @@ class PeakMeter(Tracking):
         return final[0]
 
     def close(self) -> int:
-        """``stop()``: the peak of the window."""
         return self.stop()
 
     def abandon(self) -> None:
@@ -103,7 +92,6 @@ class PeakMeter(Tracking):
 
     @property
     def peak_bytes(self) -> int:
-        """The peak of the window (once stopped) or so far."""
         return self.peak()
 
     @property
@@ -119,14 +107,7 @@ class PeakMeter(Tracking):
 
 
 def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
-    """Bytes of the distinct storages of the model's parameters, buffers, gradients and the optimizers' state.
-
-    Example:
-        >>> net = nn.Linear(8, 8)
-        >>> net(torch.randn(2, 8)).sum().backward()
-        >>> model_state_bytes(net)  # weight and bias, and their gradients
-        576
-    """
+    """Bytes of the distinct storages of the model's parameters, buffers, gradients and the optimizers' state."""
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     tensors += [v for o in optimizer_list(optimizers) for state in o.state.values() for v in state.values()]
     # Through tensor subclasses (FSDP2's DTensor parameters) to the storages they hold, as MemTracker does.
@@ -136,15 +117,7 @@ def model_state_bytes(model: nn.Module, optimizers: Any = None) -> int:
 
 
 class PeakWindow(PeakMeter):
-    """A ``PeakMeter`` started at once, for a window opened in one hook and closed in a later one.
-
-    Example:
-        >>> net = nn.Linear(8, 8)
-        >>> window = PeakWindow(net, None)
-        >>> net(torch.randn(4, 8)).sum().backward()
-        >>> window.close() >= 2 * (8 * 8 + 8) * 4
-        True
-    """
+    """A ``PeakMeter`` started at once, for a window opened in one hook and closed in a later one."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         super().__init__(model, optimizer)

@@ -1,12 +1,4 @@
-"""Observe one plain training step: stage order, and per stage and child its time, FLOPs, bytes and ops.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)])
-    >>> seen = observe_step(net, lambda m: m(torch.randn(4, 8)).sum(), ["0", "1"])
-    >>> seen.order, seen.stats["0"].flops
-    (['0', '1'], 512)
-"""
+"""Observe one plain training step: stage order, and per stage and child its time, FLOPs, bytes and ops."""
 
 from __future__ import annotations
 
@@ -57,20 +49,13 @@ class ObservedStep:
     step_seconds: float
     step_flops: int
     step_ops: list[OpCost] = field(default_factory=list)
-    # The chain's places (``core.calls``): the stages in the order their forwards ran, a run of
-    # consecutive calls of one stage (a looped block) one place, with the number of calls in each.
-    # A stage whose calls other stages' separate (a trunk run twice) has several places.
+    # The chain's places (``core.calls``): stages in the order their forwards ran, consecutive calls one place.
     positions: list[str] = field(default_factory=list)
     position_calls: list[int] = field(default_factory=list)
 
 
 def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
-    """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place).
-
-    Example:
-        >>> positions_of(["a", "b", "b", "b", "c", "a", "b"])
-        (['a', 'b', 'c', 'a', 'b'], [1, 3, 1, 1, 1])
-    """
+    """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place)."""
     names: list[str] = []
     calls: list[int] = []
     for name in sequence:

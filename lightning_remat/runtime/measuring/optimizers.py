@@ -1,17 +1,4 @@
-"""The optimizers of a step: none, one or several, each looked through Lightning's, Fabric's, Accelerate's wrapper.
-
-Example:
-    >>> import torch
-    >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    >>> one = torch.optim.SGD(a.parameters())
-    >>> optimizer_list(None), optimizer_list(one) == [one]
-    ([], True)
-    >>> both = as_optimizers([one, torch.optim.Adam(b.parameters())])
-    >>> type(both).__name__, [type(o).__name__ for o in both]
-    ('tuple', ['SGD', 'Adam'])
-    >>> map_optimizers(both, lambda o: type(o).__name__)
-    ('SGD', 'Adam')
-"""
+"""The optimizers of a step: none, one or several, each looked through Lightning's, Fabric's, Accelerate's wrapper."""
 
 from __future__ import annotations
 
@@ -26,13 +13,7 @@ Optimizers = Union[None, torch.optim.Optimizer, tuple]
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer inside Lightning's, Fabric's and Accelerate's wrappers (itself if unwrapped).
-
-    Example:
-        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters())
-        >>> torch_optimizer(sgd) is sgd
-        True
-    """
+    """The optimizer inside Lightning's, Fabric's and Accelerate's wrappers (itself if unwrapped)."""
     while any(cls.__name__ in WRAPPERS for cls in type(optimizer).__mro__):
         inner = optimizer.__dict__.get("_optimizer", getattr(optimizer, "optimizer", None))
         if inner is None or inner is optimizer:

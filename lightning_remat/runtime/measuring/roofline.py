@@ -1,14 +1,4 @@
-"""Roofline costs: per op, ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``, so memory-bound ops are not free.
-
-Example:
-    >>> import torch
-    >>> with OpRecorder() as rec:
-    ...     _ = torch.randn(8, 16) @ torch.randn(16, 4)
-    >>> [(str(op.func), op.flops, op.bytes) for op in rec.ops if op.flops]
-    [('aten.mm.default', 1024, 896)]
-    >>> roofline_seconds(rec.ops, Peaks(1e9, 1e9)) > 0
-    True
-"""
+"""Roofline costs: per op, ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``, so memory-bound ops are not free."""
 
 from __future__ import annotations
 
@@ -47,33 +37,21 @@ class OpCost:
     bytes: int
 
     def seconds(self, peaks: Peaks) -> float:
-        """Roofline seconds of this op on ``peaks``."""
         return max(self.flops / peaks.flops_per_second, self.bytes / peaks.bytes_per_second)
 
 
 def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
-    """Sum of the ops' roofline seconds."""
     return float(sum(op.seconds(peaks) for op in ops))
 
 
 def gpu_peaks(name: str) -> Peaks:
-    """The data-sheet ceilings of a named GPU (``core.hardware.gpu``).
-
-    Example:
-        >>> gpu_peaks("H100").bytes_per_second / 1e12
-        3.35
-    """
+    """The data-sheet ceilings of a named GPU (``core.hardware.gpu``)."""
     spec = hardware.gpu(name)
     return Peaks(spec.flops(), spec.memory_bandwidth)
 
 
 def cpu_peaks() -> Peaks:
-    """The CPU's ceilings, fixed (``core.hardware``) so a profile prices the same in every process.
-
-    Example:
-        >>> cpu_peaks().flops_per_second / cpu_peaks().bytes_per_second   # FLOP per byte: the ridge point
-        6.666666666666667
-    """
+    """The CPU's ceilings, fixed (``core.hardware``) so a profile prices the same in every process."""
     return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
 
 
@@ -100,12 +78,7 @@ def measured_cpu_peaks() -> Peaks:
 
 
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
-    """The ceilings to price a profile for ``device``; a CUDA device of unknown name is priced as an H100.
-
-    Example:
-        >>> device_peaks("cuda", "a100").flops_per_second / 1e12
-        312.0
-    """
+    """The ceilings to price a profile for ``device``; a CUDA device of unknown name is priced as an H100."""
     if gpu is not None:
         return gpu_peaks(gpu)
     kind = torch.device(device).type
@@ -178,12 +151,7 @@ class OpRecorder(TorchDispatchMode):
 
 @functools.lru_cache(maxsize=None)
 def sac_seconds_per_op() -> float:
-    """What selective checkpointing's dispatch modes add per op of an eager step here, measured once per process.
-
-    Example:
-        >>> sac_seconds_per_op() >= 0.0
-        True
-    """
+    """What selective checkpointing's dispatch modes add per op of an eager step here, measured once per process."""
     from torch.utils.checkpoint import checkpoint
 
     from ..installing.sac import context_fn
@@ -215,13 +183,7 @@ TIE_SECONDS = 1e-9
 
 
 def fused_under_compile(func: Any) -> bool:
-    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op, fused into the backward kernel.
-
-    Example:
-        >>> aten = torch.ops.aten
-        >>> fused_under_compile(aten.gelu.default), fused_under_compile(aten.mm.default)
-        (True, False)
-    """
+    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op, fused into the backward kernel."""
     return torch.Tag.pointwise in getattr(func, "tags", ())
 
 

@@ -1,15 +1,6 @@
 """The one step runner: every real training step the package runs goes through ``run_step``.
 
-What varies is what watches the step (a stopwatch, a FLOP counter, the peak meter): a ``StepWatch``.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Linear(8, 8)
-    >>> watch = Stopwatch(torch.device("cpu"))
-    >>> loss = run_step(net, lambda m: m(torch.randn(4, 8)).sum(), watch=watch, zero_grad="after", read_loss=True)
-    >>> isinstance(loss, float), watch.seconds > 0, net.weight.grad is None
-    (True, True, True)
-"""
+What varies is what watches the step (a stopwatch, a FLOP counter, the peak meter): a ``StepWatch``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """Keep ``torch.compile`` from compiling while we measure: a counted ``force_eager`` stance.
 
 Dynamo marks a frame first met under a dispatch mode as skipped for good; under ``force_eager`` it looks
-at none. Counted, not nested: trackers may open and close in any order.
-
-Example:
-    >>> import torch
-    >>> with eager_stance():
-    ...     with eager_stance():
-    ...         pass
-    ...     torch._dynamo.eval_frame._stance.stance
-    'force_eager'
-    >>> torch._dynamo.eval_frame._stance.stance
-    'default'
-"""
+at none. Counted, not nested: trackers may open and close in any order."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Linear(8, 8)
-    >>> tracker = Tracker()
-    >>> tracker.track_external(net)
-    >>> with tracker:
-    ...     net(torch.randn(4, 8)).sum().backward()
-    >>> peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))
-    >>> peak["Parameter"], peak["Total"] > peak["Parameter"]
-    (288, True)
-"""
+"""Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place."""
 
 from __future__ import annotations
 
@@ -42,25 +30,12 @@ class _NoHook:
 
 
 class Tracker(MemTracker):
-    """``MemTracker`` that accepts frozen parameters (marked hooked, still counted) and counts this thread only.
-
-    Example:
-        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        >>> _ = net[0].requires_grad_(False)
-        >>> tracker = Tracker()
-        >>> tracker.track_external(net)
-        >>> with tracker:
-        ...     net(torch.randn(4, 8)).sum().backward()
-        >>> now = snapshot_by_category(tracker.get_tracker_snapshot("current"), torch.device("cpu"))
-        >>> now["Parameter"], now["Gradient"]  # both layers' parameters, the second one's gradients
-        (576, 288)
-    """
+    """``MemTracker`` that accepts frozen parameters (marked hooked, still counted) and counts this thread only."""
 
     def __init__(self) -> None:
         super().__init__()
-        # MemTracker's module hooks are global: another thread's model would be counted here or
-        # break the bookkeeping. Only calls under this tracker's dispatch mode count (this thread's
-        # and autograd's workers' for its backward, which inherit the mode).
+        # MemTracker's module hooks are global: only calls under this tracker's dispatch mode count (this
+        # thread's, and autograd's workers' for its backward, which inherit the mode).
         modules = self._mod_tracker
         pre, post = modules._fw_pre_hook, modules._fw_post_hook
         modules._fw_pre_hook = lambda *args: pre(*args) if self._watching() else None
@@ -85,13 +60,9 @@ class Tracker(MemTracker):
         self._optimizer_hook_handles = (register_optimizer_step_pre_hook(before),
                                         register_optimizer_step_post_hook(after))
 
-    # A collective's tensors are held by its work, which the process group's worker thread drops
-    # after the caller has moved on: a buffer the caller freed (FSDP2's reduce-scatter input) dies
-    # in that thread whenever it gets there, and a busy machine's peaks vary by the buffer's size.
-    # So the tracker holds them itself until the caller has dropped the work and the worker is done
-    # with it: then they die here, in the caller's order of operations, at the next operator.
-    # A fake process group's work (a fake sharded profile) is not held: nothing runs it and it
-    # holds no tensor, so a wait for it to let go would last the whole ``_WORKER_WAIT_S``.
+    # A collective's tensors die in the process group's worker thread whenever it gets there, so peaks
+    # would vary; the tracker holds them until the caller dropped the work and the worker let go, so they
+    # die here at the next operator. A fake process group's work holds nothing: not held.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._collectives:
             self._settle_collectives()
@@ -126,19 +97,16 @@ class Tracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a top-level module's second forward in one ``with`` block; a step may
-        # run several (manual optimization, a GAN's discriminator): count each like a submodule's
-        # repeated call (only per-module statistics, which nothing reads, start again).
+        # MemTracker refuses a top-level module's second forward in one ``with`` block (a GAN's step runs
+        # several): count each like a submodule's repeated call (per-module statistics start again).
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
-    # While a tracker is active, compiled code runs eagerly and nothing compiles: dynamo would mark
-    # a first call under the tracker's dispatch mode as never to compile (see stance.py).
-    # The global hooks and the patched ``UntypedStorage.resize_`` are one per process: one thread
-    # tracks at a time (exclusive.py's lock, re-entrant, held from enter to exit).
+    # Compiled code runs eagerly while tracking (stance.py); the global hooks are one per process, so
+    # one thread tracks at a time (exclusive.py's lock, held from enter to exit).
     def __enter__(self) -> "Tracker":
         PLANNING_LOCK.acquire()
         hold_eager()
@@ -163,23 +131,14 @@ class Tracker(MemTracker):
             PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct storages of ``tensors`` this tracker counts now (older tensors once an op used them).
-
-        Example:
-            >>> before, tracker = torch.ones(4), Tracker()
-            >>> with tracker:
-            ...     made = torch.zeros(2)
-            ...     tracker.counted_bytes([before, made, made[:1]])
-            8
-        """
+        """Bytes of the distinct storages of ``tensors`` this tracker counts now (older ones once an op used them)."""
         storages = {id(storage): storage.nbytes()
                     for t in tensors for storage in get_untyped_storages(t) if storage in self._WINFO}
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
-        # MemTracker's version scans every module seen for a per-module peak after every operator:
-        # time quadratic in the model's depth. Nothing here reads per-module peaks, so only the
-        # overall peak is kept.
+        # MemTracker's version scans every module after every operator (quadratic in depth); nothing
+        # here reads per-module peaks, so only the overall peak is kept.
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
@@ -204,7 +163,6 @@ def snapshot_by_category(snapshot: dict, device: torch.device) -> dict[str, int]
 
 
 def current_total(tracker: MemTracker, device: torch.device) -> int:
-    """Bytes the tracker counts on ``device`` right now."""
     return int(_device_totals(tracker._curr_mem_snap, device).get("Total", 0))
 
 
@@ -262,10 +220,8 @@ class SegmentTracker(Tracker):
         # The total when each stage's (first) forward began: what the gaps between stages released.
         self.forward_starts: dict[int, int] = {}
         self._running: dict[int, int] = {}  # module id -> the place its running forward fills
-        # Places whose forward began after every earlier place's backward (a step with several backward
-        # passes): nothing stored before them is alive (``StageProfile.fresh``). A backward counts from
-        # its start: a first block's end is not seen when its input needs no gradient, and a forward
-        # after it begins once the backward call has returned.
+        # Places whose forward began after every earlier place's backward began (several backward passes):
+        # nothing stored before them is alive (``StageProfile.fresh``).
         self.fresh: set[int] = set()
         self._backwards_begun: dict[int, int] = {}
 
@@ -340,9 +296,8 @@ class SegmentTracker(Tracker):
                 self.label = ("bw", index)
             elif self.label == ("bw", index):
                 self.label = ("gap", 0 if index in self.fresh else index)  # before a fresh place: none alive
-            # Otherwise the next stage's backward has begun already (FSDP2 puts a function of its own
-            # on each block's inputs, so the stage's end is seen after the next stage's start): the
-            # label stays with that stage, whose recompute would otherwise be counted in a gap.
+            # Otherwise the next stage's backward began already (FSDP2 sees the stage's end after it):
+            # the label stays with that stage, whose recompute would otherwise count in a gap.
             self._note()
 
 

@@ -1,15 +1,4 @@
-"""Real trial steps at a batch size with a plan applied; everything is put back, and an OOM fails the trial.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
-    >>> before = net[0][0].weight.detach().clone()
-    >>> opt = torch.optim.SGD(net.parameters(), lr=1.0)
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> trial = run_trial(net, lambda m: m(torch.randn(4, 8)).sum(), opt, 4, Plan([StageAction.recompute("0")]), 2, 10**6, 0)
-    >>> trial.fits, trial.steps, torch.equal(net[0][0].weight, before)
-    (True, 2, True)
-"""
+"""Real trial steps at a batch size with a plan applied; everything is put back, and an OOM fails the trial."""
 
 from __future__ import annotations
 
@@ -29,12 +18,7 @@ from .user_hooks import user_hooks_suspended
 
 @dataclass(frozen=True)
 class Trial:
-    """One real trial: ``steps`` training steps at ``batch_size`` with ``checkpointed`` modules recomputed.
-
-    Example:
-        >>> Trial(32, ("h.0",), 2, 1_000_000, False, True).fits
-        True
-    """
+    """One real trial: ``steps`` training steps at ``batch_size`` with ``checkpointed`` modules recomputed."""
 
     batch_size: int
     checkpointed: tuple[str, ...]
@@ -97,8 +81,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
                plan: Plan, steps_per_trial: int, budget: int, predicted: int) -> Trial:
     """``steps_per_trial`` real steps at ``batch_size`` with ``plan`` applied; everything put back after.
 
-    It fits when no step ran out of memory and the largest measured peak is within ``budget``.
-    """
+    It fits when no step ran out of memory and the largest measured peak is within ``budget``."""
     steps = 0
     peaks: list[int] = []
     oom = False

@@ -1,22 +1,7 @@
 """The user's module hooks do not see the package's own passes (profiling, fake twins, trials, predictions).
 
 They stand silenced in place, so torch still builds what they need (backward hooks' nodes hold memory).
-A hook is the user's unless it comes from one of ``LIBRARIES`` (FSDP2's) or is marked ``part_of_model``.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Linear(2, 2)
-    >>> seen = []
-    >>> def count(module, args, output):
-    ...     seen.append(output.shape)
-    >>> count.__module__ = "my_training_script"   # as a hook defined in the user's own code
-    >>> handle = net.register_forward_hook(count)
-    >>> with user_hooks_suspended(net):
-    ...     _ = net(torch.ones(1, 2))
-    >>> _ = net(torch.ones(3, 2))
-    >>> seen
-    [torch.Size([3, 2])]
-"""
+A hook is the user's unless it comes from one of ``LIBRARIES`` or is marked ``part_of_model``."""
 
 from __future__ import annotations
 
@@ -40,13 +25,7 @@ HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_b
 
 
 def hook_library(hook: Callable[..., Any]) -> str:
-    """The top-level package a hook's function is defined in ("" when unknown).
-
-    Example:
-        >>> from torch.distributed.fsdp import FSDPModule
-        >>> hook_library(FSDPModule.reshard), hook_library(functools.partial(str.upper))
-        ('torch', 'builtins')
-    """
+    """The top-level package a hook's function is defined in ("" when unknown)."""
     function: Any = hook
     while isinstance(function, functools.partial):
         function = function.func

@@ -1,15 +1,4 @@
-"""A batch's shape (``core.shapes.Shape``), and the same batch stretched to another shape (values cycled).
-
-Example:
-    >>> import torch
-    >>> batch = {"input_ids": torch.arange(12).view(2, 6), "labels": torch.arange(12).view(2, 6), "scale": 0.5}
-    >>> shape = batch_shape(batch)
-    >>> shape.batch_size, shape.seq_len, str(shape)
-    (2, 6, '2x6 {input_ids: bxs, labels: bxs}')
-    >>> wider = resize_batch(batch, Shape(3, 8))  # batch size and sequence only: the layout as it is
-    >>> wider["input_ids"].tolist(), wider["scale"]
-    ([[0, 1, 2, 3, 4, 5, 0, 1], [6, 7, 8, 9, 10, 11, 6, 7], [0, 1, 2, 3, 4, 5, 0, 1]], 0.5)
-"""
+"""A batch's shape (``core.shapes.Shape``), and the same batch stretched to another shape (values cycled)."""
 
 from __future__ import annotations
 
@@ -23,22 +12,11 @@ from ...core.shapes import BATCH, SEQUENCE, Shape
 
 
 def path_in(prefix: str, key: Any) -> str:
-    """The path of ``key`` (a key or an index) in the container at ``prefix``.
-
-    Example:
-        >>> path_in("", "input_ids"), path_in("1", "mask"), path_in("0", 2)
-        ('input_ids', '1.mask', '0.2')
-    """
     return f"{prefix}.{key}" if prefix else str(key)
 
 
 def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The tensors in a batch (nested mappings, lists, tuples) with their ``.``-joined paths, in a fixed order.
-
-    Example:
-        >>> [(path, tuple(t.shape)) for path, t in named_tensors(([torch.zeros(2)], {"y": torch.zeros(3)}, "text"))]
-        [('0.0', (2,)), ('1.y', (3,))]
-    """
+    """The tensors in a batch (nested mappings, lists, tuples) with their ``.``-joined paths, in a fixed order."""
     if isinstance(batch, torch.Tensor):
         return [(prefix, batch)]
     if isinstance(batch, Mapping):
@@ -49,12 +27,7 @@ def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
-    """The tensors in a batch (a tensor, or mappings, lists and tuples of them), in a fixed order.
-
-    Example:
-        >>> [t.shape[0] for t in batch_tensors(([torch.zeros(2)], {"y": torch.zeros(3)}, "text"))]
-        [2, 3]
-    """
+    """The tensors in a batch (a tensor, or mappings, lists and tuples of them), in a fixed order."""
     return [tensor for _, tensor in named_tensors(batch)]
 
 
@@ -78,13 +51,6 @@ def batch_shape(batch: Any) -> Shape | None:
 
     The batch size is the leading size most tensors share; the sequence length the largest second size of
     its two-dimensional *integer* tensors (token ids, masks), else 1; the layout every tensor's size by path.
-
-    Example:
-        >>> images = batch_shape((torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long)))
-        >>> images.batch_size, images.seq_len, str(images)  # images: no sequence, channels are not one
-        (4, 1, '4x1 {0: bx3x32x32, 1: b}')
-        >>> batch_shape(torch.zeros(2, 9, dtype=torch.long)), batch_shape(3) is None
-        (Shape(batch_size=2, seq_len=9), True)
     """
     named = named_tensors(batch)
     sized = [t for _, t in named if t.dim() >= 1 and t.shape[0] > 0]
@@ -102,13 +68,7 @@ def batch_shape(batch: Any) -> Shape | None:
 
 
 def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> tuple[int, ...]:
-    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with the new batch and sequence.
-
-    Example:
-        >>> images, taller = (Shape(4, 1, (("0", (BATCH, 3, side, 32)),)) for side in (32, 48))
-        >>> size_at("0", (4, 3, 32, 32), images, taller), size_at("0", (4, 3, 32, 32), images, Shape(8))
-        ((4, 3, 48, 32), (8, 3, 32, 32))
-    """
+    """The size at ``target`` of the tensor at ``path``: its layout entry, else its own with new batch and sequence."""
     if target.layout:
         return target.sizes(path)
     marked = marked_size(size, source.batch_size, source.seq_len)
@@ -116,12 +76,7 @@ def size_at(path: str, size: tuple[int, ...], source: Shape, target: Shape) -> t
 
 
 def cycled(tensor: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` at ``size`` (as many dimensions), each dimension's entries cycled or cut to it.
-
-    Example:
-        >>> cycled(torch.tensor([[1, 2], [3, 4]]), (3, 3)).tolist()
-        [[1, 2, 1], [3, 4, 3], [1, 2, 1]]
-    """
+    """``tensor`` at ``size`` (as many dimensions), each dimension's entries cycled or cut to it."""
     for dim, wanted in enumerate(size):
         if tensor.shape[dim] != wanted:
             index = torch.arange(wanted, device=tensor.device) % tensor.shape[dim]
@@ -130,12 +85,7 @@ def cycled(tensor: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
 
 
 def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str = "") -> Any:
-    """``batch`` with ``change(path, tensor)`` applied to every tensor, containers rebuilt as their own type.
-
-    Example:
-        >>> rebuilt({"a": [torch.zeros(1), 2]}, lambda path, t: path)
-        {'a': ['a.0', 2]}
-    """
+    """``batch`` with ``change(path, tensor)`` applied to every tensor, containers rebuilt as their own type."""
     if isinstance(batch, torch.Tensor):
         return change(prefix, batch)
     if isinstance(batch, Mapping):
@@ -160,10 +110,6 @@ def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
         >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
         >>> resize_batch((ids,), Shape(1, 5))[0].tolist()
         [[5, 6, 0, 5, 6]]
-        >>> images = (torch.zeros(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))
-        >>> larger = Shape(2, 1, (("0", (BATCH, 3, 12, 10)), ("1", (BATCH,))))
-        >>> [tuple(t.shape) for t in resize_batch(images, larger)]
-        [(2, 3, 12, 10), (2,)]
     """
     source = source or batch_shape(batch)
     if source is None or source == shape:

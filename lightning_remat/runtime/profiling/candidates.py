@@ -108,13 +108,8 @@ def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]
 
     Example:
         >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
-        >>> find_stages(blocks)
-        ['0', '1', '2']
-        >>> find_stages(blocks, candidates="*.0")
-        ['0.0', '1.0', '2.0']
-        >>> import torch
-        >>> find_stages(torch.compile(blocks))  # names of the uncompiled model
-        ['0', '1', '2']
+        >>> find_stages(blocks), find_stages(blocks, candidates="*.0")
+        (['0', '1', '2'], ['0.0', '1.0', '2.0'])
     """
     # Names are the uncompiled model's, as profile_step and apply_plan use them.
     with uncompiled(model) as plain:

@@ -1,20 +1,7 @@
 """Inputs a recomputed stage keeps alive that would otherwise be freed: a term of its stored bytes.
 
 A checkpoint holds its forward's arguments to its backward; some would be freed otherwise (a frozen
-embedding's output under LoRA). Counted in the recomputed stage's own stored bytes, the model stays
-additive; a tensor several stages hold may be over-counted but is never missed.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    >>> _ = net[0].requires_grad_(False)
-    >>> dead = {"0": {"0"}, "1": set()}  # what DeadInputs finds on this net (its example)
-    >>> with HeldInputs(net, ["0", "1"], dead, recomputed=["0", "1"]) as held:
-    ...     _ = net(torch.randn(4, 8))
-    >>> held.bytes  # recomputed, net[0] would keep its input (4 x 8 floats) to its backward
-    [128, 0]
-"""
+embedding's output under LoRA). Counted in the stage's own stored bytes, so the model stays additive."""
 
 from __future__ import annotations
 
@@ -56,19 +43,7 @@ def _ident(tensor: torch.Tensor) -> int:
 class DeadInputs:
     """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward.
 
-    Enter it around the forward and call ``check()`` before backward.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-        >>> _ = net[0].requires_grad_(False)
-        >>> with DeadInputs(net, ["0", "1"]) as finder:
-        ...     loss = net(torch.randn(4, 8)).sum()
-        ...     _ = finder.check()
-        >>> finder.dead  # net[0] is frozen: nothing saves its input; net[1] saves its own for its weight's gradient
-        {'0': {'0'}, '1': set()}
-    """
+    Enter it around the forward and call ``check()`` before backward."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
         self.model, self.order = model, list(dict.fromkeys(order))
@@ -119,17 +94,7 @@ class DeadInputs:
 
 
 class HeldInputs:
-    """During a memory run, the bytes of the dead arguments each recomputed stage (or recomputed child) receives.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-        >>> with HeldInputs(net, ["0", "1"], {"0": {"0"}, "1": set()}, recomputed=["0"]) as held:
-        ...     _ = net(torch.randn(4, 8))
-        >>> held.bytes, held.exclusive
-        ([128, 0], [128, 0])
-    """
+    """During a memory run, the bytes of the dead arguments each recomputed stage (or recomputed child) receives."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str],
                  calls: Sequence[int] | None = None):

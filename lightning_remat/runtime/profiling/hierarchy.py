@@ -1,18 +1,7 @@
 """Blocks planned whole or through their children: the stages below the automatic candidates.
 
 A candidate whose forward only chains modules of its own (a CNN stage) may be planned through them, to
-``MAX_DEPTH`` levels; the DP chooses block by block. A block that does more (a residual add) stays whole.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> def block():
-    ...     return nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    >>> net = nn.Sequential(nn.Sequential(block(), block()), nn.Sequential(block(), block()))
-    >>> found = expand(net, lambda m: m(torch.ones(2, 4)).sum(), ["0", "1"])
-    >>> found.stages, found.blocks
-    (['0.0', '0.1', '1.0', '1.1'], (('0', ('0.0', '0.1')), ('1', ('1.0', '1.1'))))
-"""
+``MAX_DEPTH`` levels; the DP chooses block by block. A block that does more (a residual add) stays whole."""
 
 from __future__ import annotations
 
@@ -23,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..installing.segments import recorded_calls
-from ..installing.segments import qualifies
+from ..installing.segments import qualifies, recorded_calls
+from .candidates import _is_block
 
 # Levels below an automatic candidate, and stages in all: the DP's time grows with the stages (and
 # the spans they allow), the memory runs' not at all.
@@ -34,12 +23,7 @@ MAX_STAGES = 256
 
 @dataclass
 class Hierarchy:
-    """The stages at the deepest level reached, the blocks expanded (each with its stages), the calls recorded.
-
-    Example:
-        >>> Hierarchy(["a", "b"]).blocks   # what candidates given by hand get: nothing expanded
-        ()
-    """
+    """The stages at the deepest level reached, the blocks expanded (each with its stages), the calls recorded."""
 
     stages: list[str]
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -47,13 +31,7 @@ class Hierarchy:
 
 
 def sub_modules(model: nn.Module, name: str) -> list[str]:
-    """The modules a block's forward may chain: its children, lists and Sequentials of blocks flattened, no Identity.
-
-    Example:
-        >>> net = nn.Sequential(nn.Sequential(nn.Identity(), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])))
-        >>> sub_modules(net, "0")
-        ['0.1.0', '0.1.1']
-    """
+    """The modules a block's forward may chain: its children, lists and Sequentials of blocks flattened, no Identity."""
     found: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -70,10 +48,6 @@ def sub_modules(model: nn.Module, name: str) -> list[str]:
 
     visit(name, model.get_submodule(name))
     return found
-
-
-def _is_block(module: nn.Module) -> bool:
-    return len(list(module.children())) >= 2
 
 
 def _one_argument(module: nn.Module) -> bool:
@@ -132,14 +106,7 @@ def chains(block: str, subs: Sequence[str], calls: dict[str, list]) -> bool:
 
 def expand(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
            replay: Callable[[], None] = lambda: None) -> Hierarchy:
-    """``stages`` planned through their children where their forward chains them (``replay`` runs first).
-
-    Example:
-        >>> stack = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(2)])
-        >>> net = nn.Sequential(stack, nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
-        >>> expand(net, lambda m: m(torch.ones(1, 2)).sum(), ["0", "1"]).stages  # "1" holds single layers
-        ['0.0', '0.1', '1']
-    """
+    """``stages`` planned through their children where their forward chains them (``replay`` runs first)."""
     candidates = _subtree(model, stages)
     if not candidates:
         return Hierarchy(list(stages))

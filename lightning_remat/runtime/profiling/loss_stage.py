@@ -1,15 +1,7 @@
 """A causal LM's head and its loss as the last stage of the profile (``chunk_loss=True``).
 
 The gap they run in becomes a stage with options ``"keep"`` and ``"chunks:k"``, measured once per chunk
-count, so the DP chooses the chunks; one FLOP per chunk makes fewer chunks win at an equal peak.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment
-    >>> profile = Profile((), (Segment("between stages (0 stored)", 0, 900),), baseline_step_flops=100)
-    >>> head = with_head_stage(profile, HeadFigures("lm_head", 0, 50, 900, {8: 300}))
-    >>> [(o.name, o.local_peak_bytes) for o in head.stages[0].options], head.segments
-    ([('keep', 900), ('chunks:8', 300)], ())
-"""
+count; one FLOP per chunk makes fewer chunks win at an equal peak."""
 
 from __future__ import annotations
 
@@ -66,7 +58,15 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
 
 
 def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_second: float = 0.0) -> Profile:
-    """``profile`` with the head's gap made a stage after the layers; unchanged without figures."""
+    """``profile`` with the head's gap made a stage after the layers; unchanged without figures.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment
+        >>> profile = Profile((), (Segment("between stages (0 stored)", 0, 900),), baseline_step_flops=100)
+        >>> head = with_head_stage(profile, HeadFigures("lm_head", 0, 50, 900, {8: 300}))
+        >>> [(o.name, o.local_peak_bytes) for o in head.stages[0].options], head.segments
+        ([('keep', 900), ('chunks:8', 300)], ())
+    """
     # The last gap: all stages alive (stages that did not run are in the chain by now).
     gap = next((s for s in profile.segments if figures is not None and s.stages_alive == len(profile.stages)
                 and s.name != "optimizer step"), None)

@@ -51,15 +51,12 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
                 offload_inputs: bool = False) -> MemoryRun:
-    # ``order``: the chain's places (a module may stand at several), ``calls`` the calls at each.
-    # ``dead``: the arguments a kept stage frees early (held_inputs.py; filled by a run with nothing
-    # recomputed). ``chunked``: heads computing their loss over that many chunks (loss_stage.py).
-    # ``offload_inputs``: the recomputed modules' checkpoint inputs go to the host (input_offload.py).
+    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``chunked``:
+    # loss_stage.py; ``offload_inputs``: input_offload.py.
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
-        # A later micro-batch of an accumulation window: every gradient exists from the start
-        # (backward then accumulates into it).
+        # A later micro-batch of an accumulation window: every gradient exists from the start.
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -101,25 +98,21 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     for s in stored:
         prefix.append(prefix[-1] + s)
     if any(held.bytes):
-        # A recomputed stage stores, besides what its forward leaves, the inputs its checkpoint
-        # keeps alive that a kept stage would have freed (held_inputs.py): the model stays
-        # additive. The later terms are taken net of the bytes only this stage holds.
+        # A recomputed stage also stores the inputs its checkpoint keeps alive (held_inputs.py); the
+        # later terms are taken net of the bytes only this stage holds.
         exclusive = held.exclusive
         prefix = [0]
         for i in range(n):
             prefix.append(prefix[-1] + stored[i] + exclusive[i])
         stored = [s + h for s, h in zip(stored, held.bytes)]
-    # Not clamped at zero: a figure below what the stages before it store is real where they free
-    # some of it later (FSDP2 reshards the unsharded parameters a stage's stored bytes count), and
-    # the memory model stays exact with it (a clamp would overstate a large sharded model: docs/sharded.md).
+    # Not clamped at zero: stages may free some stored bytes later (FSDP2 reshards), docs/sharded.md.
     local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
     static_now = sum(now.get(k, 0) for k in ("Gradient", "Parameter", "Buffer", "Optstate"))
     model.zero_grad(set_to_none=True)
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return MemoryRun(
-        # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not (the
-        # batch already on the device, library workspaces); elsewhere it is the tracker's own.
+        # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not.
         stored=stored, local=local, segments=segments, peak=peak,
         untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),

@@ -1,12 +1,4 @@
-"""The optimizer's step measured on fake copies under ``FakeTensorMode``: its state and its temporaries.
-
-Example:
-    >>> import torch
-    >>> net = torch.nn.Linear(64, 64)
-    >>> cost = optimizer_step_cost(torch.optim.Adam(net.parameters()))
-    >>> cost.state_bytes >= 2 * (64 * 64 + 64) * 4, cost.step_peak_bytes >= cost.state_bytes  # exp_avg, exp_avg_sq, step
-    (True, True)
-"""
+"""The optimizer's step measured on fake copies under ``FakeTensorMode``: its state and its temporaries."""
 
 from __future__ import annotations
 
@@ -63,19 +55,7 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
     """Run ``optimizer``'s step on fake copies and count what it allocates.
 
     ``device``: where the real step runs (its default implementation is measured); ``setting``: param-group
-    keys set first (``{"fused": True}``). Several optimizers step one after the other.
-
-    Example:
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
-        >>> loop = optimizer_step_cost(torch.optim.Adam(net.parameters()), "cpu")
-        >>> batched = optimizer_step_cost(torch.optim.Adam(net.parameters()), "cuda")
-        >>> batched.step_peak_bytes > loop.step_peak_bytes, batched.state_bytes == loop.state_bytes
-        (True, True)
-        >>> halves = net[:4].parameters(), net[4:].parameters()
-        >>> two = optimizer_step_cost([torch.optim.Adam(halves[0]), torch.optim.Adam(halves[1])], "cpu")
-        >>> two.state_bytes == loop.state_bytes == two.created_state_bytes, two.step_peak_bytes <= loop.step_peak_bytes
-        (True, True)
-    """
+    keys set first (``{"fused": True}``). Several optimizers step one after the other."""
     optimizers = optimizer_list(optimizer)
     if not optimizers:
         return OptimizerStepCost()
@@ -132,14 +112,7 @@ def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimize
 
 def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                                 device: str | torch.device | None = None) -> dict[str, int]:
-    """Per optimizer setting not used yet (``fused=True``, ``foreach=False``) and runnable, the step's peak change.
-
-    Example:
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
-        >>> alternatives = optimizer_step_alternatives(torch.optim.AdamW(net.parameters()), "cuda")
-        >>> sorted(alternatives), alternatives["foreach=False"] < 0
-        (['foreach=False', 'fused=True'], True)
-    """
+    """Per optimizer setting not used yet (``fused=True``, ``foreach=False``) and runnable, the step's peak change."""
     optimizers = optimizer_list(optimizer)
     if not optimizers:
         return {}
@@ -205,15 +178,9 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
                                         mode: Any = None,
                                         in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
                                         ) -> MeasuredOnRead:
-    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before);
-    ``in_depth(measure)``, where given and not None, measures it on a stack's shallow copies instead.
+    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before).
 
-    Example:
-        >>> net = torch.nn.Linear(64, 64)
-        >>> later = optimizer_step_alternatives_on_read(torch.optim.AdamW(net.parameters()), "cuda")
-        >>> later == optimizer_step_alternatives(torch.optim.AdamW(net.parameters()), "cuda")
-        True
-    """
+    ``in_depth(measure)``, where given and not None, measures it on a stack's shallow copies instead."""
     def measure() -> dict[str, int]:
         with mode if mode is not None else contextlib.nullcontext():
             # A stack of identical layers: its 4- and 5-layer copies' optimizers, on a line in depth.

@@ -1,12 +1,4 @@
-"""Adjustments to a measured profile for what the profile could not see; each says so in the profile's notes.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 50),))
-    >>> with_always_alive(p, 10, "ten more bytes").stages[0].options[0].local_peak_bytes
-    160
-"""
+"""Adjustments to a measured profile for what the profile could not see; each says so in the profile's notes."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N (fake profiles only).
 
-Every term is linear in where a stage sits; this module cuts the shallow copies and profiles them with
-ballast; the fit is ``core.depth_fit.extrapolate``.
-
-Example:
-    >>> import transformers, torch
-    >>> config = transformers.LlamaConfig(num_hidden_layers=12, hidden_size=64, intermediate_size=128,
-    ...                                   num_attention_heads=4, vocab_size=128)
-    >>> with torch.device("meta"):
-    ...     model = transformers.LlamaForCausalLM(config)
-    >>> stack = repeated_stack(model, None)
-    >>> stack.prefix, stack.layers
-    ('model.layers', 12)
+This module cuts the shallow copies and profiles them with ballast; the fit is ``core.depth_fit.extrapolate``.
 """
 
 from __future__ import annotations
@@ -40,27 +29,19 @@ ProfileRun = Callable[[nn.Module, "torch.optim.Optimizer | None", "Callable | No
 
 @dataclass(frozen=True)
 class RepeatedStack:
-    """The model's stages are the ``layers`` interchangeable children of the ``ModuleList`` at ``prefix``.
-
-    Example:
-        >>> RepeatedStack("transformer.h", 48).stage(3)
-        'transformer.h.3'
-    """
+    """The model's stages are the ``layers`` interchangeable children of the ``ModuleList`` at ``prefix``."""
 
     prefix: str
     layers: int
 
     def stage(self, index: int) -> str:
-        """The name of layer ``index``."""
         return f"{self.prefix}.{index}"
 
 
 def repeated_stack(model: nn.Module, candidates: Any) -> RepeatedStack | None:
-    """The model's stack of interchangeable layers, or None when its stages are not one.
+    """The model's stack of interchangeable layers (at least ``MIN_LAYERS``), or None when its stages are not one.
 
-    Every child of one ``nn.ModuleList``, at least ``MIN_LAYERS``, alike but for a layer's own index; a
-    config with per-layer settings that differ is refused.
-    """
+    Layers may differ only in their own index; a config with per-layer settings that differ is refused."""
     try:
         names = find_stages(model, candidates)
     except RematError:
@@ -124,13 +105,7 @@ def _config_items(config: Any) -> dict[str, Any]:
 
 
 def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
-    """A shallow copy of ``model`` with the first ``layers`` layers of ``stack`` (and its config cut to match).
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU())] * 12))
-        >>> len(truncated(net, RepeatedStack("1", 12), 4)[1]), len(net[1])
-        (4, 12)
-    """
+    """A shallow copy of ``model`` with the first ``layers`` layers of ``stack`` (and its config cut to match)."""
     twin = _shallow_module_copy(model)
     parent = twin.get_submodule(stack.prefix)
     object.__setattr__(parent, "_modules", {str(i): parent._modules[str(i)] for i in range(layers)})
@@ -190,9 +165,9 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 def alternatives_in_depth(model: nn.Module, optimizer: Any, options: ProfileOptions,
                           measure: Callable[[Any], dict[str, int]]) -> dict[str, int] | None:
-    """``measure(optimizer)`` (the optimizer-step alternatives) of the whole stack, from its 4- and
-    5-layer copies' optimizers on a line in depth, as the rest of a repeated profile; None where the
-    model is not such a stack. Measuring the whole optimizer of a 32-layer 7B took a quarter of its plan.
+    """``measure(optimizer)`` of the whole stack from its 4- and 5-layer copies' optimizers, on a line in depth.
+
+    None where the model is not such a stack.
 
     Example:
         >>> import transformers
@@ -241,14 +216,7 @@ class _Ballast(torch.autograd.Function):
 
 
 def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
-    """``step`` whose forward or backward pass (``phase``) holds ``nbytes`` more, to tell a peak's two figures apart.
-
-    Example:
-        >>> net = nn.Linear(4, 4)
-        >>> loss = with_ballast(lambda m: m(torch.ones(2, 4)).sum(), 1000, "backward")(net)
-        >>> loss.backward(); net.weight.grad.shape
-        torch.Size([4, 4])
-    """
+    """``step`` whose forward or backward pass (``phase``) holds ``nbytes`` more, to tell a peak's two figures apart."""
     if phase not in ("forward", "backward"):
         raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
 

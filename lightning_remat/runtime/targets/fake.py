@@ -1,13 +1,4 @@
-"""Plan without the hardware: run the profiled step on fake tensors (shapes, dtypes, devices, no storage).
-
-Example:
-    >>> import torch
-    >>> with torch.device("meta"):
-    ...     net = torch.nn.Linear(4096, 4096)   # 64 MiB of weights, never allocated
-    >>> fake = fake_model(net, new_fake_mode())
-    >>> is_fake(fake.weight), fake.weight.device.type
-    (True, 'cpu')
-"""
+"""Plan without the hardware: run the profiled step on fake tensors (shapes, dtypes, devices, no storage)."""
 
 from __future__ import annotations
 
@@ -36,12 +27,7 @@ GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
 
 
 def gpu_peak_flops(name: str) -> float:
-    """Peak dense FLOP/s of a named GPU (case-insensitive; ``core.hardware.gpu``).
-
-    Example:
-        >>> gpu_peak_flops("H100") / 1e12
-        989.0
-    """
+    """Peak dense FLOP/s of a named GPU (case-insensitive; ``core.hardware.gpu``)."""
     return hardware.gpu(name).flops()
 
 
@@ -51,12 +37,10 @@ def new_fake_mode() -> FakeTensorMode:
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (no storage)."""
     return isinstance(tensor, FakeTensor)
 
 
 def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
-    """The fake mode the model's tensors belong to, if it was built under one."""
     for tensor in [*model.parameters(), *model.buffers()]:
         if isinstance(tensor, FakeTensor):
             return tensor.fake_mode
@@ -66,14 +50,7 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``model`` (real, meta or fake) whose parameters and buffers are fake CPU tensors.
 
-    The model is left as it was; tied parameters stay tied. ``dtype`` casts floating-point tensors.
-
-    Example:
-        >>> real = torch.nn.Linear(2, 2)
-        >>> fake = fake_model(real, new_fake_mode(), dtype=torch.bfloat16)
-        >>> fake is not real, fake.weight.dtype, real.weight.dtype
-        (True, torch.bfloat16, torch.float32)
-    """
+    The model is left as it was; tied parameters stay tied. ``dtype`` casts floating-point tensors."""
     model = _shallow_module_copy(model)
     memo: dict[int, torch.Tensor] = {}
 
@@ -102,24 +79,14 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
 
 
 def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fake CPU tensor of ``mode`` with the shape, strides and dtype of ``t`` (real, meta or fake).
-
-    Example:
-        >>> fake_like(new_fake_mode(), torch.zeros(2, 3)).shape
-        torch.Size([2, 3])
-    """
+    """A fake CPU tensor of ``mode`` with the shape, strides and dtype of ``t`` (real, meta or fake)."""
     t = local_shard(t)
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor`` (what its optimizer allocates state for); any other tensor as it is.
-
-    Example:
-        >>> local_shard(torch.zeros(2)).shape
-        torch.Size([2])
-    """
+    """This rank's shard of a ``DTensor`` (what its optimizer allocates state for); any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
 
@@ -137,15 +104,7 @@ def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
                     mode: FakeTensorMode) -> torch.optim.Optimizer:
-    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state.
-
-    Example:
-        >>> mode = new_fake_mode()
-        >>> p = torch.nn.Parameter(torch.zeros(3))
-        >>> twin = clone_optimizer(torch.optim.Adam([p], lr=0.1), {id(p): fake_model(torch.nn.Linear(3, 1), mode).weight}, mode)
-        >>> type(twin).__name__, twin.param_groups[0]["lr"]
-        ('Adam', 0.1)
-    """
+    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state."""
     optimizer = torch_optimizer(optimizer)
     groups = []
     for group in optimizer.param_groups:
@@ -172,9 +131,8 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
     def copy_module(module: nn.Module) -> nn.Module:
         if id(module) not in copies:
             twin = copy.copy(module)
-            # copy.copy goes through __getstate__, which may drop a LightningModule's trainer: the
-            # twin refers to all its module does except the installation, which a twin sharing it
-            # would uninstall.
+            # copy.copy may drop a LightningModule's trainer (__getstate__): the twin refers to all its
+            # module does, except the installation, which a twin sharing it would uninstall.
             cls, state = without_installation(module, ours)
             for key in [k for k in module.__dict__ if k not in state]:
                 twin.__dict__.pop(key, None)

@@ -1,17 +1,7 @@
 """Attention as a CUDA GPU runs it, on the fake CPU tensors of a profile planned for one.
 
 With dropout the CPU saves SDPA's quadratic matrices, a GPU's fused kernel only output, log-sum-exp and
-seed: ``cuda_attention()`` routes such calls to the kernel CUDA would pick.
-
-Example:
-    >>> import torch
-    >>> from lightning_remat.runtime.targets.fake import new_fake_mode
-    >>> with new_fake_mode(), cuda_attention():
-    ...     q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
-    ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
-    >>> out.shape
-    torch.Size([1, 2, 16, 8])
-"""
+seed: ``cuda_attention()`` routes such calls to the kernel CUDA would pick."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""Mixture-of-Experts layers on fake tensors: grouped matmuls in every dtype, experts in fixed shapes.
-
-Example:
-    >>> import torch
-    >>> from lightning_remat.runtime.targets.fake import new_fake_mode
-    >>> with new_fake_mode(), grouped_mm_in_every_dtype():
-    ...     tokens, experts = torch.empty(10, 8), torch.empty(4, 8, 16)
-    ...     out = torch.nn.functional.grouped_mm(tokens, experts, offs=torch.tensor([3, 5, 8, 10], dtype=torch.int32))
-    >>> out.shape, out.dtype
-    (torch.Size([10, 16]), torch.float32)
-"""
+"""Mixture-of-Experts layers on fake tensors: grouped matmuls in every dtype, experts in fixed shapes."""
 
 from __future__ import annotations
 
@@ -71,7 +61,16 @@ def _is_grouped_mm(func: Any) -> bool:
 
 @contextlib.contextmanager
 def grouped_mm_in_every_dtype() -> Iterator[None]:
-    """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype."""
+    """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype.
+
+    Example:
+        >>> from lightning_remat.runtime.targets.fake import new_fake_mode
+        >>> with new_fake_mode(), grouped_mm_in_every_dtype():
+        ...     tokens, experts = torch.empty(10, 8), torch.empty(4, 8, 16)
+        ...     out = torch.nn.functional.grouped_mm(tokens, experts, offs=torch.tensor([3, 5, 8, 10], dtype=torch.int32))
+        >>> out.shape, out.dtype
+        (torch.Size([10, 16]), torch.float32)
+    """
     from torch._subclasses import fake_impls
 
     entry = (_is_grouped_mm, _grouped_mm_any_dtype)

@@ -1,20 +1,7 @@
 """Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
 
 The fake twin is sharded with ``fully_shard`` over a fake process group of N ranks, so FSDP2's own code
-allocates what rank 0 of a real run holds (``docs/sharded.md``).
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
-    >>> mode = new_fake_mode()
-    >>> net = fake_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mode)
-    >>> with fake_process_group(4) as mesh:
-    ...     shard_model(net, ["0", "1"], mesh, mode)
-    ...     local = [p._local_tensor.shape for p in net.parameters()]
-    >>> local[0], torch.distributed.is_initialized()  # the fake group is gone
-    (torch.Size([2, 8]), False)
-"""
+allocates what rank 0 of a real run holds (``docs/sharded.md``)."""
 
 from __future__ import annotations
 
@@ -29,10 +16,7 @@ from ...core.errors import ShardingError
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[object]:
-    """A default process group of ``world_size`` fake ranks and a CPU mesh; destroyed on exit.
-
-    Raises ``ShardingError`` when a process group exists already (it would replace the user's).
-    """
+    """A process group of ``world_size`` fake ranks and a CPU mesh, gone on exit; ``ShardingError`` if one exists."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -119,9 +103,11 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
         return
     from ..profiling.candidates import find_stages
 
+    from .fake import _shallow_module_copy
+
     info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
-    model = _own_module_copy(model)
+    model = _shallow_module_copy(model)
 
     units = find_stages(model, candidates)
     with fake_process_group(world_size) as mesh:
@@ -149,13 +135,6 @@ def sharding_info(model: nn.Module, world_size: int, candidates: object, param_d
         "param_dtype": str(param_dtype or stored).replace("torch.", ""),
         "padded_parameters": len(uneven_parameters(model, world_size)),
     }
-
-
-def _own_module_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree (tensors shared) with its own hook dicts and no plan of ours."""
-    from .fake import _shallow_module_copy
-
-    return _shallow_module_copy(model)
 
 
 def sharding_note(info: dict) -> str:
