@@ -1,12 +1,8 @@
 """The exact solver: least recompute cost subject to a predicted peak within the budget.
 
-Every constraint of the memory model reads the bytes stored by the stages before some point, so a
-dynamic programme over stages with state "bytes stored so far" and value "least cost so far" is
-exact. It keeps the Pareto frontier of (stored bytes, cost) pairs rather than a byte grid: fewer
-stored bytes never hurt a later constraint, so only dominated pairs are dropped.
-
-``budget="min"`` solves the memory-only objective of Hong et al. / Feng & Huang with the same
-frontier over (stored bytes, peak so far), then the least-cost plan at that peak.
+A dynamic programme over stages keeps the Pareto frontier of (bytes stored so far, cost so far): fewer stored
+bytes never hurt a later constraint, so it is exact. ``budget="min"`` uses the same frontier over (stored bytes,
+peak so far), then takes the least-cost plan at that peak.
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
-# Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes and
-# the point that stores least: plans stay feasible (constraints use exact bytes), optimal within one
-# band (1/MAX_FRONTIER of the range). Chains of a few dozen stages stay below it.
+# Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes (and the
+# one that stores least): plans stay feasible, optimal within one band (1/MAX_FRONTIER of the range).
 MAX_FRONTIER = 1_000
 
 
@@ -166,12 +161,7 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
 
 @dataclass
 class Solution:
-    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each.
-
-    Example:
-        >>> Solution([0, 1], []).spans
-        []
-    """
+    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each."""
 
     choices: list[int]
     spans: list[tuple[int, int]]
@@ -194,17 +184,8 @@ def least_peak(profile: Profile) -> int:
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans.
-
-    Raises BudgetTooSmallError when nothing fits.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> opts = (StageOption("keep", (), 12, 15, 0.0, 0), StageOption("whole", (), 10, 20, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 5),),
-        ...             span_groups=(("a", "b", "c"),))
-        >>> solve_segmentation(p, "min", "flops").spans   # peak 30; every stage alone: 40
-        [(0, 1)]
+    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans, or
+    BudgetTooSmallError.
     """
     check_cost_kind(cost)
     arrays = _arrays(profile, cost)
@@ -306,14 +287,8 @@ def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
                                requested_budget: str = "", note: str = "") -> Plan:
-    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole.
-
-    Nothing is predicted (the predicted figures are None); ``budget_bytes`` is None for ``"min"``.
-
-    Example:
-        >>> plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
-        >>> plan.fallback, plan.checkpointed, plan.budget_bytes, plan.predicted_peak_bytes
-        (True, ['h.0', 'h.1'], None, None)
+    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole, nothing
+    predicted.
     """
     return Plan(actions=[StageAction.recompute(s) for s in stages],
                 budget_bytes=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
@@ -327,7 +302,7 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
 
     Args:
         budget: anything ``parse_budget`` accepts; ``"min"``: the least peak, then the least cost.
-        cost: a ``CostKind``: ``"time"``, ``"flops"`` or ``"roofline"``.
+        cost: ``"time"``, ``"flops"`` or ``"roofline"``.
 
     Raises:
         BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
@@ -335,10 +310,9 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
         >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, 2.0, 9)))
-        >>> profile = Profile((StageProfile("a", (keep, whole)), b), (Segment("head", 2, 50),),
-        ...                   baseline_peak_bytes=250, baseline_step_seconds=10.0)
+        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, 1.0, 5)))
+        >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_step_seconds=10.0)
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
     """
