@@ -28,10 +28,6 @@ class GpuSpec:
     Attributes:
         peak_flops: dense tensor-core FLOP/s per dtype name ("bf16", "fp16"; "fp16" only without bfloat16).
         host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
-
-    Example:
-        >>> gpu("v100").flops(), gpu("v100").flops("fp16")
-        (125000000000000.0, 125000000000000.0)
     """
 
     name: str
@@ -73,10 +69,8 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 )})
 
 
-# Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
-# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
-# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
-# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
+# Host memory one GPU of a typical node has for offloading, bytes (the node's memory over its GPUs): the
+# default of fake planning's ``host_memory``, the target's, not this machine's.
 HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
     ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
     ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
@@ -84,24 +78,12 @@ HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, g
 
 
 def host_memory(name: str) -> int:
-    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes.
-
-    Example:
-        >>> host_memory("H100") // 2**30
-        256
-    """
+    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes."""
     return HOST_MEMORY[gpu(name).name]
 
 
 def gpu(name: str) -> GpuSpec:
-    """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie").
-
-    Example:
-        >>> gpu("h1000")
-        Traceback (most recent call last):
-        ...
-        ValueError: unknown GPU 'h1000'; known: a10, a100, a10g, b200, gh200, h100, h100-pcie, h200, l4, l40s, mi300x, rtx3090, rtx4090, t4, v100
-    """
+    """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie")."""
     key = name.strip().lower()
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")

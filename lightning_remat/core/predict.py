@@ -55,14 +55,7 @@ def _does(option: StageOption, action: StageAction) -> bool:
 
 
 def option_index(stage: StageProfile, action: StageAction) -> int:
-    """The index of ``stage``'s option that does what ``action`` says (not for segment actions).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption
-        >>> s = StageProfile("a", (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("attn", ("a.attn",), 1, 1, 0.0, 0)))
-        >>> option_index(s, StageAction.recompute("a", ["a.attn"]))
-        1
-    """
+    """The index of ``stage``'s option that does what ``action`` says (not for segment actions)."""
     for j, option in enumerate(stage.options):
         if _does(option, action):
             return j
@@ -70,10 +63,8 @@ def option_index(stage: StageProfile, action: StageAction) -> int:
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept).
-
-    Actions for every stage in order are read by position (a synthetic profile may repeat a name).
-    Raises ValueError for an action on a stage the profile lacks, or an option it does not offer.
+    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept); actions
+    for every stage in order are read by position. ValueError for a stage or option the profile lacks.
     """
     names = [s.name for s in profile.stages]
     # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
@@ -124,15 +115,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
 
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
-    """One action per stage for option indices ``choices`` and ``spans``; a block's span is one action.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> opts = (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("whole", (), 0, 1, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in ("b.0", "b.1", "c")), (), blocks=(("b", ("b.0", "b.1")),))
-        >>> [a.stage for a in actions_of(p, [0, 0, 1], [(0, 1)])]
-        ['b', 'c']
-    """
+    """One action per stage for option indices ``choices`` and ``spans``; a block's span is one action."""
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     check_tied(profile, choices)
