@@ -1,10 +1,4 @@
-"""The pure core (no torch): memory model, exact solver, plans, budgets, profile fits, errors.
-
-Example:
-    >>> from lightning_remat.core import parse_budget
-    >>> parse_budget("1KiB")
-    1024
-"""
+"""The pure core (no torch): memory model, exact solver, plans, budgets, profile fits, errors."""
 
 from .budget import Budget, format_bytes, parse_budget
 from .config import ProfileOptions, RematConfig, check_cost_kind

@@ -1,12 +1,7 @@
 """Every fixed byte allowance the package adds to a profile, named, with what it stands for.
 
-An allowance covers memory alive through a step that no profile can see, because code outside the
-profiled ``step(model)`` owns it; it is added to every term of the memory model. The figures are
-rounded up to whole blocks of the CUDA caching allocator (512 bytes), with room.
-
-Example:
-    >>> ALLOWANCES["lightning_loop"] == LIGHTNING_LOOP_ALLOWANCE == 1024
-    True
+An allowance covers memory alive through a step that code outside the profiled ``step(model)`` owns; it is
+added to every term of the memory model, rounded up to whole CUDA allocator blocks (512 bytes), with room.
 """
 
 from __future__ import annotations
