@@ -87,7 +87,6 @@ class ProfileFit:
         return self.profiles[-1].static_bytes
 
     def at(self, batch_size: int) -> Profile:
-        """The profile predicted for ``batch_size``."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         low = self.profiles[0]

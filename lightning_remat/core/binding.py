@@ -50,7 +50,6 @@ class Binding:
         return max(parts, key=lambda k: parts[k])
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``Binding.from_dict`` rebuilds it."""
         return {**asdict(self), "advice": dict(self.advice or {}), "largest": self.largest}
 
     @classmethod

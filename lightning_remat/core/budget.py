@@ -83,7 +83,6 @@ class Budget:
 
     @property
     def is_min(self) -> bool:
-        """The memory-minimal plan was asked for."""
         return self.nbytes is None and self.fraction is None
 
     @classmethod

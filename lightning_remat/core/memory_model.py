@@ -49,7 +49,6 @@ class StageOption:
     held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
-        """Recompute cost of this option in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
@@ -138,7 +137,6 @@ class Profile:
         return self.baseline_peak_bytes - self.static_bytes
 
     def baseline_cost(self, kind: str) -> float:
-        """Cost of one training step without recomputation, in the unit of ``kind``."""
         return cost_of(kind, self.baseline_step_seconds, self.baseline_step_flops, self.baseline_step_roofline)
 
     def with_baseline(self) -> "Profile":
@@ -146,13 +144,11 @@ class Profile:
         return replace(self, baseline_peak_bytes=predict_peak(self, [0] * len(self.stages)))
 
     def with_gap_figures(self, figures: dict[str, Any] | None) -> "Profile":
-        """This profile with each gap's figures per memory run (``gap_figures``)."""
         profile = replace(self)
         object.__setattr__(profile, "gap_figures", figures)  # not an __init__ argument: see the field
         return profile
 
     def noted(self, *notes: str) -> "Profile":
-        """This profile with ``notes`` added after its own."""
         return replace(self, notes=(*self.notes, *notes))
 
     def to_dict(self) -> dict[str, Any]:

@@ -23,7 +23,6 @@ OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
 
 
 def is_offload(option_name: str) -> bool:
-    """Whether an option name is one of the offload options."""
     return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
 
 
@@ -85,16 +84,6 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
 
     While a plan offloads too much, the largest offloaded stages lose their offload options and the profile is
     solved again (within the host's memory, not always the cheapest such plan); ``RematError`` if nothing fits.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 100, 0.0, 0)
-        >>> off = StageOption("offload", (), 0, 100, 0.1, 1, offloaded=("a",), host_bytes=100)
-        >>> whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
-        >>> p = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
-        >>> from lightning_remat.core.solve import solve
-        >>> solve_within_host(p, 50, lambda q: solve(q, 130)).checkpointed
-        ['a']
     """
     from .errors import BudgetTooSmallError, RematError
     from .budget import format_bytes

@@ -140,7 +140,6 @@ class Plan:
 
     @property
     def stages(self) -> tuple[str, ...]:
-        """The stages the actions are for, in the plan's order."""
         return tuple(a.stage for a in self.actions)
 
     @property

@@ -1,17 +1,5 @@
-"""A plan as plain text, the one way it is written everywhere (no rich, no torch).
-
-``Plan.summary()`` is this text; ``report.render`` shows the same lines in a rich table.
-
-Example:
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
-    ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
-    >>> print(plan_text(plan))  # doctest: +NORMALIZE_WHITESPACE
-    Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
-      stage  option  stored (keep)  stored (plan)  recompute cost
-      -----  ------  -------------  -------------  --------------
-      h.0    whole               -              -               -
-      memory: parameters 0 B, optimizer state 0 B, gradients 0 B by the end of backward; the rest of the predicted peak, 1024.00 MiB, is activations, temporaries and the gradients alive at that point
+"""A plan as plain text, the one way it is written everywhere (no rich, no torch): ``Plan.summary()`` is
+this text; ``report.render`` shows the same lines in a rich table.
 """
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ class Quantity:
 
     @property
     def derived(self) -> bool:
-        """Whether the figure is computed from the rest of its node, not combined."""
         return self.derive is not None
 
     def coerce(self, value: float) -> int | float:
@@ -148,12 +147,7 @@ def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
 
 
 def terms(owner: type) -> tuple[Term, ...]:
-    """The numeric fields of ``owner``, in declaration order.
-
-    Example:
-        >>> [t.name for t in terms(Segment)]
-        ['peak_bytes']
-    """
+    """The numeric fields of ``owner``, in declaration order."""
     return tuple(term for _, term, _ in _layout(owner) if term is not None)
 
 
@@ -163,12 +157,7 @@ def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
 
 
 def largest(term: Term, values: Sequence[Any]) -> Any:
-    """The combiner of the rank merge: the largest value of the inputs that have the field.
-
-    Example:
-        >>> largest(terms(Segment)[0], [50, None, 60])
-        60
-    """
+    """The combiner of the rank merge: the largest value of the inputs that have the field."""
     return max(v for v in values if v is not None)
 
 

@@ -171,7 +171,6 @@ class ShapeFit:
                                  f"{[s.name for s in profile.stages]} vs {names}")
 
     def with_node(self, shape: Shape, profile: Profile) -> "ShapeFit":
-        """This fit with one more node."""
         return ShapeFit({**self.nodes, shape: profile}, self.anchor)
 
     def bounded(self, shape: Shape) -> bool:

@@ -68,7 +68,6 @@ class Shape:
 
     @property
     def tokens(self) -> int:
-        """Batch size times sequence length."""
         return self.batch_size * self.seq_len
 
     @property

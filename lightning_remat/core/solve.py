@@ -168,15 +168,7 @@ class Solution:
 
 
 def least_peak(profile: Profile) -> int:
-    """The smallest peak any plan reaches under the memory model.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
-        160
-    """
+    """The smallest peak any plan reaches under the memory model."""
     if is_tied(profile):
         return exact_peak(profile, tied_dp(profile, None, "flops"))
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
@@ -217,16 +209,7 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """The Plan for given option indices and spans, priced by ``predict.predict``.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),), (), baseline_peak_bytes=150, baseline_step_seconds=10.0)
-        >>> plan_from_choices(p, [1], 200).checkpointed
-        ['a']
-    """
+    """The Plan for given option indices and spans, priced by ``predict.predict``."""
     kind = check_cost_kind(cost)
     actions = actions_of(profile, choices, spans)
     predicted = predict(profile, actions, kind)

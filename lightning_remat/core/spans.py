@@ -29,7 +29,6 @@ class SpanOption:
     cost_roofline: float = 0.0
 
     def cost(self, kind: str) -> float:
-        """Recompute cost in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 

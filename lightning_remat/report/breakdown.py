@@ -58,7 +58,6 @@ class MemoryBreakdown:
         return self.parameter_bytes + self.buffer_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict."""
         data = asdict(self)
         data["static_bytes"] = self.static_bytes
         return data

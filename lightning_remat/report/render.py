@@ -75,12 +75,10 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
 
 
 def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    """The plan as plain text (``Plan.summary()``)."""
     return plan_text(plan, title)
 
 
 def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:
-    """Print the plan with rich."""
     print_renderables(plan_renderables(plan, title), console)
 
 
@@ -177,7 +175,6 @@ def breakdown_modules_table(breakdown: Any) -> Any:
 
 
 def breakdown_renderables(breakdown: Any) -> list[Any]:
-    """Both breakdown tables and the notes."""
     items: list[Any] = [breakdown_table(breakdown)]
     if breakdown.top_modules:
         items.append(breakdown_modules_table(breakdown))

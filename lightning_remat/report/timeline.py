@@ -30,7 +30,6 @@ class MemoryTimeline:
 
     @property
     def peak_bytes(self) -> int:
-        """The highest point of the timeline."""
         return max(self.bytes_after_op, default=0)
 
     def to_dict(self) -> dict[str, Any]:
