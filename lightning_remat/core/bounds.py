@@ -8,16 +8,13 @@ from typing import Any
 
 from .budget import Budget
 
-# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20)
-# fails at once instead of running for ever, or overflowing a C integer deep inside torch.
+# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20) fails at once.
 MAX_WARMUP = 1_000
 MAX_STEPS = 100_000  # profile_steps, accumulation_steps
 MAX_WORLD_SIZE = 65_536
-# The least device memory a target may have: below it not even a toy model's step fits (and 0 or
-# "1KB" are typos), so it is refused rather than planned for.
+# The least device memory a target may have: below it not even a toy model's step fits (0 or "1KB": typos).
 MIN_DEVICE_MEMORY = 2**20
-# torch's device types (``torch._C._get_privateuse1_backend_name`` aside), so that the core, which
-# imports no torch, refuses ``device="banana"`` as the setting it is.
+# torch's device types, so that the core (no torch) refuses ``device="banana"`` as the setting it is.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "lazy", "ipu", "hip", "ve", "fpga",
                 "maia", "vulkan", "mkldnn", "opengl", "opencl", "ideep", "privateuseone", "npu")
 

@@ -17,12 +17,10 @@ from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
-# Counted FLOPs: the same plan on every run and every machine, the only cost a fake profile has
-# without a GPU named, and the one the batch-size search fits across batch sizes.
+# Counted FLOPs: the same plan on every run and machine, and the one cost a fake profile without a GPU has.
 DEFAULT_COST = CostKind.FLOPS.value
 DTYPES = ("bfloat16", "float16", "float32")
-# Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
-# state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
+# Lightning's names for what a fake profile can model: storage dtype and autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
 def check_cost_kind(kind: Any) -> CostKind:
     """The ``CostKind`` that ``kind`` (``"time"``, ``"flops"`` or ``"roofline"``) names, else a ValueError."""

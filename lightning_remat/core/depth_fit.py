@@ -1,9 +1,8 @@
 """The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
 
-A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``);
-the higher of two lines is not a line, so each copy is profiled with ballast held through forward,
-then through backward, and each figure is extrapolated alone. The form is checked on the measured
-layers: a misfit makes ``extrapolate`` return None, and the caller profiles every layer.
+A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``), so
+each copy is profiled with ballast held through forward, then backward, and each figure extrapolated alone;
+a misfit on the measured layers makes ``extrapolate`` return None (the caller profiles every layer).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     a, b = DEPTHS
     # Stages after the layers (a causal LM's head and loss, ``chunk_loss``) are the same at both depths.
     tails = [s.name for s in forward[0].stages[a:]]
-    # Inputs several layers hold are counted in every holder, as the additive model does: what
-    # counts them once is read from figures the ballast changes (core.shared_held).
+    # Shared inputs counted in every holder (additive): counting once reads figures the ballast changes.
     forward, backward = tuple(map(without_shared, forward)), tuple(map(without_shared, backward))
     for p, q, n in zip(forward, backward, DEPTHS):
         names = [s.name for s in p.stages]

@@ -15,8 +15,7 @@ from typing import Any, Callable, Sequence
 
 from .profile_algebra import Term
 
-# The two depths profiled. Five points on the middle layers (two in the first, three in the
-# second) check the three-term linear form.
+# The two depths profiled: five points on the middle layers (two, then three) check the three-term linear form.
 DEPTHS = (4, 5)
 
 
@@ -102,8 +101,7 @@ def pair_figures(up: int, down: int, ballast: int) -> Pair:
     """
 
     def lifted(value: int) -> int | None:
-        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
-        # (FSDP2 frees unsharded parameters the stored bytes count).
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative (FSDP2).
         return value - ballast if value >= ballast // 2 else None
 
     forward, backward = lifted(up), lifted(down)

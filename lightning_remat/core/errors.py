@@ -39,8 +39,7 @@ class RematError(Exception):
         self.args = (f"{self.args[0]} {hint}" if self.args else hint, *self.args[1:])
 
     def __reduce__(self) -> tuple:
-        # Rebuilt from the message and fields, not from the constructor's arguments, so that a
-        # hint added on one rank reaches the others.
+        # Rebuilt from the message and fields, so that a hint added on one rank reaches the others.
         return (_rebuild, (type(self), str(self.args[0]) if self.args else "", dict(self.__dict__)))
 
 

@@ -1,9 +1,4 @@
-"""The GPUs the package knows (data-sheet FLOP/s, memory and host-link bandwidth), and a lookup by name.
-
-Example:
-    >>> match_gpu("NVIDIA H100 80GB HBM3"), match_gpu("NVIDIA H100 PCIe"), match_gpu("NVIDIA A10G"), match_gpu("Quadro")
-    ('h100', 'h100-pcie', 'a10g', None)
-"""
+"""The GPUs the package knows (data-sheet FLOP/s, memory and host-link bandwidth), and a lookup by name."""
 
 from __future__ import annotations
 
@@ -14,9 +9,8 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
-# The CPU's ceilings for the roofline cost: fixed, not measured, so the same profile gives the same
-# plan on every machine. Only their ratio (the ridge point) changes a plan; the figures are one CI
-# core's, rounded (docs/roofline.md).
+# The CPU's roofline ceilings: fixed, so a profile gives the same plan on every machine; only their ratio (the
+# ridge point) changes a plan (docs/roofline.md).
 CPU_FLOPS = 200e9
 CPU_MEMORY_BANDWIDTH = 30e9
 

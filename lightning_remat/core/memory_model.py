@@ -42,9 +42,8 @@ class StageOption:
     chunks: int = 0
     # Recomputed with its checkpoint's input on the host ("whole+offload-input"): ``host_bytes`` is that input.
     input_offloaded: bool = False
-    # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes): part of
-    # ``stored_bytes``, alive once however many hold them (``core.shared_held``); ``held_before``:
-    # those an earlier stage held in this option's run, which ``local_peak_bytes`` counts.
+    # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes), alive once however many hold them
+    # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
 
@@ -122,8 +121,7 @@ class Profile:
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
     # The profiled model's parameter shapes and count: ``apply_plan`` refuses the plan on other shapes.
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    # Each gap's figures per memory run, for the depth extrapolation only: not compared, saved, nor
-    # carried by ``dataclasses.replace`` (a changed profile's runs are not those figures' runs).
+    # Each gap's figures per memory run, for the depth fit only: not compared, saved, nor carried by ``replace``.
     gap_figures: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property

@@ -38,8 +38,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
     """``profile`` with its offload options priced at ``bandwidth`` and their in-flight bytes bounded."""
     stages = list(profile.stages)
     n = len(stages)
-    # A prefetched stage (all but the last) has all its tensors back when its backward starts: its
-    # local peak is at least keep's, plus what host copies add (storages sent more than once).
+    # A prefetched stage (all but the last) has its tensors back when its backward starts: at least keep's peak.
     for i, stage in enumerate(stages[:-1]):
         keep = stage.options[0]
         stages[i] = replace(stage, options=tuple(

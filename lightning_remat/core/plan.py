@@ -81,8 +81,7 @@ class Plan:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     sharding: dict[str, Any] = field(default_factory=dict)
     host_bytes: int = 0
-    # Derived from the profile, as the predicted figures are, but a description of them: a plan
-    # saved before it existed (or sent without it) is the same plan.
+    # A description of the predicted figures: a plan saved before it existed (or sent without it) is the same plan.
     binding: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

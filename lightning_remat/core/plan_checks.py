@@ -42,8 +42,7 @@ def check_bytes(field: str, value: Any, optional: bool = False) -> None:
 def _check_overhead(value: Any) -> None:
     if value is None or _is_nan(value):
         return
-    # No sign required: a cost measured in seconds is a difference of timings, and a plan saved with
-    # one slightly below zero must still load.
+    # No sign required: a cost in seconds is a difference of timings, and may be slightly below zero.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanFormatError("predicted_overhead", value, "a finite number (or null)")
 

@@ -84,8 +84,7 @@ def plan_lines(plan: Any) -> list[str]:
     if plan.predicted_peak_bytes is not None and plan.sharding:
         lines.append(sharded_memory_line(plan))
     elif plan.predicted_peak_bytes is not None:
-        # Gradients exist only from some point of backward on, so the rest of the peak is not
-        # split between them and activations: it is said as what it is.
+        # Gradients exist only from some point of backward on: the rest of the peak is said as what it is.
         held = plan.parameter_bytes + plan.optimizer_state_bytes
         lines.append(
             f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "

@@ -1,17 +1,7 @@
 """The one predictor: a plan's peak, recompute cost and host bytes, read from its actions.
 
-Each action is matched to the profile's option that does it, and priced with the memory model.
-``actions_of`` goes the other way: the actions of the option indices and spans the solver finds.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
-    >>> from lightning_remat.core.plan import StageAction
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    >>> def stage(n):
-    ...     return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, 1.0, 5)))
-    >>> p = Profile((stage("a"), stage("b")), (Segment("head", 2, 50),), baseline_step_flops=20)
-    >>> predict(p, [StageAction.recompute("a"), StageAction.keep("b")], "flops")
-    Prediction(peak_bytes=160, cost=5.0, overhead=0.25, host_bytes=0)
+Each action is matched to the profile's option that does it, and priced with the memory model;
+``actions_of`` goes the other way, from the solver's option indices and spans.
 """
 
 from __future__ import annotations
@@ -107,8 +97,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     extra = plan_cost_spans(profile, choices, kind, spans)
     baseline = profile.baseline_cost(kind)
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
-    # The peak counts an input several recomputed stages' checkpoints hold once (core.shared_held);
-    # the term that binds is read from the same formula's terms, which count it in every holder.
+    # The peak counts a shared input once (core.shared_held); the binding term is read from the additive terms.
     term = binding_term(peak_terms_spans(profile, choices, spans))
     return Prediction(peak_bytes=int(exact_peak(profile, choices, spans)), cost=float(extra),
                       overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host), binding=term)

@@ -88,8 +88,7 @@ class Missing(Enum):
     KEEP = "keep"  # combined from the inputs that have it (the combiner sees None for the others)
 
 
-# Nodes that hold others, by the type of the children: the fields that line a child up across the
-# inputs (None: by position) and what becomes of one that some inputs lack.
+# Nodes that hold others, by child type: the fields that line a child up (None: by position), and a missing one.
 _CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
     # Stages by position: every job checks that the inputs have the same stages.
     StageProfile: (None, Missing.REFUSE),

@@ -10,8 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Collection, Iterable
 
-# Markers in a layout's sizes: the batch dimension and the sequence dimension, which the shape's
-# batch size and sequence length give (and the fit interpolates over).
+# Markers in a layout's sizes for the batch and sequence dimensions (the shape's batch size and sequence length).
 BATCH, SEQUENCE = -1, -2
 _MARKS = {BATCH: "b", SEQUENCE: "s"}
 

@@ -39,8 +39,7 @@ def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
         if world_size <= 1 or not isinstance(error.budget_bytes, int):
             raise
         sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
-        # Only what is surely alive at the least peak is taken to shrink: parameters and optimizer
-        # state (gradients may not all exist yet there), so the estimate errs towards more GPUs.
+        # Only parameters and optimizer state surely shrink (gradients may not exist yet): errs towards more GPUs.
         shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
         raise ShardedBudgetTooSmallError(
             error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,

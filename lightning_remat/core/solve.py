@@ -35,8 +35,7 @@ class _Arrays:
     local: np.ndarray  # [stage, option] local peak bytes
     cost: np.ndarray  # [stage, option]
     segment_peak: np.ndarray  # [k] the largest segment peak with k stages alive, -inf if none
-    # [stage] how many options it has: the rows beyond are padding (not a -1 in ``stored``, which a
-    # sharded stage's real figure can be).
+    # [stage] how many options it has: the rows beyond are padding (not marked by -1: a sharded stage's real figure).
     options: np.ndarray = None  # type: ignore[assignment]
     # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
     fresh: np.ndarray = None  # type: ignore[assignment]
@@ -53,8 +52,7 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
             stored[i, j] = option.stored_bytes
             local[i, j] = option.local_peak_bytes
             cost[i, j] = option.cost(kind)
-    # "No segment here": far below any figure, yet far enough from int64's least that adding stored
-    # bytes below zero (a sharded stage's) does not wrap around to a huge peak.
+    # "No segment here": far below any figure, yet far enough from int64's least that no sum wraps around.
     segment_peak = np.full(n + 1, -(2**62), dtype=np.int64)
     for segment in profile.segments:
         if not 0 <= segment.stages_alive <= n:
@@ -75,8 +73,7 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
         stored = first[keep].astype(np.float64)
         span = stored[-1] - stored[0]
         band = np.floor((stored - stored[0]) * (MAX_FRONTIER / span)).astype(np.int64) if span > 0 else np.zeros(len(keep), np.int64)
-        # Along the frontier the second coordinate falls as the first grows: the last point of a
-        # band is its cheapest.
+        # Along the frontier the second coordinate falls as the first grows: a band's last point is its cheapest.
         last_of_band = np.append(band[1:] != band[:-1], True)
         last_of_band[0] = True  # and the point that stores least, which keeps tight budgets feasible
         keep = keep[last_of_band]
@@ -299,8 +296,7 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
     """
-    # A size is taken as given (the integrations check it against the device): the solver also serves
-    # synthetic profiles and devices that are not here.
+    # A size is taken as given (the integrations check it against the device): synthetic profiles, remote devices.
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     found = solve_segmentation(profile, parsed, cost)

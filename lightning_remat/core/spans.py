@@ -149,8 +149,7 @@ def _group_rows(profile: Profile, max_length: int | None) -> Iterator[tuple[int,
                 keep = profile.stages[last].options[0]
                 if last in inner:
                     local = max(local, inner[last] + held)
-                # "local" stays the max over the stages so far as kept stages; the last one's term
-                # is taken apart because the span's last stage runs as it does recomputed alone.
+                # "local": the max over the stages so far as kept; the last one's term apart (it runs recomputed alone).
                 last_term = _last_term(profile, last, held)
                 if last + 1 in inner:
                     last_term = max(last_term, _recompute_end(inner[last + 1], held, wholes[last].stored_bytes))
