@@ -22,9 +22,6 @@ DEFAULT_COST = CostKind.FLOPS.value
 DTYPES = ("bfloat16", "float16", "float32")
 # Lightning's names for what a fake profile can model: storage dtype and autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
-def check_cost_kind(kind: Any) -> CostKind:
-    """The ``CostKind`` that ``kind`` (``"time"``, ``"flops"`` or ``"roofline"``) names, else a ValueError."""
-    return CostKind.check(kind)
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
@@ -202,7 +199,7 @@ class RematConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        object.__setattr__(self, "cost", check_cost_kind(self.cost))
+        object.__setattr__(self, "cost", CostKind.check(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
 

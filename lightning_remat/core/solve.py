@@ -15,14 +15,13 @@ import numpy as np
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
 from .calls import is_tied, solve_tied, tied_dp
-from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
-from .vocabulary import OPTION_NAMES, OptionKind, cost_of
+from .vocabulary import OPTION_NAMES, CostKind, OptionKind, cost_of
 
 # Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes (and the
 # one that stores least): plans stay feasible, optimal within one band (1/MAX_FRONTIER of the range).
@@ -176,7 +175,7 @@ def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") 
     """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans, or
     BudgetTooSmallError.
     """
-    check_cost_kind(cost)
+    CostKind.check(cost)
     arrays = _arrays(profile, cost)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
@@ -207,7 +206,7 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
     """The Plan for given option indices and spans, priced by ``predict.predict``."""
-    kind = check_cost_kind(cost)
+    kind = CostKind.check(cost)
     actions = actions_of(profile, choices, spans)
     predicted = predict(profile, actions, kind)
     stage_choices = []
@@ -273,7 +272,7 @@ def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: s
     return Plan(actions=[StageAction.recompute(s) for s in stages],
                 budget_bytes=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
                 baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,
-                cost_kind=check_cost_kind(cost), requested_budget=requested_budget or str(budget),
+                cost_kind=CostKind.check(cost), requested_budget=requested_budget or str(budget),
                 notes=[note] if note else [])
 
 
