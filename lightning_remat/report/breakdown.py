@@ -8,7 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.memory_model import Profile
+from ..core.binding import OPTIMIZER_SEGMENT, describe
+from ..core.memory_model import Profile, binding_term, peak_terms
 from ..core.plan import Plan
 from ..runtime.measuring.measure import model_device
 from ..runtime.measuring.tracking import snapshot_by_category
@@ -69,18 +70,56 @@ class MemoryBreakdown:
         print_renderables(breakdown_renderables(self), console)
 
 
+_MODELLED = ("nothing was measured: the split at the peak is the memory model's, and its temporaries include the "
+             "gradients alive then")
+
+
+def modelled_split(profile: Profile) -> dict[str, int]:
+    """The forward/backward peak of ``profile`` with nothing recomputed, split as the memory model sees it.
+
+    Static memory by kind, the activations stored before the binding term (``Activation``) and the term's
+    own bytes (its activations, temporaries and the gradients alive then: ``Temp``); they sum to the peak.
+
+    Example:
+        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
+        >>> modelled_split(p)
+        {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}
+    """
+    terms = [t for t in peak_terms(profile, [0] * len(profile.stages))
+             if not (t.kind == "segment" and profile.segments[t.index].name == OPTIMIZER_SEGMENT)]
+    term = binding_term(terms)
+    if term is None:
+        return {}
+    found = describe(profile, term)
+    static = {"Parameter": profile.parameter_bytes, "Buffer": profile.buffer_bytes,
+              "Optstate": profile.optimizer_state_bytes}
+    left = found.static_bytes  # ``describe`` caps static memory at the term's own bytes
+    for key, nbytes in static.items():
+        static[key] = min(nbytes, left)
+        left -= static[key]
+    return {**static, "Activation": found.stored_bytes, "Temp": found.own_bytes}
+
+
+def _stored_by_forward(profile: Profile) -> int:
+    return max((t.stored_bytes for t in peak_terms(profile, [0] * len(profile.stages))), default=0)
+
+
 def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | None = None,
                            counted_ahead: bool = False, top: int = 10) -> MemoryBreakdown:
     """Build a ``MemoryBreakdown`` from a profile and (optionally) the category split of a measured peak."""
     # MemTracker's "Total" is dropped: the parts' sum is the one total, so the split always adds up.
-    at_peak = {k: int(v) for k, v in (tracker_totals or {}).items() if k != "Total"}
+    measured = tracker_totals is not None
+    at_peak = {k: int(v) for k, v in (tracker_totals if measured else modelled_split(profile)).items() if k != "Total"}
     saved_total = sum(s.saved_bytes for s in profile.stages)
     ranked = sorted(profile.stages, key=lambda s: s.saved_bytes, reverse=True)[:top]
     modules = [ModuleMemory(s.name, s.module_type, int(s.saved_bytes), s.saved_bytes / saved_total if saved_total else 0.0)
                for s in ranked]
-    activation = int(at_peak.get("Activation", 0))
+    # Measured: the activations alive at the peak. Modelled: all that forward stores (alive at its end).
+    activation = int(at_peak.get("Activation", 0)) if measured else _stored_by_forward(profile)
     temporary = int(at_peak.get("Temp", 0))
-    if counted_ahead and at_peak:
+    if counted_ahead and measured and at_peak:
         # The state does not exist yet while this step runs; in every later step it does.
         at_peak["Optstate"] = at_peak.get("Optstate", 0) + profile.optimizer_state_bytes
     fw_bw_peak = sum(at_peak.values())
@@ -89,7 +128,8 @@ def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | No
         gradient_bytes=profile.gradient_bytes, optimizer_state_bytes=profile.optimizer_state_bytes,
         optimizer_state_counted_ahead=counted_ahead, activation_bytes=activation, temporary_bytes=temporary,
         at_peak=at_peak, forward_backward_peak_bytes=fw_bw_peak, peak_bytes=profile.baseline_peak_bytes,
-        saved_activation_bytes=int(saved_total), top_modules=modules, device=profile.device, notes=list(profile.notes),
+        saved_activation_bytes=int(saved_total), top_modules=modules, device=profile.device,
+        notes=list(profile.notes) + ([] if measured or not at_peak else [_MODELLED]),
     )
 
 

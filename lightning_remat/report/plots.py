@@ -27,9 +27,12 @@ class ParetoPoint:
 
 
 def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> list[ParetoPoint]:
-    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak."""
+    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak
+    (budgets that round to the same byte are one point).
+    """
     low, high = least_peak(profile), max(profile.baseline_peak_bytes, least_peak(profile))
-    budgets = [low] if points <= 1 else [int(round(low + (high - low) * k / (points - 1))) for k in range(points)]
+    # One row per distinct budget: where recomputation cannot lower the peak (low == high) that is one row.
+    budgets = sorted({low} if points <= 1 else {int(round(low + (high - low) * k / (points - 1))) for k in range(points)})
     sweep = []
     for budget in budgets:
         try:
