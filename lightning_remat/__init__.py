@@ -1,9 +1,6 @@
 """lightning-remat: keep a training step under a memory budget with the least recomputation.
 
-Layers, imports pointing down only (docs/architecture.md): ``core`` (the memory model, solver and
-plans; no torch) <- ``runtime`` (profiling, installing) <- ``report`` <- ``service`` (planning,
-``plan_remat``, the batch-size search) <- ``integrations`` (Lightning, Accelerate, the HF
-``Trainer``, the command line). Names that need torch are imported on first use, so
+Layers and modules: docs/architecture.md. Names that need torch are imported on first use, so
 ``import lightning_remat`` stays cheap.
 
 Example:

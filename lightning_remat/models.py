@@ -1,13 +1,5 @@
-"""Small real model definitions (transformers configs, random weights) for examples, tests and benchmarks.
-
-Nothing is downloaded: every model is built from a config with random weights, and the batches
-are synthetic. Each factory returns a ``ModelCase``: the model in training mode, a ``step(model)``
-that returns the loss on a fixed batch, and a name.
-
-Example:
-    >>> case = build("mlp")
-    >>> float(case.step(case.model)) > 0
-    True
+"""Small real model definitions (transformers configs, random weights, synthetic batches: nothing is
+downloaded) for examples, tests and benchmarks; each factory returns a ``ModelCase``.
 """
 
 from __future__ import annotations
@@ -25,13 +17,7 @@ CNN_NAMES = ("convnext", "tv_resnet")
 
 @dataclass
 class ModelCase:
-    """A model, a training step on a fixed synthetic batch, and what it is.
-
-    Example:
-        >>> case = build("mlp", batch_size=2)
-        >>> case.name, case.batch_size
-        ('mlp', 2)
-    """
+    """A model, a training step on a fixed synthetic batch, and what it is."""
 
     name: str
     model: nn.Module
@@ -86,10 +72,7 @@ def vit(batch_size: int = 4, image_size: int = 64, layers: int = 4, hidden: int 
 
 
 def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> ModelCase:
-    """ResNet-50 (the published depths 3-4-6-3 with bottlenecks and BatchNorm) on random images.
-
-    ``width`` divides the channel counts, for quicker tests; 1 is the real ResNet-50.
-    """
+    """ResNet-50 (depths 3-4-6-3, bottlenecks, BatchNorm) on random images; ``width`` divides the channel counts."""
     import transformers
 
     _quiet_transformers()
@@ -120,12 +103,7 @@ def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] 
 
 
 class Bottleneck(nn.Module):
-    """torchvision's bottleneck block, written out here: torchvision is not a dependency.
-
-    Example:
-        >>> Bottleneck(16, 4)(torch.randn(1, 16, 8, 8)).shape
-        torch.Size([1, 16, 8, 8])
-    """
+    """torchvision's bottleneck block, written out here: torchvision is not a dependency."""
 
     expansion = 4
 
@@ -148,10 +126,6 @@ class Bottleneck(nn.Module):
 class TorchvisionResNet(nn.Module):
     """torchvision's ResNet layout: a loose stem on the root (``conv1``, ``bn1``, ``relu``,
     ``maxpool``), ``layer1``..``layer4`` Sequentials of ``Bottleneck`` blocks, ``avgpool``, ``fc``.
-
-    Example:
-        >>> [name for name, _ in TorchvisionResNet((1, 1, 1, 1), width=16).named_children()][:4]
-        ['conv1', 'bn1', 'relu', 'maxpool']
     """
 
     def __init__(self, depths: tuple[int, ...] = (3, 4, 6, 3), width: int = 1, num_classes: int = 10):
@@ -232,11 +206,9 @@ def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
 
 def padded_batches(steps: int = 12, batch_size: int = 4, min_len: int = 32, max_len: int = 128,
                    longest_at: int | None = 8, vocab: int = 128, pad_id: int = 0, seed: int = 0) -> list[dict]:
-    """Batches of random token ids padded to the longest sequence of each batch (dynamic padding, as
-    transformers' ``DataCollatorWithPadding`` makes them): ``input_ids``, ``attention_mask`` (0 on
-    padding) and ``labels`` (-100 on padding). Each batch's longest sequence is drawn from
-    ``[min_len, max_len)`` (the others from ``[min_len, longest]``), except at step ``longest_at``
-    (None: never), whose longest sequence has ``max_len`` tokens: the longest batch arrives there first.
+    """Batches of random token ids padded to each batch's longest sequence (as ``DataCollatorWithPadding``):
+    ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding). The longest sequence is drawn from
+    ``[min_len, max_len)``, except at step ``longest_at`` (None: never), where it has ``max_len`` tokens.
 
     Example:
         >>> batches = padded_batches(steps=3, longest_at=2)

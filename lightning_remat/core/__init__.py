@@ -1,13 +1,7 @@
-"""The pure core (no torch): memory model, exact solver, plans, budgets, profile fits, errors.
-
-Example:
-    >>> from lightning_remat.core import parse_budget
-    >>> parse_budget("1KiB")
-    1024
-"""
+"""The pure core (no torch): memory model, exact solver, plans, budgets, profile fits, errors."""
 
 from .budget import Budget, format_bytes, parse_budget
-from .config import ProfileOptions, RematConfig, check_cost_kind
+from .config import ProfileOptions, RematConfig
 from .errors import RematError
 from .memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
 from .plan import Plan, StageAction, StageChoice
@@ -17,5 +11,5 @@ from .vocabulary import Action, CostKind, OptionKind, Policy, Precision
 
 __all__ = ["Action", "Budget", "CostKind", "OptionKind", "Plan", "Policy", "Precision", "Prediction", "Profile",
            "ProfileOptions", "RematConfig", "RematError", "Segment", "StageAction", "StageChoice", "StageOption",
-           "StageProfile", "check_cost_kind", "format_bytes", "least_peak", "parse_budget", "plan_cost",
+           "StageProfile", "format_bytes", "least_peak", "parse_budget", "plan_cost",
            "plan_from_choices", "predict", "predict_peak", "solve", "solve_recompute_everything"]

@@ -1,10 +1,5 @@
-"""What a plan does with one stage: a typed action (``StageAction``), and the rules that make a
-set of actions installable together (``check_actions``): each behaviour contributes its own
-(``add_rule``), as each contributes its wrapper to the installer (``runtime.installing.records``).
-
-Example:
-    >>> StageAction.in_segment("1", ["0", "1", "2"]).segment
-    ('0', '1', '2')
+"""What a plan does with one stage (``StageAction``), and the rules that make a set of actions installable
+together (``check_actions``): each behaviour contributes its own (``add_rule``).
 """
 
 from __future__ import annotations
@@ -22,33 +17,18 @@ class StageAction:
 
     Attributes:
         stage: the stage's module name (as in ``model.named_modules()``).
-        action: ``Action.KEEP``, ``RECOMPUTE``, ``SEGMENT`` or ``OFFLOAD`` (or their strings).
-        modules: with ``RECOMPUTE``, the modules whose forward runs again in backward: the stage
-            itself (the default) or some of its children (``("h.0.attn",)``).
-        policy: with ``RECOMPUTE``, the op-level selective-checkpointing policy the recompute runs
-            under (a ``Policy`` or its name); None recomputes the whole forward.
-        segment: with ``SEGMENT``, every stage of the segment in order, this one among them: items
-            of one ``nn.Sequential`` recomputed as one checkpoint.
+        action: ``Action.KEEP``, ``RECOMPUTE``, ``SEGMENT``, ``OFFLOAD`` or ``CHUNK`` (or their strings).
+        modules: with ``RECOMPUTE``, the modules whose forward runs again: the stage (default) or some children.
+        policy: with ``RECOMPUTE``, the selective-checkpointing policy of the recompute; None: the whole forward.
+        segment: with ``SEGMENT``, every stage of the segment in order (items of one ``nn.Sequential``).
         offload_limit: with ``OFFLOAD``, the bytes offloaded at most per forward call; None: all.
-        chunks: with ``CHUNK`` (the stage is a causal LM's head with its loss), the number of
-            sequence chunks the projection and the cross-entropy run over, each recomputed in backward
-            (``runtime.installing.chunked_loss``).
-        offload_input: with ``RECOMPUTE``, the input each recomputed module's checkpoint keeps goes
-            to host memory, and comes back for its recompute (``runtime.installing.input_offload``).
-        extra: settings of behaviours registered outside the package, by behaviour name (a
-            ``Mapping``, kept as sorted pairs; ``runtime.installing.records.register``).
+        chunks: with ``CHUNK`` (a causal LM's head with its loss), the number of sequence chunks.
+        offload_input: with ``RECOMPUTE``, each recomputed module's checkpoint input goes to host memory.
+        extra: settings of behaviours registered outside the package, by behaviour name.
 
     Example:
-        >>> StageAction.recompute("h.0", policy="save_matmuls").modules
-        ('h.0',)
         >>> StageAction.from_dict(StageAction.offload("h.1", limit=2**20).to_dict())
         StageAction(stage='h.1', action=<Action.OFFLOAD: 'offload'>, modules=(), policy=None, segment=(), offload_limit=1048576, chunks=None, offload_input=False, extra=())
-        >>> StageAction.chunk("lm_head", 8).chunks
-        8
-        >>> StageAction("h.0", "keep", policy="save_matmuls")
-        Traceback (most recent call last):
-        ...
-        ValueError: stage 'h.0': only a recomputed stage has a policy, got 'save_matmuls' with action 'keep'
     """
 
     stage: str
@@ -122,8 +102,8 @@ class StageAction:
         return cls(stage, Action.CHUNK, chunks=chunks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain strings, lists and ints (JSON, and checkpoints that load without this package);
-        ``chunks`` and ``offload_input`` only where they are set, so that plans without them read as before."""
+        """Plain strings, lists and ints; ``chunks`` and ``offload_input`` only where set (older plans read as before).
+        """
         data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
@@ -146,14 +126,7 @@ class StageAction:
 
 
 def module_names(what: str, names: Any) -> tuple[str, ...]:
-    """``names`` as a tuple of module names, or a ValueError saying what a plan's ``what`` must be.
-
-    Example:
-        >>> module_names("checkpointed", "h.0")
-        Traceback (most recent call last):
-        ...
-        ValueError: a plan's 'checkpointed' must be a list of module names, got 'h.0'
-    """
+    """``names`` as a tuple of module names, or a ValueError saying what a plan's ``what`` must be."""
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise ValueError(f"a plan's {what!r} must be a list of module names, got {names!r}")
     names = tuple(names)
@@ -163,26 +136,12 @@ def module_names(what: str, names: Any) -> tuple[str, ...]:
 
 
 def nested_in(inner: str, outer: str) -> bool:
-    """Whether module ``inner`` lies inside module ``outer`` (by name; every module but the root
-    lies inside the root, ``""``).
-
-    Example:
-        >>> nested_in("h.0.attn", "h.0"), nested_in("h.0", ""), nested_in("h.10", "h.1"), nested_in("", "")
-        (True, True, False, False)
-    """
+    """Whether module ``inner`` lies inside module ``outer`` (by name; everything but ``""`` lies inside ``""``)."""
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
 def refuse_nested(names: Sequence[str], what: str) -> None:
-    """Raise ``InvalidPlanError`` naming each pair of ``names`` where one lies inside the other
-    (``what`` the plan does with them: "recomputes", "offloads").
-
-    Example:
-        >>> refuse_nested(["0", ""], "recomputes")
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.InvalidPlanError: plan recomputes a module and another one inside it, which would nest one inside the other: '0' inside '' (the model itself). Name one of each pair
-    """
+    """Raise ``InvalidPlanError`` naming each pair of ``names`` where one lies inside the other."""
     pairs = [(inner, outer) for inner in names for outer in names if nested_in(inner, outer)]
     if pairs:
         shown = "; ".join(f"{inner!r} inside {outer!r}" + (" (the model itself)" if outer == "" else "")
@@ -192,12 +151,7 @@ def refuse_nested(names: Sequence[str], what: str) -> None:
 
 
 def overlaps(name: str, names: Iterable[str]) -> bool:
-    """Whether module ``name`` is one of ``names``, lies inside one, or holds one.
-
-    Example:
-        >>> overlaps("h.0.mlp", ["h.0"]), overlaps("h.1", ["h.0"])
-        (True, False)
-    """
+    """Whether module ``name`` is one of ``names``, lies inside one, or holds one."""
     return any(name == t or nested_in(name, t) or nested_in(t, name) for t in names)
 
 
@@ -214,16 +168,8 @@ def add_rule(rule: Rule) -> Rule:
 
 
 def check_actions(actions: Sequence[StageAction]) -> None:
-    """Raise ``InvalidPlanError`` (a ValueError) unless the actions can be installed together: every
-    rule of ``RULES`` passes (no module recomputed twice or inside another recomputed one; segments
-    disjoint and complete; nothing offloaded twice, or recomputed too; a chunked head nothing else;
-    one action per stage). The installer checks the names against the model.
-
-    Example:
-        >>> check_actions([StageAction.recompute("h.0"), StageAction.offload("h.0.mlp")])
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.InvalidPlanError: module(s) ['h.0.mlp'] are both recomputed and offloaded: a module is one or the other
+    """Raise ``InvalidPlanError`` (a ValueError) unless every rule of ``RULES`` passes for ``actions``; the
+    installer checks the names against the model.
     """
     for rule in RULES:
         rule(actions)

@@ -1,12 +1,7 @@
 """Every fixed byte allowance the package adds to a profile, named, with what it stands for.
 
-An allowance covers memory alive through a step that no profile can see, because code outside the
-profiled ``step(model)`` owns it; it is added to every term of the memory model. The figures are
-rounded up to whole blocks of the CUDA caching allocator (512 bytes), with room.
-
-Example:
-    >>> ALLOWANCES["lightning_loop"] == LIGHTNING_LOOP_ALLOWANCE == 1024
-    True
+An allowance covers memory alive through a step that code outside the profiled ``step(model)`` owns; it is
+added to every term of the memory model, rounded up to whole CUDA allocator blocks (512 bytes), with room.
 """
 
 from __future__ import annotations
@@ -14,25 +9,20 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-# DDP's reducer keeps small bookkeeping tensors beside its gradient buckets (the buckets themselves
-# are counted exactly).
+# DDP's reducer keeps small bookkeeping tensors beside its gradient buckets (the buckets are counted exactly).
 DDP_REDUCER_ALLOWANCE = 1024
 
-# Lightning's loop keeps a few scalars alive through a step (the loss it returns and logs), which
-# the profile of ``training_step`` does not see.
+# Lightning's loop keeps a few scalars alive through a step (the loss it returns and logs), unseen by the profile.
 LIGHTNING_LOOP_ALLOWANCE = 1024
 
-# The user's loss scalar and Accelerate's copy of it (``accelerator.backward`` divides the loss by
-# ``gradient_accumulation_steps``, even by 1), alive through the backward.
+# The user's loss scalar and Accelerate's copy of it (divided by the accumulation steps), alive through backward.
 ACCELERATE_LOOP_ALLOWANCE = 2048
 
-# A real profile (``fake=False``) holds a few tensors of its own beside the plain step it runs
-# (random-generator states, recorded outputs' bookkeeping).
+# A real profile (``fake=False``) holds a few tensors of its own (random-generator states, outputs' bookkeeping).
 REAL_PROFILE_ALLOWANCE = 64 * 1024
 
-# The user's loss computed outside the model (``criterion(model(x), y)``): this many copies of the
-# model's outputs that require a gradient (a cross-entropy keeps its log-softmax, and its backward a
-# temporary of the same size), counted at the end of forward.
+# The user's loss computed outside the model (``criterion(model(x), y)``): this many copies of the model's
+# outputs that require a gradient (a log-softmax and its backward's temporary), counted at the end of forward.
 USER_LOSS_OUTPUT_COPIES = 2
 
 ALLOWANCES: Mapping[str, int] = MappingProxyType({

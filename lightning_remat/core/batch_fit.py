@@ -1,12 +1,7 @@
 """The batch-size fit: the memory model at any batch size, and searches over batch sizes, on numbers only.
 
-Every term of the memory model is ``a + b * batch``: activations grow with the batch, static memory
-does not. ``ProfileFit`` fits that line through profiles at two batch sizes; ``largest_batch``
-searches it.
-
-Example:
-    >>> largest_batch(lambda b: b * 3 <= 100, start=2, high_limit=1000, mode="binsearch")
-    33
+Every term is ``a + b * batch`` (activations grow, static memory does not): ``ProfileFit`` fits that line
+through profiles at two batch sizes; ``largest_batch`` searches it.
 """
 
 from __future__ import annotations
@@ -33,17 +28,8 @@ def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -
 
 
 class BatchLine:
-    """The batch fit's combiner: every term at ``batch_size``.
-
-    A term two profiles have is the line through them; a term one has is in proportion to the batch
-    beyond its static part (``static_bytes`` for a peak, else nothing).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment
-        >>> from lightning_remat.core.profile_algebra import quantity, Term
-        >>> line = BatchLine((16, 64), 40, static_bytes=1000)
-        >>> line(Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes")), [1100, None])
-        1250
+    """The batch fit's combiner: every term at ``batch_size``: the line through two profiles' values, or with one
+    value in proportion to the batch beyond its static part.
     """
 
     def __init__(self, batch_sizes: Sequence[int], batch_size: int, static_bytes: int):
@@ -64,10 +50,7 @@ class BatchLine:
 
 
 class ProfileFit:
-    """Profiles measured at one or two batch sizes, extended to any batch size.
-
-    Every numeric field is combined by ``BatchLine``; options only one profile has are dropped. With a
-    single profile every term beyond static memory is proportional to the batch.
+    """Profiles measured at one or two batch sizes, extended to any batch size (options only one has are dropped).
 
     Example:
         >>> from lightning_remat import Segment, StageOption, StageProfile
@@ -101,11 +84,9 @@ class ProfileFit:
 
     @property
     def static_bytes(self) -> int:
-        """Parameters, gradients, optimizer state and buffers (the same at every batch size)."""
         return self.profiles[-1].static_bytes
 
     def at(self, batch_size: int) -> Profile:
-        """The profile predicted for ``batch_size``."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         low = self.profiles[0]
@@ -115,10 +96,8 @@ class ProfileFit:
 
 def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: int = 25,
                               max_val: int = DEFAULT_MAX_BATCH_SIZE) -> list[int]:
-    """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries, in order.
-
-    Transcribed from Lightning 2.6's ``_run_binsearch_scaling`` where exactly the sizes up to
-    ``largest_fitting`` succeed (the dataset-length cap left out).
+    """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries when exactly the sizes up to
+    ``largest_fitting`` succeed (transcribed from Lightning 2.6's ``_run_binsearch_scaling``).
 
     Example:
         >>> lightning_binsearch_sizes(2, 40)
@@ -158,9 +137,8 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
 
 
 def largest_batch(fits: Callable[[int], bool], start: int, high_limit: int, mode: str) -> int:
-    """Largest batch in [1, high_limit] with ``fits`` (assumed monotone), 0 when even 1 does not fit.
-
-    Doubling from ``start``, then bisection (``"binsearch"``), or the largest ``start * 2**k`` (``"power"``).
+    """Largest batch in [1, high_limit] with ``fits`` (assumed monotone), 0 when even 1 does not fit: doubling
+    from ``start``, then bisection (``"binsearch"``), or the largest ``start * 2**k`` (``"power"``).
     """
     if high_limit < 1:
         return 0

@@ -1,17 +1,12 @@
-"""What binds: the term of the memory model that attains a plan's peak, named, and what it is made of.
-
-Its bytes split into static memory, activations earlier stages stored, and the term's own. A plan
-holds ``Binding.to_dict()`` as ``plan.binding``.
+"""What binds: the term of the memory model that attains a plan's peak, and its bytes split into static
+memory, activations earlier stages stored, and the term's own (``plan.binding``).
 
 Example:
     >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
     >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
     >>> p = Profile((StageProfile("h.0", (keep,)),), (Segment("between stages (1 stored)", 1, 400),),
     ...             parameter_bytes=40)
-    >>> b = describe(p, PeakTerm("segment", 0, "between stages (1 stored)", 400, 100))
-    >>> b.term, b.peak_bytes, b.static_bytes, b.stored_bytes, b.own_bytes, b.largest
-    ('head and loss', 500, 40, 100, 360, 'own')
-    >>> b.text()
+    >>> describe(p, PeakTerm("segment", 0, "between stages (1 stored)", 400, 100)).text()
     'what binds: the head and loss (after the last stage) at 500 B: static memory 40 B, stored activations 100 B, its own activations and temporaries 360 B'
 """
 
@@ -25,8 +20,7 @@ from .memory_model import PeakTerm, Profile
 
 STAGE, HEAD, EMBEDDINGS, BETWEEN, OPTIMIZER = "stage", "head and loss", "embeddings", "between stages", "optimizer step"
 OPTIMIZER_SEGMENT = "optimizer step"  # the segment's name (``runtime.profiling.assemble``)
-# The optimizer settings whose step is measured beside the one the user gave, as the keyword that
-# asks for each (``torch.optim`` param-group keys). One entry per setting.
+# The optimizer settings whose step is measured beside the user's, as the ``torch.optim`` keyword of each.
 OPTIMIZER_SETTINGS: Mapping[str, dict[str, bool]] = {"fused=True": {"fused": True, "foreach": False},
                                                      "foreach=False": {"foreach": False, "fused": False}}
 _WHERE = {STAGE: "", HEAD: " (after the last stage)", EMBEDDINGS: " (before the first stage, and the end of backward)", BETWEEN: "",
@@ -36,15 +30,8 @@ _PARTS = {"static": "static memory", "stored": "stored activations", "own": "its
 
 @dataclass(frozen=True)
 class Binding:
-    """The term that attains a plan's peak and its bytes, split.
-
-    ``term``: ``stage``, ``head and loss``, ``embeddings``, ``between stages`` or ``optimizer step``;
-    ``advice``: per optimizer setting, the least peak it would reach; ``host_limit_bytes``: host
-    memory that limited offloading, or None.
-
-    Example:
-        >>> Binding("stage", "h.3", 10, 4, 2, 4).largest
-        'static'
+    """The term that attains a plan's peak and its bytes, split; ``advice``: per optimizer setting, the least
+    peak it would reach; ``host_limit_bytes``: host memory that limited offloading, or None.
     """
 
     term: str
@@ -63,7 +50,6 @@ class Binding:
         return max(parts, key=lambda k: parts[k])
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``Binding.from_dict`` rebuilds it."""
         return {**asdict(self), "advice": dict(self.advice or {}), "largest": self.largest}
 
     @classmethod
@@ -108,14 +94,7 @@ def describe(profile: Profile, term: PeakTerm) -> Binding:
 
 
 def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
-    """``profile`` with its optimizer step under ``setting`` (an ``OPTIMIZER_SETTINGS`` key); None if unmeasured.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment
-        >>> p = Profile((), (Segment("optimizer step", 0, 500),), optimizer_step_alternatives={"fused=True": -200})
-        >>> with_optimizer_setting(p, "fused=True").segments[0].peak_bytes, with_optimizer_setting(p, "foreach=False")
-        (300, None)
-    """
+    """``profile`` with its optimizer step under ``setting`` (an ``OPTIMIZER_SETTINGS`` key); None if unmeasured."""
     delta = profile.optimizer_step_alternatives.get(setting)
     if delta is None:
         return None

@@ -1,7 +1,5 @@
-"""Bounds of the settings every entry point takes: whole numbers, device names, device memory.
-
-A typo (``world_size=10**30``, ``--device banana``) fails where the setting is read, with a
-``ValueError`` naming it, instead of running for ever or overflowing a C integer inside torch.
+"""Bounds of the settings every entry point takes: a typo (``world_size=10**30``, ``--device banana``)
+fails where it is read, with a ``ValueError`` naming it, not deep inside torch.
 """
 
 from __future__ import annotations
@@ -10,43 +8,26 @@ from typing import Any
 
 from .budget import Budget
 
-# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20)
-# fails at once instead of running for ever, or overflowing a C integer deep inside torch.
+# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20) fails at once.
 MAX_WARMUP = 1_000
 MAX_STEPS = 100_000  # profile_steps, accumulation_steps
 MAX_WORLD_SIZE = 65_536
-# The least device memory a target may have: below it not even a toy model's step fits (and 0 or
-# "1KB" are typos), so it is refused rather than planned for.
+# The least device memory a target may have: below it not even a toy model's step fits (0 or "1KB": typos).
 MIN_DEVICE_MEMORY = 2**20
-# torch's device types (``torch._C._get_privateuse1_backend_name`` aside), so that the core, which
-# imports no torch, refuses ``device="banana"`` as the setting it is.
+# torch's device types, so that the core (no torch) refuses ``device="banana"`` as the setting it is.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "lazy", "ipu", "hip", "ve", "fpga",
                 "maia", "vulkan", "mkldnn", "opengl", "opencl", "ideep", "privateuseone", "npu")
 
 
 def check_int(name: str, value: Any, low: int, high: int, why: str = "") -> int:
-    """``value`` if it is an int from ``low`` to ``high``, else a ValueError naming ``name`` and ``why``.
-
-    Example:
-        >>> check_int("warmup", 10**20, 0, MAX_WARMUP, " (unmeasured steps before profiling)")
-        Traceback (most recent call last):
-        ...
-        ValueError: warmup must be an int >= 0 and <= 1000 (unmeasured steps before profiling), got 100000000000000000000
-    """
+    """``value`` if it is an int from ``low`` to ``high``, else a ValueError naming ``name`` and ``why``."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int >= {low} and <= {high}{why}, got {value!r}")
     return value
 
 
 def check_device(device: Any) -> str | None:
-    """A device's name (``"cuda"``, ``"cuda:1"``, a ``torch.device``) as text; None stays None.
-
-    Example:
-        >>> check_device("banana")
-        Traceback (most recent call last):
-        ...
-        ValueError: device must be a device type with an optional index, such as 'cuda' or 'cuda:1' (a type among cpu, cuda, mps, xpu, hpu, mtia, meta, xla, lazy, ipu, hip, ve, fpga, maia, vulkan, mkldnn, opengl, opencl, ideep, privateuseone, npu), got 'banana'
-    """
+    """A device's name (``"cuda"``, ``"cuda:1"``, a ``torch.device``) as text; None stays None."""
     if device is None:
         return None
     text = str(device).strip()
@@ -58,14 +39,7 @@ def check_device(device: Any) -> str | None:
 
 
 def check_device_memory(total: Any) -> Any:
-    """A target device's total memory (a size of at least 1 MiB), returned as given; None stays None.
-
-    Example:
-        >>> check_device_memory("1KB")
-        Traceback (most recent call last):
-        ...
-        ValueError: device_memory must be a size of at least 1 MiB (1048576 bytes): the target device's total memory, such as "80GB"; got '1KB'
-    """
+    """A target device's total memory (a size of at least 1 MiB), returned as given; None stays None."""
     if total is None:
         return None
     try:

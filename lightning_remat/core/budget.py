@@ -38,12 +38,7 @@ def _reject(value: Any, why: str) -> ValueError:
 
 
 def device_total_memory(device: Any = None) -> int:
-    """Total memory in bytes of ``device`` (a CUDA/XPU/MPS device, or the host for "cpu").
-
-    Example:
-        >>> device_total_memory("cpu") > 0
-        True
-    """
+    """Total memory in bytes of ``device`` (a CUDA/XPU/MPS device, or the host for "cpu")."""
     import torch
 
     device = torch.device("cpu" if device is None else device)
@@ -88,7 +83,6 @@ class Budget:
 
     @property
     def is_min(self) -> bool:
-        """The memory-minimal plan was asked for."""
         return self.nbytes is None and self.fraction is None
 
     @classmethod
@@ -135,36 +129,19 @@ class Budget:
 
     @property
     def decimal(self) -> bool:
-        """Whether the budget was given in decimal units (kB, MB, GB, TB).
-
-        Example:
-            >>> Budget.parse("60MB").decimal, Budget.parse("10GiB").decimal, Budget.parse("80%").decimal
-            (True, False, False)
-        """
+        """Whether the budget was given in decimal units (kB, MB, GB, TB)."""
         size = _SIZE.match(self.text)
         return bool(size) and size.group("unit").lower() in _DECIMAL
 
     def format(self, nbytes: int) -> str:
-        """``nbytes`` in the units the budget was given in: decimal next to the exact bytes, else binary.
-
-        Example:
-            >>> Budget.parse("60MB").format(60_000_000), Budget.parse("10GiB").format(10 * 2**30)
-            ('60.00 MB = 60000000 bytes', '10.00 GiB')
-        """
+        """``nbytes`` in the units the budget was given in: decimal next to the exact bytes, else binary."""
         if self.decimal:
             return f"{format_bytes(nbytes, decimal=True)} = {int(nbytes)} bytes"
         return format_bytes(nbytes)
 
     def resolve(self, device: Any = None, total_memory: Any = None) -> int | str:
-        """Bytes on ``device`` (or on a device of ``total_memory``), or ``"min"``.
-
-        Raises ValueError for a budget above the device's total memory, when that is known.
-
-        Example:
-            >>> Budget.parse("10TB").resolve(total_memory="80GB")
-            Traceback (most recent call last):
-            ...
-            ValueError: The memory budget '10TB' (10000000000000 bytes) is larger than the device's memory '80GB' (80000000000 bytes)
+        """Bytes on ``device`` (or a device of ``total_memory``), or ``"min"``; ValueError above the device's
+        memory, when known.
         """
         if self.is_min:
             return MIN_BUDGET
@@ -210,13 +187,7 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
 
 
 def format_budget(text: str, nbytes: int) -> str:
-    """``nbytes`` of a budget the user gave as ``text``, in its units (``Budget.format``); binary when
-    ``text`` is not a budget (a plan that does not say what was asked).
-
-    Example:
-        >>> format_budget("10GB", 10**10), format_budget("", 2**30)
-        ('10.00 GB = 10000000000 bytes', '1.00 GiB')
-    """
+    """``nbytes`` in the units of the budget ``text`` (``Budget.format``); binary when ``text`` is not a budget."""
     try:
         return Budget.parse(text).format(nbytes)
     except ValueError:

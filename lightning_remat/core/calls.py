@@ -1,21 +1,7 @@
-"""A module that runs several times in one step: one place in the chain per run, one option for all.
-
-A trunk under two heads runs each block twice per step: the chain is the places in forward order
-(``StageProfile.call``), the formula unchanged, but a module's places share one option, which the
-chain DP cannot express. ``tied_dp`` runs over modules, carrying per *round* (a run of places in
-module order) the bytes stored and the largest term so far, figures that only grow, so a state over
-the budget is dropped at once. Exact up to ``MAX_TIED_FRONTIER`` states per module.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-    >>> def place(name, call):
-    ...     keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    ...     return StageProfile(name, (keep, StageOption("whole", (name,), 10, 160, 1.0, 5)), call=call)
-    >>> trunk_twice = Profile((place("a", 0), place("b", 0), place("a", 1), place("b", 1)), (Segment("head", 4, 50),))
-    >>> predict_peak(trunk_twice, [1, 0, 1, 0])   # "a" recomputed on both calls: b's second call binds
-    270
-    >>> tied_dp(trunk_twice, None, "flops"), tied_dp(trunk_twice, 300, "flops")   # least peak (190); within 300
-    ([1, 1, 1, 1], [1, 0, 1, 0])
+"""A module that runs several times in one step (a trunk under two heads): one place in the chain per run,
+one option for all its places, which the chain DP cannot express. ``tied_dp`` runs over modules, carrying
+per *round* (a run of places in module order) the bytes stored and the largest term so far; both only
+grow, so a state over the budget is dropped at once. Exact up to ``MAX_TIED_FRONTIER`` states per module.
 """
 
 from __future__ import annotations
@@ -40,14 +26,7 @@ def is_tied(profile: Profile) -> bool:
 
 
 def owners(profile: Profile) -> list[int]:
-    """Per place, the index of its module's first place (the place itself for a first place).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
-        >>> owners(Profile(tuple(StageProfile(n, (keep,), call=c) for n, c in [("a", 0), ("b", 0), ("a", 1)]), ()))
-        [0, 1, 0]
-    """
+    """Per place, the index of its module's first place (the place itself for a first place)."""
     first: dict[str, int] = {}
     found = []
     for i, stage in enumerate(profile.stages):
@@ -220,10 +199,7 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
 
 
 def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
-    """``solve.solve_segmentation`` for a profile where a module stands at several places (no spans).
-
-    Raises BudgetTooSmallError when nothing fits.
-    """
+    """``solve.solve_segmentation`` for a profile where a module stands at several places (no spans)."""
     least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
     if budget == MIN_BUDGET:
         budget = exact_peak(profile, least)

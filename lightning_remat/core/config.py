@@ -17,30 +17,15 @@ from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
-# Counted FLOPs: the same plan on every run and every machine, the only cost a fake profile has
-# without a GPU named, and the one the batch-size search fits across batch sizes.
+# Counted FLOPs: the same plan on every run and machine, and the one cost a fake profile without a GPU has.
 DEFAULT_COST = CostKind.FLOPS.value
 DTYPES = ("bfloat16", "float16", "float32")
-# Lightning's names for what a fake profile can model: the dtype parameters, gradients and optimizer
-# state are kept in, and whether the step runs under autocast (``vocabulary.Precision``).
+# Lightning's names for what a fake profile can model: storage dtype and autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
-def check_cost_kind(kind: Any) -> CostKind:
-    """The ``CostKind`` that ``kind`` (``"time"``, ``"flops"`` or ``"roofline"``) names, else a ValueError.
-
-    Example:
-        >>> check_cost_kind("flops") is CostKind.FLOPS
-        True
-    """
-    return CostKind.check(kind)
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
-    """None, or a non-empty tuple of module classes, class names or name patterns (text: comma-separated).
-
-    Example:
-        >>> normalize_candidates("GPT2Block, transformer.h.*")
-        ('GPT2Block', 'transformer.h.*')
-    """
+    """None, or a non-empty tuple of module classes, class names or name patterns (text: comma-separated)."""
     if candidates is None:
         return None
     if isinstance(candidates, str):
@@ -59,12 +44,7 @@ def normalize_candidates(candidates: Any) -> tuple | None:
 
 
 def parse_policies(text: Any) -> tuple | None:
-    """Policies from text (comma-separated names; ``"all"``: None; ``"none"``: ``()``); non-text passes through.
-
-    Example:
-        >>> parse_policies("save_matmuls, save_attention"), parse_policies("all"), parse_policies("none")
-        (('save_matmuls', 'save_attention'), None, ())
-    """
+    """Policies from text (comma-separated names; ``"all"``: None; ``"none"``: ``()``); non-text passes through."""
     if not isinstance(text, str):
         return text
     words = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -74,15 +54,7 @@ def parse_policies(text: Any) -> tuple | None:
 
 
 def check_policies(policies: Any) -> tuple | None:
-    """The policies a user offers as None (every policy) or a tuple of plain policy names.
-
-    Names may be spelled as options (``"sac:save_matmuls"``); text is read by ``parse_policies``.
-    Anything else is a ValueError.
-
-    Example:
-        >>> check_policies(["sac:save_matmuls", "save_attention"]), check_policies("all")
-        (('save_matmuls', 'save_attention'), None)
-    """
+    """The policies a user offers as None (every policy) or a tuple of plain policy names (text: ``parse_policies``)."""
     if isinstance(policies, str):
         policies = parse_policies(policies)
     if policies is None:
@@ -188,18 +160,8 @@ class ProfileOptions:
 
 
 def check_world_size(world_size: Any, fake: bool) -> int:
-    """A world size (GPUs an FSDP2 step is sharded over), else a ``ShardingError``.
-
-    Any size from 1 to ``MAX_WORLD_SIZE`` is valid (FSDP2 pads what does not divide); above 1 only on
-    fake tensors, since a single process cannot run a real sharded step.
-
-    Example:
-        >>> check_world_size(8, fake=True)
-        8
-        >>> check_world_size(8, fake=False)
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.ShardingError: world_size=8 needs fake=True: a single process cannot run a real step sharded over 8 GPUs. Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1
+    """A world size (GPUs an FSDP2 step is sharded over, 1 to ``MAX_WORLD_SIZE``), else a ``ShardingError``;
+    above 1 only on fake tensors (one process cannot run a real sharded step).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step is "
@@ -237,7 +199,7 @@ class RematConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        object.__setattr__(self, "cost", check_cost_kind(self.cost))
+        object.__setattr__(self, "cost", CostKind.check(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
 
@@ -246,14 +208,7 @@ class RematConfig:
         return self.budget.resolve(device=self.profile.device or device, total_memory=self.profile.device_memory)
 
     def require_size(self, purpose: str) -> None:
-        """Refuse ``"min"`` where only a size has a meaning (``purpose`` says where).
-
-        Example:
-            >>> RematConfig("min").require_size("a batch-size search")
-            Traceback (most recent call last):
-            ...
-            ValueError: budget="min" has no meaning for a batch-size search: give a size such as "10GB", a number of bytes or a percentage such as "80%"
-        """
+        """Refuse ``"min"`` where only a size has a meaning (``purpose`` says where)."""
         if self.budget.is_min:
             raise ValueError(f'budget="min" has no meaning for {purpose}: give a size such as "10GB", '
                              'a number of bytes or a percentage such as "80%"')
@@ -281,12 +236,6 @@ def _same(value: Any, default: Any) -> bool:
 
 def profile_options(options: ProfileOptions | None = None, **keywords: Any) -> ProfileOptions:
     """``options``, or one made from ``keywords``; both (a keyword not at its default) is a ``ConflictingArgumentsError``.
-
-    Example:
-        >>> profile_options(ProfileOptions(warmup=3), warmup=2, fake=True)
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.ConflictingArgumentsError: profile settings given both as keywords (warmup=2, fake=True) and as options=ProfileOptions(...): put them in one place, e.g. options=dataclasses.replace(options, warmup=2, fake=True)
     """
     if options is None:
         return ProfileOptions(**keywords)

@@ -1,9 +1,8 @@
 """The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
 
-A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``);
-the higher of two lines is not a line, so each copy is profiled with ballast held through forward,
-then through backward, and each figure is extrapolated alone. The form is checked on the measured
-layers: a misfit makes ``extrapolate`` return None, and the caller profiles every layer.
+A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``), so
+each copy is profiled with ballast held through forward, then backward, and each figure extrapolated alone;
+a misfit on the measured layers makes ``extrapolate`` return None (the caller profiles every layer).
 """
 
 from __future__ import annotations
@@ -25,29 +24,14 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
 
     Args:
-        forward: the profiles at ``DEPTHS[0]`` and ``DEPTHS[1]`` layers with ``ballast`` bytes held in
-            forward (every peak is its forward figure).
+        forward: the profiles at ``DEPTHS[0]`` and ``DEPTHS[1]`` layers with ``ballast`` bytes held in forward.
         backward: the same, with the ballast held in backward.
         prefix: the name of the layers' ``ModuleList`` (stages are ``prefix.i``).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> def chain(n, fw=0, bw=0):  # static n bytes; forward peak 25; backward 20 + 3 per later layer
-        ...     stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(25 + fw,
-        ...                    20 + 3 * (n - 1 - i) + bw), 0.0, 5),)) for i in range(n))
-        ...     segs = tuple(Segment(f"between stages ({j} stored)", j, n + max(fw, 3 * (n - j) + bw))
-        ...                  for j in range(1, n + 1))
-        ...     p = Profile(stages, segs, parameter_bytes=n, baseline_step_flops=10 * n + 1)
-        ...     return p.with_baseline()
-        >>> deep = extrapolate((chain(4, fw=99), chain(5, fw=99)), (chain(4, bw=99), chain(5, bw=99)), 99, "l", 12)
-        >>> deep.stages == chain(12).stages, deep.segments == chain(12).segments, deep.baseline_step_flops
-        (True, True, 121)
     """
     a, b = DEPTHS
     # Stages after the layers (a causal LM's head and loss, ``chunk_loss``) are the same at both depths.
     tails = [s.name for s in forward[0].stages[a:]]
-    # Inputs several layers hold are counted in every holder, as the additive model does: what
-    # counts them once is read from figures the ballast changes (core.shared_held).
+    # Shared inputs counted in every holder (additive): counting once reads figures the ballast changes.
     forward, backward = tuple(map(without_shared, forward)), tuple(map(without_shared, backward))
     for p, q, n in zip(forward, backward, DEPTHS):
         names = [s.name for s in p.stages]

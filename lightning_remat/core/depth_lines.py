@@ -1,7 +1,5 @@
-"""The line fits of the depth fit (``core.depth_fit``): a number at ``N`` layers from its values at ``DEPTHS``.
-
-A middle layer's number is a line in ``N`` and ``d`` (layers after it), checked on five points; the
-rest are lines in ``N``. A peak is a ``Pair`` of figures, each fitted alone. Misfits raise ``NoFit``.
+"""The line fits of the depth fit (``core.depth_fit``): a middle layer's number is a line in ``N`` and ``d``
+(layers after it), checked on five points; the rest are lines in ``N``. Misfits raise ``NoFit``.
 
 Example:
     >>> fit = Fit(12)
@@ -17,8 +15,7 @@ from typing import Any, Callable, Sequence
 
 from .profile_algebra import Term
 
-# The two depths profiled. Five points on the middle layers (two in the first, three in the
-# second) check the three-term linear form.
+# The two depths profiled: five points on the middle layers (two, then three) check the three-term linear form.
 DEPTHS = (4, 5)
 
 
@@ -99,15 +96,12 @@ class Fit:
 
 
 def pair_figures(up: int, down: int, ballast: int) -> Pair:
-    """A peak's figures from its forward- and backward-ballast values, less the ballast.
-
-    A figure not lifted is None (that pass never visited the region); lifted in neither run (the
-    optimizer step), both values are kept.
+    """A peak's figures from its forward- and backward-ballast values, less the ballast: None where not lifted
+    (that pass never visited the region); lifted in neither run (the optimizer step), both kept.
     """
 
     def lifted(value: int) -> int | None:
-        # Half the ballast: a lifted figure sits below it where the region's own figure is negative
-        # (FSDP2 frees unsharded parameters the stored bytes count).
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative (FSDP2).
         return value - ballast if value >= ballast // 2 else None
 
     forward, backward = lifted(up), lifted(down)

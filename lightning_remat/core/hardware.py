@@ -1,9 +1,4 @@
-"""The GPUs the package knows (data-sheet FLOP/s, memory and host-link bandwidth), and a lookup by name.
-
-Example:
-    >>> match_gpu("NVIDIA H100 80GB HBM3"), match_gpu("NVIDIA H100 PCIe"), match_gpu("NVIDIA A10G"), match_gpu("Quadro")
-    ('h100', 'h100-pcie', 'a10g', None)
-"""
+"""The GPUs the package knows (data-sheet FLOP/s, memory and host-link bandwidth), and a lookup by name."""
 
 from __future__ import annotations
 
@@ -14,9 +9,8 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
-# The CPU's ceilings for the roofline cost: fixed, not measured, so the same profile gives the same
-# plan on every machine. Only their ratio (the ridge point) changes a plan; the figures are one CI
-# core's, rounded (docs/roofline.md).
+# The CPU's roofline ceilings: fixed, so a profile gives the same plan on every machine; only their ratio (the
+# ridge point) changes a plan (docs/roofline.md).
 CPU_FLOPS = 200e9
 CPU_MEMORY_BANDWIDTH = 30e9
 
@@ -28,10 +22,6 @@ class GpuSpec:
     Attributes:
         peak_flops: dense tensor-core FLOP/s per dtype name ("bf16", "fp16"; "fp16" only without bfloat16).
         host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
-
-    Example:
-        >>> gpu("v100").flops(), gpu("v100").flops("fp16")
-        (125000000000000.0, 125000000000000.0)
     """
 
     name: str
@@ -73,10 +63,8 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 )})
 
 
-# Host memory one GPU of a typical node has for offloading, bytes: the node's memory over its GPUs
-# (8-GPU servers: DGX H100/H200 2 TiB, DGX B200 4 TiB, DGX A100 1 TiB, AWS g5/g6.48xlarge 768 GiB,
-# DGX-1 512 GiB; GH200: its Grace CPU's 480 GB; T4: g4dn.12xlarge, 192 GiB over 4; workstation
-# cards 64 GiB). The default of fake planning's ``host_memory``: the target's, not this machine's.
+# Host memory one GPU of a typical node has for offloading, bytes (the node's memory over its GPUs): the
+# default of fake planning's ``host_memory``, the target's, not this machine's.
 HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
     ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
     ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
@@ -84,24 +72,12 @@ HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, g
 
 
 def host_memory(name: str) -> int:
-    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes.
-
-    Example:
-        >>> host_memory("H100") // 2**30
-        256
-    """
+    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes."""
     return HOST_MEMORY[gpu(name).name]
 
 
 def gpu(name: str) -> GpuSpec:
-    """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie").
-
-    Example:
-        >>> gpu("h1000")
-        Traceback (most recent call last):
-        ...
-        ValueError: unknown GPU 'h1000'; known: a10, a100, a10g, b200, gh200, h100, h100-pcie, h200, l4, l40s, mi300x, rtx3090, rtx4090, t4, v100
-    """
+    """The figures of a GPU named by its table key, case-insensitive ("H100", "a100", "h100-pcie")."""
     key = name.strip().lower()
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")

@@ -1,14 +1,4 @@
-"""The peak of a loop that does not train (validation, test) as a line in its batch size.
-
-Its working memory above what is alive at the start grows as ``base + per_sample * batch``.
-
-Example:
-    >>> fit = ForwardFit.through([(1, 1_300), (2, 2_300)])
-    >>> fit.base_bytes, fit.per_sample_bytes
-    (300.0, 1000.0)
-    >>> fit.peak_at(8, alive_bytes=10_000), fit.largest_batch(budget_bytes=15_000, alive_bytes=10_000)
-    (18300, 4)
-"""
+"""The peak of a loop that does not train (validation, test) as a line in its batch size."""
 
 from __future__ import annotations
 
@@ -19,11 +9,13 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class ForwardFit:
-    """Working memory of a forward without gradients: ``base_bytes + per_sample_bytes * batch``.
+    """Working memory of a forward without gradients above what is alive at its start:
+    ``base_bytes + per_sample_bytes * batch``.
 
     Example:
-        >>> ForwardFit.through([(4, 4_000)]).per_sample_bytes   # one point: through zero
-        1000.0
+        >>> fit = ForwardFit.through([(1, 1_300), (2, 2_300)])
+        >>> fit.peak_at(8, alive_bytes=10_000), fit.largest_batch(budget_bytes=15_000, alive_bytes=10_000)
+        (18300, 4)
     """
 
     base_bytes: float
@@ -31,13 +23,8 @@ class ForwardFit:
 
     @classmethod
     def through(cls, points: Sequence[tuple[int, int]]) -> "ForwardFit":
-        """The line through one or two ``(batch size, working bytes)`` points (one: through zero).
-
-        Neither coefficient goes below zero: a falling line is taken as flat at its larger point.
-
-        Example:
-            >>> ForwardFit.through([(2, 500), (4, 400)])
-            ForwardFit(base_bytes=500.0, per_sample_bytes=0.0)
+        """The line through one or two ``(batch size, working bytes)`` points (one: through zero); a falling line is
+        taken as flat at its larger point.
         """
         ordered = sorted(points)
         if not 1 <= len(ordered) <= 2 or ordered[0][0] < 1:

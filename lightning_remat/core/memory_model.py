@@ -1,23 +1,15 @@
 """The memory model the solver optimises: plain numbers, no torch.
 
-A training step is a chain of *stages* (candidate blocks, in execution order) between fixed
-*segments* (embeddings, head and loss, optimizer step). Under its option (``"keep"``, ``"whole"``,
-``"attn"``, ...) stage ``i`` stores ``stored_bytes`` until its backward and reaches
-``local_peak_bytes`` in its own forward or backward; a segment reaches ``peak_bytes`` above the first
-``stages_alive`` stages' stored bytes. With ``S_k`` the bytes stored by the first ``k`` stages,
+A training step is a chain of *stages* (candidate blocks, in execution order) between fixed *segments*
+(embeddings, head and loss, optimizer step). Under its option stage ``i`` stores ``stored_bytes`` until
+its backward and reaches ``local_peak_bytes`` in its own forward or backward; a segment reaches
+``peak_bytes`` above the first ``stages_alive`` stages' stored bytes. With ``S_k`` the bytes stored by
+the first ``k`` stages,
 
     peak = max( max_i local_peak_i(o_i) + S_i ,  max_segments peak_bytes + S_stages_alive )
 
-Static memory is part of the local and segment peaks (measured, not modelled). Every term is
-measured under every option: exact for one option everywhere, additive in between.
-
-Example:
-    >>> keep = StageOption("keep", (), stored_bytes=100, local_peak_bytes=150, cost_seconds=0, cost_flops=0)
-    >>> whole = StageOption("whole", ("h.0",), stored_bytes=10, local_peak_bytes=160, cost_seconds=1.0, cost_flops=5)
-    >>> stage = StageProfile("h.0", (keep, whole))
-    >>> profile = Profile(stages=(stage, stage), segments=(Segment("head", 2, 50),))
-    >>> predict_peak(profile, [0, 0]), predict_peak(profile, [1, 1])
-    (250, 170)
+Every term is measured (static memory included) under every option: exact for one option everywhere,
+additive in between.
 """
 
 from __future__ import annotations
@@ -29,12 +21,7 @@ from .vocabulary import cost_of
 
 @dataclass(frozen=True)
 class StageOption:
-    """One way to run a stage: which modules are recomputed and what that costs and stores.
-
-    Example:
-        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, 0.01, 10**9).name
-        'whole'
-    """
+    """One way to run a stage: which modules are recomputed and what that costs and stores."""
 
     name: str
     checkpointed: tuple[str, ...]
@@ -42,43 +29,31 @@ class StageOption:
     local_peak_bytes: int
     cost_seconds: float
     cost_flops: int
-    # The selective-checkpointing policy (``runtime.installing.sac.POLICIES``) the checkpointed modules run
-    # under: "" recomputes their whole forward.
+    # The selective-checkpointing policy (``runtime.installing.sac``) of the recompute; "": the whole forward.
     policy: str = ""
     # Roofline seconds of the recomputed ops: per op max(FLOPs / peak FLOP/s, bytes / bandwidth).
     cost_roofline: float = 0.0
-    # Modules whose saved tensors go to host memory (``runtime.installing.offload``), and the bytes they put
-    # there: the "offload" option. Its cost is the transfer time not hidden behind compute.
+    # Modules whose saved tensors go to host memory (the "offload" option), and the bytes they put there.
     offloaded: tuple[str, ...] = ()
     host_bytes: int = 0
-    # "offload:hidden": only this many bytes per forward call go out (what the host link moves
-    # while the next stage computes); 0: everything.
+    # "offload:hidden": bytes per forward call that go out at most (what the link moves meanwhile); 0: all.
     offload_limit: int = 0
     # "chunks:k": a causal LM's head and loss over k sequence chunks (``runtime.installing.chunked_loss``).
     chunks: int = 0
-    # Recomputed (``checkpointed``) with the input its checkpoint keeps on the host ("whole+offload-input"):
-    # ``host_bytes`` is that input.
+    # Recomputed with its checkpoint's input on the host ("whole+offload-input"): ``host_bytes`` is that input.
     input_offloaded: bool = False
-    # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes): part of
-    # ``stored_bytes``, alive once however many hold them (``core.shared_held``); ``held_before``:
-    # those an earlier stage held in this option's run, which ``local_peak_bytes`` counts.
+    # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes), alive once however many hold them
+    # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
 
     def cost(self, kind: str) -> float:
-        """Recompute cost of this option in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
 @dataclass(frozen=True)
 class StageProfile:
-    """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these.
-
-    Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> StageProfile("layer.0", (keep,), saved_bytes=100).options[0].name
-        'keep'
-    """
+    """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these."""
 
     name: str
     options: tuple[StageOption, ...]
@@ -88,11 +63,9 @@ class StageProfile:
     forward_seconds: float = 0.0
     forward_flops: int = 0
     module_type: str = ""
-    # Which run of the module's calls in one step this stage is (a trunk under two heads runs each
-    # block twice); a later call is tied to the option of its first (``core.calls``).
+    # Which run of the module's calls in one step this stage is; a later call takes its first's option (core.calls).
     call: int = 0
-    # Its forward starts after the backward of every stage before it (a step that runs backward
-    # more than once: Lightning's manual optimization): nothing they stored is alive any more.
+    # Runs after the backward of every stage before it (several backwards per step): nothing they stored is alive.
     fresh: bool = False
 
     def option(self, name: str) -> StageOption:
@@ -104,18 +77,12 @@ class StageProfile:
 
 @dataclass(frozen=True)
 class Segment:
-    """A part of the step outside the stages: its peak beyond the stored bytes of the first ``stages_alive`` stages.
-
-    Example:
-        >>> Segment("optimizer step", 0, 3 * 2**20).stages_alive
-        0
-    """
+    """A part of the step outside the stages: its peak beyond the stored bytes of the first ``stages_alive`` stages."""
 
     name: str
     stages_alive: int
     peak_bytes: int
-    # How much lower the peak is where the plan already holds the shared inputs ``shared_labels``
-    # before this segment (their bytes then count in the stored bytes once: ``core.shared_held``).
+    # How much lower the peak is where the plan already holds the shared inputs ``shared_labels`` (core.shared_held).
     shared_saving: int = 0
     shared_labels: tuple[str, ...] = ()
 
@@ -143,24 +110,18 @@ class Profile:
     device: str = "cpu"
     baseline_step_roofline: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # A sharded (FSDP2) step: world_size, unsharded_parameter_bytes in flight at most, dtypes
-    # (``runtime.targets.sharded``); empty for one device. Every byte figure above is then per GPU.
+    # A sharded (FSDP2) step (``runtime.targets.sharded``); empty for one device. Byte figures are then per GPU.
     sharding: dict[str, Any] = field(default_factory=dict)
-    # Stage names that may be recomputed together as one checkpoint segment (``core.spans``): each
-    # group is consecutive items of one ``nn.Sequential``. Empty: every stage is recomputed alone.
+    # Stages that may be recomputed together as one checkpoint (items of one ``nn.Sequential``, ``core.spans``).
     span_groups: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
-    # Blocks planned through their children (``runtime.profiling.hierarchy``): each a module name and
-    # the stages its forward chains, in order. Recomputing the block whole is one checkpoint over
-    # those stages (``core.spans``), the other choice to planning each of them. Empty: none.
+    # Blocks planned through their children (``runtime.profiling.hierarchy``): a module name and the stages its
+    # forward chains, in order; recomputing the block whole is one checkpoint over them (``core.spans``).
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
-    # Per optimizer setting (``core.binding.OPTIMIZER_SETTINGS``), bytes its step peak would differ
-    # by; empty when not measured. A fake profile's is measured when first read (a Mapping).
+    # Per optimizer setting (``core.binding``), bytes its step peak would differ by (a fake profile's: lazily).
     optimizer_step_alternatives: dict[str, int] = field(default_factory=dict)
-    # The profiled model's parameter shapes and count, put in the plan's fingerprint so that
-    # ``apply_plan`` refuses the plan on a model of other shapes. Empty: not recorded.
+    # The profiled model's parameter shapes and count: ``apply_plan`` refuses the plan on other shapes.
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    # Each gap's figures per memory run, for the depth extrapolation only: not compared, saved, nor
-    # carried by ``dataclasses.replace`` (a changed profile's runs are not those figures' runs).
+    # Each gap's figures per memory run, for the depth fit only: not compared, saved, nor carried by ``replace``.
     gap_figures: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -174,37 +135,18 @@ class Profile:
         return self.baseline_peak_bytes - self.static_bytes
 
     def baseline_cost(self, kind: str) -> float:
-        """Cost of one training step without recomputation, in the unit of ``kind``."""
         return cost_of(kind, self.baseline_step_seconds, self.baseline_step_flops, self.baseline_step_roofline)
 
     def with_baseline(self) -> "Profile":
-        """This profile with its baseline peak predicted from its terms (nothing recomputed).
-
-        Example:
-            >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-            >>> Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 30),)).with_baseline().baseline_peak_bytes
-            150
-        """
+        """This profile with its baseline peak predicted from its terms (nothing recomputed)."""
         return replace(self, baseline_peak_bytes=predict_peak(self, [0] * len(self.stages)))
 
     def with_gap_figures(self, figures: dict[str, Any] | None) -> "Profile":
-        """This profile with each gap's figures per memory run (``gap_figures``).
-
-        Example:
-            >>> Profile((), ()).with_gap_figures({"head": {}}).gap_figures
-            {'head': {}}
-        """
         profile = replace(self)
         object.__setattr__(profile, "gap_figures", figures)  # not an __init__ argument: see the field
         return profile
 
     def noted(self, *notes: str) -> "Profile":
-        """This profile with ``notes`` added after its own.
-
-        Example:
-            >>> Profile((), (), notes=("a",)).noted("b").notes
-            ('a', 'b')
-        """
         return replace(self, notes=(*self.notes, *notes))
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,16 +172,8 @@ class Profile:
 
 
 def priced(profile: Profile, rate: float) -> Profile:
-    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP.
-
-    The one place FLOPs become seconds.
-
-    Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 0.0, 5)
-        >>> p = priced(Profile((StageProfile("a", (keep, whole), forward_flops=5),), (), baseline_step_flops=20), 0.5)
-        >>> p.baseline_step_seconds, p.stages[0].forward_seconds, p.stages[0].options[1].cost_seconds
-        (10.0, 2.5, 2.5)
+    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP (the one place FLOPs
+    become seconds).
     """
     stages = tuple(replace(stage, forward_seconds=stage.forward_flops * rate,
                            options=tuple(replace(o, cost_seconds=o.cost_flops * rate) for o in stage.options))
@@ -254,10 +188,6 @@ def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
 @dataclass(frozen=True)
 class PeakTerm:
     """One term of the peak formula (``kind``: ``"stage"``, ``"span"`` or ``"segment"``) over the bytes stored before it.
-
-    Example:
-        >>> PeakTerm("segment", 0, "head", own_bytes=50, stored_bytes=20).bytes
-        70
     """
 
     kind: str
@@ -272,14 +202,7 @@ class PeakTerm:
 
 
 def peak_terms(profile: Profile, choices: Sequence[int]) -> list[PeakTerm]:
-    """Every term of ``predict_peak`` for ``choices``: stages in order, then segments.
-
-    Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),))
-        >>> max(peak_terms(p, [0]), key=lambda t: t.bytes).name
-        'head'
-    """
+    """Every term of ``predict_peak`` for ``choices``: stages in order, then segments."""
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     prefix = [0]
@@ -296,13 +219,7 @@ def peak_terms(profile: Profile, choices: Sequence[int]) -> list[PeakTerm]:
 
 
 def episode_starts(profile: Profile) -> list[int]:
-    """Per stage, the first stage whose stored bytes are alive while it runs (the last ``fresh`` one).
-
-    Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> episode_starts(Profile((StageProfile("a", (keep,)), StageProfile("b", (keep,), fresh=True)), ()))
-        [0, 1]
-    """
+    """Per stage, the first stage whose stored bytes are alive while it runs (the last ``fresh`` one)."""
     starts, start = [], 0
     for i, stage in enumerate(profile.stages):
         start = i if stage.fresh else start

@@ -1,17 +1,8 @@
 """The "offload" option of a stage in the memory model: its transfer cost and its in-flight bytes.
 
-The memory run does not see tensors in flight while the *next* stage runs, so the stage's local
-peak is raised to ``stored + host_bytes + the next stage's largest local peak`` (an upper bound).
-The cost is the transfer time not hidden behind the next stage's forward and backward.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    >>> off = StageOption("offload", (), 10, 120, 0.0, 0, offloaded=("a",), host_bytes=90)
-    >>> a = StageProfile("a", (keep, off), forward_seconds=1.0)
-    >>> p = with_offload_costs(Profile((a, a), ()), bandwidth=90.0, flops_per_second=10.0)
-    >>> [round(s.options[1].cost_seconds, 2) for s in p.stages], p.stages[0].options[1].local_peak_bytes
-    ([0.0, 2.0], 250)
+The memory run does not see tensors in flight while the *next* stage runs, so the stage's local peak is
+raised to ``stored + host_bytes + the next stage's largest local peak`` (an upper bound). The cost is the
+transfer time not hidden behind the next stage's forward and backward.
 """
 
 from __future__ import annotations
@@ -32,22 +23,11 @@ OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
 
 
 def is_offload(option_name: str) -> bool:
-    """Whether an option name is one of the offload options.
-
-    Example:
-        >>> is_offload("offload:hidden"), is_offload("whole")
-        (True, False)
-    """
     return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
 
 
 def host_link_bandwidth(gpu: str) -> float:
-    """Effective host-link bandwidth of a named GPU in bytes/s.
-
-    Example:
-        >>> host_link_bandwidth("H100") / 1e9
-        50.0
-    """
+    """Effective host-link bandwidth of a named GPU in bytes/s."""
     key = gpu.strip().lower()
     if key not in GPUS:
         raise ValueError(f"no host-link bandwidth known for GPU {gpu!r}; known: {', '.join(sorted(GPUS))}")
@@ -58,8 +38,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
     """``profile`` with its offload options priced at ``bandwidth`` and their in-flight bytes bounded."""
     stages = list(profile.stages)
     n = len(stages)
-    # A prefetched stage (all but the last) has all its tensors back when its backward starts: its
-    # local peak is at least keep's, plus what host copies add (storages sent more than once).
+    # A prefetched stage (all but the last) has its tensors back when its backward starts: at least keep's peak.
     for i, stage in enumerate(stages[:-1]):
         keep = stage.options[0]
         stages[i] = replace(stage, options=tuple(
@@ -102,19 +81,8 @@ def without_offload(profile: Profile, stages: set[int]) -> Profile:
 def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile], Any]) -> Any:
     """``solve(profile)``, with no more than ``host_free`` bytes offloaded to the host.
 
-    The solver has no host-memory constraint, so while a plan offloads too much, the largest
-    offloaded stages lose their offload options and the profile is solved again (within the host's
-    memory, not always the cheapest such plan). Raises ``RematError`` if then nothing fits.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 100, 0.0, 0)
-        >>> off = StageOption("offload", (), 0, 100, 0.1, 1, offloaded=("a",), host_bytes=100)
-        >>> whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
-        >>> p = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
-        >>> from lightning_remat.core.solve import solve
-        >>> solve_within_host(p, 50, lambda q: solve(q, 130)).checkpointed
-        ['a']
+    While a plan offloads too much, the largest offloaded stages lose their offload options and the profile is
+    solved again (within the host's memory, not always the cheapest such plan); ``RematError`` if nothing fits.
     """
     from .errors import BudgetTooSmallError, RematError
     from .budget import format_bytes

@@ -1,9 +1,6 @@
-"""The plan: one typed action per stage, and what the plan is predicted to cost and save.
-
-A plan is a schedule, as rotor's solvers return one: per stage a ``StageAction`` (keep, recompute,
-segment, offload, chunk). Every solver returns it, one predictor prices it (``core.predict``) and
-one installer puts it on a model. It holds actions only: the names it shows (``checkpointed``,
-``policies``, ...) are read from them. Immutable; one made without a profile predicts nothing.
+"""The plan: one typed action per stage (a schedule, as rotor's solvers return one), and what it is
+predicted to cost and save. Every solver returns it, ``core.predict`` prices it, one installer puts it on a
+model; the names it shows (``checkpointed``, ``policies``, ...) are read from its actions.
 """
 
 from __future__ import annotations
@@ -24,12 +21,7 @@ __all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", 
 
 @dataclass(frozen=True)
 class StageChoice:
-    """The option chosen for one stage, with the figures the summary shows.
-
-    Example:
-        >>> StageChoice("transformer.h.0", "whole", 4096, 1024, 0.01).option
-        'whole'
-    """
+    """The option chosen for one stage, with the figures the summary shows."""
 
     stage: str
     option: str
@@ -63,21 +55,15 @@ def _read(name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Plan:
-    """A plan for one model under one budget: an action per stage, and its predicted figures.
-
-    Predicted figures are None where not predicted. ``budget_bytes``: for ``"min"``, the least peak.
-    ``predicted_overhead``: recompute cost over the cost of a step without it. ``choices``: per
-    stage, the profile's option chosen (empty without a profile). ``fingerprint``: what the plan was
-    made for, which ``apply_plan`` checks (docs/plans.md). ``binding``: what binds the predicted peak
-    (``core.binding.Binding.to_dict()``). Whether the actions go together is checked at install.
+    """A plan for one model under one budget: an action per stage, and its predicted figures (None where not
+    predicted). ``choices``: per stage, the profile's option chosen; ``fingerprint``: what ``apply_plan``
+    checks (docs/plans.md); ``binding``: what binds the predicted peak.
 
     Example:
         >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
         ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
         >>> Plan.from_dict(plan.to_dict()) == plan, plan.checkpointed
         (True, ['h.0'])
-        >>> print(plan.summary().splitlines()[0])
-        Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
     """
 
     actions: tuple[StageAction, ...] = ()
@@ -95,8 +81,7 @@ class Plan:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     sharding: dict[str, Any] = field(default_factory=dict)
     host_bytes: int = 0
-    # Derived from the profile, as the predicted figures are, but a description of them: a plan
-    # saved before it existed (or sent without it) is the same plan.
+    # A description of the predicted figures: a plan saved before it existed (or sent without it) is the same plan.
     binding: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -154,7 +139,6 @@ class Plan:
 
     @property
     def stages(self) -> tuple[str, ...]:
-        """The stages the actions are for, in the plan's order."""
         return tuple(a.stage for a in self.actions)
 
     @property
@@ -197,15 +181,7 @@ class Plan:
 
 
 def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, Plan]]]:
-    """An integration's checkpoint state: its ``plan``, and its ``plans`` as (shape, plan), all checked first.
-
-    Example:
-        >>> saved = saved_state_plans({Shape(4, 128): Plan(), Shape(8, 1, [["0", [-1, 3, 32, 32]]]): Plan()})
-        >>> saved[0][:2], saved[1][3]
-        ([4, 128], [['0', [-1, 3, 32, 32]]])
-        >>> [str(shape) for shape, _ in saved_plans({"plan": None, "plans": saved}, "AutoRemat's state")[1]]
-        ['4x128', '8x1 {0: bx3x32x32}']
-    """
+    """An integration's checkpoint state: its ``plan``, and its ``plans`` as (shape, plan), all checked first."""
     check_saved_state(state, owner)
     return saved_plan(state.get("plan"), owner), [
         (Shape(int(entry[0]), int(entry[1]), entry[3] if len(entry) == 4 else ()),
@@ -213,24 +189,12 @@ def saved_plans(state: Any, owner: str) -> tuple[Plan | None, list[tuple[Shape, 
 
 
 def saved_state_plans(plans: Mapping[Shape, Plan]) -> list[list]:
-    """Plans per shape as a checkpoint keeps them: ``[batch size, sequence length, plan's dict, (layout)]``.
-
-    Example:
-        >>> saved_state_plans({Shape(2, 16): Plan()})[0][:2]
-        [2, 16]
-    """
+    """Plans per shape as a checkpoint keeps them: ``[batch size, sequence length, plan's dict, (layout)]``."""
     return [[shape.batch_size, shape.seq_len, plan.to_dict(), *shape.to_list()[2:]] for shape, plan in plans.items()]
 
 
 def saved_plan(data: Any, owner: str, where: str = "plan") -> Plan | None:
-    """The plan of ``data`` (None for None); an error names ``owner``'s ``where`` it came from.
-
-    Example:
-        >>> saved_plan({"checkpointed": ["h.0"], "notes": "abc"}, "AutoRemat's checkpoint state")
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.PlanFormatError: a plan's 'notes' must be a list of strings, got 'abc' (in AutoRemat's checkpoint state 'plan')
-    """
+    """The plan of ``data`` (None for None); an error names ``owner``'s ``where`` it came from."""
     if data is None:
         return None
     try:

@@ -1,7 +1,5 @@
-"""What a saved plan may hold: every field of a ``Plan.to_dict`` checked before a plan is built.
-
-A plan comes back from edited JSON, old checkpoints and other ranks; a wrong value must fail on load
-with a ``PlanFormatError`` naming the field, not later while a model is being wrapped.
+"""What a saved plan may hold: every field of a ``Plan.to_dict`` checked before a plan is built, so that
+edited JSON, an old checkpoint or another rank's plan fails on load with a ``PlanFormatError`` naming the field.
 """
 
 from __future__ import annotations
@@ -34,14 +32,7 @@ def _whole(value: Any, low: int = 0, high: int = MAX_BYTES) -> bool:
 
 
 def check_bytes(field: str, value: Any, optional: bool = False) -> None:
-    """A byte count of a plan (None or NaN too where ``optional``: not predicted).
-
-    Example:
-        >>> check_bytes("host_bytes", -1)
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.PlanFormatError: a plan's 'host_bytes' must be a whole number of bytes from 0 to 2**63 - 1, got -1
-    """
+    """A byte count of a plan (None or NaN too where ``optional``: not predicted)."""
     if optional and (value is None or _is_nan(value)):
         return
     if not _whole(value):
@@ -51,8 +42,7 @@ def check_bytes(field: str, value: Any, optional: bool = False) -> None:
 def _check_overhead(value: Any) -> None:
     if value is None or _is_nan(value):
         return
-    # No sign required: a cost measured in seconds is a difference of timings, and a plan saved with
-    # one slightly below zero must still load.
+    # No sign required: a cost in seconds is a difference of timings, and may be slightly below zero.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanFormatError("predicted_overhead", value, "a finite number (or null)")
 
@@ -119,16 +109,7 @@ def _check_mappings(data: Mapping[str, Any]) -> None:
 
 
 def check_plan_dict(data: Any) -> None:
-    """Raise ``PlanFormatError`` naming the first field of ``data`` that no plan can hold.
-
-    Module names and actions are checked as plans are built.
-
-    Example:
-        >>> check_plan_dict({"checkpointed": ["h.0"], "notes": "abc"})
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.PlanFormatError: a plan's 'notes' must be a list of strings, got 'abc'
-    """
+    """Raise ``PlanFormatError`` naming the first field of ``data`` that no plan can hold."""
     if not isinstance(data, Mapping):
         raise PlanFormatError("dict", data, "a dict (Plan.to_dict)")
     for field in _OPTIONAL_BYTES:
@@ -163,17 +144,7 @@ def _layout(layout: Any) -> bool:
 
 
 def check_saved_state(state: Any, owner: str) -> None:
-    """Check the state an integration keeps in a checkpoint; ``owner`` names it in the error.
-
-    ``plan``: a plan's dict or None; ``plans``: ``[batch size, sequence length, plan]`` (and the layout).
-    Each plan's own fields are checked by ``Plan.from_dict``.
-
-    Example:
-        >>> check_saved_state({"plan": "h.0"}, "AutoRemat's checkpoint state")
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.PlanFormatError: AutoRemat's checkpoint state 'plan' must be a plan's dict (Plan.to_dict) or null, got 'h.0'
-    """
+    """Check the state an integration keeps in a checkpoint (``plan``, ``plans``); ``owner`` names it in the error."""
     if not isinstance(state, Mapping):
         raise PlanFormatError("state", state, "a dict", owner)
     if not (state.get("plan") is None or isinstance(state["plan"], Mapping)):

@@ -1,17 +1,5 @@
-"""A plan as plain text, the one way it is written everywhere (no rich, no torch).
-
-``Plan.summary()`` is this text; ``report.render`` shows the same lines in a rich table.
-
-Example:
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
-    ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
-    >>> print(plan_text(plan))  # doctest: +NORMALIZE_WHITESPACE
-    Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
-      stage  option  stored (keep)  stored (plan)  recompute cost
-      -----  ------  -------------  -------------  --------------
-      h.0    whole               -              -               -
-      memory: parameters 0 B, optimizer state 0 B, gradients 0 B by the end of backward; the rest of the predicted peak, 1024.00 MiB, is activations, temporaries and the gradients alive at that point
+"""A plan as plain text, the one way it is written everywhere (no rich, no torch): ``Plan.summary()`` is
+this text; ``report.render`` shows the same lines in a rich table.
 """
 
 from __future__ import annotations
@@ -30,13 +18,7 @@ def _budget(plan: Any) -> str:
 
 
 def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
-    """One line: modules recomputed, predicted peak against budget and baseline, overhead.
-
-    Example:
-        >>> from lightning_remat.core.solve import solve_recompute_everything
-        >>> plan_headline(solve_recompute_everything(["h.0", "h.1"], "min", "flops", note="out of memory"))
-        'Recompute plan: 2 module(s) recomputed whole (fallback: not profiled, peak not predicted; budget min)'
-    """
+    """One line: modules recomputed, predicted peak against budget and baseline, overhead."""
     segments = len(plan.segments)
     spans = f" and {segments} segment(s)" if segments else ""
     if plan.predicted_peak_bytes is None:
@@ -63,14 +45,7 @@ def plan_rows(plan: Any) -> list[tuple[str, str, str, str, str]]:
 
 
 def table_text(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
-    """Aligned columns: the first two left-justified, the others right-justified.
-
-    Example:
-        >>> print("\\n".join(table_text(("a", "b", "n"), [("x", "yy", "1")])))
-          a  b   n
-          -  --  -
-          x  yy  1
-    """
+    """Aligned columns: the first two left-justified, the others right-justified."""
     widths = [max(len(str(r[k])) for r in [header, *rows]) for k in range(len(header))]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -109,8 +84,7 @@ def plan_lines(plan: Any) -> list[str]:
     if plan.predicted_peak_bytes is not None and plan.sharding:
         lines.append(sharded_memory_line(plan))
     elif plan.predicted_peak_bytes is not None:
-        # Gradients exist only from some point of backward on, so the rest of the peak is not
-        # split between them and activations: it is said as what it is.
+        # Gradients exist only from some point of backward on: the rest of the peak is said as what it is.
         held = plan.parameter_bytes + plan.optimizer_state_bytes
         lines.append(
             f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "
@@ -134,15 +108,7 @@ def plan_text(plan: Any, title: str = "Recompute plan") -> str:
 
 
 def per_gpu_breakdown(plan: Any) -> dict[str, int]:
-    """The per-GPU peak of a sharded plan split into its parts; empty when unsharded or not predicted.
-
-    Example:
-        >>> from lightning_remat.core.plan import Plan
-        >>> plan = Plan([], 0, 100, 100, 0.0, parameter_bytes=10, gradient_bytes=10, optimizer_state_bytes=20,
-        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 15})
-        >>> per_gpu_breakdown(plan)["activations_and_rest_bytes"]
-        45
-    """
+    """The per-GPU peak of a sharded plan split into its parts; empty when unsharded or not predicted."""
     sharding = getattr(plan, "sharding", None) or {}
     if not sharding or plan.predicted_peak_bytes is None:
         return {}
@@ -160,16 +126,7 @@ def per_gpu_breakdown(plan: Any) -> dict[str, int]:
 
 
 def sharded_memory_line(plan: Any) -> str:
-    """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``per_gpu_breakdown``).
-
-    Example:
-        >>> from lightning_remat.core.plan import Plan
-        >>> plan = Plan([], 0, 2**30, 2**30, 0.0, parameter_bytes=2**28, optimizer_state_bytes=2**29,
-        ...             sharding={"world_size": 8, "unsharded_parameter_bytes": 2**27,
-        ...                       "sharded_dtype": "float32", "param_dtype": "bfloat16"})
-        >>> print(sharded_memory_line(plan))
-          per GPU of 8 (FSDP2): sharded parameters (float32 master weights) 256.00 MiB, gradients 0 B, optimizer state 512.00 MiB, unsharded parameters in flight (bfloat16) up to 128.00 MiB; the rest of the predicted peak, 128.00 MiB, is activations of the local batch, temporaries and reduce-scatter buffers
-    """
+    """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``per_gpu_breakdown``)."""
     parts = per_gpu_breakdown(plan)
     sharding = plan.sharding
     stored, computed = sharding.get("sharded_dtype", ""), sharding.get("param_dtype", "")

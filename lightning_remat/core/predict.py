@@ -1,17 +1,7 @@
 """The one predictor: a plan's peak, recompute cost and host bytes, read from its actions.
 
-Each action is matched to the profile's option that does it, and priced with the memory model.
-``actions_of`` goes the other way: the actions of the option indices and spans the solver finds.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
-    >>> from lightning_remat.core.plan import StageAction
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    >>> def stage(n):
-    ...     return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, 1.0, 5)))
-    >>> p = Profile((stage("a"), stage("b")), (Segment("head", 2, 50),), baseline_step_flops=20)
-    >>> predict(p, [StageAction.recompute("a"), StageAction.keep("b")], "flops")
-    Prediction(peak_bytes=160, cost=5.0, overhead=0.25, host_bytes=0)
+Each action is matched to the profile's option that does it, and priced with the memory model;
+``actions_of`` goes the other way, from the solver's option indices and spans.
 """
 
 from __future__ import annotations
@@ -55,14 +45,7 @@ def _does(option: StageOption, action: StageAction) -> bool:
 
 
 def option_index(stage: StageProfile, action: StageAction) -> int:
-    """The index of ``stage``'s option that does what ``action`` says (not for segment actions).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption
-        >>> s = StageProfile("a", (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("attn", ("a.attn",), 1, 1, 0.0, 0)))
-        >>> option_index(s, StageAction.recompute("a", ["a.attn"]))
-        1
-    """
+    """The index of ``stage``'s option that does what ``action`` says (not for segment actions)."""
     for j, option in enumerate(stage.options):
         if _does(option, action):
             return j
@@ -70,10 +53,8 @@ def option_index(stage: StageProfile, action: StageAction) -> int:
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept).
-
-    Actions for every stage in order are read by position (a synthetic profile may repeat a name).
-    Raises ValueError for an action on a stage the profile lacks, or an option it does not offer.
+    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept); actions
+    for every stage in order are read by position. ValueError for a stage or option the profile lacks.
     """
     names = [s.name for s in profile.stages]
     # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
@@ -116,23 +97,14 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     extra = plan_cost_spans(profile, choices, kind, spans)
     baseline = profile.baseline_cost(kind)
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
-    # The peak counts an input several recomputed stages' checkpoints hold once (core.shared_held);
-    # the term that binds is read from the same formula's terms, which count it in every holder.
+    # The peak counts a shared input once (core.shared_held); the binding term is read from the additive terms.
     term = binding_term(peak_terms_spans(profile, choices, spans))
     return Prediction(peak_bytes=int(exact_peak(profile, choices, spans)), cost=float(extra),
                       overhead=float(extra / baseline) if baseline else 0.0, host_bytes=int(host), binding=term)
 
 
 def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> tuple[StageAction, ...]:
-    """One action per stage for option indices ``choices`` and ``spans``; a block's span is one action.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> opts = (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("whole", (), 0, 1, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in ("b.0", "b.1", "c")), (), blocks=(("b", ("b.0", "b.1")),))
-        >>> [a.stage for a in actions_of(p, [0, 0, 1], [(0, 1)])]
-        ['b', 'c']
-    """
+    """One action per stage for option indices ``choices`` and ``spans``; a block's span is one action."""
     if len(choices) != len(profile.stages):
         raise ValueError(f"{len(choices)} choices for {len(profile.stages)} stages")
     check_tied(profile, choices)

@@ -1,11 +1,8 @@
 """One algebra for profiles: combine aligned profiles number by number, whatever the job.
 
-A ``Profile`` is a tree of dataclasses whose leaves are measures (bytes, seconds, FLOPs) or
-structure (names, policies). The batch fit, the depth fit, the shape fit and the rank merge each
-build a profile from others as a *combiner*, ``combiner(term, values) -> value``; ``combine`` walks
-every field for all of them, so a numeric field added to the dataclasses needs no list kept in sync.
-What each number is (``Quantity``: unit, growth with the batch) is declared once; ``_DECLARED``
-lists only the exceptions to "a per-sample figure, never below zero".
+The batch, depth and shape fits and the rank merge each build a profile from others with a *combiner*,
+``combiner(term, values) -> value``; ``combine`` walks every field for all of them, so a new numeric field
+needs no list kept in sync. ``_DECLARED`` lists the exceptions to "a per-sample figure, never below zero".
 """
 
 from __future__ import annotations
@@ -20,12 +17,7 @@ from .memory_model import Profile, Segment, StageOption, StageProfile, predict_p
 
 
 class Unit(Enum):
-    """What a number counts, which says how a combined value is stored.
-
-    Example:
-        >>> Unit.BYTES.value
-        'bytes'
-    """
+    """What a number counts, which says how a combined value is stored."""
 
     BYTES = "bytes"  # an int, rounded up: a byte short is a prediction below the truth
     COUNT = "count"  # an int (FLOPs), rounded
@@ -33,12 +25,7 @@ class Unit(Enum):
 
 
 class Growth(Enum):
-    """How a number changes with the batch size.
-
-    Example:
-        >>> Growth.PEAK.value
-        'peak'
-    """
+    """How a number changes with the batch size."""
 
     STATIC = "static"  # parameters, gradients, optimizer state, buffers: the same at any batch
     PER_SAMPLE = "per sample"  # activations, costs: in proportion to the batch, zero without one
@@ -54,14 +41,8 @@ class Quantity:
     """What one numeric field of a profile is.
 
     Args:
-        signed: whether it may be below zero: the memory model's terms are measured differences
-            (FSDP2 frees unsharded parameters the stored bytes count), never clamped.
-        derive: how to compute a figure from the rest of the node (the baseline peak);
-            ``combine`` recomputes it after the other fields.
-
-    Example:
-        >>> Quantity(Unit.BYTES).coerce(2.1), Quantity(Unit.COUNT).coerce(-3.4), Quantity(Unit.SECONDS).coerce(-1.0)
-        (3, 0, 0.0)
+        signed: whether it may be below zero (the model's terms are measured differences, never clamped).
+        derive: how to compute it from the rest of the node (the baseline peak), after the other fields.
     """
 
     unit: Unit
@@ -71,7 +52,6 @@ class Quantity:
 
     @property
     def derived(self) -> bool:
-        """Whether the figure is computed from the rest of its node, not combined."""
         return self.derive is not None
 
     def coerce(self, value: float) -> int | float:
@@ -82,8 +62,7 @@ class Quantity:
         return number if self.signed else max(0, number)
 
 
-# The one declaration: every numeric field not named here is a per-sample figure, never below zero,
-# whose unit its type says (a float is seconds; an int is bytes, or a count when named ``*_flops``).
+# Every numeric field not named here is a per-sample figure, never below zero, in the unit its type says.
 _STATIC = Quantity(Unit.BYTES, Growth.STATIC)
 _DECLARED: dict[tuple[type, str], Quantity | None] = {
     **{(Profile, name): _STATIC for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
@@ -94,8 +73,7 @@ _DECLARED: dict[tuple[type, str], Quantity | None] = {
     (Profile, "baseline_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True, derive=_baseline_peak),
     # Which stages are alive while the segment runs: part of what the segment is, not a measure.
     (Segment, "stages_alive"): None,
-    # The bytes of the shared inputs it may leave out (``core.shared_held``): tensors of a fixed size
-    # (``position_ids``), the same at any batch and depth, so carried as they are, never scaled.
+    # Shared inputs (``core.shared_held``, ``position_ids``): a fixed size at any batch and depth, never scaled.
     (Segment, "shared_saving"): None,
     # Which run of its module's calls a stage is (``core.calls``): identity, not a measure.
     (StageProfile, "call"): None,
@@ -103,20 +81,14 @@ _DECLARED: dict[tuple[type, str], Quantity | None] = {
 
 
 class Missing(Enum):
-    """What becomes of a child (an option, a segment) that some of the inputs lack.
-
-    Example:
-        >>> Missing.DROP.value
-        'drop'
-    """
+    """What becomes of a child (an option, a segment) that some of the inputs lack."""
 
     REFUSE = "refuse"  # a ValueError
     DROP = "drop"  # left out of the result
     KEEP = "keep"  # combined from the inputs that have it (the combiner sees None for the others)
 
 
-# Nodes that hold others, by the type of the children: the fields that line a child up across the
-# inputs (None: by position) and what becomes of one that some inputs lack.
+# Nodes that hold others, by child type: the fields that line a child up (None: by position), and a missing one.
 _CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
     # Stages by position: every job checks that the inputs have the same stages.
     StageProfile: (None, Missing.REFUSE),
@@ -129,12 +101,7 @@ _CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
 
 @dataclass(frozen=True)
 class Term:
-    """One numeric field of one node type, as a combiner sees it.
-
-    Example:
-        >>> Term(StageOption, "cost_roofline", quantity(StageOption, "cost_roofline")).quantity.unit
-        <Unit.SECONDS: 'seconds'>
-    """
+    """One numeric field of one node type, as a combiner sees it."""
 
     owner: type
     name: str
@@ -151,12 +118,7 @@ def _type_name(annotation: Any) -> str:
 
 
 def quantity(owner: type, name: str) -> Quantity | None:
-    """What the field ``name`` of ``owner`` (a profile dataclass, or a subclass) is; None for structure.
-
-    Example:
-        >>> quantity(Profile, "gradient_bytes").growth, quantity(StageOption, "policy") is None
-        (<Growth.STATIC: 'static'>, True)
-    """
+    """What the field ``name`` of ``owner`` (a profile dataclass, or a subclass) is; None for structure."""
     for cls in owner.__mro__:
         if (cls, name) in _DECLARED:
             return _DECLARED[(cls, name)]
@@ -184,44 +146,24 @@ def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
 
 
 def terms(owner: type) -> tuple[Term, ...]:
-    """The numeric fields of ``owner``, in declaration order.
-
-    Example:
-        >>> [t.name for t in terms(Segment)]
-        ['peak_bytes']
-    """
+    """The numeric fields of ``owner``, in declaration order."""
     return tuple(term for _, term, _ in _layout(owner) if term is not None)
 
 
 def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
-    """The default structure policy: a structural field (a name, a policy) is the first input's.
-
-    Example:
-        >>> first_present(StageOption, "policy", ["", "save_matmuls"])
-        ''
-    """
+    """The default structure policy: a structural field (a name, a policy) is the first input's."""
     return values[0]
 
 
 def largest(term: Term, values: Sequence[Any]) -> Any:
-    """The combiner of the rank merge: the largest value of the inputs that have the field.
-
-    Example:
-        >>> largest(terms(Segment)[0], [50, None, 60])
-        60
-    """
+    """The combiner of the rank merge: the largest value of the inputs that have the field."""
     return max(v for v in values if v is not None)
 
 
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
     """The fields of one node, children excepted, combined from aligned ``nodes`` (None: lacking it).
 
-    Numbers go through ``combiner(term, values)``, structure through ``structure(owner, name, values)``
-    (left out under ``first_present``: the node is built on the first present one).
-
-    Example:
-        >>> combine_fields([Segment("head", 1, 50), None, Segment("head", 1, 70)], largest)
-        {'peak_bytes': 70}
+    Numbers go through ``combiner``, structure through ``structure`` (left out under ``first_present``).
     """
     present = [n for n in nodes if n is not None]
     owner = type(present[0])
@@ -243,9 +185,8 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
             derive: bool = True) -> Any:
     """One node (a profile, stage, option or segment) combined from aligned ``nodes``, children and all.
 
-    Children line up as ``_CHILDREN`` says. Derived figures are recomputed from the result unless
-    ``derive`` is False (a combiner whose values are not numbers yet). Raises ValueError for inputs
-    that cannot be aligned.
+    Children line up as ``_CHILDREN`` says; derived figures are recomputed unless ``derive`` is False.
+    Raises ValueError for inputs that cannot be aligned.
 
     Example:
         >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)

@@ -1,11 +1,8 @@
 """The shape fit: a profile at any batch size and sequence length, from profiles at a few shapes.
 
-A *node* is a profile at one shape; other shapes are weighted sums of the nodes' terms. Memory alive
-at any moment is a polynomial in ``b``, ``b * s`` and ``b * s**2`` with non-negative coefficients, so
-a peak is convex in each and a chord between nodes (``chord_weights``) lies above it: a plan made on
-a bracketed shape holds its budget. Outside the nodes the least-squares law (``law_weights``) only
-predicts. Nodes combine only within a layout (``core.shapes``); the reasoning and figures are in
-docs/shapes.md.
+Memory is a polynomial in ``b``, ``b * s`` and ``b * s**2`` with non-negative coefficients, so a chord
+between nodes (``chord_weights``) lies above the peak: a plan on a bracketed shape holds its budget. Outside
+the nodes the least-squares law (``law_weights``) only predicts. See docs/shapes.md.
 """
 
 from __future__ import annotations
@@ -27,15 +24,7 @@ __all__ = ["Anchored", "NodeWeights", "Shape", "ShapeFit", "chord_weights", "law
 class NodeWeights:
     """The shape fit's combiner: each term as ``offset + sum(w * (value - offset))`` over the nodes.
 
-    ``offset`` is ``static_bytes`` for a peak, else 0. A node that lacks the term is left out and the
-    others' weights scaled to the same sum.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment
-        >>> from lightning_remat.core.profile_algebra import quantity
-        >>> peak = Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes"))
-        >>> NodeWeights([0.25, 0.75], static_bytes=1000)(peak, [1100, 1500])
-        1400
+    ``offset`` is ``static_bytes`` for a peak, else 0; a node that lacks the term is left out, the others rescaled.
     """
 
     def __init__(self, weights: Sequence[float], static_bytes: int):
@@ -71,9 +60,8 @@ def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
 
 
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Interpolation weights of ``target`` between ``nodes`` of its layout (linear in ``s``, then in ``b``).
-
-    The weights are >= 0 and sum to 1. None when no nodes bracket ``target``.
+    """Interpolation weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout, linear in ``s`` then
+    in ``b``; None when no nodes bracket ``target``.
 
     Example:
         >>> nodes = [Shape(2, 32), Shape(2, 128), Shape(8, 64)]
@@ -101,16 +89,8 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target``.
-
-    Fit through the nodes of ``target``'s layout; None with fewer than four independent ones.
-
-    Example:
-        >>> nodes = [Shape(2, 32), Shape(2, 64), Shape(2, 128), Shape(4, 32)]
-        >>> weights = law_weights(nodes, Shape(8, 256))
-        >>> term = lambda n: 7 + n.batch_size * (3 + 2 * n.seq_len + n.seq_len ** 2)
-        >>> round(sum(w * term(n) for n, w in weights.items())), term(Shape(8, 256))
-        (528415, 528415)
+    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target``, fit through
+    the nodes of its layout; None with fewer than four independent ones.
     """
     nodes = _family(nodes, target)
     if len(nodes) < 4:
@@ -137,17 +117,8 @@ def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]
 class Anchored:
     """The combiner that carries an anchor's difference from its node to another shape.
 
-    Used as ``combine([predicted, node, anchor], Anchored(...))``. An excess ``d > 0`` is carried as
-    ``d * max(1, r)``, a shortfall as ``d * min(1, r)`` (``r``: ``token_ratio``, the target's elements
-    over the anchor's), so either errs high; seconds are carried as a ratio.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment
-        >>> from lightning_remat.core.profile_algebra import quantity
-        >>> peak = Term(Segment, "peak_bytes", quantity(Segment, "peak_bytes"))
-        >>> carried = Anchored(token_ratio=2.0, static_bytes=1000)
-        >>> carried(peak, [5000, 3000, 3100]), carried(peak, [5000, 3000, 2900]), carried(peak, [None, None, 1500])
-        (5200, 4900, 2000)
+    An excess ``d > 0`` is carried as ``d * max(1, r)``, a shortfall as ``d * min(1, r)`` (``r``: ``token_ratio``),
+    so either errs high; seconds are carried as a ratio.
     """
 
     def __init__(self, token_ratio: float, static_bytes: int):
@@ -174,20 +145,16 @@ class Anchored:
 class ShapeFit:
     """Profiles at a few shapes (the *nodes*, same stages), extended to any shape.
 
-    ``anchor``: ``(shape, profile)`` trusted at one node's shape; its difference from that node is
-    carried to every shape (``Anchored``). Raises ValueError for unlike nodes or an anchor off them.
+    ``anchor``: ``(shape, profile)`` trusted at one node's shape; its difference is carried to every shape.
 
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> def node(b, s, extra=0):
-        ...     keep = StageOption("keep", (), b * s * (8 + s) + extra, 1000 + 3 * b * s * s + extra, 0.0, 0)
+        >>> def node(b, s):
+        ...     keep = StageOption("keep", (), b * s * (8 + s), 1000 + 3 * b * s * s, 0.0, 0)
         ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
         >>> fit = ShapeFit({Shape(2, 32): node(2, 32), Shape(2, 64): node(2, 64)})
         >>> fit.at(Shape(2, 64)).stages == node(2, 64).stages, fit.bounded(Shape(2, 48)), fit.bounded(Shape(4, 48))
         (True, True, False)
-        >>> anchored = ShapeFit(fit.nodes, anchor=(Shape(2, 32), node(2, 32, extra=64)))
-        >>> anchored.at(Shape(2, 64)).stages[0].options[0].stored_bytes - node(2, 64).stages[0].options[0].stored_bytes
-        128
     """
 
     def __init__(self, nodes: Mapping[Shape, Profile], anchor: tuple[Shape, Profile] | None = None):
@@ -204,7 +171,6 @@ class ShapeFit:
                                  f"{[s.name for s in profile.stages]} vs {names}")
 
     def with_node(self, shape: Shape, profile: Profile) -> "ShapeFit":
-        """This fit with one more node."""
         return ShapeFit({**self.nodes, shape: profile}, self.anchor)
 
     def bounded(self, shape: Shape) -> bool:
@@ -212,16 +178,8 @@ class ShapeFit:
         return chord_weights(list(self.nodes), shape) is not None
 
     def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
-        """The nodes to profile so that ``shape`` is bracketed (empty when it is).
-
-        Nodes sit on the ladder (``core.shapes``, ``per_octave`` per doubling) around ``shape``, never
-        beyond ``limit`` (the largest shape the data has) unless ``shape`` is: fixed values bound the
-        profiles a run takes and keep each chord short.
-
-        Example:
-            >>> fit = ShapeFit({Shape(4, 76): Profile((), ())})
-            >>> fit.missing_nodes(Shape(9, 76))  # 9 is between the ladder's 8 and 10
-            [Shape(batch_size=8, seq_len=80), Shape(batch_size=8, seq_len=64), Shape(batch_size=10, seq_len=80), Shape(batch_size=10, seq_len=64)]
+        """The nodes to profile so that ``shape`` is bracketed (empty when it is): on the ladder (``core.shapes``)
+        around ``shape``, never beyond ``limit`` unless ``shape`` is.
         """
         if self.bounded(shape):
             return []

@@ -1,9 +1,7 @@
 """Batch shapes and the ladder they are rounded to: what a plan that follows the batch's shape is made for.
 
-A ``Shape`` is a batch's size and sequence length (the dimensions profiles are fitted over) and its
-*layout*: which tensors it holds and their sizes, so that a new key or a taller image is another
-shape. ``ShapeBuckets`` rounds shapes up a ladder of a few steps per doubling (``ladder_up``), so a
-run plans few distinct shapes and never one smaller than its batch's.
+``ShapeBuckets`` rounds shapes up a ladder of a few steps per doubling (``ladder_up``), so a run plans few
+distinct shapes and never one smaller than its batch's.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Collection, Iterable
 
-# Markers in a layout's sizes: the batch dimension and the sequence dimension, which the shape's
-# batch size and sequence length give (and the fit interpolates over).
+# Markers in a layout's sizes for the batch and sequence dimensions (the shape's batch size and sequence length).
 BATCH, SEQUENCE = -1, -2
 _MARKS = {BATCH: "b", SEQUENCE: "s"}
 
@@ -45,10 +42,8 @@ def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
 class Shape:
     """A batch's shape: batch size, sequence length (1 without one) and ``layout``.
 
-    ``layout``: every tensor as ``(path, sizes)``, ``path`` the keys into the batch's containers joined
-    by ``.``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a plain ``(b, s)`` tensor.
-    ``covers`` and ``union`` hold only between *comparable* shapes (same paths, dimensions and markers):
-    a new tensor is never covered by a plan made without it.
+    ``layout``: every tensor as ``(path, sizes)``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a
+    plain ``(b, s)`` tensor. ``covers`` and ``union`` hold only between shapes of the same paths and dimensions.
 
     Example:
         >>> small = Shape(8, 1, (("image", (BATCH, 3, 32, 32)),))
@@ -72,7 +67,6 @@ class Shape:
 
     @property
     def tokens(self) -> int:
-        """Batch size times sequence length."""
         return self.batch_size * self.seq_len
 
     @property
@@ -136,13 +130,8 @@ class Shape:
 
 
 def ladder_up(n: int, per_octave: int = 4) -> int:
-    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n``.
-
-    Every integer up to ``2 * per_octave``, then ``per_octave`` steps per doubling.
-
-    Example:
-        >>> [ladder_up(n) for n in (1, 7, 9, 33, 100, 128, 129)]
-        [1, 7, 10, 40, 112, 128, 160]
+    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n`` (every integer up to
+    ``2 * per_octave``, then ``per_octave`` steps per doubling).
     """
     if n <= 2 * per_octave:
         return max(1, n)
@@ -151,12 +140,7 @@ def ladder_up(n: int, per_octave: int = 4) -> int:
 
 
 def ladder_down(n: int, per_octave: int = 4) -> int:
-    """The largest value of the ``ladder_up`` ladder at or below ``n``.
-
-    Example:
-        >>> [ladder_down(n) for n in (1, 7, 9, 33, 100, 128, 129)]
-        [1, 7, 8, 32, 96, 128, 128]
-    """
+    """The largest value of the ``ladder_up`` ladder at or below ``n``."""
     if n <= 2 * per_octave:
         return max(1, n)
     step = 2 ** (n.bit_length() - 1) // per_octave
@@ -165,15 +149,8 @@ def ladder_down(n: int, per_octave: int = 4) -> int:
 
 @dataclass(frozen=True)
 class ShapeBuckets:
-    """How shapes are rounded up before they are planned: up the ``ladder_up`` ladder.
-
-    ``per_octave``: 0 rounds nothing. Never beyond ``max_shape`` (a batch beyond it is planned at its
-    own shape). A layout's sizes are rounded only where they vary: a model refuses another channel count.
-
-    Example:
-        >>> image = Shape(4, 1, (("x", (BATCH, 3, 100, 100)),))
-        >>> str(ShapeBuckets().up(image)), str(ShapeBuckets().up(image, varying={("x", 2)}))
-        ('4x1 {x: bx3x112x112}', '4x1 {x: bx3x112x100}')
+    """How shapes are rounded up before they are planned: up the ``ladder_up`` ladder (``per_octave=0``: not at
+    all), never beyond ``max_shape``; a layout's sizes are rounded only where they vary.
     """
 
     per_octave: int = 4

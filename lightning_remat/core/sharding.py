@@ -15,14 +15,8 @@ __all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
 
 
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
-    """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None.
-
-    ``sharded_static`` (at ``world_size``) divides by the world size; the rest of the least peak does
-    not change. None when that rest alone is over the budget.
-
-    Example:
-        >>> smallest_world_size(100, 80, 2, 20) is None
-        True
+    """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None: only
+    ``sharded_static`` (at ``world_size``) divides by the world size.
     """
     rest = least_peak - sharded_static
     room = budget - rest
@@ -34,16 +28,6 @@ def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, b
 def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
     """``solve``; on a sharded profile a ``BudgetTooSmallError`` becomes a ``ShardedBudgetTooSmallError``
     naming the least world size estimated to fit.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 10, 100, 0.0, 0)
-        >>> p = Profile((StageProfile("a", (keep,)),), (), parameter_bytes=20, gradient_bytes=20,
-        ...             optimizer_state_bytes=40, sharding={"world_size": 2})
-        >>> solve_sharded(p, 60, "flops")
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.ShardedBudgetTooSmallError: No recompute plan fits a budget of 60 B per GPU at world size 2: the least peak per GPU there is 100 B (100 bytes), of which 80 B is sharded parameters, gradients and optimizer state; sharding over more GPUs would: the least peak is estimated to fit from world size 6 on (or reduce the batch per GPU).
     """
     from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
     from .solve import solve
@@ -55,8 +39,7 @@ def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
         if world_size <= 1 or not isinstance(error.budget_bytes, int):
             raise
         sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
-        # Only what is surely alive at the least peak is taken to shrink: parameters and optimizer
-        # state (gradients may not all exist yet there), so the estimate errs towards more GPUs.
+        # Only parameters and optimizer state surely shrink (gradients may not exist yet): errs towards more GPUs.
         shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
         raise ShardedBudgetTooSmallError(
             error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,

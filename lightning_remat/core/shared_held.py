@@ -1,19 +1,8 @@
 """Inputs several recomputed stages hold (``position_ids``, which every layer receives): counted once.
 
-The solver's additive model counts such a tensor in every checkpoint that holds it, enough to refuse
-a budget the plan reaches; ``exact_peak`` counts it once (still at or above the truth), and ``slack``
-bounds the over-count so the solver can search within budget plus slack.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
-    >>> ids = (("a:position_ids", 8),)
-    >>> def stage(name, before=()):
-    ...     keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    ...     whole = StageOption("whole", (name,), 18, 160, 1.0, 5, shared_held=ids, held_before=before)
-    ...     return StageProfile(name, (keep, whole))
-    >>> p = Profile((stage("a"), stage("b", ids)), (Segment("head", 2, 50, 8, ("a:position_ids",)),))
-    >>> predict_peak(p, [1, 1]), exact_peak(p, [1, 1]), slack(p)
-    (178, 170, 24)
+The additive model counts such a tensor in every checkpoint that holds it; ``exact_peak`` counts it once
+(still at or above the truth), and ``slack`` bounds the over-count so the solver can search within budget
+plus slack.
 """
 
 from __future__ import annotations
@@ -31,10 +20,7 @@ def has_shared(profile: Profile) -> bool:
 
 
 def exact_peak(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """The predicted peak of ``choices`` with each shared input counted once (never above the additive one).
-
-    With spans, the additive figure (a span's checkpoint holds only its first stage's arguments).
-    """
+    """The predicted peak of ``choices`` with each shared input counted once (with spans: the additive figure)."""
     additive = predict_peak_spans(profile, choices, spans)
     if spans or not has_shared(profile):
         return additive
@@ -69,14 +55,7 @@ def slack(profile: Profile) -> int:
 
 
 def without_shared(profile: Profile) -> Profile:
-    """``profile`` with every shared input counted in each holder (what the fits start from).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment
-        >>> p = Profile((), (Segment("head", 0, 50, 8, ("a:position_ids",)),)).with_gap_figures({"head": {"keep": 9}})
-        >>> without_shared(p).segments[0].shared_saving, without_shared(p).gap_figures
-        (0, {'head': {'keep': 9}})
-    """
+    """``profile`` with every shared input counted in each holder (what the fits start from)."""
     if not has_shared(profile) and not any(seg.shared_saving for seg in profile.segments):
         return profile
     stages = tuple(replace(s, options=tuple(replace(o, shared_held=(), held_before=()) for o in s.options))

@@ -1,12 +1,8 @@
 """The exact solver: least recompute cost subject to a predicted peak within the budget.
 
-Every constraint of the memory model reads the bytes stored by the stages before some point, so a
-dynamic programme over stages with state "bytes stored so far" and value "least cost so far" is
-exact. It keeps the Pareto frontier of (stored bytes, cost) pairs rather than a byte grid: fewer
-stored bytes never hurt a later constraint, so only dominated pairs are dropped.
-
-``budget="min"`` solves the memory-only objective of Hong et al. / Feng & Huang with the same
-frontier over (stored bytes, peak so far), then the least-cost plan at that peak.
+A dynamic programme over stages keeps the Pareto frontier of (bytes stored so far, cost so far): fewer stored
+bytes never hurt a later constraint, so it is exact. ``budget="min"`` uses the same frontier over (stored bytes,
+peak so far), then takes the least-cost plan at that peak.
 """
 
 from __future__ import annotations
@@ -19,18 +15,16 @@ import numpy as np
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
 from .calls import is_tied, solve_tied, tied_dp
-from .config import check_cost_kind
 from .errors import BudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
-from .vocabulary import OPTION_NAMES, OptionKind, cost_of
+from .vocabulary import OPTION_NAMES, CostKind, OptionKind, cost_of
 
-# Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes and
-# the point that stores least: plans stay feasible (constraints use exact bytes), optimal within one
-# band (1/MAX_FRONTIER of the range). Chains of a few dozen stages stay below it.
+# Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes (and the
+# one that stores least): plans stay feasible, optimal within one band (1/MAX_FRONTIER of the range).
 MAX_FRONTIER = 1_000
 
 
@@ -40,8 +34,7 @@ class _Arrays:
     local: np.ndarray  # [stage, option] local peak bytes
     cost: np.ndarray  # [stage, option]
     segment_peak: np.ndarray  # [k] the largest segment peak with k stages alive, -inf if none
-    # [stage] how many options it has: the rows beyond are padding (not a -1 in ``stored``, which a
-    # sharded stage's real figure can be).
+    # [stage] how many options it has: the rows beyond are padding (not marked by -1: a sharded stage's real figure).
     options: np.ndarray = None  # type: ignore[assignment]
     # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
     fresh: np.ndarray = None  # type: ignore[assignment]
@@ -58,8 +51,7 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
             stored[i, j] = option.stored_bytes
             local[i, j] = option.local_peak_bytes
             cost[i, j] = option.cost(kind)
-    # "No segment here": far below any figure, yet far enough from int64's least that adding stored
-    # bytes below zero (a sharded stage's) does not wrap around to a huge peak.
+    # "No segment here": far below any figure, yet far enough from int64's least that no sum wraps around.
     segment_peak = np.full(n + 1, -(2**62), dtype=np.int64)
     for segment in profile.segments:
         if not 0 <= segment.stages_alive <= n:
@@ -80,8 +72,7 @@ def _pareto(first: np.ndarray, second: np.ndarray) -> np.ndarray:
         stored = first[keep].astype(np.float64)
         span = stored[-1] - stored[0]
         band = np.floor((stored - stored[0]) * (MAX_FRONTIER / span)).astype(np.int64) if span > 0 else np.zeros(len(keep), np.int64)
-        # Along the frontier the second coordinate falls as the first grows: the last point of a
-        # band is its cheapest.
+        # Along the frontier the second coordinate falls as the first grows: a band's last point is its cheapest.
         last_of_band = np.append(band[1:] != band[:-1], True)
         last_of_band[0] = True  # and the point that stores least, which keeps tight budgets feasible
         keep = keep[last_of_band]
@@ -166,27 +157,14 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
 
 @dataclass
 class Solution:
-    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each.
-
-    Example:
-        >>> Solution([0, 1], []).spans
-        []
-    """
+    """Option index per stage and the spans ``(first, last)`` recomputed as one segment each."""
 
     choices: list[int]
     spans: list[tuple[int, int]]
 
 
 def least_peak(profile: Profile) -> int:
-    """The smallest peak any plan reaches under the memory model.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> least_peak(Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),)))
-        160
-    """
+    """The smallest peak any plan reaches under the memory model."""
     if is_tied(profile):
         return exact_peak(profile, tied_dp(profile, None, "flops"))
     choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
@@ -194,19 +172,10 @@ def least_peak(profile: Profile) -> int:
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans.
-
-    Raises BudgetTooSmallError when nothing fits.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> opts = (StageOption("keep", (), 12, 15, 0.0, 0), StageOption("whole", (), 10, 20, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 5),),
-        ...             span_groups=(("a", "b", "c"),))
-        >>> solve_segmentation(p, "min", "flops").spans   # peak 30; every stage alone: 40
-        [(0, 1)]
+    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans, or
+    BudgetTooSmallError.
     """
-    check_cost_kind(cost)
+    CostKind.check(cost)
     arrays = _arrays(profile, cost)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
@@ -236,17 +205,8 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """The Plan for given option indices and spans, priced by ``predict.predict``.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),), (), baseline_peak_bytes=150, baseline_step_seconds=10.0)
-        >>> plan_from_choices(p, [1], 200).checkpointed
-        ['a']
-    """
-    kind = check_cost_kind(cost)
+    """The Plan for given option indices and spans, priced by ``predict.predict``."""
+    kind = CostKind.check(cost)
     actions = actions_of(profile, choices, spans)
     predicted = predict(profile, actions, kind)
     stage_choices = []
@@ -306,19 +266,13 @@ def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
                                requested_budget: str = "", note: str = "") -> Plan:
-    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole.
-
-    Nothing is predicted (the predicted figures are None); ``budget_bytes`` is None for ``"min"``.
-
-    Example:
-        >>> plan = solve_recompute_everything(["h.0", "h.1"], "min", "flops", "min", "out of memory")
-        >>> plan.fallback, plan.checkpointed, plan.budget_bytes, plan.predicted_peak_bytes
-        (True, ['h.0', 'h.1'], None, None)
+    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole, nothing
+    predicted.
     """
     return Plan(actions=[StageAction.recompute(s) for s in stages],
                 budget_bytes=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
                 baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,
-                cost_kind=check_cost_kind(cost), requested_budget=requested_budget or str(budget),
+                cost_kind=CostKind.check(cost), requested_budget=requested_budget or str(budget),
                 notes=[note] if note else [])
 
 
@@ -327,7 +281,7 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
 
     Args:
         budget: anything ``parse_budget`` accepts; ``"min"``: the least peak, then the least cost.
-        cost: a ``CostKind``: ``"time"``, ``"flops"`` or ``"roofline"``.
+        cost: ``"time"``, ``"flops"`` or ``"roofline"``.
 
     Raises:
         BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
@@ -335,15 +289,13 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
         >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
         >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, 2.0, 9)))
-        >>> profile = Profile((StageProfile("a", (keep, whole)), b), (Segment("head", 2, 50),),
-        ...                   baseline_peak_bytes=250, baseline_step_seconds=10.0)
+        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, 1.0, 5)))
+        >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_step_seconds=10.0)
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
     """
-    # A size is taken as given (the integrations check it against the device): the solver also serves
-    # synthetic profiles and devices that are not here.
+    # A size is taken as given (the integrations check it against the device): synthetic profiles, remote devices.
     given = Budget.parse(budget)
     parsed = given.resolve(device=profile.device) if given.fraction is not None else (given.nbytes or MIN_BUDGET)
     found = solve_segmentation(profile, parsed, cost)

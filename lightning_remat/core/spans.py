@@ -1,17 +1,8 @@
-"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint (no torch).
+"""Multi-stage segments: consecutive stages recomputed as ONE checkpoint (Chen et al.'s sqrt(n) plans).
 
-A *span* ``(first, last)`` runs stages ``first..last`` under one checkpoint, so their inner outputs
-are not kept (Chen et al.'s sqrt(n) plans). Its figures derive exactly from the per-stage terms
-(docs/segments.md): the last stage's ``"whole"`` stored bytes, a local peak of ``max_k (keep stored
-of first..k-1 + keep local peak of k)``, the sum of the ``"whole"`` costs.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
-    >>> def stage(n):
-    ...     return StageProfile(n, (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (n,), 10, 160, 1.0, 5)))
-    >>> p = Profile(tuple(stage(f"s.{i}") for i in range(3)), (), span_groups=(("s.0", "s.1", "s.2"),))
-    >>> span_option(p, 0, 2).stored_bytes, span_option(p, 0, 2).local_peak_bytes, span_option(p, 0, 2).cost_flops
-    (10, 360, 15)
+A *span* ``(first, last)``'s figures derive exactly from the per-stage terms (docs/segments.md): the last
+stage's ``"whole"`` stored bytes, a local peak of ``max_k (keep stored of first..k-1 + keep local peak of k)``,
+the sum of the ``"whole"`` costs.
 """
 
 from __future__ import annotations
@@ -26,12 +17,7 @@ from .vocabulary import OPTION_NAMES, OptionKind, cost_of
 
 @dataclass(frozen=True)
 class SpanOption:
-    """Stages ``first..last`` (inclusive, in the profile's order) recomputed as one segment.
-
-    Example:
-        >>> SpanOption(0, 3, ("a", "b", "c", "d"), 10, 400, 1.0, 20).names[-1]
-        'd'
-    """
+    """Stages ``first..last`` (inclusive, in the profile's order) recomputed as one segment."""
 
     first: int
     last: int
@@ -43,33 +29,18 @@ class SpanOption:
     cost_roofline: float = 0.0
 
     def cost(self, kind: str) -> float:
-        """Recompute cost in the unit of ``kind`` (a ``vocabulary.CostKind``)."""
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
 
 
 def max_span_length(n_stages: int) -> int:
-    """The longest span the solver considers: ``2 * ceil(sqrt(n))`` stages (at least 2).
-
-    Memory-optimal chain plans use segments of about sqrt(n) stages; twice that allows uneven stages
-    while the solver's transitions per stage stay O(sqrt(n)).
-
-    Example:
-        >>> max_span_length(24), max_span_length(1000)
-        (10, 64)
+    """The longest span the solver considers: ``2 * ceil(sqrt(n))`` stages (at least 2): memory-optimal chain
+    plans use segments of about sqrt(n), twice that allows uneven stages at O(sqrt(n)) transitions per stage.
     """
     return max(2, 2 * math.ceil(math.sqrt(max(1, n_stages))))
 
 
 def span_ranges(profile: Profile) -> list[tuple[int, int]]:
-    """Index ranges ``(start, end)`` (end exclusive) of the span groups, split where they are not contiguous.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
-        >>> p = Profile(tuple(StageProfile(n, (keep,)) for n in "abcd"), (), span_groups=(("a", "b", "d"),))
-        >>> span_ranges(p)
-        [(0, 2)]
-    """
+    """Index ranges ``(start, end)`` (end exclusive) of the span groups, split where they are not contiguous."""
     position = {s.name: i for i, s in enumerate(profile.stages)}
     ranges = []
     for group in profile.span_groups:
@@ -84,15 +55,7 @@ def span_ranges(profile: Profile) -> list[tuple[int, int]]:
 
 
 def block_ranges(profile: Profile) -> list[tuple[int, int, str]]:
-    """``(first, last, module)`` of each of ``Profile.blocks`` whose two or more stages are contiguous, in order.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 1, 1, 0.0, 0)
-        >>> p = Profile(tuple(StageProfile(n, (keep,)) for n in ("s", "b.0", "b.1")), (), blocks=(("b", ("b.0", "b.1")),))
-        >>> block_ranges(p)
-        [(1, 2, 'b')]
-    """
+    """``(first, last, module)`` of each of ``Profile.blocks`` whose two or more stages are contiguous, in order."""
     position = {s.name: i for i, s in enumerate(profile.stages)}
     found = []
     for module, names in profile.blocks:
@@ -107,8 +70,7 @@ def _whole(profile: Profile, i: int):
 
 
 def _last_term(profile: Profile, k: int, held: int) -> int:
-    # The span's last stage runs as it does recomputed alone (its "whole" local peak); the others hold
-    # their keep bytes.
+    # The span's last stage runs as it does recomputed alone (its "whole" local peak); the others hold keep bytes.
     return _whole(profile, k).local_peak_bytes + held
 
 
@@ -147,15 +109,7 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
 
 
 def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
-    """Every span the solver considers: 2 to ``max_length`` stages of one group, and each block's range.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> opts = (StageOption("keep", (), 1, 1, 0.0, 0), StageOption("whole", (), 0, 1, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (), span_groups=(("a", "b", "c"),))
-        >>> [(s.first, s.last) for s in all_spans(p)]
-        [(0, 1), (0, 2), (1, 2)]
-    """
+    """Every span the solver considers: 2 to ``max_length`` stages of one group, and each block's range."""
     names = [s.name for s in profile.stages]
     return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops, roofline)
             for first, last, stored, local, seconds, flops, roofline in span_rows(profile, max_length)]
@@ -195,8 +149,7 @@ def _group_rows(profile: Profile, max_length: int | None) -> Iterator[tuple[int,
                 keep = profile.stages[last].options[0]
                 if last in inner:
                     local = max(local, inner[last] + held)
-                # "local" stays the max over the stages so far as kept stages; the last one's term
-                # is taken apart because the span's last stage runs as it does recomputed alone.
+                # "local": the max over the stages so far as kept; the last one's term apart (it runs recomputed alone).
                 last_term = _last_term(profile, last, held)
                 if last + 1 in inner:
                     last_term = max(last_term, _recompute_end(inner[last + 1], held, wholes[last].stored_bytes))
@@ -221,15 +174,7 @@ def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, in
 
 
 def predict_peak_spans(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> int:
-    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment (choices inside it ignored).
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> opts = (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (), 10, 160, 1.0, 1))
-        >>> p = Profile(tuple(StageProfile(n, opts) for n in "abc"), (Segment("head", 3, 50),))
-        >>> predict_peak_spans(p, [1, 1, 1]), predict_peak_spans(p, [0, 0, 0], [(0, 2)])
-        (180, 360)
-    """
+    """``predict_peak`` where each span ``(first, last)`` is recomputed as one segment (choices inside it ignored)."""
     term = binding_term(peak_terms_spans(profile, choices, spans))
     return 0 if term is None else term.bytes
 

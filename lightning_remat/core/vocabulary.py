@@ -1,25 +1,10 @@
-"""The words plans and profiles are made of, as enums: cost kinds, option kinds, plan actions,
-selective-checkpointing policies, precisions.
-
-Each enum is a ``str`` (its members equal their values), as torch's ``CheckpointPolicy`` names a
-fixed set: code that compares with ``"flops"``, JSON, and strings a user gives keep working, and
-``check`` turns a user's string into a member with the error message the package always gave.
-
-- ``CostKind``: what recomputation is priced in (measured seconds, counted FLOPs, roofline seconds).
-- ``OptionKind``: what a profile option of a stage does. Option *names* stay strings, since the
-  child options are named after the children (``"attn"``, ``"mlp"``); ``OptionKind.of`` classifies
-  a name, and ``option_name`` builds the names of the fixed kinds.
-- ``Action``: what a plan does with a stage (``core.plan.StageAction``).
-- ``Policy``: the op-level selective-checkpointing policies (``runtime.installing.sac``).
-- ``Precision``: how a fake profile trains, in Lightning's names.
+"""The words plans and profiles are made of, as ``str`` enums (members equal their values, as torch's
+``CheckpointPolicy``): cost kinds, option kinds, plan actions, selective-checkpointing policies, precisions.
+``check`` turns a user's string into a member or a ValueError naming what is accepted.
 
 Example:
-    >>> CostKind.check("flops") == "flops", f"{CostKind.ROOFLINE}"
-    (True, 'roofline')
-    >>> OptionKind.of("sac:save_matmuls"), OptionKind.of("attn"), OptionKind.of("offload:hidden")
-    (<OptionKind.POLICY: 'policy'>, <OptionKind.CHILDREN: 'children'>, <OptionKind.OFFLOAD_HIDDEN: 'offload-hidden'>)
-    >>> option_name(OptionKind.POLICY, Policy.SAVE_MATMULS), policy_of("sac:save_attention")
-    ('sac:save_matmuls', 'save_attention')
+    >>> OptionKind.of("sac:save_matmuls"), OptionKind.of("attn")
+    (<OptionKind.POLICY: 'policy'>, <OptionKind.CHILDREN: 'children'>)
     >>> CostKind.check("seconds")
     Traceback (most recent call last):
     ...
@@ -33,8 +18,7 @@ from typing import Any
 
 
 class _Words(str, Enum):
-    """A ``str`` enum whose ``str()`` and format are its value on every Python (3.10's mixins print
-    ``Class.MEMBER``), so messages and f-strings read as before."""
+    """A ``str`` enum whose ``str()`` and format are its value on every Python (3.10 prints ``Class.MEMBER``)."""
 
     def __str__(self) -> str:
         return str(self.value)
@@ -48,12 +32,7 @@ class _Words(str, Enum):
 
 
 class CostKind(_Words):
-    """What recomputation is priced in.
-
-    Example:
-        >>> CostKind.TIME == "time", CostKind("flops") is CostKind.FLOPS
-        (True, True)
-    """
+    """What recomputation is priced in."""
 
     TIME = "time"  # measured forward seconds
     FLOPS = "flops"  # counted FLOPs: deterministic plans
@@ -68,24 +47,14 @@ class CostKind(_Words):
 
 
 def cost_of(kind: Any, seconds: float, flops: float, roofline: float) -> float:
-    """The figure of ``kind`` among the three every option and span carries.
-
-    Example:
-        >>> cost_of("roofline", 1.0, 10, 0.5)
-        0.5
-    """
+    """The figure of ``kind`` among the three every option and span carries."""
     if kind == CostKind.ROOFLINE:
         return roofline
     return seconds if kind == CostKind.TIME else flops
 
 
 class Policy(_Words):
-    """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves).
-
-    Example:
-        >>> Policy.check("save_matmuls") is Policy.SAVE_MATMULS is Policy.check("sac:save_matmuls")
-        True
-    """
+    """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves)."""
 
     SAVE_MATMULS = "save_matmuls"
     SAVE_PROJECTIONS = "save_projections"
@@ -94,8 +63,7 @@ class Policy(_Words):
 
     @classmethod
     def check(cls, policy: Any) -> "Policy":
-        """The member named by ``policy``, with or without the ``"sac:"`` of its option name (the
-        docs' tables and a plan's summary spell it so), or a ValueError naming the known policies."""
+        """The member named by ``policy``, with or without the ``"sac:"`` of its option name."""
         name = (policy_of(policy) or policy) if isinstance(policy, str) else policy
         if isinstance(name, str) and name in cls.values():
             return cls(name)
@@ -109,12 +77,7 @@ CHUNKS_PREFIX = "chunks:"
 
 
 class OptionKind(_Words):
-    """What a profile option of a stage does (``core.memory_model.StageOption``).
-
-    Example:
-        >>> [OptionKind.of(n) for n in ("keep", "whole", "offload")]
-        [<OptionKind.KEEP: 'keep'>, <OptionKind.WHOLE: 'whole'>, <OptionKind.OFFLOAD: 'offload'>]
-    """
+    """What a profile option of a stage does (``core.memory_model.StageOption``)."""
 
     KEEP = "keep"  # nothing recomputed: everything the forward saves is kept
     WHOLE = "whole"  # the stage's whole forward recomputed
@@ -147,10 +110,6 @@ _FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
 def option_name(kind: OptionKind, policy: Any = None) -> str:
     """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``,
     ``"sac:" + policy``, or ``"chunks:" + count`` (``policy`` is then the number of chunks).
-
-    Example:
-        >>> option_name(OptionKind.OFFLOAD_HIDDEN), option_name(OptionKind.CHUNKS, 8)
-        ('offload:hidden', 'chunks:8')
     """
     if kind == OptionKind.POLICY:
         return POLICY_PREFIX + str(Policy.check(policy))
@@ -162,38 +121,19 @@ def option_name(kind: OptionKind, policy: Any = None) -> str:
 
 
 def policy_of(name: str) -> str:
-    """The policy of an option name, or "" for the options that run no policy.
-
-    Example:
-        >>> policy_of("whole")
-        ''
-    """
+    """The policy of an option name, or "" for the options that run no policy."""
     return name[len(POLICY_PREFIX):] if name.startswith(POLICY_PREFIX) else ""
 
 
 def check_chunks(chunks: Any) -> int:
-    """A number of sequence chunks for the LM head and its loss: an int >= 1 (1: not chunked).
-
-    Example:
-        >>> check_chunks(8)
-        8
-        >>> check_chunks(0)
-        Traceback (most recent call last):
-        ...
-        ValueError: the number of chunks of a chunked loss is an int >= 1, got 0
-    """
+    """A number of sequence chunks for the LM head and its loss: an int >= 1 (1: not chunked)."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"the number of chunks of a chunked loss is an int >= 1, got {chunks!r}")
     return chunks
 
 
 class Action(_Words):
-    """What a plan does with a stage (``core.plan.StageAction``).
-
-    Example:
-        >>> Action("segment") is Action.SEGMENT
-        True
-    """
+    """What a plan does with a stage (``core.plan.StageAction``)."""
 
     KEEP = "keep"  # run as it is: everything it saves stays on the device
     RECOMPUTE = "recompute"  # its forward (or some children's) runs again in backward, maybe under a policy

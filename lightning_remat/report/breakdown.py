@@ -20,12 +20,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 
 @dataclass(frozen=True)
 class ModuleMemory:
-    """A candidate block and the activation bytes it saves for backward (nothing recomputed).
-
-    Example:
-        >>> ModuleMemory("transformer.h.0", "GPT2Block", 2**20, 0.25).saved_bytes
-        1048576
-    """
+    """A candidate block and the activation bytes it saves for backward (nothing recomputed)."""
 
     name: str
     module_type: str
@@ -41,12 +36,6 @@ class MemoryBreakdown:
         optimizer_state_bytes: before the first step, the state it will create (``optimizer_state_counted_ahead``).
         at_peak: the split of the forward/backward peak by category; it sums to ``forward_backward_peak_bytes``.
         peak_bytes: the predicted peak of a whole steady-state step: what a budget is compared with.
-
-    Example:
-        >>> b = MemoryBreakdown(parameter_bytes=4, gradient_bytes=4, optimizer_state_bytes=8,
-        ...                     activation_bytes=20, peak_bytes=40)
-        >>> b.static_bytes, b.to_dict()["peak_bytes"]
-        (16, 40)
     """
 
     parameter_bytes: int = 0
@@ -70,7 +59,6 @@ class MemoryBreakdown:
         return self.parameter_bytes + self.buffer_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict."""
         data = asdict(self)
         data["static_bytes"] = self.static_bytes
         return data
@@ -120,19 +108,8 @@ def _stored_by_forward(profile: Profile) -> int:
 
 def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | None = None,
                            counted_ahead: bool = False, top: int = 10) -> MemoryBreakdown:
-    """Build a ``MemoryBreakdown`` from a profile and (optionally) the category split of a measured peak.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> p = Profile((StageProfile("a", (keep,), saved_bytes=100, module_type="Block"),), (),
-        ...             parameter_bytes=10, gradient_bytes=10, baseline_peak_bytes=170)
-        >>> b = breakdown_from_profile(p)
-        >>> b.top_modules[0].name, b.peak_bytes, b.static_bytes
-        ('a', 170, 20)
-    """
-    # MemTracker's "Total" is dropped: the parts are kept, and their sum is the one total
-    # (forward_backward_peak_bytes), so the split always adds up to the figure it explains.
+    """Build a ``MemoryBreakdown`` from a profile and (optionally) the category split of a measured peak."""
+    # MemTracker's "Total" is dropped: the parts' sum is the one total, so the split always adds up.
     measured = tracker_totals is not None
     at_peak = {k: int(v) for k, v in (tracker_totals if measured else modelled_split(profile)).items() if k != "Total"}
     saved_total = sum(s.saved_bytes for s in profile.stages)
@@ -159,9 +136,8 @@ def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | No
 def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                      profile: Profile | None = None, top: int = 10, show: bool = True,
                      console: Any = None) -> MemoryBreakdown:
-    """Where the memory of one training step of ``model`` goes; printed with rich and returned.
-
-    ``profile``: a ``profile_step`` result to avoid profiling again. The model is left as it was.
+    """Where the memory of one training step of ``model`` goes; printed with rich and returned, the model left as
+    it was. ``profile``: a ``profile_step`` result to avoid profiling again.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])

@@ -17,12 +17,7 @@ _MIB = 2**20
 
 @dataclass(frozen=True)
 class ParetoPoint:
-    """One budget of a sweep: the plan's predicted peak and overhead (or that nothing fits).
-
-    Example:
-        >>> ParetoPoint(100, 90, 0.25, 3).feasible
-        True
-    """
+    """One budget of a sweep: the plan's predicted peak and overhead (or that nothing fits)."""
 
     budget_bytes: int
     predicted_peak_bytes: int
@@ -32,18 +27,8 @@ class ParetoPoint:
 
 
 def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> list[ParetoPoint]:
-    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak.
-
-    Budgets that round to the same byte are one point.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> whole = StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),),
-        ...             baseline_peak_bytes=250, baseline_step_flops=100)
-        >>> [(pt.predicted_peak_bytes, pt.predicted_overhead) for pt in pareto_sweep(p, 3)]
-        [(160, 0.05), (160, 0.05), (250, 0.0)]
+    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak
+    (budgets that round to the same byte are one point).
     """
     low, high = least_peak(profile), max(profile.baseline_peak_bytes, least_peak(profile))
     # One row per distinct budget: where recomputation cannot lower the peak (low == high) that is one row.
@@ -70,15 +55,7 @@ def pyplot() -> Any:
 
 def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
                          budget_bytes: int | None = None) -> Path:
-    """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed.
-
-    Example:
-        >>> import tempfile, os
-        >>> out = plot_memory_timeline([MemoryTimeline("a", [1, 3 * 2**20, 2**20], 2)],
-        ...                            os.path.join(tempfile.mkdtemp(), "t.png"), budget_bytes=4 * 2**20)
-        >>> out.read_bytes()[:4] == b"\\x89PNG"
-        True
-    """
+    """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed."""
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,17 +98,8 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
                 measured: Sequence[tuple[str, int, float]] = (), planned: Sequence[tuple[str, int, float]] = (),
                 baseline_peak_bytes: int | None = None, budget_bytes: int | None = None,
                 overhead_label: str = "FLOP overhead (%)") -> Path:
-    """Plot peak memory against recompute overhead to a PNG.
-
-    ``curve``: our plans over a sweep of budgets; ``points``: peers, (label, peak bytes, overhead) each;
-    ``measured`` and ``planned``: our plans as measured and as predicted.
-
-    Example:
-        >>> import tempfile, os
-        >>> out = plot_pareto(os.path.join(tempfile.mkdtemp(), "p.png"), [(2**20, 0.3), (2**21, 0.0)],
-        ...                   points=[("every layer", 2**20, 0.33)])
-        >>> out.stat().st_size > 1000
-        True
+    """Plot peak memory against recompute overhead to a PNG: ``curve``, our plans over a sweep of budgets;
+    ``points``, peers as (label, peak bytes, overhead); ``measured`` and ``planned``, our plans measured and predicted.
     """
     plt = pyplot()
     path = Path(path)
@@ -157,16 +125,6 @@ OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time over
 def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
                        title: str = "") -> Any:
     """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): sweep, plan predicted and measured, budget.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> from lightning_remat.core.solve import solve
-        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("head", 2, 50),),
-        ...             baseline_peak_bytes=250, baseline_step_flops=100)
-        >>> fig = plan_pareto_figure(p, solve(p, 200, cost="flops"), measured_peak_bytes=190)
-        >>> [t.get_text() for t in fig.axes[0].texts]
-        ['measured']
     """
     plt = pyplot()
     sweep = pareto_sweep(profile, points, cost=plan.cost_kind)

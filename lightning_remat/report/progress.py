@@ -1,12 +1,4 @@
-"""One progress display for long work: a transient rich bar on stderr, after ``delay`` seconds, on a terminal.
-
-Example:
-    >>> with PhaseProgress(2, enabled=False) as advance:
-    ...     advance("profiling one training step")
-    ...     advance("solving")
-    >>> advance.phases_done
-    2
-"""
+"""One progress display for long work: a transient rich bar on stderr, after ``delay`` seconds, on a terminal."""
 
 from __future__ import annotations
 
@@ -29,13 +21,11 @@ class PhaseProgress:
     ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
 
     Example:
-        >>> import io
-        >>> from rich.console import Console
-        >>> console = Console(file=io.StringIO(), force_terminal=True)
-        >>> with PhaseProgress(1, delay=0, console=console) as advance:
+        >>> with PhaseProgress(2, enabled=False) as advance:
+        ...     advance("profiling one training step")
         ...     advance("solving")
-        >>> advance.shown
-        True
+        >>> advance.phases_done
+        2
     """
 
     def __init__(self, total: int | None = None, *, enabled: bool = True, delay: float | None = None,

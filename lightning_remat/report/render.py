@@ -1,12 +1,4 @@
-"""Every table and summary lightning-remat shows people, in one place (the only user of ``rich``).
-
-Example:
-    >>> from lightning_remat.core.plan import Plan, StageAction
-    >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
-    ...             predicted_peak_bytes=2**30 - 1, predicted_overhead=0.1)
-    >>> print(plan_summary(plan).splitlines()[0])
-    Recompute plan: 1 module(s), predicted peak 1024.00 MiB (budget 1.00 GiB, baseline 2.00 GiB), overhead 10.0% (time)
-"""
+"""Every table and summary lightning-remat shows people, in one place (the only user of ``rich``)."""
 
 from __future__ import annotations
 
@@ -30,12 +22,7 @@ def _console(**kwargs: Any) -> Any:
 
 
 def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
-    """Plain text of rich renderables (tables, strings), without colours.
-
-    Example:
-        >>> to_text(["a line"])
-        'a line'
-    """
+    """Plain text of rich renderables (tables, strings), without colours."""
     import io
 
     items = list(renderables)
@@ -47,15 +34,13 @@ def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
 
 
 def _widest(console: Any, items: Sequence[Any], width: int) -> int:
-    """``width``, or wider where a line or a table row of ``items`` needs it: text meant for a file
-    (not a terminal, whose width is what it is) keeps each row on one line instead of wrapping mid-phrase."""
+    """``width``, or wider where a line or row of ``items`` needs it (text for a file keeps each row whole)."""
     unbounded = console.options.update_width(2**20)
     return max([width, *(console.measure(item, options=unbounded).maximum for item in items)])
 
 
 def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
-    """Print rich renderables to ``console`` (default: stdout, never cutting module names; to a file or a
-    pipe, every line and table row whole on one line)."""
+    """Print rich renderables to ``console`` (default: stdout); to a file or a pipe, every row whole on one line."""
     items = list(renderables)
     console = console or _console()
     console.width = max(console.width, TEXT_WIDTH)
@@ -90,12 +75,10 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
 
 
 def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    """The plan as plain text (``Plan.summary()``)."""
     return plan_text(plan, title)
 
 
 def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:
-    """Print the plan with rich."""
     print_renderables(plan_renderables(plan, title), console)
 
 
@@ -131,12 +114,7 @@ def batch_size_table(result: Any) -> Any:
 
 
 def percent_shares(parts: Sequence[int]) -> list[str]:
-    """Whole percentages of ``parts``' sum that add up to exactly 100% (largest remainders rounded up).
-
-    Example:
-        >>> percent_shares([1, 1, 1])
-        ['34%', '33%', '33%']
-    """
+    """Whole percentages of ``parts``' sum that add up to exactly 100% (largest remainders rounded up)."""
     total = sum(parts)
     if total <= 0:
         return ["-" for _ in parts]
@@ -197,7 +175,6 @@ def breakdown_modules_table(breakdown: Any) -> Any:
 
 
 def breakdown_renderables(breakdown: Any) -> list[Any]:
-    """Both breakdown tables and the notes."""
     items: list[Any] = [breakdown_table(breakdown)]
     if breakdown.top_modules:
         items.append(breakdown_modules_table(breakdown))

@@ -22,13 +22,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 
 @dataclass
 class MemoryTimeline:
-    """Total memory after each operator of one forward and backward pass (optimizer state included).
-
-    Example:
-        >>> t = MemoryTimeline("demo", [10, 30, 20], backward_start=2)
-        >>> t.peak_bytes, t.to_dict()["ops"]
-        (30, 3)
-    """
+    """Total memory after each operator of one forward and backward pass (optimizer state included)."""
 
     label: str
     bytes_after_op: list[int]
@@ -36,7 +30,6 @@ class MemoryTimeline:
 
     @property
     def peak_bytes(self) -> int:
-        """The highest point of the timeline."""
         return max(self.bytes_after_op, default=0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,9 +61,9 @@ def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | None = None, *,
                     optimizer: torch.optim.Optimizer | None = None, label: str | None = None) -> MemoryTimeline:
-    """Record the total memory after every operator of one forward and backward pass.
+    """Record the total memory after every operator of one forward and backward pass, the model left as it was.
 
-    ``plan``: a ``Plan`` or module names to recompute (None: nothing). The model is left as it was.
+    ``plan``: a ``Plan`` or module names to recompute (None: nothing).
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(4)])
