@@ -70,10 +70,24 @@ def test_the_plan_summary_shows_a_decimal_budget_in_decimal_and_logs_bytes():
 
     keep, whole = StageOption("keep", (), 10**6, 2 * 10**6, 0.0, 0), StageOption("whole", ("a",), 0, 2 * 10**6, 1.0, 5)
     profile = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 3 * 10**6),), baseline_peak_bytes=4 * 10**6)
-    for budget, shown in (("60MB", "budget 60.00 MB = 60000000 bytes,"), ("10GiB", "budget 10.00 GiB,")):
+    for budget, shown, peak in (("60MB", "budget 60.00 MB = 60000000 bytes,", "predicted peak 4.00 MB"),
+                                ("10GiB", "budget 10.00 GiB,", "predicted peak 3.81 MiB")):
         plan = solve(profile, budget, cost="flops")
-        assert shown in plan.summary().splitlines()[0] and shown in to_text(plan_renderables(plan), width=400)
+        headline = plan.summary().splitlines()[0]
+        assert shown in headline and shown in to_text(plan_renderables(plan), width=400)
+        assert peak in headline  # every size of the line in the budget's units: decimal in, decimal out
     assert plan_metrics(plan)["remat/budget_bytes"] == 10 * 2**30  # the figures logged stay bytes
+
+
+def test_the_measured_line_and_the_over_budget_warning_speak_the_budgets_units():
+    from lightning_remat.core.plan import Plan
+    from lightning_remat.service.plan_figures import over_budget
+    from lightning_remat.service.run import _figure
+
+    plan = Plan([], budget_bytes=60 * 10**6, predicted_peak_bytes=59 * 10**6, requested_budget="60MB")
+    assert over_budget(61 * 10**6, plan).startswith("lightning-remat: a training step peaked at 61.00 MB (61000000 bytes)"
+                                                    ", above the budget of 60.00 MB (60000000 bytes; predicted 59.00 MB)")
+    assert _figure(59 * 10**6, None, "60MB") == "59.00 MB" and _figure(2**20, None, "1GiB") == "1.00 MiB"
 
 
 

@@ -186,6 +186,20 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
     return Budget.parse(value).resolve(device=device, total_memory=total_memory)
 
 
+def format_in_units_of(text: Any, nbytes: float) -> str:
+    """``nbytes`` in the units of the budget ``text``: decimal when it was given in kB/MB/GB/TB, else binary.
+
+    Example:
+        >>> format_in_units_of("200MB", 207_090_000), format_in_units_of("1GiB", 2**20), format_in_units_of(None, 2**20)
+        ('207.09 MB', '1.00 MiB', '1.00 MiB')
+    """
+    try:
+        decimal = isinstance(text, str) and Budget.parse(text).decimal
+    except ValueError:
+        decimal = False
+    return format_bytes(nbytes, decimal=decimal)
+
+
 def format_budget(text: str, nbytes: int) -> str:
     """``nbytes`` in the units of the budget ``text`` (``Budget.format``); binary when ``text`` is not a budget."""
     try:

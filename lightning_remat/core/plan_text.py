@@ -4,9 +4,11 @@ this text; ``report.render`` shows the same lines in a rich table.
 
 from __future__ import annotations
 
+from functools import partial
+
 from typing import Any
 
-from .budget import format_budget, format_bytes
+from .budget import format_budget, format_bytes, format_in_units_of
 
 TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute cost")
 
@@ -26,9 +28,10 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
         return (f"{title}: {len(plan.checkpointed)} module(s){spans} recomputed{how} (fallback: not profiled, peak "
                 f"not predicted; budget {_budget(plan)})")
     overhead = "unknown" if plan.predicted_overhead is None else f"{plan.predicted_overhead:.1%}"
-    baseline = "not profiled" if plan.baseline_peak_bytes is None else format_bytes(plan.baseline_peak_bytes)
+    size = partial(format_in_units_of, plan.requested_budget)  # in the units the budget was given in
+    baseline = "not profiled" if plan.baseline_peak_bytes is None else size(plan.baseline_peak_bytes)
     budget = "not given" if plan.budget_bytes is None else format_budget(plan.requested_budget, plan.budget_bytes)
-    return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+    return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {size(plan.predicted_peak_bytes)} "
             f"(budget {budget}, baseline {baseline}), overhead {overhead} ({plan.cost_kind})")
 
 

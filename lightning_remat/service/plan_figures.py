@@ -8,11 +8,12 @@ Example:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 from torch import nn
 
-from ..core.budget import format_bytes
+from ..core.budget import format_in_units_of
 from ..core.plan import Plan
 from ..core.shapes import Shape
 from ..runtime.installing.verify import installation_mismatch
@@ -72,14 +73,15 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     budget = plan.budget_bytes
     if budget is None or measured_peak_bytes <= budget:
         return None
-    over = (f"lightning-remat: {what} peaked at {format_bytes(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
-            f"above the budget of {format_bytes(budget)} ({budget} bytes")
+    size = partial(format_in_units_of, plan.requested_budget)  # in the units the budget was given in
+    over = (f"lightning-remat: {what} peaked at {size(measured_peak_bytes)} ({measured_peak_bytes} bytes), "
+            f"above the budget of {size(budget)} ({budget} bytes")
     seen = "; ".join(dict.fromkeys(c for c in causes if c))
     if plan.fallback:  # no profile: nothing was predicted, and nothing more is recomputed than this
         return (f"{over}) under {FALLBACK_PLAN}, which predicts no peak. " + (f"{seen}. " if seen else "")
                 + "Every candidate block is recomputed already: reduce the batch size, raise the budget, or name "
                 "more candidates.")
-    predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {format_bytes(plan.predicted_peak_bytes)}"
+    predicted = "" if plan.predicted_peak_bytes is None else f"; predicted {size(plan.predicted_peak_bytes)}"
     if seen:
         return f"{over}{predicted}): {seen}."
     return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."

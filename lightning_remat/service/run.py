@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..core.budget import format_bytes
+from ..core.budget import format_in_units_of
 from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.fingerprint import fingerprint
@@ -120,12 +120,13 @@ class MeasuredWindow:
         self.meter.abandon()
 
 
-def _figure(nbytes: int | None, other: int | None) -> str:
-    # Exact bytes when rounding would make two different figures look equal.
+def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
+    # In the units of the budget ``units`` as given; exact bytes when rounding would make two figures look equal.
     if nbytes is None:
         return "not predicted"
-    text = format_bytes(nbytes)
-    return f"{text} ({nbytes} bytes)" if other is not None and nbytes != other and text == format_bytes(other) else text
+    text = format_in_units_of(units, nbytes)
+    equal = other is not None and nbytes != other and text == format_in_units_of(units, other)
+    return f"{text} ({nbytes} bytes)" if equal else text
 
 
 class RunLifecycle:
@@ -229,12 +230,14 @@ class RunLifecycle:
         plan = window.plan
         calibrated = window.calibrate(self.shape_plans, peak, timed=True)
         # A fallback plan (no profile) predicted nothing, and a "min" budget never became bytes.
-        predicted = "no prediction" if plan.fallback else f"predicted {_figure(plan.predicted_peak_bytes, plan.budget_bytes)}"
-        budget = _figure(plan.budget_bytes, peak) if plan.budget_bytes is not None else repr(plan.requested_budget)
+        units = plan.requested_budget
+        predicted = ("no prediction" if plan.fallback else
+                     f"predicted {_figure(plan.predicted_peak_bytes, plan.budget_bytes, units)}")
+        budget = _figure(plan.budget_bytes, peak, units) if plan.budget_bytes is not None else repr(units)
         message = (f"{self.host.name}: measured peak of a steady training step with "
                    f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                    f"{' (a whole accumulation window)' if self.host.accumulation() > 1 else ''}: "
-                   f"{_figure(peak, plan.budget_bytes)} ({predicted}, budget {budget})")
+                   f"{_figure(peak, plan.budget_bytes, units)} ({predicted}, budget {budget})")
         warning = over_budget(peak, plan, what, window.causes(self.host.model))
         if warning is not None:
             self.host.warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before "
