@@ -23,11 +23,6 @@ class ShapeKeys:
 
     ``plan_for``: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest met of its structure).
     ``max_shape``: buckets never round beyond it. ``per_octave``: buckets per doubling (0: every shape its own).
-
-    Example:
-        >>> keys = ShapeKeys("largest", max_shape=Shape(2, 100))
-        >>> keys.bucket(keys.planned(keys.meet(Shape(4, 40))))
-        Shape(batch_size=4, seq_len=100)
     """
 
     def __init__(self, plan_for: str = "shape", max_shape: Shape | None = None, per_octave: int = 16):

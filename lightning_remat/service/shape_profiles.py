@@ -1,15 +1,12 @@
 """The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration.
 
-The first batch is planned before it runs on fake tensors (exact on the CPU, allocating nothing), or gets
-the fallback plan where that fails.
-
 Example:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_remat.service.shape_plans import ShapePlans
     >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
     >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min")
-    >>> plan = plans.use(torch.randn(64, 16))               # planned on fake tensors before the step
+    >>> plan = plans.use(torch.randn(64, 16))
     >>> plans.calibrate(plan.predicted_peak_bytes + 4096)    # a step measured 4 KiB above: re-solved
     True
     >>> plans.use(torch.randn(64, 16)).predicted_peak_bytes - plan.predicted_peak_bytes, plans.counts.calibrations
@@ -89,10 +86,9 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a real step measured under ``plan`` (default: the installed one) into account; True if re-solved.
+        """Take a step measured under ``plan`` (default: the installed one) into account; True if the plans are re-solved.
 
-        A peak above the prediction goes into the anchor, carried to every shape; with ``cost="time"`` the first
-        ``seconds`` price the fake profiles. Under several ranks, call it on every rank with the same figures.
+        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank.
         """
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0

@@ -2,11 +2,6 @@
 
 Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
 is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
-
-Example:
-    >>> combine_trials([Trial(8, ("h.0",), 1, 100, False, True, 90), Trial(8, ("h.0",), 1, 130, False, True, 90)],
-    ...                budget=120).fits
-    False
 """
 
 from __future__ import annotations
@@ -30,6 +25,8 @@ def combine_trials(trials: list[Trial], budget: int) -> Trial:
         >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
         >>> t.out_of_memory, t.fits, t.measured_peak_bytes
         (True, False, None)
+        >>> combine_trials([Trial(8, (), 1, 100, False, True), Trial(8, (), 1, 130, False, True)], budget=120).fits
+        False
     """
     first = trials[0]
     oom = any(t.out_of_memory for t in trials)
