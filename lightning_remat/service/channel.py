@@ -2,11 +2,6 @@
 
 Errors travel so every rank enters the same collectives whatever failed: ours as themselves, others as a
 ``PlanningFailedError``.
-
-Example:
-    >>> single = Channel()
-    >>> single.is_main, single.world_size, single.broadcast("plan"), single.gather(3), single.max(2.5)
-    (True, 1, 'plan', [3], 2.5)
 """
 
 from __future__ import annotations

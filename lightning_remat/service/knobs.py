@@ -28,12 +28,7 @@ class KnobContext:
 
 @dataclass(frozen=True)
 class Knob:
-    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
-
-    Example:
-        >>> [k.name for k in KNOBS]
-        ['fused optimizer', 'optimizer without foreach', 'offload', 'more GPUs (FSDP2)', 'chunked loss']
-    """
+    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply."""
 
     name: str
     evaluate: Callable[[KnobContext], tuple[str, int] | None] | None

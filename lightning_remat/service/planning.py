@@ -81,15 +81,7 @@ def _first_line(error: BaseException) -> str:
 
 
 class Planner:
-    """Decide plans for one ``RematConfig``.
-
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> x = torch.randn(64, 32)
-        >>> plan = Planner(RematConfig("min", cost="flops")).decide(net, lambda m: m(x).square().mean())
-        >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
-        True
-    """
+    """Decide plans for one ``RematConfig``: profile, solve, fall back, share between ranks."""
 
     def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config

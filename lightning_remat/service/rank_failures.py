@@ -3,13 +3,6 @@
 A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
 the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent, it posts its
 error as the verdict and aborts the group, and every rank raises the verdict.
-
-Example:
-    >>> from torch.distributed import HashStore
-    >>> board = RankBoard(HashStore(), rank=1, world_size=2, section=7)
-    >>> board.post()
-    >>> board.everyone_posted(wait_s=0.0)  # rank 0 has not posted
-    False
 """
 
 from __future__ import annotations

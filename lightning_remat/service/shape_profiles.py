@@ -1,17 +1,4 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> from lightning_remat.service.shape_plans import ShapePlans
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
-    >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min")
-    >>> plan = plans.use(torch.randn(64, 16))
-    >>> plans.calibrate(plan.predicted_peak_bytes + 4096)    # a step measured 4 KiB above: re-solved
-    True
-    >>> plans.use(torch.randn(64, 16)).predicted_peak_bytes - plan.predicted_peak_bytes, plans.counts.calibrations
-    (4096, 1)
-"""
+"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration."""
 
 from __future__ import annotations
 

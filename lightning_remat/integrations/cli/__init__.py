@@ -113,12 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error).
-
-    Example:
-        >>> main(["plan", "missing.py:factory", "--json"])
-        2
-    """
+    """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error)."""
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:

@@ -79,14 +79,7 @@ def normalize(result: Any, name: str = "factory") -> Target:
 
 
 def load_factory(spec: str) -> tuple[Callable[[], Any], str]:
-    """Import ``FILE.py:FACTORY`` and return the factory and a display name; ``UsageError`` if not found.
-
-    Example:
-        >>> load_factory("no/such/file.py:make")
-        Traceback (most recent call last):
-        ...
-        lightning_remat.integrations.cli.factory.UsageError: file not found: no/such/file.py
-    """
+    """Import ``FILE.py:FACTORY`` and return the factory and a display name; ``UsageError`` if not found."""
     if ":" not in spec:
         raise UsageError(f"expected FILE.py:FACTORY (for example examples/factories.py:gpt2), got {spec!r}")
     file, factory_name = spec.rsplit(":", 1)

@@ -31,12 +31,7 @@ class ProfilingFailed(RematError):
 
 
 def one_line_error(err: BaseException) -> str:
-    """An error as the command prints it: one line, its whitespace (line breaks included) squashed.
-
-    Example:
-        >>> one_line_error(ValueError("bad\\n  budget"))
-        'lightning-remat: error: bad budget'
-    """
+    """An error as the command prints it: one line, its whitespace (line breaks included) squashed."""
     return "lightning-remat: error: " + " ".join(str(err).split())
 
 

@@ -1,14 +1,6 @@
 """The channel between ranks (``service.channel.Channel``) over a Lightning trainer's strategy.
 
 The strategy has no all-gather of objects: ``gather`` is one broadcast from each rank in turn.
-
-Example:
-    >>> class OneDevice:  # what a single-device strategy does
-    ...     def broadcast(self, obj, src=0): return obj
-    >>> class Trainer:
-    ...     global_rank, world_size, strategy = 0, 1, OneDevice()
-    >>> LightningChannel(Trainer()).gather("profile"), lightning_channel(Trainer()).world_size
-    (['profile'], 1)
 """
 
 from __future__ import annotations
