@@ -16,6 +16,7 @@ from ..core.shapes import Shape
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .calibration import measured_excess, seconds_per_flop, with_measured_excess
+from .planning import _first_line
 
 # Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
 # size and of the sequence length; plans are made at the (finer) buckets between them.
@@ -147,8 +148,3 @@ class ShapeProfiles:
         # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return priced(profile, rate) if rate else profile
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
