@@ -25,8 +25,6 @@ def combine_trials(trials: list[Trial], budget: int) -> Trial:
         >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
         >>> t.out_of_memory, t.fits, t.measured_peak_bytes
         (True, False, None)
-        >>> combine_trials([Trial(8, (), 1, 100, False, True), Trial(8, (), 1, 130, False, True)], budget=120).fits
-        False
     """
     first = trials[0]
     oom = any(t.out_of_memory for t in trials)
@@ -79,12 +77,5 @@ def _out_of_memory(value: Any) -> bool:
 
 
 def shared_budget(budget_bytes: int, channel: Channel) -> int:
-    """The smallest of the ranks' budgets (a relative budget resolves per device).
-
-    Example:
-        >>> class TwoRanks(Channel):  # the other rank's device has less memory
-        ...     def gather(self, value): return [value, 80]
-        >>> shared_budget(100, TwoRanks())
-        80
-    """
+    """The smallest of the ranks' budgets (a relative budget resolves per device)."""
     return min(channel.gather(budget_bytes))

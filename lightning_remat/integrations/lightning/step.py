@@ -155,20 +155,6 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
     schedulers' ``step()`` do nothing (given a closure, an optimizer runs it), so the call changes no parameter,
     state or schedule. It returns a loss whose backward does nothing more; the profile counts every optimizer's
     state and step itself. Several ``manual_backward`` calls (a GAN) are profiled as they run.
-
-    Example:
-        >>> import lightning.pytorch as L
-        >>> class Manual(L.LightningModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.automatic_optimization = False
-        ...         self.net = torch.nn.Linear(4, 1)
-        ...     def training_step(self, batch, batch_idx):
-        ...         self.manual_backward(self.net(batch).sum())
-        >>> module = Manual()
-        >>> loss = manual_step_closure(module, torch.ones(2, 4))(module)
-        >>> loss.requires_grad, module.net.weight.grad.shape   # backward ran where training_step called it
-        (True, torch.Size([1, 4]))
     """
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
