@@ -1,3 +1,1 @@
-"""The service layer every integration shares: planning (decide, fall back, broadcast, metrics), the
-one channel between ranks (``channel``),
-``plan_remat`` for plain PyTorch, and the batch-size search."""
+"""The service layer every integration shares: planning, the channel between ranks, the batch-size search."""

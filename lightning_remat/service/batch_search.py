@@ -190,10 +190,7 @@ class BatchSearch:
 
     # 3. Confirmation with real steps.
     def confirm(self, max_batch_size: int, max_trials: int) -> tuple[int, int | None]:
-        """(largest batch a real trial passed, its measured peak).
-
-        A trial over budget corrects the prediction by the measured error; an OOM turns the rest into a bisection.
-        """
+        """(largest batch a real trial passed, its measured peak); an over-budget trial corrects the prediction."""
         assert self.fit is not None
         measured: int | None = None
         confirmed, failed = 0, max_batch_size + 1

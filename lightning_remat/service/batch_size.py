@@ -1,26 +1,4 @@
-"""The largest batch that fits a memory budget with optimal recomputation.
-
-Lightning's ``BatchSizeFinder`` with recomputation in the loop: two small batches are profiled, every
-memory term fitted as ``a + b * batch``, the largest batch whose plan fits is searched on predictions and
-confirmed with real steps (stepping down on an out-of-memory error or a peak over budget).
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> torch.manual_seed(0) is not None
-    True
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-    >>> def make_step(batch_size):
-    ...     x = torch.randn(batch_size, 32)
-    ...     return lambda model: model(x).square().mean()
-    >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
-    >>> result.batch_size > result.batch_size_without_remat > 0
-    True
-    >>> result.measured_peak_bytes <= 600_000
-    True
-    >>> from lightning_remat import remove_remat
-    >>> _ = remove_remat(net)
-"""
+"""The largest batch that fits a memory budget with optimal recomputation (``docs/batch_size.md``)."""
 
 from __future__ import annotations
 
@@ -59,10 +37,8 @@ class BatchSizeResult:
 
     Example:
         >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
-        >>> r = BatchSizeResult(batch_size=32, batch_size_without_remat=8, largest_fitting=32, plan=plan,
-        ...                     budget_bytes=10**6)
-        >>> r.ratio, r.predicted_overhead
-        (4.0, 0.2)
+        >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio
+        4.0
     """
 
     batch_size: int
@@ -96,13 +72,7 @@ class BatchSizeResult:
         return self.plan.predicted_overhead
 
     def __repr__(self) -> str:
-        """The figures that answer the search, not every field (the plan and trials made it kilobytes).
-
-        Example:
-            >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
-            >>> BatchSizeResult(32, 8, 32, plan, 10**6, measured_peak_bytes=950_000)
-            BatchSizeResult(batch_size=32, batch_size_without_remat=8, ratio=4.00x, predicted_peak=878.91 KiB, measured_peak=927.73 KiB, budget=976.56 KiB, predicted_overhead=20.0%)
-        """
+        """The figures that answer the search, not every field (the plan and trials made it kilobytes)."""
         ratio = "inf" if math.isinf(self.ratio) else f"{self.ratio:.2f}x"
         peaks = {"predicted_peak": self.plan.predicted_peak_bytes, "measured_peak": self.measured_peak_bytes}
         shown = ", ".join(f"{k}={'-' if v is None else format_bytes(v)}" for k, v in peaks.items())
@@ -112,13 +82,7 @@ class BatchSizeResult:
                 f"ratio={ratio}, {shown}, predicted_overhead={overhead})")
 
     def metrics(self) -> dict[str, float]:
-        """The figures loggers receive, under ``remat/...``.
-
-        Example:
-            >>> plan = Plan([], 10, 10, 10, 0.0)
-            >>> BatchSizeResult(4, 2, 4, plan, 10).metrics()["remat/batch_size_ratio"]
-            2.0
-        """
+        """The figures loggers receive, under ``remat/...``."""
         return {
             "remat/batch_size": float(self.batch_size),
             "remat/batch_size_without_remat": float(self.batch_size_without_remat),
@@ -127,25 +91,13 @@ class BatchSizeResult:
         }
 
     def table(self) -> Any:
-        """A ``rich.table.Table`` of the result and what the search cost.
-
-        Example:
-            >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
-            >>> BatchSizeResult(32, 8, 32, plan, 10**6).table().row_count
-            9
-        """
+        """A ``rich.table.Table`` of the result and what the search cost."""
         from ..report.render import batch_size_table
 
         return batch_size_table(self)
 
     def summary(self) -> str:
-        """The table as plain text.
-
-        Example:
-            >>> plan = Plan([], 10, 10, 10, 0.0)
-            >>> "ratio" in BatchSizeResult(4, 2, 4, plan, 10).summary()
-            True
-        """
+        """The table as plain text."""
         from ..report.render import batch_size_table, to_text
 
         return to_text([batch_size_table(self)], width=100)
@@ -192,32 +144,28 @@ def find_remat_batch_size(
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
-    Arguments have Lightning's names and ``plan_remat``'s.
+    Two small batches are profiled, every memory term fitted as ``a + b * batch``, the largest batch whose plan
+    fits is searched on predictions and confirmed with real steps. Arguments have Lightning's names and
+    ``plan_remat``'s; see ``docs/batch_size.md``.
 
     Args:
         make_step: ``make_step(batch_size)`` returns ``step(model) -> loss`` on a batch of that size.
         budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
-        optimizer: counted in the budget; trials step it for real and everything is put back.
         init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
         max_overhead: the largest recompute cost accepted, as a share of a step (0 = no recomputation).
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
         mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
         confirm: run real trial steps (without it the result is a prediction only).
 
-    On an FSDP2 model, call it on every rank with the same ``make_step``; every rank returns rank 0's result.
-
     Raises:
-        ValueError: a bad argument (max_overhead < 0, margin outside [0, 1), a budget of "min", ...).
         BatchSizeTooSmallBudgetError: even a batch of one does not fit within ``max_overhead``.
 
     Example:
-        >>> import torch
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3)])
-        >>> make_step = lambda b: (lambda m, x=torch.randn(b, 16): m(x).square().mean())
-        >>> find_remat_batch_size(net, make_step, 10**6, margin=1.5)
-        Traceback (most recent call last):
-        ...
-        ValueError: margin must be in [0, 1) (the share the found batch size is reduced by), got 1.5
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        >>> make_step = lambda b: (lambda m, x=torch.randn(b, 32): m(x).square().mean())
+        >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
+        >>> result.batch_size > result.batch_size_without_remat > 0, result.measured_peak_bytes <= 600_000
+        (True, True)
     """
     validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,

@@ -1,19 +1,4 @@
-"""What a measured step under a plan adds to the fake-tensor profile: memory it did not see, seconds per FLOP.
-
-Example:
-    >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
-    >>> from lightning_remat.core.plan import Plan
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-    >>> profile = Profile((StageProfile("a", (keep,), forward_flops=10),), (Segment("head", 1, 50),),
-    ...                   baseline_step_flops=30)
-    >>> plan = Plan([], budget_bytes=300, baseline_peak_bytes=150, predicted_peak_bytes=150, predicted_overhead=0.0)
-    >>> measured_excess(plan, 162), measured_excess(plan, 140)
-    (12, 0)
-    >>> with_measured_excess(profile, 12).baseline_peak_bytes
-    162
-    >>> priced(profile, seconds_per_flop(plan, profile, 0.003)).baseline_step_seconds
-    0.003
-"""
+"""What a measured step under a plan adds to the fake-tensor profile: memory it did not see, seconds per FLOP."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The one channel between ranks: who is rank 0, how many ranks there are, how values and errors travel.
+"""The one channel between ranks: rank, world size, and how values and errors travel.
 
-Errors travel so every rank enters the same collectives whatever failed: ``from_main`` (rank 0 computes)
-and ``on_every_rank`` (all compute). Ours travel as themselves, others as a ``PlanningFailedError``.
-
-Example:
-    >>> single = Channel()
-    >>> single.is_main, single.rank, single.world_size, single.broadcast("plan"), single.gather(3), single.max(2.5)
-    (True, 0, 1, 'plan', [3], 2.5)
-    >>> travelling(ValueError("bad batch"), rank=1, action="profiling")
-    PlanningFailedError('profiling failed on rank 1: ValueError: bad batch')
+Errors travel so every rank enters the same collectives whatever failed: ours as themselves, others as a
+``PlanningFailedError``.
 """
 
 from __future__ import annotations
@@ -25,12 +18,7 @@ T = TypeVar("T")
 
 
 def travelling(error: BaseException, rank: int, action: str = "planning") -> BaseException:
-    """``error`` as it can travel to other ranks: ours as itself, any other as a ``PlanningFailedError``.
-
-    Example:
-        >>> travelling(MemoryError("host"), rank=0).out_of_memory
-        True
-    """
+    """``error`` as it can travel to other ranks: ours as itself, any other as a ``PlanningFailedError``."""
     if isinstance(error, RematError):
         return error
     if is_out_of_memory(error):
@@ -101,10 +89,7 @@ class Channel:
 
     def outcomes(self, compute: Callable[[], T], *, action: str = "profiling",
                  ended_early: Callable[[T], bool] | None = None) -> list[tuple[T | None, BaseException | None]]:
-        """``compute()`` on every rank; every rank's ``(value, error)`` in rank order, on every rank.
-
-        ``ended_early(value)``: whether a value means this rank stopped early (a caught OOM), as an error does.
-        """
+        """``compute()`` on every rank; every rank's ``(value, error)``; ``ended_early(value)`` flags a caught OOM."""
         return self._attempt_on_every_rank(compute, action, ended_early)[1]
 
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
@@ -172,12 +157,7 @@ class _Attempt:
 
 
 def first_error(results: list[tuple[Any, BaseException | None]]) -> BaseException | None:
-    """The error of the first rank that failed in gathered ``(value, error)`` outcomes, or None.
-
-    Example:
-        >>> first_error([(1, None), (None, ValueError("x"))]).args
-        ('x',)
-    """
+    """The error of the first rank that failed in gathered ``(value, error)`` outcomes, or None."""
     return next((error for _, error in results if error is not None), None)
 
 
@@ -225,12 +205,7 @@ class TorchDistributedChannel(Channel):
 
 
 def torch_distributed_channel(device: torch.device | str | None = None) -> Channel:
-    """The channel of the initialised ``torch.distributed`` group if it has several processes, else a single one.
-
-    Example:
-        >>> torch_distributed_channel().world_size
-        1
-    """
+    """The channel of the initialised ``torch.distributed`` group if it has several processes, else a single one."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchDistributedChannel(device)

@@ -1,10 +1,6 @@
 """Which knob would make a budget fit: each setting that lowers the least peak, with the peak it gives.
 
 ``Planner.decide`` adds them to the ``BudgetTooSmallError`` (``error.knobs``), each predicted, not guessed.
-
-Example:
-    >>> [k.name for k in KNOBS]
-    ['fused optimizer', 'optimizer without foreach', 'offload', 'more GPUs (FSDP2)', 'chunked loss']
 """
 
 from __future__ import annotations
@@ -32,12 +28,7 @@ class KnobContext:
 
 @dataclass(frozen=True)
 class Knob:
-    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
-
-    Example:
-        >>> Knob("x", None).name
-        'x'
-    """
+    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply."""
 
     name: str
     evaluate: Callable[[KnobContext], tuple[str, int] | None] | None

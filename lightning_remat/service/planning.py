@@ -1,15 +1,4 @@
-"""The planning service: every entry point decides, falls back and shares a plan through ``Planner``.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-    >>> x = torch.randn(64, 32)
-    >>> planner = Planner(RematConfig("min", cost="flops"))
-    >>> plan = planner.decide(net, lambda m: m(x).square().mean())
-    >>> sorted(plan_metrics(plan))[:3]
-    ['remat/baseline_peak_bytes', 'remat/binds/own_bytes', 'remat/binds/stage']
-"""
+"""The planning service: every entry point decides, falls back and shares a plan through ``Planner``."""
 
 from __future__ import annotations
 
@@ -39,15 +28,7 @@ from .sharded_planning import lockstep_plan
 
 @dataclass
 class PlanOutcome:
-    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel.
-
-    Example:
-        >>> from lightning_remat.core.errors import BudgetTooSmallError
-        >>> PlanOutcome.failed(BudgetTooSmallError(1, 2)).result()
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.BudgetTooSmallError: No recompute plan fits a budget of 1 B (1 bytes): ...
-    """
+    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel."""
 
     plan: dict[str, Any] | None = None
     error: BaseException | None = None
@@ -66,12 +47,7 @@ class PlanOutcome:
 
 
 def is_main_process() -> bool:
-    """Rank 0 of an initialised ``torch.distributed`` group, or a single process.
-
-    Example:
-        >>> is_main_process()
-        True
-    """
+    """Rank 0 of an initialised ``torch.distributed`` group, or a single process."""
     return torch_distributed_channel().is_main
 
 
@@ -105,12 +81,7 @@ def _first_line(error: BaseException) -> str:
 
 
 class Planner:
-    """Decide plans for one ``RematConfig``.
-
-    Example:
-        >>> Planner(RematConfig("1GB")).config.budget.text
-        '1GB'
-    """
+    """Decide plans for one ``RematConfig``: profile, solve, fall back, share between ranks."""
 
     def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config
@@ -211,7 +182,7 @@ class Planner:
                     lockstep: bool | None = None, **kwargs: Any) -> Plan:
         """Rank 0 of ``channel`` decides; every rank gets its plan or its error (``hint`` added to ours).
 
-        ``lockstep`` (by default for an FSDP2 model on several ranks): every rank profiles, rank 0 solves on the maxima.
+        ``lockstep`` (default: an FSDP2 model on several ranks): every rank profiles, rank 0 solves on the maxima.
         """
         if channel is None:
             channel = Channel()
@@ -235,7 +206,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
-    Every argument is described once, in ``ProfileOptions``/``RematConfig``; the ones a caller needs most:
+    Every argument is described in ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
 
     Args:
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
@@ -243,11 +214,6 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         optimizer: counted in the budget (state and step); a list for manual optimization.
         cost: ``"flops"`` (deterministic, the default), ``"time"`` (measured) or ``"roofline"``.
         fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
-        device_memory: the target device's total memory ("80GB") when it is not this machine's.
-        precision: with ``fake``, how the step trains (``"bf16-mixed"``, ``"bf16-true"``).
-        world_size: with ``fake``, plan one GPU of an FSDP2 step over this many GPUs (figures per GPU).
-        offload: the solver may offload saved tensors to host memory (accelerator targets only).
-        chunk_loss: a causal LM's head and loss may be chunked over the sequence (``logits=None`` then).
 
     ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every
     rank returns rank 0's plan or error; an FSDP2 model is profiled on every rank (call it on each).
@@ -257,9 +223,6 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         >>> x = torch.randn(256, 64)
         >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
         >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
-        True
-        >>> from lightning_remat import apply_plan
-        >>> apply_plan(net, plan) is net
         True
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(

@@ -1,15 +1,8 @@
 """One rank that fails inside a lockstep section: its error on every rank, within seconds.
 
 A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
-the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent (waiting in a
-collective), it posts its error as the verdict and aborts the group, and every rank raises the verdict.
-
-Example:
-    >>> from torch.distributed import HashStore
-    >>> board = RankBoard(HashStore(), rank=1, world_size=2, section=7)
-    >>> board.post()                       # rank 1's work is over
-    >>> board.everyone_posted(wait_s=0.0)  # rank 0 has not said anything yet
-    False
+the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent, it posts its
+error as the verdict and aborts the group, and every rank raises the verdict.
 """
 
 from __future__ import annotations
@@ -62,13 +55,7 @@ class RankBoard:
 
 
 def section_board(channel: Any) -> RankBoard | None:
-    """The next lockstep section's board on the group's store; None without one (one process, no store).
-
-    Example:
-        >>> from lightning_remat.service.channel import Channel
-        >>> section_board(Channel()) is None
-        True
-    """
+    """The next lockstep section's board on the group's store; None without one (one process, no store)."""
     dist = torch.distributed
     if not (channel.distributed and dist.is_available() and dist.is_initialized()):
         return None
@@ -80,10 +67,7 @@ def section_board(channel: Any) -> RankBoard | None:
 
 
 def settle(board: RankBoard | None, early: BaseException | None) -> None:
-    """Post this rank's word; ``early`` is why its work ended early (None: it finished).
-
-    Ended early with a rank silent: the group is aborted and ``early`` raised as the verdict.
-    """
+    """Post this rank's word; ``early`` (why its work ended early) with a rank silent aborts the group, raised as the verdict."""
     if board is None:
         return
     if early is not None:

@@ -1,13 +1,6 @@
 """Which shape each batch's plan is made for: shapes rounded up to buckets, so a run plans few of them.
 
 Layout sizes are rounded only once they have varied (a bucket beyond a model's channel count could not run).
-
-Example:
-    >>> from lightning_remat.core.shapes import BATCH
-    >>> keys = ShapeKeys(per_octave=4)
-    >>> image = lambda side: Shape(8, 1, (("0", (BATCH, 3, side, side)),))
-    >>> [str(keys.bucket(keys.meet(image(side)))) for side in (30, 30, 36)]
-    ['8x1 {0: bx3x30x30}', '8x1 {0: bx3x30x30}', '8x1 {0: bx3x40x40}']
 """
 
 from __future__ import annotations
@@ -23,11 +16,6 @@ class ShapeKeys:
 
     ``plan_for``: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest met of its structure).
     ``max_shape``: buckets never round beyond it. ``per_octave``: buckets per doubling (0: every shape its own).
-
-    Example:
-        >>> keys = ShapeKeys("largest", max_shape=Shape(2, 100))
-        >>> keys.bucket(keys.planned(keys.meet(Shape(4, 40))))
-        Shape(batch_size=4, seq_len=100)
     """
 
     def __init__(self, plan_for: str = "shape", max_shape: Shape | None = None, per_octave: int = 16):

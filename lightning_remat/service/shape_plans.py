@@ -1,28 +1,4 @@
-"""Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles.
-
-A plan is made from a profile at one batch shape; a run changes shape every step (dynamic padding,
-the last short batch). ``ShapePlans`` gives each step the plan for its own shape (``docs/shapes.md``
-says how): the first batch is profiled on fake tensors and planned before it runs (the *anchor*;
-a model fake tensors cannot run gets the fallback plan); each batch's shape is rounded up to a
-bucket (``ShapeBuckets``: 16 per doubling of each size that varies) whose plan is predicted from
-fake-tensor profiles at a few shapes (``core.shape_fit``), solved once and installed between steps
-when it changes; ``calibrate(measured_peak)`` adds a measured step's excess over its prediction to
-the anchor and solves every plan again. No step runs without a plan, and none runs without
-recomputation to be profiled. ``counts`` says what it cost; ``plan_for="largest"`` (for
-``torch.compile``, which recompiles at every change of plan) plans every batch for the largest shape met.
-
-Example:
-    >>> import torch
-    >>> block = lambda: nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-    >>> model = nn.Sequential(nn.Embedding(64, 16), *[block() for _ in range(4)])
-    >>> plans = ShapePlans(model, lambda m, ids: m(ids).square().mean(), budget="min")
-    >>> for length in (16, 40, 24):
-    ...     ids = torch.randint(0, 64, (2, length))
-    ...     plan = plans.use(ids)                       # before the forward pass
-    ...     model(ids).square().mean().backward()
-    >>> plans.counts.real_profiles, sorted(str(shape) for shape in plans.plans)  # buckets: 1/16 octave
-    (0, ['2x16', '2x24', '2x40'])
-"""
+"""Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles (``docs/shapes.md``)."""
 
 from __future__ import annotations
 
@@ -54,20 +30,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 @dataclass
 class ShapePlanCounts:
-    """What following the batch's shape has cost so far.
+    """What following the batch's shape has cost so far: real and fake profiles, solves, installs, steps, calibrations.
 
-    Attributes:
-        real_profiles: profiles of a real step (each runs the step without recomputation): 0, or 1
-            with ``fake=False`` where the plain step is predicted to fit.
-        fake_profiles: profiles on fake tensors (nodes of the shape fit; no memory allocated).
-        solves: plans solved (one per bucket met).
-        installs: times a plan was installed on the model (the first, and each change of plan).
-        steps: batches seen.
-        calibrations: measured steps that peaked above their plan's prediction (each re-solves the plans).
-
-    Example:
-        >>> ShapePlanCounts().real_profiles
-        0
+    ``real_profiles`` is 0, or 1 with ``fake=False`` where the plain step is predicted to fit; ``calibrations``
+    counts measured steps that peaked above their plan's prediction (each re-solves the plans).
     """
 
     real_profiles: int = 0
@@ -86,48 +52,21 @@ def _signature(plan: Plan) -> tuple:
 class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
-    Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without
-    installing; ``fresh`` then says whether it decided a plan), and ``calibrate(peak)`` with a
-    step's measured peak after it (optional: a step over its prediction re-solves the plans).
+    Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without installing;
+    ``fresh`` then says whether it decided a plan), and optionally ``calibrate(peak)`` with the step's measured
+    peak after it. The first batch is profiled on fake tensors (or gets the fallback plan); other shapes are
+    predicted from fake profiles at a few shapes. ``docs/shapes.md`` describes every argument and what it costs.
 
     Args:
-        model: the model, in training mode.
-        loss_fn: ``loss_fn(model, batch)`` runs the forward pass on ``batch`` and returns the loss
-            (the profiles call it on fake copies of ``model`` and of ``batch`` at other shapes).
-        budget: as ``parse_budget``: ``"10GB"``, bytes, ``"80%"``, ``"min"``. Or pass ``config``.
-        optimizer: counted in the budget (its state and its step).
-        cost: ``"flops"`` (counted FLOPs: the same plans on every run), ``"time"`` (counted FLOPs
-            at the seconds per FLOP of the first step ``calibrate`` is given a time for) or ``"roofline"``.
-        candidates: None for automatic stages, or module classes / name patterns.
-        fake: None or True: the first batch is profiled on fake tensors (no real profiling pass).
-            False: the first batch is also profiled for real (measured timings, carried to every
-            shape), only where the fake profile predicts that its plain step fits the budget;
-            elsewhere the fake profile stands, with a warning.
-        config: a ``RematConfig`` instead of ``budget``, ``cost`` and ``candidates``.
-        plan_for: ``"shape"`` (each bucket its own plan: a short batch does not pay for a long
-            one's recompute) or ``"largest"`` (every batch planned for the largest shape met so far
-            and ``max_shape``: the plan changes only when that grows, for ``torch.compile``, which
-            recompiles at every change of plan). None: ``"largest"`` for a model that runs compiled
-            (``runs_compiled``: a ``torch.compile`` wrapper, a module compiled in place, Lightning's
-            compiled module), else ``"shape"``.
-        max_shape: the largest ``Shape`` (or ``(batch_size, seq_len)``) the data has, when known:
-            buckets never round beyond it, and ``plan_for="largest"`` plans for it from the start
-            (a shape without a layout bounds the batch size and sequence length of every layout).
-        per_octave: plan buckets per doubling of each dimension (16: a plan is for a shape at most
-            1/16 above its batch's in each dimension, at most 16 plans per doubling; 0: every shape
-            its own plan, optimal for each batch at one solve per distinct shape).
-        shape_of: ``shape_of(batch) -> Shape`` where ``batch_shape`` does not read the batch right.
-        resize: ``resize(batch, shape) -> batch`` where ``resize_batch`` cannot stretch it.
-        adjust: ``adjust(profile) -> profile``, applied to the first batch's profile (an
-            integration's allowance for what its loop keeps alive); carried to every shape.
-        install: ``install(model, plan)``; default ``apply_plan``.
-        channel: how ranks talk (``service.channel``): every rank's batch shape is gathered and the
-            largest planned, rank 0 profiles and solves, every rank gets its plan (or its error).
-            None: one process.
-        hint: added to the message of an error of ours (which integration, which setting).
-        warmup: unmeasured steps before the first batch's real profile (``fake=False``; None: the config's).
-        verbose: a progress display while a profile runs longer than a few seconds (rank 0, on a
-            terminal); False shows nothing.
+        loss_fn: ``loss_fn(model, batch)`` runs the forward pass on ``batch`` and returns the loss.
+        budget: ``"10GB"``, bytes, ``"80%"``, ``"min"``; or pass ``config``.
+        fake: None or True: the first batch is profiled on fake tensors only. False: also for real, where its
+            plain step is predicted to fit.
+        plan_for: ``"shape"`` (each bucket its own plan) or ``"largest"`` (the largest shape met so far, for
+            ``torch.compile``); None: ``"largest"`` for a model that runs compiled.
+        per_octave: plan buckets per doubling of each dimension (0: every shape its own plan).
+        adjust: ``adjust(profile) -> profile``, applied to the first batch's profile, carried to every shape.
+        channel: how ranks talk (``service.channel``); None: one process.
 
     Example:
         >>> import torch
@@ -185,15 +124,9 @@ class ShapePlans(ShapeProfiles):
     # ------------------------------------------------------------------------------ the interface
 
     def use(self, batch: Any) -> Plan:
-        """Install the plan for ``batch``'s shape (if it is not installed already) and return it.
+        """Install the plan for ``batch``'s shape (if not installed already), check what is installed, and return it.
 
-        Either way what is installed is then read back and compared with the plan (cheap: the
-        installer's records against the plan's actions), so a step never runs under a plan that is
-        installed only in name.
-
-        Raises:
-            InstallationMismatchError: what is on the model is not the plan (something undid or
-                changed the installation between steps); it names both.
+        Raises ``InstallationMismatchError`` when what is on the model is not the plan (something changed it).
         """
         plan = self.plan(batch)
         if self.installed is None or _signature(plan) != _signature(self.installed):
@@ -204,8 +137,7 @@ class ShapePlans(ShapeProfiles):
         return plan
 
     def plan(self, batch: Any) -> Plan:
-        """The plan for ``batch``'s shape (on every rank, the largest shape of any rank's batch):
-        cached for its bucket, else predicted and solved (on rank 0, and shared)."""
+        """The plan for ``batch``'s shape (the largest of the ranks'): cached per bucket, else decided on rank 0."""
         self.counts.steps += 1
         shape = self.shape_of(batch)
         if shape is None:
@@ -225,11 +157,7 @@ class ShapePlans(ShapeProfiles):
         return self.plans[key]
 
     def key(self, shape: Shape) -> Shape:
-        """The shape ``shape``'s plan is made for: its own when a plan for it exists (the profiled
-        first batch), else its bucket (at least ``shape``; with ``plan_for="largest"``, at least
-        every shape of its layout's structure met before and ``max_shape``). The layout's sizes that
-        have varied (an image's height) are rounded up with the batch size and sequence length;
-        those that have not (its channels) stay as they are."""
+        """The shape ``shape``'s plan is made for: its own where a plan for it exists, else its bucket."""
         shape = self.keys.planned(shape)
         if shape in self.plans or shape in self._too_large:
             return shape
@@ -237,15 +165,12 @@ class ShapePlans(ShapeProfiles):
         return shape if key in self._too_large else key
 
     def seed(self, shape: Shape, plan: Plan) -> None:
-        """Take ``plan`` as the plan of ``shape`` (one saved in a checkpoint): batches of that shape
-        are not profiled again."""
+        """Take ``plan`` (saved in a checkpoint) as the plan of ``shape``: its batches are not profiled again."""
         self.plans[shape] = plan
         self.sources.setdefault(shape, "saved")
 
     def predict(self, shape: Shape | tuple[int, int]) -> Profile:
-        """The profile predicted at ``shape`` (no profiling: outside the nodes, by the shape law,
-        not a bound; a ``(batch_size, seq_len)`` at the first batch's layout). Only once a shape
-        other than the first batch's has been planned."""
+        """The profile predicted at ``shape`` (no profiling); only once a shape other than the first batch's was planned."""
         if self.fit is None:
             raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
         if isinstance(shape, tuple):
@@ -253,9 +178,7 @@ class ShapePlans(ShapeProfiles):
         return self.fit.at(shape)
 
     def profile_of(self, plan: Plan) -> Profile | None:
-        """The profile ``plan`` (one of these plans) was solved on, without profiling anything: the
-        first batch's where the plan is for its shape, else the fit's; None when there is neither
-        (a fallback plan, or one seeded from a checkpoint)."""
+        """The profile ``plan`` was solved on (no profiling), or None (a fallback plan, or one seeded from a checkpoint)."""
         shape = plan.fingerprint.get("shape")
         if shape is None:
             return None
@@ -279,10 +202,7 @@ class ShapePlans(ShapeProfiles):
         return lambda module: self.loss_fn(module, batch)
 
     def _plan_at(self, batch: Any, shape: Shape, key: Shape) -> tuple[Shape, Plan]:
-        """The plan for ``key`` (and the shape it is made for): at the batch's own shape when no
-        plan fits the bucket, or the bucket cannot be profiled. The profile at ``key``: the first
-        batch's own where ``key`` is its shape, else predicted (adding the nodes around ``key`` that
-        are missing); solved within the budget."""
+        """The plan for ``key`` and the shape it is made for: the batch's own where the bucket fails to fit or profile."""
         try:
             if self.fallback is not None:
                 return key, self.fallback

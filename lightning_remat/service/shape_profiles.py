@@ -1,20 +1,4 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration.
-
-The first batch is planned before it runs on fake tensors (exact on the CPU, allocating nothing), or gets
-the fallback plan where that fails.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> from lightning_remat.service.shape_plans import ShapePlans
-    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
-    >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min")
-    >>> plan = plans.use(torch.randn(64, 16))               # planned on fake tensors before the step
-    >>> plans.calibrate(plan.predicted_peak_bytes + 4096)    # a step measured 4 KiB above: re-solved
-    True
-    >>> plans.use(torch.randn(64, 16)).predicted_peak_bytes - plan.predicted_peak_bytes, plans.counts.calibrations
-    (4096, 1)
-"""
+"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration."""
 
 from __future__ import annotations
 
@@ -32,6 +16,7 @@ from ..core.shapes import Shape
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from .calibration import measured_excess, seconds_per_flop, with_measured_excess
+from .planning import _first_line
 
 # Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
 # size and of the sequence length; plans are made at the (finer) buckets between them.
@@ -89,10 +74,9 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a real step measured under ``plan`` (default: the installed one) into account; True if re-solved.
+        """Take a step measured under ``plan`` (default: the installed one) into account; True if the plans are re-solved.
 
-        A peak above the prediction goes into the anchor, carried to every shape; with ``cost="time"`` the first
-        ``seconds`` price the fake profiles. Under several ranks, call it on every rank with the same figures.
+        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank.
         """
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
@@ -164,8 +148,3 @@ class ShapeProfiles:
         # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return priced(profile, rate) if rate else profile
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -1,7 +1,6 @@
 """Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each.
 
 Example:
-    >>> from torch import nn
     >>> fsdp2_sharded(nn.Linear(2, 2))
     False
 """
@@ -43,14 +42,7 @@ def refuse_fsdp1(model: nn.Module, where: str) -> None:
 
 
 def merge_profiles(profiles: list[Profile]) -> Profile:
-    """One profile whose every numeric term is the largest of the ranks', so a plan within budget fits every rank.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> def p(stored): return Profile((StageProfile("a", (StageOption("keep", (), stored, 150, 0.0, 0),)),), (Segment("head", 1, 50),))
-        >>> merge_profiles([p(100), p(120)]).stages[0].options[0].stored_bytes
-        120
-    """
+    """One profile whose every numeric term is the largest of the ranks', so a plan within budget fits every rank."""
     first = profiles[0]
     shape = [(s.name, [o.name for o in s.options]) for s in first.stages]
     for other in profiles[1:]:

@@ -2,11 +2,6 @@
 
 Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
 is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
-
-Example:
-    >>> combine_trials([Trial(8, ("h.0",), 1, 100, False, True, 90), Trial(8, ("h.0",), 1, 130, False, True, 90)],
-    ...                budget=120).fits
-    False
 """
 
 from __future__ import annotations
@@ -82,12 +77,5 @@ def _out_of_memory(value: Any) -> bool:
 
 
 def shared_budget(budget_bytes: int, channel: Channel) -> int:
-    """The smallest of the ranks' budgets (a relative budget resolves per device).
-
-    Example:
-        >>> class TwoRanks(Channel):  # the other rank's device has less memory
-        ...     def gather(self, value): return [value, 80]
-        >>> shared_budget(100, TwoRanks())
-        80
-    """
+    """The smallest of the ranks' budgets (a relative budget resolves per device)."""
     return min(channel.gather(budget_bytes))

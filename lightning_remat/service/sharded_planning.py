@@ -1,15 +1,4 @@
-"""``Planner.shared_plan`` for an FSDP2 model: every rank profiles, rank 0 solves on the largest terms.
-
-Example:
-    >>> from lightning_remat.service.channel import Channel
-    >>> from lightning_remat.service.planning import Planner, RematConfig
-    >>> from lightning_remat.core.config import ProfileOptions
-    >>> planner = Planner(RematConfig("min", cost="flops", profile=ProfileOptions(fake=True)))
-    >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
-    Traceback (most recent call last):
-    ...
-    lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...
-"""
+"""``Planner.shared_plan`` for an FSDP2 model: every rank profiles, rank 0 solves on the largest terms."""
 
 from __future__ import annotations
 
@@ -43,6 +32,14 @@ def lockstep_plan(planner: _Planner, model: nn.Module, step: Step, optimizer: to
     """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all.
 
     With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
+
+    Example:
+        >>> from lightning_remat.service.planning import Planner, RematConfig, ProfileOptions
+        >>> planner = Planner(RematConfig("min", profile=ProfileOptions(fake=True)))
+        >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...
     """
     if planner.config.profile.fake:
         # Decided alike on every rank, before any collective.

@@ -58,8 +58,7 @@ def _help(text: str, default: Any) -> str:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
-    """One flag per field of ``RematConfig`` and ``ProfileOptions``, its help the field's help: the
-    settings ``plan_remat`` takes, under the same names (``--device-memory`` for ``device_memory``)."""
+    """One flag per field of ``RematConfig`` and ``ProfileOptions`` (``--device-memory`` for ``device_memory``)."""
     from dataclasses import fields
 
     from ...core.config import ProfileOptions, RematConfig
@@ -114,17 +113,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error).
-
-    Example:
-        >>> main(["plan", "missing.py:factory", "--json"])
-        2
-    """
+    """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error)."""
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        if args.command == "plan":
-            return run_plan(args)
+    try:  # "plan" is the only command (argparse refuses any other)
+        return run_plan(args)
     except UsageError as err:
         print(one_line_error(err), file=sys.stderr)
         return EXIT_USAGE
@@ -134,8 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lightning-remat: interrupted", file=sys.stderr)
         return 130
-    parser.error(f"unknown command {args.command!r}")
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

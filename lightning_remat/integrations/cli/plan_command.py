@@ -27,21 +27,11 @@ EXIT_OK, EXIT_NO_PLAN, EXIT_USAGE = 0, 1, 2
 
 
 class ProfilingFailed(RematError):
-    """The factory's step failed while it was profiled: exit code 1, one line on stderr.
-
-    Example:
-        >>> one_line_error(ProfilingFailed("profiling gpt2 failed:\\n  RuntimeError: shapes"))
-        'lightning-remat: error: profiling gpt2 failed: RuntimeError: shapes'
-    """
+    """The factory's step failed while it was profiled: exit code 1, one line on stderr."""
 
 
 def one_line_error(err: BaseException) -> str:
-    """An error as the command prints it: one line, its whitespace (line breaks included) squashed.
-
-    Example:
-        >>> one_line_error(ValueError("bad\\n  budget"))
-        'lightning-remat: error: bad budget'
-    """
+    """An error as the command prints it: one line, its whitespace (line breaks included) squashed."""
     return "lightning-remat: error: " + " ".join(str(err).split())
 
 
@@ -60,10 +50,7 @@ def _profile_warnings(profile: Any, cost: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    """The command line's settings, checked once; a mistake is a usage error (exit code 2).
-
-    Every field of ``ProfileOptions`` has its flag (``cli._add_config_flags``); a flag whose field
-    has a ``parse`` reads its text (``--candidates A,B``, ``--policies all``)."""
+    """The command line's settings, checked once (each ``ProfileOptions`` field has its flag); a mistake is exit code 2."""
     profile: dict[str, Any] = {}
     for f in fields(ProfileOptions):
         value = getattr(args, f.name, f.default)

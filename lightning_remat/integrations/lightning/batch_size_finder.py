@@ -46,71 +46,28 @@ def _check_distributed(trainer: "pl.Trainer") -> None:
 
 
 class RematBatchSizeFinder(BatchSizeFinder):
-    """Before fit training starts, find the largest batch size that fits a memory budget with the
-    least recomputation, set it, rebuild the dataloader and apply the recompute plan.
+    """Before fit training starts, find the largest batch size that fits a memory budget with the least
+    recomputation, set it, rebuild the dataloaders and apply the recompute plan.
 
-    A ``BatchSizeFinder`` (its checks in ``setup``, its ``on_fit_start``, its dataloader reset)
-    whose ``scale_batch_size`` is different: where ``BatchSizeFinder`` runs trial after trial until
-    one runs out of memory, this callback
-    profiles the training step at two small batch sizes, predicts the peak of any batch size under
-    any recompute plan, picks the largest batch whose optimal plan fits ``budget`` within
-    ``max_overhead``, and confirms it with ``steps_per_trial`` real steps (see
-    ``lightning_remat.service.batch_size.find_remat_batch_size``). The batch size is set where
-    ``BatchSizeFinder`` sets it (``lightning_setattr``: the LightningModule, its ``hparams``, the
-    datamodule and its ``hparams``), the train and validation dataloaders are rebuilt, and the plan
-    is applied to the LightningModule. Trial steps run ``training_step`` on real batches of the
-    train dataloader (``self.log`` is silenced during them) and step the first optimizer; the
-    weights, optimizer state, gradients, buffers and RNG are put back afterwards.
-
-    Under ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``: the model is sharded
-    and the optimizer created before ``on_fit_start``) every rank searches in lockstep and sets the
-    same batch size; the budget is per GPU. Other distributed strategies raise
-    ``UnsupportedShardingError`` naming the workarounds.
-
-    Reported through every logger (``logger.log_metrics`` for each of ``trainer.loggers``):
-    ``remat/batch_size``, ``remat/batch_size_without_remat`` (the largest batch that fits the budget
-    with nothing recomputed), ``remat/batch_size_ratio`` and ``remat/predicted_overhead``; and a
-    table on rank zero.
+    A ``BatchSizeFinder`` whose ``scale_batch_size`` profiles the training step at two small batch sizes,
+    predicts the peak of any batch size under any plan and confirms the largest that fits with real steps
+    (``find_remat_batch_size``). Arguments follow ``BatchSizeFinder`` and ``find_remat_batch_size``; see
+    ``docs/batch_size.md`` for what each does, the figures reported and ``ModelParallelStrategy`` (FSDP2).
 
     Args:
         budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
-        mode: ``"binsearch"`` finds the largest batch; ``"power"`` the largest ``init_val * 2**k``.
-        steps_per_trial: real steps per confirmation trial.
-        init_val: the first batch size; the step is profiled at ``init_val`` and ``2 * init_val``.
-        max_trials: the most confirmation trials.
-        batch_arg_name: the attribute holding the batch size, looked up as ``BatchSizeFinder`` does:
-            the LightningModule, its ``hparams``, the datamodule, the datamodule's ``hparams``.
-        margin: reduce the found batch size by this share, in [0, 1). Default 0, as
-            ``find_remat_batch_size``: the batch is confirmed by real steps measured against the
-            budget, so the budget is the headroom (``BatchSizeFinder``'s 0.05 guards a search that
-            only knows a step did not run out of memory).
+        margin: reduce the found batch size by this share, in [0, 1); default 0 (the trials are measured
+            against the budget, so the budget is the headroom).
         max_overhead: the largest recompute cost accepted, as a share of a step's cost (0.35 = 35%).
-        max_val: the largest batch size considered (capped by the dataset's length when it has one).
-        cost: ``"flops"`` (deterministic; the default), ``"time"`` or ``"roofline"`` prices recomputation.
-        verbose: print the result table on rank zero, and show progress while a profile runs
-            longer than a few seconds.
-        offload: the plans may also offload activations to host memory (``docs/offload.md``; a CUDA
-            model only, as ``find_remat_batch_size(offload=True)``).
-        candidates: which modules may be recomputed, as ``AutoRemat(candidates=)`` (names relative
-            to the LightningModule); None for automatic.
-        policies: op-level selective-checkpointing policies offered to every block, as
-            ``find_remat_batch_size(policies=)``; none by default.
 
     Attributes:
-        batch_size: the batch size found (also ``optimal_batch_size``, as on ``BatchSizeFinder``).
-        plan: the recompute plan applied for it.
-        result: the full ``BatchSizeResult``.
+        batch_size: the batch size found (also ``optimal_batch_size``); ``plan``: its plan; ``result``: the
+        ``BatchSizeResult``.
 
     Example:
-        >>> finder = RematBatchSizeFinder(budget="2GB", margin=0.05)
-        >>> finder.batch_size is None
+        >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
         True
-        >>> RematBatchSizeFinder(budget="2GB", max_overhead=-0.1)
-        Traceback (most recent call last):
-        ...
-        ValueError: max_overhead must be a number >= 0 (a share of the step's cost, 0.35 = 35%), got -0.1
         >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
-        >>> trainer.fit(model, datamodule=datamodule)  # doctest: +SKIP
     """
 
     SUPPORTED_MODES = SEARCH_MODES

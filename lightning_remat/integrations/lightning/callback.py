@@ -1,6 +1,4 @@
-"""``AutoRemat``: a Lightning callback that keeps each training step under a memory budget (the class
-says how; ``docs/lightning.md`` and ``docs/shapes.md`` show it in use).
-"""
+"""``AutoRemat``: a Lightning callback that keeps each training step under a memory budget (``docs/lightning.md``)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -32,64 +30,25 @@ from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 class AutoRemat(Callback):
     """Keep every training step under a memory budget by recomputing the cheapest set of modules.
 
-    Before the first training batch runs, the callback profiles its step on fake tensors (the
-    LightningModule's ``training_step`` on that batch, then backward, with every optimizer's state and
-    step counted: nothing is allocated), solves for the least recompute cost whose predicted peak fits
-    ``budget``, and wraps the chosen modules with non-reentrant activation checkpointing: the first
-    step already runs under the plan. Profiling puts back gradients, buffers, RNG states and
-    optimizer state, so the first batch trains exactly as it would have without the callback (dropout
-    masks included). The first step with the plan is measured: a peak above its prediction (memory
-    the fake profile cannot see: on a GPU the allocator's rounding, library workspaces) is added to
-    the profile and the plans solved again before the next batch; so is the first steady step's,
-    and everything is reported to each of ``trainer.loggers`` as ``remat/budget_bytes``,
-    ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``, ``remat/measured_peak_bytes``,
-    ``remat/predicted_overhead`` and ``remat/num_checkpointed`` (on CUDA also
-    ``remat/measured_reserved_bytes``, the caching allocator's reserved peak beside the allocated one).
+    Before the first training batch runs, its step is profiled on fake tensors (nothing is allocated; the
+    batch then trains exactly as without the callback), the least-cost plan whose predicted peak fits
+    ``budget`` is solved and the chosen modules are wrapped with activation checkpointing. Steps under the
+    plan are measured, a peak above the prediction calibrates the plans, and ``remat/...`` figures go to
+    every logger. Plans follow the batch's shape (``docs/shapes.md``) and are saved in the ``state_dict``.
+    See ``docs/lightning.md`` for every argument, DDP/FSDP2, fallbacks and the figures reported.
 
     Args:
-        budget: peak memory of a whole training step (parameters, gradients, optimizer state,
-            activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
-            device's memory, or ``"min"`` for the plan of least peak. Checked here, so a malformed
-            budget fails when the callback is built.
-        profile_steps: training steps before the plan's steady peak is measured, as in
-            ``RematPlugin``: batch 0 is planned (and trains with the plan, measured for calibration)
-            and batch ``profile_steps`` is measured (default 1: batch 1, the first step at which the
-            optimizer state exists, as in every later step).
-        candidates: None to find the repeated blocks automatically (transformer layers, ResNet
-            blocks), or module class names (``"GPT2Block"``) / ``fnmatch`` patterns over module names
-            relative to the LightningModule (``"model.transformer.h.*"``).
-        cost: what recomputation costs: ``"flops"`` (counted FLOPs: the same plan on every run;
-            the default), ``"time"`` (counted FLOPs at the seconds per FLOP of the first steady
-            step measured) or ``"roofline"``.
-        verbose: print the plan as a table on rank 0.
-        fake: None or True (the default behaviour): the first batch is profiled on fake tensors
-            (``profile_step(fake=True)``): planning allocates nothing, so the first real step
-            already runs under the plan and a model that only fits with recomputation never tries
-            without it. False: also profile the first batch for real (measured timings for
-            ``cost="time"``), only where the fake profile predicts its plain step fits the budget.
-        offload: let the plan also offload activations to host memory (``docs/offload.md``): a
-            CUDA model only (a CPU-only run raises ``RematError``).
-        policies: op-level selective-checkpointing policies offered to every block, as
-            ``plan_remat(policies=)``: ``["save_matmuls"]``, None for every one; none by default.
-        chunk_loss: a causal LM's head and loss may be chunked over the sequence, as ``plan_remat(chunk_loss=)``.
-
-    Behaviour worth knowing (``docs/lightning.md`` says each): a budget no plan meets stops ``fit``
-    before the first batch (``BudgetTooSmallError``); under DDP rank 0 plans and every rank wraps the
-    same modules; under FSDP2 every rank profiles in lockstep (FSDP1 and DeepSpeed are refused in
-    ``setup``); plans follow the batch's shape (``docs/shapes.md``) and are in the ``state_dict``; the
-    previous step's gradients are set to None at the first batch of each optimizer step; an
-    out-of-memory error or a model fake tensors cannot run gets the fallback plan; compiled models,
-    manual optimization and skipped batches work; validation and test batches are predicted and
-    warned about; ``self.log`` is muted while ``training_step`` is profiled.
+        budget: peak memory of a whole training step: ``"10GB"``, ``"10 GiB"``, bytes, ``"80%"`` of the
+            device's memory, or ``"min"``. A malformed budget fails when the callback is built.
+        profile_steps: training steps before the plan's steady peak is measured (default: batch 1).
+        candidates: None for the repeated blocks, or class names / ``fnmatch`` patterns over module names.
+        cost: ``"flops"`` (the default), ``"time"`` or ``"roofline"``.
+        fake: None/True: profile the first batch on fake tensors only; False: also for real where it fits.
+        offload, policies, chunk_loss: as ``plan_remat``'s.
 
     Example:
-        >>> callback = AutoRemat(budget="2GB")
-        >>> callback.config.budget.resolve()
+        >>> AutoRemat(budget="2GB").config.budget.resolve()
         2000000000
-        >>> AutoRemat(budget="ten")
-        Traceback (most recent call last):
-        ...
-        ValueError: Invalid memory budget 'ten': ...
         >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
     """
 
@@ -269,8 +228,7 @@ class AutoRemat(Callback):
             self.loop_peaks.check(loop, pl_module, batch, trainer_optimizers(trainer), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
-        """FSDP2: a sharded model has no fake twin, so the first batch, and a batch larger than the
-        plan's (on some rank), is profiled on every rank in lockstep; rank 0 solves, every rank applies."""
+        """FSDP2 (no fake twin): the first batch, and one larger than the plan's, is profiled on every rank in lockstep."""
         channel = lightning_channel(trainer)
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
@@ -283,10 +241,7 @@ class AutoRemat(Callback):
         return True
 
     def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
-        """The plan for this batch's shape (every rank: the largest of the ranks' batches), made
-        once per shape bucket from the first batch's profile and fake-tensor profiles of the new
-        shapes, installed when it changes. Whether it was made now. The fit's ``ShapePlans`` starts
-        from the checkpoint's plans (one saved without its shape counts for batches no larger)."""
+        """The plan for this batch's shape (every rank: the largest of the ranks'), made or taken from the checkpoint."""
         if self.shape_plans is None:
             saved = dict(self._saved_plans)
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
@@ -299,8 +254,7 @@ class AutoRemat(Callback):
         return fresh  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, first: bool) -> None:
-        """Log a new plan; measure the first steady window of the first plan (``profile_steps`` batches
-        on, whole accumulation windows) and the first window of every later one."""
+        """Log a new plan; measure the first steady window of the first plan and the first window of every later one."""
         shape = self.plan.fingerprint.get("shape")
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)

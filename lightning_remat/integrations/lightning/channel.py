@@ -1,17 +1,6 @@
 """The channel between ranks (``service.channel.Channel``) over a Lightning trainer's strategy.
 
-Under Lightning the strategy owns the process group, so the callback talks through it:
-``strategy.broadcast`` (objects from rank 0, or from any rank with ``src``), ``strategy.reduce``
-(the largest measured peak) and ``strategy.reduce_boolean_decision`` (a decision some rank takes).
-The strategy has no all-gather of objects; ``gather`` is one broadcast from each rank in turn.
-
-Example:
-    >>> class OneDevice:  # what a single-device strategy does
-    ...     def broadcast(self, obj, src=0): return obj
-    >>> class Trainer:
-    ...     global_rank, world_size, strategy = 0, 1, OneDevice()
-    >>> LightningChannel(Trainer()).gather("profile"), lightning_channel(Trainer()).world_size
-    (['profile'], 1)
+The strategy has no all-gather of objects: ``gather`` is one broadcast from each rank in turn.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""The plan's pictures in the logger: Lightning loggers that take images get them under ``remat/``.
-
-TensorBoard (``experiment.add_figure``), Weights & Biases and the other loggers with ``log_image``
-(Neptune, Comet), MLflow (``experiment.log_figure``); a logger that takes no image (CSV) gets none,
-and without matplotlib nothing is drawn. The picture is ``report.plots.plan_pareto_figure``: the
-budget sweep, the plan as predicted and as measured, and the budget.
-"""
+"""The plan's pictures for Lightning loggers that take images (``docs/lightning.md``, "Figures reported")."""
 
 from __future__ import annotations
 
@@ -15,12 +9,6 @@ def image_sink(logger: Any) -> Any:
     """How ``logger`` takes a matplotlib figure: ``sink(tag, figure, step)``, or None if it takes none.
 
     Example:
-        >>> class Board:
-        ...     def add_figure(self, tag, figure, global_step=None): print(tag, figure, global_step)
-        >>> class TensorBoardLike:
-        ...     experiment = Board()
-        >>> image_sink(TensorBoardLike())("remat/pareto", "fig", 3)
-        remat/pareto fig 3
         >>> image_sink(object()) is None
         True
     """
@@ -36,13 +24,7 @@ def image_sink(logger: Any) -> Any:
 
 
 def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> list[str]:
-    """Draw the figures (``make_figures()`` -> {tag: figure}) once, if some logger takes images and
-    matplotlib is installed, and give each to every such logger; the tags logged.
-
-    Example:
-        >>> log_plan_figures([object()], lambda: 1 / 0, step=0)  # no logger takes images: nothing drawn
-        []
-    """
+    """Draw ``make_figures()`` ({tag: figure}) once if some logger takes images and matplotlib is there; the tags logged."""
     sinks = [sink for sink in (image_sink(logger) for logger in loggers) if sink is not None]
     if not sinks:
         return []
@@ -61,9 +43,7 @@ def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> li
 
 
 def plan_figures(shape_plans: Any, plan: Any, measured_peak_bytes: int | None) -> dict[str, Any]:
-    """``{"remat/pareto": figure}`` for AutoRemat's ``plan`` (measured at ``measured_peak_bytes``),
-    drawn on the profile ``shape_plans`` solved it on; empty when there is none (a fallback plan, a
-    plan from a checkpoint)."""
+    """``{"remat/pareto": figure}`` of ``plan`` on the profile it was solved on; empty without one (fallback, checkpoint)."""
     from ...report.plots import plan_pareto_figure
 
     profile = shape_plans.profile_of(plan) if shape_plans is not None and plan is not None else None

@@ -1,23 +1,12 @@
 """The loops AutoRemat does not plan (validation, test), predicted before each of their batches runs.
 
-An evaluation batch runs without gradients, so it saves nothing for backward, but it brings its own
-batch, often larger than the training one, and runs while the training's parameters, gradients and
-optimizer state are alive. Its peak is predicted before it runs: the forward's working memory is a
-line in the batch size (``core.loop_fit.ForwardFit``) through two forwards without gradients of the
-module's ``training_step`` on slices of that batch (a quarter and a half of it: small, so measuring
-cannot exceed what the batch itself would), measured once per loop and sample shape, plus what is
-alive when the batch starts. A batch predicted over the budget gets a warning naming the largest
-batch that fits.
-
-The profile of the training step cannot give this line: its terms are measured under autograd
-(bytes saved for backward, peaks during backward), and at the training batch's shape only.
+The forward's working memory is a line in the batch size (``core.loop_fit.ForwardFit``) through two
+forwards without gradients on slices of the batch, plus what is alive when it starts (``docs/lightning.md``).
 
 Example:
     >>> batch = (torch.zeros(8, 16), torch.zeros(8))
     >>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]
     (8, [2, 2])
-    >>> sample_shape(batch, 8) == sample_shape((torch.zeros(2, 16), torch.zeros(2)), 2)
-    True
 """
 
 from __future__ import annotations
@@ -54,8 +43,7 @@ def slice_batch(batch: Any, size: int, samples: int) -> Any:
 
 
 def sample_shape(batch: Any, size: int) -> tuple:
-    """What a batch's memory depends on besides its size: each tensor's shape past the batch
-    dimension (and whole, for a tensor without it) and dtype."""
+    """A batch's shape past the batch dimension (whole, for a tensor without it) and dtype of each tensor."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
     found: list = []
@@ -65,9 +53,7 @@ def sample_shape(batch: Any, size: int) -> tuple:
 
 
 def alive_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
-    """Memory alive now, as the budget counts it: on CUDA everything allocated on the device; elsewhere
-    the distinct storages of the model's parameters, buffers and gradients and the optimizers' state
-    (what MemTracker counts besides what a step allocates)."""
+    """Memory alive now as the budget counts it: on CUDA all allocated; elsewhere the model's and optimizers' state."""
     device = model_device(model)
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
@@ -76,8 +62,7 @@ def alive_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> in
 
 def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
                           optimizers: list[torch.optim.Optimizer]) -> int:
-    """The peak of ``step(model)`` without gradients above what was alive before it (random states and
-    gradients put back)."""
+    """The peak of ``step(model)`` without gradients above what was alive before it (random states, gradients put back)."""
     before = alive_bytes(model, optimizers)
     random_state = RandomState.capture(model_device(model))
     grads = {p: p.grad for p in model.parameters()}
@@ -94,13 +79,9 @@ def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
 
 
 class LoopPeaks:
-    """Predict each evaluation batch's peak before it runs; warn when one is over the budget (once per
-    loop and batch shape, again if the largest batch that fits has become smaller).
+    """Predict each evaluation batch's peak before it runs; warn once per loop and shape when one is over the budget.
 
-    Args:
-        step_for: ``step_for(batch) -> step(module)``, the closure of ``training_step`` on a batch
-            (automatic or manual optimization), run without gradients on its slices.
-        warn: how to warn (``rank_zero_warn``).
+    ``step_for(batch)`` is the closure of ``training_step`` on a batch, run without gradients on its slices.
     """
 
     def __init__(self, step_for: Callable[[Any], Callable[[nn.Module], Any]], warn: Callable[[str], None]):

@@ -1,23 +1,7 @@
 """A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles.
 
-The callbacks and the command line all profile or try a LightningModule through its own
-``training_step``; this is the one place that turns it into a loss closure. Under manual
-optimization ``training_step`` runs backward and the optimizers itself: ``manual_step_closure``
-makes the same closure of it (``self.manual_backward`` hands the loss over instead of running
-backward, and the optimizers' and schedulers' ``step`` and ``zero_grad`` do nothing while it runs).
-
-Example:
-    >>> import torch, lightning.pytorch as L
-    >>> class Lit(L.LightningModule):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.net = torch.nn.Linear(4, 1)
-    ...     def training_step(self, batch, batch_idx):
-    ...         self.log("loss", 1.0)           # muted while profiling
-    ...         return {"loss": self.net(batch).sum()}
-    >>> step = training_step_closure(Lit(), torch.ones(2, 4))
-    >>> step(Lit()).shape
-    torch.Size([])
+The callbacks and the command line all profile or try a LightningModule through this one place; under
+manual optimization ``manual_step_closure`` makes the same closure of a step that runs backward itself.
 """
 
 from __future__ import annotations
@@ -35,8 +19,6 @@ def loss_of(output: Any) -> torch.Tensor:
     """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``.
 
     Example:
-        >>> loss_of({"loss": torch.tensor(1.0)}).item()
-        1.0
         >>> loss_of(None)
         Traceback (most recent call last):
         ...
@@ -57,11 +39,7 @@ def loss_of(output: Any) -> torch.Tensor:
 
 @contextlib.contextmanager
 def logging_muted(module: nn.Module) -> Iterator[None]:
-    """Make ``self.log``/``self.log_dict`` no-ops while ``training_step`` runs outside the fit loop.
-
-    Profiling and trial steps call ``training_step`` several times on one batch; those calls must
-    not reach the logger (the same loss, several times, under the wrong hook).
-    """
+    """Make ``self.log``/``self.log_dict`` no-ops: profiling calls ``training_step`` several times on one batch."""
     saved = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
     module.__dict__["log"] = lambda *args, **kwargs: None
     module.__dict__["log_dict"] = lambda *args, **kwargs: None
@@ -77,8 +55,20 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
     """``step(module)`` running ``module.training_step(batch, batch_idx)`` and returning its loss.
 
-    ``module`` is the LightningModule itself or its fake-tensor twin. With a ``trainer``, the step
-    runs in its precision plugin's training context (autocast), as a real training step does.
+    ``module`` is the LightningModule or its fake-tensor twin. With a ``trainer``, the step runs in its
+    precision plugin's training context (autocast), as a real training step does.
+
+    Example:
+        >>> import lightning.pytorch as L
+        >>> class Lit(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         self.log("loss", 1.0)           # muted while profiling
+        ...         return {"loss": self.net(batch).sum()}
+        >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
+        torch.Size([])
     """
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -94,10 +84,7 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
 
 def _own_steps(module: nn.Module) -> list[tuple[Any, str, Any]]:
-    """A LightningModule given to ``fit`` compiled (Lightning's ``from_compiled``) holds its compiled
-    ``forward`` and ``training_step`` in its instance dict, bound to the module it was: a fake twin
-    copies them and would run the real module. The class's own methods, bound to ``module``, instead
-    (profiles run eagerly anyway)."""
+    """A compiled module's instance-dict ``forward``/``training_step`` as its class's (a fake twin would run the real one)."""
     if not getattr(module, "_compiler_ctx", None):
         return []
     return [(module, name, getattr(type(module), name).__get__(module))
@@ -129,9 +116,7 @@ _MISSING = object()
 
 
 def _zero_grad_in_passes(optimizer: Any) -> Callable[..., None]:
-    """``optimizer.zero_grad`` that runs only with gradients enabled: in a profiling pass the gradients
-    are the pass's own (the profile puts the training's aside and back), dropped where training drops
-    them; a prediction's forward (``torch.no_grad()``) must not drop the training's."""
+    """``optimizer.zero_grad`` run only with gradients enabled (a prediction's forward must not drop the training's)."""
     original = optimizer.zero_grad
 
     def zero_grad(*args: Any, **kwargs: Any) -> None:
@@ -141,10 +126,7 @@ def _zero_grad_in_passes(optimizer: Any) -> Callable[..., None]:
 
 
 def _held_still(trainer: Any) -> list[tuple[Any, str, Any]]:
-    """What ``training_step`` may change under manual optimization, each made to do nothing: the
-    optimizers' and Lightning's wrappers' (``self.optimizers()``) ``step`` and the learning-rate
-    schedulers' (``self.lr_schedulers()``) ``step``; and their ``zero_grad``, outside passes with
-    gradients (``_zero_grad_in_passes``)."""
+    """The optimizers' and schedulers' ``step`` made a no-op, and their ``zero_grad`` outside passes with gradients."""
     if trainer is None:
         return []
     optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
@@ -154,8 +136,7 @@ def _held_still(trainer: Any) -> list[tuple[Any, str, Any]]:
 
 
 class _BackwardDone(torch.autograd.Function):
-    """The loss a manual step returns once ``training_step`` ran every backward itself: its value is
-    the losses' sum, its backward does nothing (and allocates nothing: its anchor is empty)."""
+    """A manual step's loss once ``training_step`` ran every backward: the losses' sum, whose backward does nothing."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -168,31 +149,12 @@ class _BackwardDone(torch.autograd.Function):
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` for a LightningModule under manual optimization: ``training_step`` runs with
-    ``self.manual_backward(loss)`` running backward where it is called, as in training, and the
-    optimizers' and schedulers' ``step()`` doing nothing (given a closure, an optimizer runs it), so
-    the call changes no parameter, state or schedule; it returns a
-    loss whose backward does nothing more, and the profile puts the gradients back and counts every
-    optimizer's state and step itself (``plan_remat(optimizer=[...])``).
+    """``step(module)`` for a LightningModule under manual optimization.
 
-    Several ``manual_backward`` calls (a GAN's generator and discriminator steps) are profiled as
-    they run: each graph freed at its backward, the gradients alive as the optimizers' ``zero_grad``
-    calls leave them (``StageProfile.fresh``). Under ``torch.no_grad()`` (a prediction's forward)
-    nothing runs backward and ``zero_grad`` does nothing.
-
-    Example:
-        >>> import lightning.pytorch as L
-        >>> class Manual(L.LightningModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.automatic_optimization = False
-        ...         self.net = torch.nn.Linear(4, 1)
-        ...     def training_step(self, batch, batch_idx):
-        ...         self.manual_backward(self.net(batch).sum())   # kept, not run, while profiling
-        >>> module = Manual()
-        >>> loss = manual_step_closure(module, torch.ones(2, 4))(module)
-        >>> loss.requires_grad, module.net.weight.grad.shape   # backward ran where training_step called it
-        (True, torch.Size([1, 4]))
+    ``self.manual_backward(loss)`` runs backward where it is called, as in training; the optimizers' and
+    schedulers' ``step()`` do nothing (given a closure, an optimizer runs it), so the call changes no parameter,
+    state or schedule. It returns a loss whose backward does nothing more; the profile counts every optimizer's
+    state and step itself. Several ``manual_backward`` calls (a GAN) are profiled as they run.
     """
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 

@@ -1,11 +1,4 @@
-"""What a Lightning ``Trainer`` adds to the memory of a training step, for ``AutoRemat``: every
-optimizer of the run, the scalars Lightning's loop keeps alive, gradient accumulation and DDP's
-gradient buckets.
-
-Example:
-    >>> LOOP_ALLOWANCE > 0
-    True
-"""
+"""What a Lightning ``Trainer`` adds to a step's memory for ``AutoRemat``: optimizers, loop scalars, accumulation, DDP."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ def trainer_optimizers(trainer: Trainer) -> list:
 
 
 def loop_allowance(profile: Any) -> Any:
-    """Lightning's loop keeps a few scalars of its own alive through a step (the loss it returns
-    and logs), which the profile of ``training_step`` does not see (``core.allowances``)."""
+    """The profile with the scalars Lightning's loop keeps alive through a step (``core.allowances``)."""
     from ...runtime.profiling.profile_adjust import with_always_alive
 
     return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
@@ -35,8 +27,7 @@ def loop_allowance(profile: Any) -> Any:
 
 
 def config_for(config: RematConfig, trainer: Trainer) -> RematConfig:
-    """``config`` with what ``trainer`` adds to the memory of a step: gradient accumulation, and
-    DDP's gradient buckets."""
+    """``config`` with what ``trainer`` adds: gradient accumulation and DDP's gradient buckets."""
     from lightning.pytorch.strategies import DDPStrategy
 
     return replace(config, profile=replace(
