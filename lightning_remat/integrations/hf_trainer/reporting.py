@@ -95,7 +95,12 @@ def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
 
 
 def saved_state(session: Any) -> dict[str, Any]:
-    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format)."""
+    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format).
+
+    Example:
+        >>> saved_state(None)   # no session (no budget): no plan
+        {'plan': None, 'plans': []}
+    """
     shape_plans = session.shape_plans if session is not None else None
     plan = session.plan if session is not None else None
     return {"plan": plan.to_dict() if plan is not None else None,
@@ -104,7 +109,14 @@ def saved_state(session: Any) -> dict[str, Any]:
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
     """The plans per shape the Trainer's state (``trainer_state.json`` when resumed) keeps for callback
-    ``name``, checked first; empty when there are none or they were made for another model (said)."""
+    ``name``, checked first; empty when there are none or they were made for another model (said).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> state = SimpleNamespace(stateful_callbacks={"RematTrainerCallback": {"args": {}, "attributes": {}}})
+        >>> checkpoint_plans(state, "RematTrainerCallback", None)   # a fresh run's: nothing saved
+        {}
+    """
     kept = getattr(state, "stateful_callbacks", None) or {}
     entry = kept.get(name) if isinstance(kept, dict) else None
     entry = entry[0] if isinstance(entry, list) and entry else entry
