@@ -90,6 +90,9 @@ SLOW = {
     "test_faults.py": ("test_an_exception_at_every_forward_call_of_planning_surfaces_as_itself",),  # 2-6 s each
     "test_docs_figures.py": ("test_the_batch_size_example_records_what_it_prints",),  # 7 s, a subprocess
     "test_display.py": ("test_the_7b_example_in_bf16_mixed_ends_in_one_clean_line_with_advice_that_applies",),  # 10 s, a subprocess
+    # Real trackers (a loaded 2-core machine): the Trainer to three trackers 23-25 s, its resume 13-29 s (two
+    # runs), Lightning's TensorBoardLogger 5-11 s
+    "test_trackers.py": "*",
     "test_sharded.py": ("test_budget_below_the_sharded_peak_names_the_world_size_that_fits",  # 6 s
                         "test_sharded_static_terms_are_the_unsharded_ones_over_the_world_size",  # 3 s
                         "test_the_command_line_plans_one_gpu_of_n"),  # 3.5 s

@@ -176,7 +176,8 @@ class RematPlugin:
 @dataclass
 class LoopFacts:
     """What the session reads of the loop around the model, each time it needs it: the optimizers,
-    the gradient accumulation, the number of processes and where figures go (``log(figures, step)``).
+    the gradient accumulation, the number of processes, where figures go (``log(figures, step)``) and
+    where the plan and the measured line are shown (``show(text)``; None: the package's logger at INFO).
     ``of(accelerator)`` reads them from an ``Accelerator``; an integration without one (the Hugging
     Face Trainer's callback) gives its own.
 
@@ -189,6 +190,7 @@ class LoopFacts:
     accumulation: Callable[[], int] = lambda: 1
     processes: Callable[[], int] = lambda: 1
     log: Callable[[dict, int], None] = lambda figures, step: None
+    show: Callable[[str], None] | None = None
 
     @classmethod
     def of(cls, accelerator: Any) -> "LoopFacts":

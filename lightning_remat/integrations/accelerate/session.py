@@ -84,9 +84,8 @@ class RematSession:
         self.run = RunLifecycle(RunHost(
             model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
             accumulation=lambda: self._config().profile.accumulation_steps,
-            info=lambda message: logger.info(message) if self._channel().is_main else None,
-            warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None,
-            table=lambda plan, title: logger.info("%s:\n%s", title, plan.summary()) if self._channel().is_main else None))
+            info=self._show, table=lambda plan, title: self._show(f"{title}:\n{plan.summary()}"),
+            warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
         self.plans: list[Plan] = self.run.plans
         self.metrics: dict[str, float] = self.run.metrics
         self.phase = "observe"
@@ -103,6 +102,7 @@ class RematSession:
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
         self._template: CallTemplate | FirstCall | None = None
+        self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
             # First among the model's pre-hooks: planning may run in it (at a step boundary found at
@@ -269,16 +269,29 @@ class RematSession:
         (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
         loss patches the model's own forward, which this call has looked up already."""
         first = FirstCall.of(args, kwargs)
-        self._new_plan(self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False)),
-                       "lightning-remat: planned before the first step, on fake tensors")
+        plan = self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False))
+        if self._saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe
+            self.phase, self._window_backward_ran = "measure", False
+            self._new_plan(plan, "lightning-remat: the checkpoint's plan, applied without profiling")
+        else:
+            self._new_plan(plan, "lightning-remat: planned before the first step, on fake tensors")
+
+    def resume(self, plans: dict) -> None:
+        """Before the first training forward: take ``plans`` (shape -> ``Plan``, saved in a checkpoint) as
+        the plans of their shapes. A first batch of one of them runs under its plan unprofiled and the
+        next steady step is measured (a resumed run measures its own); other shapes are planned as ever."""
+        if self.plan is None:
+            self._saved = dict(plans)
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
-        shape; ``adjust`` at its own; ``config``: the session's), and the plan of ``call`` installed."""
+        shape; ``adjust`` at its own; ``config``: the session's; the checkpoint's plans seeded), and
+        the plan of ``call`` installed."""
         self._template = template
         with self._planning():
-            self.run.shapes(config or self._config(), shape_of=lambda template: template.shape, warmup=0,
-                            resize=lambda template, shape: template.at(shape), adjust=adjust, hint=self._hint())
+            self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
+                            warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
+                            hint=self._hint())
             self.run.follow(call)
         return self.run.plan
 
@@ -353,6 +366,12 @@ class RematSession:
     def _channel(self) -> Channel:
         """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""
         return torch_distributed_channel(model_device(self.model))
+
+    def _show(self, message: str) -> None:
+        """A console line (or a plan's table) on the main process: where the loop shows it (``LoopFacts.show``:
+        the Trainer's console), else the package's logger at INFO."""
+        if self._channel().is_main:
+            (self.loop.show or logger.info)(message)
 
     def _log(self, values: dict[str, float]) -> None:
         self.loop.log(values, self.observed_steps)

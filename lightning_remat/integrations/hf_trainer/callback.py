@@ -16,15 +16,17 @@ import warnings
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..accelerate.accelerator import _check_supported, prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ..accelerate.session import RematSession
+from .reporting import LogFigures, checkpoint_plans, console, plugin_args, saved_state
 
 logger = logging.getLogger(__name__)
 
 
-class RematTrainerCallback(TrainerCallback):
+class RematTrainerCallback(TrainerCallback, ExportableState):
     """Recompute the cheapest set of modules so that every training step of a Hugging Face
     ``Trainer`` stays within a memory budget.
 
@@ -35,9 +37,12 @@ class RematTrainerCallback(TrainerCallback):
     steps run under it and are observed (their forward inputs and the loss the model returned), the
     plan is made again from them, and the next step is measured. The figures
     (``remat/budget_bytes``, ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``,
-    ``remat/predicted_overhead``, ``remat/num_checkpointed``, then ``remat/measured_peak_bytes``) are
-    appended to ``trainer.state.log_history`` at the end of the step where they became known, as
-    ``Trainer.log`` appends its own, and kept in ``callback.metrics``; ``callback.plan`` is the plan.
+    ``remat/predicted_overhead``, ``remat/num_checkpointed``, ``remat/num_plans``, then
+    ``remat/measured_peak_bytes``) are appended to ``trainer.state.log_history`` at the end of the step
+    where they became known, kept in ``callback.metrics``, and sent with the Trainer's log of that step
+    to whatever ``report_to`` names; the plan and the measured line are printed on the main process;
+    ``callback.plan`` is the plan. The plans are saved in the Trainer's checkpoints
+    (``trainer_state.json``): ``train(resume_from_checkpoint=...)`` installs them without profiling.
 
     Args:
         budget: peak memory of a whole training step (parameters, gradients, optimizer state,
@@ -73,6 +78,8 @@ class RematTrainerCallback(TrainerCallback):
         ...
         ValueError: lightning-remat: invalid RematPlugin(budget='ten'): Invalid memory budget 'ten': ...
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])  # doctest: +SKIP
+        >>> RematTrainerCallback(budget="1GB").state()["attributes"]   # what a checkpoint keeps: the plans, none yet
+        {'remat_plans': {'plan': None, 'plans': []}}
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,
@@ -81,6 +88,8 @@ class RematTrainerCallback(TrainerCallback):
                                         offload=offload, policies=policies, chunk_loss=chunk_loss)
         self.session: RematSession | None = None
         self.metrics: dict[str, float] = {}
+        self._pending: dict[str, float] = {}  # figures not yet in a Trainer log: merged into the next one
+        self._run_state: Any = None  # the TrainerState of the train() call begun (its first step)
 
     @property
     def plan(self) -> Any:
@@ -103,28 +112,48 @@ class RematTrainerCallback(TrainerCallback):
         _check_supported(state)
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
             optimizers=lambda: [optimizer] if optimizer is not None else [], processes=lambda: state.num_processes,
-            accumulation=lambda: max(1, int(args.gradient_accumulation_steps))))
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.session is not None and self._run_state is not state:
+            self._begin_run(state, LogFigures.handler_calling())
         # Every optimizer step runs under the plan as planned: checked, never assumed.
         if self.session is not None:
             self.session.check_plan(f"(RematTrainerCallback, step {state.global_step})")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._log_new_figures(state)
+        if self._log_new_figures(state) and str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "no":
+            control.should_log = True  # the Trainer logs this step, and its reporters get them (``LogFigures``)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._log_new_figures(state)
 
-    def _log_new_figures(self, state: Any) -> None:
-        """Append the figures the session found since the last call to the Trainer's log history."""
+    def state(self) -> dict:
+        """What the Trainer keeps of the callback in a checkpoint (``ExportableState``, in
+        ``trainer_state.json``): its settings, and the plans (one per batch shape) as ``AutoRemat`` keeps them."""
+        return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": saved_state(self.session)}}
+
+    def _begin_run(self, state: Any, handler: Any) -> None:
+        """The first step of a ``train()`` call: the figures join the Trainer's logs before its reporters
+        read them, and a checkpoint's plans (a resumed run) are taken, not profiled again."""
+        self._run_state = state
+        LogFigures.place(handler, self._pending)
+        plans = checkpoint_plans(state, type(self).__name__, self.session.model)
+        if plans:
+            self.session.resume(plans)
+
+    def _log_new_figures(self, state: Any) -> bool:
+        """Append the figures the session found since the last call to the Trainer's log history, and
+        keep them for the Trainer's next log; whether there were any."""
         if self.session is None:
-            return
+            return False
         new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}
         if not new:
-            return
+            return False
         self.metrics.update(new)
+        self._pending.update(new)
         state.log_history.append({**new, "step": state.global_step})
         if state.is_world_process_zero:
             logger.info("RematTrainerCallback: %s", ", ".join(f"{k}={v:g}" for k, v in new.items()))
+        return True
