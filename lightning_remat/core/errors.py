@@ -123,8 +123,15 @@ class PlanMismatchError(RematError, ValueError):
 
 
 class InstallationMismatchError(RematError, RuntimeError):
-    """What is installed on a model is not what its plan says (``planned``/``installed`` per kind of action), so
-    the step does not run.
+    """What is installed on a model is not what its plan says, so the step does not run.
+
+    ``planned`` and ``installed`` hold both sides per kind of action; ``differences`` names each kind
+    that differs.
+
+    Example:
+        >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
+        >>> print(err)
+        lightning-remat: what is installed on the model is not what the plan says: recomputed: the plan says {'h.0': ''}, installed is {}. The step would not run within the plan's budget; install the plan again (apply_plan) or find what changed the model's modules. (ShapePlans.use)
     """
 
     def __init__(self, planned: dict[str, Any], installed: dict[str, Any], where: str = ""):
@@ -147,6 +154,11 @@ class FakeProfileError(RematError, RuntimeError):
     """The model's code cannot run under fake tensors (it reads tensor values, for example).
 
     ``requested=False``: the fake pass is the package's own, so the advice is not ``fake=False``.
+
+    Example:
+        >>> error = FakeProfileError("aten.nonzero.default", requested=False)
+        >>> "planned on fake tensors whatever fake= says" in str(error)
+        True
     """
 
     def __init__(self, op: str, detail: str = "", requested: bool = True, where: str = ""):
@@ -164,7 +176,12 @@ class FakeProfileError(RematError, RuntimeError):
 
 
 class PlanningFailedError(RematError, RuntimeError):
-    """Planning failed on rank 0 with an error that cannot travel to the other ranks as itself."""
+    """Planning failed on rank 0 with an error that cannot travel to the other ranks as itself.
+
+    Example:
+        >>> str(PlanningFailedError("TypeError: bad step"))
+        'TypeError: bad step'
+    """
 
 
 class ShardingError(RematError, ValueError):
@@ -212,7 +229,12 @@ class SkippedStepError(StepError):
 
 
 class ConflictingArgumentsError(RematError, TypeError):
-    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model)."""
+    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model).
+
+    Example:
+        >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))
+        'give warmup= or options=, not both'
+    """
 
 
 class UnsupportedShardingError(UnsupportedSetupError):

@@ -21,7 +21,12 @@ from .vocabulary import cost_of
 
 @dataclass(frozen=True)
 class StageOption:
-    """One way to run a stage: which modules are recomputed and what that costs and stores."""
+    """One way to run a stage: which modules are recomputed and what that costs and stores.
+
+    Example:
+        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, 0.01, 10**9).name
+        'whole'
+    """
 
     name: str
     checkpointed: tuple[str, ...]
@@ -53,7 +58,13 @@ class StageOption:
 
 @dataclass(frozen=True)
 class StageProfile:
-    """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these."""
+    """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these.
+
+    Example:
+        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> StageProfile("layer.0", (keep,), saved_bytes=100).options[0].name
+        'keep'
+    """
 
     name: str
     options: tuple[StageOption, ...]
@@ -77,7 +88,12 @@ class StageProfile:
 
 @dataclass(frozen=True)
 class Segment:
-    """A part of the step outside the stages: its peak beyond the stored bytes of the first ``stages_alive`` stages."""
+    """A part of the step outside the stages: its peak beyond the stored bytes of the first ``stages_alive`` stages.
+
+    Example:
+        >>> Segment("optimizer step", 0, 3 * 2**20).stages_alive
+        0
+    """
 
     name: str
     stages_alive: int

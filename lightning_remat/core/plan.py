@@ -21,7 +21,12 @@ __all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", 
 
 @dataclass(frozen=True)
 class StageChoice:
-    """The option chosen for one stage, with the figures the summary shows."""
+    """The option chosen for one stage, with the figures the summary shows.
+
+    Example:
+        >>> StageChoice("transformer.h.0", "whole", 4096, 1024, 0.01).option
+        'whole'
+    """
 
     stage: str
     option: str
