@@ -38,6 +38,9 @@ SLOW = {
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
+    # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
+    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
+    "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
                          "test_layers_that_differ_are_profiled_whole"),  # 13 s
