@@ -30,6 +30,7 @@ CI_DISTRIBUTED = {
     "test_sharded.py": "test_prediction_matches_a_real_two_process_fully_shard_run",  # FSDP2, 2 ranks: 24 s
 }
 SLOW = {
+    "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",),  # 7 s loaded (two runs)
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
@@ -38,6 +39,9 @@ SLOW = {
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
+    # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
+    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
+    "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
                          "test_layers_that_differ_are_profiled_whole"),  # 13 s
@@ -81,6 +85,7 @@ SLOW = {
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)
+                           "test_block_runs[accelerate.md-5]",  # TRL's SFTTrainer: 20 s (a fake profile through its head)
                            "test_block_runs[fabric.md-0]",  # 13 s (4 fake profiles); 55 s at load 9-11
                            "test_block_runs[README.md-0]",  # 7.5 s, transformers' import included
                            # the tutorial's chain: breakdown 2.5 s, + plan 4.4 s, + train and measure 4.9 s
@@ -111,6 +116,7 @@ SLOW = {
                           "test_autoremat_runs_every_step_under_its_plan_as_planned",  # 12 s
                           "test_the_accelerate_session_runs_every_planned_step_under_its_plan_as_planned"),  # 6 s
     "test_hf_trainer.py": ("test_trainer_holds_the_budget_from_the_environment_with_the_same_losses",  # 2-3 s each
+                           "test_the_trainer_s_own_gradient_checkpointing_is_taken_over",  # 17 s loaded (two runs)
                            "test_trainer_follows_the_batch_shape_under_dynamic_padding",  # 13-18 s (two runs)
                            "test_the_least_peak_holds_under_accumulation_with_what_the_trainer_carries_between_micro_batches"),  # 3 s
     "test_manual_optimization.py": ("test_autoremat_plans_manual_optimization_with_two_optimizers",  # 5 s

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_remat
 import lightning_remat.runtime.profiling.profile as profile_module
-from lightning_remat import (AutoRemat, BudgetTooSmallError, NoCandidateError, format_bytes, measure_step, profile_step,
-                             solve)
+from lightning_remat import (AlreadyCheckpointedError, AutoRemat, BudgetTooSmallError, NoCandidateError, format_bytes,
+                             measure_step, profile_step, solve)
 from lightning_remat.runtime.installing.apply import checkpointed_modules
 from lightning_remat.models import build
 
@@ -381,13 +381,35 @@ def test_out_of_memory_while_profiling_falls_back_to_whole_blocks(monkeypatch, t
     assert len(losses.losses) == 2 and callback.measured_peak_bytes > 0
 
 
-def test_already_checkpointed_model_is_left_alone(count_profiles, tmp_path):
+def test_hugging_face_checkpointing_is_taken_over_with_one_warning(count_profiles, tmp_path):
+    """Issue 33: a model whose own gradient checkpointing is on was left alone (no plan, no budget); the
+    budget asked of AutoRemat now wins: Hugging Face's checkpointing is turned off, one warning says so,
+    the plan recomputes, and the losses are those of the plain model."""
+    import warnings
+
+    plain = LossRecorder()
+    make_trainer(tmp_path, [plain], max_steps=2).fit(LitLM(layers=2), token_batches())
     lit = LitLM(layers=2)
-    lit.model.gradient_checkpointing_enable()
+    lit.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     losses = LossRecorder()
-    with pytest.warns(UserWarning, match="already uses activation checkpointing"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [AutoRemat(budget="min"), losses], max_steps=2).fit(lit, token_batches())
+    said = [str(w.message) for w in caught if "turned off the model's own gradient checkpointing" in str(w.message)]
+    assert len(said) == 1 and "use_reentrant=False" in said[0] and "AutoRemat" in said[0], said
+    assert not lit.model.is_activation_checkpointing and count_profiles and checkpointed_modules(lit)
+    assert losses.losses == plain.losses
+
+
+def test_a_torch_checkpoint_wrapper_is_refused_before_training(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    lit = LitLM(layers=2)
+    lit.model.transformer.h[0] = checkpoint_wrapper(lit.model.transformer.h[0])
+    losses = LossRecorder()
+    with pytest.raises(AlreadyCheckpointedError, match="checkpoint_wrapper.*activation_checkpointing_policy"):
         make_trainer(tmp_path, [AutoRemat(budget="1GB"), losses], max_steps=1).fit(lit, token_batches())
-    assert count_profiles == [] and checkpointed_modules(lit) == [] and len(losses.losses) == 1
+    assert losses.losses == []
 
 
 def test_autoremat_is_exported_lazily():

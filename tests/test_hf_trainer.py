@@ -139,9 +139,35 @@ def test_two_callbacks_with_different_budgets_are_refused_naming_both(tmp_path, 
     remat_session(model).remove()
 
 
-def test_the_trainer_s_own_gradient_checkpointing_is_refused(tmp_path):
-    with pytest.raises(AlreadyCheckpointedError):
-        _train(tmp_path, RematTrainerCallback(budget="1GB"), gradient_checkpointing=True)
+def test_the_trainer_s_own_gradient_checkpointing_is_taken_over(tmp_path, monkeypatch):
+    """Issue 33: ``gradient_checkpointing=True`` was refused (AlreadyCheckpointedError), so TRL's default stopped
+    every run. The Trainer switches it on in train(), before on_train_begin: the callback turns it off there
+    (offload too), says so in one warning, and the plan keeps the budget with the plain run's losses."""
+    import warnings
+
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    _, plain, plain_losses = _train(tmp_path, steps=4)
+    budget = plain.static + (max(plain.peaks) - plain.static) // 2
+    callback = RematTrainerCallback(budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, planned, losses = _train(tmp_path, callback, steps=4, gradient_checkpointing=True,
+                                          gradient_checkpointing_kwargs={"offload": True, "use_reentrant": False})
+    said = [str(w.message) for w in caught if "turned off the model's own gradient checkpointing" in str(w.message)]
+    assert len(said) == 1 and "offload=True" in said[0] and "3 of 3 layers" in said[0], said
+    assert not trainer.model.is_activation_checkpointing and callback.plan.checkpointed
+    assert max(planned.peaks) <= budget and losses == plain_losses
+
+
+def test_a_torch_checkpoint_wrapper_is_refused_before_the_first_step(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _model()
+    model.transformer.h[1] = checkpoint_wrapper(model.transformer.h[1])
+    peaks = SteadyPeaks(first=0)
+    with pytest.raises(AlreadyCheckpointedError, match="checkpoint_wrapper.*apply_activation_checkpointing"):
+        _train(tmp_path, RematTrainerCallback(budget="1GB"), model=model, peaks=peaks)
+    assert peaks.peaks == []
 
 
 # ------------------------------------------------------------------------------ dynamic padding (issue 21)

@@ -26,7 +26,7 @@ from torch import nn
 from ...core.errors import (AlreadyCheckpointedError, ConflictingArgumentsError, UnsupportedSetupError,
                             UnsupportedShardingError)
 from ...core.plan import Plan
-from ...runtime.installing.apply import existing_checkpointing
+from ...runtime.installing.takeover import take_over_checkpointing
 from ...runtime.profiling.candidates import find_stages
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from .session import RematSession
@@ -99,8 +99,9 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
 
     Raises:
         ValueError: a malformed environment variable (named in the message).
-        AlreadyCheckpointedError: the model uses Hugging Face or torch checkpointing already, or
-            Accelerate's FSDP2 plugin has ``activation_checkpointing`` on.
+        AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` wraps a module of the model, or
+            Accelerate's FSDP2 plugin has ``activation_checkpointing`` on. Hugging Face's own gradient
+            checkpointing is turned off instead (a ``UserWarning`` says so: the plan recomputes).
         NoCandidateError: the model has no module to recompute (set ``candidates``).
         UnsupportedSetupError: (a ``NotImplementedError``) DeepSpeed, Megatron-LM, XLA or torch.compile
             through Accelerate; ``UnsupportedShardingError`` (one of them) for FSDP1.
@@ -128,12 +129,16 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     inner = _inner_model(model)
     if inner in _SESSIONS:
         _check_same_settings(_SESSIONS[inner].plugin, plugin)
+    else:
+        find_stages(inner, plugin.candidates)  # fail at start, not after the first step
+    # The user asked us for a budget: Hugging Face's own checkpointing is turned off (said in one line), a
+    # torch checkpoint_wrapper refused, so that nothing recomputes twice and nothing runs outside the plan.
+    # Again for a model planned already: a second trainer.train() switches the Trainer's checkpointing on again.
+    took_over = take_over_checkpointing(inner, f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget)")
+    if took_over:
+        warnings.warn(took_over, UserWarning, stacklevel=3)
+    if inner in _SESSIONS:
         return model
-    existing = existing_checkpointing(inner)
-    if existing:
-        raise AlreadyCheckpointedError(f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): "
-                                       + "; ".join(existing))
-    find_stages(inner, plugin.candidates)  # fail at start, not after the first step
     session = RematSession(inner, plugin, accelerator, loop)
     if accelerator is not None:
         # The same dict: it fills in as the plan is made and measured.

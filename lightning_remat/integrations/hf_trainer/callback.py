@@ -21,6 +21,7 @@ from transformers.trainer_callback import ExportableState
 from ..accelerate.accelerator import _check_supported, prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ..accelerate.session import RematSession
+from ...runtime.installing.takeover import take_over_checkpointing
 from .reporting import LogFigures, checkpoint_plans, console, plugin_args, saved_state
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
 
     Behaviour worth knowing (``docs/accelerate.md``, "The Hugging Face Trainer", says each): a
     malformed setting fails here; a budget no plan meets fails at the first training forward;
-    DeepSpeed, FSDP1, ``torch_compile=True`` and ``gradient_checkpointing=True`` are refused at
-    ``on_train_begin``, as is a second callback for the same model with other settings.
+    DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at ``on_train_begin``, as is a second
+    callback for the same model with other settings. ``gradient_checkpointing=True`` (TRL's default) is
+    turned off there, with one warning that says so, and the plan recomputes instead.
 
     Example:
         >>> import os
@@ -110,6 +112,11 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         # accumulation and its optimizer (None when made later, under FSDP: found at its first step) are.
         state = AcceleratorState()
         _check_supported(state)
+        # The Trainer switches its own checkpointing on in train(), before this hook (TRL's SFTConfig by default):
+        # turned off here, said in one line on the main process, and the plan recomputes instead.
+        took_over = take_over_checkpointing(model, "RematTrainerCallback")
+        if took_over and state.is_main_process:
+            warnings.warn(took_over, UserWarning, stacklevel=2)
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
             optimizers=lambda: [optimizer] if optimizer is not None else [], processes=lambda: state.num_processes,
             accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console))

@@ -23,7 +23,7 @@ from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
+from .strategies import refuse_deepspeed, refuse_fsdp1, take_over, unsupported
 from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 
 
@@ -110,6 +110,7 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
+        take_over(pl_module)
         self.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
@@ -119,6 +120,8 @@ class AutoRemat(Callback):
             apply_plan(pl_module, self.plan)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._disabled_reason:
+            take_over(pl_module)  # again: configure_model and the strategy's setup ran after setup
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.

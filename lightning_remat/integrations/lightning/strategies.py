@@ -2,15 +2,15 @@
 
 FSDP1 and DeepSpeed hold parameters, gradients and optimizer state where the profile cannot see
 them: ``setup`` raises an error naming the ways that work, rather than train without the budget.
-Other strategies, and models that already checkpoint, are left alone with a warning
-(``unsupported``).
+Other strategies are left alone with a warning (``unsupported``). A model that checkpoints already
+is taken over (``take_over``).
 """
 
 from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 
-from ...runtime.installing.apply import existing_checkpointing
+from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.sharded import FSDP1_HINT
 
 
@@ -48,8 +48,7 @@ def refuse_deepspeed(trainer: Trainer) -> None:
 
 
 def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
-    """Why ``AutoRemat`` leaves this run alone (a strategy it does not plan under, a model that
-    checkpoints already), or None."""
+    """Why ``AutoRemat`` leaves this run alone (a strategy it does not plan under), or None."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     strategy = trainer.strategy
@@ -57,7 +56,15 @@ def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     if not isinstance(strategy, supported):
         return (f"the {type(strategy).__name__} strategy is not supported (single-device, DDP and "
                 "ModelParallelStrategy (FSDP2) are)")
-    existing = existing_checkpointing(pl_module)
-    if existing:
-        return "the model already uses activation checkpointing (" + "; ".join(existing) + ")"
     return None
+
+
+def take_over(pl_module: LightningModule) -> None:
+    """The user gave ``AutoRemat`` a budget: Hugging Face's own gradient checkpointing is turned off (one
+    warning says so) and the plan recomputes instead; a torch ``checkpoint_wrapper`` (which cannot be taken
+    off without renaming parameters) is refused before training (``AlreadyCheckpointedError``)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    took_over = take_over_checkpointing(pl_module, "AutoRemat")
+    if took_over:
+        rank_zero_warn(took_over)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 from typing import Iterator
 
 import torch
@@ -140,6 +141,11 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
             without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
+            # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
+            # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin.
+            for key, value in list(twin.__dict__.items()):
+                if isinstance(value, types.MethodType) and value.__self__ is module:
+                    twin.__dict__[key] = types.MethodType(value.__func__, twin)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())
