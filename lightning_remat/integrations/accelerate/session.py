@@ -164,10 +164,11 @@ class RematSession:
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, i=i, call=call: call.on_grad(i, grad))
         elif self.phase == "measure":
+            # Every output that needs a gradient: a loss may use only some of them (TRL's own LM head
+            # reads the hidden states, not the first output).
             for tensor in leaves:
                 if tensor.requires_grad:
                     tensor.register_hook(self._window_backward)
-                    break
 
     def _window_backward(self, grad: torch.Tensor) -> None:
         self._window_backward_ran = True
@@ -245,7 +246,7 @@ class RematSession:
                 self._make_plan()
                 self.phase = "measure"
                 self._window_backward_ran = False
-        elif self.phase == "measure" and self._window is not None and self._window_backward_ran:
+        elif self.phase == "measure" and self._window is not None and (self._window_backward_ran or optimizer_stepped):
             # The measured step ends with the optimizer step; without a known optimizer, at the
             # next forward.
             if optimizer_stepped or self._known_optimizer() is None:
