@@ -111,3 +111,72 @@ def test_a_plan_applied_before_prepare_runs_under_zero_on_two_ranks(stage, tmp_p
         assert result["calls"] == 2 * STEPS * len(plan.checkpointed)  # recomputed in every backward
         assert set(plan.checkpointed) <= set(result["names"])  # the plan kept the modules' names
         assert result["losses"] == pytest.approx(plain, abs=1e-5)
+
+
+ROW = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(1))  # every sample: one batch per rank
+
+
+def _row_step(model):
+    batch = ROW.expand(2, -1)
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _trainer_rank(rank: int, plan, names: list, out: str) -> dict:
+    """One rank: the model with ``plan`` applied, trained by the Trainer under ZeRO-3."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 500),
+                      ACCELERATE_USE_DEEPSPEED="true")
+    import transformers
+    from accelerate import PartialState
+
+    from lightning_remat import apply_plan
+
+    case = small_gpt2()
+    apply_plan(case.model, plan)
+    # Under DeepSpeed the Trainer gives Accelerate no backend, and without a GPU Accelerate then finds none
+    # (one process, and DeepSpeed's batch check fails): configure the state with gloo first and let it use it.
+    PartialState(backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+        deepspeed=config, accelerator_config={"use_configured_state": True}, disable_tqdm=True)
+    data = [{"input_ids": ROW, "labels": ROW}] * (2 * 2 * STEPS)
+    trainer = transformers.Trainer(model=case.model, args=args, train_dataset=data)
+    calls = []
+    for name in names:
+        child = next(iter(case.model.get_submodule(name).children()))
+        after_case(child.register_forward_hook(lambda *_: calls.append(1)).remove)
+    trainer.train()
+    torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
+    return {"engine": type(trainer.model_wrapped).__name__, "world": trainer.accelerator.num_processes,
+            "stage": trainer.accelerator.state.deepspeed_plugin.zero_stage, "calls": len(calls),
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("fsdp-multiprocess")
+def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(tmp_path):
+    pytest.importorskip("deepspeed")
+    from lightning_remat import plan_remat
+
+    case = small_gpt2()
+    plan = plan_remat(case.model, _row_step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
+                      verbose=False, fake=True, world_size=2)
+    assert plan.checkpointed
+    ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"))
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3, weight_decay=0.0)
+    plain = []
+    for _ in range(STEPS):
+        loss = _row_step(case.model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        plain.append(loss.item())
+    for result in ranks:
+        assert (result["engine"], result["world"], result["stage"]) == ("DeepSpeedEngine", 2, 3)
+        assert result["calls"] == 2 * STEPS * len(plan.checkpointed)
+        # The Trainer divides the summed token losses by the label tokens it counts before the shift (32 a row),
+        # the model by those it predicts (31): the same steps (Adam does not see a constant factor), 31/32 the loss.
+        assert result["losses"] == pytest.approx([loss * 31 / 32 for loss in plain], abs=1e-4)
