@@ -48,6 +48,7 @@ def _zero_rank(rank: int, stage: int, plan, names: list) -> dict:
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     from lightning_remat import apply_plan
+    from lightning_remat.accelerate import RematPlugin, prepare_remat
 
     case = small_gpt2()
     apply_plan(case.model, plan)
@@ -61,6 +62,8 @@ def _zero_rank(rank: int, stage: int, plan, names: list) -> dict:
         stage3_param_persistence_threshold=10 * hidden)
     # Without a GPU Accelerate finds no backend (one process) unless it is named.
     accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    with pytest.raises(UnsupportedSetupError, match=rf"Accelerate's DeepSpeed mode \(ZeRO stage {stage}\)"):
+        prepare_remat(case.model, RematPlugin(budget="min"), accelerator=accelerator)  # the automatic path: refused
     engine, optimizer = accelerator.prepare(case.model, optimizer)
     calls = []
     for name in names:  # a checkpointed module's first child runs twice a step: forward, then recompute
@@ -148,7 +151,7 @@ def _trainer_rank(rank: int, plan, names: list, out: str) -> dict:
     import transformers
     from accelerate import PartialState
 
-    from lightning_remat import apply_plan
+    from lightning_remat import RematTrainerCallback, apply_plan
 
     case = small_gpt2()
     apply_plan(case.model, plan)
@@ -163,6 +166,8 @@ def _trainer_rank(rank: int, plan, names: list, out: str) -> dict:
         deepspeed=config, accelerator_config={"use_configured_state": True}, disable_tqdm=True)
     data = [{"input_ids": ROW, "labels": ROW}] * (2 * 2 * STEPS)
     trainer = transformers.Trainer(model=case.model, args=args, train_dataset=data)
+    with pytest.raises(UnsupportedSetupError, match=r"DeepSpeed mode \(ZeRO stage 3\).*RematTrainerCallback"):
+        RematTrainerCallback(budget="min").on_train_begin(args, trainer.state, trainer.control, model=case.model)
     calls = []
     for name in names:
         child = next(iter(case.model.get_submodule(name).children()))
