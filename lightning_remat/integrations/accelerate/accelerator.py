@@ -92,8 +92,9 @@ def deepspeed_refusal(plugin: Any = None) -> str:
         "optimizer=...) on the unsharded model (ZeRO-3: with fake=True, world_size=N for the per-rank share of "
         "parameters, gradients and optimizer state; ZeRO-2: without, which counts whole gradients and optimizer "
         "state), apply_plan(model, plan), then accelerator.prepare (or build the Trainer) without "
-        f"RematTrainerCallback and with {ENV_BUDGET} unset; leave DeepSpeed's buckets room beside the budget "
-        "(docs/accelerate.md, 'DeepSpeed ZeRO: plan, then prepare').")
+        f"RematTrainerCallback and with {ENV_BUDGET} unset; leave room beside the budget for DeepSpeed's own "
+        "buffers, its float32 copy of the rank's partition and its buckets (docs/accelerate.md, 'DeepSpeed ZeRO: "
+        "plan, then prepare').")
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
