@@ -11,6 +11,8 @@ profiles the sharded model in lockstep; the budget is per rank; the plugin's own
 Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
 ``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``; the others:
 ``UnsupportedSetupError``; both ``RematError`` and ``NotImplementedError``), naming the workarounds.
+DeepSpeed ZeRO runs with a plan made and applied before ``accelerator.prepare`` (docs/accelerate.md,
+"DeepSpeed ZeRO: plan, then prepare"); its refusal says how.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def _check_supported(accelerator: Any) -> None:
             "profiled. Use FullyShardedDataParallelPlugin(fsdp_version=2), or make a plan with "
             "lightning_remat.plan_remat and apply it with apply_plan before accelerator.prepare, and unset "
             f"{ENV_BUDGET}.")
+    if kind == "DEEPSPEED":
+        raise UnsupportedSetupError(deepspeed_refusal(getattr(state, "deepspeed_plugin", None)))
     if kind in _UNSUPPORTED:
         raise UnsupportedSetupError(
             f"lightning-remat does not support Accelerate's {kind} mode: a plan is made by profiling the whole "
@@ -66,6 +70,31 @@ def _check_supported(accelerator: Any) -> None:
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
         raise UnsupportedSetupError("lightning-remat does not support torch.compile through Accelerate (dynamo_backend); "
                                   f"unset {ENV_BUDGET} or the dynamo backend")
+
+
+def deepspeed_refusal(plugin: Any = None) -> str:
+    """What is refused under DeepSpeed, why, and the workaround that runs (``plugin``: Accelerate's ``DeepSpeedPlugin``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> print(deepspeed_refusal(SimpleNamespace(zero_stage=3)))  # doctest: +ELLIPSIS
+        lightning-remat does not support planning inside Accelerate's DeepSpeed mode (ZeRO stage 3), ...
+    """
+    stage = getattr(plugin, "zero_stage", None)
+    stage = "" if stage is None else f" (ZeRO stage {stage})"
+    return (
+        f"lightning-remat does not support planning inside Accelerate's DeepSpeed mode{stage}, so "
+        f"RematAccelerator, prepare_remat, RematTrainerCallback and {ENV_BUDGET} are refused there: DeepSpeed's "
+        "engine keeps the partitioned parameters, gradients and optimizer state, and its communication buckets "
+        "(reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size), in flat buffers of its own that "
+        "the profile of the model's step does not see, so a per-rank budget could not be checked. DeepSpeed itself "
+        "runs with recomputation: plan before prepare. Call lightning_remat.plan_remat(model, step, budget, "
+        "optimizer=...) on the unsharded model (ZeRO-3: with fake=True, world_size=N for the per-rank share of "
+        "parameters, gradients and optimizer state; ZeRO-2: without, which counts whole gradients and optimizer "
+        "state), apply_plan(model, plan), then accelerator.prepare (or build the Trainer) without "
+        f"RematTrainerCallback and with {ENV_BUDGET} unset; leave room beside the budget for DeepSpeed's own "
+        "buffers, its float32 copy of the rank's partition and its buckets (docs/accelerate.md, 'DeepSpeed ZeRO: "
+        "plan, then prepare').")
 
 
 def _inner_model(model: nn.Module) -> nn.Module:

@@ -1,0 +1,206 @@
+"""DeepSpeed ZeRO under Accelerate: refused for planning inside, run with a plan made before ``prepare``.
+
+DeepSpeed 0.19 runs ZeRO-2 and ZeRO-3 on this machine (``DS_ACCELERATOR=cpu``, gloo). Planning inside
+its engine is refused (the partitioned states and buckets live in DeepSpeed's own flat buffers, which the
+profile of the model's step does not see); the refusal names the path that works, which is tested here on
+two gloo ranks through Accelerate's real ``Accelerator.prepare`` -> ``deepspeed.initialize``: the plan
+made on the unsharded model in this process (ZeRO-3: ``fake=True, world_size=2``), applied before
+``prepare``; DeepSpeed's ZeRO-3 parameter hooks gather a checkpointed block's parameters again for its
+recompute (torch's non-reentrant checkpoint), and the losses are one unsharded process's.
+"""
+
+import contextlib
+import gc
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_remat.core.errors import RematError, UnsupportedSetupError
+from tests.gloo_ranks import after_case, small_gpt2, spawn
+
+STEPS = 3
+
+
+def test_deepspeed_is_refused_naming_what_why_and_the_plan_then_prepare_path():
+    from lightning_remat.integrations.accelerate.accelerator import _check_supported
+
+    state = SimpleNamespace(dynamo_plugin=None, deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    accelerator = SimpleNamespace(distributed_type="DEEPSPEED", state=state)
+    with pytest.raises(UnsupportedSetupError) as info:
+        _check_supported(accelerator)
+    message = str(info.value)
+    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, RematError)
+    for said in ("does not support planning inside Accelerate's DeepSpeed mode (ZeRO stage 3)",
+                 "RematTrainerCallback", "ACCELERATE_REMAT_BUDGET",  # what is refused
+                 "flat buffers of its own", "reduce_bucket_size",  # why
+                 "plan_remat(model, step, budget", "fake=True, world_size=N", "apply_plan(model, plan)",
+                 "then accelerator.prepare (or build the Trainer)"):  # the workaround
+        assert said in message, said
+
+
+def _zero_rank(rank: int, stage: int, plan, names: list) -> dict:
+    """One rank: the model with ``plan`` applied, prepared by Accelerate with ZeRO-``stage``, trained."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 500))
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from lightning_remat import apply_plan
+    from lightning_remat.accelerate import RematPlugin, prepare_remat
+
+    case = small_gpt2()
+    apply_plan(case.model, plan)
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1)
+    hidden = 64  # the buckets the Trainer's "auto" gives; DeepSpeed's defaults are 2 GB of float32 each
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=2, train_batch_size=4, gradient_clipping=0.0,
+                                   zero_allow_untested_optimizer=True)
+    plugin.deepspeed_config["zero_optimization"].update(
+        reduce_bucket_size=hidden**2, allgather_bucket_size=hidden**2, stage3_prefetch_bucket_size=hidden**2,
+        stage3_param_persistence_threshold=10 * hidden)
+    # Without a GPU Accelerate finds no backend (one process) unless it is named.
+    accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    with pytest.raises(UnsupportedSetupError, match=rf"Accelerate's DeepSpeed mode \(ZeRO stage {stage}\)"):
+        prepare_remat(case.model, RematPlugin(budget="min"), accelerator=accelerator)  # the automatic path: refused
+    engine, optimizer = accelerator.prepare(case.model, optimizer)
+    calls = []
+    for name in names:  # a checkpointed module's first child runs twice a step: forward, then recompute
+        child = next(iter(engine.module.get_submodule(name).children()))
+        hook = child.register_forward_hook(lambda *_: calls.append(1))
+        after_case(hook.remove)
+    losses, peak = [], None
+    for i in range(STEPS):
+        with _peak_of_everything() if i == STEPS - 1 else contextlib.nullcontext() as tracker:
+            loss = case.step(engine)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    # DeepSpeed keeps its process groups in globals of its own: end these rank processes with the case (a
+    # destroyed group makes gloo_ranks start fresh ones) rather than hand them to the next case.
+    torch.distributed.destroy_process_group()
+    return {"engine": type(engine).__name__, "world": accelerator.num_processes, "losses": losses, "peak": peak,
+            "calls": len(calls), "names": [n for n, _ in engine.module.named_modules()]}
+
+
+def _peak_of_everything():
+    """torch's MemTracker over a step, counting every tensor alive before it (DeepSpeed's flat buffers
+    and buckets are no module's parameters nor an optimizer's state)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(*[t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type == "cpu"])
+    return tracker
+
+
+def _plain_losses() -> list:
+    case = small_gpt2()
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(STEPS):
+        loss = case.step(case.model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("fsdp-multiprocess")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_plan_applied_before_prepare_runs_under_zero_on_two_ranks(stage, tmp_path):
+    pytest.importorskip("deepspeed")  # not a dependency of the package or its tests
+    from lightning_remat import plan_remat
+
+    case = small_gpt2()
+    sharded = dict(fake=True, world_size=2) if stage == 3 else {}
+    plan = plan_remat(case.model, case.step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
+                      verbose=False, **sharded)
+    assert plan.checkpointed and plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    ranks = spawn(_zero_rank, tmp_path, stage, plan, plan.checkpointed)
+    plain = _plain_losses()
+    for result in ranks:
+        assert result["engine"] == "DeepSpeedEngine" and result["world"] == 2
+        assert result["calls"] == 2 * STEPS * len(plan.checkpointed)  # recomputed in every backward
+        assert set(plan.checkpointed) <= set(result["names"])  # the plan kept the modules' names
+        assert result["losses"] == pytest.approx(plain, abs=1e-5)
+        assert result["peak"] > plan.predicted_peak_bytes // 2  # the tracker saw the step (2.7-3.1 MB here)
+    if stage == 2:  # the whole-step plan counts every gradient and all the AdamW state: more than a rank holds
+        assert max(r["peak"] for r in ranks) <= plan.predicted_peak_bytes
+    # ZeRO-3 exceeds the FSDP2 plan by DeepSpeed's own buffers (docs/accelerate.md: 3,052,449 B for 2,437,928 B)
+
+
+ROW = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(1))  # every sample: one batch per rank
+
+
+def _row_step(model):
+    batch = ROW.expand(2, -1)
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _trainer_rank(rank: int, plan, names: list, out: str) -> dict:
+    """One rank: the model with ``plan`` applied, trained by the Trainer under ZeRO-3."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 500),
+                      ACCELERATE_USE_DEEPSPEED="true")
+    import transformers
+    from accelerate import PartialState
+
+    from lightning_remat import RematTrainerCallback, apply_plan
+
+    case = small_gpt2()
+    apply_plan(case.model, plan)
+    # Under DeepSpeed the Trainer gives Accelerate no backend, and without a GPU Accelerate then finds none
+    # (one process, and DeepSpeed's batch check fails): configure the state with gloo first and let it use it.
+    PartialState(backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-3, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+        deepspeed=config, accelerator_config={"use_configured_state": True}, disable_tqdm=True)
+    data = [{"input_ids": ROW, "labels": ROW}] * (2 * 2 * STEPS)
+    trainer = transformers.Trainer(model=case.model, args=args, train_dataset=data)
+    with pytest.raises(UnsupportedSetupError, match=r"DeepSpeed mode \(ZeRO stage 3\).*RematTrainerCallback"):
+        RematTrainerCallback(budget="min").on_train_begin(args, trainer.state, trainer.control, model=case.model)
+    calls = []
+    for name in names:
+        child = next(iter(case.model.get_submodule(name).children()))
+        after_case(child.register_forward_hook(lambda *_: calls.append(1)).remove)
+    trainer.train()
+    torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
+    return {"engine": type(trainer.model_wrapped).__name__, "world": trainer.accelerator.num_processes,
+            "stage": trainer.accelerator.state.deepspeed_plugin.zero_stage, "calls": len(calls),
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("fsdp-multiprocess")
+def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(tmp_path):
+    pytest.importorskip("deepspeed")
+    from lightning_remat import plan_remat
+
+    case = small_gpt2()
+    plan = plan_remat(case.model, _row_step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
+                      verbose=False, fake=True, world_size=2)
+    assert plan.checkpointed
+    ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"))
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3, weight_decay=0.0)
+    plain = []
+    for _ in range(STEPS):
+        loss = _row_step(case.model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        plain.append(loss.item())
+    for result in ranks:
+        assert (result["engine"], result["world"], result["stage"]) == ("DeepSpeedEngine", 2, 3)
+        assert result["calls"] == 2 * STEPS * len(plan.checkpointed)
+        # The Trainer divides the summed token losses by the label tokens it counts before the shift (32 a row),
+        # the model by those it predicts (31): the same steps (Adam does not see a constant factor), 31/32 the loss.
+        assert result["losses"] == pytest.approx([loss * 31 / 32 for loss in plain], abs=1e-4)
