@@ -300,7 +300,8 @@ def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:
 
     >>> from lightning_remat.core.memory_model import StageOption, StageProfile
     >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
-    >>> stored_at_end(p := Profile((StageProfile("a", (keep, whole)),), ())), stored_at_end(p, [StageAction.recompute("a")])
+    >>> p = Profile((StageProfile("a", (keep, whole)),), ())
+    >>> stored_at_end(p), stored_at_end(p, [StageAction.recompute("a")])
     (100, 10)
     """
     probe = replace(profile, segments=(*profile.segments, Segment("end of forward", len(profile.stages), 0)))
