@@ -1,7 +1,5 @@
-"""The first training step under Accelerate (and the Hugging Face Trainer), planned on fake tensors at its
-forward's pre-hook, before its loss exists, so no real step runs without a plan. The rule for the loss:
-docs/accelerate.md, "The loss" (before the first step); the observed step replaces it (``recorded_call``).
-"""
+"""The first training step under Accelerate (and the HF Trainer), planned on fake tensors at its forward's pre-hook,
+before its loss exists, so no real step runs without a plan. The loss rule: docs/accelerate.md, "The loss"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``RematPlugin``: the settings of recomputation under Accelerate. Accelerate takes no third-party keys in its
-config file or ``kwargs_handlers``, but ``accelerate launch`` passes the environment through: each is a variable.
-"""
+config file or ``kwargs_handlers``, but ``accelerate launch`` passes the environment through: each is a variable."""
 
 from __future__ import annotations
 
@@ -126,8 +125,7 @@ class RematPlugin:
             chunk_loss=bool(self.chunk_loss)))
 
     def loop_config(self, accumulation: int = 1, processes: int = 1, sharded: bool = False) -> RematConfig:
-        """``config()`` with the loop's gradient ``accumulation`` and, with several ``processes``, DDP's gradient
-        buckets (not under FSDP2, ``sharded``, which reduce-scatters each block's gradients)."""
+        """``config()`` with the loop's ``accumulation`` and DDP's buckets (several ``processes``, not FSDP2)."""
         config = self.config()
         steps = int(accumulation or 1)
         buckets = processes > 1 and not sharded

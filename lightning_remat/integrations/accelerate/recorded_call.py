@@ -1,6 +1,5 @@
 """What the Accelerate session records of the user's loop (one training forward and its backward), and the
-calibration of a profile against the observed step. How the profile's loss is built: docs/accelerate.md, "The loss".
-"""
+calibration of a profile against the observed step. How the profile's loss is built: docs/accelerate.md, "The loss"."""
 
 from __future__ import annotations
 
@@ -254,7 +253,6 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
     >>> [with_loop_references(p, 4096, c).stages[0].options[0].local_peak_bytes - LOOP_ALLOWANCE for c in (0, 6144)]
     [4196, 6244]
     """
-    # One whole sentence whichever parts there are (no outputs held: it began "and the loss ...").
     held = f"the model's outputs ({format_bytes(held_bytes)}) and " if held_bytes else ""
     note = f"the training loop holds {held}the loss ({LOOP_ALLOWANCE} bytes allowed) through the step"
     if carried_bytes > held_bytes:

@@ -1,6 +1,5 @@
 """``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then give
-every step the plan for its batch's shape. The phases: docs/accelerate.md, "What happens during training".
-"""
+every step the plan for its batch's shape. The phases: docs/accelerate.md, "What happens during training"."""
 
 from __future__ import annotations
 
@@ -57,7 +56,6 @@ class RematSession:
         self.accelerator = accelerator
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
-        # The run's lifecycle: its plans, figures (``metrics``: the run's summary), measured windows.
         self.run = RunLifecycle(RunHost(
             model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
             accumulation=lambda: self._config().profile.accumulation_steps,
@@ -82,12 +80,10 @@ class RematSession:
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
-            # First among the model's pre-hooks: planning may run in it (at a step boundary found at
-            # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
+            # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds an optimizer made later (the Trainer's) before its first step, so that step's own hooks
-            # see it: else Adam's new state would count as memory the loop carries.
+            # Finds an optimizer made later (the Trainer's) before its first step: else its new state counts as carried.
             register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
@@ -201,8 +197,7 @@ class RematSession:
                 self.observed_steps += 1
                 if self._window is not None:
                     window, self._window = self._window, None
-                    # Between two micro-batches: what the loop carries into the next. Not under FSDP2: the
-                    # tracker would read sharded state (unsharded parameters) the lockstep profile counts.
+                    # What the loop carries into the next micro-batch (not FSDP2: sharded state the profile counts).
                     self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
                         list(next_inputs))
                     peak = window.close()
@@ -242,8 +237,7 @@ class RematSession:
             self._new_plan(plan, "lightning-remat: planned before the first step, on fake tensors")
 
     def resume(self, plans: dict) -> None:
-        """Before the first training forward: take a checkpoint's ``plans`` (shape -> ``Plan``) for their shapes,
-        unprofiled (the next steady step is measured); other shapes are planned as ever."""
+        """Before the first training forward: take a checkpoint's ``plans`` (shape -> ``Plan``), unprofiled."""
         if self.plan is None:
             self._saved = dict(plans)
 

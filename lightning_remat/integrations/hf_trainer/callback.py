@@ -1,7 +1,6 @@
 """``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget. The
 Trainer builds its own ``Accelerator``, never given to a callback: the callback hands the model, with what it
-knows of the loop (``LoopFacts``), to the Accelerate session at ``on_train_begin``.
-"""
+knows of the loop (``LoopFacts``), to the Accelerate session at ``on_train_begin``."""
 
 from __future__ import annotations
 
