@@ -1,29 +1,5 @@
-"""The first training step under Accelerate (and the Hugging Face Trainer), planned before it runs.
-
-No real step runs without a plan where it might not fit, so the session plans at the first training
-forward's pre-hook, from that forward's inputs alone: the loss is not known yet (the loop computes it
-after the forward and runs backward on it). The rule (``FirstCall``):
-
-- the model returns its own loss (a scalar tensor, or Hugging Face outputs with ``.loss``, as a
-  Trainer's model given labels does): that loss is profiled, as the observed step will run it;
-- else a surrogate loss: every floating-point output that requires a gradient receives one (the
-  size of the output), so the backward runs through all of them, and the user's loss computed
-  outside the model is allowed ``USER_LOSS_OUTPUT_COPIES`` copies of those outputs at the end of
-  forward, where it runs (``with_user_loss_allowance``): a cross-entropy keeps its log-softmax and
-  its backward makes a temporary of the logits' size.
-
-The profile is on fake tensors (nothing is allocated), so planning fits wherever the step does.
-After the first step, run under this plan, the recorded call (which outputs the real loss sent a
-gradient to, and the step's measured peak) replaces the rule (``recorded_call.calibrate``).
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> call = FirstCall.of((torch.randn(4, 8),), {})
-    >>> loss = call.loss(nn.Linear(8, 3))          # no loss of its own: the surrogate
-    >>> loss.shape, call.seen[call.shape]           # (it returned a loss, bytes of outputs needing a gradient)
-    (torch.Size([]), (False, 48))
-"""
+"""The first training step under Accelerate (and the HF Trainer), planned on fake tensors at its forward's pre-hook,
+before its loss exists, so no real step runs without a plan. The loss rule: docs/accelerate.md, "The loss"."""
 
 from __future__ import annotations
 
@@ -42,9 +18,13 @@ from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, t
 
 @dataclass(frozen=True)
 class FirstCall:
-    """A training forward whose backward has not run: its inputs (kept as ``CallTemplate`` keeps
-    them) and, once re-run, what its outputs were at each shape (``seen``: shape -> (the model
-    returned its own loss, bytes of the floating-point outputs that require a gradient))."""
+    """A training forward whose backward has not run: its inputs (as ``CallTemplate``) and, once re-run,
+    ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
+
+    >>> call = FirstCall.of((torch.randn(4, 8),), {})
+    >>> call.loss(nn.Linear(8, 3)).shape, call.seen[call.shape]   # no loss of its own: the surrogate
+    (torch.Size([]), (False, 48))
+    """
 
     template: CallTemplate
     seen: dict = field(default_factory=dict)
@@ -66,8 +46,7 @@ class FirstCall:
         return replace(self, template=self.template.following(args, kwargs, shape))
 
     def loss(self, model: nn.Module) -> torch.Tensor:
-        """Re-run the call on ``model``: its own loss, else the surrogate over every output that
-        requires a gradient."""
+        """Re-run the call on ``model``: its own loss, else a surrogate over every output requiring a gradient."""
         args, kwargs = self.template.inputs()
         output = model(*args, **kwargs)
         own = scalar_loss(output)
@@ -84,9 +63,7 @@ class FirstCall:
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
     def adjust(self, profile: Profile) -> Profile:
-        """The profile at the first shape with what the loop keeps around the model: the loss
-        scalars (``with_loop_references``) and, where the model returned no loss, the allowance for
-        the user's (``with_user_loss_allowance``)."""
+        """The profile at the first shape with the loss scalars and, without a loss of the model's, the user's."""
         profile = with_loop_references(profile, 0)
         own, output_bytes = self.seen.get(self.shape, (True, 0))
         return profile if own else with_user_loss_allowance(profile, USER_LOSS_OUTPUT_COPIES * output_bytes)
@@ -94,9 +71,7 @@ class FirstCall:
 
 @dataclass(frozen=True)
 class ObservedCall:
-    """The observed call itself, as ``ShapePlans`` sees a batch once a step ran: profiled with its
-    real inputs and the gradients its outputs received, stretched to other shapes through its
-    template (``CallTemplate``)."""
+    """The observed call as ``ShapePlans`` sees a batch: its real inputs, stretched through its ``CallTemplate``."""
 
     call: RecordedCall
     shape: Any
@@ -109,10 +84,7 @@ class ObservedCall:
 
 
 def observed_adjust(held: int, carried: int, observed: tuple[int, bool] | None, actions: Any = ()) -> Any:
-    """``adjust(profile)`` for the observed call's profile: what the loop keeps around the model
-    (``with_loop_references``: outputs ``held``, bytes ``carried`` between micro-batches) and the
-    observed step's peak (``observed``: before the optimizer, with or without its state) under the
-    plan it ran with (``actions``), which calibrates it (``recorded_call.calibrate``)."""
+    """``adjust(profile)`` for the observed call: ``with_loop_references`` then ``calibrate`` by ``observed``."""
     def adjust(profile: Profile) -> Profile:
         profile = with_loop_references(profile, held, carried)
         return calibrate(profile, *observed, actions=actions) if observed is not None else profile
@@ -120,15 +92,12 @@ def observed_adjust(held: int, carried: int, observed: tuple[int, bool] | None, 
 
 
 def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
-    """``nbytes`` for a loss computed outside the model, at the end of forward (every stage's stored
-    bytes alive) on top of the model's own memory there (the highest segment at that point, else
-    the last stage's peak).
+    """``nbytes`` for a loss computed outside the model, at the end of forward, on top of the model's memory there.
 
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> p = Profile((StageProfile("a", (StageOption("keep", (), 100, 150, 0.0, 0),)),), (Segment("head", 1, 50),))
-        >>> with_user_loss_allowance(p, 64).baseline_peak_bytes   # the head's 50 and the stored 100, and 64
-        214
+    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+    >>> p = Profile((StageProfile("a", (StageOption("keep", (), 100, 150, 0.0, 0),)),), (Segment("head", 1, 50),))
+    >>> with_user_loss_allowance(p, 64).baseline_peak_bytes   # the head's 50 and the stored 100, and 64
+    214
     """
     n = len(profile.stages)
     if not n or nbytes <= 0:

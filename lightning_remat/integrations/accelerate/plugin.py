@@ -1,8 +1,5 @@
-"""``RematPlugin``: the settings of automatic recomputation under Accelerate, from the environment.
-
-Accelerate does not let third parties add keys to its config file or to ``kwargs_handlers``, but
-``accelerate launch`` passes the environment through, so each setting is an environment variable.
-"""
+"""``RematPlugin``: the settings of recomputation under Accelerate. Accelerate takes no third-party keys in its
+config file or ``kwargs_handlers``, but ``accelerate launch`` passes the environment through: each is a variable."""
 
 from __future__ import annotations
 
@@ -36,41 +33,10 @@ METRIC_NAMES = (
 
 @dataclass
 class RematPlugin:
-    """Settings of automatic recomputation under Accelerate, read from the environment when not given.
-
-    Every field left ``None`` is read from an environment variable, which ``accelerate launch``
-    passes through to every process; an explicit value wins over the environment.
-
-    Args:
-        budget: peak memory of a training step on the model's device, as ``parse_budget`` accepts:
-            ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the device's total memory (on a CPU,
-            of the host's memory), or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. Recomputation is
-            enabled if and only if a budget is set.
-        profile_steps: training steps before the plan's steady peak is measured, as in
-            ``AutoRemat``: they run under the plan made before the first (on fake tensors) and are
-            observed, the plan is made again at the end of the last, and the next is measured (at
-            least 1: the recorded call needs one real backward). Env: ``ACCELERATE_REMAT_PROFILE_STEPS``.
-            Default 1.
-        candidates: which modules may be recomputed: None for automatic (repeated blocks), or module
-            classes, class names or ``fnmatch`` patterns over module names; a string is split at
-            commas. Env: ``ACCELERATE_REMAT_CANDIDATES`` (comma-separated, e.g. ``"GPT2Block"`` or
-            ``"transformer.h.*"``).
-        cost: what the plan minimises: ``"flops"`` (counted FLOPs, deterministic), ``"time"``
-            (counted FLOPs at the seconds per FLOP of the measured step) or ``"roofline"``. Env:
-            ``ACCELERATE_REMAT_COST``. Default ``"flops"``.
-        offload: let the plan also offload activations to host memory (a CUDA model only;
-            ``docs/offload.md``). Env: ``ACCELERATE_REMAT_OFFLOAD`` (``1``/``true``/``yes`` or
-            ``0``/``false``/``no``). Default off.
-        policies: op-level selective-checkpointing policies offered to every block, as
-            ``plan_remat(policies=)``. Env: ``ACCELERATE_REMAT_POLICIES`` (comma-separated names,
-            ``all`` for every one, ``none``). Default none.
-        chunk_loss: a causal LM's head and loss may be computed over sequence chunks, as
-            ``plan_remat(chunk_loss=)`` (``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``
-            (as ``offload``). Default off.
-
-    Raises:
-        ValueError: a malformed value; the message names the environment variable (or the field)
-            it came from, and what is accepted.
+    """Settings of recomputation under Accelerate: each field left ``None`` is read from its
+    ``ACCELERATE_REMAT_*`` variable (the table in docs/accelerate.md, "Settings"; ``chunk_loss``: as
+    ``plan_remat(chunk_loss=)``, env ``ACCELERATE_REMAT_CHUNK_LOSS``); an explicit value wins. Recomputation
+    is on if and only if a budget is set. A malformed value raises ``ValueError`` naming its variable.
 
     Example:
         >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
@@ -159,9 +125,7 @@ class RematPlugin:
             chunk_loss=bool(self.chunk_loss)))
 
     def loop_config(self, accumulation: int = 1, processes: int = 1, sharded: bool = False) -> RematConfig:
-        """``config()`` with what an Accelerate loop adds to a step's memory: its gradient ``accumulation``
-        and, with several ``processes``, DDP's gradient buckets (not under FSDP2, ``sharded``, which
-        reduce-scatters each block's gradients)."""
+        """``config()`` with the loop's ``accumulation`` and DDP's buckets (several ``processes``, not FSDP2)."""
         config = self.config()
         steps = int(accumulation or 1)
         buckets = processes > 1 and not sharded
@@ -175,11 +139,9 @@ class RematPlugin:
 
 @dataclass
 class LoopFacts:
-    """What the session reads of the loop around the model, each time it needs it: the optimizers,
-    the gradient accumulation, the number of processes, where figures go (``log(figures, step)``) and
-    where the plan and the measured line are shown (``show(text)``; None: the package's logger at INFO).
-    ``of(accelerator)`` reads them from an ``Accelerator``; an integration without one (the Hugging
-    Face Trainer's callback) gives its own.
+    """What the session reads of the loop around the model when it needs it: optimizers, accumulation,
+    processes, where figures go (``log``) and lines are shown (``show``; None: the logger at INFO).
+    ``of(accelerator)`` reads them from an ``Accelerator``; the Trainer's callback gives its own.
 
     Example:
         >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()

@@ -1,18 +1,5 @@
-"""What the Accelerate session records of the user's loop: one training forward and its backward,
-and the calibration of a profile against the observed step.
-
-The loss is usually computed outside the model (``criterion(model(x), y)``), where no hook can see
-it. The profile therefore re-runs the recorded call and builds its loss from what the user's
-backward did:
-
-- if the model returned a scalar loss (a scalar tensor, or Hugging Face outputs with ``.loss``)
-  and the user's backward went through it, that loss is used;
-- otherwise the loss is the surrogate ``sum((output * grad_output).sum())`` over the outputs that
-  received a gradient, with ``grad_output`` the gradient the user's real loss sent into each output.
-  Its gradient with respect to every output equals the real one, so the model's backward (what
-  recomputation changes) is the same as in training; only the user's loss function itself, outside
-  the model, is stood in for by one product of the outputs' size.
-"""
+"""What the Accelerate session records of the user's loop (one training forward and its backward), and the
+calibration of a profile against the observed step. How the profile's loss is built: docs/accelerate.md, "The loss"."""
 
 from __future__ import annotations
 
@@ -42,8 +29,7 @@ from ...runtime.profiling.profile_adjust import with_always_alive
 # The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
 LOOP_ALLOWANCE = ACCELERATE_LOOP_ALLOWANCE
 
-# Tensors in an output (tensor, tuple/list, dict, Hugging Face ``ModelOutput``), in a fixed order:
-# the same walk that reads a batch's tensors.
+# Tensors in an output (tensor, tuple/list, dict, ``ModelOutput``) in a fixed order: the walk that reads a batch.
 tensor_leaves = batch_tensors
 
 
@@ -74,18 +60,13 @@ class RecordedCall:
         self.outputs = [weakref.ref(t) for t in leaves]
 
     def held_bytes(self) -> int:
-        """Bytes of the outputs still alive: read between two steps, what the user's loop holds
-        (``outputs = model(batch)`` keeps them through the backward, the optimizer step and the next
-        forward, until the name is bound again).
+        """Bytes of the outputs still alive: read between two steps, what the user's loop holds.
 
-        Example:
-            >>> call = RecordedCall(args=(), kwargs={})
-            >>> out = torch.ones(4)
-            >>> call.watch_outputs([out, out[:2]])
-            >>> call.held_bytes()
-            16
-            >>> del out; call.held_bytes()
-            0
+        >>> call, out = RecordedCall(args=(), kwargs={}), torch.ones(4)
+        >>> call.watch_outputs([out, out[:2]]); call.held_bytes()
+        16
+        >>> del out; call.held_bytes()
+        0
         """
         storages = {}
         for ref in self.outputs:
@@ -98,8 +79,7 @@ class RecordedCall:
     def on_grad(self, index: int, grad: torch.Tensor) -> None:
         self.backward_ran = True
         if index == self.loss_index:
-            # The loss is the root of the backward: its gradient arrives first. The outputs it was
-            # computed from (logits) are then covered by re-running the model's own loss.
+            # The loss is the root of the backward (its gradient arrives first): re-running it covers the rest.
             self.used_model_loss = True
             self.grads.clear()
         elif not self.used_model_loss:
@@ -115,8 +95,7 @@ class RecordedCall:
                 raise StepError("the model returned a loss when it was observed, and none when re-run")
             return loss
         leaves = tensor_leaves(output)
-        # A call stretched to another shape (a template's) may give an output of a size its recorded
-        # gradient lacks (an image's height): a gradient of the output's own size stands in for it.
+        # Stretched to another shape, an output may differ from its recorded gradient (an image's height): zeros.
         grads = {i: grad.make() if isinstance(grad, TensorSpec) else grad for i, grad in self.grads.items()}
         grads = {i: grad if grad.shape == leaves[i].shape else grad.new_zeros(leaves[i].shape)
                  for i, grad in grads.items()}
@@ -126,13 +105,7 @@ class RecordedCall:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor kept by its shape only: made as zeros when a profile needs it (under a fake-tensor
-    mode, where a profile of another shape runs, that allocates nothing).
-
-    Example:
-        >>> TensorSpec.of(torch.ones(2, 3)).make().shape
-        torch.Size([2, 3])
-    """
+    """A tensor kept by its shape only, made as zeros when a profile needs it (under fake tensors: nothing)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -146,8 +119,7 @@ class TensorSpec:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def resized(self, source: Shape, target: Shape) -> "TensorSpec":
-        """At ``target``'s batch size and sequence length, where it has ``source``'s (an output's
-        gradient: its other sizes are the model's to decide)."""
+        """At ``target``'s batch size and sequence length where it has ``source``'s (other sizes: the model's)."""
         shape = list(self.shape)
         if shape and shape[0] == source.batch_size:
             shape[0] = target.batch_size
@@ -157,8 +129,7 @@ class TensorSpec:
 
 
 def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
-    """``value`` (a call's inputs at ``source``, ``TensorSpec``s among them) at ``target``: each
-    tensor and spec at its size there (``size_at``), tensors cycled as ``resize_batch`` does."""
+    """A call's inputs at ``source`` stretched to ``target`` (``size_at``), tensors cycled as ``resize_batch`` does."""
     if isinstance(value, TensorSpec):
         return replace(value, shape=size_at(path, value.shape, source, target))
     if isinstance(value, torch.Tensor):
@@ -185,18 +156,14 @@ def _specs(value: Any, change: Any) -> Any:
 
 @dataclass(frozen=True)
 class CallTemplate:
-    """A recorded training forward kept to profile the model at other batch shapes, without keeping
-    its floating-point data alive: integer inputs (token ids, masks: what a model reads to choose a
-    code path) as they were, floating-point inputs and the gradients the outputs received by shape
-    only (``TensorSpec``). ``at(shape)`` is the call stretched to another shape; ``loss(model)`` re-runs
-    it (under a fake-tensor mode: its zeros allocate nothing).
+    """A recorded training forward kept to profile other batch shapes: integer inputs (ids, masks) as they
+    were, floating-point inputs and the outputs' gradients by shape only (``TensorSpec``).
 
-    Example:
-        >>> call = RecordedCall(args=(torch.ones(2, 5),), kwargs={"ids": torch.arange(10).view(2, 5)})
-        >>> call.grads = {0: torch.ones(2, 5, 3)}
-        >>> wider = CallTemplate.of(call).at(Shape(4, 8))
-        >>> wider.shape, wider.args[0].shape, wider.kwargs["ids"].shape, wider.grads[0].shape
-        (Shape(batch_size=4, seq_len=8), (4, 8), torch.Size([4, 8]), (4, 8, 3))
+    >>> call = RecordedCall(args=(torch.ones(2, 5),), kwargs={"ids": torch.arange(10).view(2, 5)})
+    >>> call.grads = {0: torch.ones(2, 5, 3)}
+    >>> wider = CallTemplate.of(call).at(Shape(4, 8))
+    >>> wider.shape, wider.args[0].shape, wider.kwargs["ids"].shape, wider.grads[0].shape
+    (Shape(batch_size=4, seq_len=8), (4, 8), torch.Size([4, 8]), (4, 8, 3))
     """
 
     args: tuple
@@ -214,8 +181,7 @@ class CallTemplate:
                    call.used_model_loss)
 
     def at(self, shape: Shape) -> "CallTemplate":
-        """This call at ``shape`` (of its layout's structure, or without a layout: the batch size and
-        sequence length alone): integer inputs cycled as ``resize_batch`` does, the rest by shape."""
+        """This call at ``shape`` (its layout's, or batch size and sequence length alone), as ``resize_batch``."""
         if shape == self.shape:
             return self
         if shape.layout and not self.shape.comparable(shape):
@@ -225,15 +191,11 @@ class CallTemplate:
                        grads={i: g.resized(self.shape, shape) for i, g in self.grads.items()})
 
     def following(self, args: tuple, kwargs: dict, shape: Shape | None = None) -> "CallTemplate":
-        """This call at the shape of another call of the model (``shape``: its ``batch_shape``):
-        stretched where that has this call's layout, else (a key appeared) a template of that call's
-        own inputs, with what this one recorded of the outputs.
+        """This call at another call's shape: stretched where the layout matches, else that call's own inputs.
 
-        Example:
-            >>> call = RecordedCall(args=(), kwargs={"x": torch.ones(2, 5)})
-            >>> template = CallTemplate.of(call)
-            >>> [str(template.following((), {"x": x}).shape) for x in (torch.ones(2, 7), torch.ones(2, 7, 3))]
-            ['2x1 {1.x: bx7}', '2x1 {1.x: bx7x3}']
+        >>> template = CallTemplate.of(RecordedCall(args=(), kwargs={"x": torch.ones(2, 5)}))
+        >>> [str(template.following((), {"x": x}).shape) for x in (torch.ones(2, 7), torch.ones(2, 7, 3))]
+        ['2x1 {1.x: bx7}', '2x1 {1.x: bx7x3}']
         """
         shape = shape or batch_shape((args, kwargs)) or Shape(1)
         if self.shape.comparable(shape):
@@ -254,33 +216,23 @@ class CallTemplate:
 
 
 class WindowTracker(PeakWindow):
-    """A ``PeakWindow`` that also remembers the optimizer's state at its start and the peak before
-    the optimizer stepped (both feed the calibration of an observed step)."""
+    """A ``PeakWindow`` that also keeps whether the optimizer had state and the peak before it stepped."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         super().__init__(model, optimizer)
-        # A first step creates the optimizer's state only at its end: its forward and backward ran
-        # without the state that every later step holds.
+        # A first step creates the optimizer's state only at its end, after its forward and backward.
         self.optimizer_had_state = optimizer is not None and bool(optimizer.state)
         self.peak_before_optimizer: int | None = None
 
     def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
-        """Bytes alive now, as the window counts them, beyond the model's parameters, buffers and
-        gradients, the optimizer's state and ``excluded`` (the next call's own inputs, which a profile
-        of that call sees as it sees them): read between two micro-batches, what the loop carries into
-        the next one (the Hugging Face Trainer's: the previous micro-batch's inputs, which it fetched
-        with the whole accumulation window, its loss, the running loss), which a profile of one call
-        does not see.
+        """Bytes alive now beyond the model's state and ``excluded`` (the next call's inputs): read between two
+        micro-batches, what the loop carries into the next (inputs, losses), which a profile of one call misses.
 
-        Example:
-            >>> net = nn.Linear(8, 8)
-            >>> window = WindowTracker(net, None)
-            >>> loss = net(torch.randn(4, 8)).sum()
-            >>> loss.backward()
-            >>> kept = loss.detach() * 2   # a running loss the loop keeps
-            >>> following = torch.randn(4, 8)   # the next micro-batch, made in the window
-            >>> window.carried_bytes([following]), window.close() > 0   # the loss and its copy
-            (8, True)
+        >>> net = nn.Linear(8, 8); window = WindowTracker(net, None)
+        >>> loss = net(torch.randn(4, 8)).sum(); loss.backward()
+        >>> kept = loss.detach() * 2; following = torch.randn(4, 8)   # a running loss; the next micro-batch
+        >>> window.carried_bytes([following]), window.close() > 0   # the loss and its copy
+        (8, True)
         """
         excluded = list(excluded)
         if self.cuda:
@@ -293,21 +245,14 @@ class WindowTracker(PeakWindow):
 
 
 def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:
-    """Count what the user's loop keeps alive around the model in every term: the outputs it holds
-    (``held_bytes``: the current step's through backward and the optimizer step, the previous step's
-    through the next forward), what it carries from one micro-batch into the next (``carried_bytes``,
-    measured between them: ``WindowTracker.carried_bytes``, the outputs held among them) and
-    ``LOOP_ALLOWANCE`` for the loss scalars.
+    """Count in every term what the user's loop keeps alive around the model: the outputs it holds, what it
+    carries between micro-batches (``WindowTracker.carried_bytes``, held outputs among them), the loss scalars.
 
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
-        >>> with_loop_references(p, 4096).stages[0].options[0].local_peak_bytes == 100 + 4096 + LOOP_ALLOWANCE
-        True
-        >>> with_loop_references(p, 4096, 6144).stages[0].options[0].local_peak_bytes == 100 + 6144 + LOOP_ALLOWANCE
-        True
+    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+    >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
+    >>> [with_loop_references(p, 4096, c).stages[0].options[0].local_peak_bytes - LOOP_ALLOWANCE for c in (0, 6144)]
+    [4196, 6244]
     """
-    # One whole sentence whichever parts there are (no outputs held: it began "and the loss ...").
     held = f"the model's outputs ({format_bytes(held_bytes)}) and " if held_bytes else ""
     note = f"the training loop holds {held}the loss ({LOOP_ALLOWANCE} bytes allowed) through the step"
     if carried_bytes > held_bytes:
@@ -318,25 +263,15 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
 
 def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True,
               actions: Sequence[StageAction] = ()) -> Profile:
-    """Account for what the profile cannot re-run: the user's code around the model (its loss).
+    """Charge the excess of ``observed_peak`` (the observed step's forward and backward under ``actions``; on a
+    first step without the optimizer state, which is added) over the profile's prediction to the end of
+    forward, where the user's loss runs. See docs/accelerate.md, "The loss".
 
-    The profile re-runs the model with a stand-in loss; the observed step ran the real one, under
-    ``actions`` (the plan it ran under; none: nothing recomputed). ``observed_peak`` is the peak of
-    the observed step's forward and backward (before the optimizer step); on a first step the
-    optimizer state did not exist yet, and is added. When that is higher than the profile predicts
-    for forward and backward under the same actions, the excess is charged to the point where the
-    user's loss runs: the end of forward / start of backward, with every stage's stored bytes alive.
-    The profile then predicts the observed step, and a plan that frees stored bytes is credited for
-    it only where that really lowers the peak.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 50),))
-        >>> calibrate(p, 200).baseline_peak_bytes                               # observed without a plan
-        200
-        >>> calibrate(p, 200, actions=[StageAction.recompute("a")]).baseline_peak_bytes  # observed recomputing "a"
-        290
+    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+    >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+    >>> p = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 50),))
+    >>> [calibrate(p, 200, actions=a).baseline_peak_bytes for a in ((), [StageAction.recompute("a")])]
+    [200, 290]
     """
     if not profile.stages:
         return profile
@@ -361,12 +296,11 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
 def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:
     """Bytes every stage stores at the end of forward under ``actions`` (none: nothing recomputed).
 
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
-        >>> p = Profile((StageProfile("a", (keep, whole)),), ())
-        >>> stored_at_end(p), stored_at_end(p, [StageAction.recompute("a")])
-        (100, 10)
+    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+    >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)
+    >>> p = Profile((StageProfile("a", (keep, whole)),), ())
+    >>> stored_at_end(p), stored_at_end(p, [StageAction.recompute("a")])
+    (100, 10)
     """
     probe = replace(profile, segments=(*profile.segments, Segment("end of forward", len(profile.stages), 0)))
     choices, spans = schedule(probe, actions) if actions else ([0] * len(profile.stages), [])

@@ -1,22 +1,5 @@
-"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then
-give every step the plan for its batch's shape.
-
-How it works, per model:
-
-1. In the first training forward's pre-hook the call is planned on fake tensors (``first_call``)
-   and the plan installed: the first step runs under it (not under FSDP2: no fake twin).
-2. The first ``profile_steps`` training steps are observed under that plan: hooks record the inputs
-   of each training forward and the gradient the user's backward sent each output (``recorded_call``).
-   At the end of step ``profile_steps`` (the matching optimizer's ``step``, or else the next forward)
-   the recorded call is profiled on fake tensors, calibrated by the observed step's peak under the
-   plan it ran with, solved, and every rank applies the main process's plan in place.
-3. From then on every training forward's batch shape is read (under DDP, the largest of the
-   ranks'): a new shape bucket is planned on fake-tensor profiles of the recorded call stretched to
-   it (``service.shape_plans``), and its plan installed before the forward runs (not under FSDP2).
-4. The first steady step of each new plan is measured and reported by the run's lifecycle
-   (``service.run``: a peak above the prediction calibrates the plans), and the figures go to
-   ``accelerator.log`` under ``remat/...`` and to ``accelerator.remat_metrics``.
-"""
+"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then give
+every step the plan for its batch's shape. The phases: docs/accelerate.md, "What happens during training"."""
 
 from __future__ import annotations
 
@@ -48,16 +31,9 @@ logger = logging.getLogger(__name__)
 class RematSession:
     """Observe a model in the user's loop, then plan, apply and measure recomputation once.
 
-    Made by ``prepare_remat`` (and so by ``RematAccelerator``); get it back with
-    ``remat_session(model)``. Phases: ``"observe"`` (the first ``profile_steps`` steps, under the plan
-    made before the first), ``"measure"`` (the first steady step with the plan), ``"done"``.
-
-    Attributes:
-        plan: the applied ``Plan`` (None until the first training forward): the plan of the latest batch's shape.
-        plans: the run's plans, in order (one per batch shape met: the latest made for it).
-        metrics: ``remat/...`` figures, as logged: those of the run's plan of the largest predicted peak,
-            ``remat/num_plans``, and the largest measured peak (``remat/measured_peak_bytes``, once measured).
-        observed_steps: training steps (forward and backward) seen so far.
+    Made by ``prepare_remat``; ``remat_session(model)`` gets it back. ``phase``: ``"observe"`` (the first
+    ``profile_steps`` steps), ``"measure"`` (the first steady step of a plan), ``"done"``. ``plan``: the
+    latest batch shape's; ``plans``: one per shape met; ``metrics``: the ``remat/...`` figures, as logged.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
@@ -80,7 +56,6 @@ class RematSession:
         self.accelerator = accelerator
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
-        # The run's lifecycle: its plans, figures (``metrics``: the run's summary), measured windows.
         self.run = RunLifecycle(RunHost(
             model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
             accumulation=lambda: self._config().profile.accumulation_steps,
@@ -105,14 +80,10 @@ class RematSession:
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
-            # First among the model's pre-hooks: planning may run in it (at a step boundary found at
-            # the next forward), before FSDP2's own pre-forward unshards the parameters for that forward.
+            # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            # Finds the optimizer as it first steps, if no accelerator told us about it: before its step, so
-            # that this step's own hooks (run after the global ones) see it: the observed step's peak before
-            # the optimizer, and the step boundary after it (issue 29: prepare_remat before the Trainer,
-            # which makes its optimizer later, counted Adam's new state as memory the loop carries).
+            # Finds an optimizer made later (the Trainer's) before its first step: else its new state counts as carried.
             register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
 
@@ -121,11 +92,8 @@ class RematSession:
         """The plan of each batch's shape (not under FSDP2): from the first call, then the observed one."""
         return self.run.shape_plans
 
-    # -- hooks -----------------------------------------------------------------------------
-    # torch iterates an optimizer's own step hooks, then the global ones, and forbids changing
-    # either set while it iterates it. Profiling (MemTracker) adds and removes global hooks, so
-    # the step boundary work runs in a per-optimizer hook, and hooks are removed only from a
-    # forward pre-hook (or by ``remove()`` outside a step).
+    # -- hooks: torch forbids changing step hooks while it iterates them, and profiling (MemTracker) adds
+    # global ones: the step boundary runs in a per-optimizer hook; hooks go only in a forward pre-hook.
 
     def _training_call(self, module: nn.Module) -> bool:
         return not self._busy and module.training and torch.is_grad_enabled()
@@ -164,8 +132,7 @@ class RematSession:
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, i=i, call=call: call.on_grad(i, grad))
         elif self.phase == "measure":
-            # Every output that needs a gradient: a loss may use only some of them (TRL's own LM head
-            # reads the hidden states, not the first output).
+            # Every output needing a gradient: a loss may use only some (TRL's LM head reads the hidden states).
             for tensor in leaves:
                 if tensor.requires_grad:
                     tensor.register_hook(self._window_backward)
@@ -219,8 +186,7 @@ class RematSession:
         return None
 
     def _step_boundary(self, optimizer_stepped: bool, next_inputs: list[torch.Tensor] = ()) -> None:
-        """Between two steps: count the step that ended, and plan or finish measuring when due
-        (``next_inputs``: the tensors of the forward about to run, if one is)."""
+        """Between two steps: count the step that ended; plan or finish measuring when due."""
         if self.phase == "observe":
             if self._current is not None and not self._current.backward_ran and self._window is not None:
                 # A forward the loop did not train on (it skipped the batch): not an observed step.
@@ -231,14 +197,11 @@ class RematSession:
                 self.observed_steps += 1
                 if self._window is not None:
                     window, self._window = self._window, None
-                    # Between two micro-batches (no optimizer step): what the loop carries into the next.
-                    # Not on an FSDP2-sharded model: between its steps the tracker reads sharded state
-                    # (unsharded parameters, reduce-scatter buffers) the lockstep profile counts already.
+                    # What the loop carries into the next micro-batch (not FSDP2: sharded state the profile counts).
                     self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
                         list(next_inputs))
                     peak = window.close()
-                    # Without an optimizer pre-step hook in this step, the whole step's peak stands in
-                    # for that of forward and backward (an over-estimate: the plan errs on the safe side).
+                    # Without an optimizer pre-step hook, the whole step's peak stands in (errs on the safe side).
                     before = window.peak_before_optimizer
                     self._observed = (peak if before is None else before, window.optimizer_had_state)
                     self._observed_actions = tuple(self.plan.actions) if self.plan is not None else ()
@@ -247,28 +210,24 @@ class RematSession:
                 self.phase = "measure"
                 self._window_backward_ran = False
         elif self.phase == "measure" and self._window is not None and (self._window_backward_ran or optimizer_stepped):
-            # The measured step ends with the optimizer step; without a known optimizer, at the
-            # next forward.
+            # The measured step ends with the optimizer step; without a known optimizer, at the next forward.
             if optimizer_stepped or self._known_optimizer() is None:
                 self.observed_steps += 1
                 self._finish_measurement()
 
     def _steady(self) -> bool:
-        """Whether a steady optimizer step starts now: right after an optimizer step with the plan
-        applied, so the optimizer holds its state and a whole accumulation window follows."""
+        """Whether a steady step starts now: after an optimizer step under the plan (state held, a whole window)."""
         return self._known_optimizer() is None or self._stepped_since_plan
 
     def _open_window(self) -> None:
-        """Measure the step that starts now: the observed ones calibrate the plan (on the main
-        process, which plans), the first steady one checks it (on every rank)."""
+        """Measure the step that starts now: observed ones on the main process (it plans), steady ones on every rank."""
         if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
             self._measured = self.run.window(meter=self._window, batches=self._config().profile.accumulation_steps)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
-        """Before the first training forward runs: plan it on fake tensors from its inputs
-        (``first_call``), so no real step runs without a plan. Its head and loss stay whole: a chunked
-        loss patches the model's own forward, which this call has looked up already."""
+        """Plan the first training forward on fake tensors from its inputs (``first_call``). Its head and loss stay
+        whole: a chunked loss patches the model's forward, which this call has looked up already."""
         first = FirstCall.of(args, kwargs)
         plan = self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False))
         if self._saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe
@@ -278,16 +237,12 @@ class RematSession:
             self._new_plan(plan, "lightning-remat: planned before the first step, on fake tensors")
 
     def resume(self, plans: dict) -> None:
-        """Before the first training forward: take ``plans`` (shape -> ``Plan``, saved in a checkpoint) as
-        the plans of their shapes. A first batch of one of them runs under its plan unprofiled and the
-        next steady step is measured (a resumed run measures its own); other shapes are planned as ever."""
+        """Before the first training forward: take a checkpoint's ``plans`` (shape -> ``Plan``), unprofiled."""
         if self.plan is None:
             self._saved = dict(plans)
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
-        """New ``ShapePlans`` from ``template`` (profiled on fake tensors, stretched to every new
-        shape; ``adjust`` at its own; ``config``: the session's; the checkpoint's plans seeded), and
-        the plan of ``call`` installed."""
+        """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
         self._template = template
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
@@ -298,12 +253,10 @@ class RematSession:
 
     def _make_plan(self) -> None:
         call, self._completed = self._completed, None
-        # Planned at a step boundary, after the backward (and the optimizer step, or before the next
-        # forward binds them again): the outputs still alive are the ones the loop holds.
+        # At a step boundary (before the next forward binds them again), the outputs alive are the loop's.
         adjust = observed_adjust(call.held_bytes(), self._carried, self._observed, self._observed_actions)
         if fsdp2_sharded(self.model):
-            # Sharded with FSDP2: every pass runs collectives, so every rank profiles (and calibrates),
-            # once: a sharded model has no fake twin to follow shapes with.
+            # FSDP2: every pass runs collectives, so every rank profiles, once (no fake twin to follow shapes).
             with self._planning():
                 plan = self.run.plan_shared(self._config(), call.loss, hint=self._hint(), warmup=0, adjust=adjust)
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
@@ -312,8 +265,7 @@ class RematSession:
         self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
-        """Before a training forward: install the plan for its batch's shape (a new shape is planned on
-        fake-tensor profiles of the call stretched to it); a new plan's first steady step is measured."""
+        """Before a training forward: install its batch shape's plan; a new plan's first steady step is measured."""
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
@@ -334,7 +286,7 @@ class RematSession:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        """The plugin's settings with what the loop adds (``RematPlugin.loop_config``), and ``profile``'s."""
+        """``RematPlugin.loop_config`` for this loop, with ``profile``'s fields."""
         config = self.plugin.loop_config(self.loop.accumulation(), self.loop.processes(), fsdp2_sharded(self.model))
         return replace(config, profile=replace(config.profile, **profile)) if profile else config
 
@@ -358,9 +310,7 @@ class RematSession:
         return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
 
     def check_plan(self, where: str = "") -> None:
-        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what is installed
-        on the model (``runtime.installing.verify``): at every training forward, and from the Trainer's
-        callback at every step."""
+        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what the model has installed."""
         if self.plan is not None:
             check_installed(self.model, self.plan, where or f"(lightning-remat, Accelerate step {self.observed_steps})")
 
@@ -369,8 +319,7 @@ class RematSession:
         return torch_distributed_channel(model_device(self.model))
 
     def _show(self, message: str) -> None:
-        """A console line (or a plan's table) on the main process: where the loop shows it (``LoopFacts.show``:
-        the Trainer's console), else the package's logger at INFO."""
+        """A line on the main process: ``LoopFacts.show`` (the Trainer's console), else the logger at INFO."""
         if self._channel().is_main:
             (self.loop.show or logger.info)(message)
 
@@ -378,10 +327,7 @@ class RematSession:
         self.loop.log(values, self.observed_steps)
 
     def remove(self) -> None:
-        """Stop observing (the plan, if applied, stays: ``remove_remat(model)`` undoes it).
-
-        Call it between steps, not from inside an optimizer step hook.
-        """
+        """Stop observing, between steps (the plan stays: ``remove_remat(model)`` undoes it)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

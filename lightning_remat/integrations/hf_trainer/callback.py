@@ -1,13 +1,6 @@
-"""``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget.
-
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])
-
-The Trainer builds its own ``Accelerator``, which a callback is never given, so ``RematAccelerator``
-and ``ACCELERATE_REMAT_BUDGET`` alone do not reach it. The callback hands the Trainer's model, with
-what it knows of the loop (``LoopFacts``: the optimizer, the accumulation, the processes), to the
-Accelerate session (``prepare_remat``) at ``on_train_begin``, before the first training forward;
-the session then runs on the Trainer's loop as on any Accelerate loop (the class says what it does).
-"""
+"""``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget. The
+Trainer builds its own ``Accelerator``, never given to a callback: the callback hands the model, with what it
+knows of the loop (``LoopFacts``), to the Accelerate session at ``on_train_begin``."""
 
 from __future__ import annotations
 
@@ -28,47 +21,14 @@ logger = logging.getLogger(__name__)
 
 
 class RematTrainerCallback(TrainerCallback, ExportableState):
-    """Recompute the cheapest set of modules so that every training step of a Hugging Face
-    ``Trainer`` stays within a memory budget.
-
-    Every argument is a ``RematPlugin`` field, read from its ``ACCELERATE_REMAT_*`` environment
-    variable when not given (an explicit value wins). The first training forward is planned before
-    it runs, on fake tensors, and the plan applied in place (parameter names and ``state_dict`` keys
-    do not change, so checkpoints load with or without it); the first ``profile_steps`` optimizer
-    steps run under it and are observed (their forward inputs and the loss the model returned), the
-    plan is made again from them, and the next step is measured. The figures
-    (``remat/budget_bytes``, ``remat/baseline_peak_bytes``, ``remat/predicted_peak_bytes``,
-    ``remat/predicted_overhead``, ``remat/num_checkpointed``, ``remat/num_plans``, then
-    ``remat/measured_peak_bytes``) are appended to ``trainer.state.log_history`` at the end of the step
-    where they became known, kept in ``callback.metrics``, and sent with the Trainer's log of that step
-    to whatever ``report_to`` names; the plan and the measured line are printed on the main process;
-    ``callback.plan`` is the plan. The plans are saved in the Trainer's checkpoints
-    (``trainer_state.json``): ``train(resume_from_checkpoint=...)`` installs them without profiling.
-
-    Args:
-        budget: peak memory of a whole training step (parameters, gradients, optimizer state,
-            activations, temporaries): ``"10GB"``, ``"10 GiB"``, an int of bytes, ``"80%"`` of the
-            device's memory, or ``"min"``. Env: ``ACCELERATE_REMAT_BUDGET``. With neither, the
-            callback warns and does nothing.
-        profile_steps: optimizer steps observed before the plan is applied (>= 1). Env:
-            ``ACCELERATE_REMAT_PROFILE_STEPS``. Default 1.
-        candidates: module classes or name patterns to choose among (``"GPT2Block"``); None for
-            the repeated blocks. Env: ``ACCELERATE_REMAT_CANDIDATES``.
-        cost: ``"flops"`` (default), ``"time"`` or ``"roofline"``. Env: ``ACCELERATE_REMAT_COST``.
-        offload: also offload activations to host memory (a CUDA model). Env: ``ACCELERATE_REMAT_OFFLOAD``.
-        policies: op-level selective-checkpointing policies to offer. Env: ``ACCELERATE_REMAT_POLICIES``.
-        chunk_loss: let the plan compute a causal LM's head and loss over sequence chunks (the model
-            then returns ``logits=None``; ``docs/long_context.md``). Env: ``ACCELERATE_REMAT_CHUNK_LOSS``.
-
-    Behaviour worth knowing (``docs/accelerate.md``, "The Hugging Face Trainer", says each): a
-    malformed setting fails here; a budget no plan meets fails at the first training forward;
-    DeepSpeed, FSDP1 and ``torch_compile=True`` are refused at ``on_train_begin``, as is a second
-    callback for the same model with other settings. ``gradient_checkpointing=True`` (TRL's default) is
-    turned off there, with one warning that says so, and the plan recomputes instead.
+    """Recompute the cheapest set of modules so that every training step of a Hugging Face ``Trainer`` stays
+    within a memory budget. The arguments are ``RematPlugin``'s (from ``ACCELERATE_REMAT_*`` when not given;
+    with no budget it warns and does nothing). ``callback.plan``, ``callback.metrics``: the plan and the
+    ``remat/...`` figures, also sent with the Trainer's logs; the plans go into its checkpoints. What it
+    does, refuses and takes over: docs/accelerate.md, "The Hugging Face Trainer".
 
     Example:
-        >>> import os
-        >>> os.environ["ACCELERATE_REMAT_BUDGET"] = "2GB"
+        >>> import os; os.environ["ACCELERATE_REMAT_BUDGET"] = "2GB"
         >>> callback = RematTrainerCallback()        # the budget from the environment
         >>> callback.remat_plugin.budget, callback.remat_plugin.profile_steps
         ('2GB', 1)
@@ -77,9 +37,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         >>> del os.environ["ACCELERATE_REMAT_BUDGET"]
         >>> RematTrainerCallback(budget="ten")
         Traceback (most recent call last):
-        ...
         ValueError: lightning-remat: invalid RematPlugin(budget='ten'): Invalid memory budget 'ten': ...
-        >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[RematTrainerCallback(budget="10GB")])  # doctest: +SKIP
         >>> RematTrainerCallback(budget="1GB").state()["attributes"]   # what a checkpoint keeps: the plans, none yet
         {'remat_plans': {'plan': None, 'plans': []}}
     """
@@ -108,12 +66,10 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
             return
         from accelerate.state import AcceleratorState
 
-        # The Trainer's own Accelerator is never given to a callback: its process state (a singleton), its
-        # accumulation and its optimizer (None when made later, under FSDP: found at its first step) are.
+        # The Trainer's Accelerator is never given: its process state (a singleton), accumulation and optimizer are.
         state = AcceleratorState()
         _check_supported(state)
-        # The Trainer switches its own checkpointing on in train(), before this hook (TRL's SFTConfig by default):
-        # turned off here, said in one line on the main process, and the plan recomputes instead.
+        # The Trainer switches its checkpointing on in train(), before this hook: turned off here, said once.
         took_over = take_over_checkpointing(model, "RematTrainerCallback")
         if took_over and state.is_main_process:
             warnings.warn(took_over, UserWarning, stacklevel=2)
@@ -137,13 +93,11 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         self._log_new_figures(state)
 
     def state(self) -> dict:
-        """What the Trainer keeps of the callback in a checkpoint (``ExportableState``, in
-        ``trainer_state.json``): its settings, and the plans (one per batch shape) as ``AutoRemat`` keeps them."""
+        """What the Trainer's checkpoint keeps of the callback (``ExportableState``): its settings and its plans."""
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": saved_state(self.session)}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
-        """The first step of a ``train()`` call: the figures join the Trainer's logs before its reporters
-        read them, and a checkpoint's plans (a resumed run) are taken, not profiled again."""
+        """The first step of a ``train()`` call: place ``LogFigures``; take a resumed checkpoint's plans."""
         self._run_state = state
         LogFigures.place(handler, self._pending)
         plans = checkpoint_plans(state, type(self).__name__, self.session.model)
@@ -151,8 +105,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
             self.session.resume(plans)
 
     def _log_new_figures(self, state: Any) -> bool:
-        """Append the figures the session found since the last call to the Trainer's log history, and
-        keep them for the Trainer's next log; whether there were any."""
+        """Append the session's new figures to the log history and keep them for the next log; whether any."""
         if self.session is None:
             return False
         new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}

@@ -1,10 +1,6 @@
-"""What ``RematTrainerCallback`` reports through the Hugging Face ``Trainer``: its figures in the Trainer's
-own logs (and so to every ``report_to`` tracker), its lines on the console, its plans in the checkpoint.
-
-The Trainer calls its callbacks in order, and puts the reporting ones (``report_to``) before the user's:
-a user's callback that adds to the ``logs`` of ``on_log`` adds after TensorBoard, W&B or MLflow have
-written them. ``LogFigures``, placed first, adds the callback's new figures before any of them reads.
-"""
+"""What ``RematTrainerCallback`` reports through the ``Trainer``: figures in its logs (so to every ``report_to``
+tracker), console lines, plans in the checkpoint. The reporting callbacks run before the user's, so
+``LogFigures`` is placed first: it adds the figures before any of them reads the logs."""
 
 from __future__ import annotations
 
@@ -22,19 +18,14 @@ from ..accelerate.plugin import RematPlugin
 
 
 class LogFigures(TrainerCallback):
-    """First among the Trainer's callbacks: its ``on_log`` adds ``figures`` (then empties it) to the
-    logs every later callback reads, the reporting ones (``report_to``) and the console's included.
+    """First among the Trainer's callbacks: its ``on_log`` adds ``figures`` (then empties it) to the logs.
 
-    Example:
-        >>> from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
-        >>> handler = CallbackHandler([DefaultFlowCallback()], None, None, None, None)
-        >>> pending = {"remat/budget_bytes": 1e6}
-        >>> LogFigures.place(handler, pending), [type(cb).__name__ for cb in handler.callbacks]
-        (True, ['LogFigures', 'DefaultFlowCallback'])
-        >>> logs = {"loss": 2.5}
-        >>> handler.callbacks[0].on_log(None, None, None, logs=logs)
-        >>> logs, pending
-        ({'loss': 2.5, 'remat/budget_bytes': 1000000.0}, {})
+    >>> from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+    >>> handler, pending = CallbackHandler([DefaultFlowCallback()], None, None, None, None), {"remat/budget_bytes": 1e6}
+    >>> LogFigures.place(handler, pending), [type(cb).__name__ for cb in handler.callbacks]
+    (True, ['LogFigures', 'DefaultFlowCallback'])
+    >>> logs = {"loss": 2.5}; handler.callbacks[0].on_log(None, None, None, logs=logs); logs, pending
+    ({'loss': 2.5, 'remat/budget_bytes': 1000000.0}, {})
     """
 
     def __init__(self, figures: dict[str, float]):
@@ -47,8 +38,8 @@ class LogFigures(TrainerCallback):
 
     @staticmethod
     def handler_calling() -> Any:
-        """The ``CallbackHandler`` calling the callback's hook that calls this (None if it is not one). The
-        Trainer gives a callback no handle on itself or its handler; the handler's ``call_event`` is the caller."""
+        """The ``CallbackHandler`` whose ``call_event`` called the hook calling this (None if not one): the
+        Trainer gives a callback no handle on itself or its handler."""
         frame = sys._getframe(2)
         handler = frame.f_locals.get("self") if frame is not None else None
         return handler if isinstance(handler, CallbackHandler) else None
@@ -83,24 +74,17 @@ def _json_safe(value: Any) -> Any:
 
 
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
-    """The callback's arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes a stateful
-    callback), JSON-safe.
+    """The arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it), JSON-safe.
 
-    Example:
-        >>> from torch import nn
-        >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
-        ['Linear', 'h.*']
+    >>> from torch import nn
+    >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
+    ['Linear', 'h.*']
     """
     return {f.name: _json_safe(getattr(plugin, f.name)) for f in fields(plugin)}
 
 
 def saved_state(session: Any) -> dict[str, Any]:
-    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format).
-
-    Example:
-        >>> saved_state(None)   # no session (no budget): no plan
-        {'plan': None, 'plans': []}
-    """
+    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format)."""
     shape_plans = session.shape_plans if session is not None else None
     plan = session.plan if session is not None else None
     return {"plan": plan.to_dict() if plan is not None else None,
@@ -108,14 +92,13 @@ def saved_state(session: Any) -> dict[str, Any]:
 
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
-    """The plans per shape the Trainer's state (``trainer_state.json`` when resumed) keeps for callback
-    ``name``, checked first; empty when there are none or they were made for another model (said).
+    """The plans per shape the Trainer's state keeps for callback ``name``, checked; empty when there are none
+    or they were made for another model (said).
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> state = SimpleNamespace(stateful_callbacks={"RematTrainerCallback": {"args": {}, "attributes": {}}})
-        >>> checkpoint_plans(state, "RematTrainerCallback", None)   # a fresh run's: nothing saved
-        {}
+    >>> from types import SimpleNamespace
+    >>> state = SimpleNamespace(stateful_callbacks={"RematTrainerCallback": {"args": {}, "attributes": {}}})
+    >>> checkpoint_plans(state, "RematTrainerCallback", None)   # a fresh run's: nothing saved
+    {}
     """
     kept = getattr(state, "stateful_callbacks", None) or {}
     entry = kept.get(name) if isinstance(kept, dict) else None
