@@ -56,17 +56,17 @@ class Binding:
     def from_dict(cls, data: Mapping[str, Any]) -> "Binding":
         return cls(**{k: v for k, v in data.items() if k != "largest"})
 
-    def text(self) -> str:
-        """One line: the term, its bytes, split; the optimizer advice; the host limit."""
+    def text(self, size: Any = format_bytes) -> str:
+        """One line: the term, its bytes (``size`` formats them), split; the optimizer advice; the host limit."""
         what = f"stage {self.name}'s forward or backward" if self.term == STAGE else f"the {self.term}"
-        split = ", ".join(f"{_PARTS[k]} {format_bytes(v)}" for k, v in
+        split = ", ".join(f"{_PARTS[k]} {size(v)}" for k, v in
                           (("static", self.static_bytes), ("stored", self.stored_bytes), ("own", self.own_bytes)))
-        line = f"what binds: {what}{_WHERE.get(self.term, '')} at {format_bytes(self.peak_bytes)}: {split}"
+        line = f"what binds: {what}{_WHERE.get(self.term, '')} at {size(self.peak_bytes)}: {split}"
         if self.advice:
             line += "; the optimizer's step would reach " + ", ".join(
-                f"{format_bytes(peak)} with {setting}" for setting, peak in self.advice.items())
+                f"{size(peak)} with {setting}" for setting, peak in self.advice.items())
         if self.host_limit_bytes is not None:
-            line += f"; offloading limited by host memory ({format_bytes(self.host_limit_bytes)})"
+            line += f"; offloading limited by host memory ({size(self.host_limit_bytes)})"
         return line
 
 

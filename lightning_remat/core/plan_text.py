@@ -13,6 +13,11 @@ from .budget import format_budget, format_bytes, format_in_units_of
 TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute cost")
 
 
+def _size(plan: Any) -> Any:
+    """Sizes in the units the plan's budget was given in (decimal in, decimal out)."""
+    return partial(format_in_units_of, plan.requested_budget)
+
+
 def _budget(plan: Any) -> str:
     if plan.requested_budget:
         return plan.requested_budget
@@ -28,7 +33,7 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
         return (f"{title}: {len(plan.checkpointed)} module(s){spans} recomputed{how} (fallback: not profiled, peak "
                 f"not predicted; budget {_budget(plan)})")
     overhead = "unknown" if plan.predicted_overhead is None else f"{plan.predicted_overhead:.1%}"
-    size = partial(format_in_units_of, plan.requested_budget)  # in the units the budget was given in
+    size = _size(plan)
     baseline = "not profiled" if plan.baseline_peak_bytes is None else size(plan.baseline_peak_bytes)
     budget = "not given" if plan.budget_bytes is None else format_budget(plan.requested_budget, plan.budget_bytes)
     return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {size(plan.predicted_peak_bytes)} "
@@ -38,7 +43,8 @@ def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
 def plan_rows(plan: Any) -> list[tuple[str, str, str, str, str]]:
     """One row per stage (``TABLE_HEADER``); without a profile's choices, one per recomputed module."""
     unit = "FLOP" if plan.cost_kind == "flops" else "s"
-    rows = [(c.stage, c.option, format_bytes(c.baseline_stored_bytes), format_bytes(c.stored_bytes),
+    size = _size(plan)
+    rows = [(c.stage, c.option, size(c.baseline_stored_bytes), size(c.stored_bytes),
              f"{c.cost:.3g} {unit}" if c.cost else "-") for c in plan.choices]
     if not rows:
         policies = plan.policies
@@ -61,6 +67,7 @@ def table_text(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str
 def plan_lines(plan: Any) -> list[str]:
     """What follows the table: segments, policies, offloading, the memory at the peak, notes."""
     lines: list[str] = []
+    size = _size(plan)
     segments = plan.segments
     if segments:
         lines.append("  segments, each recomputed as one checkpoint (inner boundaries not kept): "
@@ -75,7 +82,7 @@ def plan_lines(plan: Any) -> list[str]:
     offloaded = plan.offloaded
     if offloaded:
         lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
-                     f"{len(offloaded)} module(s), {format_bytes(plan.host_bytes)} on the host")
+                     f"{len(offloaded)} module(s), {size(plan.host_bytes)} on the host")
     chunked = getattr(plan, "chunked_loss", {})
     if chunked:
         lines.append("  head and loss over sequence chunks, each recomputed in backward (chunk_loss; the model returns "
@@ -90,15 +97,15 @@ def plan_lines(plan: Any) -> list[str]:
         # Gradients exist only from some point of backward on: the rest of the peak is said as what it is.
         held = plan.parameter_bytes + plan.optimizer_state_bytes
         lines.append(
-            f"  memory: parameters {format_bytes(plan.parameter_bytes)}, optimizer state "
-            f"{format_bytes(plan.optimizer_state_bytes)}, gradients {format_bytes(plan.gradient_bytes)} by the end of "
-            f"backward; the rest of the predicted peak, {format_bytes(max(0, plan.predicted_peak_bytes - held))}, is "
+            f"  memory: parameters {size(plan.parameter_bytes)}, optimizer state "
+            f"{size(plan.optimizer_state_bytes)}, gradients {size(plan.gradient_bytes)} by the end of "
+            f"backward; the rest of the predicted peak, {size(max(0, plan.predicted_peak_bytes - held))}, is "
             "activations, temporaries and the gradients alive at that point")
     binding = getattr(plan, "binding", None)
     if binding and plan.predicted_peak_bytes is not None:
         from .binding import Binding
 
-        lines.append("  " + Binding.from_dict(binding).text())
+        lines.append("  " + Binding.from_dict(binding).text(size))
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines
 
@@ -130,13 +137,13 @@ def per_gpu_breakdown(plan: Any) -> dict[str, int]:
 
 def sharded_memory_line(plan: Any) -> str:
     """The per-GPU split of a sharded (FSDP2) plan's predicted peak (``per_gpu_breakdown``)."""
-    parts = per_gpu_breakdown(plan)
+    parts, size = per_gpu_breakdown(plan), _size(plan)
     sharding = plan.sharding
     stored, computed = sharding.get("sharded_dtype", ""), sharding.get("param_dtype", "")
     master = f" ({stored} master weights)" if stored and computed and stored != computed else ""
     return (f"  per GPU of {parts['world_size']} (FSDP2): sharded parameters{master} "
-            f"{format_bytes(parts['parameter_bytes'])}, gradients {format_bytes(parts['gradient_bytes'])}, optimizer "
-            f"state {format_bytes(parts['optimizer_state_bytes'])}, unsharded parameters in flight"
-            f"{f' ({computed})' if computed else ''} up to {format_bytes(parts['unsharded_parameter_bytes'])}; the rest "
-            f"of the predicted peak, {format_bytes(parts['activations_and_rest_bytes'])}, is activations of the local "
+            f"{size(parts['parameter_bytes'])}, gradients {size(parts['gradient_bytes'])}, optimizer "
+            f"state {size(parts['optimizer_state_bytes'])}, unsharded parameters in flight"
+            f"{f' ({computed})' if computed else ''} up to {size(parts['unsharded_parameter_bytes'])}; the rest "
+            f"of the predicted peak, {size(parts['activations_and_rest_bytes'])}, is activations of the local "
             "batch, temporaries and reduce-scatter buffers")
