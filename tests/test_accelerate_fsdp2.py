@@ -17,11 +17,13 @@ within 5% of the prediction; the losses are those of one unsharded process withi
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_remat.integrations.accelerate.accelerator import FSDP2_TAKE_OVER
 from tests.gloo_ranks import after_case, count_profile_calls, spawn
 
 pytestmark = [pytest.mark.xdist_group("fsdp-multiprocess"), pytest.mark.distributed]
@@ -72,6 +74,7 @@ def _rank(rank: int) -> dict:
 
     from lightning_remat import plan_remat
     from lightning_remat.accelerate import RematAccelerator, remat_session
+    from lightning_remat.integrations.accelerate.accelerator import _check_supported
     from lightning_remat.core.errors import AlreadyCheckpointedError
     from lightning_remat.runtime.installing.apply import checkpointed_modules
     from lightning_remat.runtime.measuring.measure import measure_step
@@ -116,11 +119,20 @@ def _rank(rank: int) -> dict:
                            phase=session.phase, wrapped=checkpointed_modules(model), metrics=accelerator.remat_metrics,
                            budget=budget, steady=max(m.peak_bytes for m in steady), losses=losses)
 
-    # The plugin's own activation checkpointing would wrap every block before sharding: refused at start.
+    # The plugin's own activation checkpointing would wrap every block when the model is prepared:
+    # RematAccelerator, made before, switches it off (one warning, main process); a session on a model the
+    # plugin has prepared already (the Trainer's) refuses it.
     AcceleratorState._reset_state(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        taken = RematAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                                      activation_checkpointing=True))
+    result["taken_over"] = (taken.state.fsdp_plugin.activation_checkpointing,
+                            [str(w.message) for w in caught if "turned off" in str(w.message)])
     try:
-        RematAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
-                                                                              activation_checkpointing=True))
+        _check_supported(taken.state)  # as RematTrainerCallback checks, after the Trainer prepared
+        taken.state.fsdp_plugin.activation_checkpointing = True
+        _check_supported(taken.state)
         result["with_ac"] = None
     except AlreadyCheckpointedError as error:
         result["with_ac"] = str(error)
@@ -155,7 +167,8 @@ def test_remat_accelerator_plans_accelerates_fsdp2_model_within_the_budget(ranks
     assert r1["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5)
 
 
-def test_the_plugins_own_activation_checkpointing_is_refused_at_start(ranks):
+def test_the_plugins_own_activation_checkpointing_is_taken_over_before_prepare_and_refused_after(ranks):
+    assert ranks[0]["taken_over"] == [False, [FSDP2_TAKE_OVER]] and ranks[1]["taken_over"] == [False, []]  # (JSON)
     message = ranks[0]["with_ac"]
     assert message and "activation_checkpointing=True" in message and "ACCELERATE_REMAT_BUDGET" in message
     assert ranks[1]["with_ac"] == message

@@ -35,18 +35,28 @@ from .session import RematSession
 
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
+FSDP2_TAKE_OVER = ("RematAccelerator turned off Accelerate's FSDP2 activation checkpointing (activation_checkpointing=True, "
+                   "FSDP_ACTIVATION_CHECKPOINTING: every block recomputed) and plans recomputation within its budget "
+                   "instead")
+
 _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKeyDictionary()
 
 
-def _check_supported(accelerator: Any) -> None:
-    """Refuse what the session cannot plan under: ``accelerator`` an ``Accelerator`` or its ``AcceleratorState``."""
+def _check_supported(accelerator: Any, take_over: bool = False) -> None:
+    """Refuse what the session cannot plan under: ``accelerator`` an ``Accelerator`` or its ``AcceleratorState``.
+    ``take_over``: nothing is prepared yet, so the FSDP2 plugin's own activation checkpointing is switched off
+    (said in one warning) instead of refused."""
     state = getattr(accelerator, "state", accelerator)
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
-        # activation checkpointing wraps every block before sharding: refuse it now, not after.
+        # activation checkpointing wraps every block when the model is prepared: off before, refused after.
         plugin = getattr(state, "fsdp_plugin", None)
-        if getattr(plugin, "activation_checkpointing", False):
+        if getattr(plugin, "activation_checkpointing", False) and take_over:
+            plugin.activation_checkpointing = False
+            if state.is_main_process:
+                warnings.warn(FSDP2_TAKE_OVER, UserWarning, stacklevel=3)
+        elif getattr(plugin, "activation_checkpointing", False):
             raise AlreadyCheckpointedError(
                 f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget is set): Accelerate's FSDP plugin recomputes "
                 "every block already (activation_checkpointing=True, FSDP_ACTIVATION_CHECKPOINTING); turn it off to "
@@ -258,7 +268,7 @@ class RematAccelerator(Accelerator):
         self.remat_plan: Plan | None = None
         self.remat_metrics: dict[str, float] = {}
         if plugin.enabled:
-            _check_supported(self)
+            _check_supported(self, take_over=True)  # before any prepare: the plugin's own checkpointing can go
         elif self.is_main_process:  # a no-op, said once: remat_plan stays None
             warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
