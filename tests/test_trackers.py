@@ -1,8 +1,8 @@
 """Real trackers, read back: what the Hugging Face Trainer with ``RematTrainerCallback`` sends to
 TensorBoard (its event files, read with TensorBoard's ``EventAccumulator``), MLflow (a file store, read with
 the MLflow client) and W&B (an offline run, read with wandb's own ``wandb leet inspect``), what it prints, the
-plans it keeps in the Trainer's checkpoint (a resumed run profiles nothing); Lightning's ``TensorBoardLogger``
-with ``AutoRemat``: the figures and the ``remat/pareto`` picture in the event files."""
+plans it keeps in the Trainer's checkpoint (a resumed run profiles nothing); Lightning's ``TensorBoardLogger``,
+``MLFlowLogger`` and ``WandbLogger`` with ``AutoRemat``: the figures and the ``remat/pareto`` picture each stored."""
 
 from __future__ import annotations
 
@@ -166,3 +166,63 @@ def test_lightning_s_tensorboard_logger_gets_the_figures_and_the_pareto_picture(
     assert scalars["remat/measured_peak_bytes"] == [pytest.approx(callback.measured_peak_bytes)]
     (image,) = events.Images("remat/pareto")
     assert image.encoded_image_string.startswith(b"\x89PNG") and image.width > 100 and image.height > 100
+
+
+def test_lightning_s_mlflow_and_wandb_loggers_get_the_figures_and_the_pareto_picture(tmp_path, monkeypatch):
+    """Before: Lightning's MLflow and W&B loggers were tested with stand-ins. Both, real: the figures read back
+    with MLflow's client and wandb's own reader, the ``remat/pareto`` picture as the PNG file each stored."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+    from mlflow.tracking import MlflowClient
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_remat import AutoRemat
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    class Chain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    loggers = [MLFlowLogger(experiment_name="remat", tracking_uri=uri), WandbLogger(offline=True, save_dir=str(tmp_path))]
+    callback = AutoRemat(budget="min", verbose=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=loggers, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[callback])
+    trainer.fit(Chain(), DataLoader(TensorDataset(torch.randn(96, 16)), batch_size=32))
+    import wandb
+
+    wandb.finish()
+    plan = callback.plan
+    expected = {"remat/predicted_peak_bytes": plan.predicted_peak_bytes, "remat/num_checkpointed": len(plan.checkpointed),
+                "remat/measured_peak_bytes": callback.measured_peak_bytes}
+    assert plan.checkpointed and callback.measured_peak_bytes
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = loggers[0].run_id
+    for key, value in expected.items():
+        assert client.get_metric_history(run_id, key)[-1].value == pytest.approx(value), key
+    (picture,) = [a.path for a in client.list_artifacts(run_id, "remat") if "pareto" in a.path]
+    assert Path(client.download_artifacts(run_id, picture, str(tmp_path))).read_bytes().startswith(b"\x89PNG")
+
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(log)],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [json.loads(line)["history"]["item"] for line in records.splitlines() if '"type":"history"' in line]
+    logged = {k: v for row in rows for k, v in row.items() if k in expected}
+    assert logged == {k: pytest.approx(v) for k, v in expected.items()}
+    (png,) = tmp_path.glob("wandb/offline-run-*/files/media/images/remat/pareto*.png")
+    assert png.read_bytes().startswith(b"\x89PNG")
