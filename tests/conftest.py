@@ -184,6 +184,17 @@ def pytest_sessionfinish(session):
         ranks.stop_ranks()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    on a busy 2-core machine two threads spin against each other and make every step several times slower;
+    these tests measure memory, not speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -32,14 +32,7 @@ SEQ_LEN = 64
 VOCAB = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # On a 2-core machine shared with other work, two intra-op threads spin against each other and
-    # make every step several times slower; these tests measure memory, not speed.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread for tiny models
 
 
 def gpt2_make_step(batch_size: int):

@@ -34,14 +34,7 @@ METRICS = ["remat/budget_bytes", "remat/baseline_peak_bytes", "remat/predicted_p
            "remat/measured_peak_bytes", "remat/predicted_overhead", "remat/num_checkpointed"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from two threads, and on a busy 2-core machine the threads wait on
-    # each other: one thread makes these steps many times faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread for tiny models
 
 
 class LitLM(L.LightningModule):

@@ -17,6 +17,7 @@ import torch
 from lightning_remat import profile_step
 from lightning_remat.core.solve import solve
 from tests.test_first_step import budget_between, fresh, token_batches, token_loss
+from tests.tiny_hf import TrainerStepPeaks
 from tests.torch_meter import TorchPeak, lightning_peaks, static_bytes
 
 
@@ -195,24 +196,11 @@ def _rows(n: int = 8):
     return rows, collate
 
 
-class _StepPeaks(transformers.TrainerCallback):
-    """``TorchPeak`` of every optimizer step (first among the callbacks: its window holds the
-    session's work in the model's hooks), and the static bytes at the first."""
-
-    def __init__(self):
-        self.peaks, self.static, self.meter = [], None, None
-
-    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.static = self.static or static_bytes(model, optimizer)
-        self.meter = TorchPeak(model, optimizer).start()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.peaks.append(self.meter.stop())
 
 
 def _trainer_run(tmp_path, *callbacks, steps: int = 1):
     rows, collate = _rows()
-    peaks = _StepPeaks()
+    peaks = TrainerStepPeaks()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
         report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,

@@ -130,11 +130,9 @@ def test_a_resumed_trainer_installs_the_checkpoint_s_plans_without_profiling_wit
     assert "the checkpoint's plan, applied without profiling" in capsys.readouterr().out
 
 
-def test_lightning_s_tensorboard_logger_gets_the_figures_and_the_pareto_picture(tmp_path):
-    """Before: loggers were tested with stand-ins only. Lightning's ``TensorBoardLogger`` writes the figures and
-    the ``remat/pareto`` picture (a PNG, at the measured step) into event files TensorBoard reads back."""
+def _fit_a_chain(tmp_path, logger):
+    """``AutoRemat(budget="min")`` over 3 steps of a 4-block MLP chain under Lightning with ``logger``."""
     import lightning.pytorch as L
-    from lightning.pytorch.loggers import TensorBoardLogger
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -153,10 +151,19 @@ def test_lightning_s_tensorboard_logger_gets_the_figures_and_the_pareto_picture(
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     callback = AutoRemat(budget="min", verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=TensorBoardLogger(tmp_path, name="tb"),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=[callback])
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[callback])
     trainer.fit(Chain(), DataLoader(TensorDataset(torch.randn(96, 16)), batch_size=32))
+    return trainer, callback
+
+
+def test_lightning_s_tensorboard_logger_gets_the_figures_and_the_pareto_picture(tmp_path):
+    """Before: loggers were tested with stand-ins only. Lightning's ``TensorBoardLogger`` writes the figures and
+    the ``remat/pareto`` picture (a PNG, at the measured step) into event files TensorBoard reads back."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    trainer, callback = _fit_a_chain(tmp_path, TensorBoardLogger(tmp_path, name="tb"))
     events = _tensorboard(trainer.logger.log_dir)
     plan = callback.plan
     scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
@@ -173,36 +180,15 @@ def test_lightning_s_mlflow_and_wandb_loggers_get_the_figures_and_the_pareto_pic
     with MLflow's client and wandb's own reader, the ``remat/pareto`` picture as the PNG file each stored."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    import lightning.pytorch as L
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
     from mlflow.tracking import MlflowClient
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_remat import AutoRemat
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("WANDB_SILENT", "true")
 
-    class Chain(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     uri = f"file:{tmp_path / 'mlruns'}"
     loggers = [MLFlowLogger(experiment_name="remat", tracking_uri=uri), WandbLogger(offline=True, save_dir=str(tmp_path))]
-    callback = AutoRemat(budget="min", verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=loggers, log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        callbacks=[callback])
-    trainer.fit(Chain(), DataLoader(TensorDataset(torch.randn(96, 16)), batch_size=32))
+    _, callback = _fit_a_chain(tmp_path, loggers)
     import wandb
 
     wandb.finish()

@@ -16,7 +16,7 @@ import torch
 from lightning_remat import RematTrainerCallback
 from lightning_remat.accelerate import ENV_BUDGET
 
-from tests.torch_meter import TorchPeak, static_bytes
+from tests.tiny_hf import TrainerStepPeaks
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -26,13 +26,7 @@ datasets = pytest.importorskip("datasets")
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from two threads on a busy 2-core machine (as tests/test_callback.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread for tiny models
 TAKE_OVER = "turned off the model's own gradient checkpointing"
 
 
@@ -69,25 +63,12 @@ def token_rows(n: int = 8, seed: int = 1, length: int = 32):
                                        for k in lengths])
 
 
-class StepPeaks(transformers.TrainerCallback):
-    """``TorchPeak`` of every optimizer step, the first included (first among the callbacks: its window
-    opens before the take-over and holds the planning in the model's hooks), and the static bytes."""
-
-    def __init__(self):
-        self.peaks, self.static, self.meter = [], None, None
-
-    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.static = self.static or static_bytes(model, optimizer)
-        self.meter = TorchPeak(model, optimizer).start()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.peaks.append(self.meter.stop())
 
 
 def sft_run(tmp_path, *callbacks, lora: bool = False, steps: int = 2, **config):
     """(peaks, losses, the model, the take-over warnings) of an ``SFTTrainer`` run with ``SFTConfig``'s
     defaults (gradient checkpointing on) but for ``config``."""
-    peaks = StepPeaks()
+    peaks = TrainerStepPeaks()
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=steps, report_to=[],
                          use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
                          dataloader_num_workers=0, seed=0, dataset_num_proc=None, **{"max_length": 64, **config})

@@ -26,3 +26,20 @@ def qwen2(moe: bool = False, layers: int = 2, hidden: int = 64, seq_len: int = 5
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(intermediate_size=4 * hidden, **common))
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
     return model.train(), (lambda m: m(input_ids=ids, labels=ids).loss)
+
+
+class TrainerStepPeaks(transformers.TrainerCallback):
+    """``TorchPeak`` of every optimizer step of a Hugging Face ``Trainer`` (first among the callbacks: its window
+    opens before the package's work in the model's hooks and holds it), and the static bytes at the first."""
+
+    def __init__(self):
+        self.peaks, self.static, self.meter = [], None, None
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from tests.torch_meter import TorchPeak, static_bytes
+
+        self.static = self.static or static_bytes(model, optimizer)
+        self.meter = TorchPeak(model, optimizer).start()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.peaks.append(self.meter.stop())
