@@ -40,10 +40,20 @@ def test_deepspeed_is_refused_naming_what_why_and_the_plan_then_prepare_path():
         assert said in message, said
 
 
-def _zero_rank(rank: int, stage: int, plan, names: list) -> dict:
+def _free_port() -> int:
+    """A port no process listens on now: each run's rendezvous its own (a port derived from a pid was shared by
+    every run of one pytest worker, and once failed under load)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _zero_rank(rank: int, stage: int, plan, names: list, port: int) -> dict:
     """One rank: the model with ``plan`` applied, prepared by Accelerate with ZeRO-``stage``, trained."""
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 500))
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
@@ -122,7 +132,7 @@ def test_a_plan_applied_before_prepare_runs_under_zero_on_two_ranks(stage, tmp_p
     plan = plan_remat(case.model, case.step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
                       verbose=False, **sharded)
     assert plan.checkpointed and plan.predicted_peak_bytes < plan.baseline_peak_bytes
-    ranks = spawn(_zero_rank, tmp_path, stage, plan, plan.checkpointed)
+    ranks = spawn(_zero_rank, tmp_path, stage, plan, plan.checkpointed, _free_port())
     plain = _plain_losses()
     for result in ranks:
         assert result["engine"] == "DeepSpeedEngine" and result["world"] == 2
@@ -143,10 +153,10 @@ def _row_step(model):
     return model(input_ids=batch, labels=batch).loss
 
 
-def _trainer_rank(rank: int, plan, names: list, out: str) -> dict:
+def _trainer_rank(rank: int, plan, names: list, out: str, port: int) -> dict:
     """One rank: the model with ``plan`` applied, trained by the Trainer under ZeRO-3."""
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 500),
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       ACCELERATE_USE_DEEPSPEED="true")
     import transformers
     from accelerate import PartialState
@@ -189,7 +199,7 @@ def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(tmp_pat
     plan = plan_remat(case.model, _row_step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
                       verbose=False, fake=True, world_size=2)
     assert plan.checkpointed
-    ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"))
+    ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"), _free_port())
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3, weight_decay=0.0)
     plain = []
     for _ in range(STEPS):
