@@ -108,3 +108,45 @@ def test_sft_trainer_defaults_with_the_callback_take_over_and_hold_the_budget(tm
     # the measured step used to wait for a gradient of the first output, which never came).
     assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
     assert losses == plain_losses
+
+
+def preference_rows(n: int = 8, length: int = 16):
+    """``n`` prompt / chosen / rejected rows of words of the tokenizer (a ``datasets.Dataset``)."""
+    generator = torch.Generator().manual_seed(1)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=generator))
+
+    return datasets.Dataset.from_list([{"prompt": words(length), "chosen": words(8), "rejected": words(8)}
+                                       for _ in range(n)])
+
+
+def dpo_run(tmp_path, *callbacks, **config):
+    """(peaks, losses, the model) of a LoRA ``DPOTrainer`` run: ``DPOConfig``'s defaults (gradient checkpointing
+    on) but for ``config``; the reference is the adapter-free base model, as TRL does for a PEFT model."""
+    peaks = TrainerStepPeaks()
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
+                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                         dataloader_num_workers=0, seed=0, max_length=64, **config)
+    model = tiny_llama(lora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=preference_rows(), processing_class=tokenizer(),
+                                 callbacks=[peaks, *callbacks])
+        trainer.train()
+    return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], model
+
+
+def test_dpo_trainer_defaults_with_the_callback_hold_the_budget_with_the_plain_losses(tmp_path, monkeypatch):
+    """Another TRL trainer on the ``Trainer``: DPO runs chosen and rejected rows through the policy and a
+    no-gradient reference forward in each step; the reference forward is not a training call, the policy's is."""
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    assert trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
+    plain, plain_losses, _ = dpo_run(tmp_path, gradient_checkpointing=False)
+    budget = int(max(plain.peaks) * 0.97)
+    callback = RematTrainerCallback(budget=budget)
+    planned, losses, model = dpo_run(tmp_path, callback)
+    assert not model.is_activation_checkpointing and callback.plan.checkpointed
+    assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
+    assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses
