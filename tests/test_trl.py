@@ -110,42 +110,52 @@ def test_sft_trainer_defaults_with_the_callback_take_over_and_hold_the_budget(tm
     assert losses == plain_losses
 
 
-def preference_rows(n: int = 8, length: int = 16):
-    """``n`` prompt / chosen / rejected rows of words of the tokenizer (a ``datasets.Dataset``)."""
+def preference_rows(kind: str, n: int = 8, length: int = 16):
+    """``n`` rows of words of the tokenizer (a ``datasets.Dataset``): prompt / chosen / rejected for DPO, prompt /
+    completion / label for KTO."""
     generator = torch.Generator().manual_seed(1)
 
     def words(k):
         return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=generator))
 
-    return datasets.Dataset.from_list([{"prompt": words(length), "chosen": words(8), "rejected": words(8)}
-                                       for _ in range(n)])
+    if kind == "dpo":
+        return datasets.Dataset.from_list([{"prompt": words(length), "chosen": words(8), "rejected": words(8)}
+                                           for _ in range(n)])
+    return datasets.Dataset.from_list([{"prompt": words(length), "completion": words(8), "label": bool(i % 2)}
+                                       for i in range(n)])
 
 
-def dpo_run(tmp_path, *callbacks, **config):
-    """(peaks, losses, the model) of a LoRA ``DPOTrainer`` run: ``DPOConfig``'s defaults (gradient checkpointing
-    on) but for ``config``; the reference is the adapter-free base model, as TRL does for a PEFT model."""
+PREFERENCE = {"dpo": ("DPOConfig", "DPOTrainer", 2), "kto": ("KTOConfig", "KTOTrainer", 4)}  # 4 rows a step each
+
+
+def preference_run(tmp_path, kind, *callbacks, **config):
+    """(peaks, losses, the model) of a LoRA ``DPOTrainer`` or ``KTOTrainer`` run: its config's defaults (gradient
+    checkpointing on) but for ``config``; the reference is the adapter-free base model, as TRL does for PEFT."""
+    config_class, trainer_class, batch = PREFERENCE[kind]
     peaks = TrainerStepPeaks()
-    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
-                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                         dataloader_num_workers=0, seed=0, max_length=64, **config)
+    args = getattr(trl, config_class)(output_dir=str(tmp_path), per_device_train_batch_size=batch, max_steps=3,
+                                      report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
+                                      disable_tqdm=True, dataloader_num_workers=0, seed=0, max_length=64, **config)
     model = tiny_llama(lora=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=preference_rows(), processing_class=tokenizer(),
-                                 callbacks=[peaks, *callbacks])
+        trainer = getattr(trl, trainer_class)(model=model, args=args, train_dataset=preference_rows(kind),
+                                              processing_class=tokenizer(), callbacks=[peaks, *callbacks])
         trainer.train()
     return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], model
 
 
-def test_dpo_trainer_defaults_with_the_callback_hold_the_budget_with_the_plain_losses(tmp_path, monkeypatch):
-    """Another TRL trainer on the ``Trainer``: DPO runs chosen and rejected rows through the policy and a
-    no-gradient reference forward in each step; the reference forward is not a training call, the policy's is."""
+@pytest.mark.parametrize("kind", PREFERENCE)
+def test_preference_trainers_defaults_with_the_callback_hold_the_budget_with_the_plain_losses(tmp_path, monkeypatch,
+                                                                                               kind):
+    """Other TRL trainers on the ``Trainer``: DPO and KTO run the policy and a no-gradient reference forward in
+    each step; the reference forward is not a training call, the policy's is."""
     monkeypatch.delenv(ENV_BUDGET, raising=False)
-    assert trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
-    plain, plain_losses, _ = dpo_run(tmp_path, gradient_checkpointing=False)
+    assert getattr(trl, PREFERENCE[kind][0])(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # default
+    plain, plain_losses, _ = preference_run(tmp_path, kind, gradient_checkpointing=False)
     budget = int(max(plain.peaks) * 0.97)
     callback = RematTrainerCallback(budget=budget)
-    planned, losses, model = dpo_run(tmp_path, callback)
+    planned, losses, model = preference_run(tmp_path, kind, callback)
     assert not model.is_activation_checkpointing and callback.plan.checkpointed
     assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
     assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
