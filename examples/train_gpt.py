@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = torch.randint(0, args.vocab, (args.steps * args.batch_size, args.seq_len),
                            generator=torch.Generator().manual_seed(args.seed))
     loader = DataLoader(TensorDataset(tokens), batch_size=args.batch_size)
-    sample = tokens[: args.batch_size]
+    sample = tokens[: args.batch_size].clone()  # its own storage: a view would count every batch's tokens
 
     def step(model):
         return model.model(input_ids=sample, labels=sample).loss
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
         # On a very small model the head and loss alone can take more than that.
         smallest = least_peak(profile)
         if budget < smallest:
-            budget = smallest
-            print(f"budget raised to the smallest reachable peak, {format_bytes(budget)}")
+            # "min": AutoRemat's own least peak, in the training loop (which holds the loss through the step).
+            budget = "min"
+            print(f"budget raised to the smallest reachable peak (budget='min', about {format_bytes(smallest)})")
     else:
         budget = args.budget
         parsed = parse_budget(budget)
