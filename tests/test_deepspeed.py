@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_remat.core.errors import RematError, UnsupportedSetupError
-from tests.gloo_ranks import after_case, small_gpt2, spawn
+from tests.gloo_ranks import after_case, small_gpt2, spawn, stop_ranks
 
 STEPS = 3
 
@@ -132,6 +132,7 @@ def test_a_plan_applied_before_prepare_runs_under_zero_on_two_ranks(stage, tmp_p
     plan = plan_remat(case.model, case.step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
                       verbose=False, **sharded)
     assert plan.checkpointed and plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    stop_ranks()  # fresh rank processes: the peak counts every live tensor, and earlier cases left theirs in the pool's
     ranks = spawn(_zero_rank, tmp_path, stage, plan, plan.checkpointed, _free_port())
     plain = _plain_losses()
     for result in ranks:
@@ -199,6 +200,7 @@ def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(tmp_pat
     plan = plan_remat(case.model, _row_step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
                       verbose=False, fake=True, world_size=2)
     assert plan.checkpointed
+    stop_ranks()  # fresh rank processes, as above
     ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"), _free_port())
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3, weight_decay=0.0)
     plain = []
