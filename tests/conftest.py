@@ -80,7 +80,7 @@ SLOW = {
                              "test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly"),  # 40-60 s
     "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
                             "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
-    "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
+    "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU (an MLP; a Llama with every feature): ~60 s
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
