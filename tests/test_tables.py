@@ -36,16 +36,14 @@ def test_lookup_by_name_is_case_insensitive_and_names_the_known_gpus():
 
 
 def test_the_lookups_read_the_one_table():
-    from lightning_remat.core.offload_model import host_link_bandwidth
     from lightning_remat.runtime.measuring.roofline import device_peaks, gpu_peaks
     from lightning_remat.runtime.targets.fake import GPU_EFFICIENCY, gpu_peak_flops
 
     for name, spec in GPUS.items():
         assert gpu_peak_flops(name) == spec.flops() == gpu_peaks(name).flops_per_second
         assert spec.memory_bandwidth == gpu_peaks(name).bytes_per_second
-        assert host_link_bandwidth(name) == spec.host_link_bandwidth
     # The data-sheet figures the plans were priced with before the tables became one.
-    assert (gpu_peak_flops("h100"), gpu_peaks("h200").bytes_per_second, host_link_bandwidth("gh200")) == (
+    assert (gpu_peak_flops("h100"), gpu_peaks("h200").bytes_per_second, hardware.gpu("gh200").host_link_bandwidth) == (
         989e12, 4.8e12, 400e9)
     assert GPU_EFFICIENCY == hardware.TRAINING_EFFICIENCY == 0.4
     assert match_gpu("NVIDIA H100 PCIe") == "h100-pcie"

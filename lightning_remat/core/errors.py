@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .budget import format_bytes
 
 # Frames of these packages are the machinery around a step, not the code that failed in it.
 _MACHINERY = ("/torch/", "/lightning_remat/", "/lightning/", "/lightning_fabric/", "/accelerate/", "contextlib.py", "<frozen")
@@ -40,12 +41,6 @@ def where_it_failed(error: BaseException) -> str:
         if not any(part in frame.filename for part in _MACHINERY):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return ""
-
-
-def _format_bytes(nbytes: float) -> str:
-    from .budget import format_bytes
-
-    return format_bytes(nbytes)
 
 
 def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
@@ -77,9 +72,9 @@ class BudgetTooSmallError(RematError, ValueError):
         # Per knob that lowers the least peak: {"knob", "setting", "peak_bytes", "fits"} (service.knobs).
         self.knobs: list[dict[str, Any]] = []
         super().__init__(message or (
-            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} ({budget_bytes} bytes): "
-            f"the smallest reachable peak is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
-            f"of which {_format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
+            f"No recompute plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): "
+            f"the smallest reachable peak is {format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
             f"Raise the budget to at least that, or reduce the batch size."))
 
     def with_knobs(self, knobs: list[dict[str, Any]]) -> "BudgetTooSmallError":
@@ -87,7 +82,7 @@ class BudgetTooSmallError(RematError, ValueError):
         self.knobs = sorted(knobs, key=lambda k: (not k["fits"], k["peak_bytes"] is None, k["peak_bytes"] or 0))
         if self.knobs:
             said = "; ".join(f"{k['knob']} could not be predicted ({k['error']})" if k["peak_bytes"] is None else
-                             f"{k['knob']} ({k['setting']}) reaches {_format_bytes(k['peak_bytes'])}, "
+                             f"{k['knob']} ({k['setting']}) reaches {format_bytes(k['peak_bytes'])}, "
                              + ("within the budget" if k["fits"] else "still above it") for k in self.knobs)
             self.add_hint(f"Knobs, each predicted: {said}.")
         return self
@@ -206,9 +201,9 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
             what = (f"sharding over more GPUs would: the least peak is estimated to fit from world size "
                     f"{smallest_world_size} on (or reduce the batch per GPU)")
         super().__init__(budget_bytes, smallest_peak_bytes, static_bytes, message=(
-            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} per GPU at world size {world_size}: "
-            f"the least peak per GPU there is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
-            f"of which {_format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
+            f"No recompute plan fits a budget of {format_bytes(budget_bytes)} per GPU at world size {world_size}: "
+            f"the least peak per GPU there is {format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
             f"{what}."))
 
 

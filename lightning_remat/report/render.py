@@ -6,9 +6,9 @@ import math
 from typing import Any, Iterable, Sequence
 
 from ..core.budget import format_budget, format_bytes
-from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
+from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, sharded_memory_line
 
-__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
+__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_table", "print_plan",
            "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table", "percent_shares",
            "breakdown_modules_table", "breakdown_renderables", "pareto_table"]
 
@@ -72,10 +72,6 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
         lines.append(plan_table(plan))
     lines.extend(plan_lines(plan))
     return lines
-
-
-def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    return plan_text(plan, title)
 
 
 def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:

@@ -139,14 +139,8 @@ class _Observer:
         return handles
 
     def reset_counts(self) -> None:
-        """Keep the timings of the timing pass; count bytes and FLOPs afresh in the counting pass."""
-        for s in self.stats.values():
-            s.saved.clear()
-            s.inputs.clear()
-            s.outputs.clear()
-            s.flops = 0
-            s.calls = 0
-            s.ops.clear()
+        """Count afresh in the counting pass (``observe_step`` keeps the timing pass's seconds)."""
+        self.stats = {n: ModuleStats() for n in self.watched}
         self.order.clear()
         self.sequence.clear()
 
