@@ -51,11 +51,12 @@ def test_the_lookups_read_the_one_table():
 
 
 def test_every_byte_allowance_is_named_in_one_table_with_its_old_value():
-    from lightning_remat.core.allowances import ALLOWANCES
+    from lightning_remat.core import allowances
     from lightning_remat.integrations.accelerate import recorded_call
     from lightning_remat.integrations.lightning import trainer_terms
     from lightning_remat.runtime.profiling import profile
 
-    assert dict(ALLOWANCES) == {"ddp_reducer": 1024, "lightning_loop": 1024, "accelerate_loop": 2048, "real_profile": 65536}
+    assert (allowances.DDP_REDUCER_ALLOWANCE, allowances.LIGHTNING_LOOP_ALLOWANCE, allowances.ACCELERATE_LOOP_ALLOWANCE,
+            allowances.REAL_PROFILE_ALLOWANCE) == (1024, 1024, 2048, 65536)
     assert (profile.DDP_REDUCER_ALLOWANCE, trainer_terms.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
-        ALLOWANCES["ddp_reducer"], ALLOWANCES["lightning_loop"], ALLOWANCES["accelerate_loop"])
+        allowances.DDP_REDUCER_ALLOWANCE, allowances.LIGHTNING_LOOP_ALLOWANCE, allowances.ACCELERATE_LOOP_ALLOWANCE)

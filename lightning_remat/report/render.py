@@ -50,9 +50,6 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
         console.print(renderable, highlight=False)
 
 
-# --------------------------------------------------------------------------------------- plans
-
-
 def plan_table(plan: Any) -> Any:
     """The plan's stages as a ``rich.table.Table`` (the rows of ``core.plan_text.plan_rows``)."""
     from rich.table import Table
@@ -78,9 +75,6 @@ def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) ->
     print_renderables(plan_renderables(plan, title), console)
 
 
-# --------------------------------------------------------------------------- batch-size search
-
-
 def batch_size_table(result: Any) -> Any:
     """A ``rich.table.Table`` of a ``BatchSizeResult`` and what the search cost."""
     from rich.table import Table
@@ -104,9 +98,6 @@ def batch_size_table(result: Any) -> Any:
                   f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
     table.add_row("profiled batch sizes (passes)", f"{list(result.profile_batch_sizes)} ({result.profile_passes})")
     return table
-
-
-# ------------------------------------------------------------------------ memory breakdown
 
 
 def percent_shares(parts: Sequence[int]) -> list[str]:
@@ -176,9 +167,6 @@ def breakdown_renderables(breakdown: Any) -> list[Any]:
         items.append(breakdown_modules_table(breakdown))
     items.extend(f"note: {note}" for note in breakdown.notes)
     return items
-
-
-# ----------------------------------------------------------------------------- budget sweeps
 
 
 def pareto_table(points: Sequence[Any], chosen: Any, cost: str) -> Any:
