@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any, Sequence
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .exclusive import PLANNING_LOCK
 from .host_rng import counting_rng_states
-from .stance import hold_eager, release_eager
+from .stance import eager_stance
 
 
 _WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors
@@ -108,27 +109,19 @@ class Tracker(MemTracker):
     # Compiled code runs eagerly while tracking (stance.py); the global hooks are one per process, so
     # one thread tracks at a time (exclusive.py's lock, held from enter to exit).
     def __enter__(self) -> "Tracker":
-        PLANNING_LOCK.acquire()
-        hold_eager()
-        # The generator states checkpoints keep until backward are allocated where no mode sees them.
-        self._rng_states = counting_rng_states(lambda state: self._track(_MemRefType.ACT, state))
-        try:
-            self._rng_states.__enter__()
-            return super().__enter__()  # type: ignore[return-value]
-        except BaseException:
-            self._rng_states.__exit__(None, None, None)
-            release_eager()
-            PLANNING_LOCK.release()
-            raise
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(PLANNING_LOCK)
+            stack.enter_context(eager_stance())
+            # The generator states checkpoints keep until backward are allocated where no mode sees them.
+            stack.enter_context(counting_rng_states(lambda state: self._track(_MemRefType.ACT, state)))
+            super().__enter__()
+            self._held = stack.pop_all()
+        return self
 
     def __exit__(self, *args: Any) -> None:
         self._settle_collectives(finished=True)
-        try:
+        with self._held:
             super().__exit__(*args)
-        finally:
-            self._rng_states.__exit__(None, None, None)
-            release_eager()
-            PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors`` this tracker counts now (older ones once an op used them)."""
