@@ -145,7 +145,9 @@ class Budget:
         """
         if self.is_min:
             return MIN_BUDGET
-        total = _total_memory(total_memory)
+        total = None if total_memory is None else Budget.parse(total_memory).nbytes
+        if total_memory is not None and total is None:
+            raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
         named = repr(total_memory)
         if total is None and device is not None and _is_here(device):
             total, named = device_total_memory(device), f"of {device}"
@@ -156,15 +158,6 @@ class Budget:
             raise ValueError(f"The memory budget {self.text!r} ({self.nbytes} bytes) is larger than the device's "
                              f"memory {named} ({total} bytes)")
         return self.nbytes
-
-
-def _total_memory(total_memory: Any) -> int | None:
-    if total_memory is None:
-        return None
-    total = Budget.parse(total_memory)
-    if total.nbytes is None:
-        raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
-    return total.nbytes
 
 
 def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> int | str:

@@ -1,16 +1,5 @@
-"""Every error lightning-remat raises on purpose, under one base class, ``RematError``.
-
-Each is also a builtin (``ValueError``, ``RuntimeError``, ``NotImplementedError``), so ``except ValueError``
-in user code works. Errors pickle with every field and their full message: rank 0 decides, the other ranks
-raise the very same error.
-
-Example:
-    >>> import pickle
-    >>> err = BudgetTooSmallError(100, 150, 80)
-    >>> err.add_hint("(AutoRemat, budget='100B')")
-    >>> again = pickle.loads(pickle.dumps(err))
-    >>> isinstance(again, ValueError), str(again) == str(err), again.smallest_peak_bytes
-    (True, True, 150)
+"""Every error lightning-remat raises on purpose, under one base class, ``RematError``; each is also a builtin
+(``ValueError``, ``RuntimeError``, ...), so ``except ValueError`` in user code works.
 """
 
 from __future__ import annotations
@@ -51,7 +40,17 @@ def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
 
 
 class RematError(Exception):
-    """The base of lightning-remat's errors (the module's example shows one pickled)."""
+    """The base of lightning-remat's errors; they pickle with every field and their full message (rank 0
+    decides, the other ranks raise the very same error).
+
+    Example:
+        >>> import pickle
+        >>> err = BudgetTooSmallError(100, 150, 80)
+        >>> err.add_hint("(AutoRemat, budget='100B')")
+        >>> again = pickle.loads(pickle.dumps(err))
+        >>> isinstance(again, ValueError), str(again) == str(err), again.smallest_peak_bytes
+        (True, True, 150)
+    """
 
     def add_hint(self, hint: str) -> None:
         """Append context (which integration, which setting) to the message."""
@@ -63,7 +62,7 @@ class RematError(Exception):
 
 
 class BudgetTooSmallError(RematError, ValueError):
-    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached (example: the module's)."""
+    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached."""
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int = 0, message: str | None = None):
         self.budget_bytes = budget_bytes
