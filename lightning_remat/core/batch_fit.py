@@ -35,7 +35,7 @@ class BatchLine:
         kind = term.quantity
         if kind.growth is Growth.STATIC:
             return values[0]
-        if len(values) == 2 and None not in values:  # two profiles: two batch sizes (ProfileFit keeps one of equal ones)
+        if len(values) == 2 and None not in values:  # two batch sizes (ProfileFit keeps one of equal ones)
             (low, high), (low_bs, high_bs) = values, self.batch_sizes
             return kind.coerce(low + (high - low) * (self.batch_size - low_bs) / (high_bs - low_bs))
         (bs, value), = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]

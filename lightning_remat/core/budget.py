@@ -169,8 +169,7 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
         device: the device a percentage refers to (default: the CPU, that is the host's memory).
         total_memory: the total memory of a device that is not here; percentages refer to it.
 
-    Raises:
-        ValueError: any other value, or a budget above ``total_memory``.
+    Any other value, or a budget above ``total_memory``, raises ``ValueError``.
 
     Example:
         >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")

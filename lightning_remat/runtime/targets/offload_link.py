@@ -76,10 +76,9 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
     """``profile`` with its offload options priced for the target's host link (and a note)."""
     bandwidth, source = link_bandwidth(options, device)
     flops = device_peaks(device, options.gpu).flops_per_second * GPU_EFFICIENCY
-    priced = with_offload_costs(profile, bandwidth, flops)
-    priced = priced.noted(f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
-                    "transfer is hidden behind the next stage's compute where it is shorter")
-    return priced
+    return with_offload_costs(profile, bandwidth, flops).noted(
+        f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's transfer is hidden behind "
+        "the next stage's compute where it is shorter")
 
 
 def host_limit_bytes(options: ProfileOptions) -> int:
