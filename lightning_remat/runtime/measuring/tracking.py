@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -23,11 +24,8 @@ from .stance import eager_stance
 _WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors
 
 
-class _NoHook:
-    """Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient."""
-
-    def remove(self) -> None:
-        pass
+# Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient.
+_NO_HOOK = SimpleNamespace(remove=lambda: None)
 
 
 class Tracker(MemTracker):
@@ -94,7 +92,7 @@ class Tracker(MemTracker):
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
         for param in module.parameters():
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
-                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
@@ -159,7 +157,7 @@ def current_total(tracker: MemTracker, device: torch.device) -> int:
     return int(_device_totals(tracker._curr_mem_snap, device).get("Total", 0))
 
 
-class _NoModules:
+class _NoModules(contextlib.nullcontext):
     """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
 
     is_bw = False
@@ -169,12 +167,6 @@ class _NoModules:
         pass
 
     def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> "_NoModules":
-        return self
-
-    def __exit__(self, *args: Any) -> None:
         pass
 
 
