@@ -44,7 +44,7 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         head = getattr(module, "lm_head", None)
-        if isinstance(head, nn.Linear) and label_smoothing(module) is not None:
+        if isinstance(head, nn.Linear) and label_smoothing(module) is not None and not _softcap(module):
             return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
     return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
 
@@ -89,15 +89,30 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 
 def refused(model: nn.Module) -> str | None:
-    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own), or None."""
+    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own, logits capped
+    after the head, a masked LM's head), or None."""
     for module in model.modules():
-        if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and label_smoothing(module) is None:
+        kind = type(module).__name__
+        if kind.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(getattr(module, "lm_head", None), nn.Linear):
             loss = getattr(module, "loss_function", None)
-            if loss is not None and isinstance(getattr(module, "lm_head", None), nn.Linear):
-                return (f"chunk_loss: {type(module).__name__}.loss_function is {_named(loss)}, not transformers' "
+            if label_smoothing(module) is None and loss is not None:
+                return (f"chunk_loss: {kind}.loss_function is {_named(loss)}, not transformers' "
                         "ForCausalLMLoss or lightning_remat.CausalLMLoss, so a chunked loss would not be its loss: "
                         "its head and loss are kept whole (docs/long_context.md)")
+            if _softcap(module):
+                return (f"chunk_loss: {kind} caps its logits after its head (final_logit_softcapping="
+                        f"{_softcap(module)}), so neither a chunked nor a fused loss would be its loss: its head and "
+                        "loss are kept whole (docs/long_context.md)")
+        if kind.endswith("ForMaskedLM"):
+            return (f"chunk_loss: {kind} is a masked LM (a transform before its decoder, the loss over masked tokens), "
+                    "not a causal LM's linear head and shifted loss: its head and loss are kept whole "
+                    "(docs/long_context.md)")
     return None
+
+
+def _softcap(model: nn.Module) -> Any:
+    # Gemma-2's: tanh capping of the logits after the head, which the model applies to what its head returns.
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
 
 def _named(function: Any) -> str:
@@ -286,12 +301,16 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
 
 
 class ChunkedLoss(Behaviour):
-    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels."""
+    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels.
+
+    ``fused_loss.FusedLoss`` is the same with another action and head call."""
 
     name = "chunked_loss"
+    action = Action.CHUNK
+    head_call = staticmethod(chunked_head_call)
 
     def settings(self, action: StageAction) -> dict[str, Any]:
-        return {action.stage: action.chunks} if action.action is Action.CHUNK else {}
+        return {action.stage: action.chunks} if action.action is self.action else {}
 
     def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
         for head in settings:
@@ -308,10 +327,10 @@ class ChunkedLoss(Behaviour):
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None:
             return functools.partial(routed_call, call, module, state)
-        return functools.partial(chunked_head_call, call, module, setting)
+        return functools.partial(self.head_call, call, module, setting)
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
-        return {"action": Action.CHUNK, "chunks": setting}
+        return {"action": self.action, "chunks": setting}
 
 
 def head_flops(head: nn.Linear, tokens: int) -> int:
