@@ -105,7 +105,8 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
     model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
     plain = solve(profile_step(model, case.step, optimizer=optimizer), "min", cost="flops")
     chunked = profile_step(model, case.step, optimizer=optimizer, chunk_loss=True)
-    assert [o.name for o in chunked.stages[-1].options] == ["keep", *(f"chunks:{k}" for k in (2, 4, 8, 16, 32))]
+    assert [o.name for o in chunked.stages[-1].options] == ["keep", *(f"{kind}:{k}" for kind in ("chunks", "fused")
+                                                                      for k in (2, 4, 8, 16, 32))]
     least = solve(chunked, "min", cost="flops").predicted_peak_bytes
     # The head's "keep" is the gap it ran in: without its chunked options the profile plans as one made without them.
     unchunked = replace(chunked, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.chunks))
