@@ -5,8 +5,8 @@ Every parameter's gradient equals the model's own loss's (plain, tied embeddings
 ``num_items_in_batch``, ``shift_labels``, a loss scaled before backward, bf16 autocast); a fused plan's measured
 peak (torch's allocator events) is its prediction within 1%; the planner prices the fused kind without recompute
 FLOPs and picks it over the recomputed one at an equal peak, and keeps the head whole where recomputing a layer
-is cheaper; a model whose loss neither kind computes (Gemma-2's logit soft-capping, a masked LM) is not offered
-either, with a note.
+is cheaper; Gemma-2's logit soft-capping is computed in the chunks of either kind; a model whose loss neither kind
+computes (Granite's logit scaling, a masked LM) is not offered either, with a note.
 """
 
 from __future__ import annotations
@@ -179,16 +179,37 @@ def test_the_head_is_kept_whole_where_recomputing_a_layer_is_cheaper_and_suffice
     assert plan.fused_loss and not plan.checkpointed
 
 
+@pytest.mark.parametrize("kind", [StageAction.chunk, StageAction.fuse])
+def test_gemma2s_logit_soft_capping_is_computed_in_the_chunks(kind):
+    import transformers
+
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_hidden_layers=2, vocab_size=256, final_logit_softcapping=3.0, use_cache=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits at the cap: capped or not, the losses differ
+    ids, labels = _batch(vocab=256)
+    plain, expected = _loss_and_grads(model, ids, labels)
+    with torch.no_grad():  # the head's own output passes the cap: the model's loss is over capped logits
+        assert plain.logits.abs().max() < 3.0 < model.lm_head(model.model(input_ids=ids).last_hidden_state).abs().max()
+    apply_plan(model, Plan(actions=[kind("lm_head", 3)]))
+    out, grads = _loss_and_grads(model, ids, labels)
+    remove_remat(model)
+    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    for n in expected:
+        torch.testing.assert_close(grads[n], expected[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_a_loss_neither_kind_computes_is_not_offered_and_the_profile_says_why():
     import transformers
 
-    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        num_hidden_layers=2, vocab_size=256, final_logit_softcapping=30.0, use_cache=False)).train()
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+        vocab_size=256, logits_scaling=4.0, use_cache=False)).train()
     bert = transformers.BertForMaskedLM(transformers.BertConfig(
         hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2, vocab_size=256)).train()
     ids = torch.randint(0, 256, (1, 16))
-    for model, why in ((gemma, "final_logit_softcapping=30.0"), (bert, "masked LM")):
+    for model, why in ((granite, "logits_scaling=4.0"), (bert, "masked LM")):
         with pytest.warns(UserWarning, match=why):
             profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, chunk_loss=True, warmup=0)
         assert not any(o.chunks for s in profile.stages for o in s.options)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...core.vocabulary import Action
-from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, _handed
+from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, _handed, capped
 
 Project = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,8 +102,9 @@ def fused_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, 
     if pending is None or pending.loss is not None:
         return original(hidden)
     labels = pending.shift_labels.to(hidden.device)
-    pending.loss = fused_cross_entropy(original, hidden, labels, chunks, list(head.parameters()),
-                                       pending.ignore_index, pending.num_items_in_batch, pending.smoothing)
+    pending.loss = fused_cross_entropy(capped(original, pending.softcap), hidden, labels, chunks,
+                                       list(head.parameters()), pending.ignore_index, pending.num_items_in_batch,
+                                       pending.smoothing)
     return pending.loss
 
 
