@@ -129,10 +129,11 @@ class ProfileOptions:
         "fake with a gpu), and never more host memory than the host has free")})
     chunk_loss: bool = field(default=False, metadata={"help": (
         "also plan a causal LM's head and its loss as a stage whose options compute the projection and the "
-        "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward, so the full logits never "
-        "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=, and for a head whose "
-        "loss the model computes with lightning_remat.head_loss). The loss and "
-        "gradients are the same; a plan that chunks makes the model return logits=None (docs/long_context.md)")})
+        "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward or fused (each chunk's "
+        "gradients computed in forward, nothing recomputed), so the full logits never exist (found for Hugging Face "
+        "*ForCausalLM / *LMHeadModel models called with labels=, and for a head whose loss the model computes with "
+        "lightning_remat.head_loss). The loss and gradients are the same; a plan that chunks makes the model return "
+        "logits=None (docs/long_context.md)")})
     host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
         "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
         "share of a typical node with it (core/hardware.py HOST_MEMORY: 256 GiB for an H100, an 8xH100 node's 2 "

@@ -51,6 +51,8 @@ class StageOption:
     # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
+    # "fused:k": the chunks' gradients computed in forward, nothing recomputed (``runtime.installing.fused_loss``).
+    fused: bool = False
 
     def cost(self, kind: str) -> float:
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)

@@ -34,8 +34,8 @@ class Prediction:
 def _does(option: StageOption, action: StageAction) -> bool:
     if action.action is Action.KEEP:
         return not option.checkpointed and not option.offloaded and not option.chunks
-    if action.action is Action.CHUNK:
-        return option.chunks == action.chunks
+    if action.action in (Action.CHUNK, Action.FUSE):
+        return option.chunks == action.chunks and option.fused == (action.action is Action.FUSE)
     if action.action is Action.RECOMPUTE:
         return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
                 and not option.offloaded and option.input_offloaded == action.offload_input)
@@ -133,7 +133,7 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
         elif option.offloaded:
             actions.append(StageAction.offload(stage.name, option.offload_limit or None))
         elif option.chunks:
-            actions.append(StageAction.chunk(stage.name, option.chunks))
+            actions.append((StageAction.fuse if option.fused else StageAction.chunk)(stage.name, option.chunks))
         elif option.checkpointed:
             actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
                                                  offload_input=option.input_offloaded))

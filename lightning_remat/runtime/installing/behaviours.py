@@ -1,13 +1,14 @@
 """The built-in behaviours, registered in the order they compose (outermost first).
 
 Example:
-    >>> [b.name for b in BEHAVIOURS][:6]
-    ['chunked_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment']
+    >>> [b.name for b in BEHAVIOURS][:7]
+    ['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment']
 """
 
 from __future__ import annotations
 
 from .chunked_loss import ChunkedLoss
+from .fused_loss import FusedLoss
 from .input_offload import INPUT_OFFLOAD
 from .offload import OFFLOAD
 from .recompute import RECOMPUTE
@@ -17,5 +18,5 @@ from .segments import SEGMENT
 
 __all__ = ["BEHAVIOURS"]
 
-for _behaviour in (ChunkedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT):
+for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT):
     register(_behaviour)

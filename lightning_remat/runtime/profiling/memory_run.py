@@ -49,10 +49,10 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
+                dead: dict[str, set[str]] | None = None, head: StageAction | None = None,
                 offload_inputs: bool = False) -> MemoryRun:
-    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``chunked``:
-    # loss_stage.py; ``offload_inputs``: input_offload.py.
+    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``head`` (a chunked or
+    # fused head): loss_stage.py; ``offload_inputs``: input_offload.py.
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -67,7 +67,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
-    plan = Plan([StageAction.chunk(h, k) for h, k in chunked.items()] if chunked else
+    plan = Plan([head] if head is not None else
                 [StageAction.recompute(m, policy=None if offload_inputs else policy or None, offload_input=offload_inputs)
                  for m in wrapped])
     host: dict[str, int] | None = None

@@ -284,7 +284,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile = profile.noted(COMPILED_NOTE) if compiled else profile
     profile = profile.with_gap_figures(gap_figures(assembled, profile, runs, future_state))
-    return with_head_stage(profile, head, peaks.flops_per_second)
+    return with_head_stage(profile, head, peaks.flops_per_second, peaks.bytes_per_second)
 
 
 def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],
