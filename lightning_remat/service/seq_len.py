@@ -48,6 +48,7 @@ class SeqLenResult:
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     tried: list[LengthRow] = field(default_factory=list)
     measured_peak_bytes: int | None = None
+    failing_knobs: list[dict[str, Any]] = field(default_factory=list)
     profiles: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -95,6 +96,10 @@ class SeqLenResult:
             if row is not None and row.binds:
                 lines.append(f"{label} {length} tokens (least peak {format_bytes(row.least_peak_bytes)}) "
                              + Binding.from_dict(row.binds).text())
+        for knob in self.failing_knobs:
+            peak = "not predicted" if knob["peak_bytes"] is None else format_bytes(knob["peak_bytes"])
+            lines.append(f"  at {self.first_failing} tokens, {knob['knob']} ({knob['setting']}) reaches {peak}"
+                         + (", within the budget" if knob["fits"] else ""))
         if self.first_failing is None:
             lines.append(f"max_seq_len={self.max_seq_len} reached: longer lengths were not searched")
         head = ("tokens", "fits", "least peak", "plan peak", "overhead", "what binds (least peak)")
@@ -133,7 +138,7 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
                        optimizer: torch.optim.Optimizer | None = None, init_val: int | None = None,
                        max_seq_len: int = DEFAULT_MAX_SEQ_LEN, multiple_of: int = 64, max_overhead: float | None = None,
                        cost: str = DEFAULT_COST, confirm: bool = True, steps_per_trial: int = 1, max_trials: int = 5,
-                       max_profiles: int = 12, apply: bool = True, verbose: bool = True,
+                       max_profiles: int = 12, advice: bool = False, apply: bool = True, verbose: bool = True,
                        **options: Any) -> SeqLenResult:
     """The longest sequence (tokens per sequence, a multiple of ``multiple_of``) whose step fits ``budget``.
 
@@ -147,6 +152,8 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         budget: the peak memory of a training step: "80GB", "80 GiB", bytes, "80%" of the device.
         init_val: the first length profiled (default ``16 * multiple_of``); then twice and four times it.
         max_overhead: the largest recompute cost accepted (a share of a step); None: any plan that fits.
+        advice: evaluate the knobs (``BudgetTooSmallError.knobs``) at the first length that does not fit; each
+            re-profiles the step (minutes for an 8B model on fake tensors), so none is evaluated by default.
         options: ``ProfileOptions`` fields, as ``plan_remat`` takes them: ``fake=True, gpu="h100",
             precision="bf16-true", offload=True, host_memory="1TB", chunk_loss=True, world_size=8``, ...
 
@@ -173,8 +180,10 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         raise search.too_short()
     plan = search.plan_for(answer, True)
     assert plan is not None
+    failing = search.first_failing(answer)
+    knobs = search.knobs_at(failing) if advice and failing in search.rows else []
     plan = bound(plan, model)
     apply_or_restore(model, plan, apply, previous)
-    return SeqLenResult(answer, plan, budget_bytes, search.first_failing(answer), multiple_of, max_seq_len,
-                        sorted(search.rows.values(), key=lambda r: r.seq_len), search.measured_peak_bytes,
+    return SeqLenResult(answer, plan, budget_bytes, failing, multiple_of, max_seq_len,
+                        sorted(search.rows.values(), key=lambda r: r.seq_len), search.measured_peak_bytes, knobs,
                         len(search.rows), time.perf_counter() - began, search.notes)

@@ -154,6 +154,16 @@ class LengthSearch(BatchSearch):
         following = answer + self.unit
         return following if following <= self.max_seq_len else None
 
+    def knobs_at(self, length: int) -> list[dict[str, Any]]:
+        """The knobs (``service.knobs``) at a profiled ``length``: each re-profiles the step, so only on request."""
+        from .knobs import KnobContext, knob_figures
+        from .planning import Planner
+
+        assert self.fit is not None and length in self.fit.nodes
+        context = KnobContext(Planner(self.config, verbose=False), self.model, self.step_at(length), self.optimizer,
+                              self.fit.nodes[length], self.budget_bytes)
+        return knob_figures(context)
+
     def too_short(self) -> BudgetTooSmallError:
         """Nothing fits even at ``multiple_of`` tokens: the error naming the least peak there."""
         row = self.rows.get(self.unit) or min(self.rows.values(), key=lambda r: r.seq_len)
