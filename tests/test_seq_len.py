@@ -124,6 +124,16 @@ def test_a_transformer_at_its_longest_length_holds_the_budget_for_real():
     assert peak <= budget and abs(peak - result.plan.predicted_peak_bytes) <= 0.01 * budget, (peak, budget)
 
 
+def test_a_short_search_holds_the_budget_for_real_and_the_next_length_does_not_fit():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)])
+    optimizer, budget, result = searched(model, rows_make_step, 48, init_val=16, multiple_of=16, max_seq_len=96)
+    assert result.seq_len > 48 and result.first_failing == result.seq_len + 16
+    assert result.row(result.first_failing).least_peak_bytes > budget and result.binding["term"]
+    peak = measured_peak(model, optimizer, rows_make_step(result.seq_len))
+    assert peak <= budget and abs(peak - result.plan.predicted_peak_bytes) <= 0.01 * budget, (peak, budget)
+
+
 def test_bad_input_gives_clear_errors():
     model = mlp()
     with pytest.raises(ValueError, match="multiple_of must be an int >= 1"):

@@ -131,7 +131,8 @@ class LengthSearch(BatchSearch):
 
     def search(self, confirm: bool, max_trials: int) -> int:
         """Profile ``start``, twice and four times it, settle, and (real models, ``confirm``) measure the answer."""
-        for length in dict.fromkeys(min(self.max_seq_len, self.start * k) for k in (1, 2, 4)):
+        top = self.max_seq_len // self.unit * self.unit  # every length profiled is a multiple of ``unit``
+        for length in dict.fromkeys(min(top, self.start * k) for k in (1, 2, 4)):
             self.profile_length(length)
         while True:
             answer = self.settle()

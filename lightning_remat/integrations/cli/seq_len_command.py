@@ -27,6 +27,8 @@ def add_seq_len_flags(parser: argparse.ArgumentParser) -> None:
                         help="the first length profiled (then twice and four times it). Default: 16 x --multiple-of")
     search.add_argument("--max-overhead", type=float, default=None,
                         help="the largest recompute cost accepted, a share of a step. Default: any")
+    search.add_argument("--advice", action="store_true",
+                        help="evaluate the knobs at the first length that does not fit (each re-profiles: slow)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
 
 
@@ -50,7 +52,7 @@ def run_seq_len(args: argparse.Namespace) -> int:
             result = find_remat_seq_len(target.model, target.step, args.budget, optimizer=target.optimizer,
                                         init_val=args.init_val, max_seq_len=args.max_seq_len,
                                         multiple_of=args.multiple_of, max_overhead=args.max_overhead, cost=args.cost,
-                                        apply=False, verbose=not args.json, **options)
+                                        advice=args.advice, apply=False, verbose=not args.json, **options)
         except BudgetTooSmallError as err:
             print(json.dumps({"error": str(err)}) if args.json else one_line_error(err),
                   file=sys.stdout if args.json else sys.stderr)
@@ -68,5 +70,5 @@ def _as_json(result: Any) -> dict[str, Any]:
     return {"seq_len": result.seq_len, "first_failing": result.first_failing, "budget_bytes": result.budget_bytes,
             "predicted_peak_bytes": result.plan.predicted_peak_bytes, "predicted_overhead": result.predicted_overhead,
             "measured_peak_bytes": result.measured_peak_bytes, "binding": result.binding,
-            "failing_binding": result.failing_binding, "tried": [asdict(r) for r in result.tried],
+            "failing_binding": result.failing_binding, "failing_knobs": result.failing_knobs, "tried": [asdict(r) for r in result.tried],
             "plan": result.plan.to_dict(), "seconds": result.seconds, "notes": result.notes}
