@@ -136,7 +136,10 @@ class LengthSearch(BatchSearch):
             self.profile_length(length)
         while True:
             answer = self.settle()
-            if answer == 0 or not confirm or self.config.profile.fake or len(self.trials) >= max_trials:
+            if answer == 0 or not confirm or self.config.profile.fake:
+                return answer
+            if len(self.trials) >= max_trials:
+                self.notes.append(f"max_trials={max_trials} reached: sequence length {answer} is not confirmed")
                 return answer
             plan = self.plan_for(answer, True)
             assert plan is not None
