@@ -139,8 +139,9 @@ class RematPlugin:
 
 @dataclass
 class LoopFacts:
-    """What the session reads of the loop around the model when it needs it: optimizers, accumulation,
-    processes, where figures go (``log``) and lines are shown (``show``; None: the logger at INFO).
+    """What the session reads of the loop around the model when it needs it: optimizers, accumulation, the
+    process ``state`` (an ``Accelerator`` or ``AcceleratorState``: what is refused, processes, the main one),
+    where figures go (``log``) and lines are shown (``show``; None: the logger at INFO), and ``who`` asks.
     ``of(accelerator)`` reads them from an ``Accelerator``; the Trainer's callback gives its own.
 
     Example:
@@ -150,9 +151,13 @@ class LoopFacts:
 
     optimizers: Callable[[], Any] = list
     accumulation: Callable[[], int] = lambda: 1
-    processes: Callable[[], int] = lambda: 1
+    state: Any = None
     log: Callable[[dict, int], None] = lambda figures, step: None
     show: Callable[[str], None] | None = None
+    who: str = f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget)"
+
+    def processes(self) -> int:
+        return getattr(self.state, "num_processes", 1)
 
     @classmethod
     def of(cls, accelerator: Any) -> "LoopFacts":
@@ -161,4 +166,4 @@ class LoopFacts:
                 accelerator.log(figures, step=step)
         return cls(optimizers=lambda: getattr(accelerator, "_optimizers", []) or [],
                    accumulation=lambda: int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1),
-                   processes=lambda: getattr(accelerator, "num_processes", 1), log=log)
+                   state=accelerator, log=log)

@@ -11,10 +11,9 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..accelerate.accelerator import _check_supported, prepare_remat, remat_session
+from ..accelerate.accelerator import prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ..accelerate.session import RematSession
-from ...runtime.installing.takeover import take_over_checkpointing
 from .reporting import LogFigures, checkpoint_plans, console, plugin_args, saved_state
 
 logger = logging.getLogger(__name__)
@@ -67,15 +66,10 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         from accelerate.state import AcceleratorState
 
         # The Trainer's Accelerator is never given: its process state (a singleton), accumulation and optimizer are.
-        state = AcceleratorState()
-        _check_supported(state)
-        # The Trainer switches its checkpointing on in train(), before this hook: turned off here, said once.
-        took_over = take_over_checkpointing(model, "RematTrainerCallback")
-        if took_over and state.is_main_process:
-            warnings.warn(took_over, UserWarning, stacklevel=2)
+        # It switches its checkpointing on in train(), before this hook: prepare_remat turns it off, said once.
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
-            optimizers=lambda: [optimizer] if optimizer is not None else [], processes=lambda: state.num_processes,
-            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console))
+            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(),
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console, who=type(self).__name__))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

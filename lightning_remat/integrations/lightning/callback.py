@@ -17,13 +17,14 @@ from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import made_for_other, outgrows
+from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import refuse_deepspeed, refuse_fsdp1, take_over, unsupported
+from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
 from .trainer_terms import config_for, loop_allowance, trainer_optimizers
 
 
@@ -110,7 +111,8 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
-        take_over(pl_module)
+        # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
+        take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)
         self.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
@@ -121,7 +123,7 @@ class AutoRemat(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._disabled_reason:
-            take_over(pl_module)  # again: configure_model and the strategy's setup ran after setup
+            take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)  # again: configure_model ran since
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.

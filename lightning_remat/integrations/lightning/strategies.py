@@ -1,22 +1,15 @@
-"""The Lightning strategies ``AutoRemat`` plans under, and the ones it refuses or leaves alone.
-
-FSDP1 and DeepSpeed hold parameters, gradients and optimizer state where the profile cannot see
-them: ``setup`` raises an error naming the ways that work, rather than train without the budget.
-Other strategies are left alone with a warning (``unsupported``). A model that checkpoints already
-is taken over (``take_over``).
-"""
+"""The Lightning strategies ``AutoRemat`` plans under, and the ones it refuses (FSDP1, DeepSpeed: they hold
+state where the profile cannot see it) or leaves alone with a warning (``unsupported``)."""
 
 from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 
-from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.sharded import FSDP1_HINT
 
 
 def refuse_fsdp1(trainer: Trainer) -> None:
-    """Lightning's FSDPStrategy (FSDP1) wraps the model in flat parameters the profile cannot see:
-    an error naming the ways that work, rather than a run without the budget."""
+    """Lightning's FSDPStrategy (FSDP1): flat parameters the profile cannot see; an error naming the ways that work."""
     from lightning.pytorch.strategies import FSDPStrategy
 
     from ...core.errors import UnsupportedShardingError
@@ -30,9 +23,7 @@ def refuse_fsdp1(trainer: Trainer) -> None:
 
 
 def refuse_deepspeed(trainer: Trainer) -> None:
-    """DeepSpeed partitions and offloads parameters, gradients and optimizer state in its own engine,
-    which the profile cannot see: an error naming the ways that work, as Accelerate's refusal does,
-    rather than a run without the budget."""
+    """DeepSpeed keeps its state in its own engine, which the profile cannot see: an error naming the ways that work."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from ...core.errors import UnsupportedSetupError
@@ -58,13 +49,3 @@ def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
                 "ModelParallelStrategy (FSDP2) are)")
     return None
 
-
-def take_over(pl_module: LightningModule) -> None:
-    """The user gave ``AutoRemat`` a budget: Hugging Face's own gradient checkpointing is turned off (one
-    warning says so) and the plan recomputes instead; a torch ``checkpoint_wrapper`` (which cannot be taken
-    off without renaming parameters) is refused before training (``AlreadyCheckpointedError``)."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    took_over = take_over_checkpointing(pl_module, "AutoRemat")
-    if took_over:
-        rank_zero_warn(took_over)
