@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,30 +21,10 @@ from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
-from .channel import Channel, torch_distributed_channel, travelling
-from .plan_figures import FALLBACK_PLAN, MEASURED_TIME_NOTE, METRIC_PREFIX, over_budget, plan_metrics
+from .channel import Channel, torch_distributed_channel
+from .plan_figures import MEASURED_TIME_NOTE
 from .sharded import fsdp2_sharded, refuse_fsdp1
 from .sharded_planning import lockstep_plan
-
-@dataclass
-class PlanOutcome:
-    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel."""
-
-    plan: dict[str, Any] | None = None
-    error: BaseException | None = None
-
-    @classmethod
-    def failed(cls, error: BaseException) -> "PlanOutcome":
-        return cls(error=travelling(error, rank=0, action="planning"))
-
-    def result(self) -> Plan:
-        """The plan, or the error raised."""
-        if self.error is not None:
-            raise self.error
-        if self.plan is None:
-            raise PlanningFailedError("rank 0 sent no plan")
-        return Plan.from_dict(self.plan)
-
 
 def is_main_process() -> bool:
     """Rank 0 of an initialised ``torch.distributed`` group, or a single process."""

@@ -132,10 +132,6 @@ class RematPlugin:
         return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
                                                gradient_buckets=buckets))
 
-    def budget_bytes(self, device: Any = None) -> int | str:
-        """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""
-        return Budget.parse(self.budget).resolve(device=device)
-
 
 @dataclass
 class LoopFacts:
