@@ -75,9 +75,7 @@ class ShapeProfiles:
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
         """Take a step measured under ``plan`` (default: the installed one) into account; True if the plans are re-solved.
-
-        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank.
-        """
+        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank."""
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
         reprice = seconds is not None and self.config.cost == "time" and not self._timed
@@ -108,9 +106,8 @@ class ShapeProfiles:
             anchor_shape, anchor = self.anchor
             self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
         elif self.fit is None:
-            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
-            # stretched to the first batch's layout (a key appeared), so no fake node can be
-            # compared with its anchor: start at ``key``, anchored on its own fake node.
+            # Nothing was profiled (a seeded plan), or this batch cannot be stretched to the first batch's
+            # layout: start at ``key``, anchored on its own fake node.
             node = self._fake_profile(batch, key)
             self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
         for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):

@@ -1,6 +1,6 @@
 """``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget. The
-Trainer builds its own ``Accelerator``, never given to a callback: the callback hands the model, with what it
-knows of the loop (``LoopFacts``), to the Accelerate session at ``on_train_begin``."""
+Trainer's own ``Accelerator`` is never given to a callback: it hands the model, with what it knows of the loop
+(``LoopFacts``), to the Accelerate session at ``on_train_begin``."""
 
 from __future__ import annotations
 
@@ -27,18 +27,9 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
     does, refuses and takes over: docs/accelerate.md, "The Hugging Face Trainer".
 
     Example:
-        >>> import os; os.environ["ACCELERATE_REMAT_BUDGET"] = "2GB"
-        >>> callback = RematTrainerCallback()        # the budget from the environment
-        >>> callback.remat_plugin.budget, callback.remat_plugin.profile_steps
-        ('2GB', 1)
-        >>> RematTrainerCallback(budget="min", cost="flops").remat_plugin.budget   # an explicit value wins
-        'min'
-        >>> del os.environ["ACCELERATE_REMAT_BUDGET"]
-        >>> RematTrainerCallback(budget="ten")
-        Traceback (most recent call last):
-        ValueError: lightning-remat: invalid RematPlugin(budget='ten'): Invalid memory budget 'ten': ...
-        >>> RematTrainerCallback(budget="1GB").state()["attributes"]   # what a checkpoint keeps: the plans, none yet
-        {'remat_plans': {'plan': None, 'plans': []}}
+        >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
+        >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
+        ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,

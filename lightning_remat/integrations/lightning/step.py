@@ -1,8 +1,5 @@
-"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles.
-
-The callbacks and the command line all profile or try a LightningModule through this one place; under
-manual optimization ``manual_step_closure`` makes the same closure of a step that runs backward itself.
-"""
+"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles (the callbacks'
+and the command line's one place); ``manual_step_closure`` for a step that runs backward itself."""
 
 from __future__ import annotations
 
@@ -53,10 +50,8 @@ def logging_muted(module: nn.Module) -> Iterator[None]:
 
 def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` running ``module.training_step(batch, batch_idx)`` and returning its loss.
-
-    ``module`` is the LightningModule or its fake-tensor twin. With a ``trainer``, the step runs in its
-    precision plugin's training context (autocast), as a real training step does.
+    """``step(module)`` running ``module.training_step(batch, batch_idx)`` (``module``: the LightningModule or its
+    fake twin; with a ``trainer``, in its precision plugin's context) and returning its loss.
 
     Example:
         >>> import lightning.pytorch as L
@@ -149,13 +144,9 @@ class _BackwardDone(torch.autograd.Function):
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` for a LightningModule under manual optimization.
-
-    ``self.manual_backward(loss)`` runs backward where it is called, as in training; the optimizers' and
-    schedulers' ``step()`` do nothing (given a closure, an optimizer runs it), so the call changes no parameter,
-    state or schedule. It returns a loss whose backward does nothing more; the profile counts every optimizer's
-    state and step itself. Several ``manual_backward`` calls (a GAN) are profiled as they run.
-    """
+    """``step(module)`` under manual optimization: ``self.manual_backward(loss)`` runs backward where it is called,
+    the optimizers' and schedulers' ``step()`` do nothing (a closure given still runs), and the loss returned has a
+    backward that does nothing more (the profile counts every optimizer's state and step itself)."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
