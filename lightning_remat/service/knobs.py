@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..core.binding import HEAD, with_optimizer_setting
-from ..core.errors import BudgetTooSmallError, RematError
+from ..core.errors import RematError
 from ..core.sharding import smallest_world_size
 from ..core.solve import least_peak, solve
 
@@ -148,7 +148,3 @@ def knob_figures(context: KnobContext) -> list[dict[str, Any]]:
                           "fits": int(peak) <= context.budget_bytes})
     return found
 
-
-def advise(error: BudgetTooSmallError, context: KnobContext) -> BudgetTooSmallError:
-    """``error`` with the knobs' figures added (``BudgetTooSmallError.with_knobs``)."""
-    return error.with_knobs(knob_figures(context))

@@ -29,14 +29,9 @@ def fsdp2_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def fsdp1_wrapped(model: nn.Module) -> bool:
-    """Whether ``model`` is or holds an FSDP1 ``FullyShardedDataParallel`` wrapper."""
-    return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
-
-
 def refuse_fsdp1(model: nn.Module, where: str) -> None:
     """Raise ``UnsupportedShardingError`` if ``model`` is wrapped by FSDP1."""
-    if fsdp1_wrapped(model):
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UnsupportedShardingError(f"{where}: the model is wrapped by FSDP1 (FullyShardedDataParallel), whose "
                                        "flat parameters and forward cannot be profiled or wrapped. " + FSDP1_HINT)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,22 +14,10 @@ from .channel import Channel, failed_out_of_memory, first_error
 from .sharded import merge_profiles
 
 
-class _Planner(Protocol):
-    """What lockstep planning needs of ``planning.Planner``."""
-
-    config: Any
-
-    def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None,
-                **kwargs: Any) -> Any: ...
-
-    def solve_profile(self, model: nn.Module, profile: Any) -> Plan: ...
-
-    def fallback_plan(self, model: nn.Module, reason: str) -> Plan: ...
-
-
-def lockstep_plan(planner: _Planner, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
+def lockstep_plan(planner: Any, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
                   channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
-    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all.
+    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all
+    (``planner``: a ``planning.Planner``, its ``profile``, ``solve_profile`` and ``fallback_plan``).
 
     With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
 

@@ -13,7 +13,8 @@ from ...core.allowances import USER_LOSS_OUTPUT_COPIES
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment
 from ...core.shapes import Shape
-from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, tensor_leaves, with_loop_references
+from ...runtime.profiling.batch_shape import batch_tensors
+from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, with_loop_references
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class FirstCall:
         args, kwargs = self.template.inputs()
         output = model(*args, **kwargs)
         own = scalar_loss(output)
-        floats = [t for t in tensor_leaves(output) if t is not own and t.is_floating_point()]
+        floats = [t for t in batch_tensors(output) if t is not own and t.is_floating_point()]
         outputs = [t for t in floats if t.requires_grad]
         if torch.is_grad_enabled():  # (the profile also runs forwards without gradients)
             self.seen[self.shape] = (own is not None, sum(t.numel() * t.element_size() for t in outputs))

@@ -23,7 +23,7 @@ from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
-from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
+from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class RematSession:
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
         self.run = RunLifecycle(RunHost(
-            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, summary=True,
-            accumulation=lambda: self._config().profile.accumulation_steps, info=self._show,
+            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer,
+            accumulation=lambda: self._config().profile.accumulation_steps, info=self._show, summary=True,
             log=lambda figures: self.loop.log(figures, self.observed_steps),
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
         self.plans: list[Plan] = self.run.plans
@@ -121,7 +121,7 @@ class RematSession:
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
             return
-        leaves = tensor_leaves(output)
+        leaves = batch_tensors(output)
         if self.phase == "observe" and self._current is not None:
             call = self._current
             loss = scalar_loss(output)

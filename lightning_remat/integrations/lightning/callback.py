@@ -25,7 +25,7 @@ from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
-from .trainer_terms import config_for, loop_allowance, trainer_optimizers
+from .trainer_terms import config_for, loop_allowance
 
 
 class AutoRemat(Callback):
@@ -71,7 +71,7 @@ class AutoRemat(Callback):
         # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
         self.run = RunLifecycle(RunHost(
             None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
-            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: trainer_optimizers(self._trainer),
+            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: list(self._trainer.optimizers),
             accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
             info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
         self._saved_plans: dict[Shape, Plan] = {}
@@ -84,10 +84,6 @@ class AutoRemat(Callback):
     def shape_plans(self) -> Any:
         """The fit's ``ShapePlans`` (plans that follow the batch's shape, from its first batch), or None."""
         return self.run.shape_plans
-
-    @shape_plans.setter
-    def shape_plans(self, plans: Any) -> None:
-        self.run.shape_plans = plans
 
     @property
     def profile_count(self) -> int:
@@ -113,7 +109,7 @@ class AutoRemat(Callback):
             return
         # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
         take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)
-        self.shape_plans = None
+        self.run.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
@@ -197,7 +193,7 @@ class AutoRemat(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
         self.plan, self._saved_plans = plan, dict(plans)
-        self.shape_plans = None
+        self.run.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
         self.run.measure_in = None
@@ -230,7 +226,7 @@ class AutoRemat(Callback):
         if not isinstance(budget, int):  # "min": the plan's least peak, once there is a plan
             budget = self.plan.budget_bytes if self.plan is not None else None
         if budget is not None:
-            self.loop_peaks.check(loop, pl_module, batch, trainer_optimizers(trainer), budget)
+            self.loop_peaks.check(loop, pl_module, batch, list(trainer.optimizers), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """FSDP2 (no fake twin): the first batch, and one larger than the plan's, is profiled on every rank in lockstep."""

@@ -1,4 +1,4 @@
-"""What a Lightning ``Trainer`` adds to a step's memory for ``AutoRemat``: optimizers, loop scalars, accumulation, DDP."""
+"""What a Lightning ``Trainer`` adds to a step's memory for ``AutoRemat``: loop scalars, accumulation, DDP."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.config import RematConfig
 
 LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
-
-
-def trainer_optimizers(trainer: Trainer) -> list:
-    """Every optimizer of the run (several under manual optimization): each one's state and step count."""
-    return list(trainer.optimizers)
 
 
 def loop_allowance(profile: Any) -> Any:
