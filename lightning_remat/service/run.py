@@ -116,7 +116,6 @@ class RunLifecycle:
         self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.shape_plans: Any = None
-        self.measured_peak_bytes: int | None = None
         self.profiles = 0  # profiling passes run for the run's plans (real and fake)
         self.measure_in: int | None = None  # batches until the measured window starts (batch-driven hosts)
         self._window_left = 0
@@ -199,7 +198,6 @@ class RunLifecycle:
             measured["remat/measured_reserved_bytes"] = float(channel.max(window.meter.reserved_bytes))
         run = {k: max(v, self.metrics.get(k, 0)) for k, v in measured.items()}  # the run's largest
         self.metrics.update(run)
-        self.measured_peak_bytes = peak
         self.host.log(run if self.host.summary else measured)
         plan = window.plan
         calibrated = window.calibrate(self.shape_plans, peak, timed=True)

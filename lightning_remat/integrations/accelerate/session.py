@@ -58,7 +58,7 @@ class RematSession:
         self.plan: Plan | None = None
         self.run = RunLifecycle(RunHost(
             model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer,
-            accumulation=lambda: self._config().profile.accumulation_steps, info=self._show, summary=True,
+            accumulation=self._accumulation, info=self._show, summary=True,
             log=lambda figures: self.loop.log(figures, self.observed_steps),
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
         self.plans: list[Plan] = self.run.plans
@@ -223,7 +223,7 @@ class RematSession:
         if self.phase == "observe" and self._window is None and (self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
         elif self.phase == "measure" and self._measured is None and self._steady():
-            self._measured = self.run.window(batches=self._config().profile.accumulation_steps)
+            self._measured = self.run.window(batches=self._accumulation())
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Plan the first training forward on fake tensors from its inputs (``first_call``). Its head and loss stay
@@ -286,9 +286,14 @@ class RematSession:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        """``RematPlugin.loop_config`` for this loop, with ``profile``'s fields."""
-        config = self.plugin.loop_config(self.loop.accumulation(), self.loop.processes(), fsdp2_sharded(self.model))
-        return replace(config, profile=replace(config.profile, **profile)) if profile else config
+        """The plugin's settings with the loop's accumulation, DDP's buckets (not FSDP2) and ``profile``'s fields."""
+        config = self.plugin.config()
+        buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model)
+        return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
+                                               gradient_buckets=buckets, **profile))
+
+    def _accumulation(self) -> int:
+        return max(1, int(self.loop.accumulation() or 1))
 
     def _finish_measurement(self) -> None:
         measured, self._measured = self._measured, None
