@@ -18,10 +18,10 @@ from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import made_for_other, outgrows
 from ...runtime.installing.takeover import take_over_checkpointing
+from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
-from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
 from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
@@ -71,7 +71,7 @@ class AutoRemat(Callback):
         # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
         self.run = RunLifecycle(RunHost(
             None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
-            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: list(self._trainer.optimizers),
+            channel=self._channel, optimizers=lambda: list(self._trainer.optimizers),
             accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
             info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
         self._saved_plans: dict[Shape, Plan] = {}
@@ -230,7 +230,7 @@ class AutoRemat(Callback):
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """FSDP2 (no fake twin): the first batch, and one larger than the plan's, is profiled on every rank in lockstep."""
-        channel = lightning_channel(trainer)
+        channel = self._channel()
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
                 check_installed(pl_module, self.plan, f"(AutoRemat, batch {batch_idx})")  # kept: checked, not assumed
@@ -260,6 +260,10 @@ class AutoRemat(Callback):
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
+
+    def _channel(self) -> Any:
+        """The ranks of the fit: the strategies AutoRemat plans under (DDP, FSDP2) run over torch.distributed."""
+        return torch_distributed_channel(self._trainer.strategy.root_device) if self._trainer.world_size > 1 else Channel()
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         for logger in self._trainer.loggers:
