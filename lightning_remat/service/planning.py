@@ -23,8 +23,7 @@ from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, re
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, torch_distributed_channel
 from .plan_figures import MEASURED_TIME_NOTE
-from .sharded import fsdp2_sharded, refuse_fsdp1
-from .sharded_planning import lockstep_plan
+from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     """Warn when a CUDA budget is above what this process can still get, so it cannot bind."""
