@@ -19,7 +19,7 @@ from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..core.profile_algebra import combine, largest
 from ..runtime.measuring.measure import Step
-from .channel import Channel, failed_out_of_memory, first_error
+from .channel import Channel
 
 FSDP1_HINT = ("Use FSDP2 instead (torch.distributed.fsdp.fully_shard; in Lightning ModelParallelStrategy with "
               "fully_shard in configure_model; in Accelerate FullyShardedDataParallelPlugin(fsdp_version=2)), "
@@ -82,8 +82,9 @@ def lockstep_plan(planner: Any, model: nn.Module, step: Step, optimizer: torch.o
     results = channel.outcomes(lambda: planner.profile(model, step, optimizer, **kwargs), action="profiling")
 
     def decide() -> dict:
-        failed = first_error(results)
-        if failed is not None and fallback and any(failed_out_of_memory(error) for _, error in results):
+        failed = next((error for _, error in results if error is not None), None)  # the first rank's
+        # ``travelling`` marks an out-of-memory error of a rank.
+        if failed is not None and fallback and any(getattr(error, "out_of_memory", False) for _, error in results):
             return planner.fallback_plan(model, str(failed)).to_dict()
         if failed is not None:
             raise failed
