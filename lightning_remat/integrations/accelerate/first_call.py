@@ -12,43 +12,29 @@ from torch import nn
 from ...core.allowances import USER_LOSS_OUTPUT_COPIES
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment
-from ...core.shapes import Shape
 from ...runtime.profiling.batch_shape import batch_tensors
 from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, with_loop_references
 
 
 @dataclass(frozen=True)
-class FirstCall:
-    """A training forward whose backward has not run: its inputs (as ``CallTemplate``) and, once re-run,
-    ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
+class FirstCall(CallTemplate):
+    """A training forward whose backward has not run: a ``CallTemplate`` (stretched as one, sharing ``seen``) and,
+    once re-run, ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
 
     >>> call = FirstCall.of((torch.randn(4, 8),), {})
     >>> call.loss(nn.Linear(8, 3)).shape, call.seen[call.shape]   # no loss of its own: the surrogate
     (torch.Size([]), (False, 48))
     """
 
-    template: CallTemplate
     seen: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "FirstCall":
-        return cls(CallTemplate.of(RecordedCall(args=args, kwargs=dict(kwargs))))
-
-    @property
-    def shape(self) -> Shape:
-        return self.template.shape
-
-    def at(self, shape: Shape) -> "FirstCall":
-        """The call stretched to ``shape`` (sharing ``seen``)."""
-        return replace(self, template=self.template.at(shape))
-
-    def following(self, args: tuple, kwargs: dict, shape: Shape | None = None) -> "FirstCall":
-        """The call at the shape of another call (``CallTemplate.following``; sharing ``seen``)."""
-        return replace(self, template=self.template.following(args, kwargs, shape))
+    def of(cls, args: tuple, kwargs: dict) -> "FirstCall":  # type: ignore[override]
+        return super().of(RecordedCall(args=args, kwargs=dict(kwargs)))
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model``: its own loss, else a surrogate over every output requiring a gradient."""
-        args, kwargs = self.template.inputs()
+        args, kwargs = self.inputs()
         output = model(*args, **kwargs)
         own = scalar_loss(output)
         floats = [t for t in batch_tensors(output) if t is not own and t.is_floating_point()]
