@@ -40,11 +40,6 @@ class ShapePlanCounts:
     calibrations: int = 0
 
 
-def _signature(plan: Plan) -> tuple:
-    """What an installed plan changes on the model: two plans with the same actions are one installation."""
-    return tuple(plan.actions)
-
-
 class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
@@ -110,7 +105,8 @@ class ShapePlans(ShapeProfiles):
     def use(self, batch: Any) -> Plan:
         """Install the plan for ``batch``'s shape (if not installed already), check it is installed, and return it."""
         plan = self.plan(batch)
-        if self.installed is None or _signature(plan) != _signature(self.installed):
+        # Two plans with the same actions are one installation.
+        if self.installed is None or tuple(plan.actions) != tuple(self.installed.actions):
             self.install(self.model, plan)
             self.counts.installs += 1
         self.installed = plan
