@@ -55,9 +55,9 @@ def test_the_lookups_read_the_one_table():
 def test_every_byte_allowance_is_named_in_one_table_with_its_old_value():
     from lightning_remat.core.allowances import ALLOWANCES
     from lightning_remat.integrations.accelerate import recorded_call
-    from lightning_remat.integrations.lightning import trainer_terms
+    from lightning_remat.integrations.lightning import strategies
     from lightning_remat.runtime.profiling import profile
 
     assert dict(ALLOWANCES) == {"ddp_reducer": 1024, "lightning_loop": 1024, "accelerate_loop": 2048, "real_profile": 65536}
-    assert (profile.DDP_REDUCER_ALLOWANCE, trainer_terms.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
+    assert (profile.DDP_REDUCER_ALLOWANCE, strategies.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
         ALLOWANCES["ddp_reducer"], ALLOWANCES["lightning_loop"], ALLOWANCES["accelerate_loop"])

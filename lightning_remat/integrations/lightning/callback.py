@@ -24,8 +24,7 @@ from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import refuse_deepspeed, refuse_fsdp1, unsupported
-from .trainer_terms import config_for, loop_allowance
+from .strategies import config_for, loop_allowance, refuse_deepspeed, refuse_fsdp1, unsupported
 
 
 class AutoRemat(Callback):

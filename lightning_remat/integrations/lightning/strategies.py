@@ -1,11 +1,19 @@
-"""The Lightning strategies ``AutoRemat`` plans under, and the ones it refuses (FSDP1, DeepSpeed: they hold
-state where the profile cannot see it) or leaves alone with a warning (``unsupported``)."""
+"""The Lightning ``Trainer`` as ``AutoRemat`` sees it: the strategies it plans under, refuses (FSDP1, DeepSpeed:
+they hold state where the profile cannot see it) or leaves alone (``unsupported``), and what the Trainer adds to
+a step's memory (loop scalars, accumulation, DDP's buckets)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from lightning.pytorch import LightningModule, Trainer
 
+from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
+from ...core.config import RematConfig
 from ...service.sharded import FSDP1_HINT
+
+LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
 
 def refuse_fsdp1(trainer: Trainer) -> None:
@@ -49,3 +57,19 @@ def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
                 "ModelParallelStrategy (FSDP2) are)")
     return None
 
+
+def loop_allowance(profile: Any) -> Any:
+    """The profile with the scalars Lightning's loop keeps alive through a step (``core.allowances``)."""
+    from ...runtime.profiling.profile_adjust import with_always_alive
+
+    return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
+                             "Lightning's loop keeps alive through a step; counted in every term")
+
+
+def config_for(config: RematConfig, trainer: Trainer) -> RematConfig:
+    """``config`` with what ``trainer`` adds: gradient accumulation and DDP's gradient buckets."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return replace(config, profile=replace(
+        config.profile, accumulation_steps=max(1, trainer.accumulate_grad_batches),
+        gradient_buckets=isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1))
