@@ -58,7 +58,8 @@ class FirstCall(CallTemplate):
 
 @dataclass(frozen=True)
 class ObservedCall:
-    """The observed call as ``ShapePlans`` sees a batch: its real inputs, stretched through its ``CallTemplate``."""
+    """The observed call as ``ShapePlans`` sees a batch: its real inputs (made outside the profiled step, as in
+    training: a template's zeros would count in it), stretched through its ``CallTemplate``."""
 
     call: RecordedCall
     shape: Any
@@ -94,6 +95,4 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     loss = Segment("outside the model: the user's loss (an allowance until a step is observed)", n, base + nbytes)
     note = (f"planned before the first step, whose loss is computed outside the model: it is allowed "
             f"{format_bytes(nbytes)} ({USER_LOSS_OUTPUT_COPIES} copies of the model's outputs) at the end of forward")
-    result = replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note))
-    result = result.with_baseline()
-    return result
+    return replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note)).with_baseline()

@@ -285,9 +285,7 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
     note = (f"the observed training step peaked {format_bytes(observed_peak - predicted)} above the profile of the "
             "model alone (code outside the model, such as the loss); counted at the end of forward")
     notes = (*profile.notes, note) if observed_peak - predicted > predicted // 200 else profile.notes
-    calibrated = replace(profile, segments=(*profile.segments, outside), notes=notes)
-    calibrated = calibrated.with_baseline()
-    return calibrated
+    return replace(profile, segments=(*profile.segments, outside), notes=notes).with_baseline()
 
 
 def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:
