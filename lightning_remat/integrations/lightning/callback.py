@@ -85,11 +85,6 @@ class AutoRemat(Callback):
         return self.run.shape_plans
 
     @property
-    def profile_count(self) -> int:
-        """Profiling passes run for the plans (real and fake)."""
-        return self.run.profiles
-
-    @property
     def state_key(self) -> str:
         # A plan belongs to a budget: a run resumed with another budget plans again.
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
