@@ -30,6 +30,7 @@ CI_DISTRIBUTED = {
     "test_sharded.py": "test_prediction_matches_a_real_two_process_fully_shard_run",  # FSDP2, 2 ranks: 24 s
 }
 SLOW = {
+    "test_residual_parts.py": ("test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_equal_gradients",),  # 5 s (two profiles)
     "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",),  # 7 s loaded (two runs)
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s

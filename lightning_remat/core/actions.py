@@ -86,8 +86,9 @@ class StageAction:
 
     @classmethod
     def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
-                  offload_input: bool = False) -> "StageAction":
-        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input)
+                  offload_input: bool = False, extra: Any = ()) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input,
+                   extra=extra)
 
     @classmethod
     def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":

@@ -53,6 +53,8 @@ class StageOption:
     held_before: tuple[tuple[str, int], ...] = ()
     # "fused:k": the chunks' gradients computed in forward, nothing recomputed (``runtime.installing.fused_loss``).
     fused: bool = False
+    # "parts", "whole+parts": a residual block run as checkpointed parts (``runtime.installing.residual_parts``).
+    parts: bool = False
 
     def cost(self, kind: str) -> float:
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)

@@ -32,6 +32,8 @@ class Prediction:
 
 
 def _does(option: StageOption, action: StageAction) -> bool:
+    if option.parts != bool(dict(action.extra).get("residual_parts")):
+        return False
     if action.action is Action.KEEP:
         return not option.checkpointed and not option.offloaded and not option.chunks
     if action.action in (Action.CHUNK, Action.FUSE):
@@ -121,6 +123,7 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     actions = []
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         option = stage.options[c]
+        parts = (("residual_parts", True),) if option.parts else ()
         if stage.call and not (k in segment_of or k in block_at):
             continue  # a later place of a module: its first place's action stands for it
         if k in block_at:
@@ -136,7 +139,7 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
             actions.append((StageAction.fuse if option.fused else StageAction.chunk)(stage.name, option.chunks))
         elif option.checkpointed:
             actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
-                                                 offload_input=option.input_offloaded))
+                                                 offload_input=option.input_offloaded, extra=parts))
         else:
-            actions.append(StageAction.keep(stage.name))
+            actions.append(StageAction(stage.name, extra=parts))
     return tuple(actions)

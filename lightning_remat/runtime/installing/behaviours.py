@@ -13,10 +13,11 @@ from .input_offload import INPUT_OFFLOAD
 from .offload import OFFLOAD
 from .recompute import RECOMPUTE
 from .records import BEHAVIOURS, register
+from .residual_parts import RESIDUAL_PARTS
 from .sac import OpPolicy
 from .segments import SEGMENT
 
 __all__ = ["BEHAVIOURS"]
 
-for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT):
+for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT, RESIDUAL_PARTS):
     register(_behaviour)

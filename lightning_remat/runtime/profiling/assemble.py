@@ -10,6 +10,7 @@ from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
 from .memory_run import MemoryRun
+from .residual_twins import PARTS_OPTIONS, priced_modules
 
 
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
@@ -34,7 +35,9 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op, compiled)
+            parts = option in PARTS_OPTIONS
+            priced = priced_modules(name, option, modules) if parts else wrap[name]
+            seconds, flops, roofline = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds * share,
@@ -45,7 +48,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
                 input_offloaded=option == OFFLOAD_INPUT,
                 shared_held=(runs[option].shared or [()] * (i + 1))[i],
-                held_before=(runs[option].held_before or [()] * (i + 1))[i]))
+                held_before=(runs[option].held_before or [()] * (i + 1))[i], parts=parts))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),
