@@ -96,3 +96,18 @@ def test_a_block_whose_forward_is_not_torchvisions_gets_no_twin():
     torch.manual_seed(0)
     assert twin_stages(TwoBottlenecks().train(), step, ["layer1.0", "layer1.1"]) == ["layer1.0", "layer1.1"]
     assert twin_stages(TwoBottlenecks(Scaled).train(), step, ["layer1.0", "layer1.1"]) == []
+
+
+def test_the_twin_runs_the_blocks_children_in_the_models_own_order():
+    # What user hooks see does not change: a forward hook on every child fires in torchvision's order.
+    from lightning_remat.runtime.installing.residual_parts import twin_forward
+
+    downsample = nn.Sequential(nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16))
+    block, x = Bottleneck(8, 4, downsample=downsample).eval(), torch.randn(1, 8, 4, 4)
+    seen = []
+    for name, child in block.named_children():
+        child.register_forward_hook(lambda *_, name=name: seen.append(name))
+    block(x)
+    plain, seen[:] = list(seen), []
+    twin_forward(block, x, checkpointed=False)
+    assert seen == plain and plain.index("downsample") > plain.index("bn3")

@@ -68,11 +68,12 @@ def twin_forward(module: nn.Module, x: torch.Tensor, checkpointed: bool = True) 
         return checkpoint(functools.partial(_run, module, fn), *args, use_reentrant=False, preserve_rng_state=True)
 
     pairs = parts_of(module)
-    downsample = getattr(module, "downsample", None)
-    identity = x if downsample is None else run(downsample, x)
     out = x
     for i, (conv, norm) in enumerate(pairs):
         out = run(_part(conv, norm, None if i == len(pairs) - 1 else module.relu), out)
+    # After the parts, as torchvision's forward runs it: hooks on the children fire in the model's own order.
+    downsample = getattr(module, "downsample", None)
+    identity = x if downsample is None else run(downsample, x)
     # Out of place: the last part's output is a checkpoint's; the ReLU then changes the fresh sum only.
     return module.relu(out + identity)
 
