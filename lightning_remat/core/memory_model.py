@@ -51,6 +51,8 @@ class StageOption:
     # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
+    # Settings of behaviours the option installs besides its action, as ``StageAction.extra`` (a tiled MLP's).
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def cost(self, kind: str) -> float:
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
@@ -177,7 +179,8 @@ class Profile:
             StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
                                                            "offloaded": tuple(o.get("offloaded", ())),
                                                            "shared_held": _pairs(o.get("shared_held", ())),
-                                                           "held_before": _pairs(o.get("held_before", ()))})
+                                                           "held_before": _pairs(o.get("held_before", ())),
+                                                           "extra": tuple((str(k), v) for k, v in o.get("extra", ()))})
                                               for o in s["options"])})
             for s in data["stages"]
         )

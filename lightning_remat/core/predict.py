@@ -6,7 +6,7 @@ Each action is matched to the profile's option that does it, and priced with the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
@@ -32,6 +32,8 @@ class Prediction:
 
 
 def _does(option: StageOption, action: StageAction) -> bool:
+    if dict(option.extra) != dict(action.extra):  # a behaviour's setting the option was (not) measured with
+        return False
     if action.action is Action.KEEP:
         return not option.checkpointed and not option.offloaded and not option.chunks
     if action.action is Action.CHUNK:
@@ -139,4 +141,6 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
                                                  offload_input=option.input_offloaded))
         else:
             actions.append(StageAction.keep(stage.name))
+        if option.extra and k not in segment_of and k not in block_at:
+            actions[-1] = replace(actions[-1], extra=dict(option.extra))
     return tuple(actions)

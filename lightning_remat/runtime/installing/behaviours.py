@@ -1,8 +1,8 @@
 """The built-in behaviours, registered in the order they compose (outermost first).
 
 Example:
-    >>> [b.name for b in BEHAVIOURS][:6]
-    ['chunked_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment']
+    >>> [b.name for b in BEHAVIOURS][:7]
+    ['chunked_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment', 'tile']
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from .recompute import RECOMPUTE
 from .records import BEHAVIOURS, register
 from .sac import OpPolicy
 from .segments import SEGMENT
+from .tiled_mlp import TILED_MLP
 
 __all__ = ["BEHAVIOURS"]
 
-for _behaviour in (ChunkedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT):
+for _behaviour in (ChunkedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT, TILED_MLP):
     register(_behaviour)

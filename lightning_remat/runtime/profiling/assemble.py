@@ -9,7 +9,9 @@ from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
+from ..installing.tiled_mlp import TILE
 from .memory_run import MemoryRun
+from .tiled_options import split_tiled, tiled_modules
 
 
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
@@ -34,16 +36,18 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
-            seconds, flops, roofline = option_costs(name, option, wrap[name], stats, peaks, seconds_per_op, compiled)
+            base, tiled = split_tiled(option)  # a tiled MLP costs one more forward of it (tiled_options.py)
+            seconds, flops, roofline = option_costs(name, option, (*wrap[name], *tiled_modules(name, tiled)), stats,
+                                                    peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds * share,
                 cost_flops=_part(flops, counts), policy=sac.policy_of(option), cost_roofline=roofline * share,
                 offloaded=(name,) if is_offload(option) else (),
                 host_bytes=int((runs[option].host_bytes or {}).get(name, 0) * share)
-                if is_offload(option) or option == OFFLOAD_INPUT else 0,
+                if is_offload(option) or base == OFFLOAD_INPUT else 0,
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
-                input_offloaded=option == OFFLOAD_INPUT,
+                input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
                 shared_held=(runs[option].shared or [()] * (i + 1))[i],
                 held_before=(runs[option].held_before or [()] * (i + 1))[i]))
         s = stats[name]

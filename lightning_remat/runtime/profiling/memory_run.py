@@ -14,6 +14,7 @@ from ...core.errors import RematError
 from ...core.plan import Plan, StageAction
 from ..installing.apply import applied
 from ..installing.installer import input_offload_of
+from ..installing.tiled_mlp import with_tiles
 from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
@@ -50,9 +51,9 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
-                offload_inputs: bool = False) -> MemoryRun:
+                offload_inputs: bool = False, tiled: dict[str, str] | None = None) -> MemoryRun:
     # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``chunked``:
-    # loss_stage.py; ``offload_inputs``: input_offload.py.
+    # loss_stage.py; ``offload_inputs``: input_offload.py; ``tiled``: stage -> its tiled MLP (tiled_mlp.py).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -67,9 +68,9 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
-    plan = Plan([StageAction.chunk(h, k) for h, k in chunked.items()] if chunked else
-                [StageAction.recompute(m, policy=None if offload_inputs else policy or None, offload_input=offload_inputs)
-                 for m in wrapped])
+    plan = Plan(with_tiles([StageAction.chunk(h, k) for h, k in chunked.items()] if chunked else
+                           [StageAction.recompute(m, policy=None if offload_inputs else policy or None,
+                                                  offload_input=offload_inputs) for m in wrapped], tiled or {}))
     host: dict[str, int] | None = None
     with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \

@@ -48,6 +48,7 @@ from .optimizer_step import optimizer_step_alternatives, optimizer_step_alternat
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import alternatives_in_depth, repeated_profile
 from .stage_options import measure_options, option_wraps, span_groups
+from .tiled_options import add_tiled_options, tiled_settings
 
 # What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
 COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
@@ -261,6 +262,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host.
             wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
+        tiled, tile_note = tiled_settings(model, step, observed.order, replay) if options.tile_mlp else ({}, "")
+        add_tiled_options(wraps, tiled)
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -282,7 +285,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     assembled = replace(assembled, span_groups=tuple(g for g in groups if not several & set(g)),
                         blocks=tuple(b for b in found.blocks if not several & set(b[1])))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
-    profile = profile.noted(COMPILED_NOTE) if compiled else profile
+    profile = profile.noted(*[n for n in (COMPILED_NOTE if compiled else "", tile_note) if n])
     profile = profile.with_gap_figures(gap_figures(assembled, profile, runs, future_state))
     return with_head_stage(profile, head, peaks.flops_per_second)
 
