@@ -178,7 +178,12 @@ def test_fake_planning_tiles_a_meta_model():
     profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss,
                            optimizer=torch.optim.AdamW(model.parameters()),
                            options=ProfileOptions(fake=True, device="cuda", gpu="h100", precision="bf16-true",
-                                                  tile_mlp=True))
+                                                  tile_mlp=True, offload=True))
+    # With the layer's checkpoint input on the host (ALST's recipe): the same host bytes as without tiling.
+    stage = profile.stages[0]
+    offloaded, tiled_offloaded = stage.option("whole+offload-input"), stage.option("whole+offload-input+tile:mlp:4")
+    assert tiled_offloaded.input_offloaded and tiled_offloaded.host_bytes == offloaded.host_bytes > 0
+    assert tiled_offloaded.local_peak_bytes < offloaded.local_peak_bytes
     tiled = solve(profile, "min", cost="flops")
     plain = solve(replace(profile, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.extra))
                                                 for s in profile.stages)), "min", cost="flops")

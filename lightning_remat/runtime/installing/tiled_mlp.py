@@ -52,6 +52,12 @@ def parse(setting: Any) -> tuple[str, int]:
 
 
 def child_name(stage: str, child: str) -> str:
+    """The module name of ``stage``'s child ``child`` (the model itself is stage "").
+
+    Example:
+        >>> child_name("model.layers.0", "mlp"), child_name("", "mlp")
+        ('model.layers.0.mlp', 'mlp')
+    """
     return f"{stage}.{child}" if stage else child
 
 
@@ -105,13 +111,18 @@ def pieces(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
 
     The positions of a batch are one sequence here: chunks along the second-last dim of a batch of several would
     not be contiguous, and a module that ``view``s its input refuses those.
+
+    Example:
+        >>> x = torch.arange(24.0).reshape(2, 3, 4)
+        >>> [p.shape[1] for p in pieces(x, 4)], torch.equal(joined(pieces(x, 4), x), x)
+        ([2, 2, 1, 1], True)
     """
     flat = x.reshape(1, -1, x.shape[-1]) if x.dim() > 2 else x.unsqueeze(0)
     return flat.tensor_split(min(chunks, flat.shape[1]), dim=1)
 
 
 def joined(outputs: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The outputs of ``pieces(x, ...)`` as one output of ``x``'s leading shape."""
+    """The outputs of ``pieces(x, ...)`` as one output of ``x``'s leading shape (``pieces`` has an example)."""
     return torch.cat(list(outputs), dim=1).reshape(*x.shape[:-1], -1)
 
 

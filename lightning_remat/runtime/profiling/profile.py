@@ -67,7 +67,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
                  policies: Sequence[str] | None = (), offload: bool = False, chunk_loss: bool = False,
-                 host_memory: int | str | None = None, options: ProfileOptions | None = None) -> Profile:
+                 host_memory: int | str | None = None, tile_mlp: bool = False,
+                 options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -97,7 +98,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory)
+        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory, tile_mlp=tile_mlp)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))

@@ -44,7 +44,12 @@ def split_tiled(name: str) -> tuple[str, str]:
 
 
 def tiled_modules(stage: str, setting: str) -> tuple[str, ...]:
-    """The module a tiled option runs again (its cost: one more forward of it), none for ""."""
+    """The module a tiled option runs again (its cost: one more forward of it), none for "".
+
+    Example:
+        >>> tiled_modules("model.layers.0", "mlp:16"), tiled_modules("model.layers.0", "")
+        (('model.layers.0.mlp',), ())
+    """
     return (child_name(stage, parse(setting)[0]),) if setting else ()
 
 
@@ -74,7 +79,17 @@ def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: C
                    ) -> tuple[dict[str, str], str]:
     """Per stage of ``order``, the tiled setting of its position-wise child (stages without one absent), and a note.
 
-    One forward of ``step`` without gradients, watching the children ``refusal`` accepts (every call of each)."""
+    One forward of ``step`` without gradients, watching the children ``refusal`` accepts (every call of each).
+
+    Example:
+        >>> class TinyMLP(nn.Sequential):
+        ...     pass
+        >>> net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(4), TinyMLP(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
+        ...                       for _ in range(2)])
+        >>> x = torch.randn(2, 64, 4)
+        >>> tiled_settings(net, lambda m: m(x).sum(), ["0", "1"], lambda: None)[0]  # 128 positions, chunks of 4
+        {'0': '1:32', '1': '1:32'}
+    """
     modules = dict(model.named_modules())
     seen: dict[str, list[tuple[str, int, bool]]] = {}  # stage -> per call: child, chunks, whether it holds
 
@@ -115,7 +130,14 @@ def _note(settings: dict[str, str], seen: dict[str, list], modules: dict[str, nn
 
 
 def add_tiled_options(wraps: dict[str, dict[str, tuple]], settings: dict[str, str]) -> None:
-    """Add to ``wraps`` (option -> stage -> modules recomputed) each base of ``BASES`` with the MLP tiled."""
+    """Add to ``wraps`` (option -> stage -> modules recomputed) each base of ``BASES`` with the MLP tiled.
+
+    Example:
+        >>> wraps = {"keep": {"h.0": (), "h.1": ()}, "whole": {"h.0": ("h.0",), "h.1": ("h.1",)}}
+        >>> add_tiled_options(wraps, {"h.0": "mlp:8", "h.1": "mlp:8"})
+        >>> wraps["whole+tile:mlp:8"]
+        {'h.0': ('h.0',), 'h.1': ('h.1',)}
+    """
     for base in [b for b in BASES if b in wraps]:
         for setting in sorted(set(settings.values())):
             stages = {s: wraps[base][s] for s, v in settings.items() if v == setting and s in wraps[base]}
