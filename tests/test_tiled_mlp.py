@@ -22,6 +22,7 @@ from lightning_remat.core.errors import BudgetTooSmallError, InvalidPlanError
 from lightning_remat.core.plan import Plan
 from lightning_remat.runtime.installing.installer import snapshot
 from lightning_remat.runtime.installing.verify import installed_actions
+from lightning_remat.runtime.profiling.tiled_options import tiled_settings
 from tests.torch_meter import TorchPeak
 
 transformers.logging.set_verbosity_error()
@@ -126,8 +127,9 @@ def test_only_what_is_position_wise_without_active_dropout_is_tiled():
     tiled, notes = _tiled_options(net, lambda m: m(x).square().mean())
     assert tiled == [] and "nothing is tiled" in notes[-1]
     model = _gpt2(dropout=0.1)  # GPT2MLP's dropout active in training: its masks over chunks would differ
-    tiled, _ = _tiled_options(model, _step)
-    assert tiled == []
+    assert tiled_settings(model, _step, ["transformer.h.0", "transformer.h.1"], lambda: None)[0] == {}
+    assert tiled_settings(model.eval(), _step, ["transformer.h.0"], lambda: None)[0] == {"transformer.h.0": "mlp:8"}
+    model.train()
     with pytest.raises(ValueError, match="dropout active"):
         apply_plan(model, _tiled("transformer.h", "keep", 4))
 
