@@ -20,6 +20,7 @@ from lightning_remat.core.actions import StageAction
 from lightning_remat.core.config import ProfileOptions
 from lightning_remat.core.errors import BudgetTooSmallError, InvalidPlanError
 from lightning_remat.core.plan import Plan
+from lightning_remat.core.predict import predict
 from lightning_remat.runtime.installing.installer import snapshot
 from lightning_remat.runtime.installing.verify import installed_actions
 from lightning_remat.runtime.profiling.tiled_options import tiled_settings
@@ -164,11 +165,17 @@ def test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted():
     measured = _steady_peak(model, optimizer)
     remove_remat(model)
     assert measured <= budget
-    print(f"least peak {untiled} untiled, {least} tiled; budget {budget}; predicted {plan.predicted_peak_bytes}, "
-          f"measured {measured}")
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)
     with pytest.raises(BudgetTooSmallError):
         solve(profile_step(model, _step, optimizer=optimizer), budget, cost="flops")
+    # Each tiled option alone on every layer: its measured peak is its prediction too.
+    for action in ("keep", "recompute"):
+        alone = _tiled("model.layers", action, 8)
+        predicted = predict(profile, alone.actions, "flops").peak_bytes
+        apply_plan(model, alone)
+        measured = _steady_peak(model, optimizer)
+        remove_remat(model)
+        assert abs(measured - predicted) <= 0.01 * measured, (action, measured, predicted)
 
 
 def test_fake_planning_tiles_a_meta_model():
