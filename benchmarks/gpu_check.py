@@ -10,7 +10,11 @@ the batched "foreach" step on CUDA), gradients set to None before every forward:
 - ``ours@50%``: ``plan_remat`` at static memory + 50% of the baseline's activation memory;
 - ``ours@hf``: ``plan_remat`` at the peak Hugging Face checkpointing measured (to compare overheads);
 - ``ours@50%+compile`` (GPT-2, Llama): the 50% plan, then ``torch.compile`` (inductor);
-- ``gpt2-lora``, ``llama-lora``: LoRA fine-tunes (PEFT, frozen base weights), no checkpointing and ours@50%.
+- ``gpt2-lora``, ``llama-lora``: LoRA fine-tunes (PEFT, frozen base weights), no checkpointing and ours@50%;
+- the features that had never run on a GPU (GPT-2, Llama; ``--no-features`` skips them): ``offload@30%``
+  (``offload=True``, static + 30% of the activations), ``sac@50%`` (op policy ``save_matmuls``), ``chunk@min``
+  (``chunk_loss=True`` at the least peak, the head chunked), ``fake@50%`` (planned on fake tensors for the
+  GPU), ``shapes@50%:L`` (``ShapePlans`` over batches of half and full length, each step measured).
 
 Measurement, over a steady window (after 2 warm-up steps, so AdamW's state exists): on CUDA, per
 step ``reset_peak_memory_stats`` then ``max_memory_allocated`` (what the budget means) and
@@ -22,7 +26,7 @@ or no GPU) the same code runs one small model, with MemTracker (``measure_step``
 
     python benchmarks/gpu_check.py                    # every model on the GPU, ~5 minutes on an H100
     python benchmarks/gpu_check.py --models gpt2 llama --steps 6
-    python benchmarks/gpu_check.py --smoke            # the CPU version the test suite runs
+    python benchmarks/gpu_check.py --smoke            # the CPU version the test suite runs (--models mlp llama)
 
 Exit code 0 when every feasible plan held its budget on allocated memory, 1 otherwise.
 """
@@ -49,7 +53,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_remat import BudgetTooSmallError, apply_plan, format_bytes, measure_step, plan_remat  # noqa: E402
+from lightning_remat import (BudgetTooSmallError, ShapePlans, apply_plan, format_bytes, measure_step,  # noqa: E402
+                             plan_remat)
 from lightning_remat.models import build  # noqa: E402
 
 # Sized so that activations are hundreds of MiB to several GiB on one GPU, and the whole run stays
@@ -62,9 +67,11 @@ GPU_MODELS: dict[str, dict[str, Any]] = {
     "resnet50": dict(batch_size=64, image_size=224),
     "mlp": dict(batch_size=8192, depth=24, width=1024),
 }
-SMOKE_MODELS: dict[str, dict[str, Any]] = {"mlp": dict(batch_size=64, depth=4, width=32)}
+SMOKE_MODELS: dict[str, dict[str, Any]] = {"mlp": dict(batch_size=64, depth=4, width=32),
+                                           "llama": dict(layers=2, hidden=64, seq_len=64, batch_size=4, vocab=128)}
 # Also run the plan at 50% under torch.compile (inductor) for these; and LoRA fine-tunes of these.
 COMPILED = ("gpt2", "llama")
+FEATURES = ("gpt2", "llama")  # language models: the chunked head and shape plans need token batches
 LORA = {"gpt2": dict(target_modules=["c_attn"], fan_in_fan_out=True), "llama": dict(target_modules=["q_proj", "v_proj"])}
 
 
@@ -163,12 +170,12 @@ def _fresh(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
-def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int | None, meter: Meter,
-          steps: int, compiled: bool = False) -> Row:
+def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int | str | None, meter: Meter,
+          steps: int, compiled: bool = False, **options: Any) -> Row:
     model, optimizer = _fresh(base)
-    row = Row(name, config, budget_bytes=budget)
+    row = Row(name, config, budget_bytes=budget if isinstance(budget, int) else None)
     try:
-        plan = plan_remat(model, step, budget, optimizer=optimizer, cost="time")
+        plan = plan_remat(model, step, budget, optimizer=optimizer, cost=options.pop("cost", "time"), **options)
     except BudgetTooSmallError as err:
         row.note = f"infeasible (least peak {format_bytes(err.smallest_peak_bytes)})"
         _dispose(model, optimizer)
@@ -176,6 +183,7 @@ def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int |
         return row
     apply_plan(model, plan)
     row.predicted_peak_bytes, row.checkpointed = plan.predicted_peak_bytes, len(plan.checkpointed)
+    row.budget_bytes = row.budget_bytes or plan.predicted_peak_bytes  # "min": the least peak is the budget
     runner = torch.compile(model) if compiled else model
     row.note = "; ".join(n.split(":")[0] + ":" + n.split(":")[1][:60] for n in plan.notes if n.startswith("calibrated"))
     row.allocated_peak_bytes, row.reserved_peak_bytes, seconds = _window(meter, runner, step, optimizer, steps)
@@ -185,8 +193,48 @@ def _ours(name: str, config: str, base: nn.Module, step: Callable, budget: int |
     return row
 
 
+def _features(name: str, base: nn.Module, step: Callable, static: int, plain: int, meter: Meter,
+              steps: int) -> list[Row]:
+    """The options that never ran on a GPU before: offload, an op policy, the chunked head, fake planning, shapes."""
+    at = {share: int(static + share * (plain - static)) for share in (0.3, 0.5)}
+    rows = []
+    if meter.cuda:  # offload needs an accelerator target
+        rows.append(_ours(name, "offload@30%", base, step, at[0.3], meter, steps, offload=True))
+    rows.append(_ours(name, "sac@50%", base, step, at[0.5], meter, steps, policies=("save_matmuls",)))
+    rows.append(_ours(name, "chunk@min", base, step, "min", meter, steps, chunk_loss=True))
+    rows.append(_ours(name, "fake@50%", base, step, at[0.5], meter, steps, fake=True, cost="flops"))
+    rows.extend(_shapes(name, base, step, at[0.5], meter, steps))
+    return rows
+
+
+def _shapes(name: str, base: nn.Module, step: Callable, budget: int, meter: Meter, steps: int) -> list[Row]:
+    """``ShapePlans`` following batches of half and full length (as padded batches vary), each shape measured."""
+    ids = next(c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.Tensor))
+    model, optimizer = _fresh(base)
+    plans = ShapePlans(model, lambda m, batch: m(input_ids=batch, labels=batch).loss, budget, optimizer=optimizer,
+                       per_octave=0, verbose=False)
+    rows = []
+    for length in (ids.shape[1] // 2, ids.shape[1]):
+        batch = ids[:, :length].contiguous()
+        row = Row(name, f"shapes@50%:{length}", budget)
+        try:
+            plan = plans.use(batch)
+        except BudgetTooSmallError as err:
+            row.note = f"infeasible (least peak {format_bytes(err.smallest_peak_bytes)})"
+            rows.append(row)
+            continue
+        row.predicted_peak_bytes, row.checkpointed = plan.predicted_peak_bytes, len(plan.checkpointed)
+        row.allocated_peak_bytes, row.reserved_peak_bytes, seconds = _window(
+            meter, model, lambda m, batch=batch: m(input_ids=batch, labels=batch).loss, optimizer, steps)
+        row.step_ms = 1000 * seconds
+        rows.append(row)
+    _dispose(model, optimizer)
+    meter.clear()
+    return rows
+
+
 def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: int, compiled: bool = False,
-                lora: dict[str, Any] | None = None) -> list[Row]:
+                lora: dict[str, Any] | None = None, features: bool = False) -> list[Row]:
     """Every configuration of one model (with ``lora``, of a LoRA fine-tune of it)."""
     meter = Meter(device)
     meter.clear()
@@ -233,6 +281,8 @@ def check_model(name: str, kwargs: dict[str, Any], device: torch.device, steps: 
         rows.append(_ours(name, "ours@50%+compile", base, step, budget, meter, steps, compiled=True))
     if hf_peak is not None:
         rows.append(_ours(name, "ours@hf", base, step, hf_peak, meter, steps))
+    if features and lora is None:
+        rows.extend(_features(name, base, step, static, none.allocated_peak_bytes, meter, steps))
     _dispose(base)
     meter.clear()
     return rows
@@ -268,12 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steady steps measured per configuration")
     parser.add_argument("--smoke", action="store_true", help="one small model on the CPU (what the tests run)")
     parser.add_argument("--no-lora", action="store_true", help="skip the LoRA fine-tunes (they need peft)")
+    parser.add_argument("--no-features", action="store_true", help="skip offload, policies, chunked head, shapes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")))
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     models = GPU_MODELS if cuda else SMOKE_MODELS
-    names = args.models or list(models)
+    names = args.models or (list(models) if cuda else ["mlp"])
     unknown = [n for n in names if n not in models]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {list(models)}")
@@ -284,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         torch.manual_seed(0)
         start = time.perf_counter()
-        rows.extend(check_model(name, models[name], device, args.steps, compiled=cuda and name in COMPILED))
+        rows.extend(check_model(name, models[name], device, args.steps, compiled=cuda and name in COMPILED,
+                                features=name in FEATURES and not args.no_features))
         if cuda and name in LORA and not args.no_lora:
             rows.extend(check_model(name, models[name], device, args.steps, lora=LORA[name]))
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

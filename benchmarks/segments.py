@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,9 +47,10 @@ from run import SequentialCheckpointed  # noqa: E402
 
 # ResNet-50 at ImageNet's 224 px, Feng & Huang's setting: at 64 px Adam's step temporaries are
 # half the activation memory and bound every plan (docs/segments.md).
-KWARGS = {"mlp": {}, "resnet50": dict(batch_size=8, image_size=224)}
+KWARGS = {"mlp": {}, "resnet50": dict(batch_size=8, image_size=224), "tv_resnet": dict(batch_size=8, image_size=224)}
 FENG_HUANG_CUT = 0.63  # ResNet-50's activation memory cut by Feng & Huang (CVPR 2021), at 31% time
-QUICK = {"mlp": dict(batch_size=128, depth=16, width=64), "resnet50": dict(batch_size=4, image_size=32, width=4)}
+QUICK = {"mlp": dict(batch_size=128, depth=16, width=64), "resnet50": dict(batch_size=4, image_size=32, width=4),
+         "tv_resnet": dict(batch_size=4, image_size=32, width=4)}
 MIB = 2 ** 20
 
 
@@ -110,6 +112,31 @@ def _least_peak_within(profile, overhead, cost):
     return solve(profile, high, cost=cost)
 
 
+def _gradient_error(case, plan):
+    """The largest difference between the plan's gradients and the plain model's, one step from the same weights."""
+    plain, planned = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    apply_plan(planned, plan)
+    for model in (plain, planned):
+        torch.manual_seed(0)
+        case.step(model).backward()
+    return max((a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), planned.parameters()))
+
+
+def _tv_resnet_rows(case, base, profile):
+    """torchvision's layout: the least peak without the residual blocks' twins (as before) and with them."""
+    profiled = copy.deepcopy(case.model)
+    with warnings.catch_warnings(), mock.patch("lightning_remat.runtime.profiling.profile.twin_stages", lambda *a: []):
+        warnings.simplefilter("ignore")
+        before = profile_step(profiled, case.step, optimizer=torch.optim.Adam(profiled.parameters(), lr=1e-4))
+    rows = [_plan_row("least peak, bottlenecks whole or kept (before)", case, solve(before, "min", cost="flops"),
+                      base, before)]
+    plan = solve(profile, "min", cost="flops")
+    rows.append(_plan_row("least peak, bottlenecks through checkpointed parts", case, plan, base, profile))
+    rows[-1]["gradient_error"] = _gradient_error(case, plan)
+    rows[-1]["parts"] = sum(1 for a in plan.actions if dict(a.extra).get("residual_parts"))
+    return rows
+
+
 def run(name, kwargs, log):
     case = build(name, **kwargs)
     opt = torch.optim.Adam(case.model.parameters(), lr=1e-4)
@@ -126,8 +153,9 @@ def run(name, kwargs, log):
                 predicted=profile.baseline_peak_bytes)
     rows = [base]
     alone = dataclasses.replace(profile, span_groups=())
-    rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base, profile))
-    rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base, profile))
+    if name != "tv_resnet":  # its least peak is in its own rows below
+        rows.append(_plan_row("least peak, stages alone", case, solve(alone, "min", cost="flops"), base, profile))
+        rows.append(_plan_row("least peak, with segments", case, solve(profile, "min", cost="flops"), base, profile))
     if case.sequential is case.model:
         n = len(case.model)
         k = max(1, round(math.sqrt(n)))
@@ -158,7 +186,9 @@ def run(name, kwargs, log):
                               solve(sac, seq_peak, cost="roofline"), base, sac))
         rows.append(_plan_row("+ op-level policies: least peak at its roofline overhead", case,
                               _least_peak_within(sac, roofline, "roofline"), base, sac))
-    if name == "resnet50":
+    if name == "tv_resnet":
+        rows.extend(_tv_resnet_rows(case, base, profile))
+    if name in ("resnet50", "tv_resnet"):
         # The automatic candidates hold the stem (resnet.embedder) and the bottlenecks. Feng &
         # Huang's point: the cheapest plan that cuts 63% of the activation memory.
         budget = int(profile.static_bytes + (1 - FENG_HUANG_CUT) * (base["peak"] - profile.static_bytes))
@@ -168,6 +198,7 @@ def run(name, kwargs, log):
                                       solve(profile, budget, cost=cost), base, profile))
             except BudgetTooSmallError as err:
                 log(f"[{name}] no plan cuts {FENG_HUANG_CUT:.0%}: {err}")
+    if name == "resnet50":
         # Without the stem, as before it was a candidate: its saved activations (64 channels at half
         # the resolution) stay alive under every bottleneck's recompute.
         profiled = copy.deepcopy(case.model)

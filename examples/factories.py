@@ -90,3 +90,19 @@ def llama7b(layers: int = 32, seq_len: int = 2048):
 def llama7b_two_layers():
     """The same with 2 layers: a quick demonstration of ``--fake``."""
     return llama7b(layers=2)
+
+
+def llama_lengths(layers: int = 2, hidden: int = 64, vocab: int = 256):
+    """A tiny Llama and ``make_step(seq_len)``, for ``lightning-remat seq-len`` (the longest sequence that fits):
+
+        lightning-remat seq-len examples/factories.py:llama_lengths --budget 8MB --multiple-of 32
+    """
+    from lightning_remat.models import build
+
+    model = build("llama", layers=layers, hidden=hidden, seq_len=128, vocab=vocab, batch_size=1).model
+
+    def make_step(seq_len: int):
+        ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        return lambda m: m(input_ids=ids, labels=ids).loss
+
+    return model, make_step, torch.optim.AdamW(model.parameters())

@@ -40,6 +40,8 @@ _LAZY = {
     "plan_remat": "lightning_remat.service.planning",
     "find_remat_batch_size": "lightning_remat.service.batch_size",
     "BatchSizeResult": "lightning_remat.service.batch_size",
+    "find_remat_seq_len": "lightning_remat.service.seq_len",
+    "SeqLenResult": "lightning_remat.service.seq_len",
     "memory_breakdown": "lightning_remat.report.breakdown",
     "AutoRemat": "lightning_remat.integrations.lightning.callback",
     "RematBatchSizeFinder": "lightning_remat.integrations.lightning.batch_size_finder",

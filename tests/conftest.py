@@ -30,6 +30,7 @@ CI_DISTRIBUTED = {
     "test_sharded.py": "test_prediction_matches_a_real_two_process_fully_shard_run",  # FSDP2, 2 ranks: 24 s
 }
 SLOW = {
+    "test_residual_parts.py": ("test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_equal_gradients",),  # 5 s (two profiles)
     "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",),  # 7 s loaded (two runs)
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
@@ -82,10 +83,23 @@ SLOW = {
                              "test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device",  # 10-35 s
                              "test_the_hf_trainer_chunks_the_loss_with_the_same_losses_under_accumulation",  # 40 s
                              "test_the_head_stage_of_a_deep_fake_profile_is_extrapolated_exactly"),  # 40-60 s
+    "test_fused_loss.py": ("test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percent",  # 8 s
+                           "test_a_loss_neither_kind_computes_is_not_offered_and_the_profile_says_why"),  # 5 s
     "test_fingerprint.py": ("test_batches_that_grow_mid_run_are_planned_again_and_the_budget_holds",  # 3 s
                             "test_a_resumed_run_with_larger_batches_plans_again"),  # 2.5 s
-    "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU: 3 s
+    "test_gpu_check.py": "*",  # the GPU check's smoke run on the CPU (an MLP; a Llama with every feature): ~60 s
     "test_fsdp_batch_size.py": ("test_a_trial_that_fails_on_any_rank_fails_on_all",),  # 7 s
+    # find_remat_seq_len: each search profiles four or five lengths (at load 3-7 on 2 cores): a 2-block MLP's
+    # 3-4 s, the 4-block MLP's 6 s (set-up of the next two), a 2-block transformer's 9 s, on fake tensors 12 s,
+    # the command line 8 s, advice (fake sharded re-profiles) 7 s, the example (a tiny Llama) 18 s
+    "test_seq_len.py": ("test_a_short_search_holds_the_budget_for_real_and_the_next_length_does_not_fit",
+                        "test_the_longest_length_runs_for_real_within_the_budget",
+                        "test_the_first_length_past_it_is_over_the_budget_and_what_binds_is_named",
+                        "test_a_transformer_at_its_longest_length_holds_the_budget_for_real",
+                        "test_a_fake_search_for_a_gpu_profiles_the_answer_and_runs_nothing",
+                        "test_the_command_line_prints_the_answer_and_the_lengths_it_profiled",
+                        "test_advice_names_the_knobs_at_the_first_length_that_does_not_fit",
+                        "test_the_example_finds_a_longer_sequence_and_confirms_it"),
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)

@@ -50,10 +50,10 @@ def test_plugin_reads_environment(monkeypatch):
     monkeypatch.setenv(ENV_COST, "FLOPS")
     plugin = RematPlugin()
     assert plugin.enabled
-    assert plugin.budget_bytes() == 2 * 2**30
+    assert plugin.config().budget_bytes() == 2 * 2**30
     assert (plugin.profile_steps, plugin.candidates, plugin.cost) == (3, ["GPT2Block", "transformer.h.*"], "flops")
     # An explicit value wins over the environment.
-    assert RematPlugin(budget="min", profile_steps=1).budget_bytes() == "min"
+    assert RematPlugin(budget="min", profile_steps=1).config().budget_bytes() == "min"
     assert RematPlugin(budget="min", profile_steps=1).profile_steps == 1
 
 

@@ -62,33 +62,6 @@ def test_another_ranks_error_is_raised_here_and_this_ranks_from_its_original():
         listening.from_main(lambda: pytest.fail("only rank 0 computes"))
 
 
-def test_a_lightning_strategy_carries_the_channel():
-    from lightning_remat.integrations.lightning.channel import LightningChannel, lightning_channel
-
-    class TwoRanks:  # rank 0's view of a 2-process strategy
-        root_device = torch.device("cpu")
-        others = {1: "rank 1's profile"}
-
-        def broadcast(self, obj, src=0):
-            return obj if src == 0 else self.others[src]
-
-        def reduce(self, tensor, reduce_op):
-            assert reduce_op == "max"
-            return torch.maximum(tensor, torch.tensor(10.0, dtype=tensor.dtype))
-
-        def reduce_boolean_decision(self, decision, all=True):
-            assert all is False
-            return True
-
-    class Trainer:
-        global_rank, world_size, strategy = 0, 2, TwoRanks()
-
-    channel = lightning_channel(Trainer())
-    assert isinstance(channel, LightningChannel) and channel.is_main and channel.world_size == 2
-    assert channel.gather("rank 0's profile") == ["rank 0's profile", "rank 1's profile"]
-    assert channel.broadcast("plan") == "plan" and channel.max(4) == 10.0 and channel.any(False)
-
-
 def _two_ranks(rank):
     import faulthandler
 

@@ -105,7 +105,8 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
     model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
     plain = solve(profile_step(model, case.step, optimizer=optimizer), "min", cost="flops")
     chunked = profile_step(model, case.step, optimizer=optimizer, chunk_loss=True)
-    assert [o.name for o in chunked.stages[-1].options] == ["keep", *(f"chunks:{k}" for k in (2, 4, 8, 16, 32))]
+    assert [o.name for o in chunked.stages[-1].options] == ["keep", *(f"{kind}:{k}" for kind in ("chunks", "fused")
+                                                                      for k in (2, 4, 8, 16, 32))]
     least = solve(chunked, "min", cost="flops").predicted_peak_bytes
     # The head's "keep" is the gap it ran in: without its chunked options the profile plans as one made without them.
     unchunked = replace(chunked, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.chunks))
@@ -155,10 +156,11 @@ def test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device():
 def test_a_model_that_changes_its_logits_after_the_head_is_refused():
     import transformers
 
-    config = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                       num_key_value_heads=1, head_dim=16, num_hidden_layers=1, vocab_size=256,
-                                       final_logit_softcapping=30.0, use_cache=False)
-    model = transformers.Gemma2ForCausalLM(config).train()
+    # Granite divides its logits after the head (Gemma-2's soft-capping is computed in the chunks: test_fused_loss).
+    config = transformers.GraniteConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                        num_key_value_heads=1, num_hidden_layers=1, vocab_size=256,
+                                        logits_scaling=4.0, use_cache=False)
+    model = transformers.GraniteForCausalLM(config).train()
     ids = torch.randint(0, 256, (1, 16))
     apply_plan(model, _chunked("lm_head", 2))
     with pytest.raises(UnsupportedSetupError, match="changes them"):

@@ -147,7 +147,7 @@ def test_a_batch_training_step_skips_is_not_profiled_and_the_next_one_is(manual)
     L.seed_everything(0)
     module, losses, callback = SkipsFirst(manual), Losses(), AutoRemat(budget=budget, verbose=False)
     fit(module, [callback, losses])
-    assert callback.profile_count == 1 and callback.plan is not None and callback.plan.checkpointed
+    assert callback.run.profiles == 1 and callback.plan is not None and callback.plan.checkpointed
     # The budget binds and holds on the measured steady step (profile_steps=1 after the planned batch).
     assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= budget
     # The skipped batch trained (was skipped) as without the callback, and so did every later one.

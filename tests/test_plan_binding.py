@@ -135,7 +135,7 @@ def _fit(tmp_path, module, callback, ckpt_path=None):
 def test_autoremat_resumed_into_a_model_with_other_shapes_plans_again(tmp_path):
     first = AutoRemat(budget="min", verbose=False)
     _fit(tmp_path, ChainModule(4 * WIDTH), first).save_checkpoint(tmp_path / "narrow.ckpt")
-    assert first.profile_count == 1
+    assert first.run.profiles == 1
     wide = ChainModule(16 * WIDTH)
     checkpoint = torch.load(tmp_path / "narrow.ckpt", weights_only=False)
     # The callback's state only: the wider model starts from its own weights (Lightning would refuse
@@ -148,7 +148,7 @@ def test_autoremat_resumed_into_a_model_with_other_shapes_plans_again(tmp_path):
         warnings.simplefilter("always")
         _fit(tmp_path, wide, resumed, ckpt_path=tmp_path / "foreign.ckpt")
     # Planned again: neither the narrow model's plan nor its plans per batch shape reused.
-    assert resumed.profile_count == 1
+    assert resumed.run.profiles == 1
     assert resumed.plan.fingerprint["module_parameters"]["net.0"]["0.weight"] == [[16 * WIDTH, WIDTH], "float32"]
     assert any("made for another model (module 'net.0' parameter '0.weight' has shape (512, 32)" in str(w.message)
                for w in caught)

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from lightning_remat import BudgetTooSmallError, Plan, RematConfig, StageAction, plan_remat
-from lightning_remat.service.planning import Planner, PlanOutcome, plan_metrics
+from lightning_remat.service.channel import travelling
+from lightning_remat.service.plan_figures import plan_metrics
+from lightning_remat.service.planning import Planner
 
 
 def _blocks():
@@ -31,14 +33,14 @@ def test_a_bare_memory_error_while_profiling_falls_back_without_crashing():
 def test_an_error_reaches_other_ranks_with_its_message_hint_and_fields():
     error = BudgetTooSmallError(100, 150, 80)
     error.add_hint("(AutoRemat, budget='100B')")
-    travelled = pickle.loads(pickle.dumps(PlanOutcome.failed(error)))
+    travelled = pickle.loads(pickle.dumps(travelling(error, rank=0)))
     with pytest.raises(BudgetTooSmallError) as raised:
-        travelled.result()
+        raise travelled
     assert str(raised.value) == str(error) and "of which 80 B" in str(raised.value)
     assert (raised.value.budget_bytes, raised.value.smallest_peak_bytes) == (100, 150)
-    other = pickle.loads(pickle.dumps(PlanOutcome.failed(TypeError("bad step"))))
+    other = pickle.loads(pickle.dumps(travelling(TypeError("bad step"), rank=0)))
     with pytest.raises(RuntimeError, match="planning failed on rank 0: TypeError: bad step"):
-        other.result()
+        raise other
 
 
 def test_metrics_of_a_plan_and_its_measured_step():

@@ -134,9 +134,10 @@ def test_solve_with_spans_on_1000_stages_is_fast():
 @given(profiles())
 def test_incremental_span_rows_equal_span_option(profile):
     # The solver reads span_rows (built incrementally); predictions read span_option: they must agree.
-    from lightning_remat.core.spans import all_spans
-    for span in all_spans(profile):
-        assert span == span_option(profile, span.first, span.last)
+    from lightning_remat.core.spans import span_rows
+    for first, last, *figures in span_rows(profile):
+        span = span_option(profile, first, last)
+        assert (span.stored_bytes, span.local_peak_bytes, span.cost_seconds, span.cost_flops, span.cost_roofline) == tuple(figures)
 
 
 def test_spans_are_priced_in_roofline_seconds_under_the_roofline_cost():

@@ -36,16 +36,14 @@ def test_lookup_by_name_is_case_insensitive_and_names_the_known_gpus():
 
 
 def test_the_lookups_read_the_one_table():
-    from lightning_remat.core.offload_model import host_link_bandwidth
     from lightning_remat.runtime.measuring.roofline import device_peaks, gpu_peaks
     from lightning_remat.runtime.targets.fake import GPU_EFFICIENCY, gpu_peak_flops
 
     for name, spec in GPUS.items():
         assert gpu_peak_flops(name) == spec.flops() == gpu_peaks(name).flops_per_second
         assert spec.memory_bandwidth == gpu_peaks(name).bytes_per_second
-        assert host_link_bandwidth(name) == spec.host_link_bandwidth
     # The data-sheet figures the plans were priced with before the tables became one.
-    assert (gpu_peak_flops("h100"), gpu_peaks("h200").bytes_per_second, host_link_bandwidth("gh200")) == (
+    assert (gpu_peak_flops("h100"), gpu_peaks("h200").bytes_per_second, hardware.gpu("gh200").host_link_bandwidth) == (
         989e12, 4.8e12, 400e9)
     assert GPU_EFFICIENCY == hardware.TRAINING_EFFICIENCY == 0.4
     assert match_gpu("NVIDIA H100 PCIe") == "h100-pcie"
@@ -53,11 +51,12 @@ def test_the_lookups_read_the_one_table():
 
 
 def test_every_byte_allowance_is_named_in_one_table_with_its_old_value():
-    from lightning_remat.core.allowances import ALLOWANCES
+    from lightning_remat.core import allowances
     from lightning_remat.integrations.accelerate import recorded_call
-    from lightning_remat.integrations.lightning import trainer_terms
+    from lightning_remat.integrations.lightning import strategies
     from lightning_remat.runtime.profiling import profile
 
-    assert dict(ALLOWANCES) == {"ddp_reducer": 1024, "lightning_loop": 1024, "accelerate_loop": 2048, "real_profile": 65536}
-    assert (profile.DDP_REDUCER_ALLOWANCE, trainer_terms.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
-        ALLOWANCES["ddp_reducer"], ALLOWANCES["lightning_loop"], ALLOWANCES["accelerate_loop"])
+    assert (allowances.DDP_REDUCER_ALLOWANCE, allowances.LIGHTNING_LOOP_ALLOWANCE, allowances.ACCELERATE_LOOP_ALLOWANCE,
+            allowances.REAL_PROFILE_ALLOWANCE) == (1024, 1024, 2048, 65536)
+    assert (profile.DDP_REDUCER_ALLOWANCE, strategies.LOOP_ALLOWANCE, recorded_call.LOOP_ALLOWANCE) == (
+        allowances.DDP_REDUCER_ALLOWANCE, allowances.LIGHTNING_LOOP_ALLOWANCE, allowances.ACCELERATE_LOOP_ALLOWANCE)

@@ -17,12 +17,12 @@ class StageAction:
 
     Attributes:
         stage: the stage's module name (as in ``model.named_modules()``).
-        action: ``Action.KEEP``, ``RECOMPUTE``, ``SEGMENT``, ``OFFLOAD`` or ``CHUNK`` (or their strings).
+        action: ``Action.KEEP``, ``RECOMPUTE``, ``SEGMENT``, ``OFFLOAD``, ``CHUNK`` or ``FUSE`` (or their strings).
         modules: with ``RECOMPUTE``, the modules whose forward runs again: the stage (default) or some children.
         policy: with ``RECOMPUTE``, the selective-checkpointing policy of the recompute; None: the whole forward.
         segment: with ``SEGMENT``, every stage of the segment in order (items of one ``nn.Sequential``).
         offload_limit: with ``OFFLOAD``, the bytes offloaded at most per forward call; None: all.
-        chunks: with ``CHUNK`` (a causal LM's head with its loss), the number of sequence chunks.
+        chunks: with ``CHUNK`` or ``FUSE`` (a causal LM's head with its loss), the number of sequence chunks.
         offload_input: with ``RECOMPUTE``, each recomputed module's checkpoint input goes to host memory.
         extra: settings of behaviours registered outside the package, by behaviour name.
 
@@ -63,7 +63,7 @@ class StageAction:
                                   or limit < 0):
             raise ValueError(f"stage {self.stage!r}: an offload limit is bytes >= 0 of an offloaded stage, got "
                              f"{limit!r} with action {action.value!r}")
-        if (action is Action.CHUNK) != (self.chunks is not None):
+        if (action in (Action.CHUNK, Action.FUSE)) != (self.chunks is not None):
             raise ValueError(f"stage {self.stage!r}: a chunked head (and only it) has a number of chunks, got "
                              f"{self.chunks!r} with action {action.value!r}")
         if self.chunks is not None:
@@ -86,8 +86,9 @@ class StageAction:
 
     @classmethod
     def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
-                  offload_input: bool = False) -> "StageAction":
-        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input)
+                  offload_input: bool = False, extra: Any = ()) -> "StageAction":
+        return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input,
+                   extra=extra)
 
     @classmethod
     def in_segment(cls, stage: str, segment: Sequence[str]) -> "StageAction":
@@ -100,6 +101,10 @@ class StageAction:
     @classmethod
     def chunk(cls, stage: str, chunks: int) -> "StageAction":
         return cls(stage, Action.CHUNK, chunks=chunks)
+
+    @classmethod
+    def fuse(cls, stage: str, chunks: int) -> "StageAction":
+        return cls(stage, Action.FUSE, chunks=chunks)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain strings, lists and ints; ``chunks`` and ``offload_input`` only where set (older plans read as before).
@@ -223,7 +228,7 @@ def _offload_rule(actions: Sequence[StageAction]) -> None:
 
 @add_rule
 def _chunk_rule(actions: Sequence[StageAction]) -> None:
-    chunked = [a.stage for a in actions if a.action is Action.CHUNK]
+    chunked = [a.stage for a in actions if a.action in (Action.CHUNK, Action.FUSE)]
     touched = [*_recomputed(actions), *_segmented(actions), *(a.stage for a in actions if a.action is Action.OFFLOAD)]
     clash = [n for n in chunked if overlaps(n, touched)]
     if clash or len(set(chunked)) != len(chunked):

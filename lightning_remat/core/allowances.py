@@ -4,11 +4,6 @@ An allowance covers memory alive through a step that code outside the profiled `
 added to every term of the memory model, rounded up to whole CUDA allocator blocks (512 bytes), with room.
 """
 
-from __future__ import annotations
-
-from types import MappingProxyType
-from typing import Mapping
-
 # DDP's reducer keeps small bookkeeping tensors beside its gradient buckets (the buckets are counted exactly).
 DDP_REDUCER_ALLOWANCE = 1024
 
@@ -24,10 +19,3 @@ REAL_PROFILE_ALLOWANCE = 64 * 1024
 # The user's loss computed outside the model (``criterion(model(x), y)``): this many copies of the model's
 # outputs that require a gradient (a log-softmax and its backward's temporary), counted at the end of forward.
 USER_LOSS_OUTPUT_COPIES = 2
-
-ALLOWANCES: Mapping[str, int] = MappingProxyType({
-    "ddp_reducer": DDP_REDUCER_ALLOWANCE,
-    "lightning_loop": LIGHTNING_LOOP_ALLOWANCE,
-    "accelerate_loop": ACCELERATE_LOOP_ALLOWANCE,
-    "real_profile": REAL_PROFILE_ALLOWANCE,
-})

@@ -21,12 +21,6 @@ MAX_TRIAL_STEPS = 1_000
 MAX_TRIALS = 10_000
 
 
-def _line(low: float, high: float, low_bs: int, high_bs: int, batch_size: int) -> float:
-    if high_bs == low_bs:
-        return low
-    return low + (high - low) * (batch_size - low_bs) / (high_bs - low_bs)
-
-
 class BatchLine:
     """The batch fit's combiner: every term at ``batch_size``: the line through two profiles' values, or with one
     value in proportion to the batch beyond its static part.
@@ -41,8 +35,9 @@ class BatchLine:
         kind = term.quantity
         if kind.growth is Growth.STATIC:
             return values[0]
-        if len(values) == 2 and None not in values:
-            return kind.coerce(_line(values[0], values[1], *self.batch_sizes, self.batch_size))
+        if len(values) == 2 and None not in values:  # two batch sizes (ProfileFit keeps one of equal ones)
+            (low, high), (low_bs, high_bs) = values, self.batch_sizes
+            return kind.coerce(low + (high - low) * (self.batch_size - low_bs) / (high_bs - low_bs))
         (bs, value), = [(bs, v) for bs, v in zip(self.batch_sizes, values) if v is not None]
         # Proportional beyond the part that does not grow.
         offset = self.static_bytes if kind.growth is Growth.PEAK else 0.0

@@ -104,8 +104,5 @@ def with_optimizer_setting(profile: Profile, setting: str) -> Profile | None:
 
 def optimizer_advice(profile: Profile, least_peak: Callable[[Profile], int]) -> dict[str, int]:
     """Per optimizer setting that lowers the step's peak, the least peak the profile reaches with it."""
-    advice = {}
-    for setting, delta in profile.optimizer_step_alternatives.items():
-        if delta < 0:
-            advice[setting] = int(least_peak(with_optimizer_setting(profile, setting)))
-    return advice
+    return {setting: int(least_peak(with_optimizer_setting(profile, setting)))
+            for setting, delta in profile.optimizer_step_alternatives.items() if delta < 0}

@@ -145,7 +145,9 @@ class Budget:
         """
         if self.is_min:
             return MIN_BUDGET
-        total = _total_memory(total_memory)
+        total = None if total_memory is None else Budget.parse(total_memory).nbytes
+        if total_memory is not None and total is None:
+            raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
         named = repr(total_memory)
         if total is None and device is not None and _is_here(device):
             total, named = device_total_memory(device), f"of {device}"
@@ -158,15 +160,6 @@ class Budget:
         return self.nbytes
 
 
-def _total_memory(total_memory: Any) -> int | None:
-    if total_memory is None:
-        return None
-    total = Budget.parse(total_memory)
-    if total.nbytes is None:
-        raise ValueError(f"Invalid device memory {total_memory!r}: give a size such as \"80GB\"")
-    return total.nbytes
-
-
 def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> int | str:
     """Turn a user's budget into a number of bytes, or the string ``"min"``.
 
@@ -176,8 +169,7 @@ def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> in
         device: the device a percentage refers to (default: the CPU, that is the host's memory).
         total_memory: the total memory of a device that is not here; percentages refer to it.
 
-    Raises:
-        ValueError: any other value, or a budget above ``total_memory``.
+    Any other value, or a budget above ``total_memory``, raises ``ValueError``.
 
     Example:
         >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")

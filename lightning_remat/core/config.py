@@ -129,10 +129,11 @@ class ProfileOptions:
         "fake with a gpu), and never more host memory than the host has free")})
     chunk_loss: bool = field(default=False, metadata={"help": (
         "also plan a causal LM's head and its loss as a stage whose options compute the projection and the "
-        "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward, so the full logits never "
-        "exist (found for Hugging Face *ForCausalLM / *LMHeadModel models called with labels=, and for a head whose "
-        "loss the model computes with lightning_remat.head_loss). The loss and "
-        "gradients are the same; a plan that chunks makes the model return logits=None (docs/long_context.md)")})
+        "cross-entropy over 2, 4, 8, 16 or 32 sequence chunks, each recomputed in backward or fused (each chunk's "
+        "gradients computed in forward, nothing recomputed), so the full logits never exist (found for Hugging Face "
+        "*ForCausalLM / *LMHeadModel models called with labels=, and for a head whose loss the model computes with "
+        "lightning_remat.head_loss). The loss and gradients are the same; a plan that chunks makes the model return "
+        "logits=None (docs/long_context.md)")})
     tile_mlp: bool = field(default=False, metadata={"help": (
         "also offer each stage's MLP over sequence chunks (keep, whole and whole+offload-input, each with the MLP "
         "tiled): each chunk checkpointed in forward and recomputed alone in backward, so no sequence-long "

@@ -18,7 +18,6 @@ from .memory_model import Profile, Segment, StageOption, StageProfile, predict_p
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
 
 
-
 def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profile], ballast: int, prefix: str,
                 layers: int) -> Profile | None:
     """The profile of ``layers`` layers from profiles of ``DEPTHS`` layers, or None where it does not fit.
@@ -56,8 +55,7 @@ def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profi
             "forward and backward figure is linear in the depth, checked on the measured layers); "
             "ProfileOptions(repeated_blocks=False) profiles every layer")
     profile = replace(small, **{**top, "stages": stages, "segments": segments, "notes": (*large.notes, note)})
-    profile = profile.with_baseline()
-    return profile
+    return profile.with_baseline()
 
 
 def _skeleton(profile: Profile) -> dict:

@@ -1,22 +1,12 @@
-"""Every error lightning-remat raises on purpose, under one base class, ``RematError``.
-
-Each is also a builtin (``ValueError``, ``RuntimeError``, ``NotImplementedError``), so ``except ValueError``
-in user code works. Errors pickle with every field and their full message: rank 0 decides, the other ranks
-raise the very same error.
-
-Example:
-    >>> import pickle
-    >>> err = BudgetTooSmallError(100, 150, 80)
-    >>> err.add_hint("(AutoRemat, budget='100B')")
-    >>> again = pickle.loads(pickle.dumps(err))
-    >>> isinstance(again, ValueError), str(again) == str(err), again.smallest_peak_bytes
-    (True, True, 150)
+"""Every error lightning-remat raises on purpose, under one base class, ``RematError``; each is also a builtin
+(``ValueError``, ``RuntimeError``, ...), so ``except ValueError`` in user code works.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .budget import format_bytes
 
 # Frames of these packages are the machinery around a step, not the code that failed in it.
 _MACHINERY = ("/torch/", "/lightning_remat/", "/lightning/", "/lightning_fabric/", "/accelerate/", "contextlib.py", "<frozen")
@@ -42,12 +32,6 @@ def where_it_failed(error: BaseException) -> str:
     return ""
 
 
-def _format_bytes(nbytes: float) -> str:
-    from .budget import format_bytes
-
-    return format_bytes(nbytes)
-
-
 def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
     error = cls.__new__(cls)
     Exception.__init__(error, message)
@@ -56,7 +40,17 @@ def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "RematError":
 
 
 class RematError(Exception):
-    """The base of lightning-remat's errors (the module's example shows one pickled)."""
+    """The base of lightning-remat's errors; they pickle with every field and their full message (rank 0
+    decides, the other ranks raise the very same error).
+
+    Example:
+        >>> import pickle
+        >>> err = BudgetTooSmallError(100, 150, 80)
+        >>> err.add_hint("(AutoRemat, budget='100B')")
+        >>> again = pickle.loads(pickle.dumps(err))
+        >>> isinstance(again, ValueError), str(again) == str(err), again.smallest_peak_bytes
+        (True, True, 150)
+    """
 
     def add_hint(self, hint: str) -> None:
         """Append context (which integration, which setting) to the message."""
@@ -68,7 +62,7 @@ class RematError(Exception):
 
 
 class BudgetTooSmallError(RematError, ValueError):
-    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached (example: the module's)."""
+    """No plan fits the budget; ``smallest_peak_bytes`` is the least peak that can be reached."""
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, static_bytes: int = 0, message: str | None = None):
         self.budget_bytes = budget_bytes
@@ -77,9 +71,9 @@ class BudgetTooSmallError(RematError, ValueError):
         # Per knob that lowers the least peak: {"knob", "setting", "peak_bytes", "fits"} (service.knobs).
         self.knobs: list[dict[str, Any]] = []
         super().__init__(message or (
-            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} ({budget_bytes} bytes): "
-            f"the smallest reachable peak is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
-            f"of which {_format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
+            f"No recompute plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): "
+            f"the smallest reachable peak is {format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {format_bytes(static_bytes)} is parameters, gradients and optimizer state. "
             f"Raise the budget to at least that, or reduce the batch size."))
 
     def with_knobs(self, knobs: list[dict[str, Any]]) -> "BudgetTooSmallError":
@@ -87,7 +81,7 @@ class BudgetTooSmallError(RematError, ValueError):
         self.knobs = sorted(knobs, key=lambda k: (not k["fits"], k["peak_bytes"] is None, k["peak_bytes"] or 0))
         if self.knobs:
             said = "; ".join(f"{k['knob']} could not be predicted ({k['error']})" if k["peak_bytes"] is None else
-                             f"{k['knob']} ({k['setting']}) reaches {_format_bytes(k['peak_bytes'])}, "
+                             f"{k['knob']} ({k['setting']}) reaches {format_bytes(k['peak_bytes'])}, "
                              + ("within the budget" if k["fits"] else "still above it") for k in self.knobs)
             self.add_hint(f"Knobs, each predicted: {said}.")
         return self
@@ -206,9 +200,9 @@ class ShardedBudgetTooSmallError(BudgetTooSmallError):
             what = (f"sharding over more GPUs would: the least peak is estimated to fit from world size "
                     f"{smallest_world_size} on (or reduce the batch per GPU)")
         super().__init__(budget_bytes, smallest_peak_bytes, static_bytes, message=(
-            f"No recompute plan fits a budget of {_format_bytes(budget_bytes)} per GPU at world size {world_size}: "
-            f"the least peak per GPU there is {_format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
-            f"of which {_format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
+            f"No recompute plan fits a budget of {format_bytes(budget_bytes)} per GPU at world size {world_size}: "
+            f"the least peak per GPU there is {format_bytes(smallest_peak_bytes)} ({smallest_peak_bytes} bytes), "
+            f"of which {format_bytes(static_bytes)} is sharded parameters, gradients and optimizer state; "
             f"{what}."))
 
 

@@ -51,6 +51,10 @@ class StageOption:
     # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
+    # "fused:k": the chunks' gradients computed in forward, nothing recomputed (``runtime.installing.fused_loss``).
+    fused: bool = False
+    # "parts", "whole+parts": a residual block run as checkpointed parts (``runtime.installing.residual_parts``).
+    parts: bool = False
     # Settings of behaviours the option installs besides its action, as ``StageAction.extra`` (a tiled MLP's).
     extra: tuple[tuple[str, Any], ...] = ()
 

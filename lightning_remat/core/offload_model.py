@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from .calls import owners
-from .hardware import GPUS
 from .memory_model import Profile
 from .vocabulary import OPTION_NAMES, OptionKind
 
@@ -24,14 +23,6 @@ OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
 
 def is_offload(option_name: str) -> bool:
     return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
-
-
-def host_link_bandwidth(gpu: str) -> float:
-    """Effective host-link bandwidth of a named GPU in bytes/s."""
-    key = gpu.strip().lower()
-    if key not in GPUS:
-        raise ValueError(f"no host-link bandwidth known for GPU {gpu!r}; known: {', '.join(sorted(GPUS))}")
-    return GPUS[key].host_link_bandwidth
 
 
 def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:

@@ -134,8 +134,14 @@ class Plan:
 
     @property
     def chunked_loss(self) -> dict[str, int]:
-        """Per causal LM head computed with its loss over sequence chunks, the number of chunks."""
-        return {a.stage: a.chunks for a in self.actions if a.action is Action.CHUNK and a.chunks is not None}
+        """Per causal LM head computed with its loss over sequence chunks (recomputed or fused), the number of chunks."""
+        return {a.stage: a.chunks for a in self.actions
+                if a.action in (Action.CHUNK, Action.FUSE) and a.chunks is not None}
+
+    @property
+    def fused_loss(self) -> dict[str, int]:
+        """The heads of ``chunked_loss`` fused: each chunk's gradients computed in forward, nothing recomputed."""
+        return {a.stage: a.chunks for a in self.actions if a.action is Action.FUSE and a.chunks is not None}
 
     @property
     def offloaded_inputs(self) -> list[str]:

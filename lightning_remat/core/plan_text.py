@@ -83,10 +83,15 @@ def plan_lines(plan: Any) -> list[str]:
     if offloaded:
         lines.append(f"  offloaded to host memory (saved tensors out in forward, prefetched back in backward): "
                      f"{len(offloaded)} module(s), {size(plan.host_bytes)} on the host")
-    chunked = getattr(plan, "chunked_loss", {})
+    fused = getattr(plan, "fused_loss", {})
+    chunked = {head: k for head, k in getattr(plan, "chunked_loss", {}).items() if head not in fused}
     if chunked:
         lines.append("  head and loss over sequence chunks, each recomputed in backward (chunk_loss; the model returns "
                      "logits=None): " + ", ".join(f"{head} in {k} chunks" for head, k in chunked.items()))
+    if fused:
+        lines.append("  head and loss fused over sequence chunks, each chunk's gradients computed in forward, nothing "
+                     "recomputed (chunk_loss; the model returns logits=None): "
+                     + ", ".join(f"{head} in {k} chunks" for head, k in fused.items()))
     inputs = getattr(plan, "offloaded_inputs", [])
     if inputs:
         lines.append(f"  recomputed with their checkpoint input in host memory (copied out in forward, back for the "

@@ -32,12 +32,15 @@ class Prediction:
 
 
 def _does(option: StageOption, action: StageAction) -> bool:
-    if dict(option.extra) != dict(action.extra):  # a behaviour's setting the option was (not) measured with
+    if option.parts != bool(dict(action.extra).get("residual_parts")):
+        return False
+    # Any other behaviour's setting (a tiled MLP's): the option was (not) measured with it.
+    if dict(option.extra) != {k: v for k, v in action.extra if k != "residual_parts"}:
         return False
     if action.action is Action.KEEP:
         return not option.checkpointed and not option.offloaded and not option.chunks
-    if action.action is Action.CHUNK:
-        return option.chunks == action.chunks
+    if action.action in (Action.CHUNK, Action.FUSE):
+        return option.chunks == action.chunks and option.fused == (action.action is Action.FUSE)
     if action.action is Action.RECOMPUTE:
         return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
                 and not option.offloaded and option.input_offloaded == action.offload_input)
@@ -123,6 +126,7 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
     actions = []
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         option = stage.options[c]
+        parts = (("residual_parts", True),) if option.parts else ()
         if stage.call and not (k in segment_of or k in block_at):
             continue  # a later place of a module: its first place's action stands for it
         if k in block_at:
@@ -135,12 +139,12 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
         elif option.offloaded:
             actions.append(StageAction.offload(stage.name, option.offload_limit or None))
         elif option.chunks:
-            actions.append(StageAction.chunk(stage.name, option.chunks))
+            actions.append((StageAction.fuse if option.fused else StageAction.chunk)(stage.name, option.chunks))
         elif option.checkpointed:
             actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
-                                                 offload_input=option.input_offloaded))
+                                                 offload_input=option.input_offloaded, extra=parts))
         else:
-            actions.append(StageAction.keep(stage.name))
+            actions.append(StageAction(stage.name, extra=parts))
         if option.extra and k not in segment_of and k not in block_at:
-            actions[-1] = replace(actions[-1], extra=dict(option.extra))
+            actions[-1] = replace(actions[-1], extra={**dict(actions[-1].extra), **dict(option.extra)})
     return tuple(actions)

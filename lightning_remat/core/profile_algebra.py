@@ -174,8 +174,6 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
         if term is None:
             if structure is not first_present:  # else the node is built on the first present one
                 out[name] = structure(owner, name, [getattr(n, name) for n in present])
-        elif len(present) == len(nodes):
-            out[name] = combiner(term, [getattr(n, name) for n in nodes])
         else:
             out[name] = combiner(term, [None if n is None else getattr(n, name) for n in nodes])
     return out

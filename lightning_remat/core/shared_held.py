@@ -53,7 +53,6 @@ def slack(profile: Profile) -> int:
     return stored + max(local, segment)
 
 
-
 def without_shared(profile: Profile) -> Profile:
     """``profile`` with every shared input counted in each holder (what the fits start from)."""
     if not has_shared(profile) and not any(seg.shared_saving for seg in profile.segments):

@@ -69,98 +69,73 @@ def _whole(profile: Profile, i: int):
     return next((o for o in profile.stages[i].options if o.name == OPTION_NAMES[OptionKind.WHOLE]), None)
 
 
-def _last_term(profile: Profile, k: int, held: int) -> int:
-    # The span's last stage runs as it does recomputed alone (its "whole" local peak); the others hold keep bytes.
-    return _whole(profile, k).local_peak_bytes + held
+Row = tuple[int, int, int, int, float, int, float]  # first, last, stored, local, seconds, flops, roofline
 
 
-def _recompute_end(gap_peak: int, held: int, output: int) -> int:
-    # After recomputing its last stage, before that stage's backward: a "whole" run reaches the same
-    # moment in the gap after it (whose prefix holds the original output); the span adds ``held``.
-    return gap_peak + held + output
+def _inner_peaks(profile: Profile) -> dict[int, int]:
+    """The largest segment peak per number of stages alive."""
+    inner: dict[int, int] = {}
+    for seg in profile.segments:
+        inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
+    return inner
+
+
+def _rows_from(profile: Profile, first: int, end: int, wholes: list, inner: dict[int, int]) -> Iterator[Row]:
+    """The spans ``first..last`` for each ``last`` before ``end``, built incrementally (the module docstring)."""
+    keep = profile.stages[first].options[0]
+    local, held = keep.local_peak_bytes, keep.stored_bytes
+    seconds, flops, roofline = wholes[first].cost_seconds, wholes[first].cost_flops, wholes[first].cost_roofline
+    for last in range(first + 1, end):
+        if wholes[last] is None:
+            break
+        keep = profile.stages[last].options[0]
+        if last in inner:
+            local = max(local, inner[last] + held)
+        # "local": the max over the stages so far as kept; the last one runs as it does recomputed alone.
+        last_term = wholes[last].local_peak_bytes + held
+        if last + 1 in inner:
+            # After recomputing the last stage, before its backward: a "whole" run reaches the same moment
+            # in the gap after it (whose prefix holds the original output); the span adds ``held``.
+            last_term = max(last_term, inner[last + 1] + held + wholes[last].stored_bytes)
+        span_local = max(local, last_term)
+        # As an inner stage of a longer span, "last" is held like a kept stage.
+        local = max(local, keep.local_peak_bytes + held)
+        held += keep.stored_bytes
+        seconds += wholes[last].cost_seconds
+        flops += wholes[last].cost_flops
+        roofline += wholes[last].cost_roofline
+        yield first, last, wholes[last].stored_bytes, span_local, float(seconds), int(flops), float(roofline)
 
 
 def span_option(profile: Profile, first: int, last: int) -> SpanOption:
     """The figures of stages ``first..last`` recomputed as one segment (see the module docstring)."""
     if not 0 <= first < last < len(profile.stages):
         raise ValueError(f"a span needs 0 <= first < last < {len(profile.stages)}, got {first}..{last}")
-    wholes = [_whole(profile, k) for k in range(first, last + 1)]
-    if any(w is None for w in wholes):
-        raise ValueError(f"stages {first}..{last} do not all have a 'whole' option")
-    inner: dict[int, int] = {}
-    for seg in profile.segments:
-        if first < seg.stages_alive <= last + 1:
-            inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
-    local = 0
-    held = 0  # "keep" stored bytes of the stages of the span recomputed so far
-    for k in range(first, last + 1):
-        keep = profile.stages[k].options[0]
-        if k in inner:
-            local = max(local, inner[k] + held)
-        local = max(local, _last_term(profile, k, held) if k == last else keep.local_peak_bytes + held)
-        if k == last and last + 1 in inner:
-            local = max(local, _recompute_end(inner[last + 1], held, wholes[-1].stored_bytes))
-        held += keep.stored_bytes
-    return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]),
-                      stored_bytes=wholes[-1].stored_bytes, local_peak_bytes=local,
-                      cost_seconds=float(sum(w.cost_seconds for w in wholes)),
-                      cost_flops=int(sum(w.cost_flops for w in wholes)),
-                      cost_roofline=float(sum(w.cost_roofline for w in wholes)))
-
-
-def all_spans(profile: Profile, max_length: int | None = None) -> list[SpanOption]:
-    """Every span the solver considers: 2 to ``max_length`` stages of one group, and each block's range."""
-    names = [s.name for s in profile.stages]
-    return [SpanOption(first, last, tuple(names[first:last + 1]), stored, local, seconds, flops, roofline)
-            for first, last, stored, local, seconds, flops, roofline in span_rows(profile, max_length)]
-
-
-def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
-    """``all_spans`` as tuples (first, last, stored, local, seconds, flops, roofline), built incrementally."""
-    seen = set()
-    for row in _group_rows(profile, max_length):
-        seen.add(row[:2])
-        yield row
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
-    for first, last, _ in block_ranges(profile):
-        if (first, last) not in seen and all(w is not None for w in wholes[first:last + 1]):
-            seen.add((first, last))
-            s = span_option(profile, first, last)
-            yield first, last, s.stored_bytes, s.local_peak_bytes, s.cost_seconds, s.cost_flops, s.cost_roofline
+    if any(w is None for w in wholes[first:last + 1]):
+        raise ValueError(f"stages {first}..{last} do not all have a 'whole' option")
+    *_, row = _rows_from(profile, first, last + 1, wholes, _inner_peaks(profile))
+    return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]), *row[2:])
 
 
-def _group_rows(profile: Profile, max_length: int | None) -> Iterator[tuple[int, int, int, int, float, int, float]]:
+def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[Row]:
+    """Every span the solver considers as a ``Row``: 2 to ``max_length`` stages of one group, and each block's range."""
     limit = max_span_length(len(profile.stages)) if max_length is None else max_length
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
-    inner: dict[int, int] = {}
-    for seg in profile.segments:
-        inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
+    inner = _inner_peaks(profile)
+    seen = set()
     for start, end in span_ranges(profile):
         for first in range(start, end):
             if wholes[first] is None:
                 continue
-            keep = profile.stages[first].options[0]
-            local, held = keep.local_peak_bytes, keep.stored_bytes
-            seconds, flops = wholes[first].cost_seconds, wholes[first].cost_flops
-            roofline = wholes[first].cost_roofline
-            for last in range(first + 1, min(end, first + limit)):
-                if wholes[last] is None:
-                    break
-                keep = profile.stages[last].options[0]
-                if last in inner:
-                    local = max(local, inner[last] + held)
-                # "local": the max over the stages so far as kept; the last one's term apart (it runs recomputed alone).
-                last_term = _last_term(profile, last, held)
-                if last + 1 in inner:
-                    last_term = max(last_term, _recompute_end(inner[last + 1], held, wholes[last].stored_bytes))
-                span_local = max(local, last_term)
-                # As an inner stage of a longer span, "last" is held like a kept stage.
-                local = max(local, keep.local_peak_bytes + held)
-                held += keep.stored_bytes
-                seconds += wholes[last].cost_seconds
-                flops += wholes[last].cost_flops
-                roofline += wholes[last].cost_roofline
-                yield first, last, wholes[last].stored_bytes, span_local, float(seconds), int(flops), float(roofline)
+            for row in _rows_from(profile, first, min(end, first + limit), wholes, inner):
+                seen.add(row[:2])
+                yield row
+    for first, last, _ in block_ranges(profile):
+        if (first, last) not in seen and all(w is not None for w in wholes[first:last + 1]):
+            seen.add((first, last))
+            *_, row = _rows_from(profile, first, last + 1, wholes, inner)
+            yield row
 
 
 def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -71,9 +71,11 @@ class Policy(_Words):
                          f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
-# A profile names a policy's option "sac:" + the policy, and a chunked head's "chunks:" + the count.
+# A profile names a policy's option "sac:" + the policy, a chunked head's "chunks:" + the count, a fused one's
+# "fused:" + the count.
 POLICY_PREFIX = "sac:"
 CHUNKS_PREFIX = "chunks:"
+FUSED_PREFIX = "fused:"
 
 
 class OptionKind(_Words):
@@ -88,6 +90,7 @@ class OptionKind(_Words):
     OFFLOAD_HIDDEN = "offload-hidden"  # only what the host link moves while the next stage computes
     CHUNKS = "chunks"  # the LM head and its loss over sequence chunks, each recomputed in backward ("chunks:8")
     OFFLOAD_INPUT = "offload-input"  # recomputed whole, the input its checkpoint keeps on the host
+    FUSED = "fused"  # the LM head and its loss over sequence chunks, gradients computed in forward ("fused:8")
 
     @classmethod
     def of(cls, name: str) -> "OptionKind":
@@ -96,6 +99,8 @@ class OptionKind(_Words):
             return cls.POLICY
         if name.startswith(CHUNKS_PREFIX):
             return cls.CHUNKS
+        if name.startswith(FUSED_PREFIX):
+            return cls.FUSED
         if name.startswith("segment "):
             return cls.SEGMENT
         return _FIXED_KINDS.get(name, cls.CHILDREN)
@@ -109,12 +114,16 @@ _FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
 
 def option_name(kind: OptionKind, policy: Any = None) -> str:
     """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``,
-    ``"sac:" + policy``, or ``"chunks:" + count`` (``policy`` is then the number of chunks).
+    ``"sac:" + policy``, ``"chunks:" + count`` or ``"fused:" + count`` (``policy`` is then the number of chunks).
+
+    Example:
+        >>> option_name(OptionKind.FUSED, 8), OptionKind.of("fused:8")
+        ('fused:8', <OptionKind.FUSED: 'fused'>)
     """
     if kind == OptionKind.POLICY:
         return POLICY_PREFIX + str(Policy.check(policy))
-    if kind == OptionKind.CHUNKS:
-        return CHUNKS_PREFIX + str(check_chunks(policy))
+    if kind in (OptionKind.CHUNKS, OptionKind.FUSED):
+        return (CHUNKS_PREFIX if kind == OptionKind.CHUNKS else FUSED_PREFIX) + str(check_chunks(policy))
     if kind not in OPTION_NAMES:
         raise ValueError(f"options of kind {kind!r} are named after what they recompute")
     return OPTION_NAMES[OptionKind(kind)]
@@ -140,6 +149,7 @@ class Action(_Words):
     SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint
     OFFLOAD = "offload"  # what it saves goes to host memory and comes back, maybe only up to a limit
     CHUNK = "chunk"  # the LM head and its loss over sequence chunks, each recomputed in backward
+    FUSE = "fuse"  # the same chunks with each chunk's gradients computed in forward: nothing recomputed
 
     @classmethod
     def check(cls, action: Any) -> "Action":

@@ -53,16 +53,19 @@ def pyplot() -> Any:
     return plt
 
 
+def _saved(plt: Any, fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
                          budget_bytes: int | None = None) -> Path:
     """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed."""
     plt = pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = timeline_figure(plt, timelines, title, budget_bytes)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(plt, timeline_figure(plt, timelines, title, budget_bytes), path)
 
 
 def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = "", budget_bytes: int | None = None) -> Any:
@@ -102,12 +105,8 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
     ``points``, peers as (label, peak bytes, overhead); ``measured`` and ``planned``, our plans measured and predicted.
     """
     plt = pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(plt, fig, path)
 
 
 def _pareto_figure(plt: Any, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,

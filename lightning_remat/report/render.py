@@ -6,9 +6,9 @@ import math
 from typing import Any, Iterable, Sequence
 
 from ..core.budget import format_budget, format_bytes
-from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, plan_text, sharded_memory_line
+from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, sharded_memory_line
 
-__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_summary", "plan_table", "print_plan",
+__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_table", "print_plan",
            "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table", "percent_shares",
            "breakdown_modules_table", "breakdown_renderables", "pareto_table"]
 
@@ -50,9 +50,6 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
         console.print(renderable, highlight=False)
 
 
-# --------------------------------------------------------------------------------------- plans
-
-
 def plan_table(plan: Any) -> Any:
     """The plan's stages as a ``rich.table.Table`` (the rows of ``core.plan_text.plan_rows``)."""
     from rich.table import Table
@@ -74,15 +71,8 @@ def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     return lines
 
 
-def plan_summary(plan: Any, title: str = "Recompute plan") -> str:
-    return plan_text(plan, title)
-
-
 def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) -> None:
     print_renderables(plan_renderables(plan, title), console)
-
-
-# --------------------------------------------------------------------------- batch-size search
 
 
 def batch_size_table(result: Any) -> Any:
@@ -108,9 +98,6 @@ def batch_size_table(result: Any) -> Any:
                   f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
     table.add_row("profiled batch sizes (passes)", f"{list(result.profile_batch_sizes)} ({result.profile_passes})")
     return table
-
-
-# ------------------------------------------------------------------------ memory breakdown
 
 
 def percent_shares(parts: Sequence[int]) -> list[str]:
@@ -180,9 +167,6 @@ def breakdown_renderables(breakdown: Any) -> list[Any]:
         items.append(breakdown_modules_table(breakdown))
     items.extend(f"note: {note}" for note in breakdown.notes)
     return items
-
-
-# ----------------------------------------------------------------------------- budget sweeps
 
 
 def pareto_table(points: Sequence[Any], chosen: Any, cost: str) -> Any:

@@ -38,13 +38,6 @@ class MemoryTimeline:
                 "peak_bytes": self.peak_bytes}
 
 
-def future_optimizer_state(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of state the optimizer will create at its first step (0 if it has stepped already)."""
-    if optimizer is None or optimizer.state:
-        return 0
-    return optimizer_step_cost(optimizer).state_bytes
-
-
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   plan: Plan) -> TimelineTracker:
     """One forward and backward pass under the timeline tracker with ``plan`` applied; the model left as it was."""
@@ -76,7 +69,8 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
     plan = recomputation_of(plan) if isinstance(plan, Plan) else Plan([StageAction.recompute(n) for n in plan or []])
     names = plan.checkpointed
     tracker = tracked_step(model, step, optimizer, plan)
-    offset = future_optimizer_state(optimizer)
+    # The state the optimizer will create at its first step (none once it stepped).
+    offset = optimizer_step_cost(optimizer).state_bytes if optimizer is not None and not optimizer.state else 0
     backward_start = next((i for i, bw in enumerate(tracker.in_backward) if bw), None)
     if label is None:
         label = f"recompute {len(names)} module(s)" if names else "no recomputation"

@@ -40,6 +40,8 @@ class _Counter:
 class BatchSearch:
     """The state of one search: the fitted profile, the corrections real trials taught, the plans so far."""
 
+    unit = 1  # sizes are multiples of it (``LengthSearch``: ``multiple_of``)
+
     def __init__(self, make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: RematConfig, budget_bytes: int, max_overhead: float, steps_per_trial: int, mode: str,
                  start: int):
@@ -170,7 +172,11 @@ class BatchSearch:
             self.notes.append(f"host memory limits offloading from batch size {batch_size} on: {error}")
 
     def largest(self, recompute: bool, limit: int) -> int:
-        return largest_batch(lambda b: self.plan_for(b, recompute) is not None, self.start, limit, self.mode)
+        """The largest size up to ``limit`` predicted to fit: a multiple of ``unit`` (1 for a batch, a sequence
+        length's ``multiple_of`` for ``LengthSearch``), doubling from ``start`` then bisecting."""
+        unit = self.unit
+        return unit * largest_batch(lambda k: self.plan_for(k * unit, recompute) is not None, max(1, self.start // unit),
+                                    limit // unit, self.mode)
 
     def run_trial(self, batch_size: int, plan: Plan) -> Trial:
         """Real steps at ``batch_size`` with ``plan`` applied (``ShardedBatchSearch`` runs them on every rank)."""

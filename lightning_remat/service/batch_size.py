@@ -119,6 +119,23 @@ def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimi
                               channel=channel)
 
 
+def search_setup(model: nn.Module, config: RematConfig, purpose: str) -> tuple[int, tuple[Any, Any]]:
+    """The budget in bytes, checked for a search (``purpose``), and the plan installed now (``apply_or_restore``)."""
+    config.require_size(purpose)
+    if config.profile.offload:
+        # The error profile_step would raise, before any step runs (no accelerator target).
+        check_offload_target(config.profile, model_device(model))
+    return int(config.budget_bytes(model_device(model))), (checkpointed_modules(model), segmented_modules(model))
+
+
+def apply_or_restore(model: nn.Module, plan: Plan | None, apply: bool, previous: tuple[Any, Any]) -> None:
+    """Install the search's ``plan``, or (``apply=False``) put back what was installed before the search."""
+    if apply:
+        apply_plan(model, plan)
+    elif previous != (checkpointed_modules(model), segmented_modules(model)):
+        apply_plan(model, previous[0], segments=previous[1])
+
+
 @exclusive()
 def find_remat_batch_size(
     model: nn.Module,
@@ -170,13 +187,7 @@ def find_remat_batch_size(
     validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,
                                                                    policies=policies))
-    config.require_size("a batch-size search")
-    if offload:
-        # The error profile_step would raise, before any step runs (no accelerator target).
-        check_offload_target(config.profile, model_device(model))
-    budget_bytes = int(config.budget_bytes(model_device(model)))
-    previous_plan = checkpointed_modules(model)
-    previous_segments = segmented_modules(model)
+    budget_bytes, previous = search_setup(model, config, "a batch-size search")
     search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, init_val)
     search.verbose = verbose
     budget_bytes = search.budget_bytes
@@ -203,10 +214,7 @@ def find_remat_batch_size(
         final, without, confirmed, measured, plan_dict = channel.broadcast(
             (final, without, confirmed, measured, final_plan.to_dict()))
         final_plan = Plan.from_dict(plan_dict)
-    if apply:
-        apply_plan(model, final_plan)
-    elif previous_plan != checkpointed_modules(model) or previous_segments != segmented_modules(model):
-        apply_plan(model, previous_plan, segments=previous_segments)
+    apply_or_restore(model, final_plan, apply, previous)
     binsearch = lightning_binsearch_sizes(init_val, confirmed, max_val=max_val + 1)
     return BatchSizeResult(
         batch_size=final, batch_size_without_remat=without, largest_fitting=confirmed, plan=final_plan,

@@ -30,11 +30,6 @@ def travelling(error: BaseException, rank: int, action: str = "planning") -> Bas
                                + (f" (at {where})" if where else ""))
 
 
-def failed_out_of_memory(error: BaseException | None) -> bool:
-    """Whether ``error``, as ``travelling`` made it, is an out-of-memory error of some rank."""
-    return bool(getattr(error, "out_of_memory", False))
-
-
 class Channel:
     """How ranks talk; this one is a single process (rank 0 of 1), where nothing travels."""
 
@@ -154,11 +149,6 @@ class _Attempt:
         if self.original is self.error:
             raise self.error
         raise self.error from self.original
-
-
-def first_error(results: list[tuple[Any, BaseException | None]]) -> BaseException | None:
-    """The error of the first rank that failed in gathered ``(value, error)`` outcomes, or None."""
-    return next((error for _, error in results if error is not None), None)
 
 
 def _hinted(compute: Callable[[], T], hint: str) -> T:

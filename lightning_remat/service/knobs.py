@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..core.binding import HEAD, with_optimizer_setting
-from ..core.errors import BudgetTooSmallError, RematError
+from ..core.errors import RematError
 from ..core.sharding import smallest_world_size
 from ..core.solve import least_peak, solve
 
@@ -24,14 +24,6 @@ class KnobContext:
     optimizer: Any
     profile: Any
     budget_bytes: int
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One knob: ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply."""
-
-    name: str
-    evaluate: Callable[[KnobContext], tuple[str, int] | None] | None
 
 
 def _optimizer(setting: str) -> Callable[[KnobContext], tuple[str, int] | None]:
@@ -122,33 +114,30 @@ def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
     return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
 
 
-KNOBS: tuple[Knob, ...] = (
-    Knob("fused optimizer", _optimizer("fused=True")),
-    Knob("optimizer without foreach", _optimizer("foreach=False")),
-    Knob("offload", _offload),
-    Knob("more GPUs (FSDP2)", _more_gpus),
-    Knob("chunked loss", _chunked_loss),
-)
+# Each knob's ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
+KNOBS: dict[str, Callable[[KnobContext], tuple[str, int] | None]] = {
+    "fused optimizer": _optimizer("fused=True"),
+    "optimizer without foreach": _optimizer("foreach=False"),
+    "offload": _offload,
+    "more GPUs (FSDP2)": _more_gpus,
+    "chunked loss": _chunked_loss,
+}
 
 
 def knob_figures(context: KnobContext) -> list[dict[str, Any]]:
     """Per applicable knob, ``{"knob", "setting", "peak_bytes", "fits"}``; a failed re-profile adds ``"error"``."""
     found = []
     least = least_peak(context.profile)
-    for knob in KNOBS:
+    for name, evaluate in KNOBS.items():
         try:
-            result = knob.evaluate(context) if knob.evaluate is not None else None
+            result = evaluate(context)
         except Exception as error:  # noqa: BLE001 - said in the message: the budget's own error is raised
-            found.append({"knob": knob.name, "setting": "", "peak_bytes": None, "fits": False,
+            found.append({"knob": name, "setting": "", "peak_bytes": None, "fits": False,
                           "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"})
             continue
         if result is not None and result[1] < least:  # a knob that lowers nothing is no knob
             setting, peak = result
-            found.append({"knob": knob.name, "setting": setting, "peak_bytes": int(peak),
+            found.append({"knob": name, "setting": setting, "peak_bytes": int(peak),
                           "fits": int(peak) <= context.budget_bytes})
     return found
 
-
-def advise(error: BudgetTooSmallError, context: KnobContext) -> BudgetTooSmallError:
-    """``error`` with the knobs' figures added (``BudgetTooSmallError.with_knobs``)."""
-    return error.with_knobs(knob_figures(context))

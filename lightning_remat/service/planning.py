@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.budget import Budget, format_bytes
-from ..core.errors import BudgetTooSmallError, PlanningFailedError
+from ..core.errors import BudgetTooSmallError
 from ..core.plan import Plan
 from ..core.sharding import solve_sharded
 from ..core.solve import solve_recompute_everything
@@ -21,35 +21,9 @@ from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
-from .channel import Channel, torch_distributed_channel, travelling
-from .plan_figures import FALLBACK_PLAN, MEASURED_TIME_NOTE, METRIC_PREFIX, over_budget, plan_metrics
-from .sharded import fsdp2_sharded, refuse_fsdp1
-from .sharded_planning import lockstep_plan
-
-@dataclass
-class PlanOutcome:
-    """Rank 0's decision as a value: a plan (as a dict) or an error that can travel."""
-
-    plan: dict[str, Any] | None = None
-    error: BaseException | None = None
-
-    @classmethod
-    def failed(cls, error: BaseException) -> "PlanOutcome":
-        return cls(error=travelling(error, rank=0, action="planning"))
-
-    def result(self) -> Plan:
-        """The plan, or the error raised."""
-        if self.error is not None:
-            raise self.error
-        if self.plan is None:
-            raise PlanningFailedError("rank 0 sent no plan")
-        return Plan.from_dict(self.plan)
-
-
-def is_main_process() -> bool:
-    """Rank 0 of an initialised ``torch.distributed`` group, or a single process."""
-    return torch_distributed_channel().is_main
-
+from .channel import Channel, torch_distributed_channel
+from .plan_figures import MEASURED_TIME_NOTE
+from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     """Warn when a CUDA budget is above what this process can still get, so it cannot bind."""
@@ -100,10 +74,11 @@ class Planner:
             return self.solve_profile(model, profile)
         except BudgetTooSmallError as error:
             failed = error
-        from .knobs import KnobContext, advise
+        from .knobs import KnobContext, knob_figures
 
         # The bytes the plan did not fit: the error's (a "min" budget refused for the target's memory has no other).
-        raise advise(failed, KnobContext(self, model, step, optimizer, profile, int(failed.budget_bytes)))
+        context = KnobContext(self, model, step, optimizer, profile, int(failed.budget_bytes))
+        raise failed.with_knobs(knob_figures(context))
 
     def profile(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                 adjust: Callable[[Any], Any] | None = None, warmup: int | None = None) -> Any:
@@ -121,7 +96,7 @@ class Planner:
         """The progress display of one profile (rank 0, on a terminal, unless ``verbose=False``)."""
         from ..report.progress import PhaseProgress
 
-        display = PhaseProgress(enabled=self.verbose and is_main_process())
+        display = PhaseProgress(enabled=self.verbose and torch_distributed_channel().is_main)
         display(f"lightning-remat: profiling a training step of {type(model).__name__}" + (" on fake tensors" if fake else ""))
         return display
 

@@ -1,23 +1,7 @@
 """One run lifecycle for every integration: observe, plan, install, measure, report.
 
-``AutoRemat`` (Lightning), the Accelerate session (and through it the Hugging Face Trainer's callback)
-drive the same ``RunLifecycle`` through a ``RunHost``: what their loop gives it (the model, the ranks,
-the optimizers, the accumulation window, where figures and messages go). The lifecycle imports no
-training library. It keeps the run's plans (one per batch shape), logs each new plan's figures,
-meters a window of real steps under a plan (``MeasuredWindow``), calibrates the plans with a peak
-above their prediction, and reports the measured peak next to the prediction and the budget.
-
-Example:
-    >>> import torch
-    >>> net = nn.Sequential(nn.Linear(8, 8))
-    >>> logged = []
-    >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
-    >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
-    >>> run.announce(plan, "a plan")
-    >>> window = run.window(plan)
-    >>> net(torch.randn(4, 8)).sum().backward()
-    >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
-    (True, ['remat/measured_peak_bytes'])
+``AutoRemat`` and the Accelerate session (and through it the Trainer's callback) drive ``RunLifecycle``
+through a ``RunHost``: what their loop gives it. The lifecycle imports no training library.
 """
 
 from __future__ import annotations
@@ -44,20 +28,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunHost:
-    """What a training loop gives the run lifecycle: callables, so the lifecycle imports no library.
-
-    Attributes:
-        model: the model the plans are installed on.
-        step_for: ``step_for(batch)`` -> ``step(module) -> loss``: the loop's training step on a batch.
-        channel: ``channel()`` -> the ranks (``service.channel.Channel``); default one process.
-        optimizers: ``optimizers()`` -> what a meter counts as optimizer state (None: none).
-        accumulation: ``accumulation()`` -> micro-batches per optimizer step.
-        log: ``log(figures)``: ``remat/...`` figures to the loop's loggers.
-        info, warn, table: ``info(message)`` a console line, ``warn(message)`` a warning (the main rank; the
-            host decides what is shown), ``table(plan, title)`` a plan in full (default: ``info`` of its summary).
-        name: the integration, as messages begin.
-        summary: figures summarise the run (the plan of the largest predicted peak, ``remat/num_plans``, the
-            largest measured peak: Accelerate's ``remat_metrics``) rather than each plan and window as it comes.
+    """What a training loop gives the run lifecycle, as callables: ``step_for(batch)`` -> ``step(module) -> loss``,
+    the ranks, the optimizers a meter counts, micro-batches per optimizer step, where figures (``log``), lines
+    (``info``), warnings and a plan in full (``table``; default: ``info`` of its summary) go; ``name`` begins
+    messages; ``summary``: figures summarise the run (Accelerate's ``remat_metrics``), not each plan as it comes.
     """
 
     model: nn.Module
@@ -74,17 +48,7 @@ class RunHost:
 
 
 class MeasuredWindow:
-    """The package's peak meter over one or more batches, the plans they ran under and its wall time.
-
-    Example:
-        >>> import torch
-        >>> net = nn.Linear(8, 8)
-        >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
-        >>> window = MeasuredWindow(PeakWindow(net, None), plan)
-        >>> net(torch.randn(4, 8)).sum().backward()
-        >>> window.meter.close() > 0, window.plan is plan
-        (True, True)
-    """
+    """The package's peak meter over one or more batches, the plans they ran under and its wall time."""
 
     def __init__(self, meter: PeakWindow, plan: Plan | None = None, batches: int = 1, shape: Any = None):
         self.meter = meter
@@ -130,10 +94,20 @@ def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
 
 
 class RunLifecycle:
-    """A run's plans, their figures, their measured windows and the report of each (see the module).
+    """A run's plans (one per batch shape; ``plan`` the latest), their figures (``metrics``, updated in place),
+    their measured windows (calibrating the plans) and the report of each.
 
-    Attributes: ``plan`` (the latest announced), ``plans`` (one per batch shape), ``metrics`` (the run's
-    figures, updated in place), ``shape_plans`` (None until ``shapes``), ``measured_peak_bytes`` (the latest).
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(8, 8))
+        >>> logged = []
+        >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
+        >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
+        >>> run.announce(plan, "a plan")
+        >>> window = run.window(plan)
+        >>> net(torch.randn(4, 8)).sum().backward()
+        >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
+        (True, ['remat/measured_peak_bytes'])
     """
 
     def __init__(self, host: RunHost):
@@ -142,7 +116,6 @@ class RunLifecycle:
         self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.shape_plans: Any = None
-        self.measured_peak_bytes: int | None = None
         self.profiles = 0  # profiling passes run for the run's plans (real and fake)
         self.measure_in: int | None = None  # batches until the measured window starts (batch-driven hosts)
         self._window_left = 0
@@ -225,7 +198,6 @@ class RunLifecycle:
             measured["remat/measured_reserved_bytes"] = float(channel.max(window.meter.reserved_bytes))
         run = {k: max(v, self.metrics.get(k, 0)) for k, v in measured.items()}  # the run's largest
         self.metrics.update(run)
-        self.measured_peak_bytes = peak
         self.host.log(run if self.host.summary else measured)
         plan = window.plan
         calibrated = window.calibrate(self.shape_plans, peak, timed=True)

@@ -30,11 +30,7 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 @dataclass
 class ShapePlanCounts:
-    """What following the batch's shape has cost so far: real and fake profiles, solves, installs, steps, calibrations.
-
-    ``real_profiles`` is 0, or 1 with ``fake=False`` where the plain step is predicted to fit; ``calibrations``
-    counts measured steps that peaked above their plan's prediction (each re-solves the plans).
-    """
+    """What following the batch's shape has cost so far (``calibrations``: measured steps above their prediction)."""
 
     real_profiles: int = 0
     fake_profiles: int = 0
@@ -44,29 +40,12 @@ class ShapePlanCounts:
     calibrations: int = 0
 
 
-def _signature(plan: Plan) -> tuple:
-    """What an installed plan changes on the model: two plans with the same actions are one installation."""
-    return tuple(plan.actions)
-
-
 class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
 
     Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without installing;
     ``fresh`` then says whether it decided a plan), and optionally ``calibrate(peak)`` with the step's measured
-    peak after it. The first batch is profiled on fake tensors (or gets the fallback plan); other shapes are
-    predicted from fake profiles at a few shapes. ``docs/shapes.md`` describes every argument and what it costs.
-
-    Args:
-        loss_fn: ``loss_fn(model, batch)`` runs the forward pass on ``batch`` and returns the loss.
-        budget: ``"10GB"``, bytes, ``"80%"``, ``"min"``; or pass ``config``.
-        fake: None or True: the first batch is profiled on fake tensors only. False: also for real, where its
-            plain step is predicted to fit.
-        plan_for: ``"shape"`` (each bucket its own plan) or ``"largest"`` (the largest shape met so far, for
-            ``torch.compile``); None: ``"largest"`` for a model that runs compiled.
-        per_octave: plan buckets per doubling of each dimension (0: every shape its own plan).
-        adjust: ``adjust(profile) -> profile``, applied to the first batch's profile, carried to every shape.
-        channel: how ranks talk (``service.channel``); None: one process.
+    peak after it. ``loss_fn(model, batch)`` returns the loss; ``docs/shapes.md`` describes every other argument.
 
     Example:
         >>> import torch
@@ -124,12 +103,10 @@ class ShapePlans(ShapeProfiles):
     # ------------------------------------------------------------------------------ the interface
 
     def use(self, batch: Any) -> Plan:
-        """Install the plan for ``batch``'s shape (if not installed already), check what is installed, and return it.
-
-        Raises ``InstallationMismatchError`` when what is on the model is not the plan (something changed it).
-        """
+        """Install the plan for ``batch``'s shape (if not installed already), check it is installed, and return it."""
         plan = self.plan(batch)
-        if self.installed is None or _signature(plan) != _signature(self.installed):
+        # Two plans with the same actions are one installation.
+        if self.installed is None or tuple(plan.actions) != tuple(self.installed.actions):
             self.install(self.model, plan)
             self.counts.installs += 1
         self.installed = plan

@@ -1,4 +1,5 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration."""
+"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration by a
+measured step (memory the profile did not see, seconds per FLOP)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
-from .calibration import measured_excess, seconds_per_flop, with_measured_excess
+from ..runtime.profiling.profile_adjust import with_always_alive
 from .planning import _first_line
 
 # Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
@@ -75,9 +76,7 @@ class ShapeProfiles:
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
         """Take a step measured under ``plan`` (default: the installed one) into account; True if the plans are re-solved.
-
-        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank.
-        """
+        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank."""
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
         reprice = seconds is not None and self.config.cost == "time" and not self._timed
@@ -108,9 +107,8 @@ class ShapeProfiles:
             anchor_shape, anchor = self.anchor
             self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
         elif self.fit is None:
-            # A plan was seeded (a resumed run), nothing was profiled; or this batch cannot be
-            # stretched to the first batch's layout (a key appeared), so no fake node can be
-            # compared with its anchor: start at ``key``, anchored on its own fake node.
+            # Nothing was profiled (a seeded plan), or this batch cannot be stretched to the first batch's
+            # layout: start at ``key``, anchored on its own fake node.
             node = self._fake_profile(batch, key)
             self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
         for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
@@ -148,3 +146,24 @@ class ShapeProfiles:
         # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
         rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
         return priced(profile, rate) if rate else profile
+
+
+def measured_excess(plan: Plan, measured_peak_bytes: int) -> int:
+    """Bytes a measured step under ``plan`` peaked above its prediction (0 if not, or nothing was predicted)."""
+    predicted = plan.predicted_peak_bytes
+    return 0 if predicted is None else max(0, int(measured_peak_bytes) - int(predicted))
+
+
+def with_measured_excess(profile: Profile, excess: int) -> Profile:
+    """``profile`` with ``excess`` bytes more in every term."""
+    return with_always_alive(profile, excess, (
+        f"calibrated by a measured step: it peaked {format_bytes(excess)} ({excess} bytes) above the plan's "
+        "prediction (memory the profile did not see: on a GPU the allocator's rounding and library workspaces, "
+        "or code outside the profiled step); counted in every term"))
+
+
+def seconds_per_flop(plan: Plan, profile: Profile, seconds: float) -> float | None:
+    """Seconds per FLOP of a step measured at ``seconds`` under ``plan``; None when the profile counts no FLOPs."""
+    flops = profile.baseline_step_flops * (1.0 + (plan.predicted_overhead or 0.0))
+    return seconds / flops if flops > 0 and seconds > 0 else None
+

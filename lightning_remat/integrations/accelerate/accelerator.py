@@ -1,18 +1,6 @@
-"""``RematAccelerator`` and ``prepare_remat``: switch recomputation on for the models of an Accelerate loop.
-
-    ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py
-
-The script uses ``RematAccelerator`` instead of ``Accelerator`` (or keeps the stock ``Accelerator``
-and calls ``prepare_remat(model, accelerator=accelerator)``); nothing else in the loop changes.
-
-Supported: one process, DDP (multi-GPU, multi-CPU) and FSDP2 (``fsdp_version=2``: every rank
-profiles the sharded model in lockstep; the budget is per rank; the plugin's own
-``activation_checkpointing`` is refused with a budget). Not supported: FSDP1, DeepSpeed,
-Megatron-LM, XLA and ``torch.compile`` through Accelerate; ``RematAccelerator`` and
-``prepare_remat`` raise at start for those (FSDP1: ``UnsupportedShardingError``; the others:
-``UnsupportedSetupError``; both ``RematError`` and ``NotImplementedError``), naming the workarounds.
-DeepSpeed ZeRO runs with a plan made and applied before ``accelerator.prepare`` (docs/accelerate.md,
-"DeepSpeed ZeRO: plan, then prepare"); its refusal says how.
+"""``RematAccelerator`` and ``prepare_remat``: switch recomputation on for the models of an Accelerate loop
+(``ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py``). What is supported and what is refused, with
+the ways that work: docs/accelerate.md.
 """
 
 from __future__ import annotations
@@ -43,9 +31,8 @@ _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKe
 
 
 def _check_supported(accelerator: Any, take_over: bool = False) -> None:
-    """Refuse what the session cannot plan under: ``accelerator`` an ``Accelerator`` or its ``AcceleratorState``.
-    ``take_over``: nothing is prepared yet, so the FSDP2 plugin's own activation checkpointing is switched off
-    (said in one warning) instead of refused."""
+    """Refuse what the session cannot plan under (``accelerator``: an ``Accelerator`` or ``AcceleratorState``);
+    ``take_over``: nothing is prepared yet, so FSDP2's own activation checkpointing is switched off, not refused."""
     state = getattr(accelerator, "state", accelerator)
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
@@ -83,13 +70,7 @@ def _check_supported(accelerator: Any, take_over: bool = False) -> None:
 
 
 def deepspeed_refusal(plugin: Any = None) -> str:
-    """What is refused under DeepSpeed, why, and the workaround that runs (``plugin``: Accelerate's ``DeepSpeedPlugin``).
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> print(deepspeed_refusal(SimpleNamespace(zero_stage=3)))  # doctest: +ELLIPSIS
-        lightning-remat does not support planning inside Accelerate's DeepSpeed mode (ZeRO stage 3), ...
-    """
+    """What is refused under DeepSpeed, why, and the workaround that runs (``plugin``: Accelerate's ``DeepSpeedPlugin``)."""
     stage = getattr(plugin, "zero_stage", None)
     stage = "" if stage is None else f" (ZeRO stage {stage})"
     return (
@@ -117,35 +98,25 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
                   accelerator: Accelerator | None = None, loop: LoopFacts | None = None) -> nn.Module:
     """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
 
-    Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it for you in ``prepare``).
-    Call it before or after ``accelerator.prepare``; the training loop stays as it is. The first
-    ``remat_plugin.profile_steps`` training steps are observed, the plan is made and applied in place
-    at the end of the last of them, and the next step is measured (see the module docstring).
+    Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it in ``prepare``), before or after
+    ``accelerator.prepare``; the loop stays as it is. The first ``profile_steps`` steps are observed, the plan is
+    applied in place at the end of the last of them, and the next step is measured (docs/accelerate.md).
 
     Args:
         model: the model (already wrapped by DDP is fine: the inner module is watched).
-        remat_plugin: the settings; None reads them from the environment (``ACCELERATE_REMAT_BUDGET``,
-            ...). Without a budget nothing happens. The name ``RematAccelerator`` takes it under, as
-            ``Accelerator`` takes ``fsdp_plugin=`` and ``deepspeed_plugin=``.
-        accelerator: to find the prepared optimizer (its state counts in the budget), to log
-            ``remat/...`` metrics to its trackers, and to receive ``accelerator.remat_metrics`` and
-            ``accelerator.remat_plan``. Without it the optimizer is found when it first steps.
-        loop: what the session reads of the loop (optimizers, accumulation, processes, logging), for
-            a loop without an ``Accelerator`` of its own to give (the Hugging Face Trainer's callback).
+        remat_plugin: the settings; None reads them from ``ACCELERATE_REMAT_*``. Without a budget nothing happens.
+        accelerator: finds the prepared optimizer, logs ``remat/...`` to its trackers, and receives
+            ``accelerator.remat_metrics`` and ``accelerator.remat_plan``.
+        loop: what the session reads of a loop without an ``Accelerator`` to give (the Trainer's callback).
 
     Returns:
         ``model`` itself; ``remat_session(model)`` gives the plan and metrics.
 
     Raises:
-        ValueError: a malformed environment variable (named in the message).
-        AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` wraps a module of the model, or
-            Accelerate's FSDP2 plugin has ``activation_checkpointing`` on. Hugging Face's own gradient
-            checkpointing is turned off instead (a ``UserWarning`` says so: the plan recomputes).
-        NoCandidateError: the model has no module to recompute (set ``candidates``).
-        UnsupportedSetupError: (a ``NotImplementedError``) DeepSpeed, Megatron-LM, XLA or torch.compile
-            through Accelerate; ``UnsupportedShardingError`` (one of them) for FSDP1.
-        ConflictingArgumentsError: the model has a session with other settings already (two
-            ``RematTrainerCallback``s with different budgets), naming both.
+        AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` in the model, or Accelerate's FSDP2
+            ``activation_checkpointing`` on (Hugging Face's own checkpointing is turned off instead, said once).
+        UnsupportedSetupError, UnsupportedShardingError: DeepSpeed, Megatron-LM, XLA, torch.compile, FSDP1.
+        ConflictingArgumentsError: the model has a session with other settings already, naming both.
 
     Example:
         >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
@@ -156,40 +127,32 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
         >>> remat_session(net).remove()
     """
     plugin = RematPlugin() if remat_plugin is None else remat_plugin
-    if accelerator is not None:
-        if not hasattr(accelerator, "remat_metrics"):
-            accelerator.remat_metrics = {}
-            accelerator.remat_plan = None
+    if accelerator is not None and not hasattr(accelerator, "remat_metrics"):
+        accelerator.remat_metrics, accelerator.remat_plan = {}, None
     if not plugin.enabled:
         warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
         return model
-    if accelerator is not None:
-        _check_supported(accelerator)
+    loop = loop or LoopFacts.of(accelerator)
+    if loop.state is not None:
+        _check_supported(loop.state)
     inner = _inner_model(model)
     if inner in _SESSIONS:
         _check_same_settings(_SESSIONS[inner].plugin, plugin)
-    else:
-        find_stages(inner, plugin.candidates)  # fail at start, not after the first step
-    # The user asked us for a budget: Hugging Face's own checkpointing is turned off (said in one line), a
-    # torch checkpoint_wrapper refused, so that nothing recomputes twice and nothing runs outside the plan.
+    # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
     # Again for a model planned already: a second trainer.train() switches the Trainer's checkpointing on again.
-    took_over = take_over_checkpointing(inner, f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget)")
-    if took_over:
-        warnings.warn(took_over, UserWarning, stacklevel=3)
+    take_over_checkpointing(inner, loop.who, getattr(loop.state, "is_main_process", True))
     if inner in _SESSIONS:
         return model
+    find_stages(inner, plugin.candidates)  # fail at start, not after the first step
     session = RematSession(inner, plugin, accelerator, loop)
     if accelerator is not None:
-        # The same dict: it fills in as the plan is made and measured.
-        accelerator.remat_metrics = session.metrics
+        accelerator.remat_metrics = session.metrics  # the same dict: it fills in as the plan is made and measured
     _SESSIONS[inner] = session
     return model
 
 
 def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
-    """A model has one session: a second asking for other settings (two ``RematTrainerCallback``s,
-    ``prepare_remat`` beside ``RematAccelerator``) is refused, not ignored. The same settings again
-    (a second ``trainer.train()``) reuse it."""
+    """A model has one session: other settings are refused, not ignored; the same settings reuse it."""
     if held != asked:
         differ = [f"{name}={getattr(held, name)!r} and {name}={getattr(asked, name)!r}"
                   for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
@@ -199,8 +162,7 @@ def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
             "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")
 
 
-# Without a budget RematAccelerator and prepare_remat do nothing; they say so (issue 29: a script that went
-# on to read remat_plan.summary() crashed on None, with nothing said).
+# Without a budget RematAccelerator and prepare_remat do nothing, and say so.
 NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {ENV_BUDGET} is not set: recomputing "
              "nothing; remat_plan stays None and remat_metrics empty")
 
@@ -218,29 +180,10 @@ def remat_session(model: nn.Module) -> RematSession | None:
 class RematAccelerator(Accelerator):
     """``Accelerator`` that keeps each training step within a memory budget by recomputation.
 
-    Takes every argument of ``Accelerator``, and ``remat_plugin``. Without a plugin the settings
-    come from the environment, so an unchanged script is switched on at launch::
-
-        ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py
-
-    Each model given to ``prepare`` (for training) gets ``prepare_remat``: its first
-    ``profile_steps`` steps are observed, then the plan is applied in place (parameter names and
-    ``state_dict`` keys do not change, so ``save_state``/``load_state`` work with or without it).
-
-    Args:
-        remat_plugin: the settings; None reads ``RematPlugin`` from the environment. A malformed
-            value fails here, at start, naming the variable. Named as ``Accelerator``'s own
-            ``fsdp_plugin``/``deepspeed_plugin``; ``prepare_remat`` takes it under the same name.
-        *args, **kwargs: passed to ``Accelerator``.
-
-    Attributes:
-        remat_plugin: the settings in use.
-        remat_plan: the applied ``Plan`` (None before it is made, or without a budget: then
-            ``RematAccelerator()`` warns that it recomputes nothing).
-        remat_metrics: ``remat/budget_bytes``, ``remat/baseline_peak_bytes``,
-            ``remat/predicted_peak_bytes``, ``remat/predicted_overhead``, ``remat/num_checkpointed``
-            once planned, and ``remat/measured_peak_bytes`` after the next step; the same figures
-            go to ``accelerator.log`` when trackers are initialised.
+    Takes every argument of ``Accelerator``, and ``remat_plugin`` (None: ``RematPlugin`` from the environment,
+    a malformed value failing here). Each model given to ``prepare`` for training gets ``prepare_remat``.
+    ``remat_plan``: the applied ``Plan`` (None before it is made, or without a budget); ``remat_metrics``:
+    the ``remat/...`` figures, also sent to ``accelerator.log`` when trackers are initialised.
 
     Example:
         >>> from torch import nn
@@ -273,8 +216,7 @@ class RematAccelerator(Accelerator):
             warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
     def _prepare_fsdp2(self, *args: Any) -> Any:
-        """Prepare as Accelerate does with FSDP2 (which shards in place and does not go through
-        ``prepare_model``), then watch each sharded model in training mode for recomputation."""
+        """As Accelerate's (FSDP2 shards in place, not through ``prepare_model``), then ``prepare_remat``."""
         result = super()._prepare_fsdp2(*args)
         if self.remat_plugin.enabled:
             for obj in result if isinstance(result, (tuple, list)) else (result,):

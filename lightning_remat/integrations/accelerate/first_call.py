@@ -12,45 +12,32 @@ from torch import nn
 from ...core.allowances import USER_LOSS_OUTPUT_COPIES
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile, Segment
-from ...core.shapes import Shape
-from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, tensor_leaves, with_loop_references
+from ...runtime.profiling.batch_shape import batch_tensors
+from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, with_loop_references
 
 
 @dataclass(frozen=True)
-class FirstCall:
-    """A training forward whose backward has not run: its inputs (as ``CallTemplate``) and, once re-run,
-    ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
+class FirstCall(CallTemplate):
+    """A training forward whose backward has not run: a ``CallTemplate`` (stretched as one, sharing ``seen``) and,
+    once re-run, ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
 
     >>> call = FirstCall.of((torch.randn(4, 8),), {})
     >>> call.loss(nn.Linear(8, 3)).shape, call.seen[call.shape]   # no loss of its own: the surrogate
     (torch.Size([]), (False, 48))
     """
 
-    template: CallTemplate
     seen: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "FirstCall":
-        return cls(CallTemplate.of(RecordedCall(args=args, kwargs=dict(kwargs))))
-
-    @property
-    def shape(self) -> Shape:
-        return self.template.shape
-
-    def at(self, shape: Shape) -> "FirstCall":
-        """The call stretched to ``shape`` (sharing ``seen``)."""
-        return replace(self, template=self.template.at(shape))
-
-    def following(self, args: tuple, kwargs: dict, shape: Shape | None = None) -> "FirstCall":
-        """The call at the shape of another call (``CallTemplate.following``; sharing ``seen``)."""
-        return replace(self, template=self.template.following(args, kwargs, shape))
+    def of(cls, args: tuple, kwargs: dict) -> "FirstCall":  # type: ignore[override]
+        return super().of(RecordedCall(args=args, kwargs=dict(kwargs)))
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Re-run the call on ``model``: its own loss, else a surrogate over every output requiring a gradient."""
-        args, kwargs = self.template.inputs()
+        args, kwargs = self.inputs()
         output = model(*args, **kwargs)
         own = scalar_loss(output)
-        floats = [t for t in tensor_leaves(output) if t is not own and t.is_floating_point()]
+        floats = [t for t in batch_tensors(output) if t is not own and t.is_floating_point()]
         outputs = [t for t in floats if t.requires_grad]
         if torch.is_grad_enabled():  # (the profile also runs forwards without gradients)
             self.seen[self.shape] = (own is not None, sum(t.numel() * t.element_size() for t in outputs))
@@ -71,7 +58,8 @@ class FirstCall:
 
 @dataclass(frozen=True)
 class ObservedCall:
-    """The observed call as ``ShapePlans`` sees a batch: its real inputs, stretched through its ``CallTemplate``."""
+    """The observed call as ``ShapePlans`` sees a batch: its real inputs (made outside the profiled step, as in
+    training: a template's zeros would count in it), stretched through its ``CallTemplate``."""
 
     call: RecordedCall
     shape: Any
@@ -107,6 +95,4 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     loss = Segment("outside the model: the user's loss (an allowance until a step is observed)", n, base + nbytes)
     note = (f"planned before the first step, whose loss is computed outside the model: it is allowed "
             f"{format_bytes(nbytes)} ({USER_LOSS_OUTPUT_COPIES} copies of the model's outputs) at the end of forward")
-    result = replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note))
-    result = result.with_baseline()
-    return result
+    return replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note)).with_baseline()

@@ -4,7 +4,7 @@ config file or ``kwargs_handlers``, but ``accelerate launch`` passes the environ
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...core.bounds import MAX_STEPS
@@ -44,21 +44,13 @@ class RematPlugin:
         (True, 1, ['GPT2Block', 'transformer.h.*'], 'flops')
     """
 
-    budget: str | int | None = field(
-        default=None, metadata={"help": f"Peak memory of a training step, e.g. '10GB' or 'min'. Env: {ENV_BUDGET}."})
-    profile_steps: int | None = field(
-        default=None, metadata={"help": f"Steps observed before the plan is applied (>= 1). Env: {ENV_PROFILE_STEPS}."})
-    candidates: Any = field(
-        default=None, metadata={"help": f"Module classes or name patterns to choose among. Env: {ENV_CANDIDATES}."})
-    cost: str | None = field(
-        default=None, metadata={"help": f"'flops', 'time' or 'roofline': what the plan minimises. Env: {ENV_COST}."})
-    offload: Any = field(
-        default=None, metadata={"help": f"Also offload activations to host memory (CUDA). Env: {ENV_OFFLOAD}."})
-    policies: Any = field(
-        default=None, metadata={"help": f"Selective-checkpointing policies to offer ('all', 'none', names). "
-                                        f"Env: {ENV_POLICIES}."})
-    chunk_loss: Any = field(
-        default=None, metadata={"help": f"Let the plan chunk a causal LM's head and loss. Env: {ENV_CHUNK_LOSS}."})
+    budget: str | int | None = None  # peak memory of a training step: '10GB', 'min'
+    profile_steps: int | None = None  # steps observed before the plan is applied (>= 1)
+    candidates: Any = None  # module classes or name patterns to choose among
+    cost: str | None = None  # 'flops', 'time' or 'roofline': what the plan minimises
+    offload: Any = None  # also offload activations to host memory (CUDA)
+    policies: Any = None  # selective-checkpointing policies to offer ('all', 'none', names)
+    chunk_loss: Any = None  # let the plan chunk a causal LM's head and loss
 
     def __post_init__(self):
         sources: dict[str, str] = {}
@@ -124,23 +116,12 @@ class RematPlugin:
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
 
-    def loop_config(self, accumulation: int = 1, processes: int = 1, sharded: bool = False) -> RematConfig:
-        """``config()`` with the loop's ``accumulation`` and DDP's buckets (several ``processes``, not FSDP2)."""
-        config = self.config()
-        steps = int(accumulation or 1)
-        buckets = processes > 1 and not sharded
-        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, steps),
-                                               gradient_buckets=buckets))
-
-    def budget_bytes(self, device: Any = None) -> int | str:
-        """The budget in bytes on ``device`` (a percentage refers to its total memory), or ``"min"``."""
-        return Budget.parse(self.budget).resolve(device=device)
-
 
 @dataclass
 class LoopFacts:
-    """What the session reads of the loop around the model when it needs it: optimizers, accumulation,
-    processes, where figures go (``log``) and lines are shown (``show``; None: the logger at INFO).
+    """What the session reads of the loop around the model when it needs it: optimizers, accumulation, the
+    process ``state`` (an ``Accelerator`` or ``AcceleratorState``: what is refused, processes, the main one),
+    where figures go (``log``) and lines are shown (``show``; None: the logger at INFO), and ``who`` asks.
     ``of(accelerator)`` reads them from an ``Accelerator``; the Trainer's callback gives its own.
 
     Example:
@@ -150,9 +131,13 @@ class LoopFacts:
 
     optimizers: Callable[[], Any] = list
     accumulation: Callable[[], int] = lambda: 1
-    processes: Callable[[], int] = lambda: 1
+    state: Any = None
     log: Callable[[dict, int], None] = lambda figures, step: None
     show: Callable[[str], None] | None = None
+    who: str = f"lightning-remat ({ENV_BUDGET} / RematPlugin.budget)"
+
+    def processes(self) -> int:
+        return getattr(self.state, "num_processes", 1)
 
     @classmethod
     def of(cls, accelerator: Any) -> "LoopFacts":
@@ -161,4 +146,4 @@ class LoopFacts:
                 accelerator.log(figures, step=step)
         return cls(optimizers=lambda: getattr(accelerator, "_optimizers", []) or [],
                    accumulation=lambda: int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1),
-                   processes=lambda: getattr(accelerator, "num_processes", 1), log=log)
+                   state=accelerator, log=log)

@@ -29,9 +29,6 @@ from ...runtime.profiling.profile_adjust import with_always_alive
 # The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
 LOOP_ALLOWANCE = ACCELERATE_LOOP_ALLOWANCE
 
-# Tensors in an output (tensor, tuple/list, dict, ``ModelOutput``) in a fixed order: the walk that reads a batch.
-tensor_leaves = batch_tensors
-
 
 def scalar_loss(output: Any) -> torch.Tensor | None:
     """The loss a model returned itself: a scalar tensor, or the ``loss`` of Hugging Face outputs."""
@@ -94,7 +91,7 @@ class RecordedCall:
             if loss is None:
                 raise StepError("the model returned a loss when it was observed, and none when re-run")
             return loss
-        leaves = tensor_leaves(output)
+        leaves = batch_tensors(output)
         # Stretched to another shape, an output may differ from its recorded gradient (an image's height): zeros.
         grads = {i: grad.make() if isinstance(grad, TensorSpec) else grad for i, grad in self.grads.items()}
         grads = {i: grad if grad.shape == leaves[i].shape else grad.new_zeros(leaves[i].shape)
@@ -288,9 +285,7 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
     note = (f"the observed training step peaked {format_bytes(observed_peak - predicted)} above the profile of the "
             "model alone (code outside the model, such as the loss); counted at the end of forward")
     notes = (*profile.notes, note) if observed_peak - predicted > predicted // 200 else profile.notes
-    calibrated = replace(profile, segments=(*profile.segments, outside), notes=notes)
-    calibrated = calibrated.with_baseline()
-    return calibrated
+    return replace(profile, segments=(*profile.segments, outside), notes=notes).with_baseline()
 
 
 def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:

@@ -23,7 +23,7 @@ from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
-from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss, tensor_leaves
+from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class RematSession:
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
         self.run = RunLifecycle(RunHost(
-            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer, log=self._log, summary=True,
-            accumulation=lambda: self._config().profile.accumulation_steps,
-            info=self._show, table=lambda plan, title: self._show(f"{title}:\n{plan.summary()}"),
+            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer,
+            accumulation=self._accumulation, info=self._show, summary=True,
+            log=lambda figures: self.loop.log(figures, self.observed_steps),
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
         self.plans: list[Plan] = self.run.plans
         self.metrics: dict[str, float] = self.run.metrics
@@ -68,7 +68,8 @@ class RematSession:
         self._optimizer: torch.optim.Optimizer | None = None
         self._current: RecordedCall | None = None  # the latest training forward
         self._completed: RecordedCall | None = None  # the latest one whose backward ran
-        self._window: WindowTracker | None = None
+        self._window: WindowTracker | None = None  # an observed step's
+        self._measured: MeasuredWindow | None = None  # a plan's first steady step: its forwards, plans, shapes, time
         self._window_backward_ran = False
         self._observed: tuple[int, bool] | None = None  # last observed step: (forward/backward peak, had state)
         self._observed_actions: tuple = ()  # the actions of the plan the last observed step ran under
@@ -78,7 +79,6 @@ class RematSession:
         self._hooked_optimizers: set[int] = set()
         self._template: CallTemplate | FirstCall | None = None
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
-        self._measured: MeasuredWindow | None = None  # the window's forwards, their plans and shapes, its time
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
@@ -114,15 +114,14 @@ class RematSession:
             self.check_plan()
         if self.phase == "observe":
             self._current = RecordedCall(args=args, kwargs=dict(kwargs))
-        if self.phase == "observe" or (self.phase == "measure" and self._steady()):
-            self._open_window()
-        if self.phase == "measure" and self._window is not None:
+        self._open_window()
+        if self._measured is not None:
             self._measured.ran(self.plan, batch_shape((args, kwargs)))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._training_call(module):
             return
-        leaves = tensor_leaves(output)
+        leaves = batch_tensors(output)
         if self.phase == "observe" and self._current is not None:
             call = self._current
             loss = scalar_loss(output)
@@ -163,7 +162,7 @@ class RematSession:
             self._stepped_since_plan = self._stepped_since_plan or self.plan is not None
             return
         self._step_boundary(optimizer_stepped=True)
-        if self.phase == "measure" and self._window is None:
+        if self.phase == "measure" and self._measured is None:
             self._stepped_since_plan = True
 
     # -- the state machine -------------------------------------------------------------------
@@ -209,7 +208,7 @@ class RematSession:
                 self._make_plan()
                 self.phase = "measure"
                 self._window_backward_ran = False
-        elif self.phase == "measure" and self._window is not None and (self._window_backward_ran or optimizer_stepped):
+        elif self.phase == "measure" and self._measured is not None and (self._window_backward_ran or optimizer_stepped):
             # The measured step ends with the optimizer step; without a known optimizer, at the next forward.
             if optimizer_stepped or self._known_optimizer() is None:
                 self.observed_steps += 1
@@ -221,9 +220,10 @@ class RematSession:
 
     def _open_window(self) -> None:
         """Measure the step that starts now: observed ones on the main process (it plans), steady ones on every rank."""
-        if self._window is None and (self.phase == "measure" or self._channel().is_main or fsdp2_sharded(self.model)):
+        if self.phase == "observe" and self._window is None and (self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
-            self._measured = self.run.window(meter=self._window, batches=self._config().profile.accumulation_steps)
+        elif self.phase == "measure" and self._measured is None and self._steady():
+            self._measured = self.run.window(batches=self._accumulation())
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Plan the first training forward on fake tensors from its inputs (``first_call``). Its head and loss stay
@@ -274,7 +274,7 @@ class RematSession:
         plan = self.run.plan
         if fresh:  # a new bucket's plan, or one solved again after a calibration
             self._new_plan(plan, f"lightning-remat: a plan for batch shape {shape}")
-            if self._window is None and self.phase != "observe":  # observed steps are measured anyway
+            if self._measured is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
 
@@ -286,15 +286,18 @@ class RematSession:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        """``RematPlugin.loop_config`` for this loop, with ``profile``'s fields."""
-        config = self.plugin.loop_config(self.loop.accumulation(), self.loop.processes(), fsdp2_sharded(self.model))
-        return replace(config, profile=replace(config.profile, **profile)) if profile else config
+        """The plugin's settings with the loop's accumulation, DDP's buckets (not FSDP2) and ``profile``'s fields."""
+        config = self.plugin.config()
+        buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model)
+        return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
+                                               gradient_buckets=buckets, **profile))
+
+    def _accumulation(self) -> int:
+        return max(1, int(self.loop.accumulation() or 1))
 
     def _finish_measurement(self) -> None:
-        measured, self._window, self._measured = self._measured, None, None
+        measured, self._measured = self._measured, None
         self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        measured.installed = self.plan  # what the package can see of a step over the budget: installed, planned
-        measured.metered = measured.metered or [(self.plan, None)]
         self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
 
     @contextlib.contextmanager
@@ -323,14 +326,12 @@ class RematSession:
         if self._channel().is_main:
             (self.loop.show or logger.info)(message)
 
-    def _log(self, values: dict[str, float]) -> None:
-        self.loop.log(values, self.observed_steps)
-
     def remove(self) -> None:
         """Stop observing, between steps (the plan stays: ``remove_remat(model)`` undoes it)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._window is not None:
-            self._window.abandon()
-            self._window = self._measured = None
+        for window in (self._window, self._measured):
+            if window is not None:
+                window.abandon()
+        self._window = self._measured = None

@@ -6,6 +6,7 @@
     lightning-remat plan train.py:make_model --budget 1GB --candidates GPT2Block --policies save_matmuls --cost roofline
     lightning-remat plan examples/factories.py:llama7b --fake --device cuda --device-memory 80GB --budget 90% --gpu h100
     lightning-remat plan examples/factories.py:llama7b --fake --gpu h100 --device-memory 80GB --world-size 8
+    lightning-remat seq-len examples/factories.py:llama_lengths --budget 8MB --multiple-of 32
 
 ``FILE.py:FACTORY`` names a function in a Python file that takes no arguments and returns one of
 
@@ -109,14 +110,36 @@ def _parser() -> argparse.ArgumentParser:
                         help="budgets in the table from least peak to baseline. Default: 10")
     output.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
     output.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
+    _seq_len_parser(sub)
     return parser
+
+
+def _seq_len_parser(sub: Any) -> None:
+    """``seq-len``: the longest sequence that fits ``--budget`` (``find_remat_seq_len``), with ``plan``'s options."""
+    from .seq_len_command import add_seq_len_flags
+
+    seq_len = sub.add_parser(
+        "seq-len", help="search the longest sequence whose training step fits a budget (find_remat_seq_len)",
+        description="Search the longest sequence (tokens per sequence) whose training step fits --budget with optimal "
+                    "recomputation, offload and chunking; print it, what binds there and at the first length that "
+                    "does not fit, and the lengths profiled. FACTORY returns (model, make_step) or (model, make_step, "
+                    "optimizer), make_step(seq_len) giving step(model) -> loss.")
+    seq_len.add_argument("target", metavar="FILE.py:FACTORY", help="a function returning (model, make_step[, optimizer])")
+    settings = seq_len.add_argument_group("what to plan for (plan_remat's arguments, same names)")
+    target = seq_len.add_argument_group("planning without the hardware", "profile on fake tensors")
+    _add_config_flags(settings, target)
+    add_seq_len_flags(seq_len)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-remat``; returns the exit code (0 ok, 1 no plan fits, 2 usage error)."""
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:  # "plan" is the only command (argparse refuses any other)
+    try:
+        if args.command == "seq-len":
+            from .seq_len_command import run_seq_len
+
+            return run_seq_len(args)
         return run_plan(args)
     except UsageError as err:
         print(one_line_error(err), file=sys.stderr)

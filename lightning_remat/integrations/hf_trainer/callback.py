@@ -1,21 +1,25 @@
 """``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget. The
-Trainer builds its own ``Accelerator``, never given to a callback: the callback hands the model, with what it
-knows of the loop (``LoopFacts``), to the Accelerate session at ``on_train_begin``."""
+Trainer's own ``Accelerator`` is never given to a callback: it hands the model, with what it knows of the loop
+(``LoopFacts``), to the Accelerate session at ``on_train_begin``. What it reports through the Trainer: figures
+in its logs (so to every ``report_to`` tracker), console lines, plans in the checkpoint."""
 
 from __future__ import annotations
 
+import enum
 import logging
+import sys
 import warnings
+from dataclasses import fields
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from ..accelerate.accelerator import _check_supported, prepare_remat, remat_session
+from ...core.plan import Plan, saved_plans, saved_state_plans
+from ...runtime.installing.fingerprint import made_for_other
+from ..accelerate.accelerator import prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ..accelerate.session import RematSession
-from ...runtime.installing.takeover import take_over_checkpointing
-from .reporting import LogFigures, checkpoint_plans, console, plugin_args, saved_state
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +32,9 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
     does, refuses and takes over: docs/accelerate.md, "The Hugging Face Trainer".
 
     Example:
-        >>> import os; os.environ["ACCELERATE_REMAT_BUDGET"] = "2GB"
-        >>> callback = RematTrainerCallback()        # the budget from the environment
-        >>> callback.remat_plugin.budget, callback.remat_plugin.profile_steps
-        ('2GB', 1)
-        >>> RematTrainerCallback(budget="min", cost="flops").remat_plugin.budget   # an explicit value wins
-        'min'
-        >>> del os.environ["ACCELERATE_REMAT_BUDGET"]
-        >>> RematTrainerCallback(budget="ten")
-        Traceback (most recent call last):
-        ValueError: lightning-remat: invalid RematPlugin(budget='ten'): Invalid memory budget 'ten': ...
-        >>> RematTrainerCallback(budget="1GB").state()["attributes"]   # what a checkpoint keeps: the plans, none yet
-        {'remat_plans': {'plan': None, 'plans': []}}
+        >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
+        >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
+        ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,
@@ -67,15 +62,10 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         from accelerate.state import AcceleratorState
 
         # The Trainer's Accelerator is never given: its process state (a singleton), accumulation and optimizer are.
-        state = AcceleratorState()
-        _check_supported(state)
-        # The Trainer switches its checkpointing on in train(), before this hook: turned off here, said once.
-        took_over = take_over_checkpointing(model, "RematTrainerCallback")
-        if took_over and state.is_main_process:
-            warnings.warn(took_over, UserWarning, stacklevel=2)
+        # It switches its checkpointing on in train(), before this hook: prepare_remat turns it off, said once.
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
-            optimizers=lambda: [optimizer] if optimizer is not None else [], processes=lambda: state.num_processes,
-            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console))
+            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(),
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console, who=type(self).__name__))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -117,3 +107,102 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         if state.is_world_process_zero:
             logger.info("RematTrainerCallback: %s", ", ".join(f"{k}={v:g}" for k, v in new.items()))
         return True
+
+
+class LogFigures(TrainerCallback):
+    """First among the Trainer's callbacks: its ``on_log`` adds ``figures`` (then empties it) to the logs, before
+    the reporting callbacks (which run before the user's) read them.
+
+    >>> from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+    >>> handler, pending = CallbackHandler([DefaultFlowCallback()], None, None, None, None), {"remat/budget_bytes": 1e6}
+    >>> LogFigures.place(handler, pending), [type(cb).__name__ for cb in handler.callbacks]
+    (True, ['LogFigures', 'DefaultFlowCallback'])
+    >>> logs = {"loss": 2.5}; handler.callbacks[0].on_log(None, None, None, logs=logs); logs, pending
+    ({'loss': 2.5, 'remat/budget_bytes': 1000000.0}, {})
+    """
+
+    def __init__(self, figures: dict[str, float]):
+        self.figures = figures
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if logs is not None and self.figures:
+            logs.update(self.figures)
+            self.figures.clear()
+
+    @staticmethod
+    def handler_calling() -> Any:
+        """The ``CallbackHandler`` whose ``call_event`` called the hook calling this (None if not one): the
+        Trainer gives a callback no handle on itself or its handler."""
+        frame = sys._getframe(2)
+        handler = frame.f_locals.get("self") if frame is not None else None
+        return handler if isinstance(handler, CallbackHandler) else None
+
+    @classmethod
+    def place(cls, handler: Any, figures: dict[str, float]) -> bool:
+        """Put a ``LogFigures`` of ``figures`` first among ``handler``'s callbacks (once); whether it is there."""
+        if handler is None:
+            warnings.warn("RematTrainerCallback: not called by the Trainer's CallbackHandler; its remat/* figures "
+                          "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=3)
+            return False
+        if not any(isinstance(cb, cls) and cb.figures is figures for cb in handler.callbacks):
+            # A new list: the event being called iterates the old one to its end.
+            handler.callbacks = [cls(figures), *handler.callbacks]
+        return True
+
+
+def console(message: str) -> None:
+    """A line on the console, above the Trainer's progress bar when it shows one (``tqdm.write``)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message)
+
+
+def _json_safe(value: Any) -> Any:
+    # Settings as the callback takes them again: a module class by its name (``candidates`` takes names).
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, type):
+        return value.__name__
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
+    """The arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it), JSON-safe.
+
+    >>> from torch import nn
+    >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
+    ['Linear', 'h.*']
+    """
+    return {f.name: _json_safe(getattr(plugin, f.name)) for f in fields(plugin)}
+
+
+def saved_state(session: Any) -> dict[str, Any]:
+    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format)."""
+    shape_plans = session.shape_plans if session is not None else None
+    plan = session.plan if session is not None else None
+    return {"plan": plan.to_dict() if plan is not None else None,
+            "plans": saved_state_plans(shape_plans.plans if shape_plans is not None else {})}
+
+
+def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
+    """The plans per shape the Trainer's state keeps for callback ``name``, checked; empty when there are none
+    or they were made for another model (said).
+
+    >>> from types import SimpleNamespace
+    >>> state = SimpleNamespace(stateful_callbacks={"RematTrainerCallback": {"args": {}, "attributes": {}}})
+    >>> checkpoint_plans(state, "RematTrainerCallback", None)   # a fresh run's: nothing saved
+    {}
+    """
+    kept = getattr(state, "stateful_callbacks", None) or {}
+    entry = kept.get(name) if isinstance(kept, dict) else None
+    entry = entry[0] if isinstance(entry, list) and entry else entry
+    data = entry.get("attributes", {}).get("remat_plans") if isinstance(entry, dict) else None
+    if not data:
+        return {}
+    plan, plans = saved_plans(data, f"{name}'s checkpoint state")
+    found = made_for_other(model, [plan, *(p for _, p in plans)], bytes_too=True)
+    if found is not None:
+        warnings.warn(f"{name}: the checkpoint's plans were made for another model ({found}); planning again.",
+                      UserWarning, stacklevel=3)
+        return {}
+    return dict(plans)

@@ -47,22 +47,9 @@ def _check_distributed(trainer: "pl.Trainer") -> None:
 
 class RematBatchSizeFinder(BatchSizeFinder):
     """Before fit training starts, find the largest batch size that fits a memory budget with the least
-    recomputation, set it, rebuild the dataloaders and apply the recompute plan.
-
-    A ``BatchSizeFinder`` whose ``scale_batch_size`` profiles the training step at two small batch sizes,
-    predicts the peak of any batch size under any plan and confirms the largest that fits with real steps
-    (``find_remat_batch_size``). Arguments follow ``BatchSizeFinder`` and ``find_remat_batch_size``; see
-    ``docs/batch_size.md`` for what each does, the figures reported and ``ModelParallelStrategy`` (FSDP2).
-
-    Args:
-        budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
-        margin: reduce the found batch size by this share, in [0, 1); default 0 (the trials are measured
-            against the budget, so the budget is the headroom).
-        max_overhead: the largest recompute cost accepted, as a share of a step's cost (0.35 = 35%).
-
-    Attributes:
-        batch_size: the batch size found (also ``optimal_batch_size``); ``plan``: its plan; ``result``: the
-        ``BatchSizeResult``.
+    recomputation (``find_remat_batch_size``), set it, rebuild the dataloaders and apply its plan. Arguments
+    follow ``BatchSizeFinder`` and ``find_remat_batch_size`` (``docs/batch_size.md``); ``batch_size``, ``plan``
+    and ``result`` (the ``BatchSizeResult``) are set once found.
 
     Example:
         >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None

@@ -17,14 +17,14 @@ from ...runtime.installing.verify import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import made_for_other, outgrows
+from ...runtime.installing.takeover import take_over_checkpointing
+from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
-from .channel import lightning_channel
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import refuse_deepspeed, refuse_fsdp1, take_over, unsupported
-from .trainer_terms import config_for, loop_allowance, trainer_optimizers
+from .strategies import config_for, loop_allowance, refuse_deepspeed, refuse_fsdp1, unsupported
 
 
 class AutoRemat(Callback):
@@ -70,7 +70,7 @@ class AutoRemat(Callback):
         # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
         self.run = RunLifecycle(RunHost(
             None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
-            channel=lambda: lightning_channel(self._trainer), optimizers=lambda: trainer_optimizers(self._trainer),
+            channel=self._channel, optimizers=lambda: list(self._trainer.optimizers),
             accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
             info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
         self._saved_plans: dict[Shape, Plan] = {}
@@ -83,15 +83,6 @@ class AutoRemat(Callback):
     def shape_plans(self) -> Any:
         """The fit's ``ShapePlans`` (plans that follow the batch's shape, from its first batch), or None."""
         return self.run.shape_plans
-
-    @shape_plans.setter
-    def shape_plans(self, plans: Any) -> None:
-        self.run.shape_plans = plans
-
-    @property
-    def profile_count(self) -> int:
-        """Profiling passes run for the plans (real and fake)."""
-        return self.run.profiles
 
     @property
     def state_key(self) -> str:
@@ -110,8 +101,9 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
-        take_over(pl_module)
-        self.shape_plans = None
+        # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
+        take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)
+        self.run.shape_plans = None
         # Fail before any training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
@@ -121,7 +113,7 @@ class AutoRemat(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._disabled_reason:
-            take_over(pl_module)  # again: configure_model and the strategy's setup ran after setup
+            take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)  # again: configure_model ran since
         if self._disabled_reason or not self._keeps_plans(pl_module, bytes_too=True) or self.plan is None:
             return
         # A plan restored from a checkpoint (load_state_dict runs after setup) is applied here.
@@ -195,7 +187,7 @@ class AutoRemat(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
         self.plan, self._saved_plans = plan, dict(plans)
-        self.shape_plans = None
+        self.run.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
         self.run.measure_in = None
@@ -228,11 +220,11 @@ class AutoRemat(Callback):
         if not isinstance(budget, int):  # "min": the plan's least peak, once there is a plan
             budget = self.plan.budget_bytes if self.plan is not None else None
         if budget is not None:
-            self.loop_peaks.check(loop, pl_module, batch, trainer_optimizers(trainer), budget)
+            self.loop_peaks.check(loop, pl_module, batch, list(trainer.optimizers), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         """FSDP2 (no fake twin): the first batch, and one larger than the plan's, is profiled on every rank in lockstep."""
-        channel = lightning_channel(trainer)
+        channel = self._channel()
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
                 check_installed(pl_module, self.plan, f"(AutoRemat, batch {batch_idx})")  # kept: checked, not assumed
@@ -262,6 +254,10 @@ class AutoRemat(Callback):
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
+
+    def _channel(self) -> Any:
+        """The ranks of the fit: the strategies AutoRemat plans under (DDP, FSDP2) run over torch.distributed."""
+        return torch_distributed_channel(self._trainer.strategy.root_device) if self._trainer.world_size > 1 else Channel()
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         for logger in self._trainer.loggers:

@@ -1,7 +1,5 @@
-"""The loops AutoRemat does not plan (validation, test), predicted before each of their batches runs.
-
-The forward's working memory is a line in the batch size (``core.loop_fit.ForwardFit``) through two
-forwards without gradients on slices of the batch, plus what is alive when it starts (``docs/lightning.md``).
+"""The loops AutoRemat does not plan (validation, test), predicted before each of their batches runs: a line in
+the batch size through two forwards without gradients on slices of the batch (``docs/lightning.md``).
 
 Example:
     >>> batch = (torch.zeros(8, 16), torch.zeros(8))
@@ -79,10 +77,8 @@ def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
 
 
 class LoopPeaks:
-    """Predict each evaluation batch's peak before it runs; warn once per loop and shape when one is over the budget.
-
-    ``step_for(batch)`` is the closure of ``training_step`` on a batch, run without gradients on its slices.
-    """
+    """Predict each evaluation batch's peak before it runs (``step_for(batch)``: ``training_step`` on it, run
+    without gradients on its slices); warn once per loop and shape when one is over the budget."""
 
     def __init__(self, step_for: Callable[[Any], Callable[[nn.Module], Any]], warn: Callable[[str], None]):
         self.step_for = step_for

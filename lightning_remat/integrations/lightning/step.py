@@ -1,8 +1,5 @@
-"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles.
-
-The callbacks and the command line all profile or try a LightningModule through this one place; under
-manual optimization ``manual_step_closure`` makes the same closure of a step that runs backward itself.
-"""
+"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles (the callbacks'
+and the command line's one place); ``manual_step_closure`` for a step that runs backward itself."""
 
 from __future__ import annotations
 
@@ -37,26 +34,26 @@ def loss_of(output: Any) -> torch.Tensor:
                     f"'loss' tensor; it returned {detail}")
 
 
-@contextlib.contextmanager
-def logging_muted(module: nn.Module) -> Iterator[None]:
-    """Make ``self.log``/``self.log_dict`` no-ops: profiling calls ``training_step`` several times on one batch."""
-    saved = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
-    module.__dict__["log"] = lambda *args, **kwargs: None
-    module.__dict__["log_dict"] = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for name in ("log", "log_dict"):
-            module.__dict__.pop(name, None)
-        module.__dict__.update(saved)
+def _muted(module: nn.Module) -> list[tuple[Any, str, Any]]:
+    """``self.log``/``self.log_dict`` as no-ops: profiling calls ``training_step`` several times on one batch."""
+    return [(module, name, lambda *args, **kwargs: None) for name in ("log", "log_dict")]
+
+
+def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: Any) -> tuple[Callable, Any]:
+    """``call(module)`` running ``training_step`` on the batch as Lightning calls it, and the trainer's precision
+    context (autocast) it runs in."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+    args = (batch, batch_idx) if pass_index else (batch,)
+    return (lambda module: module.training_step(*args)), context
 
 
 def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` running ``module.training_step(batch, batch_idx)`` and returning its loss.
-
-    ``module`` is the LightningModule or its fake-tensor twin. With a ``trainer``, the step runs in its
-    precision plugin's training context (autocast), as a real training step does.
+    """``step(module)`` running ``module.training_step(batch, batch_idx)`` (``module``: the LightningModule or its
+    fake twin; with a ``trainer``, in its precision plugin's context) and returning its loss.
 
     Example:
         >>> import lightning.pytorch as L
@@ -70,14 +67,11 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
         >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
         torch.Size([])
     """
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+    call, context = _training_step(pl_module, batch, batch_idx, trainer)
 
     def step(module: nn.Module) -> torch.Tensor:
-        with context(), logging_muted(module), _attributes_replaced(_own_steps(module)):
-            output = module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
+        with context(), _attributes_replaced([*_muted(module), *_own_steps(module)]):
+            output = call(module)
         return loss_of(output)
 
     return step
@@ -149,17 +143,10 @@ class _BackwardDone(torch.autograd.Function):
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` for a LightningModule under manual optimization.
-
-    ``self.manual_backward(loss)`` runs backward where it is called, as in training; the optimizers' and
-    schedulers' ``step()`` do nothing (given a closure, an optimizer runs it), so the call changes no parameter,
-    state or schedule. It returns a loss whose backward does nothing more; the profile counts every optimizer's
-    state and step itself. Several ``manual_backward`` calls (a GAN) are profiled as they run.
-    """
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    context = trainer.strategy.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+    """``step(module)`` under manual optimization: ``self.manual_backward(loss)`` runs backward where it is called,
+    the optimizers' and schedulers' ``step()`` do nothing (a closure given still runs), and the loss returned has a
+    backward that does nothing more (the profile counts every optimizer's state and step itself)."""
+    call, context = _training_step(pl_module, batch, batch_idx, trainer)
 
     def step(module: nn.Module) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -169,9 +156,10 @@ def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
             if loss.requires_grad:  # not under torch.no_grad() (a prediction's forward)
                 loss.backward(*args, **kwargs)
 
-        replaced = [(module, "manual_backward", backward), *_held_still(trainer), *_own_steps(module)]
-        with context(), logging_muted(module), _attributes_replaced(replaced):
-            module.training_step(batch, batch_idx) if pass_index else module.training_step(batch)
+        replaced = [(module, "manual_backward", backward), *_held_still(trainer), *_muted(module),
+                    *_own_steps(module)]
+        with context(), _attributes_replaced(replaced):
+            call(module)
         if not losses:
             raise SkippedStepError("training_step made no self.manual_backward(loss) call (it skips this batch): "
                                    "lightning-remat profiles the first batch whose training_step runs one")

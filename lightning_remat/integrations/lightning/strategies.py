@@ -1,22 +1,23 @@
-"""The Lightning strategies ``AutoRemat`` plans under, and the ones it refuses or leaves alone.
-
-FSDP1 and DeepSpeed hold parameters, gradients and optimizer state where the profile cannot see
-them: ``setup`` raises an error naming the ways that work, rather than train without the budget.
-Other strategies are left alone with a warning (``unsupported``). A model that checkpoints already
-is taken over (``take_over``).
-"""
+"""The Lightning ``Trainer`` as ``AutoRemat`` sees it: the strategies it plans under, refuses (FSDP1, DeepSpeed:
+they hold state where the profile cannot see it) or leaves alone (``unsupported``), and what the Trainer adds to
+a step's memory (loop scalars, accumulation, DDP's buckets)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from lightning.pytorch import LightningModule, Trainer
 
-from ...runtime.installing.takeover import take_over_checkpointing
+from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
+from ...core.config import RematConfig
 from ...service.sharded import FSDP1_HINT
+
+LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
 
 def refuse_fsdp1(trainer: Trainer) -> None:
-    """Lightning's FSDPStrategy (FSDP1) wraps the model in flat parameters the profile cannot see:
-    an error naming the ways that work, rather than a run without the budget."""
+    """Lightning's FSDPStrategy (FSDP1): flat parameters the profile cannot see; an error naming the ways that work."""
     from lightning.pytorch.strategies import FSDPStrategy
 
     from ...core.errors import UnsupportedShardingError
@@ -30,9 +31,7 @@ def refuse_fsdp1(trainer: Trainer) -> None:
 
 
 def refuse_deepspeed(trainer: Trainer) -> None:
-    """DeepSpeed partitions and offloads parameters, gradients and optimizer state in its own engine,
-    which the profile cannot see: an error naming the ways that work, as Accelerate's refusal does,
-    rather than a run without the budget."""
+    """DeepSpeed keeps its state in its own engine, which the profile cannot see: an error naming the ways that work."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from ...core.errors import UnsupportedSetupError
@@ -59,12 +58,18 @@ def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     return None
 
 
-def take_over(pl_module: LightningModule) -> None:
-    """The user gave ``AutoRemat`` a budget: Hugging Face's own gradient checkpointing is turned off (one
-    warning says so) and the plan recomputes instead; a torch ``checkpoint_wrapper`` (which cannot be taken
-    off without renaming parameters) is refused before training (``AlreadyCheckpointedError``)."""
-    from lightning.pytorch.utilities import rank_zero_warn
+def loop_allowance(profile: Any) -> Any:
+    """The profile with the scalars Lightning's loop keeps alive through a step (``core.allowances``)."""
+    from ...runtime.profiling.profile_adjust import with_always_alive
 
-    took_over = take_over_checkpointing(pl_module, "AutoRemat")
-    if took_over:
-        rank_zero_warn(took_over)
+    return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
+                             "Lightning's loop keeps alive through a step; counted in every term")
+
+
+def config_for(config: RematConfig, trainer: Trainer) -> RematConfig:
+    """``config`` with what ``trainer`` adds: gradient accumulation and DDP's gradient buckets."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return replace(config, profile=replace(
+        config.profile, accumulation_steps=max(1, trainer.accumulate_grad_batches),
+        gradient_buckets=isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1))

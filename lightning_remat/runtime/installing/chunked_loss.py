@@ -44,7 +44,7 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         head = getattr(module, "lm_head", None)
-        if isinstance(head, nn.Linear) and label_smoothing(module) is not None:
+        if isinstance(head, nn.Linear) and label_smoothing(module) is not None and not _scaled(module):
             return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
     return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
 
@@ -89,15 +89,51 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 
 def refused(model: nn.Module) -> str | None:
-    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own), or None."""
+    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own, logits scaled
+    after the head, a masked LM's head), or None."""
     for module in model.modules():
-        if type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and label_smoothing(module) is None:
+        kind = type(module).__name__
+        if kind.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(getattr(module, "lm_head", None), nn.Linear):
             loss = getattr(module, "loss_function", None)
-            if loss is not None and isinstance(getattr(module, "lm_head", None), nn.Linear):
-                return (f"chunk_loss: {type(module).__name__}.loss_function is {_named(loss)}, not transformers' "
+            if label_smoothing(module) is None and loss is not None:
+                return (f"chunk_loss: {kind}.loss_function is {_named(loss)}, not transformers' "
                         "ForCausalLMLoss or lightning_remat.CausalLMLoss, so a chunked loss would not be its loss: "
                         "its head and loss are kept whole (docs/long_context.md)")
+            if _scaled(module):
+                return (f"chunk_loss: {kind} scales its logits after its head ({_scaled(module)}), which neither a "
+                        "chunked nor a fused loss computes: its head and loss are kept whole (docs/long_context.md)")
+        if kind.endswith("ForMaskedLM"):
+            return (f"chunk_loss: {kind} is a masked LM (a transform before its decoder, the loss over masked tokens), "
+                    "not a causal LM's linear head and shifted loss: its head and loss are kept whole "
+                    "(docs/long_context.md)")
     return None
+
+
+def _softcap(model: nn.Module) -> Any:
+    # Gemma-2's (and Gemma-3's): tanh capping of the logits after the head, computed in each chunk (capped()).
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+
+# Scales some causal LMs put on their logits after the head, by config attribute: Granite divides, Cohere multiplies.
+_SCALES = ("logits_scaling", "logit_scale")
+
+
+def _scaled(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return next((f"{name}={getattr(config, name)}" for name in _SCALES if getattr(config, name, None) is not None), None)
+
+
+def capped(project: Callable[[torch.Tensor], torch.Tensor], cap: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``project`` followed by the model's logit soft-capping (``cap * tanh(logits / cap)``, Gemma-2's order of ops).
+
+    Example:
+        >>> logits = torch.randn(4, 8) * 100
+        >>> torch.equal(capped(lambda x: x, 30.0)(logits), torch.tanh(logits / 30.0) * 30.0)
+        True
+    """
+    if not cap:
+        return project
+    return lambda hidden: torch.tanh(project(hidden) / cap) * cap
 
 
 def _named(function: Any) -> str:
@@ -183,6 +219,7 @@ class _Pending:
     num_items_in_batch: Any
     smoothing: float = 0.0
     loss: torch.Tensor | None = None
+    softcap: float | None = None  # the model's logit soft-capping, computed in each chunk
 
 
 _PENDING: contextvars.ContextVar[dict[int, _Pending] | None] = contextvars.ContextVar("remat_chunked_loss",
@@ -249,14 +286,15 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     shift = kwargs.get("shift_labels")
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing)
+    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=_softcap(root))
     token = _hand_to(head, pending)
     try:
         out = original(*args, **kwargs)
     finally:
         _take_back(head, token)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-    if pending.loss is None or logits is not pending.loss:
+    # A soft-capped model caps what its head returned (the loss, capped in its chunks already): replaced below.
+    if pending.loss is None or (logits is not pending.loss and not pending.softcap):
         raise UnsupportedSetupError(
             f"chunk_loss: {type(root).__name__} does not return its lm_head's output as its logits (it changes them "
             "after the head, or never calls it), so a chunked loss would not be its loss. Plan without chunk_loss")
@@ -280,18 +318,22 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
     if pending is None or pending.loss is not None:
         return original(hidden)
     labels = pending.shift_labels.to(hidden.device)
-    pending.loss = chunked_cross_entropy(original, hidden, labels, chunks, pending.ignore_index,
-                                         pending.num_items_in_batch, pending.smoothing)
+    pending.loss = chunked_cross_entropy(capped(original, pending.softcap), hidden, labels, chunks,
+                                         pending.ignore_index, pending.num_items_in_batch, pending.smoothing)
     return pending.loss
 
 
 class ChunkedLoss(Behaviour):
-    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels."""
+    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels.
+
+    ``fused_loss.FusedLoss`` is the same with another action and head call."""
 
     name = "chunked_loss"
+    action = Action.CHUNK
+    head_call = staticmethod(chunked_head_call)
 
     def settings(self, action: StageAction) -> dict[str, Any]:
-        return {action.stage: action.chunks} if action.action is Action.CHUNK else {}
+        return {action.stage: action.chunks} if action.action is self.action else {}
 
     def check(self, modules: dict[str, nn.Module], settings: dict[str, Any]) -> None:
         for head in settings:
@@ -308,10 +350,10 @@ class ChunkedLoss(Behaviour):
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None:
             return functools.partial(routed_call, call, module, state)
-        return functools.partial(chunked_head_call, call, module, setting)
+        return functools.partial(self.head_call, call, module, setting)
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
-        return {"action": Action.CHUNK, "chunks": setting}
+        return {"action": self.action, "chunks": setting}
 
 
 def head_flops(head: nn.Linear, tokens: int) -> int:

@@ -61,9 +61,10 @@ def _disable(owner: nn.Module) -> None:
         disable()
 
 
-def take_over_checkpointing(model: nn.Module, who: str) -> str | None:
+def take_over_checkpointing(model: nn.Module, who: str, speaks: bool = True) -> str | None:
     """Turn off Hugging Face's gradient checkpointing in ``model`` so that ``who`` plans recomputation under
-    its budget instead; returns the one line that says so (the caller shows it), or None with nothing to do.
+    its budget instead; the one line that says so is warned where ``speaks`` (the main process) and returned,
+    or None with nothing to do.
 
     ``enable_input_require_grads``' hook (which the Trainer, TRL and PEFT add beside the checkpointing) is
     kept: it only makes the embeddings' output require a gradient, which the plan measures like any tensor.
@@ -78,7 +79,7 @@ def take_over_checkpointing(model: nn.Module, who: str) -> str | None:
         >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2,
         ...                                                                vocab_size=64))
         >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        >>> print(take_over_checkpointing(model, "AutoRemat"))  # doctest: +NORMALIZE_WHITESPACE
+        >>> print(take_over_checkpointing(model, "AutoRemat", speaks=False))  # doctest: +NORMALIZE_WHITESPACE
         AutoRemat turned off the model's own gradient checkpointing (GPT2LMHeadModel: 2 of 2 layers,
         use_reentrant=False) and plans recomputation within its budget instead; set gradient_checkpointing=False
         (TrainingArguments, SFTConfig) or drop gradient_checkpointing_enable() to not see this line.
@@ -101,6 +102,9 @@ def take_over_checkpointing(model: nn.Module, who: str) -> str | None:
     if left:
         raise AlreadyCheckpointedError(f"{who} was given a budget, but could not turn off the model's own "
                                        f"checkpointing: {'; '.join(left)}")
-    return (f"{who} turned off the model's own gradient checkpointing ({described}) and plans recomputation "
+    said = (f"{who} turned off the model's own gradient checkpointing ({described}) and plans recomputation "
             "within its budget instead; set gradient_checkpointing=False (TrainingArguments, SFTConfig) or drop "
             "gradient_checkpointing_enable() to not see this line.")
+    if speaks:
+        warnings.warn(said, UserWarning, stacklevel=2)
+    return said

@@ -71,16 +71,9 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 def is_out_of_memory(exception: BaseException) -> bool:
     """Whether ``exception`` is a real out-of-memory error of some backend (as Accelerate recognises them)."""
-    if isinstance(exception, MemoryError):
-        return True
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exception, oom_type):
-        return True
-    try:
-        from accelerate.utils.memory import should_reduce_batch_size
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        should_reduce_batch_size = None
-    if should_reduce_batch_size is not None and should_reduce_batch_size(exception):
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    if isinstance(exception, (MemoryError, torch.OutOfMemoryError)) or should_reduce_batch_size(exception):
         return True
     return isinstance(exception, RuntimeError) and bool(exception.args) and "out of memory" in str(exception.args[0])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -56,15 +57,8 @@ class ObservedStep:
 
 def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
     """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place)."""
-    names: list[str] = []
-    calls: list[int] = []
-    for name in sequence:
-        if names and names[-1] == name:
-            calls[-1] += 1
-        else:
-            names.append(name)
-            calls.append(1)
-    return names, calls
+    runs = [(name, len(list(calls))) for name, calls in itertools.groupby(sequence)]
+    return [name for name, _ in runs], [calls for _, calls in runs]
 
 
 class _Observer:
@@ -139,14 +133,8 @@ class _Observer:
         return handles
 
     def reset_counts(self) -> None:
-        """Keep the timings of the timing pass; count bytes and FLOPs afresh in the counting pass."""
-        for s in self.stats.values():
-            s.saved.clear()
-            s.inputs.clear()
-            s.outputs.clear()
-            s.flops = 0
-            s.calls = 0
-            s.ops.clear()
+        """Count afresh in the counting pass (``observe_step`` keeps the timing pass's seconds)."""
+        self.stats = {n: ModuleStats() for n in self.watched}
         self.order.clear()
         self.sequence.clear()
 

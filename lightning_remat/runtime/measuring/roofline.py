@@ -91,10 +91,6 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     return gpu_peaks("h100")
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 # Ops that allocate without writing: an ``empty`` tensor moves no data until an op fills it.
 _ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -141,7 +137,7 @@ class OpRecorder(TorchDispatchMode):
             for t in tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
-                    moved += _nbytes(t)
+                    moved += t.numel() * t.element_size()
         op = OpCost(func, flops, moved)
         self.ops.append(op)
         if self.on_op is not None:

@@ -54,8 +54,6 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     ``zero_grad``: ``"before"`` sets gradients to None first, ``"after"`` drops them after (no trace), None
     leaves them. ``check``: raise ``TypeError`` unless ``step`` returns a scalar tensor.
     """
-    if zero_grad not in (None, "before", "after"):
-        raise ValueError(f"zero_grad must be None, 'before' or 'after', got {zero_grad!r}")
     watch = watch if watch is not None else StepWatch()
     if zero_grad == "before":
         model.zero_grad(set_to_none=True)

@@ -16,32 +16,19 @@ _holders = 0
 _stance: Any = None  # torch's set_stance object of the first holder: its exit restores the prior stance
 
 
-def hold_eager() -> None:
-    """Count one more holder of the ``force_eager`` stance; the first one sets it."""
+@contextlib.contextmanager
+def eager_stance() -> Iterator[None]:
+    """``torch.compile``'d code runs eagerly (and compiles nothing) inside the block."""
     global _holders, _stance
     with _lock:
         if _holders == 0:
             _stance = torch.compiler.set_stance("force_eager")  # takes effect when made
         _holders += 1
-
-
-def release_eager() -> None:
-    """Count one holder less; the last one puts back the stance that was in force before."""
-    global _holders, _stance
-    with _lock:
-        if _holders == 0:
-            return
-        _holders -= 1
-        if _holders == 0:
-            stance, _stance = _stance, None
-            stance.__exit__(None, None, None)
-
-
-@contextlib.contextmanager
-def eager_stance() -> Iterator[None]:
-    """``torch.compile``'d code runs eagerly (and compiles nothing) inside the block."""
-    hold_eager()
     try:
         yield
     finally:
-        release_eager()
+        with _lock:
+            _holders -= 1
+            if _holders == 0:  # the last holder puts back the stance that was in force before
+                stance, _stance = _stance, None
+                stance.__exit__(None, None, None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -16,17 +18,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .exclusive import PLANNING_LOCK
 from .host_rng import counting_rng_states
-from .stance import hold_eager, release_eager
+from .stance import eager_stance
 
 
 _WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors
 
 
-class _NoHook:
-    """Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient."""
-
-    def remove(self) -> None:
-        pass
+# Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient.
+_NO_HOOK = SimpleNamespace(remove=lambda: None)
 
 
 class Tracker(MemTracker):
@@ -93,7 +92,7 @@ class Tracker(MemTracker):
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
         for param in module.parameters():
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
-                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
@@ -108,27 +107,19 @@ class Tracker(MemTracker):
     # Compiled code runs eagerly while tracking (stance.py); the global hooks are one per process, so
     # one thread tracks at a time (exclusive.py's lock, held from enter to exit).
     def __enter__(self) -> "Tracker":
-        PLANNING_LOCK.acquire()
-        hold_eager()
-        # The generator states checkpoints keep until backward are allocated where no mode sees them.
-        self._rng_states = counting_rng_states(lambda state: self._track(_MemRefType.ACT, state))
-        try:
-            self._rng_states.__enter__()
-            return super().__enter__()  # type: ignore[return-value]
-        except BaseException:
-            self._rng_states.__exit__(None, None, None)
-            release_eager()
-            PLANNING_LOCK.release()
-            raise
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(PLANNING_LOCK)
+            stack.enter_context(eager_stance())
+            # The generator states checkpoints keep until backward are allocated where no mode sees them.
+            stack.enter_context(counting_rng_states(lambda state: self._track(_MemRefType.ACT, state)))
+            super().__enter__()
+            self._held = stack.pop_all()
+        return self
 
     def __exit__(self, *args: Any) -> None:
         self._settle_collectives(finished=True)
-        try:
+        with self._held:
             super().__exit__(*args)
-        finally:
-            self._rng_states.__exit__(None, None, None)
-            release_eager()
-            PLANNING_LOCK.release()
 
     def counted_bytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors`` this tracker counts now (older ones once an op used them)."""
@@ -166,7 +157,7 @@ def current_total(tracker: MemTracker, device: torch.device) -> int:
     return int(_device_totals(tracker._curr_mem_snap, device).get("Total", 0))
 
 
-class _NoModules:
+class _NoModules(contextlib.nullcontext):
     """Stands in for MemTracker's ModTracker: no module bookkeeping, no global hooks."""
 
     is_bw = False
@@ -176,12 +167,6 @@ class _NoModules:
         pass
 
     def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> "_NoModules":
-        return self
-
-    def __exit__(self, *args: Any) -> None:
         pass
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -34,30 +35,22 @@ def _snapshot_to_cpu(value: Any) -> Any:
         lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t), value)
 
 
-class _RestoreAfterTrial:
+@contextlib.contextmanager
+def _restored_after_trial(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
     """Put back everything after real trial steps; copies on the CPU so an accelerator holds no second copy."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.model = model
-        self.optimizer = optimizer
-
-    def __enter__(self) -> None:
-        self.parameters = [(p, p.detach().to("cpu", copy=True)) for p in self.model.parameters()]
-        self.optimizer_state = _snapshot_to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
-        self.preserved = preserved_training_state(self.model, self.optimizer)
-        self.preserved.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():
-            for p, saved in self.parameters:
-                p.copy_(saved)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.optimizer_state)
-            if not self.optimizer_state["state"]:
-                self.optimizer.state.clear()
-        self.preserved.__exit__(*exc)
-        self.parameters = []
-        self.optimizer_state = None
+    parameters = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
+    optimizer_state = _snapshot_to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    with preserved_training_state(model, optimizer):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in parameters:
+                    p.copy_(saved)
+            if optimizer is not None:
+                optimizer.load_state_dict(optimizer_state)
+                if not optimizer_state["state"]:
+                    optimizer.state.clear()
 
 
 def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer) -> int:
@@ -86,7 +79,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _RestoreAfterTrial(model, optimizer), applied(model, plan), \
+        with _restored_after_trial(model, optimizer), applied(model, plan), \
                 user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
                 # The budget is for steady-state steps, which hold the optimizer's state: create it

@@ -11,6 +11,7 @@ from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
 from ..installing.tiled_mlp import TILE
 from .memory_run import MemoryRun
+from .residual_twins import PARTS_OPTIONS, priced_modules
 from .tiled_options import split_tiled, tiled_modules
 
 
@@ -36,9 +37,10 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         for option, wrap in wraps.items():
             if name not in wrap:
                 continue
+            parts = option in PARTS_OPTIONS
             base, tiled = split_tiled(option)  # a tiled MLP costs one more forward of it (tiled_options.py)
-            seconds, flops, roofline = option_costs(name, option, (*wrap[name], *tiled_modules(name, tiled)), stats,
-                                                    peaks, seconds_per_op, compiled)
+            priced = priced_modules(name, option, modules) if parts else (*wrap[name], *tiled_modules(name, tiled))
+            seconds, flops, roofline = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds * share,
@@ -49,7 +51,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
                 input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
                 shared_held=(runs[option].shared or [()] * (i + 1))[i],
-                held_before=(runs[option].held_before or [()] * (i + 1))[i]))
+                held_before=(runs[option].held_before or [()] * (i + 1))[i], parts=parts))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),

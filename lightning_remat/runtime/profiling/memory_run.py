@@ -46,14 +46,25 @@ class MemoryRun:
     fresh: frozenset[int] = frozenset()  # places after a backward pass of the step (StageProfile.fresh)
 
 
+def _actions(wrapped: Sequence[str], policy: str, offload_inputs: bool, parts: Sequence[str]) -> list[StageAction]:
+    """The run's actions: ``wrapped`` recomputed, ``parts`` run as checkpointed parts (both: nested)."""
+    def extra(name: str) -> dict[str, bool]:
+        return {"residual_parts": True} if name in parts else {}
+    return [*(StageAction.recompute(m, policy=None if offload_inputs else policy or None, offload_input=offload_inputs,
+                                    extra=extra(m)) for m in wrapped),
+            *(StageAction(m, extra=extra(m)) for m in parts if m not in wrapped)]
+
+
 def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
                 optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None, chunked: dict[str, int] | None = None,
-                offload_inputs: bool = False, tiled: dict[str, str] | None = None) -> MemoryRun:
-    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``chunked``:
-    # loss_stage.py; ``offload_inputs``: input_offload.py; ``tiled``: stage -> its tiled MLP (tiled_mlp.py).
+                dead: dict[str, set[str]] | None = None, head: StageAction | None = None,
+                offload_inputs: bool = False, parts: Sequence[str] = (), tiled: dict[str, str] | None = None
+                ) -> MemoryRun:
+    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``head`` (a chunked or fused
+    # head): loss_stage.py; ``offload_inputs``: input_offload.py; ``parts``: blocks run as parts (residual_twins.py);
+    # ``tiled``: stage -> its tiled MLP (tiled_mlp.py).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -68,9 +79,8 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
-    plan = Plan(with_tiles([StageAction.chunk(h, k) for h, k in chunked.items()] if chunked else
-                           [StageAction.recompute(m, policy=None if offload_inputs else policy or None,
-                                                  offload_input=offload_inputs) for m in wrapped], tiled or {}))
+    plan = Plan([head] if head is not None else
+                with_tiles(_actions(wrapped, policy, offload_inputs, parts), tiled or {}))
     host: dict[str, int] | None = None
     with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \

@@ -47,6 +47,7 @@ from .loss_stage import measure_head, with_head_stage
 from .optimizer_step import optimizer_step_alternatives, optimizer_step_alternatives_on_read, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import alternatives_in_depth, repeated_profile
+from .residual_twins import twin_stages
 from .stage_options import measure_options, option_wraps, span_groups
 from .tiled_options import add_tiled_options, tiled_settings
 
@@ -252,7 +253,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         if not observed.order:
             raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
-        wraps = option_wraps(observed.order, observed, modules, policies)
+        twins = twin_stages(model, step, observed.order, replay)
+        wraps = option_wraps(observed.order, observed, modules, policies, twins)
         limits: dict[str, int] = {}
         if options.offload:
             # Not a module at several places (core.calls): the offloader prefetches by place, unchecked for it.
@@ -288,7 +290,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
     profile = profile.noted(*[n for n in (COMPILED_NOTE if compiled else "", tile_note) if n])
     profile = profile.with_gap_figures(gap_figures(assembled, profile, runs, future_state))
-    return with_head_stage(profile, head, peaks.flops_per_second)
+    return with_head_stage(profile, head, peaks.flops_per_second, peaks.bytes_per_second)
 
 
 def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs: dict, dropped: Sequence[str],

@@ -14,6 +14,7 @@ from ..installing.segments import chained_groups, sequential_groups
 from ..measuring.measure import Step
 from ..measuring.observe import ModuleStats, ObservedStep
 from .memory_run import MemoryRun, memory_run
+from .residual_twins import PARTS, PARTS_OPTIONS, WHOLE_PARTS
 from .tiled_options import split_tiled
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
@@ -24,8 +25,10 @@ MAX_CHILD_OPTIONS = 2
 
 
 def option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
-                 policies: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
-    """Per option name, the modules each stage recomputes under it (stages without the option absent)."""
+                 policies: Sequence[str] = (), twins: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
+    """Per option name, the modules each stage recomputes under it (stages without the option absent).
+
+    ``twins``: residual blocks that may run as checkpointed parts (options ``parts`` and ``whole+parts``)."""
     children = {name: _child_options(name, observed.stats, modules) for name in order}
     wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
     for child in sorted({c for cs in children.values() for c in cs}):
@@ -36,6 +39,9 @@ def option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str
         stages = {n: (n,) for n in order if policy in offered[n]}
         if stages:
             wraps[sac.option_name(policy)] = stages
+    if any(n in twins for n in order):
+        wraps[PARTS] = {n: () for n in order if n in twins}
+        wraps[WHOLE_PARTS] = {n: (n,) for n in order if n in twins}
     return wraps
 
 
@@ -84,6 +90,7 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
                                         offloaded=list(wrap) if is_offload(name) else (),
                                         offload_limits=limits if name == OFFLOAD_HIDDEN else None,
                                         dead=dead, offload_inputs=base == OFFLOAD_INPUT,
+                                        parts=list(wrap) if name in PARTS_OPTIONS else (),
                                         tiled={n: tiled for n in wrap} if tiled else None)
             except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,

@@ -7,6 +7,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 aten = torch.ops.aten
 
@@ -27,16 +28,9 @@ def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = No
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]  # batched
 
 
-def register_grouped_mm_flops() -> None:
-    """Count grouped matmuls' FLOPs (idempotent; run at import, for real and fake profiles alike)."""
-    from torch.utils.flop_counter import flop_registry, register_flop_formula
-
-    packet = getattr(aten, "_grouped_mm", None)
-    if packet is not None and packet not in flop_registry:
-        register_flop_formula(packet)(grouped_mm_flops)
-
-
-register_grouped_mm_flops()
+# Grouped matmuls' FLOPs count in real and fake profiles alike.
+if getattr(aten, "_grouped_mm", None) is not None and aten._grouped_mm not in flop_registry:
+    register_flop_formula(aten._grouped_mm)(grouped_mm_flops)
 
 
 def _grouped_mm_any_dtype(mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any = None,

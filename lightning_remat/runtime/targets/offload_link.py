@@ -10,7 +10,7 @@ from ...core.config import ProfileOptions
 from ...core.errors import RematError
 from ...core.memory_model import Profile
 from ...core import hardware
-from ...core.offload_model import host_link_bandwidth, with_offload_costs
+from ...core.offload_model import with_offload_costs
 from .fake import GPU_EFFICIENCY, gpu_peak_flops
 from ..measuring.roofline import device_peaks
 
@@ -49,7 +49,7 @@ def measured_bandwidth(device: torch.device) -> float:
 def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
     """(bytes/s, where the figure comes from) of the target's host link."""
     if options.gpu is not None:
-        return host_link_bandwidth(options.gpu), f"{options.gpu}'s data sheet"
+        return hardware.gpu(options.gpu).host_link_bandwidth, f"{options.gpu}'s data sheet"
     dev = torch.device(device)
     if not options.fake and dev.type == "cuda" and torch.cuda.is_available():
         return measured_bandwidth(dev), "measured here"
@@ -76,10 +76,9 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
     """``profile`` with its offload options priced for the target's host link (and a note)."""
     bandwidth, source = link_bandwidth(options, device)
     flops = device_peaks(device, options.gpu).flops_per_second * GPU_EFFICIENCY
-    priced = with_offload_costs(profile, bandwidth, flops)
-    priced = priced.noted(f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's "
-                    "transfer is hidden behind the next stage's compute where it is shorter")
-    return priced
+    return with_offload_costs(profile, bandwidth, flops).noted(
+        f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's transfer is hidden behind "
+        "the next stage's compute where it is shorter")
 
 
 def host_limit_bytes(options: ProfileOptions) -> int:

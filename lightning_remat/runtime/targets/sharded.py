@@ -37,23 +37,15 @@ def fake_process_group(world_size: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def mixed_precision_policy(param_dtype: torch.dtype | None) -> object | None:
-    """FSDP2's policy computing in ``param_dtype`` (None: as stored), reducing gradients in float32."""
-    if param_dtype is None:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-
-
 def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: object,
                 param_dtype: torch.dtype | None = None) -> None:
     """``fully_shard`` each of ``units`` and then ``model`` itself, in the fake ``mode``."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     modules = dict(model.named_modules())
-    policy = mixed_precision_policy(param_dtype)
-    kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
+    kwargs: dict = {"mesh": mesh}
+    if param_dtype is not None:  # computed in ``param_dtype``, gradients reduced in float32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     with mode:  # type: ignore[attr-defined]
         for name in units:
             fully_shard(modules[name], **kwargs)

@@ -1,0 +1,97 @@
+"""The sequence-length fit: the memory model at any sequence length (batch fixed), from profiles at a few lengths.
+
+Every term of a step is a polynomial of degree at most two in the sequence length ``s`` (activations grow with
+``s``, attention's score matrices on the math path with ``s**2``; static memory does not grow), so the parabola
+through three profiled lengths predicts any other. A profiled length (a *node*) is exact; ``find_remat_seq_len``
+profiles the lengths its answer rests on, so predictions only steer the search (``docs/seq_len.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Mapping
+
+from .memory_model import Profile
+from .profile_algebra import combine
+from .shape_fit import NodeWeights
+
+__all__ = ["LengthFit", "parabola_weights"]
+
+
+def parabola_weights(lengths: tuple[int, ...], target: int) -> list[float]:
+    """Lagrange weights (summing to one) of the polynomial through ``lengths`` (one to three of them) at ``target``.
+
+    Example:
+        >>> [round(w, 6) for w in parabola_weights((1, 2, 4), 8)]  # s**2 at 1, 2, 4 gives 64 at 8
+        [8.0, -14.0, 7.0]
+        >>> sum(w * s * s for w, s in zip(parabola_weights((1, 2, 4), 8), (1, 2, 4)))
+        64.0
+    """
+    weights = []
+    for i, node in enumerate(lengths):
+        weight = 1.0
+        for j, other in enumerate(lengths):
+            if j != i:
+                weight *= (target - other) / (node - other)
+        weights.append(weight)
+    return weights
+
+
+class LengthFit:
+    """Profiles at a few sequence lengths, extended to any length: exact at a node; elsewhere the parabola through
+    the three nodes nearest (on a log scale) to the length asked (the line through two while only two exist).
+
+    Example:
+        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> def node(s):  # stored activations 8*s + s**2, a peak 1000 (static) + 3*s**2
+        ...     keep = StageOption("keep", (), 8 * s + s * s, 1000 + 3 * s * s, 0.0, 0)
+        ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
+        >>> fit = LengthFit({64: node(64), 128: node(128), 256: node(256)})
+        >>> fit.at(1024).stages == node(1024).stages, fit.at(128) is fit.nodes[128], fit.batch_sizes
+        (True, True, (64, 128, 256))
+    """
+
+    def __init__(self, nodes: Mapping[int, Profile]):
+        if not nodes:
+            raise ValueError("a length fit needs at least one profiled length")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in nodes):
+            raise ValueError(f"sequence lengths must be ints >= 1, got {sorted(nodes)}")
+        self.nodes = dict(sorted(nodes.items()))
+        names = [s.name for s in next(iter(self.nodes.values())).stages]
+        for length, profile in self.nodes.items():
+            if [s.name for s in profile.stages] != names:
+                raise ValueError(f"the profile at length {length} has other stages than the first: "
+                                 f"{[s.name for s in profile.stages]} vs {names}")
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The profiled lengths (named as ``ProfileFit``'s, whose place in ``BatchSearch`` this takes)."""
+        return tuple(self.nodes)
+
+    @property
+    def static_bytes(self) -> int:
+        return next(iter(self.nodes.values())).static_bytes
+
+    def with_node(self, length: int, profile: Profile) -> "LengthFit":
+        return LengthFit({**self.nodes, length: profile})
+
+    def at(self, length: int) -> Profile:
+        """The profile at ``length``: the node's own, or the parabola's prediction."""
+        if length < 1:
+            raise ValueError(f"the sequence length must be >= 1, got {length}")
+        if length in self.nodes:
+            return self.nodes[length]
+        nearest = tuple(sorted(sorted(self.nodes, key=lambda n: (abs(math.log(length / n)), n))[:3]))
+        if len(nearest) == 1:
+            # One node: scaled by the steepest growth (squared), so the prediction errs high.
+            nearest = (nearest[0], nearest[0] * 2)
+            profiles = [self.nodes[nearest[0]]] * 2
+            weights = [max(1.0, (length / nearest[0]) ** 2), 0.0]
+        else:
+            profiles = [self.nodes[n] for n in nearest]
+            weights = parabola_weights(nearest, length)
+        profile = combine(profiles, NodeWeights(weights, profiles[0].static_bytes))
+        made = ", ".join(map(str, dict.fromkeys(nearest)))
+        return replace(profile, notes=(*dict.fromkeys(note for p in profiles for note in p.notes),
+                                       f"predicted for sequence length {length} from the profiles at {made}"))

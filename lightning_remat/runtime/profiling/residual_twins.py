@@ -1,0 +1,52 @@
+"""Which residual blocks may run as checkpointed parts: their twin gave their own output in one forward.
+
+Example:
+    >>> from lightning_remat.models import build
+    >>> case = build("tv_resnet", batch_size=2, image_size=32, depths=(2, 1, 1, 1), width=8)
+    >>> twin_stages(case.model, case.step, ["layer1.0", "layer1.1", "fc"])
+    ['layer1.0', 'layer1.1']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..installing.residual_parts import gives_same_output, parts_of
+from ..installing.segments import recorded_calls
+
+# The stage options a twin adds: kept with its parts checkpointed, and recomputed whole with them nested.
+PARTS = "parts"
+WHOLE_PARTS = "whole+parts"
+PARTS_OPTIONS = (PARTS, WHOLE_PARTS)
+
+
+def twin_stages(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
+                replay: Callable[[], None] = lambda: None) -> list[str]:
+    """The ``stages`` in torchvision's residual layout whose twin, on the input one forward gave them, gave their output."""
+    modules = dict(model.named_modules())
+    eligible = [n for n in stages if parts_of(modules[n]) is not None]
+    # Fake tensors have no values to compare: no twin is offered on them.
+    if not eligible or any(isinstance(p, FakeTensor) for p in model.parameters()):
+        return []
+    replay()
+    calls = recorded_calls(model, step, eligible)
+    found = []
+    for name in eligible:
+        if len(calls[name]) != 1:  # a block at several places, or not run
+            continue
+        args, kwargs, output, (began, ended) = calls[name][0]
+        # The recorded tensors as the call saw them: changed in place since, they prove nothing.
+        unchanged = (len(args) == 1 and args[0]._version == began[0]
+                     and getattr(output, "_version", None) == ended)
+        if not kwargs and unchanged and gives_same_output(modules[name], args, output):
+            found.append(name)
+    return found
+
+
+def priced_modules(name: str, option: str, modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The modules whose recompute ``option`` of stage ``name`` pays for: its parts, and with whole+parts the block too."""
+    children = tuple(f"{name}.{child}" for child, _ in modules[name].named_children())
+    return (name, *children) if option == WHOLE_PARTS else children

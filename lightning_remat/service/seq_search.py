@@ -1,0 +1,181 @@
+"""The search behind ``find_remat_seq_len``: ``BatchSearch`` over sequence lengths, its answer resting on profiles.
+
+Three lengths are profiled (``init_val`` and its double and quadruple), every memory term is predicted at any
+length by the parabola through the nearest profiles (``core.length_fit``), the longest length predicted to fit is
+searched as the batch search searches the largest batch (doubling, then bisection, in steps of ``multiple_of``),
+and the answer and the length after it are profiled in turn until a profiled length fits and the next one does
+not (each profile a new node of the fit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.binding import Binding
+from ..core.budget import format_bytes
+from ..core.config import RematConfig
+from ..core.errors import BudgetTooSmallError
+from ..core.length_fit import LengthFit
+from ..core.memory_model import Profile
+from ..core.plan import Plan
+from .batch_search import BatchSearch, MakeStep
+
+
+@dataclass(frozen=True)
+class LengthRow:
+    """One profiled length: whether a plan fits (within ``max_overhead``), the least peak any plan reaches there
+    and what binds it (``Binding.to_dict()``), the fitting plan's peak and overhead (None where none fits)."""
+
+    seq_len: int
+    fits: bool
+    least_peak_bytes: int
+    binds: dict[str, Any] | None
+    peak_bytes: int | None = None
+    overhead: float | None = None
+
+    @property
+    def binds_text(self) -> str:
+        """What binds in a few words: ``"stage layers.30 (own)"``, ``"head and loss (own)"``."""
+        if not self.binds:
+            return "-"
+        binding = Binding.from_dict(self.binds)
+        what = binding.name if binding.term == "stage" else binding.term
+        return f"{what} ({binding.largest})"
+
+
+class LengthSearch(BatchSearch):
+    """``BatchSearch`` where what grows is the sequence: the fit is a ``LengthFit`` and the lengths found are
+    profiled (the profile is the truth; with ``confirm`` on a real model a trial measures the answer too)."""
+
+    def __init__(self, make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 config: RematConfig, budget_bytes: int, max_overhead: float, steps_per_trial: int, start: int,
+                 multiple_of: int, max_seq_len: int, max_profiles: int):
+        super().__init__(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial,
+                         "binsearch", start)
+        self.unit = multiple_of
+        self.max_seq_len = max_seq_len
+        self.max_profiles = max_profiles
+        self.verdicts: dict[int, bool] = {}  # profiled (or trialled) length -> whether a plan fits there
+        self.rows: dict[int, LengthRow] = {}
+        self.measured_peak_bytes: int | None = None
+
+    # 1. Profiles: each a node of the fit and a verdict.
+    def profile_length(self, length: int) -> bool:
+        """Profile ``length`` (a real out-of-memory error: it does not fit); whether a plan fits there."""
+        profile = self._profile_at(length, warmup=1 if self.fit is None else 0)
+        if profile is None:
+            self.notes.append(f"sequence length {length} ran out of memory on the device while profiling")
+            self.verdicts[length] = False
+            return False
+        if self.fit is None:
+            self._check_static(profile)
+        elif len(self.fit.nodes) == 1:
+            self._check_it_grows(next(iter(self.fit.nodes.items())), (length, profile))
+        self.fit = LengthFit({length: profile}) if self.fit is None else self.fit.with_node(length, profile)
+        self.plans.clear()  # predictions change with every node
+        plan = self.plan_for(length, True)
+        least = self.least_plan(profile)
+        self.rows[length] = LengthRow(length, plan is not None, least.predicted_peak_bytes, least.binding,
+                                      plan.predicted_peak_bytes if plan else None,
+                                      plan.predicted_overhead if plan else None)
+        self.verdicts[length] = plan is not None
+        return plan is not None
+
+    def least_plan(self, profile: Profile) -> Plan:
+        """The plan of least peak on ``profile`` (within the host's memory where it offloads)."""
+        return self._solve(profile, "min")
+
+    def _check_static(self, profile: Profile) -> None:
+        if self.budget_bytes < profile.static_bytes:
+            raise BudgetTooSmallError(self.budget_bytes, self.least_plan(profile).predicted_peak_bytes,
+                                      profile.static_bytes, message=(
+                f"The budget of {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) is below the static "
+                f"memory of the step, {format_bytes(profile.static_bytes)} (parameters, gradients and optimizer "
+                "state), which no sequence length changes: no length fits. Raise the budget above it."))
+
+    def _check_it_grows(self, first: tuple[int, Profile], second: tuple[int, Profile]) -> None:
+        (low, a), (high, b) = sorted([first, second], key=lambda item: item[0])
+        if a.baseline_peak_bytes == b.baseline_peak_bytes and a.baseline_step_flops == b.baseline_step_flops:
+            raise ValueError(
+                f"make_step(seq_len) ignores the length: the steps at {low} and {high} tokens have the same peak "
+                f"({format_bytes(a.baseline_peak_bytes)}) and FLOPs. It must return a step on a batch of that many "
+                "tokens per sequence, as make_step(batch_size) does for find_remat_batch_size.")
+
+    # 2. The search: predictions steer, profiles decide.
+    def longest_predicted(self) -> int:
+        """The longest multiple of ``unit`` predicted to fit, below the shortest length profiled not to fit."""
+        failing = min((n for n, fits in self.verdicts.items() if not fits), default=self.max_seq_len + self.unit)
+        limit = min(self.max_seq_len, failing - self.unit)
+        if limit < self.unit:
+            return 0
+        fitting = max((n for n, fits in self.verdicts.items() if fits and n <= limit), default=0)
+        return max(fitting, self.largest(True, limit))
+
+    def settle(self) -> int:
+        """The longest length profiled to fit whose next multiple is profiled not to (or is past the limit)."""
+        while True:
+            answer = self.longest_predicted()
+            check = answer if answer and answer not in self.verdicts else answer + self.unit
+            if answer == 0 and self.unit in self.verdicts or check > self.max_seq_len or check in self.verdicts:
+                return answer
+            if len(self.rows) >= self.max_profiles:
+                self.notes.append(f"max_profiles={self.max_profiles} reached: the lengths between the profiled ones "
+                                  "are predicted")
+                return max((n for n, fits in self.verdicts.items() if fits), default=0)
+            self.profile_length(check)
+
+    def search(self, confirm: bool, max_trials: int) -> int:
+        """Profile ``start``, twice and four times it, settle, and (real models, ``confirm``) measure the answer."""
+        top = self.max_seq_len // self.unit * self.unit  # every length profiled is a multiple of ``unit``
+        for length in dict.fromkeys(min(top, self.start * k) for k in (1, 2, 4)):
+            self.profile_length(length)
+        while True:
+            answer = self.settle()
+            if answer == 0 or not confirm or self.config.profile.fake:
+                return answer
+            if len(self.trials) >= max_trials:
+                self.notes.append(f"max_trials={max_trials} reached: sequence length {answer} is not confirmed")
+                return answer
+            plan = self.plan_for(answer, True)
+            assert plan is not None
+            trial = self.run_trial(answer, plan)
+            self.trials.append(trial)
+            if trial.fits:
+                self.measured_peak_bytes = trial.measured_peak_bytes
+                return answer
+            measured = "out of memory" if trial.out_of_memory else format_bytes(trial.measured_peak_bytes or 0)
+            self.notes.append(f"sequence length {answer} measured {measured} against its predicted "
+                              f"{format_bytes(plan.predicted_peak_bytes)}: searched below it")
+            self.verdicts[answer] = False
+
+    def first_failing(self, answer: int) -> int | None:
+        """The length after ``answer`` that was profiled not to fit (None at ``max_seq_len``)."""
+        following = answer + self.unit
+        return following if following <= self.max_seq_len else None
+
+    def knobs_at(self, length: int) -> list[dict[str, Any]]:
+        """The knobs (``service.knobs``) at a profiled ``length``: each re-profiles the step, so only on request."""
+        from .knobs import KnobContext, knob_figures
+        from .planning import Planner
+
+        assert self.fit is not None and length in self.fit.nodes
+        context = KnobContext(Planner(self.config, verbose=False), self.model, self.step_at(length), self.optimizer,
+                              self.fit.nodes[length], self.budget_bytes)
+        return knob_figures(context)
+
+    def too_short(self) -> BudgetTooSmallError:
+        """Nothing fits even at ``multiple_of`` tokens: the error naming the least peak there."""
+        row = self.rows.get(self.unit) or min(self.rows.values(), key=lambda r: r.seq_len)
+        overhead = "" if math.isinf(self.max_overhead) else f" within max_overhead={self.max_overhead:.0%}"
+        binds = Binding.from_dict(row.binds).text() if row.binds else ""
+        return BudgetTooSmallError(self.budget_bytes, row.least_peak_bytes, self.fit.static_bytes if self.fit else 0,
+                                   message=(
+            f"No sequence length fits the budget of {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes)"
+            f"{overhead}: at {row.seq_len} tokens the least peak any plan reaches is "
+            f"{format_bytes(row.least_peak_bytes)} ({binds}). Raise the budget or lower multiple_of."))
+
