@@ -40,6 +40,10 @@ SLOW = {
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
+    # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
+    # offload (6 s, 19 s loaded)
+    "test_tiled_mlp.py": ("test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted",
+                          "test_fake_planning_tiles_a_meta_model"),
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
     # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
     "test_trl.py": "*",

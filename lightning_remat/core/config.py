@@ -134,6 +134,12 @@ class ProfileOptions:
         "*ForCausalLM / *LMHeadModel models called with labels=, and for a head whose loss the model computes with "
         "lightning_remat.head_loss). The loss and gradients are the same; a plan that chunks makes the model return "
         "logits=None (docs/long_context.md)")})
+    tile_mlp: bool = field(default=False, metadata={"help": (
+        "also offer each stage's MLP over sequence chunks (keep, whole and whole+offload-input, each with the MLP "
+        "tiled): each chunk checkpointed in forward and recomputed alone in backward, so no sequence-long "
+        "intermediate exists, for one more forward of the MLP; only a child of a position-wise class (*MLP, "
+        "*FeedForward, T5's DenseActDense) with no active dropout, its output checked on the profiled batch "
+        "(docs/long_context.md)")})
     host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
         "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
         "share of a typical node with it (core/hardware.py HOST_MEMORY: 256 GiB for an H100, an 8xH100 node's 2 "

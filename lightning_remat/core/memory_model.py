@@ -55,6 +55,8 @@ class StageOption:
     fused: bool = False
     # "parts", "whole+parts": a residual block run as checkpointed parts (``runtime.installing.residual_parts``).
     parts: bool = False
+    # Settings of behaviours the option installs besides its action, as ``StageAction.extra`` (a tiled MLP's).
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def cost(self, kind: str) -> float:
         return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
@@ -181,7 +183,8 @@ class Profile:
             StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
                                                            "offloaded": tuple(o.get("offloaded", ())),
                                                            "shared_held": _pairs(o.get("shared_held", ())),
-                                                           "held_before": _pairs(o.get("held_before", ()))})
+                                                           "held_before": _pairs(o.get("held_before", ())),
+                                                           "extra": tuple((str(k), v) for k, v in o.get("extra", ()))})
                                               for o in s["options"])})
             for s in data["stages"]
         )

@@ -6,7 +6,7 @@ Each action is matched to the profile's option that does it, and priced with the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
@@ -33,6 +33,9 @@ class Prediction:
 
 def _does(option: StageOption, action: StageAction) -> bool:
     if option.parts != bool(dict(action.extra).get("residual_parts")):
+        return False
+    # Any other behaviour's setting (a tiled MLP's): the option was (not) measured with it.
+    if dict(option.extra) != {k: v for k, v in action.extra if k != "residual_parts"}:
         return False
     if action.action is Action.KEEP:
         return not option.checkpointed and not option.offloaded and not option.chunks
@@ -142,4 +145,6 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
                                                  offload_input=option.input_offloaded, extra=parts))
         else:
             actions.append(StageAction(stage.name, extra=parts))
+        if option.extra and k not in segment_of and k not in block_at:
+            actions[-1] = replace(actions[-1], extra={**dict(actions[-1].extra), **dict(option.extra)})
     return tuple(actions)

@@ -178,7 +178,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                device_memory: int | str | None = None, precision: str | None = None,
                accumulation_steps: int = 1, world_size: int = 1, policies: Any = (), offload: bool = False,
                repeated_blocks: bool = True, chunk_loss: bool = False, host_memory: int | str | None = None,
-               verbose: bool = True) -> Plan:
+               tile_mlp: bool = False, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
     Every argument is described in ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
@@ -204,7 +204,7 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,
         warmup=warmup, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=is_data_parallel(model), world_size=world_size, policies=policies, offload=offload,
-        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss, host_memory=host_memory))
+        repeated_blocks=repeated_blocks, chunk_loss=chunk_loss, host_memory=host_memory, tile_mlp=tile_mlp))
     config.budget_bytes(model_device(model))  # a budget above the device's memory fails before profiling
     refuse_fsdp1(model, "plan_remat")
     # A model sharded with FSDP2 runs collectives in every pass: every rank profiles (shared_plan).

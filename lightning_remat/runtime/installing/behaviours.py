@@ -1,8 +1,8 @@
 """The built-in behaviours, registered in the order they compose (outermost first).
 
 Example:
-    >>> [b.name for b in BEHAVIOURS][:7]
-    ['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment']
+    >>> [b.name for b in BEHAVIOURS][:9]
+    ['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment', 'residual_parts', 'tile']
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from .records import BEHAVIOURS, register
 from .residual_parts import RESIDUAL_PARTS
 from .sac import OpPolicy
 from .segments import SEGMENT
+from .tiled_mlp import TILED_MLP
 
 __all__ = ["BEHAVIOURS"]
 
-for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT, RESIDUAL_PARTS):
+for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT, RESIDUAL_PARTS,
+                   TILED_MLP):
     register(_behaviour)

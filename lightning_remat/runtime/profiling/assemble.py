@@ -9,8 +9,10 @@ from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
+from ..installing.tiled_mlp import TILE
 from .memory_run import MemoryRun
 from .residual_twins import PARTS_OPTIONS, priced_modules
+from .tiled_options import split_tiled, tiled_modules
 
 
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
@@ -36,7 +38,8 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
             if name not in wrap:
                 continue
             parts = option in PARTS_OPTIONS
-            priced = priced_modules(name, option, modules) if parts else wrap[name]
+            base, tiled = split_tiled(option)  # a tiled MLP costs one more forward of it (tiled_options.py)
+            priced = priced_modules(name, option, modules) if parts else (*wrap[name], *tiled_modules(name, tiled))
             seconds, flops, roofline = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
@@ -44,9 +47,9 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 cost_flops=_part(flops, counts), policy=sac.policy_of(option), cost_roofline=roofline * share,
                 offloaded=(name,) if is_offload(option) else (),
                 host_bytes=int((runs[option].host_bytes or {}).get(name, 0) * share)
-                if is_offload(option) or option == OFFLOAD_INPUT else 0,
+                if is_offload(option) or base == OFFLOAD_INPUT else 0,
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
-                input_offloaded=option == OFFLOAD_INPUT,
+                input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
                 shared_held=(runs[option].shared or [()] * (i + 1))[i],
                 held_before=(runs[option].held_before or [()] * (i + 1))[i], parts=parts))
         s = stats[name]

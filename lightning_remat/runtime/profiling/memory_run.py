@@ -14,6 +14,7 @@ from ...core.errors import RematError
 from ...core.plan import Plan, StageAction
 from ..installing.apply import applied
 from ..installing.installer import input_offload_of
+from ..installing.tiled_mlp import with_tiles
 from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
@@ -59,9 +60,11 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                 gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
                 offload_limits: dict[str, int] | None = None,
                 dead: dict[str, set[str]] | None = None, head: StageAction | None = None,
-                offload_inputs: bool = False, parts: Sequence[str] = ()) -> MemoryRun:
+                offload_inputs: bool = False, parts: Sequence[str] = (), tiled: dict[str, str] | None = None
+                ) -> MemoryRun:
     # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``head`` (a chunked or fused
-    # head): loss_stage.py; ``offload_inputs``: input_offload.py; ``parts``: blocks run as parts (residual_twins.py).
+    # head): loss_stage.py; ``offload_inputs``: input_offload.py; ``parts``: blocks run as parts (residual_twins.py);
+    # ``tiled``: stage -> its tiled MLP (tiled_mlp.py).
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -77,7 +80,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     meter = _SegmentMeter(model, optimizer, tracker)
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
     plan = Plan([head] if head is not None else
-                _actions(wrapped, policy, offload_inputs, parts))
+                with_tiles(_actions(wrapped, policy, offload_inputs, parts), tiled or {}))
     host: dict[str, int] | None = None
     with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \

@@ -49,6 +49,7 @@ from .profile_adjust import with_always_alive, with_pooled_timings, with_unobser
 from .repeated import alternatives_in_depth, repeated_profile
 from .residual_twins import twin_stages
 from .stage_options import measure_options, option_wraps, span_groups
+from .tiled_options import add_tiled_options, tiled_settings
 
 # What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
 COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
@@ -67,7 +68,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
                  device_memory: int | str | None = None, precision: str | None = None, accumulation_steps: int = 1,
                  gradient_buckets: bool = False, world_size: int = 1, repeated_blocks: bool = True,
                  policies: Sequence[str] | None = (), offload: bool = False, chunk_loss: bool = False,
-                 host_memory: int | str | None = None, options: ProfileOptions | None = None) -> Profile:
+                 host_memory: int | str | None = None, tile_mlp: bool = False,
+                 options: ProfileOptions | None = None) -> Profile:
     """Profile one training step of ``model`` for the solver.
 
     Args:
@@ -97,7 +99,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
         options, candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, warmup=warmup,
         device_memory=device_memory, precision=precision, accumulation_steps=accumulation_steps,
         gradient_buckets=gradient_buckets, world_size=world_size, repeated_blocks=repeated_blocks, policies=policies,
-        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory)
+        offload=offload, chunk_loss=chunk_loss, host_memory=host_memory, tile_mlp=tile_mlp)
     existing = existing_checkpointing(model)
     if existing:
         raise AlreadyCheckpointedError("Cannot plan recomputation: " + "; ".join(existing))
@@ -263,6 +265,8 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                 wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host.
             wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
+        tiled, tile_note = tiled_settings(model, step, observed.order, replay) if options.tile_mlp else ({}, "")
+        add_tiled_options(wraps, tiled)
         runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
                                         limits)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
@@ -284,7 +288,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     assembled = replace(assembled, span_groups=tuple(g for g in groups if not several & set(g)),
                         blocks=tuple(b for b in found.blocks if not several & set(b[1])))
     profile = _adjusted(assembled, model, options, runs, dropped, stage_names, modules, device, timed)
-    profile = profile.noted(COMPILED_NOTE) if compiled else profile
+    profile = profile.noted(*[n for n in (COMPILED_NOTE if compiled else "", tile_note) if n])
     profile = profile.with_gap_figures(gap_figures(assembled, profile, runs, future_state))
     return with_head_stage(profile, head, peaks.flops_per_second, peaks.bytes_per_second)
 

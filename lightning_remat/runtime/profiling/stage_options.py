@@ -15,6 +15,7 @@ from ..measuring.measure import Step
 from ..measuring.observe import ModuleStats, ObservedStep
 from .memory_run import MemoryRun, memory_run
 from .residual_twins import PARTS, PARTS_OPTIONS, WHOLE_PARTS
+from .tiled_options import split_tiled
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
 # activation bytes (and is not almost all of it, which "whole" already covers).
@@ -81,14 +82,16 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
         calls = dict(enumerate(observed.position_calls))
         runs, dropped = {}, []
         for name, wrap in list(wraps.items()):
+            base, tiled = split_tiled(name)  # an option with its stages' MLP tiled (tiled_options.py)
             try:
                 runs[name] = memory_run(model, step, observed.positions, calls, [m for ms in wrap.values() for m in ms],
                                         optimizer, replay, gradients_alive=accumulation_steps > 1,
                                         policy=sac.policy_of(name),
                                         offloaded=list(wrap) if is_offload(name) else (),
                                         offload_limits=limits if name == OFFLOAD_HIDDEN else None,
-                                        dead=dead, offload_inputs=name == OFFLOAD_INPUT,
-                                        parts=list(wrap) if name in PARTS_OPTIONS else ())
+                                        dead=dead, offload_inputs=base == OFFLOAD_INPUT,
+                                        parts=list(wrap) if name in PARTS_OPTIONS else (),
+                                        tiled={n: tiled for n in wrap} if tiled else None)
             except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,
                 # which a forward that mutates state it reads (a key/value cache) does not.
