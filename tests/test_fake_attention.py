@@ -115,3 +115,31 @@ def test_flash_backward_holds_its_workspace_and_counts_its_recomputation():
     assert forward == 2 * (2 * 8 * n * n * 64)
     assert sum(cuda_flops.values()) == sum(plain_flops.values())  # the CPU kernel counted alike
     assert cuda_flops["aten._scaled_dot_product_flash_attention_backward"] == forward * 5 // 2
+
+
+class _OddHeadAttention(torch.nn.Module):
+    """Attention with a head size (60) that neither fused kernel takes with a mask in bf16: CUDA runs math."""
+
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_attention_the_gpu_runs_in_the_math_kernel_is_priced_quadratic_and_noted():
+    from lightning_remat.runtime.targets.fake_attention import AttentionNotes
+
+    def kept(n: int, notes: AttentionNotes) -> int:
+        with FakeTensorMode():
+            q, k, v = (torch.empty(1, 2, n, 60, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            mask = torch.ones(n, n, dtype=torch.bool)
+            saved = {}
+            with cuda_attention(True, notes), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(id(t), t), lambda t: t):
+                _OddHeadAttention()(q, k, v, mask)
+            return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+    notes = AttentionNotes()
+    short, long = kept(64, notes), kept(128, notes)
+    # Beyond linear growth: at least the probabilities, 2 heads x n x n in bf16 (4x per doubling).
+    assert long - 2 * short >= 2 * (2 * 64 * 64 * 2)
+    (note,) = notes.lines()
+    assert note.startswith("_OddHeadAttention computes attention as a 64 x 64 matrix (SDPA's math kernel on the GPU)")
