@@ -143,3 +143,28 @@ def test_attention_the_gpu_runs_in_the_math_kernel_is_priced_quadratic_and_noted
     assert long - 2 * short >= 2 * (2 * 64 * 64 * 2)
     (note,) = notes.lines()
     assert note.startswith("_OddHeadAttention computes attention as a 64 x 64 matrix (SDPA's math kernel on the GPU)")
+
+
+def test_a_recomputed_attention_keeps_nothing_for_its_backward_workspace():
+    """The workspace hooks live as long as the graph: they must not hold the kernel's output, or a
+    checkpointed layer would keep it (a 8B plan at 32K once needed 72.97 GiB instead of 30.15)."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    outputs = []
+
+    def attention(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        outputs.append(weakref.ref(out))
+        return out * 2
+
+    with FakeTensorMode():
+        q, k, v = (torch.randn(1, 4, 128, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        with cuda_attention(True):
+            loss = checkpoint(attention, q, k, v, use_reentrant=False).sum()
+            gc.collect()
+            assert outputs[0]() is None
+            loss.backward()  # recomputed, the workspace held and freed
+    assert q.grad is not None and q.grad.shape == q.shape

@@ -90,8 +90,15 @@ def _hold_in_backward(out: torch.Tensor, shapes: list[tuple[tuple[int, ...], tor
     node = out.grad_fn
     if node is None or not shapes:
         return
+    # The hooks live as long as the graph: they must not hold ``out`` (a checkpointed layer would keep it).
+    mode, device = getattr(out, "fake_mode", None) or contextlib.nullcontext(), out.device
     held: list[torch.Tensor] = []
-    node.register_prehook(lambda grad_outputs: held.extend(out.new_empty(s, dtype=d) for s, d in shapes))
+
+    def allocate(grad_outputs: Any) -> None:
+        with mode:
+            held.extend(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes)
+
+    node.register_prehook(allocate)
     node.register_hook(lambda grad_inputs, grad_outputs: held.clear())
 
 
