@@ -36,6 +36,10 @@ SLOW = {
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
     "test_first_step_integrations.py": ("test_the_trainer_with_lora_accumulation_and_padding_holds_the_budget_from_the_first_step",),
+    # Two or three fake-H100 profiles of a 1-layer Llama each (shared through a cache when run together)
+    "test_fake_attention.py": ("test_sdpa_attention_planned_for_an_h100_is_linear_in_the_sequence",  # 8 s
+                               "test_eager_attention_is_priced_quadratic_and_the_plan_names_the_layer",  # 5 s
+                               "test_a_mask_of_ones_plans_as_no_mask_and_padding_keeps_its_quadratic_bias"),  # 6-12 s
     "test_fake_moe.py": ("test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-mixed]",  # 10 s
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes

@@ -36,7 +36,7 @@ from ..measuring.stance import eager_stance
 from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
-from ..targets.fake_attention import cuda_attention
+from ..targets.fake_attention import AttentionNotes, cuda_attention
 from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
 from ..targets.sharded import sharded_twin, sharding_info, sharding_note
@@ -180,6 +180,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     model = fake_model(model, mode, dtype)
     fake_params = dict(model.named_parameters())
     moe_notes: list[str] = []
+    attention_notes = AttentionNotes()  # attention that is quadratic on the target GPU, told in the plan
     optimizer = map_optimizers(optimizer, lambda o: clone_optimizer(o, {i: fake_params[n] for i, n in names.items()},
                                                                     mode))
 
@@ -190,7 +191,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             if sharded and optimizer is not None:
                 by_name = dict(twin.named_parameters())
                 optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))
-            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda), \
+            with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda, attention_notes), \
                     grouped_mm_in_every_dtype(), fixed_shape_experts(twin, moe_notes):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
@@ -213,7 +214,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     profile = priced(profile, seconds_per_flop)
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
-    profile = profile.noted(precision_note, *dict.fromkeys(moe_notes))
+    profile = profile.noted(precision_note, *dict.fromkeys(moe_notes), *attention_notes.lines())
     return profile
 
 

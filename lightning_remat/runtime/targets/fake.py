@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
+import weakref
 from typing import Iterator
 
 import torch
@@ -15,6 +16,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    unset_fake_temporarily,
 )
 
 from ...core.errors import FakeProfileError, where_it_failed
@@ -177,15 +179,31 @@ def real_code_paths() -> Iterator[None]:
         return original_is_tracing(None) or (
             tensor is not None and not isinstance(tensor, FakeTensor) and original_is_tracing(tensor))
 
-    def decide_as_on_real_tensors(*args, **kwargs):
+    def decide_as_on_real_tensors(padding_mask=None, *args, **kwargs):
+        if padding_mask is not None and unpadded.get(id(padding_mask), lambda: None)() is padding_mask:
+            padding_mask = None  # made from a real mask of ones: no padding, as the real step finds
         masking.is_tracing = lenient_is_tracing
         try:
-            return decide(*args, **kwargs)
+            return decide(padding_mask, *args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             masking.is_tracing = original_is_tracing
-            return decide(*args, **kwargs)
+            return decide(padding_mask, *args, **kwargs)
         finally:
             masking.is_tracing = original_is_tracing
+
+    # A padding mask made inside the step is fake, its values unknown: planned as padded (the n x n mask built).
+    # One the step holds as a real tensor is read here, so a batch without padding gets is_causal as on the GPU.
+    unpadded: dict[int, weakref.ref] = {}  # by id: a tensor's == compares values
+    preprocess = getattr(masking, "_preprocess_mask_arguments", None)
+
+    def preprocess_reading_real_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
+        result = preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
+        if isinstance(attention_mask, torch.Tensor) and not isinstance(attention_mask, FakeTensor) \
+                and attention_mask.dim() == 2 and isinstance(result[1], torch.Tensor):
+            with unset_fake_temporarily():
+                if bool(attention_mask.all()):
+                    unpadded[id(result[1])] = weakref.ref(result[1])
+        return result
 
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
 
@@ -198,12 +216,16 @@ def real_code_paths() -> Iterator[None]:
     masking._ignore_causal_mask_sdpa = decide_as_on_real_tensors
     if find_packed is not None:
         masking.find_packed_sequence_indices = no_packing_on_fake
+    if preprocess is not None:
+        masking._preprocess_mask_arguments = preprocess_reading_real_masks
     try:
         yield
     finally:
         masking._ignore_causal_mask_sdpa = decide
         if find_packed is not None:
             masking.find_packed_sequence_indices = find_packed
+        if preprocess is not None:
+            masking._preprocess_mask_arguments = preprocess
 
 
 @contextlib.contextmanager
