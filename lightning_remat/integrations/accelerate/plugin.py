@@ -41,7 +41,7 @@ class RematPlugin:
     Example:
         >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
         >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
-        (True, 1, ['GPT2Block', 'transformer.h.*'], 'flops')
+        (True, 1, ['GPT2Block', 'transformer.h.*'], None)
     """
 
     budget: str | int | None = field(
@@ -51,7 +51,8 @@ class RematPlugin:
     candidates: Any = field(
         default=None, metadata={"help": f"Module classes or name patterns to choose among. Env: {ENV_CANDIDATES}."})
     cost: str | None = field(
-        default=None, metadata={"help": f"'flops', 'time' or 'roofline': what the plan minimises. Env: {ENV_COST}."})
+        default=None, metadata={"help": f"'flops', 'time' or 'roofline': what the plan minimises; unset, the target's (roofline "
+                                   f"on a GPU of the hardware table, flops on the CPU). Env: {ENV_COST}."})
     offload: Any = field(
         default=None, metadata={"help": f"Also offload activations to host memory (CUDA). Env: {ENV_OFFLOAD}."})
     policies: Any = field(
@@ -91,7 +92,7 @@ class RematPlugin:
                           "such as 'GPT2Block' or 'transformer.h.*'") from None
         self.candidates = list(candidates) if candidates is not None else None
         self.cost = DEFAULT_COST if self.cost is None else str(self.cost).strip().lower()
-        if self.cost not in COST_KINDS:
+        if self.cost is not None and self.cost not in COST_KINDS:
             raise invalid("cost", f"expected one of {list(COST_KINDS)}")
         for name in ("offload", "chunk_loss"):
             flag = str(getattr(self, name)).strip().lower() if getattr(self, name) is not None else "false"
