@@ -90,6 +90,8 @@ def resolve_cost(config: RematConfig, model: nn.Module) -> tuple[RematConfig, st
         >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
         ('roofline', 'flops')
     """
+    if config.cost is not None:  # given: no target to look at (a search may not hold a model yet)
+        return config, None
     options = config.profile
     return config.for_target(*target_gpu(options.device or model_device(model), options.gpu if options.fake else None))
 
