@@ -46,10 +46,14 @@ def _plan_flags():
 
 
 def test_one_default_cost_everywhere():
-    assert DEFAULT_COST == "flops"
+    # Unset: the target's (tests/test_default_cost.py): counted FLOPs on the CPU, the roofline on a known GPU.
+    assert DEFAULT_COST is None
     assert RematConfig("1GB").cost == DEFAULT_COST
     for function in (plan_remat, find_remat_batch_size, AutoRemat.__init__, RematBatchSizeFinder.__init__):
         assert _default(function, "cost") == DEFAULT_COST, function
+    from lightning_remat.service.shape_plans import ShapePlans
+
+    assert _default(ShapePlans.__init__, "cost") == DEFAULT_COST
     assert RematPlugin(budget="1GB").cost == DEFAULT_COST
     assert _plan_flags()["cost"].default == DEFAULT_COST
 
@@ -175,4 +179,6 @@ def test_the_command_line_plans_through_the_planning_service(monkeypatch, capsys
     result = json.loads(capsys.readouterr().out)
     assert result["plan"]["checkpointed"] and host_asked
     (config,) = solved
-    assert config.cost == "flops" and config.profile.offload and config.profile.candidates == ("GPT2Block",)
+    # No --cost, a fake H100: the target's default, the roofline with the H100's figures.
+    assert config.cost == "roofline" and config.profile.offload and config.profile.candidates == ("GPT2Block",)
+    assert result["cost"] == "roofline" and any("h100" in note for note in result["plan"]["notes"])

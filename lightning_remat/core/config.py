@@ -8,17 +8,19 @@ line's ``--help`` are made from it.
 from __future__ import annotations
 
 import textwrap
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from .budget import Budget
+from . import hardware
 from .bounds import MAX_STEPS, MAX_WARMUP, MAX_WORLD_SIZE, check_device, check_device_memory, check_int
 from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
-# Counted FLOPs: the same plan on every run and machine, and the one cost a fake profile without a GPU has.
-DEFAULT_COST = CostKind.FLOPS.value
+# Unset: the target's default (``RematConfig.for_target``): the roofline priced with the GPU's own figures for a
+# GPU in the hardware table; counted FLOPs elsewhere (the same plan on every run and machine).
+DEFAULT_COST = None
 DTYPES = ("bfloat16", "float16", "float32")
 # Lightning's names for what a fake profile can model: storage dtype and autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
@@ -197,18 +199,51 @@ class RematConfig:
         "peak memory of a whole training step on the device (parameters, gradients, optimizer state, "
         "activations, temporaries): '10GB', '10 GiB', '512MiB', a number of bytes, '80%' of the device's total "
         "memory (the host's RAM on a CPU), or 'min' for the plan of least peak")})
-    cost: CostKind = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
+    cost: CostKind | None = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
         "what recomputation costs, which the plan minimises: flops (counted FLOPs: the same plan on every run, "
         "also on fake tensors), time (measured forward seconds) or roofline (per recomputed op, max(FLOPs / "
-        "peak, bytes / bandwidth) for the target device)")})
+        "peak, bytes / bandwidth) for the target device); unset (None), the target's: roofline with the GPU's "
+        "own figures for a CUDA model or a fake profile for a named gpu (a GPU in core/hardware.py), flops on the "
+        "CPU and on a GPU the table does not know (the plan's notes say which)")})
     profile: ProfileOptions = field(default_factory=ProfileOptions, metadata={"help": (
         "how the step is profiled (ProfileOptions)")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
-        object.__setattr__(self, "cost", CostKind.check(self.cost))
+        if self.cost is not None:
+            object.__setattr__(self, "cost", CostKind.check(self.cost))
         if self.profile.fake and self.cost == "time" and self.profile.gpu is None:
             raise ValueError("a fake profile has no timings: pass cost='flops', or gpu= to price FLOPs in seconds")
+
+    def for_target(self, device_type: str, gpu: str | None = None, name: str | None = None
+                   ) -> tuple["RematConfig", str | None]:
+        """This config with ``cost`` set for the target where it is unset, and a note saying which and why (None
+        where the cost was given, or on a CPU, whose default changes nothing).
+
+        ``gpu``: the target GPU's key in ``core.hardware.GPUS`` (a fake profile's ``gpu``, or the CUDA device's name
+        matched), None where the table has no entry for it; ``name``: the device's own name, for the note.
+
+        Example:
+            >>> config, note = RematConfig("1GB").for_target("cuda", "h100")
+            >>> config.cost.value, note.split(":")[0]
+            ('roofline', "cost 'roofline', the default for a GPU")
+            >>> config, note = RematConfig("1GB").for_target("cpu")
+            >>> config.cost.value, note, RematConfig("1GB", cost="time").for_target("cuda", "h100")[0].cost.value
+            ('flops', None, 'time')
+        """
+        if self.cost is not None:
+            return self, None
+        if gpu is not None:
+            spec = hardware.gpu(gpu)
+            return replace(self, cost=CostKind.ROOFLINE.value), (
+                f"cost 'roofline', the default for a GPU: recompute priced per op as max(FLOPs / peak, bytes / "
+                f"bandwidth) at the {spec.name}'s {spec.flops() / 1e12:.0f} TFLOP/s and "
+                f"{spec.memory_bandwidth / 1e12:.2f} TB/s (cost='flops': counted FLOPs)")
+        flops = replace(self, cost=CostKind.FLOPS.value)
+        if device_type != "cuda":
+            return flops, None
+        return flops, (f"cost 'flops', the default for a GPU not in core/hardware.py ({name or 'none named'}): "
+                       "counted FLOPs; cost='roofline' prices it as an H100")
 
     def budget_bytes(self, device: Any = None) -> int | str:
         """The budget in bytes for the device planned for (``profile.device``, else ``device``), or ``"min"``."""

@@ -19,7 +19,7 @@ from ..runtime.installing.apply import recomputation_of
 from ..runtime.measuring.measure import Step, is_out_of_memory, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.measuring.trial import Trial, run_trial
-from .planning import Planner
+from .planning import Planner, resolve_cost
 
 MakeStep = Callable[[int], Step]
 
@@ -54,9 +54,10 @@ class BatchSearch:
         self.steps_per_trial = steps_per_trial
         self.mode = mode
         self.start = start
-        self.cost = config.cost
+        self.config, cost_note = resolve_cost(config, model)
+        self.cost = self.config.cost
         self.counter = _Counter()
-        self.notes: list[str] = []
+        self.notes: list[str] = [cost_note] if cost_note else []
         self.trials: list[Trial] = []
         # (batch size, measured - predicted) of failed trials, with and without recomputation.
         self.corrections: dict[bool, list[tuple[int, int]]] = {True: [], False: []}

@@ -148,7 +148,7 @@ def find_remat_batch_size(
     max_overhead: float = 0.35,
     steps_per_trial: int = 1,
     margin: float = 0.0,
-    cost: str = DEFAULT_COST,
+    cost: str | None = DEFAULT_COST,
     mode: str = "binsearch",
     max_trials: int = 25,
     candidates: CandidateSpec = None,

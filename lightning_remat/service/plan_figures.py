@@ -15,8 +15,8 @@ from ..runtime.installing.verify import installation_mismatch
 METRIC_PREFIX = "remat/"
 # Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
 MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
-                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the default) "
-                      "or cost='roofline' give figures that do not move")
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the CPU's "
+                      "default) or cost='roofline' give figures that do not move")
 
 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:

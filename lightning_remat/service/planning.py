@@ -20,6 +20,7 @@ from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.installing.fingerprint import bound
 from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, release_device_memory
+from ..runtime.measuring.roofline import target_gpu
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, torch_distributed_channel
 from .plan_figures import MEASURED_TIME_NOTE
@@ -54,12 +55,34 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
+def resolve_cost(config: RematConfig, model: nn.Module) -> tuple[RematConfig, str | None]:
+    """``config`` with its cost set for the device ``model`` is planned for where unset, and the note saying which
+    (``RematConfig.for_target``: the roofline for a GPU of the hardware table, counted FLOPs elsewhere).
+
+    Example:
+        >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
+        >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
+        ('roofline', 'flops')
+    """
+    if config.cost is not None:  # given: no target to look at (a search may not hold a model yet)
+        return config, None
+    options = config.profile
+    return config.for_target(*target_gpu(options.device or model_device(model), options.gpu if options.fake else None))
+
+
 class Planner:
     """Decide plans for one ``RematConfig``: profile, solve, fall back, share between ranks."""
 
     def __init__(self, config: RematConfig, verbose: bool = True):
         self.config = config
         self.verbose = verbose
+        self.cost_note: str | None = None  # why the cost is what it is, where the target chose it
+
+    def for_model(self, model: nn.Module) -> RematConfig:
+        """The config, its cost resolved for ``model``'s target the first time (``resolve_cost``)."""
+        if self.config.cost is None:
+            self.config, self.cost_note = resolve_cost(self.config, model)
+        return self.config
 
     @exclusive()
     def decide(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
@@ -102,6 +125,7 @@ class Planner:
 
     def solve_profile(self, model: nn.Module, profile: Any) -> Plan:
         """The least-cost plan within the budget for ``profile``."""
+        self.for_model(model)
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
         if any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
@@ -113,7 +137,7 @@ class Planner:
                                      lambda p: solve_sharded(p, budget, self.config.cost))
         else:
             plan = solve_sharded(profile, budget, self.config.cost)
-        notes = plan.notes
+        notes = plan.notes + ((self.cost_note,) if self.cost_note else ())
         if self.config.cost == "time" and not self.config.profile.fake:
             notes += (MEASURED_TIME_NOTE,)
         options = self.config.profile
@@ -141,6 +165,7 @@ class Planner:
         """Every candidate block recomputed whole: the plan most likely to fit when none could be profiled."""
         model.zero_grad(set_to_none=True)
         release_device_memory()
+        self.for_model(model)
         stages = find_stages(model, self.config.profile.candidates)
         note = f"fallback: {cause} ({reason}); every candidate block recomputed whole"
         budget = self.config.budget_bytes(model_device(model))
@@ -172,7 +197,7 @@ class Planner:
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-               cost: str = DEFAULT_COST,
+               cost: str | None = DEFAULT_COST,
                candidates: CandidateSpec = None, warmup: int = 1, fake: bool = False,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None, gpu: str | None = None,
                device_memory: int | str | None = None, precision: str | None = None,
@@ -187,7 +212,8 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
         budget: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
         optimizer: counted in the budget (state and step); a list for manual optimization.
-        cost: ``"flops"`` (deterministic, the default), ``"time"`` (measured) or ``"roofline"``.
+        cost: ``"flops"`` (deterministic), ``"time"`` (measured) or ``"roofline"``; unset, the target's (roofline
+            for a GPU of ``core/hardware.py``, flops on the CPU).
         fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
 
     ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every

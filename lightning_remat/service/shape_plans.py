@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.config import ProfileOptions, RematConfig
+from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.errors import BudgetTooSmallError
 from ..core.memory_model import Profile
 from ..core.plan import Plan
@@ -58,7 +58,7 @@ class ShapePlans(ShapeProfiles):
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,
-                 optimizer: torch.optim.Optimizer | None = None, cost: str = "flops", candidates: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None, cost: str | None = DEFAULT_COST, candidates: Any = None,
                  fake: bool | None = None, config: RematConfig | None = None, plan_for: str | None = None,
                  max_shape: Shape | tuple[int, int] | None = None, per_octave: int = 16,
                  shape_of: Callable[[Any], Shape | None] | None = None,
@@ -85,6 +85,7 @@ class ShapePlans(ShapeProfiles):
         self.resize = resize or (lambda batch, shape: resize_batch(batch, shape))
         self.adjust, self.install = adjust, install or apply_plan
         self.planner = Planner(config, verbose=verbose)
+        self.config = self.planner.for_model(model)  # the cost the target's where unset: the fake nodes price by it
         self.counts = ShapePlanCounts()
         self.channel, self.hint, self.warmup = channel, hint, warmup
         self.real_first = fake is False  # the opt-in real profile of the first batch, where it fits

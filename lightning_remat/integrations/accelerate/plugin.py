@@ -41,13 +41,13 @@ class RematPlugin:
     Example:
         >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
         >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
-        (True, 1, ['GPT2Block', 'transformer.h.*'], 'flops')
+        (True, 1, ['GPT2Block', 'transformer.h.*'], None)
     """
 
     budget: str | int | None = None  # peak memory of a training step: '10GB', 'min'
     profile_steps: int | None = None  # steps observed before the plan is applied (>= 1)
     candidates: Any = None  # module classes or name patterns to choose among
-    cost: str | None = None  # 'flops', 'time' or 'roofline': what the plan minimises
+    cost: str | None = None  # 'flops', 'time' or 'roofline'; unset: the target's (roofline on a known GPU)
     offload: Any = None  # also offload activations to host memory (CUDA)
     policies: Any = None  # selective-checkpointing policies to offer ('all', 'none', names)
     chunk_loss: Any = None  # let the plan chunk a causal LM's head and loss
@@ -83,7 +83,7 @@ class RematPlugin:
                           "such as 'GPT2Block' or 'transformer.h.*'") from None
         self.candidates = list(candidates) if candidates is not None else None
         self.cost = DEFAULT_COST if self.cost is None else str(self.cost).strip().lower()
-        if self.cost not in COST_KINDS:
+        if self.cost is not None and self.cost not in COST_KINDS:
             raise invalid("cost", f"expected one of {list(COST_KINDS)}")
         for name in ("offload", "chunk_loss"):
             flag = str(getattr(self, name)).strip().lower() if getattr(self, name) is not None else "false"

@@ -182,6 +182,8 @@ def run_plan(args: argparse.Namespace) -> int:
         # The planning service profiles and solves, as for plan_remat and every integration (with
         # --offload, within the host's free memory).
         planner = Planner(config, verbose=False)  # the command's own phases are on the display already
+        # Unset, the cost is the target's (the roofline for a GPU of the hardware table): every figure uses it.
+        args.cost = result["cost"] = planner.for_model(target.model).cost.value
         try:
             profile = planner.profile(target.model, target.step, target.optimizer)
         except (TypeError, ValueError, RuntimeError) as err:

@@ -70,7 +70,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
         margin: float = 0.0,
         max_overhead: float = 0.35,
         max_val: int = DEFAULT_MAX_BATCH_SIZE,
-        cost: str = DEFAULT_COST,
+        cost: str | None = DEFAULT_COST,
         verbose: bool = True,
         offload: bool = False,
         candidates: Optional[list[str]] = None,

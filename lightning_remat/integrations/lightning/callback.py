@@ -42,7 +42,8 @@ class AutoRemat(Callback):
             device's memory, or ``"min"``. A malformed budget fails when the callback is built.
         profile_steps: training steps before the plan's steady peak is measured (default: batch 1).
         candidates: None for the repeated blocks, or class names / ``fnmatch`` patterns over module names.
-        cost: ``"flops"`` (the default), ``"time"`` or ``"roofline"``.
+        cost: ``"flops"``, ``"time"`` or ``"roofline"``; unset (None), the target's: roofline for a GPU of the
+            hardware table, flops on the CPU (``RematConfig.cost``).
         fake: None/True: profile the first batch on fake tensors only; False: also for real where it fits.
         offload, policies, chunk_loss: as ``plan_remat``'s.
 
@@ -53,7 +54,7 @@ class AutoRemat(Callback):
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
-                 cost: str = DEFAULT_COST, verbose: bool = True, fake: bool | None = None, offload: bool = False,
+                 cost: str | None = DEFAULT_COST, verbose: bool = True, fake: bool | None = None, offload: bool = False,
                  policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
         # The first batch is profiled on fake tensors whatever ``fake`` says (``ShapePlans``); the

@@ -91,6 +91,23 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     return gpu_peaks("h100")
 
 
+def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:
+    """(device type, key in ``core.hardware.GPUS`` or None, the GPU's name) of the device a plan is for: ``gpu``
+    when named (a fake profile's), else a CUDA device's own name matched against the table.
+
+    Example:
+        >>> target_gpu("cpu"), target_gpu("cpu", gpu="H100")
+        (('cpu', None, None), ('cuda', 'h100', 'H100'))
+    """
+    if gpu is not None:
+        return "cuda", hardware.gpu(gpu).name, gpu
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(dev)
+        return "cuda", hardware.match_gpu(name), name
+    return dev.type, None, None
+
+
 # Ops that allocate without writing: an ``empty`` tensor moves no data until an op fills it.
 _ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
