@@ -163,15 +163,16 @@ def _priced(head_peaks: dict[str, int], layer_cost: float) -> Profile:
 def test_the_planner_picks_fused_over_recomputed_chunks_at_an_equal_peak(cost):
     profile = _priced({"chunks": 2000, "fused": 2000}, layer_cost=1e-3)
     options = {o.name: o for o in profile.stages[-1].options}
-    # Recomputed: the projection's 4.3 TFLOP, its weight read per chunk and the loss's logits-sized work again.
-    assert options["chunks:8"].cost_roofline > 1.9 * options["fused:8"].cost_roofline > 0
+    # Recomputed: the projection's 4.3 TFLOP and the loss's logits-sized work again; fused: its gradients' copies.
+    assert options["chunks:8"].cost_roofline > 100 * options["fused:8"].cost_roofline > 0
     plan = solve(profile, 3000, cost=cost)  # only a chunked head reaches it
     assert plan.fused_loss == {"lm_head": 8} and plan.predicted_peak_bytes == 3000
 
 
 def test_the_head_is_kept_whole_where_recomputing_a_layer_is_cheaper_and_suffices():
-    # Recomputing the layer costs 1 ms; the fused head's 14 more reads of its 1 GB weight 4.4 ms on the roofline.
-    profile = _priced({"chunks": 2000, "fused": 2000}, layer_cost=1e-3)
+    # Recomputing the layer costs 0.01 ms; the fused head 0.04 ms on the roofline (its 512-token chunks are
+    # compute-bound, so re-reading the weight per chunk is hidden: only its gradients' copy and scaling cost).
+    profile = _priced({"chunks": 2000, "fused": 2000}, layer_cost=1e-5)
     plan = solve(profile, 5100, cost="roofline")
     assert not plan.chunked_loss and plan.checkpointed == ["h.0"]
     # Where the layer costs more than the fused head, the head is fused instead.
