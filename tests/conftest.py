@@ -128,6 +128,9 @@ SLOW = {
                         "test_fake_memory_with_prefetch_matches_the_model",  # 3 s
                         "test_checkpoint_input_offload_is_planned_held_and_predicted"),  # 8 s
     # fake Llama plans under three optimizer settings (a module fixture), then the knobs' re-profiles
+    # fake sharded (FSDP2) profiles of a tiny Llama, on a loaded 2-core machine
+    "test_more_gpus.py": ("test_no_sharded_reprofile_where_even_infinitely_many_gpus_cannot_fit",  # 7 s
+                          "test_the_next_world_size_from_a_sharded_profile_fits_as_predicted"),  # 16 s
     "test_binding.py": ("test_budget_too_small_names_each_knob_with_the_peak_planning_with_it_gives",  # 10 s
                         "test_the_optimizer_step_binds_and_its_advice_equals_planning_with_each_setting"),  # 8 s
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s

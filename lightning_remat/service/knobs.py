@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..core.binding import HEAD, with_optimizer_setting
+from ..core.binding import HEAD, OPTIMIZER, with_optimizer_setting
 from ..core.errors import RematError
 from ..core.sharding import smallest_world_size
 from ..core.solve import least_peak, solve
@@ -86,20 +87,61 @@ def _offload(context: KnobContext) -> tuple[str, int] | None:
     return "offload=True", least_peak(_reprofiled(context, offload=True))
 
 
+def _gathered_bytes(context: KnobContext) -> int:
+    """Bytes FSDP2 holds unsharded at once (the root's and two largest units'), in the dtype it computes in."""
+    import torch
+
+    from ..core.config import PRECISIONS
+    from ..runtime.profiling.candidates import find_stages
+    from ..runtime.targets.sharded import unsharded_in_flight_bytes
+
+    options = context.planner.config.profile
+    # As the sharded profile gathers: in the autocast dtype (FSDP2's param_dtype), else as stored.
+    dtype = next((d for d in PRECISIONS[options.precision][::-1] if d), None) if options.precision else options.dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return unsharded_in_flight_bytes(context.model, find_stages(context.model, options.candidates), dtype)
+
+
 def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
     profile, options = context.profile, context.planner.config.profile
     world = int((profile.sharding or {}).get("world_size", options.world_size or 1))
-    # Parameters and optimizer state shrink with the world size (core.sharding.solve_sharded's estimate).
-    shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
-    estimate = smallest_world_size(least_peak(profile), shrinking, world, context.budget_bytes)
+    # Sharded, only parameters, gradients and optimizer state divide by the world size; unsharded,
+    # the parameters FSDP2 gathers appear (a sharded profile's least peak holds them already).
+    shrinking = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
+    binds = (solve(profile, "min", cost="flops").binding or {}).get("term")
+    # Nothing is gathered in the optimizer's step: there the bound has no gathered parameters.
+    gathered = _gathered_bytes(context) if world <= 1 and binds != OPTIMIZER else 0
+    # Even on infinitely many GPUs the peak keeps the rest: no re-profile where that is above the budget.
+    if least_peak(profile) - shrinking + gathered > context.budget_bytes:
+        return None
+    estimate = smallest_world_size(least_peak(profile) + gathered, shrinking, world, context.budget_bytes)
     if estimate is None or estimate <= world:
         return None
-    peak = 0
-    for size in (estimate, 2 * estimate):
-        peak = least_peak(_reprofiled(context, fake=True, world_size=size))
-        if peak <= context.budget_bytes:
-            break
-    return f"fake=True, world_size={size} (FSDP2, per GPU)", peak
+    # A power of two: what clusters have, and no padding where the model's dimensions are powers of two.
+    estimate = 1 << (estimate - 1).bit_length()
+    sharded = _reprofiled(context, fake=True, world_size=estimate)
+    peak = least_peak(sharded)
+    if peak <= context.budget_bytes:
+        return f"fake=True, world_size={estimate} (FSDP2, per GPU)", peak
+    return _more_gpus_from(context, sharded, estimate, peak)
+
+
+def _more_gpus_from(context: KnobContext, sharded: Any, world: int, peak: int) -> tuple[str, int]:
+    """From a sharded profile that does not fit: the next size its own algebra says fits, with its peak."""
+    from ..runtime.targets.sharded import uneven_parameters
+
+    # At every moment of the step the sharded parameters and optimizer state divide further (gradients may
+    # not exist yet) and nothing else grows: an upper bound on the least peak at the next size.
+    own = sharded.parameter_bytes + sharded.optimizer_state_bytes
+    size = smallest_world_size(peak, own, world, context.budget_bytes)
+    if size is None or size <= world:
+        return f"fake=True, world_size={world} (FSDP2, per GPU)", peak
+    size = 1 << (size - 1).bit_length()
+    if uneven_parameters(context.model, size):  # padding the algebra does not know: profiled
+        return f"fake=True, world_size={size} (FSDP2, per GPU)", least_peak(
+            _reprofiled(context, fake=True, world_size=size))
+    return (f"fake=True, world_size={size} (FSDP2, per GPU, at most; from the profile sharded over {world})",
+            peak - own + math.ceil(own * world / size))
 
 
 def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
