@@ -151,10 +151,14 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     return model
 
 
+def _said(name: str, value: object) -> str:
+    return f"{name} unset" if value is None else f"{name}={value!r}"
+
+
 def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
     """A model has one session: other settings are refused, not ignored; the same settings reuse it."""
     if held != asked:
-        differ = [f"{name}={getattr(held, name)!r} and {name}={getattr(asked, name)!r}"
+        differ = [f"{_said(name, getattr(held, name))} and {_said(name, getattr(asked, name))}"
                   for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
                   if getattr(held, name) != getattr(asked, name)]
         raise ConflictingArgumentsError(
