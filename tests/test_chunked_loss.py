@@ -23,7 +23,7 @@ from lightning_remat.core.plan import Plan
 from lightning_remat.core.shared_held import without_shared
 from lightning_remat.models import build
 from lightning_remat.runtime.installing.chunked_loss import find_head_loss
-from tests.torch_meter import TorchPeak
+from tests.torch_meter import steady_peak
 
 # A vocabulary large beside the hidden size: the head and its loss bind the step's peak, as at long context.
 SIZES = dict(batch_size=2, seq_len=128, layers=2, hidden=64, vocab=4096)
@@ -88,17 +88,6 @@ def test_a_plan_with_a_chunked_head_survives_its_dict_and_refuses_what_is_not_a_
         StageAction("lm_head", "chunk", chunks=0)
 
 
-def _steady_peak(model, step, optimizer, steps=3):
-    peaks = []
-    for i in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        meter = TorchPeak(model, optimizer).start() if i else None  # after the optimizer state exists
-        step(model).backward()
-        optimizer.step()
-        if meter is not None:
-            peaks.append(meter.stop())
-    return max(peaks)
-
 
 def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_without():
     case = build("llama", **SIZES)
@@ -122,7 +111,7 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
     plan = plan_remat(model, case.step, budget, optimizer=optimizer, chunk_loss=True)
     assert plan.chunked_loss and plan.predicted_peak_bytes <= budget
     apply_plan(model, plan)
-    measured = _steady_peak(model, case.step, optimizer)
+    measured = steady_peak(model, case.step, optimizer)
     remove_remat(model)
     assert measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
@@ -274,7 +263,7 @@ def test_a_model_of_its_own_names_its_head_and_loss_with_head_loss():
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
-    measured = _steady_peak(model, step, optimizer)
+    measured = steady_peak(model, step, optimizer)
     remove_remat(model)
     assert "forward" not in model.head.__dict__
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured

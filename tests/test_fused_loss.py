@@ -23,7 +23,7 @@ from lightning_remat.core.memory_model import Profile, Segment, StageOption, Sta
 from lightning_remat.core.plan import Plan
 from lightning_remat.models import build
 from lightning_remat.runtime.profiling.loss_stage import HeadFigures, with_head_stage
-from tests.torch_meter import TorchPeak
+from tests.torch_meter import steady_peak
 
 SIZES = dict(batch_size=2, seq_len=48, layers=2, hidden=32, vocab=512)
 
@@ -115,17 +115,6 @@ def test_a_second_backward_and_evaluation_see_what_the_model_computes():
     assert evaluated.logits is not None and evaluated.loss is not None
 
 
-def _steady_peak(model, step, optimizer, steps=3):
-    peaks = []
-    for i in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        meter = TorchPeak(model, optimizer).start() if i else None  # after the optimizer state exists
-        step(model).backward()
-        optimizer.step()
-        if meter is not None:
-            peaks.append(meter.stop())
-    return max(peaks)
-
 
 def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percent():
     case = build("llama", batch_size=2, seq_len=64, layers=2, hidden=32, vocab=2048)
@@ -143,7 +132,7 @@ def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percen
     assert plan.fused_loss and plan.chunked_loss == plan.fused_loss
     assert "fused over sequence chunks" in plan.summary()
     apply_plan(model, plan)
-    measured = _steady_peak(model, case.step, optimizer)
+    measured = steady_peak(model, case.step, optimizer)
     remove_remat(model)
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured
 

@@ -24,7 +24,7 @@ from lightning_remat.core.predict import predict
 from lightning_remat.runtime.installing.installer import snapshot
 from lightning_remat.runtime.installing.verify import installed_actions
 from lightning_remat.runtime.profiling.tiled_options import tiled_settings
-from tests.torch_meter import TorchPeak
+from tests.torch_meter import steady_peak
 
 transformers.logging.set_verbosity_error()
 SEQ, VOCAB = 128, 64
@@ -135,17 +135,6 @@ def test_only_what_is_position_wise_without_active_dropout_is_tiled():
         apply_plan(model, _tiled("transformer.h", "keep", 4))
 
 
-def _steady_peak(model, optimizer, steps=3):
-    peaks = []
-    for i in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        meter = TorchPeak(model, optimizer).start() if i else None  # after the optimizer state exists
-        _step(model).backward()
-        optimizer.step()
-        if meter is not None:
-            peaks.append(meter.stop())
-    return max(peaks)
-
 
 def test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted():
     model = _llama()
@@ -162,7 +151,7 @@ def test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted():
     plan = solve(profile, budget, cost="flops")
     assert plan.predicted_peak_bytes <= budget and all(dict(a.extra).get("tile") for a in plan.actions)
     apply_plan(model, plan)
-    measured = _steady_peak(model, optimizer)
+    measured = steady_peak(model, _step, optimizer)
     remove_remat(model)
     assert measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)
@@ -173,7 +162,7 @@ def test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted():
         alone = _tiled("model.layers", action, 8)
         predicted = predict(profile, alone.actions, "flops").peak_bytes
         apply_plan(model, alone)
-        measured = _steady_peak(model, optimizer)
+        measured = steady_peak(model, _step, optimizer)
         remove_remat(model)
         assert abs(measured - predicted) <= 0.01 * measured, (action, measured, predicted)
 

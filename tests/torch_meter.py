@@ -108,6 +108,19 @@ class TorchPeak:
         return self.alive + _allocation_peak(prof, self.addresses)
 
 
+def steady_peak(model: torch.nn.Module, step: Any, optimizer: torch.optim.Optimizer, steps: int = 3) -> int:
+    """The largest ``TorchPeak`` of ``steps - 1`` training steps, after a first that creates the optimizer state."""
+    peaks = []
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        meter = TorchPeak(model, optimizer).start() if i else None
+        step(model).backward()
+        optimizer.step()
+        if meter is not None:
+            peaks.append(meter.stop())
+    return max(peaks)
+
+
 def static_bytes(model: torch.nn.Module, optimizers: Sequence[Any] | Any = None) -> int:
     """Parameters, buffers, a gradient per trainable parameter and the optimizers' state: what a
     steady step holds before its forward, gradients included."""
