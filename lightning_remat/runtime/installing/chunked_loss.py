@@ -312,15 +312,21 @@ def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: d
     return original(*args[:at], labels, *args[at + 1:], **kwargs)
 
 
-def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
-    """The head's forward: the chunked loss where ``routed_call`` handed it labels, else the projection."""
+def head_call(original: Callable[..., Any], head: nn.Module, hidden: torch.Tensor,
+              loss: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], torch.Tensor]) -> Any:
+    """The head's forward: ``loss(project, hidden, shift_labels, pending)`` where ``routed_call`` handed it labels,
+    else the projection (the chunked and the fused kinds differ only in ``loss``)."""
     pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
-    labels = pending.shift_labels.to(hidden.device)
-    pending.loss = chunked_cross_entropy(capped(original, pending.softcap), hidden, labels, chunks,
-                                         pending.ignore_index, pending.num_items_in_batch, pending.smoothing)
+    pending.loss = loss(capped(original, pending.softcap), hidden, pending.shift_labels.to(hidden.device), pending)
     return pending.loss
+
+
+def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
+    """The head's forward: the chunked loss where ``routed_call`` handed it labels, else the projection."""
+    return head_call(original, head, hidden, lambda project, h, labels, p: chunked_cross_entropy(
+        project, h, labels, chunks, p.ignore_index, p.num_items_in_batch, p.smoothing))
 
 
 class ChunkedLoss(Behaviour):

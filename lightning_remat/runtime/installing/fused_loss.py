@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...core.vocabulary import Action
-from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, _handed, capped
+from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, head_call
 
 Project = Callable[[torch.Tensor], torch.Tensor]
 
@@ -98,14 +98,8 @@ def fused_cross_entropy(project: Project, hidden: torch.Tensor, shift_labels: to
 
 def fused_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
     """The head's forward: the fused loss where ``routed_call`` handed it labels, else the projection."""
-    pending = _handed(head)
-    if pending is None or pending.loss is not None:
-        return original(hidden)
-    labels = pending.shift_labels.to(hidden.device)
-    pending.loss = fused_cross_entropy(capped(original, pending.softcap), hidden, labels, chunks,
-                                       list(head.parameters()), pending.ignore_index, pending.num_items_in_batch,
-                                       pending.smoothing)
-    return pending.loss
+    return head_call(original, head, hidden, lambda project, h, labels, p: fused_cross_entropy(
+        project, h, labels, chunks, list(head.parameters()), p.ignore_index, p.num_items_in_batch, p.smoothing))
 
 
 class FusedLoss(ChunkedLoss):
