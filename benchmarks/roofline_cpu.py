@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -37,13 +38,32 @@ from lightning_remat import profile_step, solve  # noqa: E402
 from lightning_remat.core import hardware  # noqa: E402
 from lightning_remat.models import build  # noqa: E402
 
-MEASURE = ("from lightning_remat.runtime.measuring.roofline import measured_cpu_peaks; p = measured_cpu_peaks(); "
-           "print(p.flops_per_second, p.bytes_per_second)")
+MEASURE = "from roofline_cpu import measured_cpu_peaks; print(*measured_cpu_peaks())"
+
+
+def measured_cpu_peaks() -> tuple[float, float]:
+    """This CPU's measured ceilings (a float32 matmul's FLOP/s, a large copy's bytes/s)."""
+    # A generator of its own: calibrating must not move the global random state training uses.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
+    src = torch.zeros(8 * 2**20 // 4)  # 8 MiB: beyond most caches
+    dst = torch.empty_like(src)
+
+    def best(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return max(min(times), 1e-9)
+
+    return 2 * 384**3 / best(lambda: torch.mm(a, b)), 2 * src.nbytes / best(lambda: dst.copy_(src))
 
 
 def measured(processes: int) -> list[tuple[float, float]]:
     """(FLOP/s, bytes/s) measured in ``processes`` fresh processes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
     out = []
     for _ in range(processes):
         text = subprocess.run([sys.executable, "-c", MEASURE], capture_output=True, text=True, env=env, check=True).stdout

@@ -7,7 +7,7 @@ distinct shapes and never one smaller than its batch's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Collection, Iterable
 
 # Markers in a layout's sizes for the batch and sequence dimensions (the shape's batch size and sequence length).

@@ -55,28 +55,6 @@ def cpu_peaks() -> Peaks:
     return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
 
 
-def measured_cpu_peaks() -> Peaks:
-    """This CPU's measured ceilings (a float32 matmul's FLOP/s, a large copy's bytes/s), for comparison."""
-    # A generator of its own: calibrating must not move the global random state training uses.
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
-    src = torch.zeros(8 * 2**20 // 4)  # 8 MiB: beyond most caches
-    dst = torch.empty_like(src)
-
-    def best(fn: Callable[[], Any], repeats: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return max(min(times), 1e-9)
-
-    flops = 2 * 384**3 / best(lambda: torch.mm(a, b))
-    bandwidth = 2 * src.nbytes / best(lambda: dst.copy_(src))
-    return Peaks(flops, bandwidth)
-
-
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     """The ceilings to price a profile for ``device``; a CUDA device of unknown name is priced as an H100."""
     if gpu is not None:
