@@ -45,20 +45,7 @@ class BatchLine:
 
 
 class ProfileFit:
-    """Profiles measured at one or two batch sizes, extended to any batch size (options only one has are dropped).
-
-    Example:
-        >>> from lightning_remat import Segment, StageOption, StageProfile
-        >>> keep = lambda s, p: StageOption("keep", (), s, p, 0.0, 0)
-        >>> whole = lambda s, p, f: StageOption("whole", ("a",), s, p, 0.0, f)
-        >>> def profile(b):
-        ...     stage = StageProfile("a", (keep(100 * b, 1000 + 150 * b), whole(10 * b, 1000 + 60 * b, 5 * b)))
-        ...     return Profile((stage,), (Segment("head", 1, 1000 + 20 * b),), parameter_bytes=1000,
-        ...                    baseline_step_flops=30 * b)
-        >>> fit = ProfileFit([(2, profile(2)), (4, profile(4))])
-        >>> fit.at(10).stages[0].options[1] == profile(10).stages[0].options[1]
-        True
-    """
+    """Profiles measured at one or two batch sizes, extended to any batch size (options only one has are dropped)."""
 
     def __init__(self, profiles: Sequence[tuple[int, Profile]]):
         if not 1 <= len(profiles) <= 2:
@@ -93,10 +80,6 @@ def lightning_binsearch_sizes(init_val: int, largest_fitting: int, max_trials: i
                               max_val: int = DEFAULT_MAX_BATCH_SIZE) -> list[int]:
     """The batch sizes Lightning's ``BatchSizeFinder(mode="binsearch")`` tries when exactly the sizes up to
     ``largest_fitting`` succeed (transcribed from Lightning 2.6's ``_run_binsearch_scaling``).
-
-    Example:
-        >>> lightning_binsearch_sizes(2, 40)
-        [2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41]
     """
     if init_val < 1:
         raise ValueError(f"init_val must be >= 1, got {init_val}")

@@ -62,11 +62,6 @@ def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
     """Interpolation weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout, linear in ``s`` then
     in ``b``; None when no nodes bracket ``target``.
-
-    Example:
-        >>> nodes = [Shape(2, 32), Shape(2, 128), Shape(8, 64)]
-        >>> chord_weights(nodes, Shape(2, 64))
-        {Shape(batch_size=2, seq_len=32): 0.6666666666666667, Shape(batch_size=2, seq_len=128): 0.3333333333333333}
     """
     by_batch: dict[int, list[int]] = {}
     for node in _family(nodes, target):
@@ -146,15 +141,6 @@ class ShapeFit:
     """Profiles at a few shapes (the *nodes*, same stages), extended to any shape.
 
     ``anchor``: ``(shape, profile)`` trusted at one node's shape; its difference is carried to every shape.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-        >>> def node(b, s):
-        ...     keep = StageOption("keep", (), b * s * (8 + s), 1000 + 3 * b * s * s, 0.0, 0)
-        ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
-        >>> fit = ShapeFit({Shape(2, 32): node(2, 32), Shape(2, 64): node(2, 64)})
-        >>> fit.at(Shape(2, 64)).stages == node(2, 64).stages, fit.bounded(Shape(2, 48)), fit.bounded(Shape(4, 48))
-        (True, True, False)
     """
 
     def __init__(self, nodes: Mapping[Shape, Profile], anchor: tuple[Shape, Profile] | None = None):

@@ -19,13 +19,6 @@ class PhaseProgress:
     """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next.
 
     ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
-
-    Example:
-        >>> with PhaseProgress(2, enabled=False) as advance:
-        ...     advance("profiling one training step")
-        ...     advance("solving")
-        >>> advance.phases_done
-        2
     """
 
     def __init__(self, total: int | None = None, *, enabled: bool = True, delay: float | None = None,

@@ -57,14 +57,6 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | N
     """Record the total memory after every operator of one forward and backward pass, the model left as it was.
 
     ``plan``: a ``Plan`` or module names to recompute (None: nothing).
-
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> x = torch.randn(512, 32)
-        >>> before = memory_timeline(net, lambda m: m(x).sum())
-        >>> after = memory_timeline(net, lambda m: m(x).sum(), ["0", "1", "2", "3"])
-        >>> after.peak_bytes < before.peak_bytes
-        True
     """
     plan = recomputation_of(plan) if isinstance(plan, Plan) else Plan([StageAction.recompute(n) for n in plan or []])
     names = plan.checkpointed
