@@ -1,6 +1,6 @@
 """The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
 
-A peak is the higher of a forward and a backward figure, each linear in the depth (``core.depth_lines``), so
+A peak is the higher of a forward and a backward figure, each linear in the depth (``Fit``), so
 each copy is profiled with ballast held through forward, then backward, and each figure extrapolated alone;
 a misfit on the measured layers makes ``extrapolate`` return None (the caller profiles every layer).
 """
@@ -9,13 +9,112 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from .depth_lines import DEPTHS, Fit, NoFit, Pair, pair_figures
 from .shared_held import without_shared
 from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
+
+# The two depths profiled: five points on the middle layers (two, then three) check the three-term linear form.
+DEPTHS = (4, 5)
+
+
+class NoFit(Exception):
+    """The profiles do not fit the linear form: the caller profiles the whole model."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A peak's forward and backward figures."""
+
+    forward: int | None
+    backward: int | None
+
+
+class Fit:
+    """Fits every number of the profile on the two depths.
+
+    A middle layer's number is ``α + β N + γ d``: ``β`` static memory per layer, ``γ`` a later layer's
+    gradients. Figures are not clamped (FSDP2 makes some negative), so every line is exact.
+
+    Example:
+        >>> fit = Fit(12)
+        >>> fit.line(10, 13), fit.line(Pair(10, 5), Pair(13, 5)), pair_figures(99 + 7, 3, 99)
+        (34, 34, Pair(forward=7, backward=None))
+    """
+
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def middle(self, points: dict[tuple[int, int], Any]) -> Callable[[int], Any]:
+        """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
+        if isinstance(next(iter(points.values())), Pair):
+            figures = [self._figure({k: getattr(pair, phase) for k, pair in points.items()})
+                       for phase in ("forward", "backward")]
+            present = [f for f in figures if f is not None]
+            if not present:
+                raise NoFit
+            return lambda d: max(f(d) for f in present)
+        a, b = DEPTHS
+        beta = points[(b, 1)] - points[(a, 1)]
+        gamma = points[(a, 2)] - points[(a, 1)]
+        base = points[(a, 1)]
+        for (n, d), value in points.items():
+            expected = base + beta * (n - a) + gamma * (d - 1)
+            # Bytes and FLOPs must fit exactly; seconds (a real profile's timings) to rounding.
+            if value != expected and not (isinstance(value, float) and math.isclose(value, expected, rel_tol=1e-6,
+                                                                                      abs_tol=1e-12)):
+                raise NoFit
+        return lambda d: base + beta * (self.layers - a) + gamma * (d - 1)
+
+    def line(self, small: Any, large: Any) -> Any:
+        """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
+        if isinstance(small, Pair):
+            figures = []
+            for phase in ("forward", "backward"):
+                v, w = getattr(small, phase), getattr(large, phase)
+                if (v is None) != (w is None):
+                    raise NoFit  # a pass visits the region at one depth and not at the other
+                if v is not None:
+                    figures.append(self.line(v, w))
+            if not figures:
+                raise NoFit
+            return max(figures)
+        return small + (large - small) * (self.layers - DEPTHS[0])
+
+    def boundary(self, term: Term, values: Sequence[Any]) -> Any:
+        """``line`` as a combiner of the profile algebra, on the (small, large) values of ``term``."""
+        return self.line(*values)
+
+    def middles(self, points: Sequence[tuple[int, int]]) -> Callable[[Term, Sequence[Any]], Callable[[int], Any]]:
+        """``middle`` as a combiner, on values measured at ``points``: each term becomes ``d -> value``."""
+        return lambda term, values: self.middle(dict(zip(points, values)))
+
+    def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
+        """One phase's figure of a middle peak: None where that pass visits no measured region, else a line."""
+        missing = [k for k, v in points.items() if v is None]
+        if len(missing) == len(points):
+            return None
+        if missing:
+            raise NoFit
+        return self.middle(points)
+
+
+def pair_figures(up: int, down: int, ballast: int) -> Pair:
+    """A peak's figures from its forward- and backward-ballast values, less the ballast: None where not lifted
+    (that pass never visited the region); lifted in neither run (the optimizer step), both kept.
+    """
+
+    def lifted(value: int) -> int | None:
+        # Half the ballast: a lifted figure sits below it where the region's own figure is negative (FSDP2).
+        return value - ballast if value >= ballast // 2 else None
+
+    forward, backward = lifted(up), lifted(down)
+    if forward is None and backward is None:
+        return Pair(up, down)
+    # FSDP2 leaves no moment between two late layers in backward: that figure does not exist.
+    return Pair(forward, backward)
 
 
 def extrapolate(forward: tuple[Profile, Profile], backward: tuple[Profile, Profile], ballast: int, prefix: str,
