@@ -9,8 +9,7 @@ from typing import Mapping
 # Training rarely reaches the data sheet: seconds priced from FLOPs are FLOPs / (peak * this).
 TRAINING_EFFICIENCY = 0.4
 
-# The CPU's roofline ceilings: fixed, so a profile gives the same plan on every machine; only their ratio (the
-# ridge point) changes a plan (docs/roofline.md).
+# The CPU's roofline ceilings, fixed: the same plan on every machine (only their ratio matters: docs/roofline.md).
 CPU_FLOPS = 200e9
 CPU_MEMORY_BANDWIDTH = 30e9
 
@@ -63,8 +62,7 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
 )})
 
 
-# Host memory one GPU of a typical node has for offloading, bytes (the node's memory over its GPUs): the
-# default of fake planning's ``host_memory``, the target's, not this machine's.
+# Host memory for offloading per GPU of a typical node (bytes): fake planning's default ``host_memory``.
 HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
     ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
     ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),

@@ -71,8 +71,7 @@ class Policy(_Words):
                          f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
-# A profile names a policy's option "sac:" + the policy, a chunked head's "chunks:" + the count, a fused one's
-# "fused:" + the count.
+# Option names: "sac:" + a policy, "chunks:" + a chunked head's count, "fused:" + a fused head's count.
 POLICY_PREFIX = "sac:"
 CHUNKS_PREFIX = "chunks:"
 FUSED_PREFIX = "fused:"

@@ -141,8 +141,7 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
                  budget_bytes: int | None = None) -> None:
     valid = sorted((p, o) for p, o in curve if o == o)  # drop NaN (infeasible)
     if valid:
-        # Markers where the sweep's plans are, no line: between two budgets of a sweep a plan may lie below
-        # any line drawn through them, as measured plans did under the staircase this replaced.
+        # Markers, no line: between two budgets of a sweep a plan may lie below any line drawn through them.
         ax.scatter([p / _MIB for p, _ in valid], [100 * o for _, o in valid], s=12, color="tab:blue", alpha=0.6,
                    label="AutoRemat plans of a budget sweep (predicted)")
     if measured:

@@ -11,8 +11,7 @@ from typing import Iterator
 
 import torch
 
-# Re-entrant: profile_step calls measure_step, Planner.decide calls profile_step, and a tracker's
-# window may open inside a planning call of the same thread.
+# Re-entrant: profile_step calls measure_step, Planner.decide profile_step, a tracker's window opens in a plan.
 PLANNING_LOCK = threading.RLock()
 
 

@@ -82,8 +82,7 @@ class _Observer:
         self.counter: FlopCounterMode | None = None  # set while the counting pass runs forward
 
     def counted(self) -> int:
-        # A module's FLOPs are the counter's growth across its forward: this does not depend on
-        # how the step reaches the module (model(x), model.net(x), a LightningModule...).
+        # The counter's growth across a forward: whatever way the step reaches the module (model.net(x), ...).
         return int(sum(self.counter.flop_counts["Global"].values())) if self.counter is not None else 0
 
     def pre_hook(self, name: str):

@@ -59,9 +59,8 @@ class Tracker(MemTracker):
         self._optimizer_hook_handles = (register_optimizer_step_pre_hook(before),
                                         register_optimizer_step_post_hook(after))
 
-    # A collective's tensors die in the process group's worker thread whenever it gets there, so peaks
-    # would vary; the tracker holds them until the caller dropped the work and the worker let go, so they
-    # die here at the next operator. A fake process group's work holds nothing: not held.
+    # A collective's tensors die in the worker thread whenever it gets there (peaks would vary): held until the
+    # work is dropped and the worker let go, they die here at the next operator. A fake group's work holds nothing.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._collectives:
             self._settle_collectives()
@@ -178,8 +177,7 @@ class PeakOnlyTracker(Tracker):
         self._mod_tracker = _NoModules()
 
     def _register_global_optimizer_hook(self) -> None:
-        # Registering a global optimizer hook from inside an optimizer hook is not allowed;
-        # optimizer state allocated in the window is counted all the same.
+        # No global optimizer hook from inside one (not allowed); state allocated in the window counts all the same.
         self._optimizer_hook_handles = None
 
 
