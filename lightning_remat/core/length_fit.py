@@ -16,8 +16,6 @@ from .memory_model import Profile
 from .profile_algebra import combine
 from .shape_fit import NodeWeights
 
-__all__ = ["LengthFit", "parabola_weights"]
-
 
 def parabola_weights(lengths: tuple[int, ...], target: int) -> list[float]:
     """Lagrange weights (summing to one) of the polynomial through ``lengths`` (one to three of them) at ``target``.

@@ -18,8 +18,6 @@ from .memory_model import Profile
 from .profile_algebra import Growth, Term, Unit, combine
 from .shapes import Shape, ladder_down, ladder_up
 
-__all__ = ["Anchored", "NodeWeights", "Shape", "ShapeFit", "chord_weights", "law_weights"]
-
 
 class NodeWeights:
     """The shape fit's combiner: each term as ``offset + sum(w * (value - offset))`` over the nodes.

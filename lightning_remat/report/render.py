@@ -6,11 +6,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from ..core.budget import format_budget, format_bytes
-from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows, sharded_memory_line
-
-__all__ = ["plan_headline", "plan_lines", "plan_renderables", "plan_table", "print_plan",
-           "sharded_memory_line", "to_text", "print_renderables", "batch_size_table", "breakdown_table", "percent_shares",
-           "breakdown_modules_table", "breakdown_renderables", "pareto_table"]
+from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows
 
 TEXT_WIDTH = 120
 
