@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,11 +11,9 @@ from torch import nn
 from ..core.binding import OPTIMIZER_SEGMENT, describe
 from ..core.memory_model import Profile, binding_term, peak_terms
 from ..core.plan import Plan
-from ..runtime.measuring.measure import model_device
+from ..runtime.measuring.measure import Step, model_device
 from ..runtime.measuring.tracking import snapshot_by_category
 from .timeline import tracked_step
-
-Step = Callable[[nn.Module], torch.Tensor]
 
 
 @dataclass(frozen=True)

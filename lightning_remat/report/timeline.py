@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -12,12 +12,10 @@ from torch import nn
 from ..core.plan import Plan, StageAction
 from ..runtime.installing.apply import applied, recomputation_of
 from ..runtime.measuring.measure import model_device, preserved_training_state
-from ..runtime.measuring.runner import Tracking, run_step
+from ..runtime.measuring.runner import Step, Tracking, run_step
 from ..runtime.profiling.optimizer_step import optimizer_step_cost
 from ..runtime.measuring.tracking import TimelineTracker
 from ..runtime.measuring.user_hooks import user_hooks_suspended
-
-Step = Callable[[nn.Module], torch.Tensor]
 
 
 @dataclass
