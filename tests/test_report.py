@@ -14,7 +14,7 @@ from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.report.breakdown import memory_breakdown
 from lightning_remat.report.plots import pareto_sweep, plot_memory_timeline, plot_pareto
-from lightning_remat.report.timeline import MemoryTimeline, memory_timeline
+from lightning_remat.report.breakdown import MemoryTimeline, memory_timeline
 from lightning_remat.core.solve import least_peak
 
 

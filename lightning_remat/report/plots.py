@@ -10,7 +10,7 @@ from ..core.budget import format_bytes
 from ..core.errors import BudgetTooSmallError
 from ..core.memory_model import Profile
 from ..core.solve import least_peak, solve
-from .timeline import MemoryTimeline
+from .breakdown import MemoryTimeline
 
 _MIB = 2**20
 

@@ -116,7 +116,7 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
     """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
     from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
-    from ...report.timeline import memory_timeline
+    from ...report.breakdown import memory_timeline
 
     files: dict[str, str] = {}
     args.out.mkdir(parents=True, exist_ok=True)
