@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ...core.budget import format_bytes
-from ...core.loop_fit import ForwardFit
+from ...core.batch_fit import ForwardFit
 from ...runtime.measuring.measure import RandomState
 from ...runtime.measuring.meter import PeakWindow, model_state_bytes
 from ...runtime.measuring.runner import model_device
