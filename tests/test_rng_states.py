@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from lightning_remat import apply_plan, plan_remat, remove_remat
-from lightning_remat.runtime.measuring.host_rng import rng_states_count
+from lightning_remat.runtime.measuring.tracking import rng_states_count
 from lightning_remat.runtime.measuring.tracking import Tracker
 from tests.torch_meter import TorchPeak
 

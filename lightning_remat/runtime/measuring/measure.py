@@ -14,7 +14,7 @@ from .exclusive import exclusive
 from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
 from .runner import Step, StepWatch, model_device, run_step, synchronize
-from .stance import eager_stance
+from .tracking import eager_stance
 from .tracking import Tracker
 from .user_hooks import user_hooks_suspended
 from ..installing.sac import register_attention_flops

@@ -1,12 +1,17 @@
-"""Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place."""
+"""Memory tracking on top of torch's ``MemTracker``: every subclass the package needs, in one place; and what a
+tracker holds while it runs: a counted ``force_eager`` stance (dynamo skips for good a frame first met under a
+dispatch mode; counted: trackers close in any order), and the CPU generator states checkpoints keep until backward
+(made in C++, unseen by MemTracker; on a GPU they are host memory, which the budget does not count)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
+import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch._C._distributed_c10d import FakeWork, Work
@@ -17,8 +22,62 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .exclusive import PLANNING_LOCK
-from .host_rng import counting_rng_states
-from .stance import eager_stance
+
+_stance_lock = threading.Lock()
+_holders = 0
+_stance: Any = None  # torch's set_stance object of the first holder: its exit restores the prior stance
+
+
+@contextlib.contextmanager
+def eager_stance() -> Iterator[None]:
+    """``torch.compile``'d code runs eagerly (and compiles nothing) inside the block."""
+    global _holders, _stance
+    with _stance_lock:
+        if _holders == 0:
+            _stance = torch.compiler.set_stance("force_eager")  # takes effect when made
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _stance_lock:
+            _holders -= 1
+            if _holders == 0:  # the last holder puts back the stance that was in force before
+                stance, _stance = _stance, None
+                stance.__exit__(None, None, None)
+
+
+_ORIGINAL = torch.get_rng_state
+# Whether the states count: the CPU is the planned device (the default: a real step on the CPU).
+_COUNT = contextvars.ContextVar("lightning_remat_rng_states_count", default=True)
+
+
+@contextlib.contextmanager
+def rng_states_count(device: str | torch.device | None) -> Iterator[None]:
+    """Within the block, trackers count the CPU generator's states only if ``device`` is the CPU."""
+    token = _COUNT.set(device is None or torch.device(device).type == "cpu")
+    try:
+        yield
+    finally:
+        _COUNT.reset(token)
+
+
+@contextlib.contextmanager
+def counting_rng_states(track: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """``track(state)`` for every ``torch.get_rng_state()`` made within the block (under the planning lock)."""
+    if not _COUNT.get() or torch.get_rng_state is not _ORIGINAL:
+        yield
+        return
+
+    def get_rng_state() -> torch.Tensor:
+        state = _ORIGINAL()
+        track(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = _ORIGINAL
 
 
 _WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors

@@ -26,13 +26,13 @@ from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
 from ..installing.fingerprint import binding_of
 from ..measuring.exclusive import exclusive
-from ..measuring.host_rng import rng_states_count
+from ..measuring.tracking import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
 from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
-from ..measuring.stance import eager_stance
+from ..measuring.tracking import eager_stance
 from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
                             gpu_peak_flops, new_fake_mode, real_code_paths)
