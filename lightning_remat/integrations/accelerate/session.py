@@ -22,7 +22,7 @@ from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .first_call import FirstCall, ObservedCall, observed_adjust
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
-from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
+from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class RematSession:
         self._hooked_optimizers: set[int] = set()
         self._template: CallTemplate | FirstCall | None = None
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
+        self._replan: tuple = ()  # (adjust, config) of the plans per shape, to plan them again from a padded batch
+        self._unpadded = False  # whether they were made from a batch whose attention masks hold no padding
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
@@ -243,7 +245,8 @@ class RematSession:
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
-        self._template = template
+        self._template, self._replan = template, (adjust, config)
+        self._unpadded = padding(template.inputs()) is False
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
                             warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
@@ -269,11 +272,19 @@ class RematSession:
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
-        with self._planning():
-            fresh = self.run.follow(self._template.following(args, kwargs, shape))
+        title = f"lightning-remat: a plan for batch shape {shape}"
+        if self._unpadded and padding((args, kwargs)):
+            # The plans so far were made from a batch without padding, for which Hugging Face builds no attention
+            # mask: this one's is built, and the same sizes need more. Every shape is planned again from it.
+            self._saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
+            template = self._template.with_inputs(args, kwargs, shape)
+            self._plan_shapes(template, template, *self._replan)
+        else:
+            with self._planning():
+                fresh = self.run.follow(self._template.following(args, kwargs, shape))
         plan = self.run.plan
         if fresh:  # a new bucket's plan, or one solved again after a calibration
-            self._new_plan(plan, f"lightning-remat: a plan for batch shape {shape}")
+            self._new_plan(plan, title)
             if self._measured is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan
