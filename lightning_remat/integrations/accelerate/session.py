@@ -15,12 +15,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
+from ...core.errors import UnsupportedSetupError
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
-from .first_call import FirstCall, ObservedCall, observed_adjust
+from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
@@ -106,6 +107,9 @@ class RematSession:
             return
         if not self._training_call(module):
             return
+        refusal = redirected_call(args, kwargs)
+        if refusal is not None:
+            raise UnsupportedSetupError(refusal)
         self._hook_optimizer(self._known_optimizer())
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
