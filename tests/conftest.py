@@ -31,7 +31,9 @@ CI_DISTRIBUTED = {
 }
 SLOW = {
     "test_residual_parts.py": ("test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_equal_gradients",),  # 5 s (two profiles)
-    "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",),  # 7 s loaded (two runs)
+    "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",  # 7 s loaded (two runs)
+                         # three resumed fits, one planning again: 7 s
+                         "test_resume_with_the_cost_named_or_from_an_old_key_does_not_profile_and_another_cost_plans_again"),
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
