@@ -215,7 +215,8 @@ def test_trainers_that_generate_in_the_step_hold_the_budget_on_every_step_with_t
     budget = int(max(plain.peaks) * 0.97)
     callback = RematTrainerCallback(budget=budget)
     capsys.readouterr()
-    planned, losses, model, trainer = generating_run(tmp_path, setup, callback)
+    seen = LogsSeen()
+    planned, losses, model, trainer = generating_run(tmp_path, setup, callback, seen)
     console = capsys.readouterr().out
     assert not getattr(model, "is_gradient_checkpointing", False) and callback.plan.checkpointed
     assert len(planned.peaks) == 3 and max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks,
@@ -223,12 +224,24 @@ def test_trainers_that_generate_in_the_step_hold_the_budget_on_every_step_with_t
     assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
     assert losses == plain_losses
     # What a user sees: the plan and the measured line on the console, the figures in the Trainer's own logs
-    # (the entries its report_to trackers get: with the step's loss).
+    # (what its report_to trackers get, with the step's loss: tests/test_trackers.py reads them back).
     assert "Recompute plan:" in console and "measured peak of a steady training step" in console, console
     if kind == "GRPO":
         assert "(the first with padding: every shape planned again)" in console, console
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry and "remat/budget_bytes" in entry]
+    logged = [logs for logs in seen.logs if "loss" in logs and "remat/budget_bytes" in logs]
     assert logged and logged[0]["remat/budget_bytes"] == budget
+    assert any(logs.get("remat/measured_peak_bytes") == callback.metrics["remat/measured_peak_bytes"]
+               for logs in seen.logs if "loss" in logs)
+
+
+class LogsSeen(transformers.TrainerCallback):
+    """Every log of the Trainer as its callbacks get them (``report_to``'s reporters among them)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
 
 
 def reward_run(tmp_path, lora, *callbacks, **config):
