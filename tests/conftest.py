@@ -51,7 +51,8 @@ SLOW = {
     "test_tiled_mlp.py": ("test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted",
                           "test_fake_planning_tiles_a_meta_model"),
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
-    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
+    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded; GRPO, RLOO (generation in
+    # the step) 23-49 s, RewardTrainer 25 s, the DistillationTrainer's refusal 1.7 s
     "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
@@ -110,6 +111,7 @@ SLOW = {
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)
                            "test_block_runs[accelerate.md-5]",  # TRL's SFTTrainer: 20 s (a fake profile through its head)
+                           "test_block_runs[accelerate.md-6]",  # TRL's GRPOTrainer: 7 s (generation, two shapes)
                            "test_block_runs[fabric.md-0]",  # 13 s (4 fake profiles); 55 s at load 9-11
                            "test_block_runs[README.md-0]",  # 7.5 s, transformers' import included
                            # the tutorial's chain: breakdown 2.5 s, + plan 4.4 s, + train and measure 4.9 s
