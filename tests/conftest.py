@@ -45,6 +45,7 @@ SLOW = {
     "test_fake_moe.py": ("test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-mixed]",  # 10 s
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
+    "test_padding_plans.py": "*",  # three fake profiles of a tiny Llama and a plain run: 26-31 s loaded
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
     # offload (6 s, 19 s loaded)

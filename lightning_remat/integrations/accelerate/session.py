@@ -250,7 +250,7 @@ class RematSession:
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
         self._template, self._replan = template, (adjust, config)
-        self._unpadded = padding(template.inputs()) is False
+        self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
                             warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
