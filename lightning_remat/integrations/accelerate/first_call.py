@@ -99,16 +99,16 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     return replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note)).with_baseline()
 
 
-def redirected_call(args: tuple, kwargs: dict) -> str | None:
-    """Why a training forward called with a module or a method among its arguments cannot be planned (None if it
-    is not one): a forward redirection (TRL's ``_ForwardRedirection``, which ``DistillationTrainer`` uses) swaps the
+def redirected_call(args: tuple) -> str | None:
+    """Why a training forward called with a module or a method among its positional arguments cannot be planned
+    (None if it is not one): a forward redirection (TRL's ``_ForwardRedirection``, which ``DistillationTrainer`` uses) swaps the
     model's ``forward`` for the trainer's loss function for one call, so the loss runs inside the model's call with
     the model itself as an argument. The session replays a training call to profile it; this one it cannot replay.
 
-    >>> redirected_call((torch.ones(2, 3),), {}) is None, "forward redirection" in redirected_call((nn.Linear(2, 2),), {})
+    >>> redirected_call((torch.ones(2, 3),)) is None, "forward redirection" in redirected_call((nn.Linear(2, 2),))
     (True, True)
     """
-    found = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module) or inspect.ismethod(a)]
+    found = [a for a in args if isinstance(a, nn.Module) or inspect.ismethod(a)]
     if not found:
         return None
     return (f"lightning-remat: the model's training forward was called with {type(found[0]).__name__} "

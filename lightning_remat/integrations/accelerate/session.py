@@ -107,7 +107,7 @@ class RematSession:
             return
         if not self._training_call(module):
             return
-        refusal = redirected_call(args, kwargs)
+        refusal = redirected_call(args)
         if refusal is not None:
             raise UnsupportedSetupError(refusal)
         self._hook_optimizer(self._known_optimizer())
