@@ -61,3 +61,26 @@ def test_the_first_padded_batch_after_unpadded_plans_is_planned_again_and_every_
     assert losses == plain_losses
     assert any("the first with padding: every shape planned again" in r.getMessage() for r in caplog.records)
     assert session.metrics["remat/measured_peak_bytes"] <= session.plan.predicted_peak_bytes <= budget
+
+
+def test_shape_plans_plan_a_padded_batch_again_after_an_unpadded_first(monkeypatch):
+    """The same through ``ShapePlans`` on the real batches (as Lightning's ``AutoRemat`` and Fabric use it)."""
+    from lightning_remat import ShapePlans
+
+    plain, plain_losses, _ = run()
+    budget = int(plain[2] * 0.97)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plans = ShapePlans(model, lambda m, batch: m(**batch).loss, budget, optimizer=optimizer, cost="flops", verbose=False)
+    peaks, losses, data = [], [], batches()
+    for i in (0, 1, 1):
+        meter = TorchPeak(model, optimizer).start()
+        plans.use(data[i])
+        loss = model(**data[i]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peaks.append(meter.stop())
+        losses.append(loss.item())
+    assert max(peaks) <= budget, (budget, peaks, plain)
+    assert losses == plain_losses and not plans.unpadded and plans.counts.solves == 2
