@@ -45,7 +45,7 @@ SLOW = {
     "test_fake_moe.py": ("test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-mixed]",  # 10 s
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
-    "test_padding_plans.py": "*",  # three fake profiles of a tiny Llama and a plain run: 26-31 s loaded
+    "test_padding_plans.py": "*",  # fake profiles of a tiny Llama and a plain run: 4.5-7 s (26-31 s loaded)
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
     # offload (6 s, 19 s loaded)
@@ -53,7 +53,7 @@ SLOW = {
                           "test_fake_planning_tiles_a_meta_model"),
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
     # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded; GRPO, RLOO (generation in
-    # the step) 23-49 s, RewardTrainer 25 s, the DistillationTrainer's refusal 1.7 s
+    # the step) 12-22 s (23-49 s loaded), RewardTrainer 7 s (25 s loaded), the DistillationTrainer's refusal 0.6-1.7 s
     "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
