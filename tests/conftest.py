@@ -53,7 +53,7 @@ SLOW = {
                           "test_fake_planning_tiles_a_meta_model"),
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
     # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded; GRPO, RLOO (generation in
-    # the step) 12-22 s (23-49 s loaded), RewardTrainer 7 s (25 s loaded), the DistillationTrainer's refusal 0.6-1.7 s
+    # the step) 12-22 s (23-49 s loaded), RewardTrainer 7 s (25 s loaded), the DistillationTrainer's refusal 0.6-1.7 s, GKD 29 s loaded
     "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each

@@ -41,10 +41,10 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def tiny_llama(lora: bool = False):
+def tiny_llama(lora: bool = False, seed: int = 0):
     """A 2-layer Llama of hidden 64 in training mode, or it under a LoRA adapter on q/v (rank 4)."""
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1)
@@ -299,3 +299,43 @@ def test_the_distillation_trainer_is_refused_before_its_first_step_naming_the_fo
     with pytest.raises(UnsupportedSetupError, match="_ForwardRedirection.*DistillationTrainer.*apply_plan"):
         generating_run(tmp_path, "distillation-full", RematTrainerCallback(budget="min"), peaks=peaks)
     assert peaks.meter is not None and peaks.peaks == []  # the first step began and never ended
+
+
+def test_gkd_trainer_with_the_callback_holds_the_budget_with_the_plain_losses(tmp_path, monkeypatch):
+    """TRL's experimental ``GKDTrainer`` (an ``SFTTrainer``: TRL's fused head added, its plain forward called, the
+    loss a JSD against a no-gradient teacher outside the model; completions generated on-policy in some steps).
+    Its plain call runs the forward TRL's head wraps, kept in a closure: the fake twin used to run it on the real
+    module (``StepError``: no candidate ran); it is now bound to the twin (``rebound_closure``)."""
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    generator = torch.Generator().manual_seed(1)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=generator))
+
+    rows = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": words(8)},
+                                                     {"role": "assistant", "content": words(8)}]} for _ in range(8)])
+
+    def run(*callbacks, **config):
+        peaks, chat = TrainerStepPeaks(), tokenizer()
+        chat.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        args = GKDConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to=[],
+                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                         dataloader_num_workers=0, seed=0, max_new_tokens=8, max_length=64, **config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = GKDTrainer(model=tiny_llama(), teacher_model=tiny_llama(seed=1), args=args, train_dataset=rows,
+                                 processing_class=chat, callbacks=[peaks, *callbacks])
+            trainer.train()
+        return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    assert GKDConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
+    plain, plain_losses = run(gradient_checkpointing=False)
+    budget = int(max(plain.peaks) * 0.97)
+    callback = RematTrainerCallback(budget=budget)
+    planned, losses = run(callback)
+    assert callback.plan.checkpointed
+    assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
+    assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses and all(loss > 0 for loss in losses)
