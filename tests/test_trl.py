@@ -4,7 +4,8 @@ tokenizer built here, nothing downloaded), full fine-tune and LoRA, padded and p
 over (turns it off and says so in exactly one warning), every optimizer step's peak, measured from
 ``torch.profiler``'s allocator events (``tests/torch_meter.py``, the first step included), is within the
 budget, and the losses equal those of the same run with neither the callback nor Hugging Face's
-checkpointing."""
+checkpointing. The other trainers on the ``Trainer`` below: DPO, KTO, Reward, GRPO and RLOO (generation inside the
+step), GKD; the DistillationTrainer's refusal."""
 
 from __future__ import annotations
 
