@@ -31,7 +31,9 @@ CI_DISTRIBUTED = {
 }
 SLOW = {
     "test_residual_parts.py": ("test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_equal_gradients",),  # 5 s (two profiles)
-    "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",),  # 7 s loaded (two runs)
+    "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",  # 7 s loaded (two runs)
+                         # three resumed fits, one planning again: 7 s
+                         "test_resume_with_the_cost_named_or_from_an_old_key_does_not_profile_and_another_cost_plans_again"),
     "test_models.py": "*",  # a real model profiled per module fixture: ResNet-50 54 s set-up, then 8-26 s a test
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)
@@ -43,13 +45,15 @@ SLOW = {
     "test_fake_moe.py": ("test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-mixed]",  # 10 s
                          "test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision[bf16-true]"),  # 9 s
     "test_roofline.py": ("test_two_processes_price_the_same_profile_alike_and_choose_the_same_plan",),  # 12 s, 2 processes
+    "test_padding_plans.py": "*",  # fake profiles of a tiny Llama and a plain run: 4.5-7 s (26-31 s loaded)
     "test_frozen.py": "*",  # LoRA/PEFT models trained for real: 2-5 s each
     # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
     # offload (6 s, 19 s loaded)
     "test_tiled_mlp.py": ("test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted",
                           "test_fake_planning_tiles_a_meta_model"),
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
-    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
+    # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded; GRPO, RLOO (generation in
+    # the step) 12-22 s (23-49 s loaded), RewardTrainer 7 s (25 s loaded), the DistillationTrainer's refusal 0.6-1.7 s, GKD 29 s loaded
     "test_trl.py": "*",
     "test_repeated.py": ("test_sharded_extrapolated_profile_equals_full_profile",  # 57 s
                          "test_extrapolated_profile_equals_full_profile",  # 13-34 s each
@@ -108,6 +112,7 @@ SLOW = {
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)
                            "test_block_runs[accelerate.md-5]",  # TRL's SFTTrainer: 20 s (a fake profile through its head)
+                           "test_block_runs[accelerate.md-6]",  # TRL's GRPOTrainer: 7 s (generation, two shapes)
                            "test_block_runs[fabric.md-0]",  # 13 s (4 fake profiles); 55 s at load 9-11
                            "test_block_runs[README.md-0]",  # 7.5 s, transformers' import included
                            # the tutorial's chain: breakdown 2.5 s, + plan 4.4 s, + train and measure 4.9 s

@@ -24,6 +24,7 @@ from lightning_remat.runtime.installing.apply import apply_plan, checkpointed_mo
 from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.candidates import find_stages
 from lightning_remat.runtime.profiling.profile import profile_step
+from tests.grads import assert_equal_gradients
 
 
 # ---- the solver: exact over the hierarchical choice -------------------------------------------
@@ -212,11 +213,7 @@ def test_a_torchvision_resnets_loose_stem_and_head_are_stages_recomputed_with_eq
     assert [s.name for s in profile.stages][:3] == ["conv1", "bn1", "maxpool"]
     plain, planned = copy.deepcopy(model), copy.deepcopy(model)
     apply_plan(planned, ["bn1", "maxpool", "fc"])
-    for m in (plain, planned):
-        torch.manual_seed(0)
-        step(m).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), planned.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    assert_equal_gradients(plain, planned, step)
     for (name, a), (_, b) in zip(plain.state_dict().items(), planned.state_dict().items()):
         assert torch.equal(a, b), name  # BatchNorm statistics updated once
 
@@ -256,12 +253,7 @@ def test_a_convnext_planned_through_its_stages_children_reaches_below_one_level_
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
 
     plain = copy.deepcopy(model)
-    for m in (plain, planned):
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        step(m).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), planned.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    assert_equal_gradients(plain, planned, step)
     remove_remat(planned)
     assert checkpointed_modules(planned) == []
     assert [type(m) for m in planned.modules()] == [type(m) for m in model.modules()]

@@ -21,6 +21,7 @@ from lightning_remat.runtime.installing.apply import apply_plan, remove_remat
 from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.runtime.profiling.residual_twins import twin_stages
+from tests.grads import assert_equal_gradients
 
 
 class TwoBottlenecks(nn.Module):
@@ -79,12 +80,7 @@ def test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_eq
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
 
     plain, planned = copy.deepcopy(model), apply_plan(copy.deepcopy(model), plan)  # one step each from the same state
-    for m in (plain, planned):
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        step(m).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), planned.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    assert_equal_gradients(plain, planned, step)
     for (name, a), (_, b) in zip(plain.state_dict().items(), planned.state_dict().items()):
         assert torch.equal(a, b), name  # BatchNorm statistics updated once, recomputes and all
     remove_remat(planned)

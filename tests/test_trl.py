@@ -4,7 +4,8 @@ tokenizer built here, nothing downloaded), full fine-tune and LoRA, padded and p
 over (turns it off and says so in exactly one warning), every optimizer step's peak, measured from
 ``torch.profiler``'s allocator events (``tests/torch_meter.py``, the first step included), is within the
 budget, and the losses equal those of the same run with neither the callback nor Hugging Face's
-checkpointing."""
+checkpointing. The other trainers on the ``Trainer`` below: DPO, KTO, Reward, GRPO and RLOO (generation inside the
+step), GKD; the DistillationTrainer's refusal."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from lightning_remat import RematTrainerCallback
+from lightning_remat.core.errors import UnsupportedSetupError
 from lightning_remat.accelerate import ENV_BUDGET
 
 from tests.tiny_hf import TrainerStepPeaks
@@ -40,10 +42,10 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def tiny_llama(lora: bool = False):
+def tiny_llama(lora: bool = False, seed: int = 0):
     """A 2-layer Llama of hidden 64 in training mode, or it under a LoRA adapter on q/v (rank 4)."""
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1)
@@ -160,3 +162,181 @@ def test_preference_trainers_defaults_with_the_callback_hold_the_budget_with_the
     assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
     assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
     assert losses == plain_losses
+
+
+def prompt_rows(n: int = 8, length: int = 8):
+    """``n`` prompts of ``length`` words of the tokenizer (a ``datasets.Dataset``), for the trainers that generate."""
+    generator = torch.Generator().manual_seed(1)
+    return datasets.Dataset.from_list([{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(
+        0, VOCAB - 2, (length,), generator=generator))} for _ in range(n)])
+
+
+def length_reward(completions, **kwargs):
+    """A reward function: a completion's length in characters."""
+    return [float(len(completion)) for completion in completions]
+
+
+# Trainers that generate completions inside the training step (model.generate, no vLLM): GRPO and RLOO score them
+# with a reward function, the distillation trainer with a teacher. A full RLOO run would build its reference from
+# the model's hub name (none here): LoRA's reference is the adapter-free base, in the step, without gradients.
+GENERATING = {"grpo-full": ("GRPO", False), "grpo-lora": ("GRPO", True), "rloo-lora": ("RLOO", True)}
+KINDS = {**GENERATING, "distillation-full": ("Distillation", False)}
+
+
+def generating_run(tmp_path, setup, *callbacks, peaks=None, **config):
+    """(peaks, losses, the model, the trainer) of a run of ``GENERATING[setup]`` with its config's defaults
+    (gradient checkpointing on) but for ``config``: 4 completions of at most 8 tokens of 1 prompt a step, 3 steps."""
+    kind, lora = KINDS[setup]
+    peaks = peaks or TrainerStepPeaks()
+    args = getattr(trl, f"{kind}Config")(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, max_steps=3, report_to=[],
+        use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, **({} if kind == "Distillation" else {"num_generations": 4}), **config)
+    model = tiny_llama(lora)
+    scorer = {"teacher_model": tiny_llama()} if kind == "Distillation" else {"reward_funcs": length_reward}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = getattr(trl, f"{kind}Trainer")(model=model, args=args, train_dataset=prompt_rows(),
+                                                 processing_class=tokenizer(), callbacks=[peaks, *callbacks], **scorer)
+        trainer.train()
+    return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], model, trainer
+
+
+@pytest.mark.parametrize("setup", GENERATING)
+def test_trainers_that_generate_in_the_step_hold_the_budget_on_every_step_with_the_plain_losses(tmp_path, monkeypatch,
+                                                                                                capsys, setup):
+    """``generate``'s forwards run without gradients (not training calls: not planned, not observed); the sampled
+    lengths change the batch's sequence and its padding. The first batch here has none (every completion runs to
+    the limit), for which Hugging Face builds no attention mask; a later padded one of the same sizes needs more
+    (its plan made from an unpadded one peaked 18 KB over the budget): it is planned again before its forward."""
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    kind = GENERATING[setup][0]
+    assert getattr(trl, f"{kind}Config")(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # default
+    plain, plain_losses, _, _ = generating_run(tmp_path, setup, gradient_checkpointing=False)
+    budget = int(max(plain.peaks) * 0.97)
+    callback = RematTrainerCallback(budget=budget)
+    capsys.readouterr()
+    seen = LogsSeen()
+    planned, losses, model, trainer = generating_run(tmp_path, setup, callback, seen)
+    console = capsys.readouterr().out
+    assert not getattr(model, "is_gradient_checkpointing", False) and callback.plan.checkpointed
+    assert len(planned.peaks) == 3 and max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks,
+                                                                                         plain.peaks)
+    assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses
+    # What a user sees: the plan and the measured line on the console, the figures in the Trainer's own logs
+    # (what its report_to trackers get, with the step's loss: tests/test_trackers.py reads them back).
+    assert "Recompute plan:" in console and "measured peak of a steady training step" in console, console
+    if kind == "GRPO":
+        assert "(the first with padding: every shape planned again)" in console, console
+    logged = [logs for logs in seen.logs if "loss" in logs and "remat/budget_bytes" in logs]
+    assert logged and logged[0]["remat/budget_bytes"] == budget
+    assert any(logs.get("remat/measured_peak_bytes") == callback.metrics["remat/measured_peak_bytes"]
+               for logs in seen.logs if "loss" in logs)
+
+
+class LogsSeen(transformers.TrainerCallback):
+    """Every log of the Trainer as its callbacks get them (``report_to``'s reporters among them)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def reward_run(tmp_path, lora, *callbacks, **config):
+    """(peaks, losses, the model) of a ``RewardTrainer`` run (a 2-layer Llama with a one-logit score head; LoRA on
+    q/v, the head trained whole) on chosen / rejected pairs, with ``RewardConfig``'s defaults but for ``config``."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config_ = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_labels=1,
+                                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = transformers.LlamaForSequenceClassification(config_)
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                          target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(1)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=generator))
+
+    rows = datasets.Dataset.from_list([{"chosen": words(24), "rejected": words(16 + i)} for i in range(8)])
+    peaks = TrainerStepPeaks()
+    args = trl.RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
+                            use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                            dataloader_num_workers=0, seed=0, max_length=64, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.RewardTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer(),
+                                    callbacks=[peaks, *callbacks])
+        trainer.train()
+    return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reward_trainer_with_the_callback_holds_the_budget_with_the_plain_losses(tmp_path, monkeypatch, lora):
+    """``RewardTrainer``: chosen and rejected in one forward of a sequence classifier (no LM head), padded."""
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    assert trl.RewardConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
+    plain, plain_losses, _ = reward_run(tmp_path, lora, gradient_checkpointing=False)
+    budget = int(max(plain.peaks) * 0.97)
+    callback = RematTrainerCallback(budget=budget)
+    planned, losses, model = reward_run(tmp_path, lora, callback)
+    assert callback.plan.checkpointed
+    assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
+    assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses
+
+
+def test_the_distillation_trainer_is_refused_before_its_first_step_naming_the_forward_redirection(tmp_path,
+                                                                                                 monkeypatch):
+    """TRL's ``DistillationTrainer`` computes its loss inside the student's call (``_ForwardRedirection``: the
+    model's ``forward`` swapped for the loss function, the model an argument), a call the session cannot replay:
+    refused at that first training forward, before any backward or optimizer step, naming why and what works."""
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    peaks = TrainerStepPeaks()
+    with pytest.raises(UnsupportedSetupError, match="_ForwardRedirection.*DistillationTrainer.*apply_plan"):
+        generating_run(tmp_path, "distillation-full", RematTrainerCallback(budget="min"), peaks=peaks)
+    assert peaks.meter is not None and peaks.peaks == []  # the first step began and never ended
+
+
+def test_gkd_trainer_with_the_callback_holds_the_budget_with_the_plain_losses(tmp_path, monkeypatch):
+    """TRL's experimental ``GKDTrainer`` (an ``SFTTrainer``: TRL's fused head added, its plain forward called, the
+    loss a JSD against a no-gradient teacher outside the model; completions generated on-policy in some steps).
+    Its plain call runs the forward TRL's head wraps, kept in a closure: the fake twin used to run it on the real
+    module (``StepError``: no candidate ran); it is now bound to the twin (``rebound_closure``)."""
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    monkeypatch.delenv(ENV_BUDGET, raising=False)
+    generator = torch.Generator().manual_seed(1)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=generator))
+
+    rows = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": words(8)},
+                                                     {"role": "assistant", "content": words(8)}]} for _ in range(8)])
+
+    def run(*callbacks, **config):
+        peaks, chat = TrainerStepPeaks(), tokenizer()
+        chat.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        args = GKDConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to=[],
+                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                         dataloader_num_workers=0, seed=0, max_new_tokens=8, max_length=64, **config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = GKDTrainer(model=tiny_llama(), teacher_model=tiny_llama(seed=1), args=args, train_dataset=rows,
+                                 processing_class=chat, callbacks=[peaks, *callbacks])
+            trainer.train()
+        return peaks, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    assert GKDConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
+    plain, plain_losses = run(gradient_checkpointing=False)
+    budget = int(max(plain.peaks) * 0.97)
+    callback = RematTrainerCallback(budget=budget)
+    planned, losses = run(callback)
+    assert callback.plan.checkpointed
+    assert max(planned.peaks) <= budget < max(plain.peaks), (budget, planned.peaks, plain.peaks)
+    assert 0 < callback.metrics["remat/measured_peak_bytes"] <= budget
+    assert losses == plain_losses and all(loss > 0 for loss in losses)

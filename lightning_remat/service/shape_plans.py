@@ -19,7 +19,7 @@ from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.installing.verify import check_installed
-from ..runtime.profiling.batch_shape import batch_shape, resize_batch
+from ..runtime.profiling.batch_shape import batch_shape, padding, resize_batch
 from .planning import Planner
 from .shape_keys import ShapeKeys
 from .shape_profiles import ShapeProfiles
@@ -100,6 +100,7 @@ class ShapePlans(ShapeProfiles):
         self._too_large: set[Shape] = set()  # buckets no plan fits: their batches are planned at their own shape
         self._stale: set[Shape] = set()  # buckets whose plan is solved again at their next batch (calibrated)
         self.fresh = False  # whether the last plan() decided its plan (a new bucket, or one solved again)
+        self.unpadded = False  # whether the first batch's attention masks held no padding (``padding``)
 
     # ------------------------------------------------------------------------------ the interface
 
@@ -120,6 +121,11 @@ class ShapePlans(ShapeProfiles):
         shape = self.shape_of(batch)
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
+        if self.unpadded and padding(batch):
+            # Planned from a batch without padding (Hugging Face builds no attention mask for it): a padded one
+            # of the same sizes needs more. Every shape is planned again, from this batch.
+            self.unpadded, self.anchor, self.fit, self.plans, self.sources = False, None, None, {}, {}
+            self._stale, self._too_large = set(), set()
         shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes
         key = self.key(shape)
         self.fresh = key not in self.plans or key in self._stale
@@ -185,6 +191,7 @@ class ShapePlans(ShapeProfiles):
             if self.fallback is not None:
                 return key, self.fallback
             if self.anchor is None and self.fit is None and not self.plans:
+                self.unpadded = padding(batch) is False
                 self._first(batch)
                 if self.fallback is not None:
                     return key, self.fallback

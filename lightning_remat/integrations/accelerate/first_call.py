@@ -3,6 +3,7 @@ before its loss exists, so no real step runs without a plan. The loss rule: docs
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,3 +97,23 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     note = (f"planned before the first step, whose loss is computed outside the model: it is allowed "
             f"{format_bytes(nbytes)} ({USER_LOSS_OUTPUT_COPIES} copies of the model's outputs) at the end of forward")
     return replace(profile, segments=(*profile.segments, loss), notes=(*profile.notes, note)).with_baseline()
+
+
+def redirected_call(args: tuple) -> str | None:
+    """Why a training forward called with a module or a method among its positional arguments cannot be planned
+    (None if it is not one): a forward redirection (TRL's ``_ForwardRedirection``, which ``DistillationTrainer`` uses) swaps the
+    model's ``forward`` for the trainer's loss function for one call, so the loss runs inside the model's call with
+    the model itself as an argument. The session replays a training call to profile it; this one it cannot replay.
+
+    >>> redirected_call((torch.ones(2, 3),)) is None, "forward redirection" in redirected_call((nn.Linear(2, 2),))
+    (True, True)
+    """
+    found = [a for a in args if isinstance(a, nn.Module) or inspect.ismethod(a)]
+    if not found:
+        return None
+    return (f"lightning-remat: the model's training forward was called with {type(found[0]).__name__} "
+            f"{getattr(found[0], '__qualname__', '')} among its arguments: a forward redirection (TRL's "
+            "_ForwardRedirection, used by DistillationTrainer, runs the trainer's loss function as the model's forward "
+            "for one call), which the session cannot replay to plan it. Plan before building the trainer: "
+            "plan = lightning_remat.plan_remat(model, step, budget, fake=True), then apply_plan(model, plan) "
+            "(docs/accelerate.md, \"TRL\").").replace("  ", " ")

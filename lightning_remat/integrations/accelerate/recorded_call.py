@@ -199,6 +199,12 @@ class CallTemplate:
             return self.at(shape)
         return replace(self, args=_specs(args, TensorSpec.of), kwargs=_specs(kwargs, TensorSpec.of), shape=shape)
 
+    def with_inputs(self, args: tuple, kwargs: dict, shape: Shape) -> "CallTemplate":
+        """This call (its loss, its outputs' gradients) at ``shape``, with another call's inputs (of that shape)."""
+        grads = {i: g.resized(self.shape, shape) for i, g in self.grads.items()}
+        return replace(self, args=_specs(args, TensorSpec.of), kwargs=_specs(dict(kwargs), TensorSpec.of), shape=shape,
+                       grads=grads)
+
     def inputs(self) -> tuple[tuple, dict]:
         """The call's arguments, made (zeros where kept by shape)."""
         make = lambda spec: spec.make()  # noqa: E731

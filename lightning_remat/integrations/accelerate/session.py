@@ -15,14 +15,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...runtime.installing.verify import check_installed
 from ...runtime.measuring.measure import model_device
+from ...core.errors import UnsupportedSetupError
 from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
-from .first_call import FirstCall, ObservedCall, observed_adjust
+from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
-from ...runtime.profiling.batch_shape import batch_shape, batch_tensors
+from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class RematSession:
         self._hooked_optimizers: set[int] = set()
         self._template: CallTemplate | FirstCall | None = None
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
+        self._replan: tuple = ()  # (adjust, config) of the plans per shape, to plan them again from a padded batch
+        self._unpadded = False  # whether they were made from a batch whose attention masks hold no padding
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
@@ -104,6 +107,9 @@ class RematSession:
             return
         if not self._training_call(module):
             return
+        refusal = redirected_call(args)
+        if refusal is not None:
+            raise UnsupportedSetupError(refusal)
         self._hook_optimizer(self._known_optimizer())
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
@@ -243,7 +249,8 @@ class RematSession:
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
-        self._template = template
+        self._template, self._replan = template, (adjust, config)
+        self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
                             warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
@@ -269,11 +276,19 @@ class RematSession:
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
-        with self._planning():
-            fresh = self.run.follow(self._template.following(args, kwargs, shape))
+        title = f"lightning-remat: a plan for batch shape {shape}"
+        if self._unpadded and padding((args, kwargs)):
+            # The plans so far were made from a batch without padding, for which Hugging Face builds no attention
+            # mask: this one's is built, and the same sizes need more. Every shape is planned again from it.
+            self._saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
+            template = self._template.with_inputs(args, kwargs, shape)
+            self._plan_shapes(template, template, *self._replan)
+        else:
+            with self._planning():
+                fresh = self.run.follow(self._template.following(args, kwargs, shape))
         plan = self.run.plan
         if fresh:  # a new bucket's plan, or one solved again after a calibration
-            self._new_plan(plan, f"lightning-remat: a plan for batch shape {shape}")
+            self._new_plan(plan, title)
             if self._measured is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
         self.plan = plan

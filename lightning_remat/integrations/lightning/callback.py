@@ -8,6 +8,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from ...core.bounds import MAX_STEPS, check_int
 from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
+from ...core.vocabulary import CostKind
 from ...core.errors import SkippedStepError
 from ...core.plan import Plan, saved_plans, saved_state_plans
 from ...core.shapes import Shape
@@ -19,6 +20,7 @@ from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import made_for_other, outgrows
 from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.channel import Channel, torch_distributed_channel
+from ...service.planning import resolve_cost
 from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
@@ -87,7 +89,13 @@ class AutoRemat(Callback):
 
     @property
     def state_key(self) -> str:
-        # A plan belongs to a budget: a run resumed with another budget plans again.
+        # A plan belongs to a budget: a run resumed with another budget plans again. Not to the cost as given
+        # (unset is the target's): the saved plans' own cost is compared with the resolved one (``_keeps_plans``).
+        return self._generate_state_key(budget=str(self.budget), candidates=self.candidates)
+
+    @property
+    def _legacy_state_key(self) -> str:
+        # The key of checkpoints saved before: Lightning reads a callback's state under it when the key is absent.
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
 
     # ----------------------------------------------------------------------------------- hooks
@@ -198,9 +206,13 @@ class AutoRemat(Callback):
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
         found = made_for_other(pl_module, [self.plan, *self._saved_plans.values()], bytes_too)
+        for_what = "another model"
+        if found is None and bytes_too:  # on the model's device: the cost this run resolves to (unset: the target's)
+            found = other_cost([self.plan, *self._saved_plans.values()], resolve_cost(self.config, pl_module)[0].cost)
+            for_what = "another cost"
         if found is None:
             return True
-        rank_zero_warn(f"AutoRemat: the saved plan was made for another model ({found}); planning again on the "
+        rank_zero_warn(f"AutoRemat: the saved plan was made for {for_what} ({found}); planning again on the "
                        "first batch.")
         self.plan, self._saved_plans = None, {}
         remove_remat(pl_module)
@@ -268,3 +280,16 @@ class AutoRemat(Callback):
     def _print_plan(self, plan: Plan, title: str) -> None:
         if self.verbose:
             print_plan(plan, title=title)
+
+
+def other_cost(plans: list, cost: Any) -> str | None:
+    """What differs when a saved plan (not a fallback: nothing priced) was priced in another cost than ``cost``
+    (None if none was).
+
+    >>> from lightning_remat.core.plan import Plan
+    >>> other_cost([Plan(cost_kind="flops", predicted_peak_bytes=1)], "roofline")
+    'priced in flops, this run in roofline'
+    """
+    kinds = {CostKind.check(p.cost_kind) for p in plans if p is not None and not p.fallback}
+    cost = CostKind.check(cost)
+    return next((f"priced in {kind.value}, this run in {cost.value}" for kind in kinds if kind != cost), None)

@@ -119,3 +119,19 @@ def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
         if own is None or not own.comparable(shape):
             raise ValueError(f"a batch of shape {own} cannot be stretched to {shape}: another layout")
     return rebuilt(batch, lambda path, tensor: cycled(tensor, size_at(path, tuple(tensor.shape), source, shape)))
+
+
+def padding(batch: Any) -> bool | None:
+    """Whether a batch's attention masks (2-D integer tensors at a path ending in ``attention_mask``) hold padding
+    (a zero); None without one. Hugging Face builds no mask for a batch without padding (SDPA runs causal), so such
+    a batch needs less memory than a padded one of the same sizes: its plan is no plan for the padded one. Reading
+    the values syncs with the device once, as Hugging Face's own ``padding_mask.all()`` does every forward.
+
+    Example:
+        >>> ones, padded = torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 1, 1], [1, 1, 1]])
+        >>> padding({"input_ids": ones, "attention_mask": ones}), padding({"attention_mask": padded}), padding(ones)
+        (False, True, None)
+    """
+    masks = [t for path, t in named_tensors(batch) if path.split(".")[-1] == "attention_mask" and t.dim() == 2
+             and not t.is_floating_point() and not t.is_complex()]
+    return None if not masks else any(not bool(mask.all()) for mask in masks)

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import types
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -144,10 +144,11 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
                 object.__setattr__(twin, "__class__", cls)
             without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
             # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
-            # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin.
+            # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin,
+            # with the module's methods its closure keeps (the forward it wraps) bound to the twin too.
             for key, value in list(twin.__dict__.items()):
                 if isinstance(value, types.MethodType) and value.__self__ is module:
-                    twin.__dict__[key] = types.MethodType(value.__func__, twin)
+                    twin.__dict__[key] = types.MethodType(rebound_closure(value.__func__, module, twin), twin)
             copies[id(module)] = twin
             object.__setattr__(twin, "_parameters", module._parameters.copy())
             object.__setattr__(twin, "_buffers", module._buffers.copy())
@@ -237,3 +238,36 @@ def explain_fake_failures() -> Iterator[None]:
         raise FakeProfileError(str(getattr(err, "func", err)), where=where_it_failed(err)) from err
     except UnsupportedFakeTensorException as err:
         raise FakeProfileError("an operation fake tensors do not support", f"({err}) ", where=where_it_failed(err)) from err
+
+
+def rebound_closure(function: Any, module: Any, twin: Any) -> Any:
+    """``function``, or a copy whose closure has every method bound to ``module`` bound to ``twin`` instead (its
+    own cells: the original's are left alone). TRL's fused LM head wraps ``model.forward``, keeping the model's
+    original bound ``forward`` in its closure, which a twin would otherwise run on the real module.
+
+    >>> class M:
+    ...     def f(self): return self
+    >>> real, twin = M(), M()
+    >>> def wrap(original):
+    ...     def wrapper(self): return original()
+    ...     return wrapper
+    >>> wrapper = wrap(real.f)
+    >>> rebound_closure(wrapper, real, twin)(twin) is twin, wrapper(real) is real
+    (True, True)
+    """
+    def contents(cell: Any) -> Any:
+        try:
+            return cell.cell_contents
+        except ValueError:  # an empty cell
+            return cell
+
+    cells = function.__closure__ or ()
+    bound = [isinstance(v, types.MethodType) and v.__self__ is module for v in map(contents, cells)]
+    if not any(bound):
+        return function
+    closure = tuple(types.CellType(types.MethodType(contents(c).__func__, twin)) if b else c
+                    for c, b in zip(cells, bound))
+    copy_ = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                               closure)
+    copy_.__kwdefaults__, copy_.__dict__ = function.__kwdefaults__, dict(function.__dict__)
+    return copy_
