@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO under Accelerate and the Trainer, on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), 2 gloo ranks.
+"""DeepSpeed ZeRO under Accelerate and the Trainer, on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
+2 gloo ranks.
 
 ZeRO-2 is planned inside (``RematAccelerator``, ``RematTrainerCallback``): each rank's step is the whole model's
 with the partitioned gradients and optimizer state counted, and DeepSpeed's master partition and buckets
@@ -326,8 +327,9 @@ def _zero2_trainer_rank(rank: int, out: str, port: int) -> dict:
 
     case = small_gpt2()
     PartialState(backend="gloo")  # as above: the Trainer gives Accelerate no backend under DeepSpeed
-    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-              "gradient_clipping": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
               "zero_allow_untested_optimizer": True}
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=STEPS + 1, learning_rate=1e-3, weight_decay=0.0,

@@ -106,7 +106,7 @@ def deepspeed_refusal(plugin: Any = None) -> str:
         "on the unsharded model (ZeRO-3: fake=True, world_size=N for the per-rank share), apply_plan(model, "
         "plan), then accelerator.prepare (or build the Trainer) without RematTrainerCallback and with "
         f"{ENV_BUDGET} unset, leaving room beside the budget for DeepSpeed's own buffers (docs/accelerate.md, "
-        "'DeepSpeed ZeRO').")
+        "'DeepSpeed ZeRO-3: plan, then prepare').")
 
 
 def _inner_model(model: nn.Module) -> nn.Module:

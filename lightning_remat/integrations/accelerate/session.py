@@ -201,9 +201,8 @@ class RematSession:
                     window, self._window = self._window, None
                     # What the loop carries into the next micro-batch (not FSDP2: sharded state the profile counts).
                     # (Nor DeepSpeed: it stepped inside backward, and its state is counted by ``ZeroRank.account``.)
-                    self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) or self._zero is not None \
-                        else window.carried_bytes(
-                        list(next_inputs))
+                    stepped = optimizer_stepped or fsdp2_sharded(self.model) or self._zero is not None
+                    self._carried = 0 if stepped else window.carried_bytes(list(next_inputs))
                     peak = window.close()
                     # Without an optimizer pre-step hook, the whole step's peak stands in (errs on the safe side).
                     before = window.peak_before_optimizer
