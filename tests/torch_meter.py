@@ -153,3 +153,27 @@ def lightning_peaks() -> Any:
             self.losses.append(float(outputs["loss"]))
 
     return Peaks()
+
+
+class EverythingPeak(TorchPeak):
+    """``TorchPeak`` counting every CPU tensor alive at the window's start (found by the garbage collector), not
+    only the model's and optimizers': DeepSpeed keeps its master partition, optimizer state and buffers in tensors
+    of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Module())
+
+    def start(self) -> "EverythingPeak":
+        import gc
+
+        gc.collect()
+        storages: dict[int, int] = {}
+        for t in gc.get_objects():
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":  # not fake ones
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        storages.pop(0, None)  # empty storages
+        self.alive, self.addresses = sum(storages.values()), set(storages)
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.start()
+        return self

@@ -21,6 +21,7 @@ from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
+from .deepspeed import ZeroRank, deepspeed_stage, zero_rank
 from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
@@ -58,7 +59,7 @@ class RematSession:
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.plan: Plan | None = None
         self.run = RunLifecycle(RunHost(
-            model, lambda template: template.loss, channel=self._channel, optimizers=self._known_optimizer,
+            model, lambda template: template.loss, channel=self._channel, optimizers=self._profiled_optimizer,
             accumulation=self._accumulation, info=self._show, summary=True,
             log=lambda figures: self.loop.log(figures, self.observed_steps),
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
@@ -82,6 +83,7 @@ class RematSession:
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._replan: tuple = ()  # (adjust, config) of the plans per shape, to plan them again from a padded batch
         self._unpadded = False  # whether they were made from a batch whose attention masks hold no padding
+        self._zero: ZeroRank | None = None  # DeepSpeed ZeRO-2's rank, once its engine exists
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
@@ -111,6 +113,7 @@ class RematSession:
         if refusal is not None:
             raise UnsupportedSetupError(refusal)
         self._hook_optimizer(self._known_optimizer())
+        self._find_zero()
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
             self._plan_first(args, kwargs)
@@ -203,12 +206,15 @@ class RematSession:
                 if self._window is not None:
                     window, self._window = self._window, None
                     # What the loop carries into the next micro-batch (not FSDP2: sharded state the profile counts).
-                    self._carried = 0 if optimizer_stepped or fsdp2_sharded(self.model) else window.carried_bytes(
-                        list(next_inputs))
+                    # (Nor DeepSpeed: it stepped inside backward, and its state is counted by ``ZeroRank.account``.)
+                    stepped = optimizer_stepped or fsdp2_sharded(self.model) or self._zero is not None
+                    self._carried = 0 if stepped else window.carried_bytes(list(next_inputs))
                     peak = window.close()
                     # Without an optimizer pre-step hook, the whole step's peak stands in (errs on the safe side).
                     before = window.peak_before_optimizer
-                    self._observed = (peak if before is None else before, window.optimizer_had_state)
+                    # Not under DeepSpeed: its step ran inside this window, over buffers the account computes.
+                    self._observed = None if self._zero is not None else (
+                        peak if before is None else before, window.optimizer_had_state)
                     self._observed_actions = tuple(self.plan.actions) if self.plan is not None else ()
             if self.observed_steps >= self.plugin.profile_steps and self._completed is not None:
                 self._make_plan()
@@ -222,14 +228,33 @@ class RematSession:
 
     def _steady(self) -> bool:
         """Whether a steady step starts now: after an optimizer step under the plan (state held, a whole window)."""
+        if self._zero is not None:  # DeepSpeed steps its own optimizer, inside accelerator.backward
+            return self._zero.steady
         return self._known_optimizer() is None or self._stepped_since_plan
+
+    def _find_zero(self) -> None:
+        """Under DeepSpeed ZeRO-2 (refused otherwise, ``_check_supported``), its rank's figures, once."""
+        if self._zero is None and deepspeed_stage(self.loop.state) is not None:
+            self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
+            if self._zero is None:
+                from ...core.errors import UnsupportedSetupError
+
+                raise UnsupportedSetupError(
+                    "lightning-remat under DeepSpeed ZeRO-2 plans each rank from DeepSpeed's ZeRO optimizer, and "
+                    "found none at this training forward: run training forwards after accelerator.prepare (or "
+                    "trainer.train), with an optimizer given to it or in the DeepSpeed config")
+
+    def _profiled_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the profile counts: the loop's, or under ZeRO-2 its class over the whole model."""
+        return self._zero.stand_in() if self._zero is not None else self._known_optimizer()
 
     def _open_window(self) -> None:
         """Measure the step that starts now: observed ones on the main process (it plans), steady ones on every rank."""
         if self.phase == "observe" and self._window is None and (self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
         elif self.phase == "measure" and self._measured is None and self._steady():
-            self._measured = self.run.window(batches=self._accumulation())
+            meter = self._zero.meter() if self._zero is not None else None  # ZeRO-2: DeepSpeed's tensors counted
+            self._measured = self.run.window(batches=self._accumulation(), meter=meter)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
         """Plan the first training forward on fake tensors from its inputs (``first_call``). Its head and loss stay
@@ -251,6 +276,8 @@ class RematSession:
         """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
         self._template, self._replan = template, (adjust, config)
         self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
+        if self._zero is not None:  # the whole model's step, then what a ZeRO-2 rank holds of it
+            adjust = (lambda profile, first=adjust: self._zero.account(first(profile)))
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
                             warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
@@ -303,7 +330,7 @@ class RematSession:
     def _config(self, **profile: Any) -> Any:
         """The plugin's settings with the loop's accumulation, DDP's buckets (not FSDP2) and ``profile``'s fields."""
         config = self.plugin.config()
-        buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model)
+        buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model) and self._zero is None
         return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
                                                gradient_buckets=buckets, **profile))
 

@@ -1,0 +1,127 @@
+"""DeepSpeed ZeRO-2 under Accelerate and the Trainer: each rank's step planned as the whole model's, turned into
+the rank's by ``core.zero.Zero2Facts`` (read here from the live ZeRO optimizer that DeepSpeed built from its
+configuration), and measured with DeepSpeed's master partition and optimizer state counted.
+
+Example:
+    >>> deepspeed_stage(None) is None
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.memory_model import Profile
+from ...core.zero import Zero2Facts
+from ...runtime.measuring.meter import PeakWindow
+
+
+def deepspeed_stage(state: Any) -> int | None:
+    """The ZeRO stage of Accelerate's DeepSpeed mode (``state``: an ``Accelerator`` or ``AcceleratorState``);
+    None outside it."""
+    kind = getattr(state, "distributed_type", None)
+    if str(getattr(kind, "value", kind)).upper() != "DEEPSPEED":
+        return None
+    plugin = getattr(getattr(state, "state", state), "deepspeed_plugin", None)
+    return int(getattr(plugin, "zero_stage", 0) or 0)
+
+
+def zero_optimizer(optimizers: Any) -> Any:
+    """DeepSpeed's ZeRO-1/2 optimizer inside ``optimizers`` (Accelerate's and the Trainer's wrappers), or None."""
+    for optimizer in optimizers or ():
+        for _ in range(4):  # AcceleratedOptimizer -> DeepSpeedZeroOptimizer -> the torch optimizer
+            if hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "partition_size"):
+                return optimizer
+            optimizer = getattr(optimizer, "optimizer", None)
+            if optimizer is None:
+                break
+    return None
+
+
+class ZeroRank:
+    """One rank under ZeRO-2: ``stand_in()`` (the user's optimizer class over the whole model, for the fake
+    profile only: never stepped), ``metered`` (DeepSpeed's torch optimizer: its parameters are the master
+    partition, its state the rank's), ``steady`` (that state exists) and ``account(profile)``."""
+
+    def __init__(self, optimizer: Any, model: nn.Module, world: int):
+        self.optimizer = optimizer
+        self.model = model
+        parameters = list(model.parameters())
+        self.facts = Zero2Facts(
+            world=world, partition=int(sum(int(n) for n in optimizer.partition_size)),
+            gradient_bytes=parameters[0].element_size() if parameters else 4,
+            reduce_bytes=torch.empty(0, dtype=optimizer._gradient_reduction_buffer_dtype()).element_size()
+            if hasattr(optimizer, "_gradient_reduction_buffer_dtype") else 4,
+            bucket=int(optimizer.reduce_bucket_size), overlap=bool(optimizer.overlap_comm),
+            contiguous=bool(optimizer.contiguous_gradients),
+            largest=max((p.numel() for p in parameters), default=0))
+        self._stand_in: torch.optim.Optimizer | None = None
+
+    @property
+    def metered(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer
+
+    def held(self) -> list[torch.Tensor]:
+        """Every tensor DeepSpeed's ZeRO optimizer holds now (its flat buffers, master partition, gradient
+        partition and buckets), for a meter to count as alive: none is a parameter's or the torch optimizer's."""
+        found, stack = [], [(value, 0) for value in vars(self.optimizer).values()]
+        while stack:
+            value, depth = stack.pop()
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif depth < 3 and isinstance(value, (list, tuple)):
+                stack.extend((v, depth + 1) for v in value)
+            elif depth < 3 and isinstance(value, dict):
+                stack.extend((v, depth + 1) for v in value.values())
+            elif depth < 3 and type(value).__module__.startswith("deepspeed") and hasattr(value, "__dict__"):
+                stack.extend((v, depth + 1) for v in vars(value).values())  # its buckets' buffers
+        return found
+
+    def meter(self) -> PeakWindow:
+        """The package's meter over a step from now, DeepSpeed's tensors counted (``held``)."""
+        meter = PeakWindow(self.model, self.metered)
+        meter.tracker.track_external(*self.held())
+        return meter
+
+    @property
+    def steady(self) -> bool:
+        """Whether DeepSpeed's optimizer has stepped (its state exists)."""
+        return bool(self.metered.state)
+
+    def stand_in(self) -> torch.optim.Optimizer:
+        inner = self.metered
+        if self._stand_in is None:
+            import inspect
+
+            # Its defaults as its constructor takes them (AdamW records one it does not accept).
+            accepted = inspect.signature(type(inner)).parameters
+            self._stand_in = type(inner)(self.model.parameters(),
+                                         **{k: v for k, v in inner.defaults.items() if k in accepted})
+        return self._stand_in
+
+    def account(self, profile: Profile) -> Profile:
+        """``profile`` (the whole model's step) as this rank holds it (``Zero2Facts.terms``)."""
+        state = profile.optimizer_state_bytes
+        extra = self.facts.extra_bytes(state)
+        stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + extra)
+                                                for o in s.options)) for s in profile.stages)
+        segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + extra) for seg in profile.segments)
+        kept = -(-state // self.facts.world) + 4 * self.facts.partition
+        return replace(profile, stages=stages, segments=segments, optimizer_state_bytes=kept,
+                       gradient_bytes=profile.gradient_bytes + extra - (kept - state),
+                       notes=(*profile.notes, self.facts.note(state))).with_baseline()
+
+
+def zero_rank(state: Any, optimizers: Any, model: nn.Module) -> ZeroRank | None:
+    """The ``ZeroRank`` of ``model`` under Accelerate's DeepSpeed ZeRO-2 once DeepSpeed built its optimizer, else
+    None (``state``: an ``Accelerator`` or ``AcceleratorState``)."""
+    if deepspeed_stage(state) != 2:
+        return None
+    optimizer = zero_optimizer(optimizers)
+    if optimizer is None:
+        return None
+    return ZeroRank(optimizer, model, int(getattr(state, "num_processes", 1)))
