@@ -131,6 +131,9 @@ SLOW = {
     # fake sharded (FSDP2) profiles of a tiny Llama, on a loaded 2-core machine
     "test_more_gpus.py": ("test_no_sharded_reprofile_where_even_infinitely_many_gpus_cannot_fit",  # 7 s
                           "test_the_next_world_size_from_a_sharded_profile_fits_as_predicted"),  # 16 s
+    # fake profiles of a 2-block MLP, sharded over 2 and not, with and without offload (loaded)
+    "test_sharded_offload.py": ("test_sharded_offload_profile_holds_no_more_outside_the_stages_than_without",  # 6 s
+                                "test_refused_offload_plan_names_the_world_size_whose_sharded_offload_plan_fits"),  # 8 s
     "test_binding.py": ("test_budget_too_small_names_each_knob_with_the_peak_planning_with_it_gives",  # 10 s
                         "test_the_optimizer_step_binds_and_its_advice_equals_planning_with_each_setting"),  # 8 s
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s
