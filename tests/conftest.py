@@ -47,7 +47,8 @@ SLOW = {
     # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
     # offload (6 s, 19 s loaded)
     "test_tiled_mlp.py": ("test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted",
-                          "test_fake_planning_tiles_a_meta_model"),
+                          "test_fake_planning_tiles_a_meta_model",
+                          "test_a_refusal_names_tile_mlp_where_a_stage_with_an_mlp_binds"),  # 2 real profiles: 17 s loaded
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
     # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded
     "test_trl.py": "*",
