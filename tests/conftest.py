@@ -50,7 +50,8 @@ SLOW = {
     # two real profiles of a tiny Llama, then three measured steps (6-9 s loaded); a fake profile with tiling and
     # offload (6 s, 19 s loaded)
     "test_tiled_mlp.py": ("test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted",
-                          "test_fake_planning_tiles_a_meta_model"),
+                          "test_fake_planning_tiles_a_meta_model",
+                          "test_a_refusal_names_tile_mlp_where_a_stage_with_an_mlp_binds"),  # 2 real profiles: 17 s loaded
     # TRL's SFTTrainer, two runs each; each new shape is planned on fake tensors through TRL's fused head
     # (its tiled loop: ~5 s a profile on a loaded 2-core machine): 13-37 s each, loaded; GRPO, RLOO (generation in
     # the step) 12-22 s (23-49 s loaded), RewardTrainer 7 s (25 s loaded), the DistillationTrainer's refusal 0.6-1.7 s, GKD 29 s loaded
@@ -136,6 +137,9 @@ SLOW = {
     # fake sharded (FSDP2) profiles of a tiny Llama, on a loaded 2-core machine
     "test_more_gpus.py": ("test_no_sharded_reprofile_where_even_infinitely_many_gpus_cannot_fit",  # 7 s
                           "test_the_next_world_size_from_a_sharded_profile_fits_as_predicted"),  # 16 s
+    # fake profiles of a 2-block MLP, sharded over 2 and not, with and without offload (loaded)
+    "test_sharded_offload.py": ("test_sharded_offload_profile_holds_no_more_outside_the_stages_than_without",  # 6 s
+                                "test_refused_offload_plan_names_the_world_size_whose_sharded_offload_plan_fits"),  # 8 s
     "test_binding.py": ("test_budget_too_small_names_each_knob_with_the_peak_planning_with_it_gives",  # 10 s
                         "test_the_optimizer_step_binds_and_its_advice_equals_planning_with_each_setting"),  # 8 s
     "test_report.py": ("test_breakdown_without_optimizer_has_no_state",  # 5 s

@@ -187,3 +187,26 @@ def test_fake_planning_tiles_a_meta_model():
                                                 for s in profile.stages)), "min", cost="flops")
     assert tiled.predicted_peak_bytes < plain.predicted_peak_bytes
     assert {dict(a.extra).get("tile") for a in tiled.actions} == {"mlp:4"}  # 256 tokens in chunks of 64
+
+
+def test_a_refusal_names_tile_mlp_where_a_stage_with_an_mlp_binds(monkeypatch):
+    from lightning_remat import plan_remat
+    from lightning_remat.service import knobs
+
+    model = _llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    contexts = []
+    found = knobs.knob_figures
+    monkeypatch.setattr(knobs, "knob_figures", lambda context: contexts.append(context) or [])
+    with pytest.raises(BudgetTooSmallError) as refused:
+        plan_remat(model, _step, 2**10, optimizer=optimizer, cost="flops", verbose=False)
+    context, least = contexts[0], refused.value.smallest_peak_bytes
+    assert solve(context.profile, "min", cost="flops").binding["term"] == "stage"  # a layer's MLP binds
+    assert "tiled MLP" in knobs.KNOBS
+    monkeypatch.setattr(knobs, "KNOBS", {"tiled MLP": knobs._tiled_mlp})  # the others re-profile too
+    [knob] = found(replace(context, budget_bytes=least - 1))
+    # As planned with tile_mlp=True (test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted): far lower.
+    assert knob["setting"] == "tile_mlp=True" and knob["fits"] and knob["peak_bytes"] < 0.8 * least
+    # Asked for already, it is no knob (and nothing is re-profiled for it).
+    asked = replace(context.planner.config, profile=replace(context.planner.config.profile, tile_mlp=True))
+    assert knobs._tiled_mlp(replace(context, planner=type(context.planner)(asked))) is None

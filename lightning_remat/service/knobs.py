@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..core.binding import HEAD, OPTIMIZER, with_optimizer_setting
+from ..core.binding import HEAD, OPTIMIZER, STAGE, with_optimizer_setting
 from ..core.errors import RematError
 from ..core.sharding import smallest_world_size
 from ..core.solve import least_peak, solve
@@ -156,6 +156,20 @@ def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
     return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
 
 
+def _tiled_mlp(context: KnobContext) -> tuple[str, int] | None:
+    from ..runtime.installing.tiled_mlp import refusal
+
+    if context.planner.config.profile.tile_mlp or _below_static(context):
+        return None
+    # Tiling lowers a stage's own activations (its MLP's intermediates, in forward and in the recompute):
+    # offered (and re-profiled for) where a stage with a position-wise child binds the least peak.
+    binding = solve(context.profile, "min", cost="flops").binding or {}
+    stage = dict(context.model.named_modules()).get(binding.get("name")) if binding.get("term") == STAGE else None
+    if stage is None or all(refusal(child) is not None for child in stage.children()):
+        return None
+    return "tile_mlp=True", least_peak(_reprofiled(context, tile_mlp=True))
+
+
 # Each knob's ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
 KNOBS: dict[str, Callable[[KnobContext], tuple[str, int] | None]] = {
     "fused optimizer": _optimizer("fused=True"),
@@ -163,6 +177,7 @@ KNOBS: dict[str, Callable[[KnobContext], tuple[str, int] | None]] = {
     "offload": _offload,
     "more GPUs (FSDP2)": _more_gpus,
     "chunked loss": _chunked_loss,
+    "tiled MLP": _tiled_mlp,
 }
 
 

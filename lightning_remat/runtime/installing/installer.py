@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ...core.actions import check_actions
 from ...core.plan import Plan, StageAction, StageChoice
@@ -15,6 +14,7 @@ from ...core.vocabulary import Action
 from .behaviours import BEHAVIOURS
 from .compiled import uncompiled
 from .input_offload import input_offload_of
+from .offloader import is_fake
 from .records import Target, check_names, installed_segments, recomputed, state_of
 from .verify import check_installed, planned_actions
 
@@ -46,7 +46,7 @@ def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) ->
 
 def _install(plain: nn.Module, wanted: dict[str, dict[str, Any]], order: tuple[str, ...] | None) -> None:
     # A fake model's offloading keeps metadata only (its memory runs measure what stays on the device).
-    target = Target(dict(plain.named_modules()), order, any(isinstance(p, FakeTensor) for p in plain.parameters()))
+    target = Target(dict(plain.named_modules()), order, any(is_fake(p) for p in plain.parameters()))
     for b in BEHAVIOURS:
         if wanted[b.name]:
             b.install(target, wanted[b.name])

@@ -12,6 +12,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor, or a DTensor (FSDP2's sharded parameter) whose local shard is one.
+
+    Example:
+        >>> is_fake(torch.ones(1))
+        False
+    """
+    return isinstance(getattr(tensor, "_local_tensor", tensor), FakeTensor)
 
 
 class _Packed:
@@ -97,7 +108,7 @@ class Offloader:
 
     def _to_device(self, handle: _Packed, stream: Any) -> torch.Tensor:
         assert handle.host is not None and handle.device is not None
-        if self.measure:
+        if handle.host.device.type == "meta":
             return torch.empty_strided(handle.host.size(), handle.host.stride(), dtype=handle.host.dtype,
                                        device=handle.device)
         if stream is None:
@@ -122,7 +133,7 @@ class Offloader:
             if handle.back is not None or handle.device_tensor is not None or handle.host is None:
                 continue
             self.prefetched[group.name] = self.prefetched.get(group.name, 0) + 1
-            stream = None if self.measure else self._side_stream(handle.device)
+            stream = None if handle.host.device.type == "meta" else self._side_stream(handle.device)
             if stream is None:
                 handle.back = self._to_device(handle, None)
                 continue
@@ -168,7 +179,7 @@ class Offloader:
                 base = _Packed(group)
                 group.handles.append(weakref.ref(base))
                 numel = sizes[key] // first.element_size()
-                if self.measure:
+                if self.measure or is_fake(first):  # a fake tensor's "host" copy: metadata only
                     base.device = first.device
                     base.host = torch.empty(numel, dtype=first.dtype, device="meta")
                 else:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ..installing.offloader import is_fake
 from ..installing.residual_parts import gives_same_output, parts_of
 from ..installing.segments import recorded_calls
 
@@ -29,7 +29,7 @@ def twin_stages(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequ
     modules = dict(model.named_modules())
     eligible = [n for n in stages if parts_of(modules[n]) is not None]
     # Fake tensors have no values to compare: no twin is offered on them.
-    if not eligible or any(isinstance(p, FakeTensor) for p in model.parameters()):
+    if not eligible or any(is_fake(p) for p in model.parameters()):
         return []
     replay()
     calls = recorded_calls(model, step, eligible)

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ...core.errors import FakeProfileError, where_it_failed
+from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
 from ..measuring.user_hooks import without_user_hooks
@@ -37,10 +38,6 @@ def gpu_peak_flops(name: str) -> float:
 def new_fake_mode() -> FakeTensorMode:
     """A fake mode that accepts real inputs (token ids made by the step) and converts them."""
     return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def is_fake(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, FakeTensor)
 
 
 def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
