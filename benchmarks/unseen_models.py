@@ -1,11 +1,15 @@
-"""Plans on models the tests never used (issue 31): Gemma-2, GPT-NeoX, DeBERTa-v2 (transformers configs, random
-weights, nothing downloaded), AdamW, measured on the CPU:
+"""Plans on models the tests never used (issue 31): Gemma-2, GPT-NeoX, DeBERTa-v2 (masked LM), Whisper (speech
+to text) and Swin (image classification) (transformers configs, random weights, nothing downloaded), AdamW,
+measured on the CPU:
 
-    nice -n 5 python benchmarks/unseen_models.py [--models gemma2,gptneox,deberta]
+    nice -n 5 python benchmarks/unseen_models.py [--models gemma2,gptneox,deberta,whisper,swin] [--out FILE]
+    python benchmarks/unseen_models.py --merge a.json,b.json  # one table and JSON from runs made apart
 
 Per model, two budgets: static + 50% of the plain step's activations, and the peak Hugging Face's every-layer
 checkpointing measures. Rows: plain, HF every layer, op-SAC (``policies=("save_matmuls",)``), ours as a user calls it
-(``plan_remat(model, step, budget, optimizer=opt)``) and ours with ``chunk_loss=True``. Columns: the measured peak
+(``plan_remat(model, step, budget, optimizer=opt)``: on the CPU ``cost="flops"``), ours with ``chunk_loss=True`` and
+ours priced for an H100 (``fake=True, gpu="h100", chunk_loss=True``: a fake-tensor profile, its default cost the
+roofline at the H100's figures; the plan is then applied to the real model on the CPU and measured). Columns: the measured peak
 (``measure_step`` on the second step, after AdamW's state exists), the predicted peak and its error, whether the
 budget held, FLOPs of forward + backward over plain's (torch's FlopCounterMode) and the roofline time over plain's
 priced per aten op for an H100 (max(FLOPs / 989e12, bytes / 3.35e12), the package's ``OpRecorder``), and the head's
@@ -30,6 +34,7 @@ from lightning_remat.runtime.measuring.roofline import OpRecorder, gpu_peaks, ro
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "unseen_models.json"
 BATCH, SEQ, VOCAB = 2, 128, 4096
 H100 = gpu_peaks("h100")
+MODELS = ("gemma2", "gptneox", "deberta", "whisper", "swin")
 
 
 def _config(name: str):
@@ -46,15 +51,34 @@ def _config(name: str):
         return transformers.DebertaV2ForMaskedLM, transformers.DebertaV2Config(
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=512)
+    if name == "whisper":  # 2 + 2 layers; 2 x 128 mel frames (64 after the strided conv), 128 decoder tokens
+        return transformers.WhisperForConditionalGeneration, transformers.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=80, d_model=128, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+            max_source_positions=64, max_target_positions=SEQ, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None)
+    if name == "swin":  # 2 stages of 2 blocks, 64 px images, 16 x 16 patches in windows of 4
+        return transformers.SwinForImageClassification, transformers.SwinConfig(
+            image_size=64, patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=10)
     raise ValueError(name)
 
 
 def _batch(name: str):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    if name == "whisper":
+        features = torch.randn(BATCH, 80, 128, generator=g)
+        return lambda m: m(input_features=features, labels=ids).loss
+    if name == "swin":
+        pixels, classes = torch.randn(4 * BATCH, 3, 64, 64, generator=g), torch.randint(0, 10, (4 * BATCH,), generator=g)
+        return lambda m: m(pixel_values=pixels, labels=classes).loss
     labels = ids.clone()
     if name == "deberta":  # a masked LM scores the masked 15% only
         labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
+        # With an attention mask: without one, transformers' padding check reads the ids' values (.item()), which a
+        # fake-tensor profile cannot (FakeProfileError, docs/benchmarks/unseen_models.md)
+        mask = torch.ones_like(ids)
+        return lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss
     return lambda m: m(input_ids=ids, labels=labels).loss
 
 
@@ -98,13 +122,16 @@ def _plan_row(name, state, step, budget, **kw) -> tuple[dict, object, object]:
         plan = plan_remat(model, step, int(budget), optimizer=opt, verbose=False, **kw)
     except BudgetTooSmallError as e:
         return {"infeasible": True, "least_peak": e.smallest_peak_bytes}, None, None
+    except Exception as e:  # noqa: BLE001 - recorded in the table: a model the package fails on is a finding
+        return {"failed": f"{type(e).__name__}: {str(e)[:300]}"}, None, None
     apply_plan(model, plan)
     peak = _steady_peak(model, step, opt)
     flops, secs = _costs(model, step)
     pred = plan.predicted_peak_bytes
     return {"peak": peak, "predicted": pred, "error": (peak - pred) / pred, "held": peak <= budget,
             "flops": flops, "roofline_s": secs, "head": _head(plan),
-            "recomputed": sum(1 for a in plan.actions if a.action.name == "RECOMPUTE")}, plan, model
+            "recomputed": sum(1 for a in plan.actions if a.action.name == "RECOMPUTE"),
+            "notes": list(plan.notes)}, plan, model
 
 
 def _grad_diff(name, state, step, model) -> float:
@@ -113,8 +140,9 @@ def _grad_diff(name, state, step, model) -> float:
         for (_, p1), (_, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
             p2.copy_(p1)
     model.zero_grad(set_to_none=True)
-    step(ref).backward()
-    step(model).backward()
+    for m in (ref, model):  # the same random draws (DeBERTa's dropout, Swin's stochastic depth) in both
+        torch.manual_seed(2)
+        step(m).backward()
     worst = 0.0
     for (n1, p1), (n2, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         if p1.grad is None and p2.grad is None:
@@ -147,6 +175,7 @@ def run_model(name: str) -> dict:
         rows["ours chunk_loss"], plan, m = _plan_row(name, state, step, budget, chunk_loss=True)
         if plan is not None:
             rows["ours chunk_loss"]["grad_max_abs_diff"] = _grad_diff(name, state, step, m)
+        rows["ours H100 (fake)"], _, _ = _plan_row(name, state, step, budget, chunk_loss=True, fake=True, gpu="h100")
         for row in rows.values():
             if "flops" in row:
                 row["flops_over_plain"] = row["flops"] / plain_flops - 1
@@ -170,6 +199,9 @@ def table(results: dict) -> str:
                 if r.get("infeasible"):
                     lines.append(f"{head} infeasible (least peak {_mib(r['least_peak'])}) | | | | | | |")
                     continue
+                if r.get("failed"):
+                    lines.append(f"{head} failed: {r['failed'][:120]} | | | | | | |")
+                    continue
                 pred = _mib(r["predicted"]) if "predicted" in r else "-"
                 err = f"{r['error']:+.3%}" if "error" in r else "-"
                 hd = r["head"] + (f" (grad diff {r['grad_max_abs_diff']:.1e})" if "grad_max_abs_diff" in r else "")
@@ -180,9 +212,19 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="gptneox", help="gemma2 (fails in profiling: use_cache=True and eager attention, see docs/benchmarks/unseen_models.md), gptneox, deberta")
+    parser.add_argument("--models", default=",".join(MODELS), help=", ".join(MODELS))
+    parser.add_argument("--out", default=str(OUT), help="the JSON written")
+    parser.add_argument("--merge", help="JSON files of runs made apart (comma-separated): one table, one JSON")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
+        merged = {**runs[0], "results": {k: v for r in runs for k, v in r["results"].items()}}
+        print(table(merged["results"]))
+        Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+        return
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
     results = {}
     for name in args.models.split(","):
         t0 = time.perf_counter()
@@ -190,7 +232,7 @@ def main() -> None:
         results[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {results[name]['seconds']} s", flush=True)
     print(table(results))
-    OUT.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
+    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "results": results}, indent=1) + "\n")
 
 

@@ -120,8 +120,10 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
 def test_without_a_causal_lm_head_chunk_loss_changes_nothing():
     net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)])
     x = torch.randn(8, 16)
-    with_it = profile_step(net, lambda m: m(x).square().mean(), chunk_loss=True, warmup=0)
+    with pytest.warns(UserWarning, match="Sequential has no causal LM head"):
+        with_it = profile_step(net, lambda m: m(x).square().mean(), chunk_loss=True, warmup=0)
     assert [s.name for s in with_it.stages] == ["0", "1", "2"]
+    assert any("nothing is chunked" in n for n in with_it.notes)  # said, as for a masked LM
 
 
 def test_fake_planning_chunks_the_head_of_a_model_on_the_meta_device():

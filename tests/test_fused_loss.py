@@ -204,3 +204,31 @@ def test_a_loss_neither_kind_computes_is_not_offered_and_the_profile_says_why():
             profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, chunk_loss=True, warmup=0)
         assert not any(o.chunks for s in profile.stages for o in s.options)
         assert any(why in note and "kept whole" in note for note in profile.notes)
+
+
+def test_a_fused_plan_under_inductor_gives_the_models_own_loss_and_gradients():
+    """``chunk_loss=True`` at the least peak chooses the fused head; the planned model compiled with inductor (on
+    the CPU) computes the plain model's loss and every parameter's gradient, twice (the second call compiled)."""
+    case = build("llama", batch_size=2, seq_len=64, layers=2, hidden=32, vocab=2048)
+    model = case.model
+    ids, labels = _batch(2048)
+    ids, labels = ids[:, :48], labels[:, :48]
+    plain, expected = _loss_and_grads(model, ids, labels)
+    profile = profile_step(model, case.step, chunk_loss=True, warmup=0)
+    plan = solve(profile, "min", cost="flops")
+    assert plan.fused_loss, plan.summary()
+    apply_plan(model, plan)
+    try:
+        compiled = torch.compile(model, backend="inductor")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            out = compiled(input_ids=ids, labels=labels)
+            out.loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            torch.testing.assert_close(out.loss, plain.loss, rtol=1e-5, atol=1e-6)
+            assert grads.keys() == expected.keys()
+            for n in grads:
+                torch.testing.assert_close(grads[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
+    finally:
+        remove_remat(model)
+        torch._dynamo.reset()

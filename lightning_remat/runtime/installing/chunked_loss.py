@@ -90,7 +90,7 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 def refused(model: nn.Module) -> str | None:
     """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own, logits scaled
-    after the head, a masked LM's head), or None."""
+    after the head, a masked LM's head, no causal LM head at all), or None."""
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(getattr(module, "lm_head", None), nn.Linear):
@@ -106,6 +106,10 @@ def refused(model: nn.Module) -> str | None:
             return (f"chunk_loss: {kind} is a masked LM (a transform before its decoder, the loss over masked tokens), "
                     "not a causal LM's linear head and shifted loss: its head and loss are kept whole "
                     "(docs/long_context.md)")
+    if find_head_loss(model) is None:  # a classifier, a speech or translation model: said, not silently ignored
+        return (f"chunk_loss: {type(model).__name__} has no causal LM head and loss (a *ForCausalLM's linear "
+                "lm_head under transformers' causal loss, or a head declared with head_loss): nothing is chunked, "
+                "its head and loss run as the model computes them (docs/long_context.md)")
     return None
 
 

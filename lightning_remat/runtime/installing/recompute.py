@@ -87,9 +87,51 @@ def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: A
             restore.__exit__(None, None, None)
 
 
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # one thing, named per model
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face KV cache (``transformers.Cache`` or a subclass; nothing imported)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments as Hugging Face's ``GradientCheckpointingLayer`` checkpoints a layer: in training,
+    ``use_cache=False`` and no KV cache, unless the layer says it only reads it (``_can_checkpoint_with_cache``).
+
+    A recompute writing the cache would append the keys and values a second time (a layer that attends over
+    the cache then sees twice the sequence); the forward and its recompute both run without it, so they agree.
+    Only the call changes: the model's config and the cache object are left as they are. Other modules'
+    calls pass through.
+
+    Example:
+        >>> import transformers
+        >>> layer = nn.Linear(2, 2)
+        >>> cache = transformers.DynamicCache()
+        >>> _without_cache(layer, (1,), {"cache": cache, "use_cache": True})[1]
+        {'cache': None, 'use_cache': False}
+        >>> _without_cache(layer, (1,), {"cache": {}, "use_cache": True})[1]  # not Hugging Face's
+        {'cache': {}, 'use_cache': True}
+    """
+    hf = type(module).__module__.startswith("transformers.")
+    leaves = [*args, *kwargs.values()]
+    if not module.training or not (hf or any(_is_cache(v) for v in leaves)):
+        return args, kwargs
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    for name in _CACHE_NAMES:
+        if kwargs.get(name) is not None and (hf or _is_cache(kwargs[name])):
+            kwargs[name] = None
+    return tuple(None if _is_cache(a) else a for a in args), kwargs
+
+
 def _recomputed_call(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     if not _needs_graph(args, kwargs, module):
         return call(*args, **kwargs)
+    args, kwargs = _without_cache(module, args, kwargs)
     record = module.__dict__[RECORD]
     options: dict[str, Any] = {"checkpoint": checkpoint, "preserve_rng_state": True}
     for b in BEHAVIOURS:

@@ -120,7 +120,8 @@ def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],
 def use_cache_note(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers"):
-        return ("use_cache=True: this transformers model returns every layer's key/value cache, which stays alive "
-                "until the forward's outputs are released and which recomputation cannot free; set "
-                "model.config.use_cache = False for training (Hugging Face's own checkpointing does)")
+        return ("use_cache=True: this transformers model returns the key/value cache of every layer it does not "
+                "recompute (a recomputed layer runs without it, as under Hugging Face's own checkpointing), which "
+                "stays alive until the forward's outputs are released; set model.config.use_cache = False for "
+                "training")
     return None
