@@ -146,7 +146,8 @@ def test_unsupported_accelerate_modes_are_remat_errors(kind):
     from lightning_remat.integrations.accelerate.accelerator import _check_supported
 
     accelerator = SimpleNamespace(distributed_type=kind, state=SimpleNamespace(dynamo_plugin=None))
-    with pytest.raises(UnsupportedSetupError, match="does not support") as info:
+    # DeepSpeed without a ZeRO stage the package plans is refused naming the stages it does plan.
+    with pytest.raises(UnsupportedSetupError, match="does not support|plans DeepSpeed ZeRO") as info:
         _check_supported(accelerator)
     assert isinstance(info.value, NotImplementedError) and isinstance(info.value, RematError)
     assert issubclass(UnsupportedShardingError, UnsupportedSetupError)
