@@ -77,7 +77,6 @@ def cpu_rows() -> list[dict]:
     case = build("llama", **SIZES)
     model, step = case.model, case.step
     optimizer = torch.optim.AdamW(model.parameters())
-    plain = _grads(model, step)
     real = profile_step(model, step, optimizer=optimizer, options=ProfileOptions(chunk_loss=True, tile_mlp=True))
     fake = profile_step(model, step, options=ProfileOptions(fake=True, gpu="h100", device="cuda", dtype=torch.bfloat16,
                                                             chunk_loss=True, tile_mlp=True, offload=True,
@@ -86,6 +85,7 @@ def cpu_rows() -> list[dict]:
     for mechanism, kinds in MECHANISMS.items():
         on_fake = "offload-input" in kinds
         plan = solve(restricted(fake if on_fake else real, _only(kinds)), "min", cost="flops")
+        plain = _grads(model, step)  # at this row's weights: the rows before stepped the optimizer
         apply_plan(model, plan)
         grads = _grads(model, step)
         measured = _fake_peak(model, step, plan) if on_fake else steady_peak(model, step, optimizer)

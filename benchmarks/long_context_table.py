@@ -143,10 +143,15 @@ def search_row(case: str, start_len: int, max_len: int) -> dict:
         return lambda m: m(input_ids=ids, labels=ids).loss
 
     start = time.perf_counter()
-    result = find_remat_seq_len(model, make_step, "80GB", optimizer=optimizer, cost="flops", fake=True,
-                                precision="bf16-true", device="cuda", gpu="h100", chunk_loss=True, tile_mlp=True,
-                                offload=True, host_memory="1TB", init_val=start_len, max_seq_len=max_len,
-                                multiple_of=1024, verbose=False)
+    try:
+        result = find_remat_seq_len(model, make_step, "80GB", optimizer=optimizer, cost="flops", fake=True,
+                                    precision="bf16-true", device="cuda", gpu="h100", chunk_loss=True, tile_mlp=True,
+                                    offload=True, host_memory="1TB", init_val=start_len, max_seq_len=max_len,
+                                    multiple_of=1024, verbose=False)
+    except Exception as error:  # noqa: BLE001 - no length fits: the error is the answer
+        return dict(kind="search", model=name, mode=mode, seq_len=0, first_failing=None, least_peak_gib=0.0,
+                    binds=" ".join(str(error).split()), failing_binds="", profiles=0, tried=[],
+                    seconds=round(time.perf_counter() - start, 1))
     return dict(kind="search", model=name, mode=mode, seq_len=result.seq_len, first_failing=result.first_failing,
                 least_peak_gib=round(result.plan.predicted_peak_bytes / GiB, 2), binds=binds(result.binding),
                 failing_binds=binds(result.failing_binding), profiles=result.profiles,
@@ -186,10 +191,10 @@ def render(rows: list[dict]) -> str:
                 f"| {r['seconds']:.0f} s |" for r in refusals]
     cpu = [r for r in rows if r["kind"] == "cpu"]
     if cpu:
-        out += ["", "| mechanism | model | predicted peak | measured peak | difference | max abs gradient diff |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {r['mechanism']} | {r['model']} | {r['predicted']:,} B | {r['measured']:,} B "
-                f"| {r['difference']:.3%} | {r['grad_diff']:.1e} |" for r in cpu]
+        out += ["", "| mechanism | model | options chosen | predicted peak | measured peak | predicted - measured "
+                "| max abs gradient diff |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['mechanism']} | {r['model']} | {', '.join(r['options'])} | {r['predicted']:,} B "
+                f"| {r['measured']:,} B | {r['difference']:+.3%} | {r['grad_diff']:.1e} |" for r in cpu]
     return "\n".join(out)
 
 
@@ -216,6 +221,7 @@ def main(argv=None) -> None:
     parser.add_argument("--render", action="store_true", help="only print the tables of --out")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/long_context_profiles"))
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--merge", type=Path, nargs="*", default=[], help="add the rows of these JSON files to --out")
     args = parser.parse_args(argv)
     for case in args.cases:
         for tokens in args.tokens:
@@ -237,6 +243,8 @@ def main(argv=None) -> None:
         rows = cpu_rows()
         args.out.write_text(json.dumps({"rows": merged(args.out, rows)}, indent=1) + "\n")
         print(render(rows), flush=True)
+    for path in args.merge:
+        args.out.write_text(json.dumps({"rows": merged(args.out, json.loads(path.read_text())["rows"])}, indent=1) + "\n")
     if args.render:
         print(render(json.loads(args.out.read_text())["rows"]))
 
