@@ -106,6 +106,7 @@ SLOW = {
     # 3-4 s, the 4-block MLP's 6 s (set-up of the next two), a 2-block transformer's 9 s, on fake tensors 12 s,
     # the command line 8 s, advice (fake sharded re-profiles) 7 s, the example (a tiny Llama) 18 s
     "test_seq_len.py": ("test_a_short_search_holds_the_budget_for_real_and_the_next_length_does_not_fit",
+                        "test_a_tiled_mlp_is_predicted_at_lengths_whose_chunk_counts_differ",  # 4 tiled profiles: 10-17 s CPU
                         "test_the_longest_length_runs_for_real_within_the_budget",
                         "test_the_first_length_past_it_is_over_the_budget_and_what_binds_is_named",
                         "test_a_transformer_at_its_longest_length_holds_the_budget_for_real",
@@ -176,6 +177,7 @@ SLOW = {
     # the trunk run twice: its profile (2 s set-up), real and fake (2.4 s), 5 plans measured and 2 trained (1.3 s)
     "test_calls.py": ("test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute",
                       "test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget"),
+    "test_restricted.py": "*",  # four fake profiles of a tiny Llama with every long-context option: 59 s CPU (5 min loaded)
     "test_user_hooks.py": ("test_hooks_fire_as_without_the_package_under_autoremat",  # 3.5 s
                            "test_hooks_fire_as_without_the_package_under_shape_plans_and_one_that_reads_values_plans"),  # 4 s
 }

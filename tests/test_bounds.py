@@ -90,4 +90,5 @@ def test_a_device_memory_below_the_least_peak_is_refused_even_for_the_least_peak
                                                   r"\(2097152 bytes\): the least peak is") as caught:
         plan_remat(net, lambda m: m(x).square().mean(), "min", device_memory="2MiB")
     assert caught.value.smallest_peak_bytes > caught.value.static_bytes > 2**21
+    assert "At the least peak, what binds: " in str(caught.value)  # the term a shorter step would have to lower
     assert plan_remat(net, lambda m: m(x).square().mean(), "min", device_memory="1GB").predicted_peak_bytes < 2**30

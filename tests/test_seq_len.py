@@ -219,3 +219,22 @@ def test_advice_names_the_knobs_at_the_first_length_that_does_not_fit():
     assert knobs["more GPUs (FSDP2)"]["fits"], result.failing_knobs
     assert knobs["more GPUs (FSDP2)"]["peak_bytes"] < result.row(result.first_failing).least_peak_bytes
     assert f"at {result.first_failing} tokens, more GPUs (FSDP2)" in result.summary()
+
+
+def test_a_tiled_mlp_is_predicted_at_lengths_whose_chunk_counts_differ():
+    """tile_mlp's options are named after their chunk count, which grows with the length ("whole+tile:mlp:4" at 128
+    tokens, ":8" at 256): the fit lines them up without it, and predicts the option a profile at the length has."""
+    from lightning_remat.core.config import ProfileOptions
+
+    from lightning_remat.models import build
+
+    cases = {n: build("llama", batch_size=1, seq_len=n, layers=2, hidden=16, vocab=64) for n in (64, 128, 256, 512)}
+    profiles = {n: profile_step(c.model, c.step, options=ProfileOptions(tile_mlp=True, warmup=0))
+                for n, c in cases.items()}
+    tiled = lambda p: {o.name: o for o in p.stages[0].options if "tile:" in o.name}  # noqa: E731
+    assert set(tiled(profiles[64])) == {"tile:mlp:4", "whole+tile:mlp:4"} and "tile:mlp:32" in tiled(profiles[512])
+    predicted = LengthFit({n: profiles[n] for n in (64, 128, 256)}).at(512)
+    assert tiled(predicted).keys() == tiled(profiles[512]).keys()
+    for name, option in tiled(predicted).items():
+        assert dict(option.extra) == dict(tiled(profiles[512])[name].extra) == {"tile": name.rpartition("+")[2][5:]}
+        assert option.stored_bytes == pytest.approx(tiled(profiles[512])[name].stored_bytes, rel=0.01)

@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 from typing import Mapping
 
-from .memory_model import Profile
+from .memory_model import Profile, StageOption
 from .profile_algebra import combine
 from .shape_fit import NodeWeights
 
@@ -89,7 +89,49 @@ class LengthFit:
         else:
             profiles = [self.nodes[n] for n in nearest]
             weights = parabola_weights(nearest, length)
-        profile = combine(profiles, NodeWeights(weights, profiles[0].static_bytes))
+        profiles = [_count_free(p) for p in profiles]
+        profile = _counted(combine(profiles, NodeWeights(weights, profiles[0].static_bytes)), length / nearest[0])
         made = ", ".join(map(str, dict.fromkeys(nearest)))
         return replace(profile, notes=(*dict.fromkeys(note for p in profiles for note in p.notes),
                                        f"predicted for sequence length {length} from the profiles at {made}"))
+
+
+# An option's setting that ends in a count of sequence chunks (a tiled MLP's "mlp:32", in ``extra`` and at the end of
+# the option's name) is profiled with chunks of about the same size at every length, so the count grows with the
+# length ("tile:mlp:16" at 64K tokens, "tile:mlp:32" at 128K): the fit lines such options up without their count
+# and gives the prediction the count scaled to its length (a power of two, as the profiler picks it).
+
+
+def _counted_setting(option: StageOption) -> tuple[str, str, int] | None:
+    """(extra key, setting without its count, count) of an option named after a counted setting, or None."""
+    for key, value in option.extra:
+        head, _, count = str(value).rpartition(":")
+        if head and count.isdigit() and option.name.endswith(str(value)):
+            return key, head, int(count)
+    return None
+
+
+def _count_free(profile: Profile) -> Profile:
+    """``profile`` with counted settings named without their count (``"whole+tile:mlp"``), their count in ``extra``."""
+    def free(option: StageOption) -> StageOption:
+        found = _counted_setting(option)
+        if found is None:
+            return option
+        key, head, count = found
+        return replace(option, name=option.name[:-len(str(dict(option.extra)[key]))] + head,
+                       extra=tuple((k, (head, count) if k == key else v) for k, v in option.extra))
+    return replace(profile, stages=tuple(replace(s, options=tuple(free(o) for o in s.options)) for s in profile.stages))
+
+
+def _counted(profile: Profile, factor: float) -> Profile:
+    """``_count_free``'s profile named again, each count scaled by ``factor`` (the length over the first node's)."""
+    def counted(option: StageOption) -> StageOption:
+        for key, value in option.extra:
+            if isinstance(value, tuple):
+                head, count = value
+                scaled = max(2, 2 ** round(math.log2(count * factor)))
+                option = replace(option, name=f"{option.name}:{scaled}",
+                                 extra=tuple((k, f"{head}:{scaled}" if k == key else v) for k, v in option.extra))
+        return option
+    return replace(profile, stages=tuple(replace(s, options=tuple(counted(o) for o in s.options))
+                                         for s in profile.stages))

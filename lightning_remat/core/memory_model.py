@@ -15,7 +15,7 @@ additive in between.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .vocabulary import cost_of
 
@@ -202,6 +202,21 @@ def priced(profile: Profile, rate: float) -> Profile:
                            options=tuple(replace(o, cost_seconds=o.cost_flops * rate) for o in stage.options))
                    for stage in profile.stages)
     return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * rate)
+
+
+def restricted(profile: Profile, allowed: Callable[[StageOption], bool]) -> Profile:
+    """``profile`` with only the options ``allowed`` accepts; every stage keeps its first, ``"keep"``. Solving it
+    plans as if the others had not been offered (what an option buys: the least peak with and without it, from one
+    profile).
+
+    Example:
+        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 150, 0.1, 5)
+        >>> p = Profile(stages=(StageProfile("a", (keep, whole)),), segments=())
+        >>> [o.name for o in restricted(p, lambda o: o.name != "whole").stages[0].options]
+        ['keep']
+    """
+    return replace(profile, stages=tuple(
+        replace(s, options=(s.options[0], *(o for o in s.options[1:] if allowed(o)))) for s in profile.stages))
 
 
 def _pairs(items: Any) -> tuple[tuple[str, int], ...]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
+from ..core.binding import Binding
 from ..core.budget import Budget, format_bytes
 from ..core.errors import BudgetTooSmallError
 from ..core.plan import Plan
@@ -47,7 +48,9 @@ def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -
     raise BudgetTooSmallError(total, peak, profile.static_bytes, message=(
         f"No recompute plan fits the target device's memory, device_memory={device_memory!r} ({total} bytes): the "
         f"least peak is {format_bytes(peak)} ({peak} bytes), of which {format_bytes(profile.static_bytes)} is "
-        "parameters, gradients and optimizer state. Give the device's real memory, or reduce the batch size."))
+        "parameters, gradients and optimizer state. Give the device's real memory, or reduce the batch size."
+        # What binds, as a plan says it: what a shorter sequence or another option would have to lower.
+        + (f" At the least peak, {Binding.from_dict(plan.binding).text()}." if plan.binding else "")))
 
 
 def _first_line(error: BaseException) -> str:
