@@ -234,8 +234,9 @@ BUDGET = 3_400_000
 ZERO2 = {"reduce_bucket_size": 64**2, "allgather_bucket_size": 64**2}  # the Trainer's "auto" for hidden 64
 
 
-def _zero2_accelerate_rank(rank: int, port: int) -> dict:
-    """One rank: the stock loop under ``RematAccelerator`` with ZeRO-2, each step measured on its own."""
+def _zero2_accelerate_rank(rank: int, port: int, stage: int = 2, budget=BUDGET, zero: dict = ZERO2) -> dict:
+    """One rank: the stock loop under ``RematAccelerator`` with ZeRO-``stage``, each step measured on its own
+    (``budget`` None: the stock ``Accelerator``, without the package)."""
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -244,12 +245,12 @@ def _zero2_accelerate_rank(rank: int, port: int) -> dict:
     from tests.torch_meter import EverythingPeak
 
     case = small_gpt2()
-    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1)
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1)
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=2, train_batch_size=4, gradient_clipping=0.0,
                                    zero_allow_untested_optimizer=True)
-    plugin.deepspeed_config["zero_optimization"].update(ZERO2)
+    plugin.deepspeed_config["zero_optimization"].update(zero)
     accelerator = RematAccelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
-                                   remat_plugin=RematPlugin(budget=BUDGET))
+                                   remat_plugin=RematPlugin(budget=budget))
     engine, optimizer = accelerator.prepare(case.model, torch.optim.AdamW(case.model.parameters(), lr=1e-3))
     losses, peaks = [], []
     for _ in range(STEPS + 1):
@@ -263,7 +264,7 @@ def _zero2_accelerate_rank(rank: int, port: int) -> dict:
     plan = accelerator.remat_plan
     torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
     return {"engine": type(engine).__name__, "losses": losses, "peaks": peaks, "metrics": accelerator.remat_metrics,
-            "checkpointed": plan.checkpointed, "notes": list(plan.notes)}
+            "checkpointed": plan.checkpointed if plan else [], "notes": list(plan.notes) if plan else []}
 
 
 def _plain_losses_for(steps: int, step=None) -> list:
