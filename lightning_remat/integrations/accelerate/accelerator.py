@@ -131,8 +131,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     Raises:
         AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` in the model, or Accelerate's FSDP2
             ``activation_checkpointing`` on (Hugging Face's own checkpointing is turned off instead, said once).
-        UnsupportedSetupError, UnsupportedShardingError: DeepSpeed other than ZeRO-2/3 without offload, Megatron-LM, XLA, torch.compile,
-            FSDP1.
+        UnsupportedSetupError, UnsupportedShardingError: DeepSpeed other than ZeRO-2/3 without offload,
+            Megatron-LM, XLA, torch.compile, FSDP1.
         ConflictingArgumentsError: the model has a session with other settings already, naming both.
 
     Example:

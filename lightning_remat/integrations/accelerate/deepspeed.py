@@ -47,7 +47,8 @@ def zero_optimizer(optimizers: Any) -> Any:
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     """The bytes of the distinct storages under ``tensors`` (views share their flat buffer's)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.device.type != "meta"}
     storages.pop(0, None)
     return sum(storages.values())
 
