@@ -57,7 +57,7 @@ def _check_supported(accelerator: Any, take_over: bool = False) -> None:
             f"{ENV_BUDGET}.")
     if kind == "DEEPSPEED":
         plugin = getattr(state, "deepspeed_plugin", None)
-        if getattr(plugin, "zero_stage", None) != 2 or _offloaded(plugin):
+        if getattr(plugin, "zero_stage", None) not in (2, 3) or _offloaded(plugin):
             raise UnsupportedSetupError(deepspeed_refusal(plugin))
         return
     if kind in _UNSUPPORTED:
@@ -84,29 +84,24 @@ def deepspeed_refusal(plugin: Any = None) -> str:
 
     Example:
         >>> from types import SimpleNamespace
-        >>> deepspeed_refusal(SimpleNamespace(zero_stage=3)).split(":")[0]
-        'lightning-remat plans DeepSpeed ZeRO-2 only (this is ZeRO stage 3)'
+        >>> deepspeed_refusal(SimpleNamespace(zero_stage=1)).split(":")[0]
+        'lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage 1)'
     """
     stage = getattr(plugin, "zero_stage", None)
     said = "unknown" if stage is None else str(stage)
     why = {
-        3: "under ZeRO-3 DeepSpeed gathers each module's parameters into buffers of its own (its prefetch "
-           "and allgather buckets, the small parameters it keeps whole under stage3_param_persistence_threshold), "
-           "which neither a profile of the model's step nor FSDP2's per-layer model counts: measured on a 3-layer "
-           "GPT-2 over 2 ranks, a rank held 614,521 B (25%) more than that model predicts",
         0: "without ZeRO (stage 0) DeepSpeed's engine reduces whole gradients in buffers of its own; untested",
         1: "ZeRO-1 (optimizer state only) is untested",
     }.get(stage, "DeepSpeed offloads the optimizer or the parameters to another device (offload_optimizer, "
-                 "offload_param), which the plan of this device does not model" if stage == 2 else "untested")
+                 "offload_param), which the plan of this device does not model" if stage in (2, 3) else "untested")
     return (
-        f"lightning-remat plans DeepSpeed ZeRO-2 only (this is ZeRO stage {said}): RematAccelerator, "
-        f"prepare_remat, RematTrainerCallback and {ENV_BUDGET} are refused here, because {why}. What works: "
-        "ZeRO-2 without offload (zero_stage=2), planned per rank with the partitioned gradients and optimizer "
-        "state counted; or plan before prepare: lightning_remat.plan_remat(model, step, budget, optimizer=...) "
-        "on the unsharded model (ZeRO-3: fake=True, world_size=N for the per-rank share), apply_plan(model, "
-        "plan), then accelerator.prepare (or build the Trainer) without RematTrainerCallback and with "
-        f"{ENV_BUDGET} unset, leaving room beside the budget for DeepSpeed's own buffers (docs/accelerate.md, "
-        "'DeepSpeed ZeRO-3: plan, then prepare').")
+        f"lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage {said}): "
+        f"RematAccelerator, prepare_remat, RematTrainerCallback and {ENV_BUDGET} are refused here, because {why}. "
+        "What works: zero_stage=2 or 3 without offload, planned per rank with the partitioned parameters, "
+        "gradients and optimizer state counted; or plan before prepare: lightning_remat.plan_remat(model, step, "
+        "budget, optimizer=...) on the unsharded model, apply_plan(model, plan), then accelerator.prepare (or build "
+        f"the Trainer) without RematTrainerCallback and with {ENV_BUDGET} unset, leaving room beside the budget "
+        "for DeepSpeed's own buffers (docs/accelerate.md, 'DeepSpeed: plan, then prepare').")
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
@@ -136,8 +131,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     Raises:
         AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` in the model, or Accelerate's FSDP2
             ``activation_checkpointing`` on (Hugging Face's own checkpointing is turned off instead, said once).
-        UnsupportedSetupError, UnsupportedShardingError: DeepSpeed other than ZeRO-2, Megatron-LM, XLA, torch.compile,
-            FSDP1.
+        UnsupportedSetupError, UnsupportedShardingError: DeepSpeed other than ZeRO-2/3 without offload,
+            Megatron-LM, XLA, torch.compile, FSDP1.
         ConflictingArgumentsError: the model has a session with other settings already, naming both.
 
     Example:
@@ -243,7 +238,7 @@ class RematAccelerator(Accelerator):
 
     def _prepare_deepspeed(self, *args: Any) -> Any:
         """As Accelerate's (DeepSpeed wraps the model in its engine, not through ``prepare_model``), then
-        ``prepare_remat`` (ZeRO-2; ``_check_supported`` refused the rest)."""
+        ``prepare_remat`` (ZeRO-2 and ZeRO-3; ``_check_supported`` refused the rest)."""
         result = super()._prepare_deepspeed(*args)
         if self.remat_plugin.enabled:
             for obj in result if isinstance(result, (tuple, list)) else (result,):

@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO-2 under Accelerate and the Trainer: each rank's step planned as the whole model's, turned into
-the rank's by ``core.zero.Zero2Facts`` (read here from the live ZeRO optimizer that DeepSpeed built from its
-configuration), and measured with DeepSpeed's master partition and optimizer state counted.
+"""DeepSpeed ZeRO-2 and ZeRO-3 under Accelerate and the Trainer: each rank's step planned as the whole model's,
+turned into the rank's by ``core.zero.Zero2Facts`` / ``Zero3Facts`` (read here from the live ZeRO optimizer that
+DeepSpeed built from its configuration), and measured with DeepSpeed's partitions and optimizer state counted.
 
 Example:
     >>> deepspeed_stage(None) is None
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ...core.memory_model import Profile
-from ...core.zero import Zero2Facts
+from ...core.zero import Zero2Facts, Zero3Facts
 from ...runtime.measuring.meter import PeakWindow
 
 
@@ -31,10 +31,13 @@ def deepspeed_stage(state: Any) -> int | None:
 
 
 def zero_optimizer(optimizers: Any) -> Any:
-    """DeepSpeed's ZeRO-1/2 optimizer inside ``optimizers`` (Accelerate's and the Trainer's wrappers), or None."""
+    """DeepSpeed's ZeRO-1/2 or ZeRO-3 optimizer inside ``optimizers`` (Accelerate's and the Trainer's wrappers),
+    or None."""
     for optimizer in optimizers or ():
-        for _ in range(4):  # AcceleratedOptimizer -> DeepSpeedZeroOptimizer -> the torch optimizer
+        for _ in range(4):  # AcceleratedOptimizer -> DeepSpeedZeroOptimizer(_Stage3) -> the torch optimizer
             if hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "partition_size"):
+                return optimizer
+            if hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "parameter_offload"):
                 return optimizer
             optimizer = getattr(optimizer, "optimizer", None)
             if optimizer is None:
@@ -42,8 +45,29 @@ def zero_optimizer(optimizers: Any) -> Any:
     return None
 
 
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the distinct storages under ``tensors`` (views share their flat buffer's)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.device.type != "meta"}
+    storages.pop(0, None)
+    return sum(storages.values())
+
+
+def zero3_facts(optimizer: Any, model: nn.Module, world: int, held: list[torch.Tensor]) -> Zero3Facts:
+    """``Zero3Facts`` of DeepSpeed's live ZeRO-3 ``optimizer`` over ``model``: its tensors (``held``) measured, the
+    parameters' whole and partitioned sizes read from DeepSpeed's ``ds_numel`` and ``partition_numel()``."""
+    parameters = [p for p in model.parameters() if hasattr(p, "ds_numel")]
+    padding = sum((world * p.partition_numel() - p.ds_numel) * p.element_size() for p in parameters)
+    reduce_bytes = max((t.element_size() for t in held if t.dim() == 1 and t.numel() == optimizer.reduce_bucket_size),
+                       default=parameters[0].element_size() if parameters else 4)
+    return Zero3Facts(world=world, held=_storage_bytes(held), numel=sum(p.ds_numel for p in parameters),
+                      partition=sum(p.partition_numel() for p in parameters), padding=padding,
+                      bucket=int(optimizer.reduce_bucket_size), reduce_bytes=reduce_bytes,
+                      largest=max((p.ds_numel for p in parameters), default=0))
+
+
 class ZeroRank:
-    """One rank under ZeRO-2: ``stand_in()`` (the user's optimizer class over the whole model, for the fake
+    """One rank under ZeRO-2 or ZeRO-3: ``stand_in()`` (the user's optimizer class over the whole model, for the fake
     profile only: never stepped), ``metered`` (DeepSpeed's torch optimizer: its parameters are the master
     partition, its state the rank's), ``steady`` (that state exists) and ``account(profile)``."""
 
@@ -51,6 +75,11 @@ class ZeroRank:
         self.optimizer = optimizer
         self.model = model
         parameters = list(model.parameters())
+        self.stage = 3 if hasattr(optimizer, "fp32_partitioned_groups_flat") else 2
+        self._stand_in: torch.optim.Optimizer | None = None
+        if self.stage == 3:
+            self.facts: Zero2Facts | Zero3Facts = zero3_facts(optimizer, model, world, self.held())
+            return
         self.facts = Zero2Facts(
             world=world, partition=int(sum(int(n) for n in optimizer.partition_size)),
             gradient_bytes=parameters[0].element_size() if parameters else 4,
@@ -59,7 +88,6 @@ class ZeroRank:
             bucket=int(optimizer.reduce_bucket_size), overlap=bool(optimizer.overlap_comm),
             contiguous=bool(optimizer.contiguous_gradients),
             largest=max((p.numel() for p in parameters), default=0))
-        self._stand_in: torch.optim.Optimizer | None = None
 
     @property
     def metered(self) -> torch.optim.Optimizer:
@@ -79,6 +107,8 @@ class ZeroRank:
                 stack.extend((v, depth + 1) for v in value.values())
             elif depth < 3 and type(value).__module__.startswith("deepspeed") and hasattr(value, "__dict__"):
                 stack.extend((v, depth + 1) for v in vars(value).values())  # its buckets' buffers
+        if getattr(self, "stage", 2) == 3:  # ZeRO-3 gives its master partition a gradient of the whole group's size
+            found.extend(t.grad for t in list(found) if t.grad is not None)
         return found
 
     def meter(self) -> PeakWindow:
@@ -104,22 +134,22 @@ class ZeroRank:
         return self._stand_in
 
     def account(self, profile: Profile) -> Profile:
-        """``profile`` (the whole model's step) as this rank holds it (``Zero2Facts.terms``)."""
+        """``profile`` (the whole model's step) as this rank holds it (``Zero2Facts.terms``, ``Zero3Facts.terms``)."""
         state = profile.optimizer_state_bytes
         extra = self.facts.extra_bytes(state)
         stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + extra)
                                                 for o in s.options)) for s in profile.stages)
         segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + extra) for seg in profile.segments)
-        kept = -(-state // self.facts.world) + 4 * self.facts.partition
+        kept = self.facts.kept(state)
         return replace(profile, stages=stages, segments=segments, optimizer_state_bytes=kept,
                        gradient_bytes=profile.gradient_bytes + extra - (kept - state),
                        notes=(*profile.notes, self.facts.note(state))).with_baseline()
 
 
 def zero_rank(state: Any, optimizers: Any, model: nn.Module) -> ZeroRank | None:
-    """The ``ZeroRank`` of ``model`` under Accelerate's DeepSpeed ZeRO-2 once DeepSpeed built its optimizer, else
-    None (``state``: an ``Accelerator`` or ``AcceleratorState``)."""
-    if deepspeed_stage(state) != 2:
+    """The ``ZeroRank`` of ``model`` under Accelerate's DeepSpeed ZeRO-2 or ZeRO-3 once DeepSpeed built its
+    optimizer, else None (``state``: an ``Accelerator`` or ``AcceleratorState``)."""
+    if deepspeed_stage(state) not in (2, 3):
         return None
     optimizer = zero_optimizer(optimizers)
     if optimizer is None:

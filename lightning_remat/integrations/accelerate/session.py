@@ -83,7 +83,7 @@ class RematSession:
         self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._replan: tuple = ()  # (adjust, config) of the plans per shape, to plan them again from a padded batch
         self._unpadded = False  # whether they were made from a batch whose attention masks hold no padding
-        self._zero: ZeroRank | None = None  # DeepSpeed ZeRO-2's rank, once its engine exists
+        self._zero: ZeroRank | None = None  # DeepSpeed ZeRO-2/3's rank, once its engine exists
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
@@ -233,19 +233,19 @@ class RematSession:
         return self._known_optimizer() is None or self._stepped_since_plan
 
     def _find_zero(self) -> None:
-        """Under DeepSpeed ZeRO-2 (refused otherwise, ``_check_supported``), its rank's figures, once."""
+        """Under DeepSpeed ZeRO-2 or ZeRO-3 (refused otherwise, ``_check_supported``), its rank's figures, once."""
         if self._zero is None and deepspeed_stage(self.loop.state) is not None:
             self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
             if self._zero is None:
                 from ...core.errors import UnsupportedSetupError
 
                 raise UnsupportedSetupError(
-                    "lightning-remat under DeepSpeed ZeRO-2 plans each rank from DeepSpeed's ZeRO optimizer, and "
+                    "lightning-remat under DeepSpeed ZeRO-2/3 plans each rank from DeepSpeed's ZeRO optimizer, and "
                     "found none at this training forward: run training forwards after accelerator.prepare (or "
                     "trainer.train), with an optimizer given to it or in the DeepSpeed config")
 
     def _profiled_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer the profile counts: the loop's, or under ZeRO-2 its class over the whole model."""
+        """The optimizer the profile counts: the loop's, or under ZeRO its class over the whole model."""
         return self._zero.stand_in() if self._zero is not None else self._known_optimizer()
 
     def _open_window(self) -> None:
@@ -253,7 +253,7 @@ class RematSession:
         if self.phase == "observe" and self._window is None and (self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
         elif self.phase == "measure" and self._measured is None and self._steady():
-            meter = self._zero.meter() if self._zero is not None else None  # ZeRO-2: DeepSpeed's tensors counted
+            meter = self._zero.meter() if self._zero is not None else None  # ZeRO: DeepSpeed's tensors counted
             self._measured = self.run.window(batches=self._accumulation(), meter=meter)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
@@ -276,7 +276,7 @@ class RematSession:
         """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
         self._template, self._replan = template, (adjust, config)
         self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
-        if self._zero is not None:  # the whole model's step, then what a ZeRO-2 rank holds of it
+        if self._zero is not None:  # the whole model's step, then what a ZeRO rank holds of it
             adjust = (lambda profile, first=adjust: self._zero.account(first(profile)))
         with self._planning():
             self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,

@@ -23,7 +23,7 @@ from ...core.errors import FakeProfileError, where_it_failed
 from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
-from ..measuring.user_hooks import without_user_hooks
+from ..measuring.user_hooks import hook_library, without_user_hooks
 from ...core import hardware
 
 # Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
@@ -65,7 +65,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
             if p is None:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(convert(p.detach()), requires_grad=p.requires_grad)
+                memo[id(p)] = nn.Parameter(convert(whole_parameter(p)), requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]
         for name, b in list(module._buffers.items()):
             if b is None:
@@ -76,6 +76,15 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
                 memo[id(b)] = convert(b)
             module._buffers[name] = memo[id(b)]
     return model
+
+
+def whole_parameter(p: torch.Tensor) -> torch.Tensor:
+    """``p`` detached, or where DeepSpeed ZeRO-3 partitioned it (its data empty, ``ds_shape`` the whole shape) a
+    meta tensor of the whole parameter: a twin computes with whole parameters, as each module does once gathered."""
+    shape = getattr(p, "ds_shape", None)
+    if shape is not None and tuple(p.shape) != tuple(shape):
+        return torch.empty(tuple(shape), dtype=p.dtype, device="meta")
+    return p.detach()
 
 
 def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -140,6 +149,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
             without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
+            without_zero3_hooks(twin)
             # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
             # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin,
             # with the module's methods its closure keeps (the forward it wraps) bound to the twin too.
@@ -147,7 +157,9 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
                 if isinstance(value, types.MethodType) and value.__self__ is module:
                     twin.__dict__[key] = types.MethodType(rebound_closure(value.__func__, module, twin), twin)
             copies[id(module)] = twin
-            object.__setattr__(twin, "_parameters", module._parameters.copy())
+            # A plain dict: DeepSpeed ZeRO-3's ZeROOrderedDict neither copies (it takes its module) nor should run
+            # on a twin (reading a parameter in a forward gathers it).
+            object.__setattr__(twin, "_parameters", dict(dict.items(module._parameters)))
             object.__setattr__(twin, "_buffers", module._buffers.copy())
             object.__setattr__(twin, "_modules", module._modules.copy())
             for name, child in module._modules.items():
@@ -156,6 +168,16 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
         return copies[id(module)]
 
     return copy_module(model)
+
+
+def without_zero3_hooks(twin: nn.Module) -> None:
+    """Drop DeepSpeed's module hooks (ZeRO-3's) from a twin (its hook dictionaries are its own: ``without_user_hooks``):
+    they gather and release the real module's partitioned parameters, and a twin holds whole fake ones."""
+    for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+        hooks = twin.__dict__.get(attribute)
+        for key, hook in list(hooks.items()) if isinstance(hooks, dict) else ():
+            if hook_library(getattr(hook, "hook", hook)) == "deepspeed":  # (ZeRO-2 puts none on modules)
+                del hooks[key]
 
 
 @contextlib.contextmanager
