@@ -277,6 +277,11 @@ class SegmentTracker(Tracker):
     def _parameters(self) -> int:
         return int(_device_totals(self._curr_mem_snap, self.device).get(_MemRefType.PARAM, 0))
 
+    def resharded(self) -> dict[int, int]:
+        """Per place, the parameter bytes freed between its forward's end and the next place's start (FSDP2's reshard)."""
+        return {i: end - self.start_parameters[i + 1] for i, end in self.end_parameters.items()
+                if i + 1 in self.start_parameters}
+
     def _note(self) -> None:
         total = self.current_total()
         if total > self.segment_peaks.get(self.label, -1):

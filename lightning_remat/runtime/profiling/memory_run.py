@@ -104,9 +104,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
     if (offloaded or offload_inputs) and len(set(order)) == len(order):  # a module at several places: as measured
-        resharded = {i: tracker.end_parameters[i] - tracker.start_parameters[i + 1] for i in range(n - 1)
-                     if i in tracker.end_parameters and i + 1 in tracker.start_parameters}
-        stored = net_of_released(stored, tracker.forward_starts, calls, resharded)
+        stored = net_of_released(stored, tracker.forward_starts, calls, tracker.resharded())
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
