@@ -261,6 +261,10 @@ class SegmentTracker(Tracker):
         self.stored: dict[int, int] = {}
         # The total when each stage's (first) forward began: what the gaps between stages released.
         self.forward_starts: dict[int, int] = {}
+        # Parameter bytes (FSDP2's gathered ones included) there and when each stage's forward ended: what the
+        # gap after a stage frees of them is FSDP2 resharding it, not the stage's stored bytes (``net_of_released``).
+        self.start_parameters: dict[int, int] = {}
+        self.end_parameters: dict[int, int] = {}
         self._running: dict[int, int] = {}  # module id -> the place its running forward fills
         # Places whose forward began after every earlier place's backward began (several backward passes):
         # nothing stored before them is alive (``StageProfile.fresh``).
@@ -269,6 +273,14 @@ class SegmentTracker(Tracker):
 
     def current_total(self) -> int:
         return current_total(self, self.device)
+
+    def _parameters(self) -> int:
+        return int(_device_totals(self._curr_mem_snap, self.device).get(_MemRefType.PARAM, 0))
+
+    def resharded(self) -> dict[int, int]:
+        """Per place, the parameter bytes freed between its forward's end and the next place's start (FSDP2's reshard)."""
+        return {i: end - self.start_parameters[i + 1] for i, end in self.end_parameters.items()
+                if i + 1 in self.start_parameters}
 
     def _note(self) -> None:
         total = self.current_total()
@@ -307,6 +319,7 @@ class SegmentTracker(Tracker):
                 self.fresh.add(index)
             self.pre_fw[index] = self.current_total()
             self.forward_starts.setdefault(index, self.pre_fw[index])
+            self.start_parameters.setdefault(index, self._parameters())
             self.label = ("fw", index)
             self._note()
 
@@ -316,6 +329,7 @@ class SegmentTracker(Tracker):
         if index is not None:
             self.stored[index] = self.stored.get(index, 0) + self.current_total() - self.pre_fw.pop(index)
             self.forwards_done[index] = self.forwards_done.get(index, 0) + 1
+            self.end_parameters[index] = self._parameters()
             more = self.forwards_done[index] < self.calls.get(index, 1)
             self.label = ("fw", index) if more else ("gap", index + 1)
             self._note()

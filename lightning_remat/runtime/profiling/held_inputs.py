@@ -26,6 +26,14 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"{key}.{j}", inner
 
 
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``tensor``'s storage: its view base, alive while any view of it is. FSDP2's pre-forward
+    passes a sharded block views of its arguments (``RegisterPostBackwardFunction``), new objects that die with the
+    forward while the tensor they view lives on: an earlier stage's output, not a dead argument."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
 def _storage_bytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
@@ -35,9 +43,9 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
 
 def _ident(tensor: torch.Tensor) -> int:
     try:
-        return tensor.untyped_storage().data_ptr() or id(tensor)
-    except (RuntimeError, NotImplementedError):  # fake or functional tensors: the object stands for it
-        return id(tensor)
+        return tensor.untyped_storage().data_ptr() or id(_root(tensor))
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors: the object owning it stands for it
+        return id(_root(tensor))
 
 
 class DeadInputs:
@@ -59,6 +67,7 @@ class DeadInputs:
                 if self._refs[name] or not planning_runs_here():  # not another thread's forward
                     return
                 for key, tensor in _tensors(args, kwargs):
+                    tensor = _root(tensor)  # dead when no tensor holds its storage, not when a view object dies
                     ref = self._outputs.get(id(tensor))
                     if ref is not None and ref() is tensor:
                         # An earlier stage's output: that stage's stored bytes hold it already (the
@@ -73,6 +82,7 @@ class DeadInputs:
                 if not planning_runs_here():
                     return
                 for _, tensor in _tensors((output,), {}):
+                    tensor = _root(tensor)
                     try:
                         self._outputs[id(tensor)] = weakref.ref(tensor)
                     except TypeError:

@@ -104,7 +104,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
                          "replays). Pass candidates= without these modules, or make their use reproducible.")
     stored = [tracker.stored[i] for i in range(n)]
     if (offloaded or offload_inputs) and len(set(order)) == len(order):  # a module at several places: as measured
-        stored = net_of_released(stored, tracker.forward_starts, calls)
+        stored = net_of_released(stored, tracker.forward_starts, calls, tracker.resharded())
     prefix = [0]
     for s in stored:
         prefix.append(prefix[-1] + s)
@@ -150,13 +150,23 @@ def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
     return [0 if v is None else v for v in local], segments
 
 
-def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int]) -> list[int]:
-    """Stored bytes net of what the gap after each stage's forward released (offload runs: inputs not held)."""
+def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int],
+                    resharded: dict[int, int] | None = None) -> list[int]:
+    """Stored bytes net of what the gap after each stage's forward released (offload runs: inputs not held).
+
+    ``resharded``: per stage, the parameter bytes the gap after it freed (FSDP2 resharding the stage's gathered
+    parameters), released in every run alike: the later terms, measured above the stages' stored bytes, take
+    it into account already, so it does not come off.
+
+    Example:
+        >>> net_of_released([100, 100], {0: 0, 1: 40}, {}, {0: 30})  # 60 freed, 30 of them resharded
+        [70, 100]
+    """
     if any(c > 1 for c in calls.values()) or len(starts) != len(stored):
         return stored
     net = list(stored)
     for i in range(len(stored) - 1):
-        released = starts[i] + stored[i] - starts[i + 1]
+        released = starts[i] + stored[i] - starts[i + 1] - max(0, (resharded or {}).get(i, 0))
         if released > 0:
             net[i] = max(0, stored[i] - released)
     return net
