@@ -6,8 +6,9 @@ The gap they run in becomes a stage with options ``"keep"``, ``"chunks:k"`` (rec
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from ...core.head_cost import HeadShape, fused_cost, recompute_cost
 from ...core.memory_model import Profile, StageOption, StageProfile
 from ...core.vocabulary import OptionKind, option_name
 from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss
+from ..installing.recompute import _without_cache
 from ..measuring.exclusive import planning_runs_here
 from ..measuring.measure import Step
 from ..measuring.observe import ObservedStep
@@ -50,18 +52,52 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
         lambda _, args: shapes.append(_shape(head, args[0])) if planning_runs_here() else None)
     calls = dict(enumerate(observed.position_calls))
     figures = HeadFigures(found.head, n, HeadShape(0, 0, 0), keep_gap[n])
+
+    def gap(head: StageAction | None) -> int:
+        run = memory_run(model, step, observed.positions, calls, [], optimizer, replay,
+                         gradients_alive=accumulation_steps > 1, head=head)
+        return run.segments.get(n, keep_gap[n])
+
     try:
-        for kind, figure in ((StageAction.chunk, figures.chunked), (StageAction.fuse, figures.fused)):
-            for chunks in CHUNK_COUNTS:
-                run = memory_run(model, step, observed.positions, calls, [], optimizer, replay,
-                                 gradients_alive=accumulation_steps > 1, head=kind(found.head, chunks))
-                figure[chunks] = run.segments.get(n, keep_gap[n])
+        # The stages run as a recomputed stage runs them, without a KV cache: a chunked head is planned
+        # where layers are recomputed, and the keep run's gap, its peak in backward after the model's
+        # outputs (and their cache) are gone, is short of a fused head's by the cache, its peak in forward.
+        with _cache_off(model, observed.order) as stripped:
+            for kind, figure in ((StageAction.chunk, figures.chunked), (StageAction.fuse, figures.fused)):
+                for chunks in CHUNK_COUNTS:
+                    figure[chunks] = gap(kind(found.head, chunks))
+            if stripped:  # the whole head measured alike; without a cache, the keep run's gap
+                figures.unchunked = gap(None)
     finally:
         hook.remove()
     if not shapes:
         return None
     figures.shape = max(shapes, key=lambda s: s.tokens)
     return figures
+
+
+@contextlib.contextmanager
+def _cache_off(model: nn.Module, stages: Sequence[str]) -> Iterator[list[str]]:
+    """Each stage called without its KV cache (``use_cache=False``, no cache), as a recomputed stage is called
+    (``installing.recompute``); yields the stages whose call changed (none: a model without a cache)."""
+    modules, stripped, handles = dict(model.named_modules()), [], []
+
+    def hook(name: str) -> Callable:
+        def strip(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            new_args, new_kwargs = _without_cache(module, args, kwargs)
+            if any(a is not b for a, b in zip(args, new_args)) or any(
+                    new_kwargs.get(k) is not v for k, v in kwargs.items()):
+                stripped.append(name)
+            return new_args, new_kwargs
+        return strip
+
+    try:
+        for name in dict.fromkeys(stages):
+            handles.append(modules[name].register_forward_pre_hook(hook(name), with_kwargs=True))
+        yield stripped
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _shape(head: nn.Module, hidden: torch.Tensor) -> HeadShape:
