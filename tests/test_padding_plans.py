@@ -39,16 +39,22 @@ def run(budget=None, steps=(0, 1, 1)):
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     session = remat_session(prepare_remat(model, RematPlugin(budget=budget, cost="flops"))) if budget else None
+    return (*train(model, optimizer, steps), session)
+
+
+def train(model, optimizer, steps, before=lambda batch: None):
+    """(each step's peak, the losses) of SGD steps on ``batches()[i]`` for i in ``steps``; ``before(batch)`` first."""
     peaks, losses, data = [], [], batches()
     for i in steps:
         meter = TorchPeak(model, optimizer).start()
+        before(data[i])
         loss = model(**data[i]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         peaks.append(meter.stop())
         losses.append(loss.item())
-    return peaks, losses, session
+    return peaks, losses
 
 
 def test_the_first_padded_batch_after_unpadded_plans_is_planned_again_and_every_step_holds(monkeypatch, caplog):
@@ -72,15 +78,6 @@ def test_shape_plans_plan_a_padded_batch_again_after_an_unpadded_first(monkeypat
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plans = ShapePlans(model, lambda m, batch: m(**batch).loss, budget, optimizer=optimizer, cost="flops", verbose=False)
-    peaks, losses, data = [], [], batches()
-    for i in (0, 1, 1):
-        meter = TorchPeak(model, optimizer).start()
-        plans.use(data[i])
-        loss = model(**data[i]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        peaks.append(meter.stop())
-        losses.append(loss.item())
+    peaks, losses = train(model, optimizer, (0, 1, 1), before=plans.use)
     assert max(peaks) <= budget, (budget, peaks, plain)
     assert losses == plain_losses and not plans.unpadded and plans.counts.solves == 2

@@ -25,8 +25,25 @@ from dataclasses import dataclass
 from .budget import format_bytes
 
 
+class _RankTerms:
+    """What both stages' facts share: a stage's ``terms`` summed, and said in one note."""
+
+    stage = 0  # the ZeRO stage, set by each subclass
+
+    def extra_bytes(self, optimizer_state_bytes: int) -> int:
+        """What a rank holds beyond the whole-model step: the sum of ``terms``."""
+        return sum(nbytes for _, nbytes in self.terms(optimizer_state_bytes))
+
+    def note(self, optimizer_state_bytes: int) -> str:
+        """The profile's note: the terms, in words."""
+        said = "; ".join(f"{label} {'-' if n < 0 else '+'}{format_bytes(abs(n))}"
+                         for label, n in self.terms(optimizer_state_bytes))
+        return (f"DeepSpeed ZeRO-{self.stage} over {self.world} ranks: per rank, the whole-model step with {said}; "
+                "counted in every term")
+
+
 @dataclass(frozen=True)
-class Zero2Facts:
+class Zero2Facts(_RankTerms):
     """One rank's ZeRO-2 figures: ``world`` ranks, ``partition`` elements per rank (DeepSpeed pads the flat
     parameters so every rank's is equal), element bytes of the gradients (``gradient_bytes``) and of the
     reduction (``reduce_bytes``), ``bucket`` elements (``reduce_bucket_size``), ``overlap`` (``overlap_comm``:
@@ -42,6 +59,7 @@ class Zero2Facts:
         81840
     """
 
+    stage = 2  # not a field: the class says it
     world: int
     partition: int
     gradient_bytes: int = 4
@@ -71,20 +89,10 @@ class Zero2Facts:
         """The optimizer state the rank keeps (its partition's) and DeepSpeed's float32 master partition."""
         return -(-optimizer_state_bytes // self.world) + 4 * self.partition
 
-    def extra_bytes(self, optimizer_state_bytes: int) -> int:
-        """What a rank holds beyond the whole-model step: the sum of ``terms``."""
-        return sum(nbytes for _, nbytes in self.terms(optimizer_state_bytes))
-
-    def note(self, optimizer_state_bytes: int) -> str:
-        """The profile's note: the terms, in words."""
-        said = "; ".join(f"{label} {'-' if n < 0 else '+'}{format_bytes(abs(n))}"
-                         for label, n in self.terms(optimizer_state_bytes))
-        return (f"DeepSpeed ZeRO-2 over {self.world} ranks: per rank, the whole-model step with {said}; "
-                "counted in every term")
 
 
 @dataclass(frozen=True)
-class Zero3Facts:
+class Zero3Facts(_RankTerms):
     """One rank's ZeRO-3 figures, read from the live engine: ``world`` ranks; ``held`` bytes DeepSpeed's ZeRO-3
     optimizer holds from ``deepspeed.initialize`` on (the rank's parameter partition, the float32 master partition
     where it is another tensor, the gradient partitions, the reduce buckets); ``numel`` elements of the whole model
@@ -110,6 +118,7 @@ class Zero3Facts:
         641360
     """
 
+    stage = 3  # not a field: the class says it
     world: int
     held: int
     numel: int
@@ -136,13 +145,3 @@ class Zero3Facts:
                 (f"a reduction's temporary ({temporary} elements: the bucket or the largest parameter)",
                  temporary * self.reduce_bytes)]
 
-    def extra_bytes(self, optimizer_state_bytes: int) -> int:
-        """What a rank holds beyond the whole-model step: the sum of ``terms``."""
-        return sum(nbytes for _, nbytes in self.terms(optimizer_state_bytes))
-
-    def note(self, optimizer_state_bytes: int) -> str:
-        """The profile's note: the terms, in words."""
-        said = "; ".join(f"{label} {'-' if n < 0 else '+'}{format_bytes(abs(n))}"
-                         for label, n in self.terms(optimizer_state_bytes))
-        return (f"DeepSpeed ZeRO-3 over {self.world} ranks: per rank, the whole-model step with {said}; "
-                "counted in every term")
