@@ -12,7 +12,6 @@ gradients are those of the same plan applied to the real model on the CPU (the h
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -44,35 +43,12 @@ def _grads(model, step) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _fake_peak(model, step, plan) -> int:
-    """The step's peak with ``plan`` applied to a fake copy of ``model`` (bf16, attention as an H100 runs it)."""
-    from lightning_remat import apply_plan, remove_remat
-    from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
-    from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode, real_code_paths
-    from lightning_remat.runtime.targets.fake_attention import cuda_attention
-
-    mode = new_fake_mode()
-    fake = fake_model(model, mode, torch.bfloat16)
-    with mode:
-        apply_plan(fake, plan)
-        tracker = Tracker()
-        tracker.track_external(fake)
-        with tracker, warnings.catch_warnings(), real_code_paths(), cuda_attention(True):
-            warnings.simplefilter("ignore")
-            loss = step(fake)
-            loss.backward()
-            del loss
-        peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
-        remove_remat(fake)
-    return peak
-
-
 def cpu_rows() -> list[dict]:
     from lightning_remat import apply_plan, profile_step, remove_remat, solve
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import restricted
     from lightning_remat.models import build
-    from tests.torch_meter import steady_peak
+    from tests.torch_meter import fake_plan_peak, steady_peak
 
     case = build("llama", **SIZES)
     model, step = case.model, case.step
@@ -88,7 +64,7 @@ def cpu_rows() -> list[dict]:
         plain = _grads(model, step)  # at this row's weights: the rows before stepped the optimizer
         apply_plan(model, plan)
         grads = _grads(model, step)
-        measured = _fake_peak(model, step, plan) if on_fake else steady_peak(model, step, optimizer)
+        measured = fake_plan_peak(model, step, plan) if on_fake else steady_peak(model, step, optimizer)
         remove_remat(model)
         diff = max((grads[n] - plain[n]).abs().max().item() for n in plain)
         rows.append(dict(kind="cpu", mechanism=mechanism, model=f"Llama {SIZES['layers']} layers, hidden "

@@ -177,3 +177,29 @@ class EverythingPeak(TorchPeak):
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.prof.start()
         return self
+
+
+def fake_plan_peak(model: torch.nn.Module, step: Any, plan: Any) -> int:
+    """MemTracker's peak of one step with ``plan`` applied to a fake bf16 copy of ``model``, attention as an H100
+    runs it (as a fake profile for a GPU does): how a plan with offloaded inputs is checked on the CPU."""
+    import warnings
+
+    from lightning_remat import apply_plan, remove_remat
+    from lightning_remat.runtime.measuring.tracking import Tracker, snapshot_by_category
+    from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode, real_code_paths
+    from lightning_remat.runtime.targets.fake_attention import cuda_attention
+
+    mode = new_fake_mode()
+    fake = fake_model(model, mode, torch.bfloat16)
+    with mode:
+        apply_plan(fake, plan)
+        tracker = Tracker()
+        tracker.track_external(fake)
+        with tracker, warnings.catch_warnings(), real_code_paths(), cuda_attention(True):
+            warnings.simplefilter("ignore")
+            loss = step(fake)
+            loss.backward()
+            del loss
+        peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), torch.device("cpu"))["Total"]
+        remove_remat(fake)
+    return peak

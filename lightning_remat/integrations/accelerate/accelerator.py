@@ -236,24 +236,22 @@ class RematAccelerator(Accelerator):
         elif self.is_main_process:  # a no-op, said once: remat_plan stays None
             warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
-    def _prepare_deepspeed(self, *args: Any) -> Any:
-        """As Accelerate's (DeepSpeed wraps the model in its engine, not through ``prepare_model``), then
-        ``prepare_remat`` (ZeRO-2 and ZeRO-3; ``_check_supported`` refused the rest)."""
-        result = super()._prepare_deepspeed(*args)
+    def _watch_prepared(self, result: Any) -> Any:
+        """``prepare_remat`` on each training model among what a ``_prepare_*`` override returns, then ``result``."""
         if self.remat_plugin.enabled:
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 if isinstance(obj, nn.Module) and obj.training:
                     prepare_remat(obj, self.remat_plugin, accelerator=self)
         return result
 
+    def _prepare_deepspeed(self, *args: Any) -> Any:
+        """As Accelerate's (DeepSpeed wraps the model in its engine, not through ``prepare_model``), then
+        ``prepare_remat`` (ZeRO-2 and ZeRO-3; ``_check_supported`` refused the rest)."""
+        return self._watch_prepared(super()._prepare_deepspeed(*args))
+
     def _prepare_fsdp2(self, *args: Any) -> Any:
         """As Accelerate's (FSDP2 shards in place, not through ``prepare_model``), then ``prepare_remat``."""
-        result = super()._prepare_fsdp2(*args)
-        if self.remat_plugin.enabled:
-            for obj in result if isinstance(result, (tuple, list)) else (result,):
-                if isinstance(obj, nn.Module) and obj.training:
-                    prepare_remat(obj, self.remat_plugin, accelerator=self)
-        return result
+        return self._watch_prepared(super()._prepare_fsdp2(*args))
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """Prepare as ``Accelerator.prepare_model`` does, and watch the model for recomputation."""
