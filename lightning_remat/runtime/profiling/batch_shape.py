@@ -47,11 +47,8 @@ def marked_size(size: tuple[int, ...], batch_size: int, seq_len: int) -> tuple[i
 
 
 def batch_shape(batch: Any) -> Shape | None:
-    """The shape of a batch; None when it holds no tensor with a dimension.
-
-    The batch size is the leading size most tensors share; the sequence length the largest second size of
-    its two-dimensional *integer* tensors (token ids, masks), else 1; the layout every tensor's size by path.
-    """
+    """The shape of a batch (None: no tensor with a dimension): the leading size most tensors share, the largest
+    second size of its 2-D *integer* tensors (token ids, masks; else 1), every tensor's size by path."""
     named = named_tensors(batch)
     sized = [t for _, t in named if t.dim() >= 1 and t.shape[0] > 0]
     if not sized:
@@ -104,8 +101,6 @@ def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str 
 def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
     """``batch`` at ``shape``: every tensor cycled or cut along each dimension; other values pass unchanged.
 
-    A ``shape`` with a layout must hold the batch's tensors with as many dimensions, else ``ValueError``.
-
     Example:
         >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
         >>> resize_batch((ids,), Shape(1, 5))[0].tolist()
@@ -122,10 +117,9 @@ def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
 
 
 def padding(batch: Any) -> bool | None:
-    """Whether a batch's attention masks (2-D integer tensors at a path ending in ``attention_mask``) hold padding
-    (a zero); None without one. Hugging Face builds no mask for a batch without padding (SDPA runs causal), so such
-    a batch needs less memory than a padded one of the same sizes: its plan is no plan for the padded one. Reading
-    the values syncs with the device once, as Hugging Face's own ``padding_mask.all()`` does every forward.
+    """Whether a batch's attention masks hold padding (None: no mask). Hugging Face builds no mask for a batch
+    without padding, which then needs less memory: its plan is no plan for a padded one. Reading the values syncs
+    with the device once, as Hugging Face's own ``padding_mask.all()`` does every forward.
 
     Example:
         >>> ones, padded = torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 1, 1], [1, 1, 1]])

@@ -1,7 +1,5 @@
-"""Inputs a recomputed stage keeps alive that would otherwise be freed: a term of its stored bytes.
-
-A checkpoint holds its forward's arguments to its backward; some would be freed otherwise (a frozen
-embedding's output under LoRA). Counted in the stage's own stored bytes, so the model stays additive."""
+"""Inputs a recomputed stage's checkpoint keeps alive that would otherwise be freed (a frozen embedding's output
+under LoRA), counted in the stage's own stored bytes so the model stays additive."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns ``tensor``'s storage: its view base, alive while any view of it is. FSDP2's pre-forward
-    passes a sharded block views of its arguments (``RegisterPostBackwardFunction``), new objects that die with the
-    forward while the tensor they view lives on: an earlier stage's output, not a dead argument."""
+    """The view base of ``tensor``: FSDP2's pre-forward passes a block views of its arguments, new objects that
+    die with the forward while the tensor they view (an earlier stage's output) lives on."""
     base = tensor._base
     return tensor if base is None else base
 
@@ -48,10 +45,18 @@ def _ident(tensor: torch.Tensor) -> int:
         return id(_root(tensor))
 
 
-class DeadInputs:
-    """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward.
+class _Hooked:
+    _handles: list[Any]
 
-    Enter it around the forward and call ``check()`` before backward."""
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class DeadInputs(_Hooked):
+    """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward
+    (enter it around the forward, call ``check()`` before backward)."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
         self.model, self.order = model, list(dict.fromkeys(order))
@@ -97,13 +102,8 @@ class DeadInputs:
             self.dead[name] = {key for key, ref in self._refs[name] if ref() is None}
         return self.dead
 
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
-
-class HeldInputs:
+class HeldInputs(_Hooked):
     """During a memory run, the bytes of the dead arguments each recomputed stage (or recomputed child) receives."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str],
@@ -207,8 +207,3 @@ class HeldInputs:
         self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
         for child in children:
             self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

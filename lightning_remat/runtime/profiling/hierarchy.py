@@ -1,7 +1,5 @@
-"""Blocks planned whole or through their children: the stages below the automatic candidates.
-
-A candidate whose forward only chains modules of its own (a CNN stage) may be planned through them, to
-``MAX_DEPTH`` levels; the DP chooses block by block. A block that does more (a residual add) stays whole."""
+"""An automatic candidate whose forward only chains modules of its own (a CNN stage) is planned through them,
+to ``MAX_DEPTH`` levels; one that does more (a residual add) stays whole."""
 
 from __future__ import annotations
 

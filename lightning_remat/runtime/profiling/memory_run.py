@@ -9,7 +9,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ...core.actions import StageAction
 from ...core.errors import RematError
 from ...core.plan import Plan, StageAction
 from ..installing.apply import applied
@@ -26,7 +25,7 @@ from .held_inputs import DeadInputs, HeldInputs
 
 @dataclass
 class MemoryRun:
-    """One step measured with some modules recomputed, in the terms of the memory model."""
+    """One step measured with some modules recomputed (or offloaded), in the terms of the memory model."""
 
     stored: list[int]
     local: list[int]
@@ -105,17 +104,13 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     stored = [tracker.stored[i] for i in range(n)]
     if (offloaded or offload_inputs) and len(set(order)) == len(order):  # a module at several places: as measured
         stored = net_of_released(stored, tracker.forward_starts, calls, tracker.resharded())
+    # A recomputed stage also stores the inputs its checkpoint keeps alive (held_inputs.py); the later terms
+    # are taken net of the bytes only this stage holds.
+    exclusive = held.exclusive
     prefix = [0]
-    for s in stored:
-        prefix.append(prefix[-1] + s)
-    if any(held.bytes):
-        # A recomputed stage also stores the inputs its checkpoint keeps alive (held_inputs.py); the
-        # later terms are taken net of the bytes only this stage holds.
-        exclusive = held.exclusive
-        prefix = [0]
-        for i in range(n):
-            prefix.append(prefix[-1] + stored[i] + exclusive[i])
-        stored = [s + h for s, h in zip(stored, held.bytes)]
+    for i in range(n):
+        prefix.append(prefix[-1] + stored[i] + exclusive[i])
+    stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: stages may free some stored bytes later (FSDP2 reshards), docs/sharded.md.
     local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
     now = snapshot_by_category(tracker.get_tracker_snapshot("current"), device)
@@ -154,9 +149,8 @@ def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, 
                     resharded: dict[int, int] | None = None) -> list[int]:
     """Stored bytes net of what the gap after each stage's forward released (offload runs: inputs not held).
 
-    ``resharded``: per stage, the parameter bytes the gap after it freed (FSDP2 resharding the stage's gathered
-    parameters), released in every run alike: the later terms, measured above the stages' stored bytes, take
-    it into account already, so it does not come off.
+    ``resharded``: per stage, parameter bytes FSDP2's resharding freed in that gap, in every run alike, so the
+    later terms count them already: they do not come off.
 
     Example:
         >>> net_of_released([100, 100], {0: 0, 1: 40}, {}, {0: 30})  # 60 freed, 30 of them resharded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,10 +24,10 @@ class OptimizerStepCost:
     created_state_bytes: int = 0
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def _state_bytes(states: Iterable[Mapping[str, Any]]) -> int:
     seen: set[int] = set()
     total = 0
-    for state in optimizer.state.values():
+    for state in states:
         for v in state.values():
             if isinstance(v, torch.Tensor) and id(v) not in seen:
                 seen.add(id(v))
@@ -52,10 +52,10 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
 def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                         device: str | torch.device | None = None,
                         setting: Mapping[str, bool] | None = None) -> OptimizerStepCost:
-    """Run ``optimizer``'s step on fake copies and count what it allocates.
+    """Run ``optimizer``'s step (several: one after the other) on fake copies and count what it allocates.
 
     ``device``: where the real step runs (its default implementation is measured); ``setting``: param-group
-    keys set first (``{"fused": True}``). Several optimizers step one after the other."""
+    keys set first (``{"fused": True}``)."""
     optimizers = optimizer_list(optimizer)
     if not optimizers:
         return OptimizerStepCost()
@@ -88,7 +88,7 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
     step_peak = 0
     for snapshot in tracker.get_tracker_snapshot("peak").values():
         step_peak += sum(v for k, v in snapshot.items() if getattr(k, "value", k) == "Optstate")
-    state = sum(_state_bytes(clone) for clone in clones)
+    state = sum(_state_bytes(clone.state.values()) for clone in clones)
     # State that does not exist yet will exist during every later step.
     created = sum(_created_bytes(o, clone) for clone, o in zip(clones, optimizers))
     return OptimizerStepCost(state, max(step_peak, state), created)
@@ -97,17 +97,8 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
 def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> int:
     """Bytes of ``clone``'s state for the parameters ``optimizer`` holds no state for yet."""
     real = torch_optimizer(optimizer)
-    seen: set[int] = set()
-    total = 0
-    for group, twin in zip(real.param_groups, clone.param_groups):
-        for p, fake in zip(group["params"], twin["params"]):
-            if real.state.get(p):
-                continue
-            for v in clone.state.get(fake, {}).values():
-                if isinstance(v, torch.Tensor) and id(v) not in seen:
-                    seen.add(id(v))
-                    total += v.untyped_storage().nbytes()
-    return total
+    return _state_bytes(clone.state.get(fake, {}) for group, twin in zip(real.param_groups, clone.param_groups)
+                        for p, fake in zip(group["params"], twin["params"]) if not real.state.get(p))
 
 
 def optimizer_step_alternatives(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
@@ -178,9 +169,8 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
                                         mode: Any = None,
                                         in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
                                         ) -> MeasuredOnRead:
-    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before).
-
-    ``in_depth(measure)``, where given and not None, measures it on a stack's shallow copies instead."""
+    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before),
+    on a stack's shallow copies where ``in_depth(measure)`` gives a figure."""
     def measure() -> dict[str, int]:
         with mode if mode is not None else contextlib.nullcontext():
             # A stack of identical layers: its 4- and 5-layer copies' optimizers, on a line in depth.

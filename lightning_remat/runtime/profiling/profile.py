@@ -1,8 +1,5 @@
-"""Profile one training step in the terms of the memory model (``core.memory_model``).
-
-Each term is measured under the option it describes, so the model reproduces every measured run
-exactly. Gradients, buffers, RNG and optimizer state are put back afterwards.
-"""
+"""Profile one training step in the terms of the memory model, each term measured under the option it
+describes; gradients, buffers, RNG and optimizer state are put back afterwards."""
 
 from __future__ import annotations
 
@@ -51,10 +48,8 @@ from .residual_twins import twin_stages
 from .stage_options import measure_options, option_wraps, span_groups
 from .tiled_options import add_tiled_options, tiled_settings
 
-# What a profile of a compiled model says about its costs (measuring.roofline.option_costs).
 COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
                  "kernels), eager selective checkpointing's per-op cost is not counted")
-# Why a compiled step's head and loss are not planned in chunks (chunk_loss=True).
 CHUNKS_UNDER_COMPILE_NOTE = ("chunk_loss: the step runs under torch.compile, whose inductor fuses the head's chunks "
                              "back together, so their eager figures do not hold; the head and loss are kept whole "
                              "(docs/long_context.md)")
@@ -115,7 +110,6 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     # never compile code first met under our dispatch modes); recompute is priced as compiled.
     compiled, chunk_loss_asked = runs_compiled(model), options.chunk_loss
     if compiled and options.chunk_loss:
-        # The head's chunks are measured eagerly and inductor fuses them back together: not offered.
         warnings.warn(f"lightning-remat: {CHUNKS_UNDER_COMPILE_NOTE}", UserWarning, stacklevel=2)
         options = replace(options, chunk_loss=False)
     # The user's hooks see training forwards only; a fake profile without a device plans for the CPU.
@@ -129,7 +123,6 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
         profile = profile.noted(CHUNKS_UNDER_COMPILE_NOTE)
-    # What the plans solved from it were made for: apply_plan refuses them on other shapes.
     profile = replace(profile, fingerprint=binding_of(model, [*(s.name for s in profile.stages),
                                                                *(m for m, _ in profile.blocks)]))
     refusal = chunked_loss.refused(model) if options.chunk_loss else None
@@ -151,7 +144,7 @@ def _in_forward_context(step: Step, context: contextlib.AbstractContextManager) 
 
 
 def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype | None, str]:
-    """(dtype of parameters, gradients and state; autocast dtype or None; the note that says so)."""
+    """(dtype of parameters, gradients and state; autocast dtype or None; a note)."""
     if options.precision is not None:
         storage, autocast = (getattr(torch, name) if name else None for name in PRECISIONS[options.precision])
         held = f"parameters, gradients and optimizer state in {str(storage).replace('torch.', '')}"
@@ -167,7 +160,7 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   options: ProfileOptions, compiled: bool = False) -> Profile:
-    """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
+    """``_profile`` on a fake twin of the model and optimizer."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
     sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
@@ -205,8 +198,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
         profile = replace(profile, sharding=sharding_info(model, options.world_size, options.candidates, autocast))
         precision_note = sharding_note(profile.sharding)
     else:
-        # The whole model's optimizer (a 4/5-layer extrapolation measured truncated copies'), measured
-        # when first read: only the optimizer-step advice reads it (its clone here steps no more).
+        # Measured when first read: only the optimizer-step advice reads it (its clone here steps no more).
         profile = replace(profile, optimizer_step_alternatives=optimizer_step_alternatives_on_read(
             optimizer, options.device or "cpu", mode,
             in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None))
@@ -307,8 +299,7 @@ def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs:
         profile = profile.noted(f"gradient accumulation over {options.accumulation_steps} micro-batches: "
                                 "profiled as a later micro-batch, with every gradient alive from its start")
     if options.gradient_buckets:
-        # One copy of the trainable gradients, and an allowance for the reducer's small bookkeeping
-        # tensors (core.allowances).
+        # One copy of the trainable gradients, and the reducer's bookkeeping (core.allowances).
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + DDP_REDUCER_ALLOWANCE
         profile = with_always_alive(profile, buckets, f"DDP's gradient buckets, {format_bytes(buckets)} (one copy of "
                                      "the gradients), alive through the whole step; counted in every term")

@@ -1,7 +1,5 @@
-"""Profile a stack of identical layers once: measure 4 and 5 layers, extrapolate to N (fake profiles only).
-
-This module cuts the shallow copies and profiles them with ballast; the fit is ``core.depth_fit.extrapolate``.
-"""
+"""A stack of identical layers profiled as 4- and 5-layer shallow copies with ballast (fake profiles only), for
+``core.depth_fit.extrapolate``."""
 
 from __future__ import annotations
 
@@ -39,9 +37,7 @@ class RepeatedStack:
 
 
 def repeated_stack(model: nn.Module, candidates: Any) -> RepeatedStack | None:
-    """The model's stack of interchangeable layers (at least ``MIN_LAYERS``), or None when its stages are not one.
-
-    Layers may differ only in their own index; a config with per-layer settings that differ is refused."""
+    """The model's stack of at least ``MIN_LAYERS`` layers that differ only in their own index, or None."""
     try:
         names = find_stages(model, candidates)
     except RematError:
@@ -147,10 +143,7 @@ def _sub_optimizer_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> tor
 
 def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
                      run: ProfileRun) -> Profile | None:
-    """The profile of ``model`` extrapolated from ``run`` on 4- and 5-layer copies, or None to profile it whole.
-
-    ``run(model, optimizer, wrap)`` profiles a model with its step replaced by ``wrap(step)``.
-    """
+    """The profile extrapolated from ``run(model, optimizer, wrap)`` on 4- and 5-layer copies, or None."""
     if not getattr(options, "repeated_blocks", True):
         return None
     stack = repeated_stack(model, options.candidates)
@@ -165,9 +158,7 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 def alternatives_in_depth(model: nn.Module, optimizer: Any, options: ProfileOptions,
                           measure: Callable[[Any], dict[str, int]]) -> dict[str, int] | None:
-    """``measure(optimizer)`` of the whole stack from its 4- and 5-layer copies' optimizers, on a line in depth.
-
-    None where the model is not such a stack.
+    """``measure(optimizer)`` of the whole stack on a line through its 4- and 5-layer copies' (None: no stack).
 
     Example:
         >>> import transformers

@@ -1,9 +1,6 @@
-"""The tiled-MLP options of each stage (``tile_mlp=True``): keep, whole and whole+offload-input, each with the
-stage's position-wise child over sequence chunks (``runtime.installing.tiled_mlp``), measured like every option.
-
-Which child is tiled is decided on the profiled batch: a child ``refusal`` accepts, called with one
-(..., sequence, hidden) tensor and returning one of the same leading shape, whose output over chunks equals its
-whole output (real tensors; on fake ones there are no values and the class rule stands alone)."""
+"""The tiled-MLP options of each stage (``tile_mlp=True``): ``BASES`` with the stage's position-wise child over
+sequence chunks. A child is tiled where ``refusal`` accepts it, it maps one (..., sequence, hidden) tensor to one
+of the same leading shape, and on real tensors its output over chunks equals its whole output."""
 
 from __future__ import annotations
 
@@ -77,9 +74,8 @@ def _same_output(module: nn.Module, x: torch.Tensor, output: torch.Tensor, chunk
 
 def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]
                    ) -> tuple[dict[str, str], str]:
-    """Per stage of ``order``, the tiled setting of its position-wise child (stages without one absent), and a note.
-
-    One forward of ``step`` without gradients, watching the children ``refusal`` accepts (every call of each).
+    """Per stage of ``order``, the tiled setting of its position-wise child (found in one forward without
+    gradients), and a note.
 
     Example:
         >>> class TinyMLP(nn.Sequential):
