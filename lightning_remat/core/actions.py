@@ -1,6 +1,5 @@
-"""What a plan does with one stage (``StageAction``), and the rules that make a set of actions installable
-together (``check_actions``): each behaviour contributes its own (``add_rule``).
-"""
+"""What a plan does with one stage (``StageAction``), and the rules each behaviour adds (``add_rule``) that make
+a set of actions installable together (``check_actions``)."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ class StageAction:
         return cls(stage, Action.FUSE, chunks=chunks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain strings, lists and ints; ``chunks`` and ``offload_input`` only where set (older plans read as before).
-        """
+        """Plain strings, lists and ints; ``chunks``, ``offload_input`` and ``extra`` only where set."""
         data = {"stage": self.stage, "action": self.action.value, "modules": list(self.modules),
                 "policy": None if self.policy is None else self.policy.value, "segment": list(self.segment),
                 "offload_limit": self.offload_limit}
@@ -161,7 +159,6 @@ def overlaps(name: str, names: Iterable[str]) -> bool:
 
 
 Rule = Callable[[Sequence[StageAction]], None]
-# The cross-action rules, in the order they run: each behaviour contributes its own (``add_rule``).
 RULES: list[Rule] = []
 
 
@@ -173,9 +170,7 @@ def add_rule(rule: Rule) -> Rule:
 
 
 def check_actions(actions: Sequence[StageAction]) -> None:
-    """Raise ``InvalidPlanError`` (a ValueError) unless every rule of ``RULES`` passes for ``actions``; the
-    installer checks the names against the model.
-    """
+    """Raise ``InvalidPlanError`` unless every rule passes (the installer checks the names against the model)."""
     for rule in RULES:
         rule(actions)
 

@@ -1,8 +1,5 @@
-"""Every fixed byte allowance the package adds to a profile, named, with what it stands for.
-
-An allowance covers memory alive through a step that code outside the profiled ``step(model)`` owns; it is
-added to every term of the memory model, rounded up to whole CUDA allocator blocks (512 bytes), with room.
-"""
+"""Fixed byte allowances for memory alive through a step that code outside ``step(model)`` owns, added to every
+term of the memory model (whole CUDA allocator blocks of 512 bytes, with room)."""
 
 # DDP's reducer keeps small bookkeeping tensors beside its gradient buckets (the buckets are counted exactly).
 DDP_REDUCER_ALLOWANCE = 1024

@@ -1,9 +1,6 @@
-"""The batch-size fit: the memory model at any batch size, and searches over batch sizes, on numbers only.
-
-Every term is ``a + b * batch`` (activations grow, static memory does not): ``ProfileFit`` fits that line
-through profiles at two batch sizes; ``largest_batch`` searches it. ``ForwardFit``: the same line for the peak of
-a loop that does not train (validation, test).
-"""
+"""The batch-size fit: every term is ``a + b * batch`` (activations grow, static memory does not). ``ProfileFit``
+fits it through profiles at two batch sizes, ``ForwardFit`` for a loop that does not train; ``largest_batch``
+searches it."""
 
 from __future__ import annotations
 
@@ -24,9 +21,7 @@ MAX_TRIALS = 10_000
 
 
 class BatchLine:
-    """The batch fit's combiner: every term at ``batch_size``: the line through two profiles' values, or with one
-    value in proportion to the batch beyond its static part.
-    """
+    """Every term at ``batch_size``: the line through two values, or one value scaled beyond its static part."""
 
     def __init__(self, batch_sizes: Sequence[int], batch_size: int, static_bytes: int):
         self.batch_sizes = tuple(batch_sizes)
@@ -191,9 +186,7 @@ class ForwardFit:
 
     @classmethod
     def through(cls, points: Sequence[tuple[int, int]]) -> "ForwardFit":
-        """The line through one or two ``(batch size, working bytes)`` points (one: through zero); a falling line is
-        taken as flat at its larger point.
-        """
+        """The line through one or two ``(batch size, bytes)`` points (one: through zero); falling taken as flat."""
         ordered = sorted(points)
         if not 1 <= len(ordered) <= 2 or ordered[0][0] < 1:
             raise ValueError(f"ForwardFit takes one or two (batch size >= 1, bytes) points, got {points!r}")

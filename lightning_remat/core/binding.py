@@ -1,5 +1,5 @@
-"""What binds: the term of the memory model that attains a plan's peak, and its bytes split into static
-memory, activations earlier stages stored, and the term's own (``plan.binding``).
+"""What binds: the term that attains a plan's peak, its bytes split into static memory, activations earlier
+stages stored, and the term's own (``plan.binding``).
 
 Example:
     >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
@@ -30,9 +30,8 @@ _PARTS = {"static": "static memory", "stored": "stored activations", "own": "its
 
 @dataclass(frozen=True)
 class Binding:
-    """The term that attains a plan's peak and its bytes, split; ``advice``: per optimizer setting, the least
-    peak it would reach; ``host_limit_bytes``: host memory that limited offloading, or None.
-    """
+    """``advice``: per optimizer setting, the least peak it would reach; ``host_limit_bytes``: host memory that
+    limited offloading, or None."""
 
     term: str
     name: str
@@ -71,7 +70,6 @@ class Binding:
 
 
 def term_kind(profile: Profile, term: PeakTerm) -> str:
-    """What a peak term is in a training step (module docstring)."""
     if term.kind != "segment":
         return STAGE
     segment = profile.segments[term.index]

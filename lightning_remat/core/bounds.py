@@ -1,6 +1,4 @@
-"""Bounds of the settings every entry point takes: a typo (``world_size=10**30``, ``--device banana``)
-fails where it is read, with a ``ValueError`` naming it, not deep inside torch.
-"""
+"""Bounds of the settings every entry point takes: a typo (``world_size=10**30``) fails where it is read."""
 
 from __future__ import annotations
 

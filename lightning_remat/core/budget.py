@@ -1,8 +1,5 @@
-"""The memory budget a user gives, parsed once, and byte counts formatted for people.
-
-The budget is the peak memory of a whole training step on the model's device, as
-``torch.cuda.max_memory_allocated`` would report it. torch is imported only to resolve a percentage.
-"""
+"""The memory budget (a whole step's peak, as ``torch.cuda.max_memory_allocated`` reports it), parsed once, and
+byte counts formatted for people; torch is imported only to resolve a percentage."""
 
 from __future__ import annotations
 
@@ -67,9 +64,7 @@ def _is_here(device: Any) -> bool:
 
 @dataclass(frozen=True)
 class Budget:
-    """A budget as the user gave it (``text``): bytes, a share of the device's memory, or ``"min"``.
-
-    ``parse`` checks the form at once; ``resolve`` turns it into bytes on a device.
+    """A budget as the user gave it (``text``): ``parse`` checks the form, ``resolve`` gives bytes on a device.
 
     Example:
         >>> b = Budget.parse("10GB")
@@ -140,9 +135,7 @@ class Budget:
         return format_bytes(nbytes)
 
     def resolve(self, device: Any = None, total_memory: Any = None) -> int | str:
-        """Bytes on ``device`` (or a device of ``total_memory``), or ``"min"``; ValueError above the device's
-        memory, when known.
-        """
+        """Bytes on ``device`` (or a device of ``total_memory``), or ``"min"``; ValueError above its memory."""
         if self.is_min:
             return MIN_BUDGET
         total = None if total_memory is None else Budget.parse(total_memory).nbytes
@@ -161,15 +154,8 @@ class Budget:
 
 
 def parse_budget(value: Any, device: Any = None, total_memory: Any = None) -> int | str:
-    """Turn a user's budget into a number of bytes, or the string ``"min"``.
-
-    Args:
-        value: ``"10GB"`` (kB/MB/GB/TB decimal; KiB/MiB/GiB/TiB and K/M/G/T binary), an ``int`` of
-            bytes, ``"80%"`` of the device's total memory, or ``"min"`` for the memory-minimal plan.
-        device: the device a percentage refers to (default: the CPU, that is the host's memory).
-        total_memory: the total memory of a device that is not here; percentages refer to it.
-
-    Any other value, or a budget above ``total_memory``, raises ``ValueError``.
+    """A user's budget (``ACCEPTED_FORMS``) as bytes, or ``"min"``; ``ValueError`` for any other value or one
+    above the memory of ``device`` (default: the host) or ``total_memory`` (a device that is not here).
 
     Example:
         >>> parse_budget("10GB"), parse_budget("1 GiB"), parse_budget(512), parse_budget("MIN")

@@ -15,7 +15,6 @@ from .errors import BudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
 
-# States kept per module by ``tied_dp`` (see the module's docstring).
 MAX_TIED_FRONTIER = 4_000
 _NONE = -(2**62)  # "no term yet": far below any figure, far from int64's least
 

@@ -1,9 +1,5 @@
-"""What a user asks for, checked once and passed whole: the budget, the cost kind, how to profile.
-
-Every entry point builds one ``RematConfig``; the checks run there, once. Each field's ``help``
-(its ``metadata``) is the one description of that setting: the classes' docstrings and the command
-line's ``--help`` are made from it.
-"""
+"""What a user asks for (budget, cost kind, how to profile), checked once in one ``RematConfig``. Each field's
+``help`` is the one description of that setting: the docstrings and the command line's ``--help`` use it."""
 
 from __future__ import annotations
 
@@ -18,11 +14,8 @@ from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
-# Unset: the target's default (``RematConfig.for_target``): the roofline priced with the GPU's own figures for a
-# GPU in the hardware table; counted FLOPs elsewhere (the same plan on every run and machine).
-DEFAULT_COST = None
+DEFAULT_COST = None  # the target's (``RematConfig.for_target``)
 DTYPES = ("bfloat16", "float16", "float32")
-# Lightning's names for what a fake profile can model: storage dtype and autocast (``vocabulary.Precision``).
 PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
 
 
@@ -144,8 +137,7 @@ class ProfileOptions:
         "(docs/long_context.md)")})
     host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
         "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
-        "share of a typical node with it (core/hardware.py HOST_MEMORY: 256 GiB for an H100, an 8xH100 node's 2 "
-        "TiB over 8), otherwise this machine's free memory")})
+        "share of a typical node with it (core/hardware.py HOST_MEMORY), otherwise this machine's free memory")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -169,9 +161,7 @@ class ProfileOptions:
 
 
 def check_world_size(world_size: Any, fake: bool) -> int:
-    """A world size (GPUs an FSDP2 step is sharded over, 1 to ``MAX_WORLD_SIZE``), else a ``ShardingError``;
-    above 1 only on fake tensors (one process cannot run a real sharded step).
-    """
+    """A world size (1 to ``MAX_WORLD_SIZE``; above 1 only on fake tensors), else a ``ShardingError``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step is "
                             f"sharded over), got {world_size!r}")
@@ -217,11 +207,8 @@ class RematConfig:
 
     def for_target(self, device_type: str, gpu: str | None = None, name: str | None = None
                    ) -> tuple["RematConfig", str | None]:
-        """This config with ``cost`` set for the target where it is unset, and a note saying which and why (None
-        where the cost was given, or on a CPU, whose default changes nothing).
-
-        ``gpu``: the target GPU's key in ``core.hardware.GPUS`` (a fake profile's ``gpu``, or the CUDA device's name
-        matched), None where the table has no entry for it; ``name``: the device's own name, for the note.
+        """This config with ``cost`` set for the target where unset, and a note (None where the cost was given,
+        or on a CPU). ``gpu``: the target's key in ``core.hardware.GPUS`` (None: not in it); ``name``: the device's.
 
         Example:
             >>> config, note = RematConfig("1GB").for_target("cuda", "h100")
@@ -277,8 +264,7 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def profile_options(options: ProfileOptions | None = None, **keywords: Any) -> ProfileOptions:
-    """``options``, or one made from ``keywords``; both (a keyword not at its default) is a ``ConflictingArgumentsError``.
-    """
+    """``options``, or one made from ``keywords``; both is a ``ConflictingArgumentsError``."""
     if options is None:
         return ProfileOptions(**keywords)
     if not isinstance(options, ProfileOptions):

@@ -1,9 +1,6 @@
-"""The depth fit: the profile of N identical layers from profiles of 4 and 5 layers, on numbers only.
-
-A peak is the higher of a forward and a backward figure, each linear in the depth (``Fit``), so
-each copy is profiled with ballast held through forward, then backward, and each figure extrapolated alone;
-a misfit on the measured layers makes ``extrapolate`` return None (the caller profiles every layer).
-"""
+"""The profile of N identical layers from profiles of 4 and 5. A peak is the higher of a forward and a backward
+figure, each linear in the depth, so each copy is profiled with ballast held through forward, then backward, and
+each figure extrapolated alone; a misfit makes ``extrapolate`` return None (the caller profiles every layer)."""
 
 from __future__ import annotations
 
@@ -84,7 +81,6 @@ class Fit:
         return small + (large - small) * (self.layers - DEPTHS[0])
 
     def boundary(self, term: Term, values: Sequence[Any]) -> Any:
-        """``line`` as a combiner of the profile algebra, on the (small, large) values of ``term``."""
         return self.line(*values)
 
     def middles(self, points: Sequence[tuple[int, int]]) -> Callable[[Term, Sequence[Any]], Callable[[int], Any]]:
@@ -102,9 +98,8 @@ class Fit:
 
 
 def pair_figures(up: int, down: int, ballast: int) -> Pair:
-    """A peak's figures from its forward- and backward-ballast values, less the ballast: None where not lifted
-    (that pass never visited the region); lifted in neither run (the optimizer step), both kept.
-    """
+    """A peak's figures less the ballast: None where not lifted (that pass never visited the region); lifted in
+    neither run (the optimizer step), both kept."""
 
     def lifted(value: int) -> int | None:
         # Half the ballast: a lifted figure sits below it where the region's own figure is negative (FSDP2).

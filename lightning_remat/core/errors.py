@@ -117,10 +117,8 @@ class PlanMismatchError(RematError, ValueError):
 
 
 class InstallationMismatchError(RematError, RuntimeError):
-    """What is installed on a model is not what its plan says, so the step does not run.
-
-    ``planned`` and ``installed`` hold both sides per kind of action; ``differences`` names each kind
-    that differs.
+    """What is installed on a model is not what its plan says (``planned``/``installed``: per kind of action), so
+    the step does not run.
 
     Example:
         >>> err = InstallationMismatchError({"recomputed": {"h.0": ""}}, {"recomputed": {}}, "(ShapePlans.use)")
@@ -131,7 +129,7 @@ class InstallationMismatchError(RematError, RuntimeError):
     def __init__(self, planned: dict[str, Any], installed: dict[str, Any], where: str = ""):
         self.planned = planned
         self.installed = installed
-        # Each kind that differs, with both sides (the others are left out: a large model's lists are long).
+        # Only the kinds that differ: a large model's lists are long.
         self.differences = "; ".join(
             f"{key}: the plan says {planned.get(key)!r}, installed is {installed.get(key)!r}"
             for key in dict.fromkeys([*planned, *installed]) if planned.get(key) != installed.get(key))
@@ -145,9 +143,7 @@ class AlreadyCheckpointedError(RematError, ValueError):
 
 
 class FakeProfileError(RematError, RuntimeError):
-    """The model's code cannot run under fake tensors (it reads tensor values, for example).
-
-    ``requested=False``: the fake pass is the package's own, so the advice is not ``fake=False``.
+    """The model's code cannot run under fake tensors; ``requested=False``: the fake pass is the package's own.
 
     Example:
         >>> error = FakeProfileError("aten.nonzero.default", requested=False)

@@ -1,10 +1,5 @@
-"""What computing a causal LM's head and loss over sequence chunks costs beyond computing them whole.
-
-Two ways (``chunk_loss``): each chunk recomputed in backward (``"chunks:k"``), or fused, each chunk's gradients
-computed in forward (``"fused:k"``). Priced per op on a roofline, max(FLOPs / peak FLOP/s, bytes / bandwidth):
-the recomputed projection, the recomputed loss's logits-sized elementwise work, the head's weight read again per
-chunk, the weight's gradient summed per chunk. No torch here: shapes and element sizes in, seconds and FLOPs out.
-"""
+"""What a causal LM's head and loss over sequence chunks, recomputed (``"chunks:k"``) or fused (``"fused:k"``),
+costs beyond computing them whole, priced per op on a roofline: max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
 
 from __future__ import annotations
 
@@ -58,8 +53,7 @@ def _matmuls(shape: HeadShape, tokens: int, flops_per_second: float, bytes_per_s
 
 
 def _chunking(shape: HeadShape, chunks: int, flops_per_second: float, bytes_per_second: float) -> float:
-    """Roofline seconds running the head's matmuls per chunk costs beyond running them whole, with the gradient
-    accumulation's elementwise traffic."""
+    """Roofline seconds the matmuls per chunk and the gradient accumulation cost beyond the whole head."""
     per_chunk = -(-shape.tokens // chunks)
     extra = (chunks * _matmuls(shape, per_chunk, flops_per_second, bytes_per_second)
              - _matmuls(shape, shape.tokens, flops_per_second, bytes_per_second))

@@ -1,7 +1,5 @@
-"""The plan: one typed action per stage (a schedule, as rotor's solvers return one), and what it is
-predicted to cost and save. Every solver returns it, ``core.predict`` prices it, one installer puts it on a
-model; the names it shows (``checkpointed``, ``policies``, ...) are read from its actions.
-"""
+"""The plan: one typed action per stage and its predicted figures; the names it shows (``checkpointed``,
+``policies``, ...) are read from its actions."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ __all__ = ["Plan", "StageAction", "StageChoice", "check_actions", "saved_plan", 
 
 @dataclass(frozen=True)
 class StageChoice:
-    """The option chosen for one stage, with the figures the summary shows.
+    """The option chosen for one stage and its figures.
 
     Example:
         >>> StageChoice("transformer.h.0", "whole", 4096, 1024, 0.01).option
@@ -46,7 +44,6 @@ _DERIVED = ("checkpointed", "segments", "policies", "offloaded", "offload_limits
 
 
 def _read(name: str, value: Any) -> Any:
-    """A name ``to_dict`` writes for readers (``_DERIVED``), as the plan's property returns it."""
     if name in ("checkpointed", "offloaded"):
         return list(module_names(name, value))
     if name == "segments":
@@ -60,9 +57,8 @@ def _read(name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Plan:
-    """A plan for one model under one budget: an action per stage, and its predicted figures (None where not
-    predicted). ``choices``: per stage, the profile's option chosen; ``fingerprint``: what ``apply_plan``
-    checks (docs/plans.md); ``binding``: what binds the predicted peak.
+    """A plan for one model under one budget; figures are None where not predicted. ``fingerprint``: what
+    ``apply_plan`` checks (docs/plans.md); ``binding``: what binds the predicted peak.
 
     Example:
         >>> plan = Plan([StageAction.recompute("h.0")], budget_bytes=2**30, baseline_peak_bytes=2**31,
@@ -134,13 +130,13 @@ class Plan:
 
     @property
     def chunked_loss(self) -> dict[str, int]:
-        """Per causal LM head computed with its loss over sequence chunks (recomputed or fused), the number of chunks."""
+        """Per chunked head (recomputed or fused), its number of sequence chunks."""
         return {a.stage: a.chunks for a in self.actions
                 if a.action in (Action.CHUNK, Action.FUSE) and a.chunks is not None}
 
     @property
     def fused_loss(self) -> dict[str, int]:
-        """The heads of ``chunked_loss`` fused: each chunk's gradients computed in forward, nothing recomputed."""
+        """The heads of ``chunked_loss`` fused (each chunk's gradients computed in forward)."""
         return {a.stage: a.chunks for a in self.actions if a.action is Action.FUSE and a.chunks is not None}
 
     @property
@@ -160,11 +156,10 @@ class Plan:
 
     @property
     def fallback(self) -> bool:
-        """Whether nothing is predicted (a plan made without a profile)."""
         return self.predicted_peak_bytes is None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``Plan.from_dict`` rebuilds an equal plan. It also holds the names the actions say."""
+        """A JSON-safe dict (with the names the actions say); ``Plan.from_dict`` rebuilds an equal plan."""
         data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
         data.update(actions=[a.to_dict() for a in self.actions], choices=[asdict(c) for c in self.choices],
                     notes=list(self.notes), cost_kind=self.cost_kind.value, fallback=self.fallback,

@@ -1,6 +1,4 @@
-"""A plan as plain text, the one way it is written everywhere (no rich, no torch): ``Plan.summary()`` is
-this text; ``report.render`` shows the same lines in a rich table.
-"""
+"""A plan as plain text (no rich, no torch): ``Plan.summary()``, and the lines ``report.render`` tabulates."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute 
 
 
 def _size(plan: Any) -> Any:
-    """Sizes in the units the plan's budget was given in (decimal in, decimal out)."""
     return partial(format_in_units_of, plan.requested_budget)
 
 

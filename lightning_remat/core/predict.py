@@ -1,8 +1,5 @@
-"""The one predictor: a plan's peak, recompute cost and host bytes, read from its actions.
-
-Each action is matched to the profile's option that does it, and priced with the memory model;
-``actions_of`` goes the other way, from the solver's option indices and spans.
-"""
+"""The one predictor: a plan's peak, recompute cost and host bytes, each action matched to the profile's option
+that does it; ``actions_of`` goes the other way, from the solver's option indices and spans."""
 
 from __future__ import annotations
 
@@ -19,10 +16,7 @@ from .vocabulary import Action, CostKind
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the memory model says of a plan.
-
-    ``cost`` includes unhidden transfers; ``overhead`` is it over a plain step's (0.0 if unknown).
-    """
+    """``cost`` includes unhidden transfers; ``overhead`` is it over a plain step's (0.0 if unknown)."""
 
     peak_bytes: int
     cost: float
@@ -58,9 +52,7 @@ def option_index(stage: StageProfile, action: StageAction) -> int:
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The option index of each stage and the spans ``(first, last)`` for ``actions`` (no action: kept); actions
-    for every stage in order are read by position. ValueError for a stage or option the profile lacks.
-    """
+    """The option index of each stage (no action: kept) and the spans ``(first, last)`` for ``actions``."""
     names = [s.name for s in profile.stages]
     # A block recomputed whole (``Profile.blocks``) is one action naming the block: its stages' span.
     blocks = {module: (first, last) for first, last, module in block_ranges(profile)}

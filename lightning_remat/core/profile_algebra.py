@@ -1,9 +1,5 @@
-"""One algebra for profiles: combine aligned profiles number by number, whatever the job.
-
-The batch, depth and shape fits and the rank merge each build a profile from others with a *combiner*,
-``combiner(term, values) -> value``; ``combine`` walks every field for all of them, so a new numeric field
-needs no list kept in sync. ``_DECLARED`` lists the exceptions to "a per-sample figure, never below zero".
-"""
+"""Combine aligned profiles number by number with a *combiner* ``(term, values) -> value`` (the batch, depth and
+shape fits, the rank merge): ``combine`` walks every field, so a new numeric field needs no list kept in sync."""
 
 from __future__ import annotations
 
@@ -161,10 +157,8 @@ def largest(term: Term, values: Sequence[Any]) -> Any:
 
 
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:
-    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: lacking it).
-
-    Numbers go through ``combiner``, structure through ``structure`` (left out under ``first_present``).
-    """
+    """The fields of one node, children excepted, combined from aligned ``nodes`` (None: lacking it); structure
+    through ``structure`` (left out under ``first_present``)."""
     present = [n for n in nodes if n is not None]
     owner = type(present[0])
     out = {}
@@ -181,10 +175,8 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
 
 def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = first_present,
             derive: bool = True) -> Any:
-    """One node (a profile, stage, option or segment) combined from aligned ``nodes``, children and all.
-
-    Children line up as ``_CHILDREN`` says; derived figures are recomputed unless ``derive`` is False.
-    Raises ValueError for inputs that cannot be aligned.
+    """One node combined from aligned ``nodes``, children lined up as ``_CHILDREN`` says (ValueError where they
+    cannot be); derived figures recomputed unless ``derive`` is False.
 
     Example:
         >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)

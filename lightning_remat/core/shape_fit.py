@@ -1,9 +1,7 @@
-"""The shape fit: a profile at any batch size and sequence length, from profiles at a few shapes.
+"""The shape fit: a profile at any batch size and sequence length from profiles at a few shapes (docs/shapes.md).
 
-Memory is a polynomial in ``b``, ``b * s`` and ``b * s**2`` with non-negative coefficients, so a chord
-between nodes (``chord_weights``) lies above the peak: a plan on a bracketed shape holds its budget. Outside
-the nodes the least-squares law (``law_weights``) only predicts. See docs/shapes.md.
-"""
+Memory is a polynomial in ``b``, ``b * s`` and ``b * s**2`` with non-negative coefficients, so a chord between
+nodes lies above the peak; outside the nodes the least-squares law only predicts."""
 
 from __future__ import annotations
 
@@ -20,10 +18,8 @@ from .shapes import Shape, ladder_down, ladder_up
 
 
 class NodeWeights:
-    """The shape fit's combiner: each term as ``offset + sum(w * (value - offset))`` over the nodes.
-
-    ``offset`` is ``static_bytes`` for a peak, else 0; a node that lacks the term is left out, the others rescaled.
-    """
+    """Each term as ``offset + sum(w * (value - offset))`` (``offset``: ``static_bytes`` for a peak, else 0); a
+    node that lacks the term is left out, the others rescaled."""
 
     def __init__(self, weights: Sequence[float], static_bytes: int):
         self.weights = tuple(float(w) for w in weights)
@@ -53,14 +49,12 @@ def _bracket(values: Sequence[int], x: int) -> list[tuple[int, float]] | None:
 
 
 def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
-    """The nodes of ``target``'s layout: the only ones it is interpolated between."""
     return [node for node in nodes if node.layout == target.layout]
 
 
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Interpolation weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout, linear in ``s`` then
-    in ``b``; None when no nodes bracket ``target``.
-    """
+    """Weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout, linear in ``s`` then ``b``; None
+    when no nodes bracket it."""
     by_batch: dict[int, list[int]] = {}
     for node in _family(nodes, target):
         by_batch.setdefault(node.batch_size, []).append(node.seq_len)
@@ -82,9 +76,8 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target``, fit through
-    the nodes of its layout; None with fewer than four independent ones.
-    """
+    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target`` (None with
+    fewer than four independent nodes)."""
     nodes = _family(nodes, target)
     if len(nodes) < 4:
         return None
@@ -108,11 +101,8 @@ def _scaled_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float]
 
 
 class Anchored:
-    """The combiner that carries an anchor's difference from its node to another shape.
-
-    An excess ``d > 0`` is carried as ``d * max(1, r)``, a shortfall as ``d * min(1, r)`` (``r``: ``token_ratio``),
-    so either errs high; seconds are carried as a ratio.
-    """
+    """Carries an anchor's difference ``d`` from its node to another shape: an excess as ``d * max(1, r)``, a
+    shortfall as ``d * min(1, r)`` (``r``: ``token_ratio``), so either errs high; seconds as a ratio."""
 
     def __init__(self, token_ratio: float, static_bytes: int):
         self.token_ratio = float(token_ratio)
@@ -136,10 +126,8 @@ class Anchored:
 
 
 class ShapeFit:
-    """Profiles at a few shapes (the *nodes*, same stages), extended to any shape.
-
-    ``anchor``: ``(shape, profile)`` trusted at one node's shape; its difference is carried to every shape.
-    """
+    """Profiles at a few shapes (the *nodes*) extended to any shape; ``anchor``: ``(shape, profile)`` trusted at
+    one node's shape, its difference carried to every shape."""
 
     def __init__(self, nodes: Mapping[Shape, Profile], anchor: tuple[Shape, Profile] | None = None):
         if not nodes:
@@ -162,9 +150,7 @@ class ShapeFit:
         return chord_weights(list(self.nodes), shape) is not None
 
     def missing_nodes(self, shape: Shape, per_octave: int = 4, limit: Shape | None = None) -> list[Shape]:
-        """The nodes to profile so that ``shape`` is bracketed (empty when it is): on the ladder (``core.shapes``)
-        around ``shape``, never beyond ``limit`` unless ``shape`` is.
-        """
+        """The nodes on the ladder to profile so that ``shape`` is bracketed, never beyond ``limit`` unless it is."""
         if self.bounded(shape):
             return []
 

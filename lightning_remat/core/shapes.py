@@ -1,8 +1,5 @@
-"""Batch shapes and the ladder they are rounded to: what a plan that follows the batch's shape is made for.
-
-``ShapeBuckets`` rounds shapes up a ladder of a few steps per doubling (``ladder_up``), so a run plans few
-distinct shapes and never one smaller than its batch's.
-"""
+"""Batch shapes, and the ladder of a few steps per doubling they are rounded up to (``ShapeBuckets``), so a run
+plans few distinct shapes and never one smaller than its batch's."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable
 
-# Markers in a layout's sizes for the batch and sequence dimensions (the shape's batch size and sequence length).
+# Markers in a layout's sizes for the batch and sequence dimensions.
 BATCH, SEQUENCE = -1, -2
 _MARKS = {BATCH: "b", SEQUENCE: "s"}
 
@@ -40,10 +37,8 @@ def _entries(layout: Iterable[Any]) -> tuple[Entry, ...]:
 
 @dataclass(frozen=True, order=True, repr=False)
 class Shape:
-    """A batch's shape: batch size, sequence length (1 without one) and ``layout``.
-
-    ``layout``: every tensor as ``(path, sizes)``, ``sizes`` with ``BATCH`` and ``SEQUENCE`` markers; empty for a
-    plain ``(b, s)`` tensor. ``covers`` and ``union`` hold only between shapes of the same paths and dimensions.
+    """A batch's shape; ``layout``: every tensor as ``(path, sizes)`` with ``BATCH`` and ``SEQUENCE`` markers, empty
+    for a plain ``(b, s)`` tensor. ``covers`` and ``union`` need shapes of the same paths and dimensions.
 
     Example:
         >>> small = Shape(8, 1, (("image", (BATCH, 3, 32, 32)),))
@@ -130,9 +125,7 @@ class Shape:
 
 
 def ladder_up(n: int, per_octave: int = 4) -> int:
-    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n`` (every integer up to
-    ``2 * per_octave``, then ``per_octave`` steps per doubling).
-    """
+    """The smallest value of the ladder ``{2**k * (1 + j / per_octave)}`` at or above ``n``."""
     if n <= 2 * per_octave:
         return max(1, n)
     step = 2 ** (n.bit_length() - 1) // per_octave  # the ladder's step within n's octave
@@ -149,9 +142,7 @@ def ladder_down(n: int, per_octave: int = 4) -> int:
 
 @dataclass(frozen=True)
 class ShapeBuckets:
-    """How shapes are rounded up before they are planned: up the ``ladder_up`` ladder (``per_octave=0``: not at
-    all), never beyond ``max_shape``; a layout's sizes are rounded only where they vary.
-    """
+    """Shapes rounded up the ladder before planning (``per_octave=0``: not at all), never beyond ``max_shape``."""
 
     per_octave: int = 4
     max_shape: Shape | None = None

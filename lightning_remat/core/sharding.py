@@ -1,7 +1,4 @@
-"""Per-GPU figures of a sharded (FSDP2) plan: how the peak splits, how many GPUs a budget needs.
-
-A sharded profile is measured per GPU: parameters, gradients and optimizer state are that rank's shards.
-"""
+"""How many GPUs a sharded (FSDP2) plan's budget needs; its figures are per GPU (that rank's shards)."""
 
 from __future__ import annotations
 
@@ -15,9 +12,8 @@ __all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
 
 
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
-    """The least world size at which the least peak per GPU is estimated to fit ``budget``, or None: only
-    ``sharded_static`` (at ``world_size``) divides by the world size.
-    """
+    """The least world size at which the least peak per GPU would fit ``budget`` (None: none would), dividing
+    only ``sharded_static`` (at ``world_size``) by the world size."""
     rest = least_peak - sharded_static
     room = budget - rest
     if room <= 0:
@@ -26,9 +22,7 @@ def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, b
 
 
 def solve_sharded(profile: Any, budget: int | str, cost: str) -> Any:
-    """``solve``; on a sharded profile a ``BudgetTooSmallError`` becomes a ``ShardedBudgetTooSmallError``
-    naming the least world size estimated to fit.
-    """
+    """``solve``, raising ``ShardedBudgetTooSmallError`` (naming a world size) on a sharded profile."""
     from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
     from .solve import solve
 

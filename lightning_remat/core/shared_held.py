@@ -1,9 +1,5 @@
-"""Inputs several recomputed stages hold (``position_ids``, which every layer receives): counted once.
-
-The additive model counts such a tensor in every checkpoint that holds it; ``exact_peak`` counts it once
-(still at or above the truth), and ``slack`` bounds the over-count so the solver can search within budget
-plus slack.
-"""
+"""Inputs several recomputed stages hold (``position_ids``): the additive model counts them in every holder,
+``exact_peak`` once; ``slack`` bounds the over-count so the solver can search within budget plus slack."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The exact solver: least recompute cost subject to a predicted peak within the budget.
-
-A dynamic programme over stages keeps the Pareto frontier of (bytes stored so far, cost so far): fewer stored
-bytes never hurt a later constraint, so it is exact. ``budget="min"`` uses the same frontier over (stored bytes,
-peak so far), then takes the least-cost plan at that peak.
-"""
+"""The exact solver: a dynamic programme over stages keeping the Pareto frontier of (bytes stored, cost so far),
+exact since fewer stored bytes never hurt a later term; ``budget="min"`` uses (stored bytes, peak so far)."""
 
 from __future__ import annotations
 
@@ -172,9 +168,7 @@ def least_peak(profile: Profile) -> int:
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``) as option indices and spans, or
-    BudgetTooSmallError.
-    """
+    """The least-cost plan within ``budget`` (bytes or ``"min"``), or BudgetTooSmallError."""
     CostKind.check(cost)
     arrays = _arrays(profile, cost)
     if not profile.stages:
@@ -205,7 +199,7 @@ def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], bu
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
                       requested_budget: str = "", spans: Sequence[tuple[int, int]] = ()) -> Plan:
-    """The Plan for given option indices and spans, priced by ``predict.predict``."""
+    """The Plan for given option indices and spans."""
     kind = CostKind.check(cost)
     actions = actions_of(profile, choices, spans)
     predicted = predict(profile, actions, kind)
@@ -266,9 +260,7 @@ def _binding(profile: Profile, term: Any) -> dict[str, Any] | None:
 
 def solve_recompute_everything(stages: Sequence[str], budget: int | str, cost: str = "time",
                                requested_budget: str = "", note: str = "") -> Plan:
-    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole, nothing
-    predicted.
-    """
+    """The plan made without a profile (profiling ran out of memory): every stage recomputed whole."""
     return Plan(actions=[StageAction.recompute(s) for s in stages],
                 budget_bytes=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
                 baseline_peak_bytes=None, predicted_peak_bytes=None, predicted_overhead=None,

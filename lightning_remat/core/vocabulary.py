@@ -1,6 +1,5 @@
 """The words plans and profiles are made of, as ``str`` enums (members equal their values, as torch's
-``CheckpointPolicy``): cost kinds, option kinds, plan actions, selective-checkpointing policies, precisions.
-``check`` turns a user's string into a member or a ValueError naming what is accepted.
+``CheckpointPolicy``); ``check`` turns a user's string into a member or a ValueError naming what is accepted.
 
 Example:
     >>> OptionKind.of("sac:save_matmuls"), OptionKind.of("attn")
@@ -30,6 +29,12 @@ class _Words(str, Enum):
     def values(cls) -> tuple[str, ...]:
         return tuple(m.value for m in cls)
 
+    @classmethod
+    def _member(cls, value: Any, what: str, accepted: Any = None) -> Any:
+        if isinstance(value, str) and value in cls.values():
+            return cls(value)
+        raise ValueError(f"{what} must be one of {cls.values() if accepted is None else accepted}, got {value!r}")
+
 
 class CostKind(_Words):
     """What recomputation is priced in."""
@@ -40,10 +45,7 @@ class CostKind(_Words):
 
     @classmethod
     def check(cls, kind: Any) -> "CostKind":
-        """The member named by ``kind``, or a ValueError naming what is accepted."""
-        if isinstance(kind, str) and kind in cls.values():
-            return cls(kind)
-        raise ValueError(f"cost must be one of {cls.values()}, got {kind!r}")
+        return cls._member(kind, "cost")
 
 
 def cost_of(kind: Any, seconds: float, flops: float, roofline: float) -> float:
@@ -112,8 +114,7 @@ _FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
 
 
 def option_name(kind: OptionKind, policy: Any = None) -> str:
-    """The option name of a kind: ``"keep"``, ``"whole"``, ``"offload"``, ``"offload:hidden"``,
-    ``"sac:" + policy``, ``"chunks:" + count`` or ``"fused:" + count`` (``policy`` is then the number of chunks).
+    """The option name of a kind; ``policy``: a policy's name, or the number of chunks of ``CHUNKS`` and ``FUSED``.
 
     Example:
         >>> option_name(OptionKind.FUSED, 8), OptionKind.of("fused:8")
@@ -152,9 +153,7 @@ class Action(_Words):
 
     @classmethod
     def check(cls, action: Any) -> "Action":
-        if isinstance(action, str) and action in cls.values():
-            return cls(action)
-        raise ValueError(f"a stage's action must be one of {cls.values()}, got {action!r}")
+        return cls._member(action, "a stage's action")
 
 
 class Precision(_Words):
@@ -178,9 +177,7 @@ class Precision(_Words):
 
     @classmethod
     def check(cls, precision: Any) -> "Precision":
-        if isinstance(precision, str) and precision in cls.values():
-            return cls(precision)
-        raise ValueError(f"precision must be one of {sorted(cls.values())}, got {precision!r}")
+        return cls._member(precision, "precision", sorted(cls.values()))
 
 
 _PRECISION_DTYPES = {

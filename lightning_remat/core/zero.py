@@ -1,21 +1,10 @@
-"""What one rank of DeepSpeed ZeRO-2 (``Zero2Facts``) or ZeRO-3 (``Zero3Facts``, its own docstring) holds beside
-a whole-model step, computed from its configuration and the parameter count (no torch here:
-``integrations.accelerate.deepspeed`` reads the figures from the live engine).
+"""What one rank of DeepSpeed ZeRO-2 (``Zero2Facts``) or ZeRO-3 (``Zero3Facts``) holds beside a whole-model step,
+from its configuration and the parameter count (``integrations.accelerate.deepspeed`` reads them from the engine).
 
-ZeRO-2 keeps every parameter whole on every rank and partitions the gradients and the optimizer state. A profile
-of the whole model's step (whole parameters, whole gradients, the whole optimizer state and its step) is turned
-into a rank's by these terms, each counted in every term of the step (a bound, not a timeline):
-
-- the optimizer state: the rank keeps its partition, ``1/N`` of the whole (the rest is subtracted);
-- DeepSpeed's float32 master copy of the rank's partition (the optimizer steps it, then copies it back);
-- the gradient partition (``contiguous_gradients``): allocated at the first gradient of the rank's partition,
-  which may come early in backward, while the activations are at their largest;
-- the reduce bucket (``reduce_bucket_size`` elements; two with ``overlap_comm``) and one reduction's temporary,
-  as large as the bucket or the largest parameter (a parameter larger than the bucket is reduced on its own).
-
-The whole gradients the profile counts bound what the rank holds of them otherwise: the gradients not yet
-reduced, and in the optimizer step the partition and its flattened copy (2/N of the whole, at most the whole
-for N >= 2).
+Each term is counted in every term of the step (a bound, not a timeline). ZeRO-2 pitfalls: the gradient partition
+is allocated at the first gradient of the rank's partition, which may come early in backward, at the activations'
+largest; a parameter larger than the reduce bucket is reduced on its own. The whole gradients the profile counts
+bound the rank's unreduced gradients and, in the optimizer step, its partition and flattened copy (2/N <= 1).
 """
 
 from __future__ import annotations
@@ -26,8 +15,6 @@ from .budget import format_bytes
 
 
 class _RankTerms:
-    """What both stages' facts share: a stage's ``terms`` summed, and said in one note."""
-
     stage = 0  # the ZeRO stage, set by each subclass
 
     def extra_bytes(self, optimizer_state_bytes: int) -> int:
@@ -59,7 +46,7 @@ class Zero2Facts(_RankTerms):
         81840
     """
 
-    stage = 2  # not a field: the class says it
+    stage = 2  # not a field
     world: int
     partition: int
     gradient_bytes: int = 4
@@ -70,8 +57,7 @@ class Zero2Facts(_RankTerms):
     largest: int = 0
 
     def terms(self, optimizer_state_bytes: int) -> list[tuple[str, int]]:
-        """(label, bytes) of what a rank holds beside a whole-model step whose optimizer state is
-        ``optimizer_state_bytes`` (the whole model's); negative where it holds less."""
+        """(label, bytes) of what a rank holds beside a whole-model step; negative where it holds less."""
         kept = -(-optimizer_state_bytes // self.world)
         terms = [(f"optimizer state beyond the rank's partition (1/{self.world} kept)", kept - optimizer_state_bytes),
                  (f"DeepSpeed's float32 master partition ({self.partition} elements)", 4 * self.partition)]
@@ -90,24 +76,16 @@ class Zero2Facts(_RankTerms):
         return -(-optimizer_state_bytes // self.world) + 4 * self.partition
 
 
-
 @dataclass(frozen=True)
 class Zero3Facts(_RankTerms):
-    """One rank's ZeRO-3 figures, read from the live engine: ``world`` ranks; ``held`` bytes DeepSpeed's ZeRO-3
-    optimizer holds from ``deepspeed.initialize`` on (the rank's parameter partition, the float32 master partition
-    where it is another tensor, the gradient partitions, the reduce buckets); ``numel`` elements of the whole model
-    and ``partition`` of the rank's (padded); ``padding`` bytes a gather adds to the whole parameters (each is
-    gathered as ``world`` equal partitions); ``bucket`` elements (``reduce_bucket_size``), ``reduce_bytes`` per
-    element, the ``largest`` parameter's elements.
+    """One rank's ZeRO-3 figures, read from the live engine: ``held`` bytes DeepSpeed's optimizer holds from
+    ``deepspeed.initialize`` on (parameter, float32 master and gradient partitions, reduce buckets); ``numel``
+    elements of the whole model, ``partition`` of the rank's (padded); ``padding`` bytes a gather adds (each
+    parameter is gathered as ``world`` equal partitions); the rest as in ``Zero2Facts``.
 
-    ZeRO-3 partitions the parameters too, and gathers a module's whole parameters for its forward and again for
-    its backward. How many stay gathered at once is not bounded by DeepSpeed's configuration: its
-    ``stage3_max_live_parameters`` limits only what is prefetched (a module's own fetch is never refused), and
-    ``stage3_max_reuse_distance`` keeps a parameter gathered until its next use when that comes soon, so on a small
-    model every parameter can stay gathered from forward to backward; ``stage3_param_persistence_threshold``'s
-    small parameters are kept whole for good. The bound: every parameter gathered at once, the whole parameters
-    the profile counts, plus the gather's padding. Beside them the rank holds its partitions and buffers
-    (``held``), the optimizer state of its partition, and one reduction's temporary.
+    The bound is every parameter gathered at once: ``stage3_max_live_parameters`` limits only prefetching (a
+    module's own fetch is never refused) and ``stage3_max_reuse_distance`` can keep every parameter of a small
+    model gathered from forward to backward.
 
     Example:
         >>> facts = Zero3Facts(world=2, held=1_305_344, numel=160320, partition=80160, padding=0, bucket=4096,
@@ -118,7 +96,7 @@ class Zero3Facts(_RankTerms):
         641360
     """
 
-    stage = 3  # not a field: the class says it
+    stage = 3  # not a field
     world: int
     held: int
     numel: int
@@ -133,8 +111,7 @@ class Zero3Facts(_RankTerms):
         return -(-optimizer_state_bytes * self.partition // max(1, self.numel))
 
     def terms(self, optimizer_state_bytes: int) -> list[tuple[str, int]]:
-        """(label, bytes) of what a rank holds beside a whole-model step whose optimizer state is
-        ``optimizer_state_bytes``; negative where it holds less."""
+        """(label, bytes) of what a rank holds beside a whole-model step; negative where it holds less."""
         temporary = max(self.bucket, self.largest)
         return [(f"optimizer state beyond the rank's partition ({self.partition} of {self.numel} elements kept)",
                  self.kept(optimizer_state_bytes) - optimizer_state_bytes),

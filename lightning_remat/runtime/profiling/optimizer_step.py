@@ -95,7 +95,7 @@ def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.
 
 
 def _created_bytes(optimizer: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> int:
-    """Bytes of ``clone``'s state for the parameters ``optimizer`` holds no state for yet."""
+    """Bytes of ``clone``'s state for the parameters ``optimizer`` has no state for yet."""
     real = torch_optimizer(optimizer)
     return _state_bytes(clone.state.get(fake, {}) for group, twin in zip(real.param_groups, clone.param_groups)
                         for p, fake in zip(group["params"], twin["params"]) if not real.state.get(p))

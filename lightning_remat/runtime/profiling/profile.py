@@ -160,7 +160,6 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   options: ProfileOptions, compiled: bool = False) -> Profile:
-    """``_profile`` on a fake twin of the model and optimizer."""
     seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
     sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
@@ -191,7 +190,6 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
                                 compiled=compiled)
 
-    # N identical layers: profiled at 4 and 5 layers and extrapolated (repeated.py), sharded or not.
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
     if sharded:
@@ -266,7 +264,6 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
                             runs["keep"].segments) if options.chunk_loss else None
         device = options.device or str(model_device(model))
         step_cost = optimizer_step_cost(optimizer, device)
-    # State that does not exist yet will exist during every later step.
     future_state = step_cost.created_state_bytes
     peaks = device_peaks(device, options.gpu)
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here);
