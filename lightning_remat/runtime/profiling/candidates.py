@@ -33,16 +33,7 @@ def _automatic(model: nn.Module) -> list[str]:
         for members in by_class.values():
             if len(members) >= least and all(_is_block(m) for m in members):
                 repeated.update(id(m) for m in members)
-    stages: list[str] = []
-    taken: list[str] = []
-    for name, module in model.named_modules():
-        if id(module) not in repeated or not name:
-            continue
-        # Outermost only: a block inside a chosen block is an option of that stage, not a stage.
-        if any(name.startswith(prefix + ".") for prefix in taken):
-            continue
-        taken.append(name)
-        stages.append(name)
+    stages = _outermost(name for name, module in model.named_modules() if name and id(module) in repeated)
     if not stages and isinstance(model, nn.Sequential) and len(model) >= 2:
         stages = [name for name, _ in model.named_children()]
     stem = _convolutional_stem(model, stages)
@@ -54,6 +45,15 @@ def _automatic(model: nn.Module) -> list[str]:
     # Registration order, as every other stage: the stem's leaves before the blocks, the head's after.
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted([*loose, *stages], key=order.__getitem__)
+
+
+def _outermost(names: Iterable[str]) -> list[str]:
+    """``names`` less those inside an earlier one: a block inside a chosen block is an option of that stage."""
+    kept: list[str] = []
+    for name in names:
+        if not any(name.startswith(prefix + ".") for prefix in kept):
+            kept.append(name)
+    return kept
 
 
 def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
@@ -128,14 +128,10 @@ def _find_stages(model: nn.Module, candidates: CandidateSpec) -> list[str]:
             )
         return stages
     spec = [candidates] if isinstance(candidates, (str, type)) else list(candidates)
-    stages, taken = [], []
     for item in spec:
         if not isinstance(item, (str, type)):
             raise TypeError(f"candidates must be module classes, class names or name patterns, got {item!r}")
-    for name, module in model.named_modules():
-        if name and _matches(name, module, spec) and not any(name.startswith(p + ".") for p in taken):
-            taken.append(name)
-            stages.append(name)
+    stages = _outermost(name for name, module in model.named_modules() if name and _matches(name, module, spec))
     for item in spec:
         if not any(_matches(name, module, [item]) for name, module in model.named_modules() if name):
             classes = sorted({type(m).__name__ for m in model.modules()})
