@@ -172,8 +172,7 @@ def validate_search(max_overhead: float, margin: float, steps_per_trial: int, in
 
 @dataclass(frozen=True)
 class ForwardFit:
-    """Working memory of a forward without gradients above what is alive at its start:
-    ``base_bytes + per_sample_bytes * batch``.
+    """Working memory of a forward without gradients above what is alive at its start, linear in the batch.
 
     Example:
         >>> fit = ForwardFit.through([(1, 1_300), (2, 2_300)])

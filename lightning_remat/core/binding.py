@@ -30,8 +30,7 @@ _PARTS = {"static": "static memory", "stored": "stored activations", "own": "its
 
 @dataclass(frozen=True)
 class Binding:
-    """``advice``: per optimizer setting, the least peak it would reach; ``host_limit_bytes``: host memory that
-    limited offloading, or None."""
+    """``advice``: per optimizer setting, the least peak; ``host_limit_bytes``: what limited offloading, or None."""
 
     term: str
     name: str

@@ -1,6 +1,4 @@
-"""Every error lightning-remat raises on purpose, under one base class, ``RematError``; each is also a builtin
-(``ValueError``, ``RuntimeError``, ...), so ``except ValueError`` in user code works.
-"""
+"""Every error lightning-remat raises on purpose: a ``RematError`` and a builtin (``except ValueError`` works)."""
 
 from __future__ import annotations
 

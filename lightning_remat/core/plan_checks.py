@@ -1,6 +1,4 @@
-"""What a saved plan may hold: every field of a ``Plan.to_dict`` checked before a plan is built, so that
-edited JSON, an old checkpoint or another rank's plan fails on load with a ``PlanFormatError`` naming the field.
-"""
+"""Every field of a saved plan checked before a plan is built: a bad one is a ``PlanFormatError`` naming it."""
 
 from __future__ import annotations
 

@@ -53,8 +53,7 @@ def _family(nodes: Sequence[Shape], target: Shape) -> list[Shape]:
 
 
 def chord_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout, linear in ``s`` then ``b``; None
-    when no nodes bracket it."""
+    """Weights (>= 0, sum 1) of ``target`` between ``nodes`` of its layout (None: not bracketed)."""
     by_batch: dict[int, list[int]] = {}
     for node in _family(nodes, target):
         by_batch.setdefault(node.batch_size, []).append(node.seq_len)
@@ -76,8 +75,7 @@ def _law_features(shape: Shape) -> np.ndarray:
 
 
 def law_weights(nodes: Sequence[Shape], target: Shape) -> dict[Shape, float] | None:
-    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target`` (None with
-    fewer than four independent nodes)."""
+    """Weights of the least-squares law ``c + b * (alpha + beta * s + gamma * s**2)`` at ``target``, or None."""
     nodes = _family(nodes, target)
     if len(nodes) < 4:
         return None

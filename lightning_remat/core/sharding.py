@@ -12,8 +12,7 @@ __all__ = ["per_gpu_breakdown", "smallest_world_size", "solve_sharded"]
 
 
 def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
-    """The least world size at which the least peak per GPU would fit ``budget`` (None: none would), dividing
-    only ``sharded_static`` (at ``world_size``) by the world size."""
+    """The least world size at which the least peak fits ``budget``, or None (only ``sharded_static`` shrinks)."""
     rest = least_peak - sharded_static
     room = budget - rest
     if room <= 0:

@@ -1,5 +1,4 @@
-"""A stack of identical layers profiled as 4- and 5-layer shallow copies with ballast (fake profiles only), for
-``core.depth_fit.extrapolate``."""
+"""A stack of identical layers profiled as 4- and 5-layer copies with ballast, for ``core.depth_fit``."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ MAX_CHILD_OPTIONS = 2
 
 def option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
                  policies: Sequence[str] = (), twins: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
-    """Per option name, the modules each stage recomputes under it; ``twins``: residual blocks that may run as
-    checkpointed parts."""
+    """Per option name, the modules each stage recomputes under it (``twins``: blocks that may run as parts)."""
     children = {name: _child_options(name, observed.stats, modules) for name in order}
     wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
     for child in sorted({c for cs in children.values() for c in cs}):

@@ -74,8 +74,7 @@ def _same_output(module: nn.Module, x: torch.Tensor, output: torch.Tensor, chunk
 
 def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: Callable[[], None]
                    ) -> tuple[dict[str, str], str]:
-    """Per stage of ``order``, the tiled setting of its position-wise child (found in one forward without
-    gradients), and a note.
+    """Per stage of ``order``, the tiled setting of its position-wise child, and a note.
 
     Example:
         >>> class TinyMLP(nn.Sequential):
