@@ -256,3 +256,20 @@ def test_a_tiled_mlp_is_predicted_at_lengths_whose_chunk_counts_differ():
     for name, option in tiled(predicted).items():
         assert dict(option.extra) == dict(tiled(profiles[512])[name].extra) == {"tile": name.rpartition("+")[2][5:]}
         assert option.stored_bytes == pytest.approx(tiled(profiles[512])[name].stored_bytes, rel=0.01)
+
+
+def test_the_fit_does_not_predict_offload_hidden_whose_limit_follows_compute_time():
+    """"offload:hidden" moves what the link carries during the next stage's compute: not a polynomial of the length
+    (here the parabola through its stored bytes would go below zero), so predictions leave it out; nodes keep it."""
+    from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+
+    def node(s, hidden_stored):
+        keep = StageOption("keep", (), 8 * s, 1000 + 3 * s, 0.0, 0)
+        hidden = StageOption("offload:hidden", ("a",), hidden_stored, 1000 + 3 * s, 0.0, 0, offloaded=("a",),
+                             host_bytes=8 * s - hidden_stored, offload_limit=5 * s)
+        return Profile((StageProfile("a", (keep, hidden)),), (), parameter_bytes=1000)
+
+    fit = LengthFit({64: node(64, 300), 128: node(128, 500), 256: node(256, 400)})
+    assert [o.name for o in fit.at(1024).stages[0].options] == ["keep"]
+    assert fit.at(1024).stages[0].options[0].stored_bytes == 8 * 1024
+    assert [o.name for o in fit.at(128).stages[0].options] == ["keep", "offload:hidden"]
