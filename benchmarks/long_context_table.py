@@ -9,6 +9,8 @@ planning time, and a CPU table where each mechanism's measured peak is compared 
     python benchmarks/long_context_table.py --cases llama-lora --tokens 131072 --cache /tmp/lc
     python benchmarks/long_context_table.py --search llama-lora            # the longest length, its time
     python benchmarks/long_context_table.py --refusal llama-full:131072    # refused at 80 GB: what binds, time
+    python benchmarks/long_context_table.py --cases llama-lora --fit-from 8192 16384 32768   # predicted, from 3 short profiles
+    python benchmarks/long_context_table.py --search llama-lora --search-from 8192 --max-profiles 3   # in minutes
     python benchmarks/long_context_table.py --cpu                          # the CPU verification table
     python benchmarks/long_context_table.py --render                       # the tables of every row in --out
 
@@ -116,11 +118,32 @@ def plan_rows(case: str, tokens: int, cache: Path) -> list[dict]:
     return [solved(case, tokens, without, model, profile, seconds) for without in WITHOUT]
 
 
-def refusal_row(case: str, tokens: int, cache: Path) -> dict:
+def fitted(case: str, tokens: int, nodes: list[int], cache: Path):
+    """(model, step, optimizer) at ``tokens`` and its profile predicted by ``core.length_fit.LengthFit`` from the
+    profiles at ``nodes`` (each from ``cache`` or made), and the seconds those profiles took."""
+    from lightning_remat.core.length_fit import LengthFit
+
+    made = {n: profiled(case, n, cache) for n in nodes}
+    return (step_and_optimizer(*CASES[case], tokens), LengthFit({n: p for n, (_, p, _) in made.items()}).at(tokens),
+            sum(s for _, _, s in made.values()))
+
+
+def fit_rows(case: str, tokens: int, nodes: list[int], cache: Path) -> list[dict]:
+    """``plan_rows`` on the profile the fit through ``nodes`` predicts at ``tokens`` (kind "fit")."""
+    (model, _, _), profile, seconds = fitted(case, tokens, nodes, cache)
+    rows = [solved(case, tokens, without, model, profile, seconds) for without in WITHOUT]
+    return [{**r, "kind": "fit", "fit_from": nodes} for r in rows]
+
+
+def refusal_row(case: str, tokens: int, cache: Path, nodes: list[int] | None = None) -> dict:
     """Planning against the H100's 80 GB where the least peak is above it: the error (what binds, the knobs that
-    would fit) and the time, the profile's (made once, kept in ``cache``) and the refusal's own."""
+    would fit) and the time, the profile's (made once, kept in ``cache``; or the fit's through ``nodes``) and the
+    refusal's own."""
     name, mode = CASES[case]
-    (model, step, optimizer), profile, profile_seconds = profiled(case, tokens, cache)
+    if nodes:
+        (model, step, optimizer), profile, profile_seconds = fitted(case, tokens, nodes, cache)
+    else:
+        (model, step, optimizer), profile, profile_seconds = profiled(case, tokens, cache)
     start = time.perf_counter()
     try:
         plan = planner("80GB").solve_or_advise(model, step, optimizer, profile)
@@ -128,10 +151,10 @@ def refusal_row(case: str, tokens: int, cache: Path) -> dict:
     except Exception as error:  # noqa: BLE001 - the refusal is the row
         said = " ".join(str(error).split())
     return dict(kind="refusal", model=name, mode=mode, tokens=tokens, said=said, profile_s=round(profile_seconds, 1),
-                seconds=round(time.perf_counter() - start, 1))
+                seconds=round(time.perf_counter() - start, 1), fit_from=nodes or [])
 
 
-def search_row(case: str, start_len: int, max_len: int) -> dict:
+def search_row(case: str, start_len: int, max_len: int, max_profiles: int = 12) -> dict:
     from lightning_remat import find_remat_seq_len
 
     name, mode = CASES[case]
@@ -147,15 +170,15 @@ def search_row(case: str, start_len: int, max_len: int) -> dict:
         result = find_remat_seq_len(model, make_step, "80GB", optimizer=optimizer, cost="flops", fake=True,
                                     precision="bf16-true", device="cuda", gpu="h100", chunk_loss=True, tile_mlp=True,
                                     offload=True, host_memory="1TB", init_val=start_len, max_seq_len=max_len,
-                                    multiple_of=1024, verbose=False)
+                                    multiple_of=1024, max_profiles=max_profiles, verbose=False)
     except Exception as error:  # noqa: BLE001 - no length fits: the error is the answer
-        return dict(kind="search", model=name, mode=mode, seq_len=0, first_failing=None, least_peak_gib=0.0,
+        return dict(kind="search", model=name, mode=mode, max_profiles=max_profiles, seq_len=0, first_failing=None, least_peak_gib=0.0,
                     binds=" ".join(str(error).split()), failing_binds="", profiles=0, tried=[],
                     seconds=round(time.perf_counter() - start, 1))
-    return dict(kind="search", model=name, mode=mode, seq_len=result.seq_len, first_failing=result.first_failing,
+    return dict(kind="search", model=name, mode=mode, max_profiles=max_profiles, seq_len=result.seq_len, first_failing=result.first_failing,
                 least_peak_gib=round(result.plan.predicted_peak_bytes / GiB, 2), binds=binds(result.binding),
                 failing_binds=binds(result.failing_binding), profiles=result.profiles,
-                tried=[r.seq_len for r in result.tried], seconds=round(time.perf_counter() - start, 1))
+                tried=[r.seq_len for r in result.tried if r.profiled], seconds=round(time.perf_counter() - start, 1))
 
 
 def _short(tokens: int) -> str:
@@ -175,6 +198,18 @@ def render(rows: list[dict]) -> str:
             out.append(f"| {r['model']} | {r['mode']} | {_short(r['tokens'])} | {r['without'] or '(all on)'} "
                        f"| {r['least_peak_gib']:.2f} GiB ({'fits' if r['fits'] else 'does not fit'}) | {r['binds']} "
                        f"| {r['host_gib']:.2f} GiB | {r['overhead']:.1%} | {options} | {took} |")
+    fits = [r for r in rows if r["kind"] == "fit"]
+    if fits:
+        profiled_peaks = {(r["model"], r["mode"], r["tokens"], r["without"]): r["least_peak_gib"] for r in plans}
+        out += ["", "| model | trainable | tokens | without | predicted least peak | profiled there | what binds "
+                "| host memory | overhead (FLOPs) | profiles at | their time + solve |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fits:
+            there = profiled_peaks.get((r["model"], r["mode"], r["tokens"], r["without"]))
+            out.append(f"| {r['model']} | {r['mode']} | {_short(r['tokens'])} | {r['without'] or '(all on)'} "
+                       f"| {r['least_peak_gib']:.2f} GiB ({'fits' if r['fits'] else 'does not fit'}) "
+                       f"| {'-' if there is None else f'{there:.2f} GiB'} | {r['binds']} | {r['host_gib']:.2f} GiB "
+                       f"| {r['overhead']:.1%} | {', '.join(_short(n) for n in r['fit_from'])} "
+                       f"| {r['profile_s']:.0f} + {r['solve_s']:.1f} s |")
     searches = [r for r in rows if r["kind"] == "search"]
     if searches:
         out += ["", "| model | trainable | longest length | its least peak | what binds there | first that does not fit "
@@ -187,8 +222,9 @@ def render(rows: list[dict]) -> str:
     if refusals:
         out += ["", "| model | trainable | tokens | what the planner says (80 GB) | profile | refusal |",
                 "|---|---|---|---|---|---|"]
-        out += [f"| {r['model']} | {r['mode']} | {_short(r['tokens'])} | {r['said']} | {r['profile_s']:.0f} s "
-                f"| {r['seconds']:.0f} s |" for r in refusals]
+        out += [f"| {r['model']} | {r['mode']} | {_short(r['tokens'])} | {r['said']} | {r['profile_s']:.0f} s"
+                + (f" (fit from {', '.join(_short(n) for n in r['fit_from'])})" if r.get("fit_from") else "")
+                + f" | {r['seconds']:.0f} s |" for r in refusals]
     cpu = [r for r in rows if r["kind"] == "cpu"]
     if cpu:
         out += ["", "| mechanism | model | options chosen | predicted peak | measured peak | predicted - measured "
@@ -201,10 +237,10 @@ def render(rows: list[dict]) -> str:
 def merged(out: Path, new: list[dict]) -> list[dict]:
     """The rows in ``out`` with ``new`` in place of any of the same key, in a stable order."""
     old = json.loads(out.read_text())["rows"] if out.exists() else []
-    key = lambda r: tuple(str(r.get(k)) for k in ("kind", "model", "mode", "tokens", "without", "mechanism"))  # noqa: E731
+    key = lambda r: tuple(str(r.get(k)) for k in ("kind", "model", "mode", "tokens", "without", "mechanism", "fit_from", "max_profiles"))  # noqa: E731
     table = {key(r): r for r in old}
     table.update({key(r): r for r in new})
-    order = {"plan": 0, "search": 1, "refusal": 2, "cpu": 3}
+    order = {"plan": 0, "fit": 1, "search": 2, "refusal": 3, "cpu": 4}
     models = {"Llama-3-8B": 0, "Qwen2.5-7B": 1}
     return sorted(table.values(), key=lambda r: (order[r["kind"]], r.get("mode") == "full", models.get(r.get("model"), 2),
                                                   r.get("tokens", 0), WITHOUT.index(r.get("without", ""))))
@@ -216,6 +252,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--search", nargs="*", default=[], choices=list(CASES))
     parser.add_argument("--search-from", type=int, default=65536, help="the search's first length")
+    parser.add_argument("--max-profiles", type=int, default=12, help="the search's max_profiles")
+    parser.add_argument("--fit-from", type=int, nargs="*", default=[],
+                        help="--cases and --refusal from the fit through profiles at these lengths")
     parser.add_argument("--refusal", nargs="*", default=[], help="CASE:TOKENS planned against 80 GB")
     parser.add_argument("--cpu", action="store_true", help="the CPU verification table")
     parser.add_argument("--render", action="store_true", help="only print the tables of --out")
@@ -225,16 +264,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for case in args.cases:
         for tokens in args.tokens:
-            rows = plan_rows(case, tokens, args.cache)
+            rows = (fit_rows(case, tokens, args.fit_from, args.cache) if args.fit_from
+                    else plan_rows(case, tokens, args.cache))
             args.out.write_text(json.dumps({"rows": merged(args.out, rows)}, indent=1) + "\n")
             print(render(rows), flush=True)
     for case in args.search:
-        rows = [search_row(case, args.search_from, 2**20)]
+        rows = [search_row(case, args.search_from, 2**20, args.max_profiles)]
         args.out.write_text(json.dumps({"rows": merged(args.out, rows)}, indent=1) + "\n")
         print(render(rows), flush=True)
     for item in args.refusal:
         case, tokens = item.split(":")
-        rows = [refusal_row(case, int(tokens), args.cache)]
+        rows = [refusal_row(case, int(tokens), args.cache, args.fit_from)]
         args.out.write_text(json.dumps({"rows": merged(args.out, rows)}, indent=1) + "\n")
         print(render(rows), flush=True)
     if args.cpu:

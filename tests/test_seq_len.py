@@ -134,6 +134,22 @@ def test_a_short_search_holds_the_budget_for_real_and_the_next_length_does_not_f
     assert peak <= budget and abs(peak - result.plan.predicted_peak_bytes) <= 0.01 * budget, (peak, budget)
 
 
+def test_three_profiles_predict_the_answer_the_full_search_profiles_and_it_holds_for_real(rows_search):
+    """``max_profiles=3``: the answer and the length after it are the fit's (rows marked), here (memory linear in
+    the rows) the same answer as the search that profiles it, and a real step at it holds the budget."""
+    _, _, budget, full = rows_search
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    result = find_remat_seq_len(model, rows_make_step, budget, optimizer=optimizer, init_val=64, multiple_of=16,
+                                max_seq_len=4096, max_profiles=3, verbose=False)
+    assert full.profiles > 3 and result.profiles == 3 and [r.seq_len for r in result.tried if r.profiled] == [64, 128, 256]
+    assert result.seq_len == full.seq_len and result.first_failing == full.first_failing
+    assert not result.row(result.seq_len).profiled and not result.row(result.first_failing).fits
+    assert result.row(result.first_failing).least_peak_bytes == full.row(full.first_failing).least_peak_bytes
+    assert result.measured_peak_bytes <= budget  # confirmed by a real step
+    assert "* predicted from the profiled lengths" in result.summary()
+
+
 def test_bad_input_gives_clear_errors():
     model = mlp()
     with pytest.raises(ValueError, match="multiple_of must be an int >= 1"):
@@ -144,6 +160,8 @@ def test_bad_input_gives_clear_errors():
         find_remat_seq_len(model, rows_make_step, "1MB", init_val=-64)
     with pytest.raises(ValueError, match='budget="min" has no meaning for a sequence-length search'):
         find_remat_seq_len(model, rows_make_step, "min")
+    with pytest.raises(ValueError, match="max_profiles must be an int >= 3"):
+        find_remat_seq_len(model, rows_make_step, "1MB", max_profiles=2)
     with pytest.raises(TypeError, match="unknown option.*'chunkloss'"):
         find_remat_seq_len(model, rows_make_step, "1MB", chunkloss=True)
     with pytest.raises(BudgetTooSmallError, match="below the static memory"):
@@ -238,3 +256,20 @@ def test_a_tiled_mlp_is_predicted_at_lengths_whose_chunk_counts_differ():
     for name, option in tiled(predicted).items():
         assert dict(option.extra) == dict(tiled(profiles[512])[name].extra) == {"tile": name.rpartition("+")[2][5:]}
         assert option.stored_bytes == pytest.approx(tiled(profiles[512])[name].stored_bytes, rel=0.01)
+
+
+def test_the_fit_does_not_predict_offload_hidden_whose_limit_follows_compute_time():
+    """"offload:hidden" moves what the link carries during the next stage's compute: not a polynomial of the length
+    (here the parabola through its stored bytes would go below zero), so predictions leave it out; nodes keep it."""
+    from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+
+    def node(s, hidden_stored):
+        keep = StageOption("keep", (), 8 * s, 1000 + 3 * s, 0.0, 0)
+        hidden = StageOption("offload:hidden", ("a",), hidden_stored, 1000 + 3 * s, 0.0, 0, offloaded=("a",),
+                             host_bytes=8 * s - hidden_stored, offload_limit=5 * s)
+        return Profile((StageProfile("a", (keep, hidden)),), (), parameter_bytes=1000)
+
+    fit = LengthFit({64: node(64, 300), 128: node(128, 500), 256: node(256, 400)})
+    assert [o.name for o in fit.at(1024).stages[0].options] == ["keep"]
+    assert fit.at(1024).stages[0].options[0].stored_bytes == 8 * 1024
+    assert [o.name for o in fit.at(128).stages[0].options] == ["keep", "offload:hidden"]

@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 from typing import Mapping
 
-from .memory_model import Profile, StageOption
+from .memory_model import Profile, StageOption, restricted
 from .profile_algebra import combine
 from .shape_fit import NodeWeights
 
@@ -89,7 +89,10 @@ class LengthFit:
         else:
             profiles = [self.nodes[n] for n in nearest]
             weights = parabola_weights(nearest, length)
-        profiles = [_count_free(p) for p in profiles]
+        # "offload:hidden" moves at most what the link carries during the next stage's compute, which grows
+        # with the length at another rate than the bytes saved: its figures are no polynomial, so it is not
+        # predicted (a parabola through three of them went below zero stored bytes at 16 times the length).
+        profiles = [_count_free(restricted(p, lambda o: not o.offload_limit)) for p in profiles]
         profile = _counted(combine(profiles, NodeWeights(weights, profiles[0].static_bytes)), length / nearest[0])
         made = ", ".join(map(str, dict.fromkeys(nearest)))
         return replace(profile, notes=(*dict.fromkeys(note for p in profiles for note in p.notes),

@@ -31,7 +31,7 @@ MAX_SEQ_LEN = 2**30  # far beyond any real search, so that a typo fails at once
 @dataclass
 class SeqLenResult:
     """What ``find_remat_seq_len`` found: the longest length, its plan, what binds there and at the first length
-    that does not fit, and every length profiled (``tried``, in order of length).
+    that does not fit, and every length profiled or predicted (``tried``, in order of length; ``profiled`` says which).
 
     Example:
         >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -54,7 +54,7 @@ class SeqLenResult:
     notes: list[str] = field(default_factory=list)
 
     def row(self, length: int | None) -> LengthRow | None:
-        """The profiled row at ``length`` (None where it was not profiled)."""
+        """The row at ``length`` (None where it was neither profiled nor predicted)."""
         return next((r for r in self.tried if r.seq_len == length), None)
 
     @property
@@ -103,12 +103,14 @@ class SeqLenResult:
         if self.first_failing is None:
             lines.append(f"max_seq_len={self.max_seq_len} reached: longer lengths were not searched")
         head = ("tokens", "fits", "least peak", "plan peak", "overhead", "what binds (least peak)")
-        table = [(str(r.seq_len), "yes" if r.fits else "no", format_bytes(r.least_peak_bytes),
+        table = [(str(r.seq_len) + ("" if r.profiled else "*"), "yes" if r.fits else "no", format_bytes(r.least_peak_bytes),
                   format_bytes(r.peak_bytes) if r.peak_bytes is not None else "-",
                   f"{r.overhead:.1%}" if r.overhead is not None else "-", r.binds_text) for r in self.tried]
         widths = [max(len(x) for x in column) for column in zip(head, *table)]
         lines += ["  ".join(x.rjust(w) if i < 5 else x for i, (x, w) in enumerate(zip(line, widths))).rstrip()
                   for line in (head, *table)]
+        if not all(r.profiled for r in self.tried):
+            lines.append("* predicted from the profiled lengths, not profiled")
         lines.append(f"{self.profiles} profiles in {self.seconds:.1f} s" + "".join(f"; {n}" for n in self.notes))
         return "\n".join(lines)
 
@@ -117,7 +119,7 @@ _PROFILE_FIELDS = {f.name for f in fields(ProfileOptions)}
 
 
 def _checked(init_val: int | None, multiple_of: int, max_seq_len: int, max_overhead: float | None,
-             options: dict[str, Any]) -> tuple[int, float]:
+             max_profiles: int, options: dict[str, Any]) -> tuple[int, float]:
     """The first length (a multiple of ``multiple_of``) and the overhead limit; ValueError/TypeError for bad input."""
     unknown = sorted(set(options) - _PROFILE_FIELDS)
     if unknown:
@@ -125,6 +127,8 @@ def _checked(init_val: int | None, multiple_of: int, max_seq_len: int, max_overh
                         f"({', '.join(sorted(_PROFILE_FIELDS))})")
     check_int("multiple_of", multiple_of, 1, MAX_SEQ_LEN, " (the lengths searched are its multiples)")
     check_int("max_seq_len", max_seq_len, multiple_of, MAX_SEQ_LEN, " (at least multiple_of)")
+    # Three lengths at least: a line through two would under-predict attention that grows with the square.
+    check_int("max_profiles", max_profiles, 3, 1000, " (the parabola of the fit needs three profiled lengths)")
     start = min(16 * multiple_of, max_seq_len) if init_val is None else init_val
     check_int("init_val", start, 1, max_seq_len, " (the first length profiled, at most max_seq_len)")
     if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
@@ -151,6 +155,8 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         make_step: ``make_step(seq_len)`` returns ``step(model) -> loss`` on a batch of that many tokens per sequence.
         budget: the peak memory of a training step: "80GB", "80 GiB", bytes, "80%" of the device.
         init_val: the first length profiled (default ``16 * multiple_of``); then twice and four times it.
+        max_profiles: profiles at most (3 or more); once reached, the answer and the length after it are the fit's
+            predictions (``LengthRow.profiled`` False): ``max_profiles=3`` answers from the first three lengths.
         max_overhead: the largest recompute cost accepted (a share of a step); None: any plan that fits.
         advice: evaluate the knobs (``BudgetTooSmallError.knobs``) at the first length that does not fit; each
             re-profiles the step (minutes for an 8B model on fake tensors), so none is evaluated by default.
@@ -167,7 +173,7 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         >>> result.measured_peak_bytes <= 300_000 < result.row(result.first_failing).least_peak_bytes
         True
     """
-    start, overhead = _checked(init_val, multiple_of, max_seq_len, max_overhead, options)
+    start, overhead = _checked(init_val, multiple_of, max_seq_len, max_overhead, max_profiles, options)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(**options))
     budget_bytes, previous = search_setup(model, config, "a sequence-length search")
     began = time.perf_counter()
@@ -186,4 +192,4 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
     apply_or_restore(model, plan, apply, previous)
     return SeqLenResult(answer, plan, budget_bytes, failing, multiple_of, max_seq_len,
                         sorted(search.rows.values(), key=lambda r: r.seq_len), search.measured_peak_bytes, knobs,
-                        len(search.rows), time.perf_counter() - began, search.notes)
+                        search.profiles, time.perf_counter() - began, search.notes)

@@ -27,6 +27,8 @@ def add_seq_len_flags(parser: argparse.ArgumentParser) -> None:
                         help="the first length profiled (then twice and four times it). Default: 16 x --multiple-of")
     search.add_argument("--max-overhead", type=float, default=None,
                         help="the largest recompute cost accepted, a share of a step. Default: any")
+    search.add_argument("--max-profiles", type=int, default=12,
+                        help="profiles at most (3 or more); then the answer is predicted from them. Default: 12")
     search.add_argument("--advice", action="store_true",
                         help="evaluate the knobs at the first length that does not fit (each re-profiles: slow)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
@@ -52,7 +54,7 @@ def run_seq_len(args: argparse.Namespace) -> int:
             result = find_remat_seq_len(target.model, target.step, args.budget, optimizer=target.optimizer,
                                         init_val=args.init_val, max_seq_len=args.max_seq_len,
                                         multiple_of=args.multiple_of, max_overhead=args.max_overhead, cost=args.cost,
-                                        advice=args.advice, apply=False, verbose=not args.json, **options)
+                                        max_profiles=args.max_profiles, advice=args.advice, apply=False, verbose=not args.json, **options)
         except BudgetTooSmallError as err:
             print(json.dumps({"error": str(err)}) if args.json else one_line_error(err),
                   file=sys.stdout if args.json else sys.stderr)
