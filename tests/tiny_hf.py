@@ -1,4 +1,4 @@
-"""Tiny Qwen2 and Qwen2-MoE causal language models (transformers configs, random weights, nothing
+"""A shallow ResNet (transformers' ResNet-50 layout, fewer bottlenecks), tiny Qwen2 and Qwen2-MoE causal language models (transformers configs, random weights, nothing
 downloaded) and a step on random tokens, for the tests of models the package's own ``models``
 does not build."""
 
@@ -43,3 +43,20 @@ class TrainerStepPeaks(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.peaks.append(self.meter.stop())
+
+
+def shallow_resnet(depths=(2,), batch_size: int = 2, image_size: int = 32, width: int = 16):
+    """A ``ModelCase``: transformers' ResNet as ``models.build("resnet50")`` makes it (bottlenecks, BatchNorm, the
+    stem ``resnet.embedder``), with ``depths`` bottlenecks a stage instead of ResNet-50's 3-4-6-3, for tests that
+    need its layout or BatchNorm but not its 16 blocks (profiled whole: 14-79 s on a loaded 2-core machine)."""
+    from lightning_remat.models import ModelCase
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.ResNetConfig(depths=list(depths), layer_type="bottleneck", embedding_size=64 // width,
+                                       hidden_sizes=[256 // width * 2**i for i in range(len(depths))], num_labels=10)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).train()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    return ModelCase("resnet", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
