@@ -33,10 +33,8 @@ METRIC_NAMES = (
 
 @dataclass
 class RematPlugin:
-    """Settings of recomputation under Accelerate: each field left ``None`` is read from its
-    ``ACCELERATE_REMAT_*`` variable (the table in docs/accelerate.md, "Settings"; ``chunk_loss``: as
-    ``plan_remat(chunk_loss=)``, env ``ACCELERATE_REMAT_CHUNK_LOSS``); an explicit value wins. Recomputation
-    is on if and only if a budget is set. A malformed value raises ``ValueError`` naming its variable.
+    """Each field left ``None`` is read from its ``ACCELERATE_REMAT_*`` variable (docs/accelerate.md, "Settings").
+    On if and only if a budget is set; a malformed value raises ``ValueError`` naming its variable.
 
     Example:
         >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
@@ -119,10 +117,8 @@ class RematPlugin:
 
 @dataclass
 class LoopFacts:
-    """What the session reads of the loop around the model when it needs it: optimizers, accumulation, the
-    process ``state`` (an ``Accelerator`` or ``AcceleratorState``: what is refused, processes, the main one),
-    where figures go (``log``) and lines are shown (``show``; None: the logger at INFO), and ``who`` asks.
-    ``of(accelerator)`` reads them from an ``Accelerator``; the Trainer's callback gives its own.
+    """What the session reads of the loop: optimizers, accumulation, the process ``state`` (``Accelerator`` or
+    ``AcceleratorState``), where figures go and lines are shown. The Trainer's callback gives its own.
 
     Example:
         >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()

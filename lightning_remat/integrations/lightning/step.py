@@ -1,5 +1,4 @@
-"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles (the callbacks'
-and the command line's one place); ``manual_step_closure`` for a step that runs backward itself."""
+"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def _muted(module: nn.Module) -> list[tuple[Any, str, Any]]:
 
 
 def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: Any) -> tuple[Callable, Any]:
-    """``call(module)`` running ``training_step`` on the batch as Lightning calls it, and the trainer's precision
-    context (autocast) it runs in."""
+    """``call(module)`` running ``training_step`` as Lightning calls it, and the trainer's precision context."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
@@ -52,8 +50,8 @@ def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: An
 
 def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` running ``module.training_step(batch, batch_idx)`` (``module``: the LightningModule or its
-    fake twin; with a ``trainer``, in its precision plugin's context) and returning its loss.
+    """``step(module)`` returning ``module.training_step(batch, batch_idx)``'s loss (``module``: the
+    LightningModule or its fake twin).
 
     Example:
         >>> import lightning.pytorch as L
@@ -78,7 +76,7 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
 
 def _own_steps(module: nn.Module) -> list[tuple[Any, str, Any]]:
-    """A compiled module's instance-dict ``forward``/``training_step`` as its class's (a fake twin would run the real one)."""
+    """A compiled module's instance-dict ``forward``/``training_step`` as its class's (else a twin runs the real one)."""
     if not getattr(module, "_compiler_ctx", None):
         return []
     return [(module, name, getattr(type(module), name).__get__(module))
@@ -143,9 +141,8 @@ class _BackwardDone(torch.autograd.Function):
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` under manual optimization: ``self.manual_backward(loss)`` runs backward where it is called,
-    the optimizers' and schedulers' ``step()`` do nothing (a closure given still runs), and the loss returned has a
-    backward that does nothing more (the profile counts every optimizer's state and step itself)."""
+    """``step(module)`` under manual optimization: ``manual_backward`` runs where called, optimizer and scheduler
+    steps do nothing (the profile counts them itself), and the loss returned has an empty backward."""
     call, context = _training_step(pl_module, batch, batch_idx, trainer)
 
     def step(module: nn.Module) -> torch.Tensor:
