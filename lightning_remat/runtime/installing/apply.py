@@ -1,9 +1,5 @@
-"""Apply a plan: recompute the chosen modules' forward during backward, and undo it exactly.
-
-Each touched module's ``forward`` becomes an instance attribute running its behaviours
-(``installer.py``); no wrapper module is inserted, so parameter names and ``state_dict`` keys stay
-and a checkpoint saved with recomputation loads without it. What recomputation replays (dropout
-masks, hooks, Python code in a forward) is in ``docs/limitations.md``.
+"""Apply a plan and undo it exactly. Each touched module's ``forward`` becomes an instance attribute; no wrapper
+module is inserted, so parameter names and ``state_dict`` keys stay (what a recompute replays: docs/limitations.md).
 """
 
 from __future__ import annotations
@@ -24,15 +20,14 @@ from .fingerprint import check_binding
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
-    """Describe activation checkpointing in ``model`` that is not ours (Hugging Face's, torch's ``checkpoint_wrapper``).
+    """Activation checkpointing in ``model`` that is not ours (Hugging Face's, torch's ``checkpoint_wrapper``).
 
     Example:
         >>> existing_checkpointing(nn.Linear(2, 2))
         []
     """
     found = []
-    # transformers 5 renamed the flag (the old name warns); read whichever the class has.
-    # Wrappers such as PEFT's forward attributes to the model they wrap, so ask the instance.
+    # transformers 5 renamed the flag (the old name warns); PEFT's wrappers forward it, so ask the instance.
     import warnings
 
     with warnings.catch_warnings():
@@ -94,7 +89,7 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
 
 
 def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = None, offloaded: Any = None) -> Plan:
-    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with ``segments``, ``policies`` and ``offloaded`` where given.
+    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with the lists given.
 
     Example:
         >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
@@ -122,7 +117,7 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
 
 
 def recomputation_of(plan: Plan) -> Plan:
-    """``plan``'s recomputation alone: its recomputed modules (with their policies) and segments.
+    """``plan``'s recomputed modules (with their policies) and segments alone.
 
     Example:
         >>> alone = recomputation_of(Plan([StageAction.recompute("0", offload_input=True), StageAction.offload("1")]))
@@ -136,11 +131,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
                policies: dict[str, str] | None = None, offloaded: Any = None) -> nn.Module:
     """Put, in place, the plan's actions on the modules it names; returns ``model``.
 
-    ``plan``: a ``Plan`` or module names; ``segments``, ``policies`` and ``offloaded`` replace the
-    plan's own. A previous plan of ours is replaced; an error leaves the model as it was. Names are
-    those of the uncompiled model, so a plan applies to its ``torch.compile`` twin too. Raises
-    ``AlreadyCheckpointedError`` (the model checkpoints already), ``PlanMismatchError`` (other
-    shapes, or a missing module) and ``InvalidPlanError`` (a name inside another named module).
+    ``plan``: a ``Plan`` or module names; the lists given replace the plan's own. A previous plan is replaced;
+    an error leaves the model as it was; names are the uncompiled model's. Raises ``AlreadyCheckpointedError``,
+    ``PlanMismatchError`` (other shapes, a missing module) and ``InvalidPlanError``.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

@@ -1,7 +1,5 @@
-"""What a plan was made for: the model's parameters, the shapes of the modules it names, the batch's size.
-
-A plan *bound* to its model (``bound``) records each named module's parameter shapes and the parameter
-count, so ``apply_plan`` refuses it on wider blocks or more stages. Dtypes are recorded, not compared."""
+"""What a plan was made for (``bound``): its modules' parameter shapes, the parameter count, the batch's size,
+so ``apply_plan`` refuses it on wider blocks or more stages. Dtypes are recorded, not compared."""
 
 from __future__ import annotations
 

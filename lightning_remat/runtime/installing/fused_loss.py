@@ -1,10 +1,6 @@
-"""A causal LM's head and its loss fused over sequence chunks: each chunk's gradients computed in the forward.
-
-Liger-Kernel's fused linear cross-entropy, in autograd: per chunk the logits, the loss and at once its gradient
-with respect to the hidden chunk (and the head's weight and bias where they train, summed over chunks), then
-the chunk's logits are freed. Nothing is recomputed; the backward scales the kept gradients by the upstream
-gradient, so accumulation, loss scaling and ``num_items_in_batch`` act as on the model's own loss
-(docs/long_context.md)."""
+"""A causal LM's head and loss fused over sequence chunks (Liger-Kernel's fused linear cross-entropy, in
+autograd): each chunk's gradients are computed in forward and its logits freed; backward only scales them by
+the upstream gradient, so accumulation and loss scaling act as on the model's own loss (docs/long_context.md)."""
 
 from __future__ import annotations
 
@@ -69,10 +65,8 @@ def _chunk_grads(project: Project, hidden: torch.Tensor, params: Sequence[torch.
 def fused_cross_entropy(project: Project, hidden: torch.Tensor, shift_labels: torch.Tensor, chunks: int,
                         params: Sequence[torch.Tensor], ignore_index: int = IGNORE_INDEX,
                         num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
-    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks, its gradients computed in the forward.
-
-    ``params``: the tensors ``project`` uses (the head's weight and bias); those that require grad get theirs.
-    Without gradients (evaluation, or nothing requires grad) the chunks are computed and nothing is kept.
+    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks, its gradients computed in the forward
+    (``params``: the head's weight and bias; those that require grad get theirs).
 
     Example:
         >>> head, hidden = nn.Linear(8, 32), torch.randn(2, 6, 8, requires_grad=True)

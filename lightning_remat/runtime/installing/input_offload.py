@@ -1,7 +1,5 @@
-"""A recomputed module's checkpoint input in host memory.
-
-The checkpoint keeps a host copy of each tensor positional argument (keyword masks stay) and the
-recompute copies it back, synchronously; with ``measure=True`` or fake tensors only metadata goes."""
+"""A recomputed module's positional tensor inputs kept in host memory and copied back for the recompute
+(synchronously); with ``measure=True`` or fake tensors only metadata goes."""
 
 from __future__ import annotations
 

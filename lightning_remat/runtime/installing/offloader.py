@@ -1,8 +1,6 @@
-"""The saved-tensor machinery of offloading: ``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``.
-
-When a stage's forward ends, each storage its saved tensors use goes to the host once (pinned, on a side
-stream on CUDA), held on the device until the next stage ran so the copy overlaps compute; backward
-prefetches one stage ahead. ``measure=True`` (fake profiles) keeps only a meta tensor on the "host"."""
+"""``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``: when a stage's forward ends, each saved storage
+goes to the host once (pinned, on a side stream), held on the device until the next stage ran so the copy
+overlaps compute; backward prefetches one stage ahead. ``measure=True`` keeps only meta tensors."""
 
 from __future__ import annotations
 
@@ -259,9 +257,8 @@ def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -
 
 def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_hook: bool, run: Callable[..., Any],
                    /, *args: Any, **kwargs: Any) -> Any:
-    """``run(*args, **kwargs)`` with what it saves for backward sent to the host as module ``name``.
-
-    ``release_hook``: the next stage's forward releases this call's device tensors."""
+    """``run(*args, **kwargs)`` with what it saves for backward sent to the host as module ``name``
+    (``release_hook``: the next stage's forward releases this call's device tensors)."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
     group = offloader.begin(name, module, (args, kwargs))

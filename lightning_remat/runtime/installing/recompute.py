@@ -1,7 +1,5 @@
-"""Recompute: a module's forward runs under a non-reentrant ``checkpoint`` (RNG state preserved).
-
-BatchNorm running statistics are put back after a recompute; the record's other behaviours give the
-checkpoint's options (``Behaviour.checkpoint_options``). Under ``no_grad`` the forward runs plain."""
+"""Recompute: a module's forward under a non-reentrant ``checkpoint`` (RNG state preserved, BatchNorm running
+statistics put back after a recompute); other behaviours set its options (``Behaviour.checkpoint_options``)."""
 
 from __future__ import annotations
 
@@ -70,7 +68,6 @@ def recomputing() -> bool:
 
 
 def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
     # A compiled backward does not apply buffer updates a second time; only an eager recompute (no compile,
     # or a graph break) updates them again, and is undone here.
     if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
@@ -96,13 +93,9 @@ def _is_cache(value: Any) -> bool:
 
 
 def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments as Hugging Face's ``GradientCheckpointingLayer`` checkpoints a layer: in training,
-    ``use_cache=False`` and no KV cache, unless the layer says it only reads it (``_can_checkpoint_with_cache``).
-
-    A recompute writing the cache would append the keys and values a second time (a layer that attends over
-    the cache then sees twice the sequence); the forward and its recompute both run without it, so they agree.
-    Only the call changes: the model's config and the cache object are left as they are. Other modules'
-    calls pass through.
+    """The call's arguments as ``GradientCheckpointingLayer`` checkpoints a layer: in training, ``use_cache=False``
+    and no KV cache (unless ``_can_checkpoint_with_cache``), since a recompute writing the cache would append
+    the keys and values a second time. Only the call changes, not the config or the cache.
 
     Example:
         >>> import transformers

@@ -1,7 +1,5 @@
-"""The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
-
-A module a plan touches gets ONE ``Record``: the forward it had, and per behaviour its setting and state;
-its ``forward`` composes the behaviours around the original in ``BEHAVIOURS``' order (outermost first)."""
+"""The behaviours a plan installs (plug-ins, ``register``) and the one ``Record`` per module they share: the
+forward it had, per behaviour its setting and state; ``forward`` composes them in ``BEHAVIOURS``' order."""
 
 from __future__ import annotations
 
@@ -184,9 +182,8 @@ def installed_hooks(model: nn.Module) -> set[int]:
 
 
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
-    """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it.
-
-    The record, the installed forward, the segments and ``hooks`` are left out, and every hook dict is new."""
+    """The class and ``__dict__`` of a copy of ``module`` without the record, installed forward, segments and
+    ``hooks`` (every hook dict new)."""
     state = {key: value for key, value in module.__dict__.items() if key not in (RECORD, SEGMENTS)}
     record = module.__dict__.get(RECORD)
     if record is not None:

@@ -1,12 +1,8 @@
 """A residual block in torchvision's layout (``Bottleneck``, ``BasicBlock``) run as checkpointed parts.
 
-Its forward adds the residual (in place, in torchvision's) after its last norm, so it is no chain of its
-children and cannot be planned through them. Its twin runs the same modules in the same order, each
-``conv -> norm (-> relu)`` and the downsample under a non-reentrant checkpoint of its own, then the sum
-and the last ReLU: kept, the block stores its parts' inputs instead of every activation; recomputed
-whole as well (nested), its backward recomputes one part at a time. The profile offers the twin only
-where it gave the block's own output bit for bit (``runtime/profiling/residual_twins.py``); the
-block's modules, parameters and state_dict are untouched, and ``remove_remat`` puts its forward back.
+Its forward adds the residual in place after its last norm, so it is no chain of its children. Its twin runs
+the same modules in order, each ``conv -> norm (-> relu)`` and the downsample under a checkpoint of its own,
+then the sum and the last ReLU; the profile offers it only where it gave the block's output bit for bit.
 """
 
 from __future__ import annotations

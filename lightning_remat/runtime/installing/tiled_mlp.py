@@ -1,11 +1,6 @@
-"""A stage's MLP over sequence chunks (``tile_mlp=True``): in forward each chunk runs under a non-reentrant
-checkpoint and the outputs are concatenated; in backward each chunk is recomputed alone, so no sequence-long
-intermediate (512K x 14336 at long context) ever lives whole.
-
-A plan says it on the stage's action, ``extra={"tile": "mlp:16"}``: child ``mlp`` of the stage over 16 chunks of
-the second-last dim of its one input (batch, sequence, hidden). Only a provably position-wise child is tiled
-(``tileable``); one with active dropout is not (its masks would differ from the plain model's), so the gradients
-are the plain step's (docs/long_context.md)."""
+"""A stage's MLP over sequence chunks (``tile_mlp=True``), each under a checkpoint, so no sequence-long
+intermediate lives whole. A plan says ``extra={"tile": "mlp:16"}`` on the stage's action. Only a position-wise
+child without active dropout is tiled, so the gradients are the plain step's (docs/long_context.md)."""
 
 from __future__ import annotations
 
@@ -70,8 +65,7 @@ def _leaf_ok(module: nn.Module) -> bool:
 
 
 def refusal(module: nn.Module) -> str | None:
-    """Why ``module`` is not tiled over the sequence, or None: a position-wise class (``PATTERNS``) made only of
-    per-position leaves, no dropout active.
+    """Why ``module`` is not tiled over the sequence, or None.
 
     Example:
         >>> class TinyMLP(nn.Sequential):
@@ -107,10 +101,8 @@ def tiled_forward(call: Callable[..., Any], chunks: int, x: torch.Tensor) -> tor
 
 
 def pieces(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
-    """``x``'s positions (every dim but the last) in ``chunks`` contiguous pieces, as (1, tokens, hidden) views.
-
-    The positions of a batch are one sequence here: chunks along the second-last dim of a batch of several would
-    not be contiguous, and a module that ``view``s its input refuses those.
+    """``x``'s positions in ``chunks`` contiguous (1, tokens, hidden) views: chunks along the second-last dim of a
+    batch of several would not be contiguous, which a module that ``view``s its input refuses.
 
     Example:
         >>> x = torch.arange(24.0).reshape(2, 3, 4)
@@ -135,9 +127,7 @@ def _tiled_call(module: nn.Module, chunks: int, call: Callable[..., Any], /, *ar
 
 
 class TiledMLP(Behaviour):
-    """A stage action's ``extra["tile"]`` (``"mlp:16"``): the stage's child runs over sequence chunks.
-
-    Its record is on the child; ``read`` and ``fields`` speak of the stage, as the plan does.
+    """``extra["tile"]``: the stage's child runs over sequence chunks (record on the child, reads per stage).
 
     Example:
         >>> TILED_MLP.settings(StageAction("layers.0", extra={"tile": "mlp:16"}))
@@ -176,7 +166,7 @@ TILED_MLP = TiledMLP()
 
 
 def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[StageAction]:
-    """``actions`` with each stage of ``tiled`` (stage -> setting) tiled: its action's ``extra``, or a new one.
+    """``actions`` with each stage of ``tiled`` (stage -> setting) tiled.
 
     Example:
         >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
@@ -189,7 +179,7 @@ def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[St
 
 @add_rule
 def _tile_rule(actions: Sequence[StageAction]) -> None:
-    """A tiled child is not itself recomputed alone, nor is its stage offloaded (each is one or the other)."""
+    """A tiled child is not itself recomputed alone, nor is its stage offloaded."""
     tiled = {a.stage: child_name(a.stage, parse(dict(a.extra)[TILE])[0]) for a in actions if TILE in dict(a.extra)}
     recomputed = [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
     clash = sorted(s for s, child in tiled.items()
