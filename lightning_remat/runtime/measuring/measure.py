@@ -17,10 +17,7 @@ from .runner import Step, StepWatch, model_device, run_step, synchronize
 from .tracking import eager_stance
 from .tracking import Tracker
 from .user_hooks import user_hooks_suspended
-from ..installing.sac import register_attention_flops
-
-# Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
-register_attention_flops()
+from ..installing import sac  # noqa: F401 - its import registers attention FLOPs on every SDPA backend
 
 __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_flops", "is_out_of_memory",
            "measure_step", "model_device", "preserved_training_state", "release_device_memory", "synchronize"]

@@ -241,11 +241,8 @@ class PeakOnlyTracker(Tracker):
 
 
 class SegmentTracker(Tracker):
-    """MemTracker that also records the peak of every segment of the step.
-
-    Segments are ("fw", i) / ("bw", i) while stage i runs forward / backward, and ("gap", k) between, with k
-    stages run forward and not yet backward. A module at several places (``stage_ids``) fills them in order.
-    """
+    """MemTracker that also records the peak of every segment: ("fw", i) / ("bw", i) while stage i runs forward /
+    backward, ("gap", k) between with k stages awaiting backward; a module at several places fills them in order."""
 
     def __init__(self, stage_ids: dict[int, int | Sequence[int]], device: torch.device,
                  calls: dict[int, int] | None = None):

@@ -1,7 +1,5 @@
-"""The user's module hooks do not see the package's own passes (profiling, fake twins, trials, predictions).
-
-They stand silenced in place, so torch still builds what they need (backward hooks' nodes hold memory).
-A hook is the user's unless it comes from one of ``LIBRARIES`` or is marked ``part_of_model``."""
+"""The user's module hooks stand silenced in place during the package's own passes (so torch still builds the
+nodes backward hooks need); a hook is the user's unless from ``LIBRARIES`` or marked ``part_of_model``."""
 
 from __future__ import annotations
 
