@@ -1,7 +1,5 @@
-"""Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
-
-The fake twin is sharded with ``fully_shard`` over a fake process group of N ranks, so FSDP2's own code
-allocates what rank 0 of a real run holds (``docs/sharded.md``)."""
+"""Plan an FSDP2 step for N GPUs in one process: the fake twin is sharded with ``fully_shard`` over a fake group
+of N ranks, so FSDP2's own code allocates what rank 0 of a real run holds (``docs/sharded.md``)."""
 
 from __future__ import annotations
 
