@@ -30,10 +30,8 @@ __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH
 
 @dataclass
 class BatchSizeResult:
-    """What ``find_remat_batch_size`` found and what the search cost.
-
-    ``batch_size_without_remat`` is 0 when nothing fits without recomputation; ``largest_fitting`` is before
-    ``margin``; ``binsearch_sizes`` are what Lightning's binsearch would try, for comparison.
+    """What ``find_remat_batch_size`` found and what the search cost (``largest_fitting``: before ``margin``;
+    ``binsearch_sizes``: what Lightning's binsearch would try).
 
     Example:
         >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
@@ -161,13 +159,12 @@ def find_remat_batch_size(
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
-    Two small batches are profiled, every memory term fitted as ``a + b * batch``, the largest batch whose plan
-    fits is searched on predictions and confirmed with real steps. Arguments have Lightning's names and
-    ``plan_remat``'s; see ``docs/batch_size.md``.
+    Two small batches are profiled, every term fitted as ``a + b * batch``, the largest fitting batch searched on
+    predictions and confirmed with real steps (arguments: Lightning's and ``plan_remat``'s; docs/batch_size.md).
 
     Args:
         make_step: ``make_step(batch_size)`` returns ``step(model) -> loss`` on a batch of that size.
-        budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
+        budget: the peak memory of a training step: "10GB", bytes, "80%" of the device.
         init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
         max_overhead: the largest recompute cost accepted, as a share of a step (0 = no recomputation).
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.

@@ -1,8 +1,5 @@
-"""The one channel between ranks: rank, world size, and how values and errors travel.
-
-Errors travel so every rank enters the same collectives whatever failed: ours as themselves, others as a
-``PlanningFailedError``.
-"""
+"""The one channel between ranks; errors travel (ours as themselves, others as ``PlanningFailedError``) so every
+rank enters the same collectives whatever failed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Which knob would make a budget fit: each setting that lowers the least peak, with the peak it gives.
-
-``Planner.decide`` adds them to the ``BudgetTooSmallError`` (``error.knobs``), each predicted, not guessed.
-"""
+"""Which knob would make a budget fit: each setting that lowers the least peak, with the peak it is predicted to
+give (``BudgetTooSmallError.knobs``)."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ def _model_optimizer(model: Any, optimizer: Any) -> Any:
 
 
 def _reprofiled(context: KnobContext, **settings: Any) -> Any:
-    # The planner's own class (``service.planning.Planner``) with the setting changed: the same
-    # profile a plan with that setting would solve on.
+    # The planner's own class with the setting changed: the profile a plan with it would solve on.
     config = replace(context.planner.config, profile=replace(context.planner.config.profile, **settings))
     optimizer = _model_optimizer(context.model, context.optimizer) if context.optimizer is not None else None
     return type(context.planner)(config).profile(context.model, context.step, optimizer)

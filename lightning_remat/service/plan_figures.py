@@ -46,9 +46,7 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
 
 def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step",
                 causes: Sequence[str | None] = ()) -> str | None:
-    """The warning when a measured step peaked above the plan's budget; None when it did not.
-
-    ``causes``: sentences explaining it (None skipped); without any, memory the profile did not see.
+    """The warning when a measured step peaked above the plan's budget, with ``causes`` (None skipped), or None.
 
     Example:
         >>> plan = Plan([], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990, predicted_overhead=0.1)
@@ -79,7 +77,7 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
 
 
 def shape_cause(plan: Plan, shape: Any) -> str | None:
-    """Why a step ran outside its plan: its batch ``shape`` is larger than the plan's; None when covered or unknown.
+    """Why a step ran outside its plan (a larger batch ``shape``), or None.
 
     Example:
         >>> shape_cause(Plan(fingerprint={"shape": [8, 32]}), Shape(8, 40))

@@ -59,8 +59,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def resolve_cost(config: RematConfig, model: nn.Module) -> tuple[RematConfig, str | None]:
-    """``config`` with its cost set for the device ``model`` is planned for where unset, and the note saying which
-    (``RematConfig.for_target``: the roofline for a GPU of the hardware table, counted FLOPs elsewhere).
+    """``config`` with an unset cost set for ``model``'s target (``RematConfig.for_target``), and the note saying so.
 
     Example:
         >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
@@ -95,7 +94,7 @@ class Planner:
                                                                          warmup=warmup))
 
     def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
-        """``solve_profile``; when no plan fits, a ``BudgetTooSmallError`` naming the knobs that would fit."""
+        """``solve_profile``; when no plan fits, a ``BudgetTooSmallError`` with the knobs that would."""
         try:
             return self.solve_profile(model, profile)
         except BudgetTooSmallError as error:
@@ -209,14 +208,13 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                tile_mlp: bool = False, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
-    Every argument is described in ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
+    Every argument: ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
 
     Args:
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
-        budget: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
+        budget: "10GB", bytes, "80%" of the device, or "min".
         optimizer: counted in the budget (state and step); a list for manual optimization.
-        cost: ``"flops"`` (deterministic), ``"time"`` (measured) or ``"roofline"``; unset, the target's (roofline
-            for a GPU of ``core/hardware.py``, flops on the CPU).
+        cost: ``"flops"``, ``"time"`` or ``"roofline"``; None: the target's (``RematConfig.for_target``).
         fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
 
     ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every

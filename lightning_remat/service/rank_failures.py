@@ -1,9 +1,6 @@
-"""One rank that fails inside a lockstep section: its error on every rank, within seconds.
-
-A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
-the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent, it posts its
-error as the verdict and aborts the group, and every rank raises the verdict.
-"""
+"""A rank failing in a lockstep section would meet the others in a mismatched collective (gloo aborts, nccl
+hangs): it posts on the group's store and waits ``PEER_WAIT_S`` for every rank's word; if one is silent, it posts
+its error as the verdict and aborts the group, and every rank raises it."""
 
 from __future__ import annotations
 

@@ -41,11 +41,8 @@ class ShapePlanCounts:
 
 
 class ShapePlans(ShapeProfiles):
-    """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
-
-    Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without installing;
-    ``fresh`` then says whether it decided a plan), and optionally ``calibrate(peak)`` with the step's measured
-    peak after it. ``loss_fn(model, batch)`` returns the loss; ``docs/shapes.md`` describes every other argument.
+    """The plan for each batch's shape, solved once per shape bucket: ``use(batch)`` before each step's forward
+    installs it (``plan(batch)`` only decides), ``calibrate(peak)`` after takes the measured peak (docs/shapes.md).
 
     Example:
         >>> import torch
@@ -122,8 +119,7 @@ class ShapePlans(ShapeProfiles):
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
         if self.unpadded and padding(batch):
-            # Planned from a batch without padding (Hugging Face builds no attention mask for it): a padded one
-            # of the same sizes needs more. Every shape is planned again, from this batch.
+            # Planned from a batch without padding (no attention mask built): a padded one needs more.
             self.unpadded, self.anchor, self.fit, self.plans, self.sources = False, None, None, {}, {}
             self._stale, self._too_large = set(), set()
         shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes

@@ -60,10 +60,8 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
 
 def lockstep_plan(planner: Any, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
                   channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
-    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all
-    (``planner``: a ``planning.Planner``, its ``profile``, ``solve_profile`` and ``fallback_plan``).
-
-    With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
+    """Profile on every rank, solve on rank 0 over the termwise maximum, return its plan (or error) on all; with
+    ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
 
     Example:
         >>> from lightning_remat.service.planning import Planner, RematConfig, ProfileOptions

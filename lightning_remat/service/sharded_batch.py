@@ -1,8 +1,5 @@
-"""The batch-size search on a model sharded with FSDP2: every rank searches in lockstep.
-
-Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
-is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
-"""
+"""The batch-size search on an FSDP2 model, every rank in lockstep: profiles merge to the largest term, a trial
+fails if it failed on any rank, the result is rank 0's; the budget is per rank."""
 
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from .sharded import merge_profiles
 
 
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
-    """One trial from every rank's: out of memory if any was, the largest peak, fitting only within ``budget``.
+    """One trial from every rank's: out of memory if any was, the largest peak.
 
     Example:
         >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
