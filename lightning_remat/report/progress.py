@@ -16,10 +16,8 @@ def default_console() -> Any:
 
 
 class PhaseProgress:
-    """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next.
-
-    ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
-    """
+    """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next
+    (``total``: None for a spinner; ``delay``: seconds before it appears)."""
 
     def __init__(self, total: int | None = None, *, enabled: bool = True, delay: float | None = None,
                  console: Any = None) -> None:
