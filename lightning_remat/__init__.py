@@ -1,7 +1,5 @@
-"""lightning-remat: keep a training step under a memory budget with the least recomputation.
-
-Layers and modules: docs/architecture.md. Names that need torch are imported on first use, so
-``import lightning_remat`` stays cheap.
+"""lightning-remat: keep a training step under a memory budget with the least recomputation (layers:
+docs/architecture.md). Names that need torch are imported on first use, so the import stays cheap.
 
 Example:
     >>> import lightning_remat
