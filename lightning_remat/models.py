@@ -195,9 +195,8 @@ _FACTORIES = {"gpt2": gpt2, "bert": bert, "vit": vit, "resnet50": resnet50, "lla
 def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
     """Build one of ``MODEL_NAMES`` or ``CNN_NAMES`` with random weights drawn from ``seed``.
 
-    Example:
-        >>> build("mlp", depth=2).name
-        'mlp'
+    >>> build("mlp", depth=2).name
+    'mlp'
     """
     if name not in _FACTORIES:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + CNN_NAMES}")
@@ -210,10 +209,9 @@ def padded_batches(steps: int = 12, batch_size: int = 4, min_len: int = 32, max_
     """Random token batches padded to each batch's longest sequence (as ``DataCollatorWithPadding``), drawn from
     ``[min_len, max_len)`` except at step ``longest_at``, where it has ``max_len`` tokens.
 
-    Example:
-        >>> batches = padded_batches(steps=3, longest_at=2)
-        >>> [b["input_ids"].shape[1] < 128 for b in batches], int(batches[0]["attention_mask"].sum()) < 4 * 128
-        ([True, True, False], True)
+    >>> batches = padded_batches(steps=3, longest_at=2)
+    >>> [b["input_ids"].shape[1] < 128 for b in batches], int(batches[0]["attention_mask"].sum()) < 4 * 128
+    ([True, True, False], True)
     """
     g = torch.Generator().manual_seed(seed)
     batches = []

@@ -80,12 +80,11 @@ def modelled_split(profile: Profile) -> dict[str, int]:
     """The forward/backward peak of ``profile`` with nothing recomputed, split into static memory by kind, the
     activations stored before the binding term (``Activation``) and the term's own bytes (``Temp``).
 
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
-        >>> modelled_split(p)
-        {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}
+    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
+    >>> modelled_split(p)
+    {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}
     """
     terms = [t for t in peak_terms(profile, [0] * len(profile.stages))
              if not (t.kind == "segment" and profile.segments[t.index].name == OPTIMIZER_SEGMENT)]
@@ -138,12 +137,11 @@ def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimi
                      console: Any = None) -> MemoryBreakdown:
     """Where the memory of one training step of ``model`` goes, printed and returned (``profile``: reuse one).
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-        >>> opt = torch.optim.Adam(net.parameters())
-        >>> b = memory_breakdown(net, lambda m: m(torch.randn(32, 64)).sum(), opt, show=False)
-        >>> b.optimizer_state_bytes >= 2 * b.parameter_bytes, len(b.top_modules), b.peak_bytes > b.static_bytes
-        (True, 4, True)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    >>> opt = torch.optim.Adam(net.parameters())
+    >>> b = memory_breakdown(net, lambda m: m(torch.randn(32, 64)).sum(), opt, show=False)
+    >>> b.optimizer_state_bytes >= 2 * b.parameter_bytes, len(b.top_modules), b.peak_bytes > b.static_bytes
+    (True, 4, True)
     """
     if profile is None:
         from ..runtime.profiling.profile import profile_step

@@ -33,10 +33,9 @@ class BatchSizeResult:
     """What ``find_remat_batch_size`` found and what the search cost (``largest_fitting``: before ``margin``;
     ``binsearch_sizes``: what Lightning's binsearch would try).
 
-    Example:
-        >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
-        >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio
-        4.0
+    >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+    >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio
+    4.0
     """
 
     batch_size: int
@@ -174,12 +173,11 @@ def find_remat_batch_size(
     Raises:
         BatchSizeTooSmallBudgetError: even a batch of one does not fit within ``max_overhead``.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> make_step = lambda b: (lambda m, x=torch.randn(b, 32): m(x).square().mean())
-        >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
-        >>> result.batch_size > result.batch_size_without_remat > 0, result.measured_peak_bytes <= 600_000
-        (True, True)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> make_step = lambda b: (lambda m, x=torch.randn(b, 32): m(x).square().mean())
+    >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
+    >>> result.batch_size > result.batch_size_without_remat > 0, result.measured_peak_bytes <= 600_000
+    (True, True)
     """
     validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,

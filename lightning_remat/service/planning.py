@@ -61,10 +61,9 @@ def _first_line(error: BaseException) -> str:
 def resolve_cost(config: RematConfig, model: nn.Module) -> tuple[RematConfig, str | None]:
     """``config`` with an unset cost set for ``model``'s target (``RematConfig.for_target``), and the note saying so.
 
-    Example:
-        >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
-        >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
-        ('roofline', 'flops')
+    >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
+    >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
+    ('roofline', 'flops')
     """
     if config.cost is not None:  # given: no target to look at (a search may not hold a model yet)
         return config, None
@@ -220,12 +219,11 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
     ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every
     rank returns rank 0's plan or error; an FSDP2 model is profiled on every rank (call it on each).
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
-        >>> x = torch.randn(256, 64)
-        >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
-        >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
-        True
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+    >>> x = torch.randn(256, 64)
+    >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
+    >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    True
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,

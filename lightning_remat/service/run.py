@@ -88,17 +88,16 @@ def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
 class RunLifecycle:
     """A run's plans (one per batch shape), their figures (``metrics``, updated in place) and measured windows.
 
-    Example:
-        >>> import torch
-        >>> net = nn.Sequential(nn.Linear(8, 8))
-        >>> logged = []
-        >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
-        >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
-        >>> run.announce(plan, "a plan")
-        >>> window = run.window(plan)
-        >>> net(torch.randn(4, 8)).sum().backward()
-        >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
-        (True, ['remat/measured_peak_bytes'])
+    >>> import torch
+    >>> net = nn.Sequential(nn.Linear(8, 8))
+    >>> logged = []
+    >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
+    >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
+    >>> run.announce(plan, "a plan")
+    >>> window = run.window(plan)
+    >>> net(torch.randn(4, 8)).sum().backward()
+    >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
+    (True, ['remat/measured_peak_bytes'])
     """
 
     def __init__(self, host: RunHost):

@@ -44,14 +44,13 @@ class ShapePlans(ShapeProfiles):
     """The plan for each batch's shape, solved once per shape bucket: ``use(batch)`` before each step's forward
     installs it (``plan(batch)`` only decides), ``calibrate(peak)`` after takes the measured peak (docs/shapes.md).
 
-    Example:
-        >>> import torch
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
-        >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
-        >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
-        [True, True, True]
-        >>> plans.counts.real_profiles, plans.counts.solves  # two shapes, both planned on fake tensors
-        (0, 2)
+    >>> import torch
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+    >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
+    >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
+    [True, True, True]
+    >>> plans.counts.real_profiles, plans.counts.solves  # two shapes, both planned on fake tensors
+    (0, 2)
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,

@@ -18,10 +18,9 @@ from .sharded import merge_profiles
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
     """One trial from every rank's: out of memory if any was, the largest peak.
 
-    Example:
-        >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
-        >>> t.out_of_memory, t.fits, t.measured_peak_bytes
-        (True, False, None)
+    >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
+    >>> t.out_of_memory, t.fits, t.measured_peak_bytes
+    (True, False, None)
     """
     first = trials[0]
     oom = any(t.out_of_memory for t in trials)

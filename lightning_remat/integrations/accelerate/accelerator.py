@@ -78,10 +78,9 @@ def _offloaded(plugin: Any) -> bool:
 def deepspeed_refusal(plugin: Any = None) -> str:
     """What is refused under DeepSpeed, why, and the ways that run.
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> deepspeed_refusal(SimpleNamespace(zero_stage=1)).split(":")[0]
-        'lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage 1)'
+    >>> from types import SimpleNamespace
+    >>> deepspeed_refusal(SimpleNamespace(zero_stage=1)).split(":")[0]
+    'lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage 1)'
     """
     stage = getattr(plugin, "zero_stage", None)
     said = "unknown" if stage is None else str(stage)
@@ -127,13 +126,12 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
             Megatron-LM, XLA, torch.compile, FSDP1.
         ConflictingArgumentsError: the model has a session with other settings already.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
-        >>> prepare_remat(net, RematPlugin(budget="1GB")) is net
-        True
-        >>> remat_session(net).phase
-        'observe'
-        >>> remat_session(net).remove()
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+    >>> prepare_remat(net, RematPlugin(budget="1GB")) is net
+    True
+    >>> remat_session(net).phase
+    'observe'
+    >>> remat_session(net).remove()
     """
     plugin = RematPlugin() if remat_plugin is None else remat_plugin
     if accelerator is not None and not hasattr(accelerator, "remat_metrics"):
@@ -181,9 +179,8 @@ NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {E
 def remat_session(model: nn.Module) -> RematSession | None:
     """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any.
 
-    Example:
-        >>> remat_session(nn.Linear(2, 2)) is None
-        True
+    >>> remat_session(nn.Linear(2, 2)) is None
+    True
     """
     return _SESSIONS.get(_inner_model(model))
 
@@ -194,22 +191,21 @@ class RematAccelerator(Accelerator):
     ``remat_plugin``: None reads ``RematPlugin`` from the environment. Each training model given to ``prepare``
     gets ``prepare_remat``; ``remat_plan`` is the applied ``Plan``, ``remat_metrics`` the ``remat/...`` figures.
 
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> optimizer = torch.optim.Adam(model.parameters())
-        >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
-        >>> model, optimizer = accelerator.prepare(model, optimizer)
-        >>> x = torch.randn(64, 32)
-        >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
-        ...     optimizer.zero_grad(set_to_none=True)
-        ...     accelerator.backward(model(x).square().mean())
-        ...     optimizer.step()
-        >>> metrics = accelerator.remat_metrics
-        >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
-        (True, True)
-        >>> from accelerate.state import AcceleratorState
-        >>> AcceleratorState._reset_state(True)
+    >>> from torch import nn
+    >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> optimizer = torch.optim.Adam(model.parameters())
+    >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
+    >>> model, optimizer = accelerator.prepare(model, optimizer)
+    >>> x = torch.randn(64, 32)
+    >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
+    ...     optimizer.zero_grad(set_to_none=True)
+    ...     accelerator.backward(model(x).square().mean())
+    ...     optimizer.step()
+    >>> metrics = accelerator.remat_metrics
+    >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+    (True, True)
+    >>> from accelerate.state import AcceleratorState
+    >>> AcceleratorState._reset_state(True)
     """
 
     def __init__(self, *args: Any, remat_plugin: RematPlugin | None = None, **kwargs: Any):

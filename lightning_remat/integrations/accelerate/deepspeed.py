@@ -1,9 +1,8 @@
 """DeepSpeed ZeRO-2/3: each rank planned as the whole model, turned into the rank's by ``core.zero`` facts read
 from the live ZeRO optimizer, and measured with DeepSpeed's partitions and optimizer state counted.
 
-Example:
-    >>> deepspeed_stage(None) is None
-    True
+>>> deepspeed_stage(None) is None
+True
 """
 
 from __future__ import annotations

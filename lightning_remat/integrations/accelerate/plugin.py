@@ -36,10 +36,9 @@ class RematPlugin:
     """Each field left ``None`` is read from its ``ACCELERATE_REMAT_*`` variable (docs/accelerate.md, "Settings").
     On if and only if a budget is set; a malformed value raises ``ValueError`` naming its variable.
 
-    Example:
-        >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
-        >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
-        (True, 1, ['GPT2Block', 'transformer.h.*'], None)
+    >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
+    >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
+    (True, 1, ['GPT2Block', 'transformer.h.*'], None)
     """
 
     budget: str | int | None = None  # peak memory of a training step: '10GB', 'min'
@@ -120,9 +119,8 @@ class LoopFacts:
     """What the session reads of the loop: optimizers, accumulation, the process ``state`` (``Accelerator`` or
     ``AcceleratorState``), where figures go and lines are shown. The Trainer's callback gives its own.
 
-    Example:
-        >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()
-        (1, 1)
+    >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()
+    (1, 1)
     """
 
     optimizers: Callable[[], Any] = list

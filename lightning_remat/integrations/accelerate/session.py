@@ -34,19 +34,18 @@ class RematSession:
     """Made by ``prepare_remat``. ``phase``: ``"observe"``, ``"measure"`` (a plan's first steady step), ``"done"``;
     ``plan``: the latest batch shape's; ``plans``: one per shape; ``metrics``: the ``remat/...`` figures.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
-        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        >>> from lightning_remat.accelerate import prepare_remat, remat_session
-        >>> session = remat_session(prepare_remat(net, RematPlugin(budget="min", cost="flops")))
-        >>> for _ in range(3):
-        ...     net(torch.randn(64, 32)).pow(2).mean().backward()
-        ...     opt.step()
-        ...     opt.zero_grad()
-        >>> session.phase, session.plan.checkpointed, session.plan.segments
-        ('done', ['2', '3'], [['0', '1']])
-        >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
-        True
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> from lightning_remat.accelerate import prepare_remat, remat_session
+    >>> session = remat_session(prepare_remat(net, RematPlugin(budget="min", cost="flops")))
+    >>> for _ in range(3):
+    ...     net(torch.randn(64, 32)).pow(2).mean().backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    >>> session.phase, session.plan.checkpointed, session.plan.segments
+    ('done', ['2', '3'], [['0', '1']])
+    >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
+    True
     """
 
     def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None, loop: LoopFacts | None = None):

@@ -27,10 +27,9 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
     ``RematPlugin``'s; ``plan`` and ``metrics`` (also in the Trainer's logs); the plans go into its checkpoints
     (docs/accelerate.md, "The Hugging Face Trainer").
 
-    Example:
-        >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
-        >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
-        ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
+    >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
+    >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
+    ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,

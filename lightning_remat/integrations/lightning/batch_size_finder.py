@@ -49,10 +49,9 @@ class RematBatchSizeFinder(BatchSizeFinder):
     """Before fit, find the largest batch size within a budget (``find_remat_batch_size``), set it and apply its
     plan. Arguments: ``BatchSizeFinder``'s and ``find_remat_batch_size``'s (``docs/batch_size.md``).
 
-    Example:
-        >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
-        True
-        >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
+    >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
+    True
+    >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
     """
 
     SUPPORTED_MODES = SEARCH_MODES

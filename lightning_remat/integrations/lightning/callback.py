@@ -44,10 +44,9 @@ class AutoRemat(Callback):
         fake: None/True: profile the first batch on fake tensors only; False: also for real where it fits.
         offload, policies, chunk_loss: as ``plan_remat``'s.
 
-    Example:
-        >>> AutoRemat(budget="2GB").config.budget.resolve()
-        2000000000
-        >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
+    >>> AutoRemat(budget="2GB").config.budget.resolve()
+    2000000000
+    >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,

@@ -8,9 +8,8 @@ from typing import Any, Iterable
 def image_sink(logger: Any) -> Any:
     """How ``logger`` takes a matplotlib figure: ``sink(tag, figure, step)``, or None if it takes none.
 
-    Example:
-        >>> image_sink(object()) is None
-        True
+    >>> image_sink(object()) is None
+    True
     """
     if callable(getattr(logger, "log_image", None)):  # WandbLogger, NeptuneLogger, CometLogger
         return lambda tag, figure, step: logger.log_image(key=tag, images=[figure], step=step)

@@ -1,10 +1,9 @@
 """Validation and test batches predicted before they run: a line in the batch size through two forwards
 without gradients on slices of the batch (``docs/lightning.md``).
 
-Example:
-    >>> batch = (torch.zeros(8, 16), torch.zeros(8))
-    >>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]
-    (8, [2, 2])
+>>> batch = (torch.zeros(8, 16), torch.zeros(8))
+>>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]
+(8, [2, 2])
 """
 
 from __future__ import annotations

@@ -14,11 +14,10 @@ from ...core.errors import SkippedStepError
 def loss_of(output: Any) -> torch.Tensor:
     """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``.
 
-    Example:
-        >>> loss_of(None)
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.SkippedStepError: training_step returned None (it skips this batch): lightning-remat profiles the first batch whose training_step returns a loss
+    >>> loss_of(None)
+    Traceback (most recent call last):
+    ...
+    lightning_remat.core.errors.SkippedStepError: training_step returned None (it skips this batch): lightning-remat profiles the first batch whose training_step returns a loss
     """
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
@@ -53,17 +52,16 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
     """``step(module)`` returning ``module.training_step(batch, batch_idx)``'s loss (``module``: the
     LightningModule or its fake twin).
 
-    Example:
-        >>> import lightning.pytorch as L
-        >>> class Lit(L.LightningModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.net = torch.nn.Linear(4, 1)
-        ...     def training_step(self, batch, batch_idx):
-        ...         self.log("loss", 1.0)           # muted while profiling
-        ...         return {"loss": self.net(batch).sum()}
-        >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
-        torch.Size([])
+    >>> import lightning.pytorch as L
+    >>> class Lit(L.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = torch.nn.Linear(4, 1)
+    ...     def training_step(self, batch, batch_idx):
+    ...         self.log("loss", 1.0)           # muted while profiling
+    ...         return {"loss": self.net(batch).sum()}
+    >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
+    torch.Size([])
     """
     call, context = _training_step(pl_module, batch, batch_idx, trainer)
 

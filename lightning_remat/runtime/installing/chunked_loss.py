@@ -50,12 +50,11 @@ class CausalLMLoss:
     """Hugging Face's ``ForCausalLMLoss`` with label smoothing, for ``model.loss_function`` (a loss of the user's
     own is not chunked).
 
-    Example:
-        >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
-        >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-        >>> plain = F.cross_entropy(logits.reshape(-1, 16), shifted, label_smoothing=0.1)
-        >>> torch.allclose(CausalLMLoss(0.1)(logits, labels, 16), plain)
-        True
+    >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
+    >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    >>> plain = F.cross_entropy(logits.reshape(-1, 16), shifted, label_smoothing=0.1)
+    >>> torch.allclose(CausalLMLoss(0.1)(logits, labels, 16), plain)
+    True
     """
 
     label_smoothing: float = 0.0
@@ -124,10 +123,9 @@ def _scaled(model: nn.Module) -> str | None:
 def capped(project: Callable[[torch.Tensor], torch.Tensor], cap: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``project`` followed by the model's logit soft-capping (``cap * tanh(logits / cap)``, Gemma-2's order of ops).
 
-    Example:
-        >>> logits = torch.randn(4, 8) * 100
-        >>> torch.equal(capped(lambda x: x, 30.0)(logits), torch.tanh(logits / 30.0) * 30.0)
-        True
+    >>> logits = torch.randn(4, 8) * 100
+    >>> torch.equal(capped(lambda x: x, 30.0)(logits), torch.tanh(logits / 30.0) * 30.0)
+    True
     """
     if not cap:
         return project
@@ -187,11 +185,10 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
     Called in the model's forward, ``chunk_loss=True`` plans this head and loss as a stage. ``shift``: position
     ``t`` predicts the label at ``t + 1``.
 
-    Example:
-        >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
-        >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
-        >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
-        True
+    >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
+    >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
+    >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
+    True
     """
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels

@@ -98,11 +98,10 @@ def _module_mismatch(name: str, module: nn.Module | None, recorded: dict[str, li
 def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
     """What differs between ``model`` and the model a plan's fingerprint ``saved`` records, or None.
 
-    Example:
-        >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
-        >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
-        >>> mismatch(chain(3), saved)
-        "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
+    >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
+    >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
+    >>> mismatch(chain(3), saved)
+    "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
     """
     recorded = saved.get("module_parameters", {})
     with uncompiled(model) as plain:

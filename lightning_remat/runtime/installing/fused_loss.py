@@ -68,15 +68,14 @@ def fused_cross_entropy(project: Project, hidden: torch.Tensor, shift_labels: to
     """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks, its gradients computed in the forward
     (``params``: the head's weight and bias; those that require grad get theirs).
 
-    Example:
-        >>> head, hidden = nn.Linear(8, 32), torch.randn(2, 6, 8, requires_grad=True)
-        >>> labels = torch.randint(0, 32, (2, 6))
-        >>> loss = fused_cross_entropy(head, hidden, labels, 3, list(head.parameters()))
-        >>> plain = torch.nn.functional.cross_entropy(head(hidden).reshape(-1, 32), labels.reshape(-1))
-        >>> loss.backward(); torch.allclose(loss, plain)
-        True
-        >>> torch.allclose(hidden.grad, torch.autograd.grad(plain, hidden)[0])
-        True
+    >>> head, hidden = nn.Linear(8, 32), torch.randn(2, 6, 8, requires_grad=True)
+    >>> labels = torch.randint(0, 32, (2, 6))
+    >>> loss = fused_cross_entropy(head, hidden, labels, 3, list(head.parameters()))
+    >>> plain = torch.nn.functional.cross_entropy(head(hidden).reshape(-1, 32), labels.reshape(-1))
+    >>> loss.backward(); torch.allclose(loss, plain)
+    True
+    >>> torch.allclose(hidden.grad, torch.autograd.grad(plain, hidden)[0])
+    True
     """
     params = list(params)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (hidden, *params)):
@@ -99,10 +98,9 @@ def fused_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, 
 class FusedLoss(ChunkedLoss):
     """A ``FUSE`` action: the head returns its loss fused over sequence chunks; its causal LM hands it the labels.
 
-    Example:
-        >>> from lightning_remat.core.actions import StageAction
-        >>> FusedLoss().settings(StageAction.fuse("lm_head", 8)), FusedLoss().settings(StageAction.chunk("lm_head", 8))
-        ({'lm_head': 8}, {})
+    >>> from lightning_remat.core.actions import StageAction
+    >>> FusedLoss().settings(StageAction.fuse("lm_head", 8)), FusedLoss().settings(StageAction.chunk("lm_head", 8))
+    ({'lm_head': 8}, {})
     """
 
     name = "fused_loss"

@@ -70,10 +70,9 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
     """Offload, in place, what the named modules save for backward (docs/offload.md). ``order``: every stage in
     execution order (a stage's tensors leave once the next one ran); ``limits``: bytes per module and call.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> offloaded_modules(apply_offload(net, ["0"]))
-        ['0']
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> offloaded_modules(apply_offload(net, ["0"]))
+    ['0']
     """
     names, limits = list(names), dict(limits or {})
     modules = dict(model.named_modules())

@@ -16,9 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 def is_fake(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a fake tensor, or a DTensor (FSDP2's sharded parameter) whose local shard is one.
 
-    Example:
-        >>> is_fake(torch.ones(1))
-        False
+    >>> is_fake(torch.ones(1))
+    False
     """
     return isinstance(getattr(tensor, "_local_tensor", tensor), FakeTensor)
 

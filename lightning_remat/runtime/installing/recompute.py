@@ -51,18 +51,17 @@ def recomputing() -> bool:
 
     Guard Python side effects of a module's forward with it (a counter, activations collected in a list).
 
-    Example:
-        >>> calls = []
-        >>> class Counted(nn.Linear):
-        ...     def forward(self, x):
-        ...         if not recomputing():
-        ...             calls.append(1)
-        ...         return super().forward(x)
-        >>> from lightning_remat import apply_plan
-        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
-        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
-        >>> len(calls)  # the recompute in backward did not count
-        1
+    >>> calls = []
+    >>> class Counted(nn.Linear):
+    ...     def forward(self, x):
+    ...         if not recomputing():
+    ...             calls.append(1)
+    ...         return super().forward(x)
+    >>> from lightning_remat import apply_plan
+    >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
+    >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    >>> len(calls)  # the recompute in backward did not count
+    1
     """
     return torch._C._current_graph_task_id() != -1
 
@@ -97,14 +96,13 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     and no KV cache (unless ``_can_checkpoint_with_cache``), since a recompute writing the cache would append
     the keys and values a second time. Only the call changes, not the config or the cache.
 
-    Example:
-        >>> import transformers
-        >>> layer = nn.Linear(2, 2)
-        >>> cache = transformers.DynamicCache()
-        >>> _without_cache(layer, (1,), {"cache": cache, "use_cache": True})[1]
-        {'cache': None, 'use_cache': False}
-        >>> _without_cache(layer, (1,), {"cache": {}, "use_cache": True})[1]  # not Hugging Face's
-        {'cache': {}, 'use_cache': True}
+    >>> import transformers
+    >>> layer = nn.Linear(2, 2)
+    >>> cache = transformers.DynamicCache()
+    >>> _without_cache(layer, (1,), {"cache": cache, "use_cache": True})[1]
+    {'cache': None, 'use_cache': False}
+    >>> _without_cache(layer, (1,), {"cache": {}, "use_cache": True})[1]  # not Hugging Face's
+    {'cache': {}, 'use_cache': True}
     """
     hf = type(module).__module__.startswith("transformers.")
     leaves = [*args, *kwargs.values()]

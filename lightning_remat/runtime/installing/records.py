@@ -39,11 +39,10 @@ class Target:
 class Behaviour:
     """One way to treat a module: subclass, override what differs, ``register`` an instance.
 
-    Example:
-        >>> class Counted(Behaviour):
-        ...     name = "counted"
-        >>> Counted().settings(StageAction("h.0", extra={"counted": True}))
-        {'h.0': True}
+    >>> class Counted(Behaviour):
+    ...     name = "counted"
+    >>> Counted().settings(StageAction("h.0", extra={"counted": True}))
+    {'h.0': True}
     """
 
     name = ""

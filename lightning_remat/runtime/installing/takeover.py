@@ -60,18 +60,17 @@ def take_over_checkpointing(model: nn.Module, who: str, speaks: bool = True) -> 
     Raises:
         AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` wraps a module, or checkpointing stays on.
 
-    Example:
-        >>> import transformers
-        >>> transformers.logging.set_verbosity_error()
-        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2,
-        ...                                                                vocab_size=64))
-        >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        >>> print(take_over_checkpointing(model, "AutoRemat", speaks=False))  # doctest: +NORMALIZE_WHITESPACE
-        AutoRemat turned off the model's own gradient checkpointing (GPT2LMHeadModel: 2 of 2 layers,
-        use_reentrant=False) and plans recomputation within its budget instead; set gradient_checkpointing=False
-        (TrainingArguments, SFTConfig) or drop gradient_checkpointing_enable() to not see this line.
-        >>> existing_checkpointing(model), take_over_checkpointing(model, "AutoRemat")
-        ([], None)
+    >>> import transformers
+    >>> transformers.logging.set_verbosity_error()
+    >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2,
+    ...                                                                vocab_size=64))
+    >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    >>> print(take_over_checkpointing(model, "AutoRemat", speaks=False))  # doctest: +NORMALIZE_WHITESPACE
+    AutoRemat turned off the model's own gradient checkpointing (GPT2LMHeadModel: 2 of 2 layers,
+    use_reentrant=False) and plans recomputation within its budget instead; set gradient_checkpointing=False
+    (TrainingArguments, SFTConfig) or drop gradient_checkpointing_enable() to not see this line.
+    >>> existing_checkpointing(model), take_over_checkpointing(model, "AutoRemat")
+    ([], None)
     """
     wrapped = [line for line in existing_checkpointing(model) if "checkpoint_wrapper" in line]
     if wrapped:

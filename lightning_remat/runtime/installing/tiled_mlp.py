@@ -31,9 +31,8 @@ _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 def spec(child: str, chunks: int) -> str:
     """A tiled setting: ``child`` of the stage over ``chunks`` sequence chunks.
 
-    Example:
-        >>> spec("mlp", 16), parse("mlp:16")
-        ('mlp:16', ('mlp', 16))
+    >>> spec("mlp", 16), parse("mlp:16")
+    ('mlp:16', ('mlp', 16))
     """
     return f"{child}:{int(chunks)}"
 
@@ -49,9 +48,8 @@ def parse(setting: Any) -> tuple[str, int]:
 def child_name(stage: str, child: str) -> str:
     """The module name of ``stage``'s child ``child`` (the model itself is stage "").
 
-    Example:
-        >>> child_name("model.layers.0", "mlp"), child_name("", "mlp")
-        ('model.layers.0.mlp', 'mlp')
+    >>> child_name("model.layers.0", "mlp"), child_name("", "mlp")
+    ('model.layers.0.mlp', 'mlp')
     """
     return f"{stage}.{child}" if stage else child
 
@@ -67,13 +65,12 @@ def _leaf_ok(module: nn.Module) -> bool:
 def refusal(module: nn.Module) -> str | None:
     """Why ``module`` is not tiled over the sequence, or None.
 
-    Example:
-        >>> class TinyMLP(nn.Sequential):
-        ...     pass
-        >>> refusal(TinyMLP(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))) is None
-        True
-        >>> refusal(TinyMLP(nn.Linear(4, 4), nn.Dropout(0.1)))
-        'TinyMLP has dropout active in training (its masks over chunks would differ from the plain model)'
+    >>> class TinyMLP(nn.Sequential):
+    ...     pass
+    >>> refusal(TinyMLP(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))) is None
+    True
+    >>> refusal(TinyMLP(nn.Linear(4, 4), nn.Dropout(0.1)))
+    'TinyMLP has dropout active in training (its masks over chunks would differ from the plain model)'
     """
     name = type(module).__name__
     if not any(fnmatch.fnmatchcase(name, p) for p in PATTERNS):
@@ -89,11 +86,10 @@ def refusal(module: nn.Module) -> str | None:
 def tiled_forward(call: Callable[..., Any], chunks: int, x: torch.Tensor) -> torch.Tensor:
     """``call(x)`` over ``chunks`` pieces of ``x``'s positions, each checkpointed; outputs concatenated.
 
-    Example:
-        >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
-        >>> x = torch.randn(2, 10, 4, requires_grad=True)
-        >>> torch.allclose(tiled_forward(mlp, 4, x), mlp(x), atol=1e-6)
-        True
+    >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+    >>> x = torch.randn(2, 10, 4, requires_grad=True)
+    >>> torch.allclose(tiled_forward(mlp, 4, x), mlp(x), atol=1e-6)
+    True
     """
     # RNG state preserved as recompute does (no dropout is active in a tiled module: ``refusal``).
     return joined([checkpoint(call, part, use_reentrant=False, preserve_rng_state=True)
@@ -104,10 +100,9 @@ def pieces(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
     """``x``'s positions in ``chunks`` contiguous (1, tokens, hidden) views: chunks along the second-last dim of a
     batch of several would not be contiguous, which a module that ``view``s its input refuses.
 
-    Example:
-        >>> x = torch.arange(24.0).reshape(2, 3, 4)
-        >>> [p.shape[1] for p in pieces(x, 4)], torch.equal(joined(pieces(x, 4), x), x)
-        ([2, 2, 1, 1], True)
+    >>> x = torch.arange(24.0).reshape(2, 3, 4)
+    >>> [p.shape[1] for p in pieces(x, 4)], torch.equal(joined(pieces(x, 4), x), x)
+    ([2, 2, 1, 1], True)
     """
     flat = x.reshape(1, -1, x.shape[-1]) if x.dim() > 2 else x.unsqueeze(0)
     return flat.tensor_split(min(chunks, flat.shape[1]), dim=1)
@@ -129,9 +124,8 @@ def _tiled_call(module: nn.Module, chunks: int, call: Callable[..., Any], /, *ar
 class TiledMLP(Behaviour):
     """``extra["tile"]``: the stage's child runs over sequence chunks (record on the child, reads per stage).
 
-    Example:
-        >>> TILED_MLP.settings(StageAction("layers.0", extra={"tile": "mlp:16"}))
-        {'layers.0': 'mlp:16'}
+    >>> TILED_MLP.settings(StageAction("layers.0", extra={"tile": "mlp:16"}))
+    {'layers.0': 'mlp:16'}
     """
 
     name = TILE
@@ -168,9 +162,8 @@ TILED_MLP = TiledMLP()
 def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[StageAction]:
     """``actions`` with each stage of ``tiled`` (stage -> setting) tiled.
 
-    Example:
-        >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
-        [(('tile', 'mlp:4'),), (('tile', 'mlp:4'),)]
+    >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
+    [(('tile', 'mlp:4'),), (('tile', 'mlp:4'),)]
     """
     out = [replace(a, extra={**dict(a.extra), TILE: tiled[a.stage]}) if a.stage in tiled else a for a in actions]
     named = {a.stage for a in actions}

@@ -43,12 +43,11 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-        >>> opt = torch.optim.Adam(net.parameters())
-        >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum(), opt)
-        >>> m.optimizer_bytes > 0
-        True
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    >>> opt = torch.optim.Adam(net.parameters())
+    >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum(), opt)
+    >>> m.optimizer_bytes > 0
+    True
     """
     meter = PeakMeter(model, optimizer, tracker=Tracker())
     loss = run_step(model, step, optimizer, watch=meter, zero_grad="before" if zero_grad else None, read_loss=True)

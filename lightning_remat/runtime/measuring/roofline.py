@@ -69,9 +69,8 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
 def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:
     """(device type, key in ``core.hardware.GPUS`` or None, the GPU's name) of ``gpu`` when named, else of the device.
 
-    Example:
-        >>> target_gpu("cpu"), target_gpu("cpu", gpu="H100")
-        (('cpu', None, None), ('cuda', 'h100', 'H100'))
+    >>> target_gpu("cpu"), target_gpu("cpu", gpu="H100")
+    (('cpu', None, None), ('cuda', 'h100', 'H100'))
     """
     if gpu is not None:
         return "cuda", hardware.gpu(gpu).name, gpu

@@ -41,12 +41,11 @@ def is_user_hook(hook: Callable[..., Any]) -> bool:
 def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``hook`` as part of the model (it changes the output, or must see every forward); returns it.
 
-    Example:
-        >>> def scale(module, args, output):
-        ...     return output * 2
-        >>> scale.__module__ = "my_training_script"
-        >>> is_user_hook(scale), is_user_hook(part_of_model(scale))
-        (True, False)
+    >>> def scale(module, args, output):
+    ...     return output * 2
+    >>> scale.__module__ = "my_training_script"
+    >>> is_user_hook(scale), is_user_hook(part_of_model(scale))
+    (True, False)
     """
     setattr(getattr(hook, "__func__", hook), PART_OF_MODEL, True)
     return hook

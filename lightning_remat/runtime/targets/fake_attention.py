@@ -27,15 +27,14 @@ def cuda_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
                 is_causal: bool = False) -> str:
     """The SDPA kernel a CUDA GPU (sm80+) runs for these inputs, as torch's ``select_sdp_backend``.
 
-    Example:
-        >>> q = torch.empty(1, 8, 128, 64, dtype=torch.bfloat16)
-        >>> cuda_kernel(q, q, q, is_causal=True)
-        'flash'
-        >>> cuda_kernel(q, q, q, attn_mask=torch.ones(128, 128, dtype=torch.bool))
-        'efficient'
-        >>> odd = torch.empty(1, 8, 128, 60, dtype=torch.bfloat16)
-        >>> cuda_kernel(odd, odd, odd, attn_mask=torch.ones(128, 128, dtype=torch.bool))
-        'math'
+    >>> q = torch.empty(1, 8, 128, 64, dtype=torch.bfloat16)
+    >>> cuda_kernel(q, q, q, is_causal=True)
+    'flash'
+    >>> cuda_kernel(q, q, q, attn_mask=torch.ones(128, 128, dtype=torch.bool))
+    'efficient'
+    >>> odd = torch.empty(1, 8, 128, 60, dtype=torch.bfloat16)
+    >>> cuda_kernel(odd, odd, odd, attn_mask=torch.ones(128, 128, dtype=torch.bool))
+    'math'
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or not query.shape[-2] or not key.shape[-2]:
         return "math"
@@ -128,11 +127,10 @@ def _attention_module() -> str:
 class AttentionNotes:
     """Attention that computes a quadratic matrix on the GPU, per layer class, told in the plan's notes.
 
-    Example:
-        >>> notes = AttentionNotes()
-        >>> notes.record("LlamaAttention", "an eager softmax", 4096, 2 * 2**20)
-        >>> print(notes.lines()[0][:60])
-        LlamaAttention computes attention as a 4096 x 4096 matrix (a
+    >>> notes = AttentionNotes()
+    >>> notes.record("LlamaAttention", "an eager softmax", 4096, 2 * 2**20)
+    >>> print(notes.lines()[0][:60])
+    LlamaAttention computes attention as a 4096 x 4096 matrix (a
     """
 
     def __init__(self) -> None:

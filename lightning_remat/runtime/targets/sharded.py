@@ -53,10 +53,9 @@ def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: obje
 def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtype: torch.dtype | None) -> int:
     """Bytes of unsharded parameters alive together at most: the root's and the two largest units'.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
-        >>> unsharded_in_flight_bytes(net, ["0", "1", "2"], None)  # the two largest units, 20 floats each
-        160
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> unsharded_in_flight_bytes(net, ["0", "1", "2"], None)  # the two largest units, 20 floats each
+    160
     """
     modules = dict(model.named_modules())
 
@@ -77,9 +76,8 @@ def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtyp
 def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
     """Names of parameters whose first dimension ``world_size`` does not divide (FSDP2 pads them).
 
-    Example:
-        >>> uneven_parameters(nn.Linear(4, 3), 2)
-        ['weight', 'bias']
+    >>> uneven_parameters(nn.Linear(4, 3), 2)
+    ['weight', 'bias']
     """
     return [name for name, p in model.named_parameters() if p.dim() > 0 and p.shape[0] % world_size]
 
@@ -108,11 +106,10 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
 def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:
     """What a profile records of the sharding of ``model`` over ``world_size`` GPUs.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
-        >>> info = sharding_info(net, 8, None, None)
-        >>> info["world_size"], info["units"], info["padded_parameters"]
-        (8, 4, 6)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+    >>> info = sharding_info(net, 8, None, None)
+    >>> info["world_size"], info["units"], info["padded_parameters"]
+    (8, 4, 6)
     """
     from ..profiling.candidates import find_stages
 
