@@ -28,7 +28,6 @@ from .plan_figures import MEASURED_TIME_NOTE
 from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
-    """Warn when a CUDA budget is above what this process can still get, so it cannot bind."""
     if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():
         return
     free, _ = torch.cuda.mem_get_info(device)
@@ -40,7 +39,6 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
 
 
 def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -> None:
-    """Raise when the plan's peak is above the target device's whole memory."""
     total = Budget.parse(device_memory).nbytes if device_memory is not None else None
     peak = plan.predicted_peak_bytes
     if total is None or peak is None or peak <= total:

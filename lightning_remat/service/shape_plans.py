@@ -169,7 +169,6 @@ class ShapePlans(ShapeProfiles):
     # ------------------------------------------------------------------------------- internals
 
     def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
-        """Store a plan decided for ``key`` (under the shape it was made for)."""
         made_for, plan = outcome
         if made_for != key:  # no plan fits the bucket: its batches are planned at their own shape
             self._too_large.add(key)

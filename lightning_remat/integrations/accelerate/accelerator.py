@@ -221,7 +221,6 @@ class RematAccelerator(Accelerator):
             warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
     def _watch_prepared(self, result: Any) -> Any:
-        """``prepare_remat`` on each training model in ``result``."""
         if self.remat_plugin.enabled:
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 if isinstance(obj, nn.Module) and obj.training:

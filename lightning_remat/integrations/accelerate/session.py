@@ -228,12 +228,9 @@ class RematSession:
         return self._known_optimizer() is None or self._stepped_since_plan
 
     def _find_zero(self) -> None:
-        """Under DeepSpeed ZeRO-2/3, its rank's figures, once."""
         if self._zero is None and deepspeed_stage(self.loop.state) is not None:
             self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
             if self._zero is None:
-                from ...core.errors import UnsupportedSetupError
-
                 raise UnsupportedSetupError(
                     "lightning-remat under DeepSpeed ZeRO-2/3 plans each rank from DeepSpeed's ZeRO optimizer, and "
                     "found none at this training forward: run training forwards after accelerator.prepare (or "
@@ -268,7 +265,6 @@ class RematSession:
             self._saved = dict(plans)
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
-        """New ``ShapePlans`` from ``template``, and ``call``'s plan installed."""
         self._template, self._replan = template, (adjust, config)
         self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
         if self._zero is not None:  # the whole model's step, then what a ZeRO rank holds of it
@@ -322,7 +318,6 @@ class RematSession:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        """The plugin's settings with the loop's accumulation, DDP's buckets and ``profile``'s fields."""
         config = self.plugin.config()
         buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model) and self._zero is None
         return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
@@ -358,7 +353,6 @@ class RematSession:
         return torch_distributed_channel(model_device(self.model))
 
     def _show(self, message: str) -> None:
-        """A line on the main process: ``LoopFacts.show``, else the logger at INFO."""
         if self._channel().is_main:
             (self.loop.show or logger.info)(message)
 

@@ -114,7 +114,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _seq_len_parser(sub: Any) -> None:
-    """``seq-len``: the longest sequence that fits ``--budget``, with ``plan``'s options."""
     from .seq_len_command import add_seq_len_flags
 
     seq_len = sub.add_parser(

@@ -47,7 +47,6 @@ def _profile_warnings(profile: Any, cost: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    """The command line's settings, checked once; a mistake is a ``UsageError``."""
     profile: dict[str, Any] = {}
     for f in fields(ProfileOptions):
         value = getattr(args, f.name, f.default)
@@ -111,7 +110,6 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
-    """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
     from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
     from ...report.breakdown import memory_timeline
 

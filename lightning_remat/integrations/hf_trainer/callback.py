@@ -81,7 +81,6 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": saved_state(self.session)}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
-        """The first step of a ``train()`` call: place ``LogFigures``; take a resumed checkpoint's plans."""
         self._run_state = state
         LogFigures.place(handler, self._pending)
         plans = checkpoint_plans(state, type(self).__name__, self.session.model)

@@ -211,7 +211,6 @@ class AutoRemat(Callback):
         return False
 
     def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
-        """``training_step`` on ``batch`` as ``step(module) -> loss``."""
         trainer = self._trainer
         pl_module = trainer.lightning_module
         closure = training_step_closure if pl_module.automatic_optimization else manual_step_closure
@@ -241,7 +240,6 @@ class AutoRemat(Callback):
         return True
 
     def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
-        """The plan for this batch's shape, made or taken from the checkpoint."""
         if self.shape_plans is None:
             saved = dict(self._saved_plans)
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
@@ -254,14 +252,12 @@ class AutoRemat(Callback):
         return fresh  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, first: bool) -> None:
-        """Log a new plan and schedule its measured window."""
         shape = self.plan.fingerprint.get("shape")
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
 
     def _channel(self) -> Any:
-        """The ranks of the fit (DDP, FSDP2 run over torch.distributed)."""
         return torch_distributed_channel(self._trainer.strategy.root_device) if self._trainer.world_size > 1 else Channel()
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:

@@ -88,7 +88,6 @@ def _no_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any
 
 @contextlib.contextmanager
 def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set ``obj.name = value`` on each object's instance dict, and put back what was there."""
     saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in replacements]
     for obj, name, value in replacements:
         obj.__dict__[name] = value

@@ -248,7 +248,6 @@ def _handed(head: nn.Module) -> _Pending | None:
 
 
 def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-    """The ``labels`` of a call, and the call's arguments with ``labels=None``."""
     if "labels" in kwargs:
         return kwargs["labels"], args, {**kwargs, "labels": None}
     names = list(inspect.signature(original).parameters)

@@ -48,7 +48,6 @@ def same_model(saved: dict[str, Any], model: nn.Module) -> bool:
 
 
 def _parameters(module: nn.Module) -> dict[str, list]:
-    """Each parameter of ``module`` (names relative to it): [shape, dtype], as JSON holds them."""
     return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in module.named_parameters()}
 
 

@@ -18,7 +18,6 @@ from .records import BEHAVIOURS, RECORD, Behaviour
 
 
 def _norms(module: nn.Module) -> list[nn.Module]:
-    """The norms in ``module`` that update running statistics in this forward."""
     return [m for m in module.modules()
             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
 
