@@ -1,6 +1,4 @@
-"""Small real model definitions (transformers configs, random weights, synthetic batches: nothing is
-downloaded) for examples, tests and benchmarks; each factory returns a ``ModelCase``.
-"""
+"""Small real models with random weights and synthetic batches (nothing downloaded), each a ``ModelCase``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Which knob would make a budget fit: each setting that lowers the least peak, with the peak it is predicted to
-give (``BudgetTooSmallError.knobs``)."""
+"""Which knob would make a budget fit, with the least peak it is predicted to give (``BudgetTooSmallError.knobs``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration by a
-measured step (memory the profile did not see, seconds per FLOP)."""
+"""The profiles ``ShapePlans`` plans on: the first batch's, the shape fit's nodes, calibrated by measured steps."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each
-(``lockstep_plan``, ``Planner.shared_plan``'s way for a sharded model).
+"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each.
 
 >>> fsdp2_sharded(nn.Linear(2, 2))
 False

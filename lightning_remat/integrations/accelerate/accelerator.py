@@ -1,5 +1,4 @@
-"""``RematAccelerator`` and ``prepare_remat``: recomputation for the models of an Accelerate loop
-(``ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py``; what is refused: docs/accelerate.md)."""
+"""``RematAccelerator`` and ``prepare_remat``: recomputation in an Accelerate loop (docs/accelerate.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""DeepSpeed ZeRO-2/3: each rank planned as the whole model, turned into the rank's by ``core.zero`` facts read
-from the live ZeRO optimizer, and measured with DeepSpeed's partitions and optimizer state counted.
+"""DeepSpeed ZeRO-2/3: a rank's plan from the whole model's, through ``core.zero`` facts read from its optimizer.
 
 >>> deepspeed_stage(None) is None
 True

@@ -1,5 +1,4 @@
-"""The first training step, planned on fake tensors at its forward's pre-hook so no real step runs without a plan
-(docs/accelerate.md, "The loss")."""
+"""The first training step, planned on fake tensors at its forward's pre-hook (docs/accelerate.md, "The loss")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""One recorded training forward and its backward, and the calibration of a profile against the observed step
-(docs/accelerate.md, "The loss")."""
+"""A recorded training forward and its backward; a profile calibrated by the observed step (docs/accelerate.md)."""
 
 from __future__ import annotations
 

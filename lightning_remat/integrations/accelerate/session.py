@@ -1,5 +1,4 @@
-"""``RematSession``: observe, plan, apply and measure in the user's Accelerate loop, then follow batch shapes
-(docs/accelerate.md, "What happens during training")."""
+"""``RematSession``: observe, plan, apply and measure in the user's Accelerate loop (docs/accelerate.md)."""
 
 from __future__ import annotations
 

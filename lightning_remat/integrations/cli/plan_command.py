@@ -1,5 +1,4 @@
-"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget (with
-``Planner``, as ``plan_remat``), plot."""
+"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``RematTrainerCallback``: the Hugging Face ``Trainer`` under a memory budget. A callback never gets the
-Trainer's ``Accelerator``: it hands the model and ``LoopFacts`` to the Accelerate session at ``on_train_begin``."""
+"""``RematTrainerCallback``: the Hugging Face ``Trainer`` through the Accelerate session (docs/accelerate.md)."""
 
 from __future__ import annotations
 

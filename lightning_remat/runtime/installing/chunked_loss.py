@@ -1,5 +1,4 @@
-"""A causal LM's head and loss over sequence chunks, each recomputed in backward: one chunk's logits exist at
-a time, with the loss and gradients of Hugging Face's ``ForCausalLMLoss`` (docs/long_context.md)."""
+"""A causal LM's head and ``ForCausalLMLoss`` over sequence chunks, each recomputed in backward."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Op-level selective checkpointing: named policies over torch's SAC API; the same decision function prices a
-policy on the ops a profile recorded (``recomputed_ops``; docs/selective_checkpointing.md)."""
+"""Op-level selective checkpointing: named policies over torch's SAC API (docs/selective_checkpointing.md)."""
 
 from __future__ import annotations
 

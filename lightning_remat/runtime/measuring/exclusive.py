@@ -1,5 +1,4 @@
-"""One planning at a time in a process (global hooks, generators, the ``force_eager`` stance), and the
-process-wide settings it found put back after it (docs/process.md)."""
+"""One planning at a time in a process, and the process-wide settings it found put back (docs/process.md)."""
 
 from __future__ import annotations
 

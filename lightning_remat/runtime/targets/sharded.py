@@ -1,5 +1,4 @@
-"""Plan an FSDP2 step for N GPUs in one process: the fake twin is sharded with ``fully_shard`` over a fake group
-of N ranks, so FSDP2's own code allocates what rank 0 of a real run holds (``docs/sharded.md``)."""
+"""Plan an FSDP2 step for N GPUs in one process: the fake twin sharded over a fake group of N ranks."""
 
 from __future__ import annotations
 
