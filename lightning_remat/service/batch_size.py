@@ -88,13 +88,11 @@ class BatchSizeResult:
         }
 
     def table(self) -> Any:
-        """A ``rich.table.Table`` of the result and what the search cost."""
         from ..report.render import batch_size_table
 
         return batch_size_table(self)
 
     def summary(self) -> str:
-        """The table as plain text."""
         from ..report.render import batch_size_table, to_text
 
         return to_text([batch_size_table(self)], width=100)

@@ -57,11 +57,9 @@ class Channel:
         return [value]
 
     def max(self, value: float) -> float:
-        """The largest ``value`` over the ranks."""
         return float(max(self.gather(float(value))))
 
     def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on some rank."""
         return self.max(1.0 if flag else 0.0) > 0
 
     # -- errors that travel ----------------------------------------------------------------------

@@ -30,7 +30,6 @@ class RankBoard:
         self.store.set(f"{self.prefix}/{self.rank}", b"")
 
     def everyone_posted(self, wait_s: float = PEER_WAIT_S) -> bool:
-        """Whether every rank posted within ``wait_s`` seconds."""
         keys = [f"{self.prefix}/{rank}" for rank in range(self.world_size)]
         deadline = time.monotonic() + wait_s
         while not self.store.check(keys):

@@ -104,11 +104,9 @@ class RematPlugin:
 
     @property
     def enabled(self) -> bool:
-        """Whether recomputation is on: a budget is set."""
         return self.budget is not None
 
     def config(self) -> RematConfig:
-        """The settings as the planning service takes them."""
         return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))

@@ -209,7 +209,6 @@ class CallTemplate:
         return _specs(self.args, make), _specs(self.kwargs, make)
 
     def loss(self, model: nn.Module) -> torch.Tensor:
-        """Re-run the call on ``model`` (as ``RecordedCall.loss``)."""
         args, kwargs = self.inputs()
         call = RecordedCall(args=args, kwargs=kwargs, loss_index=self.loss_index,
                             grads={i: g.make() for i, g in self.grads.items()}, used_model_loss=self.used_model_loss)

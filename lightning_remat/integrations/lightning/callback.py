@@ -77,7 +77,6 @@ class AutoRemat(Callback):
 
     @property
     def shape_plans(self) -> Any:
-        """The fit's ``ShapePlans``, or None."""
         return self.run.shape_plans
 
     @property
