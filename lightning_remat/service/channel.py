@@ -62,7 +62,6 @@ class Channel:
     def any(self, flag: bool) -> bool:
         return self.max(1.0 if flag else 0.0) > 0
 
-    # -- errors that travel ----------------------------------------------------------------------
     def from_main(self, compute: Callable[[], T], *, action: str = "planning", hint: str = "") -> T:
         """``compute()`` on rank 0; its value, or its error (with ``hint`` added), on every rank."""
         if not self.distributed:

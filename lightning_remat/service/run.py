@@ -202,8 +202,6 @@ class RunLifecycle:
             self.host.info(message)
         return peak
 
-    # -- batch-driven hosts (a hook before and after each batch) ------------------------------------
-
     def measure_after(self, batches: int) -> None:
         """Measure the first whole accumulation window at least ``batches`` batches on, unless one is due."""
         if self._meter is None and self.measure_in is None:

@@ -98,8 +98,6 @@ class ShapePlans(ShapeProfiles):
         self.fresh = False  # whether the last plan() decided its plan (a new bucket, or one solved again)
         self.unpadded = False  # whether the first batch's attention masks held no padding (``padding``)
 
-    # ------------------------------------------------------------------------------ the interface
-
     def use(self, batch: Any) -> Plan:
         """Install the plan for ``batch``'s shape (if not installed already), check it is installed, and return it."""
         plan = self.plan(batch)
@@ -165,8 +163,6 @@ class ShapePlans(ShapeProfiles):
         if self.anchor is not None and key == self.anchor[0]:
             return self.anchor[1]
         return self.fit.at(key) if self.fit is not None else None
-
-    # ------------------------------------------------------------------------------- internals
 
     def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
         made_for, plan = outcome

@@ -169,8 +169,6 @@ class RematSession:
         if self.phase == "measure" and self._measured is None:
             self._stepped_since_plan = True
 
-    # -- the state machine -------------------------------------------------------------------
-
     def _holds_model_parameters(self, optimizer: Any) -> bool:
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):

@@ -164,7 +164,6 @@ class RematBatchSizeFinder(BatchSizeFinder):
         self._report(trainer, result)
         return result
 
-    # ------------------------------------------------------------------------------------------
     def _dataset_length(self, trainer: "pl.Trainer") -> Optional[int]:
         try:
             loader = trainer.fit_loop._data_source.dataloader()

@@ -90,8 +90,6 @@ class AutoRemat(Callback):
         # The key of checkpoints saved before: Lightning reads a callback's state under it when the key is absent.
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
 
-    # ----------------------------------------------------------------------------------- hooks
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
@@ -191,8 +189,6 @@ class AutoRemat(Callback):
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
         self.run.measure_in = None
-
-    # ------------------------------------------------------------------------------- internals
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""

@@ -75,8 +75,6 @@ class Offloader:
     def reset(self) -> None:
         self.host_bytes, self.prefetched = {}, {}
 
-    # -- the copies --------------------------------------------------------------------------
-
     def _side_stream(self, device: torch.device) -> Any:
         if device.type != "cuda":
             return None
@@ -139,8 +137,6 @@ class Offloader:
                 handle.back = self._to_device(handle, stream)
                 handle.back_event = torch.cuda.Event()
                 handle.back_event.record(stream)
-
-    # -- the hooks ---------------------------------------------------------------------------
 
     def begin(self, name: str, module: nn.Module, inputs: Any = ()) -> _Group:
         """A new forward call of ``name``: a new group of saved tensors."""

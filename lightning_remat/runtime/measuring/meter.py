@@ -28,7 +28,6 @@ class PeakMeter(Tracking):
         self._entered: contextlib.ExitStack | None = None
         self._final: tuple[int, int | None] | None = None
 
-    # -- as a StepWatch ------------------------------------------------------------------------
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         self.start()
@@ -41,7 +40,6 @@ class PeakMeter(Tracking):
             raise
         self.stop()
 
-    # -- as a window opened in one hook and closed in another -----------------------------------
     def start(self) -> "PeakMeter":
         """Start measuring (the CUDA peak statistics are reset here)."""
         self._final = None
