@@ -74,8 +74,7 @@ class BatchSearch:
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         options = replace(self.config.profile, warmup=warmup)
         if options.policies is None:
-            # Selective-checkpointing options are not offered by default here: the fit across batch
-            # sizes under-predicts them; ask for them with ProfileOptions(policies=...).
+            # No selective-checkpointing options by default: the fit across batch sizes under-predicts them.
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
@@ -107,8 +106,7 @@ class BatchSearch:
                 break
         self.fit = ProfileFit(profiles)
         if self.cost == "flops" and _flops_unattributed(self.fit.profiles[-1]):
-            # A step that calls a submodule (``self.net(x)``) leaves every stage without FLOPs (each plan looks
-            # free); measured time still prices recomputation.
+            # A step calling a submodule (``self.net(x)``) gives stages no FLOPs; measured time still prices them.
             self.cost = "time"
             self.notes.append("no FLOPs were attributed to the candidate modules (the step does not call the model "
                               "itself); recomputation is priced by measured time instead")

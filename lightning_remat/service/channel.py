@@ -98,8 +98,7 @@ class Channel:
                                ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
         attempt = _Attempt()
         attempt.run(compute, self.rank, action)
-        # A rank that stopped early must not enter the gather while another waits in a collective
-        # of the work for it (a mismatched collective: gloo aborts the process).
+        # A rank that stopped early must not enter the gather while another waits in a collective (gloo aborts).
         board = section_board(self)
         try:
             settle(board, attempt.early(ended_early, self.rank, action))

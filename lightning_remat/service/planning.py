@@ -109,8 +109,7 @@ class Planner:
         with self.progress(model, options.fake):
             profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
         if model_device(model).type != "cpu":
-            # The profile's pass without recomputation filled the caching allocator up to the
-            # baseline's peak; hand that back so training reserves what the plan needs.
+            # The unrecomputed pass filled the caching allocator up to the baseline peak: handed back for training.
             release_device_memory()
         return adjust(profile) if adjust is not None else profile
 

@@ -64,8 +64,7 @@ class ShapePlans(ShapeProfiles):
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
-            # The first batch is profiled on fake tensors whatever ``fake`` says; the config's
-            # ``fake`` would refuse cost="time", which is priced from the first measured step here.
+            # Not the config's ``fake`` (the first batch is faked): it would refuse cost="time".
             config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates))
         if plan_for is None:
             plan_for = "largest" if runs_compiled(model) else "shape"

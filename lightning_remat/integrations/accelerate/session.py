@@ -293,8 +293,7 @@ class RematSession:
             return
         title = f"lightning-remat: a plan for batch shape {shape}"
         if self._unpadded and padding((args, kwargs)):
-            # The plans so far were made from a batch without padding, for which Hugging Face builds no attention
-            # mask: this one's is built, and the same sizes need more. Every shape is planned again from it.
+            # Planned from a batch without padding (no attention mask built): a padded one needs more.
             self._saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
             template = self._template.with_inputs(args, kwargs, shape)
             self._plan_shapes(template, template, *self._replan)

@@ -53,8 +53,7 @@ class AutoRemat(Callback):
                  cost: str | None = DEFAULT_COST, verbose: bool = True, fake: bool | None = None, offload: bool = False,
                  policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
-        # The first batch is profiled on fake tensors whatever ``fake`` says (``ShapePlans``); the
-        # config's own ``fake`` would refuse cost="time", priced here from a measured step.
+        # Not the config's ``fake`` (ShapePlans fakes the first batch): it would refuse cost="time".
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
             candidates=candidates, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
@@ -140,8 +139,7 @@ class AutoRemat(Callback):
         if planned:
             self._announce(first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
-            # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
-            # (Under manual optimization training_step decides when gradients go.)
+            # Lightning's zero_grad runs after forward: drop the previous gradients now (manual: training_step's).
             pl_module.zero_grad(set_to_none=True)
         # The first step under the plan, measured: a peak above its prediction calibrates the plans.
         self.run.before_batch(batch_idx, batch_shape(batch), calibrate=planned and first and self.shape_plans is not None)

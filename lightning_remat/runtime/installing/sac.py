@@ -55,8 +55,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
         return save_matmuls(func, key) and _packet(func) not in BATCHED_MATMUL_OPS
 
     def save_attention(func: Any, key: str) -> bool:
-        # SDPA's math path (taken with a mask and dropout, as GPT-2 and BERT do on the CPU) runs
-        # attention as batched matmuls: those stand for it there.
+        # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
         return _packet(func) in ATTENTION_OPS or _packet(func) in BATCHED_MATMUL_OPS
 
     def save_alternate_matmuls(func: Any, key: str) -> bool:

@@ -120,8 +120,7 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         moved = 0
-        # prim ops read metadata, not data; torch issues some only on a first call, so counting them
-        # would price the first profile in a process higher than the next.
+        # prim ops read metadata; torch issues some only on a first call (a first profile would cost more).
         if not _moves_no_data(func, (args, kwargs), out):
             seen: set[int] = set()
             for t in tree_leaves((args, kwargs, out)):

@@ -186,8 +186,7 @@ class Tracker(MemTracker):
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
-        # MemTracker's version scans every module after every operator (quadratic in depth); nothing
-        # here reads per-module peaks, so only the overall peak is kept.
+        # MemTracker's version scans every module after every operator (quadratic in depth): overall peak only.
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]

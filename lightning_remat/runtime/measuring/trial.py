@@ -81,8 +81,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
         with _restored_after_trial(model, optimizer), applied(model, plan), \
                 user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
-                # The budget is for steady-state steps, which hold the optimizer's state: create it
-                # with an optimizer step on zero gradients (everything is put back afterwards).
+                # Steady steps hold the optimizer's state: made by a step on zero gradients (put back afterwards).
                 steps += _create_optimizer_state(model, step, optimizer)
             for _ in range(steps_per_trial):
                 steps += 1

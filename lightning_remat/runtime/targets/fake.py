@@ -70,8 +70,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
             if b is None:
                 continue
             if id(b) not in memo:
-                # Fake tensors hold no values, so a real buffer (rotary frequencies) and a meta
-                # one become the same: its shape, strides and dtype.
+                # Fake tensors hold no values: a real buffer (rotary frequencies) becomes a meta one's metadata.
                 memo[id(b)] = convert(b)
             module._buffers[name] = memo[id(b)]
     return model
