@@ -99,8 +99,7 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
                 measured: Sequence[tuple[str, int, float]] = (), planned: Sequence[tuple[str, int, float]] = (),
                 baseline_peak_bytes: int | None = None, budget_bytes: int | None = None,
                 overhead_label: str = "FLOP overhead (%)") -> Path:
-    """Plot peak memory against recompute overhead to a PNG: ``curve`` (a sweep of budgets), ``points`` (peers as
-    (label, peak bytes, overhead)), ``measured`` and ``planned``."""
+    """Plot peak memory against recompute overhead to a PNG (``points``: peers as (label, peak, overhead))."""
     plt = pyplot()
     fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
     return _saved(plt, fig, path)

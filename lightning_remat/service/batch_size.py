@@ -30,8 +30,7 @@ __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH
 
 @dataclass
 class BatchSizeResult:
-    """What ``find_remat_batch_size`` found and what the search cost (``largest_fitting``: before ``margin``;
-    ``binsearch_sizes``: what Lightning's binsearch would try).
+    """What ``find_remat_batch_size`` found and what the search cost (``largest_fitting``: before ``margin``).
 
     >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
     >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio

@@ -171,8 +171,7 @@ class RunLifecycle:
         return MeasuredWindow(meter, plan, batches, shape)
 
     def finish(self, window: MeasuredWindow, what: str) -> int:
-        """Close a measured window: log the ranks' largest peak, calibrate the plans, warn when over the budget
-        (``what``: the step); returns the peak."""
+        """Close a measured window: log the ranks' largest peak, calibrate, warn when over the budget; the peak."""
         channel = self.host.channel()
         # The largest peak of any rank: the budget holds on every one or it does not hold.
         peak = int(channel.max(window.meter.close()))

@@ -74,8 +74,7 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a step measured under ``plan`` into account (on every rank); True if the plans are re-solved.
-        With ``cost="time"`` the first ``seconds`` price the fake profiles."""
+        """Take a measured step into account (every rank; ``seconds`` price fakes under "time"); whether re-solved."""
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
         reprice = seconds is not None and self.config.cost == "time" and not self._timed

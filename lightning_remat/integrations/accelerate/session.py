@@ -246,8 +246,7 @@ class RematSession:
             self._measured = self.run.window(batches=self._accumulation(), meter=meter)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
-        """Plan the first training forward on fake tensors. No chunked loss: it patches the model's forward,
-        which this call has looked up already."""
+        """Plan the first training forward on fake tensors (no chunked loss: this call looked up forward already)."""
         first = FirstCall.of(args, kwargs)
         plan = self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False))
         if self._saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe

@@ -46,8 +46,7 @@ def _check_distributed(trainer: "pl.Trainer") -> None:
 
 
 class RematBatchSizeFinder(BatchSizeFinder):
-    """Before fit, find the largest batch size within a budget (``find_remat_batch_size``), set it and apply its
-    plan. Arguments: ``BatchSizeFinder``'s and ``find_remat_batch_size``'s (``docs/batch_size.md``).
+    """Before fit, find the largest batch size within a budget and apply its plan (docs/batch_size.md).
 
     >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
     True

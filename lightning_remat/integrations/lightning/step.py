@@ -49,8 +49,7 @@ def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: An
 
 def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` returning ``module.training_step(batch, batch_idx)``'s loss (``module``: the
-    LightningModule or its fake twin).
+    """``step(module)`` returning ``module.training_step(batch, batch_idx)``'s loss (``module``: or its twin).
 
     >>> import lightning.pytorch as L
     >>> class Lit(L.LightningModule):

@@ -33,8 +33,7 @@ class HeadLoss:
 
 
 def find_head_loss(model: nn.Module) -> HeadLoss | None:
-    """The outermost ``*ForCausalLM``/``*LMHeadModel`` with a linear ``lm_head`` and a loss chunked exactly, else
-    a head whose loss ``head_loss`` computed (``root`` None), or None."""
+    """The outermost causal LM with a linear ``lm_head`` and an exactly chunked loss, else a ``head_loss`` head."""
     for name, module in model.named_modules():
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
@@ -46,8 +45,7 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
 
 @dataclass(frozen=True)
 class CausalLMLoss:
-    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, for ``model.loss_function`` (a loss of the user's
-    own is not chunked).
+    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, for ``model.loss_function`` (chunked exactly).
 
     >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
     >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
@@ -152,8 +150,7 @@ def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
 def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, chunks: int, ignore_index: int = IGNORE_INDEX,
                           num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
-    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks of ``hidden``'s second-last dimension, each
-    recomputed in backward; ``shift_labels`` are already shifted."""
+    """``ForCausalLMLoss`` of ``project(hidden)`` over ``chunks`` sequence chunks, each recomputed in backward."""
     size = -(-hidden.shape[-2] // chunks)
     total = None
     for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)):

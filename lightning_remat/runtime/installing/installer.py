@@ -20,8 +20,7 @@ __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "r
 
 
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
-    """Put ``plan``'s actions on ``model`` in place, replacing a previous plan; a failure puts it back.
-    ``order``: every stage in execution order."""
+    """Put ``plan``'s actions on ``model`` in place (``order``: stages in execution order); a failure puts back."""
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         check_names(model, modules, list(dict.fromkeys(

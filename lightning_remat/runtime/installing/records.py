@@ -181,8 +181,7 @@ def installed_hooks(model: nn.Module) -> set[int]:
 
 
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
-    """The class and ``__dict__`` of a copy of ``module`` without the record, installed forward, segments and
-    ``hooks`` (every hook dict new)."""
+    """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it or ``hooks``."""
     state = {key: value for key, value in module.__dict__.items() if key not in (RECORD, SEGMENTS)}
     record = module.__dict__.get(RECORD)
     if record is not None:

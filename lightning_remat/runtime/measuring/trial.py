@@ -72,8 +72,7 @@ def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim
 @exclusive()
 def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
                plan: Plan, steps_per_trial: int, budget: int, predicted: int) -> Trial:
-    """``steps_per_trial`` real steps at ``batch_size`` under ``plan``, everything put back after; it fits when no
-    step ran out of memory and the largest peak is within ``budget``."""
+    """Real steps at ``batch_size`` under ``plan``, put back after; fits: no out-of-memory, peak within ``budget``."""
     steps = 0
     peaks: list[int] = []
     oom = False

@@ -48,8 +48,7 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of ``model`` (real, meta or fake) with fake CPU parameters and buffers, ties kept (``dtype``: cast
-    floating-point tensors)."""
+    """A copy of ``model`` with fake CPU parameters and buffers, ties kept (``dtype``: floats cast to it)."""
     model = _shallow_module_copy(model)
     memo: dict[int, torch.Tensor] = {}
 
@@ -77,8 +76,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
 
 
 def whole_parameter(p: torch.Tensor) -> torch.Tensor:
-    """``p`` detached, or a meta tensor of the whole parameter where ZeRO-3 partitioned it (a twin computes with
-    whole parameters, as each module does once gathered)."""
+    """``p`` detached, or a meta tensor of the whole parameter where ZeRO-3 partitioned it (twins run whole)."""
     shape = getattr(p, "ds_shape", None)
     if shape is not None and tuple(p.shape) != tuple(shape):
         return torch.empty(tuple(shape), dtype=p.dtype, device="meta")
