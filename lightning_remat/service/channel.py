@@ -1,5 +1,4 @@
-"""The one channel between ranks; errors travel (ours as themselves, others as ``PlanningFailedError``) so every
-rank enters the same collectives whatever failed."""
+"""The one channel between ranks; errors travel so every rank enters the same collectives whatever failed."""
 
 from __future__ import annotations
 

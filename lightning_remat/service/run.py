@@ -1,5 +1,4 @@
-"""One run lifecycle (plan, install, measure, report) that ``AutoRemat`` and the Accelerate session drive through
-a ``RunHost``: what their loop gives it. It imports no training library."""
+"""One run lifecycle (plan, install, measure, report) that the integrations drive through a ``RunHost``."""
 
 from __future__ import annotations
 

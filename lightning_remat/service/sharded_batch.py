@@ -1,5 +1,4 @@
-"""The batch-size search on an FSDP2 model, every rank in lockstep: profiles merge to the largest term, a trial
-fails if it failed on any rank, the result is rank 0's; the budget is per rank."""
+"""The batch-size search on an FSDP2 model, every rank in lockstep; the result is rank 0's, the budget per rank."""
 
 from __future__ import annotations
 

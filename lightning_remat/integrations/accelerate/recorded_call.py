@@ -140,7 +140,6 @@ def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
 
 
 def _specs(value: Any, change: Any) -> Any:
-    """``value`` with ``change`` applied to each ``TensorSpec`` and floating-point tensor in it."""
     if isinstance(value, (TensorSpec, torch.Tensor)):
         return change(value) if isinstance(value, TensorSpec) or value.is_floating_point() else value
     if isinstance(value, Mapping):

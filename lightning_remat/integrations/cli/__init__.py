@@ -59,7 +59,6 @@ def _help(text: str, default: Any) -> str:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
-    """One flag per field of ``RematConfig`` and ``ProfileOptions`` (``--device-memory`` for ``device_memory``)."""
     from dataclasses import fields
 
     from ...core.config import ProfileOptions, RematConfig

@@ -26,7 +26,6 @@ class Target:
 
 
 def _lightning_optimizer(module: Any) -> Any:
-    """The first optimizer ``configure_optimizers()`` returns, or None if there is none to find."""
     import torch
 
     try:

@@ -1,5 +1,4 @@
-"""Validation and test batches predicted before they run: a line in the batch size through two forwards
-without gradients on slices of the batch (``docs/lightning.md``).
+"""Validation and test batches' peaks predicted before they run, from two forwards without gradients on slices.
 
 >>> batch = (torch.zeros(8, 16), torch.zeros(8))
 >>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]

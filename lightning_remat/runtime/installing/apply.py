@@ -1,6 +1,4 @@
-"""Apply a plan and undo it exactly. Each touched module's ``forward`` becomes an instance attribute; no wrapper
-module is inserted, so parameter names and ``state_dict`` keys stay (what a recompute replays: docs/limitations.md).
-"""
+"""Apply a plan and undo it exactly: each ``forward`` an instance attribute, no wrapper, the same state_dict keys."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A recomputed module's positional tensor inputs kept in host memory and copied back for the recompute
-(synchronously); with ``measure=True`` or fake tensors only metadata goes."""
+"""A recomputed module's positional tensor inputs kept in host memory and copied back for the recompute."""
 
 from __future__ import annotations
 

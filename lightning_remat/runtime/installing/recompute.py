@@ -1,5 +1,4 @@
-"""Recompute: a module's forward under a non-reentrant ``checkpoint`` (RNG state preserved, BatchNorm running
-statistics put back after a recompute); other behaviours set its options (``Behaviour.checkpoint_options``)."""
+"""A module's forward under a non-reentrant checkpoint (RNG state kept, BatchNorm statistics put back)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The behaviours a plan installs (plug-ins, ``register``) and the one ``Record`` per module they share: the
-forward it had, per behaviour its setting and state; ``forward`` composes them in ``BEHAVIOURS``' order."""
+"""The behaviours a plan installs (plug-ins, ``register``), composed in one ``Record`` per module."""
 
 from __future__ import annotations
 

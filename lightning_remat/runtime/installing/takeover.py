@@ -31,7 +31,6 @@ def _checkpointing_models(model: nn.Module) -> list[nn.Module]:
 
 
 def _describe(owner: nn.Module) -> str:
-    """What Hugging Face's checkpointing does in ``owner``: layers, ``use_reentrant`` and offload."""
     flagged = [m for m in owner.modules() if hasattr(m, "gradient_checkpointing")]
     # The layers are the innermost flagged modules (the backbone above them carries the flag too).
     layers = [m for m in flagged if not any(hasattr(c, "gradient_checkpointing") for c in list(m.modules())[1:])]
