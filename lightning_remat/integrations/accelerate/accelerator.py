@@ -190,7 +190,6 @@ class RematAccelerator(Accelerator):
     ``remat_plugin``: None reads ``RematPlugin`` from the environment. Each training model given to ``prepare``
     gets ``prepare_remat``; ``remat_plan`` is the applied ``Plan``, ``remat_metrics`` the ``remat/...`` figures.
 
-    >>> from torch import nn
     >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
     >>> optimizer = torch.optim.Adam(model.parameters())
     >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))

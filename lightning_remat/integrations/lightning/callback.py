@@ -266,7 +266,6 @@ class AutoRemat(Callback):
 def other_cost(plans: list, cost: Any) -> str | None:
     """How a saved plan (not a fallback) was priced in another cost than ``cost``, or None.
 
-    >>> from lightning_remat.core.plan import Plan
     >>> other_cost([Plan(cost_kind="flops", predicted_peak_bytes=1)], "roofline")
     'priced in flops, this run in roofline'
     """
