@@ -1,12 +1,9 @@
-"""lightning-remat: keep a training step under a memory budget with the least recomputation.
+"""lightning-remat: keep a training step under a memory budget with the least recomputation (layers:
+docs/architecture.md). Names that need torch are imported on first use, so the import stays cheap.
 
-Layers and modules: docs/architecture.md. Names that need torch are imported on first use, so
-``import lightning_remat`` stays cheap.
-
-Example:
-    >>> import lightning_remat
-    >>> lightning_remat.parse_budget("512MB")
-    512000000
+>>> import lightning_remat
+>>> lightning_remat.parse_budget("512MB")
+512000000
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Small real model definitions (transformers configs, random weights, synthetic batches: nothing is
-downloaded) for examples, tests and benchmarks; each factory returns a ``ModelCase``.
-"""
+"""Small real models with random weights and synthetic batches (nothing downloaded), each a ``ModelCase``."""
 
 from __future__ import annotations
 
@@ -31,6 +29,12 @@ def _quiet_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+
+
+def _images(batch_size: int, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch_size, 3, image_size, image_size, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g))
 
 
 def gpt2(batch_size: int = 4, seq_len: int = 128, layers: int = 6, hidden: int = 128, vocab: int = 1024) -> ModelCase:
@@ -65,9 +69,7 @@ def vit(batch_size: int = 4, image_size: int = 64, layers: int = 4, hidden: int 
     config = transformers.ViTConfig(image_size=image_size, patch_size=8, num_hidden_layers=layers, hidden_size=hidden,
                                     num_attention_heads=4, intermediate_size=4 * hidden, num_labels=10)
     model = transformers.ViTForImageClassification(config).train()
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
-    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    images, labels = _images(batch_size, image_size)
     return ModelCase("vit", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, True)
 
 
@@ -81,9 +83,7 @@ def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> Model
                                        hidden_sizes=[256 // width, 512 // width, 1024 // width, 2048 // width],
                                        num_labels=10)
     model = transformers.ResNetForImageClassification(config).train()
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
-    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    images, labels = _images(batch_size, image_size)
     # transformers' ResNet has no gradient checkpointing of its own.
     return ModelCase("resnet50", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
 
@@ -96,9 +96,7 @@ def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] 
     config = transformers.ConvNextConfig(depths=list(depths), hidden_sizes=[96 // width * 2 ** i for i in range(len(depths))],
                                          num_labels=10, image_size=image_size)
     model = transformers.ConvNextForImageClassification(config).train()
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
-    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    images, labels = _images(batch_size, image_size)
     return ModelCase("convnext", model, lambda m: m(pixel_values=images, labels=labels).loss, batch_size, False)
 
 
@@ -129,9 +127,7 @@ class Bottleneck(nn.Module):
 
 
 class TorchvisionResNet(nn.Module):
-    """torchvision's ResNet layout: a loose stem on the root (``conv1``, ``bn1``, ``relu``,
-    ``maxpool``), ``layer1``..``layer4`` Sequentials of ``Bottleneck`` blocks, ``avgpool``, ``fc``.
-    """
+    """torchvision's ResNet layout: a loose stem, ``layer1``..``layer4`` Sequentials of ``Bottleneck``, ``fc``."""
 
     def __init__(self, depths: tuple[int, ...] = (3, 4, 6, 3), width: int = 1, num_classes: int = 10):
         super().__init__()
@@ -161,10 +157,8 @@ class TorchvisionResNet(nn.Module):
 
 def tv_resnet(batch_size: int = 8, image_size: int = 96, depths: tuple[int, ...] = (3, 4, 6, 3), width: int = 1) -> ModelCase:
     """A bottleneck ResNet in torchvision's layout (``TorchvisionResNet``: the loose stem) on random images."""
-    g = torch.Generator().manual_seed(0)
     model = TorchvisionResNet(depths, width).train()
-    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
-    labels = torch.randint(0, 10, (batch_size,), generator=g)
+    images, labels = _images(batch_size, image_size)
     return ModelCase("tv_resnet", model, lambda m: nn.functional.cross_entropy(m(images), labels), batch_size, False)
 
 
@@ -199,9 +193,8 @@ _FACTORIES = {"gpt2": gpt2, "bert": bert, "vit": vit, "resnet50": resnet50, "lla
 def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
     """Build one of ``MODEL_NAMES`` or ``CNN_NAMES`` with random weights drawn from ``seed``.
 
-    Example:
-        >>> build("mlp", depth=2).name
-        'mlp'
+    >>> build("mlp", depth=2).name
+    'mlp'
     """
     if name not in _FACTORIES:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + CNN_NAMES}")
@@ -211,14 +204,12 @@ def build(name: str, seed: int = 0, **kwargs) -> ModelCase:
 
 def padded_batches(steps: int = 12, batch_size: int = 4, min_len: int = 32, max_len: int = 128,
                    longest_at: int | None = 8, vocab: int = 128, pad_id: int = 0, seed: int = 0) -> list[dict]:
-    """Batches of random token ids padded to each batch's longest sequence (as ``DataCollatorWithPadding``):
-    ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding). The longest sequence is drawn from
-    ``[min_len, max_len)``, except at step ``longest_at`` (None: never), where it has ``max_len`` tokens.
+    """Random token batches padded to each batch's longest sequence (as ``DataCollatorWithPadding``), drawn from
+    ``[min_len, max_len)`` except at step ``longest_at``, where it has ``max_len`` tokens.
 
-    Example:
-        >>> batches = padded_batches(steps=3, longest_at=2)
-        >>> [b["input_ids"].shape[1] < 128 for b in batches], int(batches[0]["attention_mask"].sum()) < 4 * 128
-        ([True, True, False], True)
+    >>> batches = padded_batches(steps=3, longest_at=2)
+    >>> [b["input_ids"].shape[1] < 128 for b in batches], int(batches[0]["attention_mask"].sum()) < 4 * 128
+    ([True, True, False], True)
     """
     g = torch.Generator().manual_seed(seed)
     batches = []

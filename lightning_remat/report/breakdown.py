@@ -77,17 +77,14 @@ _MODELLED = ("nothing was measured: the split at the peak is the memory model's,
 
 
 def modelled_split(profile: Profile) -> dict[str, int]:
-    """The forward/backward peak of ``profile`` with nothing recomputed, split as the memory model sees it.
+    """The forward/backward peak of ``profile`` with nothing recomputed, split into static memory by kind, the
+    activations stored before the binding term (``Activation``) and the term's own bytes (``Temp``).
 
-    Static memory by kind, the activations stored before the binding term (``Activation``) and the term's
-    own bytes (its activations, temporaries and the gradients alive then: ``Temp``); they sum to the peak.
-
-    Example:
-        >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
-        >>> modelled_split(p)
-        {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}
+    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
+    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
+    >>> modelled_split(p)
+    {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}
     """
     terms = [t for t in peak_terms(profile, [0] * len(profile.stages))
              if not (t.kind == "segment" and profile.segments[t.index].name == OPTIMIZER_SEGMENT)]
@@ -138,15 +135,13 @@ def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | No
 def memory_breakdown(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
                      profile: Profile | None = None, top: int = 10, show: bool = True,
                      console: Any = None) -> MemoryBreakdown:
-    """Where the memory of one training step of ``model`` goes; printed with rich and returned, the model left as
-    it was. ``profile``: a ``profile_step`` result to avoid profiling again.
+    """Where the memory of one training step of ``model`` goes, printed and returned (``profile``: reuse one).
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-        >>> opt = torch.optim.Adam(net.parameters())
-        >>> b = memory_breakdown(net, lambda m: m(torch.randn(32, 64)).sum(), opt, show=False)
-        >>> b.optimizer_state_bytes >= 2 * b.parameter_bytes, len(b.top_modules), b.peak_bytes > b.static_bytes
-        (True, 4, True)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    >>> opt = torch.optim.Adam(net.parameters())
+    >>> b = memory_breakdown(net, lambda m: m(torch.randn(32, 64)).sum(), opt, show=False)
+    >>> b.optimizer_state_bytes >= 2 * b.parameter_bytes, len(b.top_modules), b.peak_bytes > b.static_bytes
+    (True, 4, True)
     """
     if profile is None:
         from ..runtime.profiling.profile import profile_step
@@ -196,10 +191,7 @@ def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
 
 def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | None = None, *,
                     optimizer: torch.optim.Optimizer | None = None, label: str | None = None) -> MemoryTimeline:
-    """Record the total memory after every operator of one forward and backward pass, the model left as it was.
-
-    ``plan``: a ``Plan`` or module names to recompute (None: nothing).
-    """
+    """The total memory after every operator of one forward and backward pass under ``plan`` (None: nothing)."""
     plan = recomputation_of(plan) if isinstance(plan, Plan) else Plan([StageAction.recompute(n) for n in plan or []])
     names = plan.checkpointed
     tracker = tracked_step(model, step, optimizer, plan)

@@ -27,9 +27,7 @@ class ParetoPoint:
 
 
 def pareto_sweep(profile: Profile, points: int = 10, cost: str = "flops") -> list[ParetoPoint]:
-    """Predicted plans for ``points`` budgets evenly spaced from the least reachable peak to the baseline peak
-    (budgets that round to the same byte are one point).
-    """
+    """Predicted plans for ``points`` distinct budgets evenly spaced from the least peak to the baseline peak."""
     low, high = least_peak(profile), max(profile.baseline_peak_bytes, least_peak(profile))
     # One row per distinct budget: where recomputation cannot lower the peak (low == high) that is one row.
     budgets = sorted({low} if points <= 1 else {int(round(low + (high - low) * k / (points - 1))) for k in range(points)})
@@ -101,9 +99,7 @@ def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: 
                 measured: Sequence[tuple[str, int, float]] = (), planned: Sequence[tuple[str, int, float]] = (),
                 baseline_peak_bytes: int | None = None, budget_bytes: int | None = None,
                 overhead_label: str = "FLOP overhead (%)") -> Path:
-    """Plot peak memory against recompute overhead to a PNG: ``curve``, our plans over a sweep of budgets;
-    ``points``, peers as (label, peak bytes, overhead); ``measured`` and ``planned``, our plans measured and predicted.
-    """
+    """Plot peak memory against recompute overhead to a PNG (``points``: peers as (label, peak, overhead))."""
     plt = pyplot()
     fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
     return _saved(plt, fig, path)
@@ -123,8 +119,7 @@ OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time over
 
 def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
                        title: str = "") -> Any:
-    """The plan's Pareto picture as a matplotlib ``Figure`` (for a logger): sweep, plan predicted and measured, budget.
-    """
+    """The plan's Pareto picture as a matplotlib ``Figure``: sweep, plan predicted and measured, budget."""
     plt = pyplot()
     sweep = pareto_sweep(profile, points, cost=plan.cost_kind)
     measured = [] if measured_peak_bytes is None else [("measured", measured_peak_bytes, plan.predicted_overhead)]

@@ -16,10 +16,7 @@ def default_console() -> Any:
 
 
 class PhaseProgress:
-    """Phases of a long piece of work on a rich progress bar; ``advance(description)`` starts the next.
-
-    ``total``: phases (None: a spinner); ``enabled=False`` shows nothing; ``delay``: seconds before it appears.
-    """
+    """Phases of long work on a rich progress bar; ``advance(text)`` starts the next (``total`` None: a spinner)."""
 
     def __init__(self, total: int | None = None, *, enabled: bool = True, delay: float | None = None,
                  console: Any = None) -> None:

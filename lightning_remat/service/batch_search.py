@@ -74,8 +74,7 @@ class BatchSearch:
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         options = replace(self.config.profile, warmup=warmup)
         if options.policies is None:
-            # Selective-checkpointing options are not offered by default here: the fit across batch
-            # sizes under-predicts them; ask for them with ProfileOptions(policies=...).
+            # No selective-checkpointing options by default: the fit across batch sizes under-predicts them.
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
@@ -107,9 +106,7 @@ class BatchSearch:
                 break
         self.fit = ProfileFit(profiles)
         if self.cost == "flops" and _flops_unattributed(self.fit.profiles[-1]):
-            # FLOPs are attributed to modules by their names as seen from the module ``step`` calls; when
-            # the step calls a submodule (``self.net(x)`` in a LightningModule) no stage gets any, and
-            # every plan would look free. Measured time still prices recomputation.
+            # A step calling a submodule (``self.net(x)``) gives stages no FLOPs; measured time still prices them.
             self.cost = "time"
             self.notes.append("no FLOPs were attributed to the candidate modules (the step does not call the model "
                               "itself); recomputation is priced by measured time instead")
@@ -122,9 +119,8 @@ class BatchSearch:
         top = self.fit.batch_sizes[-1]
         extra = 0.0
         for failed_bs, error in self.corrections[recompute]:
-            # The error is zero at the profiled sizes and ``error`` at the failed size; in between
-            # it is interpolated (the error of a convex peak curve stays below that chord), beyond
-            # it is extended along the same line.
+            # Zero at the profiled sizes, ``error`` at the failed one, along that line between and beyond
+            # (a convex peak curve's error stays below the chord).
             span = max(1, failed_bs - top)
             extra = max(extra, error * max(0, batch_size - top) / span)
         return extra
@@ -173,8 +169,7 @@ class BatchSearch:
             self.notes.append(f"host memory limits offloading from batch size {batch_size} on: {error}")
 
     def largest(self, recompute: bool, limit: int) -> int:
-        """The largest size up to ``limit`` predicted to fit: a multiple of ``unit`` (1 for a batch, a sequence
-        length's ``multiple_of`` for ``LengthSearch``), doubling from ``start`` then bisecting."""
+        """The largest multiple of ``unit`` up to ``limit`` predicted to fit, doubling from ``start`` then bisecting."""
         unit = self.unit
         return unit * largest_batch(lambda k: self.plan_for(k * unit, recompute) is not None, max(1, self.start // unit),
                                     limit // unit, self.mode)

@@ -30,15 +30,11 @@ __all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH
 
 @dataclass
 class BatchSizeResult:
-    """What ``find_remat_batch_size`` found and what the search cost.
+    """What ``find_remat_batch_size`` found and what the search cost (``largest_fitting``: before ``margin``).
 
-    ``batch_size_without_remat`` is 0 when nothing fits without recomputation; ``largest_fitting`` is before
-    ``margin``; ``binsearch_sizes`` are what Lightning's binsearch would try, for comparison.
-
-    Example:
-        >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
-        >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio
-        4.0
+    >>> plan = Plan([], 10**6, 2 * 10**6, 9 * 10**5, 0.2)
+    >>> BatchSizeResult(32, 8, 32, plan, 10**6).ratio
+    4.0
     """
 
     batch_size: int
@@ -91,13 +87,11 @@ class BatchSizeResult:
         }
 
     def table(self) -> Any:
-        """A ``rich.table.Table`` of the result and what the search cost."""
         from ..report.render import batch_size_table
 
         return batch_size_table(self)
 
     def summary(self) -> str:
-        """The table as plain text."""
         from ..report.render import batch_size_table, to_text
 
         return to_text([batch_size_table(self)], width=100)
@@ -161,13 +155,12 @@ def find_remat_batch_size(
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``budget`` with optimal recomputation.
 
-    Two small batches are profiled, every memory term fitted as ``a + b * batch``, the largest batch whose plan
-    fits is searched on predictions and confirmed with real steps. Arguments have Lightning's names and
-    ``plan_remat``'s; see ``docs/batch_size.md``.
+    Two small batches are profiled, every term fitted as ``a + b * batch``, the largest fitting batch searched on
+    predictions and confirmed with real steps (arguments: Lightning's and ``plan_remat``'s; docs/batch_size.md).
 
     Args:
         make_step: ``make_step(batch_size)`` returns ``step(model) -> loss`` on a batch of that size.
-        budget: the peak memory of a training step: "10GB", "10 GiB", bytes, "80%" of the device.
+        budget: the peak memory of a training step: "10GB", bytes, "80%" of the device.
         init_val: the first batch size; the model is profiled at ``init_val`` and ``2 * init_val``.
         max_overhead: the largest recompute cost accepted, as a share of a step (0 = no recomputation).
         margin: the found batch is reduced to ``floor(batch * (1 - margin))``, at least 1.
@@ -177,12 +170,11 @@ def find_remat_batch_size(
     Raises:
         BatchSizeTooSmallBudgetError: even a batch of one does not fit within ``max_overhead``.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> make_step = lambda b: (lambda m, x=torch.randn(b, 32): m(x).square().mean())
-        >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
-        >>> result.batch_size > result.batch_size_without_remat > 0, result.measured_peak_bytes <= 600_000
-        (True, True)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> make_step = lambda b: (lambda m, x=torch.randn(b, 32): m(x).square().mean())
+    >>> result = find_remat_batch_size(net, make_step, 600_000, init_val=4, max_val=256)
+    >>> result.batch_size > result.batch_size_without_remat > 0, result.measured_peak_bytes <= 600_000
+    (True, True)
     """
     validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode, max_trials)
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,

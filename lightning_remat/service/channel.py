@@ -1,8 +1,4 @@
-"""The one channel between ranks: rank, world size, and how values and errors travel.
-
-Errors travel so every rank enters the same collectives whatever failed: ours as themselves, others as a
-``PlanningFailedError``.
-"""
+"""The one channel between ranks; errors travel so every rank enters the same collectives whatever failed."""
 
 from __future__ import annotations
 
@@ -60,14 +56,11 @@ class Channel:
         return [value]
 
     def max(self, value: float) -> float:
-        """The largest ``value`` over the ranks."""
         return float(max(self.gather(float(value))))
 
     def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on some rank."""
         return self.max(1.0 if flag else 0.0) > 0
 
-    # -- errors that travel ----------------------------------------------------------------------
     def from_main(self, compute: Callable[[], T], *, action: str = "planning", hint: str = "") -> T:
         """``compute()`` on rank 0; its value, or its error (with ``hint`` added), on every rank."""
         if not self.distributed:
@@ -104,8 +97,7 @@ class Channel:
                                ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
         attempt = _Attempt()
         attempt.run(compute, self.rank, action)
-        # A rank that stopped early must not enter the gather while another waits in a collective
-        # of the work for it (a mismatched collective: gloo aborts the process).
+        # A rank that stopped early must not enter the gather while another waits in a collective (gloo aborts).
         board = section_board(self)
         try:
             settle(board, attempt.early(ended_early, self.rank, action))

@@ -1,7 +1,4 @@
-"""Which knob would make a budget fit: each setting that lowers the least peak, with the peak it gives.
-
-``Planner.decide`` adds them to the ``BudgetTooSmallError`` (``error.knobs``), each predicted, not guessed.
-"""
+"""Which knob would make a budget fit, with the least peak it is predicted to give (``BudgetTooSmallError.knobs``)."""
 
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ def _model_optimizer(model: Any, optimizer: Any) -> Any:
 
 
 def _reprofiled(context: KnobContext, **settings: Any) -> Any:
-    # The planner's own class (``service.planning.Planner``) with the setting changed: the same
-    # profile a plan with that setting would solve on.
+    # The planner's own class with the setting changed: the profile a plan with it would solve on.
     config = replace(context.planner.config, profile=replace(context.planner.config.profile, **settings))
     optimizer = _model_optimizer(context.model, context.optimizer) if context.optimizer is not None else None
     return type(context.planner)(config).profile(context.model, context.step, optimizer)
@@ -149,8 +145,7 @@ def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
 
     if context.planner.config.profile.chunk_loss or _below_static(context) or find_head_loss(context.model) is None:
         return None
-    # Chunking lowers the head and loss's term only: offered (and re-profiled for) where that term
-    # binds the least peak, as at long context.
+    # Offered (and re-profiled for) only where the head and loss's term binds the least peak.
     if (solve(context.profile, "min", cost="flops").binding or {}).get("term") != HEAD:
         return None
     return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
@@ -161,8 +156,7 @@ def _tiled_mlp(context: KnobContext) -> tuple[str, int] | None:
 
     if context.planner.config.profile.tile_mlp or _below_static(context):
         return None
-    # Tiling lowers a stage's own activations (its MLP's intermediates, in forward and in the recompute):
-    # offered (and re-profiled for) where a stage with a position-wise child binds the least peak.
+    # Offered (and re-profiled for) only where a stage with a position-wise child binds the least peak.
     binding = solve(context.profile, "min", cost="flops").binding or {}
     stage = dict(context.model.named_modules()).get(binding.get("name")) if binding.get("term") == STAGE else None
     if stage is None or all(refusal(child) is not None for child in stage.children()):

@@ -22,9 +22,8 @@ MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this 
 def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str, float]:
     """The ``remat/...`` figures of a plan (and of its measured step); a figure the plan lacks is left out.
 
-    Example:
-        >>> plan_metrics(Plan([], 100, 200, 90, 0.25), measured_peak_bytes=88)["remat/measured_peak_bytes"]
-        88.0
+    >>> plan_metrics(Plan([], 100, 200, 90, 0.25), measured_peak_bytes=88)["remat/measured_peak_bytes"]
+    88.0
     """
     metrics: dict[str, float] = {"num_checkpointed": len(plan.checkpointed)}
     figures = {"budget_bytes": plan.budget_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
@@ -46,14 +45,11 @@ def plan_metrics(plan: Plan, measured_peak_bytes: int | None = None) -> dict[str
 
 def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training step",
                 causes: Sequence[str | None] = ()) -> str | None:
-    """The warning when a measured step peaked above the plan's budget; None when it did not.
+    """The warning when a measured step peaked above the plan's budget, with ``causes`` (None skipped), or None.
 
-    ``causes``: sentences explaining it (None skipped); without any, memory the profile did not see.
-
-    Example:
-        >>> plan = Plan([], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990, predicted_overhead=0.1)
-        >>> print(over_budget(1100, plan, "step 7", [None, "this batch shape was not planned (...)"]))
-        lightning-remat: step 7 peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): this batch shape was not planned (...).
+    >>> plan = Plan([], budget_bytes=1000, baseline_peak_bytes=2000, predicted_peak_bytes=990, predicted_overhead=0.1)
+    >>> print(over_budget(1100, plan, "step 7", [None, "this batch shape was not planned (...)"]))
+    lightning-remat: step 7 peaked at 1.07 KiB (1100 bytes), above the budget of 1000 B (1000 bytes; predicted 990 B): this batch shape was not planned (...).
     """
     budget = plan.budget_bytes
     if budget is None or measured_peak_bytes <= budget:
@@ -79,11 +75,10 @@ def installation_cause(model: nn.Module, plan: Plan) -> str | None:
 
 
 def shape_cause(plan: Plan, shape: Any) -> str | None:
-    """Why a step ran outside its plan: its batch ``shape`` is larger than the plan's; None when covered or unknown.
+    """Why a step ran outside its plan (a larger batch ``shape``), or None.
 
-    Example:
-        >>> shape_cause(Plan(fingerprint={"shape": [8, 32]}), Shape(8, 40))
-        'this batch shape was not planned (plan made for shape 8x32, batch is 8x40)'
+    >>> shape_cause(Plan(fingerprint={"shape": [8, 32]}), Shape(8, 40))
+    'this batch shape was not planned (plan made for shape 8x32, batch is 8x40)'
     """
     made_for = plan.fingerprint.get("shape")
     if made_for is None or not isinstance(shape, Shape):

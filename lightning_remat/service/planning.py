@@ -28,7 +28,6 @@ from .plan_figures import MEASURED_TIME_NOTE
 from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
-    """Warn when a CUDA budget is above what this process can still get, so it cannot bind."""
     if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():
         return
     free, _ = torch.cuda.mem_get_info(device)
@@ -40,7 +39,6 @@ def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
 
 
 def _refuse_beyond_device_memory(plan: Plan, device_memory: Any, profile: Any) -> None:
-    """Raise when the plan's peak is above the target device's whole memory."""
     total = Budget.parse(device_memory).nbytes if device_memory is not None else None
     peak = plan.predicted_peak_bytes
     if total is None or peak is None or peak <= total:
@@ -59,13 +57,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def resolve_cost(config: RematConfig, model: nn.Module) -> tuple[RematConfig, str | None]:
-    """``config`` with its cost set for the device ``model`` is planned for where unset, and the note saying which
-    (``RematConfig.for_target``: the roofline for a GPU of the hardware table, counted FLOPs elsewhere).
+    """``config`` with an unset cost set for ``model``'s target (``RematConfig.for_target``), and the note saying so.
 
-    Example:
-        >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
-        >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
-        ('roofline', 'flops')
+    >>> config, note = resolve_cost(RematConfig("min", profile=ProfileOptions(fake=True, gpu="h100")), nn.Linear(2, 2))
+    >>> config.cost.value, resolve_cost(RematConfig("min"), nn.Linear(2, 2))[0].cost.value
+    ('roofline', 'flops')
     """
     if config.cost is not None:  # given: no target to look at (a search may not hold a model yet)
         return config, None
@@ -95,7 +91,7 @@ class Planner:
                                                                          warmup=warmup))
 
     def solve_or_advise(self, model: nn.Module, step: Step, optimizer: Any, profile: Any) -> Plan:
-        """``solve_profile``; when no plan fits, a ``BudgetTooSmallError`` naming the knobs that would fit."""
+        """``solve_profile``; when no plan fits, a ``BudgetTooSmallError`` with the knobs that would."""
         try:
             return self.solve_profile(model, profile)
         except BudgetTooSmallError as error:
@@ -113,8 +109,7 @@ class Planner:
         with self.progress(model, options.fake):
             profile = profiling.profile_step(model, step, optimizer=optimizer, options=options)
         if model_device(model).type != "cpu":
-            # The profile's pass without recomputation filled the caching allocator up to the
-            # baseline's peak; hand that back so training reserves what the plan needs.
+            # The unrecomputed pass filled the caching allocator up to the baseline peak: handed back for training.
             release_device_memory()
         return adjust(profile) if adjust is not None else profile
 
@@ -209,25 +204,23 @@ def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budg
                tile_mlp: bool = False, verbose: bool = True) -> Plan:
     """Profile one training step and return the least-cost recompute plan within ``budget``.
 
-    Every argument is described in ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
+    Every argument: ``ProfileOptions``/``RematConfig`` and ``docs/api.md``; the main ones:
 
     Args:
         step: ``step(model)`` returns the loss of a forward pass on a representative batch.
-        budget: "10GB", "10 GiB", bytes, "80%" of the device, or "min".
+        budget: "10GB", bytes, "80%" of the device, or "min".
         optimizer: counted in the budget (state and step); a list for manual optimization.
-        cost: ``"flops"`` (deterministic), ``"time"`` (measured) or ``"roofline"``; unset, the target's (roofline
-            for a GPU of ``core/hardware.py``, flops on the CPU).
+        cost: ``"flops"``, ``"time"`` or ``"roofline"``; None: the target's (``RematConfig.for_target``).
         fake, dtype, device, gpu: plan without the hardware: fake tensors for ``device``, priced at ``gpu``'s speed.
 
     ``model`` may be wrapped in DDP, ``torch.compile`` or Fabric's wrapper. Under ``torch.distributed`` every
     rank returns rank 0's plan or error; an FSDP2 model is profiled on every rank (call it on each).
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
-        >>> x = torch.randn(256, 64)
-        >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
-        >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
-        True
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+    >>> x = torch.randn(256, 64)
+    >>> plan = plan_remat(net, lambda m: m(x).square().mean(), "min", cost="flops")
+    >>> plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    True
     """
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(
         candidates=candidates, fake=fake, dtype=dtype, device=device, gpu=gpu, device_memory=device_memory,

@@ -1,9 +1,6 @@
-"""One rank that fails inside a lockstep section: its error on every rank, within seconds.
-
-A failed rank would meet the others in a mismatched collective (gloo aborts, nccl hangs). So it posts on
-the group's store and waits ``PEER_WAIT_S`` for every rank's word; if some rank is silent, it posts its
-error as the verdict and aborts the group, and every rank raises the verdict.
-"""
+"""A rank failing in a lockstep section would meet the others in a mismatched collective (gloo aborts, nccl
+hangs): it posts on the group's store and waits ``PEER_WAIT_S`` for every rank's word; if one is silent, it posts
+its error as the verdict and aborts the group, and every rank raises it."""
 
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ class RankBoard:
         self.store.set(f"{self.prefix}/{self.rank}", b"")
 
     def everyone_posted(self, wait_s: float = PEER_WAIT_S) -> bool:
-        """Whether every rank posted within ``wait_s`` seconds."""
         keys = [f"{self.prefix}/{rank}" for rank in range(self.world_size)]
         deadline = time.monotonic() + wait_s
         while not self.store.check(keys):

@@ -1,8 +1,4 @@
-"""One run lifecycle for every integration: observe, plan, install, measure, report.
-
-``AutoRemat`` and the Accelerate session (and through it the Trainer's callback) drive ``RunLifecycle``
-through a ``RunHost``: what their loop gives it. The lifecycle imports no training library.
-"""
+"""One run lifecycle (plan, install, measure, report) that the integrations drive through a ``RunHost``."""
 
 from __future__ import annotations
 
@@ -28,11 +24,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunHost:
-    """What a training loop gives the run lifecycle, as callables: ``step_for(batch)`` -> ``step(module) -> loss``,
-    the ranks, the optimizers a meter counts, micro-batches per optimizer step, where figures (``log``), lines
-    (``info``), warnings and a plan in full (``table``; default: ``info`` of its summary) go; ``name`` begins
-    messages; ``summary``: figures summarise the run (Accelerate's ``remat_metrics``), not each plan as it comes.
-    """
+    """What a training loop gives the lifecycle, as callables (``step_for(batch)`` -> ``step(module) -> loss``);
+    ``summary``: figures summarise the run (Accelerate's ``remat_metrics``), not each plan as it comes."""
 
     model: nn.Module
     step_for: Callable[[Any], Callable[[nn.Module], Any]] | None = None
@@ -70,13 +63,11 @@ class MeasuredWindow:
                    else p.predicted_peak_bytes)
 
     def causes(self, model: Any) -> list[str | None]:
-        """What the package can see of a window over the budget: the plan not installed as planned,
-        a batch whose shape was not planned (``plan_figures``)."""
+        """What explains a window over the budget: the plan not installed, a batch shape not planned."""
         return [installation_cause(model, self.installed), *(shape_cause(p, shape) for p, shape in self.metered)]
 
     def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
-        """``shape_plans.calibrate`` with the window's peak (the largest of the ranks': the same on
-        every rank) and, when ``timed``, its seconds per batch. Whether the plans are solved again."""
+        """``shape_plans.calibrate`` with the window's peak (the ranks' largest) and, when ``timed``, its seconds."""
         seconds = (time.perf_counter() - self.started) / self.batches if timed else None
         return shape_plans is not None and shape_plans.calibrate(measured_peak, self.plan, seconds=seconds)
 
@@ -94,20 +85,18 @@ def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
 
 
 class RunLifecycle:
-    """A run's plans (one per batch shape; ``plan`` the latest), their figures (``metrics``, updated in place),
-    their measured windows (calibrating the plans) and the report of each.
+    """A run's plans (one per batch shape), their figures (``metrics``, updated in place) and measured windows.
 
-    Example:
-        >>> import torch
-        >>> net = nn.Sequential(nn.Linear(8, 8))
-        >>> logged = []
-        >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
-        >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
-        >>> run.announce(plan, "a plan")
-        >>> window = run.window(plan)
-        >>> net(torch.randn(4, 8)).sum().backward()
-        >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
-        (True, ['remat/measured_peak_bytes'])
+    >>> import torch
+    >>> net = nn.Sequential(nn.Linear(8, 8))
+    >>> logged = []
+    >>> run = RunLifecycle(RunHost(net, log=logged.append, name="demo"))
+    >>> plan = Plan([], budget_bytes=10**6, baseline_peak_bytes=900, predicted_peak_bytes=900, predicted_overhead=0.0)
+    >>> run.announce(plan, "a plan")
+    >>> window = run.window(plan)
+    >>> net(torch.randn(4, 8)).sum().backward()
+    >>> run.finish(window, "step 1") > 0, sorted(logged[-1])
+    (True, ['remat/measured_peak_bytes'])
     """
 
     def __init__(self, host: RunHost):
@@ -129,8 +118,7 @@ class RunLifecycle:
         return found
 
     def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
-        """The run's plans per batch shape (``ShapePlans`` with ``options``) on the host's step for a
-        batch, its ranks and optimizers; ``saved`` plans (shape -> plan, from a checkpoint) taken as they are."""
+        """The run's ``ShapePlans`` on the host's step, ranks and optimizers; ``saved``: a checkpoint's plans."""
         self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
                                       config=config, optimizer=self._optimizers(), channel=self.host.channel(),
                                       **options)
@@ -139,8 +127,7 @@ class RunLifecycle:
         return self.shape_plans
 
     def follow(self, batch: Any) -> bool:
-        """Install the plan for ``batch``'s shape (a new shape planned on fake-tensor profiles: ``ShapePlans.use``);
-        whether it was decided now (a new bucket's plan, or one solved again after a calibration)."""
+        """Install the plan for ``batch``'s shape; whether it was decided now."""
         counts = self.shape_plans.counts
         before = counts.real_profiles + counts.fake_profiles
         self.plan = self.shape_plans.use(batch)
@@ -148,8 +135,7 @@ class RunLifecycle:
         return self.shape_plans.fresh
 
     def plan_shared(self, config: Any, step: Any, batch: Any = None, verbose: bool = True, **options: Any) -> Plan:
-        """One plan from a real profile of ``step`` on every rank in lockstep (FSDP2: a sharded model has no
-        fake twin), solved on rank 0, installed on every rank; ``batch``: recorded in its fingerprint."""
+        """One plan from a real profile on every rank in lockstep (FSDP2 has no fake twin), installed on every rank."""
         plan = Planner(config, verbose=verbose).shared_plan(self.host.model, step, self.host.optimizers() or None,
                                                              channel=self.host.channel(), **options)
         if batch is not None:
@@ -160,8 +146,7 @@ class RunLifecycle:
         return plan
 
     def announce(self, plan: Plan, title: str | None = None, full: bool = True) -> None:
-        """Take ``plan`` as the run's latest, log its figures and show it: in full (``table``) or,
-        with ``full=False``, as one line; nothing is shown without a ``title``."""
+        """Take ``plan`` as the run's latest, log its figures and show it (``full=False``: one line; no ``title``: not)."""
         # One plan per shape: a plan made again for a shape (observed, calibrated) replaces its first.
         self.plan, shape = plan, plan.fingerprint.get("shape")
         self.plans[:] = [p for p in self.plans if p.fingerprint.get("shape") != shape] + [plan]
@@ -180,15 +165,12 @@ class RunLifecycle:
 
     def window(self, plan: Plan | None = None, batches: int = 1, shape: Any = None,
                meter: PeakWindow | None = None) -> MeasuredWindow:
-        """A measured window from now (``meter``: default the package's ``PeakWindow`` over the host's
-        model and optimizers) over ``batches`` batches, the first under ``plan`` at ``shape``."""
+        """A measured window from now over ``batches`` batches, the first under ``plan`` at ``shape``."""
         meter = meter if meter is not None else PeakWindow(self.host.model, self.host.optimizers() or None)
         return MeasuredWindow(meter, plan, batches, shape)
 
     def finish(self, window: MeasuredWindow, what: str) -> int:
-        """Close a measured window: log the largest peak of the ranks (on CUDA the reserved peak
-        beside it), calibrate the plans with it, warn when it is over the budget (``what``: the step,
-        in the warning) with the causes seen, or say it; the measured peak."""
+        """Close a measured window: log the ranks' largest peak, calibrate, warn when over the budget; the peak."""
         channel = self.host.channel()
         # The largest peak of any rank: the budget holds on every one or it does not hold.
         peak = int(channel.max(window.meter.close()))
@@ -218,8 +200,6 @@ class RunLifecycle:
             self.host.info(message)
         return peak
 
-    # -- batch-driven hosts (a hook before and after each batch) ------------------------------------
-
     def measure_after(self, batches: int) -> None:
         """Measure the first whole accumulation window at least ``batches`` batches on, unless one is due."""
         if self._meter is None and self.measure_in is None:
@@ -227,8 +207,7 @@ class RunLifecycle:
             self.measure_in = -(-batches // window) * window
 
     def before_batch(self, batch_idx: int, shape: Any, calibrate: bool = False) -> None:
-        """A batch starts under ``self.plan``: the open windows count it; ``calibrate``: meter it alone
-        (the first step under the first plan); a window due now opens over a whole accumulation window."""
+        """A batch starts: open windows count it; ``calibrate`` meters it alone; a window due opens."""
         for measured in (self._first, self._meter):
             if measured is not None:
                 measured.ran(self.plan, shape)
@@ -244,7 +223,7 @@ class RunLifecycle:
                 self._meter = self.window(self.plan, window, shape)
 
     def after_batch(self, what: str) -> int | None:
-        """A batch ended: a calibration window closes; the measured peak when a measured window closed."""
+        """A batch ended: close due windows; the measured peak when a measured window closed."""
         if self._first is not None:  # the largest peak of the ranks, above its prediction, calibrates the plans
             first, self._first = self._first, None
             first.calibrate(self.shape_plans, int(self.host.channel().max(first.meter.close())), timed=False)

@@ -1,7 +1,5 @@
-"""Which shape each batch's plan is made for: shapes rounded up to buckets, so a run plans few of them.
-
-Layout sizes are rounded only once they have varied (a bucket beyond a model's channel count could not run).
-"""
+"""Shapes rounded up to buckets, so a run plans few; layout sizes only once they have varied (a bucket beyond a
+model's channel count could not run)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,8 @@ from ..core.shapes import Shape, ShapeBuckets
 
 
 class ShapeKeys:
-    """The buckets and the shapes met so far of one run.
-
-    ``plan_for``: ``"shape"`` (each batch its bucket) or ``"largest"`` (the largest met of its structure).
-    ``max_shape``: buckets never round beyond it. ``per_octave``: buckets per doubling (0: every shape its own).
-    """
+    """The buckets and shapes met of one run. ``plan_for``: ``"shape"`` or ``"largest"`` (the largest met of its
+    structure); ``max_shape``: the rounding limit; ``per_octave``: buckets per doubling (0: every shape its own)."""
 
     def __init__(self, plan_for: str = "shape", max_shape: Shape | None = None, per_octave: int = 16):
         self.plan_for, self.max_shape = plan_for, max_shape

@@ -41,20 +41,16 @@ class ShapePlanCounts:
 
 
 class ShapePlans(ShapeProfiles):
-    """The plan for each batch's shape: predicted, solved once per shape bucket, installed when it changes.
+    """The plan for each batch's shape, solved once per shape bucket: ``use(batch)`` before each step's forward
+    installs it (``plan(batch)`` only decides), ``calibrate(peak)`` after takes the measured peak (docs/shapes.md).
 
-    Call ``use(batch)`` before each training step's forward pass (``plan(batch)`` decides without installing;
-    ``fresh`` then says whether it decided a plan), and optionally ``calibrate(peak)`` with the step's measured
-    peak after it. ``loss_fn(model, batch)`` returns the loss; ``docs/shapes.md`` describes every other argument.
-
-    Example:
-        >>> import torch
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
-        >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
-        >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
-        [True, True, True]
-        >>> plans.counts.real_profiles, plans.counts.solves  # two shapes, both planned on fake tensors
-        (0, 2)
+    >>> import torch
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+    >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
+    >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
+    [True, True, True]
+    >>> plans.counts.real_profiles, plans.counts.solves  # two shapes, both planned on fake tensors
+    (0, 2)
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, budget: int | str | None = None, *,
@@ -68,8 +64,7 @@ class ShapePlans(ShapeProfiles):
         if config is None:
             if budget is None:
                 raise ValueError("ShapePlans needs a budget (or a config)")
-            # The first batch is profiled on fake tensors whatever ``fake`` says; the config's
-            # ``fake`` would refuse cost="time", which is priced from the first measured step here.
+            # Not the config's ``fake`` (the first batch is faked): it would refuse cost="time".
             config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates))
         if plan_for is None:
             plan_for = "largest" if runs_compiled(model) else "shape"
@@ -102,8 +97,6 @@ class ShapePlans(ShapeProfiles):
         self.fresh = False  # whether the last plan() decided its plan (a new bucket, or one solved again)
         self.unpadded = False  # whether the first batch's attention masks held no padding (``padding``)
 
-    # ------------------------------------------------------------------------------ the interface
-
     def use(self, batch: Any) -> Plan:
         """Install the plan for ``batch``'s shape (if not installed already), check it is installed, and return it."""
         plan = self.plan(batch)
@@ -122,8 +115,7 @@ class ShapePlans(ShapeProfiles):
         if shape is None:
             raise ValueError(f"ShapePlans cannot read a batch shape from {type(batch).__name__}: pass shape_of=")
         if self.unpadded and padding(batch):
-            # Planned from a batch without padding (Hugging Face builds no attention mask for it): a padded one
-            # of the same sizes needs more. Every shape is planned again, from this batch.
+            # Planned from a batch without padding (no attention mask built): a padded one needs more.
             self.unpadded, self.anchor, self.fit, self.plans, self.sources = False, None, None, {}, {}
             self._stale, self._too_large = set(), set()
         shape = self.keys.meet(shape, self.channel)  # every rank: the largest of the ranks' shapes
@@ -171,10 +163,7 @@ class ShapePlans(ShapeProfiles):
             return self.anchor[1]
         return self.fit.at(key) if self.fit is not None else None
 
-    # ------------------------------------------------------------------------------- internals
-
     def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
-        """Store a plan decided for ``key`` (under the shape it was made for)."""
         made_for, plan = outcome
         if made_for != key:  # no plan fits the bucket: its batches are planned at their own shape
             self._too_large.add(key)

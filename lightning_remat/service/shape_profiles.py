@@ -1,5 +1,4 @@
-"""The profiles ``ShapePlans`` plans on: the first batch's, the nodes of the shape fit, and their calibration by a
-measured step (memory the profile did not see, seconds per FLOP)."""
+"""The profiles ``ShapePlans`` plans on: the first batch's, the shape fit's nodes, calibrated by measured steps."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class ShapeProfiles:
         return False
 
     def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
-        """Take a step measured under ``plan`` (default: the installed one) into account; True if the plans are re-solved.
-        With ``cost="time"`` the first ``seconds`` price the fake profiles. Under several ranks, call it on every rank."""
+        """Take a measured step into account (every rank; ``seconds`` price fakes under "time"); whether re-solved."""
         plan = plan or self.installed
         excess = measured_excess(plan, measured_peak_bytes) if plan is not None else 0
         reprice = seconds is not None and self.config.cost == "time" and not self._timed

@@ -1,9 +1,7 @@
-"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each
-(``lockstep_plan``, ``Planner.shared_plan``'s way for a sharded model).
+"""Planning an FSDP2 model: every rank profiles in lockstep, rank 0 solves on the largest term of each.
 
-Example:
-    >>> fsdp2_sharded(nn.Linear(2, 2))
-    False
+>>> fsdp2_sharded(nn.Linear(2, 2))
+False
 """
 
 from __future__ import annotations
@@ -60,18 +58,15 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
 
 def lockstep_plan(planner: Any, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
                   channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
-    """Profile on every rank, solve on rank 0 over the termwise maximum, return rank 0's plan (or error) on all
-    (``planner``: a ``planning.Planner``, its ``profile``, ``solve_profile`` and ``fallback_plan``).
+    """Profile on every rank, solve on rank 0 over the termwise maximum, return its plan (or error) on all; with
+    ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
 
-    With ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
-
-    Example:
-        >>> from lightning_remat.service.planning import Planner, RematConfig, ProfileOptions
-        >>> planner = Planner(RematConfig("min", profile=ProfileOptions(fake=True)))
-        >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...
+    >>> from lightning_remat.service.planning import Planner, RematConfig, ProfileOptions
+    >>> planner = Planner(RematConfig("min", profile=ProfileOptions(fake=True)))
+    >>> lockstep_plan(planner, nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
+    Traceback (most recent call last):
+    ...
+    lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...
     """
     if planner.config.profile.fake:
         # Decided alike on every rank, before any collective.

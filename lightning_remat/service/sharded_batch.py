@@ -1,8 +1,4 @@
-"""The batch-size search on a model sharded with FSDP2: every rank searches in lockstep.
-
-Profiles merge to the largest term over the ranks, a trial fails if it failed on any rank, and the result
-is rank 0's. The budget is per rank (a relative one: the smallest over the ranks).
-"""
+"""The batch-size search on an FSDP2 model, every rank in lockstep; the result is rank 0's, the budget per rank."""
 
 from __future__ import annotations
 
@@ -19,12 +15,11 @@ from .sharded import merge_profiles
 
 
 def combine_trials(trials: list[Trial], budget: int) -> Trial:
-    """One trial from every rank's: out of memory if any was, the largest peak, fitting only within ``budget``.
+    """One trial from every rank's: out of memory if any was, the largest peak.
 
-    Example:
-        >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
-        >>> t.out_of_memory, t.fits, t.measured_peak_bytes
-        (True, False, None)
+    >>> t = combine_trials([Trial(4, (), 1, 10, False, True), Trial(4, (), 1, None, True, False)], budget=100)
+    >>> t.out_of_memory, t.fits, t.measured_peak_bytes
+    (True, False, None)
     """
     first = trials[0]
     oom = any(t.out_of_memory for t in trials)

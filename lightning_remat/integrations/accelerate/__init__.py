@@ -1,5 +1,4 @@
-"""Accelerate: ``RematPlugin`` (settings from ``ACCELERATE_REMAT_*``), ``RematSession`` (observe,
-plan, apply, measure in the user's loop), ``RematAccelerator`` and ``prepare_remat``."""
+"""Accelerate: ``RematPlugin``, ``RematSession``, ``RematAccelerator`` and ``prepare_remat``."""
 
 from .accelerator import RematAccelerator, prepare_remat, remat_session
 from .plugin import (ENV_BUDGET, ENV_CANDIDATES, ENV_COST, ENV_OFFLOAD, ENV_POLICIES, ENV_PROFILE_STEPS, METRIC_NAMES,

@@ -1,7 +1,4 @@
-"""``RematAccelerator`` and ``prepare_remat``: switch recomputation on for the models of an Accelerate loop
-(``ACCELERATE_REMAT_BUDGET=200MB accelerate launch train.py``). What is supported and what is refused, with
-the ways that work: docs/accelerate.md.
-"""
+"""``RematAccelerator`` and ``prepare_remat``: recomputation in an Accelerate loop (docs/accelerate.md)."""
 
 from __future__ import annotations
 
@@ -31,13 +28,11 @@ _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKe
 
 
 def _check_supported(accelerator: Any, take_over: bool = False) -> None:
-    """Refuse what the session cannot plan under (``accelerator``: an ``Accelerator`` or ``AcceleratorState``);
-    ``take_over``: nothing is prepared yet, so FSDP2's own activation checkpointing is switched off, not refused."""
+    """Refuse what the session cannot plan under; ``take_over``: before prepare, FSDP2's checkpointing goes instead."""
     state = getattr(accelerator, "state", accelerator)
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
-        # FSDP2 shards in place: every rank profiles the sharded model in lockstep. Its own
-        # activation checkpointing wraps every block when the model is prepared: off before, refused after.
+        # FSDP2's own checkpointing wraps every block at prepare: switched off before, refused after.
         plugin = getattr(state, "fsdp_plugin", None)
         if getattr(plugin, "activation_checkpointing", False) and take_over:
             plugin.activation_checkpointing = False
@@ -80,12 +75,11 @@ def _offloaded(plugin: Any) -> bool:
 
 
 def deepspeed_refusal(plugin: Any = None) -> str:
-    """What is refused under DeepSpeed, why, and the ways that run (``plugin``: Accelerate's ``DeepSpeedPlugin``).
+    """What is refused under DeepSpeed, why, and the ways that run.
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> deepspeed_refusal(SimpleNamespace(zero_stage=1)).split(":")[0]
-        'lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage 1)'
+    >>> from types import SimpleNamespace
+    >>> deepspeed_refusal(SimpleNamespace(zero_stage=1)).split(":")[0]
+    'lightning-remat plans DeepSpeed ZeRO-2 and ZeRO-3 without offload only (this is ZeRO stage 1)'
     """
     stage = getattr(plugin, "zero_stage", None)
     said = "unknown" if stage is None else str(stage)
@@ -114,9 +108,8 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
                   accelerator: Accelerator | None = None, loop: LoopFacts | None = None) -> nn.Module:
     """Make ``model`` recompute the optimal set of modules within the budget, from its next steps on.
 
-    Use it with the stock ``Accelerator`` (``RematAccelerator`` calls it in ``prepare``), before or after
-    ``accelerator.prepare``; the loop stays as it is. The first ``profile_steps`` steps are observed, the plan is
-    applied in place at the end of the last of them, and the next step is measured (docs/accelerate.md).
+    Before or after ``accelerator.prepare``; the first ``profile_steps`` steps are observed, the plan applied
+    after the last of them, and the next step measured (docs/accelerate.md).
 
     Args:
         model: the model (already wrapped by DDP is fine: the inner module is watched).
@@ -125,23 +118,19 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
             ``accelerator.remat_metrics`` and ``accelerator.remat_plan``.
         loop: what the session reads of a loop without an ``Accelerator`` to give (the Trainer's callback).
 
-    Returns:
-        ``model`` itself; ``remat_session(model)`` gives the plan and metrics.
-
     Raises:
         AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` in the model, or Accelerate's FSDP2
             ``activation_checkpointing`` on (Hugging Face's own checkpointing is turned off instead, said once).
         UnsupportedSetupError, UnsupportedShardingError: DeepSpeed other than ZeRO-2/3 without offload,
             Megatron-LM, XLA, torch.compile, FSDP1.
-        ConflictingArgumentsError: the model has a session with other settings already, naming both.
+        ConflictingArgumentsError: the model has a session with other settings already.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
-        >>> prepare_remat(net, RematPlugin(budget="1GB")) is net
-        True
-        >>> remat_session(net).phase
-        'observe'
-        >>> remat_session(net).remove()
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+    >>> prepare_remat(net, RematPlugin(budget="1GB")) is net
+    True
+    >>> remat_session(net).phase
+    'observe'
+    >>> remat_session(net).remove()
     """
     plugin = RematPlugin() if remat_plugin is None else remat_plugin
     if accelerator is not None and not hasattr(accelerator, "remat_metrics"):
@@ -155,8 +144,7 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     inner = _inner_model(model)
     if inner in _SESSIONS:
         _check_same_settings(_SESSIONS[inner].plugin, plugin)
-    # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
-    # Again for a model planned already: a second trainer.train() switches the Trainer's checkpointing on again.
+    # Also for a model planned already: a second trainer.train() switches the Trainer's checkpointing on again.
     take_over_checkpointing(inner, loop.who, getattr(loop.state, "is_main_process", True))
     if inner in _SESSIONS:
         return model
@@ -173,7 +161,7 @@ def _said(name: str, value: object) -> str:
 
 
 def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
-    """A model has one session: other settings are refused, not ignored; the same settings reuse it."""
+    """A model has one session: other settings are refused, not ignored."""
     if held != asked:
         differ = [f"{_said(name, getattr(held, name))} and {_said(name, getattr(asked, name))}"
                   for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
@@ -183,7 +171,6 @@ def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
             "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")
 
 
-# Without a budget RematAccelerator and prepare_remat do nothing, and say so.
 NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {ENV_BUDGET} is not set: recomputing "
              "nothing; remat_plan stays None and remat_metrics empty")
 
@@ -191,9 +178,8 @@ NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {E
 def remat_session(model: nn.Module) -> RematSession | None:
     """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any.
 
-    Example:
-        >>> remat_session(nn.Linear(2, 2)) is None
-        True
+    >>> remat_session(nn.Linear(2, 2)) is None
+    True
     """
     return _SESSIONS.get(_inner_model(model))
 
@@ -201,27 +187,23 @@ def remat_session(model: nn.Module) -> RematSession | None:
 class RematAccelerator(Accelerator):
     """``Accelerator`` that keeps each training step within a memory budget by recomputation.
 
-    Takes every argument of ``Accelerator``, and ``remat_plugin`` (None: ``RematPlugin`` from the environment,
-    a malformed value failing here). Each model given to ``prepare`` for training gets ``prepare_remat``.
-    ``remat_plan``: the applied ``Plan`` (None before it is made, or without a budget); ``remat_metrics``:
-    the ``remat/...`` figures, also sent to ``accelerator.log`` when trackers are initialised.
+    ``remat_plugin``: None reads ``RematPlugin`` from the environment. Each training model given to ``prepare``
+    gets ``prepare_remat``; ``remat_plan`` is the applied ``Plan``, ``remat_metrics`` the ``remat/...`` figures.
 
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
-        >>> optimizer = torch.optim.Adam(model.parameters())
-        >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
-        >>> model, optimizer = accelerator.prepare(model, optimizer)
-        >>> x = torch.randn(64, 32)
-        >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
-        ...     optimizer.zero_grad(set_to_none=True)
-        ...     accelerator.backward(model(x).square().mean())
-        ...     optimizer.step()
-        >>> metrics = accelerator.remat_metrics
-        >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
-        (True, True)
-        >>> from accelerate.state import AcceleratorState
-        >>> AcceleratorState._reset_state(True)
+    >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    >>> optimizer = torch.optim.Adam(model.parameters())
+    >>> accelerator = RematAccelerator(cpu=True, remat_plugin=RematPlugin(budget="min", cost="flops"))
+    >>> model, optimizer = accelerator.prepare(model, optimizer)
+    >>> x = torch.randn(64, 32)
+    >>> for _ in range(3):  # the user's loop, unchanged: step 1 is observed, then planned, step 2 measured
+    ...     optimizer.zero_grad(set_to_none=True)
+    ...     accelerator.backward(model(x).square().mean())
+    ...     optimizer.step()
+    >>> metrics = accelerator.remat_metrics
+    >>> metrics["remat/num_checkpointed"] > 0, metrics["remat/measured_peak_bytes"] <= metrics["remat/budget_bytes"]
+    (True, True)
+    >>> from accelerate.state import AcceleratorState
+    >>> AcceleratorState._reset_state(True)
     """
 
     def __init__(self, *args: Any, remat_plugin: RematPlugin | None = None, **kwargs: Any):
@@ -237,7 +219,6 @@ class RematAccelerator(Accelerator):
             warnings.warn(NO_BUDGET, UserWarning, stacklevel=2)
 
     def _watch_prepared(self, result: Any) -> Any:
-        """``prepare_remat`` on each training model among what a ``_prepare_*`` override returns, then ``result``."""
         if self.remat_plugin.enabled:
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 if isinstance(obj, nn.Module) and obj.training:
@@ -245,16 +226,15 @@ class RematAccelerator(Accelerator):
         return result
 
     def _prepare_deepspeed(self, *args: Any) -> Any:
-        """As Accelerate's (DeepSpeed wraps the model in its engine, not through ``prepare_model``), then
-        ``prepare_remat`` (ZeRO-2 and ZeRO-3; ``_check_supported`` refused the rest)."""
+        """DeepSpeed wraps the model in its engine, not through ``prepare_model``."""
         return self._watch_prepared(super()._prepare_deepspeed(*args))
 
     def _prepare_fsdp2(self, *args: Any) -> Any:
-        """As Accelerate's (FSDP2 shards in place, not through ``prepare_model``), then ``prepare_remat``."""
+        """FSDP2 shards in place, not through ``prepare_model``."""
         return self._watch_prepared(super()._prepare_fsdp2(*args))
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
-        """Prepare as ``Accelerator.prepare_model`` does, and watch the model for recomputation."""
+        """``Accelerator.prepare_model``, and ``prepare_remat``."""
         if self.remat_plugin.enabled and not evaluation_mode:
             prepare_remat(model, self.remat_plugin, accelerator=self)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

@@ -1,10 +1,7 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 under Accelerate and the Trainer: each rank's step planned as the whole model's,
-turned into the rank's by ``core.zero.Zero2Facts`` / ``Zero3Facts`` (read here from the live ZeRO optimizer that
-DeepSpeed built from its configuration), and measured with DeepSpeed's partitions and optimizer state counted.
+"""DeepSpeed ZeRO-2/3: a rank's plan from the whole model's, through ``core.zero`` facts read from its optimizer.
 
-Example:
-    >>> deepspeed_stage(None) is None
-    True
+>>> deepspeed_stage(None) is None
+True
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from ...runtime.measuring.meter import PeakWindow
 
 
 def deepspeed_stage(state: Any) -> int | None:
-    """The ZeRO stage of Accelerate's DeepSpeed mode (``state``: an ``Accelerator`` or ``AcceleratorState``);
-    None outside it."""
+    """The ZeRO stage of Accelerate's DeepSpeed mode, None outside it."""
     kind = getattr(state, "distributed_type", None)
     if str(getattr(kind, "value", kind)).upper() != "DEEPSPEED":
         return None
@@ -31,8 +27,7 @@ def deepspeed_stage(state: Any) -> int | None:
 
 
 def zero_optimizer(optimizers: Any) -> Any:
-    """DeepSpeed's ZeRO-1/2 or ZeRO-3 optimizer inside ``optimizers`` (Accelerate's and the Trainer's wrappers),
-    or None."""
+    """DeepSpeed's ZeRO optimizer inside ``optimizers`` (through Accelerate's and the Trainer's wrappers)."""
     for optimizer in optimizers or ():
         for _ in range(4):  # AcceleratedOptimizer -> DeepSpeedZeroOptimizer(_Stage3) -> the torch optimizer
             if hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "partition_size"):
@@ -54,8 +49,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def zero3_facts(optimizer: Any, model: nn.Module, world: int, held: list[torch.Tensor]) -> Zero3Facts:
-    """``Zero3Facts`` of DeepSpeed's live ZeRO-3 ``optimizer`` over ``model``: its tensors (``held``) measured, the
-    parameters' whole and partitioned sizes read from DeepSpeed's ``ds_numel`` and ``partition_numel()``."""
+    """``Zero3Facts`` of a live ZeRO-3 ``optimizer``: ``held`` measured, sizes from ``ds_numel``/``partition_numel()``."""
     parameters = [p for p in model.parameters() if hasattr(p, "ds_numel")]
     padding = sum((world * p.partition_numel() - p.ds_numel) * p.element_size() for p in parameters)
     reduce_bytes = max((t.element_size() for t in held if t.dim() == 1 and t.numel() == optimizer.reduce_bucket_size),
@@ -67,9 +61,8 @@ def zero3_facts(optimizer: Any, model: nn.Module, world: int, held: list[torch.T
 
 
 class ZeroRank:
-    """One rank under ZeRO-2 or ZeRO-3: ``stand_in()`` (the user's optimizer class over the whole model, for the fake
-    profile only: never stepped), ``metered`` (DeepSpeed's torch optimizer: its parameters are the master
-    partition, its state the rank's), ``steady`` (that state exists) and ``account(profile)``."""
+    """One rank under ZeRO-2/3. ``stand_in()``: the user's optimizer class over the whole model, for the fake
+    profile only (never stepped); ``metered``: DeepSpeed's torch optimizer (the master partition and its state)."""
 
     def __init__(self, optimizer: Any, model: nn.Module, world: int):
         self.optimizer = optimizer
@@ -94,8 +87,7 @@ class ZeroRank:
         return self.optimizer.optimizer
 
     def held(self) -> list[torch.Tensor]:
-        """Every tensor DeepSpeed's ZeRO optimizer holds now (its flat buffers, master partition, gradient
-        partition and buckets), for a meter to count as alive: none is a parameter's or the torch optimizer's."""
+        """Every tensor the ZeRO optimizer holds (flat buffers, partitions, buckets), for a meter to count."""
         found, stack = [], [(value, 0) for value in vars(self.optimizer).values()]
         while stack:
             value, depth = stack.pop()
@@ -112,7 +104,7 @@ class ZeroRank:
         return found
 
     def meter(self) -> PeakWindow:
-        """The package's meter over a step from now, DeepSpeed's tensors counted (``held``)."""
+        """A meter over a step from now, DeepSpeed's tensors counted."""
         meter = PeakWindow(self.model, self.metered)
         meter.tracker.track_external(*self.held())
         return meter
@@ -134,7 +126,7 @@ class ZeroRank:
         return self._stand_in
 
     def account(self, profile: Profile) -> Profile:
-        """``profile`` (the whole model's step) as this rank holds it (``Zero2Facts.terms``, ``Zero3Facts.terms``)."""
+        """``profile`` (the whole model's step) as this rank holds it."""
         state = profile.optimizer_state_bytes
         extra = self.facts.extra_bytes(state)
         stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + extra)
@@ -147,8 +139,7 @@ class ZeroRank:
 
 
 def zero_rank(state: Any, optimizers: Any, model: nn.Module) -> ZeroRank | None:
-    """The ``ZeroRank`` of ``model`` under Accelerate's DeepSpeed ZeRO-2 or ZeRO-3 once DeepSpeed built its
-    optimizer, else None (``state``: an ``Accelerator`` or ``AcceleratorState``)."""
+    """The ``ZeroRank`` of ``model`` once DeepSpeed built its ZeRO-2/3 optimizer, else None."""
     if deepspeed_stage(state) not in (2, 3):
         return None
     optimizer = zero_optimizer(optimizers)

@@ -1,5 +1,4 @@
-"""The first training step under Accelerate (and the HF Trainer), planned on fake tensors at its forward's pre-hook,
-before its loss exists, so no real step runs without a plan. The loss rule: docs/accelerate.md, "The loss"."""
+"""The first training step, planned on fake tensors at its forward's pre-hook (docs/accelerate.md, "The loss")."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from .recorded_call import CallTemplate, RecordedCall, calibrate, scalar_loss, w
 
 @dataclass(frozen=True)
 class FirstCall(CallTemplate):
-    """A training forward whose backward has not run: a ``CallTemplate`` (stretched as one, sharing ``seen``) and,
-    once re-run, ``seen``: shape -> (the model returned its own loss, bytes of the float outputs requiring a gradient).
+    """A training forward whose backward has not run; ``seen``: shape -> (own loss, bytes of outputs needing grad).
 
     >>> call = FirstCall.of((torch.randn(4, 8),), {})
     >>> call.loss(nn.Linear(8, 3)).shape, call.seen[call.shape]   # no loss of its own: the surrogate
@@ -59,8 +57,7 @@ class FirstCall(CallTemplate):
 
 @dataclass(frozen=True)
 class ObservedCall:
-    """The observed call as ``ShapePlans`` sees a batch: its real inputs (made outside the profiled step, as in
-    training: a template's zeros would count in it), stretched through its ``CallTemplate``."""
+    """The observed call as a batch: its real inputs (a template's zeros would count in the profiled step)."""
 
     call: RecordedCall
     shape: Any
@@ -100,10 +97,8 @@ def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
 
 
 def redirected_call(args: tuple) -> str | None:
-    """Why a training forward called with a module or a method among its positional arguments cannot be planned
-    (None if it is not one): a forward redirection (TRL's ``_ForwardRedirection``, which ``DistillationTrainer`` uses) swaps the
-    model's ``forward`` for the trainer's loss function for one call, so the loss runs inside the model's call with
-    the model itself as an argument. The session replays a training call to profile it; this one it cannot replay.
+    """Why a forward given a module or method as argument cannot be planned, or None: a forward redirection
+    (TRL's ``_ForwardRedirection``) runs the trainer's loss as the model's forward, which cannot be replayed.
 
     >>> redirected_call((torch.ones(2, 3),)) is None, "forward redirection" in redirected_call((nn.Linear(2, 2),))
     (True, True)

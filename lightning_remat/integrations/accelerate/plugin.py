@@ -33,15 +33,12 @@ METRIC_NAMES = (
 
 @dataclass
 class RematPlugin:
-    """Settings of recomputation under Accelerate: each field left ``None`` is read from its
-    ``ACCELERATE_REMAT_*`` variable (the table in docs/accelerate.md, "Settings"; ``chunk_loss``: as
-    ``plan_remat(chunk_loss=)``, env ``ACCELERATE_REMAT_CHUNK_LOSS``); an explicit value wins. Recomputation
-    is on if and only if a budget is set. A malformed value raises ``ValueError`` naming its variable.
+    """Each field left ``None`` is read from its ``ACCELERATE_REMAT_*`` variable (docs/accelerate.md, "Settings").
+    On if and only if a budget is set; a malformed value raises ``ValueError`` naming its variable.
 
-    Example:
-        >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
-        >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
-        (True, 1, ['GPT2Block', 'transformer.h.*'], None)
+    >>> plugin = RematPlugin(budget="10GB", candidates="GPT2Block, transformer.h.*")
+    >>> plugin.enabled, plugin.profile_steps, plugin.candidates, plugin.cost
+    (True, 1, ['GPT2Block', 'transformer.h.*'], None)
     """
 
     budget: str | int | None = None  # peak memory of a training step: '10GB', 'min'
@@ -107,11 +104,9 @@ class RematPlugin:
 
     @property
     def enabled(self) -> bool:
-        """Whether recomputation is on: a budget is set."""
         return self.budget is not None
 
     def config(self) -> RematConfig:
-        """The settings as the planning service takes them."""
         return RematConfig(self.budget, cost=self.cost, profile=ProfileOptions(
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
@@ -119,14 +114,11 @@ class RematPlugin:
 
 @dataclass
 class LoopFacts:
-    """What the session reads of the loop around the model when it needs it: optimizers, accumulation, the
-    process ``state`` (an ``Accelerator`` or ``AcceleratorState``: what is refused, processes, the main one),
-    where figures go (``log``) and lines are shown (``show``; None: the logger at INFO), and ``who`` asks.
-    ``of(accelerator)`` reads them from an ``Accelerator``; the Trainer's callback gives its own.
+    """What the session reads of the loop: optimizers, accumulation, the process ``state`` (``Accelerator`` or
+    ``AcceleratorState``), where figures go and lines are shown. The Trainer's callback gives its own.
 
-    Example:
-        >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()
-        (1, 1)
+    >>> LoopFacts.of(None).accumulation(), LoopFacts(accumulation=lambda: 4).processes()
+    (1, 1)
     """
 
     optimizers: Callable[[], Any] = list

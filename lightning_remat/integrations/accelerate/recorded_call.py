@@ -1,5 +1,4 @@
-"""What the Accelerate session records of the user's loop (one training forward and its backward), and the
-calibration of a profile against the observed step. How the profile's loss is built: docs/accelerate.md, "The loss"."""
+"""A recorded training forward and its backward; a profile calibrated by the observed step (docs/accelerate.md)."""
 
 from __future__ import annotations
 
@@ -141,7 +140,6 @@ def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
 
 
 def _specs(value: Any, change: Any) -> Any:
-    """``value`` with ``change`` applied to each ``TensorSpec`` and floating-point tensor in it."""
     if isinstance(value, (TensorSpec, torch.Tensor)):
         return change(value) if isinstance(value, TensorSpec) or value.is_floating_point() else value
     if isinstance(value, Mapping):
@@ -153,8 +151,7 @@ def _specs(value: Any, change: Any) -> Any:
 
 @dataclass(frozen=True)
 class CallTemplate:
-    """A recorded training forward kept to profile other batch shapes: integer inputs (ids, masks) as they
-    were, floating-point inputs and the outputs' gradients by shape only (``TensorSpec``).
+    """A recorded forward for other batch shapes: integer inputs as they were, floats and gradients by shape only.
 
     >>> call = RecordedCall(args=(torch.ones(2, 5),), kwargs={"ids": torch.arange(10).view(2, 5)})
     >>> call.grads = {0: torch.ones(2, 5, 3)}
@@ -211,7 +208,6 @@ class CallTemplate:
         return _specs(self.args, make), _specs(self.kwargs, make)
 
     def loss(self, model: nn.Module) -> torch.Tensor:
-        """Re-run the call on ``model`` (as ``RecordedCall.loss``)."""
         args, kwargs = self.inputs()
         call = RecordedCall(args=args, kwargs=kwargs, loss_index=self.loss_index,
                             grads={i: g.make() for i, g in self.grads.items()}, used_model_loss=self.used_model_loss)
@@ -228,8 +224,7 @@ class WindowTracker(PeakWindow):
         self.peak_before_optimizer: int | None = None
 
     def carried_bytes(self, excluded: list[torch.Tensor] = ()) -> int:
-        """Bytes alive now beyond the model's state and ``excluded`` (the next call's inputs): read between two
-        micro-batches, what the loop carries into the next (inputs, losses), which a profile of one call misses.
+        """Between two micro-batches, bytes alive beyond the model's state and ``excluded`` (the next inputs).
 
         >>> net = nn.Linear(8, 8); window = WindowTracker(net, None)
         >>> loss = net(torch.randn(4, 8)).sum(); loss.backward()
@@ -248,8 +243,7 @@ class WindowTracker(PeakWindow):
 
 
 def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:
-    """Count in every term what the user's loop keeps alive around the model: the outputs it holds, what it
-    carries between micro-batches (``WindowTracker.carried_bytes``, held outputs among them), the loss scalars.
+    """Count in every term what the loop keeps alive: held outputs, what it carries between micro-batches, the loss.
 
     >>> from lightning_remat.core.memory_model import StageOption, StageProfile
     >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100, 0.0, 0),)),), (Segment("head", 1, 50),))
@@ -266,9 +260,8 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
 
 def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True,
               actions: Sequence[StageAction] = ()) -> Profile:
-    """Charge the excess of ``observed_peak`` (the observed step's forward and backward under ``actions``; on a
-    first step without the optimizer state, which is added) over the profile's prediction to the end of
-    forward, where the user's loss runs. See docs/accelerate.md, "The loss".
+    """Charge the excess of ``observed_peak`` (forward and backward under ``actions``) over the profile's
+    prediction to the end of forward, where the user's loss runs (docs/accelerate.md, "The loss").
 
     >>> from lightning_remat.core.memory_model import StageOption, StageProfile
     >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 160, 1.0, 5)

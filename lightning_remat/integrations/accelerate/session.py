@@ -1,5 +1,4 @@
-"""``RematSession``: observe a model in the user's Accelerate loop, then plan, apply and measure; then give
-every step the plan for its batch's shape. The phases: docs/accelerate.md, "What happens during training"."""
+"""``RematSession``: observe, plan, apply and measure in the user's Accelerate loop (docs/accelerate.md)."""
 
 from __future__ import annotations
 
@@ -31,25 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 class RematSession:
-    """Observe a model in the user's loop, then plan, apply and measure recomputation once.
+    """Made by ``prepare_remat``. ``phase``: ``"observe"``, ``"measure"`` (a plan's first steady step), ``"done"``;
+    ``plan``: the latest batch shape's; ``plans``: one per shape; ``metrics``: the ``remat/...`` figures.
 
-    Made by ``prepare_remat``; ``remat_session(model)`` gets it back. ``phase``: ``"observe"`` (the first
-    ``profile_steps`` steps), ``"measure"`` (the first steady step of a plan), ``"done"``. ``plan``: the
-    latest batch shape's; ``plans``: one per shape met; ``metrics``: the ``remat/...`` figures, as logged.
-
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
-        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        >>> from lightning_remat.accelerate import prepare_remat, remat_session
-        >>> session = remat_session(prepare_remat(net, RematPlugin(budget="min", cost="flops")))
-        >>> for _ in range(3):
-        ...     net(torch.randn(64, 32)).pow(2).mean().backward()
-        ...     opt.step()
-        ...     opt.zero_grad()
-        >>> session.phase, session.plan.checkpointed, session.plan.segments
-        ('done', ['2', '3'], [['0', '1']])
-        >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
-        True
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(4)])
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> from lightning_remat.accelerate import prepare_remat, remat_session
+    >>> session = remat_session(prepare_remat(net, RematPlugin(budget="min", cost="flops")))
+    >>> for _ in range(3):
+    ...     net(torch.randn(64, 32)).pow(2).mean().backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    >>> session.phase, session.plan.checkpointed, session.plan.segments
+    ('done', ['2', '3'], [['0', '1']])
+    >>> session.metrics["remat/measured_peak_bytes"] <= session.metrics["remat/predicted_peak_bytes"]
+    True
     """
 
     def __init__(self, model: nn.Module, plugin: RematPlugin, accelerator: Any = None, loop: LoopFacts | None = None):
@@ -94,7 +89,7 @@ class RematSession:
 
     @property
     def shape_plans(self) -> ShapePlans | None:
-        """The plan of each batch's shape (not under FSDP2): from the first call, then the observed one."""
+        """The plan of each batch's shape (not under FSDP2)."""
         return self.run.shape_plans
 
     # -- hooks: torch forbids changing step hooks while it iterates them, and profiling (MemTracker) adds
@@ -174,8 +169,6 @@ class RematSession:
         if self.phase == "measure" and self._measured is None:
             self._stepped_since_plan = True
 
-    # -- the state machine -------------------------------------------------------------------
-
     def _holds_model_parameters(self, optimizer: Any) -> bool:
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
@@ -194,7 +187,6 @@ class RematSession:
         return None
 
     def _step_boundary(self, optimizer_stepped: bool, next_inputs: list[torch.Tensor] = ()) -> None:
-        """Between two steps: count the step that ended; plan or finish measuring when due."""
         if self.phase == "observe":
             if self._current is not None and not self._current.backward_ran and self._window is not None:
                 # A forward the loop did not train on (it skipped the batch): not an observed step.
@@ -233,12 +225,9 @@ class RematSession:
         return self._known_optimizer() is None or self._stepped_since_plan
 
     def _find_zero(self) -> None:
-        """Under DeepSpeed ZeRO-2 or ZeRO-3 (refused otherwise, ``_check_supported``), its rank's figures, once."""
         if self._zero is None and deepspeed_stage(self.loop.state) is not None:
             self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
             if self._zero is None:
-                from ...core.errors import UnsupportedSetupError
-
                 raise UnsupportedSetupError(
                     "lightning-remat under DeepSpeed ZeRO-2/3 plans each rank from DeepSpeed's ZeRO optimizer, and "
                     "found none at this training forward: run training forwards after accelerator.prepare (or "
@@ -249,7 +238,7 @@ class RematSession:
         return self._zero.stand_in() if self._zero is not None else self._known_optimizer()
 
     def _open_window(self) -> None:
-        """Measure the step that starts now: observed ones on the main process (it plans), steady ones on every rank."""
+        """Observed steps are measured on the main process (it plans), steady ones on every rank."""
         if self.phase == "observe" and self._window is None and (self._channel().is_main or fsdp2_sharded(self.model)):
             self._window = WindowTracker(self.model, self._known_optimizer())
         elif self.phase == "measure" and self._measured is None and self._steady():
@@ -257,8 +246,7 @@ class RematSession:
             self._measured = self.run.window(batches=self._accumulation(), meter=meter)
 
     def _plan_first(self, args: tuple, kwargs: dict) -> None:
-        """Plan the first training forward on fake tensors from its inputs (``first_call``). Its head and loss stay
-        whole: a chunked loss patches the model's forward, which this call has looked up already."""
+        """Plan the first training forward on fake tensors (no chunked loss: this call looked up forward already)."""
         first = FirstCall.of(args, kwargs)
         plan = self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False))
         if self._saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe
@@ -268,12 +256,11 @@ class RematSession:
             self._new_plan(plan, "lightning-remat: planned before the first step, on fake tensors")
 
     def resume(self, plans: dict) -> None:
-        """Before the first training forward: take a checkpoint's ``plans`` (shape -> ``Plan``), unprofiled."""
+        """Take a checkpoint's ``plans`` (shape -> ``Plan``) before the first training forward."""
         if self.plan is None:
             self._saved = dict(plans)
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
-        """New ``ShapePlans`` from ``template`` (stretched to every new shape), and the plan of ``call`` installed."""
         self._template, self._replan = template, (adjust, config)
         self._unpadded = padding((template.args, template.kwargs)) is False  # its integer inputs: real tensors
         if self._zero is not None:  # the whole model's step, then what a ZeRO rank holds of it
@@ -299,14 +286,13 @@ class RematSession:
         self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
-        """Before a training forward: install its batch shape's plan; a new plan's first steady step is measured."""
+        """Install the batch shape's plan; a new plan's first steady step is measured."""
         shape = batch_shape((args, kwargs))
         if shape is None:
             return
         title = f"lightning-remat: a plan for batch shape {shape}"
         if self._unpadded and padding((args, kwargs)):
-            # The plans so far were made from a batch without padding, for which Hugging Face builds no attention
-            # mask: this one's is built, and the same sizes need more. Every shape is planned again from it.
+            # Planned from a batch without padding (no attention mask built): a padded one needs more.
             self._saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
             template = self._template.with_inputs(args, kwargs, shape)
             self._plan_shapes(template, template, *self._replan)
@@ -321,14 +307,12 @@ class RematSession:
         self.plan = plan
 
     def _new_plan(self, plan: Plan, title: str) -> None:
-        # One plan per shape; the run's figures: its plan of the largest predicted peak, the number of plans.
         self.plan = plan
         self.run.announce(plan, title)
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        """The plugin's settings with the loop's accumulation, DDP's buckets (not FSDP2) and ``profile``'s fields."""
         config = self.plugin.config()
         buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model) and self._zero is None
         return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
@@ -355,16 +339,15 @@ class RematSession:
         return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
 
     def check_plan(self, where: str = "") -> None:
-        """Raise ``InstallationMismatchError`` unless the plan (once there is one) is what the model has installed."""
+        """Raise ``InstallationMismatchError`` unless the plan is what the model has installed."""
         if self.plan is not None:
             check_installed(self.model, self.plan, where or f"(lightning-remat, Accelerate step {self.observed_steps})")
 
     def _channel(self) -> Channel:
-        """The ranks of the ``torch.distributed`` group (the model's device carries reductions)."""
+        """The ``torch.distributed`` ranks (the model's device carries reductions)."""
         return torch_distributed_channel(model_device(self.model))
 
     def _show(self, message: str) -> None:
-        """A line on the main process: ``LoopFacts.show`` (the Trainer's console), else the logger at INFO."""
         if self._channel().is_main:
             (self.loop.show or logger.info)(message)
 

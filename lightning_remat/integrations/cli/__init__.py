@@ -59,7 +59,6 @@ def _help(text: str, default: Any) -> str:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
-    """One flag per field of ``RematConfig`` and ``ProfileOptions`` (``--device-memory`` for ``device_memory``)."""
     from dataclasses import fields
 
     from ...core.config import ProfileOptions, RematConfig
@@ -91,8 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser(
         "plan", help="profile a training step, show where memory goes and the least-cost plan within a budget",
-        # The whole module text: the examples, the factory forms, the budget and the exit codes
-        # (argparse's own wrapping would cut nothing, but it would re-flow the lists).
+        # The module text, unwrapped: argparse would re-flow its lists.
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("target", metavar="FILE.py:FACTORY",
                       help="a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)")
@@ -115,7 +113,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _seq_len_parser(sub: Any) -> None:
-    """``seq-len``: the longest sequence that fits ``--budget`` (``find_remat_seq_len``), with ``plan``'s options."""
     from .seq_len_command import add_seq_len_flags
 
     seq_len = sub.add_parser(

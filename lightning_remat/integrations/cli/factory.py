@@ -26,7 +26,6 @@ class Target:
 
 
 def _lightning_optimizer(module: Any) -> Any:
-    """The first optimizer ``configure_optimizers()`` returns, or None if there is none to find."""
     import torch
 
     try:
@@ -48,11 +47,10 @@ def _lightning_optimizer(module: Any) -> Any:
 def normalize(result: Any, name: str = "factory") -> Target:
     """Turn what a factory returned into a ``Target``; raise ``UsageError`` for anything else.
 
-    Example:
-        >>> import torch
-        >>> net = torch.nn.Linear(2, 1)
-        >>> normalize((net, lambda m: m(torch.ones(1, 2)).sum())).kind
-        'model'
+    >>> import torch
+    >>> net = torch.nn.Linear(2, 1)
+    >>> normalize((net, lambda m: m(torch.ones(1, 2)).sum())).kind
+    'model'
     """
     from torch import nn
 

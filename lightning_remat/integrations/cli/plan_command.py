@@ -1,8 +1,4 @@
-"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot.
-
-The plan is the planning service's (``service.planning.Planner``), as ``plan_remat``'s: the same
-profile, the same solver, the host-memory limit for ``--offload``.
-"""
+"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ class ProfilingFailed(RematError):
 
 
 def one_line_error(err: BaseException) -> str:
-    """An error as the command prints it: one line, its whitespace (line breaks included) squashed."""
+    """An error as the command prints it, on one line."""
     return "lightning-remat: error: " + " ".join(str(err).split())
 
 
@@ -50,7 +46,6 @@ def _profile_warnings(profile: Any, cost: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    """The command line's settings, checked once (each ``ProfileOptions`` field has its flag); a mistake is exit code 2."""
     profile: dict[str, Any] = {}
     for f in fields(ProfileOptions):
         value = getattr(args, f.name, f.default)
@@ -66,14 +61,14 @@ def _config(args: argparse.Namespace) -> RematConfig:
         if message.startswith("unknown selective-checkpointing policy"):
             message = f"--policies: {message}, or all, or none"
         raise UsageError(message) from err
-    if args.gpu is not None:  # a GPU not in the table is bad input too, found before anything runs
+    if args.gpu is not None:
         from ...core.hardware import gpu
 
         try:
             gpu(args.gpu)
         except ValueError as err:
             raise UsageError(f"--gpu: {err}") from err
-    if args.device_memory is not None:  # a size that is not one ("lots") is bad input, not ignored
+    if args.device_memory is not None:
         from ...core.budget import parse_budget
 
         try:
@@ -82,7 +77,7 @@ def _config(args: argparse.Namespace) -> RematConfig:
             raise UsageError(f"--device-memory: {err}") from err
         if not isinstance(size, int):
             raise UsageError(f"--device-memory {args.device_memory!r}: a size in bytes ('80GB', '80 GiB'), not {size!r}")
-    if args.device is not None:  # a device torch cannot parse is bad input, found before anything runs
+    if args.device is not None:
         import torch
 
         try:
@@ -114,7 +109,6 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
-    """The memory timeline (real runs only), the Pareto plot and plan.json under ``args.out``."""
     from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
     from ...report.breakdown import memory_timeline
 
@@ -169,7 +163,6 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError("--points must be at least 1 and --top at least 0")
     result: dict[str, Any] = {"target": args.target, "budget": args.budget, "cost": args.cost}
     plan = None
-    # The planning service's progress display, shown at once here (the command is the long work).
     with PhaseProgress(6, enabled=not args.json, delay=0) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         target, name = _target(args, advance)
@@ -179,8 +172,6 @@ def run_plan(args: argparse.Namespace) -> int:
             raise UsageError(str(err)) from err
         advance("profiling one training step" + (" on fake tensors" if args.fake else ""))
         start = time.perf_counter()
-        # The planning service profiles and solves, as for plan_remat and every integration (with
-        # --offload, within the host's free memory).
         planner = Planner(config, verbose=False)  # the command's own phases are on the display already
         # Unset, the cost is the target's (the roofline for a GPU of the hardware table): every figure uses it.
         args.cost = result["cost"] = planner.for_model(target.model).cost.value
@@ -188,8 +179,7 @@ def run_plan(args: argparse.Namespace) -> int:
             profile = planner.profile(target.model, target.step, target.optimizer)
         except (TypeError, ValueError, RuntimeError) as err:
             if isinstance(err, RematError) and isinstance(err, ValueError):
-                # Ours, and about what was asked (a candidate that matches nothing, a setting the
-                # model refuses): bad input, as a malformed flag is.
+                # Ours, about what was asked (a candidate that matches nothing): bad input.
                 raise UsageError(f"{type(err).__name__}: {err}") from err
             where = getattr(err, "where", None) or where_it_failed(err)
             raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}"

@@ -1,8 +1,5 @@
-"""``lightning-remat seq-len``: the longest sequence a factory's step fits in a budget (``find_remat_seq_len``).
-
-The factory returns ``(model, make_step)`` or ``(model, make_step, optimizer)``, ``make_step(seq_len)`` giving
-``step(model) -> loss`` on a batch of that many tokens per sequence; the options are ``plan``'s.
-"""
+"""``lightning-remat seq-len``: the longest sequence a factory's step fits in a budget (``find_remat_seq_len``);
+the factory returns ``(model, make_step[, optimizer])``, ``make_step(seq_len)`` giving ``step(model) -> loss``."""
 
 from __future__ import annotations
 
@@ -14,8 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ...core.errors import BudgetTooSmallError
-from .factory import UsageError, load_factory, normalize
-from .plan_command import EXIT_NO_PLAN, EXIT_OK, _config, one_line_error
+from .factory import UsageError
+from .plan_command import EXIT_NO_PLAN, EXIT_OK, _config, _target, one_line_error
 
 
 def add_seq_len_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +38,7 @@ def run_seq_len(args: argparse.Namespace) -> int:
     config = _config(args)  # a malformed flag fails before anything heavy runs
     if config.budget.is_min:
         raise UsageError('--budget is required for seq-len: a size such as "80GB" or "80%" ("min" has no longest length)')
-    factory, name = load_factory(args.target)
-    try:
-        produced = factory()
-    except Exception as err:  # noqa: BLE001
-        raise UsageError(f"{name}() raised {type(err).__name__}: {err}") from err
-    target = normalize(produced, f"{name}()")
+    target, _ = _target(args, lambda _: None)
     options = {k: v for k, v in asdict(config.profile).items() if k != "warmup"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

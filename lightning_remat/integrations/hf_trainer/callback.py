@@ -1,7 +1,4 @@
-"""``RematTrainerCallback``: the Hugging Face ``Trainer`` keeps each training step under a memory budget. The
-Trainer's own ``Accelerator`` is never given to a callback: it hands the model, with what it knows of the loop
-(``LoopFacts``), to the Accelerate session at ``on_train_begin``. What it reports through the Trainer: figures
-in its logs (so to every ``report_to`` tracker), console lines, plans in the checkpoint."""
+"""``RematTrainerCallback``: the Hugging Face ``Trainer`` through the Accelerate session (docs/accelerate.md)."""
 
 from __future__ import annotations
 
@@ -25,16 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class RematTrainerCallback(TrainerCallback, ExportableState):
-    """Recompute the cheapest set of modules so that every training step of a Hugging Face ``Trainer`` stays
-    within a memory budget. The arguments are ``RematPlugin``'s (from ``ACCELERATE_REMAT_*`` when not given;
-    with no budget it warns and does nothing). ``callback.plan``, ``callback.metrics``: the plan and the
-    ``remat/...`` figures, also sent with the Trainer's logs; the plans go into its checkpoints. What it
-    does, refuses and takes over: docs/accelerate.md, "The Hugging Face Trainer".
+    """Keep every training step of a Hugging Face ``Trainer`` within a memory budget. The arguments are
+    ``RematPlugin``'s; ``plan`` and ``metrics`` (also in the Trainer's logs); the plans go into its checkpoints
+    (docs/accelerate.md, "The Hugging Face Trainer").
 
-    Example:
-        >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
-        >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
-        ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
+    >>> callback = RematTrainerCallback(budget="2GB")   # trainer = Trainer(..., callbacks=[callback])
+    >>> callback.remat_plugin.budget, callback.state()["attributes"]   # a checkpoint keeps the plans: none yet
+    ('2GB', {'remat_plans': {'plan': None, 'plans': []}})
     """
 
     def __init__(self, budget: str | int | None = None, profile_steps: int | None = None, candidates: Any = None,
@@ -61,8 +55,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
             return
         from accelerate.state import AcceleratorState
 
-        # The Trainer's Accelerator is never given: its process state (a singleton), accumulation and optimizer are.
-        # It switches its checkpointing on in train(), before this hook: prepare_remat turns it off, said once.
+        # The Trainer switches its checkpointing on in train(), before this hook: prepare_remat turns it off.
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
             optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(),
             accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console, who=type(self).__name__))
@@ -83,11 +76,10 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         self._log_new_figures(state)
 
     def state(self) -> dict:
-        """What the Trainer's checkpoint keeps of the callback (``ExportableState``): its settings and its plans."""
+        """What the Trainer's checkpoint keeps (``ExportableState``): the settings and the plans."""
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": saved_state(self.session)}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
-        """The first step of a ``train()`` call: place ``LogFigures``; take a resumed checkpoint's plans."""
         self._run_state = state
         LogFigures.place(handler, self._pending)
         plans = checkpoint_plans(state, type(self).__name__, self.session.model)
@@ -95,7 +87,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
             self.session.resume(plans)
 
     def _log_new_figures(self, state: Any) -> bool:
-        """Append the session's new figures to the log history and keep them for the next log; whether any."""
+        """Append the session's new figures to the log history and the next log; whether any."""
         if self.session is None:
             return False
         new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}
@@ -110,8 +102,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
 
 
 class LogFigures(TrainerCallback):
-    """First among the Trainer's callbacks: its ``on_log`` adds ``figures`` (then empties it) to the logs, before
-    the reporting callbacks (which run before the user's) read them.
+    """First among the Trainer's callbacks, so its ``on_log`` adds ``figures`` before the reporters read the logs.
 
     >>> from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
     >>> handler, pending = CallbackHandler([DefaultFlowCallback()], None, None, None, None), {"remat/budget_bytes": 1e6}
@@ -131,15 +122,14 @@ class LogFigures(TrainerCallback):
 
     @staticmethod
     def handler_calling() -> Any:
-        """The ``CallbackHandler`` whose ``call_event`` called the hook calling this (None if not one): the
-        Trainer gives a callback no handle on itself or its handler."""
+        """The ``CallbackHandler`` calling the hook that calls this: the Trainer gives a callback no handle on it."""
         frame = sys._getframe(2)
         handler = frame.f_locals.get("self") if frame is not None else None
         return handler if isinstance(handler, CallbackHandler) else None
 
     @classmethod
     def place(cls, handler: Any, figures: dict[str, float]) -> bool:
-        """Put a ``LogFigures`` of ``figures`` first among ``handler``'s callbacks (once); whether it is there."""
+        """Put a ``LogFigures`` first among ``handler``'s callbacks (once); whether it is there."""
         if handler is None:
             warnings.warn("RematTrainerCallback: not called by the Trainer's CallbackHandler; its remat/* figures "
                           "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=3)
@@ -167,7 +157,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
-    """The arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it), JSON-safe.
+    """JSON-safe arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it).
 
     >>> from torch import nn
     >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
@@ -185,8 +175,7 @@ def saved_state(session: Any) -> dict[str, Any]:
 
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
-    """The plans per shape the Trainer's state keeps for callback ``name``, checked; empty when there are none
-    or they were made for another model (said).
+    """The plans per shape the Trainer's state keeps for callback ``name``; empty if none or another model's.
 
     >>> from types import SimpleNamespace
     >>> state = SimpleNamespace(stateful_callbacks={"RematTrainerCallback": {"args": {}, "attributes": {}}})

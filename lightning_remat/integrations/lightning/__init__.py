@@ -1,5 +1,4 @@
-"""Lightning: the ``AutoRemat`` callback, ``RematBatchSizeFinder``, and a LightningModule's
-``training_step`` as the engine's step closure."""
+"""Lightning: the ``AutoRemat`` callback and ``RematBatchSizeFinder``."""
 
 from .batch_size_finder import RematBatchSizeFinder
 from .callback import AutoRemat

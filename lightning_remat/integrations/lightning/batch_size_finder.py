@@ -46,15 +46,11 @@ def _check_distributed(trainer: "pl.Trainer") -> None:
 
 
 class RematBatchSizeFinder(BatchSizeFinder):
-    """Before fit training starts, find the largest batch size that fits a memory budget with the least
-    recomputation (``find_remat_batch_size``), set it, rebuild the dataloaders and apply its plan. Arguments
-    follow ``BatchSizeFinder`` and ``find_remat_batch_size`` (``docs/batch_size.md``); ``batch_size``, ``plan``
-    and ``result`` (the ``BatchSizeResult``) are set once found.
+    """Before fit, find the largest batch size within a budget and apply its plan (docs/batch_size.md).
 
-    Example:
-        >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
-        True
-        >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
+    >>> RematBatchSizeFinder(budget="2GB", margin=0.05).batch_size is None
+    True
+    >>> trainer = L.Trainer(callbacks=[RematBatchSizeFinder(budget="10GB")])  # doctest: +SKIP
     """
 
     SUPPORTED_MODES = SEARCH_MODES
@@ -110,8 +106,7 @@ class RematBatchSizeFinder(BatchSizeFinder):
             raise MisconfigurationException("RematBatchSizeFinder needs automatic optimization: trial steps run "
                                             "training_step and step the optimizer themselves.")
         if trainer._accelerator_connector.is_distributed:
-            # BatchSizeFinder refuses every distributed strategy; under ModelParallelStrategy the model
-            # is sharded with FSDP2 in configure_model before on_fit_start, where every rank searches.
+            # BatchSizeFinder refuses distributed strategies; under ModelParallelStrategy every rank searches.
             _check_distributed(trainer)
             if not trainer.fit_loop._data_source.is_module():
                 raise MisconfigurationException(
@@ -168,7 +163,6 @@ class RematBatchSizeFinder(BatchSizeFinder):
         self._report(trainer, result)
         return result
 
-    # ------------------------------------------------------------------------------------------
     def _dataset_length(self, trainer: "pl.Trainer") -> Optional[int]:
         try:
             loader = trainer.fit_loop._data_source.dataloader()

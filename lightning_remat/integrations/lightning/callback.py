@@ -32,35 +32,28 @@ from .strategies import config_for, loop_allowance, refuse_deepspeed, refuse_fsd
 class AutoRemat(Callback):
     """Keep every training step under a memory budget by recomputing the cheapest set of modules.
 
-    Before the first training batch runs, its step is profiled on fake tensors (nothing is allocated; the
-    batch then trains exactly as without the callback), the least-cost plan whose predicted peak fits
-    ``budget`` is solved and the chosen modules are wrapped with activation checkpointing. Steps under the
-    plan are measured, a peak above the prediction calibrates the plans, and ``remat/...`` figures go to
-    every logger. Plans follow the batch's shape (``docs/shapes.md``) and are saved in the ``state_dict``.
-    See ``docs/lightning.md`` for every argument, DDP/FSDP2, fallbacks and the figures reported.
+    The first batch's step is profiled on fake tensors, then planned and installed; steps under the plan are
+    measured and calibrate the plans. Plans follow the batch's shape and are saved in the ``state_dict``
+    (``docs/lightning.md``).
 
     Args:
-        budget: peak memory of a whole training step: ``"10GB"``, ``"10 GiB"``, bytes, ``"80%"`` of the
-            device's memory, or ``"min"``. A malformed budget fails when the callback is built.
+        budget: peak memory of a whole training step: ``"10GB"``, bytes, ``"80%"`` of the device, or ``"min"``.
         profile_steps: training steps before the plan's steady peak is measured (default: batch 1).
         candidates: None for the repeated blocks, or class names / ``fnmatch`` patterns over module names.
-        cost: ``"flops"``, ``"time"`` or ``"roofline"``; unset (None), the target's: roofline for a GPU of the
-            hardware table, flops on the CPU (``RematConfig.cost``).
+        cost: ``"flops"``, ``"time"`` or ``"roofline"``; None: the target's (``RematConfig.cost``).
         fake: None/True: profile the first batch on fake tensors only; False: also for real where it fits.
         offload, policies, chunk_loss: as ``plan_remat``'s.
 
-    Example:
-        >>> AutoRemat(budget="2GB").config.budget.resolve()
-        2000000000
-        >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
+    >>> AutoRemat(budget="2GB").config.budget.resolve()
+    2000000000
+    >>> trainer = Trainer(callbacks=[AutoRemat(budget="10GB")])  # doctest: +SKIP
     """
 
     def __init__(self, budget: str | int, profile_steps: int = 1, candidates: list[str] | None = None,
                  cost: str | None = DEFAULT_COST, verbose: bool = True, fake: bool | None = None, offload: bool = False,
                  policies: Sequence[str] | None = (), chunk_loss: bool = False) -> None:
         check_int("profile_steps", profile_steps, 1, MAX_STEPS, " (training steps before the plan's peak is measured)")
-        # The first batch is profiled on fake tensors whatever ``fake`` says (``ShapePlans``); the
-        # config's own ``fake`` would refuse cost="time", priced here from a measured step.
+        # Not the config's ``fake`` (ShapePlans fakes the first batch): it would refuse cost="time".
         self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(
             candidates=candidates, offload=offload, policies=policies, chunk_loss=chunk_loss))
         self.budget = budget
@@ -70,7 +63,6 @@ class AutoRemat(Callback):
         self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
         self._disabled_reason: str | None = None
-        # The run's lifecycle: measured windows, calibration, figures; the host reads the trainer of the fit.
         self.run = RunLifecycle(RunHost(
             None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
             channel=self._channel, optimizers=lambda: list(self._trainer.optimizers),
@@ -84,7 +76,6 @@ class AutoRemat(Callback):
 
     @property
     def shape_plans(self) -> Any:
-        """The fit's ``ShapePlans`` (plans that follow the batch's shape, from its first batch), or None."""
         return self.run.shape_plans
 
     @property
@@ -98,8 +89,6 @@ class AutoRemat(Callback):
         # The key of checkpoints saved before: Lightning reads a callback's state under it when the key is absent.
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
 
-    # ----------------------------------------------------------------------------------- hooks
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
@@ -110,10 +99,9 @@ class AutoRemat(Callback):
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
-        # A budget was asked of us: Hugging Face's own checkpointing goes (said once), a checkpoint_wrapper is refused.
         take_over_checkpointing(pl_module, "AutoRemat", trainer.is_global_zero)
         self.run.shape_plans = None
-        # Fail before any training on a budget or candidate that cannot work with this model.
+        # Fail before training on a budget or candidate that cannot work with this model.
         self.config.budget_bytes(pl_module.device)
         find_stages(pl_module, self.config.profile.candidates)
         # Shapes only: bytes and dtypes may still change here (a precision plugin converts the model later).
@@ -151,8 +139,7 @@ class AutoRemat(Callback):
         if planned:
             self._announce(first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
-            # Lightning's zero_grad runs after forward; drop the previous step's gradients now.
-            # (Under manual optimization training_step decides when gradients go.)
+            # Lightning's zero_grad runs after forward: drop the previous gradients now (manual: training_step's).
             pl_module.zero_grad(set_to_none=True)
         # The first step under the plan, measured: a peak above its prediction calibrates the plans.
         self.run.before_batch(batch_idx, batch_shape(batch), calibrate=planned and first and self.shape_plans is not None)
@@ -201,8 +188,6 @@ class AutoRemat(Callback):
         self.measured_peak_bytes = None
         self.run.measure_in = None
 
-    # ------------------------------------------------------------------------------- internals
-
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
         found = made_for_other(pl_module, [self.plan, *self._saved_plans.values()], bytes_too)
@@ -219,7 +204,6 @@ class AutoRemat(Callback):
         return False
 
     def _step_for(self, batch: Any, batch_idx: int = 0) -> Any:
-        """``training_step`` on ``batch`` as the engine's ``step(module) -> loss``, under either optimization."""
         trainer = self._trainer
         pl_module = trainer.lightning_module
         closure = training_step_closure if pl_module.automatic_optimization else manual_step_closure
@@ -236,7 +220,7 @@ class AutoRemat(Callback):
             self.loop_peaks.check(loop, pl_module, batch, list(trainer.optimizers), budget)
 
     def _sharded_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
-        """FSDP2 (no fake twin): the first batch, and one larger than the plan's, is profiled on every rank in lockstep."""
+        """FSDP2 (no fake twin): the first batch, and one larger than the plan's, profiled on every rank."""
         channel = self._channel()
         if self.plan is not None:
             if "batch_elements" not in self.plan.fingerprint or not channel.any(outgrows(self.plan.fingerprint, batch)):
@@ -249,7 +233,6 @@ class AutoRemat(Callback):
         return True
 
     def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
-        """The plan for this batch's shape (every rank: the largest of the ranks'), made or taken from the checkpoint."""
         if self.shape_plans is None:
             saved = dict(self._saved_plans)
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
@@ -262,14 +245,12 @@ class AutoRemat(Callback):
         return fresh  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, first: bool) -> None:
-        """Log a new plan; measure the first steady window of the first plan and the first window of every later one."""
         shape = self.plan.fingerprint.get("shape")
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
 
     def _channel(self) -> Any:
-        """The ranks of the fit: the strategies AutoRemat plans under (DDP, FSDP2) run over torch.distributed."""
         return torch_distributed_channel(self._trainer.strategy.root_device) if self._trainer.world_size > 1 else Channel()
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
@@ -283,10 +264,8 @@ class AutoRemat(Callback):
 
 
 def other_cost(plans: list, cost: Any) -> str | None:
-    """What differs when a saved plan (not a fallback: nothing priced) was priced in another cost than ``cost``
-    (None if none was).
+    """How a saved plan (not a fallback) was priced in another cost than ``cost``, or None.
 
-    >>> from lightning_remat.core.plan import Plan
     >>> other_cost([Plan(cost_kind="flops", predicted_peak_bytes=1)], "roofline")
     'priced in flops, this run in roofline'
     """

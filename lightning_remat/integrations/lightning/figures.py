@@ -8,9 +8,8 @@ from typing import Any, Iterable
 def image_sink(logger: Any) -> Any:
     """How ``logger`` takes a matplotlib figure: ``sink(tag, figure, step)``, or None if it takes none.
 
-    Example:
-        >>> image_sink(object()) is None
-        True
+    >>> image_sink(object()) is None
+    True
     """
     if callable(getattr(logger, "log_image", None)):  # WandbLogger, NeptuneLogger, CometLogger
         return lambda tag, figure, step: logger.log_image(key=tag, images=[figure], step=step)
@@ -24,7 +23,7 @@ def image_sink(logger: Any) -> Any:
 
 
 def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> list[str]:
-    """Draw ``make_figures()`` ({tag: figure}) once if some logger takes images and matplotlib is there; the tags logged."""
+    """Draw ``make_figures()`` ({tag: figure}) once if some logger takes images; the tags logged."""
     sinks = [sink for sink in (image_sink(logger) for logger in loggers) if sink is not None]
     if not sinks:
         return []
@@ -43,7 +42,7 @@ def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> li
 
 
 def plan_figures(shape_plans: Any, plan: Any, measured_peak_bytes: int | None) -> dict[str, Any]:
-    """``{"remat/pareto": figure}`` of ``plan`` on the profile it was solved on; empty without one (fallback, checkpoint)."""
+    """``{"remat/pareto": figure}`` of ``plan`` on its profile; empty without one."""
     from ...report.plots import plan_pareto_figure
 
     profile = shape_plans.profile_of(plan) if shape_plans is not None and plan is not None else None

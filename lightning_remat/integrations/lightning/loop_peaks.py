@@ -1,10 +1,8 @@
-"""The loops AutoRemat does not plan (validation, test), predicted before each of their batches runs: a line in
-the batch size through two forwards without gradients on slices of the batch (``docs/lightning.md``).
+"""Validation and test batches' peaks predicted before they run, from two forwards without gradients on slices.
 
-Example:
-    >>> batch = (torch.zeros(8, 16), torch.zeros(8))
-    >>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]
-    (8, [2, 2])
+>>> batch = (torch.zeros(8, 16), torch.zeros(8))
+>>> batch_size_of(batch), [t.shape[0] for t in slice_batch(batch, 8, 2)]
+(8, [2, 2])
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from ...runtime.measuring.user_hooks import user_hooks_suspended
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """The batch size Lightning finds in ``batch`` (the first dimension of its first tensor), or None."""
+    """The batch size Lightning finds in ``batch``, or None."""
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:
@@ -41,7 +39,7 @@ def slice_batch(batch: Any, size: int, samples: int) -> Any:
 
 
 def sample_shape(batch: Any, size: int) -> tuple:
-    """A batch's shape past the batch dimension (whole, for a tensor without it) and dtype of each tensor."""
+    """Each tensor's shape past the batch dimension, and dtype."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
     found: list = []
@@ -60,7 +58,7 @@ def alive_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> in
 
 def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
                           optimizers: list[torch.optim.Optimizer]) -> int:
-    """The peak of ``step(model)`` without gradients above what was alive before it (random states, gradients put back)."""
+    """The peak of ``step(model)`` without gradients above what was alive before it."""
     before = alive_bytes(model, optimizers)
     random_state = RandomState.capture(model_device(model))
     grads = {p: p.grad for p in model.parameters()}
@@ -77,8 +75,7 @@ def forward_working_bytes(model: nn.Module, step: Callable[[nn.Module], Any],
 
 
 class LoopPeaks:
-    """Predict each evaluation batch's peak before it runs (``step_for(batch)``: ``training_step`` on it, run
-    without gradients on its slices); warn once per loop and shape when one is over the budget."""
+    """Predict each evaluation batch's peak; warn once per loop and shape when one is over the budget."""
 
     def __init__(self, step_for: Callable[[Any], Callable[[nn.Module], Any]], warn: Callable[[str], None]):
         self.step_for = step_for
@@ -103,8 +100,7 @@ class LoopPeaks:
         peak = fit.peak_at(size, alive)
         self.predicted[(*key, size)] = peak
         largest = fit.largest_batch(budget_bytes, alive) if peak > budget_bytes else None
-        # Once per batch shape, and again if more memory is alive than when it was named (the
-        # sanity check runs before the optimizer state exists).
+        # Again if more is alive than when it was named (the sanity check runs before the optimizer state exists).
         if largest is not None and largest < self._warned.get((*key, size), largest + 1):
             self._warned[(*key, size)] = largest
             self.warn(f"AutoRemat: a {loop} batch of {size} is predicted to peak at {format_bytes(peak)}, over the budget "

@@ -1,5 +1,4 @@
-"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles (the callbacks'
-and the command line's one place); ``manual_step_closure`` for a step that runs backward itself."""
+"""A LightningModule's ``training_step`` as the ``step(model) -> loss`` closure the engine profiles."""
 
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from ...core.errors import SkippedStepError
 def loss_of(output: Any) -> torch.Tensor:
     """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``.
 
-    Example:
-        >>> loss_of(None)
-        Traceback (most recent call last):
-        ...
-        lightning_remat.core.errors.SkippedStepError: training_step returned None (it skips this batch): lightning-remat profiles the first batch whose training_step returns a loss
+    >>> loss_of(None)
+    Traceback (most recent call last):
+    ...
+    lightning_remat.core.errors.SkippedStepError: training_step returned None (it skips this batch): lightning-remat profiles the first batch whose training_step returns a loss
     """
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
@@ -40,8 +38,7 @@ def _muted(module: nn.Module) -> list[tuple[Any, str, Any]]:
 
 
 def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: Any) -> tuple[Callable, Any]:
-    """``call(module)`` running ``training_step`` on the batch as Lightning calls it, and the trainer's precision
-    context (autocast) it runs in."""
+    """``call(module)`` running ``training_step`` as Lightning calls it, and the trainer's precision context."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
@@ -52,20 +49,18 @@ def _training_step(pl_module: nn.Module, batch: Any, batch_idx: int, trainer: An
 
 def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                           trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` running ``module.training_step(batch, batch_idx)`` (``module``: the LightningModule or its
-    fake twin; with a ``trainer``, in its precision plugin's context) and returning its loss.
+    """``step(module)`` returning ``module.training_step(batch, batch_idx)``'s loss (``module``: or its twin).
 
-    Example:
-        >>> import lightning.pytorch as L
-        >>> class Lit(L.LightningModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.net = torch.nn.Linear(4, 1)
-        ...     def training_step(self, batch, batch_idx):
-        ...         self.log("loss", 1.0)           # muted while profiling
-        ...         return {"loss": self.net(batch).sum()}
-        >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
-        torch.Size([])
+    >>> import lightning.pytorch as L
+    >>> class Lit(L.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = torch.nn.Linear(4, 1)
+    ...     def training_step(self, batch, batch_idx):
+    ...         self.log("loss", 1.0)           # muted while profiling
+    ...         return {"loss": self.net(batch).sum()}
+    >>> training_step_closure(Lit(), torch.ones(2, 4))(Lit()).shape
+    torch.Size([])
     """
     call, context = _training_step(pl_module, batch, batch_idx, trainer)
 
@@ -78,7 +73,7 @@ def training_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
 
 
 def _own_steps(module: nn.Module) -> list[tuple[Any, str, Any]]:
-    """A compiled module's instance-dict ``forward``/``training_step`` as its class's (a fake twin would run the real one)."""
+    """A compiled module's instance-dict ``forward``/``training_step`` as its class's (else a twin runs the real one)."""
     if not getattr(module, "_compiler_ctx", None):
         return []
     return [(module, name, getattr(type(module), name).__get__(module))
@@ -92,7 +87,6 @@ def _no_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any
 
 @contextlib.contextmanager
 def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set ``obj.name = value`` on each object's instance dict, and put back what was there."""
     saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in replacements]
     for obj, name, value in replacements:
         obj.__dict__[name] = value
@@ -143,9 +137,8 @@ class _BackwardDone(torch.autograd.Function):
 
 def manual_step_closure(pl_module: nn.Module, batch: Any, batch_idx: int = 0,
                         trainer: Any = None) -> Callable[[nn.Module], torch.Tensor]:
-    """``step(module)`` under manual optimization: ``self.manual_backward(loss)`` runs backward where it is called,
-    the optimizers' and schedulers' ``step()`` do nothing (a closure given still runs), and the loss returned has a
-    backward that does nothing more (the profile counts every optimizer's state and step itself)."""
+    """``step(module)`` under manual optimization: ``manual_backward`` runs where called, optimizer and scheduler
+    steps do nothing (the profile counts them itself), and the loss returned has an empty backward."""
     call, context = _training_step(pl_module, batch, batch_idx, trainer)
 
     def step(module: nn.Module) -> torch.Tensor:

@@ -1,6 +1,4 @@
-"""The Lightning ``Trainer`` as ``AutoRemat`` sees it: the strategies it plans under, refuses (FSDP1, DeepSpeed:
-they hold state where the profile cannot see it) or leaves alone (``unsupported``), and what the Trainer adds to
-a step's memory (loop scalars, accumulation, DDP's buckets)."""
+"""The strategies ``AutoRemat`` plans under, refuses or leaves alone, and what the Trainer adds to a step."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
 
 def refuse_fsdp1(trainer: Trainer) -> None:
-    """Lightning's FSDPStrategy (FSDP1): flat parameters the profile cannot see; an error naming the ways that work."""
+    """Refuse FSDP1: its flat parameters cannot be profiled."""
     from lightning.pytorch.strategies import FSDPStrategy
 
     from ...core.errors import UnsupportedShardingError
@@ -31,7 +29,7 @@ def refuse_fsdp1(trainer: Trainer) -> None:
 
 
 def refuse_deepspeed(trainer: Trainer) -> None:
-    """DeepSpeed keeps its state in its own engine, which the profile cannot see: an error naming the ways that work."""
+    """Refuse DeepSpeed: its engine holds state the profile cannot see."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from ...core.errors import UnsupportedSetupError

@@ -1,10 +1,4 @@
-"""Apply a plan: recompute the chosen modules' forward during backward, and undo it exactly.
-
-Each touched module's ``forward`` becomes an instance attribute running its behaviours
-(``installer.py``); no wrapper module is inserted, so parameter names and ``state_dict`` keys stay
-and a checkpoint saved with recomputation loads without it. What recomputation replays (dropout
-masks, hooks, Python code in a forward) is in ``docs/limitations.md``.
-"""
+"""Apply a plan and undo it exactly: each ``forward`` an instance attribute, no wrapper, the same state_dict keys."""
 
 from __future__ import annotations
 
@@ -24,15 +18,13 @@ from .fingerprint import check_binding
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
-    """Describe activation checkpointing in ``model`` that is not ours (Hugging Face's, torch's ``checkpoint_wrapper``).
+    """Activation checkpointing in ``model`` that is not ours (Hugging Face's, torch's ``checkpoint_wrapper``).
 
-    Example:
-        >>> existing_checkpointing(nn.Linear(2, 2))
-        []
+    >>> existing_checkpointing(nn.Linear(2, 2))
+    []
     """
     found = []
-    # transformers 5 renamed the flag (the old name warns); read whichever the class has.
-    # Wrappers such as PEFT's forward attributes to the model they wrap, so ask the instance.
+    # transformers 5 renamed the flag (the old name warns); PEFT's wrappers forward it, so ask the instance.
     import warnings
 
     with warnings.catch_warnings():
@@ -62,10 +54,9 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` that lightning-remat currently recomputes alone.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> checkpointed_modules(apply_plan(net, ["0"]))
-        ['0']
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> checkpointed_modules(apply_plan(net, ["0"]))
+    ['0']
     """
     return list(installer.recomputed(model))
 
@@ -73,10 +64,9 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
 def segmented_modules(model: nn.Module) -> list[list[str]]:
     """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
-        >>> segmented_modules(apply_plan(net, [], segments=[["0", "1"]]))
-        [['0', '1']]
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
+    >>> segmented_modules(apply_plan(net, [], segments=[["0", "1"]]))
+    [['0', '1']]
     """
     with uncompiled(model) as model:
         return installer.installed_segments(model)
@@ -85,20 +75,18 @@ def segmented_modules(model: nn.Module) -> list[list[str]]:
 def checkpoint_policies(model: nn.Module) -> dict[str, str]:
     """The selective-checkpointing policy of each recomputed module that has one.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> checkpoint_policies(apply_plan(net, ["0"], policies={"0": "save_matmuls"}))
-        {'0': 'save_matmuls'}
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> checkpoint_policies(apply_plan(net, ["0"], policies={"0": "save_matmuls"}))
+    {'0': 'save_matmuls'}
     """
     return {name: policy for name, policy in installer.recomputed(model).items() if policy}
 
 
 def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = None, offloaded: Any = None) -> Plan:
-    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with ``segments``, ``policies`` and ``offloaded`` where given.
+    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with the lists given.
 
-    Example:
-        >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
-        {'h.0': 'save_matmuls'}
+    >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
+    {'h.0': 'save_matmuls'}
     """
     if isinstance(plan, Plan) and segments is None and policies is None and offloaded is None:
         return plan
@@ -122,12 +110,11 @@ def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = N
 
 
 def recomputation_of(plan: Plan) -> Plan:
-    """``plan``'s recomputation alone: its recomputed modules (with their policies) and segments.
+    """``plan``'s recomputed modules (with their policies) and segments alone.
 
-    Example:
-        >>> alone = recomputation_of(Plan([StageAction.recompute("0", offload_input=True), StageAction.offload("1")]))
-        >>> alone.checkpointed, alone.offloaded_inputs, alone.offloaded
-        (['0'], [], [])
+    >>> alone = recomputation_of(Plan([StageAction.recompute("0", offload_input=True), StageAction.offload("1")]))
+    >>> alone.checkpointed, alone.offloaded_inputs, alone.offloaded
+    (['0'], [], [])
     """
     return Plan([replace(a, offload_input=False) for a in plan.actions if a.action in (Action.RECOMPUTE, Action.SEGMENT)])
 
@@ -136,19 +123,16 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
                policies: dict[str, str] | None = None, offloaded: Any = None) -> nn.Module:
     """Put, in place, the plan's actions on the modules it names; returns ``model``.
 
-    ``plan``: a ``Plan`` or module names; ``segments``, ``policies`` and ``offloaded`` replace the
-    plan's own. A previous plan of ours is replaced; an error leaves the model as it was. Names are
-    those of the uncompiled model, so a plan applies to its ``torch.compile`` twin too. Raises
-    ``AlreadyCheckpointedError`` (the model checkpoints already), ``PlanMismatchError`` (other
-    shapes, or a missing module) and ``InvalidPlanError`` (a name inside another named module).
+    ``plan``: a ``Plan`` or module names; the lists given replace the plan's own. A previous plan is replaced;
+    an error leaves the model as it was; names are the uncompiled model's. Raises ``AlreadyCheckpointedError``,
+    ``PlanMismatchError`` (other shapes, a missing module) and ``InvalidPlanError``.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
-        >>> _ = apply_plan(net, ["0"])
-        >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
-        >>> _ = remove_remat(net)
-        >>> "forward" in net[0].__dict__
-        False
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> _ = apply_plan(net, ["0"])
+    >>> net(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    >>> _ = remove_remat(net)
+    >>> "forward" in net[0].__dict__
+    False
     """
     plan = as_plan(plan, segments, policies, offloaded)
     # A plan solved for other shapes would break its budget silently: refused before anything changes.
@@ -164,10 +148,9 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
 def remove_remat(model: nn.Module) -> nn.Module:
     """Undo ``apply_plan``: every module gets back exactly the forward it had. Returns ``model``.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> remove_remat(apply_plan(net, ["0"])) is net and checkpointed_modules(net) == []
-        True
+    >>> net = nn.Sequential(nn.Linear(2, 2))
+    >>> remove_remat(apply_plan(net, ["0"])) is net and checkpointed_modules(net) == []
+    True
     """
     return installer.uninstall(model)
 

@@ -1,8 +1,7 @@
 """The built-in behaviours, registered in the order they compose (outermost first).
 
-Example:
-    >>> [b.name for b in BEHAVIOURS][:9]
-    ['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment', 'residual_parts', 'tile']
+>>> [b.name for b in BEHAVIOURS][:9]
+['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment', 'residual_parts', 'tile']
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""A causal LM's head and its loss over sequence chunks, each chunk recomputed in backward.
-
-At long context the logits and the loss's fp32 copies bind the peak; here one chunk's logits exist at a
-time, with the loss and gradients of Hugging Face's ``ForCausalLMLoss`` (docs/long_context.md)."""
+"""A causal LM's head and ``ForCausalLMLoss`` over sequence chunks, each recomputed in backward."""
 
 from __future__ import annotations
 
@@ -36,10 +33,7 @@ class HeadLoss:
 
 
 def find_head_loss(model: nn.Module) -> HeadLoss | None:
-    """The causal LM head and loss of ``model``, or None.
-
-    The outermost Hugging Face ``*ForCausalLM``/``*LMHeadModel`` with a linear ``lm_head`` and a loss
-    chunked exactly, else a head whose loss ``head_loss`` computed (``root`` None)."""
+    """The outermost causal LM with a linear ``lm_head`` and an exactly chunked loss, else a ``head_loss`` head."""
     for name, module in model.named_modules():
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
@@ -51,16 +45,13 @@ def find_head_loss(model: nn.Module) -> HeadLoss | None:
 
 @dataclass(frozen=True)
 class CausalLMLoss:
-    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, which a chunked loss computes exactly.
+    """Hugging Face's ``ForCausalLMLoss`` with label smoothing, for ``model.loss_function`` (chunked exactly).
 
-    Use ``model.loss_function = CausalLMLoss(label_smoothing=0.1)``: a loss of the user's own is not chunked.
-
-    Example:
-        >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
-        >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-        >>> plain = F.cross_entropy(logits.reshape(-1, 16), shifted, label_smoothing=0.1)
-        >>> torch.allclose(CausalLMLoss(0.1)(logits, labels, 16), plain)
-        True
+    >>> logits, labels = torch.randn(2, 6, 16), torch.randint(0, 16, (2, 6))
+    >>> shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    >>> plain = F.cross_entropy(logits.reshape(-1, 16), shifted, label_smoothing=0.1)
+    >>> torch.allclose(CausalLMLoss(0.1)(logits, labels, 16), plain)
+    True
     """
 
     label_smoothing: float = 0.0
@@ -76,7 +67,7 @@ class CausalLMLoss:
 
 
 def label_smoothing(model: nn.Module) -> float | None:
-    """The label smoothing of ``model``'s ``loss_function`` where a chunked loss computes it exactly; None otherwise."""
+    """The label smoothing of ``model``'s ``loss_function`` where a chunked loss computes it exactly, else None."""
     try:
         loss = model.loss_function
     except AttributeError:
@@ -89,8 +80,7 @@ def label_smoothing(model: nn.Module) -> float | None:
 
 
 def refused(model: nn.Module) -> str | None:
-    """Why ``chunk_loss`` leaves the head of ``model`` whole (a ``loss_function`` of the user's own, logits scaled
-    after the head, a masked LM's head, no causal LM head at all), or None."""
+    """Why ``chunk_loss`` leaves the head of ``model`` whole, or None."""
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(getattr(module, "lm_head", None), nn.Linear):
@@ -130,10 +120,9 @@ def _scaled(model: nn.Module) -> str | None:
 def capped(project: Callable[[torch.Tensor], torch.Tensor], cap: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``project`` followed by the model's logit soft-capping (``cap * tanh(logits / cap)``, Gemma-2's order of ops).
 
-    Example:
-        >>> logits = torch.randn(4, 8) * 100
-        >>> torch.equal(capped(lambda x: x, 30.0)(logits), torch.tanh(logits / 30.0) * 30.0)
-        True
+    >>> logits = torch.randn(4, 8) * 100
+    >>> torch.equal(capped(lambda x: x, 30.0)(logits), torch.tanh(logits / 30.0) * 30.0)
+    True
     """
     if not cap:
         return project
@@ -161,9 +150,7 @@ def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
 def chunked_cross_entropy(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                           shift_labels: torch.Tensor, chunks: int, ignore_index: int = IGNORE_INDEX,
                           num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
-    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks of ``hidden``'s second-last dimension.
-
-    Each chunk is recomputed in backward; ``shift_labels`` are already shifted (``t`` predicts ``t + 1``)."""
+    """``ForCausalLMLoss`` of ``project(hidden)`` over ``chunks`` sequence chunks, each recomputed in backward."""
     size = -(-hidden.shape[-2] // chunks)
     total = None
     for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)):
@@ -191,14 +178,13 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
               label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy(head(hidden), labels)`` for a model that is not a Hugging Face causal LM.
 
-    Call it in the model's forward: ``chunk_loss=True`` then plans this head and loss as a stage
-    (docs/long_context.md). ``shift``: position ``t`` predicts the label at ``t + 1``.
+    Called in the model's forward, ``chunk_loss=True`` plans this head and loss as a stage. ``shift``: position
+    ``t`` predicts the label at ``t + 1``.
 
-    Example:
-        >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
-        >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
-        >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
-        True
+    >>> head, hidden, labels = nn.Linear(8, 16), torch.randn(2, 6, 8), torch.randint(0, 16, (2, 6))
+    >>> plain = F.cross_entropy(head(hidden).reshape(-1, 16), labels.reshape(-1))
+    >>> torch.allclose(head_loss(head, hidden, labels, shift=False), plain)
+    True
     """
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
@@ -232,9 +218,8 @@ _HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute hol
 
 
 def _hand_to(head: nn.Module, pending: _Pending) -> Any:
-    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` with the token undoes it.
-
-    A context variable (per thread), or under torch.compile an attribute (dynamo breaks at ContextVar)."""
+    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` undoes it. A context variable (per thread),
+    or under torch.compile an attribute (dynamo breaks at ContextVar)."""
     previous = getattr(head, _HANDED, None)
     setattr(head, _HANDED, pending)
     if torch.compiler.is_compiling():
@@ -259,7 +244,6 @@ def _handed(head: nn.Module) -> _Pending | None:
 
 
 def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-    """The ``labels`` of a call, and the call's arguments with ``labels=None``."""
     if "labels" in kwargs:
         return kwargs["labels"], args, {**kwargs, "labels": None}
     names = list(inspect.signature(original).parameters)
@@ -270,10 +254,7 @@ def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tup
 
 
 def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The causal LM's forward with its labels handed to its chunked head: the output has the loss, ``logits=None``.
-
-    ``UnsupportedSetupError`` where the model changes the logits after its head or never calls it.
-    """
+    """The causal LM's forward with its labels handed to its chunked head: the output has the loss, ``logits=None``."""
     labels, args, kwargs = _take_labels(original, args, kwargs)
     if labels is None:
         return original(*args, **kwargs)
@@ -318,8 +299,7 @@ def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: d
 
 def head_call(original: Callable[..., Any], head: nn.Module, hidden: torch.Tensor,
               loss: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], torch.Tensor]) -> Any:
-    """The head's forward: ``loss(project, hidden, shift_labels, pending)`` where ``routed_call`` handed it labels,
-    else the projection (the chunked and the fused kinds differ only in ``loss``)."""
+    """The head's forward: ``loss(project, hidden, shift_labels, pending)`` where handed labels, else the projection."""
     pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
@@ -334,9 +314,7 @@ def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int
 
 
 class ChunkedLoss(Behaviour):
-    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels.
-
-    ``fused_loss.FusedLoss`` is the same with another action and head call."""
+    """A ``CHUNK`` action: the head returns its loss over sequence chunks; its causal LM hands it the labels."""
 
     name = "chunked_loss"
     action = Action.CHUNK
@@ -364,8 +342,3 @@ class ChunkedLoss(Behaviour):
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
         return {"action": self.action, "chunks": setting}
-
-
-def head_flops(head: nn.Linear, tokens: int) -> int:
-    """FLOPs of the head's projection over ``tokens`` tokens: what a chunked loss recomputes."""
-    return 2 * tokens * head.in_features * head.out_features

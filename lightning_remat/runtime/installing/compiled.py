@@ -1,7 +1,5 @@
-"""Models compiled with ``torch.compile``: plan and wrap their original modules.
-
-Hooks do not fire inside a compiled module, so ``uncompiled`` puts every wrapper's original module in its
-place while a model is profiled or a plan applied; outer DDP and Fabric wrappers are looked through."""
+"""Hooks do not fire inside a ``torch.compile`` module, so ``uncompiled`` puts every wrapper's original module in
+its place while a model is profiled or a plan applied; DDP and Fabric wrappers are looked through."""
 
 from __future__ import annotations
 

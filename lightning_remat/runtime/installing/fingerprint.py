@@ -1,7 +1,5 @@
-"""What a plan was made for: the model's parameters, the shapes of the modules it names, the batch's size.
-
-A plan *bound* to its model (``bound``) records each named module's parameter shapes and the parameter
-count, so ``apply_plan`` refuses it on wider blocks or more stages. Dtypes are recorded, not compared."""
+"""What a plan was made for (``bound``): its modules' parameter shapes, the parameter count, the batch's size,
+so ``apply_plan`` refuses it on wider blocks or more stages. Dtypes are recorded, not compared."""
 
 from __future__ import annotations
 
@@ -50,7 +48,6 @@ def same_model(saved: dict[str, Any], model: nn.Module) -> bool:
 
 
 def _parameters(module: nn.Module) -> dict[str, list]:
-    """Each parameter of ``module`` (names relative to it): [shape, dtype], as JSON holds them."""
     return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in module.named_parameters()}
 
 
@@ -100,11 +97,10 @@ def _module_mismatch(name: str, module: nn.Module | None, recorded: dict[str, li
 def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
     """What differs between ``model`` and the model a plan's fingerprint ``saved`` records, or None.
 
-    Example:
-        >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
-        >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
-        >>> mismatch(chain(3), saved)
-        "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
+    >>> chain = lambda n: torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(n)])
+    >>> saved = bound(Plan([StageAction.recompute("0"), StageAction.recompute("1")]), chain(2)).fingerprint
+    >>> mismatch(chain(3), saved)
+    "this model has 18 parameters; the plan was made for a model of 12 (module(s) ['2'] are stages the plan does not know)"
     """
     recorded = saved.get("module_parameters", {})
     with uncompiled(model) as plain:

@@ -1,10 +1,6 @@
-"""A causal LM's head and its loss fused over sequence chunks: each chunk's gradients computed in the forward.
-
-Liger-Kernel's fused linear cross-entropy, in autograd: per chunk the logits, the loss and at once its gradient
-with respect to the hidden chunk (and the head's weight and bias where they train, summed over chunks), then
-the chunk's logits are freed. Nothing is recomputed; the backward scales the kept gradients by the upstream
-gradient, so accumulation, loss scaling and ``num_items_in_batch`` act as on the model's own loss
-(docs/long_context.md)."""
+"""A causal LM's head and loss fused over sequence chunks (Liger-Kernel's fused linear cross-entropy, in
+autograd): each chunk's gradients are computed in forward and its logits freed; backward only scales them by
+the upstream gradient, so accumulation and loss scaling act as on the model's own loss (docs/long_context.md)."""
 
 from __future__ import annotations
 
@@ -69,20 +65,17 @@ def _chunk_grads(project: Project, hidden: torch.Tensor, params: Sequence[torch.
 def fused_cross_entropy(project: Project, hidden: torch.Tensor, shift_labels: torch.Tensor, chunks: int,
                         params: Sequence[torch.Tensor], ignore_index: int = IGNORE_INDEX,
                         num_items_in_batch: Any = None, smoothing: float = 0.0) -> torch.Tensor:
-    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks, its gradients computed in the forward.
+    """``ForCausalLMLoss(project(hidden), ...)`` over ``chunks`` chunks, its gradients computed in the forward
+    (``params``: the head's weight and bias; those that require grad get theirs).
 
-    ``params``: the tensors ``project`` uses (the head's weight and bias); those that require grad get theirs.
-    Without gradients (evaluation, or nothing requires grad) the chunks are computed and nothing is kept.
-
-    Example:
-        >>> head, hidden = nn.Linear(8, 32), torch.randn(2, 6, 8, requires_grad=True)
-        >>> labels = torch.randint(0, 32, (2, 6))
-        >>> loss = fused_cross_entropy(head, hidden, labels, 3, list(head.parameters()))
-        >>> plain = torch.nn.functional.cross_entropy(head(hidden).reshape(-1, 32), labels.reshape(-1))
-        >>> loss.backward(); torch.allclose(loss, plain)
-        True
-        >>> torch.allclose(hidden.grad, torch.autograd.grad(plain, hidden)[0])
-        True
+    >>> head, hidden = nn.Linear(8, 32), torch.randn(2, 6, 8, requires_grad=True)
+    >>> labels = torch.randint(0, 32, (2, 6))
+    >>> loss = fused_cross_entropy(head, hidden, labels, 3, list(head.parameters()))
+    >>> plain = torch.nn.functional.cross_entropy(head(hidden).reshape(-1, 32), labels.reshape(-1))
+    >>> loss.backward(); torch.allclose(loss, plain)
+    True
+    >>> torch.allclose(hidden.grad, torch.autograd.grad(plain, hidden)[0])
+    True
     """
     params = list(params)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (hidden, *params)):
@@ -105,10 +98,9 @@ def fused_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, 
 class FusedLoss(ChunkedLoss):
     """A ``FUSE`` action: the head returns its loss fused over sequence chunks; its causal LM hands it the labels.
 
-    Example:
-        >>> from lightning_remat.core.actions import StageAction
-        >>> FusedLoss().settings(StageAction.fuse("lm_head", 8)), FusedLoss().settings(StageAction.chunk("lm_head", 8))
-        ({'lm_head': 8}, {})
+    >>> from lightning_remat.core.actions import StageAction
+    >>> FusedLoss().settings(StageAction.fuse("lm_head", 8)), FusedLoss().settings(StageAction.chunk("lm_head", 8))
+    ({'lm_head': 8}, {})
     """
 
     name = "fused_loss"

@@ -1,7 +1,4 @@
-"""A recomputed module's checkpoint input in host memory.
-
-The checkpoint keeps a host copy of each tensor positional argument (keyword masks stay) and the
-recompute copies it back, synchronously; with ``measure=True`` or fake tensors only metadata goes."""
+"""A recomputed module's positional tensor inputs kept in host memory and copied back for the recompute."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[.
     positions = [i for i, a in enumerate(args) if _offloadable(a)]
     like = {i: (args[i].device, args[i].requires_grad) for i in positions}
     hosted = tuple(offload.to_host(name, a) if i in like else a for i, a in enumerate(args))
-    # The forward's own call gets the arguments as they came, once; the list is emptied then, so
-    # nothing but the caller holds them afterwards.
+    # The forward's own call gets the arguments once; the list is emptied then: only the caller holds them.
     first = [args]
 
     def forward(*held: Any, **kw: Any) -> Any:

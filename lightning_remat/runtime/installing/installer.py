@@ -1,6 +1,4 @@
-"""The one installer: puts a plan's actions on a model and takes them off exactly.
-
-It loops over the registered behaviours (``behaviours.py``); the installed ``Plan`` is the snapshot."""
+"""The one installer: puts a plan's actions on a model over the registered behaviours, and takes them off."""
 
 from __future__ import annotations
 
@@ -22,9 +20,7 @@ __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "r
 
 
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
-    """Put ``plan``'s actions on ``model`` in place (a previous plan of ours is replaced); returns ``model``.
-
-    All or nothing: a failure puts the previous plan back. ``order``: every stage in execution order."""
+    """Put ``plan``'s actions on ``model`` in place (``order``: stages in execution order); a failure puts back."""
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         check_names(model, modules, list(dict.fromkeys(

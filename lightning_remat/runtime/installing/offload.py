@@ -1,6 +1,4 @@
-"""Offload activations: what a module's forward saves for backward goes to host memory, and comes back.
-
-Values are copied bit for bit, so gradients, dropout masks and BatchNorm statistics are the plain model's."""
+"""What a module's forward saves for backward goes to host memory and comes back bit for bit."""
 
 from __future__ import annotations
 
@@ -69,15 +67,12 @@ def model_offloader(model: nn.Module) -> Offloader | None:
 
 def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] | None = None,
                   measure: bool = False, limits: dict[str, int] | None = None) -> nn.Module:
-    """Offload, in place, what the named modules save for backward; returns ``model``. See docs/offload.md.
+    """Offload, in place, what the named modules save for backward (docs/offload.md). ``order``: every stage in
+    execution order (a stage's tensors leave once the next one ran); ``limits``: bytes per module and call.
 
-    ``order`` (every stage in execution order): a stage's tensors leave once the next stage's forward
-    ran and are prefetched in backward. ``limits``: per module, the bytes offloaded at most per call.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> offloaded_modules(apply_offload(net, ["0"]))
-        ['0']
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> offloaded_modules(apply_offload(net, ["0"]))
+    ['0']
     """
     names, limits = list(names), dict(limits or {})
     modules = dict(model.named_modules())

@@ -1,8 +1,6 @@
-"""The saved-tensor machinery of offloading: ``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``.
-
-When a stage's forward ends, each storage its saved tensors use goes to the host once (pinned, on a side
-stream on CUDA), held on the device until the next stage ran so the copy overlaps compute; backward
-prefetches one stage ahead. ``measure=True`` (fake profiles) keeps only a meta tensor on the "host"."""
+"""``Offloader``, a pack/unpack pair for ``saved_tensors_hooks``: when a stage's forward ends, each saved storage
+goes to the host once (pinned, on a side stream), held on the device until the next stage ran so the copy
+overlaps compute; backward prefetches one stage ahead. ``measure=True`` keeps only meta tensors."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 def is_fake(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a fake tensor, or a DTensor (FSDP2's sharded parameter) whose local shard is one.
 
-    Example:
-        >>> is_fake(torch.ones(1))
-        False
+    >>> is_fake(torch.ones(1))
+    False
     """
     return isinstance(getattr(tensor, "_local_tensor", tensor), FakeTensor)
 
@@ -77,8 +74,6 @@ class Offloader:
 
     def reset(self) -> None:
         self.host_bytes, self.prefetched = {}, {}
-
-    # -- the copies --------------------------------------------------------------------------
 
     def _side_stream(self, device: torch.device) -> Any:
         if device.type != "cuda":
@@ -142,8 +137,6 @@ class Offloader:
                 handle.back = self._to_device(handle, stream)
                 handle.back_event = torch.cuda.Event()
                 handle.back_event.record(stream)
-
-    # -- the hooks ---------------------------------------------------------------------------
 
     def begin(self, name: str, module: nn.Module, inputs: Any = ()) -> _Group:
         """A new forward call of ``name``: a new group of saved tensors."""
@@ -259,9 +252,8 @@ def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -
 
 def offloaded_call(offloader: Offloader, name: str, module: nn.Module, release_hook: bool, run: Callable[..., Any],
                    /, *args: Any, **kwargs: Any) -> Any:
-    """``run(*args, **kwargs)`` with what it saves for backward sent to the host as module ``name``.
-
-    ``release_hook``: the next stage's forward releases this call's device tensors."""
+    """``run(*args, **kwargs)`` with what it saves for backward sent to the host as module ``name``
+    (``release_hook``: the next stage's forward releases this call's device tensors)."""
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
     group = offloader.begin(name, module, (args, kwargs))

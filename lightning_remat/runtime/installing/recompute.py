@@ -1,7 +1,4 @@
-"""Recompute: a module's forward runs under a non-reentrant ``checkpoint`` (RNG state preserved).
-
-BatchNorm running statistics are put back after a recompute; the record's other behaviours give the
-checkpoint's options (``Behaviour.checkpoint_options``). Under ``no_grad`` the forward runs plain."""
+"""A module's forward under a non-reentrant checkpoint (RNG state kept, BatchNorm statistics put back)."""
 
 from __future__ import annotations
 
@@ -20,7 +17,6 @@ from .records import BEHAVIOURS, RECORD, Behaviour
 
 
 def _norms(module: nn.Module) -> list[nn.Module]:
-    """The norms in ``module`` that update running statistics in this forward."""
     return [m for m in module.modules()
             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
 
@@ -53,24 +49,22 @@ def recomputing() -> bool:
 
     Guard Python side effects of a module's forward with it (a counter, activations collected in a list).
 
-    Example:
-        >>> calls = []
-        >>> class Counted(nn.Linear):
-        ...     def forward(self, x):
-        ...         if not recomputing():
-        ...             calls.append(1)
-        ...         return super().forward(x)
-        >>> from lightning_remat import apply_plan
-        >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
-        >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
-        >>> len(calls)  # the recompute in backward did not count
-        1
+    >>> calls = []
+    >>> class Counted(nn.Linear):
+    ...     def forward(self, x):
+    ...         if not recomputing():
+    ...             calls.append(1)
+    ...         return super().forward(x)
+    >>> from lightning_remat import apply_plan
+    >>> net = apply_plan(nn.Sequential(Counted(2, 2)), ["0"])
+    >>> net(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    >>> len(calls)  # the recompute in backward did not count
+    1
     """
     return torch._C._current_graph_task_id() != -1
 
 
 def _run(module: nn.Module, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """The checkpointed function: ``call`` (the original forward), running statistics restored on recompute."""
     # A compiled backward does not apply buffer updates a second time; only an eager recompute (no compile,
     # or a graph break) updates them again, and is undone here.
     if torch.compiler.is_compiling() or not recomputing() or not _norms(module):
@@ -96,22 +90,17 @@ def _is_cache(value: Any) -> bool:
 
 
 def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments as Hugging Face's ``GradientCheckpointingLayer`` checkpoints a layer: in training,
-    ``use_cache=False`` and no KV cache, unless the layer says it only reads it (``_can_checkpoint_with_cache``).
+    """The call's arguments as ``GradientCheckpointingLayer`` checkpoints a layer: in training, ``use_cache=False``
+    and no KV cache (unless ``_can_checkpoint_with_cache``), since a recompute writing the cache would append
+    the keys and values a second time. Only the call changes, not the config or the cache.
 
-    A recompute writing the cache would append the keys and values a second time (a layer that attends over
-    the cache then sees twice the sequence); the forward and its recompute both run without it, so they agree.
-    Only the call changes: the model's config and the cache object are left as they are. Other modules'
-    calls pass through.
-
-    Example:
-        >>> import transformers
-        >>> layer = nn.Linear(2, 2)
-        >>> cache = transformers.DynamicCache()
-        >>> _without_cache(layer, (1,), {"cache": cache, "use_cache": True})[1]
-        {'cache': None, 'use_cache': False}
-        >>> _without_cache(layer, (1,), {"cache": {}, "use_cache": True})[1]  # not Hugging Face's
-        {'cache': {}, 'use_cache': True}
+    >>> import transformers
+    >>> layer = nn.Linear(2, 2)
+    >>> cache = transformers.DynamicCache()
+    >>> _without_cache(layer, (1,), {"cache": cache, "use_cache": True})[1]
+    {'cache': None, 'use_cache': False}
+    >>> _without_cache(layer, (1,), {"cache": {}, "use_cache": True})[1]  # not Hugging Face's
+    {'cache': {}, 'use_cache': True}
     """
     hf = type(module).__module__.startswith("transformers.")
     leaves = [*args, *kwargs.values()]

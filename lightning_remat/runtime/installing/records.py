@@ -1,7 +1,4 @@
-"""The behaviours a plan installs (plug-ins, ``register``), and the one record per module they share.
-
-A module a plan touches gets ONE ``Record``: the forward it had, and per behaviour its setting and state;
-its ``forward`` composes the behaviours around the original in ``BEHAVIOURS``' order (outermost first)."""
+"""The behaviours a plan installs (plug-ins, ``register``), composed in one ``Record`` per module."""
 
 from __future__ import annotations
 
@@ -41,11 +38,10 @@ class Target:
 class Behaviour:
     """One way to treat a module: subclass, override what differs, ``register`` an instance.
 
-    Example:
-        >>> class Counted(Behaviour):
-        ...     name = "counted"
-        >>> Counted().settings(StageAction("h.0", extra={"counted": True}))
-        {'h.0': True}
+    >>> class Counted(Behaviour):
+    ...     name = "counted"
+    >>> Counted().settings(StageAction("h.0", extra={"counted": True}))
+    {'h.0': True}
     """
 
     name = ""
@@ -184,9 +180,7 @@ def installed_hooks(model: nn.Module) -> set[int]:
 
 
 def without_installation(module: nn.Module, hooks: Collection[int] = ()) -> tuple[type, dict[str, Any]]:
-    """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it.
-
-    The record, the installed forward, the segments and ``hooks`` are left out, and every hook dict is new."""
+    """The class and ``__dict__`` of a copy of ``module`` without what the installer put on it or ``hooks``."""
     state = {key: value for key, value in module.__dict__.items() if key not in (RECORD, SEGMENTS)}
     record = module.__dict__.get(RECORD)
     if record is not None:

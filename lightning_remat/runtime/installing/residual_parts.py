@@ -1,12 +1,8 @@
 """A residual block in torchvision's layout (``Bottleneck``, ``BasicBlock``) run as checkpointed parts.
 
-Its forward adds the residual (in place, in torchvision's) after its last norm, so it is no chain of its
-children and cannot be planned through them. Its twin runs the same modules in the same order, each
-``conv -> norm (-> relu)`` and the downsample under a non-reentrant checkpoint of its own, then the sum
-and the last ReLU: kept, the block stores its parts' inputs instead of every activation; recomputed
-whole as well (nested), its backward recomputes one part at a time. The profile offers the twin only
-where it gave the block's own output bit for bit (``runtime/profiling/residual_twins.py``); the
-block's modules, parameters and state_dict are untouched, and ``remove_remat`` puts its forward back.
+Its forward adds the residual in place after its last norm, so it is no chain of its children. Its twin runs
+the same modules in order, each ``conv -> norm (-> relu)`` and the downsample under a checkpoint of its own,
+then the sum and the last ReLU; the profile offers it only where it gave the block's output bit for bit.
 """
 
 from __future__ import annotations
@@ -27,10 +23,9 @@ PAIRS = (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3"))
 def parts_of(module: nn.Module) -> list[tuple[nn.Module, nn.Module]] | None:
     """The ``(conv, norm)`` pairs of a torchvision-layout residual block, or None for any other module.
 
-    Example:
-        >>> from lightning_remat.models import Bottleneck
-        >>> len(parts_of(Bottleneck(8, 2))), parts_of(nn.Sequential(nn.Linear(2, 2)))
-        (3, None)
+    >>> from lightning_remat.models import Bottleneck
+    >>> len(parts_of(Bottleneck(8, 2))), parts_of(nn.Sequential(nn.Linear(2, 2)))
+    (3, None)
     """
     children = dict(module.named_children())
     names = [n for pair in PAIRS for n in pair if n in children]
@@ -55,12 +50,11 @@ def _part(conv: nn.Module, norm: nn.Module, relu: nn.Module | None) -> Callable[
 def twin_forward(module: nn.Module, x: torch.Tensor, checkpointed: bool = True) -> torch.Tensor:
     """``module``'s forward with each part under its own checkpoint (``checkpointed=False``: run plainly).
 
-    Example:
-        >>> from lightning_remat.models import Bottleneck
-        >>> block = Bottleneck(8, 2).eval()
-        >>> x = torch.randn(1, 8, 4, 4)
-        >>> torch.equal(twin_forward(block, x), block(x))
-        True
+    >>> from lightning_remat.models import Bottleneck
+    >>> block = Bottleneck(8, 2).eval()
+    >>> x = torch.randn(1, 8, 4, 4)
+    >>> torch.equal(twin_forward(block, x), block(x))
+    True
     """
     def run(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         if not checkpointed or not _needs_graph(args, {}, module):
@@ -81,11 +75,10 @@ def twin_forward(module: nn.Module, x: torch.Tensor, checkpointed: bool = True) 
 def gives_same_output(module: nn.Module, args: tuple, output: Any) -> bool:
     """Whether the twin, run plainly on ``args`` (running statistics put back), gives ``output`` bit for bit.
 
-    Example:
-        >>> from lightning_remat.models import Bottleneck
-        >>> block, x = Bottleneck(8, 2), torch.randn(2, 8, 4, 4)
-        >>> gives_same_output(block, (x,), block(x)), gives_same_output(block, (x,), block(x) + 1)
-        (True, False)
+    >>> from lightning_remat.models import Bottleneck
+    >>> block, x = Bottleneck(8, 2), torch.randn(2, 8, 4, 4)
+    >>> gives_same_output(block, (x,), block(x)), gives_same_output(block, (x,), block(x) + 1)
+    (True, False)
     """
     if parts_of(module) is None or len(args) != 1 or not isinstance(args[0], torch.Tensor):
         return False

@@ -1,7 +1,4 @@
-"""Op-level selective checkpointing: named policies over torch's public SAC API.
-
-The same decision function replays a policy on the ops a profile recorded (``recomputed_ops``), so a
-policy's recompute cost is exactly the ops it recomputes (docs/selective_checkpointing.md)."""
+"""Op-level selective checkpointing: named policies over torch's SAC API (docs/selective_checkpointing.md)."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
         return save_matmuls(func, key) and _packet(func) not in BATCHED_MATMUL_OPS
 
     def save_attention(func: Any, key: str) -> bool:
-        # SDPA's math path (taken with a mask and dropout, as GPT-2 and BERT do on the CPU) runs
-        # attention as batched matmuls: those stand for it there.
+        # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
         return _packet(func) in ATTENTION_OPS or _packet(func) in BATCHED_MATMUL_OPS
 
     def save_alternate_matmuls(func: Any, key: str) -> bool:
@@ -87,9 +83,7 @@ _NOT_REPLAYED = re.compile(r"encountered during backward,? but not found in stor
 
 
 def recompute_not_replayed(error: BaseException) -> bool:
-    """Whether ``error`` is torch's own report that a checkpoint's recompute did not replay its forward.
-
-    Only these may drop a policy's option: a user's error or an out-of-memory error is not one."""
+    """Whether ``error`` is torch's report that a recompute did not replay its forward (only these drop a policy)."""
     if isinstance(error, CheckpointError):
         return True
     return type(error) is RuntimeError and bool(_NOT_REPLAYED.search(str(error)))

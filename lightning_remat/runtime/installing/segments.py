@@ -1,7 +1,5 @@
-"""Recompute runs of consecutive items of an ``nn.Sequential`` as ONE checkpoint segment each.
-
-While installed, the Sequential yields one unregistered runner (a recomputing ``nn.Sequential`` of the
-items) in their place when iterated; ``__iter__`` is looked up on the type, hence the swapped class."""
+"""Runs of consecutive ``nn.Sequential`` items recomputed as one checkpoint: the Sequential yields a runner in
+their place when iterated (``__iter__`` is looked up on the type, hence the swapped class)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Taking over the model's own activation checkpointing where the user gave lightning-remat a budget.
-
-A fine-tuning recipe often switches on Hugging Face's gradient checkpointing (TRL's ``SFTConfig`` does by
-default); recomputing inside it again would checkpoint twice. Where a budget was asked of us (the Trainer
-callback, ``AutoRemat``, ``RematAccelerator`` / ``prepare_remat``) the package owns the step's memory: it
-turns Hugging Face's switch off and plans instead, and says so in one line. A torch ``checkpoint_wrapper``
-cannot be taken off without renaming the parameters it wraps (optimizers, DDP and checkpoints hold those
-names), so it is refused before training, naming the settings that put it there. The plain ``plan_remat`` /
-``apply_plan`` functions own nothing of the run and keep refusing (``existing_checkpointing``).
-"""
+"""Where an integration was given a budget, it turns Hugging Face's gradient checkpointing off (TRL's
+``SFTConfig`` switches it on) and plans instead, saying so once. A torch ``checkpoint_wrapper`` cannot be taken
+off without renaming the parameters it wraps, so it is refused. ``apply_plan`` alone keeps refusing both."""
 
 from __future__ import annotations
 
@@ -25,8 +18,7 @@ WRAPPER_SETTINGS = ("torch's checkpoint_wrapper / apply_activation_checkpointing
 
 
 def _checkpointing_models(model: nn.Module) -> list[nn.Module]:
-    """The outermost Hugging Face models inside ``model`` (itself, or under PEFT and other wrappers) with a
-    layer whose own ``gradient_checkpointing`` flag is on."""
+    """The outermost Hugging Face models in ``model`` (under PEFT too) with a layer checkpointing."""
     found: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
@@ -39,7 +31,6 @@ def _checkpointing_models(model: nn.Module) -> list[nn.Module]:
 
 
 def _describe(owner: nn.Module) -> str:
-    """What Hugging Face's checkpointing does in ``owner``: layers, ``use_reentrant`` and offload."""
     flagged = [m for m in owner.modules() if hasattr(m, "gradient_checkpointing")]
     # The layers are the innermost flagged modules (the backbone above them carries the flag too).
     layers = [m for m in flagged if not any(hasattr(c, "gradient_checkpointing") for c in list(m.modules())[1:])]
@@ -62,29 +53,23 @@ def _disable(owner: nn.Module) -> None:
 
 
 def take_over_checkpointing(model: nn.Module, who: str, speaks: bool = True) -> str | None:
-    """Turn off Hugging Face's gradient checkpointing in ``model`` so that ``who`` plans recomputation under
-    its budget instead; the one line that says so is warned where ``speaks`` (the main process) and returned,
-    or None with nothing to do.
-
-    ``enable_input_require_grads``' hook (which the Trainer, TRL and PEFT add beside the checkpointing) is
-    kept: it only makes the embeddings' output require a gradient, which the plan measures like any tensor.
+    """Turn off Hugging Face's gradient checkpointing in ``model`` so that ``who`` plans instead; the line that
+    says so (warned where ``speaks``), or None. ``enable_input_require_grads``' hook is kept (harmless).
 
     Raises:
-        AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` wraps a module (it cannot be taken off
-            without renaming parameters), or a model's checkpointing cannot be switched off; names the setting.
+        AlreadyCheckpointedError: a torch ``checkpoint_wrapper`` wraps a module, or checkpointing stays on.
 
-    Example:
-        >>> import transformers
-        >>> transformers.logging.set_verbosity_error()
-        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2,
-        ...                                                                vocab_size=64))
-        >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        >>> print(take_over_checkpointing(model, "AutoRemat", speaks=False))  # doctest: +NORMALIZE_WHITESPACE
-        AutoRemat turned off the model's own gradient checkpointing (GPT2LMHeadModel: 2 of 2 layers,
-        use_reentrant=False) and plans recomputation within its budget instead; set gradient_checkpointing=False
-        (TrainingArguments, SFTConfig) or drop gradient_checkpointing_enable() to not see this line.
-        >>> existing_checkpointing(model), take_over_checkpointing(model, "AutoRemat")
-        ([], None)
+    >>> import transformers
+    >>> transformers.logging.set_verbosity_error()
+    >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2,
+    ...                                                                vocab_size=64))
+    >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    >>> print(take_over_checkpointing(model, "AutoRemat", speaks=False))  # doctest: +NORMALIZE_WHITESPACE
+    AutoRemat turned off the model's own gradient checkpointing (GPT2LMHeadModel: 2 of 2 layers,
+    use_reentrant=False) and plans recomputation within its budget instead; set gradient_checkpointing=False
+    (TrainingArguments, SFTConfig) or drop gradient_checkpointing_enable() to not see this line.
+    >>> existing_checkpointing(model), take_over_checkpointing(model, "AutoRemat")
+    ([], None)
     """
     wrapped = [line for line in existing_checkpointing(model) if "checkpoint_wrapper" in line]
     if wrapped:

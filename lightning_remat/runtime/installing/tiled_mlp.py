@@ -1,11 +1,6 @@
-"""A stage's MLP over sequence chunks (``tile_mlp=True``): in forward each chunk runs under a non-reentrant
-checkpoint and the outputs are concatenated; in backward each chunk is recomputed alone, so no sequence-long
-intermediate (512K x 14336 at long context) ever lives whole.
-
-A plan says it on the stage's action, ``extra={"tile": "mlp:16"}``: child ``mlp`` of the stage over 16 chunks of
-the second-last dim of its one input (batch, sequence, hidden). Only a provably position-wise child is tiled
-(``tileable``); one with active dropout is not (its masks would differ from the plain model's), so the gradients
-are the plain step's (docs/long_context.md)."""
+"""A stage's MLP over sequence chunks (``tile_mlp=True``), each under a checkpoint, so no sequence-long
+intermediate lives whole. A plan says ``extra={"tile": "mlp:16"}`` on the stage's action. Only a position-wise
+child without active dropout is tiled, so the gradients are the plain step's (docs/long_context.md)."""
 
 from __future__ import annotations
 
@@ -36,9 +31,8 @@ _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 def spec(child: str, chunks: int) -> str:
     """A tiled setting: ``child`` of the stage over ``chunks`` sequence chunks.
 
-    Example:
-        >>> spec("mlp", 16), parse("mlp:16")
-        ('mlp:16', ('mlp', 16))
+    >>> spec("mlp", 16), parse("mlp:16")
+    ('mlp:16', ('mlp', 16))
     """
     return f"{child}:{int(chunks)}"
 
@@ -54,9 +48,8 @@ def parse(setting: Any) -> tuple[str, int]:
 def child_name(stage: str, child: str) -> str:
     """The module name of ``stage``'s child ``child`` (the model itself is stage "").
 
-    Example:
-        >>> child_name("model.layers.0", "mlp"), child_name("", "mlp")
-        ('model.layers.0.mlp', 'mlp')
+    >>> child_name("model.layers.0", "mlp"), child_name("", "mlp")
+    ('model.layers.0.mlp', 'mlp')
     """
     return f"{stage}.{child}" if stage else child
 
@@ -70,16 +63,14 @@ def _leaf_ok(module: nn.Module) -> bool:
 
 
 def refusal(module: nn.Module) -> str | None:
-    """Why ``module`` is not tiled over the sequence, or None: a position-wise class (``PATTERNS``) made only of
-    per-position leaves, no dropout active.
+    """Why ``module`` is not tiled over the sequence, or None.
 
-    Example:
-        >>> class TinyMLP(nn.Sequential):
-        ...     pass
-        >>> refusal(TinyMLP(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))) is None
-        True
-        >>> refusal(TinyMLP(nn.Linear(4, 4), nn.Dropout(0.1)))
-        'TinyMLP has dropout active in training (its masks over chunks would differ from the plain model)'
+    >>> class TinyMLP(nn.Sequential):
+    ...     pass
+    >>> refusal(TinyMLP(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))) is None
+    True
+    >>> refusal(TinyMLP(nn.Linear(4, 4), nn.Dropout(0.1)))
+    'TinyMLP has dropout active in training (its masks over chunks would differ from the plain model)'
     """
     name = type(module).__name__
     if not any(fnmatch.fnmatchcase(name, p) for p in PATTERNS):
@@ -95,11 +86,10 @@ def refusal(module: nn.Module) -> str | None:
 def tiled_forward(call: Callable[..., Any], chunks: int, x: torch.Tensor) -> torch.Tensor:
     """``call(x)`` over ``chunks`` pieces of ``x``'s positions, each checkpointed; outputs concatenated.
 
-    Example:
-        >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
-        >>> x = torch.randn(2, 10, 4, requires_grad=True)
-        >>> torch.allclose(tiled_forward(mlp, 4, x), mlp(x), atol=1e-6)
-        True
+    >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+    >>> x = torch.randn(2, 10, 4, requires_grad=True)
+    >>> torch.allclose(tiled_forward(mlp, 4, x), mlp(x), atol=1e-6)
+    True
     """
     # RNG state preserved as recompute does (no dropout is active in a tiled module: ``refusal``).
     return joined([checkpoint(call, part, use_reentrant=False, preserve_rng_state=True)
@@ -107,15 +97,12 @@ def tiled_forward(call: Callable[..., Any], chunks: int, x: torch.Tensor) -> tor
 
 
 def pieces(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
-    """``x``'s positions (every dim but the last) in ``chunks`` contiguous pieces, as (1, tokens, hidden) views.
+    """``x``'s positions in ``chunks`` contiguous (1, tokens, hidden) views: chunks along the second-last dim of a
+    batch of several would not be contiguous, which a module that ``view``s its input refuses.
 
-    The positions of a batch are one sequence here: chunks along the second-last dim of a batch of several would
-    not be contiguous, and a module that ``view``s its input refuses those.
-
-    Example:
-        >>> x = torch.arange(24.0).reshape(2, 3, 4)
-        >>> [p.shape[1] for p in pieces(x, 4)], torch.equal(joined(pieces(x, 4), x), x)
-        ([2, 2, 1, 1], True)
+    >>> x = torch.arange(24.0).reshape(2, 3, 4)
+    >>> [p.shape[1] for p in pieces(x, 4)], torch.equal(joined(pieces(x, 4), x), x)
+    ([2, 2, 1, 1], True)
     """
     flat = x.reshape(1, -1, x.shape[-1]) if x.dim() > 2 else x.unsqueeze(0)
     return flat.tensor_split(min(chunks, flat.shape[1]), dim=1)
@@ -135,13 +122,10 @@ def _tiled_call(module: nn.Module, chunks: int, call: Callable[..., Any], /, *ar
 
 
 class TiledMLP(Behaviour):
-    """A stage action's ``extra["tile"]`` (``"mlp:16"``): the stage's child runs over sequence chunks.
+    """``extra["tile"]``: the stage's child runs over sequence chunks (record on the child, reads per stage).
 
-    Its record is on the child; ``read`` and ``fields`` speak of the stage, as the plan does.
-
-    Example:
-        >>> TILED_MLP.settings(StageAction("layers.0", extra={"tile": "mlp:16"}))
-        {'layers.0': 'mlp:16'}
+    >>> TILED_MLP.settings(StageAction("layers.0", extra={"tile": "mlp:16"}))
+    {'layers.0': 'mlp:16'}
     """
 
     name = TILE
@@ -176,11 +160,10 @@ TILED_MLP = TiledMLP()
 
 
 def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[StageAction]:
-    """``actions`` with each stage of ``tiled`` (stage -> setting) tiled: its action's ``extra``, or a new one.
+    """``actions`` with each stage of ``tiled`` (stage -> setting) tiled.
 
-    Example:
-        >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
-        [(('tile', 'mlp:4'),), (('tile', 'mlp:4'),)]
+    >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
+    [(('tile', 'mlp:4'),), (('tile', 'mlp:4'),)]
     """
     out = [replace(a, extra={**dict(a.extra), TILE: tiled[a.stage]}) if a.stage in tiled else a for a in actions]
     named = {a.stage for a in actions}
@@ -189,7 +172,7 @@ def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[St
 
 @add_rule
 def _tile_rule(actions: Sequence[StageAction]) -> None:
-    """A tiled child is not itself recomputed alone, nor is its stage offloaded (each is one or the other)."""
+    """A tiled child is not itself recomputed alone, nor is its stage offloaded."""
     tiled = {a.stage: child_name(a.stage, parse(dict(a.extra)[TILE])[0]) for a in actions if TILE in dict(a.extra)}
     recomputed = [m for a in actions if a.action is Action.RECOMPUTE for m in a.modules]
     clash = sorted(s for s, child in tiled.items()

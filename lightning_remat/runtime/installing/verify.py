@@ -1,7 +1,5 @@
-"""Check that what is installed on a model is exactly what its plan says, behaviour by behaviour.
-
-Cheap, so it runs after every install and at every step that keeps a plan: a library patching
-``forward`` can undo an installation, and a step under a plan not installed overruns silently."""
+"""Check that what is installed is exactly the plan, after every install and at every step that keeps one: a
+library patching ``forward`` can undo an installation, and the step would overrun silently."""
 
 from __future__ import annotations
 

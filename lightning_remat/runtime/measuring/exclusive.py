@@ -1,6 +1,4 @@
-"""One planning at a time in a process, and the process-wide settings it found put back after it.
-
-Planning uses global hooks, generators and the ``force_eager`` stance (docs/process.md)."""
+"""One planning at a time in a process, and the process-wide settings it found put back (docs/process.md)."""
 
 from __future__ import annotations
 

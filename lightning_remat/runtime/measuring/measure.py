@@ -17,10 +17,7 @@ from .runner import Step, StepWatch, model_device, run_step, synchronize
 from .tracking import eager_stance
 from .tracking import Tracker
 from .user_hooks import user_hooks_suspended
-from ..installing.sac import register_attention_flops
-
-# Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
-register_attention_flops()
+from ..installing import sac  # noqa: F401 - its import registers attention FLOPs on every SDPA backend
 
 __all__ = ["PeakWindow", "RandomState", "Step", "StepMeasurement", "count_step_flops", "is_out_of_memory",
            "measure_step", "model_device", "preserved_training_state", "release_device_memory", "synchronize"]
@@ -46,12 +43,11 @@ def measure_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
                  zero_grad: bool = True) -> StepMeasurement:
     """Run one real training step (zero_grad, forward, backward, optimizer step) under the peak meter.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-        >>> opt = torch.optim.Adam(net.parameters())
-        >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum(), opt)
-        >>> m.optimizer_bytes > 0
-        True
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    >>> opt = torch.optim.Adam(net.parameters())
+    >>> m = measure_step(net, lambda model: model(torch.randn(4, 8)).sum(), opt)
+    >>> m.optimizer_bytes > 0
+    True
     """
     meter = PeakMeter(model, optimizer, tracker=Tracker())
     loss = run_step(model, step, optimizer, watch=meter, zero_grad="before" if zero_grad else None, read_loss=True)

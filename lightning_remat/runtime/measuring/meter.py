@@ -1,6 +1,4 @@
-"""The one peak meter: every measured peak goes through ``PeakMeter``, so a step is measured alike everywhere.
-
-A peak is ``torch.cuda.max_memory_allocated`` on a GPU and torch's ``MemTracker`` peak on the CPU."""
+"""The one peak meter, ``PeakMeter``: ``torch.cuda.max_memory_allocated`` on a GPU, ``MemTracker``'s peak on the CPU."""
 
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ from .tracking import PeakOnlyTracker, snapshot_by_category
 
 
 class PeakMeter(Tracking):
-    """The peak memory of a window (one step, an accumulation window), as the budget means it.
-
-    Off CUDA, inputs made before the window are not counted. Use it as a ``StepWatch`` or ``start()`` it in
-    one hook and ``close()`` it in another. ``tracker``: a ``MemTracker`` to run as well (its split by category).
-    """
+    """The peak memory of a window as the budget means it (off CUDA, inputs made before it not counted): a
+    ``StepWatch``, or ``start()`` in one hook and ``close()`` in another. ``tracker``: a ``MemTracker`` to run too."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, tracker: Any = None):
         self.device = model_device(model)
@@ -33,7 +28,6 @@ class PeakMeter(Tracking):
         self._entered: contextlib.ExitStack | None = None
         self._final: tuple[int, int | None] | None = None
 
-    # -- as a StepWatch ------------------------------------------------------------------------
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         self.start()
@@ -46,7 +40,6 @@ class PeakMeter(Tracking):
             raise
         self.stop()
 
-    # -- as a window opened in one hook and closed in another -----------------------------------
     def start(self) -> "PeakMeter":
         """Start measuring (the CUDA peak statistics are reset here)."""
         self._final = None

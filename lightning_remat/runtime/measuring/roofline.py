@@ -13,11 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..installing.sac import policy_of, recomputed_ops, register_attention_flops
+from ..installing.sac import policy_of, recomputed_ops  # its import registers attention FLOPs on every backend
 from ...core import hardware
-
-# Attention FLOPs count on every SDPA backend (FlopCounterMode lacks the CPU kernel's formula).
-register_attention_flops()
 
 
 @dataclass(frozen=True)
@@ -70,12 +67,10 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
 
 
 def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:
-    """(device type, key in ``core.hardware.GPUS`` or None, the GPU's name) of the device a plan is for: ``gpu``
-    when named (a fake profile's), else a CUDA device's own name matched against the table.
+    """(device type, key in ``core.hardware.GPUS`` or None, the GPU's name) of ``gpu`` when named, else of the device.
 
-    Example:
-        >>> target_gpu("cpu"), target_gpu("cpu", gpu="H100")
-        (('cpu', None, None), ('cuda', 'h100', 'H100'))
+    >>> target_gpu("cpu"), target_gpu("cpu", gpu="H100")
+    (('cpu', None, None), ('cuda', 'h100', 'H100'))
     """
     if gpu is not None:
         return "cuda", hardware.gpu(gpu).name, gpu
@@ -125,8 +120,7 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         moved = 0
-        # prim ops read metadata, not data; torch issues some only on a first call, so counting them
-        # would price the first profile in a process higher than the next.
+        # prim ops read metadata; torch issues some only on a first call (a first profile would cost more).
         if not _moves_no_data(func, (args, kwargs), out):
             seen: set[int] = set()
             for t in tree_leaves((args, kwargs, out)):
@@ -185,10 +179,8 @@ def _recompute_priced(ops: Sequence[OpCost], compiled: bool) -> list[OpCost]:
 
 def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
                  peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> tuple[float, int, float]:
-    """(seconds, FLOPs, roofline seconds) of recomputing ``wrap`` (modules of stage ``name``) under ``option``.
-
-    ``compiled``: pointwise recomputes are fused away and cost nothing (a policy of them only: ``TIE_SECONDS``).
-    """
+    """(seconds, FLOPs, roofline seconds) of recomputing ``wrap`` (modules of stage ``name``) under ``option``;
+    ``compiled``: pointwise recomputes are fused away (a policy of them only costs ``TIE_SECONDS``)."""
     policy = policy_of(option)
     if not policy:
         seconds = flops = roofline = 0.0

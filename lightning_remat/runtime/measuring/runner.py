@@ -1,6 +1,4 @@
-"""The one step runner: every real training step the package runs goes through ``run_step``.
-
-What varies is what watches the step (a stopwatch, a FLOP counter, the peak meter): a ``StepWatch``."""
+"""The one step runner, ``run_step``; what watches a step (stopwatch, FLOP counter, peak meter) is a ``StepWatch``."""
 
 from __future__ import annotations
 
@@ -19,10 +17,7 @@ Step = Callable[[nn.Module], torch.Tensor]
 
 
 class StepWatch:
-    """What watches a step that ``run_step`` runs; this one watches nothing.
-
-    ``backward_done()`` is called after backward, before the optimizer step, with the loss alive.
-    """
+    """What watches a step that ``run_step`` runs (this one: nothing); ``backward_done()`` runs after backward."""
 
     def watching(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
@@ -51,8 +46,7 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
              read_loss: bool = False) -> float | None:
     """Run one training step of ``model`` under ``watch``; the loss as a float with ``read_loss``, else None.
 
-    ``zero_grad``: ``"before"`` sets gradients to None first, ``"after"`` drops them after (no trace), None
-    leaves them. ``check``: raise ``TypeError`` unless ``step`` returns a scalar tensor.
+    ``zero_grad``: ``"before"``, ``"after"`` or None; ``check``: ``TypeError`` unless the loss is a scalar tensor.
     """
     watch = watch if watch is not None else StepWatch()
     if zero_grad == "before":

@@ -186,8 +186,7 @@ class Tracker(MemTracker):
         return sum(storages.values())
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
-        # MemTracker's version scans every module after every operator (quadratic in depth); nothing
-        # here reads per-module peaks, so only the overall peak is kept.
+        # MemTracker's version scans every module after every operator (quadratic in depth): overall peak only.
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
@@ -241,11 +240,8 @@ class PeakOnlyTracker(Tracker):
 
 
 class SegmentTracker(Tracker):
-    """MemTracker that also records the peak of every segment of the step.
-
-    Segments are ("fw", i) / ("bw", i) while stage i runs forward / backward, and ("gap", k) between, with k
-    stages run forward and not yet backward. A module at several places (``stage_ids``) fills them in order.
-    """
+    """MemTracker that also records the peak of every segment: ("fw", i) / ("bw", i) while stage i runs forward /
+    backward, ("gap", k) between with k stages awaiting backward; a module at several places fills them in order."""
 
     def __init__(self, stage_ids: dict[int, int | Sequence[int]], device: torch.device,
                  calls: dict[int, int] | None = None):

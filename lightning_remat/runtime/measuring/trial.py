@@ -72,9 +72,7 @@ def _create_optimizer_state(model: nn.Module, step: Step, optimizer: torch.optim
 @exclusive()
 def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, batch_size: int,
                plan: Plan, steps_per_trial: int, budget: int, predicted: int) -> Trial:
-    """``steps_per_trial`` real steps at ``batch_size`` with ``plan`` applied; everything put back after.
-
-    It fits when no step ran out of memory and the largest measured peak is within ``budget``."""
+    """Real steps at ``batch_size`` under ``plan``, put back after; fits: no out-of-memory, peak within ``budget``."""
     steps = 0
     peaks: list[int] = []
     oom = False
@@ -82,8 +80,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
         with _restored_after_trial(model, optimizer), applied(model, plan), \
                 user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
-                # The budget is for steady-state steps, which hold the optimizer's state: create it
-                # with an optimizer step on zero gradients (everything is put back afterwards).
+                # Steady steps hold the optimizer's state: made by a step on zero gradients (put back afterwards).
                 steps += _create_optimizer_state(model, step, optimizer)
             for _ in range(steps_per_trial):
                 steps += 1

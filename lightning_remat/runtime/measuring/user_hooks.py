@@ -1,7 +1,5 @@
-"""The user's module hooks do not see the package's own passes (profiling, fake twins, trials, predictions).
-
-They stand silenced in place, so torch still builds what they need (backward hooks' nodes hold memory).
-A hook is the user's unless it comes from one of ``LIBRARIES`` or is marked ``part_of_model``."""
+"""The user's module hooks stand silenced in place during the package's own passes (so torch still builds the
+nodes backward hooks need); a hook is the user's unless from ``LIBRARIES`` or marked ``part_of_model``."""
 
 from __future__ import annotations
 
@@ -43,12 +41,11 @@ def is_user_hook(hook: Callable[..., Any]) -> bool:
 def part_of_model(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``hook`` as part of the model (it changes the output, or must see every forward); returns it.
 
-    Example:
-        >>> def scale(module, args, output):
-        ...     return output * 2
-        >>> scale.__module__ = "my_training_script"
-        >>> is_user_hook(scale), is_user_hook(part_of_model(scale))
-        (True, False)
+    >>> def scale(module, args, output):
+    ...     return output * 2
+    >>> scale.__module__ = "my_training_script"
+    >>> is_user_hook(scale), is_user_hook(part_of_model(scale))
+    (True, False)
     """
     setattr(getattr(hook, "__func__", hook), PART_OF_MODEL, True)
     return hook

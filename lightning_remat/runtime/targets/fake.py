@@ -48,9 +48,7 @@ def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of ``model`` (real, meta or fake) whose parameters and buffers are fake CPU tensors.
-
-    The model is left as it was; tied parameters stay tied. ``dtype`` casts floating-point tensors."""
+    """A copy of ``model`` with fake CPU parameters and buffers, ties kept (``dtype``: floats cast to it)."""
     model = _shallow_module_copy(model)
     memo: dict[int, torch.Tensor] = {}
 
@@ -71,16 +69,14 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
             if b is None:
                 continue
             if id(b) not in memo:
-                # Fake tensors hold no values, so a real buffer (rotary frequencies) and a meta
-                # one become the same: its shape, strides and dtype.
+                # Fake tensors hold no values: a real buffer (rotary frequencies) becomes a meta one's metadata.
                 memo[id(b)] = convert(b)
             module._buffers[name] = memo[id(b)]
     return model
 
 
 def whole_parameter(p: torch.Tensor) -> torch.Tensor:
-    """``p`` detached, or where DeepSpeed ZeRO-3 partitioned it (its data empty, ``ds_shape`` the whole shape) a
-    meta tensor of the whole parameter: a twin computes with whole parameters, as each module does once gathered."""
+    """``p`` detached, or a meta tensor of the whole parameter where ZeRO-3 partitioned it (twins run whole)."""
     shape = getattr(p, "ds_shape", None)
     if shape is not None and tuple(p.shape) != tuple(shape):
         return torch.empty(tuple(shape), dtype=p.dtype, device="meta")
@@ -171,8 +167,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
 
 
 def without_zero3_hooks(twin: nn.Module) -> None:
-    """Drop DeepSpeed's module hooks (ZeRO-3's) from a twin (its hook dictionaries are its own: ``without_user_hooks``):
-    they gather and release the real module's partitioned parameters, and a twin holds whole fake ones."""
+    """Drop ZeRO-3's module hooks from a twin: they gather the real module's parameters; a twin holds whole ones."""
     for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
         hooks = twin.__dict__.get(attribute)
         for key, hook in list(hooks.items()) if isinstance(hooks, dict) else ():
@@ -182,10 +177,8 @@ def without_zero3_hooks(twin: nn.Module) -> None:
 
 @contextlib.contextmanager
 def real_code_paths() -> Iterator[None]:
-    """Let transformers take, on fake tensors, the attention path it takes on real ones.
-
-    It reads a fake tensor as tracing and would materialise the causal mask; sequences are assumed unpacked.
-    """
+    """Let transformers take the attention path of real tensors (it reads a fake tensor as tracing and would
+    materialise the causal mask); sequences are assumed unpacked."""
     import sys
 
     masking = sys.modules.get("transformers.masking_utils")
@@ -260,9 +253,8 @@ def explain_fake_failures() -> Iterator[None]:
 
 
 def rebound_closure(function: Any, module: Any, twin: Any) -> Any:
-    """``function``, or a copy whose closure has every method bound to ``module`` bound to ``twin`` instead (its
-    own cells: the original's are left alone). TRL's fused LM head wraps ``model.forward``, keeping the model's
-    original bound ``forward`` in its closure, which a twin would otherwise run on the real module.
+    """``function``, or a copy whose closure has ``module``'s bound methods bound to ``twin`` (TRL's fused LM head
+    keeps the model's bound ``forward`` in its closure, which a twin would run on the real module).
 
     >>> class M:
     ...     def f(self): return self

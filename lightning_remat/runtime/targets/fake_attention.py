@@ -1,22 +1,8 @@
-"""Attention as a CUDA GPU runs it, on the fake CPU tensors of a profile planned for one.
-
-The CPU's SDPA picks other kernels than CUDA's: with dropout it takes the math path (quadratic matrices saved),
-and it runs its flash kernel for head sizes, dtypes and layouts CUDA's fused kernels lack. Within
-``cuda_attention()`` every SDPA call runs the kernel CUDA (sm80 or newer) would pick (``cuda_kernel``):
-
-- flash (FlashAttention-2): half precision, no mask, q/k/v head size <= 256. Saves output, log-sum-exp and the
-  dropout seed; its backward holds a float32 dq accumulator (sequence rounded to 128, head size to 32), the
-  softmax row sums and, for grouped-query attention, dk and dv at the query's head count (torch's flash_api.cpp).
-  Where torch prefers cuDNN attention (H100 with a recent cuDNN) it saves the same: priced as flash.
-- memory-efficient (cutlass): masks, float32, other head sizes (a multiple of 8 in half precision, of 4 in
-  float32). Saves output, log-sum-exp and the mask as a bias in the query's dtype (one per call: SDPA converts a
-  boolean mask each time); its backward holds a float32 dq accumulator and the row sums. Grouped-query keys and
-  values are repeated to the query's heads first (priced as a copy; the kernel may read them strided).
-- math: everything else (a head size neither fused kernel takes, float64, inputs that are not 4-D). Saves the
-  score and probability matrices, quadratic in the sequence.
-
-A call that computes a quadratic matrix (the math kernel, an explicit mask, or an "eager" attention's 4-D
-softmax) is recorded in ``AttentionNotes`` under the attention module's class, so the plan says so."""
+"""Attention as a CUDA GPU runs it, on the fake CPU tensors of a profile planned for one: the CPU's SDPA picks
+other kernels (the math path with dropout, flash for shapes CUDA's fused kernels lack), so within
+``cuda_attention()`` every SDPA call runs the kernel CUDA (sm80+) would pick, with what it saves and holds
+(the table in docs/without_hardware.md; cuDNN attention is priced as flash). A call that computes a quadratic
+matrix is recorded in ``AttentionNotes`` under the attention module's class, so the plan says so."""
 
 from __future__ import annotations
 
@@ -39,19 +25,16 @@ _SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
 
 def cuda_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                 is_causal: bool = False) -> str:
-    """The SDPA kernel a CUDA GPU (sm80 or newer) runs for these inputs: "flash", "efficient" or "math".
+    """The SDPA kernel a CUDA GPU (sm80+) runs for these inputs, as torch's ``select_sdp_backend``.
 
-    Follows torch's ``select_sdp_backend`` (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp).
-
-    Example:
-        >>> q = torch.empty(1, 8, 128, 64, dtype=torch.bfloat16)
-        >>> cuda_kernel(q, q, q, is_causal=True)
-        'flash'
-        >>> cuda_kernel(q, q, q, attn_mask=torch.ones(128, 128, dtype=torch.bool))
-        'efficient'
-        >>> odd = torch.empty(1, 8, 128, 60, dtype=torch.bfloat16)
-        >>> cuda_kernel(odd, odd, odd, attn_mask=torch.ones(128, 128, dtype=torch.bool))
-        'math'
+    >>> q = torch.empty(1, 8, 128, 64, dtype=torch.bfloat16)
+    >>> cuda_kernel(q, q, q, is_causal=True)
+    'flash'
+    >>> cuda_kernel(q, q, q, attn_mask=torch.ones(128, 128, dtype=torch.bool))
+    'efficient'
+    >>> odd = torch.empty(1, 8, 128, 60, dtype=torch.bfloat16)
+    >>> cuda_kernel(odd, odd, odd, attn_mask=torch.ones(128, 128, dtype=torch.bool))
+    'math'
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or not query.shape[-2] or not key.shape[-2]:
         return "math"
@@ -144,11 +127,10 @@ def _attention_module() -> str:
 class AttentionNotes:
     """Attention that computes a quadratic matrix on the GPU, per layer class, told in the plan's notes.
 
-    Example:
-        >>> notes = AttentionNotes()
-        >>> notes.record("LlamaAttention", "an eager softmax", 4096, 2 * 2**20)
-        >>> print(notes.lines()[0][:60])
-        LlamaAttention computes attention as a 4096 x 4096 matrix (a
+    >>> notes = AttentionNotes()
+    >>> notes.record("LlamaAttention", "an eager softmax", 4096, 2 * 2**20)
+    >>> print(notes.lines()[0][:60])
+    LlamaAttention computes attention as a 4096 x 4096 matrix (a
     """
 
     def __init__(self) -> None:
@@ -182,8 +164,7 @@ class _QuadraticSoftmax(TorchDispatchMode):
 
 @contextlib.contextmanager
 def cuda_attention(enabled: bool = True, notes: AttentionNotes | None = None) -> Iterator[None]:
-    """Within it, SDPA runs the kernel CUDA would pick (the function is replaced, for recomputes too), and
-    attention that is quadratic on the GPU is recorded in ``notes``."""
+    """Within it, SDPA runs the kernel CUDA would pick (recomputes too); quadratic attention goes in ``notes``."""
     if not enabled:
         yield
         return

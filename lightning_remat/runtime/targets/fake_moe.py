@@ -15,9 +15,8 @@ aten = torch.ops.aten
 def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     """FLOPs of ``aten._grouped_mm``, which FlopCounterMode has no formula for.
 
-    Example:
-        >>> grouped_mm_flops((10, 8), (4, 8, 16)) == 2 * 10 * 8 * 16   # tokens x experts' weights
-        True
+    >>> grouped_mm_flops((10, 8), (4, 8, 16)) == 2 * 10 * 8 * 16   # tokens x experts' weights
+    True
     """
     if len(a_shape) == 2 and len(b_shape) == 3:  # tokens (M, K) @ experts (G, K, N) -> (M, N)
         return 2 * a_shape[0] * a_shape[1] * b_shape[2]
@@ -57,13 +56,12 @@ def _is_grouped_mm(func: Any) -> bool:
 def grouped_mm_in_every_dtype() -> Iterator[None]:
     """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype.
 
-    Example:
-        >>> from lightning_remat.runtime.targets.fake import new_fake_mode
-        >>> with new_fake_mode(), grouped_mm_in_every_dtype():
-        ...     tokens, experts = torch.empty(10, 8), torch.empty(4, 8, 16)
-        ...     out = torch.nn.functional.grouped_mm(tokens, experts, offs=torch.tensor([3, 5, 8, 10], dtype=torch.int32))
-        >>> out.shape, out.dtype
-        (torch.Size([10, 16]), torch.float32)
+    >>> from lightning_remat.runtime.targets.fake import new_fake_mode
+    >>> with new_fake_mode(), grouped_mm_in_every_dtype():
+    ...     tokens, experts = torch.empty(10, 8), torch.empty(4, 8, 16)
+    ...     out = torch.nn.functional.grouped_mm(tokens, experts, offs=torch.tensor([3, 5, 8, 10], dtype=torch.int32))
+    >>> out.shape, out.dtype
+    (torch.Size([10, 16]), torch.float32)
     """
     from torch._subclasses import fake_impls
 

@@ -84,9 +84,8 @@ def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Pro
 def host_limit_bytes(options: ProfileOptions) -> int:
     """The host memory offloading may use: ``host_memory``, a named GPU's share of a node, or this machine's free.
 
-    Example:
-        >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100", host_memory="64GiB")) // 2**30
-        64
+    >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100", host_memory="64GiB")) // 2**30
+    64
     """
     from ...core.budget import Budget
 

@@ -1,7 +1,4 @@
-"""Plan a sharded (FSDP2) training step for N GPUs in this one process, without them.
-
-The fake twin is sharded with ``fully_shard`` over a fake process group of N ranks, so FSDP2's own code
-allocates what rank 0 of a real run holds (``docs/sharded.md``)."""
+"""Plan an FSDP2 step for N GPUs in one process: the fake twin sharded over a fake group of N ranks."""
 
 from __future__ import annotations
 
@@ -55,10 +52,9 @@ def shard_model(model: nn.Module, units: Sequence[str], mesh: object, mode: obje
 def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtype: torch.dtype | None) -> int:
     """Bytes of unsharded parameters alive together at most: the root's and the two largest units'.
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
-        >>> unsharded_in_flight_bytes(net, ["0", "1", "2"], None)  # the two largest units, 20 floats each
-        160
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> unsharded_in_flight_bytes(net, ["0", "1", "2"], None)  # the two largest units, 20 floats each
+    160
     """
     modules = dict(model.named_modules())
 
@@ -79,9 +75,8 @@ def unsharded_in_flight_bytes(model: nn.Module, units: Sequence[str], param_dtyp
 def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
     """Names of parameters whose first dimension ``world_size`` does not divide (FSDP2 pads them).
 
-    Example:
-        >>> uneven_parameters(nn.Linear(4, 3), 2)
-        ['weight', 'bias']
+    >>> uneven_parameters(nn.Linear(4, 3), 2)
+    ['weight', 'bias']
     """
     return [name for name, p in model.named_parameters() if p.dim() > 0 and p.shape[0] % world_size]
 
@@ -110,11 +105,10 @@ def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: ob
 def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:
     """What a profile records of the sharding of ``model`` over ``world_size`` GPUs.
 
-    Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
-        >>> info = sharding_info(net, 8, None, None)
-        >>> info["world_size"], info["units"], info["padded_parameters"]
-        (8, 4, 6)
+    >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+    >>> info = sharding_info(net, 8, None, None)
+    >>> info["world_size"], info["units"], info["padded_parameters"]
+    (8, 4, 6)
     """
     from ..profiling.candidates import find_stages
 
