@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remat import BudgetTooSmallError, StageAction, apply_plan, measure_step, profile_step, remove_remat, solve
 from lightning_remat.core.calls import owners, tied_dp
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
 from lightning_remat.core.predict import predict
 from lightning_remat.core.solve import solve_segmentation
 from tests.torch_meter import TorchPeak
@@ -77,7 +77,7 @@ def test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute(trunk_twice):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model.blocks[0](torch.zeros(8, 32, 32))
         model.blocks[0](torch.zeros(8, 24, 32))
-    assert first.option("whole").cost_flops + second.option("whole").cost_flops == counter.get_total_flops()
+    assert first.option("whole").costs.flops + second.option("whole").costs.flops == counter.get_total_flops()
     plan = solve(profile, "min", cost="flops")
     assert [a.stage for a in plan.actions] == BLOCKS and [c.stage for c in plan.choices] == BLOCKS
     # On fake tensors: the same places, the same bytes.
@@ -131,7 +131,7 @@ def _tied_profile(rng: random.Random) -> Profile:
         for m in run:
             stages.append(StageProfile(m, tuple(
                 StageOption(f"o{j}", (f"{m}.c{j}",) if j else (), rng.randint(-5, 100) if j else rng.randint(60, 120),
-                            rng.randint(0, 200), float(rng.randint(0, 9) * j), rng.randint(0, 9) * j)
+                            rng.randint(0, 200), Costs(float(rng.randint(0, 9) * j), rng.randint(0, 9) * j))
                 for j in range(options[m])), call=seen.get(m, 0)))
             seen[m] = seen.get(m, 0) + 1
     segments = tuple(Segment(f"s{k}", k, rng.randint(0, 150)) for k in rng.sample(range(len(stages) + 1), 2))

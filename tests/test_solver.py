@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
 from lightning_remat.core.memory_model import plan_cost, predict_peak
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve_segmentation
 from tests.profile_strategies import random_profiles
@@ -72,12 +72,12 @@ def test_min_is_the_least_peak_then_the_least_cost(profile):
 
 
 def _chain(n=5):
-    keep = StageOption("keep", (), 100, 400, 0.0, 0)
+    keep = StageOption("keep", (), 100, 400)
     stages = tuple(
-        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, 1.0 + i, 10 + i))) for i in range(n)
+        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, Costs(1.0 + i, 10 + i)))) for i in range(n)
     )
     return Profile(stages, (Segment("head", n, 300), Segment("optimizer step", 0, 350)), parameter_bytes=200,
-                   baseline_peak_bytes=800, baseline_step_seconds=20.0, baseline_step_flops=200, device="cpu")
+                   baseline_peak_bytes=800, baseline_costs=Costs(time=20.0, flops=200), device="cpu")
 
 
 def test_plan_fields_and_round_trip():
@@ -130,8 +130,8 @@ def test_a_stage_whose_stored_bytes_are_below_zero_is_solved():
     from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
     from lightning_remat.core.solve import least_peak, solve
 
-    first = StageProfile("a", (StageOption("keep", (), -50, 100, 0.0, 0), StageOption("whole", ("a",), -60, 110, 1.0, 5)))
-    second = StageProfile("b", (StageOption("keep", (), 40, 120, 0.0, 0),))
+    first = StageProfile("a", (StageOption("keep", (), -50, 100), StageOption("whole", ("a",), -60, 110, Costs(1.0, 5))))
+    second = StageProfile("b", (StageOption("keep", (), 40, 120),))
     profile = Profile((first, second), (Segment("head", 2, 200),))
     # keep, keep: max(100, -50 + 120, -10 + 200) = 190; whole, keep: max(110, -60 + 120, -20 + 200) = 180
     assert [predict_peak(profile, c) for c in ([0, 0], [1, 0])] == [190, 180]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Callable, Optional, Sequence
 
-from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from .memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 
 
 class Unit(Enum):
@@ -97,6 +97,8 @@ _CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
     # A segment only some profiles have (a calibration one rank needed) is still part of the step.
     Segment: (("name", "stages_alive"), Missing.KEEP),
 }
+# Nodes held one to a field (an option's costs): combined field by field with their holders.
+_NESTED = (Costs,)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ def quantity(owner: type, name: str) -> Quantity | None:
     if annotation == "float":
         return Quantity(Unit.SECONDS)
     if annotation == "int":
-        return Quantity(Unit.COUNT if name.endswith("_flops") else Unit.BYTES)
+        return Quantity(Unit.COUNT if name.endswith("flops") else Unit.BYTES)
     return None
 
 
@@ -139,7 +141,8 @@ def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
     layout = []
     for f in (f for f in fields(owner) if f.init):  # not what a node carries for one reader (gap_figures)
         annotation = _type_name(f.type)
-        child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
+        child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None) or next(
+            (c for c in _NESTED if annotation == c.__name__), None)
         kind = None if child is not None else quantity(owner, f.name)
         layout.append((f.name, None if kind is None else Term(owner, f.name, kind), child))
     return tuple(layout)
@@ -169,6 +172,8 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
     owner = type(present[0])
     out = {}
     for name, term, child in _layout(owner):
+        if child in _NESTED:
+            out[name] = combine([None if n is None else getattr(n, name) for n in nodes], combiner, structure=structure)
         if child is not None:
             continue
         if term is None:
@@ -187,7 +192,7 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
     Raises ValueError for inputs that cannot be aligned.
 
     Example:
-        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)
+        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored)
         >>> low = StageProfile("a", (opt("keep", 10), opt("whole", 1)))
         >>> high = StageProfile("a", (opt("keep", 30),))
         >>> [(o.name, o.stored_bytes) for o in combine([low, high], largest).options]  # "whole": only in low
@@ -197,7 +202,7 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
     owner = type(present[0])
     values = combine_fields(nodes, combiner, structure)
     for name, _, child in _layout(owner):
-        if child is not None:
+        if child in _CHILDREN:
             groups = _align([() if n is None else getattr(n, name) for n in nodes], child)
             values[name] = tuple(combine(group, combiner, structure=structure, derive=derive) for group in groups)
     node = replace(present[0], **values)

@@ -46,13 +46,6 @@ class CostKind(_Words):
         raise ValueError(f"cost must be one of {cls.values()}, got {kind!r}")
 
 
-def cost_of(kind: Any, seconds: float, flops: float, roofline: float) -> float:
-    """The figure of ``kind`` among the three every option and span carries."""
-    if kind == CostKind.ROOFLINE:
-        return roofline
-    return seconds if kind == CostKind.TIME else flops
-
-
 class Policy(_Words):
     """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves)."""
 
