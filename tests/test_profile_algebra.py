@@ -81,7 +81,8 @@ def test_synthetic_profiles_give_every_numeric_field_a_value_of_its_own():
     ints, floats = [v for v in values if isinstance(v, int)], [v for v in values if isinstance(v, float)]
     assert len(set(ints)) == len(ints) and len(set(floats)) == len(floats) and 0 not in values
     assert {"costs", "host_bytes", "offload_limit"} <= {n for n, _ in _numeric(StageOption)}
-    assert "baseline_costs" in {n for n, _ in _numeric(Profile)} and [n for n, _ in _numeric(Costs)] == ["time", "flops", "roofline"]
+    assert "baseline_costs" in {n for n, _ in _numeric(Profile)}
+    assert [n for n, _ in _numeric(Costs)] == ["time", "flops", "roofline"]
 
 
 @pytest.mark.parametrize("batch", [1, 16, 40, 64, 100])
@@ -145,7 +146,8 @@ def _rank(rank: int, ranks: int) -> Profile:
 
 def _flat(node) -> list:
     """The numeric fields of ``node``, a ``Costs`` field's numbers in its place."""
-    return [v for n, kind in _numeric(type(node)) for v in (_flat(getattr(node, n)) if kind == "Costs" else [getattr(node, n)])]
+    return [v for n, kind in _numeric(type(node))
+            for v in (_flat(getattr(node, n)) if kind == "Costs" else [getattr(node, n)])]
 
 
 def _numbers(profile: Profile) -> list:

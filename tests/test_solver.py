@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
-from lightning_remat.core.memory_model import plan_cost, predict_peak
+from lightning_remat.core.memory_model import predict_peak
+from lightning_remat.core.spans import plan_cost_spans
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve_segmentation
 from tests.profile_strategies import random_profiles
 
@@ -26,7 +27,7 @@ def brute_force(profile, budget, kind):
     for choices in all_plans(profile):
         peak = predict_peak(profile, choices)
         if peak <= budget:
-            cost = plan_cost(profile, choices, kind)
+            cost = plan_cost_spans(profile, choices, kind)
             if best is None or cost < best[0]:
                 best = (cost, peak)
     return best
@@ -51,7 +52,7 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
         return
     choices = solve_segmentation(profile, budget, kind).choices
     assert predict_peak(profile, choices) <= budget
-    assert plan_cost(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
+    assert plan_cost_spans(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
     # (plan_from_choices, as solve builds it: a zero-byte budget of a degenerate profile is not a
     # budget solve accepts from a user)
     plan = plan_from_choices(profile, choices, budget, kind)
@@ -68,7 +69,7 @@ def test_min_is_the_least_peak_then_the_least_cost(profile):
     choices = solve_segmentation(profile, "min", "flops").choices
     assert predict_peak(profile, choices) == lowest
     cheapest_at_lowest = brute_force(profile, lowest, "flops")[0]
-    assert plan_cost(profile, choices, "flops") == cheapest_at_lowest
+    assert plan_cost_spans(profile, choices, "flops") == cheapest_at_lowest
 
 
 def _chain(n=5):

@@ -22,13 +22,11 @@ from .vocabulary import CostKind
 
 @dataclass(frozen=True)
 class Costs:
-    """What running something again costs, one figure per ``CostKind`` (the field named as its value), read as
-    ``costs[kind]``: a new cost kind is its member there and its field here.
+    """A recompute's cost per ``CostKind``, read as ``costs[kind]``: one field per kind, named as its value.
 
     Example:
-        >>> c = Costs(time=0.5, flops=10)
-        >>> c["flops"], c[CostKind.ROOFLINE], c + Costs(flops=2)
-        (10, 0.0, Costs(time=0.5, flops=12, roofline=0.0))
+        >>> Costs(time=0.5, flops=10)["flops"], Costs(flops=10) + Costs(roofline=0.5)
+        (10, Costs(time=0.0, flops=10, roofline=0.5))
     """
 
     time: float = 0.0  # measured seconds (a fake profile's: its FLOPs at the target's rate, ``priced``)
@@ -210,8 +208,7 @@ class Profile:
 
 
 def seconds_per_flop(seconds: float, flops: float) -> float:
-    """The rate at which counted FLOPs become seconds: ``seconds`` over the ``flops`` (at least 1) run in them (a
-    measured step's; a device's: one second over its training FLOP/s). FLOPs times it are seconds (``priced``)."""
+    """Seconds per FLOP of ``flops`` (at least 1) run in ``seconds``: the rate FLOPs become seconds at (``priced``)."""
     return seconds / max(1, flops)
 
 
@@ -295,8 +292,3 @@ def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
     """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``."""
     term = binding_term(peak_terms(profile, choices))
     return 0 if term is None else term.bytes
-
-
-def plan_cost(profile: Profile, choices: Sequence[int], kind: str) -> float:
-    """Total recompute cost of ``choices`` in the unit of ``kind``."""
-    return sum(stage.options[c].costs[kind] for stage, c in zip(profile.stages, choices))

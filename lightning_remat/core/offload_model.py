@@ -59,8 +59,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
 
 
 def _transfer(seconds: float, flops_per_second: float) -> Costs:
-    """A transfer of ``seconds`` in every cost kind: as FLOPs, those the device could have run meanwhile."""
-    return Costs(seconds, int(seconds * flops_per_second), seconds)
+    return Costs(seconds, int(seconds * flops_per_second), seconds)  # as FLOPs: those the device could run meanwhile
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:

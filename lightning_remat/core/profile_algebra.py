@@ -97,8 +97,6 @@ _CHILDREN: dict[type, tuple[tuple[str, ...] | None, Missing]] = {
     # A segment only some profiles have (a calibration one rank needed) is still part of the step.
     Segment: (("name", "stages_alive"), Missing.KEEP),
 }
-# Nodes held one to a field (an option's costs): combined field by field with their holders.
-_NESTED = (Costs,)
 
 
 @dataclass(frozen=True)
@@ -141,8 +139,8 @@ def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
     layout = []
     for f in (f for f in fields(owner) if f.init):  # not what a node carries for one reader (gap_figures)
         annotation = _type_name(f.type)
-        child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None) or next(
-            (c for c in _NESTED if annotation == c.__name__), None)
+        child = Costs if annotation == "Costs" else next(  # Costs: one node, combined with the node holding it
+            (c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
         kind = None if child is not None else quantity(owner, f.name)
         layout.append((f.name, None if kind is None else Term(owner, f.name, kind), child))
     return tuple(layout)
@@ -172,7 +170,7 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
     owner = type(present[0])
     out = {}
     for name, term, child in _layout(owner):
-        if child in _NESTED:
+        if child is Costs:
             out[name] = combine([None if n is None else getattr(n, name) for n in nodes], combiner, structure=structure)
         if child is not None:
             continue

@@ -168,8 +168,7 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   options: ProfileOptions, compiled: bool = False) -> Profile:
     """``_profile`` on a fake twin of the model (and optimizer), costs priced from FLOPs."""
-    gpu = options.gpu
-    rate = seconds_per_flop(1.0, training_flops_per_second(options.device or "cuda", gpu)) if gpu is not None else 0.0
+    rate = seconds_per_flop(1.0, training_flops_per_second("cuda", options.gpu)) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
     sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
     if autocast is not None and not sharded:
