@@ -59,7 +59,7 @@ def plan_overhead(profile, plan, kind: str) -> float:
             choices.append(0)
         else:
             choices.append([o.name for o in stage.options].index(choice.option))
-    return plan_cost_spans(profile, choices, kind, sorted(spans)) / profile.baseline_cost(kind)
+    return plan_cost_spans(profile, choices, kind, sorted(spans)) / profile.baseline_costs[kind]
 
 
 def predicted_overheads(profile, plan) -> dict[str, float]:

@@ -88,7 +88,7 @@ def run(name: str) -> dict:
                            options=ProfileOptions(fake=True, precision="bf16-mixed", gpu="h100", policies=None))
     seconds = time.perf_counter() - start
     static, activations = profile.static_bytes, profile.baseline_activation_bytes
-    base = profile.baseline_cost("roofline")
+    base = profile.baseline_costs["roofline"]
 
     def row(config, peak, overhead, detail=""):
         fraction = None if peak is None else (peak - static) / activations

@@ -59,7 +59,7 @@ from torch import nn  # noqa: E402
 from lightning_remat import format_bytes  # noqa: E402
 from lightning_remat.runtime.installing.apply import apply_plan  # noqa: E402
 from lightning_remat.runtime.measuring.measure import count_step_flops, measure_step  # noqa: E402
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile  # noqa: E402
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile  # noqa: E402
 from lightning_remat.models import MODEL_NAMES, build  # noqa: E402
 from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
 from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
@@ -415,13 +415,12 @@ def synthetic_profile(stages: int = 1000, seed: int = 0, jitter: float = 0.0) ->
             # Gradients accumulate during backward: the later the stage, the more exist already.
             grads = int(2 * 2**30 * (stages - i) / stages)
             options.append(StageOption(name, (f"layers.{i}",) if name == "whole" else (f"layers.{i}.{name}",),
-                                       stored, static + grads + transient, float(flops) * 1e-12, flops))
+                                       stored, static + grads + transient, Costs(float(flops) * 1e-12, flops)))
         total_flops += 3 * group[1][3]
         stage_profiles.append(StageProfile(f"layers.{i}", tuple(options), saved_bytes=options[0].stored_bytes))
     segments = (Segment("head and loss", stages, static + 600 * mib), Segment("optimizer step", 0, int(1.5 * static)))
     profile = Profile(tuple(stage_profiles), segments, parameter_bytes=static // 4, gradient_bytes=static // 4,
-                      optimizer_state_bytes=static // 2, baseline_step_flops=total_flops,
-                      baseline_step_seconds=total_flops * 1e-12)
+                      optimizer_state_bytes=static // 2, baseline_costs=Costs(time=total_flops * 1e-12, flops=total_flops))
     profile = profile.with_baseline()
     return profile
 

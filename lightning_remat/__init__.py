@@ -19,7 +19,7 @@ from .core.errors import (AlreadyCheckpointedError, BatchSizeTooSmallBudgetError
                           PlanFormatError, PlanMismatchError, PlanningFailedError, RematError, SkippedStepError,
                           StepError, UnsupportedSetupError,
                           UnsupportedShardingError)
-from .core.memory_model import Profile, Segment, StageOption, StageProfile
+from .core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 from .core.plan import Plan, StageAction, StageChoice
 from .core.solve import solve
 
@@ -55,6 +55,7 @@ __all__ = [
     "Budget",
     "BudgetTooSmallError",
     "ConflictingArgumentsError",
+    "Costs",
     "FakeProfileError",
     "InstallationMismatchError",
     "InvalidPlanError",

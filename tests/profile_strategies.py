@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from lightning_remat import Profile, Segment, StageOption, StageProfile
+from lightning_remat import Costs, Profile, Segment, StageOption, StageProfile
 
 POLICIES = ("", "save_matmuls", "save_attention")
 
@@ -27,10 +27,10 @@ def random_profiles(draw, max_stages: int = 8, max_options: int = 3, policies: b
                 name=f"sac:{policy}" if policy else ["keep", "whole", "o2"][j],
                 checkpointed=() if j == 0 else ((f"s{i}",) if policy else (f"s{i}.o{j}",)),
                 stored_bytes=draw(st.integers(0, 1000)), local_peak_bytes=draw(st.integers(0, 3000)),
-                cost_seconds=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
-                cost_flops=0 if j == 0 else draw(st.integers(0, 1000)),
-                policy=policy,
-                cost_roofline=0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False))))
+                costs=Costs(0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
+                            0 if j == 0 else draw(st.integers(0, 1000)),
+                            0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False))),
+                policy=policy))
         stages.append(StageProfile(f"s{i}", tuple(options)))
     segments = tuple(Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
                      for k in range(draw(st.integers(0, 4))))
@@ -39,5 +39,5 @@ def random_profiles(draw, max_stages: int = 8, max_options: int = 3, policies: b
         a = draw(st.integers(0, n - 1))
         b = draw(st.integers(a, n))
         groups.append(tuple(f"s{i}" for i in range(a, b)))
-    return Profile(stages=tuple(stages), segments=segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
-                   baseline_step_roofline=10.0, span_groups=tuple(groups))
+    return Profile(stages=tuple(stages), segments=segments, baseline_costs=Costs(time=10.0, flops=1000, roofline=10.0),
+                   span_groups=tuple(groups))

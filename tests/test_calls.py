@@ -14,9 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remat import BudgetTooSmallError, StageAction, apply_plan, measure_step, profile_step, remove_remat, solve
 from lightning_remat.core.calls import owners, tied_dp
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, plan_cost, predict_peak
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 from lightning_remat.core.predict import predict
 from lightning_remat.core.solve import solve_segmentation
+from lightning_remat.core.spans import plan_cost_spans
 from tests.torch_meter import TorchPeak
 
 
@@ -77,7 +78,7 @@ def test_each_run_of_the_trunk_is_a_place_and_costs_its_recompute(trunk_twice):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model.blocks[0](torch.zeros(8, 32, 32))
         model.blocks[0](torch.zeros(8, 24, 32))
-    assert first.option("whole").cost_flops + second.option("whole").cost_flops == counter.get_total_flops()
+    assert first.option("whole").costs.flops + second.option("whole").costs.flops == counter.get_total_flops()
     plan = solve(profile, "min", cost="flops")
     assert [a.stage for a in plan.actions] == BLOCKS and [c.stage for c in plan.choices] == BLOCKS
     # On fake tensors: the same places, the same bytes.
@@ -131,7 +132,7 @@ def _tied_profile(rng: random.Random) -> Profile:
         for m in run:
             stages.append(StageProfile(m, tuple(
                 StageOption(f"o{j}", (f"{m}.c{j}",) if j else (), rng.randint(-5, 100) if j else rng.randint(60, 120),
-                            rng.randint(0, 200), float(rng.randint(0, 9) * j), rng.randint(0, 9) * j)
+                            rng.randint(0, 200), Costs(float(rng.randint(0, 9) * j), rng.randint(0, 9) * j))
                 for j in range(options[m])), call=seen.get(m, 0)))
             seen[m] = seen.get(m, 0) + 1
     segments = tuple(Segment(f"s{k}", k, rng.randint(0, 150)) for k in rng.sample(range(len(stages) + 1), 2))
@@ -158,7 +159,7 @@ def test_tied_solver_equals_exhaustive_search_over_tied_plans_with_and_without_f
         least = min(peaks)
         assert predict_peak(profile, tied_dp(profile, None, "flops")) == least
         budget = rng.randint(least - 5, max(peaks) + 5)
-        fitting = [plan_cost(profile, c, "flops") for c, p in zip(plans, peaks) if p <= budget]
+        fitting = [plan_cost_spans(profile, c, "flops") for c, p in zip(plans, peaks) if p <= budget]
         found = tied_dp(profile, budget, "flops")
         if not fitting:
             assert found is None
@@ -166,7 +167,7 @@ def test_tied_solver_equals_exhaustive_search_over_tied_plans_with_and_without_f
                 solve(profile, budget, cost="flops")
             continue
         assert predict_peak(profile, found) <= budget
-        assert plan_cost(profile, found, "flops") == min(fitting)
+        assert plan_cost_spans(profile, found, "flops") == min(fitting)
         assert solve(profile, budget, cost="flops").predicted_peak_bytes <= budget
         # The same through the solver's entry, which takes the chain DP where no module is tied.
-        assert plan_cost(profile, solve_segmentation(profile, budget, "flops").choices, "flops") == min(fitting)
+        assert plan_cost_spans(profile, solve_segmentation(profile, budget, "flops").choices, "flops") == min(fitting)

@@ -113,12 +113,12 @@ def test_compiled_pricing_makes_pointwise_recompute_free_and_the_plan_takes_it()
         policy, whole = mine.option("sac:save_matmuls"), mine.option("whole")
         # The policy recomputes only the pointwise chain: fused into the backward, free (but for
         # the nanosecond that keeps a stage where memory allows).
-        assert policy.cost_roofline == TIE_SECONDS < theirs.option("sac:save_matmuls").cost_roofline
-        assert policy.cost_seconds == TIE_SECONDS < theirs.option("sac:save_matmuls").cost_seconds
+        assert policy.costs.roofline == TIE_SECONDS < theirs.option("sac:save_matmuls").costs.roofline
+        assert policy.costs.time == TIE_SECONDS < theirs.option("sac:save_matmuls").costs.time
         # A whole block keeps the price of its matmuls; FLOPs and memory are the same either way.
-        assert 0.0 < whole.cost_roofline < theirs.option("whole").cost_roofline
-        assert [(o.cost_flops, o.stored_bytes) for o in mine.options] == [
-            (o.cost_flops, o.stored_bytes) for o in theirs.options]
+        assert 0.0 < whole.costs.roofline < theirs.option("whole").costs.roofline
+        assert [(o.costs.flops, o.stored_bytes) for o in mine.options] == [
+            (o.costs.flops, o.stored_bytes) for o in theirs.options]
     # Between the least peak and the baseline, the compiled profile's plans recompute the pointwise
     # chain (the policy) where the eager profile's recompute whole blocks or keep them.
     low, high = least_peak(eager), eager.baseline_peak_bytes

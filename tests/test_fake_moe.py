@@ -35,7 +35,7 @@ def test_moe_is_planned_on_fake_tensors_for_an_h100_in_every_precision(precision
     plan = plan_remat(model, step, "min", **options)
     assert plan.checkpointed and plan.predicted_peak_bytes < profile.baseline_peak_bytes
     # Recomputing the MLP recomputes the experts' grouped matmuls: their FLOPs are counted.
-    assert all(s.option("mlp").cost_flops > MLP_FLOPS for s in profile.stages)
+    assert all(s.option("mlp").costs.flops > MLP_FLOPS for s in profile.stages)
     assert all(p.device.type == "cpu" and not type(p).__name__.startswith("Fake") for p in model.parameters())
 
 
@@ -44,12 +44,12 @@ def test_a_float32_moe_on_fake_tensors_equals_its_real_profile():
     real = profile_step(model, step, optimizer=optimizer)
     fake = profile_step(model, step, optimizer=optimizer, fake=True)
     def figures(profile):  # memory and FLOPs (a fake profile has no time)
-        return [[(o.name, o.stored_bytes, o.local_peak_bytes, o.cost_flops, o.shared_held) for o in s.options]
+        return [[(o.name, o.stored_bytes, o.local_peak_bytes, o.costs.flops, o.shared_held) for o in s.options]
                 for s in profile.stages]
 
     assert figures(fake) == figures(real)
     assert fake.segments == real.segments and fake.baseline_peak_bytes == real.baseline_peak_bytes
-    assert fake.baseline_step_flops == real.baseline_step_flops
+    assert fake.baseline_costs.flops == real.baseline_costs.flops
 
 
 def test_experts_routed_by_data_dependent_shapes_are_planned_as_grouped_matmuls():
@@ -57,5 +57,5 @@ def test_experts_routed_by_data_dependent_shapes_are_planned_as_grouped_matmuls(
     model.set_experts_implementation("eager")  # each expert's tokens by nonzero / where
     profile = profile_step(model, step, optimizer=optimizer, fake=True, gpu="h100")
     assert any("experts_implementation='eager'" in note for note in profile.notes)
-    assert all(s.option("mlp").cost_flops > MLP_FLOPS for s in profile.stages)
+    assert all(s.option("mlp").costs.flops > MLP_FLOPS for s in profile.stages)
     assert model.get_experts_implementation()[""] == "eager"  # the user's setting, put back

@@ -177,6 +177,6 @@ def test_cost_time_prices_fake_profiles_at_the_seconds_of_a_measured_step():
     assert plans.calibrate(plan.predicted_peak_bytes, seconds=0.5)  # re-priced: the plans are solved again
     repriced = plans.use(token_batches(1)[0])
     profile = plans.profile_of(repriced)
-    step_flops = profile.baseline_step_flops * (1 + repriced.predicted_overhead)
-    assert abs(profile.baseline_step_seconds / profile.baseline_step_flops * step_flops - 0.5) < 1e-9
+    step_flops = profile.baseline_costs.flops * (1 + repriced.predicted_overhead)
+    assert abs(profile.baseline_costs.time / profile.baseline_costs.flops * step_flops - 0.5) < 1e-9
     assert repriced.actions == plan.actions and not plans.calibrate(plan.predicted_peak_bytes, seconds=9.0)

@@ -96,7 +96,7 @@ def test_autoremat_calibrates_by_the_first_step_and_prices_time_from_a_measured_
     assert callback.plan.predicted_overhead > plain.plan.predicted_overhead
     profile = plans.profile_of(callback.plan)
     # Priced at the measured step's seconds per FLOP (before it: a placeholder of 1e-12).
-    assert callback.plan.cost_kind == "time" and profile.baseline_step_seconds > 1e-11 * profile.baseline_step_flops
+    assert callback.plan.cost_kind == "time" and profile.baseline_costs.time > 1e-11 * profile.baseline_costs.flops
 
 
 # ------------------------------------------------------------------------------ Accelerate

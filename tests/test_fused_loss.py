@@ -19,7 +19,7 @@ import torch
 from lightning_remat import CausalLMLoss, apply_plan, profile_step, remove_remat, solve
 from lightning_remat.core.actions import StageAction
 from lightning_remat.core.head_cost import HeadShape
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 from lightning_remat.core.plan import Plan
 from lightning_remat.models import build
 from lightning_remat.runtime.profiling.loss_stage import HeadFigures, with_head_stage
@@ -124,7 +124,7 @@ def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percen
     assert [o.name for o in head.options] == ["keep", *(f"chunks:{k}" for k in (2, 4, 8, 16, 32)),
                                               *(f"fused:{k}" for k in (2, 4, 8, 16, 32))]
     fused = [o for o in head.options if o.fused]
-    assert all(o.cost_flops == o.chunks for o in fused)  # no recompute FLOPs, one per chunk to rank them
+    assert all(o.costs.flops == o.chunks for o in fused)  # no recompute FLOPs, one per chunk to rank them
     assert min(o.local_peak_bytes for o in fused) < head.options[0].local_peak_bytes
     # Fused options only: the least peak planned with them, applied and measured.
     only = replace(profile, stages=(*profile.stages[:-1], replace(head, options=(head.options[0], *fused))))
@@ -139,10 +139,10 @@ def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percen
 
 def _priced(head_peaks: dict[str, int], layer_cost: float) -> Profile:
     """A layer (recomputed: stores 100 B, costs ``layer_cost`` s) and a Llama-3-8B-wide frozen head at 4K tokens."""
-    keep = StageOption("keep", (), 1000, 1000, 0.0, 0)
-    whole = StageOption("whole", ("h.0",), 100, 1100, layer_cost, 10**12, cost_roofline=layer_cost)
+    keep = StageOption("keep", (), 1000, 1000)
+    whole = StageOption("whole", ("h.0",), 100, 1100, Costs(layer_cost, 10**12, layer_cost))
     profile = Profile((StageProfile("h.0", (keep, whole)),), (Segment("between stages (1 stored)", 1, 5000),),
-                      baseline_step_seconds=1.0, baseline_step_flops=10**15)
+                      baseline_costs=Costs(time=1.0, flops=10**15))
     shape = HeadShape(tokens=4096, hidden=4096, vocab=128256, compute_bytes=2, param_bytes=2, trains=False)
     figures = HeadFigures("lm_head", 1, shape, 5000, {8: head_peaks["chunks"]}, {8: head_peaks["fused"]})
     return with_head_stage(profile, figures, 989e12, 3.35e12)  # an H100's dense bf16 FLOP/s and bandwidth
@@ -153,7 +153,7 @@ def test_the_planner_picks_fused_over_recomputed_chunks_at_an_equal_peak(cost):
     profile = _priced({"chunks": 2000, "fused": 2000}, layer_cost=1e-3)
     options = {o.name: o for o in profile.stages[-1].options}
     # Recomputed: the projection's 4.3 TFLOP and the loss's logits-sized work again; fused: its gradients' copies.
-    assert options["chunks:8"].cost_roofline > 100 * options["fused:8"].cost_roofline > 0
+    assert options["chunks:8"].costs.roofline > 100 * options["fused:8"].costs.roofline > 0
     plan = solve(profile, 3000, cost=cost)  # only a chunked head reaches it
     assert plan.fused_loss == {"lm_head": 8} and plan.predicted_peak_bytes == 3000
 

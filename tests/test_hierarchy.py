@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Plan, Profile, Segment, StageAction, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Costs, Plan, Profile, Segment, StageAction, StageOption, StageProfile, solve
 from lightning_remat.core.predict import predict
 from lightning_remat.core.solve import least_peak, solve_segmentation
 from lightning_remat.core.spans import plan_cost_spans, predict_peak_spans
@@ -56,16 +56,16 @@ def trees(draw, max_stages=7):
     top = build_node(0, n, 0)
     stages = []
     for i in range(n):
-        options = [StageOption("keep", (), draw(st.integers(0, 1000)), draw(st.integers(0, 3000)), 0.0, 0)]
+        options = [StageOption("keep", (), draw(st.integers(0, 1000)), draw(st.integers(0, 3000)))]
         for j, name in enumerate(["whole", "o2"][:draw(st.integers(0, 2))]):
             options.append(StageOption(name, (f"s{i}",) if name == "whole" else (f"s{i}.c",),
                                        draw(st.integers(0, 1000)), draw(st.integers(0, 3000)),
-                                       draw(st.floats(0.0, 10.0)), draw(st.integers(0, 1000))))
+                                       Costs(draw(st.floats(0.0, 10.0)), draw(st.integers(0, 1000)))))
         stages.append(StageProfile(f"s{i}", tuple(options)))
     segments = tuple(Segment(f"g{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
                      for k in range(draw(st.integers(0, 3))))
     names = [s.name for s in stages]
-    profile = Profile(tuple(stages), segments, baseline_step_seconds=10.0, baseline_step_flops=1000,
+    profile = Profile(tuple(stages), segments, baseline_costs=Costs(time=10.0, flops=1000),
                       span_groups=tuple(tuple(names[i] for i in g) for g in groups),
                       blocks=tuple((f"b{a}_{b}", tuple(names[a:b + 1])) for a, b in blocks))
     return profile, top, groups
@@ -143,15 +143,15 @@ def test_solve_is_exact_over_blocks_whole_or_through_their_children(drawn, fract
 def _nested_profile():
     # Block "b" chains b.0 and b.1; recomputed whole it stores only b.1's output (60) where its
     # children recomputed alone store 60 each, and stage "c" after it peaks on top of what they store.
-    keep = StageOption("keep", (), 100, 110, 0.0, 0)
-    stages = tuple(StageProfile(n, (keep, StageOption("whole", (n,), 60, 120, 1.0, 5))) for n in ("b.0", "b.1"))
-    last = StageProfile("c", (StageOption("keep", (), 0, 300, 0.0, 0),))
-    return Profile((*stages, last), (), baseline_peak_bytes=500, baseline_step_flops=100, blocks=(("b", ("b.0", "b.1")),))
+    keep = StageOption("keep", (), 100, 110)
+    stages = tuple(StageProfile(n, (keep, StageOption("whole", (n,), 60, 120, Costs(1.0, 5)))) for n in ("b.0", "b.1"))
+    last = StageProfile("c", (StageOption("keep", (), 0, 300),))
+    return Profile((*stages, last), (), baseline_peak_bytes=500, baseline_costs=Costs(flops=100), blocks=(("b", ("b.0", "b.1")),))
 
 
 def test_a_block_recomputed_whole_is_one_action_predicted_and_round_tripped():
     profile = _nested_profile()
-    without = Profile(profile.stages, profile.segments, baseline_peak_bytes=500, baseline_step_flops=100)
+    without = Profile(profile.stages, profile.segments, baseline_peak_bytes=500, baseline_costs=Costs(flops=100))
     assert (least_peak(profile), least_peak(without)) == (360, 420)
     plan = solve(profile, "min", cost="flops")
     assert "b" in plan.checkpointed and not {"b.0", "b.1"} & set(plan.checkpointed)

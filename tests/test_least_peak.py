@@ -105,7 +105,8 @@ def test_a_shared_input_counted_once_never_costs_more_and_the_plan_fits(raw, nby
     # more than the best plan the additive model alone allows.
     import itertools
 
-    from lightning_remat.core.memory_model import plan_cost, predict_peak
+    from lightning_remat.core.memory_model import predict_peak
+    from lightning_remat.core.spans import plan_cost_spans
     from lightning_remat.core.shared_held import exact_peak, slack
     from lightning_remat.core.solve import solve_segmentation
     from lightning_remat import BudgetTooSmallError
@@ -116,7 +117,7 @@ def test_a_shared_input_counted_once_never_costs_more_and_the_plan_fits(raw, nby
         assert predict_peak(profile, choices) - slack(profile) <= exact_peak(profile, choices) <= predict_peak(profile, choices)
     peaks = sorted(exact_peak(profile, c) for c in plans)
     budget = int(peaks[0] + fraction * (peaks[-1] - peaks[0]))
-    additive = [plan_cost(profile, c, "flops") for c in plans if predict_peak(profile, c) <= budget]
+    additive = [plan_cost_spans(profile, c, "flops") for c in plans if predict_peak(profile, c) <= budget]
     try:
         choices = solve_segmentation(profile, budget, "flops").choices
     except BudgetTooSmallError as err:
@@ -125,4 +126,4 @@ def test_a_shared_input_counted_once_never_costs_more_and_the_plan_fits(raw, nby
         assert not additive and err.smallest_peak_bytes in peaks
         return
     assert exact_peak(profile, choices) <= budget
-    assert not additive or plan_cost(profile, choices, "flops") <= min(additive) + 1e-9
+    assert not additive or plan_cost_spans(profile, choices, "flops") <= min(additive) + 1e-9

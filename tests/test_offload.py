@@ -162,7 +162,7 @@ def test_fake_planning_with_offload_beats_recompute_only_at_a_tight_budget():
     assert all(s.option("offload").host_bytes > 0 for s in both.stages)
     # "offload:hidden" moves what the link carries while the next stage computes, at no cost.
     hidden = [s.option("offload:hidden") for s in both.stages[:-1]]
-    assert all(0 < o.host_bytes and o.cost_seconds == 0 for o in hidden), hidden
+    assert all(0 < o.host_bytes and o.costs.time == 0 for o in hidden), hidden
     # The offload option's memory run: what stays on the device is far less than keep's.
     assert all(s.option("offload").stored_bytes < s.options[0].stored_bytes / 2 for s in both.stages)
     only = replace_profile_without_offload(both)
@@ -219,13 +219,13 @@ def test_plan_round_trip_summary_and_metrics():
 
 def test_host_memory_too_small_is_a_clear_error():
     from lightning_remat.core.errors import RematError
-    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
     from lightning_remat.core.offload_model import solve_within_host
     from lightning_remat.core.solve import solve
 
-    keep = StageOption("keep", (), 100, 100, 0.0, 0)
-    off = StageOption("offload", (), 0, 60, 0.1, 1, offloaded=("a",), host_bytes=100)
-    whole = StageOption("whole", ("a",), 10, 120, 1.0, 10)
+    keep = StageOption("keep", (), 100, 100)
+    off = StageOption("offload", (), 0, 60, Costs(0.1, 1), offloaded=("a",), host_bytes=100)
+    whole = StageOption("whole", ("a",), 10, 120, Costs(1.0, 10))
     profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
     assert solve_within_host(profile, 100, lambda p: solve(p, 70)).offloaded == ["a"]
     with pytest.raises(RematError, match="host memory.*has 99 B free"):
@@ -314,7 +314,7 @@ def test_host_memory_defaults_to_the_targets_and_can_be_set(monkeypatch):
     from lightning_remat.core.config import ProfileOptions, RematConfig
     from lightning_remat.core.errors import RematError
     from lightning_remat.core.hardware import HOST_MEMORY
-    from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
     from lightning_remat.integrations.cli import _parser as build_parser
     from lightning_remat.runtime.targets import offload_link
     from lightning_remat.service.planning import Planner
@@ -326,9 +326,9 @@ def test_host_memory_defaults_to_the_targets_and_can_be_set(monkeypatch):
     with pytest.raises(ValueError, match="host_memory must be a size"):
         ProfileOptions(fake=True, gpu="h100", host_memory="50%")
     # The planner solves within it (only offloading fits 2100 B): 2 KiB offloaded fits the H100's default, not host_memory=1kB.
-    keep = StageOption("keep", (), 2048, 2048, 0.0, 0)
-    off = StageOption("offload", (), 0, 2048, 0.1, 1, offloaded=("a",), host_bytes=2048)
-    whole = StageOption("whole", ("a",), 10, 4000, 1.0, 10)
+    keep = StageOption("keep", (), 2048, 2048)
+    off = StageOption("offload", (), 0, 2048, Costs(0.1, 1), offloaded=("a",), host_bytes=2048)
+    whole = StageOption("whole", ("a",), 10, 4000, Costs(1.0, 10))
     profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 100),))
     target = nn.Linear(2, 2)
     plan = Planner(RematConfig(2100, profile=ProfileOptions(fake=True, gpu="h100"))).solve_profile(target, profile)

@@ -43,10 +43,10 @@ def test_stages_are_blocks_in_execution_order_with_heavy_children_as_options():
     assert [o.name for o in stage.options][:2] == ["keep", "whole"]
     assert {"attn", "mlp"} <= {o.name for o in stage.options}
     keep, whole = stage.option("keep"), stage.option("whole")
-    assert whole.stored_bytes < keep.stored_bytes and keep.cost_flops == 0 < whole.cost_flops
+    assert whole.stored_bytes < keep.stored_bytes and keep.costs.flops == 0 < whole.costs.flops
     assert stage.saved_bytes > 0 and stage.input_bytes > 0 and stage.output_bytes > 0
-    assert stage.forward_flops == whole.cost_flops and stage.forward_seconds > 0
-    assert profile.baseline_step_flops > 2 * sum(s.forward_flops for s in profile.stages)
+    assert stage.forward_flops == whole.costs.flops and stage.forward_seconds > 0
+    assert profile.baseline_costs.flops > 2 * sum(s.forward_flops for s in profile.stages)
 
 
 def test_candidates_by_class_name_or_pattern_and_unknown_ones():
@@ -97,7 +97,7 @@ def test_identical_layers_share_their_measured_seconds_and_the_rest_stays_measur
     the median of the blocks' measured seconds; FLOPs and bytes stay as measured."""
     case = build("gpt2", layers=4, hidden=64, seq_len=32, batch_size=2)
     profile = profile_step(case.model, case.step)
-    seconds = [tuple(o.cost_seconds for o in s.options) for s in profile.stages]
+    seconds = [tuple(o.costs.time for o in s.options) for s in profile.stages]
     assert len(set(seconds)) == 1 and seconds[0][0] == 0.0 and all(t > 0 for t in seconds[0][1:])
     assert len({s.forward_seconds for s in profile.stages}) == 1
-    assert len({tuple(o.cost_flops for o in s.options) for s in profile.stages}) == 1
+    assert len({tuple(o.costs.flops for o in s.options) for s in profile.stages}) == 1

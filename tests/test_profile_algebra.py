@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 import pytest
 
 from lightning_remat.core.batch_fit import ProfileFit
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 from lightning_remat.service.sharded import merge_profiles
 
 # Memory no batch changes. Every other number grows with the batch.
@@ -26,11 +26,11 @@ STRUCTURAL_NUMBERS = {"stages_alive", "shared_saving", "call"}
 
 
 def _numeric(cls: type) -> list[tuple[str, str]]:
-    """(name, "int" or "float") of every numeric field of ``cls``."""
+    """(name, "int", "float" or "Costs") of every numeric field of ``cls`` (``Costs``: one number per cost kind)."""
     out = []
     for f in fields(cls):
         kind = f.type if isinstance(f.type, str) else f.type.__name__
-        if kind in ("int", "float") and f.name not in STRUCTURAL_NUMBERS and f.name != "baseline_peak_bytes":
+        if kind in ("int", "float", "Costs") and f.name not in STRUCTURAL_NUMBERS and f.name != "baseline_peak_bytes":
             out.append((f.name, kind))
     return out
 
@@ -42,6 +42,9 @@ def _values(cls: type, seed: int, batch: int, static: int) -> dict:
     out = {}
     for k, (name, kind) in enumerate(_numeric(cls)):
         slope = 1 + k + 100 * seed
+        if kind == "Costs":
+            out[name] = Costs(**_values(Costs, 1000 + seed, batch, static))
+            continue
         if name in STATIC:
             value = 10**6 * (k + 1) + seed
         elif name in PEAKS:
@@ -72,13 +75,14 @@ def _profile(batch: int, static_seed: int = 0) -> Profile:
 
 def test_synthetic_profiles_give_every_numeric_field_a_value_of_its_own():
     profile = _profile(16)
-    values = [getattr(o, n) for s in profile.stages for o in s.options for n, _ in _numeric(StageOption)]
-    values += [getattr(s, n) for s in profile.stages for n, _ in _numeric(StageProfile)]
-    values += [getattr(profile, n) for n, _ in _numeric(Profile)]
+    values = [v for s in profile.stages for o in s.options for v in _flat(o)]
+    values += [v for s in profile.stages for v in _flat(s)]
+    values += _flat(profile)
     ints, floats = [v for v in values if isinstance(v, int)], [v for v in values if isinstance(v, float)]
     assert len(set(ints)) == len(ints) and len(set(floats)) == len(floats) and 0 not in values
-    assert {"cost_roofline", "host_bytes", "offload_limit", "cost_flops"} <= {n for n, _ in _numeric(StageOption)}
-    assert "baseline_step_roofline" in {n for n, _ in _numeric(Profile)}
+    assert {"costs", "host_bytes", "offload_limit"} <= {n for n, _ in _numeric(StageOption)}
+    assert "baseline_costs" in {n for n, _ in _numeric(Profile)}
+    assert [n for n, _ in _numeric(Costs)] == ["time", "flops", "roofline"]
 
 
 @pytest.mark.parametrize("batch", [1, 16, 40, 64, 100])
@@ -98,23 +102,22 @@ def test_batch_fit_from_one_profile_scales_every_numeric_field_in_proportion(bat
 def test_batch_fit_scales_roofline_costs():
     # The issue's figures: at 64, fitted from 16 and 64, the roofline cost stayed at 16's (4x low).
     def profile(batch):
-        options = (StageOption("keep", (), 100 * batch, 200 * batch, 0.0, 0),
-                   StageOption("whole", ("a",), 10 * batch, 150 * batch, 1e-3 * batch, 5 * batch,
-                               cost_roofline=1.1e-05 * batch / 16))
-        p = Profile((StageProfile("a", options),), (), baseline_step_roofline=4e-05 * batch / 16)
+        options = (StageOption("keep", (), 100 * batch, 200 * batch),
+                   StageOption("whole", ("a",), 10 * batch, 150 * batch, Costs(1e-3 * batch, 5 * batch, 1.1e-05 * batch / 16)))
+        p = Profile((StageProfile("a", options),), (), baseline_costs=Costs(roofline=4e-05 * batch / 16))
         return p.with_baseline()
 
     fit = ProfileFit([(16, profile(16)), (64, profile(64))])
     at_64 = fit.at(64)
-    assert at_64.stages[0].option("whole").cost_roofline == pytest.approx(4.4e-05)
-    assert at_64.baseline_step_roofline == pytest.approx(1.6e-04)
+    assert at_64.stages[0].option("whole").costs.roofline == pytest.approx(4.4e-05)
+    assert at_64.baseline_costs.roofline == pytest.approx(1.6e-04)
     at_40 = fit.at(40)
-    assert at_40.stages[0].option("whole").cost_roofline == pytest.approx(1.1e-05 * 40 / 16)
-    assert at_40.baseline_cost("roofline") == pytest.approx(4e-05 * 40 / 16)
+    assert at_40.stages[0].option("whole").costs.roofline == pytest.approx(1.1e-05 * 40 / 16)
+    assert at_40.baseline_costs["roofline"] == pytest.approx(4e-05 * 40 / 16)
     # One profile: in proportion to the batch.
     alone = ProfileFit([(16, profile(16))]).at(32)
-    assert alone.stages[0].option("whole").cost_roofline == pytest.approx(2.2e-05)
-    assert alone.baseline_step_roofline == pytest.approx(8e-05)
+    assert alone.stages[0].option("whole").costs.roofline == pytest.approx(2.2e-05)
+    assert alone.baseline_costs.roofline == pytest.approx(8e-05)
 
 
 def _rank(rank: int, ranks: int) -> Profile:
@@ -125,6 +128,9 @@ def _rank(rank: int, ranks: int) -> Profile:
     def renumber(node):
         values = {}
         for name, kind in _numeric(type(node)):
+            if kind == "Costs":
+                values[name] = renumber(getattr(node, name))
+                continue
             k = next(counter)
             value = getattr(node, name) + 7 * ((rank + k) % ranks)
             values[name] = value / 8 if kind == "float" else value
@@ -138,12 +144,18 @@ def _rank(rank: int, ranks: int) -> Profile:
     return profile
 
 
+def _flat(node) -> list:
+    """The numeric fields of ``node``, a ``Costs`` field's numbers in its place."""
+    return [v for n, kind in _numeric(type(node))
+            for v in (_flat(getattr(node, n)) if kind == "Costs" else [getattr(node, n)])]
+
+
 def _numbers(profile: Profile) -> list:
-    values = [getattr(profile, n) for n, _ in _numeric(Profile)]
+    values = _flat(profile)
     for stage in profile.stages:
-        values += [getattr(stage, n) for n, _ in _numeric(StageProfile)]
-        values += [getattr(o, n) for o in stage.options for n, _ in _numeric(StageOption)]
-    return values + [getattr(g, n) for g in profile.segments for n, _ in _numeric(Segment)]
+        values += _flat(stage)
+        values += [v for o in stage.options for v in _flat(o)]
+    return values + [v for g in profile.segments for v in _flat(g)]
 
 
 def test_rank_merge_takes_the_largest_of_every_numeric_field():
@@ -159,24 +171,24 @@ def test_rank_merge_takes_the_largest_of_every_numeric_field():
 def test_rank_merge_takes_the_largest_costs_and_host_bytes():
     # Rank 1 recomputes more FLOPs, takes longer on the roofline and offloads more than rank 0.
     def profile(flops, roofline, host, step_roofline):
-        options = (StageOption("keep", (), 100, 150, 0.0, 0),
-                   StageOption("offload", (), 10, 60, 0.5, flops, cost_roofline=roofline, offloaded=("a",),
+        options = (StageOption("keep", (), 100, 150),
+                   StageOption("offload", (), 10, 60, Costs(0.5, flops, roofline), offloaded=("a",),
                                host_bytes=host))
-        return Profile((StageProfile("a", options),), (Segment("head", 1, 50),), baseline_step_roofline=step_roofline)
+        return Profile((StageProfile("a", options),), (Segment("head", 1, 50),), baseline_costs=Costs(roofline=step_roofline))
 
     merged = merge_profiles([profile(5, 1e-05, 90, 2e-04), profile(7, 3e-05, 120, 1e-04)])
     offload = merged.stages[0].option("offload")
-    assert (offload.cost_flops, offload.cost_roofline, offload.host_bytes) == (7, 3e-05, 120)
-    assert merged.baseline_step_roofline == 2e-04
+    assert (offload.costs.flops, offload.costs.roofline, offload.host_bytes) == (7, 3e-05, 120)
+    assert merged.baseline_costs.roofline == 2e-04
 
 
 def test_every_numeric_field_has_a_quantity_and_a_new_one_is_combined():
     from lightning_remat.core.profile_algebra import Growth, Unit, combine, largest, quantity, terms
 
-    for cls in (Profile, StageProfile, StageOption, Segment):
-        numeric = {n for n, _ in _numeric(cls)} | ({"baseline_peak_bytes"} if cls is Profile else set())
+    for cls in (Profile, StageProfile, StageOption, Segment, Costs):
+        numeric = {n for n, k in _numeric(cls) if k != "Costs"} | ({"baseline_peak_bytes"} if cls is Profile else set())
         assert {t.name for t in terms(cls)} == numeric, cls
-        for name, kind in _numeric(cls):
+        for name, kind in (f for f in _numeric(cls) if f[1] != "Costs"):
             unit = quantity(cls, name).unit
             assert (unit is Unit.SECONDS) == (kind == "float"), name
             assert (quantity(cls, name).growth is Growth.STATIC) == (name in STATIC), name
@@ -190,7 +202,7 @@ def test_every_numeric_field_has_a_quantity_and_a_new_one_is_combined():
         spill_bytes: int = 0
 
     def profile(batch, spill):
-        option = SpillingOption("keep", (), 10 * batch, 20 * batch, 0.0, 0, spill_bytes=spill)
+        option = SpillingOption("keep", (), 10 * batch, 20 * batch, spill_bytes=spill)
         return Profile((StageProfile("a", (option,)),), ())
 
     assert ProfileFit([(2, profile(2, 7)), (4, profile(4, 13))]).at(3).stages[0].options[0].spill_bytes == 10

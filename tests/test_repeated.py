@@ -34,8 +34,8 @@ def _assert_equal_profiles(fast: Profile, full: Profile) -> None:
     holder, as the additive model does (core.shared_held): the full profile's figures without what
     counts it once."""
     a, b = _without_note(fast), _without_note(without_shared(full))
-    assert a.pop("baseline_step_roofline") == pytest.approx(b.pop("baseline_step_roofline"), rel=1e-9)
-    assert full.baseline_step_roofline > 0
+    assert a["baseline_costs"].pop("roofline") == pytest.approx(b["baseline_costs"].pop("roofline"), rel=1e-9)
+    assert full.baseline_costs.roofline > 0
     assert a == b
 
 
@@ -90,7 +90,7 @@ def _chain(n: int, forward: int, lift_forward: int = 0, lift_backward: int = 0) 
     def peak(later: int) -> int:
         return n + max(forward + lift_forward, 20 + 3 * later + lift_backward)
 
-    stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, peak(n - 1 - i), 0.0, 0),)) for i in range(n))
+    stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, peak(n - 1 - i)),)) for i in range(n))
     segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),
                 *(Segment(f"between stages ({j} stored)", j, n + max(lift_forward, 3 * (n - j) + lift_backward))
                   for j in range(1, n + 1)),
@@ -125,7 +125,7 @@ def test_a_region_one_pass_never_visits_is_extrapolated_from_the_other():
     x = 10**6
 
     def chain(n: int, lift_forward: int = 0, lift_backward: int = 0) -> Profile:
-        stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(40 + lift_forward, 20 + lift_backward), 0.0, 0),))
+        stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(40 + lift_forward, 20 + lift_backward)),))
                        for i in range(n))
         gap = [n + 30 - 12 * j for j in range(1, n + 1)]  # forward only: 30 less 12 bytes per stored layer
         segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),

@@ -26,8 +26,8 @@ profile = profile_step(case.model, case.step, optimizer=torch.optim.AdamW(case.m
                        policies=("save_matmuls",))
 budget = (least_peak(profile) + profile.baseline_peak_bytes) // 2
 plan = solve(profile, budget, cost="roofline")
-print(json.dumps({"costs": [[o.name, o.cost_roofline] for s in profile.stages for o in s.options],
-                  "step": profile.baseline_step_roofline, "plan": [repr(a) for a in plan.actions],
+print(json.dumps({"costs": [[o.name, o.costs.roofline] for s in profile.stages for o in s.options],
+                  "step": profile.baseline_costs.roofline, "plan": [repr(a) for a in plan.actions],
                   "overhead": plan.predicted_overhead}))
 """
 

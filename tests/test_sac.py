@@ -110,7 +110,7 @@ def test_save_projections_is_offered_where_attention_runs_as_batched_matmuls():
     matmuls, projections = stage.option("sac:save_matmuls"), stage.option("sac:save_projections")
     scores = 2 * 4 * 64 * 64 * 4  # batch x heads x seq x seq, float32: one score matrix
     assert projections.stored_bytes <= matmuls.stored_bytes - scores
-    assert matmuls.cost_flops < projections.cost_flops < stage.option("whole").cost_flops
+    assert matmuls.costs.flops < projections.costs.flops < stage.option("whole").costs.flops
     plan = plan_from_choices(profile, [[o.name for o in s.options].index("sac:save_projections") for s in profile.stages],
                              0, cost="roofline")
     apply_plan(case.model, plan)
@@ -238,8 +238,8 @@ def test_profile_offers_policies_and_prices_them(profiled):
     keep, whole, matmuls = stage.option("keep"), stage.option("whole"), stage.option("sac:save_matmuls")
     assert matmuls.policy == "save_matmuls" and whole.policy == ""
     assert whole.stored_bytes < matmuls.stored_bytes < keep.stored_bytes
-    assert 0 < matmuls.cost_roofline < whole.cost_roofline and matmuls.cost_flops == 1
-    assert profile.baseline_cost("roofline") > sum(s.option("whole").cost_roofline for s in profile.stages)
+    assert 0 < matmuls.costs.roofline < whole.costs.roofline and matmuls.costs.flops == 1
+    assert profile.baseline_costs["roofline"] > sum(s.option("whole").costs.roofline for s in profile.stages)
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -55,7 +55,7 @@ def _node(moments, b, s):
     """A one-stage profile whose keep option peaks at the largest of ``moments`` (each
     ``(c, alpha, beta, gamma)``: ``c + b * (alpha + beta * s + gamma * s**2)``) and stores ``b * s * 8``."""
     peak = max(c + b * (alpha + beta * s + gamma * s * s) for c, alpha, beta, gamma in moments)
-    keep = StageOption("keep", (), 8 * b * s, 1000 + int(peak), 0.0, 0)
+    keep = StageOption("keep", (), 8 * b * s, 1000 + int(peak))
     return Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 1000 + 3 * b * s),), parameter_bytes=1000)
 
 

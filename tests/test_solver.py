@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
-from lightning_remat.core.memory_model import plan_cost, predict_peak
+from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat.core.memory_model import predict_peak
+from lightning_remat.core.spans import plan_cost_spans
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve_segmentation
 from tests.profile_strategies import random_profiles
 
@@ -26,7 +27,7 @@ def brute_force(profile, budget, kind):
     for choices in all_plans(profile):
         peak = predict_peak(profile, choices)
         if peak <= budget:
-            cost = plan_cost(profile, choices, kind)
+            cost = plan_cost_spans(profile, choices, kind)
             if best is None or cost < best[0]:
                 best = (cost, peak)
     return best
@@ -51,7 +52,7 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
         return
     choices = solve_segmentation(profile, budget, kind).choices
     assert predict_peak(profile, choices) <= budget
-    assert plan_cost(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
+    assert plan_cost_spans(profile, choices, kind) == pytest.approx(expected[0], abs=1e-9)
     # (plan_from_choices, as solve builds it: a zero-byte budget of a degenerate profile is not a
     # budget solve accepts from a user)
     plan = plan_from_choices(profile, choices, budget, kind)
@@ -68,16 +69,16 @@ def test_min_is_the_least_peak_then_the_least_cost(profile):
     choices = solve_segmentation(profile, "min", "flops").choices
     assert predict_peak(profile, choices) == lowest
     cheapest_at_lowest = brute_force(profile, lowest, "flops")[0]
-    assert plan_cost(profile, choices, "flops") == cheapest_at_lowest
+    assert plan_cost_spans(profile, choices, "flops") == cheapest_at_lowest
 
 
 def _chain(n=5):
-    keep = StageOption("keep", (), 100, 400, 0.0, 0)
+    keep = StageOption("keep", (), 100, 400)
     stages = tuple(
-        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, 1.0 + i, 10 + i))) for i in range(n)
+        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, Costs(1.0 + i, 10 + i)))) for i in range(n)
     )
     return Profile(stages, (Segment("head", n, 300), Segment("optimizer step", 0, 350)), parameter_bytes=200,
-                   baseline_peak_bytes=800, baseline_step_seconds=20.0, baseline_step_flops=200, device="cpu")
+                   baseline_peak_bytes=800, baseline_costs=Costs(time=20.0, flops=200), device="cpu")
 
 
 def test_plan_fields_and_round_trip():
@@ -130,8 +131,8 @@ def test_a_stage_whose_stored_bytes_are_below_zero_is_solved():
     from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
     from lightning_remat.core.solve import least_peak, solve
 
-    first = StageProfile("a", (StageOption("keep", (), -50, 100, 0.0, 0), StageOption("whole", ("a",), -60, 110, 1.0, 5)))
-    second = StageProfile("b", (StageOption("keep", (), 40, 120, 0.0, 0),))
+    first = StageProfile("a", (StageOption("keep", (), -50, 100), StageOption("whole", ("a",), -60, 110, Costs(1.0, 5))))
+    second = StageProfile("b", (StageOption("keep", (), 40, 120),))
     profile = Profile((first, second), (Segment("head", 2, 200),))
     # keep, keep: max(100, -50 + 120, -10 + 200) = 190; whole, keep: max(110, -60 + 120, -20 + 200) = 180
     assert [predict_peak(profile, c) for c in ([0, 0], [1, 0])] == [190, 180]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
 from lightning_remat.core.solve import least_peak, solve_segmentation
 from lightning_remat.core.spans import (max_span_length, plan_cost_spans, predict_peak_spans, span_option,
                                         span_ranges)
@@ -85,11 +85,11 @@ def test_min_with_spans_is_the_least_peak_then_the_least_cost(profile):
 
 def _mlp_like(n, group=True):
     # Each stage keeps 5 units (its output 1 and 4 inside) or, recomputed, its output only.
-    keep = StageOption("keep", (), 5, 8, 0.0, 0)
-    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, 1.0, 10)))
+    keep = StageOption("keep", (), 5, 8)
+    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, Costs(1.0, 10))))
                    for i in range(n))
     groups = (tuple(s.name for s in stages),) if group else ()
-    return Profile(stages, (Segment("head", n, 20),), baseline_step_seconds=n, baseline_step_flops=30 * n,
+    return Profile(stages, (Segment("head", n, 20),), baseline_costs=Costs(time=n, flops=30 * n),
                    span_groups=groups)
 
 
@@ -111,7 +111,7 @@ def test_span_figures_are_derived_from_keep_and_whole():
     span = span_option(p, 1, 3)
     # Keep terms: 8 + 5 + 5 (stages 1, 2 recomputed and held while stage 3 runs); the end of the
     # recompute: the gap after stage 3 (the head, 20) + 5 + 5 + the span's output 1.
-    assert (span.stored_bytes, span.local_peak_bytes, span.cost_flops) == (1, 31, 30)
+    assert (span.stored_bytes, span.local_peak_bytes, span.costs.flops) == (1, 31, 30)
     # No segment after stage 1: the last stage runs as recomputed alone (9) while stage 0 holds 5.
     assert span_option(p, 0, 1).local_peak_bytes == 9 + 5
     assert Profile.from_dict(p.to_dict()) == p
@@ -137,16 +137,16 @@ def test_incremental_span_rows_equal_span_option(profile):
     from lightning_remat.core.spans import span_rows
     for first, last, *figures in span_rows(profile):
         span = span_option(profile, first, last)
-        assert (span.stored_bytes, span.local_peak_bytes, span.cost_seconds, span.cost_flops, span.cost_roofline) == tuple(figures)
+        assert (span.stored_bytes, span.local_peak_bytes, span.costs) == tuple(figures)
 
 
 def test_spans_are_priced_in_roofline_seconds_under_the_roofline_cost():
     # A span's roofline cost is its stages' "whole" roofline seconds (it was priced in FLOPs).
-    keep = StageOption("keep", (), 5, 8, 0.0, 0)
-    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, 1.0, 10**6, cost_roofline=0.25)))
+    keep = StageOption("keep", (), 5, 8)
+    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, Costs(1.0, 10**6, 0.25))))
                    for i in range(6))
-    p = Profile(stages, (Segment("head", 6, 20),), baseline_step_seconds=6, baseline_step_flops=3 * 10**6,
-                baseline_step_roofline=3.0, span_groups=(tuple(s.name for s in stages),))
-    assert span_option(p, 0, 2).cost("roofline") == 0.75
+    p = Profile(stages, (Segment("head", 6, 20),), baseline_costs=Costs(time=6, flops=3 * 10**6, roofline=3.0),
+                span_groups=(tuple(s.name for s in stages),))
+    assert span_option(p, 0, 2).costs["roofline"] == 0.75
     plan = solve(p, "min", cost="roofline")
     assert plan.segments and plan.predicted_overhead <= 6 * 0.25 / 3.0

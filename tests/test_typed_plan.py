@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 from lightning_remat.core.plan import Plan, StageAction, StageChoice
 from lightning_remat.core.predict import predict
 from lightning_remat.core.solve import plan_from_choices, solve, solve_recompute_everything
@@ -34,17 +34,17 @@ SOLVED = {
 def _profile():
     """The synthetic profile SOLVED is made from: six stages with keep, whole, a policy, a child
     and a hidden offload, all in one span group."""
-    keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    keep = StageOption("keep", (), 100, 150)
 
     def stage(n):
-        return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, 1.0, 5),
-                                StageOption("sac:save_matmuls", (n,), 50, 155, 0.5, 2, policy="save_matmuls"),
-                                StageOption("mlp", (n + ".mlp",), 60, 155, 0.4, 2),
-                                StageOption("offload:hidden", (), 20, 150, 0.0, 0, offloaded=(n,), host_bytes=80,
+        return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, Costs(1.0, 5)),
+                                StageOption("sac:save_matmuls", (n,), 50, 155, Costs(0.5, 2), policy="save_matmuls"),
+                                StageOption("mlp", (n + ".mlp",), 60, 155, Costs(0.4, 2)),
+                                StageOption("offload:hidden", (), 20, 150, offloaded=(n,), host_bytes=80,
                                             offload_limit=64)))
 
     return Profile(tuple(stage(f"h.{i}") for i in range(6)), (Segment("head", 6, 50),), baseline_peak_bytes=700,
-                   baseline_step_flops=100, span_groups=(tuple(f"h.{i}" for i in range(6)),))
+                   baseline_costs=Costs(flops=100), span_groups=(tuple(f"h.{i}" for i in range(6)),))
 
 
 # ------------------------------------------------------------------------------------ the plan

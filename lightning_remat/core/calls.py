@@ -69,7 +69,7 @@ def _tables(profile: Profile, kind: str) -> tuple:
         if any(n != names[0] for n in names):
             raise ValueError(f"stage {profile.stages[m].name!r}: its places offer different options {names}")
         options = [[(profile.stages[i].options[j].stored_bytes, profile.stages[i].options[j].local_peak_bytes,
-                     profile.stages[i].options[j].cost(kind)) for i in at] for j in range(len(names[0]))]
+                     profile.stages[i].options[j].costs[kind]) for i in at] for j in range(len(names[0]))]
         rows.append((at, options))
     return owner, rows
 

@@ -43,7 +43,7 @@ class LengthFit:
     Example:
         >>> from lightning_remat.core.memory_model import StageOption, StageProfile
         >>> def node(s):  # stored activations 8*s + s**2, a peak 1000 (static) + 3*s**2
-        ...     keep = StageOption("keep", (), 8 * s + s * s, 1000 + 3 * s * s, 0.0, 0)
+        ...     keep = StageOption("keep", (), 8 * s + s * s, 1000 + 3 * s * s)
         ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
         >>> fit = LengthFit({64: node(64), 128: node(128), 256: node(256)})
         >>> fit.at(1024).stages == node(1024).stages, fit.at(128) is fit.nodes[128], fit.batch_sizes

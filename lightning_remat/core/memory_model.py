@@ -17,27 +17,45 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from .vocabulary import cost_of
+from .vocabulary import CostKind
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A recompute's cost per ``CostKind``, read as ``costs[kind]``: one field per kind, named as its value.
+
+    Example:
+        >>> Costs(time=0.5, flops=10)["flops"], Costs(flops=10) + Costs(roofline=0.5)
+        (10, Costs(time=0.0, flops=10, roofline=0.5))
+    """
+
+    time: float = 0.0  # measured seconds (a fake profile's: its FLOPs at the target's rate, ``priced``)
+    flops: int = 0  # counted FLOPs
+    roofline: float = 0.0  # seconds: per op max(FLOPs / peak FLOP/s, bytes / bandwidth)
+
+    def __getitem__(self, kind: Any) -> float:
+        return getattr(self, CostKind(kind).value)
+
+    def __add__(self, other: "Costs") -> "Costs":
+        return Costs(**{k.value: self[k] + other[k] for k in CostKind})
+
 
 @dataclass(frozen=True)
 class StageOption:
     """One way to run a stage: which modules are recomputed and what that costs and stores.
 
     Example:
-        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, 0.01, 10**9).name
-        'whole'
+        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, Costs(0.01, 10**9)).costs["flops"]
+        1000000000
     """
 
     name: str
     checkpointed: tuple[str, ...]
     stored_bytes: int
     local_peak_bytes: int
-    cost_seconds: float
-    cost_flops: int
+    costs: Costs = Costs()
     # The selective-checkpointing policy (``runtime.installing.sac``) of the recompute; "": the whole forward.
     policy: str = ""
-    # Roofline seconds of the recomputed ops: per op max(FLOPs / peak FLOP/s, bytes / bandwidth).
-    cost_roofline: float = 0.0
     # Modules whose saved tensors go to host memory (the "offload" option), and the bytes they put there.
     offloaded: tuple[str, ...] = ()
     host_bytes: int = 0
@@ -58,16 +76,13 @@ class StageOption:
     # Settings of behaviours the option installs besides its action, as ``StageAction.extra`` (a tiled MLP's).
     extra: tuple[tuple[str, Any], ...] = ()
 
-    def cost(self, kind: str) -> float:
-        return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
-
 
 @dataclass(frozen=True)
 class StageProfile:
     """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these.
 
     Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> keep = StageOption("keep", (), 100, 150)
         >>> StageProfile("layer.0", (keep,), saved_bytes=100).options[0].name
         'keep'
     """
@@ -114,7 +129,7 @@ class Profile:
     """What the profiler measured of one training step, in the terms of the memory model.
 
     Example:
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+        >>> keep = StageOption("keep", (), 100, 150)
         >>> p = Profile(stages=(StageProfile("a", (keep,)),), segments=(), parameter_bytes=10)
         >>> p.static_bytes, Profile.from_dict(p.to_dict()) == p
         (10, True)
@@ -127,10 +142,9 @@ class Profile:
     optimizer_state_bytes: int = 0
     buffer_bytes: int = 0
     baseline_peak_bytes: int = 0
-    baseline_step_seconds: float = 0.0
-    baseline_step_flops: int = 0
+    # The whole step's costs (forward and backward, nothing recomputed): what an overhead is relative to.
+    baseline_costs: Costs = Costs()
     device: str = "cpu"
-    baseline_step_roofline: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     # A sharded (FSDP2) step (``runtime.targets.sharded``); empty for one device. Byte figures are then per GPU.
     sharding: dict[str, Any] = field(default_factory=dict)
@@ -156,9 +170,6 @@ class Profile:
         """Measured peak of the step without recomputation, minus static memory."""
         return self.baseline_peak_bytes - self.static_bytes
 
-    def baseline_cost(self, kind: str) -> float:
-        return cost_of(kind, self.baseline_step_seconds, self.baseline_step_flops, self.baseline_step_roofline)
-
     def with_baseline(self) -> "Profile":
         """This profile with its baseline peak predicted from its terms (nothing recomputed)."""
         return replace(self, baseline_peak_bytes=predict_peak(self, [0] * len(self.stages)))
@@ -181,6 +192,7 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
         stages = tuple(
             StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
+                                                           "costs": Costs(**o["costs"]),
                                                            "offloaded": tuple(o.get("offloaded", ())),
                                                            "shared_held": _pairs(o.get("shared_held", ())),
                                                            "held_before": _pairs(o.get("held_before", ())),
@@ -190,18 +202,24 @@ class Profile:
         )
         segments = tuple(Segment(**{**s, "shared_labels": tuple(s.get("shared_labels", ()))}) for s in data["segments"])
         return cls(**{**data, "stages": stages, "segments": segments, "notes": tuple(data.get("notes", ())),
+                      "baseline_costs": Costs(**data["baseline_costs"]),
                       "span_groups": tuple(tuple(g) for g in data.get("span_groups", ())),
                       "blocks": tuple((m, tuple(names)) for m, names in data.get("blocks", ()))})
 
 
+def seconds_per_flop(seconds: float, flops: float) -> float:
+    """Seconds per FLOP of ``flops`` (at least 1) run in ``seconds``: the rate FLOPs become seconds at (``priced``)."""
+    return seconds / max(1, flops)
+
+
 def priced(profile: Profile, rate: float) -> Profile:
-    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP (the one place FLOPs
-    become seconds).
-    """
+    """``profile``'s costs in seconds from its counted FLOPs at ``rate`` seconds per FLOP (``seconds_per_flop``)."""
     stages = tuple(replace(stage, forward_seconds=stage.forward_flops * rate,
-                           options=tuple(replace(o, cost_seconds=o.cost_flops * rate) for o in stage.options))
+                           options=tuple(replace(o, costs=replace(o.costs, time=o.costs.flops * rate))
+                                         for o in stage.options))
                    for stage in profile.stages)
-    return replace(profile, stages=stages, baseline_step_seconds=profile.baseline_step_flops * rate)
+    costs = profile.baseline_costs
+    return replace(profile, stages=stages, baseline_costs=replace(costs, time=costs.flops * rate))
 
 
 def restricted(profile: Profile, allowed: Callable[[StageOption], bool]) -> Profile:
@@ -210,7 +228,7 @@ def restricted(profile: Profile, allowed: Callable[[StageOption], bool]) -> Prof
     profile).
 
     Example:
-        >>> keep, whole = StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", ("a",), 10, 150, 0.1, 5)
+        >>> keep, whole = StageOption("keep", (), 100, 150), StageOption("whole", ("a",), 10, 150, Costs(0.1, 5))
         >>> p = Profile(stages=(StageProfile("a", (keep, whole)),), segments=())
         >>> [o.name for o in restricted(p, lambda o: o.name != "whole").stages[0].options]
         ['keep']
@@ -274,8 +292,3 @@ def predict_peak(profile: Profile, choices: Sequence[int]) -> int:
     """Predicted peak bytes of a step where stage ``i`` runs under option ``choices[i]``."""
     term = binding_term(peak_terms(profile, choices))
     return 0 if term is None else term.bytes
-
-
-def plan_cost(profile: Profile, choices: Sequence[int], kind: str) -> float:
-    """Total recompute cost of ``choices`` in the unit of ``kind``."""
-    return sum(stage.options[c].cost(kind) for stage, c in zip(profile.stages, choices))

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from .calls import owners
-from .memory_model import Profile
+from .memory_model import Costs, Profile
 from .vocabulary import OPTION_NAMES, OptionKind
 
 OFFLOAD = OPTION_NAMES[OptionKind.OFFLOAD]
@@ -42,9 +42,8 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
         nxt = stages[i + 1] if i + 1 < n else None
         # A checkpoint input sent out and back (synchronously: nothing hides it) on top of the recompute.
         stage = replace(stage, options=tuple(
-            replace(o, cost_seconds=o.cost_seconds + 2 * o.host_bytes / bandwidth,
-                    cost_flops=o.cost_flops + int(2 * o.host_bytes / bandwidth * flops_per_second),
-                    cost_roofline=o.cost_roofline + 2 * o.host_bytes / bandwidth) if o.input_offloaded else o
+            replace(o, costs=o.costs + _transfer(2 * o.host_bytes / bandwidth, flops_per_second))
+            if o.input_offloaded else o
             for o in stage.options))
         hidden = nxt.forward_seconds if nxt is not None else 0.0
         next_peak = max(o.local_peak_bytes for o in nxt.options) if nxt is not None else after_last
@@ -53,11 +52,14 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
                 transfer = option.host_bytes / bandwidth
                 seconds = max(0.0, transfer - hidden) + max(0.0, transfer - 2 * hidden)
                 local = max(option.local_peak_bytes, option.stored_bytes + option.host_bytes + next_peak)
-                option = replace(option, cost_seconds=seconds, cost_flops=int(seconds * flops_per_second),
-                                 cost_roofline=seconds, local_peak_bytes=int(local))
+                option = replace(option, costs=_transfer(seconds, flops_per_second), local_peak_bytes=int(local))
             options.append(option)
         stages[i] = replace(stage, options=tuple(options))
     return replace(profile, stages=tuple(stages))
+
+
+def _transfer(seconds: float, flops_per_second: float) -> Costs:
+    return Costs(seconds, int(seconds * flops_per_second), seconds)  # as FLOPs: those the device could run meanwhile
 
 
 def without_offload(profile: Profile, stages: set[int]) -> Profile:

@@ -92,7 +92,7 @@ def predict(profile: Profile, actions: Sequence[StageAction], cost: CostKind | s
     choices, spans = schedule(profile, actions)
     inside = {k for first, last in spans for k in range(first, last + 1)}
     extra = plan_cost_spans(profile, choices, kind, spans)
-    baseline = profile.baseline_cost(kind)
+    baseline = profile.baseline_costs[kind]
     host = sum(s.options[c].host_bytes for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
     # The peak counts a shared input once (core.shared_held); the binding term is read from the additive terms.
     term = binding_term(peak_terms_spans(profile, choices, spans))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Callable, Optional, Sequence
 
-from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
+from .memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 
 
 class Unit(Enum):
@@ -125,7 +125,7 @@ def quantity(owner: type, name: str) -> Quantity | None:
     if annotation == "float":
         return Quantity(Unit.SECONDS)
     if annotation == "int":
-        return Quantity(Unit.COUNT if name.endswith("_flops") else Unit.BYTES)
+        return Quantity(Unit.COUNT if name.endswith("flops") else Unit.BYTES)
     return None
 
 
@@ -135,7 +135,8 @@ def _layout(owner: type) -> tuple[tuple[str, Term | None, type | None], ...]:
     layout = []
     for f in (f for f in fields(owner) if f.init):  # not what a node carries for one reader (gap_figures)
         annotation = _type_name(f.type)
-        child = next((c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
+        child = Costs if annotation == "Costs" else next(  # Costs: one node, combined with the node holding it
+            (c for c in _CHILDREN if annotation == f"tuple[{c.__name__}, ...]"), None)
         kind = None if child is not None else quantity(owner, f.name)
         layout.append((f.name, None if kind is None else Term(owner, f.name, kind), child))
     return tuple(layout)
@@ -163,6 +164,8 @@ def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structur
     owner = type(present[0])
     out = {}
     for name, term, child in _layout(owner):
+        if child is Costs:
+            out[name] = combine([None if n is None else getattr(n, name) for n in nodes], combiner, structure=structure)
         if child is not None:
             continue
         if term is None:
@@ -179,7 +182,7 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
     cannot be); derived figures recomputed unless ``derive`` is False.
 
     Example:
-        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored, 0.0, 0)
+        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored)
         >>> low = StageProfile("a", (opt("keep", 10), opt("whole", 1)))
         >>> high = StageProfile("a", (opt("keep", 30),))
         >>> [(o.name, o.stored_bytes) for o in combine([low, high], largest).options]  # "whole": only in low
@@ -189,7 +192,7 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
     owner = type(present[0])
     values = combine_fields(nodes, combiner, structure)
     for name, _, child in _layout(owner):
-        if child is not None:
+        if child in _CHILDREN:
             groups = _align([() if n is None else getattr(n, name) for n in nodes], child)
             values[name] = tuple(combine(group, combiner, structure=structure, derive=derive) for group in groups)
     node = replace(present[0], **values)

@@ -17,7 +17,7 @@ from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
-from .vocabulary import OPTION_NAMES, CostKind, OptionKind, cost_of
+from .vocabulary import OPTION_NAMES, CostKind, OptionKind
 
 # Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes (and the
 # one that stores least): plans stay feasible, optimal within one band (1/MAX_FRONTIER of the range).
@@ -46,7 +46,7 @@ def _arrays(profile: Profile, kind: str) -> _Arrays:
         for j, option in enumerate(stage.options):
             stored[i, j] = option.stored_bytes
             local[i, j] = option.local_peak_bytes
-            cost[i, j] = option.cost(kind)
+            cost[i, j] = option.costs[kind]
     # "No segment here": far below any figure, yet far enough from int64's least that no sum wraps around.
     segment_peak = np.full(n + 1, -(2**62), dtype=np.int64)
     for segment in profile.segments:
@@ -79,10 +79,8 @@ def _span_transitions(profile: Profile, kind: str) -> list[np.ndarray]:
     """Per end position ``p``, the spans ending there as float64 rows (first, stored, local, cost)."""
     ends: list[list[tuple[float, ...]]] = [[] for _ in range(len(profile.stages) + 1)]
     # No span in a step that runs backward more than once (``StageProfile.fresh``): its figures assume one.
-    for first, last, stored, local, seconds, flops, roofline in [] if any(s.fresh for s in profile.stages) \
-            else span_rows(profile):
-        cost = cost_of(kind, seconds, flops, roofline)
-        ends[last + 1].append((first, stored, local, cost))
+    for first, last, stored, local, costs in [] if any(s.fresh for s in profile.stages) else span_rows(profile):
+        ends[last + 1].append((first, stored, local, costs[kind]))
     return [np.array(rows, dtype=np.float64).reshape(-1, 4) for rows in ends]
 
 
@@ -215,11 +213,11 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
             label = (f"block {blocks[first, last]} whole" if (first, last) in blocks
                      else f"segment {profile.stages[first].name}..{profile.stages[last].name}")
             stage_choices.append(StageChoice(stage.name, label,
-                                             stage.options[0].stored_bytes, stored, float(whole.cost(kind))))
+                                             stage.options[0].stored_bytes, stored, float(whole.costs[kind])))
             continue
         option = stage.options[c]
         choice = StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes,
-                             float(option.cost(kind)))
+                             float(option.costs[kind]))
         if stage.call:  # a later place of a module (core.calls): one choice for the module, its places summed
             at = next(j for j in range(len(stage_choices) - 1, -1, -1) if stage_choices[j].stage == stage.name)
             first = stage_choices[at]
@@ -279,11 +277,11 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
 
     Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
-        >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, 2.0, 9)))
-        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, 1.0, 5)))
-        >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_step_seconds=10.0)
+        >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile, Segment
+        >>> keep = StageOption("keep", (), 100, 150)
+        >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, Costs(2.0, 9))))
+        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))))
+        >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_costs=Costs(10.0))
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
     """

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .memory_model import PeakTerm, Profile, binding_term, peak_terms
-from .vocabulary import OPTION_NAMES, OptionKind, cost_of
+from .memory_model import Costs, PeakTerm, Profile, binding_term, peak_terms
+from .vocabulary import OPTION_NAMES, OptionKind
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,7 @@ class SpanOption:
     names: tuple[str, ...]
     stored_bytes: int
     local_peak_bytes: int
-    cost_seconds: float
-    cost_flops: int
-    cost_roofline: float = 0.0
-
-    def cost(self, kind: str) -> float:
-        return cost_of(kind, self.cost_seconds, self.cost_flops, self.cost_roofline)
+    costs: Costs
 
 
 def max_span_length(n_stages: int) -> int:
@@ -69,7 +64,7 @@ def _whole(profile: Profile, i: int):
     return next((o for o in profile.stages[i].options if o.name == OPTION_NAMES[OptionKind.WHOLE]), None)
 
 
-Row = tuple[int, int, int, int, float, int, float]  # first, last, stored, local, seconds, flops, roofline
+Row = tuple[int, int, int, int, Costs]  # first, last, stored, local, costs
 
 
 def _inner_peaks(profile: Profile) -> dict[int, int]:
@@ -84,7 +79,7 @@ def _rows_from(profile: Profile, first: int, end: int, wholes: list, inner: dict
     """The spans ``first..last`` for each ``last`` before ``end``, built incrementally (the module docstring)."""
     keep = profile.stages[first].options[0]
     local, held = keep.local_peak_bytes, keep.stored_bytes
-    seconds, flops, roofline = wholes[first].cost_seconds, wholes[first].cost_flops, wholes[first].cost_roofline
+    costs = wholes[first].costs
     for last in range(first + 1, end):
         if wholes[last] is None:
             break
@@ -101,10 +96,8 @@ def _rows_from(profile: Profile, first: int, end: int, wholes: list, inner: dict
         # As an inner stage of a longer span, "last" is held like a kept stage.
         local = max(local, keep.local_peak_bytes + held)
         held += keep.stored_bytes
-        seconds += wholes[last].cost_seconds
-        flops += wholes[last].cost_flops
-        roofline += wholes[last].cost_roofline
-        yield first, last, wholes[last].stored_bytes, span_local, float(seconds), int(flops), float(roofline)
+        costs += wholes[last].costs
+        yield first, last, wholes[last].stored_bytes, span_local, costs
 
 
 def span_option(profile: Profile, first: int, last: int) -> SpanOption:
@@ -188,5 +181,5 @@ def plan_cost_spans(profile: Profile, choices: Sequence[int], kind: str, spans: 
     """Total recompute cost of ``choices`` with ``spans`` (stages inside a span priced by the span)."""
     spans = _check_spans(len(profile.stages), spans)
     inside = {k for first, last in spans for k in range(first, last + 1)}
-    total = sum(span_option(profile, a, b).cost(kind) for a, b in spans)
-    return total + sum(s.options[c].cost(kind) for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)
+    total = sum(span_option(profile, a, b).costs[kind] for a, b in spans)
+    return total + sum(s.options[c].costs[kind] for k, (s, c) in enumerate(zip(profile.stages, choices)) if k not in inside)

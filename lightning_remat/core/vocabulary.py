@@ -48,13 +48,6 @@ class CostKind(_Words):
         return cls._member(kind, "cost")
 
 
-def cost_of(kind: Any, seconds: float, flops: float, roofline: float) -> float:
-    """The figure of ``kind`` among the three every option and span carries."""
-    if kind == CostKind.ROOFLINE:
-        return roofline
-    return seconds if kind == CostKind.TIME else flops
-
-
 class Policy(_Words):
     """Op-level selective-checkpointing policies (``runtime.installing.sac`` says what each saves)."""
 

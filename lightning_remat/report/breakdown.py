@@ -81,7 +81,7 @@ def modelled_split(profile: Profile) -> dict[str, int]:
     activations stored before the binding term (``Activation``) and the term's own bytes (``Temp``).
 
     >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-    >>> keep = StageOption("keep", (), 100, 150, 0.0, 0)
+    >>> keep = StageOption("keep", (), 100, 150)
     >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
     >>> modelled_split(p)
     {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}

@@ -236,7 +236,7 @@ class BatchSearch:
 
 def _flops_unattributed(profile: Profile) -> bool:
     recomputing = [o for s in profile.stages for o in s.options[1:]]
-    return bool(recomputing) and profile.baseline_step_flops > 0 and all(o.cost_flops == 0 for o in recomputing)
+    return bool(recomputing) and profile.baseline_costs.flops > 0 and all(o.costs.flops == 0 for o in recomputing)
 
 
 def too_small_at_one(fit: ProfileFit, budget_bytes: int, max_overhead: float, cost: str) -> BatchSizeTooSmallBudgetError:

@@ -113,7 +113,7 @@ class LengthSearch(BatchSearch):
 
     def _check_it_grows(self, first: tuple[int, Profile], second: tuple[int, Profile]) -> None:
         (low, a), (high, b) = sorted([first, second], key=lambda item: item[0])
-        if a.baseline_peak_bytes == b.baseline_peak_bytes and a.baseline_step_flops == b.baseline_step_flops:
+        if a.baseline_peak_bytes == b.baseline_peak_bytes and a.baseline_costs.flops == b.baseline_costs.flops:
             raise ValueError(
                 f"make_step(seq_len) ignores the length: the steps at {low} and {high} tokens have the same peak "
                 f"({format_bytes(a.baseline_peak_bytes)}) and FLOPs. It must return a step on a batch of that many "

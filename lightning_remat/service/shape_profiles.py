@@ -9,7 +9,7 @@ from typing import Any
 from ..core.allowances import REAL_PROFILE_ALLOWANCE
 from ..core.budget import format_bytes
 from ..core.errors import FakeProfileError
-from ..core.memory_model import Profile, priced
+from ..core.memory_model import Profile, priced, seconds_per_flop
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape
@@ -52,7 +52,7 @@ class ShapeProfiles:
             anchor = self.adjust(node) if self.adjust else node
             real = self._real_profile(batch) if self.real_first and self._plain_step_fits(anchor) else None
             if real is not None:
-                self._seconds_per_flop = real.baseline_step_seconds / max(1, real.baseline_step_flops)
+                self._seconds_per_flop = seconds_per_flop(real.baseline_costs.time, real.baseline_costs.flops)
                 self._timed = True
                 node, anchor = priced(node, self._seconds_per_flop), real
             self.fit = ShapeFit({shape: node}, anchor=(shape, anchor) if anchor is not node else None)
@@ -87,7 +87,7 @@ class ShapeProfiles:
         self._timed = self._timed or reprice
         if base is not None:  # one process, or rank 0 (which profiles and solves for every rank)
             shape, anchor = base
-            rate = seconds_per_flop(plan, self.profile_of(plan) or anchor, seconds) if reprice else None
+            rate = measured_rate(plan, self.profile_of(plan) or anchor, seconds) if reprice else None
             if rate is not None:
                 self._seconds_per_flop = rate
                 anchor, nodes = priced(anchor, rate), {s: priced(n, rate) for s, n in nodes.items()}
@@ -160,8 +160,8 @@ def with_measured_excess(profile: Profile, excess: int) -> Profile:
         "or code outside the profiled step); counted in every term"))
 
 
-def seconds_per_flop(plan: Plan, profile: Profile, seconds: float) -> float | None:
+def measured_rate(plan: Plan, profile: Profile, seconds: float) -> float | None:
     """Seconds per FLOP of a step measured at ``seconds`` under ``plan``; None when the profile counts no FLOPs."""
-    flops = profile.baseline_step_flops * (1.0 + (plan.predicted_overhead or 0.0))
-    return seconds / flops if flops > 0 and seconds > 0 else None
+    flops = profile.baseline_costs.flops * (1.0 + (plan.predicted_overhead or 0.0))
+    return seconds_per_flop(seconds, flops) if flops > 0 and seconds > 0 else None
 

@@ -38,7 +38,7 @@ def _finite(value: float) -> float | None:
 def _profile_warnings(profile: Any, cost: str) -> list[str]:
     found = []
     recomputing = [o for s in profile.stages for o in s.options if o.checkpointed]
-    if cost == "flops" and profile.baseline_step_flops and recomputing and not any(o.cost_flops for o in recomputing):
+    if cost == "flops" and profile.baseline_costs.flops and recomputing and not any(o.costs.flops for o in recomputing):
         found.append("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
                      "FlopCounterMode names modules from the first one called), so every plan looks free; "
                      "use --cost time or call model(...) in the step")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...core.memory_model import Profile, Segment, StageOption, StageProfile
+from ...core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ..installing import sac
 from ..measuring.observe import ObservedStep
@@ -43,8 +43,8 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
             seconds, flops, roofline = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
-                local_peak_bytes=int(runs[option].local[i] + future_state), cost_seconds=seconds * share,
-                cost_flops=_part(flops, counts), policy=sac.policy_of(option), cost_roofline=roofline * share,
+                local_peak_bytes=int(runs[option].local[i] + future_state), policy=sac.policy_of(option),
+                costs=Costs(seconds * share, _part(flops, counts), roofline * share),
                 offloaded=(name,) if is_offload(option) else (),
                 host_bytes=int((runs[option].host_bytes or {}).get(name, 0) * share)
                 if is_offload(option) or base == OFFLOAD_INPUT else 0,
@@ -69,9 +69,8 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         stages=tuple(stages), segments=tuple(segments),
         parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
         optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
-        baseline_peak_bytes=0, baseline_step_seconds=observed.step_seconds, baseline_step_flops=observed.step_flops,
-        device=device, notes=tuple(n for n in [use_cache_note(model)] if n),
-        baseline_step_roofline=roofline_seconds(observed.step_ops, peaks),
+        baseline_peak_bytes=0, device=device, notes=tuple(n for n in [use_cache_note(model)] if n),
+        baseline_costs=Costs(observed.step_seconds, observed.step_flops, roofline_seconds(observed.step_ops, peaks)),
     )
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).

@@ -15,7 +15,7 @@ from torch import nn
 
 from ...core.actions import StageAction
 from ...core.head_cost import HeadShape, fused_cost, recompute_cost
-from ...core.memory_model import Profile, StageOption, StageProfile
+from ...core.memory_model import Costs, Profile, StageOption, StageProfile, seconds_per_flop
 from ...core.vocabulary import OptionKind, option_name
 from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss
 from ..installing.recompute import _without_cache
@@ -114,10 +114,10 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
 
     Example:
         >>> from lightning_remat.core.memory_model import Segment
-        >>> profile = Profile((), (Segment("between stages (0 stored)", 0, 900),), baseline_step_flops=100)
+        >>> profile = Profile((), (Segment("between stages (0 stored)", 0, 900),), baseline_costs=Costs(flops=100))
         >>> shape = HeadShape(tokens=4, hidden=4, vocab=8)
         >>> head = with_head_stage(profile, HeadFigures("lm_head", 0, shape, 900, {8: 300}, {8: 320}))
-        >>> [(o.name, o.local_peak_bytes, o.cost_flops) for o in head.stages[0].options], head.segments
+        >>> [(o.name, o.local_peak_bytes, o.costs.flops) for o in head.stages[0].options], head.segments
         ([('keep', 900, 0), ('chunks:8', 300, 264), ('fused:8', 320, 8)], ())
     """
     # The last gap: all stages alive (stages that did not run are in the chain by now).
@@ -125,22 +125,21 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
                 and s.name != "optimizer step"), None)
     if gap is None or figures is None:
         return profile
-    per_second = profile.baseline_step_seconds / (profile.baseline_step_flops or 1)
+    rate = seconds_per_flop(profile.baseline_costs.time, profile.baseline_costs.flops)
     # What the gap's figure counts of an input earlier checkpoints hold (core.shared_held), as the
     # stage's: with one such input its bytes are known; with several, nothing is taken off (safe).
     held = ((gap.shared_labels[0], gap.shared_saving),) if len(gap.shared_labels) == 1 and gap.shared_saving else ()
-    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, 0.0, 0, held_before=held)]
+    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, held_before=held)]
     shape, peaks = figures.shape, (flops_per_second, bytes_per_second)
     for kind, measured in ((OptionKind.CHUNKS, figures.chunked), (OptionKind.FUSED, figures.fused)):
         fused = kind == OptionKind.FUSED
         for chunks, figure in sorted(measured.items()):
             # Recomputed: the projection's FLOPs again. Fused: none (its backward's matmuls run in forward).
             flops = 0 if fused else shape.flops
+            roofline = (fused_cost if fused else recompute_cost)(shape, chunks, *peaks)
             options.append(StageOption(
                 option_name(kind, chunks), (), 0, gap.peak_bytes - figures.unchunked + figure,
-                cost_seconds=(flops or chunks) * per_second, cost_flops=flops + chunks,
-                cost_roofline=(fused_cost if fused else recompute_cost)(shape, chunks, *peaks),
-                chunks=chunks, held_before=held, fused=fused))
+                Costs((flops or chunks) * rate, flops + chunks, roofline), chunks=chunks, held_before=held, fused=fused))
     stage = StageProfile(figures.head, tuple(options), forward_flops=shape.flops, module_type="head and loss")
     result = replace(profile, stages=(*profile.stages, stage), segments=tuple(s for s in profile.segments if s is not gap),
                      notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "

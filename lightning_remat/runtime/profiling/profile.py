@@ -15,7 +15,7 @@ from ...core.allowances import DDP_REDUCER_ALLOWANCE
 from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
-from ...core.memory_model import Profile, priced
+from ...core.memory_model import Profile, priced, seconds_per_flop
 from ...core.plan import Plan
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import chunked_loss, sac
@@ -31,8 +31,8 @@ from ..measuring.roofline import device_peaks, sac_seconds_per_op
 from ..measuring.runner import run_step
 from ..measuring.tracking import eager_stance
 from ..measuring.user_hooks import user_hooks_suspended
-from ..targets.fake import (GPU_EFFICIENCY, clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model,
-                            gpu_peak_flops, new_fake_mode, real_code_paths)
+from ..targets.fake import (clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model, new_fake_mode,
+                            real_code_paths, training_flops_per_second)
 from ..targets.fake_attention import AttentionNotes, cuda_attention
 from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
@@ -160,7 +160,7 @@ def _precision(options: ProfileOptions) -> tuple[torch.dtype | None, torch.dtype
 
 def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   options: ProfileOptions, compiled: bool = False) -> Profile:
-    seconds_per_flop = 1.0 / (gpu_peak_flops(options.gpu) * GPU_EFFICIENCY) if options.gpu is not None else 0.0
+    rate = seconds_per_flop(1.0, training_flops_per_second("cuda", options.gpu)) if options.gpu is not None else 0.0
     dtype, autocast, precision_note = _precision(options)
     sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
     if autocast is not None and not sharded:
@@ -201,7 +201,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             optimizer, options.device or "cpu", mode,
             in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None))
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
-    profile = priced(profile, seconds_per_flop)
+    profile = priced(profile, rate)
     if options.offload:
         profile = price_offload(profile, options, options.device or "cuda")
     profile = profile.noted(precision_note, *dict.fromkeys(moe_notes), *attention_notes.lines())

@@ -68,27 +68,27 @@ def with_pooled_timings(profile: Profile) -> Profile:
     """Identical stages (one class, the same FLOPs and roofline) share the median of their seconds, against noise.
 
     Example:
-        >>> from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+        >>> from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
         >>> def stage(name, seconds):
-        ...     options = (StageOption("keep", (), 100, 150, 0.0, 0), StageOption("whole", (name,), 10, 150, seconds, 7))
+        ...     options = (StageOption("keep", (), 100, 150), StageOption("whole", (name,), 10, 150, Costs(seconds, 7)))
         ...     return StageProfile(name, options, forward_seconds=seconds, forward_flops=7, module_type="Block")
         >>> p = Profile(tuple(stage(n, s) for n, s in [("a", 1.0), ("b", 3.0), ("c", 2.5)]), (Segment("head", 3, 50),))
-        >>> [s.option("whole").cost_seconds for s in with_pooled_timings(p).stages]
+        >>> [s.option("whole").costs.time for s in with_pooled_timings(p).stages]
         [2.5, 2.5, 2.5]
     """
     groups: dict[tuple, list[int]] = {}
     for i, stage in enumerate(profile.stages):
         key = (stage.module_type, stage.forward_flops,
-               tuple((o.name, o.cost_flops, o.cost_roofline) for o in stage.options))
+               tuple((o.name, o.costs.flops, o.costs.roofline) for o in stage.options))
         groups.setdefault(key, []).append(i)
     stages = list(profile.stages)
     for members in groups.values():
         if len(members) < 2:
             continue
         forward = statistics.median(stages[i].forward_seconds for i in members)
-        seconds = [statistics.median(stages[i].options[j].cost_seconds for i in members)
+        seconds = [statistics.median(stages[i].options[j].costs.time for i in members)
                    for j in range(len(stages[members[0]].options))]
         for i in members:
-            stages[i] = replace(stages[i], forward_seconds=forward,
-                                options=tuple(replace(o, cost_seconds=t) for o, t in zip(stages[i].options, seconds)))
+            options = tuple(replace(o, costs=replace(o.costs, time=t)) for o, t in zip(stages[i].options, seconds))
+            stages[i] = replace(stages[i], forward_seconds=forward, options=options)
     return replace(profile, stages=tuple(stages))

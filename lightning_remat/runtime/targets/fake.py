@@ -23,6 +23,7 @@ from ...core.errors import FakeProfileError, where_it_failed
 from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
+from ..measuring.roofline import device_peaks
 from ..measuring.user_hooks import hook_library, without_user_hooks
 from ...core import hardware
 
@@ -30,9 +31,9 @@ from ...core import hardware
 GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
 
 
-def gpu_peak_flops(name: str) -> float:
-    """Peak dense FLOP/s of a named GPU (case-insensitive; ``core.hardware.gpu``)."""
-    return hardware.gpu(name).flops()
+def training_flops_per_second(device: str, gpu: str | None = None) -> float:
+    """The FLOP/s a training step reaches on the target: its peak (``device_peaks``) times ``GPU_EFFICIENCY``."""
+    return device_peaks(device, gpu).flops_per_second * GPU_EFFICIENCY
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -11,8 +11,7 @@ from ...core.errors import RematError
 from ...core.memory_model import Profile
 from ...core import hardware
 from ...core.offload_model import with_offload_costs
-from .fake import GPU_EFFICIENCY, gpu_peak_flops
-from ..measuring.roofline import device_peaks
+from .fake import training_flops_per_second
 
 _MEASURE_BYTES = 64 * 2**20
 
@@ -65,7 +64,7 @@ def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bo
     if timed:
         seconds = {n: observed.stats[n].seconds for n in observed.order}
     else:
-        rate = (gpu_peak_flops(options.gpu) if options.gpu else device_peaks(device).flops_per_second) * GPU_EFFICIENCY
+        rate = training_flops_per_second(device, options.gpu)
         seconds = {n: observed.stats[n].flops / rate for n in observed.order}
     order = observed.order
     limits = {order[i]: int(bandwidth * seconds[order[i + 1]]) for i in range(len(order) - 1)}
@@ -75,8 +74,7 @@ def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bo
 def price_offload(profile: Profile, options: ProfileOptions, device: str) -> Profile:
     """``profile`` with its offload options priced for the target's host link (and a note)."""
     bandwidth, source = link_bandwidth(options, device)
-    flops = device_peaks(device, options.gpu).flops_per_second * GPU_EFFICIENCY
-    return with_offload_costs(profile, bandwidth, flops).noted(
+    return with_offload_costs(profile, bandwidth, training_flops_per_second(device, options.gpu)).noted(
         f"offload offered: host link {bandwidth / 1e9:.0f} GB/s ({source}); a stage's transfer is hidden behind "
         "the next stage's compute where it is shorter")
 
