@@ -264,8 +264,8 @@ def test_the_fit_does_not_predict_offload_hidden_whose_limit_follows_compute_tim
     from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
 
     def node(s, hidden_stored):
-        keep = StageOption("keep", (), 8 * s, 1000 + 3 * s, 0.0, 0)
-        hidden = StageOption("offload:hidden", ("a",), hidden_stored, 1000 + 3 * s, 0.0, 0, offloaded=("a",),
+        keep = StageOption("keep", (), 8 * s, 1000 + 3 * s)
+        hidden = StageOption("offload:hidden", ("a",), hidden_stored, 1000 + 3 * s, offloaded=("a",),
                              host_bytes=8 * s - hidden_stored, offload_limit=5 * s)
         return Profile((StageProfile("a", (keep, hidden)),), (), parameter_bytes=1000)
 
