@@ -117,7 +117,11 @@ SLOW = {
                         "test_a_fake_search_for_a_gpu_profiles_the_answer_and_runs_nothing",
                         "test_the_command_line_prints_the_answer_and_the_lengths_it_profiled",
                         "test_advice_names_the_knobs_at_the_first_length_that_does_not_fit",
-                        "test_the_example_finds_a_longer_sequence_and_confirms_it"),
+                        "test_the_example_finds_a_longer_sequence_and_confirms_it",
+                        # the 4-block MLP's full search (the module fixture) and one of three profiles: 8-11 s
+                        "test_three_profiles_predict_the_answer_the_full_search_profiles_and_it_holds_for_real",
+                        # two real profiles of a tiny Llama with tiled MLPs: 3.6 s
+                        "test_a_first_length_whose_tiled_mlps_run_in_two_chunks_is_noted"),
     "test_cli.py": ("test_installed_script_prints_tables",),  # 6 s, a subprocess
     # the integration pages' blocks that run on the CPU (fake profiles of every new shape), at load 1
     "test_doc_blocks.py": ("test_block_runs[shapes.md-1]",  # 23 s (5 fake profiles)

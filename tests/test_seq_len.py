@@ -273,3 +273,25 @@ def test_the_fit_does_not_predict_offload_hidden_whose_limit_follows_compute_tim
     assert [o.name for o in fit.at(1024).stages[0].options] == ["keep"]
     assert fit.at(1024).stages[0].options[0].stored_bytes == 8 * 1024
     assert [o.name for o in fit.at(128).stages[0].options] == ["keep", "offload:hidden"]
+
+
+def test_a_first_length_whose_tiled_mlps_run_in_two_chunks_is_noted():
+    """At 2 chunks a tiled MLP peaks at another moment than at 4 or more: predictions from it err high, so the
+    search says to start longer (128 tokens at hidden 64: 2 chunks; 256: 4). One profile each."""
+    import math
+
+    from lightning_remat.core.config import ProfileOptions, RematConfig
+    from lightning_remat.models import build
+    from lightning_remat.service.seq_search import LengthSearch
+
+    make = lambda n: build("llama", batch_size=1, seq_len=n, layers=2, hidden=64, vocab=64).step  # noqa: E731
+
+    def notes_after_first_profile(start):
+        search = LengthSearch(make, build("llama", batch_size=1, seq_len=start, layers=2, hidden=64, vocab=64).model,
+                              None, RematConfig("8MB", profile=ProfileOptions(tile_mlp=True)), 8 * 10**6, math.inf,
+                              1, start, 64, 2048, 3)
+        search.profile_length(start)
+        return search.notes
+
+    assert any("run in 2 chunks" in note for note in notes_after_first_profile(128))
+    assert not any("run in 2 chunks" in note for note in notes_after_first_profile(256))

@@ -23,6 +23,7 @@ from ..core.errors import BudgetTooSmallError
 from ..core.length_fit import LengthFit
 from ..core.memory_model import Profile
 from ..core.plan import Plan
+from ..runtime.installing.tiled_mlp import TILE, parse
 from .batch_search import BatchSearch, MakeStep
 
 
@@ -76,7 +77,7 @@ class LengthSearch(BatchSearch):
             return False
         if self.fit is None:
             self._check_static(profile)
-            if any(str(v).endswith(":2") for s in profile.stages for o in s.options for k, v in o.extra if k == "tile"):
+            if any(parse(v)[1] == 2 for s in profile.stages for o in s.options for k, v in o.extra if k == TILE):
                 # Measured on Llama-3-8B: from 8K-32K tokens, 128K predicted 5.25 GiB high; from 16K-64K, exact.
                 self.notes.append(f"at {length} tokens the tiled MLPs run in 2 chunks, whose peak falls at another "
                                   "moment than at 4 or more: predictions from it err high; start at 4 x the hidden size")
