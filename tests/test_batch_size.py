@@ -13,12 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remat.runtime.installing.apply import checkpointed_modules, remove_remat
-from lightning_remat.service.batch_size import (
-    BatchSizeTooSmallBudgetError,
-    ProfileFit,
-    find_remat_batch_size,
-    lightning_binsearch_sizes,
-)
+from lightning_remat.core.batch_fit import ProfileFit, lightning_binsearch_sizes
+from lightning_remat.core.errors import BatchSizeTooSmallBudgetError
+from lightning_remat.service.batch_size import find_remat_batch_size
 from lightning_remat.runtime.measuring.measure import is_out_of_memory
 from lightning_remat.integrations.lightning.batch_size_finder import RematBatchSizeFinder
 from lightning_remat.runtime.measuring.measure import measure_step
@@ -88,7 +85,8 @@ def test_the_table_shows_a_decimal_budget_in_decimal_next_to_its_bytes():
 def test_a_result_reads_in_one_short_line_and_its_summary_is_the_table():
     from lightning_remat.core.memory_model import Costs, Profile, StageOption, StageProfile
     from lightning_remat.core.solve import solve
-    from lightning_remat.service.batch_size import BatchSizeResult, Trial
+    from lightning_remat.runtime.measuring.trial import Trial
+    from lightning_remat.service.batch_size import BatchSizeResult
 
     stages = tuple(StageProfile(f"h.{k}", (StageOption("keep", (), 10**6, 2 * 10**6),
                                           StageOption("whole", (f"h.{k}",), 0, 2 * 10**6, Costs(1.0, 5)))) for k in range(12))

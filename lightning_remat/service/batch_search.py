@@ -24,19 +24,6 @@ from .planning import Planner, resolve_cost
 MakeStep = Callable[[int], Step]
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.passes = 0
-        self.samples = 0
-
-    def wrap(self, step: Step, batch_size: int) -> Step:
-        def counted(model: nn.Module) -> torch.Tensor:
-            self.passes += 1
-            self.samples += batch_size
-            return step(model)
-        return counted
-
-
 class BatchSearch:
     """The state of one search: the fitted profile, the corrections real trials taught, the plans so far."""
 
@@ -45,18 +32,12 @@ class BatchSearch:
     def __init__(self, make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: RematConfig, budget_bytes: int, max_overhead: float, steps_per_trial: int, mode: str,
                  start: int):
-        self.make_step = make_step
-        self.model = model
-        self.optimizer = optimizer
-        self.config = config
-        self.budget_bytes = budget_bytes
-        self.max_overhead = max_overhead
-        self.steps_per_trial = steps_per_trial
-        self.mode = mode
-        self.start = start
+        self.make_step, self.model, self.optimizer = make_step, model, optimizer
+        self.budget_bytes, self.max_overhead = budget_bytes, max_overhead
+        self.steps_per_trial, self.mode, self.start = steps_per_trial, mode, start
         self.config, cost_note = resolve_cost(config, model)
         self.cost = self.config.cost
-        self.counter = _Counter()
+        self.passes = self.samples = 0  # profiling passes run, and the samples they took
         self.notes: list[str] = [cost_note] if cost_note else []
         self.trials: list[Trial] = []
         # (batch size, measured - predicted) of failed trials, with and without recomputation.
@@ -70,6 +51,13 @@ class BatchSearch:
         """The user's step at ``batch_size`` (``ShardedBatchSearch`` makes it on every rank at once)."""
         return self.make_step(batch_size)
 
+    def _counted(self, step: Step, batch_size: int) -> Step:
+        def counted(model: nn.Module) -> torch.Tensor:
+            self.passes += 1
+            self.samples += batch_size
+            return step(model)
+        return counted
+
     # 1. Profiles at two small batch sizes, stepping down on a real out-of-memory error.
     def _profile_at(self, batch_size: int, warmup: int) -> Profile | None:
         options = replace(self.config.profile, warmup=warmup)
@@ -78,7 +66,7 @@ class BatchSearch:
             options = replace(options, policies=())
         try:
             with Planner(self.config, verbose=self.verbose).progress(self.model, options.fake):
-                return profiling.profile_step(self.model, self.counter.wrap(self.step_at(batch_size), batch_size),
+                return profiling.profile_step(self.model, self._counted(self.step_at(batch_size), batch_size),
                                               optimizer=self.optimizer, options=options)
         except Exception as exception:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_out_of_memory(exception):
@@ -105,7 +93,7 @@ class BatchSearch:
                 profiles.append((second_bs, second))
                 break
         self.fit = ProfileFit(profiles)
-        if self.cost == "flops" and _flops_unattributed(self.fit.profiles[-1]):
+        if self.cost == "flops" and flops_unattributed(self.fit.profiles[-1]):
             # A step calling a submodule (``self.net(x)``) gives stages no FLOPs; measured time still prices them.
             self.cost = "time"
             self.notes.append("no FLOPs were attributed to the candidate modules (the step does not call the model "
@@ -140,7 +128,8 @@ class BatchSearch:
                     plan = None
                 except RematError as error:  # offload: no plan within the host's free memory
                     plan = None
-                    self._note_host_limit(batch_size, error)
+                    if not any("host memory" in n for n in self.notes):
+                        self.notes.append(f"host memory limits offloading from batch size {batch_size} on: {error}")
                 if plan is not None and plan.predicted_overhead > self.max_overhead + 1e-12:
                     plan = None
             else:
@@ -163,10 +152,6 @@ class BatchSearch:
             # Read once per search: the same limit for every batch size (and the plans stay cached).
             self.host_free = host_limit_bytes(self.config.profile)
         return solve_within_host(profile, self.host_free, lambda p: solve(p, budget, cost=self.cost))
-
-    def _note_host_limit(self, batch_size: int, error: Exception) -> None:
-        if not any("host memory" in n for n in self.notes):
-            self.notes.append(f"host memory limits offloading from batch size {batch_size} on: {error}")
 
     def largest(self, recompute: bool, limit: int) -> int:
         """The largest multiple of ``unit`` up to ``limit`` predicted to fit, doubling from ``start`` then bisecting."""
@@ -234,9 +219,17 @@ class BatchSearch:
         return without
 
 
-def _flops_unattributed(profile: Profile) -> bool:
-    recomputing = [o for s in profile.stages for o in s.options[1:]]
-    return bool(recomputing) and profile.baseline_costs.flops > 0 and all(o.costs.flops == 0 for o in recomputing)
+def flops_unattributed(profile: Profile) -> bool:
+    """Whether the step counts FLOPs but none in its recomputing options (it calls a submodule, not the model).
+
+    >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile
+    >>> whole = StageOption("whole", ("a",), 0, 10, Costs(1.0, 0))
+    >>> flops_unattributed(Profile((StageProfile("a", (StageOption("keep", (), 10, 10), whole)),), (),
+    ...                            baseline_costs=Costs(1.0, 100)))
+    True
+    """
+    recomputing = [o for s in profile.stages for o in s.options if o.checkpointed]
+    return bool(recomputing) and profile.baseline_costs.flops > 0 and not any(o.costs.flops for o in recomputing)
 
 
 def too_small_at_one(fit: ProfileFit, budget_bytes: int, max_overhead: float, cost: str) -> BatchSizeTooSmallBudgetError:

@@ -9,11 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.batch_fit import (DEFAULT_MAX_BATCH_SIZE, SEARCH_MODES, ProfileFit, lightning_binsearch_sizes,
-                              validate_search)
+from ..core.batch_fit import DEFAULT_MAX_BATCH_SIZE, lightning_binsearch_sizes, validate_search
 from ..core.budget import format_budget, format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import BatchSizeTooSmallBudgetError
 from ..core.plan import Plan
 from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
 from ..runtime.installing.fingerprint import bound
@@ -23,10 +21,6 @@ from ..runtime.measuring.measure import model_device
 from ..runtime.targets.offload_link import check_offload_target
 from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch, MakeStep, too_small_at_one
-
-__all__ = ["BatchSizeResult", "BatchSizeTooSmallBudgetError", "DEFAULT_MAX_BATCH_SIZE", "ProfileFit", "SEARCH_MODES",
-           "Trial", "find_remat_batch_size", "lightning_binsearch_sizes"]
-
 
 @dataclass
 class BatchSizeResult:
@@ -213,7 +207,7 @@ def find_remat_batch_size(
         budget_bytes=budget_bytes, measured_peak_bytes=measured, max_overhead=float(max_overhead),
         margin=float(margin), steps_per_trial=steps_per_trial, trials=search.trials,
         trial_steps=sum(t.steps for t in search.trials), profile_batch_sizes=fit.batch_sizes,
-        profile_passes=search.counter.passes, profile_samples=search.counter.samples, binsearch_sizes=binsearch,
+        profile_passes=search.passes, profile_samples=search.samples, binsearch_sizes=binsearch,
         binsearch_trial_steps=len(binsearch) * steps_per_trial,
         notes=search.notes + [f"static memory {format_bytes(fit.static_bytes)} (parameters, gradients, optimizer state)"],
     )

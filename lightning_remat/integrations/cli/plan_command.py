@@ -36,9 +36,10 @@ def _finite(value: float) -> float | None:
 
 
 def _profile_warnings(profile: Any, cost: str) -> list[str]:
+    from ...service.batch_search import flops_unattributed
+
     found = []
-    recomputing = [o for s in profile.stages for o in s.options if o.checkpointed]
-    if cost == "flops" and profile.baseline_costs.flops and recomputing and not any(o.costs.flops for o in recomputing):
+    if cost == "flops" and flops_unattributed(profile):
         found.append("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
                      "FlopCounterMode names modules from the first one called), so every plan looks free; "
                      "use --cost time or call model(...) in the step")
