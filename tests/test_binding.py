@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_remat import plan_remat
 from lightning_remat.core.errors import BudgetTooSmallError
-from lightning_remat.service.plan_figures import plan_metrics
+from lightning_remat.service.run import plan_metrics
 
 
 class _HugeHead(nn.Module):

@@ -66,7 +66,7 @@ def test_the_plan_summary_shows_a_decimal_budget_in_decimal_and_logs_bytes():
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
     from lightning_remat.core.solve import solve
     from lightning_remat.report.render import plan_renderables, to_text
-    from lightning_remat.service.plan_figures import plan_metrics
+    from lightning_remat.service.run import plan_metrics
 
     keep, whole = StageOption("keep", (), 10**6, 2 * 10**6), StageOption("whole", ("a",), 0, 2 * 10**6, Costs(1.0, 5))
     profile = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 3 * 10**6),), baseline_peak_bytes=4 * 10**6)
@@ -81,7 +81,7 @@ def test_the_plan_summary_shows_a_decimal_budget_in_decimal_and_logs_bytes():
 
 def test_the_measured_line_and_the_over_budget_warning_speak_the_budgets_units():
     from lightning_remat.core.plan import Plan
-    from lightning_remat.service.plan_figures import over_budget
+    from lightning_remat.service.run import over_budget
     from lightning_remat.service.run import _figure
 
     plan = Plan([], budget_bytes=60 * 10**6, predicted_peak_bytes=59 * 10**6, requested_budget="60MB")

@@ -279,9 +279,9 @@ class Chain(L.LightningModule):
 def test_the_fallback_after_profiling_runs_out_of_memory_says_so_and_predicts_nothing(budget, caplog, monkeypatch):
     # The first batch is profiled on fake tensors before it runs (no real profiling pass, and a fake
     # twin runs no hook of the model's): its profiling pass is what runs out of memory here.
-    from lightning_remat.service import shape_profiles
+    from lightning_remat.service import shape_plans
 
-    calls, profile_step = [], shape_profiles.profiling.profile_step
+    calls, profile_step = [], shape_plans.profiling.profile_step
 
     def out_of_memory_first(*args, **kwargs):
         calls.append(1)
@@ -289,7 +289,7 @@ def test_the_fallback_after_profiling_runs_out_of_memory_says_so_and_predicts_no
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return profile_step(*args, **kwargs)
 
-    monkeypatch.setattr(shape_profiles.profiling, "profile_step", out_of_memory_first)
+    monkeypatch.setattr(shape_plans.profiling, "profile_step", out_of_memory_first)
     module, callback = Chain(), AutoRemat(budget=budget, verbose=True)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")

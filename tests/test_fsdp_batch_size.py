@@ -110,7 +110,7 @@ def _mlp_search(other_rank):
 
     from lightning_remat.core.config import RematConfig
     from lightning_remat.runtime.measuring.trial import Trial
-    from lightning_remat.service.sharded_batch import ShardedBatchSearch
+    from lightning_remat.service.batch_search import ShardedBatchSearch
     from tests.function_channel import FunctionChannel
 
     def gather(value):
@@ -157,7 +157,7 @@ def test_an_error_on_another_rank_is_raised_on_every_rank():
 
     from lightning_remat.core.config import RematConfig
     from lightning_remat.core.errors import PlanningFailedError
-    from lightning_remat.service.sharded_batch import ShardedBatchSearch
+    from lightning_remat.service.batch_search import ShardedBatchSearch
     from tests.function_channel import FunctionChannel
 
     def gather(value):  # the other rank failed while profiling

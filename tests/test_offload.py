@@ -204,7 +204,7 @@ def test_offload_without_an_accelerator_target_is_an_error():
 
 def test_plan_round_trip_summary_and_metrics():
     from lightning_remat.core.plan import Plan, StageAction
-    from lightning_remat.service.plan_figures import plan_metrics
+    from lightning_remat.service.run import plan_metrics
 
     plan = Plan([StageAction.recompute("h.1"), StageAction.offload("h.0", 2**20)], 2**30, 2**31, 2**30, 0.05,
                 host_bytes=3 * 2**20)

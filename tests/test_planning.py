@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_remat import BudgetTooSmallError, Plan, RematConfig, StageAction, plan_remat
 from lightning_remat.service.channel import travelling
-from lightning_remat.service.plan_figures import plan_metrics
+from lightning_remat.service.run import plan_metrics
 from lightning_remat.service.planning import Planner
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat.service.rank_failures import PEER_WAIT_S
+from lightning_remat.service.channel import PEER_WAIT_S
 
 pytestmark = pytest.mark.xdist_group("fsdp-multiprocess")
 

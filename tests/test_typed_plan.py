@@ -21,7 +21,7 @@ from lightning_remat.runtime.installing.apply import (applied, apply_plan, check
                                                       segmented_modules)
 from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules
 from lightning_remat.runtime.installing.records import RECORD, installed_forward
-from lightning_remat.service.plan_figures import plan_metrics
+from lightning_remat.service.run import plan_metrics
 
 # What a solved plan with a policy, a child, an offload within a limit and a segment says under the
 # names its dict holds for readers (and the figures it predicts).

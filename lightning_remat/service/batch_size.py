@@ -20,7 +20,9 @@ from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import model_device
 from ..runtime.targets.offload_link import check_offload_target
 from ..runtime.measuring.trial import Trial
-from .batch_search import BatchSearch, MakeStep, too_small_at_one
+from .batch_search import BatchSearch, MakeStep, ShardedBatchSearch, shared_budget, too_small_at_one
+from .channel import torch_distributed_channel
+from .sharded import fsdp2_sharded, refuse_fsdp1
 
 @dataclass
 class BatchSizeResult:
@@ -94,15 +96,10 @@ class BatchSizeResult:
 def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: RematConfig,
             budget_bytes: int, *args: Any) -> BatchSearch:
     """A ``BatchSearch``; for a model sharded with FSDP2 across processes, one every rank runs in lockstep."""
-    from .channel import torch_distributed_channel
-    from .sharded import fsdp2_sharded, refuse_fsdp1
-
     refuse_fsdp1(model, "find_remat_batch_size")
     channel = torch_distributed_channel()
     if not (fsdp2_sharded(model) and channel.distributed):
         return BatchSearch(make_step, model, optimizer, config, budget_bytes, *args)
-    from .sharded_batch import ShardedBatchSearch, shared_budget
-
     return ShardedBatchSearch(make_step, model, optimizer, config, shared_budget(budget_bytes, channel), *args,
                               channel=channel)
 

@@ -24,8 +24,12 @@ from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, re
 from ..runtime.measuring.roofline import target_gpu
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, torch_distributed_channel
-from .plan_figures import MEASURED_TIME_NOTE
 from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
+
+# Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
+MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
+                      "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the CPU's "
+                      "default) or cost='roofline' give figures that do not move")
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles (``docs/shapes.md``)."""
+"""Plans that follow the batch's shape: one plan per shape bucket, made from predicted profiles (the first batch's,
+the shape fit's nodes, calibrated by measured steps; ``docs/shapes.md``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..core.allowances import REAL_PROFILE_ALLOWANCE
+from ..core.budget import format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
-from ..core.errors import BudgetTooSmallError
-from ..core.memory_model import Profile
+from ..core.errors import BudgetTooSmallError, FakeProfileError
+from ..core.memory_model import Profile, priced, seconds_per_flop
 from ..core.plan import Plan
 from ..core.shape_fit import ShapeFit
 from ..core.shapes import Shape
@@ -19,12 +22,19 @@ from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
 from ..runtime.installing.verify import check_installed
+from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
+from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, padding, resize_batch
-from .planning import Planner
+from ..runtime.profiling.profile_adjust import with_always_alive
+from .planning import Planner, _first_line
 from .shape_keys import ShapeKeys
-from .shape_profiles import ShapeProfiles
 
 PLAN_FOR = ("shape", "largest")
+# Nodes of the shape fit (fake profiles) sit on a ladder of this many steps per doubling of the batch
+# size and of the sequence length; plans are made at the (finer) buckets between them.
+NODE_STEPS = 4
+# Why a first batch got the fallback plan when its fake profile failed.
+FAKE_FAILED = "fake tensors cannot run the model, and a real step without recomputation might not fit"
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -40,11 +50,10 @@ class ShapePlanCounts:
     calibrations: int = 0
 
 
-class ShapePlans(ShapeProfiles):
+class ShapePlans:
     """The plan for each batch's shape, solved once per shape bucket: ``use(batch)`` before each step's forward
     installs it (``plan(batch)`` only decides), ``calibrate(peak)`` after takes the measured peak (docs/shapes.md).
 
-    >>> import torch
     >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
     >>> plans = ShapePlans(net, lambda m, x: m(x).square().mean(), budget="min", per_octave=0)
     >>> [len(plans.use(torch.randn(rows, 16)).checkpointed) > 0 for rows in (64, 256, 64)]
@@ -123,13 +132,16 @@ class ShapePlans(ShapeProfiles):
         self.fresh = key not in self.plans or key in self._stale
         if self.fresh:  # decided on rank 0, its outcome (or its error) on every rank
             if self.channel is None or not self.channel.distributed:
-                plan = self._plan_at(batch, shape, key)
+                made_for, plan = self._plan_at(batch, shape, key)
             else:
-                plan = self.channel.from_main(lambda: self._plan_at(batch, shape, key),
-                                              action="planning for a batch shape", hint=self.hint)
-            self._stale.discard(key)
-            key = self._settle(key, shape, plan)
-            self._stale.discard(key)
+                made_for, plan = self.channel.from_main(lambda: self._plan_at(batch, shape, key),
+                                                        action="planning for a batch shape", hint=self.hint)
+            if made_for != key:  # no plan fits the bucket: its batches are planned at their own shape
+                self._too_large.add(key)
+            self._stale.difference_update((key, made_for))
+            self.plans[made_for] = plan
+            self.sources.setdefault(made_for, "shared")
+            key = made_for
         return self.plans[key]
 
     def key(self, shape: Shape) -> Shape:
@@ -162,14 +174,6 @@ class ShapePlans(ShapeProfiles):
         if self.anchor is not None and key == self.anchor[0]:
             return self.anchor[1]
         return self.fit.at(key) if self.fit is not None else None
-
-    def _settle(self, key: Shape, shape: Shape, outcome: tuple[Shape, Plan]) -> Shape:
-        made_for, plan = outcome
-        if made_for != key:  # no plan fits the bucket: its batches are planned at their own shape
-            self._too_large.add(key)
-        self.plans[made_for] = plan
-        self.sources.setdefault(made_for, "shared")
-        return made_for
 
     def _step(self, batch: Any) -> Callable[[nn.Module], torch.Tensor]:
         return lambda module: self.loss_fn(module, batch)
@@ -209,3 +213,117 @@ class ShapePlans(ShapeProfiles):
                       UserWarning, stacklevel=3)
         known = shape in self.plans and shape not in self._stale
         return (shape, self.plans[shape]) if known else self._plan_at(batch, shape, shape)
+
+    def _first(self, batch: Any) -> None:
+        """Profile the first batch on fake tensors as the anchor (a real profile with ``fake=False`` where it fits)."""
+        shape = self.shape_of(batch)
+        try:
+            node = self._fake_profile(batch, shape)
+        except Exception as error:  # noqa: BLE001 - re-raised unless the fallback plan is the answer
+            if not isinstance(error, FakeProfileError) and not is_out_of_memory(error):
+                raise
+            cause = (FAKE_FAILED if isinstance(error, FakeProfileError) else "out of memory while profiling")
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+        else:
+            anchor = self.adjust(node) if self.adjust else node
+            real = self._real_profile(batch) if self.real_first and self._plain_step_fits(anchor) else None
+            if real is not None:
+                self._seconds_per_flop = seconds_per_flop(real.baseline_costs.time, real.baseline_costs.flops)
+                self._timed = True
+                node, anchor = priced(node, self._seconds_per_flop), real
+            self.fit = ShapeFit({shape: node}, anchor=(shape, anchor) if anchor is not node else None)
+            self.anchor = (shape, anchor)
+            return
+        # Outside the except block: the traceback no longer pins the failed pass's tensors.
+        self.fallback = self.planner.fallback_plan(self.model, reason, cause=cause)
+
+    def _plain_step_fits(self, anchor: Profile) -> bool:
+        """Whether the plain step the real profile runs is predicted to fit the budget; warns when not."""
+        budget = self.config.budget_bytes(model_device(self.model))
+        needed = anchor.baseline_peak_bytes + REAL_PROFILE_ALLOWANCE
+        if isinstance(budget, int) and needed <= budget:
+            return True
+        warnings.warn(f"lightning-remat: fake=False: the first batch is not profiled for real: its step without "
+                      f"recomputation is predicted to peak at {format_bytes(needed)} with the profiler's own "
+                      f"tensors, {'above the budget' if isinstance(budget, int) else 'and the budget is min'}"
+                      "; it is planned on its fake-tensor profile (costs: counted FLOPs).", UserWarning, stacklevel=7)
+        return False
+
+    def calibrate(self, measured_peak_bytes: int, plan: Plan | None = None, seconds: float | None = None) -> bool:
+        """Take a measured step into account (every rank; ``seconds`` price fakes under "time"); whether re-solved."""
+        plan = plan or self.installed
+        predicted = plan.predicted_peak_bytes if plan is not None else None
+        excess = 0 if predicted is None else max(0, int(measured_peak_bytes) - int(predicted))  # above the prediction
+        reprice = seconds is not None and self.config.cost == "time" and not self._timed
+        if plan is None or self.fallback is not None or not (excess or reprice):
+            return False
+        nodes = self.fit.nodes if self.fit is not None else {}
+        base = self.anchor or (next(iter(nodes.items())) if nodes else None)
+        if base is None and (self.channel is None or not self.channel.distributed):
+            return False  # nothing was profiled here (plans seeded from a checkpoint): nothing to correct
+        self._timed = self._timed or reprice
+        if base is not None:  # one process, or rank 0 (which profiles and solves for every rank)
+            shape, anchor = base
+            rate = None
+            if reprice:  # seconds per FLOP of the measured step; None where the profile counts no FLOPs
+                flops = (self.profile_of(plan) or anchor).baseline_costs.flops * (1 + (plan.predicted_overhead or 0.0))
+                rate = seconds_per_flop(seconds, flops) if flops > 0 and seconds > 0 else None
+            if rate is not None:
+                self._seconds_per_flop = rate
+                anchor, nodes = priced(anchor, rate), {s: priced(n, rate) for s, n in nodes.items()}
+            if excess:
+                anchor = with_always_alive(anchor, excess, (
+                    f"calibrated by a measured step: it peaked {format_bytes(excess)} ({excess} bytes) above the "
+                    "plan's prediction (memory the profile did not see: on a GPU the allocator's rounding and library "
+                    "workspaces, or code outside the profiled step); counted in every term"))
+            self.anchor = (shape, anchor)
+            self.fit = ShapeFit(nodes, anchor=self.anchor) if nodes else None
+        self.counts.calibrations += bool(excess)
+        self._stale.update(self.plans)  # each solved again at its next batch (``fresh`` then says so)
+        return True
+
+    def _grow(self, batch: Any, shape: Shape, key: Shape) -> None:
+        """Make the fit bracket ``key``: a node at the anchor's shape or at ``key``, then the missing ladder nodes."""
+        if self.fit is None and self.anchor is not None and self.anchor[0].comparable(shape):
+            anchor_shape, anchor = self.anchor
+            self.fit = ShapeFit({anchor_shape: self._fake_profile(batch, anchor_shape)}, anchor=self.anchor)
+        elif self.fit is None:
+            # Nothing was profiled (a seeded plan), or this batch cannot be stretched to the first batch's
+            # layout: start at ``key``, anchored on its own fake node.
+            node = self._fake_profile(batch, key)
+            self.fit = ShapeFit({key: node}, anchor=(key, self.adjust(node)) if self.adjust else None)
+        for node in self.fit.missing_nodes(key, NODE_STEPS, self.max_shape):
+            self.fit = self.fit.with_node(node, self._fake_profile(batch, node))
+        if not self.fit.bounded(key):  # not reached with ladder nodes; a node at the bucket itself is exact
+            self.fit = self.fit.with_node(key, self._fake_profile(batch, key))
+
+    def _real_profile(self, batch: Any) -> Profile | None:
+        """The first batch profiled for real (``adjust`` applied); None after an out-of-memory error."""
+        self.counts.real_profiles += 1
+        try:
+            return self.planner.profile(self.model, self._step(batch), self.optimizer, adjust=self.adjust,
+                                        warmup=self.warmup)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(error):
+                raise
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+        release_device_memory()  # outside the except block: the traceback no longer pins the step's tensors
+        warnings.warn(f"lightning-remat: out of memory while profiling the first batch ({reason}); plans are made "
+                      "on fake-tensor profiles alone.", UserWarning, stacklevel=7)
+        return None
+
+    def _fake_profile(self, batch: Any, at: Shape) -> Profile:
+        """A node: the step on ``batch`` stretched to ``at``, profiled on fake tensors and priced."""
+        stretched = batch if at == self.shape_of(batch) else self.resize(batch, at)
+        options = replace(self.config.profile, fake=True, warmup=0,
+                          device=self.config.profile.device or str(model_device(self.model)))
+        self.counts.fake_profiles += 1
+        with self.planner.progress(self.model, fake=True):
+            try:
+                profile = profiling.profile_step(self.model, self._step(stretched), optimizer=self.optimizer,
+                                                 options=options)
+            except FakeProfileError as error:  # a fake pass of ours, not the user's: fake=False is no advice
+                raise error if self.config.profile.fake else FakeProfileError(error.op, error.detail, requested=False)
+        # Before a timed step: FLOPs stand in for seconds (an overhead is a ratio, the same in either).
+        rate = self._seconds_per_flop or (1e-12 if self.config.cost != "flops" else None)
+        return priced(profile, rate) if rate else profile
