@@ -6,10 +6,20 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import torch
+
 from ..core.binding import HEAD, OPTIMIZER, STAGE, with_optimizer_setting
+from ..core.config import PRECISIONS
 from ..core.errors import RematError
 from ..core.sharding import smallest_world_size
 from ..core.solve import least_peak, solve
+from ..runtime.installing.chunked_loss import find_head_loss
+from ..runtime.installing.tiled_mlp import refusal
+from ..runtime.measuring.measure import model_device
+from ..runtime.measuring.optimizers import optimizer_list
+from ..runtime.profiling.candidates import find_stages
+from ..runtime.targets.offload_link import check_offload_target
+from ..runtime.targets.sharded import uneven_parameters, unsharded_in_flight_bytes
 
 
 @dataclass(frozen=True)
@@ -29,20 +39,14 @@ def _optimizer(setting: str) -> Callable[[KnobContext], tuple[str, int] | None]:
         changed = with_optimizer_setting(context.profile, setting)
         if changed is None or changed.optimizer_step_alternatives.get(setting, 0) >= 0:
             return None
-        names = sorted({type(o).__name__ for o in _optimizers(context.optimizer)})
+        names = sorted({type(o).__name__ for o in optimizer_list(context.optimizer)})
         return f"{'/'.join(names) or 'the optimizer'}({setting})", least_peak(changed)
     return evaluate
 
 
-def _optimizers(optimizer: Any) -> list:
-    from ..runtime.measuring.optimizers import optimizer_list
-
-    return optimizer_list(optimizer)
-
-
 def _model_optimizer(model: Any, optimizer: Any) -> Any:
     """``optimizer``, or one over the model's parameters now where a fake profile converted a meta model in place."""
-    optimizers = _optimizers(optimizer)
+    optimizers = optimizer_list(optimizer)
     current = list(model.parameters())
     ids = {id(p) for p in current}
     if all(id(p) in ids for o in optimizers for g in o.param_groups for p in g["params"]):
@@ -70,9 +74,6 @@ def _below_static(context: KnobContext) -> bool:
 
 
 def _offload(context: KnobContext) -> tuple[str, int] | None:
-    from ..runtime.measuring.measure import model_device
-    from ..runtime.targets.offload_link import check_offload_target
-
     options = context.planner.config.profile
     if options.offload or _below_static(context):
         return None
@@ -85,12 +86,6 @@ def _offload(context: KnobContext) -> tuple[str, int] | None:
 
 def _gathered_bytes(context: KnobContext) -> int:
     """Bytes FSDP2 holds unsharded at once (the root's and two largest units'), in the dtype it computes in."""
-    import torch
-
-    from ..core.config import PRECISIONS
-    from ..runtime.profiling.candidates import find_stages
-    from ..runtime.targets.sharded import unsharded_in_flight_bytes
-
     options = context.planner.config.profile
     # As the sharded profile gathers: in the autocast dtype (FSDP2's param_dtype), else as stored.
     dtype = next((d for d in PRECISIONS[options.precision][::-1] if d), None) if options.precision else options.dtype
@@ -124,8 +119,6 @@ def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
 
 def _more_gpus_from(context: KnobContext, sharded: Any, world: int, peak: int) -> tuple[str, int]:
     """From a sharded profile that does not fit: the next size its own algebra says fits, with its peak."""
-    from ..runtime.targets.sharded import uneven_parameters
-
     # At every moment of the step the sharded parameters and optimizer state divide further (gradients may
     # not exist yet) and nothing else grows: an upper bound on the least peak at the next size.
     own = sharded.parameter_bytes + sharded.optimizer_state_bytes
@@ -141,8 +134,6 @@ def _more_gpus_from(context: KnobContext, sharded: Any, world: int, peak: int) -
 
 
 def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
-    from ..runtime.installing.chunked_loss import find_head_loss
-
     if context.planner.config.profile.chunk_loss or _below_static(context) or find_head_loss(context.model) is None:
         return None
     # Offered (and re-profiled for) only where the head and loss's term binds the least peak.
@@ -152,8 +143,6 @@ def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
 
 
 def _tiled_mlp(context: KnobContext) -> tuple[str, int] | None:
-    from ..runtime.installing.tiled_mlp import refusal
-
     if context.planner.config.profile.tile_mlp or _below_static(context):
         return None
     # Offered (and re-profiled for) only where a stage with a position-wise child binds the least peak.

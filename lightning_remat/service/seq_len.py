@@ -22,8 +22,6 @@ from ..runtime.measuring.exclusive import exclusive
 from .batch_size import apply_or_restore, search_setup
 from .seq_search import LengthRow, LengthSearch
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "LengthRow", "SeqLenResult", "find_remat_seq_len"]
-
 DEFAULT_MAX_SEQ_LEN = 2**20  # a million tokens
 MAX_SEQ_LEN = 2**30  # far beyond any real search, so that a typo fails at once
 
@@ -186,7 +184,7 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         raise search.too_short()
     plan = search.plan_for(answer, True)
     assert plan is not None
-    failing = search.first_failing(answer)
+    failing = answer + multiple_of if answer + multiple_of <= max_seq_len else None  # profiled (or predicted) not to fit
     knobs = search.knobs_at(failing) if advice and failing in search.rows else []
     plan = bound(plan, model)
     apply_or_restore(model, plan, apply, previous)

@@ -1,11 +1,5 @@
-"""The search behind ``find_remat_seq_len``: ``BatchSearch`` over sequence lengths, its answer resting on profiles.
-
-Three lengths are profiled (``init_val`` and its double and quadruple), every memory term is predicted at any
-length by the parabola through the nearest profiles (``core.length_fit``), the longest length predicted to fit is
-searched as the batch search searches the largest batch (doubling, then bisection, in steps of ``multiple_of``),
-and the answer and the length after it are profiled in turn until a profiled length fits and the next one does
-not (each profile a new node of the fit).
-"""
+"""The search behind ``find_remat_seq_len``: ``BatchSearch`` over sequence lengths, its answer resting on profiles
+(each profile a new node of the parabola fit, ``core.length_fit``)."""
 
 from __future__ import annotations
 
@@ -22,7 +16,6 @@ from ..core.config import RematConfig
 from ..core.errors import BudgetTooSmallError
 from ..core.length_fit import LengthFit
 from ..core.memory_model import Profile
-from ..core.plan import Plan
 from ..runtime.installing.tiled_mlp import TILE, parse
 from .batch_search import BatchSearch, MakeStep
 
@@ -90,7 +83,7 @@ class LengthSearch(BatchSearch):
 
     def _row(self, length: int, profile: Profile, profiled: bool = True) -> LengthRow:
         plan = self.plan_for(length, True)
-        least = self.least_plan(profile)
+        least = self._solve(profile, "min")  # within the host's memory where it offloads
         self.rows[length] = LengthRow(length, plan is not None, least.predicted_peak_bytes, least.binding,
                                       plan.predicted_peak_bytes if plan else None,
                                       plan.predicted_overhead if plan else None, profiled)
@@ -100,13 +93,9 @@ class LengthSearch(BatchSearch):
     def profiles(self) -> int:
         return sum(r.profiled for r in self.rows.values())
 
-    def least_plan(self, profile: Profile) -> Plan:
-        """The plan of least peak on ``profile`` (within the host's memory where it offloads)."""
-        return self._solve(profile, "min")
-
     def _check_static(self, profile: Profile) -> None:
         if self.budget_bytes < profile.static_bytes:
-            raise BudgetTooSmallError(self.budget_bytes, self.least_plan(profile).predicted_peak_bytes,
+            raise BudgetTooSmallError(self.budget_bytes, self._solve(profile, "min").predicted_peak_bytes,
                                       profile.static_bytes, message=(
                 f"The budget of {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) is below the static "
                 f"memory of the step, {format_bytes(profile.static_bytes)} (parameters, gradients and optimizer "
@@ -179,11 +168,6 @@ class LengthSearch(BatchSearch):
             self.notes.append(f"sequence length {answer} measured {measured} against its predicted "
                               f"{format_bytes(plan.predicted_peak_bytes)}: searched below it")
             self.verdicts[answer] = False
-
-    def first_failing(self, answer: int) -> int | None:
-        """The length after ``answer``, profiled (or predicted) not to fit (None at ``max_seq_len``)."""
-        following = answer + self.unit
-        return following if following <= self.max_seq_len else None
 
     def knobs_at(self, length: int) -> list[dict[str, Any]]:
         """The knobs (``service.knobs``) at a profiled ``length``: each re-profiles the step, so only on request."""
