@@ -62,12 +62,15 @@ from lightning_remat.runtime.measuring.measure import count_step_flops, measure_
 from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile  # noqa: E402
 from lightning_remat.models import MODEL_NAMES, build  # noqa: E402
 from lightning_remat.runtime.profiling.profile import profile_step  # noqa: E402
-from lightning_remat.report.plots import draw_pareto, pareto_sweep, plot_pareto, pyplot  # noqa: E402
+from lightning_remat.report.plots import pareto_sweep, pyplot  # noqa: E402
 from lightning_remat.core.errors import BudgetTooSmallError  # noqa: E402
 from lightning_remat.core.solve import least_peak, solve  # noqa: E402
 from lightning_remat.core.config import ProfileOptions  # noqa: E402
 from lightning_remat.core.plan import Plan, StageAction  # noqa: E402
 from lightning_remat.runtime.measuring.roofline import OpRecorder, device_peaks, roofline_seconds  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own modules, also when imported as benchmarks.run
+from pareto_plot import draw_with_peers, plot_with_peers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 FRACTIONS = (0.7, 0.5, 0.3)
@@ -586,8 +589,8 @@ def print_table(results: dict[str, Any]) -> None:
 
 def plot_model(model: dict[str, Any], path: Path) -> Path:
     curve, points, measured = _plot_data(model)
-    return plot_pareto(path, curve, points=points, measured=measured, baseline_peak_bytes=model["baseline_peak_bytes"],
-                       title=f"{model['model']}: peak memory vs FLOP overhead")
+    return plot_with_peers(path, curve, points, measured, model["baseline_peak_bytes"],
+                           f"{model['model']}: peak memory vs FLOP overhead")
 
 
 def _plot_data(model: dict[str, Any]):
@@ -613,7 +616,7 @@ def plot_all(results: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
     for ax, model in zip(axes.flat, models):
         curve, points, measured = _plot_data(model)
-        draw_pareto(ax, curve, points, measured, model["baseline_peak_bytes"], "FLOP overhead (%)")
+        draw_with_peers(ax, curve, points, measured, model["baseline_peak_bytes"], "FLOP overhead (%)")
         ax.set_title(model["model"])
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")

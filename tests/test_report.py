@@ -164,7 +164,6 @@ def test_pareto_sweep_and_plot(tmp_path):
     assert overheads == sorted(overheads, reverse=True)  # more memory never costs more
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in sweep)
     png = plot_pareto(tmp_path / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep],
-                      points=[("every block", sweep[0].predicted_peak_bytes, 0.33)],
                       measured=[("min", sweep[0].predicted_peak_bytes, sweep[0].predicted_overhead)],
                       baseline_peak_bytes=profile.baseline_peak_bytes)
     height, width, _ = _png_shape(png)
@@ -211,12 +210,13 @@ def test_timeline_plot_draws_the_budget_and_marks_the_measured_peak():
 
 
 def test_pareto_labels_of_plans_on_the_same_point_are_one_label():
-    from lightning_remat.report.plots import draw_pareto, pyplot
+    from benchmarks.pareto_plot import draw_with_peers
+    from lightning_remat.report.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots()
     same = (32 * 2**20, 0.275)
-    draw_pareto(ax, [(30 * 2**20, 0.3), (40 * 2**20, 0.1)], [], [("min", *same), ("@ HF peak", *same),
-                                                                  ("50%", 36 * 2**20, 0.2)], None, "FLOP overhead (%)")
+    draw_with_peers(ax, [(30 * 2**20, 0.3), (40 * 2**20, 0.1)], [], [("min", *same), ("@ HF peak", *same),
+                                                                      ("50%", 36 * 2**20, 0.2)], None, "FLOP overhead (%)")
     assert sorted(t.get_text() for t in ax.texts) == ["50%", "min, @ HF peak"]
     plt.close(fig)

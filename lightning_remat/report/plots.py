@@ -95,20 +95,19 @@ def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = 
 
 
 def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: str = "",
-                points: Sequence[tuple[str, int, float]] = (),
                 measured: Sequence[tuple[str, int, float]] = (), planned: Sequence[tuple[str, int, float]] = (),
                 baseline_peak_bytes: int | None = None, budget_bytes: int | None = None,
                 overhead_label: str = "FLOP overhead (%)") -> Path:
-    """Plot peak memory against recompute overhead to a PNG (``points``: peers as (label, peak, overhead))."""
+    """Plot peak memory against recompute overhead to a PNG (``measured``, ``planned``: (label, peak, overhead))."""
     plt = pyplot()
-    fig = _pareto_figure(plt, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
+    fig = _pareto_figure(plt, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
     return _saved(plt, fig, path)
 
 
-def _pareto_figure(plt: Any, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,
+def _pareto_figure(plt: Any, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,
                    title: str) -> Any:
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
-    draw_pareto(ax, curve, points, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes)
+    draw_pareto(ax, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes)
     ax.set_title(title or "Peak memory vs recompute overhead")
     fig.tight_layout()
     return fig
@@ -123,33 +122,28 @@ def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | N
     plt = pyplot()
     sweep = pareto_sweep(profile, points, cost=plan.cost_kind)
     measured = [] if measured_peak_bytes is None else [("measured", measured_peak_bytes, plan.predicted_overhead)]
-    return _pareto_figure(plt, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible], (),
+    return _pareto_figure(plt, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible],
                           measured, profile.baseline_peak_bytes, OVERHEAD_LABELS.get(plan.cost_kind, "overhead (%)"),
                           [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)], plan.budget_bytes,
                           title or "The plan: predicted peak vs overhead, and as measured")
 
 
-_MARKERS = ("s", "^", "D", "v", "P", "X", "*")
-
-
-def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_label, planned=(),
-                 budget_bytes: int | None = None) -> None:
+def draw_pareto(ax: Any, curve, measured, baseline_peak_bytes, overhead_label, planned=(),
+                budget_bytes: int | None = None) -> None:
+    """A budget sweep's plans (``curve``: (peak, overhead)), ``measured`` and ``planned`` ones labelled, on ``ax``."""
     valid = sorted((p, o) for p, o in curve if o == o)  # drop NaN (infeasible)
     if valid:
         # Markers, no line: between two budgets of a sweep a plan may lie below any line drawn through them.
         ax.scatter([p / _MIB for p, _ in valid], [100 * o for _, o in valid], s=12, color="tab:blue", alpha=0.6,
                    label="AutoRemat plans of a budget sweep (predicted)")
     if measured:
-        front = sorted((p, o) for _, p, o in measured)
-        ax.plot([p / _MIB for p, _ in front], [100 * o for _, o in front], color="tab:blue", linewidth=1, zorder=2)
         ax.scatter([p / _MIB for _, p, _ in measured], [100 * o for _, _, o in measured], color="tab:blue",
                    edgecolor="black", zorder=3, label="AutoRemat (measured, joined)")
-        _annotate(ax, measured)
+        for label, p, o in measured:
+            ax.annotate(label, (p / _MIB, 100 * o), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if planned:
         ax.scatter([p / _MIB for _, p, _ in planned], [100 * o for _, _, o in planned], facecolor="none",
                    edgecolor="tab:blue", zorder=3, label="AutoRemat plan (predicted)")
-    for k, (label, p, o) in enumerate(points):
-        ax.scatter([p / _MIB], [100 * o], marker=_MARKERS[k % len(_MARKERS)], s=60, zorder=4, label=label)
     if baseline_peak_bytes:
         ax.axvline(baseline_peak_bytes / _MIB, color="grey", linestyle=":", linewidth=1)
     if budget_bytes:
@@ -158,14 +152,3 @@ def draw_pareto(ax: Any, curve, points, measured, baseline_peak_bytes, overhead_
     ax.set_ylabel(overhead_label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-
-
-def _annotate(ax: Any, measured: Sequence[tuple[str, int, float]]) -> None:
-    """One label per measured point (plans on the same point share it), alternating above and below."""
-    merged: dict[tuple[float, float], list[str]] = {}
-    for label, p, o in measured:
-        # Points closer than the text's resolution (0.1 MiB, 0.1%) are the same point on the plot.
-        merged.setdefault((round(p / _MIB, 1), round(100 * o, 1)), []).append(label)
-    for k, ((x, y), labels) in enumerate(sorted(merged.items())):
-        ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(4, 4 if k % 2 == 0 else -10),
-                    fontsize=7)
