@@ -101,10 +101,6 @@ def modelled_split(profile: Profile) -> dict[str, int]:
     return {**static, "Activation": found.stored_bytes, "Temp": found.own_bytes}
 
 
-def _stored_by_forward(profile: Profile) -> int:
-    return max((t.stored_bytes for t in peak_terms(profile, [0] * len(profile.stages))), default=0)
-
-
 def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | None = None,
                            counted_ahead: bool = False, top: int = 10) -> MemoryBreakdown:
     """Build a ``MemoryBreakdown`` from a profile and (optionally) the category split of a measured peak."""
@@ -116,7 +112,8 @@ def breakdown_from_profile(profile: Profile, tracker_totals: dict[str, int] | No
     modules = [ModuleMemory(s.name, s.module_type, int(s.saved_bytes), s.saved_bytes / saved_total if saved_total else 0.0)
                for s in ranked]
     # Measured: the activations alive at the peak. Modelled: all that forward stores (alive at its end).
-    activation = int(at_peak.get("Activation", 0)) if measured else _stored_by_forward(profile)
+    activation = (int(at_peak.get("Activation", 0)) if measured
+                  else max((t.stored_bytes for t in peak_terms(profile, [0] * len(profile.stages))), default=0))
     temporary = int(at_peak.get("Temp", 0))
     if counted_ahead and measured and at_peak:
         # The state does not exist yet while this step runs; in every later step it does.

@@ -46,23 +46,19 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
         console.print(renderable, highlight=False)
 
 
-def plan_table(plan: Any) -> Any:
-    """The plan's stages as a ``rich.table.Table`` (the rows of ``core.plan_text.plan_rows``)."""
-    from rich.table import Table
-
-    table = Table(show_edge=False, pad_edge=False)
-    for k, column in enumerate(TABLE_HEADER):
-        table.add_column(column, justify="left" if k < 2 else "right", no_wrap=k == 0)  # type: ignore[arg-type]
-    for row in plan_rows(plan):
-        table.add_row(*row)
-    return table
-
-
 def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     """Headline, stage table, static memory at the peak and notes, as ``Plan.summary()`` writes them."""
+    from rich.table import Table
+
     lines: list[Any] = [plan_headline(plan, title)]
-    if plan_rows(plan):
-        lines.append(plan_table(plan))
+    rows = plan_rows(plan)
+    if rows:
+        table = Table(show_edge=False, pad_edge=False)
+        for k, column in enumerate(TABLE_HEADER):
+            table.add_column(column, justify="left" if k < 2 else "right", no_wrap=k == 0)  # type: ignore[arg-type]
+        for row in rows:
+            table.add_row(*row)
+        lines.append(table)
     lines.extend(plan_lines(plan))
     return lines
 
@@ -142,25 +138,19 @@ def breakdown_table(breakdown: Any) -> Any:
     return table
 
 
-def breakdown_modules_table(breakdown: Any) -> Any:
-    """The blocks that save the most activations, as a ``rich.table.Table``."""
+def breakdown_renderables(breakdown: Any) -> list[Any]:
+    """The breakdown's table, the blocks that save the most activations (a table) and its notes."""
     from rich.table import Table
 
-    title = "Blocks that save the most activations for backward"
-    table = Table(title=title, title_justify="left", min_width=len(title))  # a title wraps at the table's width
-    table.add_column("module")
-    table.add_column("type")
-    table.add_column("saved for backward", justify="right")
-    table.add_column("share", justify="right")
-    for m in breakdown.top_modules:
-        table.add_row(m.name, m.module_type, format_bytes(m.saved_bytes), f"{m.share:.0%}")
-    return table
-
-
-def breakdown_renderables(breakdown: Any) -> list[Any]:
     items: list[Any] = [breakdown_table(breakdown)]
     if breakdown.top_modules:
-        items.append(breakdown_modules_table(breakdown))
+        title = "Blocks that save the most activations for backward"
+        table = Table(title=title, title_justify="left", min_width=len(title))  # a title wraps at the table's width
+        for column in ("module", "type", "saved for backward", "share"):
+            table.add_column(column, justify="left" if column in ("module", "type") else "right")
+        for m in breakdown.top_modules:
+            table.add_row(m.name, m.module_type, format_bytes(m.saved_bytes), f"{m.share:.0%}")
+        items.append(table)
     items.extend(f"note: {note}" for note in breakdown.notes)
     return items
 
