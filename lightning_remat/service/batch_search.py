@@ -278,7 +278,8 @@ class ShardedBatchSearch(BatchSearch):
 
     def _all(self, compute: Callable[[], Any], action: str) -> list:
         """``compute()`` on every rank, gathered; an error (or an out-of-memory value) on any rank raised on all."""
-        return self.channel.on_every_rank(compute, action=action, ended_early=_out_of_memory)
+        return self.channel.on_every_rank(compute, action=action,
+                                          ended_early=lambda v: v is None or bool(getattr(v, "out_of_memory", False)))
 
     def step_at(self, batch_size: int) -> Step:
         # make_step runs no collective: it runs on every rank and they compare notes before any pass,
@@ -302,12 +303,3 @@ class ShardedBatchSearch(BatchSearch):
                                       "batch-size search needs the same model and batch shapes on every rank")
         trials = self._all(lambda: super(ShardedBatchSearch, self).run_trial(batch_size, plan), "running a trial")
         return combine_trials(trials, self.budget_bytes)
-
-
-def _out_of_memory(value: Any) -> bool:
-    return value is None or bool(getattr(value, "out_of_memory", False))
-
-
-def shared_budget(budget_bytes: int, channel: Channel) -> int:
-    """The smallest of the ranks' budgets (a relative budget resolves per device)."""
-    return min(channel.gather(budget_bytes))

@@ -20,7 +20,7 @@ from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import model_device
 from ..runtime.targets.offload_link import check_offload_target
 from ..runtime.measuring.trial import Trial
-from .batch_search import BatchSearch, MakeStep, ShardedBatchSearch, shared_budget, too_small_at_one
+from .batch_search import BatchSearch, MakeStep, ShardedBatchSearch, too_small_at_one
 from .channel import torch_distributed_channel
 from .sharded import fsdp2_sharded, refuse_fsdp1
 
@@ -100,7 +100,8 @@ def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimi
     channel = torch_distributed_channel()
     if not (fsdp2_sharded(model) and channel.distributed):
         return BatchSearch(make_step, model, optimizer, config, budget_bytes, *args)
-    return ShardedBatchSearch(make_step, model, optimizer, config, shared_budget(budget_bytes, channel), *args,
+    # The smallest of the ranks' budgets (a relative budget resolves per device).
+    return ShardedBatchSearch(make_step, model, optimizer, config, min(channel.gather(budget_bytes)), *args,
                               channel=channel)
 
 

@@ -74,12 +74,6 @@ def over_budget(measured_peak_bytes: int, plan: Plan, what: str = "a training st
     return f"{over}{predicted}): memory the profile did not see. Lower the budget by the difference."
 
 
-def installation_cause(model: nn.Module, plan: Plan) -> str | None:
-    """Why a step ran outside its plan: what is installed on ``model`` is not ``plan``; None when it is."""
-    mismatch = installation_mismatch(model, plan)
-    return None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
-
-
 def shape_cause(plan: Plan, shape: Any) -> str | None:
     """Why a step ran outside its plan (a larger batch ``shape``), or None.
 
@@ -142,7 +136,9 @@ class MeasuredWindow:
 
     def causes(self, model: Any) -> list[str | None]:
         """What explains a window over the budget: the plan not installed, a batch shape not planned."""
-        return [installation_cause(model, self.installed), *(shape_cause(p, shape) for p, shape in self.metered)]
+        mismatch = installation_mismatch(model, self.installed)
+        installed = None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
+        return [installed, *(shape_cause(p, shape) for p, shape in self.metered)]
 
     def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
         """``shape_plans.calibrate`` with the window's peak (the ranks' largest) and, when ``timed``, its seconds."""

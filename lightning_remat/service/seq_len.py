@@ -79,10 +79,6 @@ class SeqLenResult:
                 f"{self.first_failing}" + (f" (least peak {format_bytes(failing.least_peak_bytes)})" if failing else "")
                 + f", predicted_overhead={self.predicted_overhead:.1%})")
 
-    def metrics(self) -> dict[str, float]:
-        """The figures loggers receive, under ``remat/...``."""
-        return {"remat/seq_len": float(self.seq_len), "remat/predicted_overhead": float(self.predicted_overhead)}
-
     def summary(self) -> str:
         """The answer, what binds at it and past it, and a table of the lengths profiled, as plain text."""
         lines = [f"longest sequence: {self.seq_len} tokens (multiple of {self.multiple_of}, at most {self.max_seq_len}) "
@@ -184,7 +180,8 @@ def find_remat_seq_len(model: nn.Module, make_step: Callable[[int], Any], budget
         raise search.too_short()
     plan = search.plan_for(answer, True)
     assert plan is not None
-    failing = answer + multiple_of if answer + multiple_of <= max_seq_len else None  # profiled (or predicted) not to fit
+    # The length after the answer, profiled (or predicted) not to fit; None at max_seq_len.
+    failing = answer + multiple_of if answer + multiple_of <= max_seq_len else None
     knobs = search.knobs_at(failing) if advice and failing in search.rows else []
     plan = bound(plan, model)
     apply_or_restore(model, plan, apply, previous)
