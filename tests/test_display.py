@@ -13,9 +13,9 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_remat.report.progress as progress
+import lightning_remat.report.render as render
 from lightning_remat import AutoRemat, plan_remat
-from lightning_remat.report.progress import PhaseProgress
+from lightning_remat.report.render import PhaseProgress
 
 
 def _terminal():
@@ -44,8 +44,8 @@ def test_the_display_appears_only_after_its_delay_on_a_terminal_and_when_enabled
 def shown(monkeypatch):
     """Every display at once, to a terminal we read."""
     buffer, console = _terminal()
-    monkeypatch.setattr(progress, "DELAY_SECONDS", 0.0)
-    monkeypatch.setattr(progress, "default_console", lambda: console)
+    monkeypatch.setattr(render, "DELAY_SECONDS", 0.0)
+    monkeypatch.setattr(render, "default_console", lambda: console)
     return buffer
 
 

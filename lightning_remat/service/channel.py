@@ -115,9 +115,10 @@ class Channel:
         try:
             return attempt, self.gather((attempt.value, attempt.error))
         except Exception as error:  # noqa: BLE001 - the verdict of a rank that aborted the group, if any
-            verdict = verdict_or(board, error)
-            if verdict is error:
+            verdict = board.verdict() if board is not None else None
+            if verdict is None:
                 raise
+            abort_process_group()
             raise verdict from error
 
 
@@ -262,15 +263,6 @@ def settle(board: RankBoard | None, early: BaseException | None) -> None:
     board.post()
     if early is not None and not board.everyone_posted():
         raise board.abort(_aborted(early, board.rank))
-
-
-def verdict_or(board: RankBoard | None, error: BaseException) -> BaseException:
-    """For a collective that failed after the section: the aborting rank's verdict if any, else ``error``."""
-    verdict = board.verdict() if board is not None else None
-    if verdict is None:
-        return error
-    abort_process_group()
-    return verdict
 
 
 def abort_process_group() -> None:

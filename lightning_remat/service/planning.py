@@ -119,7 +119,7 @@ class Planner:
 
     def progress(self, model: nn.Module, fake: bool) -> Any:
         """The progress display of one profile (rank 0, on a terminal, unless ``verbose=False``)."""
-        from ..report.progress import PhaseProgress
+        from ..report.render import PhaseProgress
 
         display = PhaseProgress(enabled=self.verbose and torch_distributed_channel().is_main)
         display(f"lightning-remat: profiling a training step of {type(model).__name__}" + (" on fake tensors" if fake else ""))

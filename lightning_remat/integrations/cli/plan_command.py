@@ -15,8 +15,7 @@ from ...core.config import ProfileOptions, RematConfig
 from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError, where_it_failed
 from ...core.plan import Plan
 from ...core.sharding import per_gpu_breakdown
-from ...report.progress import PhaseProgress
-from ...report.render import breakdown_renderables, pareto_table, plan_renderables, print_renderables
+from ...report.render import PhaseProgress, breakdown_renderables, pareto_table, plan_renderables, print_renderables
 from .factory import Target, UsageError, load_factory, normalize
 
 EXIT_OK, EXIT_NO_PLAN, EXIT_USAGE = 0, 1, 2
