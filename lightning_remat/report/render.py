@@ -3,6 +3,7 @@ rich bar on stderr, after ``DELAY_SECONDS``, on a terminal), in one place (the o
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 from typing import Any, Iterable, Sequence
@@ -13,18 +14,12 @@ from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows
 TEXT_WIDTH = 120
 
 
-def _console(**kwargs: Any) -> Any:
-    from rich.console import Console
-
-    return Console(**kwargs)
-
-
 def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
     """Plain text of rich renderables (tables, strings), without colours."""
-    import io
+    from rich.console import Console
 
     items = list(renderables)
-    console = _console(width=width, file=io.StringIO(), color_system=None, record=True)
+    console = Console(width=width, file=io.StringIO(), color_system=None, record=True)
     console.width = _widest(console, items, width)
     for renderable in items:
         console.print(renderable, highlight=False)
@@ -39,8 +34,10 @@ def _widest(console: Any, items: Sequence[Any], width: int) -> int:
 
 def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
     """Print rich renderables to ``console`` (default: stdout); to a file or a pipe, every row whole on one line."""
+    from rich.console import Console
+
     items = list(renderables)
-    console = console or _console()
+    console = console or Console()
     console.width = max(console.width, TEXT_WIDTH)
     if not console.is_terminal:
         console.width = _widest(console, items, console.width)
