@@ -3,6 +3,7 @@ exact since fewer stored bytes never hurt a later term; ``budget="min"`` uses (s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -11,7 +12,7 @@ import numpy as np
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
 from .calls import is_tied, solve_tied, tied_dp
-from .errors import BudgetTooSmallError
+from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
@@ -291,3 +292,27 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     found = solve_segmentation(profile, parsed, cost)
     budget_bytes = exact_peak(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
     return plan_from_choices(profile, found.choices, budget_bytes, cost, requested_budget=str(budget), spans=found.spans)
+
+
+def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
+    """The least world size at which the least peak fits ``budget``, or None (only ``sharded_static`` shrinks)."""
+    room = budget - (least_peak - sharded_static)
+    if room <= 0:
+        return None
+    return max(world_size, math.ceil(sharded_static * world_size / room))
+
+
+def solve_sharded(profile: Profile, budget: int | str, cost: str) -> Plan:
+    """``solve``, raising ``ShardedBudgetTooSmallError`` (naming a world size) on a sharded (FSDP2) profile."""
+    try:
+        return solve(profile, budget, cost=cost)
+    except BudgetTooSmallError as error:
+        world_size = int((profile.sharding or {}).get("world_size", 1))
+        if world_size <= 1 or not isinstance(error.budget_bytes, int):
+            raise
+        sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
+        # Only parameters and optimizer state surely shrink (gradients may not exist yet): errs towards more GPUs.
+        shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
+        raise ShardedBudgetTooSmallError(
+            error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,
+            smallest_world_size(error.smallest_peak_bytes, shrinking, world_size, error.budget_bytes)) from None

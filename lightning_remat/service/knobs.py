@@ -8,8 +8,7 @@ from typing import Any, Callable
 
 from ..core.binding import HEAD, OPTIMIZER, STAGE, with_optimizer_setting
 from ..core.errors import RematError
-from ..core.sharding import smallest_world_size
-from ..core.solve import least_peak, solve
+from ..core.solve import least_peak, smallest_world_size, solve
 
 
 @dataclass(frozen=True)
