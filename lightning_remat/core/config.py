@@ -157,21 +157,15 @@ class ProfileOptions:
             if parsed.nbytes is None:
                 raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
         check_int("accumulation_steps", self.accumulation_steps, 1, MAX_STEPS, " (micro-batches per optimizer step)")
-        check_world_size(self.world_size, self.fake)
-
-
-def check_world_size(world_size: Any, fake: bool) -> int:
-    """A world size (1 to ``MAX_WORLD_SIZE``; above 1 only on fake tensors), else a ``ShardingError``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step is "
-                            f"sharded over), got {world_size!r}")
-    if world_size > 1 and not fake:
-        raise ShardingError(
-            f"world_size={world_size} needs fake=True: a single process cannot run a real step sharded over "
-            f"{world_size} GPUs",
-            "Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), "
-            "or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1")
-    return world_size
+        size = self.world_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
+            raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step "
+                                f"is sharded over), got {size!r}")
+        if size > 1 and not self.fake:
+            raise ShardingError(
+                f"world_size={size} needs fake=True: a single process cannot run a real step sharded over {size} GPUs",
+                "Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), "
+                "or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1")
 
 
 @dataclass(frozen=True)

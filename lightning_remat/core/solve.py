@@ -32,9 +32,9 @@ class _Arrays:
     cost: np.ndarray  # [stage, option]
     segment_peak: np.ndarray  # [k] the largest segment peak with k stages alive, -inf if none
     # [stage] how many options it has: the rows beyond are padding (not marked by -1: a sharded stage's real figure).
-    options: np.ndarray = None  # type: ignore[assignment]
+    options: np.ndarray
     # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
-    fresh: np.ndarray = None  # type: ignore[assignment]
+    fresh: np.ndarray
 
 
 def _arrays(profile: Profile, kind: str) -> _Arrays:
@@ -99,13 +99,9 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
     back: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64),) * 3]
     for p in range(1, n + 1):
         i = p - 1
-        rows = [(i, arrays.stored[i, j], arrays.local[i, j], arrays.cost[i, j], j)
-                for j in range(int(arrays.options[i]))]
-        origin = np.array([r[0] for r in rows], dtype=np.int64)
-        t_stored = np.array([r[1] for r in rows], dtype=np.int64)
-        t_local = np.array([r[2] for r in rows], dtype=np.int64)
-        t_cost = np.array([r[3] for r in rows], dtype=np.float64)
-        t_option = np.array([r[4] for r in rows], dtype=np.int64)
+        width = int(arrays.options[i])
+        origin, t_option = np.full(width, i, dtype=np.int64), np.arange(width, dtype=np.int64)
+        t_stored, t_local, t_cost = arrays.stored[i, :width], arrays.local[i, :width], arrays.cost[i, :width]
         if spans is not None and len(spans[p]):
             table = spans[p]
             origin = np.concatenate((origin, table[:, 0].astype(np.int64)))
@@ -115,7 +111,7 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
             t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
         sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
         src_stored = np.concatenate([frontiers[o][0] for o in origin])
-        if arrays.fresh is not None and arrays.fresh[i]:
+        if arrays.fresh[i]:
             src_stored = np.zeros_like(src_stored)  # the stages before it were done with (backward ran)
         src_value = np.concatenate([frontiers[o][1] for o in origin])
         which = np.repeat(np.arange(len(origin)), sizes)
