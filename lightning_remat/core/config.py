@@ -137,7 +137,7 @@ class ProfileOptions:
         "(docs/long_context.md)")})
     host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
         "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
-        "share of a typical node with it (core/hardware.py HOST_MEMORY), otherwise this machine's free memory")})
+        "share of a typical node with it (core/hardware.py GPUS), otherwise this machine's free memory")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
