@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Mapping
 
 from .memory_model import Profile, StageOption, restricted
-from .profile_algebra import combine
+from .profile_algebra import check_same_stages, combine
 from .shape_fit import NodeWeights
 
 
@@ -51,16 +51,8 @@ class LengthFit:
     """
 
     def __init__(self, nodes: Mapping[int, Profile]):
-        if not nodes:
-            raise ValueError("a length fit needs at least one profiled length")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in nodes):
-            raise ValueError(f"sequence lengths must be ints >= 1, got {sorted(nodes)}")
+        check_same_stages(nodes)
         self.nodes = dict(sorted(nodes.items()))
-        names = [s.name for s in next(iter(self.nodes.values())).stages]
-        for length, profile in self.nodes.items():
-            if [s.name for s in profile.stages] != names:
-                raise ValueError(f"the profile at length {length} has other stages than the first: "
-                                 f"{[s.name for s in profile.stages]} vs {names}")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -76,8 +68,6 @@ class LengthFit:
 
     def at(self, length: int) -> Profile:
         """The profile at ``length``: the node's own, or the parabola's prediction."""
-        if length < 1:
-            raise ValueError(f"the sequence length must be >= 1, got {length}")
         if length in self.nodes:
             return self.nodes[length]
         nearest = tuple(sorted(sorted(self.nodes, key=lambda n: (abs(math.log(length / n)), n))[:3]))

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .memory_model import Profile
-from .profile_algebra import Growth, Term, Unit, combine
+from .profile_algebra import Growth, Term, Unit, check_same_stages, combine
 from .shapes import Shape, ladder_down, ladder_up
 
 
@@ -128,17 +128,11 @@ class ShapeFit:
     one node's shape, its difference carried to every shape."""
 
     def __init__(self, nodes: Mapping[Shape, Profile], anchor: tuple[Shape, Profile] | None = None):
-        if not nodes:
-            raise ValueError("a shape fit needs at least one node")
+        check_same_stages(nodes)
         self.nodes = dict(nodes)
         if anchor is not None and anchor[0] not in self.nodes:
             raise ValueError(f"the anchor's shape {anchor[0]} is not a node: {sorted(map(str, self.nodes))}")
         self.anchor = anchor
-        names = [s.name for s in next(iter(self.nodes.values())).stages]
-        for shape, profile in self.nodes.items():
-            if [s.name for s in profile.stages] != names:
-                raise ValueError(f"the node at {shape} has other stages than the first: "
-                                 f"{[s.name for s in profile.stages]} vs {names}")
 
     def with_node(self, shape: Shape, profile: Profile) -> "ShapeFit":
         return ShapeFit({**self.nodes, shape: profile}, self.anchor)
