@@ -16,7 +16,10 @@ from .vocabulary import CostKind, Policy, Precision
 COST_KINDS = CostKind.values()
 DEFAULT_COST = None  # the target's (``RematConfig.for_target``)
 DTYPES = ("bfloat16", "float16", "float32")
-PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
+# Per precision, the dtype parameters, gradients and optimizer state are kept in, and the autocast dtype (None: none).
+PRECISIONS = {Precision.FP32_TRUE.value: ("float32", None), Precision.BF16_MIXED.value: ("float32", "bfloat16"),
+              Precision.FP16_MIXED.value: ("float32", "float16"), Precision.BF16_TRUE.value: ("bfloat16", None),
+              Precision.FP16_TRUE.value: ("float16", None)}
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
