@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .bounds import check_int
+from .config import check_int
 from .memory_model import Profile
 from .profile_algebra import Growth, Term, check_same_stages, combine
 
