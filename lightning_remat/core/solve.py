@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
-from .calls import is_tied, solve_tied, tied_dp
+from .calls import is_tied, tied_dp
 from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
@@ -154,42 +154,40 @@ class Solution:
     spans: list[tuple[int, int]]
 
 
+def _dp(profile: Profile, cost: str) -> Callable[[int | None], tuple | None]:
+    """Budget -> the option per stage and the spans of the least-cost plan within it, or None (budget None: of the
+    least peak): the chain's DP, or ``core.calls``' where a module stands at several places (no spans)."""
+    if is_tied(profile):
+        def tied(budget: int | None) -> tuple | None:
+            choices = tied_dp(profile, budget, cost)
+            return None if choices is None else (choices, [])
+        return tied
+    arrays, spans = _arrays(profile, cost), _span_transitions(profile, cost)
+    return lambda budget: _frontier_dp(arrays, budget, spans)
+
+
 def least_peak(profile: Profile) -> int:
     """The smallest peak any plan reaches under the memory model."""
-    if is_tied(profile):
-        return exact_peak(profile, tied_dp(profile, None, "flops"))
-    choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
-    return exact_peak(profile, choices, spans)
+    return exact_peak(profile, *_dp(profile, "flops")(None))
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``), or BudgetTooSmallError."""
+    """The least-cost plan within ``budget`` (bytes or ``"min"``), or BudgetTooSmallError. The DP bounds the peak
+    counting shared inputs in every holder: where that over-counts (``slack``) it searches within budget plus slack."""
     CostKind.check(cost)
-    arrays = _arrays(profile, cost)
+    dp, exact = _dp(profile, cost), lambda found: exact_peak(profile, *found)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
-    if is_tied(profile):
-        return Solution(solve_tied(profile, budget, cost), [])
-    spans = _span_transitions(profile, cost)
-    least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
-    if least is not None:
-        budget = exact_peak(profile, *least)
-    found = _frontier_dp(arrays, int(budget), spans)
+    least = dp(None) if budget == MIN_BUDGET else None
+    budget = exact(least) if least is not None else int(budget)
+    found = dp(budget)
     if found is None and slack(profile):
-        found = _counted_once(profile, arrays, spans, int(budget), least)
+        wider = dp(budget + slack(profile))
+        least = least or dp(None)
+        found = next((f for f in (wider, least) if f is not None and exact(f) <= budget), None)
     if found is None:
-        raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
+        raise BudgetTooSmallError(budget, exact(least or dp(None)), profile.static_bytes)
     return Solution(*found)
-
-
-def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
-                  least: tuple | None) -> tuple | None:
-    """A plan within ``budget`` with shared inputs counted once (searched within budget plus ``slack``)."""
-    wider = _frontier_dp(arrays, budget + slack(profile), spans)
-    if wider is not None and exact_peak(profile, *wider) <= budget:
-        return wider
-    least = least or _frontier_dp(arrays, None, spans)
-    return least if least is not None and exact_peak(profile, *least) <= budget else None
 
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
