@@ -1,7 +1,7 @@
 """The search behind ``find_remat_seq_len``: ``BatchSearch`` over sequence lengths, its answer resting on profiles.
 
 Three lengths are profiled (``init_val`` and its double and quadruple), every memory term is predicted at any
-length by the parabola through the nearest profiles (``core.length_fit``), the longest length predicted to fit is
+length by the parabola through the nearest profiles (``core.shape_fit.LengthFit``), the longest length predicted to fit is
 searched as the batch search searches the largest batch (doubling, then bisection, in steps of ``multiple_of``),
 and the answer and the length after it are profiled in turn until a profiled length fits and the next one does
 not (each profile a new node of the fit).
@@ -20,7 +20,7 @@ from ..core.binding import Binding
 from ..core.budget import format_bytes
 from ..core.config import RematConfig
 from ..core.errors import BudgetTooSmallError
-from ..core.length_fit import LengthFit
+from ..core.shape_fit import LengthFit
 from ..core.memory_model import Profile
 from ..core.plan import Plan
 from ..runtime.installing.tiled_mlp import TILE, parse
@@ -145,7 +145,7 @@ class LengthSearch(BatchSearch):
         """``answer`` as the fit predicts it, with rows predicted at it and at the next multiple (where not profiled).
 
         Exact where every term is a polynomial of degree two at most in the length and the three nodes nearest
-        were profiled with chunks of the same size (``core.length_fit``)."""
+        were profiled with chunks of the same size (``core.shape_fit.LengthFit``)."""
         assert self.fit is not None
         for length in (answer, answer + self.unit):
             if self.unit <= length <= self.max_seq_len and length not in self.rows:
