@@ -21,7 +21,7 @@ class GpuSpec:
     Attributes:
         peak_flops: dense tensor-core FLOP/s per dtype name ("bf16", "fp16"; "fp16" only without bfloat16).
         host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
-        host_memory: host memory per GPU of a typical node with it, bytes.
+        host_memory: host memory per GPU of a typical node with it, bytes (fake planning's default ``host_memory``).
     """
 
     name: str
@@ -63,12 +63,6 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
     _spec("rtx3090", 71e12, 0.936e12, 25e9, 64),
     _spec("mi300x", 1307e12, 5.3e12, 50e9, 256),
 )})
-
-
-def host_memory(name: str) -> int:
-    """Host memory offloading may use per GPU of a typical node with GPU ``name``, bytes (fake planning's default
-    ``host_memory``)."""
-    return gpu(name).host_memory
 
 
 def gpu(name: str) -> GpuSpec:
