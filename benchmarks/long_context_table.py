@@ -119,9 +119,9 @@ def plan_rows(case: str, tokens: int, cache: Path) -> list[dict]:
 
 
 def fitted(case: str, tokens: int, nodes: list[int], cache: Path):
-    """(model, step, optimizer) at ``tokens`` and its profile predicted by ``core.length_fit.LengthFit`` from the
+    """(model, step, optimizer) at ``tokens`` and its profile predicted by ``core.shape_fit.LengthFit`` from the
     profiles at ``nodes`` (each from ``cache`` or made), and the seconds those profiles took."""
-    from lightning_remat.core.length_fit import LengthFit
+    from lightning_remat.core.shape_fit import LengthFit
 
     made = {n: profiled(case, n, cache) for n in nodes}
     return (step_and_optimizer(*CASES[case], tokens), LengthFit({n: p for n, (_, p, _) in made.items()}).at(tokens),

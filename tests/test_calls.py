@@ -91,7 +91,7 @@ def test_every_plan_predicted_to_the_byte_and_solved_plans_within_the_budget(tru
     model, step, optimizer, profile = trunk_twice
     # Main predicted all but the first two 67-1,077 KB off (mixed plans read one run's figures for both).
     for recomputed in [(), ("blocks.3",), ("blocks.1", "blocks.2"), ("blocks.0", "blocks.2", "blocks.3"), BLOCKS]:
-        actions = [StageAction.recompute(n) if n in recomputed else StageAction.keep(n) for n in BLOCKS]
+        actions = [StageAction.recompute(n) if n in recomputed else StageAction(n) for n in BLOCKS]
         apply_plan(model, list(recomputed))
         measured = measure_step(model, step, optimizer).peak_bytes
         remove_remat(model)

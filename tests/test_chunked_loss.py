@@ -198,7 +198,7 @@ def test_the_hf_trainer_chunks_the_loss_with_the_same_losses_under_accumulation(
 
 
 def test_the_summary_says_the_head_is_chunked():
-    plan = Plan(actions=[StageAction.keep("h.0"), StageAction.chunk("lm_head", 8)], predicted_peak_bytes=2**20,
+    plan = Plan(actions=[StageAction("h.0"), StageAction.chunk("lm_head", 8)], predicted_peak_bytes=2**20,
                 baseline_peak_bytes=2**21, budget_bytes=2**20, predicted_overhead=0.01)
     assert "lm_head in 8 chunks" in plan.summary()
 

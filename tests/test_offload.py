@@ -310,17 +310,17 @@ def test_offloaded_stages_do_not_count_the_hidden_state_their_caller_released():
 
 def test_host_memory_defaults_to_the_targets_and_can_be_set(monkeypatch):
     """Fake planning for a named GPU offloads within that GPU's share of a typical node's host memory
-    (core/hardware.py HOST_MEMORY), not this machine's free memory; ``host_memory=`` overrides it."""
+    (core/hardware.py GpuSpec.host_memory), not this machine's free memory; ``host_memory=`` overrides it."""
     from lightning_remat.core.config import ProfileOptions, RematConfig
     from lightning_remat.core.errors import RematError
-    from lightning_remat.core.hardware import HOST_MEMORY
+    from lightning_remat.core.hardware import gpu
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
     from lightning_remat.integrations.cli import _parser as build_parser
     from lightning_remat.runtime.targets import offload_link
     from lightning_remat.service.planning import Planner
 
     monkeypatch.setattr(offload_link, "host_free_bytes", lambda: 1000)  # this machine: almost nothing free
-    assert offload_link.host_limit_bytes(ProfileOptions(fake=True, gpu="h100")) == HOST_MEMORY["h100"] == 256 * 2**30
+    assert offload_link.host_limit_bytes(ProfileOptions(fake=True, gpu="h100")) == gpu("h100").host_memory == 256 * 2**30
     assert offload_link.host_limit_bytes(ProfileOptions(fake=True, gpu="a100", host_memory="1GiB")) == 2**30
     assert offload_link.host_limit_bytes(ProfileOptions()) == 1000  # a real profile: this machine's
     with pytest.raises(ValueError, match="host_memory must be a size"):

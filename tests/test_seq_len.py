@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_remat import BudgetTooSmallError, find_remat_seq_len
-from lightning_remat.core.length_fit import LengthFit
+from lightning_remat.core.shape_fit import LengthFit
 from lightning_remat.integrations.cli import main as cli_main
 from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.profile import profile_step

@@ -80,10 +80,6 @@ class StageAction:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def keep(cls, stage: str) -> "StageAction":
-        return cls(stage, Action.KEEP)
-
-    @classmethod
     def recompute(cls, stage: str, modules: Sequence[str] = (), policy: Policy | str | None = None,
                   offload_input: bool = False, extra: Any = ()) -> "StageAction":
         return cls(stage, Action.RECOMPUTE, modules=tuple(modules), policy=policy or None, offload_input=offload_input,

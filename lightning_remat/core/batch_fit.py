@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .bounds import check_int
+from .config import check_int
 from .memory_model import Profile
-from .profile_algebra import Growth, Term, combine
+from .profile_algebra import Growth, Term, check_same_stages, combine
 
 SEARCH_MODES = ("binsearch", "power")
 DEFAULT_MAX_BATCH_SIZE = 8192  # Lightning's BatchSizeFinder max_val
@@ -47,29 +47,19 @@ class ProfileFit:
     def __init__(self, profiles: Sequence[tuple[int, Profile]]):
         if not 1 <= len(profiles) <= 2:
             raise ValueError(f"ProfileFit takes one or two (batch size, profile) pairs, got {len(profiles)}")
-        ordered = sorted(profiles, key=lambda item: item[0])
-        if any(bs < 1 for bs, _ in ordered):
-            raise ValueError(f"batch sizes must be >= 1, got {[bs for bs, _ in ordered]}")
-        if len(ordered) == 2 and ordered[0][0] == ordered[1][0]:
-            ordered = ordered[:1]
-        self.batch_sizes = tuple(bs for bs, _ in ordered)
-        self.profiles = tuple(p for _, p in ordered)
-        low = self.profiles[0]
-        names = [s.name for s in low.stages]
-        for other in self.profiles[1:]:
-            if [s.name for s in other.stages] != names:
-                raise ValueError("the profiles have different stages: "
-                                 f"{names} vs {[s.name for s in other.stages]}")
+        ordered: dict[int, Profile] = {}
+        for batch_size, profile in sorted(profiles, key=lambda item: item[0]):
+            ordered.setdefault(batch_size, profile)  # of two equal batch sizes, the first
+        check_same_stages(ordered)
+        self.batch_sizes = tuple(ordered)
+        self.profiles = tuple(ordered.values())
 
     @property
     def static_bytes(self) -> int:
         return self.profiles[-1].static_bytes
 
     def at(self, batch_size: int) -> Profile:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        low = self.profiles[0]
-        profile = combine(self.profiles, BatchLine(self.batch_sizes, batch_size, low.static_bytes))
+        profile = combine(self.profiles, BatchLine(self.batch_sizes, batch_size, self.profiles[0].static_bytes))
         return replace(profile, notes=tuple(dict.fromkeys(note for p in self.profiles for note in p.notes)))
 
 

@@ -68,20 +68,17 @@ class Binding:
         return line
 
 
-def term_kind(profile: Profile, term: PeakTerm) -> str:
-    if term.kind != "segment":
-        return STAGE
-    segment = profile.segments[term.index]
-    if segment.name == OPTIMIZER_SEGMENT:
-        return OPTIMIZER
-    if segment.stages_alive >= len(profile.stages):
-        return HEAD
-    return EMBEDDINGS if segment.stages_alive == 0 else BETWEEN
-
-
 def describe(profile: Profile, term: PeakTerm) -> Binding:
     """The ``Binding`` of ``term`` (from ``memory_model.peak_terms``) on ``profile``."""
-    kind = term_kind(profile, term)
+    segment = profile.segments[term.index] if term.kind == "segment" else None
+    if segment is None:
+        kind = STAGE
+    elif segment.name == OPTIMIZER_SEGMENT:
+        kind = OPTIMIZER
+    elif segment.stages_alive >= len(profile.stages):
+        kind = HEAD
+    else:
+        kind = EMBEDDINGS if segment.stages_alive == 0 else BETWEEN
     static = profile.parameter_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
     if kind == OPTIMIZER:
         static += profile.gradient_bytes

@@ -10,10 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .budget import MIN_BUDGET
-from .errors import BudgetTooSmallError
 from .memory_model import Profile
-from .shared_held import exact_peak, slack
 
 MAX_TIED_FRONTIER = 4_000
 _NONE = -(2**62)  # "no term yet": far below any figure, far from int64's least
@@ -196,17 +193,3 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
     best = int(np.lexsort((peak, cost))[0]) if budget is not None else int(np.lexsort((cost, peak))[0])
     return _backtrack(back, best, rows, owner)
 
-
-def solve_tied(profile: Profile, budget: int | str, cost: str) -> list[int]:
-    """``solve.solve_segmentation`` for a profile where a module stands at several places (no spans)."""
-    least = tied_dp(profile, None, cost) if budget == MIN_BUDGET or slack(profile) else None
-    if budget == MIN_BUDGET:
-        budget = exact_peak(profile, least)
-    found = tied_dp(profile, int(budget), cost)
-    if found is None and slack(profile):
-        wider = tied_dp(profile, int(budget) + slack(profile), cost)
-        found = next((c for c in (wider, least) if c is not None and exact_peak(profile, c) <= int(budget)), None)
-    if found is None:
-        least = least or tied_dp(profile, None, cost)
-        raise BudgetTooSmallError(int(budget), exact_peak(profile, least), profile.static_bytes)
-    return found

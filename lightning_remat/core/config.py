@@ -9,14 +9,59 @@ from typing import Any
 
 from .budget import Budget
 from . import hardware
-from .bounds import MAX_STEPS, MAX_WARMUP, MAX_WORLD_SIZE, check_device, check_device_memory, check_int
 from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
 COST_KINDS = CostKind.values()
 DEFAULT_COST = None  # the target's (``RematConfig.for_target``)
 DTYPES = ("bfloat16", "float16", "float32")
-PRECISIONS = {p.value: p.storage_and_autocast for p in Precision}
+# Per precision, the dtype parameters, gradients and optimizer state are kept in, and the autocast dtype (None: none).
+PRECISIONS = {Precision.FP32_TRUE.value: ("float32", None), Precision.BF16_MIXED.value: ("float32", "bfloat16"),
+              Precision.FP16_MIXED.value: ("float32", "float16"), Precision.BF16_TRUE.value: ("bfloat16", None),
+              Precision.FP16_TRUE.value: ("float16", None)}
+
+# Bounds of the whole-number settings: far above any real use, low enough that a typo (10**20) fails at once.
+MAX_WARMUP = 1_000
+MAX_STEPS = 100_000  # profile_steps, accumulation_steps
+MAX_WORLD_SIZE = 65_536
+# The least device memory a target may have: below it not even a toy model's step fits (0 or "1KB": typos).
+MIN_DEVICE_MEMORY = 2**20
+# torch's device types, so that the core (no torch) refuses ``device="banana"`` as the setting it is.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "lazy", "ipu", "hip", "ve", "fpga",
+                "maia", "vulkan", "mkldnn", "opengl", "opencl", "ideep", "privateuseone", "npu")
+
+
+def check_int(name: str, value: Any, low: int, high: int, why: str = "") -> int:
+    """``value`` if it is an int from ``low`` to ``high``, else a ValueError naming ``name`` and ``why``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int >= {low} and <= {high}{why}, got {value!r}")
+    return value
+
+
+def check_device(device: Any) -> str | None:
+    """A device's name (``"cuda"``, ``"cuda:1"``, a ``torch.device``) as text; None stays None."""
+    if device is None:
+        return None
+    text = str(device).strip()
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_TYPES or (index and not (index.isdigit() and int(index) <= MAX_WORLD_SIZE)):
+        raise ValueError(f"device must be a device type with an optional index, such as 'cuda' or 'cuda:1' (a type "
+                         f"among {', '.join(DEVICE_TYPES)}), got {device!r}")
+    return text
+
+
+def check_device_memory(total: Any) -> Any:
+    """A target device's total memory (a size of at least 1 MiB), returned as given; None stays None."""
+    if total is None:
+        return None
+    try:
+        nbytes = Budget.parse(total).nbytes
+    except ValueError:
+        nbytes = None
+    if nbytes is None or nbytes < MIN_DEVICE_MEMORY:
+        raise ValueError(f"device_memory must be a size of at least 1 MiB ({MIN_DEVICE_MEMORY} bytes): the target "
+                         f"device's total memory, such as \"80GB\"; got {total!r}")
+    return total
 
 
 def normalize_candidates(candidates: Any) -> tuple | None:
@@ -137,7 +182,7 @@ class ProfileOptions:
         "(docs/long_context.md)")})
     host_memory: int | str | None = field(default=None, metadata={"group": "target", "help": (
         "the host memory offloading may use ('256GB'); unset (None): for a fake profile for a named gpu, one GPU's "
-        "share of a typical node with it (core/hardware.py HOST_MEMORY), otherwise this machine's free memory")})
+        "share of a typical node with it (core/hardware.py GPUS), otherwise this machine's free memory")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", normalize_candidates(self.candidates))
@@ -157,21 +202,15 @@ class ProfileOptions:
             if parsed.nbytes is None:
                 raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
         check_int("accumulation_steps", self.accumulation_steps, 1, MAX_STEPS, " (micro-batches per optimizer step)")
-        check_world_size(self.world_size, self.fake)
-
-
-def check_world_size(world_size: Any, fake: bool) -> int:
-    """A world size (1 to ``MAX_WORLD_SIZE``; above 1 only on fake tensors), else a ``ShardingError``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step is "
-                            f"sharded over), got {world_size!r}")
-    if world_size > 1 and not fake:
-        raise ShardingError(
-            f"world_size={world_size} needs fake=True: a single process cannot run a real step sharded over "
-            f"{world_size} GPUs",
-            "Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), "
-            "or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1")
-    return world_size
+        size = self.world_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
+            raise ShardingError(f"world_size must be an int >= 1 and <= {MAX_WORLD_SIZE} (the number of GPUs the step "
+                                f"is sharded over), got {size!r}")
+        if size > 1 and not self.fake:
+            raise ShardingError(
+                f"world_size={size} needs fake=True: a single process cannot run a real step sharded over {size} GPUs",
+                "Pass fake=True (the step is sharded with fully_shard over a fake process group in this process), "
+                "or plan inside the real sharded run (torchrun, one process per GPU) with world_size=1")
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,8 @@ class Fit:
     def middle(self, points: dict[tuple[int, int], Any]) -> Callable[[int], Any]:
         """``points[(N, d)]`` for the measured middle layers; returns ``d -> value`` at ``self.layers``."""
         if isinstance(next(iter(points.values())), Pair):
-            figures = [self._figure({k: getattr(pair, phase) for k, pair in points.items()})
-                       for phase in ("forward", "backward")]
-            present = [f for f in figures if f is not None]
-            if not present:
-                raise NoFit
-            return lambda d: max(f(d) for f in present)
+            lines = _per_phase(list(points.values()), lambda figures: self.middle(dict(zip(points, figures))))
+            return lambda d: max(line(d) for line in lines)
         a, b = DEPTHS
         beta = points[(b, 1)] - points[(a, 1)]
         gamma = points[(a, 2)] - points[(a, 1)]
@@ -68,16 +64,7 @@ class Fit:
     def line(self, small: Any, large: Any) -> Any:
         """A number of the first layer, the last, a gap or the whole profile: linear in ``N``."""
         if isinstance(small, Pair):
-            figures = []
-            for phase in ("forward", "backward"):
-                v, w = getattr(small, phase), getattr(large, phase)
-                if (v is None) != (w is None):
-                    raise NoFit  # a pass visits the region at one depth and not at the other
-                if v is not None:
-                    figures.append(self.line(v, w))
-            if not figures:
-                raise NoFit
-            return max(figures)
+            return max(_per_phase([small, large], lambda figures: self.line(*figures)))
         return small + (large - small) * (self.layers - DEPTHS[0])
 
     def boundary(self, term: Term, values: Sequence[Any]) -> Any:
@@ -87,14 +74,20 @@ class Fit:
         """``middle`` as a combiner, on values measured at ``points``: each term becomes ``d -> value``."""
         return lambda term, values: self.middle(dict(zip(points, values)))
 
-    def _figure(self, points: dict[tuple[int, int], int | None]) -> Callable[[int], int] | None:
-        """One phase's figure of a middle peak: None where that pass visits no measured region, else a line."""
-        missing = [k for k, v in points.items() if v is None]
-        if len(missing) == len(points):
-            return None
-        if missing:
-            raise NoFit
-        return self.middle(points)
+
+def _per_phase(pairs: Sequence[Pair], fit: Callable[[list], Any]) -> list:
+    """``fit`` of each phase's figures: a phase no pass visits is left out, one visited at some points only (or
+    neither phase visited) is NoFit."""
+    fitted = []
+    for phase in ("forward", "backward"):
+        figures = [getattr(pair, phase) for pair in pairs]
+        if any(f is None for f in figures) and not all(f is None for f in figures):
+            raise NoFit  # a pass visits the region at one depth (or layer) and not at another
+        if figures[0] is not None:
+            fitted.append(fit(figures))
+    if not fitted:
+        raise NoFit
+    return fitted
 
 
 def pair_figures(up: int, down: int, ballast: int) -> Pair:

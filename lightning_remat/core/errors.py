@@ -164,19 +164,13 @@ class FakeProfileError(RematError, RuntimeError):
 
 
 class PlanningFailedError(RematError, RuntimeError):
-    """Planning failed on rank 0 with an error that cannot travel to the other ranks as itself.
-
-    Example:
-        >>> str(PlanningFailedError("TypeError: bad step"))
-        'TypeError: bad step'
-    """
+    """Planning failed on rank 0 with an error that cannot travel to the other ranks as itself."""
 
 
 class ShardingError(RematError, ValueError):
     """A sharded plan was asked for in a way that cannot work; the message says what to do instead."""
 
     def __init__(self, problem: str, hint: str = ""):
-        self.problem = problem
         super().__init__(f"{problem}. {hint}" if hint else problem)
 
 
@@ -217,12 +211,7 @@ class SkippedStepError(StepError):
 
 
 class ConflictingArgumentsError(RematError, TypeError):
-    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model).
-
-    Example:
-        >>> str(ConflictingArgumentsError("give warmup= or options=, not both"))
-        'give warmup= or options=, not both'
-    """
+    """The same setting was given twice (a keyword and inside ``options=``, or two sessions on one model)."""
 
 
 class UnsupportedShardingError(UnsupportedSetupError):

@@ -21,12 +21,14 @@ class GpuSpec:
     Attributes:
         peak_flops: dense tensor-core FLOP/s per dtype name ("bf16", "fp16"; "fp16" only without bfloat16).
         host_link_bandwidth: effective host <-> device bandwidth, bytes/s, one direction.
+        host_memory: host memory per GPU of a typical node with it, bytes (fake planning's default ``host_memory``).
     """
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bandwidth: float
     host_link_bandwidth: float
+    host_memory: int
 
     def flops(self, dtype: str | None = None) -> float:
         """Peak dense FLOP/s for ``dtype`` ("bf16", "fp16"); None: the 16-bit figure the GPU has."""
@@ -37,41 +39,30 @@ class GpuSpec:
         return self.peak_flops[dtype]
 
 
-def _spec(name: str, flops_16bit: float, memory_bandwidth: float, host_link: float, bf16: bool = True) -> GpuSpec:
+def _spec(name: str, flops_16bit: float, memory_bandwidth: float, host_link: float, host_gib: int,
+          bf16: bool = True) -> GpuSpec:
     dtypes = {"bf16": flops_16bit, "fp16": flops_16bit} if bf16 else {"fp16": flops_16bit}
-    return GpuSpec(name, MappingProxyType(dtypes), memory_bandwidth, host_link)
+    return GpuSpec(name, MappingProxyType(dtypes), memory_bandwidth, host_link, host_gib * 2**30)
 
 
 GPUS: Mapping[str, GpuSpec] = MappingProxyType({spec.name: spec for spec in (
-    #     name         FLOP/s    memory B/s  host link B/s
-    _spec("gh200", 989e12, 4.0e12, 400e9),
-    _spec("h200", 989e12, 4.8e12, 50e9),
-    _spec("h100", 989e12, 3.35e12, 50e9),
-    _spec("h100-pcie", 756e12, 2.0e12, 50e9),
-    _spec("b200", 2250e12, 8.0e12, 50e9),
-    _spec("a100", 312e12, 2.039e12, 25e9),
-    _spec("a10g", 70e12, 0.6e12, 25e9),
-    _spec("a10", 125e12, 0.6e12, 25e9),
-    _spec("l40s", 362e12, 0.864e12, 25e9),
-    _spec("l4", 121e12, 0.3e12, 25e9),
-    _spec("v100", 125e12, 0.9e12, 12e9, bf16=False),
-    _spec("t4", 65e12, 0.32e12, 12e9, bf16=False),
-    _spec("rtx4090", 165e12, 1.008e12, 25e9),
-    _spec("rtx3090", 71e12, 0.936e12, 25e9),
-    _spec("mi300x", 1307e12, 5.3e12, 50e9),
+    #     name      FLOP/s   memory B/s host link B/s  host GiB
+    _spec("gh200", 989e12, 4.0e12, 400e9, 447),
+    _spec("h200", 989e12, 4.8e12, 50e9, 256),
+    _spec("h100", 989e12, 3.35e12, 50e9, 256),
+    _spec("h100-pcie", 756e12, 2.0e12, 50e9, 128),
+    _spec("b200", 2250e12, 8.0e12, 50e9, 512),
+    _spec("a100", 312e12, 2.039e12, 25e9, 128),
+    _spec("a10g", 70e12, 0.6e12, 25e9, 96),
+    _spec("a10", 125e12, 0.6e12, 25e9, 64),
+    _spec("l40s", 362e12, 0.864e12, 25e9, 128),
+    _spec("l4", 121e12, 0.3e12, 25e9, 96),
+    _spec("v100", 125e12, 0.9e12, 12e9, 64, bf16=False),
+    _spec("t4", 65e12, 0.32e12, 12e9, 48, bf16=False),
+    _spec("rtx4090", 165e12, 1.008e12, 25e9, 64),
+    _spec("rtx3090", 71e12, 0.936e12, 25e9, 64),
+    _spec("mi300x", 1307e12, 5.3e12, 50e9, 256),
 )})
-
-
-# Host memory for offloading per GPU of a typical node (bytes): fake planning's default ``host_memory``.
-HOST_MEMORY: Mapping[str, int] = MappingProxyType({name: gib * 2**30 for name, gib in (
-    ("gh200", 447), ("h200", 256), ("h100", 256), ("h100-pcie", 128), ("b200", 512), ("a100", 128),
-    ("a10g", 96), ("a10", 64), ("l40s", 128), ("l4", 96), ("v100", 64), ("t4", 48), ("rtx4090", 64),
-    ("rtx3090", 64), ("mi300x", 256))})
-
-
-def host_memory(name: str) -> int:
-    """Host memory per GPU of a typical node with GPU ``name`` (``HOST_MEMORY``), bytes."""
-    return HOST_MEMORY[gpu(name).name]
 
 
 def gpu(name: str) -> GpuSpec:

@@ -50,8 +50,7 @@ def _read(name: str, value: Any) -> Any:
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
             raise ValueError(f"a plan's 'segments' must be a list of lists of module names, got {value!r}")
         return [list(module_names("segments", s)) for s in value]
-    if not isinstance(value, Mapping):
-        raise ValueError(f"a plan's {name!r} must map module names to values, got {value!r}")
+    # "policies", "offload_limits": mappings (``check_plan_dict`` checked them)
     return {str(k): v if name == "policies" else int(v) for k, v in value.items()}
 
 

@@ -37,19 +37,6 @@ def check_bytes(field: str, value: Any, optional: bool = False) -> None:
         raise PlanFormatError(field, value, _BYTES + (" (or null)" if optional else ""))
 
 
-def _check_overhead(value: Any) -> None:
-    if value is None or _is_nan(value):
-        return
-    # No sign required: a cost in seconds is a difference of timings, and may be slightly below zero.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanFormatError("predicted_overhead", value, "a finite number (or null)")
-
-
-def _check_texts(field: str, value: Any) -> None:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise PlanFormatError(field, value, "a list of strings")
-
-
 def _check_choices(value: Any, stages: list[str] | None) -> None:
     if not isinstance(value, (list, tuple)):
         raise PlanFormatError("choices", value, "a list of the stages' chosen options")
@@ -114,12 +101,18 @@ def check_plan_dict(data: Any) -> None:
         check_bytes(field, data.get(field), optional=True)
     for field in _STATIC_BYTES:
         check_bytes(field, data.get(field, 0))
-    _check_overhead(data.get("predicted_overhead"))
+    overhead = data.get("predicted_overhead")
+    # None or NaN: not predicted. No sign required: a cost in seconds is a difference of timings (may be below zero).
+    if overhead is not None and not _is_nan(overhead) and (
+            isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not math.isfinite(overhead)):
+        raise PlanFormatError("predicted_overhead", overhead, "a finite number (or null)")
     if "cost_kind" in data and data["cost_kind"] not in CostKind.values():
         raise PlanFormatError("cost_kind", data["cost_kind"], f"one of {CostKind.values()}")
     if not isinstance(data.get("requested_budget", ""), str):
         raise PlanFormatError("requested_budget", data["requested_budget"], "a string")
-    _check_texts("notes", data.get("notes", []))
+    notes = data.get("notes", [])
+    if not isinstance(notes, (list, tuple)) or not all(isinstance(v, str) for v in notes):
+        raise PlanFormatError("notes", notes, "a list of strings")
     if not isinstance(data.get("fallback", False), bool):
         raise PlanFormatError("fallback", data["fallback"], "true or false")
     _check_mappings(data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .memory_model import PeakTerm, Profile, StageOption, StageProfile, binding_term
+from .memory_model import PeakTerm, Profile, StageOption, binding_term
 from .actions import StageAction
 from .calls import check_tied, owners
 from .shared_held import exact_peak
@@ -43,14 +43,6 @@ def _does(option: StageOption, action: StageAction) -> bool:
     return False
 
 
-def option_index(stage: StageProfile, action: StageAction) -> int:
-    """The index of ``stage``'s option that does what ``action`` says (not for segment actions)."""
-    for j, option in enumerate(stage.options):
-        if _does(option, action):
-            return j
-    raise ValueError(f"stage {stage.name!r} has no option for {action}; its options: {[o.name for o in stage.options]}")
-
-
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
     """The option index of each stage (no action: kept) and the spans ``(first, last)`` for ``actions``."""
     names = [s.name for s in profile.stages]
@@ -75,7 +67,11 @@ def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int
             starts.setdefault(action.segment, []).append(i)
         else:
             for k in (k for k in range(len(names)) if owner[k] == owner[i]):
-                choices[k] = option_index(profile.stages[k], action)
+                stage = profile.stages[k]
+                choices[k] = next((j for j, option in enumerate(stage.options) if _does(option, action)), -1)
+                if choices[k] < 0:
+                    raise ValueError(f"stage {stage.name!r} has no option for {action}; its options: "
+                                     f"{[o.name for o in stage.options]}")
     spans = []
     for segment, indices in starts.items():
         indices = sorted(indices)

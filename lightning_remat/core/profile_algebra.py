@@ -7,7 +7,7 @@ import functools
 import math
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 
@@ -106,6 +106,17 @@ class Term:
 
 Combiner = Callable[[Term, Sequence[Any]], Any]
 Structure = Callable[[type, str, Sequence[Any]], Any]
+
+
+def check_same_stages(nodes: Mapping[Any, Profile]) -> None:
+    """ValueError unless ``nodes`` (a fit's profiles by where they were measured) has one, and all the first's stages."""
+    if not nodes:
+        raise ValueError("a fit needs at least one profile")
+    names = [s.name for s in next(iter(nodes.values())).stages]
+    for at, profile in nodes.items():
+        if [s.name for s in profile.stages] != names:
+            raise ValueError(f"the profile at {at} has other stages than the first: "
+                             f"{[s.name for s in profile.stages]} vs {names}")
 
 
 def _type_name(annotation: Any) -> str:

@@ -3,15 +3,16 @@ exact since fewer stored bytes never hurt a later term; ``budget="min"`` uses (s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
-from .calls import is_tied, solve_tied, tied_dp
-from .errors import BudgetTooSmallError
+from .calls import is_tied, tied_dp
+from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
@@ -31,9 +32,9 @@ class _Arrays:
     cost: np.ndarray  # [stage, option]
     segment_peak: np.ndarray  # [k] the largest segment peak with k stages alive, -inf if none
     # [stage] how many options it has: the rows beyond are padding (not marked by -1: a sharded stage's real figure).
-    options: np.ndarray = None  # type: ignore[assignment]
+    options: np.ndarray
     # [stage] whether nothing stored before it is alive when it runs (``StageProfile.fresh``)
-    fresh: np.ndarray = None  # type: ignore[assignment]
+    fresh: np.ndarray
 
 
 def _arrays(profile: Profile, kind: str) -> _Arrays:
@@ -98,13 +99,9 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
     back: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64),) * 3]
     for p in range(1, n + 1):
         i = p - 1
-        rows = [(i, arrays.stored[i, j], arrays.local[i, j], arrays.cost[i, j], j)
-                for j in range(int(arrays.options[i]))]
-        origin = np.array([r[0] for r in rows], dtype=np.int64)
-        t_stored = np.array([r[1] for r in rows], dtype=np.int64)
-        t_local = np.array([r[2] for r in rows], dtype=np.int64)
-        t_cost = np.array([r[3] for r in rows], dtype=np.float64)
-        t_option = np.array([r[4] for r in rows], dtype=np.int64)
+        width = int(arrays.options[i])
+        origin, t_option = np.full(width, i, dtype=np.int64), np.arange(width, dtype=np.int64)
+        t_stored, t_local, t_cost = arrays.stored[i, :width], arrays.local[i, :width], arrays.cost[i, :width]
         if spans is not None and len(spans[p]):
             table = spans[p]
             origin = np.concatenate((origin, table[:, 0].astype(np.int64)))
@@ -114,7 +111,7 @@ def _frontier_dp(arrays: _Arrays, budget: int | None,
             t_option = np.concatenate((t_option, np.full(len(table), -1, dtype=np.int64)))
         sizes = np.array([len(frontiers[o][0]) for o in origin], dtype=np.int64)
         src_stored = np.concatenate([frontiers[o][0] for o in origin])
-        if arrays.fresh is not None and arrays.fresh[i]:
+        if arrays.fresh[i]:
             src_stored = np.zeros_like(src_stored)  # the stages before it were done with (backward ran)
         src_value = np.concatenate([frontiers[o][1] for o in origin])
         which = np.repeat(np.arange(len(origin)), sizes)
@@ -157,42 +154,40 @@ class Solution:
     spans: list[tuple[int, int]]
 
 
+def _dp(profile: Profile, cost: str) -> Callable[[int | None], tuple | None]:
+    """Budget -> the option per stage and the spans of the least-cost plan within it, or None (budget None: of the
+    least peak): the chain's DP, or ``core.calls``' where a module stands at several places (no spans)."""
+    if is_tied(profile):
+        def tied(budget: int | None) -> tuple | None:
+            choices = tied_dp(profile, budget, cost)
+            return None if choices is None else (choices, [])
+        return tied
+    arrays, spans = _arrays(profile, cost), _span_transitions(profile, cost)
+    return lambda budget: _frontier_dp(arrays, budget, spans)
+
+
 def least_peak(profile: Profile) -> int:
     """The smallest peak any plan reaches under the memory model."""
-    if is_tied(profile):
-        return exact_peak(profile, tied_dp(profile, None, "flops"))
-    choices, spans = _frontier_dp(_arrays(profile, "flops"), None, _span_transitions(profile, "flops"))
-    return exact_peak(profile, choices, spans)
+    return exact_peak(profile, *_dp(profile, "flops")(None))
 
 
 def solve_segmentation(profile: Profile, budget: int | str, cost: str = "time") -> Solution:
-    """The least-cost plan within ``budget`` (bytes or ``"min"``), or BudgetTooSmallError."""
+    """The least-cost plan within ``budget`` (bytes or ``"min"``), or BudgetTooSmallError. The DP bounds the peak
+    counting shared inputs in every holder: where that over-counts (``slack``) it searches within budget plus slack."""
     CostKind.check(cost)
-    arrays = _arrays(profile, cost)
+    dp, exact = _dp(profile, cost), lambda found: exact_peak(profile, *found)
     if not profile.stages:
         raise ValueError("the profile has no candidate stages to recompute")
-    if is_tied(profile):
-        return Solution(solve_tied(profile, budget, cost), [])
-    spans = _span_transitions(profile, cost)
-    least = _frontier_dp(arrays, None, spans) if budget == MIN_BUDGET else None
-    if least is not None:
-        budget = exact_peak(profile, *least)
-    found = _frontier_dp(arrays, int(budget), spans)
+    least = dp(None) if budget == MIN_BUDGET else None
+    budget = exact(least) if least is not None else int(budget)
+    found = dp(budget)
     if found is None and slack(profile):
-        found = _counted_once(profile, arrays, spans, int(budget), least)
+        wider = dp(budget + slack(profile))
+        least = least or dp(None)
+        found = next((f for f in (wider, least) if f is not None and exact(f) <= budget), None)
     if found is None:
-        raise BudgetTooSmallError(int(budget), least_peak(profile), profile.static_bytes)
+        raise BudgetTooSmallError(budget, exact(least or dp(None)), profile.static_bytes)
     return Solution(*found)
-
-
-def _counted_once(profile: Profile, arrays: _Arrays, spans: list[np.ndarray], budget: int,
-                  least: tuple | None) -> tuple | None:
-    """A plan within ``budget`` with shared inputs counted once (searched within budget plus ``slack``)."""
-    wider = _frontier_dp(arrays, budget + slack(profile), spans)
-    if wider is not None and exact_peak(profile, *wider) <= budget:
-        return wider
-    least = least or _frontier_dp(arrays, None, spans)
-    return least if least is not None and exact_peak(profile, *least) <= budget else None
 
 
 def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: int, cost: str = "time",
@@ -291,3 +286,27 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
     found = solve_segmentation(profile, parsed, cost)
     budget_bytes = exact_peak(profile, found.choices, found.spans) if parsed == MIN_BUDGET else parsed
     return plan_from_choices(profile, found.choices, budget_bytes, cost, requested_budget=str(budget), spans=found.spans)
+
+
+def smallest_world_size(least_peak: int, sharded_static: int, world_size: int, budget: int) -> int | None:
+    """The least world size at which the least peak fits ``budget``, or None (only ``sharded_static`` shrinks)."""
+    room = budget - (least_peak - sharded_static)
+    if room <= 0:
+        return None
+    return max(world_size, math.ceil(sharded_static * world_size / room))
+
+
+def solve_sharded(profile: Profile, budget: int | str, cost: str) -> Plan:
+    """``solve``, raising ``ShardedBudgetTooSmallError`` (naming a world size) on a sharded (FSDP2) profile."""
+    try:
+        return solve(profile, budget, cost=cost)
+    except BudgetTooSmallError as error:
+        world_size = int((profile.sharding or {}).get("world_size", 1))
+        if world_size <= 1 or not isinstance(error.budget_bytes, int):
+            raise
+        sharded = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
+        # Only parameters and optimizer state surely shrink (gradients may not exist yet): errs towards more GPUs.
+        shrinking = profile.parameter_bytes + profile.optimizer_state_bytes
+        raise ShardedBudgetTooSmallError(
+            error.budget_bytes, error.smallest_peak_bytes, sharded, world_size,
+            smallest_world_size(error.smallest_peak_bytes, shrinking, world_size, error.budget_bytes)) from None

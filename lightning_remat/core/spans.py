@@ -111,9 +111,10 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
     return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]), *row[2:])
 
 
-def span_rows(profile: Profile, max_length: int | None = None) -> Iterator[Row]:
-    """Every span the solver considers as a ``Row``: 2 to ``max_length`` stages of one group, and each block's range."""
-    limit = max_span_length(len(profile.stages)) if max_length is None else max_length
+def span_rows(profile: Profile) -> Iterator[Row]:
+    """Every span the solver considers as a ``Row``: 2 to ``max_span_length`` stages of one group, and each block's
+    range."""
+    limit = max_span_length(len(profile.stages))
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
     inner = _inner_peaks(profile)
     seen = set()

@@ -150,11 +150,11 @@ class Action(_Words):
 
 
 class Precision(_Words):
-    """How a (fake) step trains, in Lightning's names.
+    """How a (fake) step trains, in Lightning's names (``core.config.PRECISIONS`` says in which dtypes).
 
     Example:
-        >>> Precision.check("bf16-mixed").storage_and_autocast
-        ('float32', 'bfloat16')
+        >>> Precision.check("bf16-mixed"), Precision.check("bf16-true") == "bf16-true"
+        (<Precision.BF16_MIXED: 'bf16-mixed'>, True)
     """
 
     FP32_TRUE = "32-true"
@@ -163,20 +163,6 @@ class Precision(_Words):
     BF16_TRUE = "bf16-true"
     FP16_TRUE = "16-true"
 
-    @property
-    def storage_and_autocast(self) -> tuple[str, str | None]:
-        """The dtype parameters, gradients and optimizer state are kept in, and the autocast dtype (None: none)."""
-        return _PRECISION_DTYPES[self]
-
     @classmethod
     def check(cls, precision: Any) -> "Precision":
         return cls._member(precision, "precision", sorted(cls.values()))
-
-
-_PRECISION_DTYPES = {
-    Precision.FP32_TRUE: ("float32", None),
-    Precision.BF16_MIXED: ("float32", "bfloat16"),
-    Precision.FP16_MIXED: ("float32", "float16"),
-    Precision.BF16_TRUE: ("bfloat16", None),
-    Precision.FP16_TRUE: ("float16", None),
-}

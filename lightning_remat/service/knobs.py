@@ -11,8 +11,7 @@ import torch
 from ..core.binding import HEAD, OPTIMIZER, STAGE, with_optimizer_setting
 from ..core.config import PRECISIONS
 from ..core.errors import RematError
-from ..core.sharding import smallest_world_size
-from ..core.solve import least_peak, solve
+from ..core.solve import least_peak, smallest_world_size, solve
 from ..runtime.installing.chunked_loss import find_head_loss
 from ..runtime.installing.tiled_mlp import refusal
 from ..runtime.measuring.measure import model_device

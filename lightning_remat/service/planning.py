@@ -14,8 +14,7 @@ from ..core.binding import Binding
 from ..core.budget import Budget, format_bytes
 from ..core.errors import BudgetTooSmallError
 from ..core.plan import Plan
-from ..core.sharding import solve_sharded
-from ..core.solve import solve_recompute_everything
+from ..core.solve import solve_recompute_everything, solve_sharded
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
 from ..runtime.installing.fingerprint import bound

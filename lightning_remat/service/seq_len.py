@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..core.binding import Binding
-from ..core.bounds import check_int
+from ..core.config import check_int
 from ..core.budget import format_budget, format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.plan import Plan

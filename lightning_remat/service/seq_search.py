@@ -1,5 +1,5 @@
 """The search behind ``find_remat_seq_len``: ``BatchSearch`` over sequence lengths, its answer resting on profiles
-(each profile a new node of the parabola fit, ``core.length_fit``)."""
+(each profile a new node of the parabola fit, ``core.shape_fit.LengthFit``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..core.binding import Binding
 from ..core.budget import format_bytes
 from ..core.config import RematConfig
 from ..core.errors import BudgetTooSmallError
-from ..core.length_fit import LengthFit
+from ..core.shape_fit import LengthFit
 from ..core.memory_model import Profile
 from ..runtime.installing.tiled_mlp import TILE, parse
 from .batch_search import BatchSearch, MakeStep
@@ -134,7 +134,7 @@ class LengthSearch(BatchSearch):
         """``answer`` as the fit predicts it, with rows predicted at it and at the next multiple (where not profiled).
 
         Exact where every term is a polynomial of degree two at most in the length and the three nodes nearest
-        were profiled with chunks of the same size (``core.length_fit``)."""
+        were profiled with chunks of the same size (``core.shape_fit.LengthFit``)."""
         assert self.fit is not None
         for length in (answer, answer + self.unit):
             if self.unit <= length <= self.max_seq_len and length not in self.rows:

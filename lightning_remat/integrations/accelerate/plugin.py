@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...core.bounds import MAX_STEPS
+from ...core.config import MAX_STEPS
 from ...core.budget import Budget
 from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
                             check_policies)

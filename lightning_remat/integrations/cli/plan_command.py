@@ -14,7 +14,7 @@ from typing import Any, Callable
 from ...core.config import ProfileOptions, RematConfig
 from ...core.errors import BudgetTooSmallError, RematError, ShardedBudgetTooSmallError, where_it_failed
 from ...core.plan import Plan
-from ...core.sharding import per_gpu_breakdown
+from ...core.plan_text import per_gpu_breakdown
 from ...report.render import PhaseProgress, breakdown_renderables, pareto_table, plan_renderables, print_renderables
 from .factory import Target, UsageError, load_factory, normalize
 

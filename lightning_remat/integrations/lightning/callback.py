@@ -6,8 +6,7 @@ from typing import Any, Sequence
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from ...core.bounds import MAX_STEPS, check_int
-from ...core.config import DEFAULT_COST, ProfileOptions, RematConfig
+from ...core.config import DEFAULT_COST, MAX_STEPS, ProfileOptions, RematConfig, check_int
 from ...core.vocabulary import CostKind
 from ...core.errors import SkippedStepError
 from ...core.plan import Plan, saved_plans, saved_state_plans

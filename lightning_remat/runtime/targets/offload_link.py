@@ -90,7 +90,7 @@ def host_limit_bytes(options: ProfileOptions) -> int:
     if options.host_memory is not None:
         return int(Budget.parse(options.host_memory).nbytes)
     if options.fake and options.gpu is not None:
-        return hardware.host_memory(options.gpu)
+        return hardware.gpu(options.gpu).host_memory
     return host_free_bytes()
 
 
