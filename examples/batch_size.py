@@ -61,12 +61,14 @@ def main(argv=None) -> int:
     if args.figures:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # docs tooling: not in the wheel
         from doc_figures import figures_key, record_figures
+        from lightning_binsearch import lightning_binsearch_sizes
 
         record_figures(args.figures, figures_key("examples/batch_size.py", list(argv if argv is not None else sys.argv[1:])), {
             "budget_mib": budget / 2**20, "batch_without": result.batch_size_without_remat, "batch": result.batch_size,
             "ratio": result.ratio, "overhead_pct": 100 * result.predicted_overhead,
             "predicted_mib": result.plan.predicted_peak_bytes / 2**20, "measured_mib": result.measured_peak_bytes / 2**20,
-            "trial_steps": result.trial_steps, "binsearch_trial_steps": result.binsearch_trial_steps,
+            "trial_steps": result.trial_steps,
+            "binsearch_trial_steps": len(lightning_binsearch_sizes(2, result.largest_fitting, max_val=513)),
             "seconds": time.perf_counter() - started})
     return 0
 

@@ -85,8 +85,7 @@ def batch_size_table(result: Any) -> Any:
         table.add_row("modules offloaded (host memory)", f"{len(plan.offloaded)} ({format_bytes(plan.host_bytes)})")
     table.add_row("budget", format_budget(plan.requested_budget, result.budget_bytes))
     table.add_row("predicted peak / measured peak", f"{format_bytes(plan.predicted_peak_bytes)} / {measured}")
-    table.add_row("real trial steps (Lightning binsearch)",
-                  f"{result.trial_steps} ({result.binsearch_trial_steps} over {len(result.binsearch_sizes)} trials)")
+    table.add_row("real trial steps", str(result.trial_steps))
     table.add_row("profiled batch sizes (passes)", f"{list(result.profile_batch_sizes)} ({result.profile_passes})")
     return table
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.batch_fit import DEFAULT_MAX_BATCH_SIZE, lightning_binsearch_sizes, validate_search
+from ..core.batch_fit import DEFAULT_MAX_BATCH_SIZE, validate_search
 from ..core.budget import format_budget, format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.plan import Plan
@@ -47,8 +47,6 @@ class BatchSizeResult:
     profile_batch_sizes: tuple[int, ...] = ()
     profile_passes: int = 0
     profile_samples: int = 0
-    binsearch_sizes: list[int] = field(default_factory=list)
-    binsearch_trial_steps: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -199,13 +197,11 @@ def find_remat_batch_size(
             (final, without, confirmed, measured, final_plan.to_dict()))
         final_plan = Plan.from_dict(plan_dict)
     apply_or_restore(model, final_plan, apply, previous)
-    binsearch = lightning_binsearch_sizes(init_val, confirmed, max_val=max_val + 1)
     return BatchSizeResult(
         batch_size=final, batch_size_without_remat=without, largest_fitting=confirmed, plan=final_plan,
         budget_bytes=budget_bytes, measured_peak_bytes=measured, max_overhead=float(max_overhead),
         margin=float(margin), steps_per_trial=steps_per_trial, trials=search.trials,
         trial_steps=sum(t.steps for t in search.trials), profile_batch_sizes=fit.batch_sizes,
-        profile_passes=search.passes, profile_samples=search.samples, binsearch_sizes=binsearch,
-        binsearch_trial_steps=len(binsearch) * steps_per_trial,
+        profile_passes=search.passes, profile_samples=search.samples,
         notes=search.notes + [f"static memory {format_bytes(fit.static_bytes)} (parameters, gradients, optimizer state)"],
     )
