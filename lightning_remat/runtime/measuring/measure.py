@@ -112,9 +112,8 @@ class RandomState:
         import random
 
         backend = getattr(torch, device.type, None) if device.type != "cpu" else None
-        accelerator = None
-        if backend is not None and hasattr(backend, "get_rng_state"):
-            accelerator = backend.get_rng_state(device) if device.index is not None else backend.get_rng_state()
+        # The device's own generator (a device without index: the current one's).
+        accelerator = backend.get_rng_state(device) if hasattr(backend, "get_rng_state") else None
         return cls(device, torch.get_rng_state(), accelerator, random.getstate())
 
     def restore(self) -> None:
@@ -122,11 +121,7 @@ class RandomState:
 
         torch.set_rng_state(self.cpu)
         if self.accelerator is not None:
-            backend = getattr(torch, self.device.type)
-            if self.device.index is not None:
-                backend.set_rng_state(self.accelerator, self.device)
-            else:
-                backend.set_rng_state(self.accelerator)
+            getattr(torch, self.device.type).set_rng_state(self.accelerator, self.device)
         random.setstate(self.python)
 
 

@@ -61,8 +61,9 @@ def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
     return [name for name, _ in runs], [calls for _, calls in runs]
 
 
-class _Observer:
-    """Forward hooks on the stages and their children, and a saved-tensor hook, for one step."""
+class _Observer(StepWatch):
+    """Forward hooks on the stages and their children; as the counting pass's watch, a saved-tensor hook, and FLOPs
+    and ops of forward and backward counted apart."""
 
     def __init__(self, model: nn.Module, stage_names: Sequence[str]):
         modules = dict(model.named_modules())
@@ -124,35 +125,14 @@ class _Observer:
         for name in self.active:
             self.stats[name].ops.append(op)
 
-    def register(self) -> list:
-        handles = []
-        for name, module in self.watched.items():
-            handles.append(module.register_forward_pre_hook(self.pre_hook(name), with_kwargs=True))
-            handles.append(module.register_forward_hook(self.post_hook(name), with_kwargs=True, always_call=True))
-        return handles
-
-    def reset_counts(self) -> None:
-        """Count afresh in the counting pass (``observe_step`` keeps the timing pass's seconds)."""
-        self.stats = {n: ModuleStats() for n in self.watched}
-        self.order.clear()
-        self.sequence.clear()
-
-
-class _Counting(StepWatch):
-    """The counting pass: saved-tensor hooks, and FLOPs and ops of forward and backward counted apart."""
-
-    def __init__(self, observer: _Observer):
-        self.observer = observer
-
     def watching(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self.observer.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        with FlopCounterMode(display=False) as self.forward_counter, OpRecorder(self.observer.record) as self.forward_ops:
-            self.observer.counter = self.forward_counter
+        with FlopCounterMode(display=False) as self.counter, OpRecorder(self.record) as self.forward_ops:
             yield
-        self.observer.counter = None
+        self.forward_counter, self.counter = self.counter, None
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -164,24 +144,25 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
                  before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
     """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes."""
     observer = _Observer(model, stage_names)
-    handles = observer.register()
+    handles = [hook for name, module in observer.watched.items() for hook in (
+        module.register_forward_pre_hook(observer.pre_hook(name), with_kwargs=True),
+        module.register_forward_hook(observer.post_hook(name), with_kwargs=True, always_call=True))]
     try:
         before_pass()
-        step_seconds = 0.0
+        stopwatch = Stopwatch(observer.device)
         if timed:
-            stopwatch = Stopwatch(observer.device)
             run_step(model, step, watch=stopwatch, zero_grad="after", check=True)
-            step_seconds = stopwatch.seconds
         seconds = {n: s.seconds for n, s in observer.stats.items()}
-        observer.reset_counts()
+        observer.stats = {n: ModuleStats() for n in observer.watched}  # counted afresh in the counting pass
+        observer.order.clear()
+        observer.sequence.clear()
         before_pass()
-        counting = _Counting(observer)
-        run_step(model, step, watch=counting, zero_grad="after")
+        run_step(model, step, watch=observer, zero_grad="after")
     finally:
         for h in handles:
             h.remove()
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
-    step_flops = int(counting.forward_counter.get_total_flops() + counting.backward_counter.get_total_flops())
-    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
-                        counting.forward_ops.ops + counting.backward_ops.ops, *positions_of(observer.sequence))
+    step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())
+    return ObservedStep(observer.order, observer.stats, stopwatch.seconds, step_flops,
+                        observer.forward_ops.ops + observer.backward_ops.ops, *positions_of(observer.sequence))

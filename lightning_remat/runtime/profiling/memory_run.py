@@ -30,19 +30,18 @@ class MemoryRun:
     stored: list[int]
     local: list[int]
     segments: dict[int, int]  # stages alive -> peak beyond their stored bytes
-    peak: int
     gradient_bytes: int
     parameter_bytes: int
     buffer_bytes: int
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
-    untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
-    host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
+    untracked_bytes: int  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
+    host_bytes: dict[str, int]  # offloaded stages: bytes sent to the host
     # Inputs several recomputed stages hold (core.shared_held): per stage what it holds, per stage
     # what an earlier stage held (its figures count them), per segment the same.
-    shared: list[tuple[tuple[str, int], ...]] | None = None
-    held_before: list[tuple[tuple[str, int], ...]] | None = None
-    segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
-    fresh: frozenset[int] = frozenset()  # places after a backward pass of the step (StageProfile.fresh)
+    shared: list[tuple[tuple[str, int], ...]]
+    held_before: list[tuple[tuple[str, int], ...]]
+    segments_held: dict[int, tuple[tuple[str, int], ...]]
+    fresh: frozenset[int]  # places after a backward pass of the step (StageProfile.fresh)
 
 
 def _actions(wrapped: Sequence[str], policy: str, offload_inputs: bool, parts: Sequence[str]) -> list[StageAction]:
@@ -80,7 +79,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
     plan = Plan([head] if head is not None else
                 with_tiles(_actions(wrapped, policy, offload_inputs, parts), tiled or {}))
-    host: dict[str, int] | None = None
+    host: dict[str, int] = {}
     with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
@@ -94,7 +93,6 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         run_step(model, checked, watch=meter)
         if offload_inputs:
             host = dict(input_offload_of(model)[1].host_bytes)
-    after_backward = meter.after_backward
     n = len(order)
     missing = [order[i] for i in range(n) if i not in tracker.stored]
     if missing:
@@ -119,10 +117,9 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return MemoryRun(
         # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not.
-        stored=stored, local=local, segments=segments, peak=peak,
-        untracked_bytes=max(0, meter.peak_bytes - int(peak)),
+        stored=stored, local=local, segments=segments, untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
-        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
+        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, meter.after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
         segments_held={k: held.held_before(k) for k in segments}, fresh=frozenset(tracker.fresh),
