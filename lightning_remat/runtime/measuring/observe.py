@@ -34,7 +34,6 @@ class ModuleStats:
 
     seconds: float = 0.0
     flops: int = 0
-    calls: int = 0
     saved: dict[int, int] = field(default_factory=dict)
     inputs: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)
@@ -95,7 +94,6 @@ class _Observer(StepWatch):
                 if name not in self.order:
                     self.order.append(name)
             self.stats[name].inputs.update(storages((args, kwargs)))
-            self.stats[name].calls += 1
             self.active.append(name)
             self.flops_before[name] = self.counted()
             synchronize(self.device)

@@ -268,9 +268,6 @@ class SegmentTracker(Tracker):
         # nothing stored before them is alive (``StageProfile.fresh``).
         self.fresh: set[int] = set()
 
-    def current_total(self) -> int:
-        return current_total(self, self.device)
-
     def resharded(self) -> dict[int, int]:
         """Per place, the parameter bytes freed between its forward's end and the next place's start (FSDP2's reshard)."""
         return {i: end - self.start_parameters[i + 1] for i, end in self.end_parameters.items()
@@ -278,7 +275,7 @@ class SegmentTracker(Tracker):
 
     def _note(self, label: tuple[str, int] | None = None) -> None:
         self.label = label or self.label
-        total = self.current_total()
+        total = current_total(self, self.device)
         if total > self.segment_peaks.get(self.label, -1):
             self.segment_peaks[self.label] = total
 
@@ -304,7 +301,7 @@ class SegmentTracker(Tracker):
             if index not in self.forward_starts and index and all(
                     self.backwards_begun[j] >= self.calls.get(j, 1) for j in range(index)):
                 self.fresh.add(index)
-            self.pre_fw[index] = self.current_total()
+            self.pre_fw[index] = current_total(self, self.device)
             self.forward_starts.setdefault(index, self.pre_fw[index])
             self.start_parameters.setdefault(index, self._parameters())
             self._note(("fw", index))
@@ -313,7 +310,7 @@ class SegmentTracker(Tracker):
         super()._post_fw_hook(module, inputs, outputs)
         index = self._running.pop(id(module), None) if not self._mod_tracker.is_bw else None
         if index is not None:
-            self.stored[index] += self.current_total() - self.pre_fw.pop(index)
+            self.stored[index] += current_total(self, self.device) - self.pre_fw.pop(index)
             self.forwards_done[index] += 1
             self.end_parameters[index] = self._parameters()
             more = self.forwards_done[index] < self.calls.get(index, 1)

@@ -78,20 +78,14 @@ class DeadInputs(_Hooked):
                         # An earlier stage's output: that stage's stored bytes hold it already (the
                         # profile's later terms absorb its early free), so it is not held anew.
                         continue
-                    try:
-                        self._refs[name].append((key, weakref.ref(tensor)))
-                    except TypeError:
-                        pass
+                    self._refs[name].append((key, weakref.ref(tensor)))
 
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
                 if not planning_runs_here():
                     return
                 for _, tensor in _tensors((output,), {}):
                     tensor = _root(tensor)
-                    try:
-                        self._outputs[id(tensor)] = weakref.ref(tensor)
-                    except TypeError:
-                        pass
+                    self._outputs[id(tensor)] = weakref.ref(tensor)
             self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
             self._handles.append(modules[name].register_forward_hook(leave))
         return self

@@ -18,7 +18,7 @@ from ..installing.offload import Offloader, apply_offload, model_offloader, remo
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
 from ..measuring.runner import run_step
-from ..measuring.tracking import SegmentTracker, snapshot_by_category
+from ..measuring.tracking import SegmentTracker, current_total, snapshot_by_category
 from ..targets.fake import is_fake
 from .held_inputs import DeadInputs, HeldInputs
 
@@ -182,4 +182,4 @@ class _SegmentMeter(PeakMeter):
     after_backward = 0
 
     def backward_done(self) -> None:
-        self.after_backward = self.tracker.current_total()
+        self.after_backward = current_total(self.tracker, self.device)
