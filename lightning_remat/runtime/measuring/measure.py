@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -109,16 +110,12 @@ class RandomState:
 
     @classmethod
     def capture(cls, device: torch.device) -> "RandomState":
-        import random
-
         backend = getattr(torch, device.type, None) if device.type != "cpu" else None
         # The device's own generator (a device without index: the current one's).
         accelerator = backend.get_rng_state(device) if hasattr(backend, "get_rng_state") else None
         return cls(device, torch.get_rng_state(), accelerator, random.getstate())
 
     def restore(self) -> None:
-        import random
-
         torch.set_rng_state(self.cpu)
         if self.accelerator is not None:
             getattr(torch, self.device.type).set_rng_state(self.accelerator, self.device)

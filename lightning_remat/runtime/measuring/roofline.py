@@ -9,11 +9,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..installing.sac import policy_of, recomputed_ops  # its import registers attention FLOPs on every backend
+from ..installing.sac import context_fn, policy_of, recomputed_ops  # its import registers attention FLOPs
 from ...core import hardware
 from ...core.memory_model import Costs
 
@@ -125,10 +126,6 @@ class OpRecorder(TorchDispatchMode):
 @functools.lru_cache(maxsize=None)
 def sac_seconds_per_op() -> float:
     """What selective checkpointing's dispatch modes add per op of an eager step here, measured once per process."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ..installing.sac import context_fn
-
     ops = 100
     x = torch.zeros(32, 32, requires_grad=True)
 

@@ -16,13 +16,11 @@ from .tiled_options import split_tiled, tiled_modules
 
 
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
-             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-             device: str, peaks: Peaks, seconds_per_op: float = 0.0,
-             offload_limits: dict[str, int] | None = None, compiled: bool = False) -> Profile:
+             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool, device: str,
+             peaks: Peaks, seconds_per_op: float, offload_limits: dict[str, int], compiled: bool) -> Profile:
     """The Profile from the measured runs; with ``compiled``, recompute priced as torch.compile runs it."""
     modules = dict(model.named_modules())
     stats = observed.stats
-    offload_limits = offload_limits or {}
     stages = []
     total_calls: dict[str, int] = {}
     for name, calls in zip(observed.positions, observed.position_calls):
@@ -46,8 +44,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
                 local_peak_bytes=int(runs[option].local[i] + future_state), policy=sac.policy_of(option),
                 costs=Costs(costs.time * share, _part(costs.flops, counts), costs.roofline * share),
                 offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int(runs[option].host_bytes.get(name, 0) * share)
-                if is_offload(option) or base == OFFLOAD_INPUT else 0,
+                host_bytes=int(runs[option].host_bytes.get(name, 0) * share),  # offload runs' only
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
                 input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
                 shared_held=runs[option].shared[i], held_before=runs[option].held_before[i], parts=parts))

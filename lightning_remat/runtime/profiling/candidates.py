@@ -90,12 +90,8 @@ def _convolutional_stem(model: nn.Module, stages: list[str], first: str) -> str 
 
 
 def _matches(name: str, module: nn.Module, spec: Iterable[Union[str, type]]) -> bool:
-    for item in spec:
-        if isinstance(item, type) and isinstance(module, item):
-            return True
-        if isinstance(item, str) and (fnmatch.fnmatchcase(name, item) or type(module).__name__ == item):
-            return True
-    return False
+    return any(isinstance(module, item) if isinstance(item, type)
+               else fnmatch.fnmatchcase(name, item) or type(module).__name__ == item for item in spec)
 
 
 def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]:

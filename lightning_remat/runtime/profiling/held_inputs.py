@@ -27,8 +27,7 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
 def _root(tensor: torch.Tensor) -> torch.Tensor:
     """The view base of ``tensor``: FSDP2's pre-forward passes a block views of its arguments, new objects that
     die with the forward while the tensor they view (an earlier stage's output) lives on."""
-    base = tensor._base
-    return tensor if base is None else base
+    return tensor if tensor._base is None else tensor._base
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

@@ -130,16 +130,16 @@ def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
                  fresh: set[int] = frozenset()) -> tuple[list[int], dict[int, int]]:
     """Each stage's local peak and each gap's segment peak; stored bytes count from the last ``fresh`` stage on."""
     starts = [max([0, *(f for f in fresh if f <= i)]) for i in range(n)]
-    local: list[int | None] = [None] * n
+    local: dict[int, int] = {}
     segments: dict[int, int] = {}
     for (kind, k), peak in segment_peaks.items():
         if kind in ("fw", "bw"):
             own = peak - (prefix[k] - prefix[starts[k]])
-            local[k] = own if local[k] is None else max(local[k], own)
+            local[k] = max(local.get(k, own), own)
         else:
             own = peak - (prefix[k] - prefix[starts[k - 1]]) if k else peak
             segments[k] = max(segments.get(k, own), own)
-    return [0 if v is None else v for v in local], segments
+    return [local.get(i, 0) for i in range(n)], segments
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int],
