@@ -54,12 +54,6 @@ class ObservedStep:
     position_calls: list[int] = field(default_factory=list)
 
 
-def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
-    """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place)."""
-    runs = [(name, len(list(calls))) for name, calls in itertools.groupby(sequence)]
-    return [name for name, _ in runs], [calls for _, calls in runs]
-
-
 class _Observer(StepWatch):
     """Forward hooks on the stages and their children; as the counting pass's watch, a saved-tensor hook, and FLOPs
     and ops of forward and backward counted apart."""
@@ -162,5 +156,7 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())
+    places = [(name, len(list(calls))) for name, calls in itertools.groupby(observer.sequence)]
     return ObservedStep(observer.order, observer.stats, stopwatch.seconds, step_flops,
-                        observer.forward_ops.ops + observer.backward_ops.ops, *positions_of(observer.sequence))
+                        observer.forward_ops.ops + observer.backward_ops.ops,
+                        [name for name, _ in places], [calls for _, calls in places])

@@ -43,12 +43,9 @@ def _automatic(model: nn.Module) -> list[str]:
     stem = _convolutional_stem(model, stages, first)
     if stem:
         return [stem, *stages]
-    loose = _loose_leaves(model, stages, first)
-    if not loose:
-        return stages
     # Registration order, as every other stage: the stem's leaves before the blocks, the head's after.
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return sorted([*loose, *stages], key=order.__getitem__)
+    return sorted([*_loose_leaves(model, stages, first), *stages], key=order.__getitem__)
 
 
 def _outermost(names: Iterable[str]) -> list[str]:
