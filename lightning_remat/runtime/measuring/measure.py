@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .exclusive import exclusive
 from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
-from .runner import Step, StepWatch, model_device, run_step, synchronize
+from .runner import Step, model_device, run_step, synchronize
 from .tracking import eager_stance
 from .tracking import Tracker
 from .user_hooks import user_hooks_suspended
@@ -82,21 +82,13 @@ def release_device_memory() -> None:
     clear_device_cache(garbage_collection=True)
 
 
-class _FlopCount(StepWatch):
-    """FlopCounterMode around the whole step, eagerly: dynamo never compiles code first met under it."""
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        with eager_stance(), FlopCounterMode(display=False) as self.counter:
-            yield
-
-
 def count_step_flops(model: nn.Module, step: Step) -> int:
-    """FLOPs of one forward and backward pass (recomputation included), counted exactly."""
-    watch = _FlopCount()
-    with user_hooks_suspended(model):
-        run_step(model, step, watch=watch, zero_grad="after")
-    return int(watch.counter.get_total_flops())
+    """FLOPs of one forward and backward pass (recomputation included), counted exactly; eagerly, as dynamo never
+    compiles code first met under FlopCounterMode."""
+    with user_hooks_suspended(model), eager_stance(), FlopCounterMode(display=False) as counter:
+        run_step(model, step)
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .exclusive import planning_runs_here
 from .roofline import OpCost, OpRecorder
-from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchronize
+from .runner import Step, StepWatch, model_device, run_step, synchronize
 
 
 def storages(value: Any) -> dict[int, int]:
@@ -141,9 +141,14 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         module.register_forward_hook(observer.post_hook(name), with_kwargs=True, always_call=True))]
     try:
         before_pass()
-        stopwatch = Stopwatch(observer.device)
+        step_seconds = 0.0
         if timed:
-            run_step(model, step, watch=stopwatch, zero_grad="after", check=True)
+            synchronize(observer.device)
+            start = time.perf_counter()
+            run_step(model, step, check=True)
+            synchronize(observer.device)
+            step_seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
         seconds = {n: s.seconds for n, s in observer.stats.items()}
         observer.stats = {n: ModuleStats() for n in observer.watched}  # counted afresh in the counting pass
         observer.order.clear()
@@ -157,6 +162,6 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())
     places = [(name, len(list(calls))) for name, calls in itertools.groupby(observer.sequence)]
-    return ObservedStep(observer.order, observer.stats, stopwatch.seconds, step_flops,
+    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
                         observer.forward_ops.ops + observer.backward_ops.ops,
                         [name for name, _ in places], [calls for _, calls in places])

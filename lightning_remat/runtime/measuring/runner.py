@@ -1,9 +1,8 @@
-"""The one step runner, ``run_step``; what watches a step (stopwatch, FLOP counter, peak meter) is a ``StepWatch``."""
+"""The one step runner, ``run_step``; what watches a step (the profile's observer, the peak meter): a ``StepWatch``."""
 
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -100,22 +99,6 @@ def synchronize(device: torch.device) -> None:
         if backend is not None and hasattr(backend, "synchronize"):
             # The model's device, not the current one: they differ when a process drives several.
             backend.synchronize(device)
-
-
-class Stopwatch(StepWatch):
-    """Wall-clock seconds of the whole step, the device synchronised at both ends (``seconds``)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = 0.0
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.seconds = time.perf_counter() - start
 
 
 class Tracking(StepWatch):
