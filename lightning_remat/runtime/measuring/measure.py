@@ -15,8 +15,7 @@ from .exclusive import exclusive
 from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
 from .runner import Step, model_device, run_step, synchronize
-from .tracking import eager_stance
-from .tracking import Tracker
+from .tracking import Tracker, eager_stance
 from .user_hooks import user_hooks_suspended
 from ..installing import sac  # noqa: F401 - its import registers attention FLOPs on every SDPA backend
 

@@ -31,15 +31,6 @@ class StepWatch:
         pass
 
 
-def check_loss(loss: Any) -> None:
-    """Raise ``TypeError`` unless ``loss`` is a scalar tensor (what ``step(model)`` must return)."""
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                        + (" (a number has no graph to run backward on: return the tensor, not loss.item())"
-                           if isinstance(loss, (int, float)) else ""))
-
-
 def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
              watch: StepWatch | None = None, zero_grad: str | None = None, check: bool = False,
              read_loss: bool = False) -> float | None:
@@ -54,8 +45,12 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     with watch.watching():
         with watch.forward(), _explained():
             loss = step(model)
-        if check or not isinstance(loss, torch.Tensor):
-            check_loss(loss)  # a number (loss.item()) has no graph: say so rather than fail on .backward
+        # A number (loss.item()) has no graph: say so rather than fail on .backward.
+        if not isinstance(loss, torch.Tensor) or (check and loss.dim() != 0):
+            raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                            + (" (a number has no graph to run backward on: return the tensor, not loss.item())"
+                               if isinstance(loss, (int, float)) else ""))
         with watch.backward():
             loss.backward()
         watch.backward_done()

@@ -268,6 +268,9 @@ class SegmentTracker(Tracker):
         # nothing stored before them is alive (``StageProfile.fresh``).
         self.fresh: set[int] = set()
 
+    def _parameters(self) -> int:
+        return int(_device_totals(self._curr_mem_snap, self.device).get(_MemRefType.PARAM, 0))
+
     def resharded(self) -> dict[int, int]:
         """Per place, the parameter bytes freed between its forward's end and the next place's start (FSDP2's reshard)."""
         return {i: end - self.start_parameters[i + 1] for i, end in self.end_parameters.items()
@@ -280,8 +283,9 @@ class SegmentTracker(Tracker):
             self.segment_peaks[self.label] = total
 
     def _place(self, module: torch.nn.Module, done: Counter[int], limit: Counter[int] | None) -> int | None:
-        """The first place of ``module`` (last, with ``limit``: in autograd's order) where ``done`` is short of
-        ``limit`` (of its calls, without); a call beyond them counts in the last (first) place."""
+        """The place of ``module``'s call: in a forward (no ``limit``), its first place whose ``done`` is short of its
+        calls, else the last; in a backward (autograd's order), its last whose ``done`` is short of ``limit``, else
+        the first."""
         places = self.places.get(id(module))
         if places is None:
             return None
@@ -335,9 +339,6 @@ class SegmentTracker(Tracker):
             # Otherwise the next stage's backward began already (FSDP2 sees the stage's end after it):
             # the label stays with that stage, whose recompute would otherwise count in a gap.
             self._note()
-
-    def _parameters(self) -> int:
-        return int(_device_totals(self._curr_mem_snap, self.device).get(_MemRefType.PARAM, 0))
 
 
 class TimelineTracker(Tracker):
