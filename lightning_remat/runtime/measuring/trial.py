@@ -74,8 +74,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _restored_after_trial(model, optimizer), applied(model, plan), \
-                user_hooks_suspended(model):
+        with _restored_after_trial(model, optimizer), applied(model, plan), user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
                 # Steady steps hold the optimizer's state: made by a step on zero gradients (put back afterwards).
                 steps += _create_optimizer_state(model, step, optimizer)
