@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -104,10 +105,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         stored = net_of_released(stored, tracker.forward_starts, calls, tracker.resharded())
     # A recomputed stage also stores the inputs its checkpoint keeps alive (held_inputs.py); the later terms
     # are taken net of the bytes only this stage holds.
-    exclusive = held.exclusive
-    prefix = [0]
-    for i in range(n):
-        prefix.append(prefix[-1] + stored[i] + exclusive[i])
+    prefix = list(itertools.accumulate((s + e for s, e in zip(stored, held.exclusive)), initial=0))
     stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: stages may free some stored bytes later (FSDP2 reshards), docs/sharded.md.
     local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
