@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -82,18 +83,15 @@ def _explained() -> Iterator[None]:
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (or buffer); the CPU for an empty model."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device
-    return torch.device("cpu")
+    return next((t.device for t in itertools.chain(model.parameters(), model.buffers())), torch.device("cpu"))
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that wall-clock timings mean something."""
-    if device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        if backend is not None and hasattr(backend, "synchronize"):
-            # The model's device, not the current one: they differ when a process drives several.
-            backend.synchronize(device)
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if hasattr(backend, "synchronize"):
+        # The model's device, not the current one: they differ when a process drives several.
+        backend.synchronize(device)
 
 
 class Tracking(StepWatch):
