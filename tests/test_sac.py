@@ -16,7 +16,7 @@ from lightning_remat.models import build
 from lightning_remat.runtime.installing import sac
 from lightning_remat.runtime.installing.apply import checkpoint_policies
 from lightning_remat.runtime.measuring.observe import observe_step
-from lightning_remat.runtime.measuring.roofline import OpRecorder, Peaks, cpu_peaks, option_costs, sac_seconds_per_op
+from lightning_remat.runtime.measuring.roofline import OpRecorder, Peaks, device_peaks, option_costs, sac_seconds_per_op
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -178,8 +178,9 @@ def test_roofline_is_deterministic_and_ordered_for_a_transformer_block():
     x = batch()
     observed = [observe_step(net, lambda m: m(x).square().mean(), ["0"]) for _ in range(2)]
     peaks = Peaks(1e11, 1e10)
-    costs = [{o: option_costs("0", o, ("0",), seen.stats, peaks)[1:]  # (FLOPs, roofline): not the measured seconds
-              for o in ("whole", "sac:save_matmuls", "sac:save_alternate_matmuls", "sac:save_attention")}
+    costs = [{o: (c.flops, c.roofline)  # not the measured seconds
+              for o in ("whole", "sac:save_matmuls", "sac:save_alternate_matmuls", "sac:save_attention")
+              for c in [option_costs("0", o, ("0",), seen.stats, peaks)]}
              for seen in observed]
     assert costs[0] == costs[1]
     roof = {o: c[1] for o, c in costs[0].items()}
@@ -187,9 +188,10 @@ def test_roofline_is_deterministic_and_ordered_for_a_transformer_block():
     assert roof["whole"] > roof["sac:save_attention"] > roof["sac:save_alternate_matmuls"] > roof["sac:save_matmuls"] > 0
     # Only elementwise ops recomputed: 0 FLOPs, plus the one that breaks the tie with keeping the stage.
     assert flops["sac:save_matmuls"] == 1 < flops["sac:save_alternate_matmuls"] < flops["whole"]
-    assert cpu_peaks() == cpu_peaks()  # fixed figures (core.hardware.CPU_FLOPS): the same in every process
+    assert device_peaks("cpu") == device_peaks("cpu")  # fixed (core.hardware.CPU_FLOPS): the same in every process
     # Eager SAC's own per-op cost is added to a policy's seconds, for every op of the module.
-    base, extra = (option_costs("0", "sac:save_matmuls", ("0",), observed[0].stats, peaks, per_op)[0] for per_op in (0.0, 1.0))
+    base, extra = (option_costs("0", "sac:save_matmuls", ("0",), observed[0].stats, peaks, per_op).time
+                   for per_op in (0.0, 1.0))
     assert extra - base == pytest.approx(len(observed[0].stats["0"].ops))
     assert 0.0 <= sac_seconds_per_op() < 1e-2
 

@@ -159,7 +159,7 @@ class RematSession:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._busy and self.phase == "observe" and self._window is not None:
-            self._window.peak_before_optimizer = self._window.peak()
+            self._window.peak_before_optimizer = self._window.peak_bytes
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._busy or self.phase == "done":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -13,9 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from .exclusive import exclusive
 from .optimizers import optimizer_list
 from .meter import PeakMeter, PeakWindow
-from .runner import Step, StepWatch, model_device, run_step, synchronize
-from .tracking import eager_stance
-from .tracking import Tracker
+from .runner import Step, model_device, run_step, synchronize
+from .tracking import Tracker, eager_stance
 from .user_hooks import user_hooks_suspended
 from ..installing import sac  # noqa: F401 - its import registers attention FLOPs on every SDPA backend
 
@@ -81,21 +81,13 @@ def release_device_memory() -> None:
     clear_device_cache(garbage_collection=True)
 
 
-class _FlopCount(StepWatch):
-    """FlopCounterMode around the whole step, eagerly: dynamo never compiles code first met under it."""
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        with eager_stance(), FlopCounterMode(display=False) as self.counter:
-            yield
-
-
 def count_step_flops(model: nn.Module, step: Step) -> int:
-    """FLOPs of one forward and backward pass (recomputation included), counted exactly."""
-    watch = _FlopCount()
-    with user_hooks_suspended(model):
-        run_step(model, step, watch=watch, zero_grad="after")
-    return int(watch.counter.get_total_flops())
+    """FLOPs of one forward and backward pass (recomputation included), counted exactly; eagerly, as dynamo never
+    compiles code first met under FlopCounterMode."""
+    with user_hooks_suspended(model), eager_stance(), FlopCounterMode(display=False) as counter:
+        run_step(model, step)
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
 
 
 @dataclass
@@ -109,24 +101,15 @@ class RandomState:
 
     @classmethod
     def capture(cls, device: torch.device) -> "RandomState":
-        import random
-
         backend = getattr(torch, device.type, None) if device.type != "cpu" else None
-        accelerator = None
-        if backend is not None and hasattr(backend, "get_rng_state"):
-            accelerator = backend.get_rng_state(device) if device.index is not None else backend.get_rng_state()
+        # The device's own generator (a device without index: the current one's).
+        accelerator = backend.get_rng_state(device) if hasattr(backend, "get_rng_state") else None
         return cls(device, torch.get_rng_state(), accelerator, random.getstate())
 
     def restore(self) -> None:
-        import random
-
         torch.set_rng_state(self.cpu)
         if self.accelerator is not None:
-            backend = getattr(torch, self.device.type)
-            if self.device.index is not None:
-                backend.set_rng_state(self.accelerator, self.device)
-            else:
-                backend.set_rng_state(self.accelerator)
+            getattr(torch, self.device.type).set_rng_state(self.accelerator, self.device)
         random.setstate(self.python)
 
 

@@ -38,7 +38,7 @@ class PeakMeter(Tracking):
             if entered is not None:
                 entered.__exit__(*sys.exc_info())  # the tracker sees the error, as a `with` would show it
             raise
-        self.stop()
+        self.close()
 
     def start(self) -> "PeakMeter":
         """Start measuring (the CUDA peak statistics are reset here)."""
@@ -52,8 +52,9 @@ class PeakMeter(Tracking):
         self._entered = stack
         return self
 
-    def peak(self) -> int:
-        """The peak so far (the final one once stopped)."""
+    @property
+    def peak_bytes(self) -> int:
+        """The peak so far (the final one once closed)."""
         if self._final is not None:
             return self._final[0]
         if self.cuda:
@@ -61,36 +62,25 @@ class PeakMeter(Tracking):
             return int(torch.cuda.max_memory_allocated(self.device))
         return self.by_category().get("Total", 0)
 
-    def reserved(self) -> int | None:
-        """The allocator's reserved peak so far on CUDA; None elsewhere."""
+    @property
+    def reserved_bytes(self) -> int | None:
+        """``torch.cuda.max_memory_reserved`` so far on CUDA (the final one once closed); None elsewhere."""
         if self._final is not None:
             return self._final[1]
         return int(torch.cuda.max_memory_reserved(self.device)) if self.cuda else None
 
-    def stop(self) -> int:
+    def close(self) -> int:
         """Stop measuring; the peak of the window (kept: ``peak_bytes``, ``reserved_bytes``)."""
-        final = (self.peak(), self.reserved())
+        final = (self.peak_bytes, self.reserved_bytes)
         self.abandon()
         self._final = final
         return final[0]
-
-    def close(self) -> int:
-        return self.stop()
 
     def abandon(self) -> None:
         """Stop measuring without a result (the step failed)."""
         if self._entered is not None:
             entered, self._entered = self._entered, None
             entered.close()
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak()
-
-    @property
-    def reserved_bytes(self) -> int | None:
-        """``torch.cuda.max_memory_reserved`` over the window on CUDA; None elsewhere."""
-        return self.reserved()
 
     def by_category(self) -> dict[str, int]:
         """The tracker's split of its peak by category ("Parameter", ..., "Total"); empty without a tracker."""

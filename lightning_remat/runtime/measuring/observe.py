@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .exclusive import planning_runs_here
 from .roofline import OpCost, OpRecorder
-from .runner import Step, StepWatch, Stopwatch, model_device, run_step, synchronize
+from .runner import Step, StepWatch, model_device, run_step, synchronize
 
 
 def storages(value: Any) -> dict[int, int]:
@@ -34,7 +34,6 @@ class ModuleStats:
 
     seconds: float = 0.0
     flops: int = 0
-    calls: int = 0
     saved: dict[int, int] = field(default_factory=dict)
     inputs: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)
@@ -55,14 +54,9 @@ class ObservedStep:
     position_calls: list[int] = field(default_factory=list)
 
 
-def positions_of(sequence: Sequence[str]) -> tuple[list[str], list[int]]:
-    """The places of a chain whose stages ran in ``sequence``, and the calls in each (consecutive calls: one place)."""
-    runs = [(name, len(list(calls))) for name, calls in itertools.groupby(sequence)]
-    return [name for name, _ in runs], [calls for _, calls in runs]
-
-
-class _Observer:
-    """Forward hooks on the stages and their children, and a saved-tensor hook, for one step."""
+class _Observer(StepWatch):
+    """Forward hooks on the stages and their children; as the counting pass's watch, a saved-tensor hook, and FLOPs
+    and ops of forward and backward counted apart."""
 
     def __init__(self, model: nn.Module, stage_names: Sequence[str]):
         modules = dict(model.named_modules())
@@ -94,7 +88,6 @@ class _Observer:
                 if name not in self.order:
                     self.order.append(name)
             self.stats[name].inputs.update(storages((args, kwargs)))
-            self.stats[name].calls += 1
             self.active.append(name)
             self.flops_before[name] = self.counted()
             synchronize(self.device)
@@ -124,35 +117,14 @@ class _Observer:
         for name in self.active:
             self.stats[name].ops.append(op)
 
-    def register(self) -> list:
-        handles = []
-        for name, module in self.watched.items():
-            handles.append(module.register_forward_pre_hook(self.pre_hook(name), with_kwargs=True))
-            handles.append(module.register_forward_hook(self.post_hook(name), with_kwargs=True, always_call=True))
-        return handles
-
-    def reset_counts(self) -> None:
-        """Count afresh in the counting pass (``observe_step`` keeps the timing pass's seconds)."""
-        self.stats = {n: ModuleStats() for n in self.watched}
-        self.order.clear()
-        self.sequence.clear()
-
-
-class _Counting(StepWatch):
-    """The counting pass: saved-tensor hooks, and FLOPs and ops of forward and backward counted apart."""
-
-    def __init__(self, observer: _Observer):
-        self.observer = observer
-
     def watching(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self.observer.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        with FlopCounterMode(display=False) as self.forward_counter, OpRecorder(self.observer.record) as self.forward_ops:
-            self.observer.counter = self.forward_counter
+        with FlopCounterMode(display=False) as self.counter, OpRecorder(self.record) as self.forward_ops:
             yield
-        self.observer.counter = None
+        self.forward_counter, self.counter = self.counter, None
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -164,24 +136,32 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
                  before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
     """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes."""
     observer = _Observer(model, stage_names)
-    handles = observer.register()
+    handles = [hook for name, module in observer.watched.items() for hook in (
+        module.register_forward_pre_hook(observer.pre_hook(name), with_kwargs=True),
+        module.register_forward_hook(observer.post_hook(name), with_kwargs=True, always_call=True))]
     try:
         before_pass()
         step_seconds = 0.0
         if timed:
-            stopwatch = Stopwatch(observer.device)
-            run_step(model, step, watch=stopwatch, zero_grad="after", check=True)
-            step_seconds = stopwatch.seconds
+            synchronize(observer.device)
+            start = time.perf_counter()
+            run_step(model, step, check=True)
+            synchronize(observer.device)
+            step_seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
         seconds = {n: s.seconds for n, s in observer.stats.items()}
-        observer.reset_counts()
+        observer.stats = {n: ModuleStats() for n in observer.watched}  # counted afresh in the counting pass
+        observer.order.clear()
+        observer.sequence.clear()
         before_pass()
-        counting = _Counting(observer)
-        run_step(model, step, watch=counting, zero_grad="after")
+        run_step(model, step, watch=observer, zero_grad="after")
     finally:
         for h in handles:
             h.remove()
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
-    step_flops = int(counting.forward_counter.get_total_flops() + counting.backward_counter.get_total_flops())
+    step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())
+    places = [(name, len(list(calls))) for name, calls in itertools.groupby(observer.sequence)]
     return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
-                        counting.forward_ops.ops + counting.backward_ops.ops, *positions_of(observer.sequence))
+                        observer.forward_ops.ops + observer.backward_ops.ops,
+                        [name for name, _ in places], [calls for _, calls in places])

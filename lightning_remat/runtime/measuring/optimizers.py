@@ -30,11 +30,7 @@ def as_optimizers(optimizer: Any) -> Optimizers:
         return None
     if not isinstance(optimizer, (list, tuple)):
         return torch_optimizer(optimizer)
-    unique: dict[int, torch.optim.Optimizer] = {}
-    for item in optimizer:
-        inner = torch_optimizer(item)
-        unique.setdefault(id(inner), inner)
-    found = tuple(unique.values())
+    found = tuple({id(inner): inner for inner in map(torch_optimizer, optimizer)}.values())
     return None if not found else found[0] if len(found) == 1 else found
 
 

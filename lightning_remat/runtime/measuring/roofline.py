@@ -9,12 +9,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..installing.sac import policy_of, recomputed_ops  # its import registers attention FLOPs on every backend
+from ..installing.sac import context_fn, policy_of, recomputed_ops  # its import registers attention FLOPs
 from ...core import hardware
+from ...core.memory_model import Costs
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,9 @@ class OpCost:
     flops: int
     bytes: int
 
-    def seconds(self, peaks: Peaks) -> float:
-        return max(self.flops / peaks.flops_per_second, self.bytes / peaks.bytes_per_second)
-
 
 def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
-    return float(sum(op.seconds(peaks) for op in ops))
+    return float(sum(max(op.flops / peaks.flops_per_second, op.bytes / peaks.bytes_per_second) for op in ops))
 
 
 def gpu_peaks(name: str) -> Peaks:
@@ -47,23 +46,13 @@ def gpu_peaks(name: str) -> Peaks:
     return Peaks(spec.flops(), spec.memory_bandwidth)
 
 
-def cpu_peaks() -> Peaks:
-    """The CPU's ceilings, fixed (``core.hardware``) so a profile prices the same in every process."""
-    return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
-
-
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
-    """The ceilings to price a profile for ``device``; a CUDA device of unknown name is priced as an H100."""
-    if gpu is not None:
-        return gpu_peaks(gpu)
-    kind = torch.device(device).type
+    """The ceilings to price a profile for ``device`` (``target_gpu``): the CPU's fixed (``core.hardware``) so a
+    profile prices the same in every process; a GPU of unknown name (or another device) priced as an H100."""
+    kind, key, _ = target_gpu(device, gpu)
     if kind == "cpu":
-        return cpu_peaks()
-    if kind == "cuda" and torch.cuda.is_available():
-        match = hardware.match_gpu(torch.cuda.get_device_name(torch.device(device)))
-        if match:
-            return gpu_peaks(match)
-    return gpu_peaks("h100")
+        return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
+    return gpu_peaks(key or "h100")
 
 
 def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:
@@ -137,10 +126,6 @@ class OpRecorder(TorchDispatchMode):
 @functools.lru_cache(maxsize=None)
 def sac_seconds_per_op() -> float:
     """What selective checkpointing's dispatch modes add per op of an eager step here, measured once per process."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ..installing.sac import context_fn
-
     ops = 100
     x = torch.zeros(32, 32, requires_grad=True)
 
@@ -167,29 +152,24 @@ def sac_seconds_per_op() -> float:
 TIE_SECONDS = 1e-9
 
 
-def fused_under_compile(func: Any) -> bool:
-    """Whether torch.compile's recompute of ``func`` costs nothing: a pointwise op, fused into the backward kernel."""
-    return torch.Tag.pointwise in getattr(func, "tags", ())
-
-
 def _recompute_priced(ops: Sequence[OpCost], compiled: bool) -> list[OpCost]:
-    """The recomputed ``ops`` that cost something (under compile, those not fused away)."""
-    return [op for op in ops if not (compiled and fused_under_compile(op.func))]
+    """The recomputed ``ops`` that cost something: under compile, a pointwise op is fused into the backward kernel."""
+    return [op for op in ops if not (compiled and torch.Tag.pointwise in getattr(op.func, "tags", ()))]
 
 
 def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
-                 peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> tuple[float, int, float]:
-    """(seconds, FLOPs, roofline seconds) of recomputing ``wrap`` (modules of stage ``name``) under ``option``;
-    ``compiled``: pointwise recomputes are fused away (a policy of them only costs ``TIE_SECONDS``)."""
+                 peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> Costs:
+    """The costs of recomputing ``wrap`` (modules of stage ``name``) under ``option``; ``compiled``: pointwise
+    recomputes are fused away (a policy of them only costs ``TIE_SECONDS``)."""
     policy = policy_of(option)
     if not policy:
-        seconds = flops = roofline = 0.0
+        costs = Costs()
         for m in wrap:
             priced = roofline_seconds(_recompute_priced(stats[m].ops, compiled), peaks)
             whole = roofline_seconds(stats[m].ops, peaks)
-            seconds += stats[m].seconds * (priced / whole if compiled and whole > 0 else 1.0)
-            flops, roofline = flops + stats[m].flops, roofline + priced
-        return float(seconds), int(flops), roofline
+            share = priced / whole if compiled and whole > 0 else 1.0
+            costs += Costs(stats[m].seconds * share, stats[m].flops, priced)
+        return costs
     ops = stats[name].ops
     recomputed = [op for op, again in zip(ops, recomputed_ops(policy, [op.func for op in ops])) if again]
     roofline = roofline_seconds(_recompute_priced(recomputed, compiled), peaks)
@@ -202,4 +182,4 @@ def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, A
         roofline, seconds = max(roofline, TIE_SECONDS), max(seconds, TIE_SECONDS)
     # One FLOP more than its ops count: a policy that recomputes only elementwise ops (0 FLOPs to
     # FlopCounterMode) is not free, so under cost="flops" keeping a stage wins the tie with it.
-    return seconds, int(sum(op.flops for op in recomputed)) + 1, roofline
+    return Costs(seconds, int(sum(op.flops for op in recomputed)) + 1, roofline)

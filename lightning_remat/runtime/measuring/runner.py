@@ -1,9 +1,9 @@
-"""The one step runner, ``run_step``; what watches a step (stopwatch, FLOP counter, peak meter) is a ``StepWatch``."""
+"""The one step runner, ``run_step``; what watches a step (the profile's observer, the peak meter): a ``StepWatch``."""
 
 from __future__ import annotations
 
 import contextlib
-import time
+import itertools
 import warnings
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -32,15 +32,6 @@ class StepWatch:
         pass
 
 
-def check_loss(loss: Any) -> None:
-    """Raise ``TypeError`` unless ``loss`` is a scalar tensor (what ``step(model)`` must return)."""
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                        + (" (a number has no graph to run backward on: return the tensor, not loss.item())"
-                           if isinstance(loss, (int, float)) else ""))
-
-
 def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None = None, *,
              watch: StepWatch | None = None, zero_grad: str | None = None, check: bool = False,
              read_loss: bool = False) -> float | None:
@@ -55,8 +46,12 @@ def run_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     with watch.watching():
         with watch.forward(), _explained():
             loss = step(model)
-        if check or not isinstance(loss, torch.Tensor):
-            check_loss(loss)  # a number (loss.item()) has no graph: say so rather than fail on .backward
+        # A number (loss.item()) has no graph: say so rather than fail on .backward.
+        if not isinstance(loss, torch.Tensor) or (check and loss.dim() != 0):
+            raise TypeError(f"step(model) must return the scalar loss tensor, got {type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                            + (" (a number has no graph to run backward on: return the tensor, not loss.item())"
+                               if isinstance(loss, (int, float)) else ""))
         with watch.backward():
             loss.backward()
         watch.backward_done()
@@ -88,34 +83,15 @@ def _explained() -> Iterator[None]:
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (or buffer); the CPU for an empty model."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device
-    return torch.device("cpu")
+    return next((t.device for t in itertools.chain(model.parameters(), model.buffers())), torch.device("cpu"))
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that wall-clock timings mean something."""
-    if device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        if backend is not None and hasattr(backend, "synchronize"):
-            # The model's device, not the current one: they differ when a process drives several.
-            backend.synchronize(device)
-
-
-class Stopwatch(StepWatch):
-    """Wall-clock seconds of the whole step, the device synchronised at both ends (``seconds``)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = 0.0
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.seconds = time.perf_counter() - start
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if hasattr(backend, "synchronize"):
+        # The model's device, not the current one: they differ when a process drives several.
+        backend.synchronize(device)
 
 
 class Tracking(StepWatch):

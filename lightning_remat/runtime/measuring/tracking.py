@@ -10,6 +10,7 @@ import contextvars
 import sys
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -248,13 +249,14 @@ class SegmentTracker(Tracker):
         super().__init__()
         self.places = {m: (i,) if isinstance(i, int) else tuple(i) for m, i in stage_ids.items()}
         self.calls = calls or {}
-        self.forwards_done: dict[int, int] = {}
-        self.backwards_done: dict[int, int] = {}
+        self.forwards_done: Counter[int] = Counter()
+        self.backwards_begun: Counter[int] = Counter()
+        self.backwards_done: Counter[int] = Counter()
         self.device = device
         self.label: tuple[str, int] = ("gap", 0)
         self.segment_peaks: dict[tuple[str, int], int] = {}
         self.pre_fw: dict[int, int] = {}
-        self.stored: dict[int, int] = {}
+        self.stored: Counter[int] = Counter()
         # The total when each stage's (first) forward began: what the gaps between stages released.
         self.forward_starts: dict[int, int] = {}
         # Parameter bytes (FSDP2's gathered ones included) there and when each stage's forward ended: what the
@@ -265,10 +267,6 @@ class SegmentTracker(Tracker):
         # Places whose forward began after every earlier place's backward began (several backward passes):
         # nothing stored before them is alive (``StageProfile.fresh``).
         self.fresh: set[int] = set()
-        self._backwards_begun: dict[int, int] = {}
-
-    def current_total(self) -> int:
-        return current_total(self, self.device)
 
     def _parameters(self) -> int:
         return int(_device_totals(self._curr_mem_snap, self.device).get(_MemRefType.PARAM, 0))
@@ -278,28 +276,22 @@ class SegmentTracker(Tracker):
         return {i: end - self.start_parameters[i + 1] for i, end in self.end_parameters.items()
                 if i + 1 in self.start_parameters}
 
-    def _note(self) -> None:
-        total = self.current_total()
+    def _note(self, label: tuple[str, int] | None = None) -> None:
+        self.label = label or self.label
+        total = current_total(self, self.device)
         if total > self.segment_peaks.get(self.label, -1):
             self.segment_peaks[self.label] = total
 
-    def _forward_place(self, module: torch.nn.Module) -> int | None:
+    def _place(self, module: torch.nn.Module, done: Counter[int], limit: Counter[int] | None) -> int | None:
+        """The place of ``module``'s call: in a forward (no ``limit``), its first place whose ``done`` is short of its
+        calls, else the last; in a backward (autograd's order), its last whose ``done`` is short of ``limit``, else
+        the first."""
         places = self.places.get(id(module))
         if places is None:
             return None
-        # The first place with calls left; a call beyond the profiled ones counts in the last.
-        return next((i for i in places if self.forwards_done.get(i, 0) < self.calls.get(i, 1)), places[-1])
-
-    def _backward_place(self, module: torch.nn.Module, begun: bool = False) -> int | None:
-        """The place of a module's backward about to begin (``begun``: just ended), in autograd's order."""
-        places = self.places.get(id(module))
-        if places is None:
-            return None
-        if begun:
-            return next((i for i in reversed(places) if self.backwards_done.get(i, 0) < self._backwards_begun.get(i, 0)),
-                        places[0])
-        return next((i for i in reversed(places) if self._backwards_begun.get(i, 0) < self.forwards_done.get(i, 0)),
-                    places[0])
+        if limit is None:
+            return next((i for i in places if done[i] < self.calls.get(i, 1)), places[-1])
+        return next((i for i in reversed(places) if done[i] < limit[i]), places[0])
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
@@ -307,44 +299,40 @@ class SegmentTracker(Tracker):
 
     def _pre_fw_hook(self, module, inputs):  # type: ignore[no-untyped-def]
         super()._pre_fw_hook(module, inputs)
-        index = self._forward_place(module)
+        index = self._place(module, self.forwards_done, None)
         if index is not None and not self._mod_tracker.is_bw:
             self._running[id(module)] = index
             if index not in self.forward_starts and index and all(
-                    self._backwards_begun.get(j, 0) >= self.calls.get(j, 1) for j in range(index)):
+                    self.backwards_begun[j] >= self.calls.get(j, 1) for j in range(index)):
                 self.fresh.add(index)
-            self.pre_fw[index] = self.current_total()
+            self.pre_fw[index] = current_total(self, self.device)
             self.forward_starts.setdefault(index, self.pre_fw[index])
             self.start_parameters.setdefault(index, self._parameters())
-            self.label = ("fw", index)
-            self._note()
+            self._note(("fw", index))
 
     def _post_fw_hook(self, module, inputs, outputs):  # type: ignore[no-untyped-def]
         super()._post_fw_hook(module, inputs, outputs)
         index = self._running.pop(id(module), None) if not self._mod_tracker.is_bw else None
         if index is not None:
-            self.stored[index] = self.stored.get(index, 0) + self.current_total() - self.pre_fw.pop(index)
-            self.forwards_done[index] = self.forwards_done.get(index, 0) + 1
+            self.stored[index] += current_total(self, self.device) - self.pre_fw.pop(index)
+            self.forwards_done[index] += 1
             self.end_parameters[index] = self._parameters()
             more = self.forwards_done[index] < self.calls.get(index, 1)
-            self.label = ("fw", index) if more else ("gap", index + 1)
-            self._note()
+            self._note(("fw", index) if more else ("gap", index + 1))
 
     def _pre_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
         super()._pre_bw_hook(module, args)
-        index = self._backward_place(module)
+        index = self._place(module, self.backwards_begun, self.forwards_done)
         if index is not None:
-            self._backwards_begun[index] = self._backwards_begun.get(index, 0) + 1
-            self.label = ("bw", index)
-            self._note()
+            self.backwards_begun[index] += 1
+            self._note(("bw", index))
 
     def _post_bw_hook(self, module, args):  # type: ignore[no-untyped-def]
         super()._post_bw_hook(module, args)
-        index = self._backward_place(module, begun=True)
+        index = self._place(module, self.backwards_done, self.backwards_begun)
         if index is not None:
-            self.backwards_done[index] = self.backwards_done.get(index, 0) + 1
-            more = self.backwards_done[index] < self.calls.get(index, 1)
-            if more:
+            self.backwards_done[index] += 1
+            if self.backwards_done[index] < self.calls.get(index, 1):
                 self.label = ("bw", index)
             elif self.label == ("bw", index):
                 self.label = ("gap", 0 if index in self.fresh else index)  # before a fresh place: none alive

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -30,16 +30,13 @@ class Trial:
     predicted_peak_bytes: int = 0
 
 
-def _snapshot_to_cpu(value: Any) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t), value)
-
-
 @contextlib.contextmanager
 def _restored_after_trial(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
     """Put back everything after real trial steps; copies on the CPU so an accelerator holds no second copy."""
     parameters = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
-    optimizer_state = _snapshot_to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    optimizer_state = None if optimizer is None else torch.utils._pytree.tree_map(
+        lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t),
+        optimizer.state_dict())
     with preserved_training_state(model, optimizer):
         try:
             yield
@@ -77,8 +74,7 @@ def run_trial(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | N
     peaks: list[int] = []
     oom = False
     try:
-        with _restored_after_trial(model, optimizer), applied(model, plan), \
-                user_hooks_suspended(model):
+        with _restored_after_trial(model, optimizer), applied(model, plan), user_hooks_suspended(model):
             if optimizer is not None and not optimizer.state:
                 # Steady steps hold the optimizer's state: made by a step on zero gradients (put back afterwards).
                 steps += _create_optimizer_state(model, step, optimizer)

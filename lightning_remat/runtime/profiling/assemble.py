@@ -16,13 +16,11 @@ from .tiled_options import split_tiled, tiled_modules
 
 
 def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
-             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool,
-             device: str, peaks: Peaks, seconds_per_op: float = 0.0,
-             offload_limits: dict[str, int] | None = None, compiled: bool = False) -> Profile:
+             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool, device: str,
+             peaks: Peaks, seconds_per_op: float, offload_limits: dict[str, int], compiled: bool) -> Profile:
     """The Profile from the measured runs; with ``compiled``, recompute priced as torch.compile runs it."""
     modules = dict(model.named_modules())
     stats = observed.stats
-    offload_limits = offload_limits or {}
     stages = []
     total_calls: dict[str, int] = {}
     for name, calls in zip(observed.positions, observed.position_calls):
@@ -40,18 +38,16 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
             parts = option in PARTS_OPTIONS
             base, tiled = split_tiled(option)  # a tiled MLP costs one more forward of it (tiled_options.py)
             priced = priced_modules(name, option, modules) if parts else (*wrap[name], *tiled_modules(name, tiled))
-            seconds, flops, roofline = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
+            costs = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
             options.append(StageOption(
                 name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
                 local_peak_bytes=int(runs[option].local[i] + future_state), policy=sac.policy_of(option),
-                costs=Costs(seconds * share, _part(flops, counts), roofline * share),
+                costs=Costs(costs.time * share, _part(costs.flops, counts), costs.roofline * share),
                 offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int((runs[option].host_bytes or {}).get(name, 0) * share)
-                if is_offload(option) or base == OFFLOAD_INPUT else 0,
+                host_bytes=int(runs[option].host_bytes.get(name, 0) * share),  # offload runs' only
                 offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
                 input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
-                shared_held=(runs[option].shared or [()] * (i + 1))[i],
-                held_before=(runs[option].held_before or [()] * (i + 1))[i], parts=parts))
+                shared_held=runs[option].shared[i], held_before=runs[option].held_before[i], parts=parts))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),
@@ -74,8 +70,7 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     )
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).
-    profile = profile.with_baseline()
-    return profile
+    return profile.with_baseline()
 
 
 def _part(value: int, calls: tuple[int, int, int]) -> int:
@@ -91,7 +86,7 @@ def _segments(runs: dict[str, MemoryRun], future_state: int) -> list[Segment]:
     labels: dict[int, set[str]] = {}
     for run in runs.values():
         for k, peak in run.segments.items():
-            held = (run.segments_held or {}).get(k, ())
+            held = run.segments_held.get(k, ())
             peaks[k] = max(peaks.get(k, peak), peak)
             without = peak - sum(nbytes for _, nbytes in held)
             held_out[k] = max(held_out.get(k, without), without)

@@ -98,7 +98,7 @@ def rebuilt(batch: Any, change: Callable[[str, torch.Tensor], Any], prefix: str 
     return batch
 
 
-def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
+def resize_batch(batch: Any, shape: Shape) -> Any:
     """``batch`` at ``shape``: every tensor cycled or cut along each dimension; other values pass unchanged.
 
     Example:
@@ -106,13 +106,11 @@ def resize_batch(batch: Any, shape: Shape, source: Shape | None = None) -> Any:
         >>> resize_batch((ids,), Shape(1, 5))[0].tolist()
         [[5, 6, 0, 5, 6]]
     """
-    source = source or batch_shape(batch)
+    source = batch_shape(batch)
     if source is None or source == shape:
         return batch
-    if shape.layout:
-        own = batch_shape(batch)
-        if own is None or not own.comparable(shape):
-            raise ValueError(f"a batch of shape {own} cannot be stretched to {shape}: another layout")
+    if shape.layout and not source.comparable(shape):
+        raise ValueError(f"a batch of shape {source} cannot be stretched to {shape}: another layout")
     return rebuilt(batch, lambda path, tensor: cycled(tensor, size_at(path, tuple(tensor.shape), source, shape)))
 
 

@@ -36,15 +36,16 @@ def _automatic(model: nn.Module) -> list[str]:
     stages = _outermost(name for name, module in model.named_modules() if name and id(module) in repeated)
     if not stages and isinstance(model, nn.Sequential) and len(model) >= 2:
         stages = [name for name, _ in model.named_children()]
-    stem = _convolutional_stem(model, stages)
+    # A CNN's first convolution outside the stages: in a stem block before them, or a loose layer on the root.
+    first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if first is None or not stages or any(first == s or first.startswith(s + ".") for s in stages):
+        return stages
+    stem = _convolutional_stem(model, stages, first)
     if stem:
         return [stem, *stages]
-    loose = _loose_leaves(model, stages)
-    if not loose:
-        return stages
     # Registration order, as every other stage: the stem's leaves before the blocks, the head's after.
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return sorted([*loose, *stages], key=order.__getitem__)
+    return sorted([*_loose_leaves(model, stages, first), *stages], key=order.__getitem__)
 
 
 def _outermost(names: Iterable[str]) -> list[str]:
@@ -56,11 +57,8 @@ def _outermost(names: Iterable[str]) -> list[str]:
     return kept
 
 
-def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
+def _loose_leaves(model: nn.Module, stages: list[str], first: str) -> list[str]:
     """A CNN's loose stem and head layers on the root (torchvision's ``conv1``, ..., ``fc``), in-place ones left out."""
-    first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
-    if first is None or not stages or any(first == s or first.startswith(s + ".") for s in stages):
-        return []
     parent_name = first.rpartition(".")[0]
     parent = model.get_submodule(parent_name)
     if parent_name and not isinstance(parent, (nn.Sequential, nn.ModuleList)):
@@ -73,13 +71,10 @@ def _loose_leaves(model: nn.Module, stages: list[str]) -> list[str]:
             and not any((prefix + key) == s or s.startswith(prefix + key + ".") for s in stages)]
 
 
-def _convolutional_stem(model: nn.Module, stages: list[str]) -> str | None:
-    """The outermost block holding a CNN's first convolution and no stage, when it runs before the stages."""
+def _convolutional_stem(model: nn.Module, stages: list[str], first: str) -> str | None:
+    """The outermost block holding a CNN's ``first`` convolution and no stage, when it runs before the stages."""
     names = [name for name, _ in model.named_modules()]
-    first = next((name for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
-    if first is None or not stages or names.index(first) > names.index(stages[0]):
-        return None
-    if any(first == s or first.startswith(s + ".") for s in stages):
+    if names.index(first) > names.index(stages[0]):
         return None
     parts, stem = first.split("."), None
     for k in range(len(parts) - 1, 0, -1):  # its ancestors, nearest first, the model itself excluded
@@ -92,12 +87,8 @@ def _convolutional_stem(model: nn.Module, stages: list[str]) -> str | None:
 
 
 def _matches(name: str, module: nn.Module, spec: Iterable[Union[str, type]]) -> bool:
-    for item in spec:
-        if isinstance(item, type) and isinstance(module, item):
-            return True
-        if isinstance(item, str) and (fnmatch.fnmatchcase(name, item) or type(module).__name__ == item):
-            return True
-    return False
+    return any(isinstance(module, item) if isinstance(item, type)
+               else fnmatch.fnmatchcase(name, item) or type(module).__name__ == item for item in spec)
 
 
 def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]:
@@ -112,31 +103,23 @@ def find_stages(model: nn.Module, candidates: CandidateSpec = None) -> list[str]
         (['0', '1', '2'], ['0.0', '1.0', '2.0'])
     """
     # Names are the uncompiled model's, as profile_step and apply_plan use them.
-    with uncompiled(model) as plain:
-        return _find_stages(plain, candidates)
-
-
-def _find_stages(model: nn.Module, candidates: CandidateSpec) -> list[str]:
-    if candidates is None:
-        stages = _automatic(model)
-        if not stages:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise NoCandidateError(
-                f"{type(model).__name__} has no candidate module for recomputation: no repeated blocks in a "
-                f"ModuleList or Sequential were found. Pass candidates= with module classes or name patterns; "
-                f"its module classes are {classes}"
-            )
-        return stages
-    spec = [candidates] if isinstance(candidates, (str, type)) else list(candidates)
-    for item in spec:
-        if not isinstance(item, (str, type)):
-            raise TypeError(f"candidates must be module classes, class names or name patterns, got {item!r}")
-    stages = _outermost(name for name, module in model.named_modules() if name and _matches(name, module, spec))
-    for item in spec:
-        if not any(_matches(name, module, [item]) for name, module in model.named_modules() if name):
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise NoCandidateError(
-                f"candidate {item!r} matches no module of {type(model).__name__}. Its module classes are {classes}; "
-                f"names look like {[n for n, _ in model.named_modules() if n][:8]}"
-            )
-    return stages
+    with uncompiled(model) as model:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        if candidates is None:
+            stages = _automatic(model)
+            if not stages:
+                raise NoCandidateError(
+                    f"{type(model).__name__} has no candidate module for recomputation: no repeated blocks in a "
+                    f"ModuleList or Sequential were found. Pass candidates= with module classes or name patterns; "
+                    f"its module classes are {classes}")
+            return stages
+        spec = [candidates] if isinstance(candidates, (str, type)) else list(candidates)
+        for item in spec:
+            if not isinstance(item, (str, type)):
+                raise TypeError(f"candidates must be module classes, class names or name patterns, got {item!r}")
+        for item in spec:
+            if not any(_matches(name, module, [item]) for name, module in model.named_modules() if name):
+                raise NoCandidateError(
+                    f"candidate {item!r} matches no module of {type(model).__name__}. Its module classes are "
+                    f"{classes}; names look like {[n for n, _ in model.named_modules() if n][:8]}")
+        return _outermost(name for name, module in model.named_modules() if name and _matches(name, module, spec))

@@ -27,8 +27,7 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
 def _root(tensor: torch.Tensor) -> torch.Tensor:
     """The view base of ``tensor``: FSDP2's pre-forward passes a block views of its arguments, new objects that
     die with the forward while the tensor they view (an earlier stage's output) lives on."""
-    base = tensor._base
-    return tensor if base is None else base
+    return tensor if tensor._base is None else tensor._base
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
@@ -78,20 +77,14 @@ class DeadInputs(_Hooked):
                         # An earlier stage's output: that stage's stored bytes hold it already (the
                         # profile's later terms absorb its early free), so it is not held anew.
                         continue
-                    try:
-                        self._refs[name].append((key, weakref.ref(tensor)))
-                    except TypeError:
-                        pass
+                    self._refs[name].append((key, weakref.ref(tensor)))
 
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
                 if not planning_runs_here():
                     return
                 for _, tensor in _tensors((output,), {}):
                     tensor = _root(tensor)
-                    try:
-                        self._outputs[id(tensor)] = weakref.ref(tensor)
-                    except TypeError:
-                        pass
+                    self._outputs[id(tensor)] = weakref.ref(tensor)
             self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
             self._handles.append(modules[name].register_forward_hook(leave))
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -18,7 +19,7 @@ from ..installing.offload import Offloader, apply_offload, model_offloader, remo
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
 from ..measuring.runner import run_step
-from ..measuring.tracking import SegmentTracker, snapshot_by_category
+from ..measuring.tracking import SegmentTracker, current_total, snapshot_by_category
 from ..targets.fake import is_fake
 from .held_inputs import DeadInputs, HeldInputs
 
@@ -30,19 +31,18 @@ class MemoryRun:
     stored: list[int]
     local: list[int]
     segments: dict[int, int]  # stages alive -> peak beyond their stored bytes
-    peak: int
     gradient_bytes: int
     parameter_bytes: int
     buffer_bytes: int
     residual_bytes: int  # what the step still holds after backward (its loss, outputs), besides static memory
-    untracked_bytes: int = 0  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
-    host_bytes: dict[str, int] | None = None  # offloaded stages: bytes sent to the host
+    untracked_bytes: int  # on CUDA: the allocator's peak above MemTracker's (inputs made before, workspaces)
+    host_bytes: dict[str, int]  # offloaded stages: bytes sent to the host
     # Inputs several recomputed stages hold (core.shared_held): per stage what it holds, per stage
     # what an earlier stage held (its figures count them), per segment the same.
-    shared: list[tuple[tuple[str, int], ...]] | None = None
-    held_before: list[tuple[tuple[str, int], ...]] | None = None
-    segments_held: dict[int, tuple[tuple[str, int], ...]] | None = None
-    fresh: frozenset[int] = frozenset()  # places after a backward pass of the step (StageProfile.fresh)
+    shared: list[tuple[tuple[str, int], ...]]
+    held_before: list[tuple[tuple[str, int], ...]]
+    segments_held: dict[int, tuple[tuple[str, int], ...]]
+    fresh: frozenset[int]  # places after a backward pass of the step (StageProfile.fresh)
 
 
 def _actions(wrapped: Sequence[str], policy: str, offload_inputs: bool, parts: Sequence[str]) -> list[StageAction]:
@@ -80,7 +80,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
     plan = Plan([head] if head is not None else
                 with_tiles(_actions(wrapped, policy, offload_inputs, parts), tiled or {}))
-    host: dict[str, int] | None = None
+    host: dict[str, int] = {}
     with applied(model, plan), \
             _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
@@ -94,7 +94,6 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         run_step(model, checked, watch=meter)
         if offload_inputs:
             host = dict(input_offload_of(model)[1].host_bytes)
-    after_backward = meter.after_backward
     n = len(order)
     missing = [order[i] for i in range(n) if i not in tracker.stored]
     if missing:
@@ -106,10 +105,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         stored = net_of_released(stored, tracker.forward_starts, calls, tracker.resharded())
     # A recomputed stage also stores the inputs its checkpoint keeps alive (held_inputs.py); the later terms
     # are taken net of the bytes only this stage holds.
-    exclusive = held.exclusive
-    prefix = [0]
-    for i in range(n):
-        prefix.append(prefix[-1] + stored[i] + exclusive[i])
+    prefix = list(itertools.accumulate((s + e for s, e in zip(stored, held.exclusive)), initial=0))
     stored = [s + h for s, h in zip(stored, held.bytes)]
     # Not clamped at zero: stages may free some stored bytes later (FSDP2 reshards), docs/sharded.md.
     local, segments = _local_peaks(tracker.segment_peaks, prefix, n, tracker.fresh)
@@ -119,10 +115,9 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
     peak = snapshot_by_category(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
     return MemoryRun(
         # On CUDA the meter's peak is the allocator's, which also sees what the tracker does not.
-        stored=stored, local=local, segments=segments, peak=peak,
-        untracked_bytes=max(0, meter.peak_bytes - int(peak)),
+        stored=stored, local=local, segments=segments, untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
-        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, after_backward - static_now),
+        buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, meter.after_backward - static_now),
         host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
         segments_held={k: held.held_before(k) for k in segments}, fresh=frozenset(tracker.fresh),
@@ -133,16 +128,16 @@ def _local_peaks(segment_peaks: dict, prefix: list[int], n: int,
                  fresh: set[int] = frozenset()) -> tuple[list[int], dict[int, int]]:
     """Each stage's local peak and each gap's segment peak; stored bytes count from the last ``fresh`` stage on."""
     starts = [max([0, *(f for f in fresh if f <= i)]) for i in range(n)]
-    local: list[int | None] = [None] * n
+    local: dict[int, int] = {}
     segments: dict[int, int] = {}
     for (kind, k), peak in segment_peaks.items():
         if kind in ("fw", "bw"):
             own = peak - (prefix[k] - prefix[starts[k]])
-            local[k] = own if local[k] is None else max(local[k], own)
+            local[k] = max(local.get(k, own), own)
         else:
             own = peak - (prefix[k] - prefix[starts[k - 1]]) if k else peak
             segments[k] = max(segments.get(k, own), own)
-    return [0 if v is None else v for v in local], segments
+    return [local.get(i, 0) for i in range(n)], segments
 
 
 def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, int],
@@ -185,4 +180,4 @@ class _SegmentMeter(PeakMeter):
     after_backward = 0
 
     def backward_done(self) -> None:
-        self.after_backward = self.tracker.current_total()
+        self.after_backward = current_total(self.tracker, self.device)

@@ -26,9 +26,7 @@ def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
     stages = tuple(replace(s, options=tuple(replace(o, local_peak_bytes=o.local_peak_bytes + nbytes)
                                             for o in s.options)) for s in profile.stages)
     segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes) for seg in profile.segments)
-    result = replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note))
-    result = result.with_baseline()
-    return result
+    return replace(profile, stages=stages, segments=segments, notes=(*profile.notes, note)).with_baseline()
 
 
 def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[str, nn.Module]) -> Profile:
@@ -59,9 +57,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
     segments = tuple(replace(seg, stages_alive=alive(seg.stages_alive)) for seg in profile.segments)
     note = (f"{len(missing)} stage(s) did not run on the profiled batch ({', '.join(missing[:4])}"
             f"{', ...' if len(missing) > 4 else ''}): each is planned as if it ran, with the figures of a stage that did")
-    result = replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note))
-    result = result.with_baseline()
-    return result
+    return replace(profile, stages=tuple(stages), segments=segments, notes=(*profile.notes, note)).with_baseline()
 
 
 def with_pooled_timings(profile: Profile) -> Profile:

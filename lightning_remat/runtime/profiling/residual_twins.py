@@ -16,6 +16,7 @@ from torch import nn
 from ..installing.offloader import is_fake
 from ..installing.residual_parts import gives_same_output, parts_of
 from ..installing.segments import recorded_calls
+from .hierarchy import _single_tensor_call
 
 # The stage options a twin adds: kept with its parts checkpointed, and recomputed whole with them nested.
 PARTS = "parts"
@@ -35,13 +36,10 @@ def twin_stages(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequ
     calls = recorded_calls(model, step, eligible)
     found = []
     for name in eligible:
-        if len(calls[name]) != 1:  # a block at several places, or not run
-            continue
-        args, kwargs, output, (began, ended) = calls[name][0]
+        call = _single_tensor_call(calls[name])  # None: a block at several places, or not run
         # The recorded tensors as the call saw them: changed in place since, they prove nothing.
-        unchanged = (len(args) == 1 and args[0]._version == began[0]
-                     and getattr(output, "_version", None) == ended)
-        if not kwargs and unchanged and gives_same_output(modules[name], args, output):
+        if call is not None and (call[0]._version, call[2]._version) == (call[1], call[3]) \
+                and gives_same_output(modules[name], (call[0],), call[2]):
             found.append(name)
     return found
 

@@ -64,8 +64,7 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
     if not groups:
         return ()
     if calls is None or any(n not in calls for g in groups for n in g):
-        replay()
-        calls = None
+        replay()  # chained_groups records them anew
     return tuple(tuple(g) for g in chained_groups(model, step, groups, calls))
 
 

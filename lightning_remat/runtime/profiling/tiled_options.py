@@ -112,16 +112,14 @@ def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: C
             handle.remove()
     settings = {stage: spec(calls[0][0], min(c for _, c, _ in calls)) for stage, calls in seen.items()
                 if all(ok for _, _, ok in calls)}
-    return settings, _note(settings, seen, modules)
-
-
-def _note(settings: dict[str, str], seen: dict[str, list], modules: dict[str, nn.Module]) -> str:
     if not settings:
-        return ("tile_mlp: no stage has a child of a position-wise class (*MLP, *FeedForward, DenseActDense) without "
-                "active dropout whose output over sequence chunks equals its whole output; nothing is tiled")
+        return settings, ("tile_mlp: no stage has a child of a position-wise class (*MLP, *FeedForward, "
+                          "DenseActDense) without active dropout whose output over sequence chunks equals its whole "
+                          "output; nothing is tiled")
     children = sorted({f"{type(modules[child_name(s, parse(v)[0])]).__name__} over {parse(v)[1]} chunks"
                        for s, v in settings.items()})
-    return "tile_mlp: options with the MLP over sequence chunks, each recomputed in backward: " + ", ".join(children)
+    return settings, ("tile_mlp: options with the MLP over sequence chunks, each recomputed in backward: "
+                      + ", ".join(children))
 
 
 def add_tiled_options(wraps: dict[str, dict[str, tuple]], settings: dict[str, str]) -> None:
