@@ -26,7 +26,7 @@ from .figures import log_plan_figures, plan_figures
 from ...service.sharded import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import config_for, loop_allowance, refuse_deepspeed, refuse_fsdp1, unsupported
+from .strategies import config_for, loop_allowance, unsupported
 
 
 class AutoRemat(Callback):
@@ -84,18 +84,11 @@ class AutoRemat(Callback):
         # (unset is the target's): the saved plans' own cost is compared with the resolved one (``_keeps_plans``).
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates)
 
-    @property
-    def _legacy_state_key(self) -> str:
-        # The key of checkpoints saved before: Lightning reads a callback's state under it when the key is absent.
-        return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
             return
-        refuse_fsdp1(trainer)
-        refuse_deepspeed(trainer)
-        self._disabled_reason = unsupported(trainer, pl_module)
+        self._disabled_reason = unsupported(trainer)
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
