@@ -22,7 +22,7 @@ from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import resolve_cost
 from ...service.run import RunHost, RunLifecycle
-from .figures import log_plan_figures, plan_figures
+from .figures import log_plan_figures
 from ...service.sharded import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
@@ -144,8 +144,7 @@ class AutoRemat(Callback):
             return
         self.measured_peak_bytes = measured
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
-            log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
-                             trainer.global_step)
+            log_plan_figures(trainer.loggers, self.shape_plans, self.plan, measured, trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.plan is None and self._skipped:  # a fit that planned nothing says so, and why
