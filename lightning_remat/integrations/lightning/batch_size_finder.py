@@ -73,15 +73,17 @@ class RematBatchSizeFinder(BatchSizeFinder):
         policies: Optional[Sequence[str]] = (),
     ) -> None:
         validate_search(max_overhead, margin, steps_per_trial, init_val, max_val, mode.lower(), max_trials)
-        profile = ProfileOptions(candidates=candidates, policies=policies, offload=offload)
-        RematConfig(budget, cost=cost, profile=profile).require_size("a batch-size search")
+        self.config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, policies=policies,
+                                                                            offload=offload))
+        self.config.require_size("a batch-size search")
         super().__init__(mode=mode, steps_per_trial=steps_per_trial, init_val=init_val, max_trials=max_trials,
                          batch_arg_name=batch_arg_name, margin=margin, max_val=max_val)
         self.budget = budget
         self._verbose = verbose
         # find_remat_batch_size's own arguments, checked above.
         self._search = dict(max_overhead=max_overhead, cost=cost, offload=bool(offload),
-                            candidates=profile.candidates, policies=profile.policies, verbose=verbose)
+                            candidates=self.config.profile.candidates, policies=self.config.profile.policies,
+                            verbose=verbose)
         self.optimal_batch_size = None
         self.plan: Optional[Plan] = None
         self.result: Optional[BatchSizeResult] = None
