@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,10 +25,12 @@ class ModelCase:
     sequential: nn.Sequential | None = None  # the chain checkpoint_sequential can split
 
 
-def _quiet_transformers() -> None:
+def _transformers() -> Any:
+    """``transformers``, its warnings silenced (about weights initialised at random, as every model here is)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+    return transformers
 
 
 def _images(batch_size: int, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +41,7 @@ def _images(batch_size: int, image_size: int) -> tuple[torch.Tensor, torch.Tenso
 
 def gpt2(batch_size: int = 4, seq_len: int = 128, layers: int = 6, hidden: int = 128, vocab: int = 1024) -> ModelCase:
     """A GPT-2 language model (``use_cache`` off, as for training) on random tokens."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=seq_len,
                                      bos_token_id=0, eos_token_id=0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config).train()
@@ -51,9 +51,7 @@ def gpt2(batch_size: int = 4, seq_len: int = 128, layers: int = 6, hidden: int =
 
 def bert(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int = 128, vocab: int = 1024) -> ModelCase:
     """A BERT masked-language model on random tokens."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4,
                                      intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq_len)
     model = transformers.BertForMaskedLM(config).train()
@@ -63,9 +61,7 @@ def bert(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int =
 
 def vit(batch_size: int = 4, image_size: int = 64, layers: int = 4, hidden: int = 128) -> ModelCase:
     """A ViT image classifier on random images."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.ViTConfig(image_size=image_size, patch_size=8, num_hidden_layers=layers, hidden_size=hidden,
                                     num_attention_heads=4, intermediate_size=4 * hidden, num_labels=10)
     model = transformers.ViTForImageClassification(config).train()
@@ -75,9 +71,7 @@ def vit(batch_size: int = 4, image_size: int = 64, layers: int = 4, hidden: int 
 
 def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> ModelCase:
     """ResNet-50 (depths 3-4-6-3, bottlenecks, BatchNorm) on random images; ``width`` divides the channel counts."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.ResNetConfig(depths=[3, 4, 6, 3], layer_type="bottleneck",
                                        embedding_size=64 // width,
                                        hidden_sizes=[256 // width, 512 // width, 1024 // width, 2048 // width],
@@ -90,9 +84,7 @@ def resnet50(batch_size: int = 8, image_size: int = 96, width: int = 1) -> Model
 
 def convnext(batch_size: int = 8, image_size: int = 64, depths: tuple[int, ...] = (2, 2, 4, 2), width: int = 2) -> ModelCase:
     """A ConvNeXt image classifier on random images; ``width`` divides the channel counts (96-192-384-768 at 1)."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.ConvNextConfig(depths=list(depths), hidden_sizes=[96 // width * 2 ** i for i in range(len(depths))],
                                          num_labels=10, image_size=image_size)
     model = transformers.ConvNextForImageClassification(config).train()
@@ -164,9 +156,7 @@ def tv_resnet(batch_size: int = 8, image_size: int = 96, depths: tuple[int, ...]
 
 def llama(batch_size: int = 4, seq_len: int = 128, layers: int = 4, hidden: int = 128, vocab: int = 1024) -> ModelCase:
     """A small Llama causal language model (``use_cache`` off) on random tokens."""
-    import transformers
-
-    _quiet_transformers()
+    transformers = _transformers()
     config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=344,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                                       max_position_embeddings=seq_len, use_cache=False)

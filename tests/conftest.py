@@ -32,8 +32,8 @@ CI_DISTRIBUTED = {
 SLOW = {
     "test_residual_parts.py": ("test_a_bottleneck_through_its_parts_lowers_the_least_peak_holds_and_gives_equal_gradients",),  # 5 s (two profiles)
     "test_callback.py": ("test_hugging_face_checkpointing_is_taken_over_with_one_warning",  # 7 s loaded (two runs)
-                         # three resumed fits, one planning again: 7 s
-                         "test_resume_with_the_cost_named_or_from_an_old_key_does_not_profile_and_another_cost_plans_again"),
+                         # two resumed fits, one planning again: 14 s loaded
+                         "test_resume_with_the_cost_named_does_not_profile_and_another_cost_plans_again"),
     "test_models.py": "*",  # one GPT-2 profiled (module fixture): 4.0 s set-up at load 2, 6.4 s at load 6; 1-3 s of tests
     "test_accumulation.py": "*",  # Accelerate 24 s, Lightning 11 s
     # Lightning 11-12 s, Accelerate 3-14 s, the Trainer with LoRA and padding 54 s (a loaded 2-core machine; 33 s CPU)

@@ -289,23 +289,18 @@ def test_resume_applies_the_saved_plan_without_profiling(runs, count_profiles, t
     assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= runs["budget"]
 
 
-def test_resume_with_the_cost_named_or_from_an_old_key_does_not_profile_and_another_cost_plans_again(
-        runs, count_profiles, tmp_path):
+def test_resume_with_the_cost_named_does_not_profile_and_another_cost_plans_again(runs, count_profiles, tmp_path):
     """The run was made with ``cost`` unset (the CPU's: flops). The state key does not hold the cost: resumed with
-    ``cost="flops"`` named, or from a checkpoint under the key saved before (``'cost': None`` in it), the plan is
-    installed without profiling; resumed with another cost, it is planned again, said once."""
+    ``cost="flops"`` named, the plan is installed without profiling; resumed with another cost, it is planned again,
+    said once."""
     budget, plan = runs["budget"], runs["callback"].plan
     assert plan.cost_kind.value == "flops"
     ckpt = torch.load(runs["tmp"] / "remat.ckpt", weights_only=False)
     (key,) = [k for k in ckpt["callbacks"] if k.startswith("AutoRemat")]
     assert key == f"AutoRemat{{'budget': '{budget}', 'candidates': None}}"
-    old = dict(ckpt, callbacks={f"AutoRemat{{'budget': '{budget}', 'candidates': None, 'cost': None}}":
-                                ckpt["callbacks"][key]})
-    torch.save(old, tmp_path / "old_key.ckpt")
-    for path, cost in ((runs["tmp"] / "remat.ckpt", "flops"), (tmp_path / "old_key.ckpt", None)):
-        lit, callback = LitLM(), AutoRemat(budget=budget, cost=cost, verbose=False)
-        make_trainer(tmp_path, [callback], max_steps=8).fit(lit, token_batches(), ckpt_path=path)
-        assert count_profiles == [] and callback.plan.checkpointed == plan.checkpointed == checkpointed_modules(lit)
+    lit, callback = LitLM(), AutoRemat(budget=budget, cost="flops", verbose=False)
+    make_trainer(tmp_path, [callback], max_steps=8).fit(lit, token_batches(), ckpt_path=runs["tmp"] / "remat.ckpt")
+    assert count_profiles == [] and callback.plan.checkpointed == plan.checkpointed == checkpointed_modules(lit)
     lit, callback = LitLM(), AutoRemat(budget=budget, cost="time", verbose=False)
     with pytest.warns(UserWarning, match="made for another cost .priced in flops, this run in time"):
         make_trainer(tmp_path, [callback], max_steps=8).fit(lit, token_batches(), ckpt_path=runs["tmp"] / "remat.ckpt")

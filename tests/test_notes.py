@@ -13,7 +13,8 @@ from torch import nn
 from lightning_remat import plan_remat
 from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
 from lightning_remat.core.plan import Plan, StageAction
-from lightning_remat.integrations.accelerate.recorded_call import LOOP_ALLOWANCE, with_loop_references
+from lightning_remat.core.allowances import ACCELERATE_LOOP_ALLOWANCE as LOOP_ALLOWANCE
+from lightning_remat.integrations.accelerate.recorded_call import with_loop_references
 
 
 @pytest.mark.parametrize("held, carried", [(0, 0), (4096, 0), (0, 6144), (4096, 6144)])

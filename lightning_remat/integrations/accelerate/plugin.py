@@ -4,7 +4,7 @@ config file or ``kwargs_handlers``, but ``accelerate launch`` passes the environ
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from ...core.config import MAX_STEPS
@@ -19,7 +19,6 @@ ENV_CANDIDATES = "ACCELERATE_REMAT_CANDIDATES"
 ENV_COST = "ACCELERATE_REMAT_COST"
 ENV_OFFLOAD = "ACCELERATE_REMAT_OFFLOAD"
 ENV_POLICIES = "ACCELERATE_REMAT_POLICIES"
-ENV_CHUNK_LOSS = "ACCELERATE_REMAT_CHUNK_LOSS"
 
 METRIC_NAMES = (
     "remat/budget_bytes",
@@ -51,9 +50,8 @@ class RematPlugin:
 
     def __post_init__(self):
         sources: dict[str, str] = {}
-        for name, variable in (("budget", ENV_BUDGET), ("profile_steps", ENV_PROFILE_STEPS),
-                               ("candidates", ENV_CANDIDATES), ("cost", ENV_COST), ("offload", ENV_OFFLOAD),
-                               ("policies", ENV_POLICIES), ("chunk_loss", ENV_CHUNK_LOSS)):
+        for name in (f.name for f in fields(self)):
+            variable = "ACCELERATE_REMAT_" + name.upper()  # ENV_BUDGET and the others
             if getattr(self, name) is None:
                 value = os.environ.get(variable, "").strip()
                 if value:

@@ -25,9 +25,6 @@ from ...core.shapes import Shape
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, cycled, path_in, size_at
 from ...runtime.profiling.profile_adjust import with_always_alive
 
-# The user's loss scalar and Accelerate's copy of it, alive through the backward (core.allowances).
-LOOP_ALLOWANCE = ACCELERATE_LOOP_ALLOWANCE
-
 
 def scalar_loss(output: Any) -> torch.Tensor | None:
     """The loss a model returned itself: a scalar tensor, or the ``loss`` of Hugging Face outputs."""
@@ -247,15 +244,16 @@ def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int =
 
     >>> from lightning_remat.core.memory_model import StageOption, StageProfile
     >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100),)),), (Segment("head", 1, 50),))
-    >>> [with_loop_references(p, 4096, c).stages[0].options[0].local_peak_bytes - LOOP_ALLOWANCE for c in (0, 6144)]
-    [4196, 6244]
+    >>> [with_loop_references(p, 4096, c).stages[0].options[0].local_peak_bytes for c in (0, 6144)]
+    [6244, 8292]
     """
     held = f"the model's outputs ({format_bytes(held_bytes)}) and " if held_bytes else ""
-    note = f"the training loop holds {held}the loss ({LOOP_ALLOWANCE} bytes allowed) through the step"
+    note = f"the training loop holds {held}the loss ({ACCELERATE_LOOP_ALLOWANCE} bytes allowed) through the step"
     if carried_bytes > held_bytes:
         note += (f" and carries {format_bytes(carried_bytes - held_bytes)} more from one micro-batch into the next "
                  "(measured: its inputs, losses)")
-    return with_always_alive(profile, max(held_bytes, carried_bytes) + LOOP_ALLOWANCE, note + "; counted in every term")
+    allowance = max(held_bytes, carried_bytes) + ACCELERATE_LOOP_ALLOWANCE
+    return with_always_alive(profile, allowance, note + "; counted in every term")
 
 
 def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = True,

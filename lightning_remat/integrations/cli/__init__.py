@@ -83,23 +83,31 @@ def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
             group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
+def _subcommand(sub: Any, name: str, target_help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand taking ``FILE.py:FACTORY`` and every field of ``RematConfig`` and ``ProfileOptions`` as a flag."""
+    parser = sub.add_parser(name, **kwargs)
+    parser.add_argument("target", metavar="FILE.py:FACTORY", help=target_help)
+    settings = parser.add_argument_group(
+        "what to plan for (the fields of RematConfig and ProfileOptions: plan_remat's arguments, same names)")
+    target = parser.add_argument_group(
+        "planning without the hardware",
+        "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
+    _add_config_flags(settings, target)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
+    from .seq_len_command import add_seq_len_flags
+
     parser = argparse.ArgumentParser(
         prog="lightning-remat",
         description="Plan activation recomputation (gradient checkpointing) to fit a training step in a memory budget.")
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser(
-        "plan", help="profile a training step, show where memory goes and the least-cost plan within a budget",
+    plan = _subcommand(
+        sub, "plan", "a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)",
+        help="profile a training step, show where memory goes and the least-cost plan within a budget",
         # The module text, unwrapped: argparse would re-flow its lists.
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("target", metavar="FILE.py:FACTORY",
-                      help="a function returning (model, step), (model, step, optimizer) or (lightning_module, batch)")
-    settings = plan.add_argument_group(
-        "what to plan for (the fields of RematConfig and ProfileOptions: plan_remat's arguments, same names)")
-    target = plan.add_argument_group(
-        "planning without the hardware",
-        "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
-    _add_config_flags(settings, target)
     output = plan.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("remat-report"),
                         help="folder for the plots and plan.json. Default: ./remat-report")
@@ -108,24 +116,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="budgets in the table from least peak to baseline. Default: 10")
     output.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
     output.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
-    _seq_len_parser(sub)
-    return parser
-
-
-def _seq_len_parser(sub: Any) -> None:
-    from .seq_len_command import add_seq_len_flags
-
-    seq_len = sub.add_parser(
-        "seq-len", help="search the longest sequence whose training step fits a budget (find_remat_seq_len)",
+    add_seq_len_flags(_subcommand(
+        sub, "seq-len", "a function returning (model, make_step[, optimizer])",
+        help="search the longest sequence whose training step fits a budget (find_remat_seq_len)",
         description="Search the longest sequence (tokens per sequence) whose training step fits --budget with optimal "
                     "recomputation, offload and chunking; print it, what binds there and at the first length that "
                     "does not fit, and the lengths profiled. FACTORY returns (model, make_step) or (model, make_step, "
-                    "optimizer), make_step(seq_len) giving step(model) -> loss.")
-    seq_len.add_argument("target", metavar="FILE.py:FACTORY", help="a function returning (model, make_step[, optimizer])")
-    settings = seq_len.add_argument_group("what to plan for (plan_remat's arguments, same names)")
-    target = seq_len.add_argument_group("planning without the hardware", "profile on fake tensors")
-    _add_config_flags(settings, target)
-    add_seq_len_flags(seq_len)
+                    "optimizer), make_step(seq_len) giving step(model) -> loss."))
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,7 +145,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lightning-remat: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -68,22 +68,6 @@ def _config(args: argparse.Namespace) -> RematConfig:
             gpu(args.gpu)
         except ValueError as err:
             raise UsageError(f"--gpu: {err}") from err
-    if args.device_memory is not None:
-        from ...core.budget import parse_budget
-
-        try:
-            size = parse_budget(args.device_memory)
-        except ValueError as err:
-            raise UsageError(f"--device-memory: {err}") from err
-        if not isinstance(size, int):
-            raise UsageError(f"--device-memory {args.device_memory!r}: a size in bytes ('80GB', '80 GiB'), not {size!r}")
-    if args.device is not None:
-        import torch
-
-        try:
-            torch.device(args.device)
-        except (RuntimeError, ValueError) as err:
-            raise UsageError(f"--device {args.device!r} is not a device torch knows ('cpu', 'cuda', 'cuda:1', ...)") from err
     return config
 
 

@@ -76,8 +76,12 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         self._log_new_figures(state)
 
     def state(self) -> dict:
-        """What the Trainer's checkpoint keeps (``ExportableState``): the settings and the plans."""
-        return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": saved_state(self.session)}}
+        """What the Trainer's checkpoint keeps (``ExportableState``): the settings, and the plans in ``AutoRemat``'s
+        format (the latest, and one per batch shape)."""
+        shape_plans = self.session.shape_plans if self.session is not None else None
+        plans = {"plan": self.plan.to_dict() if self.plan is not None else None,
+                 "plans": saved_state_plans(shape_plans.plans if shape_plans is not None else {})}
+        return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": plans}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
         self._run_state = state
@@ -164,14 +168,6 @@ def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
     ['Linear', 'h.*']
     """
     return {f.name: _json_safe(getattr(plugin, f.name)) for f in fields(plugin)}
-
-
-def saved_state(session: Any) -> dict[str, Any]:
-    """The plans a checkpoint keeps: the latest, and one per batch shape (``AutoRemat``'s format)."""
-    shape_plans = session.shape_plans if session is not None else None
-    plan = session.plan if session is not None else None
-    return {"plan": plan.to_dict() if plan is not None else None,
-            "plans": saved_state_plans(shape_plans.plans if shape_plans is not None else {})}
 
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:

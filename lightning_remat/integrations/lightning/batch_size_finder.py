@@ -79,10 +79,11 @@ class RematBatchSizeFinder(BatchSizeFinder):
         super().__init__(mode=mode, steps_per_trial=steps_per_trial, init_val=init_val, max_trials=max_trials,
                          batch_arg_name=batch_arg_name, margin=margin, max_val=max_val)
         self.budget = budget
-        self._max_overhead = max_overhead
-        self._cost = cost
         self._verbose = verbose
-        self._offload = bool(offload)
+        # find_remat_batch_size's own arguments, checked above.
+        self._search = dict(max_overhead=max_overhead, cost=cost, offload=bool(offload),
+                            candidates=self.config.profile.candidates, policies=self.config.profile.policies,
+                            verbose=verbose)
         self.optimal_batch_size = None
         self.plan: Optional[Plan] = None
         self.result: Optional[BatchSizeResult] = None
@@ -148,12 +149,8 @@ class RematBatchSizeFinder(BatchSizeFinder):
         try:
             result = find_remat_batch_size(
                 pl_module, make_step, self.budget, optimizer=optimizers[0] if optimizers else None,
-                init_val=min(self._init_val, max_val), max_val=max_val, max_overhead=self._max_overhead,
-                steps_per_trial=self._steps_per_trial, margin=self._margin, cost=self._cost, mode=self._mode,
-                max_trials=self._max_trials, apply=False, offload=self._offload,
-                candidates=self.config.profile.candidates, policies=self.config.profile.policies,
-                verbose=self._verbose,
-            )
+                init_val=min(self._init_val, max_val), max_val=max_val, steps_per_trial=self._steps_per_trial,
+                margin=self._margin, mode=self._mode, max_trials=self._max_trials, apply=False, **self._search)
         except BaseException:
             lightning_setattr(pl_module, self._batch_arg_name, original)
             raise

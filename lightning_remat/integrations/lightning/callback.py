@@ -21,11 +21,11 @@ from ...runtime.installing.takeover import take_over_checkpointing
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import resolve_cost
 from ...service.run import RunHost, RunLifecycle
-from .figures import log_plan_figures, plan_figures
+from .figures import log_plan_figures
 from ...service.sharded import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import config_for, loop_allowance, refuse_deepspeed, refuse_fsdp1, unsupported
+from .strategies import config_for, loop_allowance, unsupported
 
 
 class AutoRemat(Callback):
@@ -83,18 +83,11 @@ class AutoRemat(Callback):
         # (unset is the target's): the saved plans' own cost is compared with the resolved one (``_keeps_plans``).
         return self._generate_state_key(budget=str(self.budget), candidates=self.candidates)
 
-    @property
-    def _legacy_state_key(self) -> str:
-        # The key of checkpoints saved before: Lightning reads a callback's state under it when the key is absent.
-        return self._generate_state_key(budget=str(self.budget), candidates=self.candidates, cost=self.cost)
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer, self.run.host.model = trainer, pl_module
         if stage != "fit":
             return
-        refuse_fsdp1(trainer)
-        refuse_deepspeed(trainer)
-        self._disabled_reason = unsupported(trainer, pl_module)
+        self._disabled_reason = unsupported(trainer)
         if self._disabled_reason:
             rank_zero_warn(f"AutoRemat is not recomputing anything: {self._disabled_reason}.")
             return
@@ -150,8 +143,7 @@ class AutoRemat(Callback):
             return
         self.measured_peak_bytes = measured
         if trainer.is_global_zero:  # the plan's picture, with its measured point, to loggers that take images
-            log_plan_figures(trainer.loggers, lambda: plan_figures(self.shape_plans, self.plan, self.measured_peak_bytes),
-                             trainer.global_step)
+            log_plan_figures(trainer.loggers, self.shape_plans, self.plan, measured, trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.plan is None and self._skipped:  # a fit that planned nothing says so, and why

@@ -22,30 +22,21 @@ def image_sink(logger: Any) -> Any:
     return None
 
 
-def log_plan_figures(loggers: Iterable[Any], make_figures: Any, step: int) -> list[str]:
-    """Draw ``make_figures()`` ({tag: figure}) once if some logger takes images; the tags logged."""
+def log_plan_figures(loggers: Iterable[Any], shape_plans: Any, plan: Any, measured_peak_bytes: int | None,
+                     step: int) -> list[str]:
+    """Draw ``plan`` on its profile (``remat/pareto``) once if some logger takes images; the tags logged."""
     sinks = [sink for sink in (image_sink(logger) for logger in loggers) if sink is not None]
-    if not sinks:
+    profile = shape_plans.profile_of(plan) if sinks and shape_plans is not None and plan is not None else None
+    if profile is None:
         return []
     try:
         import matplotlib  # noqa: F401 - the figures need it; without it, nothing is logged
     except ImportError:
         return []
-    from ...report.plots import pyplot
+    from ...report.plots import plan_pareto_figure, pyplot
 
-    figures = make_figures()
-    for tag, figure in figures.items():
-        for sink in sinks:
-            sink(tag, figure, step)
-        pyplot().close(figure)
-    return list(figures)
-
-
-def plan_figures(shape_plans: Any, plan: Any, measured_peak_bytes: int | None) -> dict[str, Any]:
-    """``{"remat/pareto": figure}`` of ``plan`` on its profile; empty without one."""
-    from ...report.plots import plan_pareto_figure
-
-    profile = shape_plans.profile_of(plan) if shape_plans is not None and plan is not None else None
-    if profile is None:
-        return {}
-    return {"remat/pareto": plan_pareto_figure(profile, plan, measured_peak_bytes)}
+    figure = plan_pareto_figure(profile, plan, measured_peak_bytes)
+    for sink in sinks:
+        sink("remat/pareto", figure, step)
+    pyplot().close(figure)
+    return ["remat/pareto"]

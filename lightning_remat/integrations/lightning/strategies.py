@@ -5,36 +5,28 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.config import RematConfig
+from ...core.errors import UnsupportedSetupError, UnsupportedShardingError
 from ...service.sharded import FSDP1_HINT
 
-LOOP_ALLOWANCE = LIGHTNING_LOOP_ALLOWANCE
 
+def unsupported(trainer: Trainer) -> str | None:
+    """Why ``AutoRemat`` leaves this run alone (a strategy it does not plan under), or None; raises for FSDP1 (its
+    flat parameters cannot be profiled) and DeepSpeed (its engine holds state the profile cannot see)."""
+    from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
+                                              SingleDeviceStrategy)
 
-def refuse_fsdp1(trainer: Trainer) -> None:
-    """Refuse FSDP1: its flat parameters cannot be profiled."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from ...core.errors import UnsupportedShardingError
-
-    if isinstance(trainer.strategy, FSDPStrategy):
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
         raise UnsupportedShardingError(
             "AutoRemat does not support Lightning's FSDPStrategy (FSDP1): its flat parameters cannot be profiled. "
             "Use ModelParallelStrategy with fully_shard in configure_model (FSDP2), which AutoRemat plans on "
             "every rank, or call plan_remat and apply_plan on the model in configure_model before it is wrapped. "
             + FSDP1_HINT)
-
-
-def refuse_deepspeed(trainer: Trainer) -> None:
-    """Refuse DeepSpeed: its engine holds state the profile cannot see."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    from ...core.errors import UnsupportedSetupError
-
-    strategy = trainer.strategy
+    # Before DDP: DeepSpeedStrategy is one.
     if isinstance(strategy, DeepSpeedStrategy) or any(c.__name__.startswith("DeepSpeed") for c in type(strategy).__mro__):
         raise UnsupportedSetupError(
             f"AutoRemat does not support Lightning's {type(strategy).__name__}: DeepSpeed's engine partitions and "
@@ -42,15 +34,7 @@ def refuse_deepspeed(trainer: Trainer) -> None:
             "not be kept. Use ModelParallelStrategy with fully_shard in configure_model (FSDP2) or DDPStrategy, which "
             "AutoRemat plans, or make a plan with lightning_remat.plan_remat on one device and apply it with "
             "apply_plan in configure_model, and remove AutoRemat from the callbacks.")
-
-
-def unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
-    """Why ``AutoRemat`` leaves this run alone (a strategy it does not plan under), or None."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-    strategy = trainer.strategy
-    supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-    if not isinstance(strategy, supported):
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
         return (f"the {type(strategy).__name__} strategy is not supported (single-device, DDP and "
                 "ModelParallelStrategy (FSDP2) are)")
     return None
@@ -60,8 +44,8 @@ def loop_allowance(profile: Any) -> Any:
     """The profile with the scalars Lightning's loop keeps alive through a step (``core.allowances``)."""
     from ...runtime.profiling.profile_adjust import with_always_alive
 
-    return with_always_alive(profile, LOOP_ALLOWANCE, f"an allowance of {LOOP_ALLOWANCE} bytes for the scalars "
-                             "Lightning's loop keeps alive through a step; counted in every term")
+    return with_always_alive(profile, LIGHTNING_LOOP_ALLOWANCE, f"an allowance of {LIGHTNING_LOOP_ALLOWANCE} bytes for "
+                             "the scalars Lightning's loop keeps alive through a step; counted in every term")
 
 
 def config_for(config: RematConfig, trainer: Trainer) -> RematConfig:
