@@ -255,11 +255,9 @@ def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tup
 
 def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward with its labels handed to its chunked head: the output has the loss, ``logits=None``."""
-    labels, args, kwargs = _take_labels(original, args, kwargs)
-    if labels is None:
-        return original(*args, **kwargs)
-    if not torch.is_grad_enabled():
-        return _call_with(original, labels, args, kwargs)
+    labels, unlabelled_args, unlabelled_kwargs = _take_labels(original, args, kwargs)
+    if labels is None or not torch.is_grad_enabled():
+        return original(*args, **kwargs)  # gradients off (evaluation): the model's own loss over full logits
     smoothing = label_smoothing(root)  # its loss as called now: loss_function may change after planning
     if smoothing is None:
         raise UnsupportedSetupError(
@@ -274,7 +272,7 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=_softcap(root))
     token = _hand_to(head, pending)
     try:
-        out = original(*args, **kwargs)
+        out = original(*unlabelled_args, **unlabelled_kwargs)
     finally:
         _take_back(head, token)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
@@ -288,29 +286,15 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     return type(out)(**{k: v for k, v in out.items() if k not in ("loss", "logits")}, loss=pending.loss)
 
 
-def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: dict) -> Any:
-    # Gradients off (evaluation): the model's own loss over full logits, labels put back where they were.
-    if "labels" in kwargs:
-        return original(*args, **{**kwargs, "labels": labels})
-    names = list(inspect.signature(original).parameters)
-    at = names.index("labels")
-    return original(*args[:at], labels, *args[at + 1:], **kwargs)
-
-
-def head_call(original: Callable[..., Any], head: nn.Module, hidden: torch.Tensor,
-              loss: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], torch.Tensor]) -> Any:
-    """The head's forward: ``loss(project, hidden, shift_labels, pending)`` where handed labels, else the projection."""
+def head_call(behaviour: ChunkedLoss, original: Callable[..., Any], head: nn.Module, chunks: int,
+              hidden: torch.Tensor) -> Any:
+    """The head's forward: ``behaviour``'s loss where ``routed_call`` handed it labels, else the projection."""
     pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
-    pending.loss = loss(capped(original, pending.softcap), hidden, pending.shift_labels.to(hidden.device), pending)
+    pending.loss = behaviour.loss(head, capped(original, pending.softcap), hidden,
+                                  pending.shift_labels.to(hidden.device), chunks, pending)
     return pending.loss
-
-
-def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
-    """The head's forward: the chunked loss where ``routed_call`` handed it labels, else the projection."""
-    return head_call(original, head, hidden, lambda project, h, labels, p: chunked_cross_entropy(
-        project, h, labels, chunks, p.ignore_index, p.num_items_in_batch, p.smoothing))
 
 
 class ChunkedLoss(Behaviour):
@@ -318,7 +302,6 @@ class ChunkedLoss(Behaviour):
 
     name = "chunked_loss"
     action = Action.CHUNK
-    head_call = staticmethod(chunked_head_call)
 
     def settings(self, action: StageAction) -> dict[str, Any]:
         return {action.stage: action.chunks} if action.action is self.action else {}
@@ -338,7 +321,12 @@ class ChunkedLoss(Behaviour):
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None:
             return functools.partial(routed_call, call, module, state)
-        return functools.partial(self.head_call, call, module, setting)
+        return functools.partial(head_call, self, call, module, setting)
+
+    def loss(self, head: nn.Module, project: Callable[..., Any], hidden: torch.Tensor, labels: torch.Tensor,
+             chunks: int, p: _Pending) -> torch.Tensor:
+        """The head's loss over ``chunks`` chunks (``p``: what its causal LM handed it)."""
+        return chunked_cross_entropy(project, hidden, labels, chunks, p.ignore_index, p.num_items_in_batch, p.smoothing)
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
         return {"action": self.action, "chunks": setting}

@@ -15,14 +15,11 @@ from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
-    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module since ``reset``."""
+    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module."""
 
     def __init__(self, measure: bool = False):
         self.measure = measure
         self.host_bytes: dict[str, int] = {}
-
-    def reset(self) -> None:
-        self.host_bytes = {}
 
     def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t`` (metadata only with ``measure``), counted under ``name``."""
