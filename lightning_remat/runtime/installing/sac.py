@@ -149,14 +149,6 @@ def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str
     return chosen
 
 
-# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's.
-
-def _register(name: str, formula: Callable[..., int]) -> None:
-    packet = getattr(aten, name, None)
-    if packet is not None and packet not in flop_registry:
-        register_flop_formula(packet)(formula)
-
-
 def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -165,13 +157,12 @@ def _sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, o
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-@functools.lru_cache(maxsize=None)
-def register_attention_flops() -> None:
-    """Count attention FLOPs on every SDPA backend (idempotent; run at import)."""
-    _register("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward)
-    _register("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward)
-    _register("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward)
-    _register("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_backward)
-
-
-register_attention_flops()
+# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's,
+# registered at import on every SDPA backend.
+for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward),
+                        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward),
+                        ("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward),
+                        ("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_backward)):
+    _op = getattr(aten, _name, None)
+    if _op is not None and _op not in flop_registry:
+        register_flop_formula(_op)(_formula)

@@ -19,9 +19,7 @@ _MEASURE_BYTES = 64 * 2**20
 def check_offload_target(options: ProfileOptions, model_device: torch.device) -> None:
     """Raise ``RematError`` unless the profile targets an accelerator."""
     target = options.device if options.fake else str(model_device)
-    if options.fake and (options.gpu is not None or (target and torch.device(target).type == "cuda")):
-        return
-    if not options.fake and torch.device(target).type == "cuda":
+    if (options.fake and options.gpu is not None) or (target and torch.device(target).type == "cuda"):
         return
     where = f"device={options.device!r}" if options.fake else f"the model is on {model_device}"
     raise RematError(f"offload=True: offloading activations to host memory has nothing to gain without an "
