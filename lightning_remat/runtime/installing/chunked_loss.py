@@ -24,23 +24,16 @@ IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 _DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by head_loss (a model of its own)
 
 
-@dataclass(frozen=True)
-class HeadLoss:
-    """The two modules a chunked loss is installed on, by name: the causal LM (``root``) and its head."""
-
-    root: str | None
-    head: str
-
-
-def find_head_loss(model: nn.Module) -> HeadLoss | None:
-    """The outermost causal LM with a linear ``lm_head`` and an exactly chunked loss, else a ``head_loss`` head."""
+def find_head_loss(model: nn.Module) -> str | None:
+    """The name of the head a chunked loss is installed on: the ``lm_head`` of the outermost causal LM with a linear
+    one and an exactly chunked loss, else a ``head_loss`` head."""
     for name, module in model.named_modules():
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         head = getattr(module, "lm_head", None)
         if isinstance(head, nn.Linear) and label_smoothing(module) is not None and not _scaled(module):
-            return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
-    return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
+            return f"{name}.lm_head" if name else "lm_head"
+    return next((name for name, m in model.named_modules() if declared(m)), None)
 
 
 @dataclass(frozen=True)
