@@ -43,20 +43,19 @@ def _packet(func: Any) -> Any:
     return getattr(func, "overloadpacket", func)
 
 
+# The ops each policy saves (the rest is recomputed); save_alternate_matmuls: every other matmul, attention always.
+_SAVED = {"save_matmuls": MATMUL_OPS | CONV_OPS | ATTENTION_OPS,
+          "save_projections": (MATMUL_OPS | CONV_OPS | ATTENTION_OPS) - BATCHED_MATMUL_OPS,
+          # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
+          "save_attention": ATTENTION_OPS | BATCHED_MATMUL_OPS}
+
+
 def _decider(policy: str) -> Callable[[Any, str], bool]:
     """A fresh stateful ``save(func, pass_key) -> bool`` for one checkpointed call."""
+    policy = check_policy(policy)
+    if policy in _SAVED:
+        return lambda func, key: _packet(func) in _SAVED[policy]
     counts: dict[str, int] = defaultdict(int)
-
-    def save_matmuls(func: Any, key: str) -> bool:
-        packet = _packet(func)
-        return packet in MATMUL_OPS or packet in CONV_OPS or packet in ATTENTION_OPS
-
-    def save_projections(func: Any, key: str) -> bool:
-        return save_matmuls(func, key) and _packet(func) not in BATCHED_MATMUL_OPS
-
-    def save_attention(func: Any, key: str) -> bool:
-        # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
-        return _packet(func) in ATTENTION_OPS or _packet(func) in BATCHED_MATMUL_OPS
 
     def save_alternate_matmuls(func: Any, key: str) -> bool:
         packet = _packet(func)
@@ -68,9 +67,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
             return counts[key] % 2 == 1
         return False
 
-    deciders = {"save_matmuls": save_matmuls, "save_projections": save_projections, "save_attention": save_attention,
-                "save_alternate_matmuls": save_alternate_matmuls}
-    return deciders[check_policy(policy)]
+    return save_alternate_matmuls
 
 
 def check_policy(policy: str) -> str:

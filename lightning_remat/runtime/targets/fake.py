@@ -42,10 +42,7 @@ def new_fake_mode() -> FakeTensorMode:
 
 
 def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if isinstance(tensor, FakeTensor):
-            return tensor.fake_mode
-    return None
+    return next((t.fake_mode for t in [*model.parameters(), *model.buffers()] if isinstance(t, FakeTensor)), None)
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
