@@ -59,13 +59,9 @@ def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
 def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:
     """Per stage but the last, the bytes the host link moves during the next stage's forward (``offload:hidden``)."""
     bandwidth, _ = link_bandwidth(options, device)
-    if timed:
-        seconds = {n: observed.stats[n].seconds for n in observed.order}
-    else:
-        rate = training_flops_per_second(device, options.gpu)
-        seconds = {n: observed.stats[n].flops / rate for n in observed.order}
-    order = observed.order
-    limits = {order[i]: int(bandwidth * seconds[order[i + 1]]) for i in range(len(order) - 1)}
+    rate = None if timed else training_flops_per_second(device, options.gpu)
+    seconds = [observed.stats[n].seconds if timed else observed.stats[n].flops / rate for n in observed.order]
+    limits = {n: int(bandwidth * s) for n, s in zip(observed.order, seconds[1:])}  # the next stage's seconds
     return {n: v for n, v in limits.items() if v > 0}
 
 
