@@ -182,11 +182,7 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
     pending = _Pending(shift_labels, ignore_index, num_items_in_batch, label_smoothing)
-    token = _hand_to(head, pending)
-    try:
-        out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
-    finally:
-        _take_back(head, token)
+    out = _handing(head, pending, head, hidden)  # a chunked head (installed by a plan) computes the loss, returns it
     if pending.loss is not None and out is pending.loss:
         return out
     total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index, label_smoothing)
@@ -210,24 +206,21 @@ _PENDING: contextvars.ContextVar[dict[int, _Pending] | None] = contextvars.Conte
 _HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute holding its _Pending
 
 
-def _hand_to(head: nn.Module, pending: _Pending) -> Any:
-    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` undoes it. A context variable (per thread),
-    or under torch.compile an attribute (dynamo breaks at ContextVar)."""
+def _handing(head: nn.Module, pending: _Pending, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` with ``pending`` handed to ``head``'s chunked forward: by a context variable (per
+    thread), or under torch.compile an attribute (dynamo breaks at ContextVar)."""
     previous = getattr(head, _HANDED, None)
     setattr(head, _HANDED, pending)
-    if torch.compiler.is_compiling():
-        return previous, None
-    return previous, _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
-
-
-def _take_back(head: nn.Module, token: Any) -> None:
-    previous, context = token
-    if previous is None:
-        head.__dict__.pop(_HANDED, None)  # nothing of ours left on the model (remove_remat: exactly as it was)
-    else:
-        setattr(head, _HANDED, previous)
-    if context is not None:
-        _PENDING.reset(context)
+    context = None if torch.compiler.is_compiling() else _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    try:
+        return call(*args, **kwargs)
+    finally:
+        if previous is None:
+            head.__dict__.pop(_HANDED, None)  # nothing of ours left on the model (remove_remat: exactly as it was)
+        else:
+            setattr(head, _HANDED, previous)
+        if context is not None:
+            _PENDING.reset(context)
 
 
 def _handed(head: nn.Module) -> _Pending | None:
@@ -263,11 +256,7 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=_softcap(root))
-    token = _hand_to(head, pending)
-    try:
-        out = original(*unlabelled_args, **unlabelled_kwargs)
-    finally:
-        _take_back(head, token)
+    out = _handing(head, pending, original, *unlabelled_args, **unlabelled_kwargs)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     # A soft-capped model caps what its head returned (the loss, capped in its chunks already): replaced below.
     if pending.loss is None or (logits is not pending.loss and not pending.softcap):
