@@ -15,7 +15,7 @@ from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.core.vocabulary import Action
 from lightning_remat.runtime.installing.installer import install, restore, snapshot, uninstall
 from lightning_remat.runtime.installing.records import RECORD, Behaviour, record_of, register, unregister
-from lightning_remat.runtime.installing.verify import installed_actions, planned_actions
+from lightning_remat.runtime.installing.installer import installed_actions, planned_actions
 
 
 def _counted_call(calls, call, *args, **kwargs):

@@ -51,7 +51,7 @@ def test_chunked_loss_and_gradients_equal_the_models_own(name, chunks, num_items
     labels[0, :40] = -100  # padding: no loss there
     kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     plain, expected = _loss_and_grads(model, ids, labels, **kwargs)
-    head = find_head_loss(model).head
+    head = find_head_loss(model)
     apply_plan(model, _chunked(head, chunks))
     out, grads = _loss_and_grads(model, ids, labels, **kwargs)
     remove_remat(model)
@@ -287,7 +287,7 @@ def test_under_torch_compile_the_head_is_not_planned_in_chunks_and_a_chunked_hea
     assert any("chunk_loss" in note for note in profile.notes)
     ids = torch.randint(0, SIZES["vocab"], (2, SIZES["seq_len"]), generator=torch.Generator().manual_seed(1))
     _, expected = _loss_and_grads(model, ids, ids)
-    apply_plan(model, _chunked(find_head_loss(model).head, 4))
+    apply_plan(model, _chunked(find_head_loss(model), 4))
     torch._dynamo.reset()
     counters["graph_break"].clear()
     # Graph breaks are dynamo's (the backend does not change them); "aot_eager" traces forward and

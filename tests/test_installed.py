@@ -21,7 +21,7 @@ from lightning_remat import InstallationMismatchError, apply_plan
 from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.runtime.installing.installer import install, uninstall
 from lightning_remat.runtime.installing.records import RECORD, SEGMENTS, installed_hooks
-from lightning_remat.runtime.installing.verify import check_installed, installed_actions, planned_actions
+from lightning_remat.runtime.installing.installer import check_installed, installed_actions, planned_actions
 from lightning_remat.runtime.targets.fake import fake_model, new_fake_mode
 from lightning_remat.service.shape_plans import ShapePlans
 from tests.torch_meter import TorchPeak
@@ -150,7 +150,7 @@ def _lightning_run(callback):
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
-    from lightning_remat.runtime.installing.verify import installation_mismatch
+    from lightning_remat.runtime.installing.installer import installation_mismatch
 
     class Lit(L.LightningModule):
         def __init__(self):

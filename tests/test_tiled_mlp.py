@@ -22,7 +22,7 @@ from lightning_remat.core.errors import BudgetTooSmallError, InvalidPlanError
 from lightning_remat.core.plan import Plan
 from lightning_remat.core.predict import predict
 from lightning_remat.runtime.installing.installer import snapshot
-from lightning_remat.runtime.installing.verify import installed_actions
+from lightning_remat.runtime.installing.installer import installed_actions
 from lightning_remat.runtime.profiling.tiled_options import tiled_settings
 from tests.torch_meter import steady_peak
 

@@ -66,7 +66,7 @@ def _check_choices(value: Any, stages: list[str] | None) -> None:
 
 
 def _check_binding(fingerprint: Mapping[str, Any]) -> None:
-    """The model a plan records (``runtime.installing.fingerprint.binding``): shapes and counts."""
+    """The model a plan records (``runtime.installing.fingerprint.bound``): shapes and counts."""
     modules = fingerprint.get("module_parameters", {})
     if not isinstance(modules, Mapping):
         raise PlanFormatError("fingerprint.module_parameters", modules, "a dict of module names to their parameters")

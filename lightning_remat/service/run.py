@@ -16,7 +16,7 @@ from ..core.plan import Plan
 from ..core.shapes import Shape
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.fingerprint import fingerprint
-from ..runtime.installing.verify import installation_mismatch
+from ..runtime.installing.installer import installation_mismatch
 from ..runtime.measuring.measure import PeakWindow
 from .channel import Channel
 from .planning import Planner

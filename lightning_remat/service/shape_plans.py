@@ -21,7 +21,7 @@ from ..core.shapes import Shape
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.compiled import runs_compiled
 from ..runtime.installing.fingerprint import fingerprint
-from ..runtime.installing.verify import check_installed
+from ..runtime.installing.installer import check_installed
 from ..runtime.measuring.measure import is_out_of_memory, model_device, release_device_memory
 from ..runtime.profiling import profile as profiling
 from ..runtime.profiling.batch_shape import batch_shape, padding, resize_batch

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ...runtime.installing.verify import check_installed
+from ...runtime.installing.installer import check_installed
 from ...runtime.measuring.measure import model_device
 from ...core.errors import UnsupportedSetupError
 from ...core.plan import Plan

@@ -13,7 +13,7 @@ from ...core.plan import Plan, saved_plans, saved_state_plans
 from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import apply_plan, remove_remat
-from ...runtime.installing.verify import check_installed, installation_mismatch
+from ...runtime.installing.installer import check_installed, installation_mismatch
 from ...runtime.profiling.batch_shape import batch_shape
 from ...runtime.profiling.candidates import find_stages
 from ...runtime.installing.fingerprint import made_for_other, outgrows

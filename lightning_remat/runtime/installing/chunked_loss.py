@@ -24,23 +24,16 @@ IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 _DECLARED = "_remat_head_loss"  # in a head's __dict__: its loss is computed by head_loss (a model of its own)
 
 
-@dataclass(frozen=True)
-class HeadLoss:
-    """The two modules a chunked loss is installed on, by name: the causal LM (``root``) and its head."""
-
-    root: str | None
-    head: str
-
-
-def find_head_loss(model: nn.Module) -> HeadLoss | None:
-    """The outermost causal LM with a linear ``lm_head`` and an exactly chunked loss, else a ``head_loss`` head."""
+def find_head_loss(model: nn.Module) -> str | None:
+    """The name of the head a chunked loss is installed on: the ``lm_head`` of the outermost causal LM with a linear
+    one and an exactly chunked loss, else a ``head_loss`` head."""
     for name, module in model.named_modules():
         if not type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         head = getattr(module, "lm_head", None)
         if isinstance(head, nn.Linear) and label_smoothing(module) is not None and not _scaled(module):
-            return HeadLoss(name, f"{name}.lm_head" if name else "lm_head")
-    return next((HeadLoss(None, name) for name, m in model.named_modules() if declared(m)), None)
+            return f"{name}.lm_head" if name else "lm_head"
+    return next((name for name, m in model.named_modules() if declared(m)), None)
 
 
 @dataclass(frozen=True)
@@ -189,11 +182,7 @@ def head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, sh
     head.__dict__[_DECLARED] = True  # so that find_head_loss finds it (a flag, no parameter or buffer)
     shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
     pending = _Pending(shift_labels, ignore_index, num_items_in_batch, label_smoothing)
-    token = _hand_to(head, pending)
-    try:
-        out = head(hidden)  # a chunked head (installed by a plan) computes the loss and returns it
-    finally:
-        _take_back(head, token)
+    out = _handing(head, pending, head, hidden)  # a chunked head (installed by a plan) computes the loss, returns it
     if pending.loss is not None and out is pending.loss:
         return out
     total = _chunk_loss(lambda logits: logits, out, shift_labels.to(out.device), ignore_index, label_smoothing)
@@ -217,24 +206,21 @@ _PENDING: contextvars.ContextVar[dict[int, _Pending] | None] = contextvars.Conte
 _HANDED = "_remat_pending_loss"  # under torch.compile: the head's attribute holding its _Pending
 
 
-def _hand_to(head: nn.Module, pending: _Pending) -> Any:
-    """Hands ``pending`` to ``head``'s chunked forward; ``_take_back`` undoes it. A context variable (per thread),
-    or under torch.compile an attribute (dynamo breaks at ContextVar)."""
+def _handing(head: nn.Module, pending: _Pending, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` with ``pending`` handed to ``head``'s chunked forward: by a context variable (per
+    thread), or under torch.compile an attribute (dynamo breaks at ContextVar)."""
     previous = getattr(head, _HANDED, None)
     setattr(head, _HANDED, pending)
-    if torch.compiler.is_compiling():
-        return previous, None
-    return previous, _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
-
-
-def _take_back(head: nn.Module, token: Any) -> None:
-    previous, context = token
-    if previous is None:
-        head.__dict__.pop(_HANDED, None)  # nothing of ours left on the model (remove_remat: exactly as it was)
-    else:
-        setattr(head, _HANDED, previous)
-    if context is not None:
-        _PENDING.reset(context)
+    context = None if torch.compiler.is_compiling() else _PENDING.set({**(_PENDING.get() or {}), id(head): pending})
+    try:
+        return call(*args, **kwargs)
+    finally:
+        if previous is None:
+            head.__dict__.pop(_HANDED, None)  # nothing of ours left on the model (remove_remat: exactly as it was)
+        else:
+            setattr(head, _HANDED, previous)
+        if context is not None:
+            _PENDING.reset(context)
 
 
 def _handed(head: nn.Module) -> _Pending | None:
@@ -255,11 +241,9 @@ def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tup
 
 def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward with its labels handed to its chunked head: the output has the loss, ``logits=None``."""
-    labels, args, kwargs = _take_labels(original, args, kwargs)
-    if labels is None:
-        return original(*args, **kwargs)
-    if not torch.is_grad_enabled():
-        return _call_with(original, labels, args, kwargs)
+    labels, unlabelled_args, unlabelled_kwargs = _take_labels(original, args, kwargs)
+    if labels is None or not torch.is_grad_enabled():
+        return original(*args, **kwargs)  # gradients off (evaluation): the model's own loss over full logits
     smoothing = label_smoothing(root)  # its loss as called now: loss_function may change after planning
     if smoothing is None:
         raise UnsupportedSetupError(
@@ -272,11 +256,7 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=_softcap(root))
-    token = _hand_to(head, pending)
-    try:
-        out = original(*args, **kwargs)
-    finally:
-        _take_back(head, token)
+    out = _handing(head, pending, original, *unlabelled_args, **unlabelled_kwargs)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     # A soft-capped model caps what its head returned (the loss, capped in its chunks already): replaced below.
     if pending.loss is None or (logits is not pending.loss and not pending.softcap):
@@ -288,29 +268,15 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     return type(out)(**{k: v for k, v in out.items() if k not in ("loss", "logits")}, loss=pending.loss)
 
 
-def _call_with(original: Callable[..., Any], labels: Any, args: tuple, kwargs: dict) -> Any:
-    # Gradients off (evaluation): the model's own loss over full logits, labels put back where they were.
-    if "labels" in kwargs:
-        return original(*args, **{**kwargs, "labels": labels})
-    names = list(inspect.signature(original).parameters)
-    at = names.index("labels")
-    return original(*args[:at], labels, *args[at + 1:], **kwargs)
-
-
-def head_call(original: Callable[..., Any], head: nn.Module, hidden: torch.Tensor,
-              loss: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], torch.Tensor]) -> Any:
-    """The head's forward: ``loss(project, hidden, shift_labels, pending)`` where handed labels, else the projection."""
+def head_call(behaviour: ChunkedLoss, original: Callable[..., Any], head: nn.Module, chunks: int,
+              hidden: torch.Tensor) -> Any:
+    """The head's forward: ``behaviour``'s loss where ``routed_call`` handed it labels, else the projection."""
     pending = _handed(head)
     if pending is None or pending.loss is not None:
         return original(hidden)
-    pending.loss = loss(capped(original, pending.softcap), hidden, pending.shift_labels.to(hidden.device), pending)
+    pending.loss = behaviour.loss(head, capped(original, pending.softcap), hidden,
+                                  pending.shift_labels.to(hidden.device), chunks, pending)
     return pending.loss
-
-
-def chunked_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
-    """The head's forward: the chunked loss where ``routed_call`` handed it labels, else the projection."""
-    return head_call(original, head, hidden, lambda project, h, labels, p: chunked_cross_entropy(
-        project, h, labels, chunks, p.ignore_index, p.num_items_in_batch, p.smoothing))
 
 
 class ChunkedLoss(Behaviour):
@@ -318,7 +284,6 @@ class ChunkedLoss(Behaviour):
 
     name = "chunked_loss"
     action = Action.CHUNK
-    head_call = staticmethod(chunked_head_call)
 
     def settings(self, action: StageAction) -> dict[str, Any]:
         return {action.stage: action.chunks} if action.action is self.action else {}
@@ -338,7 +303,12 @@ class ChunkedLoss(Behaviour):
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None:
             return functools.partial(routed_call, call, module, state)
-        return functools.partial(self.head_call, call, module, setting)
+        return functools.partial(head_call, self, call, module, setting)
+
+    def loss(self, head: nn.Module, project: Callable[..., Any], hidden: torch.Tensor, labels: torch.Tensor,
+             chunks: int, p: _Pending) -> torch.Tensor:
+        """The head's loss over ``chunks`` chunks (``p``: what its causal LM handed it)."""
+        return chunked_cross_entropy(project, hidden, labels, chunks, p.ignore_index, p.num_items_in_batch, p.smoothing)
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
         return {"action": self.action, "chunks": setting}

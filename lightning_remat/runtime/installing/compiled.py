@@ -7,6 +7,7 @@ import contextlib
 from typing import Iterator
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 def _optimized_module() -> type | tuple:
@@ -17,23 +18,11 @@ def _optimized_module() -> type | tuple:
     return OptimizedModule
 
 
-def is_compiled(model: nn.Module) -> bool:
-    compiled = _optimized_module()
-    return bool(compiled) and any(isinstance(m, compiled) for m in model.modules())
-
-
 def runs_compiled(model: nn.Module) -> bool:
     """Whether ``model``'s step runs under torch.compile (a wrapper, ``module.compile()`` or Lightning's compiled steps)."""
-    return is_compiled(model) or any(getattr(m, "_compiled_call_impl", None) is not None
-                                     or getattr(m, "_compiler_ctx", None) for m in model.modules())
-
-
-def _ddp() -> type | tuple:
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return ()
-    return DistributedDataParallel
+    compiled = _optimized_module()  # () without dynamo: isinstance(m, ()) is False
+    return any(isinstance(m, compiled) or getattr(m, "_compiled_call_impl", None) is not None
+               or getattr(m, "_compiler_ctx", None) for m in model.modules())
 
 
 def _is_fabric_module(model: nn.Module) -> bool:
@@ -43,21 +32,20 @@ def _is_fabric_module(model: nn.Module) -> bool:
 
 def fabric_forward_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """The forward context (autocast) of Fabric's wrapper around ``model``, for a step run on the module inside."""
-    compiled = _optimized_module()
-    while compiled and isinstance(model, compiled):
+    while isinstance(model, _optimized_module()):
         model = model._orig_mod
     if _is_fabric_module(model):
         return model._strategy.precision.forward_context()
     return contextlib.nullcontext()
 
 
-def without_outer_wrappers(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile``, ``DistributedDataParallel`` and Lightning Fabric wrappers."""
-    compiled, ddp = _optimized_module(), _ddp()
+def without_outer_wrappers(model: nn.Module, ddp: bool = True) -> nn.Module:
+    """The module inside ``torch.compile``, Lightning Fabric and (``ddp``) ``DistributedDataParallel`` wrappers."""
+    compiled = _optimized_module()
     while True:
-        if compiled and isinstance(model, compiled):
+        if isinstance(model, compiled):
             model = model._orig_mod
-        elif ddp and isinstance(model, ddp):
+        elif ddp and isinstance(model, DistributedDataParallel):
             model = model.module
         elif _is_fabric_module(model):
             model = model._forward_module
@@ -67,10 +55,7 @@ def without_outer_wrappers(model: nn.Module) -> nn.Module:
 
 def is_data_parallel(model: nn.Module) -> bool:
     """Whether ``model`` is (wrapped) ``DistributedDataParallel``, whose reducer keeps gradient buckets."""
-    compiled, ddp = _optimized_module(), _ddp()
-    while (compiled and isinstance(model, compiled)) or _is_fabric_module(model):
-        model = model._orig_mod if compiled and isinstance(model, compiled) else model._forward_module
-    return bool(ddp) and isinstance(model, ddp)
+    return isinstance(without_outer_wrappers(model, ddp=False), DistributedDataParallel)
 
 
 @contextlib.contextmanager
@@ -84,7 +69,7 @@ def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
         while stack:
             parent = stack.pop()
             for name, child in list(parent._modules.items()):
-                while compiled and isinstance(child, compiled):
+                while isinstance(child, compiled):
                     swapped.append((parent, name, parent._modules[name]))
                     child = child._orig_mod
                     parent._modules[name] = child

@@ -37,35 +37,14 @@ def fingerprint(model: nn.Module, batch: Any) -> dict[str, Any]:
     }
 
 
-def same_model(saved: dict[str, Any], model: nn.Module) -> bool:
-    """Whether ``model`` has the parameter bytes and named modules' shapes a plan's fingerprint records."""
-    if mismatch(model, saved) is not None:
-        return False
-    if "parameter_bytes" not in saved:
-        return True
-    now = fingerprint(model, None)
-    return (saved["parameter_bytes"], saved.get("trainable_bytes")) == (now["parameter_bytes"], now["trainable_bytes"])
-
-
 def _parameters(module: nn.Module) -> dict[str, list]:
     return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in module.named_parameters()}
-
-
-def _named(plan: Plan) -> list[str]:
-    """The outermost modules a plan names (its stages and what it recomputes): whose parameters it records."""
-    names = list(dict.fromkeys([*plan.stages, *(m for a in plan.actions for m in (*a.modules, *a.segment))]))
-    return [n for n in names if not any(nested_in(n, other) for other in names)]
-
-
-def binding(model: nn.Module, plan: Plan) -> dict[str, Any]:
-    """What ``plan`` records of ``model``: each named module's parameters and the model's parameter count."""
-    return binding_of(model, _named(plan))
 
 
 def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
     """The parameters of the outermost named modules of ``model`` and its parameter count (``Profile.fingerprint``)."""
     names = list(dict.fromkeys(names))
-    outer = [n for n in names if not any(nested_in(n, other) for other in names if other != n)]
+    outer = [n for n in names if not any(nested_in(n, other) for other in names)]
     with uncompiled(model) as plain:
         modules = dict(plain.named_modules())
         return {"module_parameters": {n: _parameters(modules[n]) for n in outer if n in modules},
@@ -73,8 +52,10 @@ def binding_of(model: nn.Module, names: list[str]) -> dict[str, Any]:
 
 
 def bound(plan: Plan, model: nn.Module) -> Plan:
-    """``plan`` recording what it was made for in ``model`` (``binding``), beside its fingerprint."""
-    return replace(plan, fingerprint={**plan.fingerprint, **binding(model, plan)})
+    """``plan`` recording what it was made for in ``model`` (the parameters of the modules it names, its stages and
+    what it recomputes), beside its fingerprint."""
+    names = [*plan.stages, *(m for a in plan.actions for m in (*a.modules, *a.segment))]
+    return replace(plan, fingerprint={**plan.fingerprint, **binding_of(model, names)})
 
 
 def _shape(entry: list) -> str:
@@ -111,23 +92,23 @@ def mismatch(model: nn.Module, saved: dict[str, Any]) -> str | None:
                 return found
         count = sum(p.numel() for p in plain.parameters())
         if "parameter_count" in saved and count != saved["parameter_count"]:
-            extra = [n for n, m in modules.items() if n and n not in recorded and any(
-                _siblings(n, r) and type(m) is type(modules.get(r)) for r in recorded)]
+            extra = [n for n, m in modules.items() if n and n not in recorded and any(  # siblings of a stage's kind
+                n.rpartition(".")[0] == r.rpartition(".")[0] and type(m) is type(modules.get(r)) for r in recorded)]
             return (f"this model has {count} parameters; the plan was made for a model of {saved['parameter_count']}"
                     + (f" (module(s) {extra} are stages the plan does not know)" if extra else ""))
     return None
-
-
-def _siblings(a: str, b: str) -> bool:
-    return a != b and a.rpartition(".")[0] == b.rpartition(".")[0]
 
 
 def made_for_other(model: nn.Module, plans: list[Plan | None], bytes_too: bool = True) -> str | None:
     """Why one of ``plans`` was made for another model than ``model`` (``bytes_too``: parameter bytes too), or None."""
     plans = [p for p in plans if p is not None]
     found = next((m for m in (mismatch(model, p.fingerprint) for p in plans) if m), None)
-    if found is None and bytes_too and not all(same_model(p.fingerprint, model) for p in plans):
-        found = "other parameter bytes"
+    if found is None and bytes_too:
+        now = fingerprint(model, None)
+        saved = [(p.fingerprint["parameter_bytes"], p.fingerprint.get("trainable_bytes")) for p in plans
+                 if "parameter_bytes" in p.fingerprint]
+        if any(bytes_ != (now["parameter_bytes"], now["trainable_bytes"]) for bytes_ in saved):
+            found = "other parameter bytes"
     return found
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ...core.vocabulary import Action
-from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, head_call
+from .chunked_loss import IGNORE_INDEX, ChunkedLoss, _chunk_loss, _divided, chunked_cross_entropy
 
 Project = Callable[[torch.Tensor], torch.Tensor]
 
@@ -79,20 +79,12 @@ def fused_cross_entropy(project: Project, hidden: torch.Tensor, shift_labels: to
     """
     params = list(params)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (hidden, *params)):
-        size = -(-hidden.shape[-2] // chunks)
-        total = sum(_chunk_loss(project, h, y, ignore_index, smoothing)
-                    for h, y in zip(hidden.split(size, dim=-2), shift_labels.split(size, dim=-1)))
-    else:
-        total = _FusedHeadLoss.apply(
-            lambda: _chunk_grads(project, hidden, params, shift_labels, chunks, ignore_index, smoothing),
-            hidden, *params)
+        with torch.no_grad():  # nothing to differentiate: the chunks' losses alone
+            return chunked_cross_entropy(project, hidden, shift_labels, chunks, ignore_index, num_items_in_batch,
+                                         smoothing)
+    total = _FusedHeadLoss.apply(
+        lambda: _chunk_grads(project, hidden, params, shift_labels, chunks, ignore_index, smoothing), hidden, *params)
     return _divided(total, shift_labels, ignore_index, num_items_in_batch)
-
-
-def fused_head_call(original: Callable[..., Any], head: nn.Module, chunks: int, hidden: torch.Tensor) -> Any:
-    """The head's forward: the fused loss where ``routed_call`` handed it labels, else the projection."""
-    return head_call(original, head, hidden, lambda project, h, labels, p: fused_cross_entropy(
-        project, h, labels, chunks, list(head.parameters()), p.ignore_index, p.num_items_in_batch, p.smoothing))
 
 
 class FusedLoss(ChunkedLoss):
@@ -105,4 +97,8 @@ class FusedLoss(ChunkedLoss):
 
     name = "fused_loss"
     action = Action.FUSE
-    head_call = staticmethod(fused_head_call)
+
+    def loss(self, head: nn.Module, project: Project, hidden: torch.Tensor, labels: torch.Tensor, chunks: int,
+             p: Any) -> torch.Tensor:
+        return fused_cross_entropy(project, hidden, labels, chunks, list(head.parameters()), p.ignore_index,
+                                   p.num_items_in_batch, p.smoothing)

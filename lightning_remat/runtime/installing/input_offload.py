@@ -15,14 +15,11 @@ from .records import RECORD, Behaviour, Target, record_of
 
 
 class InputOffload:
-    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module since ``reset``."""
+    """Where the checkpoint inputs of a model's recomputed modules go; ``host_bytes`` per module."""
 
     def __init__(self, measure: bool = False):
         self.measure = measure
         self.host_bytes: dict[str, int] = {}
-
-    def reset(self) -> None:
-        self.host_bytes = {}
 
     def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t`` (metadata only with ``measure``), counted under ``name``."""
@@ -45,16 +42,12 @@ class InputOffload:
         return back.requires_grad_(requires_grad)
 
 
-def _offloadable(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0 \
-        and not isinstance(value, torch.nn.Parameter)
-
-
 def host_input_checkpoint(offload: InputOffload, name: str, function: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
     """``checkpoint(function, *args, **kwargs)`` whose kept input is a host copy of each tensor positional argument."""
     kwargs.pop("use_reentrant", None)
-    positions = [i for i, a in enumerate(args) if _offloadable(a)]
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 and a.numel() > 0 and not isinstance(a, torch.nn.Parameter)]
     like = {i: (args[i].device, args[i].requires_grad) for i in positions}
     hosted = tuple(offload.to_host(name, a) if i in like else a for i, a in enumerate(args))
     # The forward's own call gets the arguments once; the list is emptied then: only the caller holds them.

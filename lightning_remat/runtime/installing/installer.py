@@ -1,4 +1,12 @@
-"""The one installer: puts a plan's actions on a model over the registered behaviours, and takes them off."""
+"""The one installer: puts a plan's actions on a model over the registered behaviours, takes them off, and checks
+that what is installed is exactly the plan, after every install and at every step that keeps one (a library
+patching ``forward`` can undo an installation, and the step would overrun silently).
+
+The built-in behaviours, registered in the order they compose (outermost first):
+
+>>> [b.name for b in BEHAVIOURS][:9]
+['chunked_loss', 'fused_loss', 'offload', 'recompute', 'policy', 'input_offload', 'segment', 'residual_parts', 'tile']
+"""
 
 from __future__ import annotations
 
@@ -7,16 +15,27 @@ from typing import Any, Sequence
 from torch import nn
 
 from ...core.actions import check_actions
+from ...core.errors import InstallationMismatchError
 from ...core.plan import Plan, StageAction, StageChoice
 from ...core.vocabulary import Action
-from .behaviours import BEHAVIOURS
+from .chunked_loss import ChunkedLoss
 from .compiled import uncompiled
-from .input_offload import input_offload_of
+from .fused_loss import FusedLoss
+from .input_offload import INPUT_OFFLOAD, input_offload_of
+from .offload import OFFLOAD
 from .offloader import is_fake
-from .records import Target, check_names, installed_segments, recomputed, state_of
-from .verify import check_installed, planned_actions
+from .recompute import RECOMPUTE
+from .records import BEHAVIOURS, Target, check_names, installed_segments, recomputed, register, state_of
+from .residual_parts import RESIDUAL_PARTS
+from .sac import OpPolicy
+from .segments import SEGMENT
+from .tiled_mlp import TILED_MLP
 
 __all__ = ["input_offload_of", "install", "installed_segments", "recomputed", "restore", "snapshot", "uninstall"]
+
+for _behaviour in (ChunkedLoss(), FusedLoss(), OFFLOAD, RECOMPUTE, OpPolicy(), INPUT_OFFLOAD, SEGMENT, RESIDUAL_PARTS,
+                   TILED_MLP):
+    register(_behaviour)
 
 
 def install(model: nn.Module, plan: Plan, order: Sequence[str] | None = None) -> nn.Module:
@@ -77,3 +96,28 @@ def restore(model: nn.Module, plan: Plan) -> nn.Module:
     with uncompiled(model) as plain:
         _install(uninstall(plain), planned_actions(plan), plan.stage_order)
     return model
+
+
+def planned_actions(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Per registered behaviour, the modules ``plan`` puts it on and their settings."""
+    return {b.name: {n: v for a in plan.actions for n, v in b.settings(a).items()} for b in BEHAVIOURS}
+
+
+def installed_actions(model: nn.Module) -> dict[str, Any]:
+    """What runs on ``model`` per behaviour: records whose forward is still in place, segments still run."""
+    with uncompiled(model) as plain:
+        modules = dict(plain.named_modules())  # one walk: this runs at every step
+        return {b.name: b.read(modules, only_running=True) for b in BEHAVIOURS}
+
+
+def installation_mismatch(model: nn.Module, plan: Plan) -> str | None:
+    """What differs between ``plan`` and what is installed on ``model``, each behaviour with both sides, or None."""
+    planned, installed = planned_actions(plan), installed_actions(model)
+    return None if planned == installed else InstallationMismatchError(planned, installed).differences
+
+
+def check_installed(model: nn.Module, plan: Plan, where: str = "") -> None:
+    """Raise ``InstallationMismatchError`` unless ``model`` has exactly ``plan``'s actions; ``where`` says who checked."""
+    planned, installed = planned_actions(plan), installed_actions(model)
+    if planned != installed:
+        raise InstallationMismatchError(planned, installed, where)

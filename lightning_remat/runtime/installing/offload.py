@@ -32,7 +32,6 @@ class Offload(Behaviour):
     def install(self, target: Target, settings: dict[str, Any]) -> None:
         offloader = Offloader(measure=target.measure, limits={n: v for n, v in settings.items() if v},
                               order=target.order)
-        records = {name: record_of(target.modules[name]) for name in settings}
         position = {n: i for i, n in enumerate(target.order or ())}
         for name, limit in settings.items():
             i, hook = position.get(name), None
@@ -40,7 +39,7 @@ class Offload(Behaviour):
                 # The next stage's forward ran: this stage's copies are done, its device tensors may go.
                 nxt = target.modules[target.order[i + 1]]  # type: ignore[index]
                 hook = nxt.register_forward_hook(release_after_next(offloader, name))
-            records[name].behaviours[self.name] = (limit, Offloading(offloader, name, hook))
+            record_of(target.modules[name]).behaviours[self.name] = (limit, Offloading(offloader, name, hook))
 
     def wrap(self, module: nn.Module, setting: Any, state: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(offloaded_call, state.offloader, state.name, module, state.hook is not None, call)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,23 +23,20 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(getattr(tensor, "_local_tensor", tensor), FakeTensor)
 
 
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class _Packed:
     """One saved tensor while it is away: its host copy, and its device self while in flight."""
 
-    __slots__ = ("device_tensor", "host", "event", "group", "back", "back_event", "device", "base", "view",
-                 "__weakref__")
-
-    def __init__(self, group: "_Group"):
-        self.group = group
-        self.device_tensor: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
-        self.event: Any = None
-        self.back: torch.Tensor | None = None
-        self.back_event: Any = None
-        self.device: torch.device | None = None
-        # A view of a storage sent once as a whole (``base``): (size, stride, storage offset).
-        self.base: _Packed | None = None
-        self.view: tuple | None = None
+    group: _Group
+    device_tensor: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: Any = None
+    back: torch.Tensor | None = None
+    back_event: Any = None
+    device: torch.device | None = None
+    # A view of a storage sent once as a whole (``base``): (size, stride, storage offset).
+    base: _Packed | None = None
+    view: tuple | None = None
 
 
 class _Group:
@@ -48,7 +46,6 @@ class _Group:
         self.name = name
         # Weak: a tensor lives as long as autograd holds it, and no longer.
         self.handles: list[weakref.ref] = []
-        self.sent = 0
         self.pending: list[_Packed] = []  # with a limit: chosen when the forward ends
         self.unpacked = False
         self.released = False
@@ -58,7 +55,7 @@ class _Group:
 
 
 class Offloader:
-    """The pack/unpack pair shared by the offloaded modules of one model; ``host_bytes`` per module since ``reset``."""
+    """The pack/unpack pair shared by the offloaded modules of one model; ``host_bytes`` per module."""
 
     def __init__(self, measure: bool = False, limits: dict[str, int] | None = None,
                  order: Sequence[str] | None = None):
@@ -72,9 +69,6 @@ class Offloader:
         self._stream: Any = None
         self._protected: set[int] = set()
 
-    def reset(self) -> None:
-        self.host_bytes, self.prefetched = {}, {}
-
     def _side_stream(self, device: torch.device) -> Any:
         if device.type != "cuda":
             return None
@@ -84,10 +78,6 @@ class Offloader:
 
     def _to_host(self, handle: _Packed, t: torch.Tensor) -> None:
         handle.device = t.device
-        if self.measure:
-            # Metadata only: a fake profile needs sizes, not values.
-            handle.host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            return
         stream = self._side_stream(t.device)
         if stream is None:
             handle.host = t.detach().to("cpu", copy=True)
@@ -181,7 +171,6 @@ class Offloader:
                 for handle in handles:
                     t, handle.device_tensor = handle.device_tensor, None
                     handle.base, handle.view = base, (t.size(), t.stride(), t.storage_offset())
-            group.sent += sent
             group.pending = []
         waiting = []
         for ref, hooked in self._in_flight:
@@ -200,7 +189,6 @@ class Offloader:
         # Which tensors go is decided when the forward ends (each storage once; with a limit, the
         # largest up to it): until then, and for those that stay, the handle holds the tensor itself.
         handle.device_tensor = t
-        handle.device = t.device
         group.pending.append(handle)
         return handle
 
@@ -213,7 +201,7 @@ class Offloader:
         elif base.back_event is not None:
             current = torch.cuda.current_stream(base.device)
             current.wait_event(base.back_event)
-            base.back.record_stream(current)
+            base.back.record_stream(current)  # allocated on the side stream, used on this one
             base.back_event = None
         return base.back
 
@@ -229,19 +217,10 @@ class Offloader:
                 if earlier is not None:
                     self._release(earlier)
             self._in_flight = []
+        # Only whole storages are sent (``end``): a saved tensor is a view of one, or still on the device.
         if handle.base is not None:
             return self._whole(handle.base).as_strided(*handle.view)
-        if handle.device_tensor is not None:
-            return handle.device_tensor
-        if handle.back is not None:
-            t, event = handle.back, handle.back_event
-            handle.back = None
-            if event is not None:
-                current = torch.cuda.current_stream(handle.device)
-                current.wait_event(event)
-                t.record_stream(current)  # allocated on the side stream, used on this one
-            return t
-        return self._to_device(handle, None)
+        return handle.device_tensor
 
 
 def _prefetch_hook(ref: weakref.ref, offloader: Offloader, grad: torch.Tensor) -> None:

@@ -80,9 +80,8 @@ def gives_same_output(module: nn.Module, args: tuple, output: Any) -> bool:
     >>> gives_same_output(block, (x,), block(x)), gives_same_output(block, (x,), block(x) + 1)
     (True, False)
     """
-    if parts_of(module) is None or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-        return False
-    if not isinstance(output, torch.Tensor):
+    if (parts_of(module) is None or len(args) != 1 or not isinstance(args[0], torch.Tensor)
+            or not isinstance(output, torch.Tensor)):
         return False
     with torch.no_grad(), _restore_norm_statistics(module):
         twin = twin_forward(module, args[0], checkpointed=False)

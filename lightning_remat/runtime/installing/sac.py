@@ -43,20 +43,19 @@ def _packet(func: Any) -> Any:
     return getattr(func, "overloadpacket", func)
 
 
+# The ops each policy saves (the rest is recomputed); save_alternate_matmuls: every other matmul, attention always.
+_SAVED = {"save_matmuls": MATMUL_OPS | CONV_OPS | ATTENTION_OPS,
+          "save_projections": (MATMUL_OPS | CONV_OPS | ATTENTION_OPS) - BATCHED_MATMUL_OPS,
+          # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
+          "save_attention": ATTENTION_OPS | BATCHED_MATMUL_OPS}
+
+
 def _decider(policy: str) -> Callable[[Any, str], bool]:
     """A fresh stateful ``save(func, pass_key) -> bool`` for one checkpointed call."""
+    policy = check_policy(policy)
+    if policy in _SAVED:
+        return lambda func, key: _packet(func) in _SAVED[policy]
     counts: dict[str, int] = defaultdict(int)
-
-    def save_matmuls(func: Any, key: str) -> bool:
-        packet = _packet(func)
-        return packet in MATMUL_OPS or packet in CONV_OPS or packet in ATTENTION_OPS
-
-    def save_projections(func: Any, key: str) -> bool:
-        return save_matmuls(func, key) and _packet(func) not in BATCHED_MATMUL_OPS
-
-    def save_attention(func: Any, key: str) -> bool:
-        # SDPA's math path (a mask and dropout, as on the CPU) runs attention as batched matmuls.
-        return _packet(func) in ATTENTION_OPS or _packet(func) in BATCHED_MATMUL_OPS
 
     def save_alternate_matmuls(func: Any, key: str) -> bool:
         packet = _packet(func)
@@ -68,9 +67,7 @@ def _decider(policy: str) -> Callable[[Any, str], bool]:
             return counts[key] % 2 == 1
         return False
 
-    deciders = {"save_matmuls": save_matmuls, "save_projections": save_projections, "save_attention": save_attention,
-                "save_alternate_matmuls": save_alternate_matmuls}
-    return deciders[check_policy(policy)]
+    return save_alternate_matmuls
 
 
 def check_policy(policy: str) -> str:
@@ -149,14 +146,6 @@ def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str
     return chosen
 
 
-# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's.
-
-def _register(name: str, formula: Callable[..., int]) -> None:
-    packet = getattr(aten, name, None)
-    if packet is not None and packet not in flop_registry:
-        register_flop_formula(packet)(formula)
-
-
 def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -165,13 +154,12 @@ def _sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, o
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-@functools.lru_cache(maxsize=None)
-def register_attention_flops() -> None:
-    """Count attention FLOPs on every SDPA backend (idempotent; run at import)."""
-    _register("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward)
-    _register("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward)
-    _register("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward)
-    _register("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_backward)
-
-
-register_attention_flops()
+# FlopCounterMode lacks the formulas of the CPU SDPA kernels (attention counted 0 there): the same ones as CUDA's,
+# registered at import on every SDPA backend.
+for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward),
+                        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward),
+                        ("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward),
+                        ("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_backward)):
+    _op = getattr(aten, _name, None)
+    if _op is not None and _op not in flop_registry:
+        register_flop_formula(_op)(_formula)

@@ -11,7 +11,7 @@ from torch import nn
 from ...core.actions import StageAction
 from ...core.vocabulary import Action
 from ..measuring.exclusive import planning_runs_here
-from .records import SEGMENTS, Behaviour, Target, installed_segments, record_of, running
+from .records import SEGMENTS, Behaviour, Target, record_of, running
 
 __all__ = ["SEGMENT", "chained_groups", "qualifies", "recorded_calls", "segment_positions", "sequential_groups"]
 _CLASSES: dict[type, type] = {}  # a Sequential class -> its segmented subclass
@@ -101,17 +101,13 @@ class Segment(Behaviour):
         found = {}
         for m in modules.values():
             if SEGMENTS in m.__dict__ and (not only_running or getattr(type(m), "_remat_segmented", False)):
-                found.update({n: tuple(names) for _, _, runner, names in m.__dict__[SEGMENTS]
-                              if not only_running or _recomputes(runner) for n in names})
+                found.update({n: tuple(names) for _, _, runner, names in m.__dict__[SEGMENTS] if not only_running
+                              or ((record := running(runner)) is not None and "recompute" in record.behaviours)
+                              for n in names})
         return found
 
     def fields(self, name: str, setting: Any) -> dict[str, Any]:
         return {"action": Action.SEGMENT, "segment": setting}
-
-
-def _recomputes(runner: nn.Module) -> bool:
-    record = running(runner)
-    return record is not None and "recompute" in record.behaviours
 
 
 SEGMENT = Segment()
@@ -173,41 +169,31 @@ def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],
     names = [n for g in groups for n in g]
     if calls is None or any(n not in calls for n in names):
         calls = recorded_calls(model, step, names)
-    chained = []
-    for group in groups:
-        run: list[str] = []
-        for name in group:
-            seen = calls[name]
-            simple = len(seen) == 1 and len(seen[0][0]) == 1 and not seen[0][1] and isinstance(seen[0][2], torch.Tensor)
-            linked = simple and bool(run) and seen[0][0][0] is calls[run[-1]][0][2]
-            if linked:
-                run.append(name)
-                continue
-            if len(run) >= 2:
-                chained.append(run)
-            run = [name] if simple else []
-        if len(run) >= 2:
-            chained.append(run)
-    return chained
+
+    def simple(name: str) -> bool:  # called once, on one tensor, returning one
+        seen = calls[name]
+        return len(seen) == 1 and len(seen[0][0]) == 1 and not seen[0][1] and isinstance(seen[0][2], torch.Tensor)
+
+    return [run for group in groups for run in _runs(
+        group, simple, lambda before, name: simple(name) and calls[name][0][0][0] is calls[before][0][2])]
 
 
 def sequential_groups(model: nn.Module, stages: Sequence[str]) -> list[list[str]]:
     """Runs of stages that are consecutive items of one qualifying ``nn.Sequential``."""
-    modules = dict(model.named_modules())
     stage_set = set(stages)
-    groups = []
-    for parent, container in modules.items():
-        if not qualifies(container):
+    return [run for parent, container in model.named_modules() if qualifies(container)
+            for run in _runs([f"{parent}.{key}" if parent else key for key in container._modules],
+                             stage_set.__contains__, lambda before, name: name in stage_set)]
+
+
+def _runs(names: Sequence[str], starts: Any, follows: Any) -> list[list[str]]:
+    """The runs of two or more of ``names``: each begins at a name ``starts`` accepts, goes on while
+    ``follows(previous, name)``."""
+    runs, run = [], []
+    for name in names:
+        if run and follows(run[-1], name):
+            run.append(name)
             continue
-        run: list[str] = []
-        for key in container._modules:
-            name = f"{parent}.{key}" if parent else key
-            if name in stage_set:
-                run.append(name)
-                continue
-            if len(run) >= 2:
-                groups.append(run)
-            run = []
-        if len(run) >= 2:
-            groups.append(run)
-    return groups
+        runs.append(run)
+        run = [name] if starts(name) else []
+    return [r for r in [*runs, run] if len(r) >= 2]

@@ -45,13 +45,6 @@ def _describe(owner: nn.Module) -> str:
     return ", ".join(parts)
 
 
-def _disable(owner: nn.Module) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed gradient_ to activation_
-        disable = getattr(owner, "activation_checkpointing_disable", None) or owner.gradient_checkpointing_disable
-        disable()
-
-
 def take_over_checkpointing(model: nn.Module, who: str, speaks: bool = True) -> str | None:
     """Turn off Hugging Face's gradient checkpointing in ``model`` so that ``who`` plans instead; the line that
     says so (warned where ``speaks``), or None. ``enable_input_require_grads``' hook is kept (harmless).
@@ -82,7 +75,9 @@ def take_over_checkpointing(model: nn.Module, who: str, speaks: bool = True) -> 
         return None
     described = "; ".join(_describe(owner) for owner in owners)
     for owner in owners:
-        _disable(owner)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed gradient_ to activation_
+            (getattr(owner, "activation_checkpointing_disable", None) or owner.gradient_checkpointing_disable)()
     left = existing_checkpointing(model)
     if left:
         raise AlreadyCheckpointedError(f"{who} was given a budget, but could not turn off the model's own "

@@ -44,14 +44,14 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
     head."""
     found = find_head_loss(model)
     n = len(observed.positions)
-    if found is None or n not in keep_gap or found.head in observed.order:  # a head that is a stage already
+    if found is None or n not in keep_gap or found in observed.order:  # a head that is a stage already
         return None
-    head = model.get_submodule(found.head)
+    head = model.get_submodule(found)
     shapes: list[HeadShape] = []
     hook = head.register_forward_pre_hook(
         lambda _, args: shapes.append(_shape(head, args[0])) if planning_runs_here() else None)
     calls = dict(enumerate(observed.position_calls))
-    figures = HeadFigures(found.head, n, HeadShape(0, 0, 0), keep_gap[n])
+    figures = HeadFigures(found, n, HeadShape(0, 0, 0), keep_gap[n])
 
     def gap(head: StageAction | None) -> int:
         run = memory_run(model, step, observed.positions, calls, [], optimizer, replay,
@@ -65,7 +65,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
         with _cache_off(model, observed.order) as stripped:
             for kind, figure in ((StageAction.chunk, figures.chunked), (StageAction.fuse, figures.fused)):
                 for chunks in CHUNK_COUNTS:
-                    figure[chunks] = gap(kind(found.head, chunks))
+                    figure[chunks] = gap(kind(found, chunks))
             if stripped:  # the whole head measured alike; without a cache, the keep run's gap
                 figures.unchunked = gap(None)
     finally:

@@ -42,10 +42,7 @@ def new_fake_mode() -> FakeTensorMode:
 
 
 def existing_fake_mode(model: nn.Module) -> FakeTensorMode | None:
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if isinstance(tensor, FakeTensor):
-            return tensor.fake_mode
-    return None
+    return next((t.fake_mode for t in [*model.parameters(), *model.buffers()] if isinstance(t, FakeTensor)), None)
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
@@ -64,7 +61,11 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
             if p is None:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(convert(whole_parameter(p)), requires_grad=p.requires_grad)
+                # Where ZeRO-3 partitioned a parameter, a meta tensor of the whole one (twins run whole).
+                shape = getattr(p, "ds_shape", None)
+                whole = (torch.empty(tuple(shape), dtype=p.dtype, device="meta")
+                         if shape is not None and tuple(p.shape) != tuple(shape) else p.detach())
+                memo[id(p)] = nn.Parameter(convert(whole), requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]
         for name, b in list(module._buffers.items()):
             if b is None:
@@ -76,25 +77,13 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
     return model
 
 
-def whole_parameter(p: torch.Tensor) -> torch.Tensor:
-    """``p`` detached, or a meta tensor of the whole parameter where ZeRO-3 partitioned it (twins run whole)."""
-    shape = getattr(p, "ds_shape", None)
-    if shape is not None and tuple(p.shape) != tuple(shape):
-        return torch.empty(tuple(shape), dtype=p.dtype, device="meta")
-    return p.detach()
-
-
 def fake_like(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fake CPU tensor of ``mode`` with the shape, strides and dtype of ``t`` (real, meta or fake)."""
-    t = local_shard(t)
+    """A fake CPU tensor of ``mode`` with the shape, strides and dtype of ``t`` (real, meta or fake; of a ``DTensor``,
+    this rank's shard: what its optimizer allocates state for)."""
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor`` (what its optimizer allocates state for); any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
 
 
 def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +135,11 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
             without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
-            without_zero3_hooks(twin)
+            # ZeRO-3's module hooks gather the real module's parameters; a twin holds whole ones (ZeRO-2 puts none).
+            for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+                hooks = twin.__dict__.get(attribute) or {}
+                for key in [k for k, h in hooks.items() if hook_library(getattr(h, "hook", h)) == "deepspeed"]:
+                    del hooks[key]
             # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
             # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin,
             # with the module's methods its closure keeps (the forward it wraps) bound to the twin too.
@@ -165,15 +158,6 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
         return copies[id(module)]
 
     return copy_module(model)
-
-
-def without_zero3_hooks(twin: nn.Module) -> None:
-    """Drop ZeRO-3's module hooks from a twin: they gather the real module's parameters; a twin holds whole ones."""
-    for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-        hooks = twin.__dict__.get(attribute)
-        for key, hook in list(hooks.items()) if isinstance(hooks, dict) else ():
-            if hook_library(getattr(hook, "hook", hook)) == "deepspeed":  # (ZeRO-2 puts none on modules)
-                del hooks[key]
 
 
 @contextlib.contextmanager

@@ -48,10 +48,6 @@ def _grouped_mm_any_dtype(mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torc
     return FakeTensor(mode, out, mat_a.device)
 
 
-def _is_grouped_mm(func: Any) -> bool:
-    return func is aten._grouped_mm.default
-
-
 @contextlib.contextmanager
 def grouped_mm_in_every_dtype() -> Iterator[None]:
     """Within it, ``aten._grouped_mm`` runs on fake tensors in every floating dtype.
@@ -65,7 +61,7 @@ def grouped_mm_in_every_dtype() -> Iterator[None]:
     """
     from torch._subclasses import fake_impls
 
-    entry = (_is_grouped_mm, _grouped_mm_any_dtype)
+    entry = (lambda func: func is aten._grouped_mm.default, _grouped_mm_any_dtype)
     fake_impls.op_implementations_checks.insert(0, entry)
     try:
         yield

@@ -19,9 +19,7 @@ _MEASURE_BYTES = 64 * 2**20
 def check_offload_target(options: ProfileOptions, model_device: torch.device) -> None:
     """Raise ``RematError`` unless the profile targets an accelerator."""
     target = options.device if options.fake else str(model_device)
-    if options.fake and (options.gpu is not None or (target and torch.device(target).type == "cuda")):
-        return
-    if not options.fake and torch.device(target).type == "cuda":
+    if (options.fake and options.gpu is not None) or (target and torch.device(target).type == "cuda"):
         return
     where = f"device={options.device!r}" if options.fake else f"the model is on {model_device}"
     raise RematError(f"offload=True: offloading activations to host memory has nothing to gain without an "
@@ -61,13 +59,9 @@ def link_bandwidth(options: ProfileOptions, device: str) -> tuple[float, str]:
 def hidden_limits(observed: Any, options: ProfileOptions, device: str, timed: bool) -> dict[str, int]:
     """Per stage but the last, the bytes the host link moves during the next stage's forward (``offload:hidden``)."""
     bandwidth, _ = link_bandwidth(options, device)
-    if timed:
-        seconds = {n: observed.stats[n].seconds for n in observed.order}
-    else:
-        rate = training_flops_per_second(device, options.gpu)
-        seconds = {n: observed.stats[n].flops / rate for n in observed.order}
-    order = observed.order
-    limits = {order[i]: int(bandwidth * seconds[order[i + 1]]) for i in range(len(order) - 1)}
+    rate = None if timed else training_flops_per_second(device, options.gpu)
+    seconds = [observed.stats[n].seconds if timed else observed.stats[n].flops / rate for n in observed.order]
+    limits = {n: int(bandwidth * s) for n, s in zip(observed.order, seconds[1:])}  # the next stage's seconds
     return {n: v for n, v in limits.items() if v > 0}
 
 
