@@ -173,7 +173,7 @@ def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Seque
     on a stack's shallow copies where ``in_depth(measure)`` gives a figure."""
     def measure() -> dict[str, int]:
         with mode if mode is not None else contextlib.nullcontext():
-            # A stack of identical layers: its 4- and 5-layer copies' optimizers, on a line in depth.
+            # A stack of identical layers: its 1- and 2-layer copies' optimizers, on a line in depth.
             deep = in_depth(lambda o: optimizer_step_alternatives(o, device)) if in_depth else None
             return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
     return MeasuredOnRead(measure)

@@ -41,7 +41,8 @@ from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
-from .optimizer_step import optimizer_step_alternatives, optimizer_step_alternatives_on_read, optimizer_step_cost
+from .optimizer_step import (OptimizerStepCost, optimizer_step_alternatives, optimizer_step_alternatives_on_read,
+                             optimizer_step_cost)
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import alternatives_in_depth, repeated_profile
 from .residual_twins import twin_stages
@@ -176,7 +177,16 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     optimizer = map_optimizers(optimizer, lambda o: clone_optimizer(o, {i: fake_params[n] for i, n in names.items()},
                                                                     mode))
 
+    # A depth's optimizer is given to the runs of both ballast phases: its step, which no ballast
+    # touches, is measured in the first (kept beside its figure, the optimizer's id is not reused).
+    step_costs: dict[int, tuple[Any, OptimizerStepCost]] = {}
+
     def run(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap: Callable | None = None) -> Profile:
+        def step_cost(clone: Any, device: str, given: Any = optimizer) -> OptimizerStepCost:
+            if id(given) not in step_costs:
+                step_costs[id(given)] = (given, optimizer_step_cost(clone, device))
+            return step_costs[id(given)][1]
+
         # Sharded: each model profiled (the whole one, or a truncated copy) gets a twin of its own
         # sharded over a fake process group, and an optimizer over the twin's sharded parameters.
         with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (twin, _):
@@ -188,7 +198,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
                 return _profile(twin, wrap(step) if wrap else step, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
-                                compiled=compiled)
+                                compiled=compiled, step_cost_of=step_cost)
 
     repeated = repeated_profile(model, optimizer, options, run)
     profile = repeated or run(model, optimizer)
@@ -224,7 +234,7 @@ def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
 
 
 def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
-             timed: bool, compiled: bool = False) -> Profile:
+             timed: bool, compiled: bool = False, step_cost_of: Callable = optimizer_step_cost) -> Profile:
     stage_names = find_stages(model, options.candidates)
     modules = dict(model.named_modules())
     # applied(model, Plan()) lifts any plan the model has for the profile and puts it back after.
@@ -263,7 +273,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
                             runs["keep"].segments) if options.chunk_loss else None
         device = options.device or str(model_device(model))
-        step_cost = optimizer_step_cost(optimizer, device)
+        step_cost = step_cost_of(optimizer, device)
     future_state = step_cost.created_state_bytes
     peaks = device_peaks(device, options.gpu)
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here);
