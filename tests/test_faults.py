@@ -67,7 +67,7 @@ def test_policies_spelled_as_the_docs_spell_them_are_accepted_everywhere():
     model = chain()
     plan = plan_remat(model, step_of(), budget="min", policies=("sac:save_matmuls",))
     assert plan.budget_bytes > 0
-    apply_plan(model, ["0"], policies={"0": "sac:save_matmuls"})
+    apply_plan(model, Plan([StageAction.recompute("0", policy="sac:save_matmuls")]))
     assert checkpoint_policies(model) == {"0": "save_matmuls"}
 
 

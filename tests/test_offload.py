@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.runtime.installing.apply import apply_plan, remove_remat
 from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules, remove_offload
 
@@ -96,7 +97,7 @@ def test_apply_remove_exact_and_state_dict_unchanged():
     net = _net()
     keys = list(net.state_dict())
     before = {n: dict(m.__dict__) for n, m in net.named_modules()}
-    apply_plan(net, ["2"], offloaded=["0", "1"])
+    apply_plan(net, Plan([StageAction.recompute("2"), StageAction.offload("0"), StageAction.offload("1")]))
     assert offloaded_modules(net) == ["0", "1"] and list(net.state_dict()) == keys
     remove_remat(net)
     assert offloaded_modules(net) == []
@@ -108,7 +109,7 @@ def test_apply_remove_exact_and_state_dict_unchanged():
 def test_recomputed_and_offloaded_is_an_error():
     net = _net()
     with pytest.raises(ValueError, match="both recomputed and offloaded"):
-        apply_plan(net, ["0"], offloaded=["0.1", "1"])
+        apply_plan(net, Plan([StageAction.recompute("0"), StageAction.offload("0.1"), StageAction.offload("1")]))
     assert offloaded_modules(net) == []
     with pytest.raises(ValueError, match="does not have"):
         apply_offload(net, ["nope"])
@@ -203,7 +204,6 @@ def test_offload_without_an_accelerator_target_is_an_error():
 
 
 def test_plan_round_trip_summary_and_metrics():
-    from lightning_remat.core.plan import Plan, StageAction
     from lightning_remat.service.run import plan_metrics
 
     plan = Plan([StageAction.recompute("h.1"), StageAction.offload("h.0", 2**20)], 2**30, 2**31, 2**30, 0.05,

@@ -16,6 +16,7 @@ from lightning_remat.report.breakdown import memory_breakdown
 from lightning_remat.report.plots import pareto_sweep, plot_memory_timeline, plot_pareto
 from lightning_remat.report.breakdown import MemoryTimeline, memory_timeline
 from lightning_remat.core.solve import least_peak
+from lightning_remat.core.plan import Plan, StageAction
 
 
 def _chain(depth=4, width=32, batch=256):
@@ -98,7 +99,7 @@ def test_breakdown_without_optimizer_has_no_state():
 def test_timeline_rises_in_forward_falls_in_backward_and_the_plan_lowers_it(tmp_path):
     model, step = _chain()
     before = memory_timeline(model, step)
-    after = memory_timeline(model, step, ["0", "1", "2", "3"])
+    after = memory_timeline(model, step, Plan([StageAction.recompute(n) for n in ("0", "1", "2", "3")]))
     for t in (before, after):
         assert t.backward_start is not None and 0 < t.backward_start < len(t.bytes_after_op)
         forward = t.bytes_after_op[:t.backward_start]

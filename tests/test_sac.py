@@ -144,10 +144,10 @@ def test_a_policy_runs_under_torch_compile():
 def test_apply_rejects_unknown_policies_and_policies_of_modules_not_recomputed():
     net = make_net(2)
     with pytest.raises(ValueError, match="unknown selective-checkpointing policy"):
-        apply_plan(net, ["0"], policies={"0": "save_everything"})
-    with pytest.raises(ValueError, match="does not recompute"):
-        apply_plan(net, ["0"], policies={"1": "save_matmuls"})
-    apply_plan(net, ["0"], policies={"0": "save_matmuls"})
+        apply_plan(net, Plan([StageAction.recompute("0", policy="save_everything")]))
+    with pytest.raises(ValueError, match="only a recomputed stage has a policy"):
+        apply_plan(net, Plan([StageAction.recompute("0"), StageAction("1", policy="save_matmuls")]))
+    apply_plan(net, Plan([StageAction.recompute("0", policy="save_matmuls")]))
     remove_remat(net)
     assert checkpoint_policies(net) == {} and "forward" not in net[0].__dict__
 

@@ -22,6 +22,12 @@ def _bn_dropout_chain(depth=6, width=16):
                            for _ in range(depth)]).train()
 
 
+def _plan(checkpointed, segments):
+    """A plan of actions: ``checkpointed`` recomputed alone, each of ``segments`` as one checkpoint."""
+    return Plan([*(StageAction.recompute(n) for n in checkpointed),
+                 *(StageAction.in_segment(s, segment) for segment in segments for s in segment)])
+
+
 def _train(model, steps=2, seed=1):
     torch.manual_seed(seed)
     x, y = torch.randn(32, 16), torch.randn(32, 16)
@@ -38,7 +44,7 @@ def _train(model, steps=2, seed=1):
 def test_segments_give_bit_equal_gradients_and_batchnorm_statistics_once():
     plain = _bn_dropout_chain()
     segmented = copy.deepcopy(plain)
-    apply_plan(segmented, ["5"], segments=[["0", "1", "2"], ["3", "4"]])
+    apply_plan(segmented, _plan(["5"], [["0", "1", "2"], ["3", "4"]]))
     assert segmented_modules(segmented) == [["0", "1", "2"], ["3", "4"]] and checkpointed_modules(segmented) == ["5"]
     expected, got = _train(plain), _train(segmented)
     for a, b in zip(expected, got):
@@ -51,7 +57,7 @@ def test_apply_and_remove_restore_the_model_exactly():
     net = _bn_dropout_chain()
     keys = list(net.state_dict())
     names = [n for n, _ in net.named_modules()]
-    apply_plan(net, [], segments=[["1", "2", "3"]])
+    apply_plan(net, _plan([], [["1", "2", "3"]]))
     assert type(net).__name__ == "Sequential" and len(net) == 6 and len(list(net)) == 4
     assert list(net.state_dict()) == keys and [n for n, _ in net.named_modules()] == names
     with applied(net, Plan([StageAction.recompute("0")])):  # the profiler lifts a plan and puts it back
@@ -75,7 +81,7 @@ def test_bad_segments_are_refused_before_anything_changes(segments, checkpointed
     net = _bn_dropout_chain()
     apply_plan(net, ["5"])
     with pytest.raises(ValueError, match=match):
-        apply_plan(net, checkpointed, segments=segments)
+        apply_plan(net, _plan(checkpointed, segments))
     assert checkpointed_modules(net) == ["5"] and segmented_modules(net) == []
 
 
@@ -84,8 +90,8 @@ def test_resnet_stage_loops_run_segments_with_equal_gradients():
     plain = case.model
     segmented = copy.deepcopy(plain)
     stages = "resnet.encoder.stages"
-    apply_plan(segmented, [], segments=[[f"{stages}.1.layers.{i}" for i in range(4)],
-                                        [f"{stages}.2.layers.{i}" for i in range(1, 4)]])
+    apply_plan(segmented, _plan([], [[f"{stages}.1.layers.{i}" for i in range(4)],
+                                      [f"{stages}.2.layers.{i}" for i in range(1, 4)]]))
     _assert_one_step_bit_equal(case.step, plain, segmented)
 
 

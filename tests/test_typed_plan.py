@@ -184,7 +184,7 @@ def test_one_installer_composes_policy_recompute_offload_and_segments_bit_equal_
 
 def test_recompute_and_offload_on_one_module_compose_in_one_forward():
     plain, model = _net(), _net()
-    apply_plan(model, ["1", "2"], policies={"2": "save_matmuls"})
+    apply_plan(model, Plan([StageAction.recompute("1"), StageAction.recompute("2", policy="save_matmuls")]))
     apply_offload(model, ["1", "3"], order=[str(i) for i in range(6)])  # around the checkpoint of "1"
     record = model[1].__dict__[RECORD]
     assert set(record.behaviours) == {"recompute", "offload"}  # one record, one patched forward
@@ -211,6 +211,7 @@ def test_applied_puts_back_offloading_with_its_order_and_limits():
 
 def test_a_deep_copy_of_an_installed_model_trains_as_the_original():
     model = _net()
-    apply_plan(model, ["0", "2"], segments=[["3", "4"]])
+    apply_plan(model, Plan([StageAction.recompute("0"), StageAction.recompute("2"),
+                            *(StageAction.in_segment(s, ["3", "4"]) for s in ("3", "4"))]))
     twin = copy.deepcopy(model)
     _assert_bit_equal(model, twin)

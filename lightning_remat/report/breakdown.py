@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..core.binding import OPTIMIZER_SEGMENT, describe
 from ..core.memory_model import Profile, binding_term, peak_terms
-from ..core.plan import Plan, StageAction
+from ..core.plan import Plan
 from ..runtime.installing.apply import applied, recomputation_of
 from ..runtime.measuring.measure import Step, model_device, preserved_training_state
 from ..runtime.measuring.runner import Tracking, run_step
@@ -186,10 +186,10 @@ def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer 
     return tracker
 
 
-def memory_timeline(model: nn.Module, step: Step, plan: Plan | Iterable[str] | None = None, *,
+def memory_timeline(model: nn.Module, step: Step, plan: Plan | None = None, *,
                     optimizer: torch.optim.Optimizer | None = None, label: str | None = None) -> MemoryTimeline:
     """The total memory after every operator of one forward and backward pass under ``plan`` (None: nothing)."""
-    plan = recomputation_of(plan) if isinstance(plan, Plan) else Plan([StageAction.recompute(n) for n in plan or []])
+    plan = recomputation_of(plan or Plan())
     names = plan.checkpointed
     tracker = tracked_step(model, step, optimizer, plan)
     # The state the optimizer will create at its first step (none once it stepped).

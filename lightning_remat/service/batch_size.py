@@ -13,8 +13,9 @@ from ..core.batch_fit import DEFAULT_MAX_BATCH_SIZE, validate_search
 from ..core.budget import format_budget, format_bytes
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.plan import Plan
-from ..runtime.installing.apply import apply_plan, checkpointed_modules, segmented_modules
+from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.fingerprint import bound
+from ..runtime.installing.installer import restore, snapshot
 from ..runtime.profiling.candidates import CandidateSpec
 from ..runtime.measuring.exclusive import exclusive
 from ..runtime.measuring.measure import model_device
@@ -103,21 +104,21 @@ def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimi
                               channel=channel)
 
 
-def search_setup(model: nn.Module, config: RematConfig, purpose: str) -> tuple[int, tuple[Any, Any]]:
+def search_setup(model: nn.Module, config: RematConfig, purpose: str) -> tuple[int, Plan]:
     """The budget in bytes, checked for a search (``purpose``), and the plan installed now (``apply_or_restore``)."""
     config.require_size(purpose)
     if config.profile.offload:
         # The error profile_step would raise, before any step runs (no accelerator target).
         check_offload_target(config.profile, model_device(model))
-    return int(config.budget_bytes(model_device(model))), (checkpointed_modules(model), segmented_modules(model))
+    return int(config.budget_bytes(model_device(model))), snapshot(model)
 
 
-def apply_or_restore(model: nn.Module, plan: Plan | None, apply: bool, previous: tuple[Any, Any]) -> None:
+def apply_or_restore(model: nn.Module, plan: Plan | None, apply: bool, previous: Plan) -> None:
     """Install the search's ``plan``, or (``apply=False``) put back what was installed before the search."""
     if apply:
         apply_plan(model, plan)
-    elif previous != (checkpointed_modules(model), segmented_modules(model)):
-        apply_plan(model, previous[0], segments=previous[1])
+    elif previous != snapshot(model):
+        restore(model, previous)
 
 
 @exclusive()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from ...core.actions import module_names
 from ...core.errors import AlreadyCheckpointedError
 from ...core.plan import Plan, StageAction
 from ...core.vocabulary import Action
@@ -65,7 +66,7 @@ def segmented_modules(model: nn.Module) -> list[list[str]]:
     """The segments of ``model`` lightning-remat currently recomputes as one checkpoint each.
 
     >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
-    >>> segmented_modules(apply_plan(net, [], segments=[["0", "1"]]))
+    >>> segmented_modules(apply_plan(net, Plan([StageAction.in_segment(s, ["0", "1"]) for s in ("0", "1")])))
     [['0', '1']]
     """
     with uncompiled(model) as model:
@@ -76,37 +77,10 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
     """The selective-checkpointing policy of each recomputed module that has one.
 
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    >>> checkpoint_policies(apply_plan(net, ["0"], policies={"0": "save_matmuls"}))
+    >>> checkpoint_policies(apply_plan(net, Plan([StageAction.recompute("0", policy="save_matmuls")])))
     {'0': 'save_matmuls'}
     """
     return {name: policy for name, policy in installer.recomputed(model).items() if policy}
-
-
-def as_plan(plan: Any, segments: Any = None, policies: dict[str, str] | None = None, offloaded: Any = None) -> Plan:
-    """``plan`` (a ``Plan`` or module names) as a ``Plan``, with the lists given.
-
-    >>> as_plan(["h.0"], policies={"h.0": "save_matmuls"}).policies
-    {'h.0': 'save_matmuls'}
-    """
-    if isinstance(plan, Plan) and segments is None and policies is None and offloaded is None:
-        return plan
-    base = plan if isinstance(plan, Plan) else Plan()
-    names = base.checkpointed if isinstance(plan, Plan) else plan
-    if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"a plan is a Plan or a list of module names, got {plan!r}")
-    offloaded = base.offloaded if offloaded is None else offloaded
-    if isinstance(offloaded, (str, bytes)) or not all(isinstance(n, str) for n in offloaded):
-        raise TypeError(f"offloaded is a list of module names, got {offloaded!r}")
-    policies = dict(base.policies if policies is None else policies)
-    stray = [n for n in policies if n not in names]
-    if stray:
-        raise ValueError(f"policies name module(s) {stray} that the plan does not recompute")
-    limits = base.offload_limits
-    actions = [*(StageAction.recompute(n, policy=policies.get(n)) for n in names),
-               *(StageAction.in_segment(s, group) for group in (base.segments if segments is None else segments)
-                 for s in group),
-               *(StageAction.offload(n, limits.get(n)) for n in offloaded)]
-    return Plan(actions, choices=base.choices, fingerprint=base.fingerprint)
 
 
 def recomputation_of(plan: Plan) -> Plan:
@@ -119,11 +93,10 @@ def recomputation_of(plan: Plan) -> Plan:
     return Plan([replace(a, offload_input=False) for a in plan.actions if a.action in (Action.RECOMPUTE, Action.SEGMENT)])
 
 
-def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
-               policies: dict[str, str] | None = None, offloaded: Any = None) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan | Iterable[str]) -> nn.Module:
     """Put, in place, the plan's actions on the modules it names; returns ``model``.
 
-    ``plan``: a ``Plan`` or module names; the lists given replace the plan's own. A previous plan is replaced;
+    ``plan``: a ``Plan``, or names of modules to recompute. A previous plan is replaced;
     an error leaves the model as it was; names are the uncompiled model's. Raises ``AlreadyCheckpointedError``,
     ``PlanMismatchError`` (other shapes, a missing module) and ``InvalidPlanError``.
 
@@ -134,7 +107,8 @@ def apply_plan(model: nn.Module, plan: Any, segments: Any = None,
     >>> "forward" in net[0].__dict__
     False
     """
-    plan = as_plan(plan, segments, policies, offloaded)
+    if not isinstance(plan, Plan):
+        plan = Plan([StageAction.recompute(n) for n in module_names("plan", plan)])
     # A plan solved for other shapes would break its budget silently: refused before anything changes.
     check_binding(model, plan)
     existing = existing_checkpointing(model)

@@ -54,8 +54,8 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
     figures = HeadFigures(found, n, HeadShape(0, 0, 0), keep_gap[n])
 
     def gap(head: StageAction | None) -> int:
-        run = memory_run(model, step, observed.positions, calls, [], optimizer, replay,
-                         gradients_alive=accumulation_steps > 1, head=head)
+        run = memory_run(model, step, observed.positions, calls, [head] if head else [], optimizer, replay,
+                         gradients_alive=accumulation_steps > 1)
         return run.segments.get(n, keep_gap[n])
 
     try:

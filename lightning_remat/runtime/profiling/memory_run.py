@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -14,13 +13,11 @@ from ...core.errors import RematError
 from ...core.plan import Plan, StageAction
 from ..installing.apply import applied
 from ..installing.installer import input_offload_of
-from ..installing.tiled_mlp import with_tiles
-from ..installing.offload import Offloader, apply_offload, model_offloader, remove_offload
+from ..installing.offload import model_offloader
 from ..measuring.measure import Step, model_device
 from ..measuring.meter import PeakMeter
 from ..measuring.runner import run_step
 from ..measuring.tracking import SegmentTracker, current_total, snapshot_by_category
-from ..targets.fake import is_fake
 from .held_inputs import DeadInputs, HeldInputs
 
 
@@ -45,25 +42,13 @@ class MemoryRun:
     fresh: frozenset[int]  # places after a backward pass of the step (StageProfile.fresh)
 
 
-def _actions(wrapped: Sequence[str], policy: str, offload_inputs: bool, parts: Sequence[str]) -> list[StageAction]:
-    """The run's actions: ``wrapped`` recomputed, ``parts`` run as checkpointed parts (both: nested)."""
-    def extra(name: str) -> dict[str, bool]:
-        return {"residual_parts": True} if name in parts else {}
-    return [*(StageAction.recompute(m, policy=None if offload_inputs else policy or None, offload_input=offload_inputs,
-                                    extra=extra(m)) for m in wrapped),
-            *(StageAction(m, extra=extra(m)) for m in parts if m not in wrapped)]
-
-
-def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int], wrapped: Sequence[str],
-                optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
-                gradients_alive: bool = False, policy: str = "", offloaded: Sequence[str] = (),
-                offload_limits: dict[str, int] | None = None,
-                dead: dict[str, set[str]] | None = None, head: StageAction | None = None,
-                offload_inputs: bool = False, parts: Sequence[str] = (), tiled: dict[str, str] | None = None
-                ) -> MemoryRun:
-    # ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py; ``head`` (a chunked or fused
-    # head): loss_stage.py; ``offload_inputs``: input_offload.py; ``parts``: blocks run as parts (residual_twins.py);
-    # ``tiled``: stage -> its tiled MLP (tiled_mlp.py).
+def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[int, int],
+               actions: Sequence[StageAction], optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
+               gradients_alive: bool = False, dead: dict[str, set[str]] | None = None) -> MemoryRun:
+    # ``actions``: what the run installs (an option's: stage_options.option_actions; a chunked or fused head alone:
+    # loss_stage.py); ``order``: the chain's places, ``calls`` the calls at each; ``dead``: held_inputs.py.
+    plan = Plan(actions)
+    wrapped, offloaded, offload_inputs = plan.checkpointed, plan.offloaded, bool(plan.offloaded_inputs)
     modules = dict(model.named_modules())
     replay()
     if gradients_alive:
@@ -77,12 +62,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         places.setdefault(id(modules[n]), []).append(i)
     tracker = SegmentTracker(places, device, calls)
     meter = _SegmentMeter(model, optimizer, tracker)
-    # One of the two at most: chunked heads run with nothing else wrapped (loss_stage.py).
-    plan = Plan([head] if head is not None else
-                with_tiles(_actions(wrapped, policy, offload_inputs, parts), tiled or {}))
-    host: dict[str, int] = {}
     with applied(model, plan), \
-            _offloading(model, offloaded, offload_limits) as offloader, \
             HeldInputs(model, order, dead or {}, wrapped, [calls.get(i, 1) for i in range(len(order))]) as held, \
             DeadInputs(model, order if dead == {} and not wrapped and not offloaded else (), dead) as finder:
 
@@ -92,8 +72,9 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
             return loss
 
         run_step(model, checked, watch=meter)
-        if offload_inputs:
-            host = dict(input_offload_of(model)[1].host_bytes)
+        # Offloaded stages: the bytes sent to the host.
+        host = (dict(model_offloader(model).host_bytes) if offloaded else
+                dict(input_offload_of(model)[1].host_bytes) if offload_inputs else {})
     n = len(order)
     missing = [order[i] for i in range(n) if i not in tracker.stored]
     if missing:
@@ -118,7 +99,7 @@ def memory_run(model: nn.Module, step: Step, order: Sequence[str], calls: dict[i
         stored=stored, local=local, segments=segments, untracked_bytes=max(0, meter.peak_bytes - int(peak)),
         gradient_bytes=now.get("Gradient", 0), parameter_bytes=now.get("Parameter", 0),
         buffer_bytes=now.get("Buffer", 0), residual_bytes=max(0, meter.after_backward - static_now),
-        host_bytes=dict(offloader.host_bytes) if offloader is not None else host,
+        host_bytes=host,
         shared=held.shared, held_before=[held.held_before(i) for i in range(n)],
         segments_held={k: held.held_before(k) for k in segments}, fresh=frozenset(tracker.fresh),
     )
@@ -159,19 +140,6 @@ def net_of_released(stored: list[int], starts: dict[int, int], calls: dict[int, 
         if released > 0:
             net[i] = max(0, stored[i] - released)
     return net
-
-
-@contextlib.contextmanager
-def _offloading(model: nn.Module, names: Sequence[str], limits: dict[str, int] | None) -> Iterator[Offloader | None]:
-    """Offload ``names`` for one memory run; on fake tensors only metadata goes to the meta "host"."""
-    if not names:
-        yield None
-        return
-    apply_offload(model, names, measure=any(is_fake(p) for p in model.parameters()), limits=limits)
-    try:
-        yield model_offloader(model)
-    finally:
-        remove_offload(model)
 
 
 class _SegmentMeter(PeakMeter):

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
+from ...core.plan import StageAction
 from ..installing import sac
 from ..installing.segments import chained_groups, sequential_groups
+from ..installing.tiled_mlp import with_tiles
 from ..measuring.measure import Step
 from ..measuring.observe import ModuleStats, ObservedStep
 from .memory_run import MemoryRun, memory_run
@@ -68,6 +70,27 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
     return tuple(tuple(g) for g in chained_groups(model, step, groups, calls))
 
 
+def option_actions(name: str, wrap: dict[str, tuple], limits: dict[str, int]) -> list[StageAction]:
+    """The actions of option ``name`` for its memory run: ``wrap``'s modules recomputed (with the option's policy, or
+    their checkpoint input offloaded), its stages offloaded, run as parts (residual_twins.py) or tiled (tiled_mlp.py).
+
+    >>> [a.to_dict()["modules"] for a in option_actions("whole", {"h.0": ("h.0",), "h.1": ("h.1",)}, {})]
+    [['h.0'], ['h.1']]
+    """
+    base, tiled = split_tiled(name)  # an option with its stages' MLP tiled (tiled_options.py)
+    wrapped, offload_inputs = [m for ms in wrap.values() for m in ms], base == OFFLOAD_INPUT
+    parts = list(wrap) if name in PARTS_OPTIONS else []
+
+    def extra(module: str) -> dict[str, bool]:
+        return {"residual_parts": True} if module in parts else {}
+    actions = [*(StageAction.recompute(m, policy=None if offload_inputs else sac.policy_of(name) or None,
+                                       offload_input=offload_inputs, extra=extra(m)) for m in wrapped),
+               *(StageAction(m, extra=extra(m)) for m in parts if m not in wrapped)]
+    if is_offload(name):
+        actions += [StageAction.offload(n, limits.get(n) if name == OFFLOAD_HIDDEN else None) for n in wrap]
+    return with_tiles(actions, {n: tiled for n in wrap} if tiled else {})
+
+
 def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],
                     optimizer: torch.optim.Optimizer | None, replay: Callable[[], None], accumulation_steps: int,
                     limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
@@ -79,16 +102,9 @@ def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps:
         calls = dict(enumerate(observed.position_calls))
         runs, dropped = {}, []
         for name, wrap in list(wraps.items()):
-            base, tiled = split_tiled(name)  # an option with its stages' MLP tiled (tiled_options.py)
             try:
-                runs[name] = memory_run(model, step, observed.positions, calls, [m for ms in wrap.values() for m in ms],
-                                        optimizer, replay, gradients_alive=accumulation_steps > 1,
-                                        policy=sac.policy_of(name),
-                                        offloaded=list(wrap) if is_offload(name) else (),
-                                        offload_limits=limits if name == OFFLOAD_HIDDEN else None,
-                                        dead=dead, offload_inputs=base == OFFLOAD_INPUT,
-                                        parts=list(wrap) if name in PARTS_OPTIONS else (),
-                                        tiled={n: tiled for n in wrap} if tiled else None)
+                runs[name] = memory_run(model, step, observed.positions, calls, option_actions(name, wrap, limits),
+                                        optimizer, replay, gradients_alive=accumulation_steps > 1, dead=dead)
             except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,
                 # which a forward that mutates state it reads (a key/value cache) does not.
