@@ -142,7 +142,7 @@ def test_accelerate_fsdp1_is_refused_with_the_workaround():
 def test_profiles_merge_term_by_term_and_must_have_the_same_stages():
     from lightning_remat.core.errors import UnsupportedShardingError
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
-    from lightning_remat.service.sharded import merge_profiles
+    from lightning_remat.core.profile_algebra import merge_profiles
 
     def profile(stored, local, head, extra=()):
         options = (StageOption("keep", (), stored, local), StageOption("whole", ("a",), 10, local + 5, Costs(1.0, 7)))

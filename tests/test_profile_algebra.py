@@ -14,7 +14,7 @@ import pytest
 
 from lightning_remat.core.batch_fit import ProfileFit
 from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
-from lightning_remat.service.sharded import merge_profiles
+from lightning_remat.core.profile_algebra import merge_profiles
 
 # Memory no batch changes. Every other number grows with the batch.
 STATIC = {"parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes"}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from .errors import UnsupportedShardingError
 from .memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 
 
@@ -166,6 +167,22 @@ def first_present(owner: type, name: str, values: Sequence[Any]) -> Any:
 def largest(term: Term, values: Sequence[Any]) -> Any:
     """The combiner of the rank merge: the largest value of the inputs that have the field."""
     return max(v for v in values if v is not None)
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """One profile whose every numeric term is the largest of the ranks', so a plan within budget fits every rank."""
+    first = profiles[0]
+    shape = [(s.name, [o.name for o in s.options]) for s in first.stages]
+    for other in profiles[1:]:
+        if [(s.name, [o.name for o in s.options]) for s in other.stages] != shape:
+            raise UnsupportedShardingError(
+                "the ranks profiled different stages or options (different control flow, or batches of different "
+                "shapes): give every rank a batch of the same shape while planning, or pass candidates=")
+    merged = combine(profiles, largest)
+    if len(profiles) > 1:
+        merged = replace(merged, notes=(*first.notes, f"profiled on each of {len(profiles)} ranks in lockstep (the model is sharded); "
+                        "every term is the largest over the ranks, so the budget is per rank"))
+    return merged
 
 
 def combine_fields(nodes: Sequence[Any], combiner: Combiner, structure: Structure = first_present) -> dict[str, Any]:

@@ -231,18 +231,13 @@ class LengthFit:
         ...     keep = StageOption("keep", (), 8 * s + s * s, 1000 + 3 * s * s)
         ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
         >>> fit = LengthFit({64: node(64), 128: node(128), 256: node(256)})
-        >>> fit.at(1024).stages == node(1024).stages, fit.at(128) is fit.nodes[128], fit.batch_sizes
-        (True, True, (64, 128, 256))
+        >>> fit.at(1024).stages == node(1024).stages, fit.at(128) is fit.nodes[128]
+        (True, True)
     """
 
     def __init__(self, nodes: Mapping[int, Profile]):
         check_same_stages(nodes)
         self.nodes = dict(sorted(nodes.items()))
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """The profiled lengths (named as ``ProfileFit``'s, whose place in ``BatchSearch`` this takes)."""
-        return tuple(self.nodes)
 
     @property
     def static_bytes(self) -> int:

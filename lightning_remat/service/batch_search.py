@@ -14,6 +14,7 @@ from ..core.budget import format_bytes
 from ..core.config import RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError, PlanningFailedError, RematError
 from ..core.memory_model import Profile
+from ..core.profile_algebra import merge_profiles
 from ..core.plan import Plan
 from ..core.solve import least_peak, plan_from_choices, solve
 from ..runtime.installing.apply import recomputation_of
@@ -22,7 +23,6 @@ from ..runtime.profiling import profile as profiling
 from ..runtime.measuring.trial import Trial, run_trial
 from .channel import Channel
 from .planning import Planner, resolve_cost
-from .sharded import merge_profiles
 
 MakeStep = Callable[[int], Step]
 
@@ -107,11 +107,11 @@ class BatchSearch:
     def correction(self, batch_size: int, recompute: bool) -> float:
         """Bytes the model under-predicts at ``batch_size``, as the failed trials taught."""
         assert self.fit is not None
-        top = self.fit.batch_sizes[-1]
         extra = 0.0
-        for failed_bs, error in self.corrections[recompute]:
+        for failed_bs, error in self.corrections[recompute]:  # ``_trial`` adds them (a ``ProfileFit``'s search)
             # Zero at the profiled sizes, ``error`` at the failed one, along that line between and beyond
             # (a convex peak curve's error stays below the chord).
+            top = self.fit.batch_sizes[-1]
             span = max(1, failed_bs - top)
             extra = max(extra, error * max(0, batch_size - top) / span)
         return extra

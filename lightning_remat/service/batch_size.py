@@ -23,7 +23,7 @@ from ..runtime.targets.offload_link import check_offload_target
 from ..runtime.measuring.trial import Trial
 from .batch_search import BatchSearch, MakeStep, ShardedBatchSearch, too_small_at_one
 from .channel import torch_distributed_channel
-from .sharded import fsdp2_sharded, refuse_fsdp1
+from .planning import fsdp2_sharded, refuse_fsdp1
 
 @dataclass
 class BatchSizeResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,11 @@ class KnobContext:
     optimizer: Any
     profile: Any
     budget_bytes: int
+
+    @cached_property
+    def binding(self) -> dict[str, Any]:
+        """What binds the profile's least peak (``Binding.to_dict()``; empty where nothing is said)."""
+        return solve(self.profile, "min", cost="flops").binding or {}
 
 
 def _optimizer(setting: str) -> Callable[[KnobContext], tuple[str, int] | None]:
@@ -98,9 +104,8 @@ def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
     # Sharded, only parameters, gradients and optimizer state divide by the world size; unsharded,
     # the parameters FSDP2 gathers appear (a sharded profile's least peak holds them already).
     shrinking = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes
-    binds = (solve(profile, "min", cost="flops").binding or {}).get("term")
     # Nothing is gathered in the optimizer's step: there the bound has no gathered parameters.
-    gathered = _gathered_bytes(context) if world <= 1 and binds != OPTIMIZER else 0
+    gathered = _gathered_bytes(context) if world <= 1 and context.binding.get("term") != OPTIMIZER else 0
     # Even on infinitely many GPUs the peak keeps the rest: no re-profile where that is above the budget.
     if least_peak(profile) - shrinking + gathered > context.budget_bytes:
         return None
@@ -136,7 +141,7 @@ def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
     if context.planner.config.profile.chunk_loss or _below_static(context) or find_head_loss(context.model) is None:
         return None
     # Offered (and re-profiled for) only where the head and loss's term binds the least peak.
-    if (solve(context.profile, "min", cost="flops").binding or {}).get("term") != HEAD:
+    if context.binding.get("term") != HEAD:
         return None
     return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
 
@@ -145,7 +150,7 @@ def _tiled_mlp(context: KnobContext) -> tuple[str, int] | None:
     if context.planner.config.profile.tile_mlp or _below_static(context):
         return None
     # Offered (and re-profiled for) only where a stage with a position-wise child binds the least peak.
-    binding = solve(context.profile, "min", cost="flops").binding or {}
+    binding = context.binding
     stage = dict(context.model.named_modules()).get(binding.get("name")) if binding.get("term") == STAGE else None
     if stage is None or all(refusal(child) is not None for child in stage.children()):
         return None

@@ -12,8 +12,9 @@ from torch import nn
 from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.binding import Binding
 from ..core.budget import Budget, format_bytes
-from ..core.errors import BudgetTooSmallError
+from ..core.errors import BudgetTooSmallError, UnsupportedShardingError
 from ..core.plan import Plan
+from ..core.profile_algebra import merge_profiles
 from ..core.solve import solve_recompute_everything, solve_sharded
 from ..runtime.profiling.candidates import CandidateSpec, find_stages
 from ..runtime.installing.compiled import is_data_parallel
@@ -23,12 +24,35 @@ from ..runtime.measuring.measure import Step, is_out_of_memory, model_device, re
 from ..runtime.measuring.roofline import target_gpu
 from ..runtime.profiling import profile as profiling
 from .channel import Channel, torch_distributed_channel
-from .sharded import fsdp2_sharded, lockstep_plan, refuse_fsdp1
 
+FSDP1_HINT = ("Use FSDP2 instead (torch.distributed.fsdp.fully_shard; in Lightning ModelParallelStrategy with "
+              "fully_shard in configure_model; in Accelerate FullyShardedDataParallelPlugin(fsdp_version=2)), "
+              "or call plan_remat and apply_plan on the model before it is wrapped, on every rank.")
 # Said with every plan priced in measured seconds: its overhead moves from run to run on a busy machine.
 MEASURED_TIME_NOTE = ("cost 'time': the overhead is in seconds measured on this machine, which vary from run to run "
                       "when it is busy (so may the plan); cost='flops' (counted, the same on every run; the CPU's "
                       "default) or cost='roofline' give figures that do not move")
+
+
+def fsdp2_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its modules is sharded with FSDP2's ``fully_shard``.
+
+    >>> fsdp2_sharded(nn.Linear(2, 2))
+    False
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def refuse_fsdp1(model: nn.Module, where: str) -> None:
+    """Raise ``UnsupportedShardingError`` if ``model`` is wrapped by FSDP1."""
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise UnsupportedShardingError(f"{where}: the model is wrapped by FSDP1 (FullyShardedDataParallel), whose "
+                                       "flat parameters and forward cannot be profiled or wrapped. " + FSDP1_HINT)
+
 
 def _warn_if_beyond_the_device(budget: int | str, device: torch.device) -> None:
     if not isinstance(budget, int) or device.type != "cuda" or not torch.cuda.is_available():
@@ -190,10 +214,40 @@ class Planner:
         if lockstep is None:
             lockstep = channel.distributed and fsdp2_sharded(model)
         if lockstep:
-            return lockstep_plan(self, model, step, optimizer, channel=channel, hint=hint, fallback=fallback, **kwargs)
+            return self.lockstep_plan(model, step, optimizer, channel=channel, hint=hint, fallback=fallback, **kwargs)
         decide = self.decide_or_fall_back if fallback else self.decide
         return Plan.from_dict(channel.from_main(lambda: decide(model, step, optimizer, **kwargs).to_dict(),
                                                 action="planning", hint=hint))
+
+    def lockstep_plan(self, model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, *,
+                      channel: Channel, hint: str = "", fallback: bool = True, **kwargs: Any) -> Plan:
+        """Profile on every rank, solve on rank 0 over the termwise maximum, return its plan (or error) on all; with
+        ``fallback``, an out-of-memory error on some rank gives every rank the recompute-everything plan.
+
+        >>> planner = Planner(RematConfig("min", profile=ProfileOptions(fake=True)))
+        >>> planner.lockstep_plan(nn.Linear(2, 2), lambda m: m(torch.ones(1, 2)).sum(), None, channel=Channel())
+        Traceback (most recent call last):
+        ...
+        lightning_remat.core.errors.UnsupportedShardingError: fake profiling of a model already sharded across processes is not supported: ...
+        """
+        if self.config.profile.fake:
+            # Decided alike on every rank, before any collective.
+            raise UnsupportedShardingError(
+                "fake profiling of a model already sharded across processes is not supported: profile it for real "
+                "(fake=False), or plan the unsharded model in one process with fake=True and world_size=N "
+                "(docs/sharded.md)")
+        results = channel.outcomes(lambda: self.profile(model, step, optimizer, **kwargs), action="profiling")
+
+        def decide() -> dict:
+            failed = next((error for _, error in results if error is not None), None)  # the first rank's
+            # ``travelling`` marks an out-of-memory error of a rank.
+            if failed is not None and fallback and any(getattr(error, "out_of_memory", False) for _, error in results):
+                return self.fallback_plan(model, str(failed)).to_dict()
+            if failed is not None:
+                raise failed
+            return self.solve_profile(model, merge_profiles([profile for profile, _ in results])).to_dict()
+
+        return Plan.from_dict(channel.from_main(decide, action="planning", hint=hint))
 
 
 def plan_remat(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], budget: int | str, *,

@@ -19,7 +19,7 @@ from ...core.plan import Plan
 from ...service.channel import Channel, torch_distributed_channel
 from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
-from ...service.sharded import fsdp2_sharded
+from ...service.planning import fsdp2_sharded
 from .deepspeed import ZeroRank, deepspeed_stage, zero_rank
 from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin

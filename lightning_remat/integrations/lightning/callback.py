@@ -22,7 +22,7 @@ from ...service.channel import Channel, torch_distributed_channel
 from ...service.planning import resolve_cost
 from ...service.run import RunHost, RunLifecycle
 from .figures import log_plan_figures
-from ...service.sharded import fsdp2_sharded
+from ...service.planning import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
 from .strategies import config_for, loop_allowance, unsupported

@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer
 from ...core.allowances import LIGHTNING_LOOP_ALLOWANCE
 from ...core.config import RematConfig
 from ...core.errors import UnsupportedSetupError, UnsupportedShardingError
-from ...service.sharded import FSDP1_HINT
+from ...service.planning import FSDP1_HINT
 
 
 def unsupported(trainer: Trainer) -> str | None:
