@@ -282,7 +282,7 @@ def test_a_first_length_whose_tiled_mlps_run_in_two_chunks_is_noted():
 
     from lightning_remat.core.config import ProfileOptions, RematConfig
     from lightning_remat.models import build
-    from lightning_remat.service.seq_search import LengthSearch
+    from lightning_remat.service.seq_len import LengthSearch
 
     make = lambda n: build("llama", batch_size=1, seq_len=n, layers=2, hidden=64, vocab=64).step  # noqa: E731
 

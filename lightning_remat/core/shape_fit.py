@@ -167,25 +167,17 @@ class ShapeFit:
                 missing.append(Shape(batch, bottom, shape.layout))
         return missing
 
-    def weights(self, shape: Shape) -> tuple[dict[Shape, float], str]:
-        """The nodes' weights at ``shape`` and how they were found: ``"chord"``, ``"law"`` or ``"scaled"``."""
-        nodes = list(self.nodes)
-        for how, find in (("chord", chord_weights), ("law", law_weights)):
-            found = find(nodes, shape)
-            if found is not None:
-                return found, how
-        return _scaled_weights(nodes, shape), "scaled"
-
     def at(self, shape: Shape, method: str | None = None) -> Profile:
-        """The profile predicted for ``shape`` by ``method`` (``"chord"``, ``"law"``; None: the first that applies)."""
-        if method is None:
-            weights, how = self.weights(shape)
-        else:
-            find = {"chord": chord_weights, "law": law_weights}[method]
-            weights, how = find(list(self.nodes), shape), method
-            if weights is None:
-                raise ValueError(f"the nodes {sorted(map(str, self.nodes))} give no {method} at {shape}")
-        return self._combined(shape, weights, how)
+        """The profile predicted for ``shape`` by ``method`` (``"chord"``, ``"law"``; None: the first that applies,
+        else the nearest node scaled by the steepest growth)."""
+        finders = {"chord": chord_weights, "law": law_weights}
+        for how in (method,) if method is not None else finders:
+            weights = finders[how](list(self.nodes), shape)
+            if weights is not None:
+                return self._combined(shape, weights, how)
+        if method is not None:
+            raise ValueError(f"the nodes {sorted(map(str, self.nodes))} give no {method} at {shape}")
+        return self._combined(shape, _scaled_weights(list(self.nodes), shape), "scaled")
 
     def _combined(self, shape: Shape, weights: dict[Shape, float], how: str) -> Profile:
         shapes = list(weights)

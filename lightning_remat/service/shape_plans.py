@@ -157,14 +157,6 @@ class ShapePlans:
         self.plans[shape] = plan
         self.sources.setdefault(shape, "saved")
 
-    def predict(self, shape: Shape | tuple[int, int]) -> Profile:
-        """The profile predicted at ``shape`` (no profiling); only once a shape other than the first batch's was planned."""
-        if self.fit is None:
-            raise RuntimeError("ShapePlans.predict needs the fit: plan a batch of another shape than the first")
-        if isinstance(shape, tuple):
-            shape = Shape(*shape, self.anchor[0].layout if self.anchor is not None else ())
-        return self.fit.at(shape)
-
     def profile_of(self, plan: Plan) -> Profile | None:
         """The profile ``plan`` was solved on (no profiling), or None (a fallback plan, or one seeded from a checkpoint)."""
         shape = plan.fingerprint.get("shape")
