@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .errors import UnsupportedShardingError
-from .memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
+from .memory_model import Costs, Profile, Segment, StageOption, StageProfile
 
 
 class Unit(Enum):
@@ -29,27 +29,19 @@ class Growth(Enum):
     PEAK = "peak"  # a peak counts the static memory under it: static plus a part that grows
 
 
-def _baseline_peak(profile: Profile) -> int:
-    return predict_peak(profile, [0] * len(profile.stages))
-
-
 @dataclass(frozen=True)
 class Quantity:
     """What one numeric field of a profile is.
 
     Args:
         signed: whether it may be below zero (the model's terms are measured differences, never clamped).
-        derive: how to compute it from the rest of the node (the baseline peak), after the other fields.
+        derived: computed from the rest of the node after the other fields (the baseline peak: ``with_baseline``).
     """
 
     unit: Unit
     growth: Growth = Growth.PER_SAMPLE
     signed: bool = False
-    derive: Optional[Callable[[Any], Any]] = field(default=None, compare=False)
-
-    @property
-    def derived(self) -> bool:
-        return self.derive is not None
+    derived: bool = False
 
     def coerce(self, value: float) -> int | float:
         """``value`` as stored: bytes rounded up, counts rounded, never below zero unless ``signed``."""
@@ -67,7 +59,7 @@ _DECLARED: dict[tuple[type, str], Quantity | None] = {
     (StageOption, "stored_bytes"): Quantity(Unit.BYTES, signed=True),
     (StageOption, "local_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True),
     (Segment, "peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True),
-    (Profile, "baseline_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True, derive=_baseline_peak),
+    (Profile, "baseline_peak_bytes"): Quantity(Unit.BYTES, Growth.PEAK, signed=True, derived=True),
     # Which stages are alive while the segment runs: part of what the segment is, not a measure.
     (Segment, "stages_alive"): None,
     # Shared inputs (``core.shared_held``, ``position_ids``): a fixed size at any batch and depth, never scaled.
@@ -224,15 +216,8 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
             groups = _align([() if n is None else getattr(n, name) for n in nodes], child)
             values[name] = tuple(combine(group, combiner, structure=structure, derive=derive) for group in groups)
     node = replace(present[0], **values)
-    derived = _derived(owner)
-    if derive and derived:
-        node = replace(node, **{term.name: term.quantity.derive(node) for term in derived})
-    return node
-
-
-@functools.cache
-def _derived(owner: type) -> tuple[Term, ...]:
-    return tuple(term for term in terms(owner) if term.quantity.derived)
+    # A profile's one derived figure, its baseline peak, from its combined terms.
+    return node.with_baseline() if derive and isinstance(node, Profile) else node
 
 
 def _align(collections: Sequence[Sequence[Any]], child: type) -> list[list[Any]]:

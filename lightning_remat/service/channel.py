@@ -82,10 +82,10 @@ class Channel:
             raise error
         return value  # type: ignore[return-value]
 
-    def outcomes(self, compute: Callable[[], T], *, action: str = "profiling",
-                 ended_early: Callable[[T], bool] | None = None) -> list[tuple[T | None, BaseException | None]]:
-        """``compute()`` on every rank; every rank's ``(value, error)``; ``ended_early(value)`` flags a caught OOM."""
-        return self._attempt_on_every_rank(compute, action, ended_early)[1]
+    def outcomes(self, compute: Callable[[], T], *,
+                 action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
+        """``compute()`` on every rank; every rank's ``(value, error)``."""
+        return self._attempt_on_every_rank(compute, action)[1]
 
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
                       ended_early: Callable[[T], bool] | None = None) -> list[T]:

@@ -25,6 +25,7 @@ from ..runtime.installing.tiled_mlp import TILE, parse
 from ..runtime.measuring.exclusive import exclusive
 from .batch_search import BatchSearch, MakeStep
 from .batch_size import apply_or_restore, search_setup
+from .planning import Planner
 
 DEFAULT_MAX_SEQ_LEN = 2**20  # a million tokens
 MAX_SEQ_LEN = 2**30  # far beyond any real search, so that a typo fails at once
@@ -182,7 +183,6 @@ class LengthSearch(BatchSearch):
     def knobs_at(self, length: int) -> list[dict[str, Any]]:
         """The knobs (``service.knobs``) at a profiled ``length``: each re-profiles the step, so only on request."""
         from .knobs import KnobContext, knob_figures
-        from .planning import Planner
 
         assert self.fit is not None and length in self.fit.nodes
         context = KnobContext(Planner(self.config, verbose=False), self.model, self.step_at(length), self.optimizer,
