@@ -115,14 +115,11 @@ def _more_gpus(context: KnobContext) -> tuple[str, int] | None:
     # A power of two: what clusters have, and no padding where the model's dimensions are powers of two.
     estimate = 1 << (estimate - 1).bit_length()
     sharded = _reprofiled(context, fake=True, world_size=estimate)
-    peak = least_peak(sharded)
-    if peak <= context.budget_bytes:
-        return f"fake=True, world_size={estimate} (FSDP2, per GPU)", peak
-    return _more_gpus_from(context, sharded, estimate, peak)
+    return _more_gpus_from(context, sharded, estimate, least_peak(sharded))
 
 
 def _more_gpus_from(context: KnobContext, sharded: Any, world: int, peak: int) -> tuple[str, int]:
-    """From a sharded profile that does not fit: the next size its own algebra says fits, with its peak."""
+    """A sharded profile's own size where it fits, else the next size its own algebra says fits, with its peak."""
     # At every moment of the step the sharded parameters and optimizer state divide further (gradients may
     # not exist yet) and nothing else grows: an upper bound on the least peak at the next size.
     own = sharded.parameter_bytes + sharded.optimizer_state_bytes
