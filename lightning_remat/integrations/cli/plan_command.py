@@ -93,11 +93,12 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
-    from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
+    from ...report.plots import pareto_figure, save_figure, timeline_figure
     from ...report.breakdown import memory_timeline
 
     files: dict[str, str] = {}
     args.out.mkdir(parents=True, exist_ok=True)
+    budget = plan.budget_bytes if plan is not None else None
     if not args.fake:  # a timeline needs a real step
         advance("recording memory over one step")
         timelines = [memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")]
@@ -105,15 +106,11 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
             count = len(plan.checkpointed)
             timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
                                              label=f"plan ({count} module{'s' if count != 1 else ''} recomputed)"))
-        files["memory_timeline"] = str(plot_memory_timeline(
-            timelines, args.out / "memory_timeline.png", budget_bytes=plan.budget_bytes if plan is not None else None,
-            title=f"{name}: memory over one training step (optimizer state included)"))
-    unit = OVERHEAD_LABELS[args.cost]
-    chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
-    files["pareto"] = str(plot_pareto(
-        args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],
-        planned=chosen, baseline_peak_bytes=profile.baseline_peak_bytes, overhead_label=unit,
-        budget_bytes=plan.budget_bytes if plan is not None else None, title=f"{name}: predicted peak vs overhead"))
+        files["memory_timeline"] = str(save_figure(timeline_figure(
+            timelines, f"{name}: memory over one training step (optimizer state included)", budget),
+            args.out / "memory_timeline.png"))
+    pareto = pareto_figure(points, profile.baseline_peak_bytes, args.cost, plan, title=f"{name}: predicted peak vs overhead")
+    files["pareto"] = str(save_figure(pareto, args.out / "pareto.png"))
     if plan is not None:
         (args.out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         files["plan"] = str(args.out / "plan.json")
