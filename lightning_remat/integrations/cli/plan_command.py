@@ -46,12 +46,8 @@ def _profile_warnings(profile: Any, cost: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    profile: dict[str, Any] = {}
-    for f in fields(ProfileOptions):
-        value = getattr(args, f.name, f.default)
-        if isinstance(value, str) and "parse" in f.metadata:
-            value = f.metadata["parse"](value)
-        profile[f.name] = value
+    # Text (--candidates A,B, --policies all) is ProfileOptions' to read, as from Python.
+    profile = {f.name: getattr(args, f.name) for f in fields(ProfileOptions)}
     try:
         config = RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(**profile))
     except ValueError as err:
