@@ -189,7 +189,7 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
 
         # Sharded: each model profiled (the whole one, or a truncated copy) gets a twin of its own
         # sharded over a fake process group, and an optimizer over the twin's sharded parameters.
-        with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (twin, _):
+        with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as twin:
             if sharded and optimizer is not None:
                 by_name = dict(twin.named_parameters())
                 optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))

@@ -83,23 +83,22 @@ def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
 
 @contextlib.contextmanager
 def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
-                 param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
-    """With ``world_size`` > 1, a sharded copy of the fake ``model`` and its ``sharding`` record; else ``model``, {}."""
+                 param_dtype: torch.dtype | None) -> Iterator[nn.Module]:
+    """With ``world_size`` > 1, a sharded copy of the fake ``model``; else ``model``."""
     if world_size <= 1:
-        yield model, {}
+        yield model
         return
     from ..profiling.candidates import find_stages
 
     from .fake import _shallow_module_copy
 
-    info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
     model = _shallow_module_copy(model)
 
     units = find_stages(model, candidates)
     with fake_process_group(world_size) as mesh:
         shard_model(model, units, mesh, mode, param_dtype)
-        yield model, info
+        yield model
 
 
 def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:
