@@ -171,11 +171,6 @@ def test_pareto_sweep_and_plot(tmp_path):
     assert not math.isnan(sweep[0].predicted_overhead)
 
 
-def test_timeline_summary():
-    t = MemoryTimeline("x", [1, 5, 2], 2)
-    assert t.to_dict() == {"label": "x", "ops": 3, "backward_start": 2, "peak_bytes": 5}
-
-
 def test_the_breakdown_table_shares_add_up_to_100_and_its_parts_to_their_total():
     from lightning_remat.report.render import breakdown_table, percent_shares, to_text
 

@@ -166,11 +166,6 @@ class MemoryTimeline:
     def peak_bytes(self) -> int:
         return max(self.bytes_after_op, default=0)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A short JSON-safe summary (the per-operator series is left out)."""
-        return {"label": self.label, "ops": len(self.bytes_after_op), "backward_start": self.backward_start,
-                "peak_bytes": self.peak_bytes}
-
 
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   plan: Plan) -> TimelineTracker:
