@@ -24,7 +24,7 @@ from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
 from ..measuring.roofline import device_peaks
-from ..measuring.user_hooks import hook_library, without_user_hooks
+from ..measuring.user_hooks import without_user_hooks
 from ...core import hardware
 
 # Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
@@ -134,12 +134,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             twin.__dict__.update(state)
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
-            without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
-            # ZeRO-3's module hooks gather the real module's parameters; a twin holds whole ones (ZeRO-2 puts none).
-            for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-                hooks = twin.__dict__.get(attribute) or {}
-                for key in [k for k, h in hooks.items() if hook_library(getattr(h, "hook", h)) == "deepspeed"]:
-                    del hooks[key]
+            without_user_hooks(twin)  # the user's hooks do not see fake passes, DeepSpeed's are not run (user_hooks.py)
             # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
             # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin,
             # with the module's methods its closure keeps (the forward it wraps) bound to the twin too.
