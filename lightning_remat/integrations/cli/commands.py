@@ -1,4 +1,6 @@
-"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
+"""The subcommands' runs: ``plan`` (profile a factory's step, show where memory goes, plan within a budget, plot) and
+``seq-len`` (the longest sequence a factory's step fits in a budget: ``find_remat_seq_len``; the factory returns
+``(model, make_step[, optimizer])``, ``make_step(seq_len)`` giving ``step(model) -> loss``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, Callable
 
 from ...core.config import ProfileOptions, RematConfig
@@ -192,3 +194,40 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         _show(result, breakdown, plan, points, args.cost)
     return EXIT_OK if plan is not None else EXIT_NO_PLAN
+
+
+def run_seq_len(args: argparse.Namespace) -> int:
+    """The ``seq-len`` subcommand: search, then print the answer, what binds and the lengths profiled."""
+    from ...service.seq_len import find_remat_seq_len
+
+    config = _config(args)  # a malformed flag fails before anything heavy runs
+    if config.budget.is_min:
+        raise UsageError('--budget is required for seq-len: a size such as "80GB" or "80%" ("min" has no longest length)')
+    target, _ = _target(args, lambda _: None)
+    options = {k: v for k, v in asdict(config.profile).items() if k != "warmup"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            result = find_remat_seq_len(target.model, target.step, args.budget, optimizer=target.optimizer,
+                                        init_val=args.init_val, max_seq_len=args.max_seq_len,
+                                        multiple_of=args.multiple_of, max_overhead=args.max_overhead, cost=args.cost,
+                                        max_profiles=args.max_profiles, advice=args.advice, apply=False, verbose=not args.json, **options)
+        except BudgetTooSmallError as err:
+            print(json.dumps({"error": str(err)}) if args.json else one_line_error(err),
+                  file=sys.stdout if args.json else sys.stderr)
+            return EXIT_NO_PLAN
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"{type(err).__name__}: {err}") from err
+    if args.json:
+        print(json.dumps(_as_json(result), indent=1))
+    else:
+        print(result.summary())
+    return EXIT_OK
+
+
+def _as_json(result: Any) -> dict[str, Any]:
+    return {"seq_len": result.seq_len, "first_failing": result.first_failing, "budget_bytes": result.budget_bytes,
+            "predicted_peak_bytes": result.plan.predicted_peak_bytes, "predicted_overhead": result.predicted_overhead,
+            "measured_peak_bytes": result.measured_peak_bytes, "binding": result.binding,
+            "failing_binding": result.failing_binding, "failing_knobs": result.failing_knobs, "tried": [asdict(r) for r in result.tried],
+            "plan": result.plan.to_dict(), "seconds": result.seconds, "notes": result.notes}
