@@ -55,6 +55,12 @@ def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     return gpu_peaks(key or "h100")
 
 
+def training_flops_per_second(device: str, gpu: str | None = None) -> float:
+    """The FLOP/s a training step reaches on the target: its peak (``device_peaks``) times
+    ``core.hardware.TRAINING_EFFICIENCY`` (training rarely reaches the data sheet)."""
+    return device_peaks(device, gpu).flops_per_second * hardware.TRAINING_EFFICIENCY
+
+
 def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:
     """(device type, key in ``core.hardware.GPUS`` or None, the GPU's name) of ``gpu`` when named, else of the device.
 

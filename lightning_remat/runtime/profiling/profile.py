@@ -27,12 +27,12 @@ from ..measuring.tracking import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
-from ..measuring.roofline import device_peaks, sac_seconds_per_op
+from ..measuring.roofline import device_peaks, sac_seconds_per_op, training_flops_per_second
 from ..measuring.runner import run_step
 from ..measuring.tracking import eager_stance
 from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model, new_fake_mode,
-                            real_code_paths, training_flops_per_second)
+                            real_code_paths)
 from ..targets.fake_attention import AttentionNotes, cuda_attention
 from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload

@@ -20,20 +20,9 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ...core.errors import FakeProfileError, where_it_failed
-from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
-from ..measuring.roofline import device_peaks
 from ..measuring.user_hooks import without_user_hooks
-from ...core import hardware
-
-# Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
-GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
-
-
-def training_flops_per_second(device: str, gpu: str | None = None) -> float:
-    """The FLOP/s a training step reaches on the target: its peak (``device_peaks``) times ``GPU_EFFICIENCY``."""
-    return device_peaks(device, gpu).flops_per_second * GPU_EFFICIENCY
 
 
 def new_fake_mode() -> FakeTensorMode:
