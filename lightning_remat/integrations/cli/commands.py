@@ -184,9 +184,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
         "binding": plan.binding if plan is not None else None,
         "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
-        "pareto": [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
-                    "predicted_overhead": _finite(p.predicted_overhead), "modules": p.modules, "feasible": p.feasible}
-                   for p in points],
+        "pareto": [{**asdict(p), "predicted_overhead": _finite(p.predicted_overhead)} for p in points],
         "files": files, "torch": torch.__version__,
     })
     if args.json:
