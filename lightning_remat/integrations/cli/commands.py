@@ -32,19 +32,9 @@ def one_line_error(err: BaseException) -> str:
     return "lightning-remat: error: " + " ".join(str(err).split())
 
 
-def _finite(value: float) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-
-def _profile_warnings(profile: Any, cost: str) -> list[str]:
-    from ...service.batch_search import flops_unattributed
-
-    found = []
-    if cost == "flops" and flops_unattributed(profile):
-        found.append("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
-                     "FlopCounterMode names modules from the first one called), so every plan looks free; "
-                     "use --cost time or call model(...) in the step")
-    return found
+NO_FLOPS = ("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
+            "FlopCounterMode names modules from the first one called), so every plan looks free; "
+            "use --cost time or call model(...) in the step")
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
@@ -96,7 +86,6 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
 
     files: dict[str, str] = {}
     args.out.mkdir(parents=True, exist_ok=True)
-    budget = plan.budget_bytes if plan is not None else None
     if not args.fake:  # a timeline needs a real step
         advance("recording memory over one step")
         timelines = [memory_timeline(target.model, target.step, optimizer=target.optimizer, label="no recomputation")]
@@ -105,10 +94,12 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
             timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
                                              label=f"plan ({count} module{'s' if count != 1 else ''} recomputed)"))
         files["memory_timeline"] = str(save_figure(timeline_figure(
-            timelines, f"{name}: memory over one training step (optimizer state included)", budget),
+            timelines, f"{name}: memory over one training step (optimizer state included)",
+            plan.budget_bytes if plan is not None else None),
             args.out / "memory_timeline.png"))
-    pareto = pareto_figure(points, profile.baseline_peak_bytes, args.cost, plan, title=f"{name}: predicted peak vs overhead")
-    files["pareto"] = str(save_figure(pareto, args.out / "pareto.png"))
+    title = f"{name}: predicted peak vs overhead"
+    files["pareto"] = str(save_figure(pareto_figure(points, profile.baseline_peak_bytes, args.cost, plan, title=title),
+                                      args.out / "pareto.png"))
     if plan is not None:
         (args.out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         files["plan"] = str(args.out / "plan.json")
@@ -135,6 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand (``args`` as parsed by the command line)."""
     from ...report.plots import pareto_sweep
     from ...runtime.measuring.measure import model_device
+    from ...service.batch_search import flops_unattributed
     from ...service.planning import Planner
 
     config = _config(args)  # a malformed budget fails before anything heavy is imported
@@ -164,7 +156,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}"
                                   + (f" (at {where})" if where and where not in str(err) else "")) from err
         result["profile_seconds"] = time.perf_counter() - start
-        result["warnings"] = _profile_warnings(profile, args.cost)
+        result["warnings"] = [NO_FLOPS] if args.cost == "flops" and flops_unattributed(profile) else []
         advance("measuring where memory goes")
         breakdown = _breakdown(args, target, profile)
         advance("solving")
@@ -184,7 +176,9 @@ def run_plan(args: argparse.Namespace) -> int:
         "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
         "binding": plan.binding if plan is not None else None,
         "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
-        "pareto": [{**asdict(p), "predicted_overhead": _finite(p.predicted_overhead)} for p in points],
+        # An infeasible budget's overhead is NaN, which JSON has not: null.
+        "pareto": [{**asdict(p), "predicted_overhead": None if math.isnan(p.predicted_overhead) else
+                    p.predicted_overhead} for p in points],
         "files": files, "torch": torch.__version__,
     })
     if args.json:
