@@ -86,9 +86,10 @@ def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor(value, dtype=t.dtype) if t.dim() == 0 else torch.tensor([value], dtype=t.dtype)
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
-                    mode: FakeTensorMode) -> torch.optim.Optimizer:
-    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state."""
+def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor], mode: FakeTensorMode,
+                    state: bool = True) -> torch.optim.Optimizer:
+    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state
+    (none without ``state``)."""
     optimizer = torch_optimizer(optimizer)
     groups = []
     for group in optimizer.param_groups:
@@ -98,7 +99,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [params[id(p)] for p in group["params"]]})
     clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if state else ():
         for p in group["params"]:
             if p in optimizer.state:
                 clone.state[params[id(p)]] = {
