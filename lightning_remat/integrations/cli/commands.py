@@ -177,8 +177,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "binding": plan.binding if plan is not None else None,
         "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
         # An infeasible budget's overhead is NaN, which JSON has not: null.
-        "pareto": [{**asdict(p), "predicted_overhead": None if math.isnan(p.predicted_overhead) else
-                    p.predicted_overhead} for p in points],
+        "pareto": [{**asdict(p), "predicted_overhead": None if math.isnan(p.predicted_overhead)
+                    else p.predicted_overhead} for p in points],
         "files": files, "torch": torch.__version__,
     })
     if args.json:
