@@ -29,11 +29,11 @@ import transformers
 
 from lightning_remat import BudgetTooSmallError, apply_plan, measure_step, plan_remat
 from lightning_remat.runtime.measuring.measure import count_step_flops
-from lightning_remat.runtime.measuring.roofline import OpRecorder, gpu_peaks, roofline_seconds
+from lightning_remat.runtime.measuring.roofline import OpRecorder, device_peaks, roofline_seconds
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "unseen_models.json"
 BATCH, SEQ, VOCAB = 2, 128, 4096
-H100 = gpu_peaks("h100")
+H100 = device_peaks("cuda", "h100")
 MODELS = ("gemma2", "gptneox", "deberta", "whisper", "swin")
 
 

@@ -13,9 +13,9 @@ from torch import nn
 from lightning_remat.runtime.measuring.measure import measure_step
 from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.report.breakdown import memory_breakdown
-from lightning_remat.report.plots import pareto_sweep, plot_memory_timeline, plot_pareto
+from lightning_remat.report.plots import pareto_figure, pareto_sweep, save_figure, timeline_figure
 from lightning_remat.report.breakdown import MemoryTimeline, memory_timeline
-from lightning_remat.core.solve import least_peak
+from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.core.plan import Plan, StageAction
 
 
@@ -110,7 +110,7 @@ def test_timeline_rises_in_forward_falls_in_backward_and_the_plan_lowers_it(tmp_
     # The recorded series peaks where MemTracker's own peak is.
     assert before.peak_bytes == measure_step(model, step).peak_bytes
 
-    png = plot_memory_timeline([before, after], tmp_path / "timeline.png", title="chain")
+    png = save_figure(timeline_figure([before, after], "chain"), tmp_path / "timeline.png")
     height, width, _ = _png_shape(png)
     assert width >= 600 and height >= 300
 
@@ -137,14 +137,13 @@ def test_a_peak_no_plan_lowers_is_one_budget_row_not_ten_equal_ones():
 
 def test_the_pareto_picture_draws_the_predicted_plans_where_they_are_and_no_line_above_them():
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
-    from lightning_remat.core.solve import solve
-    from lightning_remat.report.plots import plan_pareto_figure
 
     keep = StageOption("keep", (), 100 * 2**20, 150 * 2**20)
     whole = StageOption("whole", ("a",), 10 * 2**20, 160 * 2**20, Costs(1.0, 5))
     profile = Profile((StageProfile("a", (keep, whole)),) * 3, (Segment("head", 3, 50 * 2**20),),
                       baseline_peak_bytes=350 * 2**20, baseline_costs=Costs(flops=100))
-    figure = plan_pareto_figure(profile, solve(profile, 300 * 2**20, cost="flops"), measured_peak_bytes=290 * 2**20)
+    figure = pareto_figure(pareto_sweep(profile, 10, "flops"), profile.baseline_peak_bytes, "flops",
+                           solve(profile, 300 * 2**20, cost="flops"), measured_peak_bytes=290 * 2**20)
     ax = figure.axes[0]
     sweep = {(round(p.predicted_peak_bytes / 2**20, 6), round(100 * p.predicted_overhead, 6))
              for p in pareto_sweep(profile, 10) if p.feasible}
@@ -164,17 +163,12 @@ def test_pareto_sweep_and_plot(tmp_path):
     overheads = [p.predicted_overhead for p in sweep]
     assert overheads == sorted(overheads, reverse=True)  # more memory never costs more
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in sweep)
-    png = plot_pareto(tmp_path / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep],
-                      measured=[("min", sweep[0].predicted_peak_bytes, sweep[0].predicted_overhead)],
-                      baseline_peak_bytes=profile.baseline_peak_bytes)
+    least = solve(profile, sweep[0].budget_bytes, cost="flops")
+    png = save_figure(pareto_figure(sweep, profile.baseline_peak_bytes, "flops", least, least.predicted_peak_bytes),
+                      tmp_path / "pareto.png")
     height, width, _ = _png_shape(png)
     assert width >= 500 and height >= 300
     assert not math.isnan(sweep[0].predicted_overhead)
-
-
-def test_timeline_summary():
-    t = MemoryTimeline("x", [1, 5, 2], 2)
-    assert t.to_dict() == {"label": "x", "ops": 3, "backward_start": 2, "peak_bytes": 5}
 
 
 def test_the_breakdown_table_shares_add_up_to_100_and_its_parts_to_their_total():
@@ -195,12 +189,12 @@ def test_the_breakdown_table_shares_add_up_to_100_and_its_parts_to_their_total()
 
 
 def test_timeline_plot_draws_the_budget_and_marks_the_measured_peak():
-    from lightning_remat.report.plots import pyplot, timeline_figure
+    from lightning_remat.report.plots import pyplot
 
     plt = pyplot()
     timelines = [MemoryTimeline("no recomputation", [2**20, 5 * 2**20, 2**20], 2),
                  MemoryTimeline("plan", [2**20, 3 * 2**20, 2**20], 2)]
-    fig = timeline_figure(plt, timelines, "one training step", budget_bytes=4 * 2**20)
+    fig = timeline_figure(timelines, "one training step", budget_bytes=4 * 2**20)
     ax = fig.axes[0]
     budget = [line for line in ax.get_lines() if list(line.get_ydata()) == [4.0, 4.0]]
     assert budget and "budget 4.00 MiB" in budget[0].get_label()

@@ -36,19 +36,18 @@ def test_lookup_by_name_is_case_insensitive_and_names_the_known_gpus():
 
 
 def test_the_lookups_read_the_one_table():
-    from lightning_remat.runtime.measuring.roofline import device_peaks, gpu_peaks
-    from lightning_remat.runtime.targets.fake import GPU_EFFICIENCY, training_flops_per_second
+    from lightning_remat.runtime.measuring.roofline import device_peaks, training_flops_per_second
 
     for name, spec in GPUS.items():
-        assert spec.flops() == gpu_peaks(name).flops_per_second
-        assert training_flops_per_second("cuda", name) == spec.flops() * GPU_EFFICIENCY
-        assert spec.memory_bandwidth == gpu_peaks(name).bytes_per_second
+        assert spec.flops() == device_peaks("cuda", name).flops_per_second
+        assert training_flops_per_second("cuda", name) == spec.flops() * hardware.TRAINING_EFFICIENCY
+        assert spec.memory_bandwidth == device_peaks("cuda", name).bytes_per_second
     # The data-sheet figures the plans were priced with before the tables became one.
-    assert (gpu_peaks("h100").flops_per_second, gpu_peaks("h200").bytes_per_second,
+    assert (device_peaks("cuda", "h100").flops_per_second, device_peaks("cuda", "h200").bytes_per_second,
             hardware.gpu("gh200").host_link_bandwidth) == (989e12, 4.8e12, 400e9)
-    assert GPU_EFFICIENCY == hardware.TRAINING_EFFICIENCY == 0.4
+    assert hardware.TRAINING_EFFICIENCY == 0.4
     assert match_gpu("NVIDIA H100 PCIe") == "h100-pcie"
-    assert device_peaks("cuda", "a100") == gpu_peaks("a100")
+    assert device_peaks("cpu", "a100") == device_peaks("cuda", "a100")  # a named GPU prices any device as itself
 
 
 def test_every_byte_allowance_is_named_in_one_table_with_its_old_value():

@@ -166,11 +166,6 @@ class MemoryTimeline:
     def peak_bytes(self) -> int:
         return max(self.bytes_after_op, default=0)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A short JSON-safe summary (the per-operator series is left out)."""
-        return {"label": self.label, "ops": len(self.bytes_after_op), "backward_start": self.backward_start,
-                "peak_bytes": self.peak_bytes}
-
 
 def tracked_step(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None,
                   plan: Plan) -> TimelineTracker:
@@ -194,7 +189,6 @@ def memory_timeline(model: nn.Module, step: Step, plan: Plan | None = None, *,
     tracker = tracked_step(model, step, optimizer, plan)
     # The state the optimizer will create at its first step (none once it stepped).
     offset = optimizer_step_cost(optimizer).state_bytes if optimizer is not None and not optimizer.state else 0
-    backward_start = next((i for i, bw in enumerate(tracker.in_backward) if bw), None)
     if label is None:
         label = f"recompute {len(names)} module(s)" if names else "no recomputation"
-    return MemoryTimeline(label, [t + offset for t in tracker.totals], backward_start)
+    return MemoryTimeline(label, [t + offset for t in tracker.totals], tracker.backward_start)

@@ -51,23 +51,19 @@ def pyplot() -> Any:
     return plt
 
 
-def _saved(plt: Any, fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write a figure to a PNG at ``path`` (its folder made) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
-def plot_memory_timeline(timelines: Sequence[MemoryTimeline], path: str | Path, title: str = "",
-                         budget_bytes: int | None = None) -> Path:
-    """Plot measured memory over one training step for each timeline to a PNG, peaks marked, budget dashed."""
+def timeline_figure(timelines: Sequence[MemoryTimeline], title: str = "", budget_bytes: int | None = None) -> Any:
+    """Measured memory over one training step for each timeline (a matplotlib ``Figure``), peaks marked, budget
+    dashed."""
     plt = pyplot()
-    return _saved(plt, timeline_figure(plt, timelines, title, budget_bytes), path)
-
-
-def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = "", budget_bytes: int | None = None) -> Any:
-    """The memory-timeline figure of ``plot_memory_timeline`` (a matplotlib ``Figure``, for a logger too)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, timeline in enumerate(timelines):
@@ -94,38 +90,22 @@ def timeline_figure(plt: Any, timelines: Sequence[MemoryTimeline], title: str = 
     return fig
 
 
-def plot_pareto(path: str | Path, curve: Sequence[tuple[int, float]], *, title: str = "",
-                measured: Sequence[tuple[str, int, float]] = (), planned: Sequence[tuple[str, int, float]] = (),
-                baseline_peak_bytes: int | None = None, budget_bytes: int | None = None,
-                overhead_label: str = "FLOP overhead (%)") -> Path:
-    """Plot peak memory against recompute overhead to a PNG (``measured``, ``planned``: (label, peak, overhead))."""
-    plt = pyplot()
-    fig = _pareto_figure(plt, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes, title)
-    return _saved(plt, fig, path)
-
-
-def _pareto_figure(plt: Any, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes,
-                   title: str) -> Any:
-    fig, ax = plt.subplots(figsize=(6.4, 4.5))
-    draw_pareto(ax, curve, measured, baseline_peak_bytes, overhead_label, planned, budget_bytes)
-    ax.set_title(title or "Peak memory vs recompute overhead")
-    fig.tight_layout()
-    return fig
-
-
 OVERHEAD_LABELS = {"flops": "FLOP overhead (%)", "roofline": "roofline time overhead (%)", "time": "time overhead (%)"}
 
 
-def plan_pareto_figure(profile: Profile, plan: Any, measured_peak_bytes: int | None = None, points: int = 10,
-                       title: str = "") -> Any:
-    """The plan's Pareto picture as a matplotlib ``Figure``: sweep, plan predicted and measured, budget."""
-    plt = pyplot()
-    sweep = pareto_sweep(profile, points, cost=plan.cost_kind)
+def pareto_figure(sweep: Sequence[ParetoPoint], baseline_peak_bytes: int | None, cost: str, plan: Any = None,
+                  measured_peak_bytes: int | None = None, title: str = "") -> Any:
+    """Peak memory against recompute overhead (a matplotlib ``Figure``): the plans of a budget sweep, ``plan``
+    predicted and measured, its budget dashed, the baseline dotted."""
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.5))
+    planned = [] if plan is None else [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)]
     measured = [] if measured_peak_bytes is None else [("measured", measured_peak_bytes, plan.predicted_overhead)]
-    return _pareto_figure(plt, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible],
-                          measured, profile.baseline_peak_bytes, OVERHEAD_LABELS.get(plan.cost_kind, "overhead (%)"),
-                          [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)], plan.budget_bytes,
-                          title or "The plan: predicted peak vs overhead, and as measured")
+    draw_pareto(ax, [(p.predicted_peak_bytes, p.predicted_overhead) for p in sweep if p.feasible], measured,
+                baseline_peak_bytes, OVERHEAD_LABELS.get(cost, "overhead (%)"), planned,
+                None if plan is None else plan.budget_bytes)
+    ax.set_title(title or "Peak memory vs recompute overhead")
+    fig.tight_layout()
+    return fig
 
 
 def draw_pareto(ax: Any, curve, measured, baseline_peak_bytes, overhead_label, planned=(),

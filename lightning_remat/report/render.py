@@ -121,10 +121,8 @@ def breakdown_table(breakdown: Any) -> Any:
         ("temporaries (created in backward)", breakdown.temporary_bytes, "Temp"),
     ]
     rows = [r for r in rows if r[2] != "Buffer" or r[1] or breakdown.at_peak.get("Buffer")]
-    at_peak = dict(breakdown.at_peak)
-    known = {key for _, _, key in rows}
-    if at_peak:  # a category without a row of its own is a temporary, so the rows cover the whole peak
-        at_peak["Temp"] = at_peak.get("Temp", 0) + sum(v for k, v in breakdown.at_peak.items() if k not in known)
+    # Every category has a row (``memory_breakdown`` counts MemTracker's "Other" as "Temp"): the rows cover the peak.
+    at_peak = breakdown.at_peak
     shares = percent_shares([at_peak.get(key, 0) for _, _, key in rows])
     for (what, nbytes, key), share in zip(rows, shares):
         part = at_peak.get(key)

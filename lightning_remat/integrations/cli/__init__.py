@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .factory import UsageError
-from .plan_command import EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, ProfilingFailed, one_line_error, run_plan  # noqa: F401 - exit codes are public
+from .commands import (EXIT_NO_PLAN, EXIT_OK, EXIT_USAGE, ProfilingFailed,  # noqa: F401 - exit codes are public
+                       one_line_error, run_plan, run_seq_len)
 
 
 # The command line plans the least peak unless told otherwise; every other default is the field's.
@@ -97,8 +98,6 @@ def _subcommand(sub: Any, name: str, target_help: str, **kwargs: Any) -> argpars
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .seq_len_command import add_seq_len_flags
-
     parser = argparse.ArgumentParser(
         prog="lightning-remat",
         description="Plan activation recomputation (gradient checkpointing) to fit a training step in a memory budget.")
@@ -116,13 +115,25 @@ def _parser() -> argparse.ArgumentParser:
                         help="budgets in the table from least peak to baseline. Default: 10")
     output.add_argument("--top", type=int, default=10, help="blocks to list by saved activation bytes. Default: 10")
     output.add_argument("--json", action="store_true", help="print machine-readable JSON only (no tables, no progress)")
-    add_seq_len_flags(_subcommand(
+    seq_len = _subcommand(
         sub, "seq-len", "a function returning (model, make_step[, optimizer])",
         help="search the longest sequence whose training step fits a budget (find_remat_seq_len)",
         description="Search the longest sequence (tokens per sequence) whose training step fits --budget with optimal "
                     "recomputation, offload and chunking; print it, what binds there and at the first length that "
                     "does not fit, and the lengths profiled. FACTORY returns (model, make_step) or (model, make_step, "
-                    "optimizer), make_step(seq_len) giving step(model) -> loss."))
+                    "optimizer), make_step(seq_len) giving step(model) -> loss.")
+    search = seq_len.add_argument_group("the search (find_remat_seq_len's arguments)")
+    search.add_argument("--max-seq-len", type=int, default=2**20, help="the longest length searched. Default: 1048576")
+    search.add_argument("--multiple-of", type=int, default=64, help="lengths searched are its multiples. Default: 64")
+    search.add_argument("--init-val", type=int, default=None,
+                        help="the first length profiled (then twice and four times it). Default: 16 x --multiple-of")
+    search.add_argument("--max-overhead", type=float, default=None,
+                        help="the largest recompute cost accepted, a share of a step. Default: any")
+    search.add_argument("--max-profiles", type=int, default=12,
+                        help="profiles at most (3 or more); then the answer is predicted from them. Default: 12")
+    search.add_argument("--advice", action="store_true",
+                        help="evaluate the knobs at the first length that does not fit (each re-profiles: slow)")
+    seq_len.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     return parser
 
 
@@ -131,11 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        if args.command == "seq-len":
-            from .seq_len_command import run_seq_len
-
-            return run_seq_len(args)
-        return run_plan(args)
+        run = run_seq_len if args.command == "seq-len" else run_plan
+        return run(args)
     except UsageError as err:
         print(one_line_error(err), file=sys.stderr)
         return EXIT_USAGE

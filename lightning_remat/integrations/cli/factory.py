@@ -22,7 +22,6 @@ class Target:
     model: Any
     step: Callable[[Any], Any]
     optimizer: Any = None
-    kind: str = "model"
 
 
 def _lightning_optimizer(module: Any) -> Any:
@@ -49,8 +48,9 @@ def normalize(result: Any, name: str = "factory") -> Target:
 
     >>> import torch
     >>> net = torch.nn.Linear(2, 1)
-    >>> normalize((net, lambda m: m(torch.ones(1, 2)).sum())).kind
-    'model'
+    >>> target = normalize((net, lambda m: m(torch.ones(1, 2)).sum()))
+    >>> target.model is net, target.optimizer
+    (True, None)
     """
     from torch import nn
 
@@ -64,7 +64,7 @@ def normalize(result: Any, name: str = "factory") -> Target:
         batch = result[1]
         from ..lightning.step import training_step_closure
 
-        return Target(model, training_step_closure(model, batch), _lightning_optimizer(model), "lightning")
+        return Target(model, training_step_closure(model, batch), _lightning_optimizer(model))
     if not callable(result[1]):
         raise UsageError(f"{name} returned a {type(result[1]).__name__} as the step, which is not callable; {expected}")
     optimizer = result[2] if len(result) == 3 else None

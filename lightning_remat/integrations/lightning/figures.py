@@ -33,9 +33,10 @@ def log_plan_figures(loggers: Iterable[Any], shape_plans: Any, plan: Any, measur
         import matplotlib  # noqa: F401 - the figures need it; without it, nothing is logged
     except ImportError:
         return []
-    from ...report.plots import plan_pareto_figure, pyplot
+    from ...report.plots import pareto_figure, pareto_sweep, pyplot
 
-    figure = plan_pareto_figure(profile, plan, measured_peak_bytes)
+    figure = pareto_figure(pareto_sweep(profile, cost=plan.cost_kind), profile.baseline_peak_bytes, plan.cost_kind,
+                           plan, measured_peak_bytes, "The plan: predicted peak vs overhead, and as measured")
     for sink in sinks:
         sink("remat/pareto", figure, step)
     pyplot().close(figure)

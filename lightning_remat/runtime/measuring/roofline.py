@@ -40,19 +40,21 @@ def roofline_seconds(ops: Iterable[OpCost], peaks: Peaks) -> float:
     return float(sum(max(op.flops / peaks.flops_per_second, op.bytes / peaks.bytes_per_second) for op in ops))
 
 
-def gpu_peaks(name: str) -> Peaks:
-    """The data-sheet ceilings of a named GPU (``core.hardware.gpu``)."""
-    spec = hardware.gpu(name)
-    return Peaks(spec.flops(), spec.memory_bandwidth)
-
-
 def device_peaks(device: str, gpu: str | None = None) -> Peaks:
     """The ceilings to price a profile for ``device`` (``target_gpu``): the CPU's fixed (``core.hardware``) so a
-    profile prices the same in every process; a GPU of unknown name (or another device) priced as an H100."""
+    profile prices the same in every process; a known GPU's data sheet; a GPU of unknown name (or another device)
+    priced as an H100."""
     kind, key, _ = target_gpu(device, gpu)
     if kind == "cpu":
         return Peaks(hardware.CPU_FLOPS, hardware.CPU_MEMORY_BANDWIDTH)
-    return gpu_peaks(key or "h100")
+    spec = hardware.gpu(key or "h100")
+    return Peaks(spec.flops(), spec.memory_bandwidth)
+
+
+def training_flops_per_second(device: str, gpu: str | None = None) -> float:
+    """The FLOP/s a training step reaches on the target: its peak (``device_peaks``) times
+    ``core.hardware.TRAINING_EFFICIENCY`` (training rarely reaches the data sheet)."""
+    return device_peaks(device, gpu).flops_per_second * hardware.TRAINING_EFFICIENCY
 
 
 def target_gpu(device: str | torch.device, gpu: str | None = None) -> tuple[str, str | None, str | None]:

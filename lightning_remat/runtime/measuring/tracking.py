@@ -342,15 +342,17 @@ class SegmentTracker(Tracker):
 
 
 class TimelineTracker(Tracker):
-    """MemTracker that also records the total tracked memory after every operator (outputs in, freed tensors out)."""
+    """MemTracker that also records the total tracked memory after every operator (outputs in, freed tensors out)
+    and the index of the first operator of backward."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
         self.totals: list[int] = []
-        self.in_backward: list[bool] = []
+        self.backward_start: int | None = None
 
     def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
         super()._update_peak_stats(peak_state)
         self.totals.append(current_total(self, self.device))
-        self.in_backward.append(bool(self._mod_tracker.is_bw))
+        if self.backward_start is None and self._mod_tracker.is_bw:
+            self.backward_start = len(self.totals) - 1

@@ -81,9 +81,11 @@ def user_hooks_suspended(model: nn.Module) -> Iterator[None]:
 
 
 def without_user_hooks(module: nn.Module) -> None:
-    """Give ``module`` (a shallow copy) hook dictionaries of its own with the user's hooks silenced."""
+    """Give ``module`` (a shallow copy) hook dictionaries of its own with the user's hooks silenced and DeepSpeed's
+    left out (ZeRO-3's gather the real module's parameters; a twin holds whole ones, ZeRO-2 puts none)."""
     for attribute in HOOK_DICTS:
         hooks = module.__dict__.get(attribute)
         if isinstance(hooks, dict):
             object.__setattr__(module, attribute, OrderedDict(
-                (key, _Silenced(hook) if is_user_hook(hook) else hook) for key, hook in hooks.items()))
+                (key, _Silenced(hook) if is_user_hook(hook) else hook) for key, hook in hooks.items()
+                if hook_library(getattr(hook, "hook", hook)) != "deepspeed"))

@@ -27,12 +27,12 @@ from ..measuring.tracking import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
 from ..measuring.observe import observe_step
-from ..measuring.roofline import device_peaks, sac_seconds_per_op
+from ..measuring.roofline import device_peaks, sac_seconds_per_op, training_flops_per_second
 from ..measuring.runner import run_step
 from ..measuring.tracking import eager_stance
 from ..measuring.user_hooks import user_hooks_suspended
 from ..targets.fake import (clone_optimizer, existing_fake_mode, explain_fake_failures, fake_model, new_fake_mode,
-                            real_code_paths, training_flops_per_second)
+                            real_code_paths)
 from ..targets.fake_attention import AttentionNotes, cuda_attention
 from ..targets.fake_moe import fixed_shape_experts, grouped_mm_in_every_dtype
 from ..targets.offload_link import check_offload_target, hidden_limits, price_offload
@@ -189,10 +189,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
 
         # Sharded: each model profiled (the whole one, or a truncated copy) gets a twin of its own
         # sharded over a fake process group, and an optimizer over the twin's sharded parameters.
-        with sharded_twin(model, options.world_size, options.candidates, mode, autocast) as (twin, _):
-            if sharded and optimizer is not None:
-                by_name = dict(twin.named_parameters())
-                optimizer = map_optimizers(optimizer, lambda o: _sharded_clone(o, model, by_name, mode))
+        with sharded_twin(model, optimizer, options.world_size, options.candidates, mode,
+                          autocast) as (twin, optimizer):
             with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda, attention_notes), \
                     grouped_mm_in_every_dtype(), fixed_shape_experts(twin, moe_notes):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
@@ -216,12 +214,6 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
         profile = price_offload(profile, options, options.device or "cuda")
     profile = profile.noted(precision_note, *dict.fromkeys(moe_notes), *attention_notes.lines())
     return profile
-
-
-def _sharded_clone(optimizer: torch.optim.Optimizer, model: nn.Module, by_name: dict, mode: Any) -> torch.optim.Optimizer:
-    clone = clone_optimizer(optimizer, {id(p): by_name[n] for n, p in model.named_parameters()}, mode)
-    clone.state.clear()  # state of the unsharded parameters: the sharded state is counted ahead
-    return clone
 
 
 def _under_autocast(step: Step, dtype: torch.dtype) -> Step:

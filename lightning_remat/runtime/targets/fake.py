@@ -20,20 +20,9 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ...core.errors import FakeProfileError, where_it_failed
-from ..installing.offloader import is_fake
 from ..installing.records import installed_hooks, without_installation
 from ..measuring.optimizers import torch_optimizer
-from ..measuring.roofline import device_peaks
-from ..measuring.user_hooks import hook_library, without_user_hooks
-from ...core import hardware
-
-# Training rarely reaches the data sheet: seconds are FLOPs / (peak * this).
-GPU_EFFICIENCY = hardware.TRAINING_EFFICIENCY
-
-
-def training_flops_per_second(device: str, gpu: str | None = None) -> float:
-    """The FLOP/s a training step reaches on the target: its peak (``device_peaks``) times ``GPU_EFFICIENCY``."""
-    return device_peaks(device, gpu).flops_per_second * GPU_EFFICIENCY
+from ..measuring.user_hooks import without_user_hooks
 
 
 def new_fake_mode() -> FakeTensorMode:
@@ -97,9 +86,10 @@ def _fake_scalar(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor(value, dtype=t.dtype) if t.dim() == 0 else torch.tensor([value], dtype=t.dtype)
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor],
-                    mode: FakeTensorMode) -> torch.optim.Optimizer:
-    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state."""
+def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Tensor], mode: FakeTensorMode,
+                    state: bool = True) -> torch.optim.Optimizer:
+    """An optimizer of the same class and settings over fake parameters (``params``: id -> fake), with fake state
+    (none without ``state``)."""
     optimizer = torch_optimizer(optimizer)
     groups = []
     for group in optimizer.param_groups:
@@ -109,7 +99,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: dict[int, torch.Te
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [params[id(p)] for p in group["params"]]})
     clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if state else ():
         for p in group["params"]:
             if p in optimizer.state:
                 clone.state[params[id(p)]] = {
@@ -134,12 +124,7 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
             twin.__dict__.update(state)
             if type(twin) is not cls:
                 object.__setattr__(twin, "__class__", cls)
-            without_user_hooks(twin)  # the user's hooks do not see fake passes (user_hooks.py)
-            # ZeRO-3's module hooks gather the real module's parameters; a twin holds whole ones (ZeRO-2 puts none).
-            for attribute in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-                hooks = twin.__dict__.get(attribute) or {}
-                for key in [k for k, h in hooks.items() if hook_library(getattr(h, "hook", h)) == "deepspeed"]:
-                    del hooks[key]
+            without_user_hooks(twin)  # the user's hooks do not see fake passes, DeepSpeed's are not run (user_hooks.py)
             # A method bound to the module in its own __dict__ (TRL's fused LM head and Accelerate's
             # mixed precision replace ``model.forward`` so) would run the real module: bound to the twin,
             # with the module's methods its closure keeps (the forward it wraps) bound to the twin too.

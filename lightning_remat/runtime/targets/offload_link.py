@@ -11,7 +11,7 @@ from ...core.errors import RematError
 from ...core.memory_model import Profile
 from ...core import hardware
 from ...core.offload_model import with_offload_costs
-from .fake import training_flops_per_second
+from ..measuring.roofline import training_flops_per_second
 
 _MEASURE_BYTES = 64 * 2**20
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -82,24 +82,27 @@ def uneven_parameters(model: nn.Module, world_size: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def sharded_twin(model: nn.Module, world_size: int, candidates: object, mode: object,
-                 param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, dict]]:
-    """With ``world_size`` > 1, a sharded copy of the fake ``model`` and its ``sharding`` record; else ``model``, {}."""
+def sharded_twin(model: nn.Module, optimizer: Any, world_size: int, candidates: object, mode: Any,
+                 param_dtype: torch.dtype | None) -> Iterator[tuple[nn.Module, Any]]:
+    """With ``world_size`` > 1, a sharded copy of the fake ``model`` and ``optimizer`` (one, several or None) over
+    its sharded parameters, without state (the sharded state is counted ahead); else ``model`` and ``optimizer``."""
     if world_size <= 1:
-        yield model, {}
+        yield model, optimizer
         return
+    from ..measuring.optimizers import map_optimizers
     from ..profiling.candidates import find_stages
 
-    from .fake import _shallow_module_copy
+    from .fake import _shallow_module_copy, clone_optimizer
 
-    info = sharding_info(model, world_size, candidates, param_dtype)
     # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
-    model = _shallow_module_copy(model)
+    twin = _shallow_module_copy(model)
 
-    units = find_stages(model, candidates)
+    units = find_stages(twin, candidates)
     with fake_process_group(world_size) as mesh:
-        shard_model(model, units, mesh, mode, param_dtype)
-        yield model, info
+        shard_model(twin, units, mesh, mode, param_dtype)
+        sharded = dict(twin.named_parameters())
+        params = {id(p): sharded[name] for name, p in model.named_parameters()}
+        yield twin, map_optimizers(optimizer, lambda o: clone_optimizer(o, params, mode, state=False))
 
 
 def sharding_info(model: nn.Module, world_size: int, candidates: object, param_dtype: torch.dtype | None) -> dict:

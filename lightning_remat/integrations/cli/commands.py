@@ -1,4 +1,6 @@
-"""``lightning-remat plan``: profile a factory's step, show where memory goes, plan within a budget, plot."""
+"""The subcommands' runs: ``plan`` (profile a factory's step, show where memory goes, plan within a budget, plot) and
+``seq-len`` (the longest sequence a factory's step fits in a budget: ``find_remat_seq_len``; the factory returns
+``(model, make_step[, optimizer])``, ``make_step(seq_len)`` giving ``step(model) -> loss``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, Callable
 
 from ...core.config import ProfileOptions, RematConfig
@@ -30,28 +32,14 @@ def one_line_error(err: BaseException) -> str:
     return "lightning-remat: error: " + " ".join(str(err).split())
 
 
-def _finite(value: float) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-
-def _profile_warnings(profile: Any, cost: str) -> list[str]:
-    from ...service.batch_search import flops_unattributed
-
-    found = []
-    if cost == "flops" and flops_unattributed(profile):
-        found.append("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
-                     "FlopCounterMode names modules from the first one called), so every plan looks free; "
-                     "use --cost time or call model(...) in the step")
-    return found
+NO_FLOPS = ("no FLOPs were attributed to the candidate modules (does the step call the model's own forward? "
+            "FlopCounterMode names modules from the first one called), so every plan looks free; "
+            "use --cost time or call model(...) in the step")
 
 
 def _config(args: argparse.Namespace) -> RematConfig:
-    profile: dict[str, Any] = {}
-    for f in fields(ProfileOptions):
-        value = getattr(args, f.name, f.default)
-        if isinstance(value, str) and "parse" in f.metadata:
-            value = f.metadata["parse"](value)
-        profile[f.name] = value
+    # Text (--candidates A,B, --policies all) is ProfileOptions' to read, as from Python.
+    profile = {f.name: getattr(args, f.name) for f in fields(ProfileOptions)}
     try:
         config = RematConfig(args.budget, cost=args.cost, profile=ProfileOptions(**profile))
     except ValueError as err:
@@ -93,7 +81,7 @@ def _breakdown(args: argparse.Namespace, target: Target, profile: Any) -> Any:
 
 def _write_files(args: argparse.Namespace, target: Target, name: str, profile: Any, plan: Plan | None,
                  points: list, advance: Callable[[str], None]) -> dict[str, str]:
-    from ...report.plots import OVERHEAD_LABELS, plot_memory_timeline, plot_pareto
+    from ...report.plots import pareto_figure, save_figure, timeline_figure
     from ...report.breakdown import memory_timeline
 
     files: dict[str, str] = {}
@@ -105,15 +93,13 @@ def _write_files(args: argparse.Namespace, target: Target, name: str, profile: A
             count = len(plan.checkpointed)
             timelines.append(memory_timeline(target.model, target.step, plan, optimizer=target.optimizer,
                                              label=f"plan ({count} module{'s' if count != 1 else ''} recomputed)"))
-        files["memory_timeline"] = str(plot_memory_timeline(
-            timelines, args.out / "memory_timeline.png", budget_bytes=plan.budget_bytes if plan is not None else None,
-            title=f"{name}: memory over one training step (optimizer state included)"))
-    unit = OVERHEAD_LABELS[args.cost]
-    chosen = [("plan", plan.predicted_peak_bytes, plan.predicted_overhead)] if plan is not None else []
-    files["pareto"] = str(plot_pareto(
-        args.out / "pareto.png", [(p.predicted_peak_bytes, p.predicted_overhead) for p in points if p.feasible],
-        planned=chosen, baseline_peak_bytes=profile.baseline_peak_bytes, overhead_label=unit,
-        budget_bytes=plan.budget_bytes if plan is not None else None, title=f"{name}: predicted peak vs overhead"))
+        files["memory_timeline"] = str(save_figure(timeline_figure(
+            timelines, f"{name}: memory over one training step (optimizer state included)",
+            plan.budget_bytes if plan is not None else None),
+            args.out / "memory_timeline.png"))
+    title = f"{name}: predicted peak vs overhead"
+    files["pareto"] = str(save_figure(pareto_figure(points, profile.baseline_peak_bytes, args.cost, plan, title=title),
+                                      args.out / "pareto.png"))
     if plan is not None:
         (args.out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         files["plan"] = str(args.out / "plan.json")
@@ -140,6 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand (``args`` as parsed by the command line)."""
     from ...report.plots import pareto_sweep
     from ...runtime.measuring.measure import model_device
+    from ...service.batch_search import flops_unattributed
     from ...service.planning import Planner
 
     config = _config(args)  # a malformed budget fails before anything heavy is imported
@@ -169,7 +156,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ProfilingFailed(f"profiling {name} failed: {type(err).__name__}: {err}"
                                   + (f" (at {where})" if where and where not in str(err) else "")) from err
         result["profile_seconds"] = time.perf_counter() - start
-        result["warnings"] = _profile_warnings(profile, args.cost)
+        result["warnings"] = [NO_FLOPS] if args.cost == "flops" and flops_unattributed(profile) else []
         advance("measuring where memory goes")
         breakdown = _breakdown(args, target, profile)
         advance("solving")
@@ -189,9 +176,9 @@ def run_plan(args: argparse.Namespace) -> int:
         "device": profile.device, "breakdown": breakdown.to_dict(), "plan": plan.to_dict() if plan is not None else None,
         "binding": plan.binding if plan is not None else None,
         "per_gpu": per_gpu_breakdown(plan) if plan is not None else {},
-        "pareto": [{"budget_bytes": p.budget_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
-                    "predicted_overhead": _finite(p.predicted_overhead), "modules": p.modules, "feasible": p.feasible}
-                   for p in points],
+        # An infeasible budget's overhead is NaN, which JSON has not: null.
+        "pareto": [{**asdict(p), "predicted_overhead": None if math.isnan(p.predicted_overhead)
+                    else p.predicted_overhead} for p in points],
         "files": files, "torch": torch.__version__,
     })
     if args.json:
@@ -199,3 +186,40 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         _show(result, breakdown, plan, points, args.cost)
     return EXIT_OK if plan is not None else EXIT_NO_PLAN
+
+
+def run_seq_len(args: argparse.Namespace) -> int:
+    """The ``seq-len`` subcommand: search, then print the answer, what binds and the lengths profiled."""
+    from ...service.seq_len import find_remat_seq_len
+
+    config = _config(args)  # a malformed flag fails before anything heavy runs
+    if config.budget.is_min:
+        raise UsageError('--budget is required for seq-len: a size such as "80GB" or "80%" ("min" has no longest length)')
+    target, _ = _target(args, lambda _: None)
+    options = {k: v for k, v in asdict(config.profile).items() if k != "warmup"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            result = find_remat_seq_len(target.model, target.step, args.budget, optimizer=target.optimizer,
+                                        init_val=args.init_val, max_seq_len=args.max_seq_len,
+                                        multiple_of=args.multiple_of, max_overhead=args.max_overhead, cost=args.cost,
+                                        max_profiles=args.max_profiles, advice=args.advice, apply=False, verbose=not args.json, **options)
+        except BudgetTooSmallError as err:
+            print(json.dumps({"error": str(err)}) if args.json else one_line_error(err),
+                  file=sys.stdout if args.json else sys.stderr)
+            return EXIT_NO_PLAN
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"{type(err).__name__}: {err}") from err
+    if args.json:
+        print(json.dumps(_as_json(result), indent=1))
+    else:
+        print(result.summary())
+    return EXIT_OK
+
+
+def _as_json(result: Any) -> dict[str, Any]:
+    return {"seq_len": result.seq_len, "first_failing": result.first_failing, "budget_bytes": result.budget_bytes,
+            "predicted_peak_bytes": result.plan.predicted_peak_bytes, "predicted_overhead": result.predicted_overhead,
+            "measured_peak_bytes": result.measured_peak_bytes, "binding": result.binding,
+            "failing_binding": result.failing_binding, "failing_knobs": result.failing_knobs, "tried": [asdict(r) for r in result.tried],
+            "plan": result.plan.to_dict(), "seconds": result.seconds, "notes": result.notes}
