@@ -12,7 +12,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from ...core.plan import Plan, saved_plans, saved_state_plans
+from ...core.plan import Plan, saved_plans
 from ...runtime.installing.fingerprint import made_for_other
 from ..accelerate.accelerator import prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
@@ -78,9 +78,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
     def state(self) -> dict:
         """What the Trainer's checkpoint keeps (``ExportableState``): the settings, and the plans in ``AutoRemat``'s
         format (the latest, and one per batch shape)."""
-        shape_plans = self.session.shape_plans if self.session is not None else None
-        plans = {"plan": self.plan.to_dict() if self.plan is not None else None,
-                 "plans": saved_state_plans(shape_plans.plans if shape_plans is not None else {})}
+        plans = self.session.run.state_dict() if self.session is not None else {"plan": None, "plans": []}
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": plans}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
