@@ -20,7 +20,7 @@ from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.sharded import fsdp2_sharded
 from .deepspeed import ZeroRank, deepspeed_stage, zero_rank
-from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
+from .first_call import FirstCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
@@ -282,8 +282,7 @@ class RematSession:
             with self._planning():
                 plan = self.run.plan_shared(self._config(), call.loss, warmup=0, adjust=adjust)
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
-            template = CallTemplate.of(call)
-            plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
+            plan = self._plan_shapes(CallTemplate.of(call), call, adjust)
         self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
