@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 import sys
 import warnings
@@ -149,23 +148,18 @@ def console(message: str) -> None:
     tqdm.write(message)
 
 
-def _json_safe(value: Any) -> Any:
-    # Settings as the callback takes them again: a module class by its name (``candidates`` takes names).
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, type):
-        return value.__name__
-    return value.value if isinstance(value, enum.Enum) else value
-
-
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
-    """JSON-safe arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it).
+    """JSON-safe arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it): the plugin's checked
+    fields are text, numbers and flags, but a module class among ``candidates`` goes by its name.
 
     >>> from torch import nn
     >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
     ['Linear', 'h.*']
     """
-    return {f.name: _json_safe(getattr(plugin, f.name)) for f in fields(plugin)}
+    args = {f.name: getattr(plugin, f.name) for f in fields(plugin)}
+    if plugin.candidates is not None:
+        args["candidates"] = [c.__name__ if isinstance(c, type) else c for c in plugin.candidates]
+    return args
 
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
