@@ -200,7 +200,7 @@ class RunLifecycle:
                                                gradient_buckets=buckets, **profile))
 
     def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
-        """The run's ``ShapePlans`` on the host's step, ranks and optimizers, seeded with ``saved`` (None: ``saved``)."""
+        """The run's ``ShapePlans`` on the host's step, ranks and optimizers, seeded with ``saved`` (None: its own)."""
         self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
                                       config=config, optimizer=self._optimizers(), channel=self.host.channel(),
                                       hint=self.host.hint, **options)

@@ -120,13 +120,9 @@ class TensorSpec:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def resized(self, source: Shape, target: Shape) -> "TensorSpec":
-        """At ``target``'s batch size and sequence length where it has ``source``'s (other sizes: the model's)."""
-        shape = list(self.shape)
-        if shape and shape[0] == source.batch_size:
-            shape[0] = target.batch_size
-            if len(shape) >= 2 and source.seq_len > 1 and shape[1] == source.seq_len:
-                shape[1] = target.seq_len
-        return replace(self, shape=tuple(shape))
+        """At ``target``'s batch size and sequence length where it has ``source``'s (other sizes: the model's; a
+        gradient has no path in a layout)."""
+        return replace(self, shape=size_at("", self.shape, source, Shape(target.batch_size, target.seq_len)))
 
 
 def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
