@@ -266,7 +266,7 @@ def test_autoremat_plans_images_that_grow_and_a_resumed_run_finds_their_plans(im
     state = json.loads(json.dumps(callback.state_dict()))
     resumed = AutoRemat(budget=budget, cost="flops", verbose=False)
     resumed.load_state_dict(state)
-    assert {key: plan.to_dict() for key, plan in resumed._saved_plans.items()} == \
+    assert {key: plan.to_dict() for key, plan in resumed.run.saved.items()} == \
         {key: plan.to_dict() for key, plan in planned.items()}
     peaks, _ = _lightning_run(batches, [resumed])
     counts = resumed.shape_plans.counts
@@ -280,7 +280,7 @@ def test_a_checkpoint_written_before_layouts_still_loads():
     plan = Plan([StageAction.recompute("net.1")])
     callback = AutoRemat(budget="min", verbose=False)
     callback.load_state_dict({"plan": plan.to_dict(), "plans": [[4, 128, plan.to_dict()]]})
-    assert list(callback._saved_plans) == [Shape(4, 128)]
+    assert list(callback.run.saved) == [Shape(4, 128)]
     assert callback.state_dict()["plans"] == [[4, 128, plan.to_dict()]]  # written as it was read
 
 

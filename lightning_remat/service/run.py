@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from ..core.budget import format_in_units_of
-from ..core.plan import Plan
+from ..core.plan import Plan, saved_plans, saved_state_plans
 from ..core.shapes import Shape
 from ..runtime.installing.apply import apply_plan
 from ..runtime.installing.fingerprint import fingerprint
@@ -97,7 +97,8 @@ FALLBACK_PLAN = ("the fallback plan (every candidate block recomputed whole, mad
 @dataclass
 class RunHost:
     """What a training loop gives the lifecycle, as callables (``step_for(batch)`` -> ``step(module) -> loss``);
-    ``summary``: figures summarise the run (Accelerate's ``remat_metrics``), not each plan as it comes."""
+    ``summary``: figures summarise the run (Accelerate's ``remat_metrics``), not each plan as it comes; ``hint``:
+    where the budget was given, added to the planner's errors."""
 
     model: nn.Module
     step_for: Callable[[Any], Callable[[nn.Module], Any]] | None = None
@@ -110,6 +111,7 @@ class RunHost:
     table: Callable[[Plan, str], None] | None = None
     name: str = "lightning-remat"
     summary: bool = False
+    hint: str = ""
 
 
 class MeasuredWindow:
@@ -179,6 +181,7 @@ class RunLifecycle:
         self.plans: list[Plan] = []
         self.metrics: dict[str, float] = {}
         self.shape_plans: Any = None
+        self.saved: dict[Shape, Plan] = {}  # a checkpoint's plans per shape: seeded into the next ShapePlans
         self.profiles = 0  # profiling passes run for the run's plans (real and fake)
         self.measure_in: int | None = None  # batches until the measured window starts (batch-driven hosts)
         self._window_left = 0
@@ -191,14 +194,30 @@ class RunLifecycle:
             return found[0] if len(found) == 1 else list(found) or None
         return found
 
+    def config(self, config: Any, buckets: bool, **profile: Any) -> Any:
+        """``config`` for this loop: its accumulation, ``buckets`` (DDP's gradient buckets), ``profile`` options."""
+        return replace(config, profile=replace(config.profile, accumulation_steps=max(1, self.host.accumulation()),
+                                               gradient_buckets=buckets, **profile))
+
     def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
-        """The run's ``ShapePlans`` on the host's step, ranks and optimizers; ``saved``: a checkpoint's plans."""
+        """The run's ``ShapePlans`` on the host's step, ranks and optimizers, seeded with ``saved`` (None: its own)."""
         self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
                                       config=config, optimizer=self._optimizers(), channel=self.host.channel(),
-                                      **options)
-        for shape, plan in (saved or {}).items():
+                                      hint=self.host.hint, **options)
+        for shape, plan in (self.saved if saved is None else saved).items():
             self.shape_plans.seed(shape, plan)
         return self.shape_plans
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plans as a checkpoint keeps them: the latest, and one per batch shape (none followed yet: ``saved``)."""
+        plans = self.shape_plans.plans if self.shape_plans is not None else self.saved
+        return {"plan": self.plan.to_dict() if self.plan is not None else None, "plans": saved_state_plans(plans)}
+
+    def load_state_dict(self, state: dict[str, Any], owner: str) -> Plan | None:
+        """Keep a checkpoint's plans per shape in ``saved`` (all checked first, errors naming ``owner``); its latest."""
+        plan, plans = saved_plans(state, owner)
+        self.saved = dict(plans)
+        return plan
 
     def follow(self, batch: Any) -> bool:
         """Install the plan for ``batch``'s shape; whether it was decided now."""
@@ -211,7 +230,8 @@ class RunLifecycle:
     def plan_shared(self, config: Any, step: Any, batch: Any = None, verbose: bool = True, **options: Any) -> Plan:
         """One plan from a real profile on every rank in lockstep (FSDP2 has no fake twin), installed on every rank."""
         plan = Planner(config, verbose=verbose).shared_plan(self.host.model, step, self.host.optimizers() or None,
-                                                             channel=self.host.channel(), **options)
+                                                             channel=self.host.channel(), hint=self.host.hint,
+                                                             **options)
         if batch is not None:
             plan = replace(plan, fingerprint={**plan.fingerprint, **fingerprint(self.host.model, batch)})
         self.profiles += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from dataclasses import fields
 from typing import Any
 
 import torch  # noqa: F401 - the doctests use it
@@ -164,8 +165,7 @@ def _check_same_settings(held: RematPlugin, asked: RematPlugin) -> None:
     """A model has one session: other settings are refused, not ignored."""
     if held != asked:
         differ = [f"{_said(name, getattr(held, name))} and {_said(name, getattr(asked, name))}"
-                  for name in ("budget", "profile_steps", "candidates", "cost", "offload", "policies", "chunk_loss")
-                  if getattr(held, name) != getattr(asked, name)]
+                  for name in (f.name for f in fields(held)) if getattr(held, name) != getattr(asked, name)]
         raise ConflictingArgumentsError(
             f"lightning-remat: this model is planned already, with other settings: {'; '.join(differ)}. A second "
             "RematTrainerCallback, prepare_remat or RematAccelerator for the same model would be ignored: give one")

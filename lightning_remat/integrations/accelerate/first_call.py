@@ -55,20 +55,6 @@ class FirstCall(CallTemplate):
         return profile if own else with_user_loss_allowance(profile, USER_LOSS_OUTPUT_COPIES * output_bytes)
 
 
-@dataclass(frozen=True)
-class ObservedCall:
-    """The observed call as a batch: its real inputs (a template's zeros would count in the profiled step)."""
-
-    call: RecordedCall
-    shape: Any
-
-    def loss(self, model: nn.Module) -> torch.Tensor:
-        return self.call.loss(model)
-
-    def at(self, shape: Any) -> Any:
-        return CallTemplate.of(self.call).at(shape)
-
-
 def observed_adjust(held: int, carried: int, observed: tuple[int, bool] | None, actions: Any = ()) -> Any:
     """``adjust(profile)`` for the observed call: ``with_loop_references`` then ``calibrate`` by ``observed``."""
     def adjust(profile: Profile) -> Profile:

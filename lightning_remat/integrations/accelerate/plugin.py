@@ -7,11 +7,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from ...core.config import MAX_STEPS
 from ...core.budget import Budget
-from ...core.config import (COST_KINDS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates,
-                            check_policies)
-from ...core.vocabulary import Policy
+from ...core.config import MAX_STEPS, DEFAULT_COST, ProfileOptions, RematConfig, normalize_candidates, check_policies
+from ...core.vocabulary import CostKind
 
 ENV_BUDGET = "ACCELERATE_REMAT_BUDGET"
 ENV_PROFILE_STEPS = "ACCELERATE_REMAT_PROFILE_STEPS"
@@ -49,56 +47,15 @@ class RematPlugin:
     chunk_loss: Any = None  # let the plan chunk a causal LM's head and loss
 
     def __post_init__(self):
-        sources: dict[str, str] = {}
         for name in (f.name for f in fields(self)):
             variable = "ACCELERATE_REMAT_" + name.upper()  # ENV_BUDGET and the others
-            if getattr(self, name) is None:
-                value = os.environ.get(variable, "").strip()
-                if value:
-                    setattr(self, name, value)
-                    sources[name] = variable
-
-        def invalid(name: str, why: str) -> ValueError:
-            value = getattr(self, name)
-            origin = f"{sources[name]}={value!r}" if name in sources else f"RematPlugin({name}={value!r})"
-            return ValueError(f"lightning-remat: invalid {origin}: {why}")
-
-        if self.budget is not None:
-            if isinstance(self.budget, str):
-                self.budget = self.budget.strip()
-            try:
-                Budget.parse(self.budget)
+            given = getattr(self, name)
+            value = given if given is not None else (os.environ.get(variable, "").strip() or None)
+            try:  # the core's checks (RematConfig's) where it has them, the variables' text read first
+                setattr(self, name, _CHECKS[name](value))
             except ValueError as err:
-                raise invalid("budget", str(err)) from None
-        self.profile_steps = self._steps(invalid)
-        try:
-            candidates = normalize_candidates(self.candidates)
-        except ValueError:
-            raise invalid("candidates", "expected module classes, class names or comma-separated name patterns, "
-                          "such as 'GPT2Block' or 'transformer.h.*'") from None
-        self.candidates = list(candidates) if candidates is not None else None
-        self.cost = DEFAULT_COST if self.cost is None else str(self.cost).strip().lower()
-        if self.cost is not None and self.cost not in COST_KINDS:
-            raise invalid("cost", f"expected one of {list(COST_KINDS)}")
-        for name in ("offload", "chunk_loss"):
-            flag = str(getattr(self, name)).strip().lower() if getattr(self, name) is not None else "false"
-            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                raise invalid(name, "expected 1/true/yes or 0/false/no")
-            setattr(self, name, flag in ("1", "true", "yes", "on"))
-        try:
-            self.policies = () if self.policies is None else check_policies(self.policies)
-        except ValueError:
-            raise invalid("policies", f"expected comma-separated policy names among {', '.join(Policy.values())} "
-                          "(each also spelled 'sac:' + the name), or 'all' or 'none'") from None
-
-    def _steps(self, invalid: Any) -> int:
-        if self.profile_steps is None:
-            return 1
-        text = str(self.profile_steps).strip()
-        if isinstance(self.profile_steps, bool) or not text.isdigit() or not 1 <= int(text) <= MAX_STEPS:
-            raise invalid("profile_steps", f"expected a whole number of training steps, at least 1 and at most "
-                          f"{MAX_STEPS}")
-        return int(text)
+                origin = f"RematPlugin({name}={value!r})" if given is not None else f"{variable}={value!r}"
+                raise ValueError(f"lightning-remat: invalid {origin}: {err}") from None
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +66,33 @@ class RematPlugin:
             candidates=self.candidates, offload=bool(self.offload), policies=self.policies,
             chunk_loss=bool(self.chunk_loss)))
 
+
+def _budget(value: Any) -> Any:
+    value = value.strip() if isinstance(value, str) else value
+    if value is not None:
+        Budget.parse(value)
+    return value
+
+
+def _steps(value: Any) -> int:
+    text = str(value).strip()
+    if value is not None and (isinstance(value, bool) or not text.isdigit() or not 1 <= int(text) <= MAX_STEPS):
+        raise ValueError(f"expected a whole number of training steps, at least 1 and at most {MAX_STEPS}")
+    return 1 if value is None else int(text)
+
+
+def _flag(value: Any) -> bool:
+    flag = str(value).strip().lower() if value is not None else "false"
+    if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError("expected 1/true/yes or 0/false/no")
+    return flag in ("1", "true", "yes", "on")
+
+
+# Unset: no budget (off), one step observed, the repeated blocks, the target's cost, no policies offered.
+_CHECKS = {"budget": _budget, "profile_steps": _steps, "offload": _flag, "chunk_loss": _flag,
+           "candidates": lambda value: None if value is None else list(normalize_candidates(value)),
+           "cost": lambda value: DEFAULT_COST if value is None else CostKind.check(str(value).strip().lower()).value,
+           "policies": lambda value: () if value is None else check_policies(value)}
 
 @dataclass
 class LoopFacts:

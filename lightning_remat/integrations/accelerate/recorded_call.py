@@ -38,7 +38,8 @@ def scalar_loss(output: Any) -> torch.Tensor | None:
 
 @dataclass
 class RecordedCall:
-    """One training forward: its inputs and what the user's backward did with its outputs."""
+    """One training forward: its inputs and what the user's backward did with its outputs. As a batch to plan
+    (``ShapePlans``), its real inputs: a template's zeros would count in the profiled step."""
 
     args: tuple
     kwargs: dict
@@ -47,6 +48,13 @@ class RecordedCall:
     backward_ran: bool = False
     used_model_loss: bool = False
     outputs: list = field(default_factory=list)  # weak references to the output tensors
+
+    @property
+    def shape(self) -> Shape:
+        return batch_shape((self.args, self.kwargs)) or Shape(1)
+
+    def at(self, shape: Shape) -> "CallTemplate":
+        return CallTemplate.of(self).at(shape)
 
     def watch_outputs(self, leaves: list[torch.Tensor]) -> None:
         """Remember the outputs weakly, to learn later whether the user's loop still holds them."""
@@ -112,13 +120,9 @@ class TensorSpec:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def resized(self, source: Shape, target: Shape) -> "TensorSpec":
-        """At ``target``'s batch size and sequence length where it has ``source``'s (other sizes: the model's)."""
-        shape = list(self.shape)
-        if shape and shape[0] == source.batch_size:
-            shape[0] = target.batch_size
-            if len(shape) >= 2 and source.seq_len > 1 and shape[1] == source.seq_len:
-                shape[1] = target.seq_len
-        return replace(self, shape=tuple(shape))
+        """At ``target``'s batch size and sequence length where it has ``source``'s (other sizes: the model's; a
+        gradient has no path in a layout)."""
+        return replace(self, shape=size_at("", self.shape, source, Shape(target.batch_size, target.seq_len)))
 
 
 def _stretched(value: Any, path: str, source: Shape, target: Shape) -> Any:
@@ -166,8 +170,7 @@ class CallTemplate:
 
     @classmethod
     def of(cls, call: RecordedCall) -> "CallTemplate":
-        shape = batch_shape((call.args, call.kwargs)) or Shape(1)
-        return cls(_specs(call.args, TensorSpec.of), _specs(call.kwargs, TensorSpec.of), shape, call.loss_index,
+        return cls(_specs(call.args, TensorSpec.of), _specs(call.kwargs, TensorSpec.of), call.shape, call.loss_index,
                    {i: g if isinstance(g, TensorSpec) else TensorSpec.of(g) for i, g in call.grads.items()},
                    call.used_model_loss)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -21,7 +20,7 @@ from ...service.run import MeasuredWindow, RunHost, RunLifecycle
 from ...service.shape_plans import ShapePlans
 from ...service.planning import fsdp2_sharded
 from .deepspeed import ZeroRank, deepspeed_stage, zero_rank
-from .first_call import FirstCall, ObservedCall, observed_adjust, redirected_call
+from .first_call import FirstCall, observed_adjust, redirected_call
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
 from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
@@ -52,11 +51,11 @@ class RematSession:
         self.plugin = plugin
         self.accelerator = accelerator
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
-        self.plan: Plan | None = None
         self.run = RunLifecycle(RunHost(
             model, lambda template: template.loss, channel=self._channel, optimizers=self._profiled_optimizer,
             accumulation=self._accumulation, info=self._show, summary=True,
             log=lambda figures: self.loop.log(figures, self.observed_steps),
+            hint=f"({ENV_BUDGET} / RematPlugin.budget={plugin.budget!r})",
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
         self.plans: list[Plan] = self.run.plans
         self.metrics: dict[str, float] = self.run.metrics
@@ -75,7 +74,6 @@ class RematSession:
         self._stepped_since_plan = False
         self._hooked_optimizers: set[int] = set()
         self._template: CallTemplate | FirstCall | None = None
-        self._saved: dict = {}  # shape -> plan, from a checkpoint (``resume``): those shapes are not profiled
         self._replan: tuple = ()  # (adjust, config) of the plans per shape, to plan them again from a padded batch
         self._unpadded = False  # whether they were made from a batch whose attention masks hold no padding
         self._zero: ZeroRank | None = None  # DeepSpeed ZeRO-2/3's rank, once its engine exists
@@ -86,6 +84,10 @@ class RematSession:
             # Finds an optimizer made later (the Trainer's) before its first step: else its new state counts as carried.
             register_optimizer_step_pre_hook(self._discover_optimizer),
         ]
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.run.plan
 
     @property
     def shape_plans(self) -> ShapePlans | None:
@@ -249,16 +251,16 @@ class RematSession:
         """Plan the first training forward on fake tensors (no chunked loss: this call looked up forward already)."""
         first = FirstCall.of(args, kwargs)
         plan = self._plan_shapes(first, first, first.adjust, self._config(chunk_loss=False))
-        if self._saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe
+        if self.run.saved and self.run.profiles == 0:  # the checkpoint's plan for this shape: no step to observe
             self.phase, self._window_backward_ran = "measure", False
             self._new_plan(plan, "lightning-remat: the checkpoint's plan, applied without profiling")
         else:
             self._new_plan(plan, "lightning-remat: planned before the first step, on fake tensors")
 
     def resume(self, plans: dict) -> None:
-        """Take a checkpoint's ``plans`` (shape -> ``Plan``) before the first training forward."""
+        """Take a checkpoint's ``plans`` (shape -> ``Plan``) before the first training forward: not profiled."""
         if self.plan is None:
-            self._saved = dict(plans)
+            self.run.saved = dict(plans)
 
     def _plan_shapes(self, template: Any, call: Any, adjust: Any, config: Any = None) -> Plan:
         self._template, self._replan = template, (adjust, config)
@@ -266,9 +268,8 @@ class RematSession:
         if self._zero is not None:  # the whole model's step, then what a ZeRO rank holds of it
             adjust = (lambda profile, first=adjust: self._zero.account(first(profile)))
         with self._planning():
-            self.run.shapes(config or self._config(), self._saved, shape_of=lambda template: template.shape,
-                            warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust,
-                            hint=self._hint())
+            self.run.shapes(config or self._config(), shape_of=lambda template: template.shape,
+                            warmup=0, resize=lambda template, shape: template.at(shape), adjust=adjust)
             self.run.follow(call)
         return self.run.plan
 
@@ -279,10 +280,9 @@ class RematSession:
         if fsdp2_sharded(self.model):
             # FSDP2: every pass runs collectives, so every rank profiles, once (no fake twin to follow shapes).
             with self._planning():
-                plan = self.run.plan_shared(self._config(), call.loss, hint=self._hint(), warmup=0, adjust=adjust)
+                plan = self.run.plan_shared(self._config(), call.loss, warmup=0, adjust=adjust)
         else:  # the observed step calibrates a fake profile of the call it recorded (its loss's gradients)
-            template = CallTemplate.of(call)
-            plan = self._plan_shapes(template, ObservedCall(call, template.shape), adjust)
+            plan = self._plan_shapes(CallTemplate.of(call), call, adjust)
         self._new_plan(plan, f"lightning-remat applied after {self.observed_steps} step(s)")
 
     def _follow_shape(self, args: tuple, kwargs: dict) -> None:
@@ -293,30 +293,25 @@ class RematSession:
         title = f"lightning-remat: a plan for batch shape {shape}"
         if self._unpadded and padding((args, kwargs)):
             # Planned from a batch without padding (no attention mask built): a padded one needs more.
-            self._saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
+            self.run.saved, fresh, title = {}, True, f"{title} (the first with padding: every shape planned again)"
             template = self._template.with_inputs(args, kwargs, shape)
             self._plan_shapes(template, template, *self._replan)
         else:
             with self._planning():
                 fresh = self.run.follow(self._template.following(args, kwargs, shape))
-        plan = self.run.plan
         if fresh:  # a new bucket's plan, or one solved again after a calibration
-            self._new_plan(plan, title)
+            self._new_plan(self.run.plan, title)
             if self._measured is None and self.phase != "observe":  # observed steps are measured anyway
                 self.phase, self._window_backward_ran = "measure", False
-        self.plan = plan
 
     def _new_plan(self, plan: Plan, title: str) -> None:
-        self.plan = plan
         self.run.announce(plan, title)
         if self.accelerator is not None:
             self.accelerator.remat_plan = plan
 
     def _config(self, **profile: Any) -> Any:
-        config = self.plugin.config()
         buckets = self.loop.processes() > 1 and not fsdp2_sharded(self.model) and self._zero is None
-        return replace(config, profile=replace(config.profile, accumulation_steps=self._accumulation(),
-                                               gradient_buckets=buckets, **profile))
+        return self.run.config(self.plugin.config(), buckets, **profile)
 
     def _accumulation(self) -> int:
         return max(1, int(self.loop.accumulation() or 1))
@@ -334,9 +329,6 @@ class RematSession:
             yield
         finally:
             self._busy = False
-
-    def _hint(self) -> str:
-        return f"({ENV_BUDGET} / RematPlugin.budget={self.plugin.budget!r})"
 
     def check_plan(self, where: str = "") -> None:
         """Raise ``InstallationMismatchError`` unless the plan is what the model has installed."""

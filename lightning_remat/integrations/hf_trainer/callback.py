@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 import sys
 import warnings
@@ -12,7 +11,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from ...core.plan import Plan, saved_plans, saved_state_plans
+from ...core.plan import Plan, saved_plans
 from ...runtime.installing.fingerprint import made_for_other
 from ..accelerate.accelerator import prepare_remat, remat_session
 from ..accelerate.plugin import ENV_BUDGET, LoopFacts, RematPlugin
@@ -78,9 +77,7 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
     def state(self) -> dict:
         """What the Trainer's checkpoint keeps (``ExportableState``): the settings, and the plans in ``AutoRemat``'s
         format (the latest, and one per batch shape)."""
-        shape_plans = self.session.shape_plans if self.session is not None else None
-        plans = {"plan": self.plan.to_dict() if self.plan is not None else None,
-                 "plans": saved_state_plans(shape_plans.plans if shape_plans is not None else {})}
+        plans = self.session.run.state_dict() if self.session is not None else {"plan": None, "plans": []}
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": plans}}
 
     def _begin_run(self, state: Any, handler: Any) -> None:
@@ -151,23 +148,18 @@ def console(message: str) -> None:
     tqdm.write(message)
 
 
-def _json_safe(value: Any) -> Any:
-    # Settings as the callback takes them again: a module class by its name (``candidates`` takes names).
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, type):
-        return value.__name__
-    return value.value if isinstance(value, enum.Enum) else value
-
-
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
-    """JSON-safe arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it).
+    """JSON-safe arguments for ``RematTrainerCallback(**args)`` (how the Trainer remakes it): the plugin's checked
+    fields are text, numbers and flags, but a module class among ``candidates`` goes by its name.
 
     >>> from torch import nn
     >>> plugin_args(RematPlugin(budget="1GB", candidates=[nn.Linear, "h.*"]))["candidates"]
     ['Linear', 'h.*']
     """
-    return {f.name: _json_safe(getattr(plugin, f.name)) for f in fields(plugin)}
+    args = {f.name: getattr(plugin, f.name) for f in fields(plugin)}
+    if plugin.candidates is not None:
+        args["candidates"] = [c.__name__ if isinstance(c, type) else c for c in plugin.candidates]
+    return args
 
 
 def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:

@@ -120,9 +120,10 @@ class RematBatchSizeFinder(BatchSizeFinder):
         if trainer.fast_dev_run:
             rank_zero_warn("Skipping RematBatchSizeFinder since `fast_dev_run` is enabled.")
             return
-        if self._restored and self.plan is not None and mismatch(pl_module, self.plan.fingerprint):
-            rank_zero_warn(f"RematBatchSizeFinder: the saved plan was made for another model "
-                           f"({mismatch(pl_module, self.plan.fingerprint)}); searching again.")
+        found = mismatch(pl_module, self.plan.fingerprint) if self._restored and self.plan is not None else None
+        if found:
+            rank_zero_warn(f"RematBatchSizeFinder: the saved plan was made for another model ({found}); "
+                           "searching again.")
             self._restored = False
         if self._restored and self.optimal_batch_size is not None and self.plan is not None:
             # Resumed from a checkpoint: no new search, the same batch and plan.

@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ...core.config import DEFAULT_COST, MAX_STEPS, ProfileOptions, RematConfig, check_int
 from ...core.vocabulary import CostKind
 from ...core.errors import SkippedStepError
-from ...core.plan import Plan, saved_plans, saved_state_plans
+from ...core.plan import Plan
 from ...core.shapes import Shape
 from ...report.render import print_plan
 from ...runtime.installing.apply import apply_plan, remove_remat
@@ -25,7 +25,7 @@ from .figures import log_plan_figures
 from ...service.planning import fsdp2_sharded
 from .loop_peaks import LoopPeaks
 from .step import manual_step_closure, training_step_closure
-from .strategies import config_for, loop_allowance, unsupported
+from .strategies import loop_allowance, unsupported
 
 
 class AutoRemat(Callback):
@@ -59,19 +59,23 @@ class AutoRemat(Callback):
         self.profile_steps = profile_steps
         self.candidates = list(self.config.profile.candidates) if self.config.profile.candidates is not None else None
         self.cost, self.fake, self.verbose = cost, fake, verbose
-        self.plan: Plan | None = None
         self.measured_peak_bytes: int | None = None
         self._disabled_reason: str | None = None
         self.run = RunLifecycle(RunHost(
             None, lambda batch: self._step_for(batch, self._batch_idx), name="AutoRemat", warn=rank_zero_warn,
             channel=self._channel, optimizers=lambda: list(self._trainer.optimizers),
             accumulation=lambda: max(1, self._trainer.accumulate_grad_batches), log=self._log_metrics,
-            info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan))
-        self._saved_plans: dict[Shape, Plan] = {}
+            info=lambda message: rank_zero_info(message) if self.verbose else None, table=self._print_plan,
+            hint=f"(AutoRemat, budget={budget!r})"))
         self._batch_idx = 0
         self._skipped: list[str] = []  # why each batch was skipped while nothing was planned
         self.loop_peaks = LoopPeaks(self._step_for, rank_zero_warn)
         self._trainer: Trainer | None = None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The latest batch shape's plan (or the checkpoint's, until the first batch)."""
+        return self.run.plan
 
     @property
     def shape_plans(self) -> Any:
@@ -127,7 +131,6 @@ class AutoRemat(Callback):
             return  # training_step skips this batch (Lightning allows it): plan on the first that returns a loss
         if self.plan is None:
             return
-        self.run.plan = self.plan
         if planned:
             self._announce(first)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
@@ -166,14 +169,10 @@ class AutoRemat(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Every shape's plan, so that a resumed run profiles none of them again.
-        plans = self.shape_plans.plans if self.shape_plans is not None else self._saved_plans
-        return {"plan": self.plan.to_dict() if self.plan is not None else None,
-                "measured_peak_bytes": self.measured_peak_bytes,
-                "plans": saved_state_plans(plans)}
+        return {**self.run.state_dict(), "measured_peak_bytes": self.measured_peak_bytes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        plan, plans = saved_plans(state_dict, "AutoRemat's checkpoint state")  # all checked before any is kept
-        self.plan, self._saved_plans = plan, dict(plans)
+        self.run.plan = self.run.load_state_dict(state_dict, "AutoRemat's checkpoint state")
         self.run.shape_plans = None
         # A resumed run measures its own first step again.
         self.measured_peak_bytes = None
@@ -181,16 +180,17 @@ class AutoRemat(Callback):
 
     def _keeps_plans(self, pl_module: LightningModule, bytes_too: bool) -> bool:
         """Whether the saved plans (per shape too) were made for this model; if not, they are forgotten."""
-        found = made_for_other(pl_module, [self.plan, *self._saved_plans.values()], bytes_too)
+        plans = [self.plan, *self.run.saved.values()]
+        found = made_for_other(pl_module, plans, bytes_too)
         for_what = "another model"
         if found is None and bytes_too:  # on the model's device: the cost this run resolves to (unset: the target's)
-            found = other_cost([self.plan, *self._saved_plans.values()], resolve_cost(self.config, pl_module)[0].cost)
+            found = other_cost(plans, resolve_cost(self.config, pl_module)[0].cost)
             for_what = "another cost"
         if found is None:
             return True
         rank_zero_warn(f"AutoRemat: the saved plan was made for {for_what} ({found}); planning again on the "
                        "first batch.")
-        self.plan, self._saved_plans = None, {}
+        self.run.plan, self.run.saved = None, {}
         remove_remat(pl_module)
         return False
 
@@ -219,27 +219,30 @@ class AutoRemat(Callback):
                 return False
             rank_zero_info(f"AutoRemat: a batch larger than the one the plan was made for "
                            f"({self.plan.fingerprint.get('batch_shapes')}); planning again on it.")
-        self.plan = self.run.plan_shared(config_for(self.config, trainer), self._step_for(batch, batch_idx), batch,
-                                         self.verbose, hint=f"(AutoRemat, budget={self.budget!r})", adjust=loop_allowance)
+        self.run.plan_shared(self._config(trainer), self._step_for(batch, batch_idx), batch,
+                                         self.verbose, adjust=loop_allowance)
         return True
 
     def _shape_plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> bool:
         if self.shape_plans is None:
-            saved = dict(self._saved_plans)
+            saved = self.run.saved
             if not saved and self.plan is not None and not outgrows(self.plan.fingerprint, batch):
                 saved = {batch_shape(batch): self.plan}
-            self.run.shapes(config_for(self.config, trainer), saved, fake=self.fake, adjust=loop_allowance,
-                            hint=f"(AutoRemat, budget={self.budget!r})", verbose=self.verbose)
+            self.run.shapes(self._config(trainer), saved, fake=self.fake, adjust=loop_allowance, verbose=self.verbose)
         self._batch_idx = batch_idx
-        fresh = self.run.follow(batch)
-        self.plan = self.run.plan
-        return fresh  # a new bucket's plan, or one solved again after a calibration
+        return self.run.follow(batch)  # a new bucket's plan, or one solved again after a calibration
 
     def _announce(self, first: bool) -> None:
         shape = self.plan.fingerprint.get("shape")
         self.run.announce(self.plan, "AutoRemat plan" if first else
                           f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
         self.run.measure_after(self.profile_steps if first else 0)
+
+    def _config(self, trainer: Trainer) -> RematConfig:
+        """The config with DDP's gradient buckets where the trainer runs DDP over several processes."""
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return self.run.config(self.config, isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1)
 
     def _channel(self) -> Any:
         return torch_distributed_channel(self._trainer.strategy.root_device) if self._trainer.world_size > 1 else Channel()
