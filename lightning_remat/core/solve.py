@@ -272,10 +272,11 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
 
     Example:
-        >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150)
-        >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, Costs(2.0, 9))))
-        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))))
+        >>> from lightning_remat.core.memory_model import Costs, StageAction, StageOption, StageProfile, Segment
+        >>> def stage(name, cost):
+        ...     whole = StageOption("whole", StageAction.recompute(name), 10, 160, cost)
+        ...     return StageProfile(name, (StageOption("keep", StageAction(name), 100, 150), whole))
+        >>> a, b = stage("a", Costs(1.0, 5)), stage("b", Costs(2.0, 9))
         >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_costs=Costs(10.0))
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']
