@@ -58,7 +58,7 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
     plan = plan_from_choices(profile, choices, budget, kind)
     # The plan carries the policy of every module an option with a policy recomputes.
     chosen = [s.option(c.option) for s, c in zip(profile.stages, plan.choices)]
-    assert plan.policies == {m: o.policy for o in chosen if o.policy for m in o.checkpointed}
+    assert plan.policies == {m: o.action.policy for o in chosen if o.action.policy for m in o.action.modules}
 
 
 @settings(max_examples=150, deadline=None)

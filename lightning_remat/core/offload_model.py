@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 from .calls import owners
 from .memory_model import Costs, Profile, StageOption
-from .vocabulary import OPTION_NAMES, Action, OptionKind
+from .vocabulary import Action
 
-OFFLOAD = OPTION_NAMES[OptionKind.OFFLOAD]
+OFFLOAD = "offload"
 # Offload only what the host link moves while the next stage's forward runs: free by construction.
-OFFLOAD_HIDDEN = OPTION_NAMES[OptionKind.OFFLOAD_HIDDEN]
+OFFLOAD_HIDDEN = "offload:hidden"
 # Recomputed whole, with the input its checkpoint keeps in host memory (copied synchronously both ways).
-OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
+OFFLOAD_INPUT = "whole+offload-input"
 
 
 def is_offload(option: StageOption) -> bool:

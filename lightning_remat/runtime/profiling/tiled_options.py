@@ -28,18 +28,10 @@ def tiled_name(base: str, setting: str) -> str:
     """The option name of ``base`` with its stage's MLP tiled as ``setting``.
 
     Example:
-        >>> tiled_name("keep", "mlp:16"), tiled_name("whole", "mlp:16"), split_tiled("whole+tile:mlp:16")
-        ('tile:mlp:16', 'whole+tile:mlp:16', ('whole', 'mlp:16'))
+        >>> tiled_name("keep", "mlp:16"), tiled_name("whole", "mlp:16")
+        ('tile:mlp:16', 'whole+tile:mlp:16')
     """
     return _PREFIX + setting if base == "keep" else f"{base}+{_PREFIX}{setting}"
-
-
-def split_tiled(name: str) -> tuple[str, str]:
-    """``(base option, tiled setting)`` of an option name; the setting is "" for an option that tiles nothing."""
-    head, found, setting = name.partition(_PREFIX)
-    if not found:
-        return name, ""
-    return (head[:-1] if head else "keep"), setting
 
 
 def tiled_modules(stage: str, setting: str) -> tuple[str, ...]:
