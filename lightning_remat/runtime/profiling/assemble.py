@@ -8,12 +8,10 @@ from torch import nn
 
 from ...core.actions import StageAction
 from ...core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
-from ..installing.residual_parts import RESIDUAL_PARTS
-from ..installing.tiled_mlp import TILE
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
 from .memory_run import MemoryRun
-from .tiled_options import tiled_modules
+from .stage_options import RUNS_AGAIN
 
 
 def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[str, StageAction]],
@@ -72,12 +70,11 @@ def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[s
 
 
 def _run_again(action: StageAction, modules: dict[str, nn.Module]) -> tuple[str, ...]:
-    """The modules whose forward ``action`` runs again in backward: those it recomputes, a residual block's parts
-    (residual_twins.py), a tiled MLP (one more forward of it: tiled_options.py)."""
+    """The modules whose forward ``action`` runs again in backward: those it recomputes, and each behaviour's setting's
+    (``stage_options.RUNS_AGAIN``)."""
     extra = dict(action.extra)
-    parts = tuple(f"{action.stage}.{c}" for c, _ in modules[action.stage].named_children()) \
-        if extra.get(RESIDUAL_PARTS.name) else ()
-    return (*action.modules, *parts, *tiled_modules(action.stage, extra.get(TILE, "")))
+    return (*action.modules, *(m for key, again in RUNS_AGAIN.items() if key in extra
+                               for m in again(action.stage, extra[key], modules)))
 
 
 def _part(value: int, calls: tuple[int, int, int]) -> int:

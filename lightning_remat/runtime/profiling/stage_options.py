@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -12,16 +12,29 @@ from ...core.plan import StageAction
 from ..installing import sac
 from ..installing.segments import chained_groups, sequential_groups
 from ..installing.residual_parts import RESIDUAL_PARTS
+from ..installing.tiled_mlp import TILE
 from ..measuring.measure import Step
 from ..measuring.observe import ModuleStats, ObservedStep
 from .memory_run import MemoryRun, memory_run
 from .residual_twins import PARTS, WHOLE_PARTS
+from .tiled_options import tiled_modules
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
 # activation bytes (and is not almost all of it, which "whole" already covers).
 MIN_CHILD_SHARE = 0.15
 MAX_CHILD_SHARE = 0.9
 MAX_CHILD_OPTIONS = 2
+
+# A behaviour's profile side (issue 30's plug-ins), by the name of its setting in ``StageAction.extra``: the options it
+# offers (``OFFERS``: stages, observed step, modules -> option name -> stage -> action), which ``option_actions``
+# adds and the profiler measures like its own; the modules its setting runs again in backward (``RUNS_AGAIN``: stage,
+# setting, modules -> names), what ``assemble`` prices its options by. A residual block's parts and a tiled MLP's
+# (one more forward of it) are built in.
+Offer = Callable[[Sequence[str], ObservedStep, dict[str, nn.Module]], dict[str, dict[str, StageAction]]]
+OFFERS: dict[str, Offer] = {}
+RUNS_AGAIN: dict[str, Callable[[str, Any, dict[str, nn.Module]], tuple[str, ...]]] = {
+    RESIDUAL_PARTS.name: lambda stage, _, modules: tuple(f"{stage}.{c}" for c, _ in modules[stage].named_children()),
+    TILE: lambda stage, setting, _: tiled_modules(stage, setting)}
 
 
 def option_actions(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
@@ -50,6 +63,8 @@ def option_actions(order: Sequence[str], observed: ObservedStep, modules: dict[s
     if any(n in twins for n in order):
         offered[PARTS] = {n: StageAction(n, extra=parts) for n in order if n in twins}
         offered[WHOLE_PARTS] = {n: StageAction.recompute(n, extra=parts) for n in order if n in twins}
+    for offer in OFFERS.values():
+        offered.update(offer(order, observed, modules))
     return offered
 
 
