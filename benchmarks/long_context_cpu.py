@@ -21,13 +21,11 @@ SIZES = dict(batch_size=1, seq_len=256, layers=2, hidden=64, vocab=2048)
 
 
 def _only(kinds):
-    from lightning_remat.core.vocabulary import OptionKind
-
     def allowed(option):
         tiled = "tile:" in option.name
-        kind = OptionKind.of(option.name)
-        return (("tile" in kinds and tiled) or (str(kind) in kinds and not tiled)
-                or ("offload-input" in kinds and option.input_offloaded and ("tile" in kinds or not tiled)))
+        kind = {"chunk": "chunks", "fuse": "fused"}.get(option.action.action, option.name)
+        return (("tile" in kinds and tiled) or (kind in kinds and not tiled)
+                or ("offload-input" in kinds and option.action.offload_input and ("tile" in kinds or not tiled)))
     return allowed
 
 

@@ -42,14 +42,14 @@ WITHOUT = ("", "offload", "tile_mlp", "chunk_loss")  # "": every option offered
 
 def allowed(without: str):
     """Which options a plan "without" an option may choose (every stage keeps "keep")."""
-    from lightning_remat.core.vocabulary import OptionKind
+    from lightning_remat.core.offload_model import to_host
 
     if without == "offload":
-        return lambda o: not (o.offloaded or o.input_offloaded)
+        return lambda o: not to_host(o)
     if without == "tile_mlp":
         return lambda o: "tile:" not in o.name
     if without == "chunk_loss":
-        return lambda o: OptionKind.of(o.name) not in (OptionKind.CHUNKS, OptionKind.FUSED)
+        return lambda o: o.action.chunks is None
     return lambda o: True
 
 

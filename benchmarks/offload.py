@@ -26,7 +26,7 @@ import transformers
 from lightning_remat.core.batch_fit import ProfileFit
 from lightning_remat.core.binding import Binding
 from lightning_remat.core.config import ProfileOptions, RematConfig
-from lightning_remat.core.offload_model import without_offload
+from lightning_remat.core.offload_model import is_offload, without_offload
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.runtime.profiling.profile import profile_step
 from lightning_remat.service.batch_search import BatchSearch
@@ -90,7 +90,7 @@ class _Variant:
 
 def no_recompute(p):
     """Keep and the offload options only (offloading alone, as in the seed paper)."""
-    return replace(p, stages=tuple(replace(s, options=tuple(o for o in s.options if o.name == "keep" or o.offloaded))
+    return replace(p, stages=tuple(replace(s, options=tuple(o for o in s.options if o.name == "keep" or is_offload(o)))
                                    for s in p.stages))
 
 

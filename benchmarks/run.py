@@ -417,8 +417,10 @@ def synthetic_profile(stages: int = 1000, seed: int = 0, jitter: float = 0.0) ->
             stored, transient, flops = int(stored * scale), int(transient * scale), int(flops * scale)
             # Gradients accumulate during backward: the later the stage, the more exist already.
             grads = int(2 * 2**30 * (stages - i) / stages)
-            options.append(StageOption(name, (f"layers.{i}",) if name == "whole" else (f"layers.{i}.{name}",),
-                                       stored, static + grads + transient, Costs(float(flops) * 1e-12, flops)))
+            action = StageAction(f"layers.{i}") if name == "keep" else StageAction.recompute(
+                f"layers.{i}", () if name == "whole" else (f"layers.{i}.{name}",))
+            options.append(StageOption(name, action, stored, static + grads + transient,
+                                       Costs(float(flops) * 1e-12, flops)))
         total_flops += 3 * group[1][3]
         stage_profiles.append(StageProfile(f"layers.{i}", tuple(options), saved_bytes=options[0].stored_bytes))
     segments = (Segment("head and loss", stages, static + 600 * mib), Segment("optimizer step", 0, int(1.5 * static)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from lightning_remat import Costs, Profile, Segment, StageOption, StageProfile
+from lightning_remat import Costs, Profile, Segment, StageAction, StageOption, StageProfile
 
 POLICIES = ("", "save_matmuls", "save_attention")
 
@@ -25,12 +25,12 @@ def random_profiles(draw, max_stages: int = 8, max_options: int = 3, policies: b
             policy = "" if j == 0 or not policies else draw(st.sampled_from(POLICIES))
             options.append(StageOption(
                 name=f"sac:{policy}" if policy else ["keep", "whole", "o2"][j],
-                checkpointed=() if j == 0 else ((f"s{i}",) if policy else (f"s{i}.o{j}",)),
+                action=StageAction(f"s{i}") if j == 0 else StageAction.recompute(
+                    f"s{i}", () if policy else (f"s{i}.o{j}",), policy),
                 stored_bytes=draw(st.integers(0, 1000)), local_peak_bytes=draw(st.integers(0, 3000)),
                 costs=Costs(0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)),
                             0 if j == 0 else draw(st.integers(0, 1000)),
-                            0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False))),
-                policy=policy))
+                            0.0 if j == 0 else draw(st.floats(0.0, 10.0, allow_nan=False)))))
         stages.append(StageProfile(f"s{i}", tuple(options)))
     segments = tuple(Segment(f"seg{k}", draw(st.integers(0, n)), draw(st.integers(0, 3000)))
                      for k in range(draw(st.integers(0, 4))))

@@ -84,13 +84,14 @@ def test_the_table_shows_a_decimal_budget_in_decimal_next_to_its_bytes():
 
 
 def test_a_result_reads_in_one_short_line_and_its_summary_is_the_table():
-    from lightning_remat.core.memory_model import Costs, Profile, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Costs, Profile, StageAction, StageOption, StageProfile
     from lightning_remat.core.solve import solve
     from lightning_remat.runtime.measuring.trial import Trial
     from lightning_remat.service.batch_size import BatchSizeResult
 
-    stages = tuple(StageProfile(f"h.{k}", (StageOption("keep", (), 10**6, 2 * 10**6),
-                                          StageOption("whole", (f"h.{k}",), 0, 2 * 10**6, Costs(1.0, 5)))) for k in range(12))
+    stages = tuple(StageProfile(f"h.{k}", (StageOption("keep", StageAction(f"h.{k}"), 10**6, 2 * 10**6),
+                                          StageOption("whole", StageAction.recompute(f"h.{k}"), 0, 2 * 10**6,
+                                                      Costs(1.0, 5)))) for k in range(12))
     plan = solve(Profile(stages, (), baseline_peak_bytes=13 * 10**6), "8MB", cost="flops")
     trials = [Trial(b, tuple(plan.checkpointed), 2, 7 * 10**6, False, True) for b in (8, 16, 32)]
     result = BatchSizeResult(32, 8, 32, plan, 8 * 10**6, measured_peak_bytes=7 * 10**6, trials=trials,

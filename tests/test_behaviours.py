@@ -1,6 +1,8 @@
 """Behaviours are plug-ins (issue 30): one registered from outside the package, with its own setting on
 a plan's actions (``StageAction.extra``) and its own cross-action rule, is installed, composed with the
-built-in ones, checked, snapshotted, restored and taken off by the installer, which does not know it."""
+built-in ones, checked, snapshotted, restored and taken off by the installer, which does not know it; one
+that offers an option (``stage_options.OFFERS``) is measured, priced, planned and predicted by the profiler
+and the solver, which do not know it either."""
 
 import copy
 import functools
@@ -9,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_remat import Costs, measure_step, profile_step
 from lightning_remat.core.actions import RULES, add_rule
 from lightning_remat.core.errors import InvalidPlanError
 from lightning_remat.core.plan import Plan, StageAction
@@ -16,6 +19,8 @@ from lightning_remat.core.vocabulary import Action
 from lightning_remat.runtime.installing.installer import install, restore, snapshot, uninstall
 from lightning_remat.runtime.installing.records import RECORD, Behaviour, record_of, register, unregister
 from lightning_remat.runtime.installing.installer import installed_actions, planned_actions
+from lightning_remat.core.solve import plan_from_choices
+from lightning_remat.runtime.profiling.stage_options import OFFERS
 
 
 def _counted_call(calls, call, *args, **kwargs):
@@ -105,3 +110,49 @@ def test_extra_settings_round_trip_through_the_plans_dict():
     data = plan.to_dict()
     assert data["actions"][0]["extra"] == {"counted": "alone"} and "extra" not in data["actions"][1]
     assert Plan.from_dict(data) == plan
+
+
+def _held_call(held, call, *args, **kwargs):
+    out = call(*args, **kwargs)
+    held.append(out.detach().clone())
+    return out
+
+
+class Held(Behaviour):
+    """A toy with a memory cost: keeps a copy of each output of its module (its state) until it comes off."""
+
+    name = "held"
+
+    def install(self, target, settings):
+        for name, setting in settings.items():
+            record_of(target.modules[name]).behaviours[self.name] = (setting, [])
+
+    def wrap(self, module, setting, held, call):
+        return functools.partial(_held_call, held, call)
+
+
+@pytest.fixture
+def held():
+    behaviour = register(Held())
+    OFFERS["held"] = lambda order, observed, modules: {"held": {n: StageAction(n, extra={"held": True}) for n in order}}
+    yield behaviour
+    del OFFERS["held"]
+    unregister(behaviour.name)
+
+
+def test_a_behaviour_offered_from_a_test_is_measured_priced_and_planned(held):
+    model, x = _chain(), torch.randn(4, 8)
+    step = lambda m: m(x).square().sum()  # noqa: E731
+    profile = profile_step(model, step)
+    for stage in profile.stages:
+        keep, option = stage.option("keep"), stage.option("held")
+        assert option.action == StageAction(stage.name, extra={"held": True})
+        # Measured with the behaviour installed: each stage stores its output's copy (4 x 8 float32) more than keep;
+        # priced as running nothing again.
+        assert option.stored_bytes == keep.stored_bytes + 4 * 8 * 4 and option.costs == Costs()
+    plan = plan_from_choices(profile, [[o.name for o in s.options].index("held") for s in profile.stages], 10**9)
+    assert plan.actions == tuple(StageAction(s.name, extra={"held": True}) for s in profile.stages)
+    install(model, plan)
+    measured = measure_step(model, step).peak_bytes
+    assert [len(m.__dict__[RECORD].behaviours["held"][1]) for m in model] == [1, 1, 1]
+    assert measured == plan.predicted_peak_bytes  # the model reproduces the measured runs

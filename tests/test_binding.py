@@ -124,13 +124,13 @@ def test_cli_json_names_what_binds(capsys, tmp_path):
 
 
 def test_a_plan_limited_by_host_memory_says_so():
-    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageAction, StageOption, StageProfile
     from lightning_remat.core.offload_model import solve_within_host
     from lightning_remat.core.solve import solve
 
-    keep = StageOption("keep", (), 100, 100)
-    off = StageOption("offload", (), 0, 100, Costs(0.1, 1), offloaded=("a",), host_bytes=100)
-    whole = StageOption("whole", ("a",), 10, 120, Costs(1.0, 10))
+    keep = StageOption("keep", StageAction("a"), 100, 100)
+    off = StageOption("offload", StageAction.offload("a"), 0, 100, Costs(0.1, 1), host_bytes=100)
+    whole = StageOption("whole", StageAction.recompute("a"), 10, 120, Costs(1.0, 10))
     profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
     assert solve_within_host(profile, 10**9, lambda q: solve(q, 130)).binding["host_limit_bytes"] is None
     limited = solve_within_host(profile, 50, lambda q: solve(q, 130))

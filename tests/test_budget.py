@@ -63,12 +63,13 @@ def test_a_budget_is_shown_in_the_units_it_was_given_and_decimal_next_to_its_byt
 
 
 def test_the_plan_summary_shows_a_decimal_budget_in_decimal_and_logs_bytes():
-    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageAction, StageOption, StageProfile
     from lightning_remat.core.solve import solve
     from lightning_remat.report.render import plan_renderables, to_text
     from lightning_remat.service.run import plan_metrics
 
-    keep, whole = StageOption("keep", (), 10**6, 2 * 10**6), StageOption("whole", ("a",), 0, 2 * 10**6, Costs(1.0, 5))
+    keep = StageOption("keep", StageAction("a"), 10**6, 2 * 10**6)
+    whole = StageOption("whole", StageAction.recompute("a"), 0, 2 * 10**6, Costs(1.0, 5))
     profile = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 3 * 10**6),), baseline_peak_bytes=4 * 10**6)
     for budget, shown, peak in (("60MB", "budget 60.00 MB = 60000000 bytes,", "predicted peak 4.00 MB"),
                                 ("10GiB", "budget 10.00 GiB,", "predicted peak 3.81 MiB")):

@@ -131,7 +131,8 @@ def _tied_profile(rng: random.Random) -> Profile:
     for run in rounds:
         for m in run:
             stages.append(StageProfile(m, tuple(
-                StageOption(f"o{j}", (f"{m}.c{j}",) if j else (), rng.randint(-5, 100) if j else rng.randint(60, 120),
+                StageOption(f"o{j}", StageAction.recompute(m, (f"{m}.c{j}",)) if j else StageAction(m),
+                            rng.randint(-5, 100) if j else rng.randint(60, 120),
                             rng.randint(0, 200), Costs(float(rng.randint(0, 9) * j), rng.randint(0, 9) * j))
                 for j in range(options[m])), call=seen.get(m, 0)))
             seen[m] = seen.get(m, 0) + 1

@@ -98,7 +98,7 @@ def test_a_budget_only_chunking_reaches_is_met_with_chunk_loss_and_refused_witho
                                                                       for k in (2, 4, 8, 16, 32))]
     least = solve(chunked, "min", cost="flops").predicted_peak_bytes
     # The head's "keep" is the gap it ran in: without its chunked options the profile plans as one made without them.
-    unchunked = replace(chunked, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.chunks))
+    unchunked = replace(chunked, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.action.chunks))
                                               for s in chunked.stages))
     assert solve(unchunked, "min", cost="flops").predicted_peak_bytes == plain.predicted_peak_bytes
     assert least < 0.8 * plain.predicted_peak_bytes  # the head and loss bound the least peak
@@ -283,7 +283,7 @@ def test_under_torch_compile_the_head_is_not_planned_in_chunks_and_a_chunked_hea
     model, optimizer = case.model, torch.optim.AdamW(case.model.parameters())
     with pytest.warns(UserWarning, match="torch.compile"):
         profile = profile_step(torch.compile(model), case.step, optimizer=optimizer, chunk_loss=True)
-    assert not any(o.chunks for s in profile.stages for o in s.options)
+    assert not any(o.action.chunks for s in profile.stages for o in s.options)
     assert any("chunk_loss" in note for note in profile.notes)
     ids = torch.randint(0, SIZES["vocab"], (2, SIZES["seq_len"]), generator=torch.Generator().manual_seed(1))
     _, expected = _loss_and_grads(model, ids, ids)
@@ -360,7 +360,7 @@ def test_a_model_with_a_loss_of_its_own_is_not_chunked_and_the_profile_says_why(
     assert find_head_loss(case.model) is None
     with pytest.warns(UserWarning, match="_smoothed.*kept whole"):
         profile = profile_step(case.model, case.step, chunk_loss=True, warmup=0)
-    assert not any(o.chunks for s in profile.stages for o in s.options)
+    assert not any(o.action.chunks for s in profile.stages for o in s.options)
     assert any("_smoothed" in note for note in profile.notes)
 
 

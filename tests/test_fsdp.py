@@ -141,11 +141,13 @@ def test_accelerate_fsdp1_is_refused_with_the_workaround():
 
 def test_profiles_merge_term_by_term_and_must_have_the_same_stages():
     from lightning_remat.core.errors import UnsupportedShardingError
-    from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
+    from lightning_remat.core.memory_model import (Costs, Profile, Segment, StageAction, StageOption, StageProfile,
+                                                   predict_peak)
     from lightning_remat.core.profile_algebra import merge_profiles
 
     def profile(stored, local, head, extra=()):
-        options = (StageOption("keep", (), stored, local), StageOption("whole", ("a",), 10, local + 5, Costs(1.0, 7)))
+        options = (StageOption("keep", StageAction("a"), stored, local),
+                   StageOption("whole", StageAction.recompute("a"), 10, local + 5, Costs(1.0, 7)))
         return Profile((StageProfile("a", options),), (Segment("head", 1, head), *extra), parameter_bytes=stored)
 
     a, b = profile(100, 150, 50), profile(120, 140, 60, (Segment("outside the model (the loss)", 1, 30),))

@@ -123,8 +123,8 @@ def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percen
     head = profile.stages[-1]
     assert [o.name for o in head.options] == ["keep", *(f"chunks:{k}" for k in (2, 4, 8, 16, 32)),
                                               *(f"fused:{k}" for k in (2, 4, 8, 16, 32))]
-    fused = [o for o in head.options if o.fused]
-    assert all(o.costs.flops == o.chunks for o in fused)  # no recompute FLOPs, one per chunk to rank them
+    fused = [o for o in head.options if o.action.action == "fuse"]
+    assert all(o.costs.flops == o.action.chunks for o in fused)  # no recompute FLOPs, one per chunk to rank them
     assert min(o.local_peak_bytes for o in fused) < head.options[0].local_peak_bytes
     # Fused options only: the least peak planned with them, applied and measured.
     only = replace(profile, stages=(*profile.stages[:-1], replace(head, options=(head.options[0], *fused))))
@@ -139,8 +139,8 @@ def test_a_fused_plan_is_measured_in_the_profile_and_predicted_within_one_percen
 
 def _priced(head_peaks: dict[str, int], layer_cost: float) -> Profile:
     """A layer (recomputed: stores 100 B, costs ``layer_cost`` s) and a Llama-3-8B-wide frozen head at 4K tokens."""
-    keep = StageOption("keep", (), 1000, 1000)
-    whole = StageOption("whole", ("h.0",), 100, 1100, Costs(layer_cost, 10**12, layer_cost))
+    keep = StageOption("keep", StageAction("h.0"), 1000, 1000)
+    whole = StageOption("whole", StageAction.recompute("h.0"), 100, 1100, Costs(layer_cost, 10**12, layer_cost))
     profile = Profile((StageProfile("h.0", (keep, whole)),), (Segment("between stages (1 stored)", 1, 5000),),
                       baseline_costs=Costs(time=1.0, flops=10**15))
     shape = HeadShape(tokens=4096, hidden=4096, vocab=128256, compute_bytes=2, param_bytes=2, trains=False)
@@ -202,7 +202,7 @@ def test_a_loss_neither_kind_computes_is_not_offered_and_the_profile_says_why():
     for model, why in ((granite, "logits_scaling=4.0"), (bert, "masked LM")):
         with pytest.warns(UserWarning, match=why):
             profile = profile_step(model, lambda m: m(input_ids=ids, labels=ids).loss, chunk_loss=True, warmup=0)
-        assert not any(o.chunks for s in profile.stages for o in s.options)
+        assert not any(o.action.chunks for s in profile.stages for o in s.options)
         assert any(why in note and "kept whole" in note for note in profile.notes)
 
 

@@ -88,7 +88,7 @@ def test_a_fused_head_planned_with_the_cache_on_is_measured_as_predicted():
     plain = steady_peak(model, _step, optimizer)
     profile = profile_step(model, _step, optimizer=optimizer, chunk_loss=True, warmup=0, policies=())
     head = profile.stages[-1]
-    fused = [o for o in head.options if o.fused]
+    fused = [o for o in head.options if o.action.action == "fuse"]
     only = replace(profile, stages=(*profile.stages[:-1], replace(head, options=(head.options[0], *fused))))
     least = solve(only, "min", cost="flops").predicted_peak_bytes
     plan = solve(only, (least + plain) // 2, cost="flops")

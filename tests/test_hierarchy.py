@@ -56,9 +56,9 @@ def trees(draw, max_stages=7):
     top = build_node(0, n, 0)
     stages = []
     for i in range(n):
-        options = [StageOption("keep", (), draw(st.integers(0, 1000)), draw(st.integers(0, 3000)))]
+        options = [StageOption("keep", StageAction(f"s{i}"), draw(st.integers(0, 1000)), draw(st.integers(0, 3000)))]
         for j, name in enumerate(["whole", "o2"][:draw(st.integers(0, 2))]):
-            options.append(StageOption(name, (f"s{i}",) if name == "whole" else (f"s{i}.c",),
+            options.append(StageOption(name, StageAction.recompute(f"s{i}", () if name == "whole" else (f"s{i}.c",)),
                                        draw(st.integers(0, 1000)), draw(st.integers(0, 3000)),
                                        Costs(draw(st.floats(0.0, 10.0)), draw(st.integers(0, 1000)))))
         stages.append(StageProfile(f"s{i}", tuple(options)))
@@ -143,9 +143,10 @@ def test_solve_is_exact_over_blocks_whole_or_through_their_children(drawn, fract
 def _nested_profile():
     # Block "b" chains b.0 and b.1; recomputed whole it stores only b.1's output (60) where its
     # children recomputed alone store 60 each, and stage "c" after it peaks on top of what they store.
-    keep = StageOption("keep", (), 100, 110)
-    stages = tuple(StageProfile(n, (keep, StageOption("whole", (n,), 60, 120, Costs(1.0, 5)))) for n in ("b.0", "b.1"))
-    last = StageProfile("c", (StageOption("keep", (), 0, 300),))
+    stages = tuple(StageProfile(n, (StageOption("keep", StageAction(n), 100, 110),
+                                    StageOption("whole", StageAction.recompute(n), 60, 120, Costs(1.0, 5))))
+                   for n in ("b.0", "b.1"))
+    last = StageProfile("c", (StageOption("keep", StageAction("c"), 0, 300),))
     return Profile((*stages, last), (), baseline_peak_bytes=500, baseline_costs=Costs(flops=100), blocks=(("b", ("b.0", "b.1")),))
 
 

@@ -86,12 +86,12 @@ def _with_shared_input(profile, nbytes: int):
     from dataclasses import replace
 
     label = (("s0:ids", nbytes),)
-    holders = [i for i, s in enumerate(profile.stages) if any(o.checkpointed for o in s.options)]
+    holders = [i for i, s in enumerate(profile.stages) if any(o.action.modules for o in s.options)]
     first = holders[0] if holders else len(profile.stages)
     stages = tuple(replace(s, options=tuple(
         replace(o, stored_bytes=o.stored_bytes + nbytes, shared_held=label,
                 local_peak_bytes=o.local_peak_bytes + (nbytes if i > first else 0), held_before=label if i > first else ())
-        if o.checkpointed else o for o in s.options)) for i, s in enumerate(profile.stages))
+        if o.action.modules else o for o in s.options)) for i, s in enumerate(profile.stages))
     segments = tuple(replace(seg, peak_bytes=seg.peak_bytes + nbytes, shared_saving=nbytes, shared_labels=("s0:ids",))
                      if seg.stages_alive > first else seg for seg in profile.segments)
     return replace(profile, stages=stages, segments=segments)

@@ -19,7 +19,8 @@ from lightning_remat.integrations.accelerate.recorded_call import with_loop_refe
 
 @pytest.mark.parametrize("held, carried", [(0, 0), (4096, 0), (0, 6144), (4096, 6144)])
 def test_the_loop_note_is_one_sentence_whatever_the_loop_holds(held, carried):
-    profile = Profile((StageProfile("a", (StageOption("keep", (), 10, 100),)),), (Segment("head", 1, 50),))
+    keep = StageOption("keep", StageAction("a"), 10, 100)
+    profile = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 50),))
     (note,) = with_loop_references(profile, held, carried).notes
     assert note.startswith("the training loop holds "), note  # it began "and the loss ..." without outputs held
     assert " and and " not in note and "  " not in note

@@ -223,9 +223,9 @@ def test_host_memory_too_small_is_a_clear_error():
     from lightning_remat.core.offload_model import solve_within_host
     from lightning_remat.core.solve import solve
 
-    keep = StageOption("keep", (), 100, 100)
-    off = StageOption("offload", (), 0, 60, Costs(0.1, 1), offloaded=("a",), host_bytes=100)
-    whole = StageOption("whole", ("a",), 10, 120, Costs(1.0, 10))
+    keep = StageOption("keep", StageAction("a"), 100, 100)
+    off = StageOption("offload", StageAction.offload("a"), 0, 60, Costs(0.1, 1), host_bytes=100)
+    whole = StageOption("whole", StageAction.recompute("a"), 10, 120, Costs(1.0, 10))
     profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 50),))
     assert solve_within_host(profile, 100, lambda p: solve(p, 70)).offloaded == ["a"]
     with pytest.raises(RematError, match="host memory.*has 99 B free"):
@@ -253,6 +253,7 @@ def test_fake_memory_with_prefetch_matches_the_model():
     the prediction (369 vs 367 MiB; without the prefetch terms it was 4% above it)."""
     from lightning_remat.core.config import ProfileOptions
     from lightning_remat.core.memory_model import predict_peak
+    from lightning_remat.core.offload_model import is_offload
     from lightning_remat.runtime.profiling.profile import profile_step
 
     model, step = _llama(4, 1024), _llama_step(2, 512)
@@ -262,7 +263,7 @@ def test_fake_memory_with_prefetch_matches_the_model():
     for option in ("offload", "offload:hidden"):
         choices = [next((j for j, o in enumerate(s.options) if o.name == option), 0) for s in profile.stages]
         chosen = [(s, s.options[c]) for s, c in zip(profile.stages, choices)]
-        peak, offloader = _fake_offloaded_peak(model, step, [s.name for s, o in chosen if o.offloaded], names,
+        peak, offloader = _fake_offloaded_peak(model, step, [s.name for s, o in chosen if is_offload(o)], names,
                                                {s.name: o.offload_limit for s, o in chosen if o.offload_limit})
         assert offloader.prefetched, option  # the prefetch ran
         predicted = predict_peak(profile, choices)
@@ -326,9 +327,9 @@ def test_host_memory_defaults_to_the_targets_and_can_be_set(monkeypatch):
     with pytest.raises(ValueError, match="host_memory must be a size"):
         ProfileOptions(fake=True, gpu="h100", host_memory="50%")
     # The planner solves within it (only offloading fits 2100 B): 2 KiB offloaded fits the H100's default, not host_memory=1kB.
-    keep = StageOption("keep", (), 2048, 2048)
-    off = StageOption("offload", (), 0, 2048, Costs(0.1, 1), offloaded=("a",), host_bytes=2048)
-    whole = StageOption("whole", ("a",), 10, 4000, Costs(1.0, 10))
+    keep = StageOption("keep", StageAction("a"), 2048, 2048)
+    off = StageOption("offload", StageAction.offload("a"), 0, 2048, Costs(0.1, 1), host_bytes=2048)
+    whole = StageOption("whole", StageAction.recompute("a"), 10, 4000, Costs(1.0, 10))
     profile = Profile((StageProfile("a", (keep, off, whole)),), (Segment("head", 1, 100),))
     target = nn.Linear(2, 2)
     plan = Planner(RematConfig(2100, profile=ProfileOptions(fake=True, gpu="h100"))).solve_profile(target, profile)
@@ -388,7 +389,7 @@ def test_checkpoint_input_offload_is_planned_held_and_predicted():
     hidden_state = 4 * 512 * 512 * 2
     for s in profile.stages[1:]:
         moved = s.option("whole+offload-input")
-        assert moved.input_offloaded and moved.host_bytes == hidden_state and moved.checkpointed == (s.name,)
+        assert moved.action == StageAction.recompute(s.name, offload_input=True) and moved.host_bytes == hidden_state
     # (The last layer's input is released in the gap after it, which its own figure leaves as measured.)
     for s in profile.stages[1:-1]:
         moved = s.option("whole+offload-input")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 import pytest
 
 from lightning_remat.core.batch_fit import ProfileFit
+from lightning_remat.core.actions import StageAction
 from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile, predict_peak
 from lightning_remat.core.profile_algebra import merge_profiles
 
@@ -55,12 +56,17 @@ def _values(cls: type, seed: int, batch: int, static: int) -> dict:
     return out
 
 
+def _action(name: str, stage: str) -> StageAction:
+    actions = {"keep": StageAction(stage), "whole": StageAction.recompute(stage), "offload": StageAction.offload(stage)}
+    return actions[name]
+
+
 def _profile(batch: int, static_seed: int = 0) -> Profile:
     static_fields = {k: v for k, v in _values(Profile, static_seed, 0, 0).items() if k in STATIC}
     static = sum(static_fields.values())
     stages = []
     for i in range(3):
-        options = tuple(StageOption(**{"name": name, "checkpointed": () if name == "keep" else (f"l.{i}",),
+        options = tuple(StageOption(**{"name": name, "action": _action(name, f"l.{i}"),
                                        **_values(StageOption, 10 * i + j, batch, static)})
                         for j, name in enumerate(("keep", "whole", "offload")))
         stages.append(StageProfile(name=f"l.{i}", options=options, module_type="Block",
@@ -102,8 +108,9 @@ def test_batch_fit_from_one_profile_scales_every_numeric_field_in_proportion(bat
 def test_batch_fit_scales_roofline_costs():
     # The issue's figures: at 64, fitted from 16 and 64, the roofline cost stayed at 16's (4x low).
     def profile(batch):
-        options = (StageOption("keep", (), 100 * batch, 200 * batch),
-                   StageOption("whole", ("a",), 10 * batch, 150 * batch, Costs(1e-3 * batch, 5 * batch, 1.1e-05 * batch / 16)))
+        options = (StageOption("keep", StageAction("a"), 100 * batch, 200 * batch),
+                   StageOption("whole", StageAction.recompute("a"), 10 * batch, 150 * batch,
+                               Costs(1e-3 * batch, 5 * batch, 1.1e-05 * batch / 16)))
         p = Profile((StageProfile("a", options),), (), baseline_costs=Costs(roofline=4e-05 * batch / 16))
         return p.with_baseline()
 
@@ -171,8 +178,8 @@ def test_rank_merge_takes_the_largest_of_every_numeric_field():
 def test_rank_merge_takes_the_largest_costs_and_host_bytes():
     # Rank 1 recomputes more FLOPs, takes longer on the roofline and offloads more than rank 0.
     def profile(flops, roofline, host, step_roofline):
-        options = (StageOption("keep", (), 100, 150),
-                   StageOption("offload", (), 10, 60, Costs(0.5, flops, roofline), offloaded=("a",),
+        options = (StageOption("keep", StageAction("a"), 100, 150),
+                   StageOption("offload", StageAction.offload("a"), 10, 60, Costs(0.5, flops, roofline),
                                host_bytes=host))
         return Profile((StageProfile("a", options),), (Segment("head", 1, 50),), baseline_costs=Costs(roofline=step_roofline))
 
@@ -237,7 +244,7 @@ def test_depth_fit_extrapolates_every_numeric_field():
 
         stages = []
         for i in range(n):
-            options = tuple(StageOption(**{"name": name, "checkpointed": () if name == "keep" else (f"l.{i}",),
+            options = tuple(StageOption(**{"name": name, "action": _action(name, f"l.{i}"),
                                            **_values(StageOption, j, 1, 0), "local_peak_bytes": peak(n - 1 - i) + j})
                             for j, name in enumerate(("keep", "whole", "offload")))
             stages.append(StageProfile(name=f"l.{i}", options=options, module_type="Block",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_remat.core.config import ProfileOptions
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.memory_model import Profile, Segment, StageAction, StageOption, StageProfile
 from lightning_remat.core.shared_held import without_shared
 from lightning_remat.core.solve import least_peak, solve
 from lightning_remat.models import build
@@ -90,7 +90,8 @@ def _chain(n: int, forward: int, lift_forward: int = 0, lift_backward: int = 0) 
     def peak(later: int) -> int:
         return n + max(forward + lift_forward, 20 + 3 * later + lift_backward)
 
-    stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, peak(n - 1 - i)),)) for i in range(n))
+    stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", StageAction(f"l.{i}"), 10, peak(n - 1 - i)),))
+                   for i in range(n))
     segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),
                 *(Segment(f"between stages ({j} stored)", j, n + max(lift_forward, 3 * (n - j) + lift_backward))
                   for j in range(1, n + 1)),
@@ -125,7 +126,8 @@ def test_a_region_one_pass_never_visits_is_extrapolated_from_the_other():
     x = 10**6
 
     def chain(n: int, lift_forward: int = 0, lift_backward: int = 0) -> Profile:
-        stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", (), 10, n + max(40 + lift_forward, 20 + lift_backward)),))
+        stages = tuple(StageProfile(f"l.{i}", (StageOption("keep", StageAction(f"l.{i}"), 10,
+                                                                 n + max(40 + lift_forward, 20 + lift_backward)),))
                        for i in range(n))
         gap = [n + 30 - 12 * j for j in range(1, n + 1)]  # forward only: 30 less 12 bytes per stored layer
         segments = (Segment("outside stages", 0, n + max(1 + lift_forward, 1 + 3 * n + lift_backward)),

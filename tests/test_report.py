@@ -128,7 +128,8 @@ def test_timeline_counts_the_optimizer_state_ahead():
 def test_a_peak_no_plan_lowers_is_one_budget_row_not_ten_equal_ones():
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 
-    keep, whole = StageOption("keep", (), 100, 150), StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))
+    keep = StageOption("keep", StageAction("a"), 100, 150)
+    whole = StageOption("whole", StageAction.recompute("a"), 10, 160, Costs(1.0, 5))
     bound_by_optimizer = Profile((StageProfile("a", (keep, whole)),) * 2, (Segment("optimizer step", 0, 900),),
                                  baseline_peak_bytes=900, baseline_costs=Costs(flops=100))
     assert [(p.budget_bytes, p.predicted_peak_bytes, p.modules) for p in pareto_sweep(bound_by_optimizer, 10)] == [
@@ -138,8 +139,8 @@ def test_a_peak_no_plan_lowers_is_one_budget_row_not_ten_equal_ones():
 def test_the_pareto_picture_draws_the_predicted_plans_where_they_are_and_no_line_above_them():
     from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
 
-    keep = StageOption("keep", (), 100 * 2**20, 150 * 2**20)
-    whole = StageOption("whole", ("a",), 10 * 2**20, 160 * 2**20, Costs(1.0, 5))
+    keep = StageOption("keep", StageAction("a"), 100 * 2**20, 150 * 2**20)
+    whole = StageOption("whole", StageAction.recompute("a"), 10 * 2**20, 160 * 2**20, Costs(1.0, 5))
     profile = Profile((StageProfile("a", (keep, whole)),) * 3, (Segment("head", 3, 50 * 2**20),),
                       baseline_peak_bytes=350 * 2**20, baseline_costs=Costs(flops=100))
     figure = pareto_figure(pareto_sweep(profile, 10, "flops"), profile.baseline_peak_bytes, "flops",

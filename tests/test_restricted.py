@@ -11,13 +11,13 @@ import transformers
 from lightning_remat import profile_step, solve
 from lightning_remat.core.config import ProfileOptions
 from lightning_remat.core.memory_model import restricted
-from lightning_remat.core.vocabulary import OptionKind
+from lightning_remat.core.offload_model import to_host
 
 transformers.logging.set_verbosity_error()
 VOCAB = 512
-WITHOUT = {"offload": lambda o: not (o.offloaded or o.input_offloaded),
+WITHOUT = {"offload": lambda o: not to_host(o),
            "tile_mlp": lambda o: "tile:" not in o.name,
-           "chunk_loss": lambda o: OptionKind.of(o.name) not in (OptionKind.CHUNKS, OptionKind.FUSED)}
+           "chunk_loss": lambda o: o.action.chunks is None}
 
 
 def _profile(**options):

@@ -119,7 +119,7 @@ def test_save_projections_is_offered_where_attention_runs_as_batched_matmuls():
     assert measured <= plan.predicted_peak_bytes <= 1.05 * measured
     llama = build("llama", layers=1, hidden=64, seq_len=32, batch_size=2)
     fused = profile_step(llama.model, llama.step, options=ProfileOptions(policies=("save_matmuls", "save_projections")))
-    assert [o.name for o in fused.stages[0].options if o.policy] == ["sac:save_matmuls"]
+    assert [o.name for o in fused.stages[0].options if o.action.policy] == ["sac:save_matmuls"]
 
 
 def test_a_policy_runs_under_torch_compile():
@@ -180,7 +180,7 @@ def test_roofline_is_deterministic_and_ordered_for_a_transformer_block():
     peaks = Peaks(1e11, 1e10)
     costs = [{o: (c.flops, c.roofline)  # not the measured seconds
               for o in ("whole", "sac:save_matmuls", "sac:save_alternate_matmuls", "sac:save_attention")
-              for c in [option_costs("0", o, ("0",), seen.stats, peaks)]}
+              for c in [option_costs("0", sac.policy_of(o), ("0",), seen.stats, peaks)]}
              for seen in observed]
     assert costs[0] == costs[1]
     roof = {o: c[1] for o, c in costs[0].items()}
@@ -190,7 +190,7 @@ def test_roofline_is_deterministic_and_ordered_for_a_transformer_block():
     assert flops["sac:save_matmuls"] == 1 < flops["sac:save_alternate_matmuls"] < flops["whole"]
     assert device_peaks("cpu") == device_peaks("cpu")  # fixed (core.hardware.CPU_FLOPS): the same in every process
     # Eager SAC's own per-op cost is added to a policy's seconds, for every op of the module.
-    base, extra = (option_costs("0", "sac:save_matmuls", ("0",), observed[0].stats, peaks, per_op).time
+    base, extra = (option_costs("0", "save_matmuls", ("0",), observed[0].stats, peaks, per_op).time
                    for per_op in (0.0, 1.0))
     assert extra - base == pytest.approx(len(observed[0].stats["0"].ops))
     assert 0.0 <= sac_seconds_per_op() < 1e-2
@@ -238,7 +238,7 @@ def test_profile_offers_policies_and_prices_them(profiled):
     assert {"keep", "whole", "sac:save_matmuls", "sac:save_alternate_matmuls", "sac:save_attention"} <= set(names)
     stage = profile.stages[0]
     keep, whole, matmuls = stage.option("keep"), stage.option("whole"), stage.option("sac:save_matmuls")
-    assert matmuls.policy == "save_matmuls" and whole.policy == ""
+    assert matmuls.action.policy == "save_matmuls" and whole.action.policy is None
     assert whole.stored_bytes < matmuls.stored_bytes < keep.stored_bytes
     assert 0 < matmuls.costs.roofline < whole.costs.roofline and matmuls.costs.flops == 1
     assert profile.baseline_costs["roofline"] > sum(s.option("whole").costs.roofline for s in profile.stages)

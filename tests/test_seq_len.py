@@ -254,18 +254,19 @@ def test_a_tiled_mlp_is_predicted_at_lengths_whose_chunk_counts_differ():
     predicted = LengthFit({n: profiles[n] for n in (64, 128, 256)}).at(512)
     assert tiled(predicted).keys() == tiled(profiles[512]).keys()
     for name, option in tiled(predicted).items():
-        assert dict(option.extra) == dict(tiled(profiles[512])[name].extra) == {"tile": name.rpartition("+")[2][5:]}
+        assert dict(option.action.extra) == dict(tiled(profiles[512])[name].action.extra) == \
+            {"tile": name.rpartition("+")[2][5:]}
         assert option.stored_bytes == pytest.approx(tiled(profiles[512])[name].stored_bytes, rel=0.01)
 
 
 def test_the_fit_does_not_predict_offload_hidden_whose_limit_follows_compute_time():
     """"offload:hidden" moves what the link carries during the next stage's compute: not a polynomial of the length
     (here the parabola through its stored bytes would go below zero), so predictions leave it out; nodes keep it."""
-    from lightning_remat.core.memory_model import Profile, StageOption, StageProfile
+    from lightning_remat.core.memory_model import Profile, StageAction, StageOption, StageProfile
 
     def node(s, hidden_stored):
-        keep = StageOption("keep", (), 8 * s, 1000 + 3 * s)
-        hidden = StageOption("offload:hidden", ("a",), hidden_stored, 1000 + 3 * s, offloaded=("a",),
+        keep = StageOption("keep", StageAction("a"), 8 * s, 1000 + 3 * s)
+        hidden = StageOption("offload:hidden", StageAction.offload("a"), hidden_stored, 1000 + 3 * s,
                              host_bytes=8 * s - hidden_stored, offload_limit=5 * s)
         return Profile((StageProfile("a", (keep, hidden)),), (), parameter_bytes=1000)
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_remat import profile_step
-from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile
+from lightning_remat.core.memory_model import Profile, Segment, StageAction, StageOption, StageProfile
 from lightning_remat.core.predict import predict
 from lightning_remat.core.shape_fit import ShapeFit, chord_weights
 from lightning_remat.core.shapes import Shape, ShapeBuckets, ladder_down, ladder_up
@@ -55,7 +55,7 @@ def _node(moments, b, s):
     """A one-stage profile whose keep option peaks at the largest of ``moments`` (each
     ``(c, alpha, beta, gamma)``: ``c + b * (alpha + beta * s + gamma * s**2)``) and stores ``b * s * 8``."""
     peak = max(c + b * (alpha + beta * s + gamma * s * s) for c, alpha, beta, gamma in moments)
-    keep = StageOption("keep", (), 8 * b * s, 1000 + int(peak))
+    keep = StageOption("keep", StageAction("a"), 8 * b * s, 1000 + int(peak))
     return Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 1000 + 3 * b * s),), parameter_bytes=1000)
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageAction, StageOption, StageProfile, solve
 from lightning_remat.core.memory_model import predict_peak
 from lightning_remat.core.spans import plan_cost_spans
 from lightning_remat.core.solve import least_peak, plan_from_choices, solve_segmentation
@@ -58,7 +58,7 @@ def test_solve_equals_exhaustive_search(profile, fraction, kind):
     plan = plan_from_choices(profile, choices, budget, kind)
     # The plan carries the policy of every module an option with a policy recomputes.
     chosen = [s.option(c.option) for s, c in zip(profile.stages, plan.choices)]
-    assert plan.policies == {m: o.policy for o in chosen if o.policy for m in o.checkpointed}
+    assert plan.policies == {m: o.action.policy for o in chosen if o.action.policy for m in o.action.modules}
 
 
 @settings(max_examples=150, deadline=None)
@@ -73,10 +73,8 @@ def test_min_is_the_least_peak_then_the_least_cost(profile):
 
 
 def _chain(n=5):
-    keep = StageOption("keep", (), 100, 400)
-    stages = tuple(
-        StageProfile(f"h.{i}", (keep, StageOption("whole", (f"h.{i}",), 10, 420, Costs(1.0 + i, 10 + i)))) for i in range(n)
-    )
+    stages = tuple(StageProfile(f"h.{i}", (StageOption("keep", StageAction(f"h.{i}"), 100, 400), StageOption(
+        "whole", StageAction.recompute(f"h.{i}"), 10, 420, Costs(1.0 + i, 10 + i)))) for i in range(n))
     return Profile(stages, (Segment("head", n, 300), Segment("optimizer step", 0, 350)), parameter_bytes=200,
                    baseline_peak_bytes=800, baseline_costs=Costs(time=20.0, flops=200), device="cpu")
 
@@ -131,8 +129,9 @@ def test_a_stage_whose_stored_bytes_are_below_zero_is_solved():
     from lightning_remat.core.memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
     from lightning_remat.core.solve import least_peak, solve
 
-    first = StageProfile("a", (StageOption("keep", (), -50, 100), StageOption("whole", ("a",), -60, 110, Costs(1.0, 5))))
-    second = StageProfile("b", (StageOption("keep", (), 40, 120),))
+    first = StageProfile("a", (StageOption("keep", StageAction("a"), -50, 100),
+                               StageOption("whole", StageAction.recompute("a"), -60, 110, Costs(1.0, 5))))
+    second = StageProfile("b", (StageOption("keep", StageAction("b"), 40, 120),))
     profile = Profile((first, second), (Segment("head", 2, 200),))
     # keep, keep: max(100, -50 + 120, -10 + 200) = 190; whole, keep: max(110, -60 + 120, -20 + 200) = 180
     assert [predict_peak(profile, c) for c in ([0, 0], [1, 0])] == [190, 180]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageOption, StageProfile, solve
+from lightning_remat import BudgetTooSmallError, Costs, Profile, Segment, StageAction, StageOption, StageProfile, solve
 from lightning_remat.core.solve import least_peak, solve_segmentation
 from lightning_remat.core.spans import (max_span_length, plan_cost_spans, predict_peak_spans, span_option,
                                         span_ranges)
@@ -85,8 +85,8 @@ def test_min_with_spans_is_the_least_peak_then_the_least_cost(profile):
 
 def _mlp_like(n, group=True):
     # Each stage keeps 5 units (its output 1 and 4 inside) or, recomputed, its output only.
-    keep = StageOption("keep", (), 5, 8)
-    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, Costs(1.0, 10))))
+    stages = tuple(StageProfile(f"c.{i}", (StageOption("keep", StageAction(f"c.{i}"), 5, 8),
+                                           StageOption("whole", StageAction.recompute(f"c.{i}"), 1, 9, Costs(1.0, 10))))
                    for i in range(n))
     groups = (tuple(s.name for s in stages),) if group else ()
     return Profile(stages, (Segment("head", n, 20),), baseline_costs=Costs(time=n, flops=30 * n),
@@ -142,9 +142,8 @@ def test_incremental_span_rows_equal_span_option(profile):
 
 def test_spans_are_priced_in_roofline_seconds_under_the_roofline_cost():
     # A span's roofline cost is its stages' "whole" roofline seconds (it was priced in FLOPs).
-    keep = StageOption("keep", (), 5, 8)
-    stages = tuple(StageProfile(f"c.{i}", (keep, StageOption("whole", (f"c.{i}",), 1, 9, Costs(1.0, 10**6, 0.25))))
-                   for i in range(6))
+    stages = tuple(StageProfile(f"c.{i}", (StageOption("keep", StageAction(f"c.{i}"), 5, 8), StageOption(
+        "whole", StageAction.recompute(f"c.{i}"), 1, 9, Costs(1.0, 10**6, 0.25)))) for i in range(6))
     p = Profile(stages, (Segment("head", 6, 20),), baseline_costs=Costs(time=6, flops=3 * 10**6, roofline=3.0),
                 span_groups=(tuple(s.name for s in stages),))
     assert span_option(p, 0, 2).costs["roofline"] == 0.75

@@ -117,9 +117,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+def _tiles(option):
+    return "tile" in dict(option.action.extra)
+
+
 def _tiled_options(model, step):
     profile = profile_step(model, step, options=ProfileOptions(tile_mlp=True, warmup=0))
-    return [o.name for s in profile.stages for o in s.options if o.extra], profile.notes
+    return [o.name for s in profile.stages for o in s.options if _tiles(o)], profile.notes
 
 
 def test_only_what_is_position_wise_without_active_dropout_is_tiled():
@@ -143,7 +147,7 @@ def test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted():
     names = [o.name for o in profile.stages[0].options]
     # 2 x 128 tokens in chunks of about the hidden size (32)
     assert {"tile:mlp:8", "whole+tile:mlp:8"} <= set(names), names
-    untiled = solve(replace(profile, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.extra))
+    untiled = solve(replace(profile, stages=tuple(replace(s, options=tuple(o for o in s.options if not _tiles(o)))
                                                   for s in profile.stages)), "min", cost="flops").predicted_peak_bytes
     least = solve(profile, "min", cost="flops").predicted_peak_bytes
     assert least < 0.8 * untiled  # the MLP's intermediates bind without tiling
@@ -180,10 +184,10 @@ def test_fake_planning_tiles_a_meta_model():
     # With the layer's checkpoint input on the host (ALST's recipe): the same host bytes as without tiling.
     stage = profile.stages[0]
     offloaded, tiled_offloaded = stage.option("whole+offload-input"), stage.option("whole+offload-input+tile:mlp:4")
-    assert tiled_offloaded.input_offloaded and tiled_offloaded.host_bytes == offloaded.host_bytes > 0
+    assert tiled_offloaded.action.offload_input and tiled_offloaded.host_bytes == offloaded.host_bytes > 0
     assert tiled_offloaded.local_peak_bytes < offloaded.local_peak_bytes
     tiled = solve(profile, "min", cost="flops")
-    plain = solve(replace(profile, stages=tuple(replace(s, options=tuple(o for o in s.options if not o.extra))
+    plain = solve(replace(profile, stages=tuple(replace(s, options=tuple(o for o in s.options if not _tiles(o)))
                                                 for s in profile.stages)), "min", cost="flops")
     assert tiled.predicted_peak_bytes < plain.predicted_peak_bytes
     assert {dict(a.extra).get("tile") for a in tiled.actions} == {"mlp:4"}  # 256 tokens in chunks of 64

@@ -34,13 +34,13 @@ SOLVED = {
 def _profile():
     """The synthetic profile SOLVED is made from: six stages with keep, whole, a policy, a child
     and a hidden offload, all in one span group."""
-    keep = StageOption("keep", (), 100, 150)
-
     def stage(n):
-        return StageProfile(n, (keep, StageOption("whole", (n,), 10, 160, Costs(1.0, 5)),
-                                StageOption("sac:save_matmuls", (n,), 50, 155, Costs(0.5, 2), policy="save_matmuls"),
-                                StageOption("mlp", (n + ".mlp",), 60, 155, Costs(0.4, 2)),
-                                StageOption("offload:hidden", (), 20, 150, offloaded=(n,), host_bytes=80,
+        return StageProfile(n, (StageOption("keep", StageAction(n), 100, 150),
+                                StageOption("whole", StageAction.recompute(n), 10, 160, Costs(1.0, 5)),
+                                StageOption("sac:save_matmuls", StageAction.recompute(n, policy="save_matmuls"), 50,
+                                            155, Costs(0.5, 2)),
+                                StageOption("mlp", StageAction.recompute(n, (n + ".mlp",)), 60, 155, Costs(0.4, 2)),
+                                StageOption("offload:hidden", StageAction.offload(n), 20, 150, host_bytes=80,
                                             offload_limit=64)))
 
     return Profile(tuple(stage(f"h.{i}") for i in range(6)), (Segment("head", 6, 50),), baseline_peak_bytes=700,

@@ -3,7 +3,7 @@ a set of actions installable together (``check_actions``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .errors import InvalidPlanError
@@ -132,6 +132,22 @@ def module_names(what: str, names: Any) -> tuple[str, ...]:
     if not all(isinstance(n, str) for n in names):
         raise ValueError(f"a plan's {what!r} must be a list of module names, got {list(names)!r}")
     return names
+
+
+def moved(action: StageAction, old: str, new: str) -> StageAction:
+    """``action`` with the module names it holds under ``old`` (its stage's) named under ``new``; ValueError for a
+    name outside ``old``.
+
+    Example:
+        >>> moved(StageAction.recompute("h.0", ["h.0.mlp"]), "h.0", "h.7").modules
+        ('h.7.mlp',)
+    """
+    def name(module: str) -> str:
+        if module != old and not nested_in(module, old):
+            raise ValueError(f"{module!r} is not {old!r} nor inside it")
+        return new + module[len(old):]
+    return replace(action, stage=name(action.stage), modules=tuple(map(name, action.modules)),
+                   segment=tuple(map(name, action.segment)))
 
 
 def nested_in(inner: str, outer: str) -> bool:

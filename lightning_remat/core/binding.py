@@ -2,8 +2,8 @@
 stages stored, and the term's own (``plan.binding``).
 
 Example:
-    >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageOption, StageProfile
-    >>> keep = StageOption("keep", (), 100, 150)
+    >>> from lightning_remat.core.memory_model import PeakTerm, Profile, Segment, StageAction, StageOption, StageProfile
+    >>> keep = StageOption("keep", StageAction("h.0"), 100, 150)
     >>> p = Profile((StageProfile("h.0", (keep,)),), (Segment("between stages (1 stored)", 1, 400),),
     ...             parameter_bytes=40)
     >>> describe(p, PeakTerm("segment", 0, "between stages (1 stored)", 400, 100)).text()

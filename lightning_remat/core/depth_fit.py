@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from .actions import StageAction, moved
 from .shared_held import without_shared
 from .memory_model import Profile, Segment, StageOption, StageProfile, predict_peak
 from .profile_algebra import Growth, Term, combine, combine_fields, terms
@@ -163,8 +164,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # Fields renamed per layer (module names, a gap's stages alive), not fitted or compared.
-_RENAMED = {(StageProfile, "name"), (StageOption, "checkpointed"), (StageOption, "offloaded"), (Segment, "name"),
-            (Segment, "stages_alive")}
+_RENAMED = {(StageProfile, "name"), (StageOption, "action"), (Segment, "name"), (Segment, "stages_alive")}
 
 
 def _alike(owner: type, name: str, values: Sequence[Any]) -> Any:
@@ -197,19 +197,16 @@ def _gap_runs(forward: Profile, backward: Profile, ballast: int) -> dict[str, di
     return {name: {run: pair_figures(up[name][run], down[name][run], ballast) for run in up[name]} for name in up}
 
 
-def _rename(names: tuple, old: str, new: str) -> tuple:
-    out = []
-    for name in names:
-        if name != old and not name.startswith(old + "."):
-            raise NoFit
-        out.append(new + name[len(old):])
-    return tuple(out)
+def _moved(action: StageAction, old: str, new: str) -> StageAction:
+    try:
+        return moved(action, old, new)
+    except ValueError:
+        raise NoFit from None
 
 
 def _renamed(stage: StageProfile, new: str) -> StageProfile:
-    """``stage`` as layer ``new``: its name and the modules its options name."""
-    options = tuple(replace(o, checkpointed=_rename(o.checkpointed, stage.name, new),
-                            offloaded=_rename(o.offloaded, stage.name, new)) for o in stage.options)
+    """``stage`` as layer ``new``: its name and the modules its options' actions name."""
+    options = tuple(replace(o, action=_moved(o.action, stage.name, new)) for o in stage.options)
     return replace(stage, name=new, options=options)
 
 
@@ -223,10 +220,9 @@ def _stages(small: Profile, large: Profile, prefix: str, layers: int, fit: Fit) 
         if [o.name for o in stage.options] != [o.name for o in reference.options] or \
                 stage.module_type != reference.module_type:
             raise NoFit
-        for option, like in zip(stage.options, reference.options):
-            if [c[len(stage.name):] for c in (*option.checkpointed, *option.offloaded)] != \
-                    [c[len(reference.name):] for c in (*like.checkpointed, *like.offloaded)]:
-                raise NoFit
+        if any(_moved(o.action, stage.name, reference.name) != like.action
+               for o, like in zip(stage.options, reference.options)):
+            raise NoFit
     # Every number a line fitted once (``d -> value``), then read at each middle layer.
     lines = combine(list(middle.values()), fit.middles(list(middle)), derive=False)
     middles = tuple(_renamed(combine([lines], lambda term, line: line[0](layers - 1 - i), derive=False),
@@ -242,10 +238,8 @@ def _boundary_stage(s: StageProfile, t: StageProfile, new: str, fit: Fit) -> Sta
     """The first or the last layer from its two copies (``s`` of the smaller), named ``new``."""
     if [o.name for o in s.options] != [o.name for o in t.options]:
         raise NoFit
-    for o, p in zip(s.options, t.options):
-        if (_rename(o.checkpointed, s.name, t.name), _rename(o.offloaded, s.name, t.name)) != (p.checkpointed,
-                                                                                           p.offloaded):
-            raise NoFit
+    if any(_moved(o.action, s.name, t.name) != p.action for o, p in zip(s.options, t.options)):
+        raise NoFit
     return _renamed(combine([s, t], fit.boundary, structure=_alike, derive=False), new)
 
 

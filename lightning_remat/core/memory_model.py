@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from .actions import StageAction
 from .vocabulary import CostKind
 
 
@@ -42,39 +43,29 @@ class Costs:
 
 @dataclass(frozen=True)
 class StageOption:
-    """One way to run a stage: which modules are recomputed and what that costs and stores.
+    """One way to run a stage: the action it installs on the stage, and what that costs and stores.
 
     Example:
-        >>> StageOption("whole", ("transformer.h.0",), 1024, 4096, Costs(0.01, 10**9)).costs["flops"]
+        >>> StageOption("whole", StageAction.recompute("h.0"), 1024, 4096, Costs(0.01, 10**9)).costs["flops"]
         1000000000
     """
 
     name: str
-    checkpointed: tuple[str, ...]
+    # What the option does to its stage (``StageAction.stage`` is the stage's name), as its memory run installed it,
+    # its offload limit excepted: that is a figure, ``offload_limit``.
+    action: StageAction
     stored_bytes: int
     local_peak_bytes: int
     costs: Costs = Costs()
-    # The selective-checkpointing policy (``runtime.installing.sac``) of the recompute; "": the whole forward.
-    policy: str = ""
-    # Modules whose saved tensors go to host memory (the "offload" option), and the bytes they put there.
-    offloaded: tuple[str, ...] = ()
+    # The bytes an offload (the stage's saved tensors, or its checkpoint's input) puts in host memory.
     host_bytes: int = 0
-    # "offload:hidden": bytes per forward call that go out at most (what the link moves meanwhile); 0: all.
+    # "offload:hidden": bytes per forward call that go out at most (what the link moves meanwhile); 0: all. A figure
+    # the fits scale with the batch, so not in ``action``: the plan's action takes it (``core.predict``).
     offload_limit: int = 0
-    # "chunks:k": a causal LM's head and loss over k sequence chunks (``runtime.installing.chunked_loss``).
-    chunks: int = 0
-    # Recomputed with its checkpoint's input on the host ("whole+offload-input"): ``host_bytes`` is that input.
-    input_offloaded: bool = False
     # Inputs other checkpoints may hold too (``position_ids``), as (label, bytes), alive once however many hold them
     # (``core.shared_held``); ``held_before``: those an earlier stage held, which ``local_peak_bytes`` counts.
     shared_held: tuple[tuple[str, int], ...] = ()
     held_before: tuple[tuple[str, int], ...] = ()
-    # "fused:k": the chunks' gradients computed in forward, nothing recomputed (``runtime.installing.fused_loss``).
-    fused: bool = False
-    # "parts", "whole+parts": a residual block run as checkpointed parts (``runtime.installing.residual_parts``).
-    parts: bool = False
-    # Settings of behaviours the option installs besides its action, as ``StageAction.extra`` (a tiled MLP's).
-    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,7 +73,7 @@ class StageProfile:
     """A candidate block and its options; ``options[0]`` is always ``"keep"``; the solver reads only these.
 
     Example:
-        >>> keep = StageOption("keep", (), 100, 150)
+        >>> keep = StageOption("keep", StageAction("layer.0"), 100, 150)
         >>> StageProfile("layer.0", (keep,), saved_bytes=100).options[0].name
         'keep'
     """
@@ -129,7 +120,7 @@ class Profile:
     """What the profiler measured of one training step, in the terms of the memory model.
 
     Example:
-        >>> keep = StageOption("keep", (), 100, 150)
+        >>> keep = StageOption("keep", StageAction("a"), 100, 150)
         >>> p = Profile(stages=(StageProfile("a", (keep,)),), segments=(), parameter_bytes=10)
         >>> p.static_bytes, Profile.from_dict(p.to_dict()) == p
         (10, True)
@@ -186,17 +177,18 @@ class Profile:
         """A JSON-safe dict; ``Profile.from_dict`` rebuilds an equal profile."""
         data = asdict(replace(self))  # ``replace`` leaves ``gap_figures`` behind
         del data["gap_figures"]
+        for stage, saved in zip(self.stages, data["stages"]):
+            for option, entry in zip(stage.options, saved["options"]):
+                entry["action"] = option.action.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
         stages = tuple(
-            StageProfile(**{**s, "options": tuple(StageOption(**{**o, "checkpointed": tuple(o["checkpointed"]),
+            StageProfile(**{**s, "options": tuple(StageOption(**{**o, "action": StageAction.from_dict(o["action"]),
                                                            "costs": Costs(**o["costs"]),
-                                                           "offloaded": tuple(o.get("offloaded", ())),
                                                            "shared_held": _pairs(o.get("shared_held", ())),
-                                                           "held_before": _pairs(o.get("held_before", ())),
-                                                           "extra": tuple((str(k), v) for k, v in o.get("extra", ()))})
+                                                           "held_before": _pairs(o.get("held_before", ()))})
                                               for o in s["options"])})
             for s in data["stages"]
         )
@@ -228,7 +220,8 @@ def restricted(profile: Profile, allowed: Callable[[StageOption], bool]) -> Prof
     profile).
 
     Example:
-        >>> keep, whole = StageOption("keep", (), 100, 150), StageOption("whole", ("a",), 10, 150, Costs(0.1, 5))
+        >>> keep = StageOption("keep", StageAction("a"), 100, 150)
+        >>> whole = StageOption("whole", StageAction.recompute("a"), 10, 150, Costs(0.1, 5))
         >>> p = Profile(stages=(StageProfile("a", (keep, whole)),), segments=())
         >>> [o.name for o in restricted(p, lambda o: o.name != "whole").stages[0].options]
         ['keep']

@@ -11,18 +11,24 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from .calls import owners
-from .memory_model import Costs, Profile
-from .vocabulary import OPTION_NAMES, OptionKind
+from .memory_model import Costs, Profile, StageOption
+from .vocabulary import Action
 
-OFFLOAD = OPTION_NAMES[OptionKind.OFFLOAD]
+OFFLOAD = "offload"
 # Offload only what the host link moves while the next stage's forward runs: free by construction.
-OFFLOAD_HIDDEN = OPTION_NAMES[OptionKind.OFFLOAD_HIDDEN]
+OFFLOAD_HIDDEN = "offload:hidden"
 # Recomputed whole, with the input its checkpoint keeps in host memory (copied synchronously both ways).
-OFFLOAD_INPUT = OPTION_NAMES[OptionKind.OFFLOAD_INPUT]
+OFFLOAD_INPUT = "whole+offload-input"
 
 
-def is_offload(option_name: str) -> bool:
-    return option_name in (OFFLOAD, OFFLOAD_HIDDEN)
+def is_offload(option: StageOption) -> bool:
+    """Whether ``option`` sends its stage's saved tensors to host memory."""
+    return option.action.action is Action.OFFLOAD
+
+
+def to_host(option: StageOption) -> bool:
+    """Whether ``option`` puts anything in host memory: its saved tensors, or its checkpoint's input."""
+    return is_offload(option) or option.action.offload_input
 
 
 def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: float) -> Profile:
@@ -35,7 +41,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
         stages[i] = replace(stage, options=tuple(
             replace(o, local_peak_bytes=int(max(o.local_peak_bytes, keep.local_peak_bytes
                                                 + max(0, o.stored_bytes + o.host_bytes - keep.stored_bytes))))
-            if is_offload(o.name) else o for o in stage.options))
+            if is_offload(o) else o for o in stage.options))
     after_last = max((s.peak_bytes for s in profile.segments if s.stages_alive == n), default=0)
     for i, stage in enumerate(stages):
         options = []
@@ -43,12 +49,12 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
         # A checkpoint input sent out and back (synchronously: nothing hides it) on top of the recompute.
         stage = replace(stage, options=tuple(
             replace(o, costs=o.costs + _transfer(2 * o.host_bytes / bandwidth, flops_per_second))
-            if o.input_offloaded else o
+            if o.action.offload_input else o
             for o in stage.options))
         hidden = nxt.forward_seconds if nxt is not None else 0.0
         next_peak = max(o.local_peak_bytes for o in nxt.options) if nxt is not None else after_last
         for option in stage.options:
-            if is_offload(option.name):
+            if is_offload(option):
                 transfer = option.host_bytes / bandwidth
                 seconds = max(0.0, transfer - hidden) + max(0.0, transfer - 2 * hidden)
                 local = max(option.local_peak_bytes, option.stored_bytes + option.host_bytes + next_peak)
@@ -67,7 +73,7 @@ def without_offload(profile: Profile, stages: set[int]) -> Profile:
     owner = owners(profile)
     modules = {owner[i] for i in stages}
     return replace(profile, stages=tuple(
-        replace(s, options=tuple(o for o in s.options if not o.offloaded and not o.input_offloaded))
+        replace(s, options=tuple(o for o in s.options if not to_host(o)))
         if owner[i] in modules else s for i, s in enumerate(profile.stages)))
 
 

@@ -25,22 +25,11 @@ class Prediction:
     binding: PeakTerm | None = field(default=None, repr=False, compare=False)
 
 
-def _does(option: StageOption, action: StageAction) -> bool:
-    if option.parts != bool(dict(action.extra).get("residual_parts")):
-        return False
-    # Any other behaviour's setting (a tiled MLP's): the option was (not) measured with it.
-    if dict(option.extra) != {k: v for k, v in action.extra if k != "residual_parts"}:
-        return False
-    if action.action is Action.KEEP:
-        return not option.checkpointed and not option.offloaded and not option.chunks
-    if action.action in (Action.CHUNK, Action.FUSE):
-        return option.chunks == action.chunks and option.fused == (action.action is Action.FUSE)
-    if action.action is Action.RECOMPUTE:
-        return (tuple(option.checkpointed) == action.modules and (option.policy or None) == action.policy
-                and not option.offloaded and option.input_offloaded == action.offload_input)
-    if action.action is Action.OFFLOAD:
-        return bool(option.offloaded) and not option.checkpointed and (option.offload_limit or None) == action.offload_limit
-    return False
+def installed(option: StageOption) -> StageAction:
+    """The action ``option`` installs on its stage, an offload's limit (a figure: ``StageOption.offload_limit``) set."""
+    if option.offload_limit and option.action.action is Action.OFFLOAD:
+        return replace(option.action, offload_limit=option.offload_limit)
+    return option.action
 
 
 def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -68,7 +57,7 @@ def schedule(profile: Profile, actions: Sequence[StageAction]) -> tuple[list[int
         else:
             for k in (k for k in range(len(names)) if owner[k] == owner[i]):
                 stage = profile.stages[k]
-                choices[k] = next((j for j, option in enumerate(stage.options) if _does(option, action)), -1)
+                choices[k] = next((j for j, option in enumerate(stage.options) if installed(option) == action), -1)
                 if choices[k] < 0:
                     raise ValueError(f"stage {stage.name!r} has no option for {action}; its options: "
                                      f"{[o.name for o in stage.options]}")
@@ -113,8 +102,6 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
             block_at[first] = blocks[first, last]
     actions = []
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
-        option = stage.options[c]
-        parts = (("residual_parts", True),) if option.parts else ()
         if stage.call and not (k in segment_of or k in block_at):
             continue  # a later place of a module: its first place's action stands for it
         if k in block_at:
@@ -122,17 +109,6 @@ def actions_of(profile: Profile, choices: Sequence[int], spans: Sequence[tuple[i
                 actions.append(StageAction.recompute(block_at[k]))
         elif k in segment_of:
             actions.append(StageAction.in_segment(stage.name, segment_of[k]))
-        elif option.offloaded and option.checkpointed:
-            raise ValueError(f"stage {stage.name!r}: option {option.name!r} both recomputes and offloads")
-        elif option.offloaded:
-            actions.append(StageAction.offload(stage.name, option.offload_limit or None))
-        elif option.chunks:
-            actions.append((StageAction.fuse if option.fused else StageAction.chunk)(stage.name, option.chunks))
-        elif option.checkpointed:
-            actions.append(StageAction.recompute(stage.name, option.checkpointed, option.policy or None,
-                                                 offload_input=option.input_offloaded, extra=parts))
         else:
-            actions.append(StageAction(stage.name, extra=parts))
-        if option.extra and k not in segment_of and k not in block_at:
-            actions[-1] = replace(actions[-1], extra={**dict(actions[-1].extra), **dict(option.extra)})
+            actions.append(installed(stage.options[c]))
     return tuple(actions)

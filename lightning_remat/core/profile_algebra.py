@@ -202,7 +202,8 @@ def combine(nodes: Sequence[Any], combiner: Combiner, *, structure: Structure = 
     cannot be); derived figures recomputed unless ``derive`` is False.
 
     Example:
-        >>> opt = lambda name, stored: StageOption(name, (), stored, 2 * stored)
+        >>> opt = lambda name, stored: StageOption(name, StageAction("a"), stored, 2 * stored)
+        >>> from lightning_remat.core.actions import StageAction
         >>> low = StageProfile("a", (opt("keep", 10), opt("whole", 1)))
         >>> high = StageProfile("a", (opt("keep", 30),))
         >>> [(o.name, o.stored_bytes) for o in combine([low, high], largest).options]  # "whole": only in low

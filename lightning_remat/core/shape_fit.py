@@ -218,9 +218,9 @@ class LengthFit:
     the three nodes nearest (on a log scale) to the length asked (the line through two while only two exist).
 
     Example:
-        >>> from lightning_remat.core.memory_model import StageOption, StageProfile
+        >>> from lightning_remat.core.memory_model import StageAction, StageOption, StageProfile
         >>> def node(s):  # stored activations 8*s + s**2, a peak 1000 (static) + 3*s**2
-        ...     keep = StageOption("keep", (), 8 * s + s * s, 1000 + 3 * s * s)
+        ...     keep = StageOption("keep", StageAction("a"), 8 * s + s * s, 1000 + 3 * s * s)
         ...     return Profile((StageProfile("a", (keep,)),), (), parameter_bytes=1000)
         >>> fit = LengthFit({64: node(64), 128: node(128), 256: node(256)})
         >>> fit.at(1024).stages == node(1024).stages, fit.at(128) is fit.nodes[128]
@@ -269,7 +269,7 @@ class LengthFit:
 
 def _counted_setting(option: StageOption) -> tuple[str, str, int] | None:
     """(extra key, setting without its count, count) of an option named after a counted setting, or None."""
-    for key, value in option.extra:
+    for key, value in option.action.extra:
         head, _, count = str(value).rpartition(":")
         if head and count.isdigit() and option.name.endswith(str(value)):
             return key, head, int(count)
@@ -283,20 +283,21 @@ def _count_free(profile: Profile) -> Profile:
         if found is None:
             return option
         key, head, count = found
-        return replace(option, name=option.name[:-len(str(dict(option.extra)[key]))] + head,
-                       extra=tuple((k, (head, count) if k == key else v) for k, v in option.extra))
+        extra = dict(option.action.extra)
+        return replace(option, name=option.name[:-len(str(extra[key]))] + head,
+                       action=replace(option.action, extra={**extra, key: (head, count)}))
     return replace(profile, stages=tuple(replace(s, options=tuple(free(o) for o in s.options)) for s in profile.stages))
 
 
 def _counted(profile: Profile, factor: float) -> Profile:
     """``_count_free``'s profile named again, each count scaled by ``factor`` (the length over the first node's)."""
     def counted(option: StageOption) -> StageOption:
-        for key, value in option.extra:
+        for key, value in option.action.extra:
             if isinstance(value, tuple):
                 head, count = value
                 scaled = max(2, 2 ** round(math.log2(count * factor)))
-                option = replace(option, name=f"{option.name}:{scaled}",
-                                 extra=tuple((k, f"{head}:{scaled}" if k == key else v) for k, v in option.extra))
+                option = replace(option, name=f"{option.name}:{scaled}", action=replace(
+                    option.action, extra={**dict(option.action.extra), key: f"{head}:{scaled}"}))
         return option
     return replace(profile, stages=tuple(replace(s, options=tuple(counted(o) for o in s.options))
                                          for s in profile.stages))

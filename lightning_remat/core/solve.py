@@ -18,7 +18,7 @@ from .shared_held import exact_peak, slack
 from .spans import block_ranges, span_rows, span_option
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
-from .vocabulary import OPTION_NAMES, CostKind, OptionKind
+from .vocabulary import CostKind
 
 # Beyond this many Pareto points the frontier keeps the cheapest point per band of stored bytes (and the
 # one that stores least): plans stay feasible, optimal within one band (1/MAX_FRONTIER of the range).
@@ -202,7 +202,7 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         if k in in_span:
             first, last = in_span[k]
-            whole = stage.option(OPTION_NAMES[OptionKind.WHOLE])
+            whole = stage.option("whole")
             # The span's stored bytes are its last stage's; its cost is the sum of its stages'.
             stored = span_option(profile, first, last).stored_bytes if k == last else 0
             label = (f"block {blocks[first, last]} whole" if (first, last) in blocks
@@ -272,10 +272,11 @@ def solve(profile: Profile, budget: int | str, cost: str = "time") -> Plan:
         BudgetTooSmallError: no plan fits; it names the smallest reachable peak.
 
     Example:
-        >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile, Segment
-        >>> keep = StageOption("keep", (), 100, 150)
-        >>> b = StageProfile("b", (keep, StageOption("whole", ("b",), 10, 160, Costs(2.0, 9))))
-        >>> a = StageProfile("a", (keep, StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))))
+        >>> from lightning_remat.core.memory_model import Costs, StageAction, StageOption, StageProfile, Segment
+        >>> def stage(name, cost):
+        ...     whole = StageOption("whole", StageAction.recompute(name), 10, 160, cost)
+        ...     return StageProfile(name, (StageOption("keep", StageAction(name), 100, 150), whole))
+        >>> a, b = stage("a", Costs(1.0, 5)), stage("b", Costs(2.0, 9))
         >>> profile = Profile((a, b), (Segment("head", 2, 50),), baseline_peak_bytes=250, baseline_costs=Costs(10.0))
         >>> solve(profile, 200).checkpointed   # recomputing "a" is cheaper and enough
         ['a']

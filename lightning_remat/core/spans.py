@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .memory_model import Costs, PeakTerm, Profile, binding_term, peak_terms
-from .vocabulary import OPTION_NAMES, OptionKind
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def block_ranges(profile: Profile) -> list[tuple[int, int, str]]:
 
 
 def _whole(profile: Profile, i: int):
-    return next((o for o in profile.stages[i].options if o.name == OPTION_NAMES[OptionKind.WHOLE]), None)
+    return next((o for o in profile.stages[i].options if o.name == "whole"), None)
 
 
 Row = tuple[int, int, int, int, Costs]  # first, last, stored, local, costs

@@ -2,8 +2,8 @@
 ``CheckpointPolicy``); ``check`` turns a user's string into a member or a ValueError naming what is accepted.
 
 Example:
-    >>> OptionKind.of("sac:save_matmuls"), OptionKind.of("attn")
-    (<OptionKind.POLICY: 'policy'>, <OptionKind.CHILDREN: 'children'>)
+    >>> Policy.check("sac:save_matmuls"), Action.check("recompute")
+    (<Policy.SAVE_MATMULS: 'save_matmuls'>, <Action.RECOMPUTE: 'recompute'>)
     >>> CostKind.check("seconds")
     Traceback (most recent call last):
     ...
@@ -66,60 +66,8 @@ class Policy(_Words):
                          f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
-# Option names: "sac:" + a policy, "chunks:" + a chunked head's count, "fused:" + a fused head's count.
+# A policy's option name: "sac:" + the policy (``runtime.installing.sac.option_name``).
 POLICY_PREFIX = "sac:"
-CHUNKS_PREFIX = "chunks:"
-FUSED_PREFIX = "fused:"
-
-
-class OptionKind(_Words):
-    """What a profile option of a stage does (``core.memory_model.StageOption``)."""
-
-    KEEP = "keep"  # nothing recomputed: everything the forward saves is kept
-    WHOLE = "whole"  # the stage's whole forward recomputed
-    CHILDREN = "children"  # some children recomputed (the option is named after them: "attn", "mlp")
-    POLICY = "policy"  # recomputed under an op-level policy ("sac:save_matmuls")
-    SEGMENT = "segment"  # recomputed with its neighbours as one checkpoint (``core.spans``)
-    OFFLOAD = "offload"  # saved tensors to host memory and back
-    OFFLOAD_HIDDEN = "offload-hidden"  # only what the host link moves while the next stage computes
-    CHUNKS = "chunks"  # the LM head and its loss over sequence chunks, each recomputed in backward ("chunks:8")
-    OFFLOAD_INPUT = "offload-input"  # recomputed whole, the input its checkpoint keeps on the host
-    FUSED = "fused"  # the LM head and its loss over sequence chunks, gradients computed in forward ("fused:8")
-
-    @classmethod
-    def of(cls, name: str) -> "OptionKind":
-        """The kind of an option name (a child option's name is the child's)."""
-        if name.startswith(POLICY_PREFIX):
-            return cls.POLICY
-        if name.startswith(CHUNKS_PREFIX):
-            return cls.CHUNKS
-        if name.startswith(FUSED_PREFIX):
-            return cls.FUSED
-        if name.startswith("segment "):
-            return cls.SEGMENT
-        return _FIXED_KINDS.get(name, cls.CHILDREN)
-
-
-# The option names of the kinds that have one fixed name.
-OPTION_NAMES = {OptionKind.KEEP: "keep", OptionKind.WHOLE: "whole", OptionKind.OFFLOAD: "offload",
-                OptionKind.OFFLOAD_HIDDEN: "offload:hidden", OptionKind.OFFLOAD_INPUT: "whole+offload-input"}
-_FIXED_KINDS = {name: kind for kind, name in OPTION_NAMES.items()}
-
-
-def option_name(kind: OptionKind, policy: Any = None) -> str:
-    """The option name of a kind; ``policy``: a policy's name, or the number of chunks of ``CHUNKS`` and ``FUSED``.
-
-    Example:
-        >>> option_name(OptionKind.FUSED, 8), OptionKind.of("fused:8")
-        ('fused:8', <OptionKind.FUSED: 'fused'>)
-    """
-    if kind == OptionKind.POLICY:
-        return POLICY_PREFIX + str(Policy.check(policy))
-    if kind in (OptionKind.CHUNKS, OptionKind.FUSED):
-        return (CHUNKS_PREFIX if kind == OptionKind.CHUNKS else FUSED_PREFIX) + str(check_chunks(policy))
-    if kind not in OPTION_NAMES:
-        raise ValueError(f"options of kind {kind!r} are named after what they recompute")
-    return OPTION_NAMES[OptionKind(kind)]
 
 
 def policy_of(name: str) -> str:

@@ -80,8 +80,8 @@ def modelled_split(profile: Profile) -> dict[str, int]:
     """The forward/backward peak of ``profile`` with nothing recomputed, split into static memory by kind, the
     activations stored before the binding term (``Activation``) and the term's own bytes (``Temp``).
 
-    >>> from lightning_remat.core.memory_model import Segment, StageOption, StageProfile
-    >>> keep = StageOption("keep", (), 100, 150)
+    >>> from lightning_remat.core.memory_model import Segment, StageAction, StageOption, StageProfile
+    >>> keep = StageOption("keep", StageAction("a"), 100, 150)
     >>> p = Profile((StageProfile("a", (keep,)),), (Segment("head", 1, 60),), parameter_bytes=10)
     >>> modelled_split(p)
     {'Parameter': 10, 'Buffer': 0, 'Optstate': 0, 'Activation': 100, 'Temp': 50}

@@ -14,6 +14,7 @@ from ..core.budget import format_bytes
 from ..core.config import RematConfig
 from ..core.errors import BatchSizeTooSmallBudgetError, BudgetTooSmallError, PlanningFailedError, RematError
 from ..core.memory_model import Profile
+from ..core.offload_model import to_host
 from ..core.profile_algebra import merge_profiles
 from ..core.plan import Plan
 from ..core.solve import least_peak, plan_from_choices, solve
@@ -146,7 +147,7 @@ class BatchSearch:
 
     def _solve(self, profile: Profile, budget: int) -> Plan:
         """``solve``; with offload options, within the host's free memory (as ``Planner.solve_profile``)."""
-        if not any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
+        if not any(to_host(o) for s in profile.stages for o in s.options):
             return solve(profile, budget, cost=self.cost)
         from ..core.offload_model import solve_within_host
         from ..runtime.targets.offload_link import host_limit_bytes
@@ -225,13 +226,13 @@ class BatchSearch:
 def flops_unattributed(profile: Profile) -> bool:
     """Whether the step counts FLOPs but none in its recomputing options (it calls a submodule, not the model).
 
-    >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile
-    >>> whole = StageOption("whole", ("a",), 0, 10, Costs(1.0, 0))
-    >>> flops_unattributed(Profile((StageProfile("a", (StageOption("keep", (), 10, 10), whole)),), (),
+    >>> from lightning_remat.core.memory_model import Costs, StageAction, StageOption, StageProfile
+    >>> whole = StageOption("whole", StageAction.recompute("a"), 0, 10, Costs(1.0, 0))
+    >>> flops_unattributed(Profile((StageProfile("a", (StageOption("keep", StageAction("a"), 10, 10), whole)),), (),
     ...                            baseline_costs=Costs(1.0, 100)))
     True
     """
-    recomputing = [o for s in profile.stages for o in s.options if o.checkpointed]
+    recomputing = [o for s in profile.stages for o in s.options if o.action.modules]
     return bool(recomputing) and profile.baseline_costs.flops > 0 and not any(o.costs.flops for o in recomputing)
 
 

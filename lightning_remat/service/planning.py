@@ -13,6 +13,7 @@ from ..core.config import DEFAULT_COST, ProfileOptions, RematConfig
 from ..core.binding import Binding
 from ..core.budget import Budget, format_bytes
 from ..core.errors import BudgetTooSmallError, UnsupportedShardingError
+from ..core.offload_model import to_host
 from ..core.plan import Plan
 from ..core.profile_algebra import merge_profiles
 from ..core.solve import solve_recompute_everything, solve_sharded
@@ -153,7 +154,7 @@ class Planner:
         self.for_model(model)
         budget = self.config.budget_bytes(model_device(model))
         _warn_if_beyond_the_device(budget, model_device(model))
-        if any(o.offloaded or o.input_offloaded for s in profile.stages for o in s.options):
+        if any(to_host(o) for s in profile.stages for o in s.options):
             # Host memory is a limit too: never plan more offloaded bytes than the host has free.
             from ..core.offload_model import solve_within_host
             from ..runtime.targets.offload_link import host_limit_bytes

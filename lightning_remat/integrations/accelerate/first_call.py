@@ -66,8 +66,8 @@ def observed_adjust(held: int, carried: int, observed: tuple[int, bool] | None, 
 def with_user_loss_allowance(profile: Profile, nbytes: int) -> Profile:
     """``nbytes`` for a loss computed outside the model, at the end of forward, on top of the model's memory there.
 
-    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-    >>> p = Profile((StageProfile("a", (StageOption("keep", (), 100, 150),)),), (Segment("head", 1, 50),))
+    >>> from lightning_remat.core.memory_model import StageAction, StageOption, StageProfile
+    >>> p = Profile((StageProfile("a", (StageOption("keep", StageAction("a"), 100, 150),)),), (Segment("head", 1, 50),))
     >>> with_user_loss_allowance(p, 64).baseline_peak_bytes   # the head's 50 and the stored 100, and 64
     214
     """

@@ -245,8 +245,8 @@ class WindowTracker(PeakWindow):
 def with_loop_references(profile: Profile, held_bytes: int, carried_bytes: int = 0) -> Profile:
     """Count in every term what the loop keeps alive: held outputs, what it carries between micro-batches, the loss.
 
-    >>> from lightning_remat.core.memory_model import StageOption, StageProfile
-    >>> p = Profile((StageProfile("a", (StageOption("keep", (), 10, 100),)),), (Segment("head", 1, 50),))
+    >>> from lightning_remat.core.memory_model import StageAction, StageOption, StageProfile
+    >>> p = Profile((StageProfile("a", (StageOption("keep", StageAction("a"), 10, 100),)),), (Segment("head", 1, 50),))
     >>> [with_loop_references(p, 4096, c).stages[0].options[0].local_peak_bytes for c in (0, 6144)]
     [6244, 8292]
     """
@@ -264,8 +264,9 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
     """Charge the excess of ``observed_peak`` (forward and backward under ``actions``) over the profile's
     prediction to the end of forward, where the user's loss runs (docs/accelerate.md, "The loss").
 
-    >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile
-    >>> keep, whole = StageOption("keep", (), 100, 150), StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))
+    >>> from lightning_remat.core.memory_model import Costs, StageAction, StageOption, StageProfile
+    >>> keep = StageOption("keep", StageAction("a"), 100, 150)
+    >>> whole = StageOption("whole", StageAction.recompute("a"), 10, 160, Costs(1.0, 5))
     >>> p = Profile((StageProfile("a", (keep, whole)),), (Segment("head", 1, 50),))
     >>> [calibrate(p, 200, actions=a).baseline_peak_bytes for a in ((), [StageAction.recompute("a")])]
     [200, 290]
@@ -291,8 +292,9 @@ def calibrate(profile: Profile, observed_peak: int, optimizer_had_state: bool = 
 def stored_at_end(profile: Profile, actions: Sequence[StageAction] = ()) -> int:
     """Bytes every stage stores at the end of forward under ``actions`` (none: nothing recomputed).
 
-    >>> from lightning_remat.core.memory_model import Costs, StageOption, StageProfile
-    >>> keep, whole = StageOption("keep", (), 100, 150), StageOption("whole", ("a",), 10, 160, Costs(1.0, 5))
+    >>> from lightning_remat.core.memory_model import Costs, StageAction, StageOption, StageProfile
+    >>> keep = StageOption("keep", StageAction("a"), 100, 150)
+    >>> whole = StageOption("whole", StageAction.recompute("a"), 10, 160, Costs(1.0, 5))
     >>> p = Profile((StageProfile("a", (keep, whole)),), ())
     >>> stored_at_end(p), stored_at_end(p, [StageAction.recompute("a")])
     (100, 10)

@@ -13,8 +13,7 @@ from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, SAC_IGNOR
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ...core.actions import StageAction
-from ...core.vocabulary import Action, OptionKind, Policy
-from ...core.vocabulary import option_name as _option_name
+from ...core.vocabulary import POLICY_PREFIX, Action, Policy
 from ...core.vocabulary import policy_of  # noqa: F401 - the policy of an option name ("" for none)
 from .records import Behaviour
 
@@ -131,7 +130,7 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
 
 def option_name(policy: str) -> str:
     """The stage option name of a policy: ``"sac:save_matmuls"``."""
-    return _option_name(OptionKind.POLICY, policy)
+    return POLICY_PREFIX + Policy.check(policy).value
 
 
 def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:

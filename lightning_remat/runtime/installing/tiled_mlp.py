@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -157,17 +156,6 @@ class TiledMLP(Behaviour):
 
 
 TILED_MLP = TiledMLP()
-
-
-def with_tiles(actions: Sequence[StageAction], tiled: dict[str, str]) -> list[StageAction]:
-    """``actions`` with each stage of ``tiled`` (stage -> setting) tiled.
-
-    >>> [a.extra for a in with_tiles([StageAction.recompute("h.0")], {"h.0": "mlp:4", "h.1": "mlp:4"})]
-    [(('tile', 'mlp:4'),), (('tile', 'mlp:4'),)]
-    """
-    out = [replace(a, extra={**dict(a.extra), TILE: tiled[a.stage]}) if a.stage in tiled else a for a in actions]
-    named = {a.stage for a in actions}
-    return [*out, *(StageAction(s, extra={TILE: v}) for s, v in tiled.items() if s not in named)]
 
 
 @add_rule

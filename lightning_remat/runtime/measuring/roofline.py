@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..installing.sac import context_fn, policy_of, recomputed_ops  # its import registers attention FLOPs
+from ..installing.sac import context_fn, recomputed_ops  # its import registers attention FLOPs
 from ...core import hardware
 from ...core.memory_model import Costs
 
@@ -159,11 +159,10 @@ def _recompute_priced(ops: Sequence[OpCost], compiled: bool) -> list[OpCost]:
     return [op for op in ops if not (compiled and torch.Tag.pointwise in getattr(op.func, "tags", ()))]
 
 
-def option_costs(name: str, option: str, wrap: Sequence[str], stats: dict[str, Any],
+def option_costs(name: str, policy: str | None, wrap: Sequence[str], stats: dict[str, Any],
                  peaks: Peaks, seconds_per_op: float = 0.0, compiled: bool = False) -> Costs:
-    """The costs of recomputing ``wrap`` (modules of stage ``name``) under ``option``; ``compiled``: pointwise
-    recomputes are fused away (a policy of them only costs ``TIE_SECONDS``)."""
-    policy = policy_of(option)
+    """The costs of recomputing ``wrap`` (modules of stage ``name``), under op-level ``policy`` if any (then
+    ``name`` alone); ``compiled``: pointwise recomputes are fused away (a policy of them only costs ``TIE_SECONDS``)."""
     if not policy:
         costs = Costs()
         for m in wrap:

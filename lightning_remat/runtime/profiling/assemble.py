@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
+from ...core.actions import StageAction
 from ...core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
-from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
-from ..installing import sac
 from ..measuring.observe import ObservedStep
 from ..measuring.roofline import Peaks, option_costs, roofline_seconds
-from ..installing.tiled_mlp import TILE
 from .memory_run import MemoryRun
-from .residual_twins import PARTS_OPTIONS, priced_modules
-from .tiled_options import split_tiled, tiled_modules
+from .stage_options import RUNS_AGAIN
 
 
-def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str, tuple]], runs: dict[str, MemoryRun],
-             state_bytes: int, optimizer_step_bytes: int, future_state: int, has_optimizer: bool, device: str,
-             peaks: Peaks, seconds_per_op: float, offload_limits: dict[str, int], compiled: bool) -> Profile:
-    """The Profile from the measured runs; with ``compiled``, recompute priced as torch.compile runs it."""
+def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[str, StageAction]],
+             runs: dict[str, MemoryRun], state_bytes: int, optimizer_step_bytes: int, future_state: int,
+             has_optimizer: bool, device: str, peaks: Peaks, seconds_per_op: float, compiled: bool) -> Profile:
+    """The Profile from the measured runs (``offered``: per option, each stage's action); with ``compiled``,
+    recompute priced as torch.compile runs it."""
     modules = dict(model.named_modules())
     stats = observed.stats
     stages = []
@@ -32,22 +32,18 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
         counts = (before, observed.position_calls[i], total_calls[name])
         share, call = counts[1] / counts[2], observed.positions[:i].count(name)
         options = []
-        for option, wrap in wraps.items():
-            if name not in wrap:
+        for option, actions in offered.items():
+            if name not in actions:
                 continue
-            parts = option in PARTS_OPTIONS
-            base, tiled = split_tiled(option)  # a tiled MLP costs one more forward of it (tiled_options.py)
-            priced = priced_modules(name, option, modules) if parts else (*wrap[name], *tiled_modules(name, tiled))
-            costs = option_costs(name, option, priced, stats, peaks, seconds_per_op, compiled)
+            action, run = actions[name], runs[option]
+            costs = option_costs(name, action.policy, _run_again(action, modules), stats, peaks, seconds_per_op,
+                                 compiled)
             options.append(StageOption(
-                name=option, checkpointed=tuple(wrap[name]), stored_bytes=int(runs[option].stored[i]),
-                local_peak_bytes=int(runs[option].local[i] + future_state), policy=sac.policy_of(option),
+                name=option, action=replace(action, offload_limit=None), stored_bytes=int(run.stored[i]),
+                local_peak_bytes=int(run.local[i] + future_state),
                 costs=Costs(costs.time * share, _part(costs.flops, counts), costs.roofline * share),
-                offloaded=(name,) if is_offload(option) else (),
-                host_bytes=int(runs[option].host_bytes.get(name, 0) * share),  # offload runs' only
-                offload_limit=offload_limits.get(name, 0) if option == OFFLOAD_HIDDEN else 0,
-                input_offloaded=base == OFFLOAD_INPUT, extra=((TILE, tiled),) if tiled else (),
-                shared_held=runs[option].shared[i], held_before=runs[option].held_before[i], parts=parts))
+                host_bytes=int(run.host_bytes.get(name, 0) * share),  # offload runs' only
+                offload_limit=action.offload_limit or 0, shared_held=run.shared[i], held_before=run.held_before[i]))
         s = stats[name]
         stages.append(StageProfile(
             name=name, options=tuple(options), saved_bytes=_part(sum(s.saved.values()), counts),
@@ -71,6 +67,14 @@ def assemble(model: nn.Module, observed: ObservedStep, wraps: dict[str, dict[str
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
     # plus the optimizer (its state, and its step when that is the higher point).
     return profile.with_baseline()
+
+
+def _run_again(action: StageAction, modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The modules whose forward ``action`` runs again in backward: those it recomputes, and each behaviour's setting's
+    (``stage_options.RUNS_AGAIN``)."""
+    extra = dict(action.extra)
+    return (*action.modules, *(m for key, again in RUNS_AGAIN.items() if key in extra
+                               for m in again(action.stage, extra[key], modules)))
 
 
 def _part(value: int, calls: tuple[int, int, int]) -> int:

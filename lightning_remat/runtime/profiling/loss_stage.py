@@ -16,7 +16,6 @@ from torch import nn
 from ...core.actions import StageAction
 from ...core.head_cost import HeadShape, fused_cost, recompute_cost
 from ...core.memory_model import Costs, Profile, StageOption, StageProfile, seconds_per_flop
-from ...core.vocabulary import OptionKind, option_name
 from ..installing.chunked_loss import CHUNK_COUNTS, find_head_loss
 from ..installing.recompute import _without_cache
 from ..measuring.exclusive import planning_runs_here
@@ -129,17 +128,18 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
     # What the gap's figure counts of an input earlier checkpoints hold (core.shared_held), as the
     # stage's: with one such input its bytes are known; with several, nothing is taken off (safe).
     held = ((gap.shared_labels[0], gap.shared_saving),) if len(gap.shared_labels) == 1 and gap.shared_saving else ()
-    options = [StageOption(option_name(OptionKind.KEEP), (), 0, gap.peak_bytes, held_before=held)]
+    options = [StageOption("keep", StageAction(figures.head), 0, gap.peak_bytes, held_before=held)]
     shape, peaks = figures.shape, (flops_per_second, bytes_per_second)
-    for kind, measured in ((OptionKind.CHUNKS, figures.chunked), (OptionKind.FUSED, figures.fused)):
-        fused = kind == OptionKind.FUSED
+    for kind, measured in (("chunks", figures.chunked), ("fused", figures.fused)):
+        fused = kind == "fused"
         for chunks, figure in sorted(measured.items()):
             # Recomputed: the projection's FLOPs again. Fused: none (its backward's matmuls run in forward).
             flops = 0 if fused else shape.flops
             roofline = (fused_cost if fused else recompute_cost)(shape, chunks, *peaks)
+            action = (StageAction.fuse if fused else StageAction.chunk)(figures.head, chunks)
             options.append(StageOption(
-                option_name(kind, chunks), (), 0, gap.peak_bytes - figures.unchunked + figure,
-                Costs((flops or chunks) * rate, flops + chunks, roofline), chunks=chunks, held_before=held, fused=fused))
+                f"{kind}:{chunks}", action, 0, gap.peak_bytes - figures.unchunked + figure,
+                Costs((flops or chunks) * rate, flops + chunks, roofline), held_before=held))
     stage = StageProfile(figures.head, tuple(options), forward_flops=shape.flops, module_type="head and loss")
     result = replace(profile, stages=(*profile.stages, stage), segments=tuple(s for s in profile.segments if s is not gap),
                      notes=(*profile.notes, f"chunk_loss: {figures.head} and the loss are a stage, computed whole or "

@@ -16,7 +16,7 @@ from ...core.budget import format_bytes
 from ...core.config import PRECISIONS, ProfileOptions, profile_options
 from ...core.errors import AlreadyCheckpointedError, StepError
 from ...core.memory_model import Profile, priced, seconds_per_flop
-from ...core.plan import Plan
+from ...core.plan import Plan, StageAction
 from ...core.offload_model import OFFLOAD, OFFLOAD_HIDDEN, OFFLOAD_INPUT
 from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
@@ -46,7 +46,7 @@ from .optimizer_step import (OptimizerStepCost, optimizer_step_alternatives, opt
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
 from .repeated import alternatives_in_depth, repeated_profile
 from .residual_twins import twin_stages
-from .stage_options import measure_options, option_wraps, span_groups
+from .stage_options import measure_options, option_actions, span_groups
 from .tiled_options import add_tiled_options, tiled_settings
 
 COMPILED_NOTE = ("priced for torch.compile: recomputed pointwise ops cost nothing (fused into the backward's "
@@ -247,21 +247,19 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
             raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
         policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
         twins = twin_stages(model, step, observed.order, replay)
-        wraps = option_wraps(observed.order, observed, modules, policies, twins)
-        limits: dict[str, int] = {}
+        offered = option_actions(observed.order, observed, modules, policies, twins)
         if options.offload:
             # Not a module at several places (core.calls): the offloader prefetches by place, unchecked for it.
             single = [n for n in observed.order if observed.positions.count(n) == 1]
-            wraps[OFFLOAD] = {n: () for n in single}
+            offered[OFFLOAD] = {n: StageAction.offload(n) for n in single}
             limits = hidden_limits(observed, options, str(options.device or model_device(model)), timed)
             if limits:
-                wraps[OFFLOAD_HIDDEN] = {n: () for n in limits if n in single}
+                offered[OFFLOAD_HIDDEN] = {n: StageAction.offload(n, limits[n]) for n in limits if n in single}
             # Recomputed whole, with the input the checkpoint keeps on the host.
-            wraps[OFFLOAD_INPUT] = {n: (n,) for n in single}
+            offered[OFFLOAD_INPUT] = {n: StageAction.recompute(n, offload_input=True) for n in single}
         tiled, tile_note = tiled_settings(model, step, observed.order, replay) if options.tile_mlp else ({}, "")
-        add_tiled_options(wraps, tiled)
-        runs, dropped = measure_options(model, step, observed, wraps, optimizer, replay, options.accumulation_steps,
-                                        limits)
+        add_tiled_options(offered, tiled)
+        runs, dropped = measure_options(model, step, observed, offered, optimizer, replay, options.accumulation_steps)
         head = measure_head(model, step, observed, optimizer, replay, options.accumulation_steps,
                             runs["keep"].segments) if options.chunk_loss else None
         device = options.device or str(model_device(model))
@@ -270,9 +268,10 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
     peaks = device_peaks(device, options.gpu)
     # Eager selective checkpointing costs time per op beyond the recomputed ops (measured here);
     # under torch.compile its modes are traced away.
-    per_op = sac_seconds_per_op() if timed and not compiled and any(sac.policy_of(n) for n in wraps) else 0.0
-    assembled = assemble(model, observed, wraps, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
-                         optimizer is not None, device, peaks, per_op, limits, compiled)
+    policy = any(a.policy for actions in offered.values() for a in actions.values())
+    per_op = sac_seconds_per_op() if timed and not compiled and policy else 0.0
+    assembled = assemble(model, observed, offered, runs, step_cost.state_bytes, step_cost.step_peak_bytes, future_state,
+                         optimizer is not None, device, peaks, per_op, compiled)
     # A module at several places (core.calls) is planned alone: no span or block over it; none at all
     # in a step that runs backward more than once (a fresh place).
     several = {n for n in observed.positions if observed.positions.count(n) > 1}

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from torch import nn
 
+from ...core.actions import moved
 from ...core.budget import format_bytes
 from ...core.memory_model import Profile
 
@@ -42,7 +43,7 @@ def with_unobserved(profile: Profile, stage_names: Sequence[str], modules: dict[
         twin = next((s for s in profile.stages if s.module_type == type(modules[name]).__name__),
                     max(profile.stages, key=lambda s: s.options[0].stored_bytes))
         same_class = twin.module_type == type(modules[name]).__name__
-        options = tuple(replace(o, checkpointed=tuple(name + c[len(twin.name):] for c in o.checkpointed))
+        options = tuple(replace(o, action=moved(o.action, twin.name, name))
                         for o in twin.options if same_class or o.name in ("keep", "whole"))
         before = [n for n in stage_names[:stage_names.index(name)] if n in positions]
         at = positions[before[-1]] + 1 if before else 0
@@ -64,9 +65,11 @@ def with_pooled_timings(profile: Profile) -> Profile:
     """Identical stages (one class, the same FLOPs and roofline) share the median of their seconds, against noise.
 
     Example:
+        >>> from lightning_remat.core.actions import StageAction
         >>> from lightning_remat.core.memory_model import Costs, Profile, Segment, StageOption, StageProfile
         >>> def stage(name, seconds):
-        ...     options = (StageOption("keep", (), 100, 150), StageOption("whole", (name,), 10, 150, Costs(seconds, 7)))
+        ...     options = (StageOption("keep", StageAction(name), 100, 150),
+        ...                StageOption("whole", StageAction.recompute(name), 10, 150, Costs(seconds, 7)))
         ...     return StageProfile(name, options, forward_seconds=seconds, forward_flops=7, module_type="Block")
         >>> p = Profile(tuple(stage(n, s) for n, s in [("a", 1.0), ("b", 3.0), ("c", 2.5)]), (Segment("head", 3, 50),))
         >>> [s.option("whole").costs.time for s in with_pooled_timings(p).stages]

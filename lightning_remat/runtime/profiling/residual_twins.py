@@ -21,7 +21,6 @@ from .hierarchy import _single_tensor_call
 # The stage options a twin adds: kept with its parts checkpointed, and recomputed whole with them nested.
 PARTS = "parts"
 WHOLE_PARTS = "whole+parts"
-PARTS_OPTIONS = (PARTS, WHOLE_PARTS)
 
 
 def twin_stages(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequence[str],
@@ -42,9 +41,3 @@ def twin_stages(model: nn.Module, step: Callable[[nn.Module], Any], stages: Sequ
                 and gives_same_output(modules[name], (call[0],), call[2]):
             found.append(name)
     return found
-
-
-def priced_modules(name: str, option: str, modules: dict[str, nn.Module]) -> tuple[str, ...]:
-    """The modules whose recompute ``option`` of stage ``name`` pays for: its parts, and with whole+parts the block too."""
-    children = tuple(f"{name}.{child}" for child, _ in modules[name].named_children())
-    return (name, *children) if option == WHOLE_PARTS else children

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from ...core.offload_model import OFFLOAD_HIDDEN, OFFLOAD_INPUT, is_offload
 from ...core.plan import StageAction
 from ..installing import sac
 from ..installing.segments import chained_groups, sequential_groups
-from ..installing.tiled_mlp import with_tiles
+from ..installing.residual_parts import RESIDUAL_PARTS
+from ..installing.tiled_mlp import TILE
 from ..measuring.measure import Step
 from ..measuring.observe import ModuleStats, ObservedStep
 from .memory_run import MemoryRun, memory_run
-from .residual_twins import PARTS, PARTS_OPTIONS, WHOLE_PARTS
-from .tiled_options import split_tiled
+from .residual_twins import PARTS, WHOLE_PARTS
+from .tiled_options import tiled_modules
 
 # A child (itself a block, not a single layer) becomes an option of its stage when it saves at least this share of the stage's
 # activation bytes (and is not almost all of it, which "whole" already covers).
@@ -25,24 +25,47 @@ MIN_CHILD_SHARE = 0.15
 MAX_CHILD_SHARE = 0.9
 MAX_CHILD_OPTIONS = 2
 
+# A behaviour's profile side (issue 30's plug-ins), by the name of its setting in ``StageAction.extra``: the options it
+# offers (``OFFERS``: stages, observed step, modules -> option name -> stage -> action), which ``option_actions``
+# adds and the profiler measures like its own; the modules its setting runs again in backward (``RUNS_AGAIN``: stage,
+# setting, modules -> names), what ``assemble`` prices its options by. A residual block's parts and a tiled MLP's
+# (one more forward of it) are built in.
+Offer = Callable[[Sequence[str], ObservedStep, dict[str, nn.Module]], dict[str, dict[str, StageAction]]]
+OFFERS: dict[str, Offer] = {}
+RUNS_AGAIN: dict[str, Callable[[str, Any, dict[str, nn.Module]], tuple[str, ...]]] = {
+    RESIDUAL_PARTS.name: lambda stage, _, modules: tuple(f"{stage}.{c}" for c, _ in modules[stage].named_children()),
+    TILE: lambda stage, setting, _: tiled_modules(stage, setting)}
 
-def option_wraps(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
-                 policies: Sequence[str] = (), twins: Sequence[str] = ()) -> dict[str, dict[str, tuple]]:
-    """Per option name, the modules each stage recomputes under it (``twins``: blocks that may run as parts)."""
+
+def option_actions(order: Sequence[str], observed: ObservedStep, modules: dict[str, nn.Module],
+                   policies: Sequence[str] = (), twins: Sequence[str] = ()) -> dict[str, dict[str, StageAction]]:
+    """Per option name, the action each stage takes under it (``twins``: blocks that may run as parts).
+
+    Example:
+        >>> from lightning_remat.runtime.measuring.observe import observe_step
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> observed = observe_step(net, lambda m: m(torch.randn(2, 4)).sum(), ["0", "1"], False)
+        >>> {name: [a.action.value for a in actions.values()] for name, actions in option_actions(
+        ...     observed.order, observed, dict(net.named_modules())).items()}
+        {'keep': ['keep', 'keep'], 'whole': ['recompute', 'recompute']}
+    """
     children = {name: _child_options(name, observed.stats, modules) for name in order}
-    wraps: dict[str, dict[str, tuple]] = {"keep": {n: () for n in order}, "whole": {n: (n,) for n in order}}
+    offered = {"keep": {n: StageAction(n) for n in order}, "whole": {n: StageAction.recompute(n) for n in order}}
     for child in sorted({c for cs in children.values() for c in cs}):
-        wraps[child] = {n: (f"{n}.{child}",) for n in order if child in children[n]}
+        offered[child] = {n: StageAction.recompute(n, (f"{n}.{child}",)) for n in order if child in children[n]}
     # A policy is an option of the stages where it differs from keep, whole and the other policies.
-    offered = {n: sac.distinct_policies(policies, [op.func for op in observed.stats[n].ops]) for n in order}
+    distinct = {n: sac.distinct_policies(policies, [op.func for op in observed.stats[n].ops]) for n in order}
     for policy in policies:
-        stages = {n: (n,) for n in order if policy in offered[n]}
+        stages = {n: StageAction.recompute(n, policy=policy) for n in order if policy in distinct[n]}
         if stages:
-            wraps[sac.option_name(policy)] = stages
+            offered[sac.option_name(policy)] = stages
+    parts = {RESIDUAL_PARTS.name: True}  # run as checkpointed parts (residual_twins.py), kept or recomputed around them
     if any(n in twins for n in order):
-        wraps[PARTS] = {n: () for n in order if n in twins}
-        wraps[WHOLE_PARTS] = {n: (n,) for n in order if n in twins}
-    return wraps
+        offered[PARTS] = {n: StageAction(n, extra=parts) for n in order if n in twins}
+        offered[WHOLE_PARTS] = {n: StageAction.recompute(n, extra=parts) for n in order if n in twins}
+    for offer in OFFERS.values():
+        offered.update(offer(order, observed, modules))
+    return offered
 
 
 def _child_options(stage: str, stats: dict[str, ModuleStats], modules: dict[str, nn.Module]) -> list[str]:
@@ -70,47 +93,27 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
     return tuple(tuple(g) for g in chained_groups(model, step, groups, calls))
 
 
-def option_actions(name: str, wrap: dict[str, tuple], limits: dict[str, int]) -> list[StageAction]:
-    """The actions of option ``name`` for its memory run: ``wrap``'s modules recomputed (with the option's policy, or
-    their checkpoint input offloaded), its stages offloaded, run as parts (residual_twins.py) or tiled (tiled_mlp.py).
-
-    >>> [a.to_dict()["modules"] for a in option_actions("whole", {"h.0": ("h.0",), "h.1": ("h.1",)}, {})]
-    [['h.0'], ['h.1']]
-    """
-    base, tiled = split_tiled(name)  # an option with its stages' MLP tiled (tiled_options.py)
-    wrapped, offload_inputs = [m for ms in wrap.values() for m in ms], base == OFFLOAD_INPUT
-    parts = list(wrap) if name in PARTS_OPTIONS else []
-
-    def extra(module: str) -> dict[str, bool]:
-        return {"residual_parts": True} if module in parts else {}
-    actions = [*(StageAction.recompute(m, policy=None if offload_inputs else sac.policy_of(name) or None,
-                                       offload_input=offload_inputs, extra=extra(m)) for m in wrapped),
-               *(StageAction(m, extra=extra(m)) for m in parts if m not in wrapped)]
-    if is_offload(name):
-        actions += [StageAction.offload(n, limits.get(n) if name == OFFLOAD_HIDDEN else None) for n in wrap]
-    return with_tiles(actions, {n: tiled for n in wrap} if tiled else {})
-
-
-def measure_options(model: nn.Module, step: Step, observed: ObservedStep, wraps: dict[str, dict[str, tuple]],
-                    optimizer: torch.optim.Optimizer | None, replay: Callable[[], None], accumulation_steps: int,
-                    limits: dict[str, int]) -> tuple[dict[str, MemoryRun], list[str]]:
-    """The memory run of every option in ``wraps``, and the policies dropped (their recompute did not replay)."""
+def measure_options(model: nn.Module, step: Step, observed: ObservedStep, offered: dict[str, dict[str, StageAction]],
+                    optimizer: torch.optim.Optimizer | None, replay: Callable[[], None],
+                    accumulation_steps: int) -> tuple[dict[str, MemoryRun], list[str]]:
+    """The memory run of every option in ``offered`` (its stages' actions installed), and the policies dropped (their
+    recompute did not replay)."""
     dead: dict[str, set[str]] = {}  # filled by the run with nothing recomputed ("keep", the first)
     with warnings.catch_warnings():
         # MemTracker warns when a module's backward hook outlives the module's outputs.
         warnings.simplefilter("ignore")
         calls = dict(enumerate(observed.position_calls))
         runs, dropped = {}, []
-        for name, wrap in list(wraps.items()):
+        for name, actions in list(offered.items()):
             try:
-                runs[name] = memory_run(model, step, observed.positions, calls, option_actions(name, wrap, limits),
-                                        optimizer, replay, gradients_alive=accumulation_steps > 1, dead=dead)
+                runs[name] = memory_run(model, step, observed.positions, calls, list(actions.values()), optimizer,
+                                        replay, gradients_alive=accumulation_steps > 1, dead=dead)
             except Exception as err:  # noqa: BLE001 - re-raised unless it is the replay failure below
                 # Selective checkpointing needs the recompute to run the forward's ops again,
                 # which a forward that mutates state it reads (a key/value cache) does not.
-                if not (sac.policy_of(name) and sac.recompute_not_replayed(err)):
+                if not (any(a.policy for a in actions.values()) and sac.recompute_not_replayed(err)):
                     raise
                 model.zero_grad(set_to_none=True)
-                del wraps[name]
+                del offered[name]
                 dropped.append(f"{name} ({(str(err).strip().splitlines() or [type(err).__name__])[0][:120]})")
     return runs, dropped

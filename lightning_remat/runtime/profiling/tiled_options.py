@@ -4,12 +4,14 @@ of the same leading shape, and on real tensors its output over chunks equals its
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ...core.actions import StageAction
 from ...core.offload_model import OFFLOAD_INPUT
 from ..installing.tiled_mlp import TILE, child_name, joined, parse, pieces, refusal, spec
 from ..measuring.runner import Step
@@ -26,18 +28,10 @@ def tiled_name(base: str, setting: str) -> str:
     """The option name of ``base`` with its stage's MLP tiled as ``setting``.
 
     Example:
-        >>> tiled_name("keep", "mlp:16"), tiled_name("whole", "mlp:16"), split_tiled("whole+tile:mlp:16")
-        ('tile:mlp:16', 'whole+tile:mlp:16', ('whole', 'mlp:16'))
+        >>> tiled_name("keep", "mlp:16"), tiled_name("whole", "mlp:16")
+        ('tile:mlp:16', 'whole+tile:mlp:16')
     """
     return _PREFIX + setting if base == "keep" else f"{base}+{_PREFIX}{setting}"
-
-
-def split_tiled(name: str) -> tuple[str, str]:
-    """``(base option, tiled setting)`` of an option name; the setting is "" for an option that tiles nothing."""
-    head, found, setting = name.partition(_PREFIX)
-    if not found:
-        return name, ""
-    return (head[:-1] if head else "keep"), setting
 
 
 def tiled_modules(stage: str, setting: str) -> tuple[str, ...]:
@@ -122,17 +116,18 @@ def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: C
                       + ", ".join(children))
 
 
-def add_tiled_options(wraps: dict[str, dict[str, tuple]], settings: dict[str, str]) -> None:
-    """Add to ``wraps`` (option -> stage -> modules recomputed) each base of ``BASES`` with the MLP tiled.
+def add_tiled_options(offered: dict[str, dict[str, StageAction]], settings: dict[str, str]) -> None:
+    """Add to ``offered`` (option -> stage -> action) each base of ``BASES`` with the MLP tiled.
 
     Example:
-        >>> wraps = {"keep": {"h.0": (), "h.1": ()}, "whole": {"h.0": ("h.0",), "h.1": ("h.1",)}}
-        >>> add_tiled_options(wraps, {"h.0": "mlp:8", "h.1": "mlp:8"})
-        >>> wraps["whole+tile:mlp:8"]
-        {'h.0': ('h.0',), 'h.1': ('h.1',)}
+        >>> offered = {"keep": {"h.0": StageAction("h.0")}, "whole": {"h.0": StageAction.recompute("h.0")}}
+        >>> add_tiled_options(offered, {"h.0": "mlp:8"})
+        >>> offered["whole+tile:mlp:8"]["h.0"].extra
+        (('tile', 'mlp:8'),)
     """
-    for base in [b for b in BASES if b in wraps]:
+    for base in [b for b in BASES if b in offered]:
         for setting in sorted(set(settings.values())):
-            stages = {s: wraps[base][s] for s, v in settings.items() if v == setting and s in wraps[base]}
+            stages = {s: replace(offered[base][s], extra={**dict(offered[base][s].extra), TILE: setting})
+                      for s, v in settings.items() if v == setting and s in offered[base]}
             if stages:
-                wraps[tiled_name(base, setting)] = stages
+                offered[tiled_name(base, setting)] = stages
