@@ -203,6 +203,14 @@ def _is_slow(item) -> bool:
 _NOT_QUICK = set(json.loads((Path(__file__).parent / "durations.json").read_text()))
 
 
+def _module_fixtures(item) -> set[tuple[str, str]]:
+    """(module, name) of the module-scoped fixtures of its own module that a test uses."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    return set() if info is None else {(module, name) for name, defs in info.name2fixturedefs.items()
+                                       if defs[-1].scope == "module" and defs[-1].baseid == module}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         # Tests that share a profiled model (a module-scoped fixture per model) run on one worker, so
@@ -212,7 +220,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{callspec.params['profiled']}"))
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
-        elif item.get_closest_marker("distributed") is None and item.nodeid not in _NOT_QUICK:
+    # A module fixture is set up by the first test that runs with it: the recorded durations charge it
+    # to a test outside `quick`, but under `-m quick` a quick test sharing it paid it (test_callback.py's
+    # two fits: 21 s of a 273 s quick run). Such tests are not quick.
+    slow_fixtures = set().union(*(_module_fixtures(item) for item in items if item.get_closest_marker("slow")
+                                  or item.nodeid in _NOT_QUICK))
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("distributed") is None \
+                and item.nodeid not in _NOT_QUICK and not _module_fixtures(item) & slow_fixtures:
             item.add_marker(pytest.mark.quick)
     # A renamed test must not drop out of the list unnoticed.
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:

@@ -17,6 +17,7 @@ hooks keep each window's memory alive at its start exact (``TorchPeak`` reads it
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Callable
@@ -30,11 +31,27 @@ from .zoo import ModelSpec
 LR = 1e-2
 
 
-def quiet() -> None:
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*(GPU available|TPU available|LOCAL_RANK|`max_epochs`).*")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+def quiet(runner: Callable[..., RunRecord]) -> Callable[..., RunRecord]:
+    """``runner`` without the frameworks' chatter, which comes back after it: the levels it sets are
+    process-wide, and left at ERROR they hid ``AutoRemat``'s ``rank_zero_info`` from a later test's
+    ``caplog`` (tests/test_faults.py's fallback test failed after the Lightning cases)."""
+    names = ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate")
+
+    @functools.wraps(runner)
+    def quietly(*args: Any, **kwargs: Any) -> RunRecord:
+        levels = {name: logging.getLogger(name).level for name in names}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*(GPU available|TPU available|LOCAL_RANK|`max_epochs`).*")
+            for name in names:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            try:
+                return runner(*args, **kwargs)
+            finally:
+                for name, level in levels.items():
+                    logging.getLogger(name).setLevel(level)
+
+    return quietly
 
 
 def hand_loop(rec: Recorder, model: nn.Module, optimizer: Any, batches: list, loss_of: Callable[[Any], Any],
@@ -81,6 +98,7 @@ def using_plans(plans: Any, used: list[Any]) -> Callable[[Any], None]:
     return before
 
 
+@quiet
 def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
     """Fabric with ``ShapePlans`` made on the ``_FabricModule`` and ``_FabricOptimizer`` (docs/shapes.md);
     ``variant="recipe"``: docs/fabric.md's recipe, ``plan_remat`` on the first batch and ``apply_plan``
@@ -89,7 +107,6 @@ def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, va
 
     from lightning_remat import ShapePlans, apply_plan, plan_remat
 
-    quiet()
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = spec.build(seed)
     wrapped, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
@@ -114,6 +131,7 @@ def run_fabric(spec: ModelSpec, batches: list, budget: int | None, seed: int, va
     return rec.finish(error)
 
 
+@quiet
 def run_accelerate(spec: ModelSpec, batches: list, budget: int | None, seed: int,
                    variant: str = "accelerator") -> RunRecord:
     """``RematAccelerator`` (``variant="accelerator"``), or the stock ``Accelerator`` with
@@ -123,7 +141,6 @@ def run_accelerate(spec: ModelSpec, batches: list, budget: int | None, seed: int
 
     from lightning_remat.accelerate import RematAccelerator, RematPlugin, prepare_remat, remat_session
 
-    quiet()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     model = spec.build(seed)

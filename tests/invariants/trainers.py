@@ -67,6 +67,7 @@ def _lightning_module(spec: ModelSpec, seed: int, manual: bool) -> Any:
     return Zoo()
 
 
+@quiet
 def run_lightning(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
     """A ``LightningModule`` holding the model at ``model``; ``AutoRemat(budget, cost="flops")``."""
     import lightning.pytorch as L
@@ -74,7 +75,6 @@ def run_lightning(spec: ModelSpec, batches: list, budget: int | None, seed: int,
 
     from lightning_remat import AutoRemat
 
-    quiet()
     batches, steps = _windows(batches, variant)
     manual = variant == "manual"
     module = _lightning_module(spec, seed, manual)
@@ -127,6 +127,7 @@ def hf_model(spec: ModelSpec, seed: int, variant: str) -> torch.nn.Module:
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(spec.lora)))
 
 
+@quiet
 def run_hf_trainer(spec: ModelSpec, batches: list, budget: int | None, seed: int, variant: str = "") -> RunRecord:
     """The Hugging Face ``Trainer`` (its own AdamW, seed, gradient clipping) with ``RematTrainerCallback``;
     a collator that hands out the drawn batches in order (one index per micro-batch)."""
@@ -134,7 +135,6 @@ def run_hf_trainer(spec: ModelSpec, batches: list, budget: int | None, seed: int
 
     from lightning_remat import RematTrainerCallback
 
-    quiet()
     transformers.logging.set_verbosity_error()
     batches, steps = _windows(batches, variant)
     model = hf_model(spec, seed, variant)
