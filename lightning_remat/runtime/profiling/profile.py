@@ -194,7 +194,8 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
             with mode, explain_fake_failures(), real_code_paths(), cuda_attention(targets_cuda, attention_notes), \
                     grouped_mm_in_every_dtype(), fixed_shape_experts(twin, moe_notes):
                 # No warm-up and no timing: fake tensors have no caches to warm and no time to measure.
-                return _profile(twin, wrap(step) if wrap else step, optimizer,
+                wrapped = wrap(step) if wrap else step
+                return _profile(twin, attention_notes.watched(wrapped) if targets_cuda else wrapped, optimizer,
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
                                 compiled=compiled, step_cost_of=step_cost)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -139,6 +139,33 @@ class AttentionNotes:
     def record(self, layer: str, how: str, tokens: int, nbytes: int) -> None:
         self.found.setdefault(layer, (how, tokens, nbytes))
 
+    def watched(self, step: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+        """``step`` that also records an explicit quadratic softmax (eager attention) until a call of it returns.
+
+        One step runs every layer later ones do, and the dispatch mode that sees the softmax, left under every op
+        of every memory run, cost a fake plan several percent of its CPU.
+
+        >>> notes = AttentionNotes()
+        >>> step = notes.watched(lambda model: torch.zeros(1, 2, 8, 8).softmax(-1))
+        >>> _ = step(None)
+        >>> list(notes.found.values())
+        [('an explicit softmax: eager attention', 8, 512)]
+        >>> notes.found.clear()
+        >>> _ = step(None)  # its later calls run without the watch
+        >>> notes.found
+        {}
+        """
+        done: list[bool] = []
+
+        def watched_step(model: nn.Module) -> Any:
+            if done:
+                return step(model)
+            with _QuadraticSoftmax(self):
+                result = step(model)
+            done.append(True)
+            return result
+        return watched_step
+
     def lines(self) -> list[str]:
         return [f"{layer} computes attention as a {tokens} x {tokens} matrix ({how}): {format_bytes(nbytes)} per "
                 f"call, quadratic in the sequence (4x at twice the length); SDPA without a mask runs flash attention "
@@ -164,7 +191,8 @@ class _QuadraticSoftmax(TorchDispatchMode):
 
 @contextlib.contextmanager
 def cuda_attention(enabled: bool = True, notes: AttentionNotes | None = None) -> Iterator[None]:
-    """Within it, SDPA runs the kernel CUDA would pick (recomputes too); quadratic attention goes in ``notes``."""
+    """Within it, SDPA runs the kernel CUDA would pick (recomputes too); quadratic SDPA goes in ``notes``
+    (an explicit softmax: ``AttentionNotes.watched``)."""
     if not enabled:
         yield
         return
@@ -186,7 +214,6 @@ def cuda_attention(enabled: bool = True, notes: AttentionNotes | None = None) ->
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
-        with _QuadraticSoftmax(notes):
-            yield
+        yield
     finally:
         F.scaled_dot_product_attention = original
