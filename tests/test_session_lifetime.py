@@ -101,3 +101,19 @@ def test_a_model_trained_by_the_trainer_with_the_callback_is_freed():
         refs = run(tmp)
     assert _freed(*refs) == [True] * 3, [sys.getrefcount(r()) for r in refs if r() is not None]
 
+
+def test_prepare_remat_does_not_import_deepspeed_before_an_engine_can_exist(monkeypatch):
+    """Accelerate's ``extract_model_from_parallel`` imports DeepSpeed where installed (2-7 s) to look for its engine;
+    none exists before DeepSpeed is imported, so it is not called then (a wrapper is still looked through)."""
+    import accelerate.utils
+
+    calls = []
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    monkeypatch.setattr(accelerate.utils, "extract_model_from_parallel", lambda *args, **kwargs: calls.append(args))
+    model = _blocks()
+    wrapped = prepare_remat(nn.DataParallel(model), RematPlugin(budget="min", cost="flops"))
+    _train(wrapped, torch.optim.Adam(model.parameters()))
+    session = remat_session(wrapped)
+    assert session is remat_session(model) and session.model is model and session.phase == "done"
+    assert calls == [] and "deepspeed" not in sys.modules
+    session.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import fields
 from typing import Any
@@ -97,9 +98,16 @@ def deepspeed_refusal(plugin: Any = None) -> str:
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
-    from accelerate.utils import extract_model_from_parallel
+    """``model`` out of its DDP, DataParallel, FSDP1 or DeepSpeed engine wrappers: Accelerate's
+    ``extract_model_from_parallel`` imports DeepSpeed where installed (2 s), called only once an engine can exist."""
+    if "deepspeed" in sys.modules or hasattr(model, "_orig_mod"):  # or torch.compile's wrapper, which it keeps
+        from accelerate.utils import extract_model_from_parallel
 
-    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+        return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", nn.DataParallel)
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, fsdp1)):
+        model = model.module
+    return model
 
 
 def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
