@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
-import weakref
 from dataclasses import fields
 from typing import Any
 
@@ -24,8 +24,6 @@ _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 FSDP2_TAKE_OVER = ("RematAccelerator turned off Accelerate's FSDP2 activation checkpointing (activation_checkpointing=True, "
                    "FSDP_ACTIVATION_CHECKPOINTING: every block recomputed) and plans recomputation within its budget "
                    "instead")
-
-_SESSIONS: "weakref.WeakKeyDictionary[nn.Module, RematSession]" = weakref.WeakKeyDictionary()
 
 
 def _check_supported(accelerator: Any, take_over: bool = False) -> None:
@@ -100,9 +98,16 @@ def deepspeed_refusal(plugin: Any = None) -> str:
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
-    from accelerate.utils import extract_model_from_parallel
+    """``model`` out of its DDP, DataParallel, FSDP1 or DeepSpeed engine wrappers: Accelerate's
+    ``extract_model_from_parallel`` imports DeepSpeed where installed (2 s), called only once an engine can exist."""
+    if "deepspeed" in sys.modules or hasattr(model, "_orig_mod"):  # or torch.compile's wrapper, which it keeps
+        from accelerate.utils import extract_model_from_parallel
 
-    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+        return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", nn.DataParallel)
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, fsdp1)):
+        model = model.module
+    return model
 
 
 def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
@@ -143,17 +148,17 @@ def prepare_remat(model: nn.Module, remat_plugin: RematPlugin | None = None,
     if loop.state is not None:
         _check_supported(loop.state)
     inner = _inner_model(model)
-    if inner in _SESSIONS:
-        _check_same_settings(_SESSIONS[inner].plugin, plugin)
+    held = remat_session(inner)
+    if held is not None:
+        _check_same_settings(held.plugin, plugin)
     # Also for a model planned already: a second trainer.train() switches the Trainer's checkpointing on again.
     take_over_checkpointing(inner, loop.who, getattr(loop.state, "is_main_process", True))
-    if inner in _SESSIONS:
+    if held is not None:
         return model
     find_stages(inner, plugin.candidates)  # fail at start, not after the first step
     session = RematSession(inner, plugin, accelerator, loop)
     if accelerator is not None:
         accelerator.remat_metrics = session.metrics  # the same dict: it fills in as the plan is made and measured
-    _SESSIONS[inner] = session
     return model
 
 
@@ -176,12 +181,14 @@ NO_BUDGET = (f"lightning-remat: no budget given (RematPlugin(budget=...)) and {E
 
 
 def remat_session(model: nn.Module) -> RematSession | None:
-    """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any.
+    """The ``RematSession`` that ``prepare_remat`` attached to ``model`` (or its DDP wrapper), if any: its forward
+    pre-hook, until ``remove()``, is the model's only hold on it (nothing global holds a session or its model).
 
     >>> remat_session(nn.Linear(2, 2)) is None
     True
     """
-    return _SESSIONS.get(_inner_model(model))
+    hooks = _inner_model(model)._forward_pre_hooks.values()
+    return next((hook.__self__ for hook in hooks if isinstance(getattr(hook, "__self__", None), RematSession)), None)
 
 
 class RematAccelerator(Accelerator):

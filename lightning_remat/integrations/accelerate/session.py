@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -26,6 +27,24 @@ from ...runtime.profiling.batch_shape import batch_shape, batch_tensors, padding
 from .recorded_call import CallTemplate, RecordedCall, WindowTracker, scalar_loss
 
 logger = logging.getLogger(__name__)
+
+_GONE: list = []  # the global hooks of sessions collected without remove(): torch forbids removing them mid-step
+
+
+def _discovering(session: "RematSession") -> Any:
+    """The session's global optimizer pre-hook, holding it weakly: a global holds neither it nor its model."""
+    for handle in _GONE:
+        handle.remove()
+    _GONE.clear()
+    ref = weakref.ref(session, lambda _: _GONE.append(handle))
+
+    def discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            live._discover_optimizer(optimizer, args, kwargs)
+
+    handle = register_optimizer_step_pre_hook(discover)
+    return handle
 
 
 class RematSession:
@@ -82,7 +101,7 @@ class RematSession:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
             # Finds an optimizer made later (the Trainer's) before its first step: else its new state counts as carried.
-            register_optimizer_step_pre_hook(self._discover_optimizer),
+            _discovering(self),
         ]
 
     @property
@@ -102,7 +121,7 @@ class RematSession:
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.phase == "done" and self.shape_plans is None:
-            self.remove()
+            self._let_go(keep=1)  # this hook stays: the model's hold on its session (``remat_session``)
             return
         if not self._training_call(module):
             return
@@ -345,9 +364,12 @@ class RematSession:
 
     def remove(self) -> None:
         """Stop observing, between steps (the plan stays: ``remove_remat(model)`` undoes it)."""
-        for handle in self._handles:
+        self._let_go()
+
+    def _let_go(self, keep: int = 0) -> None:
+        for handle in self._handles[keep:]:
             handle.remove()
-        self._handles = []
+        self._handles = self._handles[:keep]
         for window in (self._window, self._measured):
             if window is not None:
                 window.abandon()
