@@ -117,3 +117,28 @@ def test_prepare_remat_does_not_import_deepspeed_before_an_engine_can_exist(monk
     assert session is remat_session(model) and session.model is model and session.phase == "done"
     assert calls == [] and "deepspeed" not in sys.modules
     session.remove()
+
+
+def test_a_prepared_model_pickles_and_copies_without_its_session_and_the_copy_trains_as_the_model():
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` reach the session through the model's hooks: the copy's
+    hooks do nothing (a session holds an optimizer, an accelerator and closures that do not pickle)."""
+    import copy
+    import io
+
+    model = prepare_remat(_blocks(), RematPlugin(budget="min", cost="flops"))
+    _train(model, torch.optim.Adam(model.parameters()))
+    session = remat_session(model)
+    assert session.phase == "done"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))  # the planned shape: no new plan
+    for twin in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert remat_session(twin) is None and remat_session(model) is session
+        twin.zero_grad(set_to_none=True)
+        twin(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    session.remove()

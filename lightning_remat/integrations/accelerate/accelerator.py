@@ -17,7 +17,7 @@ from ...core.plan import Plan
 from ...runtime.installing.takeover import take_over_checkpointing
 from ...runtime.profiling.candidates import find_stages
 from .plugin import ENV_BUDGET, LoopFacts, RematPlugin
-from .session import RematSession
+from .session import RematSession, SessionHook
 
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
@@ -188,7 +188,7 @@ def remat_session(model: nn.Module) -> RematSession | None:
     True
     """
     hooks = _inner_model(model)._forward_pre_hooks.values()
-    return next((hook.__self__ for hook in hooks if isinstance(getattr(hook, "__self__", None), RematSession)), None)
+    return next((hook.session for hook in hooks if isinstance(hook, SessionHook) and hook.session is not None), None)
 
 
 class RematAccelerator(Accelerator):

@@ -47,6 +47,24 @@ def _discovering(session: "RematSession") -> Any:
     return handle
 
 
+class SessionHook:
+    """A session's hook on its model, and the model's hold on its session (``remat_session``). A copied or pickled
+    model (``copy.deepcopy``, ``torch.save``) gets it without the session: a copy is a new model, and a session holds
+    an optimizer, an accelerator and closures that do not pickle."""
+
+    __slots__ = ("session", "name")
+
+    def __init__(self, session: "RematSession | None", name: str):
+        self.session, self.name = session, name
+
+    def __call__(self, *args: Any) -> None:
+        if self.session is not None:
+            getattr(self.session, self.name)(*args)
+
+    def __reduce__(self) -> tuple:
+        return SessionHook, (None, self.name)
+
+
 class RematSession:
     """Made by ``prepare_remat``. ``phase``: ``"observe"``, ``"measure"`` (a plan's first steady step), ``"done"``;
     ``plan``: the latest batch shape's; ``plans``: one per shape; ``metrics``: the ``remat/...`` figures.
@@ -98,8 +116,8 @@ class RematSession:
         self._zero: ZeroRank | None = None  # DeepSpeed ZeRO-2/3's rank, once its engine exists
         self._handles = [
             # First among the pre-hooks: planning may run in it, before FSDP2's pre-forward unshards parameters.
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True),
+            model.register_forward_pre_hook(SessionHook(self, "_before_forward"), with_kwargs=True, prepend=True),
+            model.register_forward_hook(SessionHook(self, "_after_forward"), with_kwargs=True),
             # Finds an optimizer made later (the Trainer's) before its first step: else its new state counts as carried.
             _discovering(self),
         ]
