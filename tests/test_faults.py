@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_remat import (Plan, ProfileOptions, StageAction, RematError, apply_plan, measure_step, plan_remat, profile_step,
                              remove_remat)
-from lightning_remat.runtime.installing.apply import checkpoint_policies, checkpointed_modules
+from lightning_remat.runtime.installing import installer
+from lightning_remat.runtime.installing.apply import checkpointed_modules
 from lightning_remat.runtime.installing.offload import offloaded_modules
 from lightning_remat.runtime.measuring.user_hooks import part_of_model
 from lightning_remat.models import build
@@ -67,7 +68,7 @@ def test_policies_spelled_as_the_docs_spell_them_are_accepted_everywhere():
     plan = plan_remat(model, step_of(), budget="min", policies=("sac:save_matmuls",))
     assert plan.budget_bytes > 0
     apply_plan(model, Plan([StageAction.recompute("0", policy="sac:save_matmuls")]))
-    assert checkpoint_policies(model) == {"0": "save_matmuls"}
+    assert installer.recomputed(model) == {"0": "save_matmuls"}
 
 
 @pytest.mark.parametrize("bad", [True, 1, 2.5, object(), [True], ["save_matmuls", None], {"save_matmuls": 1}])

@@ -13,8 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_remat import Plan, ProfileOptions, StageAction, apply_plan, measure_step, profile_step, remove_remat
 from lightning_remat.core.solve import plan_from_choices, solve
 from lightning_remat.models import build
-from lightning_remat.runtime.installing import sac
-from lightning_remat.runtime.installing.apply import checkpoint_policies
+from lightning_remat.runtime.installing import installer, sac
 from lightning_remat.runtime.measuring.observe import observe_step
 from lightning_remat.runtime.measuring.roofline import OpRecorder, Peaks, device_peaks, option_costs, sac_seconds_per_op
 
@@ -68,7 +67,7 @@ def run_steps(model, steps=2):
 def test_gradients_and_batchnorm_statistics_bit_equal_under_every_policy(policy):
     reference, wrapped = make_net(), make_net()
     apply_plan(wrapped, Plan([StageAction.recompute(n, policy=policy) for n in ("0", "2")], 0, 0, 0, 0.0))
-    assert checkpoint_policies(wrapped) == {"0": policy, "2": policy}
+    assert installer.recomputed(wrapped) == {"0": policy, "2": policy}
     (ref_losses, ref_grads), (losses, grads) = run_steps(reference), run_steps(wrapped)
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
     for a, b in zip(ref_grads, grads):
@@ -149,7 +148,7 @@ def test_apply_rejects_unknown_policies_and_policies_of_modules_not_recomputed()
         apply_plan(net, Plan([StageAction.recompute("0"), StageAction("1", policy="save_matmuls")]))
     apply_plan(net, Plan([StageAction.recompute("0", policy="save_matmuls")]))
     remove_remat(net)
-    assert checkpoint_policies(net) == {} and "forward" not in net[0].__dict__
+    assert installer.recomputed(net) == {} and "forward" not in net[0].__dict__
 
 
 def test_attention_flops_count_on_the_cpu_sdpa_kernel():

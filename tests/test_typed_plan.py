@@ -17,7 +17,7 @@ from lightning_remat.core.solve import plan_from_choices, solve, solve_recompute
 from lightning_remat.core.vocabulary import Action, CostKind, Policy
 from lightning_remat.report.render import plan_renderables, to_text
 from lightning_remat.runtime.installing import installer
-from lightning_remat.runtime.installing.apply import (applied, apply_plan, checkpoint_policies, remove_remat,
+from lightning_remat.runtime.installing.apply import (applied, apply_plan, remove_remat,
                                                       segmented_modules)
 from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules
 from lightning_remat.runtime.installing.records import RECORD, installed_forward
@@ -171,7 +171,7 @@ def test_one_installer_composes_policy_recompute_offload_and_segments_bit_equal_
                          StageAction.in_segment("4", ["3", "4"]), StageAction.offload("5", limit=16 * 8 * 4)],
                 choices=[StageChoice(s, "-", 0, 0, 0.0) for s in stages])
     apply_plan(model, plan)
-    assert checkpoint_policies(model) == {"0": "save_matmuls"} and installer.recomputed(model) == {"0": "save_matmuls", "2": ""}
+    assert installer.recomputed(model) == {"0": "save_matmuls", "2": ""}
     assert offloaded_modules(model) == ["1", "5"] and segmented_modules(model) == [["3", "4"]]
     assert model_offloader(model).order == tuple(stages) and model_offloader(model).limits == {"5": 512}
     assert list(model.state_dict()) == keys

@@ -73,16 +73,6 @@ def segmented_modules(model: nn.Module) -> list[list[str]]:
         return installer.installed_segments(model)
 
 
-def checkpoint_policies(model: nn.Module) -> dict[str, str]:
-    """The selective-checkpointing policy of each recomputed module that has one.
-
-    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    >>> checkpoint_policies(apply_plan(net, Plan([StageAction.recompute("0", policy="save_matmuls")])))
-    {'0': 'save_matmuls'}
-    """
-    return {name: policy for name, policy in installer.recomputed(model).items() if policy}
-
-
 def recomputation_of(plan: Plan) -> Plan:
     """``plan``'s recomputed modules (with their policies) and segments alone.
 
