@@ -84,6 +84,9 @@ def counting_rng_states(track: Callable[[torch.Tensor], None]) -> Iterator[None]
 _WORKER_WAIT_S = 0.5  # at most, for a worker thread to let go of a finished collective's tensors
 
 
+# MemTracker's operator hook without its dynamo-disable wrapper: this class's override already has one (per op).
+_MEMTRACKER_DISPATCH = getattr(MemTracker.__torch_dispatch__, "__wrapped__", MemTracker.__torch_dispatch__)
+
 # Stands where MemTracker keeps the gradient hooks of a parameter that has no gradient.
 _NO_HOOK = SimpleNamespace(remove=lambda: None)
 
@@ -124,7 +127,7 @@ class Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._collectives:
             self._settle_collectives()
-        result = super().__torch_dispatch__(func, types, args, kwargs)
+        result = _MEMTRACKER_DISPATCH(self, func, types, args, kwargs)
         if func.namespace == "c10d":
             works = [w for w in tree_leaves(result) if isinstance(w, torch.ScriptObject)]
             if not any(_is_fake(w) for w in works):
@@ -200,8 +203,8 @@ def _is_fake(work: torch.ScriptObject) -> bool:
 
 
 def _device_totals(snapshot: dict, device: torch.device) -> dict:
-    for dev, values in snapshot.items():
-        if torch.device(dev).type == device.type:
+    for dev, values in snapshot.items():  # MemTracker's keys are devices (run after every operator)
+        if (dev if isinstance(dev, torch.device) else torch.device(dev)).type == device.type:
             return values
     return {}
 

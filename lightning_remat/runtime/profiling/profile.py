@@ -22,7 +22,7 @@ from ..installing import chunked_loss, sac
 from ..installing.apply import applied, existing_checkpointing
 from ..installing.compiled import fabric_forward_context, runs_compiled, uncompiled
 from ..installing.fingerprint import binding_of
-from ..measuring.exclusive import exclusive
+from ..measuring.exclusive import exclusive, long_lived_frozen
 from ..measuring.tracking import rng_states_count
 from ..measuring.measure import RandomState, Step, model_device, preserved_training_state
 from ..measuring.optimizers import as_optimizers, map_optimizers
@@ -121,7 +121,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
             profile = replace(profile, optimizer_step_alternatives=optimizer_step_alternatives(
                 optimizer, options.device or model_device(model)))
         else:
-            profile = _fake_profile(model, step, optimizer, options, compiled)
+            with long_lived_frozen():
+                profile = _fake_profile(model, step, optimizer, options, compiled)
     if compiled and chunk_loss_asked:
         profile = profile.noted(CHUNKS_UNDER_COMPILE_NOTE)
     profile = replace(profile, fingerprint=binding_of(model, [*(s.name for s in profile.stages),
