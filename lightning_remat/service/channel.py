@@ -115,11 +115,9 @@ class Channel:
         try:
             return attempt, self.gather((attempt.value, attempt.error))
         except Exception as error:  # noqa: BLE001 - the verdict of a rank that aborted the group, if any
-            verdict = board.verdict() if board is not None else None
-            if verdict is None:
-                raise
-            abort_process_group()
-            raise verdict from error
+            if board is not None:
+                board.raise_verdict(error)
+            raise
 
 
 class _Attempt:
@@ -227,10 +225,13 @@ class RankBoard:
             time.sleep(0.02)
         return True
 
-    def verdict(self) -> BaseException | None:
-        """The error of the rank that aborted the group in this section, if one did."""
+    def raise_verdict(self, cause: BaseException | None = None) -> None:
+        """Where a rank aborted the group in this section: abort this end too, and raise that rank's error."""
         key = f"{self.prefix}/verdict"
-        return pickle.loads(self.store.get(key)) if self.store.check([key]) else None
+        if self.store.check([key]):
+            verdict = pickle.loads(self.store.get(key))
+            abort_process_group()
+            raise verdict from cause
 
     def abort(self, error: BaseException) -> BaseException:
         """Post ``error`` as the verdict, abort the process group, and return the error to raise."""
@@ -255,11 +256,8 @@ def settle(board: RankBoard | None, early: BaseException | None) -> None:
     """Post this rank's word; ``early`` (why its work ended early) with a rank silent aborts the group, raised as the verdict."""
     if board is None:
         return
-    if early is not None:
-        verdict = board.verdict()
-        if verdict is not None:  # this rank's collective ended because another rank aborted the group
-            abort_process_group()
-            raise verdict
+    if early is not None:  # this rank's collective may have ended because another rank aborted the group
+        board.raise_verdict()
     board.post()
     if early is not None and not board.everyone_posted():
         raise board.abort(_aborted(early, board.rank))
