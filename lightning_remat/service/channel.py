@@ -82,17 +82,12 @@ class Channel:
             raise error
         return value  # type: ignore[return-value]
 
-    def outcomes(self, compute: Callable[[], T], *,
-                 action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
-        """``compute()`` on every rank; every rank's ``(value, error)``."""
-        return self._attempt_on_every_rank(compute, action)[1]
-
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
                       ended_early: Callable[[T], bool] | None = None) -> list[T]:
         """``compute()`` on every rank; the values in rank order, or the first rank's error raised on every rank."""
         if not self.distributed:
             return [compute()]
-        attempt, results = self._attempt_on_every_rank(compute, action, ended_early)
+        attempt, results = self.outcomes(compute, action=action, ended_early=ended_early)
         failed = next((rank for rank, (_, error) in enumerate(results) if error is not None), None)
         if failed == self.rank:
             attempt.raise_if_failed()  # this rank's own error, from its original
@@ -100,8 +95,9 @@ class Channel:
             raise results[failed][1]  # type: ignore[misc]
         return [value for value, _ in results]  # type: ignore[misc]
 
-    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str,
-                               ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
+    def outcomes(self, compute: Callable[[], Any], *, action: str = "profiling",
+                 ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
+        """``compute()`` on every rank: this rank's attempt, and every rank's ``(value, error)``."""
         attempt = _Attempt()
         attempt.run(compute, self.rank, action)
         # A rank that stopped early must not enter the gather while another waits in a collective (gloo aborts).
