@@ -92,18 +92,6 @@ class BatchSizeResult:
         return to_text([batch_size_table(self)], width=100)
 
 
-def _search(make_step: MakeStep, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: RematConfig,
-            budget_bytes: int, *args: Any) -> BatchSearch:
-    """A ``BatchSearch``; for a model sharded with FSDP2 across processes, one every rank runs in lockstep."""
-    refuse_fsdp1(model, "find_remat_batch_size")
-    channel = torch_distributed_channel()
-    if not (fsdp2_sharded(model) and channel.distributed):
-        return BatchSearch(make_step, model, optimizer, config, budget_bytes, *args)
-    # The smallest of the ranks' budgets (a relative budget resolves per device).
-    return ShardedBatchSearch(make_step, model, optimizer, config, min(channel.gather(budget_bytes)), *args,
-                              channel=channel)
-
-
 def search_setup(model: nn.Module, config: RematConfig, purpose: str) -> tuple[int, Plan]:
     """The budget in bytes, checked for a search (``purpose``), and the plan installed now (``apply_or_restore``)."""
     config.require_size(purpose)
@@ -171,7 +159,14 @@ def find_remat_batch_size(
     config = RematConfig(budget, cost=cost, profile=ProfileOptions(candidates=candidates, offload=offload,
                                                                    policies=policies))
     budget_bytes, previous = search_setup(model, config, "a batch-size search")
-    search = _search(make_step, model, optimizer, config, budget_bytes, max_overhead, steps_per_trial, mode, init_val)
+    refuse_fsdp1(model, "find_remat_batch_size")
+    channel = torch_distributed_channel()
+    sharded = fsdp2_sharded(model) and channel.distributed
+    args = (max_overhead, steps_per_trial, mode, init_val)
+    # Sharded with FSDP2: every rank searches in lockstep, within the smallest of the ranks' budgets (per device).
+    search = (ShardedBatchSearch(make_step, model, optimizer, config, min(channel.gather(budget_bytes)), *args,
+                                 channel=channel) if sharded else
+              BatchSearch(make_step, model, optimizer, config, budget_bytes, *args))
     search.verbose = verbose
     budget_bytes = search.budget_bytes
     fit = search.fit_profiles(max_val)
@@ -191,8 +186,7 @@ def find_remat_batch_size(
     final_plan = search.plan_for(final, True) or search.plan_for(confirmed, True)
     assert final_plan is not None
     final_plan = bound(final_plan, model)
-    channel = getattr(search, "channel", None)
-    if channel is not None:
+    if sharded:
         # Sharded: every rank decided on the same figures; rank 0's decision is the one kept.
         final, without, confirmed, measured, plan_dict = channel.broadcast(
             (final, without, confirmed, measured, final_plan.to_dict()))

@@ -82,17 +82,12 @@ class Channel:
             raise error
         return value  # type: ignore[return-value]
 
-    def outcomes(self, compute: Callable[[], T], *,
-                 action: str = "profiling") -> list[tuple[T | None, BaseException | None]]:
-        """``compute()`` on every rank; every rank's ``(value, error)``."""
-        return self._attempt_on_every_rank(compute, action)[1]
-
     def on_every_rank(self, compute: Callable[[], T], *, action: str = "profiling",
                       ended_early: Callable[[T], bool] | None = None) -> list[T]:
         """``compute()`` on every rank; the values in rank order, or the first rank's error raised on every rank."""
         if not self.distributed:
             return [compute()]
-        attempt, results = self._attempt_on_every_rank(compute, action, ended_early)
+        attempt, results = self.outcomes(compute, action=action, ended_early=ended_early)
         failed = next((rank for rank, (_, error) in enumerate(results) if error is not None), None)
         if failed == self.rank:
             attempt.raise_if_failed()  # this rank's own error, from its original
@@ -100,8 +95,9 @@ class Channel:
             raise results[failed][1]  # type: ignore[misc]
         return [value for value, _ in results]  # type: ignore[misc]
 
-    def _attempt_on_every_rank(self, compute: Callable[[], Any], action: str,
-                               ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
+    def outcomes(self, compute: Callable[[], Any], *, action: str = "profiling",
+                 ended_early: Callable[[Any], bool] | None = None) -> tuple["_Attempt", list]:
+        """``compute()`` on every rank: this rank's attempt, and every rank's ``(value, error)``."""
         attempt = _Attempt()
         attempt.run(compute, self.rank, action)
         # A rank that stopped early must not enter the gather while another waits in a collective (gloo aborts).
@@ -115,11 +111,9 @@ class Channel:
         try:
             return attempt, self.gather((attempt.value, attempt.error))
         except Exception as error:  # noqa: BLE001 - the verdict of a rank that aborted the group, if any
-            verdict = board.verdict() if board is not None else None
-            if verdict is None:
-                raise
-            abort_process_group()
-            raise verdict from error
+            if board is not None:
+                board.raise_verdict(error)
+            raise
 
 
 class _Attempt:
@@ -227,10 +221,13 @@ class RankBoard:
             time.sleep(0.02)
         return True
 
-    def verdict(self) -> BaseException | None:
-        """The error of the rank that aborted the group in this section, if one did."""
+    def raise_verdict(self, cause: BaseException | None = None) -> None:
+        """Where a rank aborted the group in this section: abort this end too, and raise that rank's error."""
         key = f"{self.prefix}/verdict"
-        return pickle.loads(self.store.get(key)) if self.store.check([key]) else None
+        if self.store.check([key]):
+            verdict = pickle.loads(self.store.get(key))
+            abort_process_group()
+            raise verdict from cause
 
     def abort(self, error: BaseException) -> BaseException:
         """Post ``error`` as the verdict, abort the process group, and return the error to raise."""
@@ -255,11 +252,8 @@ def settle(board: RankBoard | None, early: BaseException | None) -> None:
     """Post this rank's word; ``early`` (why its work ended early) with a rank silent aborts the group, raised as the verdict."""
     if board is None:
         return
-    if early is not None:
-        verdict = board.verdict()
-        if verdict is not None:  # this rank's collective ended because another rank aborted the group
-            abort_process_group()
-            raise verdict
+    if early is not None:  # this rank's collective may have ended because another rank aborted the group
+        board.raise_verdict()
     board.post()
     if early is not None and not board.everyone_posted():
         raise board.abort(_aborted(early, board.rank))

@@ -237,7 +237,7 @@ class Planner:
                 "fake profiling of a model already sharded across processes is not supported: profile it for real "
                 "(fake=False), or plan the unsharded model in one process with fake=True and world_size=N "
                 "(docs/sharded.md)")
-        results = channel.outcomes(lambda: self.profile(model, step, optimizer, **kwargs), action="profiling")
+        _, results = channel.outcomes(lambda: self.profile(model, step, optimizer, **kwargs), action="profiling")
 
         def decide() -> dict:
             failed = next((error for _, error in results if error is not None), None)  # the first rank's
