@@ -50,7 +50,13 @@ def _discovering(session: "RematSession") -> Any:
 class SessionHook:
     """A session's hook on its model, and the model's hold on its session (``remat_session``). A copied or pickled
     model (``copy.deepcopy``, ``torch.save``) gets it without the session: a copy is a new model, and a session holds
-    an optimizer, an accelerator and closures that do not pickle."""
+    an optimizer, an accelerator and closures that do not pickle.
+
+    >>> import copy
+    >>> hook = SessionHook(object(), "_before_forward")
+    >>> copy.deepcopy(hook).session is None, copy.deepcopy(hook).name
+    (True, '_before_forward')
+    """
 
     __slots__ = ("session", "name")
 
