@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -50,7 +49,7 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
             group["foreach"] = True
 
 
-# Outside the profile's fake mode: under it, every copy made here went back and forth between the two (half the CPU).
+# Outside the profile's fake mode, which would convert every copy made here back and forth.
 @unset_fake_temporarily()
 def optimizer_step_cost(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                         device: str | torch.device | None = None,
@@ -157,25 +156,18 @@ class MeasuredOnRead(Mapping[str, int]):
     def __repr__(self) -> str:
         return repr(self._resolved())
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle, copy and deepcopy alike: a plain dict
         return dict, (self._resolved(),)
-
-    def __copy__(self) -> dict[str, int]:
-        return dict(self._resolved())
-
-    def __deepcopy__(self, memo: dict) -> dict[str, int]:
-        return dict(self._resolved())
 
 
 def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-                                        device: str | torch.device | None = None,
-                                        mode: Any = None,
+                                        device: str | torch.device, mode: Any,
                                         in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
                                         ) -> MeasuredOnRead:
     """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before),
     on a stack's shallow copies where ``in_depth(measure)`` gives a figure."""
     def measure() -> dict[str, int]:
-        with mode if mode is not None else contextlib.nullcontext():
+        with mode:
             # A stack of identical layers: its 1- and 2-layer copies' optimizers, on a line in depth.
             deep = in_depth(lambda o: optimizer_step_alternatives(o, device)) if in_depth else None
             return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
