@@ -43,7 +43,7 @@ from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
 from .optimizer_step import (OptimizerStepCost, optimizer_step_alternatives, optimizer_step_alternatives_on_read,
                              optimizer_step_cost)
-from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved, with_untracked
+from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved
 from .repeated import alternatives_in_depth, repeated_profile
 from .residual_twins import twin_stages
 from .stage_options import measure_options, option_actions, span_groups
@@ -106,7 +106,7 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     if options.offload:
         check_offload_target(options, model_device(model))
     optimizer = as_optimizers(optimizer)
-    step = _in_forward_context(step, fabric_forward_context(model))
+    step = _in_context(step, fabric_forward_context(model))
     # A compiled model is profiled as its original modules (hooks must fire), eagerly (dynamo would
     # never compile code first met under our dispatch modes); recompute is priced as compiled.
     compiled, chunk_loss_asked = runs_compiled(model), options.chunk_loss
@@ -134,8 +134,8 @@ def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], *,
     return profile
 
 
-def _in_forward_context(step: Step, context: contextlib.AbstractContextManager) -> Step:
-    """``step`` inside the forward context of the wrapper profiling looks through (Fabric's precision)."""
+def _in_context(step: Step, context: contextlib.AbstractContextManager) -> Step:
+    """``step`` inside ``context`` (Fabric's precision around the module profiling looks through, autocast)."""
     if isinstance(context, contextlib.nullcontext):
         return step
 
@@ -166,7 +166,9 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     dtype, autocast, precision_note = _precision(options)
     sharded = options.world_size > 1  # sharded: mixed precision is FSDP2's policy, not autocast
     if autocast is not None and not sharded:
-        step = _under_autocast(step, autocast)
+        # Fake tensors live on the CPU, so the CPU's autocast stands in for the target's: both run
+        # matmuls, linears and convolutions (what activations are mostly made of) in ``autocast``.
+        step = _in_context(step, torch.autocast("cpu", dtype=autocast))
     mode = existing_fake_mode(model) or new_fake_mode()
     # Planned for a GPU (named, or device="cuda"): attention with dropout as its fused kernels run it.
     targets_cuda = options.gpu is not None or torch.device(options.device or "cpu").type == "cuda"
@@ -218,15 +220,6 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
     return profile
 
 
-def _under_autocast(step: Step, dtype: torch.dtype) -> Step:
-    # Fake tensors live on the CPU, so the CPU's autocast stands in for the target's: both run
-    # matmuls, linears and convolutions (what activations are mostly made of) in ``dtype``.
-    def autocast_step(model: nn.Module) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=dtype):
-            return step(model)
-    return autocast_step
-
-
 def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
              timed: bool, compiled: bool = False, step_cost_of: Callable = optimizer_step_cost) -> Profile:
     stage_names = find_stages(model, options.candidates)
@@ -247,7 +240,7 @@ def _profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer | No
         observed = observe_step(model, step, stage_names, timed, before_pass=replay)
         if not observed.order:
             raise StepError(f"none of the candidate stages {stage_names[:4]}... ran during step(model)")
-        policies = sac.POLICIES if options.policies is None else tuple(sac.check_policy(p) for p in options.policies)
+        policies = sac.POLICIES if options.policies is None else options.policies  # checked by ProfileOptions
         twins = twin_stages(model, step, observed.order, replay)
         offered = option_actions(observed.order, observed, modules, policies, twins)
         if options.offload:
@@ -291,7 +284,10 @@ def _adjusted(profile: Profile, model: nn.Module, options: ProfileOptions, runs:
     """The assembled profile plus what the measured runs do not hold (timings, untracked bytes, DDP, offload)."""
     if timed:
         profile = with_pooled_timings(profile)
-    profile = with_untracked(profile, runs["keep"].untracked_bytes)
+    untracked = runs["keep"].untracked_bytes  # CUDA's allocator's peak above MemTracker's count
+    profile = with_always_alive(profile, untracked, (
+        f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
+        "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
     if dropped:
         profile = profile.noted("selective-checkpointing option(s) dropped, their recompute did not replay "
                                 "the forward: " + "; ".join(dropped))

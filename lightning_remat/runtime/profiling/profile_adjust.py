@@ -9,15 +9,7 @@ from typing import Sequence
 from torch import nn
 
 from ...core.actions import moved
-from ...core.budget import format_bytes
 from ...core.memory_model import Profile
-
-
-def with_untracked(profile: Profile, untracked: int) -> Profile:
-    """Bytes CUDA's allocator held above MemTracker's count at the peak, carried by every term."""
-    return with_always_alive(profile, untracked, (
-        f"calibrated on {profile.device}: the allocator's peak was {format_bytes(untracked)} above the tensors "
-        "the profile tracks (the batch already on the device, library workspaces); counted in every term"))
 
 
 def with_always_alive(profile: Profile, nbytes: int, note: str) -> Profile:
