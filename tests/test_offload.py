@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_remat.core.plan import Plan, StageAction
 from lightning_remat.runtime.installing.apply import apply_plan, remove_remat
-from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules, remove_offload
+from lightning_remat.runtime.installing.offload import apply_offload, model_offloader, offloaded_modules
 
 
 def _net():
@@ -113,7 +113,6 @@ def test_recomputed_and_offloaded_is_an_error():
     assert offloaded_modules(net) == []
     with pytest.raises(ValueError, match="does not have"):
         apply_offload(net, ["nope"])
-    remove_offload(net)
 
 
 def _llama(layers=4, hidden=256):

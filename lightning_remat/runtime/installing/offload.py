@@ -13,8 +13,6 @@ from ...core.vocabulary import Action
 from .offloader import Offloader, offloaded_call, release_after_next
 from .records import Behaviour, Target, check_names, record_of, state_of
 
-__all__ = ["OFFLOAD", "Offloader", "apply_offload", "model_offloader", "offloaded_modules", "remove_offload"]
-
 
 # An offloaded module's state: the model's offloader, the module's name in it, and the forward hook
 # on the next stage that releases its device tensors (None without an order).
@@ -80,10 +78,4 @@ def apply_offload(model: nn.Module, names: Iterable[str], order: Sequence[str] |
     OFFLOAD.uninstall(model)
     OFFLOAD.install(Target(modules, tuple(order) if order is not None else None, measure),
                     {n: limits.get(n) or 0 for n in names})
-    return model
-
-
-def remove_offload(model: nn.Module) -> nn.Module:
-    """Undo ``apply_offload``: every module gets back exactly the forward it had."""
-    OFFLOAD.uninstall(model)
     return model

@@ -91,11 +91,10 @@ class Behaviour:
 BEHAVIOURS: list[Behaviour] = []  # the composition order, outermost first
 
 
-def register(behaviour: Behaviour, before: str | None = None) -> Behaviour:
-    """Add ``behaviour`` to the installer (innermost, or just outside the one named ``before``); returns it."""
+def register(behaviour: Behaviour) -> Behaviour:
+    """Add ``behaviour`` to the installer, innermost; returns it."""
     unregister(behaviour.name)
-    at = next((i for i, b in enumerate(BEHAVIOURS) if b.name == before), len(BEHAVIOURS))
-    BEHAVIOURS.insert(at, behaviour)
+    BEHAVIOURS.append(behaviour)
     return behaviour
 
 

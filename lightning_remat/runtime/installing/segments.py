@@ -13,7 +13,6 @@ from ...core.vocabulary import Action
 from ..measuring.exclusive import planning_runs_here
 from .records import SEGMENTS, Behaviour, Target, record_of, running
 
-__all__ = ["SEGMENT", "chained_groups", "qualifies", "recorded_calls", "segment_positions", "sequential_groups"]
 _CLASSES: dict[type, type] = {}  # a Sequential class -> its segmented subclass
 
 
@@ -163,12 +162,8 @@ def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], bega
     step(model)
 
 
-def chained_groups(model: nn.Module, step: Any, groups: Sequence[Sequence[str]],
-                   calls: dict[str, list] | None = None) -> list[list[str]]:
-    """Split ``groups`` into the runs one forward of ``step(model)`` really chains (each item fed only the one before)."""
-    names = [n for g in groups for n in g]
-    if calls is None or any(n not in calls for n in names):
-        calls = recorded_calls(model, step, names)
+def chained_groups(groups: Sequence[Sequence[str]], calls: dict[str, list]) -> list[list[str]]:
+    """Split ``groups`` into the runs a forward chains, each item fed only the one before (``calls``: its record)."""
 
     def simple(name: str) -> bool:  # called once, on one tensor, returning one
         seen = calls[name]

@@ -31,9 +31,6 @@ class RepeatedStack:
     prefix: str
     layers: int
 
-    def stage(self, index: int) -> str:
-        return f"{self.prefix}.{index}"
-
 
 def repeated_stack(model: nn.Module, candidates: Any) -> RepeatedStack | None:
     """The model's stack of at least ``MIN_LAYERS`` layers that differ only in their own index, or None."""
@@ -151,7 +148,7 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     shorts = [truncated(model, stack, layers) for layers in DEPTHS]
     # One optimizer per depth, given to both phases' runs: its step (which no ballast touches) is measured once.
     optimizers = [_sub_optimizer(optimizer, short) for short in shorts]
-    lifted = {phase: tuple(run(short, sub, lambda step, phase=phase: with_ballast(step, BALLAST, phase))
+    lifted = {phase: tuple(run(short, sub, lambda step, phase=phase: with_ballast(step, phase))
                            for short, sub in zip(shorts, optimizers))
               for phase in ("forward", "backward")}
     return extrapolate(lifted["forward"], lifted["backward"], BALLAST, stack.prefix, stack.layers)
@@ -176,7 +173,7 @@ def alternatives_in_depth(model: nn.Module, optimizer: Any, options: ProfileOpti
     if stack is None or optimizer is None:
         return None
     # A step works per parameter, or on lists of them all: nothing in it depends on a layer's place, so
-    # its figures are on a line from one layer on (the model's own are not: DEPTHS), measured in 40% of the time.
+    # its figures are on a line from one layer on (the model's own are not: DEPTHS).
     (a, at_a), (b, at_b) = ((n, measure(_sub_optimizer(optimizer, truncated(model, stack, n)))) for n in (1, 2))
     if set(at_a) != set(at_b):
         return None
@@ -209,15 +206,13 @@ class _Ballast(torch.autograd.Function):
         return grad, None, None
 
 
-def with_ballast(step: Callable, nbytes: int, phase: str) -> Callable:
-    """``step`` whose forward or backward pass (``phase``) holds ``nbytes`` more, to tell a peak's two figures apart."""
-    if phase not in ("forward", "backward"):
-        raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+def with_ballast(step: Callable, phase: str) -> Callable:
+    """``step`` whose ``phase`` pass (forward or backward) holds ``BALLAST`` more, to tell a peak's figures apart."""
 
     def lifted(model: nn.Module) -> torch.Tensor:
-        held = _ballast_tensor(nbytes, None) if phase == "forward" else None
+        held = _ballast_tensor(BALLAST, None) if phase == "forward" else None
         loss = step(model)
-        return _Ballast.apply(loss, held, nbytes if phase == "backward" else 0)
+        return _Ballast.apply(loss, held, BALLAST if phase == "backward" else 0)
 
     return lifted
 

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from ...core.plan import StageAction
+from ...core.vocabulary import POLICY_PREFIX
 from ..installing import sac
-from ..installing.segments import chained_groups, sequential_groups
+from ..installing.segments import chained_groups, recorded_calls, sequential_groups
 from ..installing.residual_parts import RESIDUAL_PARTS
 from ..installing.tiled_mlp import TILE
 from ..measuring.measure import Step
@@ -58,7 +59,7 @@ def option_actions(order: Sequence[str], observed: ObservedStep, modules: dict[s
     for policy in policies:
         stages = {n: StageAction.recompute(n, policy=policy) for n in order if policy in distinct[n]}
         if stages:
-            offered[sac.option_name(policy)] = stages
+            offered[POLICY_PREFIX + policy] = stages  # "sac:save_matmuls"
     parts = {RESIDUAL_PARTS.name: True}  # run as checkpointed parts (residual_twins.py), kept or recomputed around them
     if any(n in twins for n in order):
         offered[PARTS] = {n: StageAction(n, extra=parts) for n in order if n in twins}
@@ -89,8 +90,9 @@ def span_groups(model: nn.Module, step: Step, order: Sequence[str], replay: Call
     if not groups:
         return ()
     if calls is None or any(n not in calls for g in groups for n in g):
-        replay()  # chained_groups records them anew
-    return tuple(tuple(g) for g in chained_groups(model, step, groups, calls))
+        replay()
+        calls = recorded_calls(model, step, [n for g in groups for n in g])
+    return tuple(tuple(g) for g in chained_groups(groups, calls))
 
 
 def measure_options(model: nn.Module, step: Step, observed: ObservedStep, offered: dict[str, dict[str, StageAction]],
