@@ -66,7 +66,7 @@ class Policy(_Words):
                          f"(each also spelled as its option name, '{POLICY_PREFIX}' + the name)")
 
 
-# A policy's option name: "sac:" + the policy (``runtime.installing.sac.option_name``).
+# A policy's option name: "sac:" + the policy (``runtime.profiling.stage_options.option_actions``).
 POLICY_PREFIX = "sac:"
 
 

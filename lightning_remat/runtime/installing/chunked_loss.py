@@ -96,11 +96,6 @@ def refused(model: nn.Module) -> str | None:
     return None
 
 
-def _softcap(model: nn.Module) -> Any:
-    # Gemma-2's (and Gemma-3's): tanh capping of the logits after the head, computed in each chunk (capped()).
-    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-
-
 # Scales some causal LMs put on their logits after the head, by config attribute: Granite divides, Cohere multiplies.
 _SCALES = ("logits_scaling", "logit_scale")
 
@@ -255,7 +250,9 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
     shift = kwargs.get("shift_labels")
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=_softcap(root))
+    # Gemma-2's (and Gemma-3's) tanh capping of the logits after the head, computed in each chunk (capped()).
+    softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
+    pending = _Pending(shift, ignore_index, kwargs.get("num_items_in_batch"), smoothing, softcap=softcap)
     out = _handing(head, pending, original, *unlabelled_args, **unlabelled_kwargs)
     logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     # A soft-capped model caps what its head returned (the loss, capped in its chunks already): replaced below.

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, SAC_IGNOR
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ...core.actions import StageAction
-from ...core.vocabulary import POLICY_PREFIX, Action, Policy
+from ...core.vocabulary import Action, Policy
 from ...core.vocabulary import policy_of  # noqa: F401 - the policy of an option name ("" for none)
 from .records import Behaviour
 
@@ -85,16 +85,13 @@ def recompute_not_replayed(error: BaseException) -> bool:
     return type(error) is RuntimeError and bool(_NOT_REPLAYED.search(str(error)))
 
 
-def decision(save: bool) -> CheckpointPolicy:
-    """``MUST_SAVE`` or ``MUST_RECOMPUTE``, never a ``PREFER_*`` hint that torch.compile's partitioner may override."""
-    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
-
-
 def _contexts(policy: str) -> tuple[Any, Any]:
     decide = _decider(policy)
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return decision(decide(func, "recompute" if ctx.is_recompute else "forward"))
+        # MUST_*, never a PREFER_* hint that torch.compile's partitioner may override.
+        save = decide(func, "recompute" if ctx.is_recompute else "forward")
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy_fn)
 
@@ -126,11 +123,6 @@ def recomputed_ops(policy: str, funcs: Sequence[Any]) -> list[bool]:
     decide = _decider(policy)
     # Ops SAC never caches (detach) run again on recompute whatever the policy says.
     return [True if f in SAC_IGNORED_OPS else not decide(f, "forward") for f in funcs]
-
-
-def option_name(policy: str) -> str:
-    """The stage option name of a policy: ``"sac:save_matmuls"``."""
-    return POLICY_PREFIX + Policy.check(policy).value
 
 
 def distinct_policies(policies: Iterable[str], funcs: Sequence[Any]) -> list[str]:
