@@ -10,17 +10,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
-def _optimized_module() -> type | tuple:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return ()
+def _optimized_module() -> type:
+    from torch._dynamo.eval_frame import OptimizedModule  # on first use: dynamo takes a while to import
+
     return OptimizedModule
 
 
 def runs_compiled(model: nn.Module) -> bool:
     """Whether ``model``'s step runs under torch.compile (a wrapper, ``module.compile()`` or Lightning's compiled steps)."""
-    compiled = _optimized_module()  # () without dynamo: isinstance(m, ()) is False
+    compiled = _optimized_module()
     return any(isinstance(m, compiled) or getattr(m, "_compiled_call_impl", None) is not None
                or getattr(m, "_compiler_ctx", None) for m in model.modules())
 

@@ -89,20 +89,7 @@ def host_limit_bytes(options: ProfileOptions) -> int:
 
 
 def host_free_bytes() -> int:
-    """Host memory available now (psutil if installed, else ``/proc/meminfo``'s MemAvailable)."""
-    try:
-        import psutil
+    """Host memory available now, by psutil (a dependency of Accelerate's)."""
+    import psutil
 
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return int(psutil.virtual_memory().available)
