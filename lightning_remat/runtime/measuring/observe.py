@@ -68,7 +68,6 @@ class _Observer(StepWatch):
         self.stats = {n: ModuleStats() for n in self.watched}
         self.excluded = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
         self.device = model_device(model)
-        self.order: list[str] = []
         self.sequence: list[str] = []  # every stage call, in order
         self.active: list[str] = []
         self.started: dict[str, float] = {}
@@ -85,8 +84,6 @@ class _Observer(StepWatch):
                 return
             if name in self.stage_names:
                 self.sequence.append(name)
-                if name not in self.order:
-                    self.order.append(name)
             self.stats[name].inputs.update(storages((args, kwargs)))
             self.active.append(name)
             self.flops_before[name] = self.counted()
@@ -151,7 +148,6 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
             model.zero_grad(set_to_none=True)
         seconds = {n: s.seconds for n, s in observer.stats.items()}
         observer.stats = {n: ModuleStats() for n in observer.watched}  # counted afresh in the counting pass
-        observer.order.clear()
         observer.sequence.clear()
         before_pass()
         run_step(model, step, watch=observer, zero_grad="after")
@@ -162,6 +158,6 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())
     places = [(name, len(list(calls))) for name, calls in itertools.groupby(observer.sequence)]
-    return ObservedStep(observer.order, observer.stats, step_seconds, step_flops,
+    return ObservedStep(list(dict.fromkeys(observer.sequence)), observer.stats, step_seconds, step_flops,
                         observer.forward_ops.ops + observer.backward_ops.ops,
                         [name for name, _ in places], [calls for _, calls in places])

@@ -166,7 +166,7 @@ class Tracker(MemTracker):
                 del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
-    # Compiled code runs eagerly while tracking (stance.py); the global hooks are one per process, so
+    # Compiled code runs eagerly while tracking (eager_stance); the global hooks are one per process, so
     # one thread tracks at a time (exclusive.py's lock, held from enter to exit).
     def __enter__(self) -> "Tracker":
         with contextlib.ExitStack() as stack:

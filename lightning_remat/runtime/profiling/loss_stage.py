@@ -57,18 +57,15 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
                          gradients_alive=accumulation_steps > 1)
         return run.segments.get(n, keep_gap[n])
 
-    try:
-        # The stages run as a recomputed stage runs them, without a KV cache: a chunked head is planned
-        # where layers are recomputed, and the keep run's gap, its peak in backward after the model's
-        # outputs (and their cache) are gone, is short of a fused head's by the cache, its peak in forward.
-        with _cache_off(model, observed.order) as stripped:
-            for kind, figure in ((StageAction.chunk, figures.chunked), (StageAction.fuse, figures.fused)):
-                for chunks in CHUNK_COUNTS:
-                    figure[chunks] = gap(kind(found, chunks))
-            if stripped:  # the whole head measured alike; without a cache, the keep run's gap
-                figures.unchunked = gap(None)
-    finally:
-        hook.remove()
+    # The stages run as a recomputed stage runs them, without a KV cache: a chunked head is planned
+    # where layers are recomputed, and the keep run's gap, its peak in backward after the model's
+    # outputs (and their cache) are gone, is short of a fused head's by the cache, its peak in forward.
+    with hook, _cache_off(model, observed.order) as stripped:  # the hook is removed on leaving
+        for kind, figure in ((StageAction.chunk, figures.chunked), (StageAction.fuse, figures.fused)):
+            for chunks in CHUNK_COUNTS:
+                figure[chunks] = gap(kind(found, chunks))
+        if stripped:  # the whole head measured alike; without a cache, the keep run's gap
+            figures.unchunked = gap(None)
     if not shapes:
         return None
     figures.shape = max(shapes, key=lambda s: s.tokens)
@@ -79,7 +76,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
 def _cache_off(model: nn.Module, stages: Sequence[str]) -> Iterator[list[str]]:
     """Each stage called without its KV cache (``use_cache=False``, no cache), as a recomputed stage is called
     (``installing.recompute``); yields the stages whose call changed (none: a model without a cache)."""
-    modules, stripped, handles = dict(model.named_modules()), [], []
+    modules, stripped = dict(model.named_modules()), []
 
     def hook(name: str) -> Callable:
         def strip(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -90,13 +87,10 @@ def _cache_off(model: nn.Module, stages: Sequence[str]) -> Iterator[list[str]]:
             return new_args, new_kwargs
         return strip
 
-    try:
+    with contextlib.ExitStack() as hooks:
         for name in dict.fromkeys(stages):
-            handles.append(modules[name].register_forward_pre_hook(hook(name), with_kwargs=True))
+            hooks.enter_context(modules[name].register_forward_pre_hook(hook(name), with_kwargs=True))
         yield stripped
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _shape(head: nn.Module, hidden: torch.Tensor) -> HeadShape:
@@ -146,5 +140,4 @@ def with_head_stage(profile: Profile, figures: HeadFigures | None, flops_per_sec
                             f"over {', '.join(map(str, sorted(figures.chunked)))} sequence chunks, each recomputed in backward or "
                             "fused (its gradients computed in forward)"))
     gaps = getattr(profile, "gap_figures", None)
-    result = result.with_gap_figures(None if gaps is None else {k: v for k, v in gaps.items() if k != gap.name})
-    return result
+    return result.with_gap_figures(None if gaps is None else {k: v for k, v in gaps.items() if k != gap.name})

@@ -4,6 +4,7 @@ of the same leading shape, and on real tensors its output over chunks equals its
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -91,19 +92,15 @@ def tiled_settings(model: nn.Module, step: Step, order: Sequence[str], replay: C
             seen.setdefault(stage, []).append((child, chunks, shaped and _same_output(module, x, output, chunks)))
         return hook
 
-    handles = []
-    for stage in dict.fromkeys(order):
-        for child, module in modules[stage].named_children():
-            if refusal(module) is None:
-                handles.append(module.register_forward_hook(watch(stage, child), with_kwargs=True))
-                break  # one tiled child per stage: the first position-wise one
-    try:
+    with contextlib.ExitStack() as hooks:
+        for stage in dict.fromkeys(order):
+            for child, module in modules[stage].named_children():
+                if refusal(module) is None:
+                    hooks.enter_context(module.register_forward_hook(watch(stage, child), with_kwargs=True))
+                    break  # one tiled child per stage: the first position-wise one
         replay()
         with torch.no_grad():
             step(model)
-    finally:
-        for handle in handles:
-            handle.remove()
     settings = {stage: spec(calls[0][0], min(c for _, c, _ in calls)) for stage, calls in seen.items()
                 if all(ok for _, _, ok in calls)}
     if not settings:

@@ -196,19 +196,14 @@ def real_code_paths() -> Iterator[None]:
             return None
         return find_packed(position_ids, *args, **kwargs)
 
-    masking._ignore_causal_mask_sdpa = decide_as_on_real_tensors
-    if find_packed is not None:
-        masking.find_packed_sequence_indices = no_packing_on_fake
-    if preprocess is not None:
-        masking._preprocess_mask_arguments = preprocess_reading_real_masks
-    try:
+    with contextlib.ExitStack() as put_back:
+        for name, replacement in (("_ignore_causal_mask_sdpa", decide_as_on_real_tensors),
+                                  ("find_packed_sequence_indices", no_packing_on_fake),
+                                  ("_preprocess_mask_arguments", preprocess_reading_real_masks)):
+            if getattr(masking, name, None) is not None:
+                put_back.callback(setattr, masking, name, getattr(masking, name))
+                setattr(masking, name, replacement)
         yield
-    finally:
-        masking._ignore_causal_mask_sdpa = decide
-        if find_packed is not None:
-            masking.find_packed_sequence_indices = find_packed
-        if preprocess is not None:
-            masking._preprocess_mask_arguments = preprocess
 
 
 @contextlib.contextmanager

@@ -140,10 +140,8 @@ class AttentionNotes:
         self.found.setdefault(layer, (how, tokens, nbytes))
 
     def watched(self, step: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
-        """``step`` that also records an explicit quadratic softmax (eager attention) until a call of it returns.
-
-        One step runs every layer later ones do, and the dispatch mode that sees the softmax, left under every op
-        of every memory run, cost a fake plan several percent of its CPU.
+        """``step`` that also records an explicit quadratic softmax (eager attention) until a call of it returns: one
+        step runs every layer later ones do, and the dispatch mode is left off every later op.
 
         >>> notes = AttentionNotes()
         >>> step = notes.watched(lambda model: torch.zeros(1, 2, 8, 8).softmax(-1))

@@ -70,7 +70,7 @@ def grouped_mm_in_every_dtype() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fixed_shape_experts(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
+def fixed_shape_experts(model: nn.Module, notes: list[str]) -> Iterator[None]:
     """Within it, transformers experts set to ``"eager"`` run with ``"grouped_mm"``; a note goes into ``notes``."""
     get = getattr(model, "get_experts_implementation", None)
     setter = getattr(model, "set_experts_implementation", None)
@@ -83,10 +83,9 @@ def fixed_shape_experts(model: nn.Module, notes: list[str] | None = None) -> Ite
     except (ValueError, ImportError):  # grouped matmuls not available here: the loop stays
         yield
         return
-    if notes is not None:
-        notes.append("experts_implementation='eager' picks each expert's tokens by the router's values, which "
-                     "fake tensors do not have: the experts were planned with 'grouped_mm' (the same experts on "
-                     "the same tokens, transformers' default where grouped matmuls run)")
+    notes.append("experts_implementation='eager' picks each expert's tokens by the router's values, which "
+                 "fake tensors do not have: the experts were planned with 'grouped_mm' (the same experts on "
+                 "the same tokens, transformers' default where grouped matmuls run)")
     try:
         yield
     finally:
