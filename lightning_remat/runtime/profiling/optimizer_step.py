@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 
 from ...core.binding import OPTIMIZER_SETTINGS
 from ..targets.fake import clone_optimizer, fake_like, new_fake_mode
@@ -39,8 +40,6 @@ def _as_on_device(clone: torch.optim.Optimizer, device: str | torch.device | Non
     """Make the clone take the real optimizer's implementation on ``device`` (the fake copies are CPU tensors)."""
     if device is None:
         return
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
-
     if torch.device(device).type not in _get_foreach_kernels_supported_devices():
         return
     for group in clone.param_groups:
@@ -158,17 +157,3 @@ class MeasuredOnRead(Mapping[str, int]):
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickle, copy and deepcopy alike: a plain dict
         return dict, (self._resolved(),)
-
-
-def optimizer_step_alternatives_on_read(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-                                        device: str | torch.device, mode: Any,
-                                        in_depth: Callable[[Callable], Mapping[str, int] | None] | None = None
-                                        ) -> MeasuredOnRead:
-    """``optimizer_step_alternatives`` under ``mode``, measured when first read (``optimizer`` must not step before),
-    on a stack's shallow copies where ``in_depth(measure)`` gives a figure."""
-    def measure() -> dict[str, int]:
-        with mode:
-            # A stack of identical layers: its 1- and 2-layer copies' optimizers, on a line in depth.
-            deep = in_depth(lambda o: optimizer_step_alternatives(o, device)) if in_depth else None
-            return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
-    return MeasuredOnRead(measure)

@@ -41,10 +41,9 @@ from .assemble import assemble, gap_figures
 from .candidates import CandidateSpec, find_stages
 from .hierarchy import Hierarchy, expand
 from .loss_stage import measure_head, with_head_stage
-from .optimizer_step import (OptimizerStepCost, optimizer_step_alternatives, optimizer_step_alternatives_on_read,
-                             optimizer_step_cost)
+from .optimizer_step import MeasuredOnRead, OptimizerStepCost, optimizer_step_alternatives, optimizer_step_cost
 from .profile_adjust import with_always_alive, with_pooled_timings, with_unobserved
-from .repeated import alternatives_in_depth, repeated_profile
+from .repeated import alternatives_in_depth, repeated_profile, repeated_stack
 from .residual_twins import twin_stages
 from .stage_options import measure_options, option_actions, span_groups
 from .tiled_options import add_tiled_options, tiled_settings
@@ -202,16 +201,20 @@ def _fake_profile(model: nn.Module, step: Step, optimizer: torch.optim.Optimizer
                                 replace(options, warmup=0, device=options.device or "cpu"), timed=False,
                                 compiled=compiled, step_cost_of=step_cost)
 
-    repeated = repeated_profile(model, optimizer, options, run)
+    stack = repeated_stack(model, options.candidates) if options.repeated_blocks else None
+    repeated = repeated_profile(model, stack, optimizer, run)
     profile = repeated or run(model, optimizer)
     if sharded:
         profile = replace(profile, sharding=sharding_info(model, options.world_size, options.candidates, autocast))
         precision_note = sharding_note(profile.sharding)
     else:
-        # Measured when first read: only the optimizer-step advice reads it (its clone here steps no more).
-        profile = replace(profile, optimizer_step_alternatives=optimizer_step_alternatives_on_read(
-            optimizer, options.device or "cpu", mode,
-            in_depth=(lambda measure: alternatives_in_depth(model, optimizer, options, measure)) if repeated else None))
+        # Measured when first read (only the optimizer-step advice reads it; its clone here steps no more), for a
+        # stack on a line in depth through its 1- and 2-layer copies' optimizers.
+        def alternatives(device: str = options.device or "cpu") -> dict[str, int]:
+            with mode:
+                deep = alternatives_in_depth(model, stack, optimizer, lambda o: optimizer_step_alternatives(o, device))
+                return dict(deep) if deep is not None else optimizer_step_alternatives(optimizer, device)
+        profile = replace(profile, optimizer_step_alternatives=MeasuredOnRead(alternatives))
     # Nothing real ran, so wall-clock times mean nothing: costs come from FLOPs.
     profile = priced(profile, rate)
     if options.offload:

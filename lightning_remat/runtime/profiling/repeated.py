@@ -9,7 +9,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ...core.config import ProfileOptions
 from ...core.errors import RematError
 from ...core.depth_fit import DEPTHS, extrapolate
 from ...core.memory_model import Profile
@@ -115,34 +114,22 @@ def truncated(model: nn.Module, stack: RepeatedStack, layers: int) -> nn.Module:
 
 
 def _sub_optimizer(optimizer: Any, model: nn.Module) -> Any:
-    """Optimizers of the same classes and settings over the parameters ``model`` still has."""
-    subs = [s for s in (_sub_optimizer_of(o, model) for o in optimizer_list(optimizer)) if s is not None]
+    """Optimizers of the same classes, settings and state over the parameters ``model`` still has."""
+    kept, subs = {id(p) for p in model.parameters()}, []
+    for o in optimizer_list(optimizer):
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in kept]}
+                  for g in o.param_groups]
+        groups = [g for g in groups if g["params"]]
+        if groups:  # else every parameter it steps is in the layers the copy leaves out
+            sub = type(o)(groups, **{k: v for k, v in o.defaults.items() if k not in groups[0]})
+            sub.state.update({p: o.state[p] for g in groups for p in g["params"] if p in o.state})
+            subs.append(sub)
     return as_optimizers(subs)
 
 
-def _sub_optimizer_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer | None:
-    kept = {id(p) for p in model.parameters()}
-    groups = []
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"] if id(p) in kept]
-        if params:
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    if not groups:
-        return None  # every parameter it steps is in the layers the copy leaves out
-    clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k not in groups[0]})
-    for group in clone.param_groups:
-        for p in group["params"]:
-            if p in optimizer.state:
-                clone.state[p] = optimizer.state[p]
-    return clone
-
-
-def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, options: ProfileOptions,
+def repeated_profile(model: nn.Module, stack: RepeatedStack | None, optimizer: torch.optim.Optimizer | None,
                      run: ProfileRun) -> Profile | None:
-    """The profile extrapolated from ``run(model, optimizer, wrap)`` on 4- and 5-layer copies, or None."""
-    if not getattr(options, "repeated_blocks", True):
-        return None
-    stack = repeated_stack(model, options.candidates)
+    """The profile extrapolated from ``run(model, optimizer, wrap)`` on 4- and 5-layer copies, or None (no stack)."""
     if stack is None:
         return None
     shorts = [truncated(model, stack, layers) for layers in DEPTHS]
@@ -154,7 +141,7 @@ def repeated_profile(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     return extrapolate(lifted["forward"], lifted["backward"], BALLAST, stack.prefix, stack.layers)
 
 
-def alternatives_in_depth(model: nn.Module, optimizer: Any, options: ProfileOptions,
+def alternatives_in_depth(model: nn.Module, stack: RepeatedStack | None, optimizer: Any,
                           measure: Callable[[Any], dict[str, int]]) -> dict[str, int] | None:
     """``measure(optimizer)`` of the whole stack on a line through its 1- and 2-layer copies' (None: no stack).
 
@@ -166,10 +153,9 @@ def alternatives_in_depth(model: nn.Module, optimizer: Any, options: ProfileOpti
         >>> model = transformers.LlamaForCausalLM(config)
         >>> adamw = torch.optim.AdamW(model.parameters())
         >>> measure = lambda o: optimizer_step_alternatives(o, "cuda")
-        >>> alternatives_in_depth(model, adamw, ProfileOptions(), measure) == measure(adamw)
+        >>> alternatives_in_depth(model, repeated_stack(model, None), adamw, measure) == measure(adamw)
         True
     """
-    stack = repeated_stack(model, options.candidates) if getattr(options, "repeated_blocks", True) else None
     if stack is None or optimizer is None:
         return None
     # A step works per parameter, or on lists of them all: nothing in it depends on a layer's place, so
