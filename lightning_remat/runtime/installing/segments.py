@@ -3,6 +3,7 @@ their place when iterated (``__iter__`` is looked up on the type, hence the swap
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -52,10 +53,7 @@ def segment_positions(modules: dict[str, nn.Module], names: Sequence[str]) -> tu
     container = modules.get(parent)
     if container is None or not qualifies(container):
         raise ValueError(f"segment {list(names)}: {parent or 'the model'!r} is not an nn.Sequential that iterates its items")
-    keys = list(container._modules)
-    missing = [n for n in names if n.rpartition(".")[2] not in keys]
-    if missing:
-        raise ValueError(f"plan names module(s) {missing} that the model does not have")
+    keys = list(container._modules)  # every name is the model's: installer.install checked them first
     positions = [keys.index(n.rpartition(".")[2]) for n in names]
     if positions != list(range(positions[0], positions[0] + len(positions))):
         raise ValueError(f"segment {list(names)} is not a run of consecutive items of {parent!r}")
@@ -137,29 +135,23 @@ def recorded_calls(model: nn.Module, step: Any, names: Sequence[str]) -> dict[st
             calls[name].append((args, kwargs, output, (began[name].pop(), ended)))
         return record
 
-    handles = [h for n in calls for h in (modules[n].register_forward_pre_hook(pre_hook(n)),
-                                          modules[n].register_forward_hook(hook(n), with_kwargs=True))]
-    try:
-        _run_without_graph(model, step, calls, began)
-    finally:
-        for h in handles:
-            h.remove()
+    with contextlib.ExitStack() as hooks:
+        for n in calls:
+            hooks.enter_context(modules[n].register_forward_pre_hook(pre_hook(n)))
+            hooks.enter_context(modules[n].register_forward_hook(hook(n), with_kwargs=True))
+        # Under no_grad: no graph, no activations held. A step that differentiates inside itself (a gradient
+        # penalty) cannot: it runs once more with its graph (the caller restores generators and buffers).
+        try:
+            with torch.no_grad():
+                step(model)
+            return calls
+        except RuntimeError as error:
+            if "does not require grad" not in str(error):
+                raise
+        for seen in (*calls.values(), *began.values()):
+            seen.clear()
+        step(model)
     return calls
-
-
-def _run_without_graph(model: nn.Module, step: Any, calls: dict[str, list], began: dict[str, list]) -> None:
-    # Under no_grad: no graph, no activations held. A step that differentiates inside itself (a gradient
-    # penalty) cannot: it runs once more with its graph (the caller restores generators and buffers).
-    try:
-        with torch.no_grad():
-            step(model)
-        return
-    except RuntimeError as error:
-        if "does not require grad" not in str(error):
-            raise
-    for seen in (*calls.values(), *began.values()):
-        seen.clear()
-    step(model)
 
 
 def chained_groups(groups: Sequence[Sequence[str]], calls: dict[str, list]) -> list[list[str]]:
@@ -182,8 +174,7 @@ def sequential_groups(model: nn.Module, stages: Sequence[str]) -> list[list[str]
 
 
 def _runs(names: Sequence[str], starts: Any, follows: Any) -> list[list[str]]:
-    """The runs of two or more of ``names``: each begins at a name ``starts`` accepts, goes on while
-    ``follows(previous, name)``."""
+    """The runs of two or more ``names``, each from a name ``starts`` accepts on while ``follows(previous, name)``."""
     runs, run = [], []
     for name in names:
         if run and follows(run[-1], name):

@@ -103,11 +103,10 @@ class _Observer(StepWatch):
         return hook
 
     def pack(self, tensor: Any) -> Any:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            if storage._cdata not in self.excluded:
+        for storage, nbytes in storages(tensor).items():
+            if storage not in self.excluded:
                 for name in self.active:
-                    self.stats[name].saved[storage._cdata] = storage.nbytes()
+                    self.stats[name].saved[storage] = nbytes
         return tensor
 
     def record(self, op: OpCost) -> None:
@@ -133,10 +132,11 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
                  before_pass: Callable[[], None] = lambda: None) -> ObservedStep:
     """One plain step in two passes: timing (skipped with ``timed=False``), then counting FLOPs and saved bytes."""
     observer = _Observer(model, stage_names)
-    handles = [hook for name, module in observer.watched.items() for hook in (
-        module.register_forward_pre_hook(observer.pre_hook(name), with_kwargs=True),
-        module.register_forward_hook(observer.post_hook(name), with_kwargs=True, always_call=True))]
-    try:
+    with contextlib.ExitStack() as hooks:
+        for name, module in observer.watched.items():
+            hooks.enter_context(module.register_forward_pre_hook(observer.pre_hook(name), with_kwargs=True))
+            hooks.enter_context(module.register_forward_hook(observer.post_hook(name), with_kwargs=True,
+                                                             always_call=True))
         before_pass()
         step_seconds = 0.0
         if timed:
@@ -151,9 +151,6 @@ def observe_step(model: nn.Module, step: Step, stage_names: Sequence[str], timed
         observer.sequence.clear()
         before_pass()
         run_step(model, step, watch=observer, zero_grad="after")
-    finally:
-        for h in handles:
-            h.remove()
     for name, s in observer.stats.items():
         s.seconds = seconds[name]  # from the timing pass, not the slower counting pass
     step_flops = int(observer.forward_counter.get_total_flops() + observer.backward_counter.get_total_flops())

@@ -3,6 +3,7 @@ under LoRA), counted in the stage's own stored bytes so the model stays additive
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -44,25 +45,16 @@ def _ident(tensor: torch.Tensor) -> int:
         return id(_root(tensor))
 
 
-class _Hooked:
-    _handles: list[Any]
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
-class DeadInputs(_Hooked):
+class DeadInputs(contextlib.ExitStack):
     """Finds, on a pass with nothing recomputed, each stage's tensor arguments freed by the end of the forward
-    (enter it around the forward, call ``check()`` before backward)."""
+    (enter it around the forward, call ``check()`` before backward; leaving it removes its hooks)."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]] | None = None):
+        super().__init__()
         self.model, self.order = model, list(dict.fromkeys(order))
         self.dead = {} if dead is None else dead
         self._refs: dict[str, list[tuple[str, Any]]] = {name: [] for name in self.order}
         self._outputs: dict[int, Any] = {}  # id -> weak reference (a tensor's == is elementwise)
-        self._handles: list[Any] = []
 
     def __enter__(self) -> "DeadInputs":
         modules = dict(self.model.named_modules())
@@ -85,8 +77,8 @@ class DeadInputs(_Hooked):
                 for _, tensor in _tensors((output,), {}):
                     tensor = _root(tensor)
                     self._outputs[id(tensor)] = weakref.ref(tensor)
-            self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
-            self._handles.append(modules[name].register_forward_hook(leave))
+            self.enter_context(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+            self.enter_context(modules[name].register_forward_hook(leave))
         return self
 
     def check(self) -> dict[str, set[str]]:
@@ -96,18 +88,18 @@ class DeadInputs(_Hooked):
         return self.dead
 
 
-class HeldInputs(_Hooked):
+class HeldInputs(contextlib.ExitStack):
     """During a memory run, the bytes of the dead arguments each recomputed stage (or recomputed child) receives."""
 
     def __init__(self, model: nn.Module, order: Sequence[str], dead: dict[str, set[str]], recomputed: Sequence[str],
                  calls: Sequence[int] | None = None):
+        super().__init__()
         # ``order``: the chain's places (a module may stand at several); ``calls``: the calls at each.
         self.model, self.order, self.dead, self.calls = model, list(order), dead, list(calls or [])
         self.recomputed = set(recomputed)
         self.bytes = [0] * len(self.order)
         self._holders: dict[int, list[tuple[int, int]]] = {}  # storage -> [(stage, bytes)]
         self._labels: dict[int, str] = {}  # storage -> "first stage:its argument" (core.shared_held)
-        self._handles: list[Any] = []
 
     @property
     def exclusive(self) -> list[int]:
@@ -197,6 +189,6 @@ class HeldInputs(_Hooked):
             if planning_runs_here():
                 count(_tensors(args, kwargs), lambda key, ident: ident in outside)
 
-        self._handles.append(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
+        self.enter_context(modules[name].register_forward_pre_hook(stage_hook, with_kwargs=True))
         for child in children:
-            self._handles.append(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
+            self.enter_context(modules[child].register_forward_pre_hook(child_hook, with_kwargs=True))
