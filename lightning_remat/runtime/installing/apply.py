@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import replace
 from typing import Iterable, Iterator
 
@@ -26,8 +27,6 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
     """
     found = []
     # transformers 5 renamed the flag (the old name warns); PEFT's wrappers forward it, so ask the instance.
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         flag = getattr(model, "is_activation_checkpointing", None)

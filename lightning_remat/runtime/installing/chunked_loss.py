@@ -218,12 +218,6 @@ def _handing(head: nn.Module, pending: _Pending, call: Callable[..., Any], *args
             _PENDING.reset(context)
 
 
-def _handed(head: nn.Module) -> _Pending | None:
-    if torch.compiler.is_compiling():
-        return getattr(head, _HANDED, None)
-    return (_PENDING.get() or {}).get(id(head))  # this thread's: another may run the same model
-
-
 def _take_labels(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
     if "labels" in kwargs:
         return kwargs["labels"], args, {**kwargs, "labels": None}
@@ -268,7 +262,8 @@ def routed_call(original: Callable[..., Any], root: nn.Module, head: nn.Module, 
 def head_call(behaviour: ChunkedLoss, original: Callable[..., Any], head: nn.Module, chunks: int,
               hidden: torch.Tensor) -> Any:
     """The head's forward: ``behaviour``'s loss where ``routed_call`` handed it labels, else the projection."""
-    pending = _handed(head)
+    # What _handing handed: under torch.compile the attribute, else this thread's (another may run the same model).
+    pending = getattr(head, _HANDED, None) if torch.compiler.is_compiling() else (_PENDING.get() or {}).get(id(head))
     if pending is None or pending.loss is not None:
         return original(hidden)
     pending.loss = behaviour.loss(head, capped(original, pending.softcap), hidden,

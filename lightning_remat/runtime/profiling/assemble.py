@@ -13,6 +13,11 @@ from ..measuring.roofline import Peaks, option_costs, roofline_seconds
 from .memory_run import MemoryRun
 from .stage_options import RUNS_AGAIN
 
+USE_CACHE_NOTE = ("use_cache=True: this transformers model returns the key/value cache of every layer it does not "
+                  "recompute (a recomputed layer runs without it, as under Hugging Face's own checkpointing), which "
+                  "stays alive until the forward's outputs are released; set model.config.use_cache = False for "
+                  "training")
+
 
 def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[str, StageAction]],
              runs: dict[str, MemoryRun], state_bytes: int, optimizer_step_bytes: int, future_state: int,
@@ -52,7 +57,8 @@ def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[s
             forward_flops=_part(s.flops, counts), module_type=type(modules[name]).__name__, call=call,
             fresh=i in runs["keep"].fresh))
     segments = _segments(runs, future_state)
-    keep = runs["keep"]
+    keep, config = runs["keep"], getattr(model, "config", None)
+    cached = model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers")
     if has_optimizer:
         # The loss (and whatever it keeps) is still referenced while the optimizer steps.
         segments.append(Segment("optimizer step", 0, keep.parameter_bytes + keep.buffer_bytes + keep.gradient_bytes
@@ -61,7 +67,7 @@ def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[s
         stages=tuple(stages), segments=tuple(segments),
         parameter_bytes=keep.parameter_bytes, gradient_bytes=keep.gradient_bytes,
         optimizer_state_bytes=state_bytes, buffer_bytes=keep.buffer_bytes,
-        baseline_peak_bytes=0, device=device, notes=tuple(n for n in [use_cache_note(model)] if n),
+        baseline_peak_bytes=0, device=device, notes=(USE_CACHE_NOTE,) if cached else (),
         baseline_costs=Costs(observed.step_seconds, observed.step_flops, roofline_seconds(observed.step_ops, peaks)),
     )
     # By construction the model reproduces the measured runs; the baseline is the "keep" run
@@ -70,8 +76,7 @@ def assemble(model: nn.Module, observed: ObservedStep, offered: dict[str, dict[s
 
 
 def _run_again(action: StageAction, modules: dict[str, nn.Module]) -> tuple[str, ...]:
-    """The modules whose forward ``action`` runs again in backward: those it recomputes, and each behaviour's setting's
-    (``stage_options.RUNS_AGAIN``)."""
+    """The modules ``action`` runs again in backward: those it recomputes, and its settings' (``RUNS_AGAIN``)."""
     extra = dict(action.extra)
     return (*action.modules, *(m for key, again in RUNS_AGAIN.items() if key in extra
                                for m in again(action.stage, extra[key], modules)))
@@ -113,13 +118,3 @@ def gap_figures(assembled: Profile, final: Profile, runs: dict[str, MemoryRun],
         figures[a.name] = {option: int(run.segments[a.stages_alive] + future_state + added)
                            for option, run in runs.items() if a.stages_alive in run.segments}
     return figures
-
-
-def use_cache_note(model: nn.Module) -> str | None:
-    config = getattr(model, "config", None)
-    if model.training and getattr(config, "use_cache", False) and hasattr(config, "num_hidden_layers"):
-        return ("use_cache=True: this transformers model returns the key/value cache of every layer it does not "
-                "recompute (a recomputed layer runs without it, as under Hugging Face's own checkpointing), which "
-                "stays alive until the forward's outputs are released; set model.config.use_cache = False for "
-                "training")
-    return None

@@ -26,8 +26,7 @@ from .memory_run import memory_run
 
 @dataclass
 class HeadFigures:
-    """What the chunked runs measured: the head, the gap it runs in, its shape, and the gap's figure per chunk count,
-    recomputed (``chunked``) and fused."""
+    """The head, the gap it runs in, its shape, and the gap's figure whole and per chunk count (recomputed, fused)."""
 
     head: str
     gap: int
@@ -39,8 +38,7 @@ class HeadFigures:
 
 def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer: torch.optim.Optimizer | None,
                  replay: Callable[[], None], accumulation_steps: int, keep_gap: dict[int, int]) -> HeadFigures | None:
-    """The step measured once per chunk count with head and loss chunked, and once fused; None without a causal LM
-    head."""
+    """The gap measured per chunk count with the head and loss chunked, and fused; None without a causal LM head."""
     found = find_head_loss(model)
     n = len(observed.positions)
     if found is None or n not in keep_gap or found in observed.order:  # a head that is a stage already
@@ -74,8 +72,7 @@ def measure_head(model: nn.Module, step: Step, observed: ObservedStep, optimizer
 
 @contextlib.contextmanager
 def _cache_off(model: nn.Module, stages: Sequence[str]) -> Iterator[list[str]]:
-    """Each stage called without its KV cache (``use_cache=False``, no cache), as a recomputed stage is called
-    (``installing.recompute``); yields the stages whose call changed (none: a model without a cache)."""
+    """Each stage called without its KV cache, as a recompute calls it; yields the stages whose call changed."""
     modules, stripped = dict(model.named_modules()), []
 
     def hook(name: str) -> Callable:

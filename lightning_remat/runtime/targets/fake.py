@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import types
 import weakref
 from typing import Any, Iterator
@@ -149,8 +150,6 @@ def _shallow_module_copy(model: nn.Module) -> nn.Module:
 def real_code_paths() -> Iterator[None]:
     """Let transformers take the attention path of real tensors (it reads a fake tensor as tracing and would
     materialise the causal mask); sequences are assumed unpacked."""
-    import sys
-
     masking = sys.modules.get("transformers.masking_utils")
     decide = getattr(masking, "_ignore_causal_mask_sdpa", None)
     original_is_tracing = getattr(masking, "is_tracing", None)

@@ -7,6 +7,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 aten = torch.ops.aten
@@ -37,8 +39,6 @@ def _grouped_mm_any_dtype(mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torc
     """Fake-tensor rule for ``aten._grouped_mm`` outside bfloat16: torch's meta code on bfloat16 stand-ins."""
     if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
         return NotImplemented  # torch's own meta kernel
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
     dtype = out_dtype or mat_a.dtype
     with in_kernel_invocation_manager(mode):
         a, b = (torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device="meta") for t in (mat_a, mat_b))
@@ -59,8 +59,6 @@ def grouped_mm_in_every_dtype() -> Iterator[None]:
     >>> out.shape, out.dtype
     (torch.Size([10, 16]), torch.float32)
     """
-    from torch._subclasses import fake_impls
-
     entry = (lambda func: func is aten._grouped_mm.default, _grouped_mm_any_dtype)
     fake_impls.op_implementations_checks.insert(0, entry)
     try:

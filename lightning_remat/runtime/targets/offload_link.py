@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ...core.budget import Budget
 from ...core.config import ProfileOptions
 from ...core.errors import RematError
 from ...core.memory_model import Profile
@@ -79,8 +80,6 @@ def host_limit_bytes(options: ProfileOptions) -> int:
     >>> host_limit_bytes(ProfileOptions(fake=True, gpu="h100", host_memory="64GiB")) // 2**30
     64
     """
-    from ...core.budget import Budget
-
     if options.host_memory is not None:
         return int(Budget.parse(options.host_memory).nbytes)
     if options.fake and options.gpu is not None:

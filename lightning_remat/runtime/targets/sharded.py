@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from ...core.errors import ShardingError
+from ..measuring.optimizers import map_optimizers
+from .fake import _shallow_module_copy, clone_optimizer
 
 
 @contextlib.contextmanager
@@ -89,10 +91,7 @@ def sharded_twin(model: nn.Module, optimizer: Any, world_size: int, candidates: 
     if world_size <= 1:
         yield model, optimizer
         return
-    from ..measuring.optimizers import map_optimizers
     from ..profiling.candidates import find_stages
-
-    from .fake import _shallow_module_copy, clone_optimizer
 
     # fully_shard changes classes, parameters and hooks: a twin of its own leaves the model given as it was.
     twin = _shallow_module_copy(model)
