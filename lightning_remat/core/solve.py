@@ -11,7 +11,7 @@ import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
-from .calls import is_tied, tied_dp
+from .calls import tied_dp
 from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
@@ -157,7 +157,7 @@ class Solution:
 def _dp(profile: Profile, cost: str) -> Callable[[int | None], tuple | None]:
     """Budget -> the option per stage and the spans of the least-cost plan within it, or None (budget None: of the
     least peak): the chain's DP, or ``core.calls``' where a module stands at several places (no spans)."""
-    if is_tied(profile):
+    if any(s.call for s in profile.stages):
         def tied(budget: int | None) -> tuple | None:
             choices = tied_dp(profile, budget, cost)
             return None if choices is None else (choices, [])
