@@ -79,10 +79,7 @@ def describe(profile: Profile, term: PeakTerm) -> Binding:
         kind = HEAD
     else:
         kind = EMBEDDINGS if segment.stages_alive == 0 else BETWEEN
-    static = profile.parameter_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
-    if kind == OPTIMIZER:
-        static += profile.gradient_bytes
-    static = min(static, term.own_bytes)
+    static = min(profile.static_bytes - (0 if kind == OPTIMIZER else profile.gradient_bytes), term.own_bytes)
     return Binding(kind, term.name, int(term.bytes), int(static), int(term.stored_bytes),
                    int(term.own_bytes - static))
 

@@ -4,6 +4,7 @@ byte counts formatted for people; torch is imported only to resolve a percentage
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,6 @@ def device_total_memory(device: Any = None) -> int:
     if device.type == "mps":
         return int(torch.mps.recommended_max_memory())
     # The CPU's "device memory" is the host's physical memory.
-    import os
-
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 

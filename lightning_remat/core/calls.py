@@ -10,15 +10,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .memory_model import Profile
+from .memory_model import Profile, segment_peaks
 
 MAX_TIED_FRONTIER = 4_000
 _NONE = -(2**62)  # "no term yet": far below any figure, far from int64's least
-
-
-def is_tied(profile: Profile) -> bool:
-    """Whether some module of ``profile`` stands at several places (``StageProfile.call`` above 0)."""
-    return any(s.call for s in profile.stages)
 
 
 def owners(profile: Profile) -> list[int]:
@@ -101,18 +96,6 @@ def _thinned(points: np.ndarray, value: np.ndarray) -> np.ndarray:
     return np.array(sorted(picks), dtype=np.int64)
 
 
-def _segment_terms(profile: Profile) -> tuple[int, dict[int, int]]:
-    """The segments' peaks: with no place alive (a constant term), and after each place."""
-    constant, after = _NONE, {}
-    for segment in profile.segments:
-        k = segment.stages_alive
-        if k == 0:
-            constant = max(constant, segment.peak_bytes)
-        else:
-            after[k - 1] = max(after.get(k - 1, _NONE), segment.peak_bytes)
-    return constant, after
-
-
 def _falls(rows: list, rounds: list[int], under: np.ndarray) -> np.ndarray:
     """Per module row, the most earlier rounds' stored bytes can still fall (sharded figures go below zero)."""
     r_count = len(under)
@@ -145,7 +128,9 @@ def tied_dp(profile: Profile, budget: int | None, kind: str) -> list[int] | None
     owner, rows = _tables(profile, kind)
     rounds, under = _rounds(profile, owner)
     r_count = len(under)
-    constant, after = _segment_terms(profile)
+    # The segments' peaks: with no place alive (a constant term), and after each place.
+    peaks = segment_peaks(profile)
+    constant, after = peaks.get(0, _NONE), {k - 1: peak for k, peak in peaks.items() if k}
     if budget is not None and constant > budget:
         return None
     falls = _falls(rows, rounds, under)

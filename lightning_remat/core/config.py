@@ -12,7 +12,6 @@ from . import hardware
 from .errors import ConflictingArgumentsError, ShardingError
 from .vocabulary import CostKind, Policy, Precision
 
-COST_KINDS = CostKind.values()
 DEFAULT_COST = None  # the target's (``RematConfig.for_target``)
 DTYPES = ("bfloat16", "float16", "float32")
 # Per precision, the dtype parameters, gradients and optimizer state are kept in, and the autocast dtype (None: none).
@@ -95,8 +94,7 @@ def parse_policies(text: Any) -> tuple | None:
 
 def check_policies(policies: Any) -> tuple | None:
     """The policies a user offers as None (every policy) or a tuple of plain policy names (text: ``parse_policies``)."""
-    if isinstance(policies, str):
-        policies = parse_policies(policies)
+    policies = parse_policies(policies)
     if policies is None:
         return None
     try:  # a generator is read once, here
@@ -197,10 +195,8 @@ class ProfileOptions:
                 raise ValueError("give precision= or dtype=, not both (dtype=torch.bfloat16 is precision='bf16-true')")
         object.__setattr__(self, "device", check_device(self.device))
         check_device_memory(self.device_memory)
-        if self.host_memory is not None:
-            parsed = Budget.parse(self.host_memory)
-            if parsed.nbytes is None:
-                raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
+        if self.host_memory is not None and Budget.parse(self.host_memory).nbytes is None:
+            raise ValueError(f"host_memory must be a size ('256GB') or a number of bytes, got {self.host_memory!r}")
         check_int("accumulation_steps", self.accumulation_steps, 1, MAX_STEPS, " (micro-batches per optimizer step)")
         size = self.world_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
@@ -228,7 +224,7 @@ class RematConfig:
         "peak memory of a whole training step on the device (parameters, gradients, optimizer state, "
         "activations, temporaries): '10GB', '10 GiB', '512MiB', a number of bytes, '80%' of the device's total "
         "memory (the host's RAM on a CPU), or 'min' for the plan of least peak")})
-    cost: CostKind | None = field(default=DEFAULT_COST, metadata={"choices": COST_KINDS, "help": (
+    cost: CostKind | None = field(default=DEFAULT_COST, metadata={"choices": CostKind.values(), "help": (
         "what recomputation costs, which the plan minimises: flops (counted FLOPs: the same plan on every run, "
         "also on fake tensors), time (measured forward seconds) or roofline (per recomputed op, max(FLOPs / "
         "peak, bytes / bandwidth) for the target device); unset (None), the target's: roofline with the GPU's "

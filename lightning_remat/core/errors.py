@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from .budget import format_bytes
@@ -22,8 +23,6 @@ def where_it_failed(error: BaseException) -> str:
         ...     where_it_failed(err).endswith("in step")
         True
     """
-    import traceback
-
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if not any(part in frame.filename for part in _MACHINERY):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"

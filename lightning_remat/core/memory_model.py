@@ -236,8 +236,7 @@ def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True)
 class PeakTerm:
-    """One term of the peak formula (``kind``: ``"stage"``, ``"span"`` or ``"segment"``) over the bytes stored before it.
-    """
+    """One term of the peak formula (``kind``: ``"stage"``, ``"span"`` or ``"segment"``) over the bytes stored before."""
 
     kind: str
     index: int
@@ -274,6 +273,14 @@ def episode_starts(profile: Profile) -> list[int]:
         start = i if stage.fresh else start
         starts.append(start)
     return starts
+
+
+def segment_peaks(profile: Profile) -> dict[int, int]:
+    """The largest segment peak per number of stages alive."""
+    peaks: dict[int, int] = {}
+    for seg in profile.segments:
+        peaks[seg.stages_alive] = max(peaks.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
+    return peaks
 
 
 def binding_term(terms: Sequence[PeakTerm]) -> PeakTerm | None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from .budget import format_bytes
 from .calls import owners
-from .memory_model import Costs, Profile, StageOption
+from .errors import BudgetTooSmallError, RematError
+from .memory_model import Costs, Profile, StageOption, segment_peaks
 from .vocabulary import Action
 
 OFFLOAD = "offload"
@@ -42,7 +44,7 @@ def with_offload_costs(profile: Profile, bandwidth: float, flops_per_second: flo
             replace(o, local_peak_bytes=int(max(o.local_peak_bytes, keep.local_peak_bytes
                                                 + max(0, o.stored_bytes + o.host_bytes - keep.stored_bytes))))
             if is_offload(o) else o for o in stage.options))
-    after_last = max((s.peak_bytes for s in profile.segments if s.stages_alive == n), default=0)
+    after_last = segment_peaks(profile).get(n, 0)
     for i, stage in enumerate(stages):
         options = []
         nxt = stages[i + 1] if i + 1 < n else None
@@ -83,9 +85,6 @@ def solve_within_host(profile: Profile, host_free: int, solve: Callable[[Profile
     While a plan offloads too much, the largest offloaded stages lose their offload options and the profile is
     solved again (within the host's memory, not always the cheapest such plan); ``RematError`` if nothing fits.
     """
-    from .errors import BudgetTooSmallError, RematError
-    from .budget import format_bytes
-
     withdrawn: set[int] = set()
     first_host = None
     while True:

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 from .actions import StageAction, check_actions, module_names
 from .errors import PlanFormatError
 from .plan_checks import check_plan_dict, check_saved_state
+from .plan_text import plan_text
 from .shapes import Shape
 from .vocabulary import Action, CostKind
 
@@ -103,13 +104,12 @@ class Plan:
     @property
     def checkpointed(self) -> list[str]:
         """Names of the modules recomputed alone (in the plan's order)."""
-        return [m for a in self.actions if a.action is Action.RECOMPUTE for m in a.modules]
+        return [m for a in self.actions for m in a.modules]
 
     @property
     def policies(self) -> dict[str, str]:
         """Per recomputed module that has one, its op-level policy's name."""
-        return {m: a.policy.value for a in self.actions if a.action is Action.RECOMPUTE and a.policy is not None
-                for m in a.modules}
+        return {m: a.policy.value for a in self.actions if a.policy is not None for m in a.modules}
 
     @property
     def segments(self) -> list[list[str]]:
@@ -124,24 +124,22 @@ class Plan:
     @property
     def offload_limits(self) -> dict[str, int]:
         """Per offloaded module with a limit, the bytes it offloads at most per forward call."""
-        return {a.stage: a.offload_limit for a in self.actions
-                if a.action is Action.OFFLOAD and a.offload_limit is not None}
+        return {a.stage: a.offload_limit for a in self.actions if a.offload_limit is not None}
 
     @property
     def chunked_loss(self) -> dict[str, int]:
         """Per chunked head (recomputed or fused), its number of sequence chunks."""
-        return {a.stage: a.chunks for a in self.actions
-                if a.action in (Action.CHUNK, Action.FUSE) and a.chunks is not None}
+        return {a.stage: a.chunks for a in self.actions if a.chunks is not None}
 
     @property
     def fused_loss(self) -> dict[str, int]:
         """The heads of ``chunked_loss`` fused (each chunk's gradients computed in forward)."""
-        return {a.stage: a.chunks for a in self.actions if a.action is Action.FUSE and a.chunks is not None}
+        return {a.stage: a.chunks for a in self.actions if a.action is Action.FUSE}
 
     @property
     def offloaded_inputs(self) -> list[str]:
         """Recomputed modules whose checkpoint input goes to host memory (``StageAction.offload_input``)."""
-        return [m for a in self.actions if a.action is Action.RECOMPUTE and a.offload_input for m in a.modules]
+        return [m for a in self.actions if a.offload_input for m in a.modules]
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -180,8 +178,6 @@ class Plan:
 
     def summary(self, title: str = "Recompute plan") -> str:
         """A readable text: the totals, one row per stage, and memory no recomputation frees."""
-        from .plan_text import plan_text
-
         return plan_text(self, title)
 
 

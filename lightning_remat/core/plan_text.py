@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 
 from typing import Any
 
-from .budget import format_budget, format_bytes, format_in_units_of
+from .binding import Binding
+from .budget import format_budget, format_in_units_of
 
 TABLE_HEADER = ("stage", "option", "stored (keep)", "stored (plan)", "recompute cost")
 
@@ -15,24 +17,18 @@ def _size(plan: Any) -> Any:
     return partial(format_in_units_of, plan.requested_budget)
 
 
-def _budget(plan: Any) -> str:
-    if plan.requested_budget:
-        return plan.requested_budget
-    return "not given" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
-
-
 def plan_headline(plan: Any, title: str = "Recompute plan") -> str:
     """One line: modules recomputed, predicted peak against budget and baseline, overhead."""
     segments = len(plan.segments)
     spans = f" and {segments} segment(s)" if segments else ""
+    budget = "not given" if plan.budget_bytes is None else format_budget(plan.requested_budget, plan.budget_bytes)
     if plan.predicted_peak_bytes is None:
         how = " under op-level policies" if plan.policies else " whole"
         return (f"{title}: {len(plan.checkpointed)} module(s){spans} recomputed{how} (fallback: not profiled, peak "
-                f"not predicted; budget {_budget(plan)})")
+                f"not predicted; budget {plan.requested_budget or budget})")
     overhead = "unknown" if plan.predicted_overhead is None else f"{plan.predicted_overhead:.1%}"
     size = _size(plan)
     baseline = "not profiled" if plan.baseline_peak_bytes is None else size(plan.baseline_peak_bytes)
-    budget = "not given" if plan.budget_bytes is None else format_budget(plan.requested_budget, plan.budget_bytes)
     return (f"{title}: {len(plan.checkpointed)} module(s){spans}, predicted peak {size(plan.predicted_peak_bytes)} "
             f"(budget {budget}, baseline {baseline}), overhead {overhead} ({plan.cost_kind})")
 
@@ -71,9 +67,7 @@ def plan_lines(plan: Any) -> list[str]:
                      + ", ".join(f"{s[0]}..{s[-1]} ({len(s)})" for s in segments))
     policies = plan.policies
     if policies:
-        counts: dict[str, int] = {}
-        for policy in policies.values():
-            counts[policy] = counts.get(policy, 0) + 1
+        counts = Counter(policies.values())
         lines.append("  selective checkpointing (op-level policy per recomputed module): "
                      + ", ".join(f"{policy} x{n}" for policy, n in sorted(counts.items())))
     offloaded = plan.offloaded
@@ -105,8 +99,6 @@ def plan_lines(plan: Any) -> list[str]:
             "activations, temporaries and the gradients alive at that point")
     binding = getattr(plan, "binding", None)
     if binding and plan.predicted_peak_bytes is not None:
-        from .binding import Binding
-
         lines.append("  " + Binding.from_dict(binding).text(size))
     lines.extend(f"  note: {note}" for note in plan.notes)
     return lines

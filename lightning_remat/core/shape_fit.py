@@ -181,9 +181,8 @@ class ShapeFit:
 
     def _combined(self, shape: Shape, weights: dict[Shape, float], how: str) -> Profile:
         shapes = list(weights)
-        first = self.nodes[shapes[0]]
-        profile = combine([self.nodes[s] for s in shapes], NodeWeights([weights[s] for s in shapes], first.static_bytes))
-        sources = [*(self.nodes[s] for s in shapes)]
+        sources = [self.nodes[s] for s in shapes]
+        profile = combine(sources, NodeWeights([weights[s] for s in shapes], sources[0].static_bytes))
         if self.anchor is not None:
             anchor_shape, anchor = self.anchor
             profile = combine([profile, self.nodes[anchor_shape], anchor],
@@ -252,8 +251,7 @@ class LengthFit:
             profiles = [self.nodes[n] for n in nearest]
             weights = parabola_weights(nearest, length)
         # "offload:hidden" moves at most what the link carries during the next stage's compute, which grows
-        # with the length at another rate than the bytes saved: its figures are no polynomial, so it is not
-        # predicted (a parabola through three of them went below zero stored bytes at 16 times the length).
+        # with the length at another rate than the bytes saved: its figures are no polynomial, so it is not predicted.
         profiles = [_count_free(restricted(p, lambda o: not o.offload_limit)) for p in profiles]
         profile = _counted(combine(profiles, NodeWeights(weights, profiles[0].static_bytes)), length / nearest[0])
         made = ", ".join(map(str, dict.fromkeys(nearest)))

@@ -11,11 +11,11 @@ import numpy as np
 
 from .binding import OPTIMIZER, describe, optimizer_advice
 from .budget import MIN_BUDGET, Budget
-from .calls import is_tied, tied_dp
+from .calls import tied_dp
 from .errors import BudgetTooSmallError, ShardedBudgetTooSmallError
 from .memory_model import Profile
 from .shared_held import exact_peak, slack
-from .spans import block_ranges, span_rows, span_option
+from .spans import block_ranges, span_rows
 from .plan import Plan, StageAction, StageChoice
 from .predict import actions_of, predict
 from .vocabulary import CostKind
@@ -157,7 +157,7 @@ class Solution:
 def _dp(profile: Profile, cost: str) -> Callable[[int | None], tuple | None]:
     """Budget -> the option per stage and the spans of the least-cost plan within it, or None (budget None: of the
     least peak): the chain's DP, or ``core.calls``' where a module stands at several places (no spans)."""
-    if is_tied(profile):
+    if any(s.call for s in profile.stages):
         def tied(budget: int | None) -> tuple | None:
             choices = tied_dp(profile, budget, cost)
             return None if choices is None else (choices, [])
@@ -202,25 +202,23 @@ def plan_from_choices(profile: Profile, choices: Sequence[int], budget_bytes: in
     for k, (stage, c) in enumerate(zip(profile.stages, choices)):
         if k in in_span:
             first, last = in_span[k]
-            whole = stage.option("whole")
-            # The span's stored bytes are its last stage's; its cost is the sum of its stages'.
-            stored = span_option(profile, first, last).stored_bytes if k == last else 0
+            option = stage.option("whole")
+            # The span's stored bytes are its last stage's "whole" ones (core.spans); its cost, the sum of its stages'.
+            stored = option.stored_bytes if k == last else 0
             label = (f"block {blocks[first, last]} whole" if (first, last) in blocks
                      else f"segment {profile.stages[first].name}..{profile.stages[last].name}")
-            stage_choices.append(StageChoice(stage.name, label,
-                                             stage.options[0].stored_bytes, stored, float(whole.costs[kind])))
-            continue
-        option = stage.options[c]
-        choice = StageChoice(stage.name, option.name, stage.options[0].stored_bytes, option.stored_bytes,
-                             float(option.costs[kind]))
-        if stage.call:  # a later place of a module (core.calls): one choice for the module, its places summed
+        else:
+            option = stage.options[c]
+            label, stored = option.name, option.stored_bytes
+        choice = StageChoice(stage.name, label, stage.options[0].stored_bytes, stored, float(option.costs[kind]))
+        if stage.call and k not in in_span:  # a later place of a module (core.calls): one choice, its places summed
             at = next(j for j in range(len(stage_choices) - 1, -1, -1) if stage_choices[j].stage == stage.name)
             first = stage_choices[at]
-            choice = replace(first, baseline_stored_bytes=first.baseline_stored_bytes + choice.baseline_stored_bytes,
-                             stored_bytes=first.stored_bytes + choice.stored_bytes, cost=first.cost + choice.cost)
-            stage_choices[at] = choice
-            continue
-        stage_choices.append(choice)
+            stage_choices[at] = replace(
+                first, baseline_stored_bytes=first.baseline_stored_bytes + choice.baseline_stored_bytes,
+                stored_bytes=first.stored_bytes + choice.stored_bytes, cost=first.cost + choice.cost)
+        else:
+            stage_choices.append(choice)
     return Plan(
         actions=actions,
         budget_bytes=int(budget_bytes),

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .memory_model import Costs, PeakTerm, Profile, binding_term, peak_terms
+from .memory_model import Costs, PeakTerm, Profile, binding_term, peak_terms, segment_peaks
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,6 @@ def _whole(profile: Profile, i: int):
 Row = tuple[int, int, int, int, Costs]  # first, last, stored, local, costs
 
 
-def _inner_peaks(profile: Profile) -> dict[int, int]:
-    """The largest segment peak per number of stages alive."""
-    inner: dict[int, int] = {}
-    for seg in profile.segments:
-        inner[seg.stages_alive] = max(inner.get(seg.stages_alive, seg.peak_bytes), seg.peak_bytes)
-    return inner
-
-
 def _rows_from(profile: Profile, first: int, end: int, wholes: list, inner: dict[int, int]) -> Iterator[Row]:
     """The spans ``first..last`` for each ``last`` before ``end``, built incrementally (the module docstring)."""
     keep = profile.stages[first].options[0]
@@ -106,7 +98,7 @@ def span_option(profile: Profile, first: int, last: int) -> SpanOption:
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
     if any(w is None for w in wholes[first:last + 1]):
         raise ValueError(f"stages {first}..{last} do not all have a 'whole' option")
-    *_, row = _rows_from(profile, first, last + 1, wholes, _inner_peaks(profile))
+    *_, row = _rows_from(profile, first, last + 1, wholes, segment_peaks(profile))
     return SpanOption(first, last, tuple(s.name for s in profile.stages[first:last + 1]), *row[2:])
 
 
@@ -115,7 +107,7 @@ def span_rows(profile: Profile) -> Iterator[Row]:
     range."""
     limit = max_span_length(len(profile.stages))
     wholes = [_whole(profile, k) for k in range(len(profile.stages))]
-    inner = _inner_peaks(profile)
+    inner = segment_peaks(profile)
     seen = set()
     for start, end in span_ranges(profile):
         for first in range(start, end):

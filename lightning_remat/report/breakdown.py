@@ -18,6 +18,7 @@ from ..runtime.measuring.runner import Tracking, run_step
 from ..runtime.measuring.tracking import TimelineTracker, snapshot_by_category
 from ..runtime.measuring.user_hooks import user_hooks_suspended
 from ..runtime.profiling.optimizer_step import optimizer_step_cost
+from .render import breakdown_renderables, print_renderables
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,10 @@ class MemoryBreakdown:
         return self.parameter_bytes + self.buffer_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["static_bytes"] = self.static_bytes
-        return data
+        return {**asdict(self), "static_bytes": self.static_bytes}
 
     def print(self, console: Any = None) -> None:
         """Print the breakdown's tables with rich (to ``console``, default stdout)."""
-        from .render import breakdown_renderables, print_renderables
-
         print_renderables(breakdown_renderables(self), console)
 
 

@@ -8,6 +8,10 @@ import math
 import threading
 from typing import Any, Iterable, Sequence
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from ..core.budget import format_budget, format_bytes
 from ..core.plan_text import TABLE_HEADER, plan_headline, plan_lines, plan_rows
 
@@ -16,8 +20,6 @@ TEXT_WIDTH = 120
 
 def to_text(renderables: Iterable[Any], width: int = TEXT_WIDTH) -> str:
     """Plain text of rich renderables (tables, strings), without colours."""
-    from rich.console import Console
-
     items = list(renderables)
     console = Console(width=width, file=io.StringIO(), color_system=None, record=True)
     console.width = _widest(console, items, width)
@@ -34,8 +36,6 @@ def _widest(console: Any, items: Sequence[Any], width: int) -> int:
 
 def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
     """Print rich renderables to ``console`` (default: stdout); to a file or a pipe, every row whole on one line."""
-    from rich.console import Console
-
     items = list(renderables)
     console = console or Console()
     console.width = max(console.width, TEXT_WIDTH)
@@ -47,8 +47,6 @@ def print_renderables(renderables: Iterable[Any], console: Any = None) -> None:
 
 def plan_renderables(plan: Any, title: str = "Recompute plan") -> list[Any]:
     """Headline, stage table, static memory at the peak and notes, as ``Plan.summary()`` writes them."""
-    from rich.table import Table
-
     lines: list[Any] = [plan_headline(plan, title)]
     rows = plan_rows(plan)
     if rows:
@@ -68,8 +66,6 @@ def print_plan(plan: Any, title: str = "Recompute plan", console: Any = None) ->
 
 def batch_size_table(result: Any) -> Any:
     """A ``rich.table.Table`` of a ``BatchSizeResult`` and what the search cost."""
-    from rich.table import Table
-
     table = Table(title="Batch size with optimal recomputation", show_header=True)
     table.add_column("")
     table.add_column("value", justify="right")
@@ -104,13 +100,9 @@ def percent_shares(parts: Sequence[int]) -> list[str]:
 
 def breakdown_table(breakdown: Any) -> Any:
     """A ``MemoryBreakdown`` as a ``rich.table.Table``; shares of the forward/backward peak add up to 100%."""
-    from rich.table import Table
-
     table = Table(title=f"Memory of one training step ({breakdown.device})", title_justify="left")
-    table.add_column("what")
-    table.add_column("size", justify="right")
-    table.add_column("at the forward/backward peak", justify="right")
-    table.add_column("share of that peak", justify="right")
+    for column in ("what", "size", "at the forward/backward peak", "share of that peak"):
+        table.add_column(column, justify="left" if column == "what" else "right")
     ahead = " (created by the first step)" if breakdown.optimizer_state_counted_ahead else ""
     rows = [
         ("parameters", breakdown.parameter_bytes, "Parameter"),
@@ -136,8 +128,6 @@ def breakdown_table(breakdown: Any) -> Any:
 
 def breakdown_renderables(breakdown: Any) -> list[Any]:
     """The breakdown's table, the blocks that save the most activations (a table) and its notes."""
-    from rich.table import Table
-
     items: list[Any] = [breakdown_table(breakdown)]
     if breakdown.top_modules:
         title = "Blocks that save the most activations for backward"
@@ -153,8 +143,6 @@ def breakdown_renderables(breakdown: Any) -> list[Any]:
 
 def pareto_table(points: Sequence[Any], chosen: Any, cost: str) -> Any:
     """Budgets from the least reachable peak to no recomputation, with the chosen plan in bold."""
-    from rich.table import Table
-
     title = f"Budgets from the least reachable peak to no recomputation (predicted, cost: {cost})"
     table = Table(title=title, title_justify="left", min_width=len(title))  # a title wraps at the table's width
     for column in ("budget", "predicted peak", "overhead", "modules recomputed"):
@@ -172,8 +160,6 @@ DELAY_SECONDS = 3.0
 
 def default_console() -> Any:
     """Where the display goes unless told: stderr (stdout stays the program's output)."""
-    from rich.console import Console
-
     return Console(stderr=True)
 
 
@@ -218,8 +204,6 @@ class PhaseProgress:
                 self._progress.update(self._task, description=description, completed=self.phases_done)
 
     def _show(self) -> None:
-        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         with self._lock:
             if self._closed:
                 return
