@@ -136,19 +136,10 @@ class MeasuredWindow:
         return max((p for p, _ in self.metered), key=lambda p: -1 if p.predicted_peak_bytes is None
                    else p.predicted_peak_bytes)
 
-    def causes(self, model: Any) -> list[str | None]:
-        """What explains a window over the budget: the plan not installed, a batch shape not planned."""
-        mismatch = installation_mismatch(model, self.installed)
-        installed = None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
-        return [installed, *(shape_cause(p, shape) for p, shape in self.metered)]
-
     def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
         """``shape_plans.calibrate`` with the window's peak (the ranks' largest) and, when ``timed``, its seconds."""
         seconds = (time.perf_counter() - self.started) / self.batches if timed else None
         return shape_plans is not None and shape_plans.calibrate(measured_peak, self.plan, seconds=seconds)
-
-    def abandon(self) -> None:
-        self.meter.abandon()
 
 
 def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
@@ -286,7 +277,11 @@ class RunLifecycle:
                    f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                    f"{' (a whole accumulation window)' if self.host.accumulation() > 1 else ''}: "
                    f"{_figure(peak, plan.budget_bytes, units)} ({predicted}, budget {budget})")
-        warning = over_budget(peak, plan, what, window.causes(self.host.model))
+        # What explains a window over the budget: the plan not installed, a batch shape not planned.
+        mismatch = installation_mismatch(self.host.model, window.installed)
+        causes = [None if mismatch is None else f"the plan is not installed as planned ({mismatch})",
+                  *(shape_cause(p, shape) for p, shape in window.metered)]
+        warning = over_budget(peak, plan, what, causes)
         if warning is not None:
             self.host.warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before "
                                                        "the next batch." if calibrated else ""))
@@ -333,5 +328,5 @@ class RunLifecycle:
         """Close the open windows without a report (an exception, the end of the fit)."""
         for measured in (self._meter, self._first):
             if measured is not None:
-                measured.abandon()
+                measured.meter.abandon()
         self._meter = self._first = None
