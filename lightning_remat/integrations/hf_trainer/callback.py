@@ -61,8 +61,12 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.session is not None and self._run_state is not state:
-            self._begin_run(state, LogFigures.handler_calling())
+        if self.session is not None and self._run_state is not state:  # the first step of a train() call
+            self._run_state = state
+            LogFigures.place(LogFigures.handler_calling(), self._pending)
+            plans = checkpoint_plans(state, type(self).__name__, self.session.model)
+            if plans:
+                self.session.resume(plans)
         # Every optimizer step runs under the plan as planned: checked, never assumed.
         if self.session is not None:
             self.session.check_plan(f"(RematTrainerCallback, step {state.global_step})")
@@ -79,13 +83,6 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         format (the latest, and one per batch shape)."""
         plans = self.session.run.state_dict() if self.session is not None else {"plan": None, "plans": []}
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": plans}}
-
-    def _begin_run(self, state: Any, handler: Any) -> None:
-        self._run_state = state
-        LogFigures.place(handler, self._pending)
-        plans = checkpoint_plans(state, type(self).__name__, self.session.model)
-        if plans:
-            self.session.resume(plans)
 
     def _log_new_figures(self, state: Any) -> bool:
         """Append the session's new figures to the log history and the next log; whether any."""
@@ -133,7 +130,7 @@ class LogFigures(TrainerCallback):
         """Put a ``LogFigures`` first among ``handler``'s callbacks (once); whether it is there."""
         if handler is None:
             warnings.warn("RematTrainerCallback: not called by the Trainer's CallbackHandler; its remat/* figures "
-                          "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=3)
+                          "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=2)
             return False
         if not any(isinstance(cb, cls) and cb.figures is figures for cb in handler.callbacks):
             # A new list: the event being called iterates the old one to its end.
@@ -180,6 +177,6 @@ def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
     found = made_for_other(model, [plan, *(p for _, p in plans)], bytes_too=True)
     if found is not None:
         warnings.warn(f"{name}: the checkpoint's plans were made for another model ({found}); planning again.",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=2)
         return {}
     return dict(plans)
