@@ -179,12 +179,6 @@ class RunLifecycle:
         self._meter: MeasuredWindow | None = None  # the first steady window of a plan
         self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
 
-    def _optimizers(self) -> Any:
-        found = self.host.optimizers()
-        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
-            return found[0] if len(found) == 1 else list(found) or None
-        return found
-
     def config(self, config: Any, buckets: bool, **profile: Any) -> Any:
         """``config`` for this loop: its accumulation, ``buckets`` (DDP's gradient buckets), ``profile`` options."""
         return replace(config, profile=replace(config.profile, accumulation_steps=max(1, self.host.accumulation()),
@@ -192,8 +186,11 @@ class RunLifecycle:
 
     def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
         """The run's ``ShapePlans`` on the host's step, ranks and optimizers, seeded with ``saved`` (None: its own)."""
+        found = self.host.optimizers()
+        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
+            found = found[0] if len(found) == 1 else list(found) or None
         self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
-                                      config=config, optimizer=self._optimizers(), channel=self.host.channel(),
+                                      config=config, optimizer=found, channel=self.host.channel(),
                                       hint=self.host.hint, **options)
         for shape, plan in (self.saved if saved is None else saved).items():
             self.shape_plans.seed(shape, plan)

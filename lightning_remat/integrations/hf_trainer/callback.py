@@ -86,9 +86,8 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
 
     def _log_new_figures(self, state: Any) -> bool:
         """Append the session's new figures to the log history and the next log; whether any."""
-        if self.session is None:
-            return False
-        new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}
+        figures = self.session.metrics if self.session is not None else {}
+        new = {k: v for k, v in figures.items() if self.metrics.get(k) != v}
         if not new:
             return False
         self.metrics.update(new)
