@@ -53,11 +53,12 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         if model is None:
             return
         from accelerate.state import AcceleratorState
+        from tqdm.auto import tqdm
 
         # The Trainer switches its checkpointing on in train(), before this hook: prepare_remat turns it off.
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
-            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(),
-            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console, who=type(self).__name__))
+            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(), show=tqdm.write,
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), who=type(self).__name__))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -135,13 +136,6 @@ class LogFigures(TrainerCallback):
             # A new list: the event being called iterates the old one to its end.
             handler.callbacks = [cls(figures), *handler.callbacks]
         return True
-
-
-def console(message: str) -> None:
-    """A line on the console, above the Trainer's progress bar when it shows one (``tqdm.write``)."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(message)
 
 
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
