@@ -207,10 +207,10 @@ def test_a_refusal_names_tile_mlp_where_a_stage_with_an_mlp_binds(monkeypatch):
     context, least = contexts[0], refused.value.smallest_peak_bytes
     assert solve(context.profile, "min", cost="flops").binding["term"] == "stage"  # a layer's MLP binds
     assert "tiled MLP" in knobs.KNOBS
-    monkeypatch.setattr(knobs, "KNOBS", {"tiled MLP": knobs._tiled_mlp})  # the others re-profile too
+    monkeypatch.setattr(knobs, "KNOBS", {"tiled MLP": knobs.KNOBS["tiled MLP"]})  # the others re-profile too
     [knob] = found(replace(context, budget_bytes=least - 1))
     # As planned with tile_mlp=True (test_a_budget_only_a_tiled_plan_meets_is_met_as_predicted): far lower.
     assert knob["setting"] == "tile_mlp=True" and knob["fits"] and knob["peak_bytes"] < 0.8 * least
     # Asked for already, it is no knob (and nothing is re-profiled for it).
     asked = replace(context.planner.config, profile=replace(context.planner.config.profile, tile_mlp=True))
-    assert knobs._tiled_mlp(replace(context, planner=type(context.planner)(asked))) is None
+    assert knobs.KNOBS["tiled MLP"](replace(context, planner=type(context.planner)(asked))) is None

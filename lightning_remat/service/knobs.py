@@ -73,20 +73,23 @@ def _reprofiled(context: KnobContext, **settings: Any) -> Any:
     return type(context.planner)(config).profile(context.model, context.step, optimizer)
 
 
-def _below_static(context: KnobContext) -> bool:
-    """Whether the budget is below static memory, which activation-only knobs cannot reach: no re-profile."""
-    return context.budget_bytes < context.profile.static_bytes
+def _switch(option: str, offered: Callable[[KnobContext], bool]) -> Callable[[KnobContext], tuple[str, int] | None]:
+    """Turning ``option`` on where it is off, ``offered(context)``, and the budget is above static memory (which
+    activation-only knobs cannot reach: no re-profile)."""
+    def evaluate(context: KnobContext) -> tuple[str, int] | None:
+        if (getattr(context.planner.config.profile, option) or context.budget_bytes < context.profile.static_bytes
+                or not offered(context)):
+            return None
+        return f"{option}=True", least_peak(_reprofiled(context, **{option: True}))
+    return evaluate
 
 
-def _offload(context: KnobContext) -> tuple[str, int] | None:
-    options = context.planner.config.profile
-    if options.offload or _below_static(context):
-        return None
+def _offload_target(context: KnobContext) -> bool:
     try:
-        check_offload_target(replace(options, offload=True), model_device(context.model))
+        check_offload_target(replace(context.planner.config.profile, offload=True), model_device(context.model))
     except RematError:  # no accelerator target: offloading is no knob here
-        return None
-    return "offload=True", least_peak(_reprofiled(context, offload=True))
+        return False
+    return True
 
 
 def _gathered_bytes(context: KnobContext) -> int:
@@ -134,34 +137,26 @@ def _more_gpus_from(context: KnobContext, sharded: Any, world: int, peak: int) -
             peak - own + math.ceil(own * world / size))
 
 
-def _chunked_loss(context: KnobContext) -> tuple[str, int] | None:
-    if context.planner.config.profile.chunk_loss or _below_static(context) or find_head_loss(context.model) is None:
-        return None
+def _head_binds(context: KnobContext) -> bool:
     # Offered (and re-profiled for) only where the head and loss's term binds the least peak.
-    if context.binding.get("term") != HEAD:
-        return None
-    return "chunk_loss=True", least_peak(_reprofiled(context, chunk_loss=True))
+    return find_head_loss(context.model) is not None and context.binding.get("term") == HEAD
 
 
-def _tiled_mlp(context: KnobContext) -> tuple[str, int] | None:
-    if context.planner.config.profile.tile_mlp or _below_static(context):
-        return None
+def _mlp_binds(context: KnobContext) -> bool:
     # Offered (and re-profiled for) only where a stage with a position-wise child binds the least peak.
     binding = context.binding
     stage = dict(context.model.named_modules()).get(binding.get("name")) if binding.get("term") == STAGE else None
-    if stage is None or all(refusal(child) is not None for child in stage.children()):
-        return None
-    return "tile_mlp=True", least_peak(_reprofiled(context, tile_mlp=True))
+    return stage is not None and any(refusal(child) is None for child in stage.children())
 
 
 # Each knob's ``evaluate(context)`` -> ``(how to ask for it, least peak)``, or None where it does not apply.
 KNOBS: dict[str, Callable[[KnobContext], tuple[str, int] | None]] = {
     "fused optimizer": _optimizer("fused=True"),
     "optimizer without foreach": _optimizer("foreach=False"),
-    "offload": _offload,
+    "offload": _switch("offload", _offload_target),
     "more GPUs (FSDP2)": _more_gpus,
-    "chunked loss": _chunked_loss,
-    "tiled MLP": _tiled_mlp,
+    "chunked loss": _switch("chunk_loss", _head_binds),
+    "tiled MLP": _switch("tile_mlp", _mlp_binds),
 }
 
 

@@ -136,19 +136,10 @@ class MeasuredWindow:
         return max((p for p, _ in self.metered), key=lambda p: -1 if p.predicted_peak_bytes is None
                    else p.predicted_peak_bytes)
 
-    def causes(self, model: Any) -> list[str | None]:
-        """What explains a window over the budget: the plan not installed, a batch shape not planned."""
-        mismatch = installation_mismatch(model, self.installed)
-        installed = None if mismatch is None else f"the plan is not installed as planned ({mismatch})"
-        return [installed, *(shape_cause(p, shape) for p, shape in self.metered)]
-
     def calibrate(self, shape_plans: Any, measured_peak: int, timed: bool) -> bool:
         """``shape_plans.calibrate`` with the window's peak (the ranks' largest) and, when ``timed``, its seconds."""
         seconds = (time.perf_counter() - self.started) / self.batches if timed else None
         return shape_plans is not None and shape_plans.calibrate(measured_peak, self.plan, seconds=seconds)
-
-    def abandon(self) -> None:
-        self.meter.abandon()
 
 
 def _figure(nbytes: int | None, other: int | None, units: Any = None) -> str:
@@ -188,12 +179,6 @@ class RunLifecycle:
         self._meter: MeasuredWindow | None = None  # the first steady window of a plan
         self._first: MeasuredWindow | None = None  # the first batch under the first plan (calibration)
 
-    def _optimizers(self) -> Any:
-        found = self.host.optimizers()
-        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
-            return found[0] if len(found) == 1 else list(found) or None
-        return found
-
     def config(self, config: Any, buckets: bool, **profile: Any) -> Any:
         """``config`` for this loop: its accumulation, ``buckets`` (DDP's gradient buckets), ``profile`` options."""
         return replace(config, profile=replace(config.profile, accumulation_steps=max(1, self.host.accumulation()),
@@ -201,8 +186,11 @@ class RunLifecycle:
 
     def shapes(self, config: Any, saved: dict | None = None, **options: Any) -> ShapePlans:
         """The run's ``ShapePlans`` on the host's step, ranks and optimizers, seeded with ``saved`` (None: its own)."""
+        found = self.host.optimizers()
+        if isinstance(found, (list, tuple)):  # one optimizer as itself, several as a list, none as None
+            found = found[0] if len(found) == 1 else list(found) or None
         self.shape_plans = ShapePlans(self.host.model, lambda module, batch: self.host.step_for(batch)(module),
-                                      config=config, optimizer=self._optimizers(), channel=self.host.channel(),
+                                      config=config, optimizer=found, channel=self.host.channel(),
                                       hint=self.host.hint, **options)
         for shape, plan in (self.saved if saved is None else saved).items():
             self.shape_plans.seed(shape, plan)
@@ -286,7 +274,11 @@ class RunLifecycle:
                    f"{FALLBACK_PLAN if plan.fallback else 'the plan'}"
                    f"{' (a whole accumulation window)' if self.host.accumulation() > 1 else ''}: "
                    f"{_figure(peak, plan.budget_bytes, units)} ({predicted}, budget {budget})")
-        warning = over_budget(peak, plan, what, window.causes(self.host.model))
+        # What explains a window over the budget: the plan not installed, a batch shape not planned.
+        mismatch = installation_mismatch(self.host.model, window.installed)
+        causes = [None if mismatch is None else f"the plan is not installed as planned ({mismatch})",
+                  *(shape_cause(p, shape) for p, shape in window.metered)]
+        warning = over_budget(peak, plan, what, causes)
         if warning is not None:
             self.host.warn(message + ". " + warning + (" The plans are solved again with it (calibrated) before "
                                                        "the next batch." if calibrated else ""))
@@ -333,5 +325,5 @@ class RunLifecycle:
         """Close the open windows without a report (an exception, the end of the fit)."""
         for measured in (self._meter, self._first):
             if measured is not None:
-                measured.abandon()
+                measured.meter.abandon()
         self._meter = self._first = None

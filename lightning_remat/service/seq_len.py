@@ -82,7 +82,6 @@ class LengthSearch(BatchSearch):
         if self.fit is None:
             self._check_static(profile)
             if any(parse(v)[1] == 2 for s in profile.stages for o in s.options for k, v in o.action.extra if k == TILE):
-                # Measured on Llama-3-8B: from 8K-32K tokens, 128K predicted 5.25 GiB high; from 16K-64K, exact.
                 self.notes.append(f"at {length} tokens the tiled MLPs run in 2 chunks, whose peak falls at another "
                                   "moment than at 4 or more: predictions from it err high; start at 4 x the hidden size")
         elif len(self.fit.nodes) == 1:

@@ -95,8 +95,10 @@ class RematSession:
         self.accelerator = accelerator
         self.loop = loop or LoopFacts.of(accelerator)  # what the session reads of the loop around the model
         self.run = RunLifecycle(RunHost(
-            model, lambda template: template.loss, channel=self._channel, optimizers=self._profiled_optimizer,
-            accumulation=self._accumulation, info=self._show, summary=True,
+            model, lambda template: template.loss, channel=self._channel, accumulation=self._accumulation, summary=True,
+            # The optimizer the profile counts: the loop's, or under ZeRO its class over the whole model.
+            optimizers=lambda: self._zero.stand_in() if self._zero is not None else self._known_optimizer(),
+            info=lambda message: (self.loop.show or logger.info)(message) if self._channel().is_main else None,
             log=lambda figures: self.loop.log(figures, self.observed_steps),
             hint=f"({ENV_BUDGET} / RematPlugin.budget={plugin.budget!r})",
             warn=lambda message: warnings.warn(message, UserWarning, stacklevel=3) if self._channel().is_main else None))
@@ -153,7 +155,13 @@ class RematSession:
         if refusal is not None:
             raise UnsupportedSetupError(refusal)
         self._hook_optimizer(self._known_optimizer())
-        self._find_zero()
+        if self._zero is None and deepspeed_stage(self.loop.state) is not None:
+            self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
+            if self._zero is None:
+                raise UnsupportedSetupError(
+                    "lightning-remat under DeepSpeed ZeRO-2/3 plans each rank from DeepSpeed's ZeRO optimizer, and "
+                    "found none at this training forward: run training forwards after accelerator.prepare (or "
+                    "trainer.train), with an optimizer given to it or in the DeepSpeed config")
         self._step_boundary(optimizer_stepped=False, next_inputs=batch_tensors((args, kwargs)))
         if self.phase == "observe" and self.shape_plans is None and not fsdp2_sharded(self.model):
             self._plan_first(args, kwargs)
@@ -261,26 +269,15 @@ class RematSession:
             # The measured step ends with the optimizer step; without a known optimizer, at the next forward.
             if optimizer_stepped or self._known_optimizer() is None:
                 self.observed_steps += 1
-                self._finish_measurement()
+                measured, self._measured = self._measured, None
+                self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
+                self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
 
     def _steady(self) -> bool:
         """Whether a steady step starts now: after an optimizer step under the plan (state held, a whole window)."""
         if self._zero is not None:  # DeepSpeed steps its own optimizer, inside accelerator.backward
             return self._zero.steady
         return self._known_optimizer() is None or self._stepped_since_plan
-
-    def _find_zero(self) -> None:
-        if self._zero is None and deepspeed_stage(self.loop.state) is not None:
-            self._zero = zero_rank(self.loop.state, self.loop.optimizers(), self.model)
-            if self._zero is None:
-                raise UnsupportedSetupError(
-                    "lightning-remat under DeepSpeed ZeRO-2/3 plans each rank from DeepSpeed's ZeRO optimizer, and "
-                    "found none at this training forward: run training forwards after accelerator.prepare (or "
-                    "trainer.train), with an optimizer given to it or in the DeepSpeed config")
-
-    def _profiled_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer the profile counts: the loop's, or under ZeRO its class over the whole model."""
-        return self._zero.stand_in() if self._zero is not None else self._known_optimizer()
 
     def _open_window(self) -> None:
         """Observed steps are measured on the main process (it plans), steady ones on every rank."""
@@ -359,11 +356,6 @@ class RematSession:
     def _accumulation(self) -> int:
         return max(1, int(self.loop.accumulation() or 1))
 
-    def _finish_measurement(self) -> None:
-        measured, self._measured = self._measured, None
-        self.phase = "done"  # without shapes to follow, the hooks are removed at the next forward
-        self.run.finish(measured, f"training step {self.observed_steps} (with its plan)")
-
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
         """The session's own forwards (profiling, installing) are not the user's training calls."""
@@ -382,10 +374,6 @@ class RematSession:
         """The ``torch.distributed`` ranks (the model's device carries reductions)."""
         return torch_distributed_channel(model_device(self.model))
 
-    def _show(self, message: str) -> None:
-        if self._channel().is_main:
-            (self.loop.show or logger.info)(message)
-
     def remove(self) -> None:
         """Stop observing, between steps (the plan stays: ``remove_remat(model)`` undoes it)."""
         self._let_go()
@@ -394,7 +382,7 @@ class RematSession:
         for handle in self._handles[keep:]:
             handle.remove()
         self._handles = self._handles[:keep]
-        for window in (self._window, self._measured):
+        for window in (self._window, self._measured and self._measured.meter):
             if window is not None:
                 window.abandon()
         self._window = self._measured = None

@@ -59,33 +59,12 @@ def _help(text: str, default: Any) -> str:
     return text.replace("%", "%%")
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, target: Any) -> None:
+def _subcommand(sub: Any, name: str, target_help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand taking ``FILE.py:FACTORY`` and every field of ``RematConfig`` and ``ProfileOptions`` as a flag."""
     from dataclasses import fields
 
     from ...core.config import ProfileOptions, RematConfig
 
-    for cls in (RematConfig, ProfileOptions):
-        for f in fields(cls):
-            if f.type == "ProfileOptions" or f.name == "profile":
-                continue
-            default = _CLI_DEFAULTS.get(f.name, f.default)
-            group = target if f.metadata.get("group") == "target" else parser
-            kwargs: dict[str, Any] = {"dest": f.name, "help": _help(f.metadata["help"], default)}
-            if isinstance(default, bool):
-                kwargs.update(action=argparse.BooleanOptionalAction if default else "store_true", default=default)
-            else:
-                kwargs["default"] = default
-                if isinstance(default, int):
-                    kwargs["type"] = int
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
-                elif "parse" in f.metadata:
-                    kwargs["metavar"] = "A,B,..."
-            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-
-
-def _subcommand(sub: Any, name: str, target_help: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A subcommand taking ``FILE.py:FACTORY`` and every field of ``RematConfig`` and ``ProfileOptions`` as a flag."""
     parser = sub.add_parser(name, **kwargs)
     parser.add_argument("target", metavar="FILE.py:FACTORY", help=target_help)
     settings = parser.add_argument_group(
@@ -93,7 +72,24 @@ def _subcommand(sub: Any, name: str, target_help: str, **kwargs: Any) -> argpars
     target = parser.add_argument_group(
         "planning without the hardware",
         "profile on fake tensors (no memory, nothing real runs): a model larger than this machine, a GPU not here")
-    _add_config_flags(settings, target)
+    for cls in (RematConfig, ProfileOptions):
+        for f in fields(cls):
+            if f.type == "ProfileOptions" or f.name == "profile":
+                continue
+            default = _CLI_DEFAULTS.get(f.name, f.default)
+            group = target if f.metadata.get("group") == "target" else settings
+            flag: dict[str, Any] = {"dest": f.name, "help": _help(f.metadata["help"], default)}
+            if isinstance(default, bool):
+                flag.update(action=argparse.BooleanOptionalAction if default else "store_true", default=default)
+            else:
+                flag["default"] = default
+                if isinstance(default, int):
+                    flag["type"] = int
+                if "choices" in f.metadata:
+                    flag["choices"] = f.metadata["choices"]
+                elif "parse" in f.metadata:
+                    flag["metavar"] = "A,B,..."
+            group.add_argument("--" + f.name.replace("_", "-"), **flag)
     return parser
 
 

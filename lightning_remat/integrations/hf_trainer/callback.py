@@ -53,16 +53,21 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         if model is None:
             return
         from accelerate.state import AcceleratorState
+        from tqdm.auto import tqdm
 
         # The Trainer switches its checkpointing on in train(), before this hook: prepare_remat turns it off.
         prepare_remat(model, self.remat_plugin, loop=LoopFacts(
-            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(),
-            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), show=console, who=type(self).__name__))
+            optimizers=lambda: [optimizer] if optimizer is not None else [], state=AcceleratorState(), show=tqdm.write,
+            accumulation=lambda: max(1, int(args.gradient_accumulation_steps)), who=type(self).__name__))
         self.session = remat_session(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.session is not None and self._run_state is not state:
-            self._begin_run(state, LogFigures.handler_calling())
+        if self.session is not None and self._run_state is not state:  # the first step of a train() call
+            self._run_state = state
+            LogFigures.place(LogFigures.handler_calling(), self._pending)
+            plans = checkpoint_plans(state, type(self).__name__, self.session.model)
+            if plans:
+                self.session.resume(plans)
         # Every optimizer step runs under the plan as planned: checked, never assumed.
         if self.session is not None:
             self.session.check_plan(f"(RematTrainerCallback, step {state.global_step})")
@@ -80,18 +85,10 @@ class RematTrainerCallback(TrainerCallback, ExportableState):
         plans = self.session.run.state_dict() if self.session is not None else {"plan": None, "plans": []}
         return {"args": plugin_args(self.remat_plugin), "attributes": {"remat_plans": plans}}
 
-    def _begin_run(self, state: Any, handler: Any) -> None:
-        self._run_state = state
-        LogFigures.place(handler, self._pending)
-        plans = checkpoint_plans(state, type(self).__name__, self.session.model)
-        if plans:
-            self.session.resume(plans)
-
     def _log_new_figures(self, state: Any) -> bool:
         """Append the session's new figures to the log history and the next log; whether any."""
-        if self.session is None:
-            return False
-        new = {k: v for k, v in self.session.metrics.items() if self.metrics.get(k) != v}
+        figures = self.session.metrics if self.session is not None else {}
+        new = {k: v for k, v in figures.items() if self.metrics.get(k) != v}
         if not new:
             return False
         self.metrics.update(new)
@@ -133,19 +130,12 @@ class LogFigures(TrainerCallback):
         """Put a ``LogFigures`` first among ``handler``'s callbacks (once); whether it is there."""
         if handler is None:
             warnings.warn("RematTrainerCallback: not called by the Trainer's CallbackHandler; its remat/* figures "
-                          "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=3)
+                          "reach trainer.state.log_history only, not the report_to trackers", UserWarning, stacklevel=2)
             return False
         if not any(isinstance(cb, cls) and cb.figures is figures for cb in handler.callbacks):
             # A new list: the event being called iterates the old one to its end.
             handler.callbacks = [cls(figures), *handler.callbacks]
         return True
-
-
-def console(message: str) -> None:
-    """A line on the console, above the Trainer's progress bar when it shows one (``tqdm.write``)."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(message)
 
 
 def plugin_args(plugin: RematPlugin) -> dict[str, Any]:
@@ -180,6 +170,6 @@ def checkpoint_plans(state: Any, name: str, model: Any) -> dict[Any, Plan]:
     found = made_for_other(model, [plan, *(p for _, p in plans)], bytes_too=True)
     if found is not None:
         warnings.warn(f"{name}: the checkpoint's plans were made for another model ({found}); planning again.",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=2)
         return {}
     return dict(plans)

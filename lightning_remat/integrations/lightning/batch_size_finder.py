@@ -23,16 +23,6 @@ from ...service.batch_size import BatchSizeResult, find_remat_batch_size
 from .step import training_step_closure
 
 
-def _places_looked(pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"]) -> str:
-    places = [f"the LightningModule ({type(pl_module).__name__})", "its hparams"]
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    if datamodule is not None:
-        places += [f"the datamodule ({type(datamodule).__name__})", "the datamodule's hparams"]
-    else:
-        places.append("no datamodule (none was passed to the Trainer)")
-    return ", ".join(places)
-
-
 def _check_distributed(trainer: "pl.Trainer") -> None:
     """Only ModelParallelStrategy (FSDP2 in ``configure_model``) is searched across processes."""
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -99,9 +89,15 @@ class RematBatchSizeFinder(BatchSizeFinder):
             return
         # Said before BatchSizeFinder's own checks, which name fewer places.
         if not lightning_hasattr(pl_module, self._batch_arg_name):
+            places = [f"the LightningModule ({type(pl_module).__name__})", "its hparams"]
+            datamodule = getattr(trainer, "datamodule", None)
+            if datamodule is not None:
+                places += [f"the datamodule ({type(datamodule).__name__})", "the datamodule's hparams"]
+            else:
+                places.append("no datamodule (none was passed to the Trainer)")
             raise MisconfigurationException(
                 f"RematBatchSizeFinder: the batch size attribute {self._batch_arg_name!r} does not exist. Looked in "
-                f"{_places_looked(pl_module, trainer)}. Set `batch_arg_name` to the attribute your train_dataloader "
+                f"{', '.join(places)}. Set `batch_arg_name` to the attribute your train_dataloader "
                 f"reads, or define `{self._batch_arg_name}` there (e.g. with `self.save_hyperparameters()`).")
         if not pl_module.automatic_optimization:
             raise MisconfigurationException("RematBatchSizeFinder needs automatic optimization: trial steps run "
@@ -140,12 +136,15 @@ class RematBatchSizeFinder(BatchSizeFinder):
             rank_zero_warn("RematBatchSizeFinder: several optimizers; only the first is stepped in trials.")
         original = lightning_getattr(pl_module, self._batch_arg_name)
         max_val = self._max_val
-        dataset_length = self._dataset_length(trainer)
-        if dataset_length is not None and dataset_length < max_val:
-            max_val = max(1, dataset_length)
+        try:  # at most the dataset's length
+            max_val = min(max_val, max(1, len(trainer.fit_loop._data_source.dataloader().dataset)))
+        except Exception:  # noqa: BLE001 - iterable datasets, combined loaders: no cap
+            pass
 
         def make_step(batch_size: int):
-            return training_step_closure(pl_module, self._first_batch(trainer, pl_module, batch_size), 0, trainer)
+            lightning_setattr(pl_module, self._batch_arg_name, batch_size)
+            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+            return training_step_closure(pl_module, pl_module._apply_batch_transfer_handler(batch), 0, trainer)
 
         try:
             result = find_remat_batch_size(
@@ -160,18 +159,6 @@ class RematBatchSizeFinder(BatchSizeFinder):
         self.result, self.plan, self.optimal_batch_size = result, result.plan, result.batch_size
         self._report(trainer, result)
         return result
-
-    def _dataset_length(self, trainer: "pl.Trainer") -> Optional[int]:
-        try:
-            loader = trainer.fit_loop._data_source.dataloader()
-            return len(loader.dataset)  # type: ignore[union-attr, arg-type]
-        except Exception:  # noqa: BLE001 - iterable datasets, combined loaders: no cap
-            return None
-
-    def _first_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> Any:
-        lightning_setattr(pl_module, self._batch_arg_name, batch_size)
-        batch = next(iter(trainer.fit_loop._data_source.dataloader()))
-        return pl_module._apply_batch_transfer_handler(batch)
 
     def _set_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int) -> None:
         lightning_setattr(pl_module, self._batch_arg_name, batch_size)

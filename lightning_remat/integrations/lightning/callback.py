@@ -132,7 +132,10 @@ class AutoRemat(Callback):
         if self.plan is None:
             return
         if planned:
-            self._announce(first)
+            shape = self.plan.fingerprint.get("shape")
+            self.run.announce(self.plan, "AutoRemat plan" if first else
+                              f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
+            self.run.measure_after(self.profile_steps if first else 0)
         if batch_idx % window == 0 and pl_module.automatic_optimization:
             # Lightning's zero_grad runs after forward: drop the previous gradients now (manual: training_step's).
             pl_module.zero_grad(set_to_none=True)
@@ -231,12 +234,6 @@ class AutoRemat(Callback):
             self.run.shapes(self._config(trainer), saved, fake=self.fake, adjust=loop_allowance, verbose=self.verbose)
         self._batch_idx = batch_idx
         return self.run.follow(batch)  # a new bucket's plan, or one solved again after a calibration
-
-    def _announce(self, first: bool) -> None:
-        shape = self.plan.fingerprint.get("shape")
-        self.run.announce(self.plan, "AutoRemat plan" if first else
-                          f"a plan for batch shape {Shape.from_list(shape) if shape else '?'}", full=first)
-        self.run.measure_after(self.profile_steps if first else 0)
 
     def _config(self, trainer: Trainer) -> RematConfig:
         """The config with DDP's gradient buckets where the trainer runs DDP over several processes."""
