@@ -9,6 +9,9 @@ the budget, the first included, with losses equal to one plain process's (under 
 ``deepspeed.initialize``: DeepSpeed's hooks gather a recomputed block's parameters again). Stages 0/1 and offload
 are refused naming why and the path that works, tested here too, as is that path: the plan made on the unsharded
 model in this process (``fake=True, world_size=2``), applied before ``prepare``.
+
+The six two-rank cases run in turn in one launch of two rank processes (``pooled``): each case starts as in a fresh
+process, and a census of the tensors alive after it (none may be left, DeepSpeed's own released) proves it.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 from lightning_remat.core.errors import RematError, UnsupportedSetupError
+from tests import gloo_ranks
 from tests.gloo_ranks import after_case, small_gpt2, spawn, stop_ranks
 
 STEPS = 3
@@ -87,6 +91,7 @@ def _zero_rank(rank: int, stage: int, plan, names: list, port: int) -> dict:
     # Without a GPU Accelerate finds no backend (one process) unless it is named.
     accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     engine, optimizer = accelerator.prepare(case.model, optimizer)
+    _release_after_case(engine)
     calls = []
     for name in names:  # a checkpointed module's first child runs twice a step: forward, then recompute
         child = next(iter(engine.module.get_submodule(name).children()))
@@ -101,11 +106,25 @@ def _zero_rank(rank: int, stage: int, plan, names: list, port: int) -> dict:
             optimizer.zero_grad()
         losses.append(loss.item())
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    # DeepSpeed keeps its process groups in globals of its own: end these rank processes with the case (a
-    # destroyed group makes gloo_ranks start fresh ones) rather than hand them to the next case.
-    torch.distributed.destroy_process_group()
     return {"engine": type(engine).__name__, "world": accelerator.num_processes, "losses": losses, "peak": peak,
             "calls": len(calls), "names": [n for n, _ in engine.module.named_modules()]}
+
+
+def _release_after_case(engine) -> None:
+    """Free what DeepSpeed keeps of ``engine`` once the case ends, as a process's exit would (the next case runs in
+    the same processes, and its peaks count every tensor alive): ``destroy()`` removes its gradient hooks (cycles
+    through autograd's nodes, which gc cannot follow); ZeRO-3 also keeps its model in the process-wide stack of
+    modules in forward, and its parameter coordinator in the class-wide cache of ``__params_to_release``."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    def release():
+        engine.destroy()
+        parameter_offload.FWD_MODULE_STACK.clear()  # a fresh process's stack before its first engine
+        wrapped = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+        wrapped.__closure__[wrapped.__code__.co_freevars.index("func")].cell_contents.cache_clear()  # lru_cache's
+
+    after_case(release)
 
 
 def _peak_of_everything():
@@ -134,16 +153,10 @@ def _plain_losses() -> list:
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_a_plan_applied_before_prepare_runs_under_zero3_on_two_ranks(tmp_path):
-    pytest.importorskip("deepspeed")  # not a dependency of the package or its tests
-    from lightning_remat import plan_remat
-
-    case, stage = small_gpt2(), 3  # ZeRO-2 is planned inside (below)
-    plan = plan_remat(case.model, case.step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
-                      verbose=False, fake=True, world_size=2)
+def test_a_plan_applied_before_prepare_runs_under_zero3_on_two_ranks(pooled):
+    plan, ranks = pooled.plan, pooled.ranks["prepare"]  # ZeRO-3 (ZeRO-2 is planned inside, below)
     assert plan.checkpointed and plan.predicted_peak_bytes < plan.baseline_peak_bytes
-    stop_ranks()  # fresh rank processes: the peak counts every live tensor, and earlier cases left theirs in the pool's
-    ranks = spawn(_zero_rank, tmp_path, stage, plan, plan.checkpointed, _free_port())
+    _assert_nothing_left(ranks)
     plain = _plain_losses()
     for result in ranks:
         assert result["engine"] == "DeepSpeedEngine" and result["world"] == 2
@@ -190,7 +203,7 @@ def _trainer_rank(rank: int, plan, names: list, out: str, port: int) -> dict:
         child = next(iter(case.model.get_submodule(name).children()))
         after_case(child.register_forward_hook(lambda *_: calls.append(1)).remove)
     trainer.train()
-    torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
+    _release_after_case(trainer.model_wrapped)
     return {"engine": type(trainer.model_wrapped).__name__, "world": trainer.accelerator.num_processes,
             "stage": trainer.accelerator.state.deepspeed_plugin.zero_stage, "calls": len(calls),
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
@@ -198,16 +211,10 @@ def _trainer_rank(rank: int, plan, names: list, out: str, port: int) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(tmp_path):
-    pytest.importorskip("deepspeed")
-    from lightning_remat import plan_remat
-
-    case = small_gpt2()
-    plan = plan_remat(case.model, _row_step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
-                      verbose=False, fake=True, world_size=2)
+def test_a_plan_applied_before_the_trainer_runs_under_zero3_on_two_ranks(pooled):
+    case, plan, ranks = pooled.trainer_case, pooled.trainer_plan, pooled.ranks["trainer"]
     assert plan.checkpointed
-    stop_ranks()  # fresh rank processes, as above
-    ranks = spawn(_trainer_rank, tmp_path, plan, plan.checkpointed, str(tmp_path / "out"), _free_port())
+    _assert_nothing_left(ranks)
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3, weight_decay=0.0)
     plain = []
     for _ in range(STEPS):
@@ -248,6 +255,7 @@ def _zero2_accelerate_rank(rank: int, port: int, stage: int = 2, budget=BUDGET, 
     accelerator = RematAccelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
                                    remat_plugin=RematPlugin(budget=budget))
     engine, optimizer = accelerator.prepare(case.model, torch.optim.AdamW(case.model.parameters(), lr=1e-3))
+    _release_after_case(engine)
     calls: dict = {}  # each module's forwards (a recomputed one's children: twice a step)
     for name, module in engine.module.named_modules():
         hook = module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
@@ -262,7 +270,6 @@ def _zero2_accelerate_rank(rank: int, port: int, stage: int = 2, budget=BUDGET, 
         peaks.append(meter.stop())
         losses.append(loss.item())
     plan = accelerator.remat_plan
-    torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
     return {"engine": type(engine).__name__, "losses": losses, "peaks": peaks, "metrics": accelerator.remat_metrics,
             "calls": calls,
             "checkpointed": plan.checkpointed if plan else [], "notes": list(plan.notes) if plan else []}
@@ -296,10 +303,9 @@ def _assert_zero2_ranks_held_the_budget(ranks: list, stage: int = 2, budget: int
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_zero2_under_remat_accelerator_plans_each_rank_within_the_budget(tmp_path):
-    pytest.importorskip("deepspeed")
-    stop_ranks()  # fresh rank processes: the peaks count every live tensor
-    ranks = spawn(_zero2_accelerate_rank, tmp_path, _free_port())
+def test_zero2_under_remat_accelerator_plans_each_rank_within_the_budget(pooled):
+    ranks = pooled.ranks["zero2_accelerate"]
+    _assert_nothing_left(ranks)
     assert ranks[0]["engine"] == "DeepSpeedEngine"
     _assert_zero2_ranks_held_the_budget(ranks)
     plain = _plain_losses_for(STEPS + 1)
@@ -343,8 +349,8 @@ def _zero2_trainer_rank(rank: int, out: str, port: int, stage: int = 2, budget: 
     peaks, remat = Peaks(), RematTrainerCallback(budget=budget)
     trainer = transformers.Trainer(model=case.model, args=args, train_dataset=data, callbacks=[peaks, remat])
     trainer.train()
+    _release_after_case(trainer.model_wrapped)
     metrics, plan = remat.session.metrics if remat.session else {}, remat.plan
-    torch.distributed.destroy_process_group()  # DeepSpeed's groups are globals of its own (above)
     return {"stage": trainer.accelerator.state.deepspeed_plugin.zero_stage, "peaks": peaks.peaks,
             "metrics": metrics, "checkpointed": plan.checkpointed if plan else [],
             "notes": list(plan.notes) if plan else [],
@@ -353,10 +359,9 @@ def _zero2_trainer_rank(rank: int, out: str, port: int, stage: int = 2, budget: 
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_zero2_under_the_trainer_callback_plans_each_rank_within_the_budget(tmp_path):
-    pytest.importorskip("deepspeed")
-    stop_ranks()
-    ranks = spawn(_zero2_trainer_rank, tmp_path, str(tmp_path / "out"), _free_port())
+def test_zero2_under_the_trainer_callback_plans_each_rank_within_the_budget(pooled):
+    ranks = pooled.ranks["zero2_trainer"]
+    _assert_nothing_left(ranks)
     assert {r["stage"] for r in ranks} == {2} and all(len(r["peaks"]) == STEPS + 1 for r in ranks)
     _assert_zero2_ranks_held_the_budget(ranks)
     plain = _plain_losses_for(STEPS + 1, _row_step)
@@ -373,10 +378,9 @@ ZERO3 = {**ZERO2, "stage3_prefetch_bucket_size": int(0.9 * 64**2), "stage3_param
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_zero3_under_remat_accelerator_plans_each_rank_within_the_budget(tmp_path):
-    pytest.importorskip("deepspeed")
-    stop_ranks()  # fresh rank processes: the peaks count every live tensor
-    ranks = spawn(_zero2_accelerate_rank, tmp_path, _free_port(), 3, BUDGET3, ZERO3)
+def test_zero3_under_remat_accelerator_plans_each_rank_within_the_budget(pooled):
+    ranks = pooled.ranks["zero3_accelerate"]
+    _assert_nothing_left(ranks)
     assert ranks[0]["engine"] == "DeepSpeedEngine"
     _assert_zero2_ranks_held_the_budget(ranks, 3, BUDGET3)
     plain = _plain_losses_for(STEPS + 1)
@@ -389,12 +393,101 @@ def test_zero3_under_remat_accelerator_plans_each_rank_within_the_budget(tmp_pat
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("fsdp-multiprocess")
-def test_zero3_under_the_trainer_callback_plans_each_rank_within_the_budget(tmp_path):
-    pytest.importorskip("deepspeed")
-    stop_ranks()
-    ranks = spawn(_zero2_trainer_rank, tmp_path, str(tmp_path / "out"), _free_port(), 3, BUDGET3)
+def test_zero3_under_the_trainer_callback_plans_each_rank_within_the_budget(pooled):
+    ranks = pooled.ranks["zero3_trainer"]
+    _assert_nothing_left(ranks)
     assert {r["stage"] for r in ranks} == {3} and all(len(r["peaks"]) == STEPS + 1 for r in ranks)
     _assert_zero2_ranks_held_the_budget(ranks, 3, BUDGET3)
     plain = _plain_losses_for(STEPS + 1, _row_step)
     for result in ranks:  # the Trainer's logged loss: 31/32 of the model's (above)
         assert result["losses"] == pytest.approx([loss * 31 / 32 for loss in plain], abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ one launch for every case
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory):
+    """Every two-rank case above, in turn, in one launch of 2 fresh rank processes (torch, transformers and DeepSpeed
+    imported once, not per case; one process group, whose DeepSpeed keeps in globals of its own); per case, what
+    each rank returned and the tensors earlier cases left alive when it started (none may: its peaks count them)."""
+    pytest.importorskip("deepspeed")  # not a dependency of the package or its tests
+    from lightning_remat import plan_remat
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    cases = [small_gpt2(), small_gpt2()]  # the plans' models: the first's own step, the second's _row_step
+    plan, trainer_plan = (plan_remat(case.model, step, "min", optimizer=torch.optim.AdamW(case.model.parameters()),
+                                     verbose=False, fake=True, world_size=2)
+                          for case, step in zip(cases, (cases[0].step, _row_step)))
+    trainer_case = cases[1]
+    cases = [("zero2_accelerate", _zero2_accelerate_rank, (_free_port(),)),
+             ("zero2_trainer", _zero2_trainer_rank, (str(out / "zero2"), _free_port())),
+             ("zero3_accelerate", _zero2_accelerate_rank, (_free_port(), 3, BUDGET3, ZERO3)),
+             ("zero3_trainer", _zero2_trainer_rank, (str(out / "zero3"), _free_port(), 3, BUDGET3)),
+             ("trainer", _trainer_rank, (trainer_plan, trainer_plan.checkpointed, str(out / "trainer"), _free_port())),
+             # last: torch's MemTracker (its peak) leaves that ZeRO-3 model's parameters alive (1.6 MB), by C++
+             ("prepare", _zero_rank, (3, plan, plan.checkpointed, _free_port()))]
+    stop_ranks()  # fresh rank processes: earlier modules' cases may have left tensors in the pool's
+    ranks = spawn(_pooled_rank, out, cases)
+    return SimpleNamespace(plan=plan, trainer_plan=trainer_plan, trainer_case=trainer_case,
+                           ranks={name: [rank[name] for rank in ranks] for name, *_ in cases})
+
+
+def _pooled_rank(rank: int, cases: list) -> dict:
+    """One rank: each case as a fresh process would run it (seed, environment, undone patches, Accelerate's state),
+    after a census of the tensors alive against the one before the first case: what earlier cases left."""
+    import accelerate  # noqa: F401 - imported before the first census: module-level tensors are not a case's
+    import deepspeed  # noqa: F401
+    import transformers  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # the Trainer imports it: its LoHa layers' default arguments are tensors
+        import peft  # noqa: F401
+    environment, before, results = dict(os.environ), _census(), {}
+    for name, fn, args in cases:
+        left = [t for key, t in _census().items() if key not in before]
+        found = {"left": sum(t.untyped_storage().nbytes() for t in left), "holders": _holders(left[:6])}
+        del left
+        torch.manual_seed(gloo_ranks._FRESH_SEED)
+        results[name] = {**fn(rank, *args), **found}
+        while gloo_ranks._UNDO:
+            gloo_ranks._UNDO.pop()()
+        os.environ.clear()
+        os.environ.update(environment)
+        gloo_ranks._reset_accelerate()
+    # DeepSpeed keeps its process groups in globals of its own: these processes end with the launch.
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def _census() -> dict:
+    """(device, storage address) -> a tensor, of every real tensor alive (every device), after a collection."""
+    gc.collect()
+    found = {}
+    for t in gc.get_objects():
+        real = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+        if real and t.untyped_storage().data_ptr():
+            found[(str(t.device), t.untyped_storage().data_ptr())] = t
+    return found
+
+
+def _holders(tensors: list) -> list:
+    """What refers to each tensor: types, and a dict's key with the type of the object owning the dict."""
+    said = []
+    for t in tensors:
+        names = []
+        for ref in gc.get_referrers(t):
+            if isinstance(ref, dict) and isinstance(next(iter(ref), None), tuple):
+                continue  # the census's own
+            if isinstance(ref, dict):
+                key = next((k for k, v in ref.items() if v is t), "?")
+                owners = [type(o).__name__ for o in gc.get_referrers(ref) if not isinstance(o, (list, dict))][:2]
+                names.append(f"{owners}[{key!r}]")
+            elif not isinstance(ref, list) or ref is not tensors:
+                names.append(type(ref).__name__)
+        said.append(f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes()} B: {names[:4]}")
+    return said
+
+
+def _assert_nothing_left(ranks: list) -> None:
+    """The case started with no tensor of an earlier case of the launch alive."""
+    assert [r["left"] for r in ranks] == [0] * len(ranks), [r["holders"] for r in ranks]
