@@ -108,11 +108,16 @@ def _serve(rank: int, world: int, cases, done) -> None:
         finally:
             if not kept:  # an aborted group (or a failure): end as a one-case process would
                 return
-            while _UNDO:
-                _UNDO.pop()()
-            os.environ.clear()
-            os.environ.update(environment)
-            _reset_accelerate()
+            end_case(environment)
+
+
+def end_case(environment: dict) -> None:
+    """Undo what a case changed in its rank process (patches, ``environment``, Accelerate's state) for the next."""
+    while _UNDO:
+        _UNDO.pop()()
+    os.environ.clear()
+    os.environ.update(environment)
+    _reset_accelerate()
 
 
 def _reset_accelerate() -> None:

@@ -449,11 +449,7 @@ def _pooled_rank(rank: int, cases: list) -> dict:
         del left
         torch.manual_seed(gloo_ranks._FRESH_SEED)
         results[name] = {**fn(rank, *args), **found}
-        while gloo_ranks._UNDO:
-            gloo_ranks._UNDO.pop()()
-        os.environ.clear()
-        os.environ.update(environment)
-        gloo_ranks._reset_accelerate()
+        gloo_ranks.end_case(environment)
     # DeepSpeed keeps its process groups in globals of its own: these processes end with the launch.
     torch.distributed.destroy_process_group()
     return results
